@@ -1,0 +1,83 @@
+"""The operator registry: one entry per operator (DESIGN "Operator spec").
+
+``infer(op, attrs, in_shapes)`` gives the output parallel shapes (or raises
+InvalidParallelization saying why); ``run_logical`` / ``run_pieces`` evaluate the numpy reference
+on logical values or on piece values.  FLOPs: ``flops(op, attrs, in_shapes, out_shapes)`` on logical
+shapes, ``task_flops`` for one task (one piece of work on one device).
+"""
+from __future__ import annotations
+
+from typing import Any, Mapping, Sequence
+
+import numpy as np
+
+from .. import pieces as P
+from ..shape import ParallelTensorShape
+from . import compute, parallel  # noqa: F401  (registration)
+from .base import REGISTRY, REQUIRED, Inference, Labels, OpSpec, PieceMap, TensorMap, get_op, logical_shapes, piece_shapes
+from .parallel import PARALLEL_OPS
+
+COMPUTE_OPS = tuple(n for n, s in REGISTRY.items() if s.kind == "compute")
+SOURCE_OPS = tuple(n for n, s in REGISTRY.items() if s.kind == "source")
+
+
+def infer(op: str, attrs: Mapping[str, Any], in_shapes: Sequence[ParallelTensorShape],
+          strict: bool = True) -> Inference:
+    spec = get_op(op)
+    spec.check_arity(len(in_shapes))
+    return spec.infer(dict(attrs), tuple(in_shapes), strict=strict)
+
+
+def run_logical(op: str, attrs: Mapping[str, Any], xs: Sequence[np.ndarray]) -> list[np.ndarray]:
+    return get_op(op).forward(dict(attrs), list(xs))
+
+
+def run_pieces(op: str, attrs: Mapping[str, Any], xs: Sequence[np.ndarray],
+               in_shapes: Sequence[ParallelTensorShape], strict: bool = True
+               ) -> tuple[list[np.ndarray], tuple[ParallelTensorShape, ...]]:
+    """Evaluate on piece values (see :mod:`unity_pcg.pieces`); returns output pieces and shapes."""
+    spec = get_op(op)
+    a = dict(attrs)
+    inf = infer(op, a, in_shapes, strict=strict)
+    if spec.kind == "parallel":
+        s = in_shapes[0]
+        x = xs[0]
+        if op in ("Partition", "Pipeline"):
+            y = P.partition(x, s.rank, a["dim"] % s.rank, a["degree"])
+        elif op in ("Combine", "Batch"):
+            y = P.combine(x, s.rank, a["dim"] % s.rank, a["degree"])
+        elif op == "Replicate":
+            y = P.replicate(x, a["degree"])
+        else:
+            y = P.reduce(x, a["degree"])
+        return [y], inf.outputs
+    if spec.kind != "compute":
+        raise ValueError(f"{op} nodes have no piecewise kernel")
+    pa = spec.piece_attrs(a, tuple(in_shapes), inf.outputs) if spec.piece_attrs else a
+    return P.run_piecewise(spec.forward, a, pa, inf.piece_map, xs, in_shapes, inf.outputs), inf.outputs
+
+
+def flops(op: str, attrs: Mapping[str, Any], in_shapes: Sequence[ParallelTensorShape],
+          out_shapes: Sequence[ParallelTensorShape]) -> float:
+    return float(get_op(op).flops(dict(attrs), logical_shapes(in_shapes), logical_shapes(out_shapes)))
+
+
+def task_flops(op: str, attrs: Mapping[str, Any], in_shapes: Sequence[ParallelTensorShape],
+               out_shapes: Sequence[ParallelTensorShape]) -> float:
+    """FLOPs of one task: the kernel run on one piece of every tensor."""
+    spec = get_op(op)
+    a = dict(attrs)
+    pa = spec.piece_attrs(a, tuple(in_shapes), tuple(out_shapes)) if spec.piece_attrs else a
+    return float(spec.flops(pa, piece_shapes(in_shapes), piece_shapes(out_shapes)))
+
+
+def bytes_moved(op: str, in_shapes: Sequence[ParallelTensorShape], out_shapes: Sequence[ParallelTensorShape],
+                per_task: bool = False) -> int:
+    spec = get_op(op)
+    f = piece_shapes if per_task else logical_shapes
+    return spec.bytes_moved(f(in_shapes), f(out_shapes))
+
+
+__all__ = ["REGISTRY", "REQUIRED", "COMPUTE_OPS", "SOURCE_OPS", "PARALLEL_OPS", "Inference", "Labels",
+           "OpSpec", "PieceMap", "TensorMap", "get_op", "infer", "run_logical", "run_pieces", "flops",
+           "task_flops", "bytes_moved"]

@@ -1,0 +1,144 @@
+"""Hyper-parameters of the zoo models, as plain data (no torch import).
+
+Every model has a ``paper`` configuration (the published architecture used in
+the Unity evaluation, OSDI'22 section 6.1) and a ``tiny`` configuration with the
+same graph structure but small dimensions, so a forward pass takes milliseconds.
+
+The planner may read these to know tensor sizes without importing torch.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Tuple
+
+# Criteo Kaggle (Display Advertising Challenge) categorical cardinalities, in the
+# order of the 26 categorical columns C1..C26 (as counted by the DLRM reference
+# data loader for the Kaggle dataset).
+CRITEO_KAGGLE_CARDINALITIES: Tuple[int, ...] = (
+    1460, 583, 10131227, 2202608, 305, 24, 12517, 633, 3, 93145, 5683, 8351593, 3194,
+    27, 14992, 5461306, 10, 5652, 2173, 4, 7046547, 18, 15, 286181, 105, 142572,
+)
+
+#: Row cap applied to the DLRM embedding tables at paper size.  The five
+#: largest Kaggle tables (2.2M .. 10.1M rows) are truncated to this many rows,
+#: which keeps the paper-size model at ~89M parameters (~357 MB) instead of
+#: ~540M (~2.2 GB).  Computation per sample is unchanged (one lookup per table).
+DLRM_PAPER_ROW_CAP = 1_000_000
+
+
+@dataclass(frozen=True)
+class ResNeXtConfig:
+    image: int                 # input is [batch, 3, image, image]
+    stem_channels: int         # output channels of the 7x7/2 stem conv
+    layers: Tuple[int, ...]    # bottleneck blocks per stage
+    planes: Tuple[int, ...]    # bottleneck "planes" per stage (output = 4 * planes)
+    groups: int                # cardinality of the grouped 3x3 conv
+    width_per_group: int       # bottleneck width d; width = planes*d/64*groups
+    num_classes: int
+
+
+@dataclass(frozen=True)
+class InceptionV3Config:
+    image: int                 # input is [batch, 3, image, image]; >= 75
+    channel_div: int           # every channel count of Inception-v3 is divided by this
+    num_classes: int
+
+
+@dataclass(frozen=True)
+class BertConfig:
+    layers: int
+    hidden: int
+    heads: int
+    ffn: int
+    vocab: int
+    seq: int                   # sequence length (= number of position embeddings used)
+    type_vocab: int = 2        # segment embeddings (segment 0 is used for every token)
+    ln_eps: float = 1e-12
+
+
+@dataclass(frozen=True)
+class DLRMConfig:
+    dense_features: int                # number of dense (continuous) inputs
+    bottom_mlp: Tuple[int, ...]        # output sizes of the bottom MLP (last = emb_dim)
+    emb_dim: int
+    table_rows: Tuple[int, ...]        # one nn.Embedding per entry
+    top_mlp: Tuple[int, ...]           # output sizes of the top MLP (last = 1)
+
+    @property
+    def num_interacting(self) -> int:  # bottom-MLP output + one vector per table
+        return 1 + len(self.table_rows)
+
+    @property
+    def num_interactions(self) -> int:  # strictly-lower triangle of the dot matrix
+        f = self.num_interacting
+        return f * (f - 1) // 2
+
+
+@dataclass(frozen=True)
+class XDLConfig:
+    num_features: int          # number of sparse (multi-hot) features = embedding tables
+    bag: int                   # ids per feature and sample (sum-pooled)
+    emb_dim: int
+    rows: int                  # rows per embedding table
+    mlp: Tuple[int, ...]       # output sizes of the deep MLP (last = 1, then sigmoid)
+
+
+@dataclass(frozen=True)
+class CandleUnoConfig:
+    cell_features: int         # cell-line gene expression (RNA-seq, LINCS landmark genes)
+    drug_descriptor_features: int   # Dragon7 drug descriptors
+    drug_fingerprint_features: int  # ECFP drug fingerprints
+    tower: Tuple[int, ...]     # dense layers of each feature tower
+    dense: Tuple[int, ...]     # dense layers after the concatenation
+
+
+@dataclass(frozen=True)
+class MLPConfig:
+    layers: int
+    hidden: int
+
+
+CONFIGS = {
+    "resnext50": {
+        "paper": ResNeXtConfig(image=224, stem_channels=64, layers=(3, 4, 6, 3),
+                               planes=(64, 128, 256, 512), groups=32, width_per_group=4,
+                               num_classes=1000),
+        "tiny": ResNeXtConfig(image=32, stem_channels=8, layers=(1, 2, 1, 1),
+                              planes=(8, 16, 32, 64), groups=4, width_per_group=16,
+                              num_classes=10),
+    },
+    "inception_v3": {
+        "paper": InceptionV3Config(image=299, channel_div=1, num_classes=1000),
+        "tiny": InceptionV3Config(image=75, channel_div=8, num_classes=10),
+    },
+    "bert_large": {
+        "paper": BertConfig(layers=24, hidden=1024, heads=16, ffn=4096, vocab=30522, seq=512),
+        "tiny": BertConfig(layers=2, hidden=64, heads=4, ffn=256, vocab=100, seq=16),
+    },
+    "dlrm": {
+        "paper": DLRMConfig(dense_features=13, bottom_mlp=(512, 256, 64, 16), emb_dim=16,
+                            table_rows=tuple(min(c, DLRM_PAPER_ROW_CAP)
+                                             for c in CRITEO_KAGGLE_CARDINALITIES),
+                            top_mlp=(512, 256, 1)),
+        "tiny": DLRMConfig(dense_features=13, bottom_mlp=(32, 16, 8), emb_dim=8,
+                           table_rows=tuple(min(c, 100) for c in CRITEO_KAGGLE_CARDINALITIES),
+                           top_mlp=(32, 16, 1)),
+    },
+    "xdl": {
+        "paper": XDLConfig(num_features=16, bag=4, emb_dim=64, rows=500_000,
+                           mlp=(1024, 512, 256, 1)),
+        "tiny": XDLConfig(num_features=16, bag=4, emb_dim=8, rows=100, mlp=(64, 32, 16, 1)),
+    },
+    "candle_uno": {
+        "paper": CandleUnoConfig(cell_features=942, drug_descriptor_features=5270,
+                                 drug_fingerprint_features=2048, tower=(1000, 1000, 1000),
+                                 dense=(1000, 1000, 1000)),
+        "tiny": CandleUnoConfig(cell_features=24, drug_descriptor_features=40,
+                                drug_fingerprint_features=32, tower=(16, 16, 16),
+                                dense=(32, 32, 32)),
+    },
+    "mlp": {
+        "paper": MLPConfig(layers=16, hidden=8192),
+        "tiny": MLPConfig(layers=16, hidden=64),
+    },
+}
