@@ -1,0 +1,60 @@
+"""`unity-pcg zoo list` / `unity-pcg zoo export NAME --size S -o FILE`."""
+from __future__ import annotations
+
+import json
+import sys
+import time
+
+from ..errors import UnityError
+
+HELP = "list or export the models of Unity's evaluation (Table 1) as ONNX"
+
+
+class ZooCommandError(UnityError):
+    pass
+
+
+def add_arguments(p) -> None:
+    sub = p.add_subparsers(dest="action", metavar="ACTION", required=True)
+    ls = sub.add_parser("list", help="list the models")
+    ls.add_argument("--json", action="store_true", help="print one JSON object")
+    ex = sub.add_parser("export", help="export a model to ONNX with random weights")
+    ex.add_argument("name", help="model name (see `unity-pcg zoo list`)")
+    ex.add_argument("--size", default="tiny", choices=["tiny", "paper"],
+                    help="tiny: seconds on CPU, for tests; paper: the dimensions of Unity §6.1")
+    ex.add_argument("--batch", type=int, default=None, help="batch size (default: the size's per-device batch)")
+    ex.add_argument("--exporter", default="legacy", choices=["legacy", "dynamo"],
+                    help="torch.onnx exporter (dynamo needs onnxscript)")
+    ex.add_argument("--seed", type=int, default=0, help="seed of the random weights")
+    ex.add_argument("-o", "--output", required=True, help="output .onnx path")
+
+
+def run(args) -> int:
+    from .. import zoo
+    if args.action == "list":
+        entries = zoo.list_models()
+        if args.json:
+            print(json.dumps({e.name: {"description": e.description, "paper_batch": e.paper_batch,
+                                       "tiny_batch": e.tiny_batch} for e in entries}))
+        else:
+            w = max(len(e.name) for e in entries)
+            for e in entries:
+                print(f"{e.name:<{w}}  paper batch {e.paper_batch:>5}  {e.description}")
+        return 0
+    if args.batch is not None and args.batch < 1:
+        raise ZooCommandError(f"--batch must be positive, got {args.batch}")
+    try:
+        import torch  # noqa: F401
+    except ImportError:
+        raise ZooCommandError("exporting needs PyTorch; install it (see README)") from None
+    t = time.perf_counter()
+    try:
+        path = zoo.export(args.name, args.output, size=args.size, batch=args.batch, exporter=args.exporter,
+                          seed=args.seed)
+    except zoo.ZooError as e:
+        raise ZooCommandError(str(e)) from None
+    except OSError as e:
+        raise ZooCommandError(f"cannot write {args.output}: {e.strerror or e}") from None
+    print(f"wrote {path} ({args.name}, {args.size}, {args.exporter} exporter) in {time.perf_counter() - t:.1f} s",
+          file=sys.stderr)
+    return 0
