@@ -1,0 +1,122 @@
+"""Constants met while importing an ONNX graph, and numpy folding of ops whose inputs are all constant.
+
+A :class:`Const` knows its shape and dtype without holding its value: initializers, external data and
+``ConstantOfShape`` results are materialized only when asked for (import of big models stays fast,
+and the PCG's weight store gets zero-arg callables).  Layout-only ops on a big constant (Transpose,
+Reshape, Cast, ...) stay lazy too; everything else is folded eagerly with numpy, under a size guard.
+"""
+from __future__ import annotations
+
+from math import prod
+from typing import Any, Callable, Sequence
+
+import numpy as np
+
+from .errors import InvalidModel
+
+# constants at most this big are materialized eagerly when an op needs their value
+SMALL = 1 << 16
+# refuse to fold a constant bigger than this many elements (a corrupt shape, not a model)
+MAX_FOLD = 1 << 27
+
+
+class Const:
+    """A constant tensor: eager (``value``) or lazy (``fn`` + known ``shape``/``dtype``).
+
+    ``origin``: the initializer it was derived from by layout-only ops (used to name the Weight).
+    """
+
+    __slots__ = ("shape", "dtype", "_value", "_fn", "origin", "wref")
+
+    def __init__(self, value: Any = None, *, shape: Sequence[int] | None = None, dtype: Any = None,
+                 fn: Callable[[], np.ndarray] | None = None, origin: str | None = None):
+        if fn is None:
+            value = np.asarray(value)
+            self.shape = tuple(int(s) for s in value.shape)
+            self.dtype = value.dtype
+        else:
+            self.shape = tuple(int(s) for s in shape)
+            self.dtype = np.dtype(dtype)
+        self._value = value if fn is None else None
+        self._fn = fn
+        self.origin = origin
+        self.wref = None  # the PCG ref of its Weight node, once made
+
+    @property
+    def numel(self) -> int:
+        return prod(self.shape)
+
+    @property
+    def lazy(self) -> bool:
+        return self._value is None
+
+    @property
+    def value(self) -> np.ndarray:
+        if self._value is not None:
+            return self._value
+        v = self.materialize()
+        if v.size <= SMALL:
+            self._value = v
+        return v
+
+    def materialize(self) -> np.ndarray:
+        if self._value is not None:
+            return self._value
+        v = np.asarray(self._fn())
+        if tuple(v.shape) != self.shape:
+            v = v.reshape(self.shape)
+        return v.astype(self.dtype, copy=False)
+
+    def loader(self) -> Callable[[], np.ndarray]:
+        """A zero-arg callable giving the value (for ``PCG.weights``)."""
+        if self._value is not None:
+            v = self._value
+            return lambda: v
+        return self.materialize
+
+    def __repr__(self) -> str:
+        return f"Const({list(self.shape)}, {self.dtype}{', lazy' if self.lazy else ''})"
+
+
+def lazy(fn: Callable[[], np.ndarray], shape, dtype, origin=None) -> Const:
+    return Const(fn=fn, shape=shape, dtype=dtype, origin=origin)
+
+
+def guard(numel: int, what: str) -> None:
+    if numel > MAX_FOLD:
+        raise InvalidModel(f"{what}: constant of {numel} elements is too large to fold")
+
+
+def derive(c: Const, fn: Callable[[np.ndarray], np.ndarray], shape, dtype=None, keep_origin=True) -> Const:
+    """A constant computed from ``c`` by ``fn``: eager when ``c`` is small, lazy otherwise."""
+    dtype = c.dtype if dtype is None else np.dtype(dtype)
+    origin = c.origin if keep_origin else None
+    if not c.lazy or c.numel <= SMALL:
+        return Const(np.asarray(fn(c.value)).astype(dtype, copy=False), origin=origin)
+    return lazy(lambda: fn(c.materialize()), shape, dtype, origin)
+
+
+def broadcast_shape(shapes: Sequence[Sequence[int]], what: str) -> tuple[int, ...]:
+    try:
+        return tuple(int(s) for s in np.broadcast_shapes(*[tuple(s) for s in shapes]))
+    except ValueError:
+        raise InvalidModel(f"{what}: shapes {[list(s) for s in shapes]} do not broadcast") from None
+
+
+def as_ints(c: Const, what: str) -> list[int]:
+    """A small integer constant (shape, axes, pads, ...) as a list of Python ints."""
+    if c.numel > SMALL:
+        raise InvalidModel(f"{what}: expected a small integer tensor, got shape {list(c.shape)}")
+    v = c.value
+    if v.dtype.kind not in "iub":
+        if v.dtype.kind == "f" and np.all(np.isfinite(v)) and np.all(v == np.round(v)):
+            v = v.astype(np.int64)
+        else:
+            raise InvalidModel(f"{what}: expected integers, got {v.dtype}")
+    return [int(x) for x in v.reshape(-1)]
+
+
+def as_scalar(c: Const, what: str) -> float:
+    if c.numel != 1:
+        raise InvalidModel(f"{what}: expected a scalar, got shape {list(c.shape)}")
+    return c.value.reshape(-1)[0].item()

@@ -1,0 +1,19 @@
+"""Typed import errors (all :class:`~unity_pcg.errors.ModelImportError`, so the CLI exits 2)."""
+from __future__ import annotations
+
+from ..errors import ModelImportError, UnsupportedOperator
+
+
+class InvalidModel(ModelImportError):
+    """The file is not a well-formed ONNX model (truncated, not protobuf, cycle, bad attribute, ...)."""
+
+
+class MissingTensor(ModelImportError):
+    """A node reads a tensor that no node, input or initializer defines (or external data is missing)."""
+
+
+class DynamicDimension(ModelImportError):
+    """A graph input has a dimension that is not a fixed number and no override was given."""
+
+
+__all__ = ["ModelImportError", "UnsupportedOperator", "InvalidModel", "MissingTensor", "DynamicDimension"]

@@ -1,0 +1,410 @@
+"""Constant folding: numpy evaluation of ONNX ops whose inputs are all constant.
+
+``fold(ctx, ins)`` returns a list of :class:`Const` (one per node output).  Layout-only ops on a big
+(lazy) constant stay lazy so that, e.g., a transposed Gemm weight is read only when needed.
+"""
+from __future__ import annotations
+
+from math import prod
+from typing import Callable
+
+import numpy as np
+
+from .consts import SMALL, Const, as_ints, as_scalar, broadcast_shape, derive, guard, lazy
+from .errors import InvalidModel, UnsupportedOperator
+from .loader import np_dtype, tensor_attr_const
+
+
+def _axis(ax: int, rank: int, what: str) -> int:
+    if not -rank <= ax < max(rank, 1):
+        raise InvalidModel(f"{what}: axis {ax} out of range for rank {rank}")
+    return ax % max(rank, 1)
+
+
+def _opt(ins, i):
+    return ins[i] if len(ins) > i and ins[i] is not None else None
+
+
+# --- shape helpers shared with the converter -------------------------------------------------------
+
+def reshape_target(x_shape, target, allowzero: bool, what: str) -> tuple[int, ...]:
+    out = list(target)
+    if not allowzero:
+        for i, t in enumerate(out):
+            if t == 0:
+                if i >= len(x_shape):
+                    raise InvalidModel(f"{what}: target dim {i} is 0 but the input has rank {len(x_shape)}")
+                out[i] = x_shape[i]
+    neg = [i for i, t in enumerate(out) if t == -1]
+    if len(neg) > 1 or any(t < -1 for t in out):
+        raise InvalidModel(f"{what}: bad reshape target {list(target)}")
+    n = prod(x_shape)
+    if neg:
+        rest = prod(t for t in out if t != -1)
+        if rest == 0 or n % rest:
+            raise InvalidModel(f"{what}: cannot reshape {list(x_shape)} to {list(target)}")
+        out[neg[0]] = n // rest
+    if prod(out) != n:
+        raise InvalidModel(f"{what}: cannot reshape {list(x_shape)} to {list(target)}")
+    return tuple(out)
+
+
+def unsqueeze_shape(shape, axes, what) -> tuple[int, ...]:
+    r = len(shape) + len(axes)
+    axs = sorted(_axis(a, r, what) for a in axes)
+    if len(set(axs)) != len(axs):
+        raise InvalidModel(f"{what}: repeated axes {list(axes)}")
+    out = list(shape)
+    for a in axs:
+        out.insert(a, 1)
+    return tuple(out)
+
+
+def squeeze_shape(shape, axes, what) -> tuple[int, ...]:
+    if axes is None or len(axes) == 0:
+        return tuple(s for s in shape if s != 1)
+    axs = {_axis(a, len(shape), what) for a in axes}
+    for a in axs:
+        if shape[a] != 1:
+            raise InvalidModel(f"{what}: cannot squeeze dim {a} of size {shape[a]}")
+    return tuple(s for i, s in enumerate(shape) if i not in axs)
+
+
+def slice_params(ctx, ins, shape):
+    """(axes, starts, ends, steps) normalized to ints within [-(n+1), n+1], one entry per sliced axis."""
+    what = ctx.what
+    if ctx.opset < 10:
+        starts, ends = ctx.ints("starts"), ctx.ints("ends")
+        axes = ctx.ints("axes", list(range(len(starts))))
+        steps = [1] * len(starts)
+    else:
+        starts, ends = as_ints(ctx.const_in(ins, 1), what), as_ints(ctx.const_in(ins, 2), what)
+        a, s = _opt(ins, 3), _opt(ins, 4)
+        axes = as_ints(ctx.const_in(ins, 3), what) if a is not None else list(range(len(starts)))
+        steps = as_ints(ctx.const_in(ins, 4), what) if s is not None else [1] * len(starts)
+    if not len(starts) == len(ends) == len(axes) == len(steps):
+        raise InvalidModel(f"{what}: starts/ends/axes/steps differ in length")
+    rank = len(shape)
+    out = []
+    seen = set()
+    for ax, st, en, sp in zip(axes, starts, ends, steps):
+        ax = _axis(ax, rank, what)
+        if ax in seen:
+            raise InvalidModel(f"{what}: axis {ax} sliced twice")
+        seen.add(ax)
+        if sp == 0:
+            raise InvalidModel(f"{what}: slice step 0")
+        n = shape[ax]
+        st = max(-(n + 1), min(n + 1, st))
+        en = max(-(n + 1), min(n + 1, en))
+        out.append((ax, st, en, sp))
+    return out
+
+
+def slice_shape(shape, params):
+    sizes = list(shape)
+    for ax, st, en, sp in params:
+        sizes[ax] = len(range(*slice(st, en, sp).indices(shape[ax])))
+    return tuple(sizes)
+
+
+def split_sizes(ctx, ins, shape):
+    what = ctx.what
+    axis = _axis(ctx.i("axis", 0), len(shape), what)
+    n = shape[axis]
+    if ctx.opset >= 13 and _opt(ins, 1) is not None:
+        sizes = as_ints(ctx.const_in(ins, 1), what)
+    elif ctx.opset < 13 and ctx.has("split"):
+        sizes = ctx.ints("split")
+    else:
+        k = ctx.i("num_outputs", 0) if ctx.opset >= 18 else 0
+        k = k or ctx.n_outputs
+        if k < 1:
+            raise InvalidModel(f"{what}: no outputs")
+        chunk = -(-n // k)
+        sizes = [min(chunk, n - i * chunk) for i in range(k)]
+        if ctx.opset < 18 and n % k:
+            raise InvalidModel(f"{what}: {n} does not split evenly into {k} outputs")
+    if sum(sizes) != n or any(s < 0 for s in sizes):
+        raise InvalidModel(f"{what}: split sizes {sizes} do not add up to {n}")
+    return axis, sizes
+
+
+def reduce_axes(ctx, ins, rank, attr_until: int):
+    """Axes of a Reduce* node (attribute before opset ``attr_until``, input after); None = all."""
+    if ctx.opset < attr_until:
+        axes = ctx.ints("axes", None)
+    else:
+        axes = as_ints(ctx.const_in(ins, 1), ctx.what) if _opt(ins, 1) is not None else None
+    if axes is not None and len(axes) == 0:
+        axes = None
+    if axes is None:
+        if ctx.opset >= attr_until and ctx.i("noop_with_empty_axes", 0):
+            return ()
+        return None
+    axs = sorted({_axis(a, rank, ctx.what) for a in axes})
+    return tuple(axs)
+
+
+# --- folding kernels -------------------------------------------------------------------------------
+
+def _idiv(a, b):
+    if a.dtype.kind in "iu" and b.dtype.kind in "iu":
+        if np.any(b == 0):
+            raise InvalidModel("integer division by zero in a constant")
+        q = np.abs(a) // np.abs(b)
+        return (q * np.sign(a) * np.sign(b)).astype(np.result_type(a, b))
+    with np.errstate(all="ignore"):
+        return (a / b).astype(np.result_type(a, b), copy=False)
+
+
+def _mod(ctx, a, b):
+    if np.any(b == 0) and a.dtype.kind in "iu":
+        raise InvalidModel(f"{ctx.what}: modulo by zero")
+    with np.errstate(all="ignore"):
+        return np.fmod(a, b) if ctx.i("fmod", 0) else np.mod(a, b)
+
+
+_BIN = {
+    "Add": np.add, "Sub": np.subtract, "Mul": np.multiply, "Div": _idiv,
+    "Equal": np.equal, "Less": np.less, "Greater": np.greater, "LessOrEqual": np.less_equal,
+    "GreaterOrEqual": np.greater_equal, "And": np.logical_and, "Or": np.logical_or, "Xor": np.logical_xor,
+    "BitShift": None,
+}
+_UN = {
+    "Neg": np.negative, "Abs": np.abs, "Floor": np.floor, "Ceil": np.ceil, "Sqrt": np.sqrt, "Exp": np.exp,
+    "Log": np.log, "Reciprocal": lambda x: 1.0 / x, "Relu": lambda x: np.maximum(x, 0), "Not": np.logical_not,
+    "Tanh": np.tanh, "Sigmoid": lambda x: 1.0 / (1.0 + np.exp(-x)), "Sign": np.sign, "Round": np.round,
+    "Identity": lambda x: x,
+}
+LAYOUT = {"Identity", "Transpose", "Reshape", "Flatten", "Squeeze", "Unsqueeze", "Cast", "Dropout"}
+
+
+def fold(ctx, ins: list) -> list[Const]:
+    op = ctx.op
+    what = ctx.what
+    if op == "Constant":
+        return [_constant(ctx)]
+    if op == "ConstantOfShape":
+        shape = as_ints(ctx.const_in(ins, 0), what)
+        if any(s < 0 for s in shape):
+            raise InvalidModel(f"{what}: negative shape {shape}")
+        if ctx.has("value"):
+            v = tensor_attr_const(ctx.t("value"), what)
+            if v.numel != 1:
+                raise InvalidModel(f"{what}: value must hold one element")
+            fill, dt = v.value.reshape(-1)[0], v.dtype
+        else:
+            fill, dt = 0.0, np.dtype(np.float32)
+        if prod(shape) <= SMALL:
+            return [Const(np.full(shape, fill, dtype=dt))]
+        return [lazy(lambda: np.full(shape, fill, dtype=dt), shape, dt)]
+    x = ins[0] if ins else None
+    if x is None and op not in ("Range", "Concat", "Sum", "Max", "Min", "Mean"):
+        raise InvalidModel(f"{what}: missing input 0")
+
+    # layout-only ops: stay lazy on big constants
+    if op in ("Identity", "Dropout"):
+        return [x] + ([Const(np.ones(x.shape, bool))] if ctx.n_outputs > 1 else [])
+    if op == "Transpose":
+        perm = ctx.ints("perm", list(range(len(x.shape)))[::-1])
+        if sorted(perm) != list(range(len(x.shape))):
+            raise InvalidModel(f"{what}: perm {perm} does not fit rank {len(x.shape)}")
+        return [derive(x, lambda v: np.transpose(v, perm), tuple(x.shape[p] for p in perm))]
+    if op in ("Reshape", "Flatten", "Squeeze", "Unsqueeze"):
+        shape = layout_shape(ctx, ins, x.shape)
+        return [derive(x, lambda v: v.reshape(shape), shape)]
+    if op == "Cast":
+        to = np_dtype(ctx.i("to"), what)
+        return [derive(x, lambda v: v.astype(to), x.shape, dtype=to)]
+
+    def val(i):
+        c = ins[i]
+        guard(c.numel, what)
+        return c.value
+
+    if op == "Shape":
+        return [Const(np.asarray(shape_slice(ctx, x.shape), dtype=np.int64))]
+    if op == "Size":
+        return [Const(np.asarray(x.numel, dtype=np.int64))]
+    if op in _BIN and _BIN[op] is not None:
+        if len(ins) != 2 or ins[1] is None:
+            raise InvalidModel(f"{what}: needs two inputs")
+        guard(prod(broadcast_shape([x.shape, ins[1].shape], what)), what)
+        with np.errstate(all="ignore"):
+            return [Const(np.asarray(_BIN[op](val(0), val(1))))]
+    if op == "Pow":
+        with np.errstate(all="ignore"):
+            a, b = val(0), val(1)
+            guard(prod(broadcast_shape([a.shape, b.shape], what)), what)
+            return [Const(np.power(a, b).astype(a.dtype, copy=False))]
+    if op == "Mod":
+        return [Const(_mod(ctx, val(0), val(1)))]
+    if op in _UN:
+        with np.errstate(all="ignore"):
+            return [Const(np.asarray(_UN[op](val(0))).astype(x.dtype if op != "Not" else bool, copy=False))]
+    if op in ("Sum", "Max", "Min", "Mean"):
+        vs = [val(i) for i in range(len(ins)) if ins[i] is not None]
+        if not vs:
+            raise InvalidModel(f"{what}: no inputs")
+        guard(prod(broadcast_shape([v.shape for v in vs], what)), what)
+        f = {"Sum": np.add, "Max": np.maximum, "Min": np.minimum, "Mean": np.add}[op]
+        acc = vs[0]
+        for v in vs[1:]:
+            acc = f(acc, v)
+        if op == "Mean":
+            acc = acc / len(vs)
+        return [Const(np.asarray(acc).astype(vs[0].dtype, copy=False))]
+    if op == "Where":
+        c, a, b = val(0), val(1), val(2)
+        guard(prod(broadcast_shape([c.shape, a.shape, b.shape], what)), what)
+        return [Const(np.where(c.astype(bool), a, b))]
+    if op == "Expand":
+        shape = as_ints(ctx.const_in(ins, 1), what)
+        out = broadcast_shape([x.shape, shape], what)
+        guard(prod(out), what)
+        return [Const(np.broadcast_to(val(0), out).copy())]
+    if op == "Gather":
+        idx = as_ints(ctx.const_in(ins, 1), what)
+        ishape = ins[1].shape
+        ax = _axis(ctx.i("axis", 0), len(x.shape), what)
+        n = x.shape[ax]
+        if any(not -n <= i < n for i in idx):
+            raise InvalidModel(f"{what}: index out of range for size {n}")
+        guard(x.numel // max(n, 1) * len(idx), what)
+        return [Const(np.take(val(0), np.asarray(idx, dtype=np.int64).reshape(ishape), axis=ax))]
+    if op == "Concat":
+        vs = [val(i) for i in range(len(ins)) if ins[i] is not None]
+        if not vs:
+            raise InvalidModel(f"{what}: no inputs")
+        ax = _axis(ctx.i("axis"), vs[0].ndim, what)
+        try:
+            return [Const(np.concatenate(vs, axis=ax))]
+        except ValueError as e:
+            raise InvalidModel(f"{what}: {e}") from None
+    if op == "Slice":
+        params = slice_params(ctx, ins, x.shape)
+        idx = [slice(None)] * len(x.shape)
+        for ax, st, en, sp in params:
+            idx[ax] = slice(st, en, sp)
+        return [Const(val(0)[tuple(idx)].copy())]
+    if op == "Split":
+        axis, sizes = split_sizes(ctx, ins, x.shape)
+        cuts = np.cumsum(sizes)[:-1]
+        return [Const(p.copy()) for p in np.split(val(0), cuts, axis=axis)]
+    if op == "Range":
+        start, limit, delta = (as_scalar(ctx.const_in(ins, i), what) for i in range(3))
+        if delta == 0:
+            raise InvalidModel(f"{what}: Range with delta 0")
+        n = max(int(np.ceil((limit - start) / delta)), 0)
+        guard(n, what)
+        dt = ins[0].dtype
+        return [Const((start + np.arange(n) * delta).astype(dt))]
+    if op in ("ReduceSum", "ReduceMean", "ReduceMax", "ReduceMin", "ReduceProd"):
+        until = 13 if op == "ReduceSum" else 18
+        axes = reduce_axes(ctx, ins, len(x.shape), until)
+        if axes == ():
+            return [x]
+        f = {"ReduceSum": np.sum, "ReduceMean": np.mean, "ReduceMax": np.max, "ReduceMin": np.min,
+             "ReduceProd": np.prod}[op]
+        v = val(0)
+        if v.size == 0 and op in ("ReduceMax", "ReduceMin"):
+            raise InvalidModel(f"{what}: reduction of an empty tensor")
+        return [Const(np.asarray(f(v, axis=axes, keepdims=bool(ctx.i("keepdims", 1)))).astype(v.dtype))]
+    if op == "Tile":
+        reps = as_ints(ctx.const_in(ins, 1), what)
+        if len(reps) != len(x.shape) or any(r < 0 for r in reps):
+            raise InvalidModel(f"{what}: repeats {reps} do not fit rank {len(x.shape)}")
+        guard(x.numel * prod(reps), what)
+        return [Const(np.tile(val(0), reps))]
+    if op == "MatMul":
+        a, b = val(0), val(1)
+        try:
+            return [Const(np.matmul(a, b))]
+        except ValueError as e:
+            raise InvalidModel(f"{what}: {e}") from None
+    if op == "Clip":
+        v = val(0)
+        lo = ctx.f("min", -np.inf) if ctx.opset < 11 else (as_scalar(ins[1], what) if _opt(ins, 1) else -np.inf)
+        hi = ctx.f("max", np.inf) if ctx.opset < 11 else (as_scalar(ins[2], what) if _opt(ins, 2) else np.inf)
+        return [Const(np.clip(v, lo, hi).astype(v.dtype, copy=False))]
+    if op == "NonZero":
+        return [Const(np.array(np.nonzero(val(0)), dtype=np.int64))]
+    if op == "Trilu":
+        v = val(0)
+        if v.ndim < 2:
+            raise InvalidModel(f"{what}: needs rank >= 2")
+        k = int(as_scalar(ins[1], what)) if _opt(ins, 1) is not None else 0
+        return [Const(np.triu(v, k) if ctx.i("upper", 1) else np.tril(v, k))]
+    if op == "CumSum":
+        v = val(0)
+        ax = _axis(int(as_scalar(ins[1], what)), v.ndim, what)
+        if ctx.i("exclusive", 0) or ctx.i("reverse", 0):
+            raise UnsupportedOperator(f"CumSum with exclusive/reverse (node {ctx.name!r})")
+        return [Const(np.cumsum(v, axis=ax).astype(v.dtype))]
+    raise UnsupportedOperator(f"unsupported operator {op} on constant inputs (node {ctx.name!r})")
+
+
+FOLDABLE = {"Constant", "ConstantOfShape", "Identity", "Dropout", "Transpose", "Reshape", "Flatten", "Squeeze",
+            "Unsqueeze", "Cast", "Shape", "Size", "Pow", "Mod", "Sum", "Max", "Min", "Mean", "Where", "Expand",
+            "Gather", "Concat", "Slice", "Split", "Range", "ReduceSum", "ReduceMean", "ReduceMax", "ReduceMin",
+            "ReduceProd", "Tile", "MatMul", "Clip", "NonZero", "Trilu", "CumSum"} | set(_BIN) - {"BitShift"} | set(_UN)
+
+
+def shape_slice(ctx, shape):
+    s = list(shape)
+    if ctx.opset >= 15:
+        r = len(s)
+        st = ctx.i("start", 0)
+        en = ctx.i("end", r) if ctx.has("end") else r
+        st = min(max(st + r if st < 0 else st, 0), r)
+        en = min(max(en + r if en < 0 else en, 0), r)
+        s = s[st:en]
+    return s
+
+
+def layout_shape(ctx, ins, shape) -> tuple[int, ...]:
+    """Output shape of Reshape/Flatten/Squeeze/Unsqueeze on a tensor of ``shape``."""
+    op, what = ctx.op, ctx.what
+    if op == "Reshape":
+        if ctx.opset < 5:
+            target = ctx.ints("shape")
+        else:
+            target = as_ints(ctx.const_in(ins, 1), what)
+        return reshape_target(shape, target, bool(ctx.i("allowzero", 0)), what)
+    if op == "Flatten":
+        r = len(shape)
+        ax = ctx.i("axis", 1)
+        if not -r <= ax <= r:
+            raise InvalidModel(f"{what}: axis {ax} out of range for rank {r}")
+        ax = ax + r if ax < 0 else ax
+        return (prod(shape[:ax]), prod(shape[ax:]))
+    if ctx.opset >= 13:
+        axes = as_ints(ctx.const_in(ins, 1), what) if _opt(ins, 1) is not None else None
+    else:
+        axes = ctx.ints("axes", None)
+    if op == "Squeeze":
+        return squeeze_shape(shape, axes, what)
+    if axes is None:
+        raise InvalidModel(f"{what}: Unsqueeze needs axes")
+    return unsqueeze_shape(shape, axes, what)
+
+
+def _constant(ctx) -> Const:
+    what = ctx.what
+    if ctx.has("value"):
+        return tensor_attr_const(ctx.t("value"), what)
+    if ctx.has("value_float"):
+        return Const(np.asarray(ctx.f("value_float"), dtype=np.float32))
+    if ctx.has("value_floats"):
+        return Const(np.asarray(ctx.floats("value_floats"), dtype=np.float32))
+    if ctx.has("value_int"):
+        return Const(np.asarray(ctx.i("value_int"), dtype=np.int64))
+    if ctx.has("value_ints"):
+        return Const(np.asarray(ctx.ints("value_ints"), dtype=np.int64))
+    if ctx.has("sparse_value"):
+        raise UnsupportedOperator(f"Constant with a sparse value (node {ctx.name!r})")
+    raise InvalidModel(f"{what}: Constant without a value")
+
+
+Callable  # re-exported type for annotations elsewhere

@@ -1,0 +1,341 @@
+"""ONNX graph -> PCG: graph checks, batch override, constant folding, op conversion.
+
+Values during import are either a :class:`Const` (folded at import time) or a PCG ``Ref`` (an
+activation, whose full shape the builder knows).  Nodes are visited in topological order; a node
+whose inputs are all constant is folded with numpy (:mod:`.fold`), any other node is converted to
+registry operators (:mod:`.convert`).  Constants that feed a converted operator become ``Weight``
+nodes named after the initializer they come from.
+"""
+from __future__ import annotations
+
+import time
+from collections import defaultdict
+from typing import Any
+
+import numpy as np
+
+from ..errors import UnityError
+from ..pcg import PCG
+from .consts import Const
+from .errors import DynamicDimension, InvalidModel, MissingTensor, ModelImportError, UnsupportedOperator
+from .loader import PCG_DTYPES, default_opset, initializer_const, np_dtype, read_model
+
+_AT = {1: "float", 2: "int", 3: "string", 4: "tensor", 5: "graph", 6: "floats", 7: "ints", 8: "strings"}
+
+
+_REQ = object()
+
+
+class NodeCtx:
+    """One ONNX node: typed attribute access with one-line errors."""
+
+    __slots__ = ("node", "op", "name", "opset", "attrs", "what", "n_outputs")
+
+    def __init__(self, node, index: int, opset: int):
+        self.node = node
+        self.op = node.op_type
+        self.name = node.name or f"{node.op_type}_{index}"
+        self.opset = opset
+        self.attrs = {a.name: a for a in node.attribute}
+        self.what = f"node {self.name!r} ({self.op})"
+        self.n_outputs = len(node.output)
+
+    def has(self, key: str) -> bool:
+        return key in self.attrs
+
+    def _get(self, key, kind, default):
+        a = self.attrs.get(key)
+        if a is None:
+            if default is _REQ:
+                raise InvalidModel(f"{self.what}: missing attribute {key!r}")
+            return default
+        t = _AT.get(a.type)
+        if t is None and a.type == 0:  # old files: infer from the filled field
+            t = next((k for k, f in (("floats", a.floats), ("ints", a.ints)) if len(f)), None)
+            if t is None:
+                t = "float" if a.HasField("f") else "int" if a.HasField("i") else "string" if a.HasField("s") \
+                    else "tensor" if a.HasField("t") else None
+        if t != kind:
+            raise InvalidModel(f"{self.what}: attribute {key!r} must be {kind}, got {t or 'undefined'}")
+        return a
+
+    def i(self, key, default=None):
+        a = self._get(key, "int", _REQ if default is None else default)
+        return a if not hasattr(a, "type") else int(a.i)
+
+    def f(self, key, default=None):
+        a = self._get(key, "float", _REQ if default is None else default)
+        return a if not hasattr(a, "type") else float(a.f)
+
+    def s(self, key, default=None):
+        a = self._get(key, "string", _REQ if default is None else default)
+        return a if not hasattr(a, "type") else a.s.decode("utf-8", "replace")
+
+    def ints(self, key, default: Any = _REQ):
+        a = self.attrs.get(key)
+        if a is None:
+            if default is _REQ:
+                raise InvalidModel(f"{self.what}: missing attribute {key!r}")
+            return default
+        self._get(key, "ints", None)
+        return [int(x) for x in a.ints]
+
+    def floats(self, key):
+        self._get(key, "floats", _REQ)
+        return [float(x) for x in self.attrs[key].floats]
+
+    def t(self, key):
+        return self._get(key, "tensor", _REQ).t
+
+    def const_in(self, ins, i) -> Const:
+        v = ins[i] if len(ins) > i else None
+        if v is None:
+            raise InvalidModel(f"{self.what}: missing input {i}")
+        if not isinstance(v, Const):
+            raise UnsupportedOperator(f"{self.op} with a computed (non-constant) input {i} "
+                                      f"(node {self.name!r})")
+        return v
+
+
+def _topo(nodes, producers) -> list[int]:
+    """Topological order of ONNX nodes, file order where possible (cycle -> InvalidModel naming a node)."""
+    import heapq
+    n = len(nodes)
+    indeg = [0] * n
+    users: dict[int, list[int]] = defaultdict(list)
+    for j, node in enumerate(nodes):
+        for name in set(x for x in node.input if x):
+            p = producers.get(name)
+            if p is not None:
+                indeg[j] += 1
+                users[p].append(j)
+    heap = [j for j in range(n) if indeg[j] == 0]
+    heapq.heapify(heap)
+    out = []
+    while heap:
+        j = heapq.heappop(heap)
+        out.append(j)
+        for u in users[j]:
+            indeg[u] -= 1
+            if indeg[u] == 0:
+                heapq.heappush(heap, u)
+    if len(out) != n:
+        stuck = min(j for j in range(n) if indeg[j] > 0)
+        node = nodes[stuck]
+        raise InvalidModel(f"the graph has a cycle through node {node.name or node.op_type + '_' + str(stuck)!r} "
+                           f"({node.op_type})")
+    return out
+
+
+class Importer:
+    def __init__(self, model, base_dir, batch: int | None, load_weights: bool):
+        self.m = model
+        self.g = model.graph
+        self.base = base_dir
+        self.batch = batch
+        self.load_weights = load_weights
+        self.opset = default_opset(model)
+        self.b = PCG.builder({})
+        self.weights: dict[str, Any] = {}
+        self.vals: dict[str, Any] = {}
+        self.wnames: set[str] = set()
+        self.old_batch: int | None = None
+        self.batch_changed = False
+
+    # --- values ---------------------------------------------------------------------------------
+    def is_const(self, v) -> bool:
+        return isinstance(v, Const)
+
+    def sizes(self, v) -> tuple[int, ...]:
+        return v.shape if isinstance(v, Const) else self.b.shape(v).sizes
+
+    def dtype(self, v) -> str:
+        return np.dtype(v.dtype).name if isinstance(v, Const) else self.b.shape(v).dtype
+
+    def ref(self, v, hint: str):
+        """The PCG ref of a value: a constant becomes a Weight node (once)."""
+        if not isinstance(v, Const):
+            return v
+        if v.wref is not None:
+            return v.wref
+        dt = np.dtype(v.dtype).name
+        if dt not in PCG_DTYPES:
+            if v.dtype.kind in "iu" and v.numel <= 1 << 20:
+                v2 = Const(v.value.astype(np.int64), origin=v.origin)
+                return self._weight(v2, hint, v)
+            raise InvalidModel(f"constant {hint!r} has element type {dt}, which a PCG cannot hold")
+        return self._weight(v, hint, v)
+
+    def _weight(self, c: Const, hint: str, key: Const):
+        name = c.origin if c.origin and c.origin not in self.wnames else hint
+        base, k = name, 1
+        while name in self.wnames or not name:
+            name = f"{base}_{k}"
+            k += 1
+        self.wnames.add(name)
+        if self.load_weights:
+            self.weights[name] = c.loader()
+        key.wref = self.b.add("Weight", {"name": name, "shape": tuple(c.shape), "dtype": np.dtype(c.dtype).name},
+                              [], name)
+        return key.wref
+
+    def add(self, op: str, attrs: dict, inputs: list, name: str):
+        return self.b.add(op, attrs, inputs, name)
+
+    # --- the walk -------------------------------------------------------------------------------
+    def run(self) -> PCG:
+        g = self.g
+        for f in (g.sparse_initializer if hasattr(g, "sparse_initializer") else ()):
+            raise InvalidModel(f"sparse initializer {f.values.name!r} is not supported")
+        inits = {}
+        for t in g.initializer:
+            if not t.name:
+                raise InvalidModel("an initializer has no name")
+            inits[t.name] = t
+        # graph inputs (those without an initializer are the model's real inputs)
+        real_inputs = [vi for vi in g.input if vi.name not in inits]
+        self._make_inputs(real_inputs)
+        for name, t in inits.items():
+            self.vals[name] = initializer_const(t, self.base, self.load_weights)
+        nodes = list(g.node)
+        producers: dict[str, int] = {}
+        for j, node in enumerate(nodes):
+            if not node.op_type:
+                raise InvalidModel(f"node {j} has no operator type")
+            for o in node.output:
+                if not o:
+                    continue
+                if o in producers or o in self.vals:
+                    raise InvalidModel(f"tensor {o!r} is defined twice (node {node.name or node.op_type!r})")
+                producers[o] = j
+        for j, node in enumerate(nodes):
+            for x in node.input:
+                if x and x not in producers and x not in self.vals:
+                    raise MissingTensor(f"node {node.name or node.op_type + '_' + str(j)!r} ({node.op_type}) reads "
+                                        f"undefined tensor {x!r} (no node, input or initializer defines it)")
+        outs = [o.name for o in g.output]
+        if not outs:
+            raise InvalidModel("the graph has no outputs")
+        for o in outs:
+            if o not in producers and o not in self.vals:
+                raise MissingTensor(f"graph output {o!r} is not defined by any node, input or initializer")
+        order = _topo(nodes, producers)
+        live = self._live(nodes, producers, outs)
+        from . import convert
+        for j in order:
+            if j not in live:
+                continue
+            node = nodes[j]
+            ctx = NodeCtx(node, j, self.opset)
+            if node.domain not in ("", "ai.onnx"):
+                raise UnsupportedOperator(f"unsupported operator {node.domain}::{node.op_type} "
+                                          f"(node {ctx.name!r})")
+            ins = [self.vals[x] if x else None for x in node.input]
+            try:
+                results = convert.convert_node(self, ctx, ins)
+            except UnityError as e:
+                if isinstance(e, ModelImportError):
+                    raise
+                raise InvalidModel(f"{ctx.what}: {e}") from None
+            except (ValueError, TypeError, IndexError, KeyError, ZeroDivisionError, OverflowError,
+                    ArithmeticError) as e:
+                raise InvalidModel(f"{ctx.what}: cannot import ({type(e).__name__}: {e})") from None
+            except MemoryError:
+                raise InvalidModel(f"{ctx.what}: out of memory while folding a constant") from None
+            for k, o in enumerate(node.output):
+                if not o:
+                    continue
+                if k >= len(results) or results[k] is None:
+                    if o in live_names(self, nodes, live) or o in outs:
+                        raise UnsupportedOperator(f"output {k} of {node.op_type} is not supported "
+                                                  f"(node {ctx.name!r})")
+                    continue
+                self.vals[o] = results[k]
+        out_refs = []
+        for o in outs:
+            v = self.vals[o]
+            out_refs.append(self.ref(v, o))
+        self.b.set_outputs(out_refs)
+        pcg = self.b.finish()
+        pcg.weights = self.weights
+        return pcg
+
+    def _live(self, nodes, producers, outs) -> set[int]:
+        live: set[int] = set()
+        stack = [producers[o] for o in outs if o in producers]
+        while stack:
+            j = stack.pop()
+            if j in live:
+                continue
+            live.add(j)
+            for x in nodes[j].input:
+                p = producers.get(x)
+                if p is not None and p not in live:
+                    stack.append(p)
+        self._live_inputs = {x for j in live for x in nodes[j].input if x}
+        return live
+
+    def _make_inputs(self, inputs) -> None:
+        if self.batch is not None and (not isinstance(self.batch, int) or self.batch < 1):
+            raise ModelImportError(f"batch size must be a positive integer, got {self.batch!r}")
+        for vi in inputs:
+            name = vi.name
+            if not name:
+                raise InvalidModel("a graph input has no name")
+            tt = vi.type.tensor_type if vi.type.HasField("tensor_type") else None
+            if tt is None:
+                raise UnsupportedOperator(f"input {name!r} is not a tensor (sequences/maps are not supported)")
+            dtype = np_dtype(tt.elem_type, f"input {name!r}")
+            dt = dtype.name
+            if dt not in PCG_DTYPES:
+                raise InvalidModel(f"input {name!r} has element type {dt}, which a PCG cannot hold")
+            if not tt.HasField("shape"):
+                raise DynamicDimension(f"input {name!r} has no shape; the importer needs static shapes")
+            dims = []
+            for k, d in enumerate(tt.shape.dim):
+                if k == 0 and self.batch is not None:
+                    if d.HasField("dim_value") and d.dim_value > 0:
+                        if self.old_batch is None:
+                            self.old_batch = int(d.dim_value)
+                        if d.dim_value != self.batch:
+                            self.batch_changed = True
+                    dims.append(int(self.batch))
+                    continue
+                if d.HasField("dim_value") and d.dim_value > 0:
+                    if k == 0 and self.old_batch is None:
+                        self.old_batch = int(d.dim_value)
+                    dims.append(int(d.dim_value))
+                    continue
+                label = d.dim_param if d.HasField("dim_param") and d.dim_param else "?"
+                if d.HasField("dim_value") and d.dim_value <= 0:
+                    if d.dim_value < 0:
+                        raise InvalidModel(f"input {name!r} has a negative dimension {d.dim_value} at position {k}")
+                    raise DynamicDimension(f"input {name!r} has a zero-size dimension at position {k}")
+                if k == 0:
+                    raise DynamicDimension(f"input {name!r} has a dynamic batch dimension {label!r} at position 0; "
+                                           f"pass --batch N (batch=N) to fix it")
+                raise DynamicDimension(f"input {name!r} has a dynamic dimension {label!r} at position {k}; only the "
+                                       "batch dimension (position 0) can be set with --batch: export the model "
+                                       "with static shapes")
+            self.vals[name] = self.add("Input", {"name": name, "shape": tuple(dims), "dtype": dt}, [], name)
+
+
+def live_names(imp: Importer, nodes, live) -> set[str]:
+    return imp._live_inputs
+
+
+def load(src: Any, batch: int | None = None, load_weights: bool = True) -> PCG:
+    t0 = time.perf_counter()
+    model, base = read_model(src)
+    if len(model.functions):
+        try:
+            from onnx import inliner
+            model = inliner.inline_local_functions(model)
+        except Exception as e:
+            raise InvalidModel(f"cannot inline the model's local functions ({type(e).__name__})") from None
+    imp = Importer(model, base, batch, load_weights)
+    g = imp.run()
+    g.meta.update({"source": "onnx", "opset": imp.opset, "onnx_nodes": len(model.graph.node),
+                   "producer": model.producer_name or "", "batch": batch,
+                   "import_seconds": time.perf_counter() - t0})
+    return g
