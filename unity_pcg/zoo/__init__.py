@@ -24,6 +24,7 @@ from __future__ import annotations
 import os
 import shutil
 import tempfile
+import warnings
 from collections import OrderedDict
 from dataclasses import dataclass
 
@@ -168,7 +169,12 @@ def export(name: str, path, size: str = "tiny", batch: "int | None" = None,
 
     with tempfile.TemporaryDirectory(prefix=".zoo-export-", dir=directory) as tmp:
         tmp_path = os.path.join(tmp, base)
-        with torch.no_grad():
+        with torch.no_grad(), warnings.catch_warnings():
+            # the exporters' own deprecation chatter, and the PRESERVE-mode constant
+            # folding advice (irrelevant: the module is in eval mode)
+            warnings.simplefilter("ignore", DeprecationWarning)
+            warnings.simplefilter("ignore", FutureWarning)
+            warnings.filterwarnings("ignore", message=".*constant folding.*", category=UserWarning)
             if exporter == "legacy":
                 mode = (torch.onnx.TrainingMode.PRESERVE if keep_batchnorm
                         else torch.onnx.TrainingMode.EVAL)
