@@ -171,6 +171,14 @@ def test_keep_batchnorm(tmp_path):
         zoo.export("resnext50", path, exporter="dynamo", keep_batchnorm=True)
 
 
+def test_batchnorm_kept_by_default_with_legacy(tmp_path):
+    kept, folded = tmp_path / "kept.onnx", tmp_path / "folded.onnx"
+    zoo.export("resnext50", kept)
+    zoo.export("resnext50", folded, keep_batchnorm=False)
+    assert [n.op_type for n in onnx.load(str(kept)).graph.node].count("BatchNormalization") == 20
+    assert "BatchNormalization" not in [n.op_type for n in onnx.load(str(folded)).graph.node]
+
+
 def test_external_data(tmp_path):
     path = tmp_path / "mlp.onnx"
     zoo.export("mlp", path, external_data=True)

@@ -25,6 +25,8 @@ def add_arguments(p) -> None:
     ex.add_argument("--batch", type=int, default=None, help="batch size (default: the size's per-device batch)")
     ex.add_argument("--exporter", default="legacy", choices=["legacy", "dynamo"],
                     help="torch.onnx exporter (dynamo needs onnxscript)")
+    ex.add_argument("--fold-batchnorm", action="store_true",
+                    help="fold BatchNorm into the preceding Conv (inference graph); kept by default")
     ex.add_argument("--seed", type=int, default=0, help="seed of the random weights")
     ex.add_argument("-o", "--output", required=True, help="output .onnx path")
 
@@ -50,7 +52,7 @@ def run(args) -> int:
     t = time.perf_counter()
     try:
         path = zoo.export(args.name, args.output, size=args.size, batch=args.batch, exporter=args.exporter,
-                          seed=args.seed)
+                          seed=args.seed, keep_batchnorm=False if args.fold_batchnorm else None)
     except zoo.ZooError as e:
         raise ZooCommandError(str(e)) from None
     except OSError as e:

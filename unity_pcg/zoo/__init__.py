@@ -131,7 +131,7 @@ def param_count(name: str, size: str = "paper") -> int:
 
 def export(name: str, path, size: str = "tiny", batch: "int | None" = None,
            exporter: str = "legacy", external_data: "bool | None" = None, seed: int = 0,
-           keep_batchnorm: bool = False):
+           keep_batchnorm: "bool | None" = None):
     """Export model ``name`` to the ONNX file ``path`` and return ``path``.
 
     Weights are random but deterministic (``torch.manual_seed(seed)``); the model is in
@@ -139,8 +139,9 @@ def export(name: str, path, size: str = "tiny", batch: "int | None" = None,
 
     ``exporter="legacy"``: TorchScript exporter (``dynamo=False``), opset 17.
     ``exporter="dynamo"``: ``torch.export``-based exporter (``dynamo=True``), opset 18.
-    Both fold inference BatchNorm into the preceding Conv; with ``keep_batchnorm=True``
-    (legacy only) BatchNormalization nodes are kept (``TrainingMode.PRESERVE``).
+    ``keep_batchnorm``: keep BatchNormalization nodes (``TrainingMode.PRESERVE``; a training
+    graph has them). Default: kept with the legacy exporter; the dynamo exporter always folds
+    inference BatchNorm into the preceding Conv.
 
     ``external_data``: None = automatic (parameters >= ``LARGE_MODEL_BYTES``); True
     stores all weights in ``<basename>.data`` next to ``path``; False embeds them (fails
@@ -150,6 +151,8 @@ def export(name: str, path, size: str = "tiny", batch: "int | None" = None,
     b = _batch(entry, size, batch)
     if exporter not in EXPORTERS:
         raise ZooError(f"unknown exporter {exporter!r}; valid exporters: {', '.join(EXPORTERS)}")
+    if keep_batchnorm is None:
+        keep_batchnorm = exporter == "legacy"
     if keep_batchnorm and exporter != "legacy":
         raise ZooError("keep_batchnorm=True is only supported with exporter='legacy'")
 
