@@ -194,6 +194,8 @@ class OpSpec:
     piece_attrs: Callable[[dict, Shapes, Shapes], dict] | None = None
     num_inputs: int | tuple[int, int] = 1       # exact count or (min, max)
     doc: str = ""
+    # compute operators: (attrs, in_shapes, out_sizes) -> Labels, the description label_inference reads
+    labels: Callable[[dict, Shapes, Sequence[Sequence[int]]], "Labels"] | None = None
 
     def check_arity(self, n: int) -> None:
         lo, hi = (self.num_inputs, self.num_inputs) if isinstance(self.num_inputs, int) else self.num_inputs

@@ -34,16 +34,32 @@ def compute_op(name: str, *, attrs: dict, num_inputs, logical: Callable, labels:
     ``logical(attrs, in_shapes) -> [(sizes, dtype), ...]`` checks the logical inputs and gives the
     outputs; ``labels(attrs, in_shapes, out_sizes) -> Labels`` describes the parallel behaviour.
     """
+    defaults = {k: v for k, v in attrs.items() if v is not REQUIRED}
+
+    def full(a: dict) -> dict:
+        """Callers may leave out attributes that have defaults."""
+        if all(k in a for k in attrs):
+            return a
+        for k, v in attrs.items():
+            if v is REQUIRED and k not in a:
+                _bad(name, f"missing required attribute {k!r}")
+        return {**defaults, **a}
+
     def infer(a: dict, in_shapes: Shapes, strict: bool = True) -> Inference:
+        a = full(a)
         outs = logical(a, in_shapes)
         lab = labels(a, in_shapes, [o[0] for o in outs])
         shapes, pm = label_inference(name, lab, in_shapes, [o[0] for o in outs], [o[1] for o in outs],
                                      strict=strict)
         return Inference(shapes, pm)
 
-    return register(OpSpec(name=name, kind="compute", attrs=attrs, infer=infer, forward=forward,
-                           flops=flops or (lambda a, i, o: float(sum(s.numel for s in o))),
-                           piece_attrs=piece_attrs, num_inputs=num_inputs, doc=doc))
+    fl = flops or (lambda a, i, o: float(sum(s.numel for s in o)))
+    return register(OpSpec(name=name, kind="compute", attrs=attrs, infer=infer,
+                           forward=lambda a, xs: forward(full(a), xs),
+                           flops=lambda a, i, o: fl(full(a), i, o),
+                           piece_attrs=(lambda a, i, o: piece_attrs(full(a), i, o)) if piece_attrs else None,
+                           num_inputs=num_inputs, doc=doc,
+                           labels=lambda a, i, o: labels(full(a), i, o)))
 
 
 # --- sources ----------------------------------------------------------------------------------------
@@ -102,15 +118,37 @@ _unary("Dropout", lambda a, x: x, linear=True, attrs={"ratio": 0.5},
        doc="Identity in the numpy reference (inference semantics); the executor drops in training.")
 _unary("Scale", lambda a, x: x * np.asarray(a["factor"], dtype=x.dtype), linear=True,
        attrs={"factor": REQUIRED}, doc="Multiply by a constant scalar.")
-_unary("Clip", lambda a, x: np.clip(x, a["min"], a["max"]).astype(x.dtype, copy=False),
-       attrs={"min": -np.inf, "max": np.inf})
+def _clip_labels(a, ins, outs):
+    lab = _dims("d", ins[0].rank)
+    unbounded = a["min"] == -np.inf and a["max"] == np.inf   # the identity, hence linear
+    return Labels((lab,), (lab,), linearity="additive" if unbounded else ())
+
+
+compute_op("Clip", attrs={"min": -np.inf, "max": np.inf}, num_inputs=1, logical=_same, labels=_clip_labels,
+           forward=lambda a, xs: [np.clip(xs[0], a["min"], a["max"]).astype(xs[0].dtype, copy=False)],
+           flops=lambda a, i, o: float(o[0].numel))
+
+
 def _cast_logical(a, ins):
     if a["to"] not in DTYPES:
         _bad("Cast", f"unknown dtype {a['to']!r}")
     return [(ins[0].sizes, a["to"])]
 
 
-compute_op("Cast", attrs={"to": REQUIRED}, num_inputs=1, logical=_cast_logical, labels=_ident_labels,
+def _cast_labels(a, ins, outs):
+    # a cast into a float type, or from an int type into an int type, commutes with sums (up to
+    # rounding); float -> int truncates and bool saturates, so those are not linear
+    src, dst = np.dtype(_np_dtype(ins[0].dtype)).kind, np.dtype(_np_dtype(a["to"])).kind
+    linear = (src in "fiu" and dst == "f") or (src in "iu" and dst in "iu")
+    lab = _dims("d", ins[0].rank)
+    return Labels((lab,), (lab,), linearity="additive" if linear else ())
+
+
+def _np_dtype(dt: str):
+    return np.float32 if dt == "bfloat16" else dt   # numpy has no bfloat16; only the kind matters here
+
+
+compute_op("Cast", attrs={"to": REQUIRED}, num_inputs=1, logical=_cast_logical, labels=_cast_labels,
            forward=lambda a, xs: [xs[0].astype(a["to"])], flops=lambda a, i, o: 0.0)
 
 
@@ -178,8 +216,14 @@ def _linear_labels(a, ins, outs):
     li = [b + ("k",), ("k", "n")]
     if len(ins) == 3:
         li.append(("n",))
-    lin = (True, True) if len(ins) == 2 and a["activation"] == "none" else ()
-    return Labels(tuple(li), (b + ("n",),), linearity=lin)
+    linear = len(ins) == 2 and a["activation"] == "none"
+    lin = (True, True) if linear else ()
+    # splitting k gives partial sums of x @ W; a bias (added once per piece) or an activation (not
+    # linear) applied to each partial sum would be wrong
+    un = frozenset() if linear else frozenset({"k"})
+    why = "the bias would be added to every partial sum" if len(ins) == 3 else \
+        f"the {a['activation']} activation does not commute with the sum"
+    return Labels(tuple(li), (b + ("n",),), un, lin, {"k": f"it is contracted and {why}"})
 
 
 def _linear_fwd(a, xs):
@@ -250,20 +294,53 @@ def _conv_logical(a, ins):
     return [((n, co, ho, wo), x.dtype)]
 
 
-def _conv_pointwise(a, w) -> bool:
-    return (w.sizes[2:] == (1, 1) and _pair(a["stride"]) == (1, 1) and not any(_pair(a["padding"], 4)))
+def _window_labels(x: ParallelTensorShape, kernel, stride, dilation, padding, what: str
+                   ) -> tuple[tuple[str, str], tuple[str, str], dict]:
+    """Spatial labels of a sliding-window operator (input H, W; output H, W) and the reasons for
+    the unshardable ones.
+
+    A spatial dim may stay partitioned when windows never cross a piece boundary: no padding on
+    that dim, the window span is at most the stride (windows do not overlap), and every piece's
+    size is a multiple of the stride (each piece starts a window).  Then output piece i is the
+    operator applied to input piece i (e.g. 1x1 convolutions, patchify convolutions, 2x2/2 pooling).
+    """
+    sp_in, sp_out, reason = [], [], {}
+    pads = _pair(padding, 4)
+    for j, (name, k, s, dl) in enumerate(zip("hw", kernel, stride, dilation)):
+        size, deg = x.sizes[2 + j], x.degrees[2 + j]
+        span = (k - 1) * dl + 1
+        piece = size // deg
+        if pads[j] == 0 and pads[j + 2] == 0 and span <= s and piece % s == 0:
+            sp_in.append(name)
+            sp_out.append(name)
+            continue
+        sp_in.append(name + "i")
+        sp_out.append(name + "o")
+        if pads[j] or pads[j + 2]:
+            reason[name + "i"] = f"{what} window reads padding at piece boundaries (no halo exchange)"
+        elif span > s:
+            reason[name + "i"] = f"{what} windows overlap neighbouring pieces (no halo exchange)"
+        else:
+            reason[name + "i"] = f"its piece size {piece} is not a multiple of the stride {s}"
+    return tuple(sp_in), tuple(sp_out), reason
 
 
 def _conv_labels(a, ins, outs):
     x, w = ins[0], ins[1]
     g = a["groups"]
-    sp_in, sp_out = (("h", "w"), ("h", "w")) if _conv_pointwise(a, w) else (("hi", "wi"), ("ho", "wo"))
+    sp_in, sp_out, reason = _window_labels(x, w.sizes[2:], _pair(a["stride"]), _pair(a["dilation"]),
+                                           a["padding"], "a convolution")
     un = {"hi", "wi", "kh", "kw", "cg"}
-    reason = {l: "a convolution window spans neighbouring pieces (no halo exchange)" for l in ("hi", "wi")}
     if g == 1:
         li = [("n", "ci") + sp_in, ("co", "ci", "kh", "kw")]
         lo = ("n", "co") + sp_out
+        if len(ins) == 3:
+            un.add("ci")
+            reason["ci"] = "it is contracted and the bias would be added to every partial sum"
     else:  # grouped: channels split by whole groups
+        d = x.degrees[1]
+        if g % d:
+            _bad("Conv2d", f"input channel degree {d} does not divide groups={g} (pieces must hold whole groups)")
         li = [("n", "c") + sp_in, ("c", "cg", "kh", "kw")]
         lo = ("n", "c") + sp_out
         reason["cg"] = "channels within a group cannot be split"
@@ -311,10 +388,17 @@ def _pool_logical(a, ins):
 
 
 def _pool_labels(a, ins, outs):
-    why = "a pooling window spans neighbouring pieces"
-    lin = "additive" if a["kind"] == "avg" else ()
-    return Labels((("n", "c", "hi", "wi"),), (("n", "c", "ho", "wo"),), frozenset({"hi", "wi"}), lin,
-                  {"hi": why, "wi": why})
+    x = ins[0]
+    # average pooling is linear; so is max pooling when every window holds one element (a strided pick)
+    single = x.sizes[2:] == (1, 1) if a["global_pool"] else _pair(a["kernel"]) == (1, 1)
+    lin = "additive" if a["kind"] == "avg" or single else ()
+    if a["global_pool"]:
+        why = "the global pool reduces over it"
+        return Labels((("n", "c", "hi", "wi"),), (("n", "c", "ho", "wo"),), frozenset({"hi", "wi"}), lin,
+                      {"hi": why, "wi": why})
+    sp_in, sp_out, reason = _window_labels(ins[0], _pair(a["kernel"]), _pair(a["stride"]), (1, 1),
+                                           a["padding"], "a pooling")
+    return Labels((("n", "c") + sp_in,), (("n", "c") + sp_out,), frozenset({"hi", "wi"}), lin, reason)
 
 
 def _pool_fwd(a, xs):
@@ -342,7 +426,8 @@ def _lrn_fwd(a, xs):
 
 compute_op("LRN", attrs={"size": REQUIRED, "alpha": 1e-4, "beta": 0.75, "bias": 1.0}, num_inputs=1,
            logical=lambda a, ins: (_bad("LRN", "expects an NCHW input") if ins[0].rank != 4 else _same(a, ins)),
-           labels=lambda a, ins, outs: Labels((("n", "c", "h", "w"),), (("n", "c", "h", "w"),), frozenset({"c"}),
+           labels=lambda a, ins, outs: Labels((("n", "c", "h", "w"),), (("n", "c", "h", "w"),),
+                                              frozenset({"c"}) if a["size"] > 1 else frozenset(),
                                               (), {"c": "the normalization window spans neighbouring channels"}),
            forward=_lrn_fwd, flops=lambda a, i, o: float(o[0].numel * (a["size"] + 4)))
 
@@ -382,7 +467,9 @@ def _ln_labels(a, ins, outs):
     ax = a["axis"] % x.rank
     lab = _dims("d", x.rank)
     norm = lab[ax:]
-    return Labels((lab,) + tuple(norm for _ in ins[1:]), (lab,), frozenset(norm), (),
+    # with a scale and no bias the output is linear in the scale (partial sums may pass through it)
+    lin = (False, True) if len(ins) == 2 else ()
+    return Labels((lab,) + tuple(norm for _ in ins[1:]), (lab,), frozenset(norm), lin,
                   {l: "layer norm normalizes along it" for l in norm})
 
 
@@ -636,18 +723,21 @@ compute_op("Transpose", attrs={"perm": REQUIRED}, num_inputs=1, logical=_transpo
            forward=lambda a, xs: [np.transpose(xs[0], a["perm"])], flops=lambda a, i, o: 0.0)
 
 
+def _flatten_shape(axis: int, sizes: Sequence[int]) -> tuple[int, int]:
+    ax = axis if axis >= 0 else axis + len(sizes)
+    if not 0 <= ax <= len(sizes):
+        _bad("Flatten", f"axis {axis} out of range for rank {len(sizes)}")
+    return (prod(sizes[:ax]), prod(sizes[ax:]))
+
+
 def _flatten_logical(a, ins):
     x = ins[0]
-    ax = a["axis"] if a["axis"] >= 0 else a["axis"] + x.rank
-    if not 0 <= ax <= x.rank:
-        _bad("Flatten", f"axis {a['axis']} out of range for rank {x.rank}")
-    return [((prod(x.sizes[:ax]), prod(x.sizes[ax:])), x.dtype)]
+    return [(_flatten_shape(a["axis"], x.sizes), x.dtype)]
 
 
 compute_op("Flatten", attrs={"axis": 1}, num_inputs=1, logical=_flatten_logical,
            labels=lambda a, ins, outs: _reshape_labels(a, ins, outs),
-           forward=lambda a, xs: [xs[0].reshape(a.get("_piece_shape") or
-                                                (prod(xs[0].shape[:a["axis"] % (xs[0].ndim + 1)]), -1))],
+           forward=lambda a, xs: [xs[0].reshape(a.get("_piece_shape") or _flatten_shape(a["axis"], xs[0].shape))],
            piece_attrs=lambda a, ins, outs: {**a, "_piece_shape": outs[0].piece_shape},
            flops=lambda a, i, o: 0.0)
 

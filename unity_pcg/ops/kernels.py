@@ -10,7 +10,8 @@ _erf = np.frompyfunc(math.erf, 1, 1)
 
 def erf(x: np.ndarray) -> np.ndarray:
     x = np.asarray(x)
-    return _erf(x.astype(np.float64)).astype(x.dtype if x.dtype.kind == "f" else np.float64)
+    y = np.asarray(_erf(x.astype(np.float64)), dtype=np.float64)   # frompyfunc gives a bare float for 0-d input
+    return y.astype(x.dtype if x.dtype.kind == "f" else np.float64)
 
 
 def gelu(x: np.ndarray) -> np.ndarray:
