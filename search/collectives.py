@@ -1,0 +1,116 @@
+"""Alpha-beta costs of collectives per link level (Alpa's prototype formulas; OneFlow Table 2 volumes).
+
+Time of a message of ``n`` bytes over a link: ``alpha + n / beta`` (latency ``alpha`` s, bandwidth
+``beta`` bytes/s).  A collective over ``p`` devices runs at the speed of the slowest link level it
+spans (``MachineSpec.span_level``); across nodes the bandwidth is the node's NIC, which a ring that
+visits the devices node by node crosses once per direction.
+
+Volume convention (the whole project): the number of tensor elements sent by all devices.  For a
+tensor of N elements: ring all-reduce 2(p-1)N, all-gather and reduce-scatter (p-1)N (N = the full,
+gathered size), all-to-all (p-1)/p N, broadcast / reduce (p-1)N, point-to-point N.
+"""
+from __future__ import annotations
+
+import math
+from collections import defaultdict
+from typing import Iterable, Sequence
+
+from unity_pcg.machine import LinkSpec, MachineSpec
+
+
+def _link(machine: MachineSpec, devs: Sequence[int]) -> LinkSpec | None:
+    lv = machine.span_level(devs)
+    return None if lv == "local" else machine.link(lv)
+
+
+def allreduce_time(machine: MachineSpec, devs: Sequence[int], nbytes: float) -> float:
+    """Ring all-reduce: 2(p-1) steps of n/p bytes."""
+    p = len(set(devs))
+    link = _link(machine, devs)
+    if p <= 1 or link is None or nbytes <= 0:
+        return 0.0
+    return 2 * (p - 1) * link.latency + 2 * (p - 1) / p * nbytes / link.bandwidth
+
+
+def allgather_time(machine: MachineSpec, devs: Sequence[int], nbytes: float) -> float:
+    """Ring all-gather of a tensor of ``nbytes`` (gathered size): p-1 steps of n/p bytes."""
+    p = len(set(devs))
+    link = _link(machine, devs)
+    if p <= 1 or link is None or nbytes <= 0:
+        return 0.0
+    return (p - 1) * link.latency + (p - 1) / p * nbytes / link.bandwidth
+
+
+reduce_scatter_time = allgather_time
+
+
+def alltoall_time(machine: MachineSpec, devs: Sequence[int], nbytes: float) -> float:
+    """All-to-all of a tensor of ``nbytes`` in total: each device sends (p-1)/p of its n/p bytes."""
+    p = len(set(devs))
+    link = _link(machine, devs)
+    if p <= 1 or link is None or nbytes <= 0:
+        return 0.0
+    return (p - 1) * link.latency + (p - 1) / (p * p) * nbytes / link.bandwidth
+
+
+def broadcast_time(machine: MachineSpec, devs: Sequence[int], nbytes: float) -> float:
+    """Pipelined (chunked ring) broadcast of ``nbytes`` from one of ``devs`` to the others."""
+    p = len(set(devs))
+    link = _link(machine, devs)
+    if p <= 1 or link is None or nbytes <= 0:
+        return 0.0
+    return math.ceil(math.log2(p)) * link.latency + nbytes / link.bandwidth
+
+
+def reduce_time(machine: MachineSpec, devs: Sequence[int], nbytes: float) -> float:
+    """Reduce to one device = reduce-scatter + gather: 2(p-1)/p n bytes through the slowest link."""
+    p = len(set(devs))
+    link = _link(machine, devs)
+    if p <= 1 or link is None or nbytes <= 0:
+        return 0.0
+    return 2 * (p - 1) * link.latency + 2 * (p - 1) / p * nbytes / link.bandwidth
+
+
+def p2p_time(machine: MachineSpec, src: int, dst: int, nbytes: float) -> float:
+    if src == dst or nbytes <= 0:
+        return 0.0
+    link = machine.link(machine.level(src, dst))
+    return link.latency + nbytes / link.bandwidth
+
+
+def transfer_time(machine: MachineSpec, moves: Iterable[tuple[int, int, float]]) -> float:
+    """Many point-to-point messages at once (a resharding, an all-to-all): every endpoint sends and
+    receives its bytes at its level's bandwidth (a node's network traffic shares its NIC); levels and
+    endpoints work concurrently, so the time is the busiest endpoint's."""
+    out_b: dict = defaultdict(float)
+    in_b: dict = defaultdict(float)
+    msgs: dict = defaultdict(int)
+    any_move = False
+    for src, dst, nb in moves:
+        if src == dst or nb <= 0:
+            continue
+        any_move = True
+        lv = machine.level(src, dst)
+        if lv == "network":
+            ks, kd = ("n", machine.node_of(src)), ("n", machine.node_of(dst))
+        else:
+            ks, kd = ("d", src), ("d", dst)
+        out_b[(lv, ks)] += nb
+        in_b[(lv, kd)] += nb
+        msgs[(lv, ("d", src))] += 1
+        msgs[(lv, ("d", dst))] += 1
+    if not any_move:
+        return 0.0
+    t = 0.0
+    for (lv, _), b in list(out_b.items()) + list(in_b.items()):
+        t = max(t, b / machine.link(lv).bandwidth)
+    lat = max(machine.link(lv).latency * n for (lv, _), n in msgs.items())
+    return t + lat
+
+
+def allreduce_elements(p: int, numel: int) -> int:
+    return 2 * (p - 1) * numel if p > 1 else 0
+
+
+__all__ = ["allreduce_time", "allgather_time", "reduce_scatter_time", "alltoall_time", "broadcast_time",
+           "reduce_time", "p2p_time", "transfer_time", "allreduce_elements"]

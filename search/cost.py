@@ -1,0 +1,439 @@
+"""The cost model, behind one small interface (Unity section 5, "Cost estimation").
+
+:class:`CostModel` (machine + training settings) answers three questions:
+
+* ``op_time(op, attrs, in_shapes, out_shapes)`` -- forward and backward time of one task (one
+  device's piece of work): a roofline ``max(FLOPs / (peak * efficiency), bytes / memory bandwidth)``
+  plus a per-operator launch overhead.  Backward = ``backward_factor`` (default 2) x forward, for
+  FLOPs and bytes alike (the input and the weight gradient each cost about one forward).
+* collectives and transfers (:mod:`search.collectives`), per link level;
+* ``update_time(bytes)`` -- the optimizer step over a device's weight bytes (memory bound).
+
+:class:`GraphCost` binds a cost model to one PCG and prices *leaves* for the machine-mapping DP: the
+cost of one node given its machine view and the views of its producers.  A leaf's cost is the node's
+own forward+backward compute plus the forward+backward communication on its incoming edges (the
+backward of a transfer moves the gradient back over the same links, the backward of a Replicate is a
+Reduce and vice versa, so each activation edge costs twice its forward transfer) plus, for the
+weight placement it represents, gradient synchronization and the optimizer update.  The iteration
+time of a mapping is the sum of its leaves' costs along the series-parallel structure (see
+:mod:`search.mapping`).
+
+Node roles:
+
+* sources (Input, Weight): no view, no cost;
+* *placement* nodes: parallel operators reached from a source through parallel operators only.
+  Partitioning / replicating an Input says how the data loader feeds shards: free.  For a Weight it
+  says where the weight lives: free in the forward pass; each ``Replicate(d)`` in a weight's chain
+  implies a ring all-reduce of the gradient over every group of ``d`` copies in the backward pass,
+  and the optimizer updates every piece on its device;
+* compute nodes: compute + incoming edges;
+* other parallel nodes: their incoming edge only (Partition: slices, local when the device already
+  holds the piece; Combine: gather; Replicate: broadcast; Reduce: reduce; Pipeline / Batch priced as
+  Partition / Combine).
+
+Communication volume (``comm_elements``): tensor elements sent by all devices in one iteration.
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+from functools import lru_cache
+from math import prod
+from typing import Any, Mapping, Sequence
+
+from unity_pcg import ops
+from unity_pcg.machine import MachineSpec, MachineView, Resource, enumerate_views
+from unity_pcg.pcg import PCG
+from unity_pcg.shape import ParallelTensorShape
+
+from . import collectives as C
+
+OPTIMIZER_STATES = {"sgd": 0, "momentum": 1, "adam": 2}   # extra fp32 copies per weight
+MATMUL_OPS = {"Linear", "MatMul", "BatchMatMul", "Embedding"}
+CONV_OPS = {"Conv2d"}
+ELEMENTWISE_OPS = {"Relu", "Gelu", "Sigmoid", "Tanh", "Erf", "Exp", "Sqrt", "Reciprocal", "Neg", "Identity",
+                   "Dropout", "Scale", "Clip", "Cast", "Add", "Sub", "Mul", "Div", "Pow", "Max", "Min"}
+INF = math.inf
+
+
+def op_class(op: str) -> str:
+    if op in MATMUL_OPS:
+        return "matmul"
+    if op in CONV_OPS:
+        return "conv"
+    if op in ELEMENTWISE_OPS:
+        return "elementwise"
+    return "default"
+
+
+class CostModel:
+    """Costs of tasks, collectives and the optimizer step on one machine."""
+
+    def __init__(self, machine: MachineSpec, optimizer: str = "adam", backward_factor: float = 2.0):
+        if optimizer not in OPTIMIZER_STATES:
+            raise ValueError(f"unknown optimizer {optimizer!r} (known: {', '.join(OPTIMIZER_STATES)})")
+        self.machine = machine
+        self.optimizer = optimizer
+        self.backward_factor = float(backward_factor)
+        self._op_cache: dict = {}
+
+    # --- compute -------------------------------------------------------------------------------
+    def op_time(self, op: str, attrs: Mapping[str, Any], in_shapes: Sequence[ParallelTensorShape],
+                out_shapes: Sequence[ParallelTensorShape]) -> tuple[float, float]:
+        """(forward, backward) seconds of one task."""
+        key = (op, tuple(sorted(dict(attrs).items())), tuple(in_shapes), tuple(out_shapes))
+        r = self._op_cache.get(key)
+        if r is None:
+            f = ops.task_flops(op, attrs, in_shapes, out_shapes)
+            b = ops.bytes_moved(op, in_shapes, out_shapes, per_task=True)
+            r = self.roofline(op, f, b)
+            self._op_cache[key] = r
+        return r
+
+    def roofline(self, op: str, flops: float, nbytes: float) -> tuple[float, float]:
+        m = self.machine
+        t = max(flops / (m.flops * m.device.eff(op_class(op))), nbytes / m.mem_bandwidth)
+        fwd = t + m.device.op_overhead
+        bwd = self.backward_factor * t + m.device.op_overhead
+        return fwd, bwd
+
+    # --- optimizer -----------------------------------------------------------------------------
+    def update_time(self, weight_bytes: float) -> float:
+        """Memory-bound update: read weight, grad, states; write weight, states."""
+        if weight_bytes <= 0:
+            return 0.0
+        k = OPTIMIZER_STATES[self.optimizer]
+        return (3 + 2 * k) * weight_bytes / self.machine.mem_bandwidth + self.machine.device.op_overhead
+
+    def weight_memory_factor(self) -> int:
+        """Bytes per weight byte held on a device: weight + gradient + optimizer states."""
+        return 2 + OPTIMIZER_STATES[self.optimizer]
+
+
+# --- per-graph pricing ------------------------------------------------------------------------------
+
+@dataclass
+class LeafCost:
+    time: float = 0.0
+    compute: float = 0.0
+    comm: float = 0.0        # activation / weight transfers (forward + backward)
+    sync: float = 0.0        # gradient all-reduce of replicated weights
+    update: float = 0.0      # optimizer step
+    comm_elements: int = 0
+    reason: str = ""         # why the cost is infinite
+
+    def add(self, o: "LeafCost") -> "LeafCost":
+        return LeafCost(self.time + o.time, self.compute + o.compute, self.comm + o.comm, self.sync + o.sync,
+                        self.update + o.update, self.comm_elements + o.comm_elements, self.reason or o.reason)
+
+
+def _mixed(idx: dict, axes: Sequence[str], deg: dict) -> int:
+    v = 0
+    for a in axes:
+        v = v * deg[a] + idx[a]
+    return v
+
+
+class GraphCost:
+    """Prices the leaves of one PCG on one machine (see module docstring)."""
+
+    def __init__(self, g: PCG, model: CostModel):
+        self.g = g
+        self.model = model
+        self.machine = model.machine
+        self.role: dict[int, str] = {}
+        self.grid: dict[int, tuple[int, ...]] = {}       # view grid of every non-source node
+        self._task_piece: dict[int, list] = {}           # compute: per tensor, task -> piece flat index
+        self._pm: dict[int, Any] = {}
+        self._edge_cache: dict = {}
+        self._leaf_cache: dict = {}
+        self._update_owner: dict[int, set] = {}          # compute node -> Weight inputs it updates
+        seen_w: set = set()
+        for n in g.nodes():
+            spec = ops.get_op(n.op)
+            if spec.kind == "source":
+                self.role[n.id] = "input" if n.op == "Input" else "weight"
+                continue
+            if spec.kind == "parallel":
+                src_role = self.role[n.inputs[0][0]]
+                if src_role in ("input", "weight"):
+                    self.role[n.id] = src_role
+                elif src_role in ("input-placement", "weight-placement"):
+                    self.role[n.id] = src_role
+                else:
+                    self.role[n.id] = "parallel"
+                if src_role in ("input", "weight"):
+                    self.role[n.id] = src_role + "-placement"
+                self.grid[n.id] = g.shapes(n.id)[0].grid
+            else:
+                self.role[n.id] = "compute"
+                inf = ops.infer(n.op, n.a, g.input_shapes(n.id))
+                pm = inf.piece_map
+                self._pm[n.id] = pm
+                self.grid[n.id] = tuple(d for _, d in pm.axes)
+                owned = set()
+                for r in n.inputs:
+                    if self.role[r[0]] == "weight" and r[0] not in seen_w:
+                        seen_w.add(r[0])
+                        owned.add(r)
+                self._update_owner[n.id] = owned
+        # placement chains whose consumers leave the chain own the weight update
+        self._chain_end: set[int] = set()
+        for nid, role in self.role.items():
+            if role == "weight-placement":
+                users = [c for c, _ in self._consumers_of(nid)]
+                if any(self.role[u] != "weight-placement" for u in users) or not users:
+                    self._chain_end.add(nid)
+
+    def _consumers_of(self, nid: int) -> list[tuple[int, int]]:
+        out = []
+        for k in range(len(self.g.shapes(nid))):
+            out.extend(self.g.consumers((nid, k)))
+        return out
+
+    # --- views and piece placement --------------------------------------------------------------
+    def nodes(self) -> list[int]:
+        """Nodes that take a machine view (everything but sources), topological order."""
+        return [i for i in self.g.topo_order() if self.role[i] not in ("input", "weight")]
+
+    def views(self, nid: int, resource: Resource | None = None) -> list[MachineView]:
+        return enumerate_views(self.grid[nid], self.machine, resource)
+
+    def _task_to_piece(self, nid: int, which: str, k: int) -> tuple[int, ...]:
+        """For a compute node: the flat piece index (canonical grid order) of tensor ``which``
+        ('in' / 'out') number ``k`` that each task (row-major over the task axes) holds."""
+        key = (nid, which, k)
+        hit = self._task_piece.get(key)
+        if hit is not None:
+            return hit
+        pm = self._pm[nid]
+        tm = (pm.inputs if which == "in" else pm.outputs)[k]
+        shape = (self.g.input_shapes(nid)[k] if which == "in" else self.g.shapes(nid)[k])
+        deg = dict(pm.axes)
+        names = [a for a, _ in pm.axes]
+        grid = shape.grid
+        out = []
+        for t in range(pm.degree):
+            idx = {}
+            r = t
+            for a in reversed(names):
+                idx[a] = r % deg[a]
+                r //= deg[a]
+            gi = [_mixed(idx, tm.copy, deg), _mixed(idx, tm.sum, deg)] + [_mixed(idx, d, deg) for d in tm.dims]
+            flat = 0
+            for x, gsz in zip(gi, grid):
+                flat = flat * gsz + x
+            out.append(flat)
+        res = tuple(out)
+        self._task_piece[key] = res
+        return res
+
+    def placement(self, nid: int, view: MachineView, k: int = 0) -> tuple[int, ...]:
+        """Device of every piece (canonical flat order) of output ``k`` of ``nid`` under ``view``."""
+        devs = view.devices()
+        if self.role[nid] == "compute":
+            t2p = self._task_to_piece(nid, "out", k)
+            out = [0] * len(devs)
+            for t, p in enumerate(t2p):
+                out[p] = devs[t]
+            return tuple(out)
+        return devs
+
+    # --- edges -----------------------------------------------------------------------------------
+    def _holders(self, shape: ParallelTensorShape, place: Sequence[int]) -> list[set]:
+        """Devices holding each piece key (a piece up to its copy index)."""
+        rest = shape.piece_count // shape.copy_degree
+        hold = [set() for _ in range(rest)]
+        for flat, d in enumerate(place):
+            hold[flat % rest].add(d)
+        return hold
+
+    def edge_cost(self, nid: int, pos: int, prod_view: MachineView | None, view: MachineView) -> LeafCost:
+        """Forward + backward cost of input ``pos`` of ``nid`` (its producer placed by ``prod_view``)."""
+        ref = self.g.node(nid).inputs[pos]
+        prole = self.role[ref[0]]
+        if prole in ("input", "weight"):
+            return LeafCost()
+        key = (nid, pos, prod_view, view)
+        hit = self._edge_cache.get(key)
+        if hit is not None:
+            return hit
+        m = self.machine
+        shape = self.g.shape(ref)
+        hold = self._holders(shape, self.placement(ref[0], prod_view, ref[1]))
+        pbytes = shape.piece_nbytes
+        pnum = shape.piece_numel
+        rest = len(hold)
+        node = self.g.node(nid)
+        moves: list = []
+        elements = 0
+        t = 0.0
+        near = self._nearest
+
+        if self.role[nid] == "compute":
+            t2p = self._task_to_piece(nid, "in", pos)
+            for dev, p in zip(view.devices(), t2p):
+                h = hold[p % rest]
+                if dev not in h:
+                    moves.append((near(h, dev), dev, pbytes))
+                    elements += pnum
+            t = C.transfer_time(m, moves)
+        else:
+            out = self.g.shapes(nid)[0]
+            odevs = view.devices()
+            a = node.a
+            op = node.op
+            ogrid = out.grid
+            igrid = shape.grid
+
+            def key_of(gi):  # grid index (copy, sum, dims...) of the input -> piece key
+                flat = 0
+                for x, gsz in zip(gi[1:], igrid[1:]):
+                    flat = flat * gsz + x
+                return flat
+
+            groups: dict = {}
+            for flat, dev in enumerate(odevs):
+                gi, r = [], flat
+                for gsz in reversed(ogrid):
+                    gi.append(r % gsz)
+                    r //= gsz
+                gi.reverse()
+                if op in ("Partition", "Pipeline"):
+                    dim = 2 + a["dim"] % shape.rank
+                    src = list(gi)
+                    src[dim] //= a["degree"]
+                    src[0] = 0
+                    h = hold[key_of(src)]
+                    if dev not in h:
+                        moves.append((near(h, dev), dev, out.piece_nbytes))
+                        elements += out.piece_numel
+                elif op in ("Combine", "Batch"):
+                    dim = 2 + a["dim"] % shape.rank
+                    for j in range(a["degree"]):
+                        src = list(gi)
+                        src[dim] = gi[dim] * a["degree"] + j
+                        src[0] = 0
+                        h = hold[key_of(src)]
+                        if dev not in h:
+                            moves.append((near(h, dev), dev, pbytes))
+                            elements += pnum
+                elif op == "Replicate":
+                    src = list(gi)
+                    src[0] = 0
+                    k = key_of(src)
+                    if dev not in hold[k]:
+                        groups.setdefault(("b", k), [set(hold[k]), []])[1].append(dev)
+                        elements += pnum
+                elif op == "Reduce":
+                    contrib = set()
+                    local = False
+                    for j in range(a["degree"]):
+                        src = list(gi)
+                        src[1] = gi[1] * a["degree"] + j
+                        src[0] = 0
+                        h = hold[key_of(src)]
+                        if dev in h:
+                            local = True
+                        else:
+                            contrib.add(near(h, dev))
+                            elements += pnum
+                    if contrib:
+                        groups[("r", flat)] = [contrib, [dev], local]
+                else:  # pragma: no cover - registry has exactly these parallel ops
+                    raise AssertionError(op)
+            t = C.transfer_time(m, moves)
+            for (kind, _), grp in groups.items():
+                if kind == "b":
+                    srcs, dsts = grp[0], grp[1]
+                    devs = [near(srcs, dsts[0])] + dsts
+                    t = max(t, C.broadcast_time(m, devs, pbytes))
+                else:
+                    devs = list(grp[0]) + grp[1]
+                    t = max(t, C.reduce_time(m, devs, out.piece_nbytes))
+        factor = 1 if prole == "input-placement" else 2   # no gradient flows back to the data
+        res = LeafCost(time=factor * t, comm=factor * t, comm_elements=factor * elements)
+        self._edge_cache[key] = res
+        return res
+
+    def _nearest(self, holders: set, dev: int) -> int:
+        rank = {"local": 0, "group": 1, "node": 2, "network": 3}
+        return min(holders, key=lambda h: (rank[self.machine.level(h, dev)], h))
+
+    # --- leaves ----------------------------------------------------------------------------------
+    def own_cost(self, nid: int, view: MachineView) -> LeafCost:
+        """The part of a leaf's cost that depends on its own view only: compute, sync, update."""
+        key = (nid, view)
+        hit = self._leaf_cache.get(key)
+        if hit is not None:
+            return hit
+        node = self.g.node(nid)
+        role = self.role[nid]
+        c = LeafCost()
+        if role == "weight-placement":
+            if nid in self._chain_end:  # where the weight lives: sync its copies, update its pieces
+                c.sync, c.comm_elements = self._grad_sync(nid, view)
+                c.update = self.model.update_time(self.g.shapes(nid)[0].piece_nbytes)
+        elif role == "compute":
+            f, b = self.model.op_time(node.op, node.a, self.g.input_shapes(nid), self.g.shapes(nid))
+            c.compute = f + b
+            wbytes = sum(self.g.shape(r).piece_nbytes for r in self._update_owner.get(nid, ()))
+            if wbytes:
+                c.update = self.model.update_time(wbytes)
+        c.time = c.compute + c.comm + c.sync + c.update
+        self._leaf_cache[key] = c
+        return c
+
+    def leaf_cost(self, nid: int, view: MachineView, prod_views: Mapping[int, MachineView]) -> LeafCost:
+        """Cost of node ``nid`` on ``view`` given the views of its producers (:meth:`producers`):
+        :meth:`own_cost` plus :meth:`edge_cost` of every priced input.  Placement nodes pay nothing
+        for their inputs (the data loader feeds any shard; a weight's chain only says where it lives)."""
+        c = self.own_cost(nid, view)
+        if self.role[nid] in ("input-placement", "weight-placement"):
+            return c
+        c = LeafCost(c.time, c.compute, c.comm, c.sync, c.update, c.comm_elements)
+        for pos, r in enumerate(self.g.node(nid).inputs):
+            if self.role[r[0]] in ("input", "weight"):
+                continue
+            pview = prod_views.get(r[0])
+            if pview is None:
+                raise KeyError(f"no view for producer {r[0]} of node {nid}")
+            e = self.edge_cost(nid, pos, pview, view)
+            c.comm += e.comm
+            c.time += e.comm
+            c.comm_elements += e.comm_elements
+        return c
+
+    def priced_inputs(self, nid: int) -> list[tuple[int, int]]:
+        """(input position, producer) pairs whose edges are priced in the leaf of ``nid``."""
+        if self.role[nid] in ("input-placement", "weight-placement"):
+            return []
+        return [(pos, r[0]) for pos, r in enumerate(self.g.node(nid).inputs)
+                if self.role[r[0]] not in ("input", "weight")]
+
+    def producers(self, nid: int) -> list[int]:
+        """Producers whose views the leaf cost of ``nid`` depends on."""
+        if self.role[nid] in ("input-placement", "weight-placement"):
+            return []
+        return sorted({r[0] for r in self.g.node(nid).inputs if self.role[r[0]] not in ("input", "weight")})
+
+    def _grad_sync(self, nid: int, view: MachineView) -> tuple[float, int]:
+        """Ring all-reduce of the gradient over the devices holding copies of the same weight piece
+        (the copy groups of the chain end's shape); groups run concurrently."""
+        out = self.g.shapes(nid)[0]
+        if out.copy_degree == 1:
+            return 0.0, 0
+        devs = view.devices()
+        rest = out.piece_count // out.copy_degree
+        groups: dict = {}
+        for flat, dev in enumerate(devs):
+            groups.setdefault(flat % rest, set()).add(dev)
+        t = 0.0
+        el = 0
+        for g in groups.values():
+            t = max(t, C.allreduce_time(self.machine, sorted(g), out.piece_nbytes))
+            el += C.allreduce_elements(len(g), out.piece_numel)
+        return t, el
+
+
+__all__ = ["CostModel", "GraphCost", "LeafCost", "OPTIMIZER_STATES", "op_class", "INF"]

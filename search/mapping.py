@@ -1,0 +1,391 @@
+"""The machine-mapping dynamic program (Unity section 5.2).
+
+Given a PCG (its parallelization fixed) and a machine, choose a machine view for every node so that
+the predicted iteration time is minimal.  The PCG is decomposed into a series-parallel tree of units
+(:mod:`search.sp`); the DP walks it:
+
+* ``Leaf(unit)``: the unit's main node takes each of its views in the current resource; each
+  placement node feeding it takes the view minimizing its own cost plus the edges into the main
+  node (independent given the main node's view); the leaf's cost is :meth:`GraphCost.leaf_cost` of
+  its nodes.
+* ``Series(c1..ck)``: a left-to-right pass.  After child i the *state* is the views of the nodes of
+  c1..ci that later children read (the boundary of a sequence split; for a post-dominator split it
+  is just the post-dominator); each child is solved once per state and per combination of views of
+  its own boundary nodes.  Series cost = sum.
+* ``Parallel(a, b)``: either one after the other on the whole resource (sum), or side by side on a
+  split of the resource by *quantity* -- whole nodes, or devices inside one node, both orientations
+  (max).  No interleaving of the two (as in Unity).
+
+Memoization.  :class:`MachineMapper` keeps one cache per machine and cost model across calls,
+keyed by (subtree key, resource, the views fixed for the subtree's boundary).  The subtree key is
+built from the PCG's node hashes (which hash a node's operator, attributes and, transitively, its
+inputs), so a candidate PCG produced by a substitution reuses every subproblem upstream of the
+rewritten region.  Views are remembered by node hash and translated back to node ids per graph.
+
+Memory: the DP minimizes time; the chosen mapping's memory per device is then checked and a plan
+that does not fit is infeasible (``cost = inf`` with a reason), never merely slow.
+"""
+from __future__ import annotations
+
+import hashlib
+import math
+import time
+from dataclasses import dataclass, field
+from itertools import product
+from typing import Any, Mapping
+
+from unity_pcg.machine import MachineSpec, MachineView, Resource
+from unity_pcg.pcg import PCG
+
+from .cost import CostModel, GraphCost, LeafCost
+from .memory import MemoryReport, memory_per_device
+from .sp import Decomposition, Leaf, Parallel, Series, decompose, tree_units
+
+INF = math.inf
+
+
+@dataclass
+class MappingResult:
+    cost: float                          # predicted iteration time (s); inf if infeasible
+    views: dict                          # node id -> MachineView (every non-source node)
+    breakdown: LeafCost                  # sums over leaves (compute, comm, sync, update, elements)
+    memory: MemoryReport | None
+    feasible: bool
+    reason: str
+    devices: int
+    solve_s: float
+    stats: dict = field(default_factory=dict)
+    decomposition: Decomposition | None = None
+
+    def to_json(self) -> dict:
+        b = self.breakdown
+        mem = self.memory
+        return {"predicted_iteration_s": self.cost if math.isfinite(self.cost) else None,
+                "feasible": self.feasible, "reason": self.reason, "devices": self.devices,
+                "comm_elements": b.comm_elements,
+                "max_memory_bytes": mem.max_bytes if mem else None,
+                "breakdown": {"compute_s": b.compute, "comm_s": b.comm, "grad_sync_s": b.sync,
+                              "update_s": b.update, "sum_of_leaves_s": b.time},
+                "memory_per_device": {str(d): v for d, v in sorted(mem.per_device.items())} if mem else {},
+                "solve_s": self.solve_s, "stats": dict(self.stats)}
+
+
+class _Ctx:
+    """Per-graph data for one DP run."""
+
+    def __init__(self, g: PCG, gc: GraphCost, dec: Decomposition):
+        self.g, self.gc, self.dec = g, gc, dec
+        counts: dict = {}
+        self.h: dict[int, str] = {}
+        for nid in g.topo_order():
+            base = g.node_hash(nid)
+            k = counts.get(base, 0)
+            counts[base] = k + 1
+            self.h[nid] = base if k == 0 else f"{base}#{k}"
+        self.by_hash = {v: k for k, v in self.h.items()}
+        self.reads: dict[int, set] = {}                    # node -> nodes whose views its leaf reads
+        for u in dec.units:
+            for nid in u:
+                self.reads[nid] = {p for _, p in gc.priced_inputs(nid)}
+        self.nodes: dict[int, frozenset] = {}              # id(tree) -> nodes in it
+        self.relevant: dict[int, frozenset] = {}           # id(tree) -> nodes + external producers
+        self.key: dict[int, str] = {}
+        self.need: dict[int, int] = {}
+        self.boundary: dict[int, list] = {}                # id(series) -> per child: (outs, live_after)
+        self._prep(dec.tree)
+
+    def _prep(self, t) -> None:
+        if isinstance(t, Leaf):
+            ns = frozenset(self.dec.units[t.unit])
+            key = "L" + ",".join(self.h[n] for n in self.dec.units[t.unit])
+            kids = []
+        elif isinstance(t, Series):
+            kids = list(t.children)
+        else:
+            kids = [t.left, t.right]
+        for c in kids:
+            self._prep(c)
+        if not isinstance(t, Leaf):
+            ns = frozenset().union(*(self.nodes[id(c)] for c in kids))
+            key = ("S(" if isinstance(t, Series) else "P(") + ";".join(self.key[id(c)] for c in kids) + ")"
+        ext = set()
+        for n in ns:
+            ext |= self.reads[n]
+        self.nodes[id(t)] = ns
+        self.relevant[id(t)] = frozenset(ns | ext)
+        self.key[id(t)] = hashlib.blake2b(key.encode(), digest_size=16).hexdigest()
+        self.need[id(t)] = max((_deg(self.gc, n) for n in ns), default=1)
+        if isinstance(t, Series):
+            info = []
+            later_reads: list[set] = []
+            acc: set = set()
+            for c in reversed(kids):
+                later_reads.append(set(acc))
+                for n in self.nodes[id(c)]:
+                    acc |= self.reads[n]
+            later_reads.reverse()                            # later_reads[i]: read by children > i
+            done: set = set()
+            for i, c in enumerate(kids):
+                done |= self.nodes[id(c)]
+                outs = sorted(n for n in self.nodes[id(c)] if n in later_reads[i])
+                live = frozenset(n for n in done if n in later_reads[i])
+                info.append((outs, live))
+            self.boundary[id(t)] = info
+
+
+def _deg(gc: GraphCost, n: int) -> int:
+    d = 1
+    for x in gc.grid[n]:
+        d *= x
+    return d
+
+
+class MachineMapper:
+    """Finds optimal machine views; one instance per (machine, cost model), reused across PCGs."""
+
+    def __init__(self, model: CostModel):
+        self.model = model
+        self.machine: MachineSpec = model.machine
+        self.cache: dict = {}
+        self.hits = 0
+        self.misses = 0
+
+    # --- public -------------------------------------------------------------------------------
+    def optimize(self, g: PCG, resource: Resource | None = None) -> MappingResult:
+        t0 = time.perf_counter()
+        h0, m0 = self.hits, self.misses
+        gc = GraphCost(g, self.model)
+        dec = decompose(g, gc.role)
+        ctx = _Ctx(g, gc, dec)
+        res = resource or Resource.whole(self.machine)
+        cost, assign = self._solve(ctx, dec.tree, res, {})
+        views: dict[int, MachineView] = {}
+        if math.isfinite(cost):
+            for hsh, v in _flatten(assign):
+                views[ctx.by_hash[hsh]] = v
+        return self._finish(g, gc, dec, cost, views, t0, {"cache_hits": self.hits - h0,
+                                                          "cache_misses": self.misses - m0,
+                                                          "cache_size": len(self.cache),
+                                                          "series_parallel": dec.is_sp,
+                                                          "units": len(dec.units)})
+
+    def evaluate(self, g: PCG, views: Mapping[int, MachineView]) -> MappingResult:
+        """Price a given mapping, every leaf one after the other (no side-by-side execution)."""
+        t0 = time.perf_counter()
+        gc = GraphCost(g, self.model)
+        dec = decompose(g, gc.role)
+        total = sum(gc.leaf_cost(n, views[n], views).time for n in gc.nodes())
+        return self._finish(g, gc, dec, total, dict(views), t0, {})
+
+    def _finish(self, g, gc, dec, cost, views, t0, stats) -> MappingResult:
+        n_dev = self.machine.num_devices
+        if not math.isfinite(cost):
+            return MappingResult(INF, {}, LeafCost(), None, False, "no machine view fits the resources",
+                                 n_dev, time.perf_counter() - t0, stats, dec)
+        b = LeafCost()
+        for n in gc.nodes():
+            b = b.add(gc.leaf_cost(n, views[n], views))
+        mem = memory_per_device(gc, views)
+        used = set()
+        for n in gc.nodes():
+            used |= set(views[n].devices())
+        stats = dict(stats, devices_used=len(used))
+        if not mem.feasible:
+            return MappingResult(INF, views, b, mem, False, "out of memory: " + mem.reason(), n_dev,
+                                 time.perf_counter() - t0, stats, dec)
+        return MappingResult(cost, views, b, mem, True, "", n_dev, time.perf_counter() - t0, stats, dec)
+
+    # --- the DP --------------------------------------------------------------------------------
+    def _solve(self, ctx: _Ctx, t, res: Resource, fixed: Mapping[int, MachineView]):
+        rel = ctx.relevant[id(t)]
+        fk = tuple(sorted((ctx.h[n], v) for n, v in fixed.items() if n in rel))
+        key = (ctx.key[id(t)], res, fk)
+        hit = self.cache.get(key)
+        if hit is not None:
+            self.hits += 1
+            return hit
+        self.misses += 1
+        if ctx.need[id(t)] > res.size:
+            out = (INF, ())
+        elif isinstance(t, Leaf):
+            out = self._leaf(ctx, t, res, fixed)
+        elif isinstance(t, Series):
+            out = self._series(ctx, t, res, fixed)
+        else:
+            out = self._parallel(ctx, t, res, fixed)
+        self.cache[key] = out
+        return out
+
+    def _inside(self, v: MachineView, res: Resource) -> bool:
+        devs = set(res.devices(self.machine))
+        return all(d in devs for d in v.devices())
+
+    def _cands(self, ctx: _Ctx, n: int, res: Resource, fixed: Mapping[int, MachineView]) -> list:
+        if n in fixed:
+            v = fixed[n]
+            return [v] if self._inside(v, res) else []
+        return ctx.gc.views(n, res)
+
+    def _leaf(self, ctx: _Ctx, t: Leaf, res: Resource, fixed):
+        gc = ctx.gc
+        unit = ctx.dec.units[t.unit]
+        main = unit[-1]
+        others = unit[:-1]
+        feeders = {p for _, p in gc.priced_inputs(main) if p in others}
+        # placements that feed nothing priced in this unit: their own cost only
+        base = 0.0
+        chosen: list = []
+        for p in others:
+            if p in feeders:
+                continue
+            cands = self._cands(ctx, p, res, fixed)
+            if not cands:
+                return (INF, ())
+            best = min(cands, key=lambda v: gc.own_cost(p, v).time)
+            base += gc.own_cost(p, best).time
+            chosen.append((ctx.h[p], best))
+        main_cands = self._cands(ctx, main, res, fixed)
+        feed_cands = {p: self._cands(ctx, p, res, fixed) for p in feeders}
+        if not main_cands or any(not c for c in feed_cands.values()):
+            return (INF, ())
+        inputs = gc.priced_inputs(main)
+        best_total, best_choice = INF, None
+        for vm in main_cands:
+            tot = base + gc.own_cost(main, vm).time
+            ch = [(ctx.h[main], vm)]
+            for pos, p in inputs:
+                if p not in feeders:
+                    tot += gc.edge_cost(main, pos, fixed[p], vm).time
+            for p in sorted(feeders):
+                bp, bv = INF, None
+                for vp in feed_cands[p]:
+                    c = gc.own_cost(p, vp).time + sum(gc.edge_cost(main, pos, vp, vm).time
+                                                       for pos, q in inputs if q == p)
+                    if c < bp:
+                        bp, bv = c, vp
+                tot += bp
+                ch.append((ctx.h[p], bv))
+            if tot < best_total:
+                best_total, best_choice = tot, ch
+        return (best_total, tuple(chosen) + tuple(best_choice))
+
+    def _series(self, ctx: _Ctx, t: Series, res: Resource, fixed):
+        states: dict = {(): (0.0, ())}
+        for child, (outs, live) in zip(t.children, ctx.boundary[id(t)]):
+            outs = [n for n in outs if n not in fixed]
+            out_cands = [self._cands(ctx, n, res, fixed) for n in outs]
+            new: dict = {}
+            for skey, (scost, sass) in states.items():
+                f = dict(fixed)
+                f.update(skey)
+                for combo in product(*out_cands):
+                    f2 = f
+                    if outs:
+                        f2 = dict(f)
+                        f2.update(zip(outs, combo))
+                    c, a = self._solve(ctx, child, res, f2)
+                    if c == INF:
+                        continue
+                    tot = scost + c
+                    nkey = tuple(sorted((n, v) for n, v in f2.items() if n in live and n not in fixed))
+                    old = new.get(nkey)
+                    if old is None or tot < old[0]:
+                        new[nkey] = (tot, (sass, a))
+            states = new
+            if not states:
+                return (INF, ())
+        return min(states.values(), key=lambda x: x[0])
+
+    def _parallel(self, ctx: _Ctx, t: Parallel, res: Resource, fixed):
+        ca, aa = self._solve(ctx, t.left, res, fixed)
+        cb, ab = self._solve(ctx, t.right, res, fixed) if ca < INF else (INF, ())
+        best = (ca + cb, (aa, ab))
+        for r1, r2 in res.splits(self.machine):
+            for x, y in ((t.left, t.right), (t.right, t.left)):
+                if ctx.need[id(x)] > r1.size or ctx.need[id(y)] > r2.size:
+                    continue
+                cx, ax = self._solve(ctx, x, r1, fixed)
+                if cx >= best[0]:
+                    continue
+                cy, ay = self._solve(ctx, y, r2, fixed)
+                c = max(cx, cy)
+                if c < best[0]:
+                    best = (c, (ax, ay))
+        return best
+
+
+def _flatten(a) -> list:
+    out = []
+    stack = [a]
+    while stack:
+        x = stack.pop()
+        if not x:
+            continue
+        if isinstance(x, tuple) and len(x) == 2 and isinstance(x[0], str) and isinstance(x[1], MachineView):
+            out.append(x)
+        else:
+            stack.extend(x)
+    return out
+
+
+# --- exhaustive reference (tests) ----------------------------------------------------------------
+
+def exhaustive_mapping(g: PCG, model: CostModel, limit: int = 2_000_000) -> tuple[float, dict]:
+    """The optimum over the DP's search space by brute force: every way to run each parallel split
+    (one after the other, or side by side on every split of the resource by quantity, both
+    orientations) and every combination of views of every node inside its resource, each priced by
+    summing leaf costs over series and taking the max over side-by-side branches.  Exponential: for
+    tests on small graphs only (raises ValueError past ``limit`` combinations)."""
+    gc = GraphCost(g, model)
+    dec = decompose(g, gc.role)
+    m = model.machine
+
+    def allocs(t, res):
+        if isinstance(t, Leaf):
+            yield {t.unit: res}, ()
+        elif isinstance(t, Series):
+            def rec(i):
+                if i == len(t.children):
+                    yield {}, ()
+                    return
+                for a1, m1 in allocs(t.children[i], res):
+                    for a2, m2 in rec(i + 1):
+                        yield {**a1, **a2}, m1 + m2
+            yield from rec(0)
+        else:
+            for a1, m1 in allocs(t.left, res):
+                for a2, m2 in allocs(t.right, res):
+                    yield {**a1, **a2}, m1 + m2 + ((id(t), "seq"),)
+            for r1, r2 in res.splits(m):
+                for x, y in ((t.left, t.right), (t.right, t.left)):
+                    for a1, m1 in allocs(x, r1):
+                        for a2, m2 in allocs(y, r2):
+                            yield {**a1, **a2}, m1 + m2 + ((id(t), "side"),)
+
+    def value(t, leaf_costs, modes):
+        if isinstance(t, Leaf):
+            return leaf_costs[t.unit]
+        if isinstance(t, Series):
+            return sum(value(c, leaf_costs, modes) for c in t.children)
+        a, b = value(t.left, leaf_costs, modes), value(t.right, leaf_costs, modes)
+        return a + b if modes[id(t)] == "seq" else max(a, b)
+
+    best, best_views, count = INF, {}, 0
+    order = [n for u in dec.units for n in u]
+    for alloc, modes in allocs(dec.tree, Resource.whole(m)):
+        modes = dict(modes)
+        res_of = {n: alloc[dec.unit_of[n]] for n in order}
+        cands = [gc.views(n, res_of[n]) for n in order]
+        for combo in product(*cands):
+            count += 1
+            if count > limit:
+                raise ValueError(f"exhaustive enumeration exceeds {limit} combinations")
+            views = dict(zip(order, combo))
+            leaf = [sum(gc.leaf_cost(n, views[n], views).time for n in u) for u in dec.units]
+            v = value(dec.tree, leaf, modes)
+            if v < best:
+                best, best_views = v, views
+    return best, best_views
+
+
+__all__ = ["MachineMapper", "MappingResult", "exhaustive_mapping"]

@@ -1,0 +1,466 @@
+"""Machines and machine views (DESIGN "Machine"; Unity section 3.2, Figure 7).
+
+A :class:`MachineSpec` is a homogeneous cluster: ``nodes`` x ``devices_per_node`` devices, the
+devices of a node split into fast groups of ``group_size`` (Summit: two NVLink groups of 3 GPUs
+joined by the X-Bus).  Device ids are linear: ``id = node * devices_per_node + local``.  Links are
+described per level -- ``group`` (inside a fast group), ``node`` (between groups of one node) and
+``network`` (between nodes; the bandwidth is the node's NIC, shared by its devices) -- each with a
+bandwidth (bytes/s, one direction) and a latency (s).
+
+A :class:`MachineView` maps an operator's task grid onto device ids: a start device and, per task
+grid axis, a ``(degree, stride)`` pair; task ``(i1, ..., ik)`` runs on ``start + sum(i_j * stride_j)``.
+:func:`enumerate_views` lists the views that follow the hierarchy (contiguous blocks, one device per
+group, one device per node, and "minor axes inside a node, major axes across nodes"), with aligned
+starts, so their number is linear in the device count.
+"""
+from __future__ import annotations
+
+import json
+import math
+import os
+import re
+from dataclasses import asdict, dataclass, field, replace
+from itertools import permutations
+from math import prod
+from typing import Any, Iterator, Mapping, Sequence
+
+from .errors import UnityError
+
+SCHEMA = "unity-pcg/machine/v1"
+LEVELS = ("local", "group", "node", "network")   # "local": same device (free)
+
+
+class MachineError(UnityError, ValueError):
+    """A malformed machine description or machine argument."""
+
+
+@dataclass(frozen=True)
+class LinkSpec:
+    bandwidth: float   # bytes/s, one direction, per link (network: per node NIC)
+    latency: float     # seconds per message
+
+
+@dataclass(frozen=True)
+class DeviceSpec:
+    peak_flops: float                 # FLOP/s (multiply-add = 2)
+    mem_bandwidth: float              # bytes/s
+    memory_bytes: int                 # capacity
+    efficiency: Mapping[str, float] = field(default_factory=lambda: {"default": 1.0})
+    op_overhead: float = 0.0          # seconds per operator launch (kernel launch / dispatch)
+
+    def eff(self, kind: str) -> float:
+        e = dict(self.efficiency)
+        return float(e.get(kind, e.get("default", 1.0)))
+
+
+@dataclass(frozen=True)
+class MachineSpec:
+    name: str
+    nodes: int
+    devices_per_node: int
+    group_size: int
+    device: DeviceSpec
+    links: Mapping[str, LinkSpec]     # "group", "node", "network"
+    shared_cores: int = 0             # >0: devices are processes sharing this many cores (local)
+    meta: Mapping[str, Any] = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        validate(self)
+
+    # --- size -------------------------------------------------------------------------------
+    @property
+    def num_devices(self) -> int:
+        return self.nodes * self.devices_per_node
+
+    def resized(self, nodes: int, devices_per_node: int) -> "MachineSpec":
+        g = self.group_size if devices_per_node % self.group_size == 0 else devices_per_node
+        g = min(g, devices_per_node)
+        return replace(self, nodes=nodes, devices_per_node=devices_per_node, group_size=g)
+
+    # --- per-device throughput (local processes share the cores) ------------------------------
+    @property
+    def share(self) -> float:
+        """Fraction of one device's calibrated throughput each device gets (1 unless cores are shared)."""
+        if self.shared_cores > 0 and self.num_devices > self.shared_cores:
+            return self.shared_cores / self.num_devices
+        return 1.0
+
+    @property
+    def flops(self) -> float:
+        return self.device.peak_flops * self.share
+
+    @property
+    def mem_bandwidth(self) -> float:
+        return self.device.mem_bandwidth * self.share
+
+    # --- topology ------------------------------------------------------------------------------
+    def node_of(self, dev: int) -> int:
+        return dev // self.devices_per_node
+
+    def group_of(self, dev: int) -> int:
+        return dev // self.group_size if self.devices_per_node % self.group_size == 0 else \
+            self.node_of(dev) * 10_000 + (dev % self.devices_per_node) // self.group_size
+
+    def level(self, a: int, b: int) -> str:
+        if a == b:
+            return "local"
+        if self.node_of(a) != self.node_of(b):
+            return "network"
+        if self.group_of(a) != self.group_of(b):
+            return "node"
+        return "group"
+
+    def span_level(self, devs: Sequence[int]) -> str:
+        """The slowest link level a set of devices spans."""
+        devs = list(devs)
+        if len(set(devs)) <= 1:
+            return "local"
+        if len({self.node_of(d) for d in devs}) > 1:
+            return "network"
+        if len({self.group_of(d) for d in devs}) > 1:
+            return "node"
+        return "group"
+
+    def link(self, level: str) -> LinkSpec:
+        return self.links[level]
+
+    # --- JSON ------------------------------------------------------------------------------------
+    def to_json(self) -> dict:
+        d = {"schema": SCHEMA, "name": self.name, "nodes": self.nodes, "devices_per_node": self.devices_per_node,
+             "group_size": self.group_size, "device": asdict(self.device),
+             "links": {k: asdict(v) for k, v in self.links.items()}, "shared_cores": self.shared_cores,
+             "meta": dict(self.meta)}
+        d["device"]["efficiency"] = dict(self.device.efficiency)
+        return d
+
+    @staticmethod
+    def from_json(obj: Any, source: str = "machine JSON") -> "MachineSpec":
+        if not isinstance(obj, dict):
+            raise MachineError(f"{source}: expected a JSON object, got {type(obj).__name__}")
+        if obj.get("schema", SCHEMA) != SCHEMA:
+            raise MachineError(f"{source}: unknown schema {obj.get('schema')!r} (expected {SCHEMA!r})")
+        unknown = set(obj) - {"schema", "name", "nodes", "devices_per_node", "group_size", "device", "links",
+                              "shared_cores", "meta"}
+        if unknown:
+            raise MachineError(f"{source}: unknown field(s) {', '.join(sorted(unknown))}")
+        try:
+            dev = obj["device"]
+            if not isinstance(dev, dict):
+                raise MachineError(f"{source}: field 'device' must be an object")
+            bad = set(dev) - {"peak_flops", "mem_bandwidth", "memory_bytes", "efficiency", "op_overhead"}
+            if bad:
+                raise MachineError(f"{source}: unknown device field(s) {', '.join(sorted(bad))}")
+            eff = dev.get("efficiency", {"default": 1.0})
+            if not isinstance(eff, dict):
+                raise MachineError(f"{source}: field 'device.efficiency' must be an object")
+            device = DeviceSpec(_num(dev, "peak_flops", source), _num(dev, "mem_bandwidth", source),
+                                int(_num(dev, "memory_bytes", source)),
+                                {str(k): _num(eff, k, source) for k in eff},
+                                _num(dev, "op_overhead", source, 0.0))
+            links_obj = obj["links"]
+            if not isinstance(links_obj, dict):
+                raise MachineError(f"{source}: field 'links' must be an object")
+            links = {}
+            for lv in ("group", "node", "network"):
+                if lv not in links_obj or not isinstance(links_obj[lv], dict):
+                    raise MachineError(f"{source}: links.{lv} is missing (needs bandwidth and latency)")
+                links[lv] = LinkSpec(_num(links_obj[lv], "bandwidth", source), _num(links_obj[lv], "latency", source))
+            return MachineSpec(str(obj.get("name", "custom")), _int(obj, "nodes", source),
+                               _int(obj, "devices_per_node", source),
+                               _int(obj, "group_size", source, obj.get("devices_per_node")), device, links,
+                               _int(obj, "shared_cores", source, 0), dict(obj.get("meta", {}) or {}))
+        except KeyError as e:
+            raise MachineError(f"{source}: missing field {e.args[0]!r}") from None
+
+    def save(self, path: str) -> None:
+        with open(path, "w") as f:
+            json.dump(self.to_json(), f, indent=2)
+            f.write("\n")
+
+    @staticmethod
+    def load(path: str) -> "MachineSpec":
+        try:
+            with open(path) as f:
+                obj = json.load(f)
+        except FileNotFoundError:
+            raise MachineError(f"machine file {path!r} does not exist") from None
+        except json.JSONDecodeError as e:
+            raise MachineError(f"machine file {path!r} is not valid JSON: {e.msg} at line {e.lineno}") from None
+        return MachineSpec.from_json(obj, source=f"machine file {path!r}")
+
+    def describe(self) -> str:
+        return (f"{self.name}: {self.nodes} node(s) x {self.devices_per_node} device(s) "
+                f"({self.num_devices} devices), {self.flops / 1e12:.3g} TFLOP/s, "
+                f"{self.device.memory_bytes / 2**30:.3g} GiB each")
+
+
+def _num(obj: Mapping, key: str, source: str, default: float | None = None) -> float:
+    if key not in obj:
+        if default is not None:
+            return default
+        raise MachineError(f"{source}: missing field {key!r}")
+    v = obj[key]
+    if isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v) or v < 0:
+        raise MachineError(f"{source}: field {key!r} must be a finite non-negative number, got {v!r}")
+    return float(v)
+
+
+def _int(obj: Mapping, key: str, source: str, default: Any = None) -> int:
+    v = obj.get(key, default)
+    if v is None:
+        raise MachineError(f"{source}: missing field {key!r}")
+    if isinstance(v, bool) or not isinstance(v, int):
+        raise MachineError(f"{source}: field {key!r} must be an integer, got {v!r}")
+    return v
+
+
+def validate(m: MachineSpec) -> None:
+    for k in ("nodes", "devices_per_node", "group_size"):
+        v = getattr(m, k)
+        if not isinstance(v, int) or isinstance(v, bool) or v < 1:
+            raise MachineError(f"machine {m.name!r}: {k} must be a positive integer, got {v!r}")
+    if m.group_size > m.devices_per_node:
+        raise MachineError(f"machine {m.name!r}: group_size {m.group_size} exceeds devices_per_node "
+                           f"{m.devices_per_node}")
+    d = m.device
+    for k in ("peak_flops", "mem_bandwidth", "memory_bytes"):
+        v = getattr(d, k)
+        if not isinstance(v, (int, float)) or not math.isfinite(v) or v <= 0:
+            raise MachineError(f"machine {m.name!r}: device.{k} must be positive, got {v!r}")
+    for k, v in dict(d.efficiency).items():
+        if not isinstance(v, (int, float)) or not 0 < v <= 1.0:
+            raise MachineError(f"machine {m.name!r}: device.efficiency[{k!r}] must be in (0, 1], got {v!r}")
+    if d.op_overhead < 0:
+        raise MachineError(f"machine {m.name!r}: device.op_overhead must be >= 0")
+    for lv in ("group", "node", "network"):
+        if lv not in m.links:
+            raise MachineError(f"machine {m.name!r}: links.{lv} is missing")
+        l = m.links[lv]
+        if not l.bandwidth > 0 or not math.isfinite(l.bandwidth) or l.latency < 0 or not math.isfinite(l.latency):
+            raise MachineError(f"machine {m.name!r}: links.{lv} needs bandwidth > 0 and latency >= 0")
+    if m.shared_cores < 0:
+        raise MachineError(f"machine {m.name!r}: shared_cores must be >= 0")
+
+
+# --- presets ---------------------------------------------------------------------------------------
+
+GiB = 2 ** 30
+
+
+def summit(nodes: int = 1, devices_per_node: int = 6) -> MachineSpec:
+    """Summit (the Unity evaluation): 6 x V100-SXM2 16 GB per node in two NVLink-2 groups of 3
+    (50 GB/s per direction between GPUs of a group), X-Bus (64 GB/s, shared by the 3 GPUs of a socket,
+    ~21 GB/s each) between the two groups, EDR InfiniBand 100 Gb/s (12.5 GB/s) per node."""
+    dev = DeviceSpec(15.7e12, 900e9, 16 * GiB, {"default": 0.6, "matmul": 0.7, "conv": 0.6,
+                                                  "elementwise": 1.0}, 5e-6)
+    links = {"group": LinkSpec(50e9, 5e-6), "node": LinkSpec(21e9, 8e-6), "network": LinkSpec(12.5e9, 5e-6)}
+    return MachineSpec("summit", nodes, devices_per_node, min(3, devices_per_node), dev, links).resized(
+        nodes, devices_per_node)
+
+
+def dgx_a100(nodes: int = 1, devices_per_node: int = 8) -> MachineSpec:
+    """DGX A100: 8 x A100-SXM4 80 GB on NVSwitch (300 GB/s per direction), 8 x HDR 200 Gb/s per node."""
+    dev = DeviceSpec(19.5e12, 2.0e12, 80 * GiB, {"default": 0.6, "matmul": 0.75, "conv": 0.6,
+                                                  "elementwise": 1.0}, 4e-6)
+    links = {"group": LinkSpec(300e9, 3e-6), "node": LinkSpec(300e9, 3e-6), "network": LinkSpec(200e9, 5e-6)}
+    return MachineSpec("dgx-a100", nodes, devices_per_node, devices_per_node, dev, links)
+
+
+def h100(nodes: int = 1, devices_per_node: int = 8) -> MachineSpec:
+    """HGX H100: 8 x H100-SXM5 80 GB on NVSwitch (NVLink 4, 450 GB/s per direction), 8 x NDR 400 Gb/s."""
+    dev = DeviceSpec(67e12, 3.35e12, 80 * GiB, {"default": 0.6, "matmul": 0.75, "conv": 0.6,
+                                                 "elementwise": 1.0}, 3e-6)
+    links = {"group": LinkSpec(450e9, 2.5e-6), "node": LinkSpec(450e9, 2.5e-6), "network": LinkSpec(400e9, 5e-6)}
+    return MachineSpec("h100", nodes, devices_per_node, devices_per_node, dev, links)
+
+
+def local(nodes: int = 1, devices_per_node: int = 2) -> MachineSpec:
+    """This computer's CPU processes (uncalibrated guesses; run `unity-pcg calibrate` for real numbers).
+    Devices are processes sharing the cores; links are loopback TCP (gloo)."""
+    cores = os.cpu_count() or 1
+    try:
+        mem = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    except (ValueError, OSError, AttributeError):
+        mem = 8 * GiB
+    dev = DeviceSpec(30e9, 8e9, int(mem), {"default": 0.5, "matmul": 0.8, "conv": 0.4, "elementwise": 0.3}, 20e-6)
+    links = {lv: LinkSpec(1.5e9, 60e-6) for lv in ("group", "node", "network")}
+    return MachineSpec("local", nodes, devices_per_node, devices_per_node, dev, links, shared_cores=cores,
+                       meta={"calibrated": False})
+
+
+PRESETS = {"summit": (summit, 6), "dgx-a100": (dgx_a100, 8), "h100": (h100, 8), "local": (local, None)}
+
+_SIZE = re.compile(r"^(\d+)x(\d+)$")
+
+
+def parse_machine(arg: str) -> MachineSpec:
+    """``PRESET[:NODESxDEVICES]`` (``summit:32x6``) or ``FILE.json[:NODESxDEVICES]``."""
+    if not isinstance(arg, str) or not arg.strip():
+        raise MachineError("empty machine argument (use e.g. summit:32x6 or local.json)")
+    base, _, size = arg.strip().rpartition(":") if _SIZE.match(arg.rpartition(":")[2]) else (arg.strip(), "", "")
+    if base in PRESETS:
+        fn, max_dpn = PRESETS[base]
+        m = fn()
+    elif base.endswith(".json") or os.path.exists(base):
+        m = MachineSpec.load(base)
+        max_dpn = None
+    else:
+        raise MachineError(f"unknown machine {base!r} (presets: {', '.join(PRESETS)}; or a machine JSON file)")
+    if size:
+        n, d = (int(x) for x in _SIZE.match(size).groups())
+        if n < 1 or d < 1:
+            raise MachineError(f"machine size {size!r}: nodes and devices must be >= 1")
+        if max_dpn is not None and d > max_dpn:
+            raise MachineError(f"machine {base!r} has at most {max_dpn} devices per node, {size!r} asks for {d}")
+        m = m.resized(n, d)
+    return m
+
+
+# --- machine views --------------------------------------------------------------------------------
+
+@dataclass(frozen=True, order=True)
+class MachineView:
+    start: int
+    dims: tuple[tuple[int, int], ...]   # (degree, stride) per task-grid axis, major to minor
+
+    @property
+    def degree(self) -> int:
+        return prod(d for d, _ in self.dims)
+
+    def devices(self) -> tuple[int, ...]:
+        """Device of every task, tasks in row-major order over ``dims``."""
+        out = [self.start]
+        for d, s in self.dims:
+            out = [o + i * s for o in out for i in range(d)]
+        return tuple(out)
+
+    def is_valid(self, machine: MachineSpec) -> bool:
+        devs = self.devices()
+        return len(set(devs)) == len(devs) and min(devs) >= 0 and max(devs) < machine.num_devices
+
+    def to_json(self) -> dict:
+        return {"start": self.start, "dims": [list(d) for d in self.dims]}
+
+    @staticmethod
+    def from_json(obj: Mapping) -> "MachineView":
+        try:
+            return MachineView(int(obj["start"]), tuple((int(d), int(s)) for d, s in obj["dims"]))
+        except (KeyError, TypeError, ValueError) as e:
+            raise MachineError(f"malformed machine view {obj!r}: {e}") from None
+
+    def __str__(self) -> str:
+        return f"@{self.start}" + "".join(f"[{d}:{s}]" for d, s in self.dims)
+
+
+@dataclass(frozen=True, order=True)
+class Resource:
+    """A block of devices the DP may use: ``nodes`` whole nodes from ``start`` (then ``per_node`` is
+    ``devices_per_node``), or ``per_node`` devices of one node."""
+    start: int
+    nodes: int
+    per_node: int
+
+    @staticmethod
+    def whole(machine: MachineSpec) -> "Resource":
+        return Resource(0, machine.nodes, machine.devices_per_node)
+
+    @property
+    def size(self) -> int:
+        return self.nodes * self.per_node
+
+    def devices(self, machine: MachineSpec) -> tuple[int, ...]:
+        return tuple(self.start + n * machine.devices_per_node + j for n in range(self.nodes)
+                     for j in range(self.per_node))
+
+    def splits(self, machine: MachineSpec) -> Iterator[tuple["Resource", "Resource"]]:
+        """Splits into two disjoint blocks by quantity (whole nodes, or devices inside one node)."""
+        if self.nodes > 1:
+            for a in range(1, self.nodes):
+                yield (Resource(self.start, a, self.per_node),
+                       Resource(self.start + a * machine.devices_per_node, self.nodes - a, self.per_node))
+        else:
+            for a in range(1, self.per_node):
+                yield Resource(self.start, 1, a), Resource(self.start + a, 1, self.per_node - a)
+
+
+def enumerate_views(grid: Sequence[int], machine: MachineSpec, resource: Resource | None = None
+                    ) -> list[MachineView]:
+    """Views of a task grid with the given per-axis degrees inside ``resource`` (default: the whole
+    machine), following the hierarchy.  Axes of degree 1 get ``(1, 1)``.  For a grid of total degree
+    D the count is at most ``6 * 4 * (devices / D)`` -- linear in the device count."""
+    res = resource or Resource.whole(machine)
+    grid = tuple(int(g) for g in grid)
+    D = prod(grid)
+    if D > res.size or D < 1:
+        return []
+    dpn = machine.devices_per_node
+    k = res.per_node
+    nontriv = [i for i, g in enumerate(grid) if g > 1]
+    seen: set = set()
+    out: list[MachineView] = []
+
+    def to_abs(r: int) -> int:
+        return res.start + (r // k) * dpn + (r % k)
+
+    def rel_stride(rs: int) -> int:
+        # relative stride -> absolute (valid because resources are whole nodes or part of one node)
+        return (rs // k) * dpn + (rs % k) if k == dpn or res.nodes == 1 else rs
+
+    for perm in (permutations(nontriv) if nontriv else [()]):
+        degs = [grid[i] for i in perm]          # major .. minor
+        layouts = []
+        # (a) flat with relative stride s: contiguous (1), one per group, one per node
+        for s in sorted({1, machine.group_size, k}):
+            if s >= 1 and (D - 1) * s < res.size:
+                strides, acc = [], s
+                for d in reversed(degs):
+                    strides.append(acc)
+                    acc *= d
+                layouts.append((tuple(reversed(strides)), (D - 1) * s + 1, s))
+        # (b) minor axes inside a node, major axes across nodes
+        if res.nodes > 1:
+            for cut in range(1, len(degs)):
+                b = prod(degs[cut:])
+                a = prod(degs[:cut])
+                if b <= k and a <= res.nodes:
+                    strides, acc = [], 1
+                    for d in reversed(degs[cut:]):
+                        strides.append(acc)
+                        acc *= d
+                    acc = k
+                    for d in reversed(degs[:cut]):
+                        strides.append(acc)
+                        acc *= d
+                    layouts.append((tuple(reversed(strides)), (a - 1) * k + b, ("2d", cut)))
+        for strides, span, tag in layouts:
+            for st in _starts(tag, D, span, degs, res, k):
+                devs_rel = [st]
+                for d, s in zip(degs, strides):
+                    devs_rel = [o + i * s for o in devs_rel for i in range(d)]
+                if len(set(devs_rel)) != D or max(devs_rel) >= res.size:
+                    continue
+                abs_dims = {ax: (grid[ax], rel_stride(s)) for ax, s in zip(perm, strides)}
+                dims = tuple(abs_dims.get(i, (1, 1)) for i in range(len(grid)))
+                v = MachineView(to_abs(st), dims)
+                if v not in seen:
+                    seen.add(v)
+                    out.append(v)
+    return out
+
+
+def _starts(tag, D: int, span: int, degs, res: Resource, k: int) -> list[int]:
+    """Aligned start offsets (relative to the resource) for one layout."""
+    size = res.size
+    if isinstance(tag, tuple):                       # 2-D: blocks of a nodes x b local devices
+        cut = tag[1]
+        a, b = prod(degs[:cut]), prod(degs[cut:])
+        return [n * k + j for n in range(0, res.nodes - a + 1, a) for j in range(0, k - b + 1, b)]
+    s = tag
+    if s == 1:                                       # contiguous block, aligned to its size
+        return list(range(0, size - span + 1, D))
+    # strided: interleaved offsets 0..s-1 inside each block of D*s devices
+    return [blk + o for blk in range(0, size - span + 1, D * s) for o in range(s) if blk + o + span <= size]
+
+
+__all__ = ["MachineSpec", "DeviceSpec", "LinkSpec", "MachineView", "Resource", "MachineError", "PRESETS",
+           "parse_machine", "enumerate_views", "summit", "dgx_a100", "h100", "local", "LEVELS", "SCHEMA"]
