@@ -14,6 +14,7 @@ import numpy as np
 from .. import pieces as P
 from ..shape import ParallelTensorShape
 from . import compute, parallel  # noqa: F401  (registration)
+from . import fused  # noqa: F401  (AllReduce, a fused parallel operator)
 from .base import REGISTRY, REQUIRED, Inference, Labels, OpSpec, PieceMap, TensorMap, get_op, logical_shapes, piece_shapes
 from .parallel import PARALLEL_OPS
 
@@ -48,8 +49,10 @@ def run_pieces(op: str, attrs: Mapping[str, Any], xs: Sequence[np.ndarray],
             y = P.combine(x, s.rank, a["dim"] % s.rank, a["degree"])
         elif op == "Replicate":
             y = P.replicate(x, a["degree"])
-        else:
+        elif op == "Reduce":
             y = P.reduce(x, a["degree"])
+        else:
+            y = fused.PIECE_KERNELS[op](x, s, a)
         return [y], inf.outputs
     if spec.kind != "compute":
         raise ValueError(f"{op} nodes have no piecewise kernel")

@@ -1,0 +1,388 @@
+"""Operator properties used as axioms (TASO-style), written once as pattern pairs.
+
+Every axiom is an equation ``lhs = rhs`` between two patterns over named input tensors, with
+variables (dims, degrees, attribute values) and constraints, like a rule.  The verifier reads it as a
+universally quantified first-order formula over an uninterpreted tensor sort (see verify.py); the
+self-check (selfcheck.py) instantiates it on small concrete tensors and evaluates both sides under the
+piece semantics, so a wrong axiom is caught before it can prove a wrong rule.
+
+Meaning of ``=`` (DESIGN "Piece semantics"): both sides have the same parallel shape and the same
+logical value, for every input on which both sides are valid parallelizations.  Shape side conditions
+are not encoded (as in TASO); a rule is only applied where shape inference accepts the result.
+
+Axioms are grouped in *schemas* (one property, e.g. "an element-wise unary op commutes with
+Partition"), instantiated once per operator of a family; the counts report both.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, Mapping
+
+from unity_pcg.shape import ParallelTensorShape as S
+from substitutions.rule import Rule
+from substitutions.terms import op, rule_of
+
+
+@dataclass(frozen=True)
+class Axiom:
+    name: str
+    schema: str
+    group: str                      # "algebraic" | "parallel"
+    rule: Rule                      # source = lhs, target = rhs
+    bind: Mapping[str, Any]         # example variable values for the self-check
+    shapes: Mapping[str, S]         # example parallel input shapes for the self-check
+    values: str = "float"           # "float" | "pos" (positive floats) | "int"
+    int_inputs: tuple[str, ...] = ()  # inputs fed as small non-negative integer indices
+
+    @property
+    def ops(self) -> set[str]:
+        return {n.op for p in (self.rule.source, self.rule.target) for n in p.nodes}
+
+
+_AXIOMS: list[Axiom] = []
+
+
+def _ax(name: str, schema: str, group: str, lhs, rhs, vars: Mapping[str, str] | None = None,
+        constraints=(), bind=None, shapes=None, values="float", int_inputs=()) -> None:
+    r = rule_of(name, lhs, rhs, vars, constraints, origin="axiom")
+    _AXIOMS.append(Axiom(name, schema, group, r, dict(bind or {}), dict(shapes or {}), values, tuple(int_inputs)))
+
+
+DK = {"d": "dim", "k": "degree"}
+X44 = {"x": S.of((4, 4))}
+
+# --- element-wise unary family -------------------------------------------------------------------
+UNARY: dict[str, tuple[dict, dict, str, bool]] = {
+    # op: (attr pattern, example attrs, value kind, linear)
+    "Relu": ({}, {}, "float", False),
+    "Gelu": ({}, {}, "float", False),
+    "Sigmoid": ({}, {}, "float", False),
+    "Tanh": ({}, {}, "float", False),
+    "Erf": ({}, {}, "float", False),
+    "Exp": ({}, {}, "float", False),
+    "Sqrt": ({}, {}, "pos", False),
+    "Reciprocal": ({}, {}, "pos", False),
+    "Neg": ({}, {}, "float", True),
+    "Identity": ({}, {}, "float", True),
+    "Dropout": ({"ratio": "$r"}, {"r": 0.1}, "float", True),
+    "Scale": ({"factor": "$f"}, {"f": 1.5}, "float", True),
+    "Clip": ({"min": "$lo", "max": "$hi"}, {"lo": -0.5, "hi": 0.5}, "float", False),
+    "Cast": ({"to": "$t"}, {"t": "float64"}, "float", True),
+}
+BINARY: dict[str, tuple[str, str]] = {
+    # op: (linearity: additive | bilinear | linear0 | none, value kind)
+    "Add": ("additive", "float"), "Sub": ("additive", "float"), "Mul": ("bilinear", "float"),
+    "Div": ("linear0", "pos"), "Pow": ("none", "pos"), "Max": ("none", "float"), "Min": ("none", "float"),
+}
+
+
+def _uvars(attrs: dict) -> dict:
+    return {v[1:]: "attr" for v in attrs.values()}
+
+
+for _u, (_pa, _ex, _vk, _lin) in UNARY.items():
+    V = {**DK, **_uvars(_pa)}
+    u = lambda t, _u=_u, _pa=_pa: op(_u, t, **_pa)  # noqa: E731
+    _ax(f"{_u}_partition", "unary_partition", "parallel", u(op("Partition", "x", dim="$d", degree="$k")),
+        op("Partition", u("x"), dim="$d", degree="$k"), V, bind={**_ex, "d": -1, "k": 2}, shapes=X44, values=_vk)
+    _ax(f"{_u}_combine", "unary_combine", "parallel", u(op("Combine", "x", dim="$d", degree="$k")),
+        op("Combine", u("x"), dim="$d", degree="$k"), V, bind={**_ex, "d": -2, "k": 2},
+        shapes={"x": S.of((4, 4), (2, 1))}, values=_vk)
+    _ax(f"{_u}_replicate", "unary_replicate", "parallel", u(op("Replicate", "x", degree="$k")),
+        op("Replicate", u("x"), degree="$k"), V, bind={**_ex, "k": 2}, shapes=X44, values=_vk)
+    _ax(f"{_u}_pipeline", "unary_pipeline", "parallel", u(op("Pipeline", "x", dim="$d", degree="$k")),
+        op("Pipeline", u("x"), dim="$d", degree="$k"), V, bind={**_ex, "d": -2, "k": 2}, shapes=X44, values=_vk)
+    _ax(f"{_u}_batch", "unary_batch", "parallel", u(op("Batch", "x", dim="$d", degree="$k")),
+        op("Batch", u("x"), dim="$d", degree="$k"), V, bind={**_ex, "d": -2, "k": 2},
+        shapes={"x": S.of((4, 4), (2, 1))}, values=_vk)
+    if _lin:
+        _ax(f"{_u}_reduce", "linear_unary_reduce", "parallel", u(op("Reduce", "x", degree="$k")),
+            op("Reduce", u("x"), degree="$k"), V, bind={**_ex, "k": 2}, shapes={"x": S.of((4, 4), sum_degree=2)},
+            values=_vk)
+    _ax(f"{_u}_concat", "unary_concat", "algebraic", u(op("Concat", "x", "y", axis="$a")),
+        op("Concat", u("x"), u("y"), axis="$a"), {**_uvars(_pa), "a": "dim"}, bind={**_ex, "a": -1},
+        shapes={"x": S.of((4, 2)), "y": S.of((4, 3))}, values=_vk)
+
+# --- element-wise binary family ---------------------------------------------------------------------
+XY = {"x": S.of((4, 4)), "y": S.of((4, 4))}
+for _b, (_lin, _vk) in BINARY.items():
+    b = lambda p, q, _b=_b: op(_b, p, q)  # noqa: E731
+    P = lambda t: op("Partition", t, dim="$d", degree="$k")  # noqa: E731
+    _ax(f"{_b}_partition", "binary_partition", "parallel", b(P("x"), P("y")), P(b("x", "y")), DK,
+        bind={"d": -2, "k": 2}, shapes=XY, values=_vk)
+    C = lambda t: op("Combine", t, dim="$d", degree="$k")  # noqa: E731
+    _ax(f"{_b}_combine", "binary_combine", "parallel", b(C("x"), C("y")), C(b("x", "y")), DK,
+        bind={"d": -1, "k": 2}, shapes={"x": S.of((4, 4), (1, 2)), "y": S.of((4, 4), (1, 2))}, values=_vk)
+    R = lambda t: op("Replicate", t, degree="$k")  # noqa: E731
+    _ax(f"{_b}_replicate", "binary_replicate", "parallel", b(R("x"), R("y")), R(b("x", "y")), {"k": "degree"},
+        bind={"k": 2}, shapes=XY, values=_vk)
+    _ax(f"{_b}_concat", "binary_concat", "algebraic",
+        b(op("Concat", "x1", "x2", axis="$a"), op("Concat", "y1", "y2", axis="$a")),
+        op("Concat", b("x1", "y1"), b("x2", "y2"), axis="$a"), {"a": "dim"}, bind={"a": -2},
+        shapes={"x1": S.of((2, 4)), "x2": S.of((2, 4)), "y1": S.of((2, 4)), "y2": S.of((2, 4))}, values=_vk)
+    Rd = lambda t: op("Reduce", t, degree="$k")  # noqa: E731
+    XYs = {"x": S.of((4, 4), sum_degree=2), "y": S.of((4, 4), sum_degree=2)}
+    if _lin == "additive":
+        _ax(f"{_b}_reduce", "additive_binary_reduce", "parallel", b(Rd("x"), Rd("y")), Rd(b("x", "y")),
+            {"k": "degree"}, bind={"k": 2}, shapes=XYs, values=_vk)
+    if _lin in ("bilinear", "linear0"):
+        _ax(f"{_b}_reduce_lhs", "linear_binary_reduce", "parallel", b(Rd("x"), "y"), Rd(b("x", R("y"))),
+            {"k": "degree"}, bind={"k": 2}, shapes={"x": S.of((4, 4), sum_degree=2), "y": S.of((4, 4))},
+            values=_vk)
+    if _lin == "bilinear":
+        _ax(f"{_b}_reduce_rhs", "linear_binary_reduce", "parallel", b("x", Rd("y")), Rd(b(R("x"), "y")),
+            {"k": "degree"}, bind={"k": 2}, shapes={"x": S.of((4, 4)), "y": S.of((4, 4), sum_degree=2)},
+            values=_vk)
+
+# algebraic properties of the binary ops (TASO Table 2 style)
+XYZ = {"x": S.of((4, 4)), "y": S.of((4, 4)), "z": S.of((4, 4))}
+for _b in ("Add", "Mul", "Max", "Min"):
+    _ax(f"{_b}_comm", "commutative", "algebraic", op(_b, "x", "y"), op(_b, "y", "x"), shapes=XY)
+    _ax(f"{_b}_assoc", "associative", "algebraic", op(_b, op(_b, "x", "y"), "z"), op(_b, "x", op(_b, "y", "z")),
+        shapes=XYZ)
+_ax("Mul_distrib_Add", "distributive", "algebraic", op("Mul", "x", op("Add", "y", "z")),
+    op("Add", op("Mul", "x", "y"), op("Mul", "x", "z")), shapes=XYZ)
+_ax("Sub_as_Add_Neg", "sub_neg", "algebraic", op("Sub", "x", "y"), op("Add", "x", op("Neg", "y")), shapes=XY)
+_ax("Scale_Mul_comm", "scale_linear", "algebraic", op("Scale", op("Mul", "x", "y"), factor="$f"),
+    op("Mul", op("Scale", "x", factor="$f"), "y"), {"f": "attr"}, bind={"f": 2.0}, shapes=XY)
+
+# --- matrix multiplication -----------------------------------------------------------------------------
+M = {"x": S.of((4, 4)), "y": S.of((4, 4))}
+_ax("MatMul_assoc", "matmul_assoc", "algebraic", op("MatMul", op("MatMul", "x", "y"), "z"),
+    op("MatMul", "x", op("MatMul", "y", "z")), shapes=XYZ)
+_ax("MatMul_distrib_lhs", "matmul_distrib", "algebraic", op("MatMul", "x", op("Add", "y", "z")),
+    op("Add", op("MatMul", "x", "y"), op("MatMul", "x", "z")), shapes=XYZ)
+_ax("MatMul_distrib_rhs", "matmul_distrib", "algebraic", op("MatMul", op("Add", "x", "y"), "z"),
+    op("Add", op("MatMul", "x", "z"), op("MatMul", "y", "z")), shapes=XYZ)
+_ax("MatMul_concat_cols", "matmul_concat", "algebraic", op("MatMul", "x", op("Concat", "y", "z", axis=-1)),
+    op("Concat", op("MatMul", "x", "y"), op("MatMul", "x", "z"), axis=-1),
+    shapes={"x": S.of((4, 4)), "y": S.of((4, 2)), "z": S.of((4, 3))})
+_ax("MatMul_concat_rows", "matmul_concat", "algebraic", op("MatMul", op("Concat", "x", "y", axis=-2), "z"),
+    op("Concat", op("MatMul", "x", "z"), op("MatMul", "y", "z"), axis=-2),
+    shapes={"x": S.of((2, 4)), "y": S.of((3, 4)), "z": S.of((4, 4))})
+_ax("MatMul_concat_inner", "matmul_concat", "algebraic",
+    op("MatMul", op("Concat", "x1", "x2", axis=-1), op("Concat", "y1", "y2", axis=-2)),
+    op("Add", op("MatMul", "x1", "y1"), op("MatMul", "x2", "y2")),
+    shapes={"x1": S.of((4, 2)), "x2": S.of((4, 3)), "y1": S.of((2, 4)), "y2": S.of((3, 4))})
+_ax("MatMul_scale", "scale_linear", "algebraic", op("MatMul", op("Scale", "x", factor="$f"), "y"),
+    op("Scale", op("MatMul", "x", "y"), factor="$f"), {"f": "attr"}, bind={"f": 2.0}, shapes=M)
+
+for _mm, _b, _shape in (("MatMul", -2, (4, 4)), ("BatchMatMul", -3, (2, 4, 4))):
+    X = {"x": S.of(_shape), "y": S.of(_shape)}
+    if _mm == "MatMul":
+        _ax("MatMul_partition_rows", "matmul_partition_rows", "parallel",
+            op(_mm, op("Partition", "x", dim="$d", degree="$k"), op("Replicate", "y", degree="$k")),
+            op("Partition", op(_mm, "x", "y"), dim="$d", degree="$k"), DK, [["$d", "<=", -2]],
+            bind={"d": -2, "k": 2}, shapes=X)
+    else:
+        _ax("BatchMatMul_partition_rows", "matmul_partition_rows", "parallel",
+            op(_mm, op("Partition", "x", dim=-2, degree="$k"), op("Replicate", "y", degree="$k")),
+            op("Partition", op(_mm, "x", "y"), dim=-2, degree="$k"), {"k": "degree"},
+            bind={"k": 2}, shapes=X)
+        _ax("BatchMatMul_partition_batch", "matmul_partition_batch", "parallel",
+            op(_mm, op("Partition", "x", dim="$d", degree="$k"), op("Partition", "y", dim="$d", degree="$k")),
+            op("Partition", op(_mm, "x", "y"), dim="$d", degree="$k"), DK, [["$d", "<=", -3]],
+            bind={"d": -3, "k": 2}, shapes=X)
+    _ax(f"{_mm}_partition_cols", "matmul_partition_cols", "parallel",
+        op(_mm, op("Replicate", "x", degree="$k"), op("Partition", "y", dim=-1, degree="$k")),
+        op("Partition", op(_mm, "x", "y"), dim=-1, degree="$k"), {"k": "degree"}, bind={"k": 2}, shapes=X)
+    _ax(f"{_mm}_partition_inner", "matmul_partition_inner", "parallel",
+        op("Reduce", op(_mm, op("Partition", "x", dim=-1, degree="$k"), op("Partition", "y", dim=-2, degree="$k")),
+           degree="$k"),
+        op(_mm, "x", "y"), {"k": "degree"}, bind={"k": 2}, shapes=X)
+    _ax(f"{_mm}_reduce_lhs", "matmul_reduce", "parallel", op(_mm, op("Reduce", "x", degree="$k"), "y"),
+        op("Reduce", op(_mm, "x", op("Replicate", "y", degree="$k")), degree="$k"), {"k": "degree"},
+        bind={"k": 2}, shapes={"x": S.of(_shape, sum_degree=2), "y": S.of(_shape)})
+    _ax(f"{_mm}_reduce_rhs", "matmul_reduce", "parallel", op(_mm, "x", op("Reduce", "y", degree="$k")),
+        op("Reduce", op(_mm, op("Replicate", "x", degree="$k"), "y"), degree="$k"), {"k": "degree"},
+        bind={"k": 2}, shapes={"x": S.of(_shape), "y": S.of(_shape, sum_degree=2)})
+    _ax(f"{_mm}_replicate", "matmul_replicate", "parallel",
+        op(_mm, op("Replicate", "x", degree="$k"), op("Replicate", "y", degree="$k")),
+        op("Replicate", op(_mm, "x", "y"), degree="$k"), {"k": "degree"}, bind={"k": 2}, shapes=X)
+
+# --- Linear -----------------------------------------------------------------------------------------------
+LIN = {"x": S.of((4, 4)), "w": S.of((4, 4))}
+LINB = {**LIN, "b": S.of((4,))}
+_ax("Linear_is_MatMul", "linear_matmul", "algebraic", op("Linear", "x", "w"), op("MatMul", "x", "w"), shapes=LIN)
+_ax("Linear_bias_is_Add", "linear_bias", "algebraic", op("Linear", "x", "w", "b"),
+    op("Add", op("Linear", "x", "w"), "b"), shapes=LINB)
+for _act, _u in (("relu", "Relu"), ("gelu", "Gelu"), ("sigmoid", "Sigmoid"), ("tanh", "Tanh")):
+    _ax(f"Linear_{_act}_fused", "linear_activation", "algebraic", op("Linear", "x", "w", activation=_act),
+        op(_u, op("Linear", "x", "w")), shapes=LIN)
+    _ax(f"Linear_{_act}_bias_fused", "linear_activation", "algebraic", op("Linear", "x", "w", "b", activation=_act),
+        op(_u, op("Linear", "x", "w", "b")), shapes=LINB)
+_A = {"act": "attr"}
+_ax("Linear_partition_rows", "linear_partition_rows", "parallel",
+    op("Linear", op("Partition", "x", dim="$d", degree="$k"), op("Replicate", "w", degree="$k"), activation="$act"),
+    op("Partition", op("Linear", "x", "w", activation="$act"), dim="$d", degree="$k"), {**DK, **_A},
+    [["$d", "<=", -2]], bind={"d": -2, "k": 2, "act": "relu"}, shapes=LIN)
+_ax("Linear_bias_partition_rows", "linear_partition_rows", "parallel",
+    op("Linear", op("Partition", "x", dim="$d", degree="$k"), op("Replicate", "w", degree="$k"),
+       op("Replicate", "b", degree="$k"), activation="$act"),
+    op("Partition", op("Linear", "x", "w", "b", activation="$act"), dim="$d", degree="$k"), {**DK, **_A},
+    [["$d", "<=", -2]], bind={"d": -2, "k": 2, "act": "relu"}, shapes=LINB)
+_ax("Linear_partition_cols", "linear_partition_cols", "parallel",
+    op("Linear", op("Replicate", "x", degree="$k"), op("Partition", "w", dim=-1, degree="$k"), activation="$act"),
+    op("Partition", op("Linear", "x", "w", activation="$act"), dim=-1, degree="$k"), {"k": "degree", **_A},
+    bind={"k": 2, "act": "relu"}, shapes=LIN)
+_ax("Linear_bias_partition_cols", "linear_partition_cols", "parallel",
+    op("Linear", op("Replicate", "x", degree="$k"), op("Partition", "w", dim=-1, degree="$k"),
+       op("Partition", "b", dim=-1, degree="$k"), activation="$act"),
+    op("Partition", op("Linear", "x", "w", "b", activation="$act"), dim=-1, degree="$k"), {"k": "degree", **_A},
+    bind={"k": 2, "act": "relu"}, shapes=LINB)
+_ax("Linear_replicate", "linear_replicate", "parallel",
+    op("Linear", op("Replicate", "x", degree="$k"), op("Replicate", "w", degree="$k"), activation="$act"),
+    op("Replicate", op("Linear", "x", "w", activation="$act"), degree="$k"), {"k": "degree", **_A},
+    bind={"k": 2, "act": "relu"}, shapes=LIN)
+
+# --- parallel operators among themselves ---------------------------------------------------------------
+_ax("Combine_Partition", "combine_partition_inverse", "parallel",
+    op("Combine", op("Partition", "x", dim="$d", degree="$k"), dim="$d", degree="$k"), "x", DK,
+    bind={"d": -1, "k": 2}, shapes=X44)
+_ax("Partition_Combine", "combine_partition_inverse", "parallel",
+    op("Partition", op("Combine", "x", dim="$d", degree="$k"), dim="$d", degree="$k"), "x", DK,
+    bind={"d": -2, "k": 2}, shapes={"x": S.of((4, 4), (2, 1))})
+_ax("Batch_Pipeline", "batch_pipeline_inverse", "parallel",
+    op("Batch", op("Pipeline", "x", dim="$d", degree="$k"), dim="$d", degree="$k"), "x", DK,
+    bind={"d": -2, "k": 2}, shapes=X44)
+_ax("Pipeline_Batch", "batch_pipeline_inverse", "parallel",
+    op("Pipeline", op("Batch", "x", dim="$d", degree="$k"), dim="$d", degree="$k"), "x", DK,
+    bind={"d": -2, "k": 2}, shapes={"x": S.of((4, 4), (2, 1))})
+_DD = {"d": "dim", "e": "dim", "k": "degree", "j": "degree"}
+for _p1 in ("Partition", "Combine"):
+    for _p2 in ("Partition", "Combine"):
+        shp = S.of((4, 4), (2 if _p1 == "Combine" else 1, 2 if _p2 == "Combine" else 1))
+        _ax(f"{_p1}_{_p2}_commute", "partition_commute", "parallel",
+            op(_p1, op(_p2, "x", dim="$e", degree="$j"), dim="$d", degree="$k"),
+            op(_p2, op(_p1, "x", dim="$d", degree="$k"), dim="$e", degree="$j"), _DD, [["$d", "!=", "$e"]],
+            bind={"d": -2, "e": -1, "k": 2, "j": 2}, shapes={"x": shp})
+for _p in ("Partition", "Combine"):
+    shp = S.of((4, 4), (2, 1)) if _p == "Combine" else S.of((4, 4))
+    _ax(f"Replicate_{_p}_commute", "replicate_commute", "parallel",
+        op("Replicate", op(_p, "x", dim="$d", degree="$k"), degree="$j"),
+        op(_p, op("Replicate", "x", degree="$j"), dim="$d", degree="$k"), _DD,
+        bind={"d": -2, "k": 2, "j": 2}, shapes={"x": shp})
+    _ax(f"Reduce_{_p}_commute", "reduce_commute", "parallel",
+        op("Reduce", op(_p, "x", dim="$d", degree="$k"), degree="$j"),
+        op(_p, op("Reduce", "x", degree="$j"), dim="$d", degree="$k"), _DD,
+        bind={"d": -2, "k": 2, "j": 2}, shapes={"x": S.of((4, 4), shp.degrees, sum_degree=2)})
+_ax("Reduce_Replicate_commute", "reduce_commute", "parallel",
+    op("Reduce", op("Replicate", "x", degree="$j"), degree="$k"),
+    op("Replicate", op("Reduce", "x", degree="$k"), degree="$j"), {"k": "degree", "j": "degree"},
+    bind={"k": 2, "j": 2}, shapes={"x": S.of((4, 4), sum_degree=2)})
+_ax("AllReduce_is_Reduce_Replicate", "allreduce", "parallel", op("AllReduce", "x", degree="$k"),
+    op("Replicate", op("Reduce", "x", degree="$k"), degree="$k"), {"k": "degree"},
+    bind={"k": 2}, shapes={"x": S.of((4, 4), sum_degree=2)})
+
+# --- concat, split, reductions -----------------------------------------------------------------------------
+XY24 = {"x": S.of((4, 2)), "y": S.of((4, 2))}
+_ax("Concat_partition", "concat_parallel", "parallel",
+    op("Concat", op("Partition", "x", dim="$d", degree="$k"), op("Partition", "y", dim="$d", degree="$k"), axis="$a"),
+    op("Partition", op("Concat", "x", "y", axis="$a"), dim="$d", degree="$k"), {**DK, "a": "dim"},
+    [["$d", "!=", "$a"]], bind={"d": -2, "k": 2, "a": -1}, shapes=XY24)
+_ax("Concat_combine", "concat_parallel", "parallel",
+    op("Concat", op("Combine", "x", dim="$d", degree="$k"), op("Combine", "y", dim="$d", degree="$k"), axis="$a"),
+    op("Combine", op("Concat", "x", "y", axis="$a"), dim="$d", degree="$k"), {**DK, "a": "dim"},
+    [["$d", "!=", "$a"]], bind={"d": -2, "k": 2, "a": -1},
+    shapes={"x": S.of((4, 2), (2, 1)), "y": S.of((4, 2), (2, 1))})
+_ax("Concat_replicate", "concat_parallel", "parallel",
+    op("Concat", op("Replicate", "x", degree="$k"), op("Replicate", "y", degree="$k"), axis="$a"),
+    op("Replicate", op("Concat", "x", "y", axis="$a"), degree="$k"), {"k": "degree", "a": "dim"},
+    bind={"k": 2, "a": -1}, shapes=XY24)
+_ax("Concat_reduce", "concat_parallel", "parallel",
+    op("Concat", op("Reduce", "x", degree="$k"), op("Reduce", "y", degree="$k"), axis="$a"),
+    op("Reduce", op("Concat", "x", "y", axis="$a"), degree="$k"), {"k": "degree", "a": "dim"},
+    bind={"k": 2, "a": -1}, shapes={"x": S.of((4, 2), sum_degree=2), "y": S.of((4, 2), sum_degree=2)})
+_ax("ReduceSum_partition_reduced", "reducesum_partition", "parallel",
+    op("Reduce", op("ReduceSum", op("Partition", "x", dim="$a", degree="$k"), axes=("$a",), keepdims="$kd"),
+       degree="$k"),
+    op("ReduceSum", "x", axes=("$a",), keepdims="$kd"), {"a": "dim", "k": "degree", "kd": "attr"},
+    bind={"a": -2, "k": 2, "kd": True}, shapes=X44)
+_ax("ReduceSum_partition_kept", "reducesum_partition", "parallel",
+    op("ReduceSum", op("Partition", "x", dim="$d", degree="$k"), axes=("$a",), keepdims=True),
+    op("Partition", op("ReduceSum", "x", axes=("$a",), keepdims=True), dim="$d", degree="$k"),
+    {**DK, "a": "dim"}, [["$d", "!=", "$a"]], bind={"a": -2, "d": -1, "k": 2}, shapes=X44)
+_ax("ReduceSum_concat", "reducesum_concat", "algebraic",
+    op("ReduceSum", op("Concat", "x", "y", axis="$a"), axes=("$a",), keepdims=True),
+    op("Add", op("ReduceSum", "x", axes=("$a",), keepdims=True), op("ReduceSum", "y", axes=("$a",), keepdims=True)),
+    {"a": "dim"}, bind={"a": -2}, shapes={"x": S.of((2, 4)), "y": S.of((3, 4))})
+_ax("Softmax_partition", "softmax_partition", "parallel",
+    op("Softmax", op("Partition", "x", dim="$d", degree="$k"), axis="$a"),
+    op("Partition", op("Softmax", "x", axis="$a"), dim="$d", degree="$k"), {**DK, "a": "dim"},
+    [["$d", "!=", "$a"]], bind={"d": -2, "k": 2, "a": -1}, shapes=X44)
+_ax("Softmax_replicate", "softmax_replicate", "parallel",
+    op("Softmax", op("Replicate", "x", degree="$k"), axis="$a"),
+    op("Replicate", op("Softmax", "x", axis="$a"), degree="$k"), {"k": "degree", "a": "dim"},
+    bind={"k": 2, "a": -1}, shapes=X44)
+_ax("Split_partition", "split_partition", "parallel",
+    tuple(op("Split", op("Partition", "x", dim="$d", degree="$k"), axis="$a", sizes="$s")[i] for i in range(2)),
+    tuple(op("Partition", op("Split", "x", axis="$a", sizes="$s")[i], dim="$d", degree="$k") for i in range(2)),
+    {**DK, "a": "dim", "s": "attr"}, [["$d", "!=", "$a"]], bind={"d": -2, "k": 2, "a": -1, "s": (1, 3)},
+    shapes=X44)
+_ax("LayerNorm_partition", "layernorm_partition", "parallel",
+    op("LayerNorm", op("Partition", "x", dim="$d", degree="$k"), op("Replicate", "g", degree="$k"),
+       op("Replicate", "b", degree="$k"), axis="$a", eps="$e"),
+    op("Partition", op("LayerNorm", "x", "g", "b", axis="$a", eps="$e"), dim="$d", degree="$k"),
+    {**DK, "a": "dim", "e": "attr"}, [["$d", "<", "$a"]], bind={"d": -2, "k": 2, "a": -1, "e": 1e-5},
+    shapes={"x": S.of((4, 4)), "g": S.of((4,)), "b": S.of((4,))})
+
+# --- sample-dim (data) parallelism of the remaining compute operators (dim 0 counted from the front) ---------
+_SAMPLE: list[tuple[str, dict, dict, dict, str, tuple]] = [
+    # op, attr pattern, example attrs, example shapes (first input partitioned, others replicated), values, ints
+    ("Conv2d", {"stride": "$st", "padding": "$pad", "dilation": "$dil", "groups": "$g"},
+     {"st": (1, 1), "pad": (1, 1, 1, 1), "dil": (1, 1), "g": 1},
+     {"x": S.of((2, 2, 3, 3)), "w": S.of((2, 2, 3, 3))}, "float", ()),
+    ("Pool2d", {"kind": "$kind", "kernel": "$ker", "stride": "$st", "padding": "$pad", "global_pool": "$gp",
+                "count_include_pad": "$cip", "ceil_mode": "$cm"},
+     {"kind": "max", "ker": (2, 2), "st": (2, 2), "pad": (0, 0, 0, 0), "gp": False, "cip": False, "cm": False},
+     {"x": S.of((2, 2, 4, 4))}, "float", ()),
+    ("LRN", {"size": "$sz", "alpha": "$al", "beta": "$be", "bias": "$bi"},
+     {"sz": 3, "al": 1e-4, "be": 0.75, "bi": 1.0}, {"x": S.of((2, 4, 2, 2))}, "float", ()),
+    ("BatchNorm", {"eps": "$e", "momentum": "$m"}, {"e": 1e-5, "m": 0.9},
+     {"x": S.of((2, 3, 2, 2)), "s": S.of((3,)), "b": S.of((3,)), "mu": S.of((3,)), "var": S.of((3,))}, "pos", ()),
+    ("Embedding", {}, {}, {"i": S.of((4, 2), dtype="int64"), "t": S.of((5, 3))}, "float", ("i",)),
+    ("Gather", {"axis": "$a"}, {"a": 1}, {"x": S.of((2, 5)), "i": S.of((3,), dtype="int64")}, "float", ("i",)),
+    ("Reshape", {"shape": "$sh"}, {"sh": (2, 6)}, {"x": S.of((2, 3, 2))}, "float", ()),
+    ("Flatten", {"axis": "$a"}, {"a": 1}, {"x": S.of((2, 3, 2))}, "float", ()),
+    ("ReduceMean", {"axes": ("$a",), "keepdims": "$kd"}, {"a": 1, "kd": True}, {"x": S.of((2, 3))}, "float", ()),
+    ("ReduceSum", {"axes": ("$a",), "keepdims": "$kd"}, {"a": 1, "kd": False}, {"x": S.of((2, 3))}, "float", ()),
+]
+SAMPLE_OPS: dict[str, tuple] = {}
+for _o, _pa, _ex, _shapes, _vk, _ints in _SAMPLE:
+    names = list(_shapes)
+    args_l = [op("Partition", names[0], dim=0, degree="$k")] + [op("Replicate", n, degree="$k") for n in names[1:]]
+    V = {"k": "degree"}
+    for v in _pa.values():
+        for x in (v if isinstance(v, tuple) else (v,)):
+            if isinstance(x, str) and x.startswith("$"):
+                V[x[1:]] = "attr"
+    cons = []
+    if _o in ("Gather", "Flatten", "ReduceMean", "ReduceSum"):
+        V["a"] = "fdim"
+        cons = [["$a", ">=", 1]]
+    SAMPLE_OPS[_o] = (_pa, _ex, _shapes, _vk, _ints, cons, V)
+    _ax(f"{_o}_partition_sample", "sample_partition", "parallel", op(_o, *args_l, **_pa),
+        op("Partition", op(_o, *names, **_pa), dim=0, degree="$k"), V, cons, bind={**_ex, "k": 2},
+        shapes=_shapes, values=_vk, int_inputs=_ints)
+
+
+AXIOMS: tuple[Axiom, ...] = tuple(_AXIOMS)
+
+
+def by_name() -> dict[str, Axiom]:
+    return {a.name: a for a in AXIOMS}
+
+
+def schemas() -> dict[str, list[str]]:
+    out: dict[str, list[str]] = {}
+    for a in AXIOMS:
+        out.setdefault(a.schema, []).append(a.name)
+    return out
+
+
+def counts() -> dict[str, int]:
+    sch = schemas()
+    par = {a.schema for a in AXIOMS if a.group == "parallel"}
+    return {"axioms": len(AXIOMS), "axiom_schemas": len(sch), "parallel_axiom_schemas": len(par),
+            "algebraic_axiom_schemas": len(sch) - len(par),
+            "parallel_axioms": sum(1 for a in AXIOMS if a.group == "parallel")}

@@ -1,0 +1,183 @@
+"""Prove rules with Z3 (TASO's method).
+
+Tensors are an uninterpreted sort ``T``; every operator is an uninterpreted function taking its
+attributes as integers (dims and degrees as themselves, other values interned, tuples through
+uninterpreted ``tupN``) and its inputs as ``T``.  Each axiom (axioms.py) becomes a universally
+quantified equation guarded by its constraints (degrees >= 2 always).  A rule is *proven* when
+"some source output differs from its target output" is unsatisfiable under the relevant axioms and the
+rule's constraints, within a per-rule timeout; the unsat core names the axioms used.
+"""
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+from typing import Any, Iterable, Mapping, Sequence
+
+import z3
+
+from unity_pcg import ops
+from unity_pcg.ops.base import REQUIRED
+from substitutions.rule import Pattern, Rule, is_var
+
+from .axioms import AXIOMS, Axiom
+
+PARALLEL = set(ops.PARALLEL_OPS) | {"AllReduce"}
+
+
+@dataclass(frozen=True)
+class Verdict:
+    name: str
+    status: str            # proven | unproven | timeout
+    seconds: float
+    axioms: tuple[str, ...] = ()
+    detail: str = ""
+
+    @property
+    def proven(self) -> bool:
+        return self.status == "proven"
+
+
+class Encoder:
+    """Maps patterns to Z3 terms (one instance per solver context)."""
+
+    def __init__(self) -> None:
+        self.T = z3.DeclareSort("T")
+        self._funcs: dict[tuple, z3.FuncDeclRef] = {}
+        self._tups: dict[int, z3.FuncDeclRef] = {}
+        self._intern: dict[Any, int] = {}
+
+    def func(self, opname: str, n_in: int, out: int) -> tuple[z3.FuncDeclRef, list[str]]:
+        spec = ops.get_op(opname)
+        names = sorted(spec.attrs)
+        key = (opname, n_in, out)
+        if key not in self._funcs:
+            sig = [z3.IntSort()] * len(names) + [self.T] * n_in + [self.T]
+            self._funcs[key] = z3.Function(f"{opname}_{n_in}_{out}", *sig)
+        return self._funcs[key], names
+
+    def value(self, v: Any, env: Mapping[str, z3.ExprRef]) -> z3.ExprRef:
+        if is_var(v):
+            return env[v[1:]]
+        if isinstance(v, bool):
+            return z3.IntVal(int(v))
+        if isinstance(v, int):
+            return z3.IntVal(v)
+        if isinstance(v, (tuple, list)):
+            n = len(v)
+            if n not in self._tups:
+                self._tups[n] = z3.Function(f"tup{n}", *([z3.IntSort()] * n + [z3.IntSort()]))
+            return self._tups[n](*[self.value(x, env) for x in v])
+        key = (type(v).__name__, repr(v))
+        if key not in self._intern:
+            self._intern[key] = 1_000_000 + len(self._intern)
+        return z3.IntVal(self._intern[key])
+
+    def pattern(self, p: Pattern, inputs: Mapping[str, z3.ExprRef], env: Mapping[str, z3.ExprRef]
+                ) -> list[z3.ExprRef]:
+        vals: list[list[z3.ExprRef]] = []
+        for pn in p.nodes:
+            spec = ops.get_op(pn.op)
+            pa = pn.a
+            args = [inputs[r] if isinstance(r, str) else vals[r[0]][r[1]] for r in pn.inputs]
+            n_out = 1 + max([r[1] for q in (p.nodes) for r in q.inputs
+                             if not isinstance(r, str) and p.nodes[r[0]] is pn] +
+                            [o[1] for o in p.outputs if not isinstance(o, str) and p.nodes[o[0]] is pn] + [0])
+            outs = []
+            for k in range(n_out):
+                f, names = self.func(pn.op, len(args), k)
+                attrs = [self.value(pa[nm] if nm in pa else ("<REQUIRED>" if spec.attrs[nm] is REQUIRED
+                                                             else spec.attrs[nm]), env) for nm in names]
+                outs.append(f(*attrs, *args))
+            vals.append(outs)
+        return [inputs[o] if isinstance(o, str) else vals[o[0]][o[1]] for o in p.outputs]
+
+    def constraint(self, c, env) -> z3.BoolRef:
+        lhs, opn, rhs = c
+        a, b = self.value(lhs, env), self.value(rhs, env)
+        return {"==": a == b, "!=": a != b, "<": a < b, "<=": a <= b, ">": a > b, ">=": a >= b}[opn]
+
+    def rule_vars(self, r: Rule, prefix: str) -> tuple[dict, dict, list]:
+        ins = {n: z3.Const(f"{prefix}{n}", self.T) for n in r.inputs}
+        env = {v: z3.Int(f"{prefix}v_{v}") for v, _ in r.vars}
+        side = [self.constraint(c, env) for c in r.constraints]
+        side += [env[v] >= 2 for v, k in r.vars if k == "degree"]
+        return ins, env, side
+
+    def axiom(self, ax: Axiom) -> z3.BoolRef:
+        r = ax.rule
+        ins, env, side = self.rule_vars(r, f"A_{ax.name}_")
+        lhs = self.pattern(r.source, ins, env)
+        rhs = self.pattern(r.target, ins, env)
+        eq = z3.And([a == b for a, b in zip(lhs, rhs)]) if len(lhs) > 1 else lhs[0] == rhs[0]
+        body = z3.Implies(z3.And(side), eq) if side else eq
+        bound = list(ins.values()) + list(env.values())
+        return z3.ForAll(bound, body)
+
+
+def rule_ops(r: Rule) -> set[str]:
+    return {n.op for p in (r.source, r.target) for n in p.nodes}
+
+
+def relevant_axioms(r: Rule, axioms: Sequence[Axiom] = AXIOMS) -> list[Axiom]:
+    """Axioms over the rule's operators, the parallel operators, and operators one axiom away."""
+    mine = rule_ops(r)
+    allowed = set(mine) | PARALLEL
+    for a in axioms:
+        if a.ops & (mine - PARALLEL):
+            allowed |= a.ops
+    return [a for a in axioms if a.ops <= allowed]
+
+
+def verify_rule(r: Rule, timeout: float = 10.0, axioms: Sequence[Axiom] = AXIOMS) -> Verdict:
+    t0 = time.perf_counter()
+    enc = Encoder()
+    s = z3.Solver()
+    s.set("timeout", int(timeout * 1000))
+    s.set("unsat_core", True)
+    s.set("smt.mbqi", False)
+    used = relevant_axioms(r, axioms)
+    for a in used:
+        s.assert_and_track(enc.axiom(a), z3.Bool(f"ax:{a.name}"))
+    ins, env, side = enc.rule_vars(r, "")
+    for c in side:
+        s.add(c)
+    src = enc.pattern(r.source, ins, env)
+    tgt = enc.pattern(r.target, ins, env)
+    s.add(z3.Not(z3.And([a == b for a, b in zip(src, tgt)])))
+    res = s.check()
+    dt = time.perf_counter() - t0
+    if res == z3.unsat:
+        core = tuple(sorted(str(c)[3:] for c in s.unsat_core()))
+        return Verdict(r.name, "proven", dt, core)
+    if res == z3.unknown:
+        why = s.reason_unknown()
+        status = "timeout" if ("timeout" in why or "canceled" in why) else "unproven"
+        return Verdict(r.name, status, dt, (), why)
+    return Verdict(r.name, "unproven", dt, (), "a counter-model exists under the axioms")
+
+
+def _verify_json(args) -> dict:
+    obj, timeout = args
+    v = verify_rule(Rule.from_json(obj), timeout)
+    return {"name": v.name, "status": v.status, "seconds": v.seconds, "axioms": list(v.axioms), "detail": v.detail}
+
+
+def verify_rules(rules: Iterable[Rule], timeout: float = 10.0, workers: int = 2, progress=None) -> list[Verdict]:
+    """Verify many rules, in ``workers`` processes; ``progress(done, total)`` is called as they finish."""
+    rules = list(rules)
+    jobs = [(r.to_json(), timeout) for r in rules]
+    out: list[dict] = []
+    if workers <= 1 or len(rules) < 8:
+        for k, j in enumerate(jobs):
+            out.append(_verify_json(j))
+            if progress:
+                progress(k + 1, len(jobs))
+    else:
+        import multiprocessing as mp
+        ctx = mp.get_context("fork")
+        with ctx.Pool(workers) as pool:
+            for k, res in enumerate(pool.imap(_verify_json, jobs, chunksize=4)):
+                out.append(res)
+                if progress:
+                    progress(k + 1, len(jobs))
+    return [Verdict(d["name"], d["status"], d["seconds"], tuple(d["axioms"]), d["detail"]) for d in out]
