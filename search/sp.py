@@ -98,8 +98,8 @@ def decompose(g: PCG, roles: dict) -> Decomposition:
     n = len(units)
     order = g.topo_order()
     pos = {nid: i for i, nid in enumerate(order)}
-    # unit order: by position of the unit's earliest node
-    uorder = sorted(range(n), key=lambda u: min(pos[x] for x in units[u]))
+    # unit order: by position of the unit's main node
+    uorder = sorted(range(n), key=lambda u: pos[main[u]])
     rank = {u: i for i, u in enumerate(uorder)}
     succ: list[set] = [set() for _ in range(n)]
     pred: list[set] = [set() for _ in range(n)]

@@ -1,0 +1,90 @@
+import math
+
+import pytest
+
+from search import collectives as C
+from search.baselines import data_parallel
+from search.cost import CostModel, GraphCost
+from search.mapping import MachineMapper
+from unity_pcg.machine import parse_machine
+
+from .graphs import mlp
+
+
+def test_collective_formulas_by_level():
+    m = parse_machine("summit:2x6")
+    n = 6e8
+    g, nd, net = m.links["group"], m.links["node"], m.links["network"]
+    assert C.allreduce_time(m, [0, 1, 2], n) == pytest.approx(4 * g.latency + 4 / 3 * n / g.bandwidth)
+    assert C.allreduce_time(m, range(6), n) == pytest.approx(10 * nd.latency + 10 / 6 * n / nd.bandwidth)
+    assert C.allreduce_time(m, [0, 6], n) == pytest.approx(2 * net.latency + n / net.bandwidth)
+    assert C.allgather_time(m, [0, 1], n) == pytest.approx(g.latency + n / 2 / g.bandwidth)
+    assert C.allreduce_time(m, [3], n) == 0.0
+    # a faster level is never slower
+    assert C.allreduce_time(m, [0, 1], n) < C.allreduce_time(m, [0, 3], n) < C.allreduce_time(m, [0, 6], n)
+    assert C.allreduce_elements(4, 100) == 600
+
+
+def test_transfer_time_busiest_endpoint():
+    m = parse_machine("summit:1x6")
+    bw, lat = m.links["group"].bandwidth, m.links["group"].latency
+    one = C.transfer_time(m, [(0, 1, 1e6)])
+    assert one == pytest.approx(1e6 / bw + lat)              # one message
+    fan_in = C.transfer_time(m, [(1, 0, 1e6), (2, 0, 1e6)])
+    assert fan_in > one                                       # the receiver is the bottleneck
+    assert C.transfer_time(m, [(0, 0, 1e9)]) == 0.0
+
+
+def test_roofline_and_backward_factor():
+    m = parse_machine("summit:1x1")
+    cm = CostModel(m, backward_factor=2.0)
+    from unity_pcg.shape import ParallelTensorShape as S
+    x, w, y = S.of((4096, 4096)), S.of((4096, 4096)), S.of((4096, 4096))
+    f, b = cm.op_time("Linear", {}, [x, w], [y])
+    flops = 2 * 4096 ** 3
+    t = flops / (m.flops * m.device.eff("matmul"))
+    assert f == pytest.approx(t + m.device.op_overhead)
+    assert b == pytest.approx(2 * t + m.device.op_overhead)
+    fr, _ = cm.op_time("Relu", {}, [x], [y])                 # memory bound
+    assert fr == pytest.approx(2 * x.nbytes / m.mem_bandwidth + m.device.op_overhead)
+
+
+@pytest.mark.parametrize("d", [2, 3, 6])
+def test_data_parallel_volume_is_gradient_allreduce_plus_output_gather(d):
+    batch, h, layers = 12, 32, 3
+    g = data_parallel(mlp(batch=batch, h=h, layers=layers), d)
+    r = MachineMapper(CostModel(parse_machine(f"summit:1x{d}"))).optimize(g)
+    params = layers * h * h
+    gather = (d - 1) * (batch // d) * h                      # Combine of the output onto one device
+    assert r.breakdown.comm_elements == 2 * (d - 1) * params + 2 * gather   # forward + backward
+    assert r.breakdown.sync > 0
+
+
+def test_local_devices_share_cores():
+    m2 = parse_machine("local:1x2")
+    import dataclasses
+    m = dataclasses.replace(m2, shared_cores=2)
+    assert m.share == 1.0
+    m4 = m.resized(1, 4)
+    assert m4.share == pytest.approx(0.5)
+    assert m4.flops == pytest.approx(m.flops / 2)
+
+
+def test_optimizer_states_change_memory_and_update():
+    g = mlp(batch=8, h=64, layers=2)
+    m = parse_machine("summit:1x1")
+    sgd = MachineMapper(CostModel(m, optimizer="sgd")).optimize(g)
+    adam = MachineMapper(CostModel(m, optimizer="adam")).optimize(g)
+    wbytes = 2 * 64 * 64 * 4
+    assert adam.memory.max_bytes - sgd.memory.max_bytes == 2 * wbytes
+    assert adam.breakdown.update > sgd.breakdown.update
+    with pytest.raises(ValueError):
+        CostModel(m, optimizer="lion")
+
+
+def test_gradient_sync_grows_across_nodes():
+    g6 = data_parallel(mlp(batch=12, h=512, layers=2), 6)
+    g12 = data_parallel(mlp(batch=12, h=512, layers=2), 12)
+    one = MachineMapper(CostModel(parse_machine("summit:1x6"))).optimize(g6)
+    two = MachineMapper(CostModel(parse_machine("summit:2x6"))).optimize(g12)
+    assert two.breakdown.sync > one.breakdown.sync
