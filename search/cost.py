@@ -69,12 +69,14 @@ def op_class(op: str) -> str:
 class CostModel:
     """Costs of tasks, collectives and the optimizer step on one machine."""
 
-    def __init__(self, machine: MachineSpec, optimizer: str = "adam", backward_factor: float = 2.0):
+    def __init__(self, machine: MachineSpec, optimizer: str = "adam", backward_factor: float = 2.0,
+                 grad_bucket_bytes: float = 25 * 2**20):
         if optimizer not in OPTIMIZER_STATES:
             raise ValueError(f"unknown optimizer {optimizer!r} (known: {', '.join(OPTIMIZER_STATES)})")
         self.machine = machine
         self.optimizer = optimizer
         self.backward_factor = float(backward_factor)
+        self.grad_bucket_bytes = float(grad_bucket_bytes)
         self._op_cache: dict = {}
 
     # --- compute -------------------------------------------------------------------------------
@@ -97,6 +99,18 @@ class CostModel:
         bwd = self.backward_factor * t + m.device.op_overhead
         return fwd, bwd
 
+    # --- gradient synchronization --------------------------------------------------------------
+    def grad_allreduce_time(self, devs, nbytes: float) -> float:
+        """All-reduce of one weight's gradient.  Frameworks fuse gradients into buckets
+        (``grad_bucket_bytes``, 25 MiB as in torch DDP; 0 = one all-reduce per weight): a weight then
+        pays the bandwidth term for its bytes and its share of a bucket's latency term."""
+        full = C.allreduce_time(self.machine, devs, nbytes)
+        if self.grad_bucket_bytes <= 0 or full == 0.0:
+            return full
+        bw_only = _bw_part(self.machine, devs, nbytes)
+        lat = full - bw_only
+        return bw_only + lat * min(1.0, nbytes / self.grad_bucket_bytes)
+
     # --- optimizer -----------------------------------------------------------------------------
     def update_time(self, weight_bytes: float) -> float:
         """Memory-bound update: read weight, grad, states; write weight, states."""
@@ -108,6 +122,14 @@ class CostModel:
     def weight_memory_factor(self) -> int:
         """Bytes per weight byte held on a device: weight + gradient + optimizer states."""
         return 2 + OPTIMIZER_STATES[self.optimizer]
+
+
+def _bw_part(machine: MachineSpec, devs, nbytes: float) -> float:
+    p = len(set(devs))
+    lv = machine.span_level(list(devs))
+    if p <= 1 or lv == "local":
+        return 0.0
+    return 2 * (p - 1) / p * nbytes / machine.link(lv).bandwidth
 
 
 # --- per-graph pricing ------------------------------------------------------------------------------
@@ -377,9 +399,8 @@ class GraphCost:
         elif role == "compute":
             f, b = self.model.op_time(node.op, node.a, self.g.input_shapes(nid), self.g.shapes(nid))
             c.compute = f + b
-            wbytes = sum(self.g.shape(r).piece_nbytes for r in self._update_owner.get(nid, ()))
-            if wbytes:
-                c.update = self.model.update_time(wbytes)
+            c.update = sum(self.model.update_time(self.g.shape(r).piece_nbytes)
+                           for r in self._update_owner.get(nid, ()))
         c.time = c.compute + c.comm + c.sync + c.update
         self._leaf_cache[key] = c
         return c
@@ -431,7 +452,7 @@ class GraphCost:
         t = 0.0
         el = 0
         for g in groups.values():
-            t = max(t, C.allreduce_time(self.machine, sorted(g), out.piece_nbytes))
+            t = max(t, self.model.grad_allreduce_time(sorted(g), out.piece_nbytes))
             el += C.allreduce_elements(len(g), out.piece_numel)
         return t, el
 

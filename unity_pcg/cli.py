@@ -16,12 +16,16 @@ from .errors import UnityError
 COMMANDS: dict[str, str] = {
     "import": "unity_pcg.commands.import_cmd",
     "zoo": "unity_pcg.commands.zoo_cmd",
+    "calibrate": "unity_pcg.commands.calibrate_cmd",
+    "simulate": "unity_pcg.commands.simulate_cmd",
 }
 
 # one-line help per command, kept here so `unity-pcg --help` imports nothing heavy
 HELP: dict[str, str] = {
     "import": "import an ONNX model and show it as a PCG",
     "zoo": "list or export the models of Unity's evaluation as ONNX",
+    "calibrate": "measure this computer and write a machine description (JSON)",
+    "simulate": "predict iteration time, communication and memory of a fixed parallelization (dp / none)",
 }
 
 
