@@ -75,7 +75,17 @@ class MachineSpec:
     def resized(self, nodes: int, devices_per_node: int) -> "MachineSpec":
         g = self.group_size if devices_per_node % self.group_size == 0 else devices_per_node
         g = min(g, devices_per_node)
-        return replace(self, nodes=nodes, devices_per_node=devices_per_node, group_size=g)
+        links = self.links
+        fits = dict(self.meta).get("allreduce_fits")
+        if fits:  # a calibrated local machine: the links measured for the nearest world size
+            try:
+                p = nodes * devices_per_node
+                k = min(fits, key=lambda w: (abs(int(w) - p), int(w)))
+                lk = LinkSpec(float(fits[k]["bandwidth"]), float(fits[k]["latency"]))
+                links = {lv: lk for lv in ("group", "node", "network")}
+            except (KeyError, TypeError, ValueError):
+                raise MachineError(f"machine {self.name!r}: malformed meta.allreduce_fits") from None
+        return replace(self, nodes=nodes, devices_per_node=devices_per_node, group_size=g, links=links)
 
     # --- per-device throughput (local processes share the cores) ------------------------------
     @property

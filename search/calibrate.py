@@ -1,0 +1,186 @@
+"""Measure this computer and describe it as a ``local`` :class:`MachineSpec`.
+
+Devices of the local machine are CPU processes (one torch thread each) that share the cores: the
+measured per-process throughput is scaled by ``cores / processes`` when there are more processes
+than cores (``MachineSpec.share``).  What is measured (medians of repeated runs, torch on one
+thread):
+
+* matmul throughput (FLOP/s; the device's ``peak_flops``), conv2d throughput (its efficiency relative
+  to matmul), memory bandwidth (a large tensor copy: read + write);
+* the per-operator overhead of a training step: a chain of tiny Linear+ReLU layers, forward and
+  backward, divided by the number of operator runs (forward + backward);
+* gloo collectives over loopback TCP for world sizes 2..4 (``torch.multiprocessing`` +
+  ``torch.distributed``, ``init_method=tcp://127.0.0.1:PORT``): all-reduce time of a tiny and a large
+  tensor, fitted to the ring model ``2(p-1) alpha + 2(p-1)/p n / beta``.  The fit for each world size
+  is kept in ``meta["allreduce_fits"]``; the links of a resized local machine use the fit of its
+  device count (nearest measured).
+
+Progress goes to stderr.  ``quick=True`` uses smaller sizes, fewer repeats and world sizes 2 and 4,
+and finishes well within a minute.
+"""
+from __future__ import annotations
+
+import os
+import socket
+import statistics
+import sys
+import time
+from typing import Callable
+
+from unity_pcg.machine import DeviceSpec, LinkSpec, MachineSpec
+
+
+def _say(msg: str, quiet: bool) -> None:
+    if not quiet:
+        print(f"[calibrate] {msg}", file=sys.stderr, flush=True)
+
+
+def _median_time(fn: Callable[[], None], reps: int, warmup: int = 1) -> float:
+    for _ in range(warmup):
+        fn()
+    ts = []
+    for _ in range(reps):
+        t = time.perf_counter()
+        fn()
+        ts.append(time.perf_counter() - t)
+    return statistics.median(ts)
+
+
+def measure_compute(quick: bool = False, quiet: bool = False) -> dict:
+    import torch
+    torch.set_num_threads(1)
+    reps = 3 if quick else 7
+    out = {}
+    n = 384 if quick else 768
+    a, b = torch.randn(n, n), torch.randn(n, n)
+    t = _median_time(lambda: torch.mm(a, b), reps)
+    out["matmul_flops"] = 2 * n ** 3 / t
+    _say(f"matmul {n}^3: {out['matmul_flops'] / 1e9:.1f} GFLOP/s", quiet)
+    x = torch.randn(8, 32, 32, 32)
+    w = torch.randn(32, 32, 3, 3)
+    t = _median_time(lambda: torch.nn.functional.conv2d(x, w, padding=1), reps)
+    out["conv_flops"] = 2 * 8 * 32 * 32 * 32 * 32 * 9 / t
+    _say(f"conv2d 3x3: {out['conv_flops'] / 1e9:.1f} GFLOP/s", quiet)
+    m = (4 if quick else 16) * 2 ** 20
+    src = torch.randn(m)
+    dst = torch.empty(m)
+    t = _median_time(lambda: dst.copy_(src), reps)
+    out["mem_bandwidth"] = 2 * 4 * m / t
+    _say(f"memory copy: {out['mem_bandwidth'] / 1e9:.1f} GB/s", quiet)
+    # per-operator overhead of a training step: tiny layers, forward + backward
+    layers = 20 if quick else 50
+    mods = [torch.nn.Linear(4, 4) for _ in range(layers)]
+    params = [p for mm in mods for p in mm.parameters()]
+    xin = torch.randn(2, 4)
+
+    def step():
+        h = xin
+        for mm in mods:
+            h = torch.relu(mm(h))
+        h.sum().backward()
+        for p in params:
+            p.grad = None
+    t = _median_time(step, reps * 3, warmup=2)
+    runs = 2 * (2 * layers)  # Linear and ReLU, forward and backward
+    out["op_overhead"] = t / runs
+    _say(f"per-operator overhead: {out['op_overhead'] * 1e6:.1f} us", quiet)
+    return out
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _allreduce_worker(rank: int, world: int, port: int, sizes: list, reps: int, q) -> None:
+    import torch
+    import torch.distributed as dist
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
+    try:
+        res = {}
+        for n in sizes:
+            x = torch.ones(n)
+            for _ in range(2):
+                dist.all_reduce(x)
+            ts = []
+            for _ in range(reps):
+                dist.barrier()
+                t = time.perf_counter()
+                dist.all_reduce(x)
+                ts.append(time.perf_counter() - t)
+            res[n] = statistics.median(ts)
+        if rank == 0:
+            q.put(res)
+    finally:
+        dist.destroy_process_group()
+
+
+def measure_allreduce(world: int, quick: bool = False) -> dict:
+    """Median all-reduce seconds of a tiny and a large float32 tensor over ``world`` processes."""
+    import torch.multiprocessing as mp
+    ctx = mp.get_context("spawn")
+    q = ctx.Queue()
+    sizes = [1, (1 if quick else 4) * 2 ** 20]
+    reps = 5 if quick else 10
+    port = _free_port()
+    procs = [ctx.Process(target=_allreduce_worker, args=(r, world, port, sizes, reps, q)) for r in range(world)]
+    for p in procs:
+        p.start()
+    try:
+        res = q.get(timeout=120)
+    finally:
+        for p in procs:
+            p.join(timeout=60)
+            if p.is_alive():
+                p.terminate()
+    return res
+
+
+def fit_ring(world: int, res: dict) -> dict:
+    """Fit alpha (s) and beta (bytes/s) of the ring all-reduce model to two measured sizes."""
+    small, large = sorted(res)
+    t0, t1 = res[small], res[large]
+    steps = 2 * (world - 1)
+    alpha = t0 / steps
+    nbytes = 4 * (large - small)
+    beta = (2 * (world - 1) / world) * nbytes / max(t1 - t0, 1e-9)
+    return {"latency": alpha, "bandwidth": beta, "t_small": t0, "t_large": t1, "bytes_large": 4 * large}
+
+
+def calibrate(quick: bool = False, worlds: tuple | None = None, quiet: bool = False) -> MachineSpec:
+    t_start = time.perf_counter()
+    cores = os.cpu_count() or 1
+    _say(f"{cores} core(s); measuring compute on one thread", quiet)
+    comp = measure_compute(quick, quiet)
+    worlds = worlds or ((2, 4) if quick else (2, 3, 4))
+    fits = {}
+    for w in worlds:
+        _say(f"gloo all-reduce over {w} processes ...", quiet)
+        res = measure_allreduce(w, quick)
+        fits[w] = fit_ring(w, res)
+        _say(f"  world {w}: latency {fits[w]['latency'] * 1e6:.0f} us, bandwidth "
+             f"{fits[w]['bandwidth'] / 1e9:.2f} GB/s", quiet)
+    peak = comp["matmul_flops"]
+    eff = {"matmul": 1.0, "conv": min(1.0, comp["conv_flops"] / peak),
+           "default": min(1.0, comp["conv_flops"] / peak), "elementwise": 1.0}
+    try:
+        mem = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    except (ValueError, OSError, AttributeError):
+        mem = 8 * 2 ** 30
+    dev = DeviceSpec(peak, comp["mem_bandwidth"], int(mem), eff, comp["op_overhead"])
+    first = fits[min(fits)]
+    link = LinkSpec(first["bandwidth"], first["latency"])
+    meta = {"calibrated": True, "quick": bool(quick), "cores": cores, "threads_per_process": 1,
+            "measured": {k: v for k, v in comp.items()},
+            "allreduce_fits": {str(k): v for k, v in fits.items()},
+            "seconds": time.perf_counter() - t_start,
+            "host": socket.gethostname()}
+    m = MachineSpec("local", 1, min(fits), min(fits), dev, {"group": link, "node": link, "network": link},
+                    shared_cores=cores, meta=meta)
+    _say(f"done in {meta['seconds']:.1f} s", quiet)
+    return m
+
+
+__all__ = ["calibrate", "measure_compute", "measure_allreduce", "fit_ring"]

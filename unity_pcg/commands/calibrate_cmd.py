@@ -1,0 +1,42 @@
+"""`unity-pcg calibrate [--quick] -o local.json`: measure this computer and write a MachineSpec JSON."""
+from __future__ import annotations
+
+import sys
+
+from ..errors import UnityError
+
+HELP = "measure this computer and write a machine description (JSON)"
+
+
+def add_arguments(p) -> None:
+    p.add_argument("-o", "--output", default="local.json", metavar="FILE",
+                   help="machine JSON to write (default local.json); use it as --machine FILE[:1xN]")
+    p.add_argument("--quick", action="store_true", help="smaller measurements (at most about a minute)")
+    p.add_argument("--worlds", default=None, metavar="LIST",
+                   help="comma-separated process counts for the gloo measurements (default 2,3,4; quick 2,4)")
+    p.add_argument("--quiet", action="store_true", help="no progress on stderr")
+
+
+def run(args) -> int:
+    try:
+        import torch  # noqa: F401
+    except ImportError:
+        raise UnityError("calibrate needs torch (pip install 'unity-pcg[torch]')") from None
+    from search.calibrate import calibrate
+
+    worlds = None
+    if args.worlds:
+        try:
+            worlds = tuple(int(x) for x in args.worlds.split(","))
+        except ValueError:
+            raise UnityError(f"--worlds must be comma-separated integers, got {args.worlds!r}") from None
+        if any(w < 2 or w > 64 for w in worlds):
+            raise UnityError(f"--worlds: process counts must be between 2 and 64, got {args.worlds!r}")
+    m = calibrate(quick=args.quick, worlds=worlds, quiet=args.quiet)
+    try:
+        m.save(args.output)
+    except OSError as e:
+        raise UnityError(f"cannot write {args.output!r}: {e.strerror}") from None
+    print(f"wrote {args.output}: {m.describe()}; links {m.links['group'].bandwidth / 1e9:.2f} GB/s, "
+          f"{m.links['group'].latency * 1e6:.0f} us", file=sys.stdout)
+    return 0
