@@ -37,7 +37,8 @@ def evaluate(g: PCG, feeds: Mapping[str, Any], mode: str = "logical", rng: np.ra
     ``mode="logical"`` runs every operator on whole tensors (parallel operators are identities);
     ``mode="pieces"`` runs every operator piecewise and joins the graph outputs at the end.
     Returns the graph outputs' logical values, or with ``keep=True`` every tensor's value (piece
-    values in pieces mode).
+    values in pieces mode).  ``rng`` splits partial sums of sources at random (sources are
+    unpartitioned today, so it matters only for graphs whose sources carry a sum degree).
     """
     if mode not in ("logical", "pieces"):
         raise ValueError(f"mode must be logical or pieces, got {mode!r}")
@@ -52,7 +53,7 @@ def evaluate(g: PCG, feeds: Mapping[str, Any], mode: str = "logical", rng: np.ra
     for n in g.nodes():
         if n.kind == "source":
             v = _source_value(g, n, feeds)
-            vals[(n.id, 0)] = P.split(v, g.shapes(n.id)[0]) if mode == "pieces" else v
+            vals[(n.id, 0)] = P.split(v, g.shapes(n.id)[0], rng) if mode == "pieces" else v
             continue
         xs = [vals[r] for r in n.inputs]
         if mode == "logical":

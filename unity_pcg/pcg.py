@@ -157,7 +157,7 @@ class PCG:
             if tuple(inf.outputs) != tuple(self._shapes[n.id]):
                 raise GraphError(f"node {n.label()} ({n.op}) has stale shapes")
         for r in self.outputs:
-            if r[0] not in self._nodes:
+            if r[0] not in self._nodes or not 0 <= r[1] < len(self._shapes[r[0]]):
                 raise GraphError(f"graph output {tuple(r)} is missing")
 
     def param_count(self) -> int:
@@ -200,6 +200,22 @@ class PCG:
                 lines.append(f'  n{r[0]} -> n{n.id} [label="{_esc(str(self.shape(r)))}"];')
         lines.append("}")
         return "\n".join(lines) + "\n"
+
+    def render(self, path: str, fmt: str | None = None) -> str:
+        """Draw the graph with graphviz's ``dot`` (PNG, SVG, PDF... from the file suffix unless
+        ``fmt`` is given); returns the path.  Raises GraphError when graphviz is not installed."""
+        import os
+        import shutil
+        import subprocess
+        exe = shutil.which("dot")
+        if exe is None:
+            raise GraphError("graphviz 'dot' is not installed; write to_dot() to a file instead")
+        fmt = fmt or (os.path.splitext(path)[1].lstrip(".") or "png")
+        r = subprocess.run([exe, f"-T{fmt}", "-o", path], input=self.to_dot().encode(), capture_output=True)
+        if r.returncode != 0:
+            msg = r.stderr.decode(errors="replace").strip().splitlines()
+            raise GraphError(f"dot failed on {path}: {msg[0] if msg else r.returncode}")
+        return path
 
     def to_json(self) -> dict:
         return {"nodes": [{"id": n.id, "op": n.op, "name": n.name, "attrs": {k: _jsonable(v) for k, v in n.attrs},
@@ -305,7 +321,7 @@ class GraphBuilder:
         try:
             inf = ops.infer(op, a, [self.shape(r) for r in inputs])
         except InvalidParallelization as e:
-            raise InvalidParallelization(f"{name or op}: {e}") from None
+            raise InvalidParallelization(f"{name}: {e}" if name else str(e)) from None
         node = Node(nid, op, tuple(sorted(a.items())), inputs, name)
         self._nodes[nid] = node
         self._shapes[nid] = tuple(inf.outputs)
@@ -336,6 +352,8 @@ class GraphBuilder:
         self._dirty.add(nid)
 
     def remove(self, nid: int) -> None:
+        if nid not in self._nodes:
+            raise GraphError(f"cannot remove node {nid}: no such node")
         del self._nodes[nid]
         del self._shapes[nid]
         self._dirty.add(nid)
@@ -354,6 +372,10 @@ class GraphBuilder:
             self.remove(i)
 
     def finish(self) -> PCG:
+        for n in self._nodes.values():   # a removed node may still have consumers
+            for r in n.inputs:
+                if r[0] not in self._nodes:
+                    raise GraphError(f"node {n.label()} ({n.op}) reads a missing tensor {tuple(r)}")
         order = topo_sort(self._nodes)
         users: dict[int, list[int]] = defaultdict(list)
         for n in self._nodes.values():

@@ -17,15 +17,19 @@ DTYPES = ("float32", "float16", "bfloat16", "float64", "int64", "int32", "bool")
 DTYPE_BYTES = {"float32": 4, "float16": 2, "bfloat16": 2, "float64": 8, "int64": 8, "int32": 4, "bool": 1}
 
 
+def _is_int(v) -> bool:
+    return isinstance(v, int) and not isinstance(v, bool)
+
+
 @dataclass(frozen=True, order=True)
 class ShardDim:
     size: int
     degree: int = 1
 
     def __post_init__(self) -> None:
-        if not isinstance(self.size, int) or self.size < 0:
+        if not _is_int(self.size) or self.size < 0:
             raise ShapeError(f"dimension size must be a non-negative int, got {self.size!r}")
-        if not isinstance(self.degree, int) or self.degree < 1:
+        if not _is_int(self.degree) or self.degree < 1:
             raise ShapeError(f"degree must be a positive int, got {self.degree!r}")
         if self.size % self.degree != 0:
             raise ShapeError(f"degree {self.degree} does not divide dimension size {self.size}")
@@ -50,7 +54,7 @@ class ParallelTensorShape:
                 raise ShapeError(f"dims must be ShardDim values, got {d!r}")
         for name in ("sum_degree", "copy_degree"):
             v = getattr(self, name)
-            if not isinstance(v, int) or v < 1:
+            if not _is_int(v) or v < 1:
                 raise ShapeError(f"{name} must be a positive int, got {v!r}")
         if self.dtype not in DTYPES:
             raise ShapeError(f"unknown dtype {self.dtype!r} (known: {', '.join(DTYPES)})")

@@ -11,7 +11,9 @@ from unity_pcg import ops
 from unity_pcg import pieces as P
 from unity_pcg.shape import ParallelTensorShape
 
-from .op_cases import GENERATORS, HypDrawer, RandDrawer, accepts, draw_parallel
+from unity_pcg.errors import InvalidParallelization
+
+from .op_cases import GENERATORS, HypDrawer, RandDrawer, accepts, draw_parallel, gen_conv
 
 OPS = sorted(GENERATORS)
 
@@ -159,3 +161,90 @@ def test_matmul_contraction_split_gives_sum_degree():
 @settings(max_examples=400)
 def test_piecewise_equals_logical_thorough(op, data):
     test_piecewise_equals_logical.hypothesis.inner_test(op, data)
+
+
+# --- regressions (each failed before its fix) -------------------------------------------------------------
+
+def test_flatten_negative_axis_kernel_matches_inference():
+    x = np.arange(24.0).reshape(2, 3, 4)
+    for axis in range(-3, 4):
+        (y,) = ops.run_logical("Flatten", {"axis": axis}, [x])
+        (s,) = ops.infer("Flatten", {"axis": axis}, [S([2, 3, 4])]).outputs
+        assert y.shape == s.sizes, axis
+    assert ops.run_logical("Flatten", {"axis": -1}, [x])[0].shape == (6, 4)
+
+
+def test_erf_and_gelu_on_zero_dim_arrays():
+    for op in ("Erf", "Gelu"):
+        (y,) = ops.run_logical(op, {}, [np.array(0.5)])
+        assert np.shape(y) == () and np.asarray(y).dtype == np.float64
+
+
+def test_omitted_attributes_take_their_defaults():
+    x, w = np.ones((2, 3)), np.ones((3, 4))
+    (y,) = ops.run_logical("Linear", {}, [x, w])
+    np.testing.assert_array_equal(y, np.full((2, 4), 3.0))
+    assert ops.infer("Conv2d", {}, [S([1, 2, 4, 4]), S([3, 2, 3, 3])]).outputs[0].sizes == (1, 3, 2, 2)
+    with pytest.raises(InvalidParallelization, match="missing required attribute 'factor'"):
+        ops.infer("Scale", {}, [S([2])])
+
+
+def test_conv_channel_degree_must_divide_groups():
+    # 4 channels in 2 groups of 2: 4 pieces of one channel would cut groups apart
+    with pytest.raises(InvalidParallelization, match="groups=2"):
+        ops.infer("Conv2d", {"groups": 2}, [S([1, 4, 3, 3], [1, 4, 1, 1]), S([4, 2, 1, 1], [4, 1, 1, 1])])
+    ops.infer("Conv2d", {"groups": 2}, [S([1, 4, 3, 3], [1, 2, 1, 1]), S([4, 2, 1, 1], [2, 1, 1, 1])])
+
+
+def test_split_contraction_with_bias_or_activation_is_refused():
+    x, w = S([4, 6], [1, 2]), S([6, 8], [2, 1])
+    assert ops.infer("Linear", {}, [x, w]).outputs[0].sum_degree == 2
+    with pytest.raises(InvalidParallelization, match="bias"):
+        ops.infer("Linear", {}, [x, w, S([8], c=2)])
+    with pytest.raises(InvalidParallelization, match="gelu"):
+        ops.infer("Linear", {"activation": "gelu"}, [x, w])
+    with pytest.raises(InvalidParallelization, match="bias"):
+        ops.infer("Conv2d", {}, [S([1, 4, 3, 3], [1, 2, 1, 1]), S([2, 4, 1, 1], [1, 2, 1, 1]), S([2], c=2)])
+
+
+# --- kernels against PyTorch (the semantics ONNX exporters and onnxruntime follow) -------------------------
+
+@given(data=st.data())
+@settings(max_examples=60)
+def test_pool2d_kernel_matches_torch(data):
+    torch = pytest.importorskip("torch")
+    d = HypDrawer(data)
+    h, w = d.int(1, 9), d.int(1, 9)
+    kh, kw = d.int(1, min(h, 4)), d.int(1, min(w, 4))
+    sh, sw = d.int(1, 3), d.int(1, 3)
+    ph, pw = d.int(0, kh // 2), d.int(0, kw // 2)
+    ceil, cip, kind = d.bool(), d.bool(), d.choice(["max", "avg"])
+    attrs = {"kind": kind, "kernel": (kh, kw), "stride": (sh, sw), "padding": (ph, pw, ph, pw),
+             "ceil_mode": ceil, "count_include_pad": cip}
+    x = np.random.default_rng(data.draw(st.integers(0, 99))).standard_normal((2, 3, h, w))
+    (s,) = ops.infer("Pool2d", attrs, [S([2, 3, h, w])]).outputs
+    (y,) = ops.run_logical("Pool2d", attrs, [x])
+    t = torch.from_numpy(x)
+    if kind == "max":
+        ref = torch.nn.functional.max_pool2d(t, (kh, kw), (sh, sw), (ph, pw), ceil_mode=ceil)
+    else:
+        ref = torch.nn.functional.avg_pool2d(t, (kh, kw), (sh, sw), (ph, pw), ceil_mode=ceil,
+                                             count_include_pad=cip)
+    assert s.sizes == tuple(ref.shape) == y.shape
+    np.testing.assert_allclose(y, ref.numpy(), rtol=1e-12, atol=1e-12)
+
+
+@given(data=st.data())
+@settings(max_examples=40)
+def test_conv2d_kernel_matches_torch(data):
+    torch = pytest.importorskip("torch")
+    case = gen_conv(HypDrawer(data))
+    case.attrs["padding"] = (1, 0, 1, 0) if case.attrs["padding"] != (0, 0, 0, 0) else (0, 0, 0, 0)
+    xs = case.values(np.random.default_rng(0))
+    (y,) = ops.run_logical("Conv2d", case.attrs, xs)
+    a = case.attrs
+    ref = torch.nn.functional.conv2d(torch.from_numpy(xs[0]), torch.from_numpy(xs[1]),
+                                     torch.from_numpy(xs[2]) if len(xs) == 3 else None,
+                                     a["stride"], (a["padding"][0], a["padding"][1]), a["dilation"], a["groups"])
+    assert ops.infer("Conv2d", a, case.shapes()).outputs[0].sizes == tuple(ref.shape)
+    np.testing.assert_allclose(y, ref.numpy(), rtol=1e-10, atol=1e-10)

@@ -19,6 +19,8 @@ def _bad(op: str, msg: str):
 
 def _dim(op, a, s):
     dim = a["dim"]
+    if not isinstance(dim, int) or isinstance(dim, bool):
+        _bad(op, f"dim must be an int, got {dim!r}")
     if not -s.rank <= dim < s.rank:
         _bad(op, f"dim {dim} out of range for rank {s.rank}")
     return dim % s.rank
@@ -26,7 +28,7 @@ def _dim(op, a, s):
 
 def _degree(op, a):
     d = a["degree"]
-    if not isinstance(d, int) or d < 2:
+    if not isinstance(d, int) or isinstance(d, bool) or d < 2:
         _bad(op, f"degree must be an int >= 2, got {d!r}")
     return d
 
@@ -70,7 +72,12 @@ def _identity(a, xs):
 
 
 def _par(name, attrs, infer, doc):
-    return register(OpSpec(name=name, kind="parallel", attrs=attrs, infer=infer, forward=_identity,
+    def checked(a, ins: Shapes, strict: bool = True) -> Inference:
+        for k in attrs:
+            if k not in a:
+                _bad(name, f"missing required attribute {k!r}")
+        return infer(a, ins, strict)
+    return register(OpSpec(name=name, kind="parallel", attrs=attrs, infer=checked, forward=_identity,
                            num_inputs=1, doc=doc))
 
 
