@@ -34,7 +34,7 @@ def _unsupported(ctx, why: str = ""):
 def convert_node(imp, ctx, ins) -> list:
     op = ctx.op
     all_const = all(v is None or isinstance(v, Const) for v in ins)
-    if op == "Constant" or (all_const and op in FOLDABLE and ins and not _keep_lookup(ctx, ins)):
+    if op == "Constant" or (all_const and op in FOLDABLE and ins and not _keep_lookup(imp, ctx, ins)):
         return fold(ctx, ins)
     if op == "ConstantOfShape":
         _unsupported(ctx, "shape computed from activation values")
@@ -44,9 +44,13 @@ def convert_node(imp, ctx, ins) -> list:
     return fn(imp, ctx, ins)
 
 
-def _keep_lookup(ctx, ins) -> bool:
-    """A Gather of constant indices from a big table (a parameter) stays an Embedding/Gather op."""
-    return ctx.op == "Gather" and isinstance(ins[0], Const) and ins[0].numel > SMALL
+def _keep_lookup(imp, ctx, ins) -> bool:
+    """A Gather of constant indices from a parameter table (a float initializer, e.g. BERT's position
+    embedding indexed by its position_ids buffer) or from a big constant stays an Embedding/Gather op."""
+    if ctx.op != "Gather" or not isinstance(ins[0], Const):
+        return False
+    d = ins[0]
+    return d.numel > SMALL or (d.dtype.kind == "f" and d.origin in imp.init_names and len(d.shape) >= 1)
 
 
 # --- helpers ---------------------------------------------------------------------------------------

@@ -195,6 +195,7 @@ class Importer:
         # graph inputs (those without an initializer are the model's real inputs)
         real_inputs = [vi for vi in g.input if vi.name not in inits]
         self._make_inputs(real_inputs)
+        self.init_names = set(inits)
         for name, t in inits.items():
             self.vals[name] = initializer_const(t, self.base, self.load_weights)
         nodes = list(g.node)
@@ -250,7 +251,10 @@ class Importer:
                         raise UnsupportedOperator(f"output {k} of {node.op_type} is not supported "
                                                   f"(node {ctx.name!r})")
                     continue
-                self.vals[o] = results[k]
+                r = results[k]
+                if isinstance(r, Const) and r.origin is None:
+                    r.origin = o  # a folded constant is named after the tensor it defines
+                self.vals[o] = r
         out_refs = []
         for o in outs:
             v = self.vals[o]
