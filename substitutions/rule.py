@@ -150,6 +150,7 @@ class Rule:
     constraints: tuple[tuple[Any, str, Any], ...] = ()
     origin: str = "generated"                        # generated | template | hand
     proof: tuple[tuple[str, Any], ...] = ()          # status, axioms, seconds
+    example: str = ""                                # JSON: a valid concrete instance (bind, input shapes)
 
     # --- derived --------------------------------------------------------------------------------
     @property
@@ -175,7 +176,7 @@ class Rule:
 
     def reversed(self) -> "Rule":
         return Rule(self.name + "~rev", self.inputs, self.target, self.source, self.vars, self.constraints,
-                    self.origin, self.proof)
+                    self.origin, self.proof, self.example)
 
     def check_constraints(self, b: Mapping[str, Any]) -> bool:
         for lhs, op, rhs in self.constraints:
@@ -244,7 +245,8 @@ class Rule:
         return {"name": self.name, "origin": self.origin, "inputs": list(self.inputs),
                 "vars": {k: v for k, v in self.vars}, "constraints": [list(c) for c in self.constraints],
                 "source": self.source.to_json(), "target": self.target.to_json(),
-                "proof": {k: _thaw(v) for k, v in self.proof}}
+                "proof": {k: _thaw(v) for k, v in self.proof},
+                **({"example": json.loads(self.example)} if self.example else {})}
 
     @staticmethod
     def from_json(obj: Mapping) -> "Rule":
@@ -254,7 +256,8 @@ class Rule:
                      vars=tuple(sorted((str(k), str(v)) for k, v in dict(obj.get("vars", {})).items())),
                      constraints=tuple((c[0], str(c[1]), c[2]) for c in obj.get("constraints", [])),
                      origin=str(obj.get("origin", "generated")),
-                     proof=tuple(sorted((str(k), _freeze(v)) for k, v in dict(obj.get("proof", {})).items())))
+                     proof=tuple(sorted((str(k), _freeze(v)) for k, v in dict(obj.get("proof", {})).items())),
+                     example=json.dumps(obj["example"], sort_keys=True) if obj.get("example") else "")
         except (KeyError, TypeError, ValueError, IndexError) as e:
             name = obj.get("name", "?") if isinstance(obj, Mapping) else "?"
             raise RuleError(f"rule {name}: malformed rule JSON ({type(e).__name__}: {e})") from None
@@ -263,16 +266,20 @@ class Rule:
 
     def with_proof(self, **proof: Any) -> "Rule":
         return Rule(self.name, self.inputs, self.source, self.target, self.vars, self.constraints, self.origin,
-                    tuple(sorted((k, _freeze(v)) for k, v in proof.items())))
+                    tuple(sorted((k, _freeze(v)) for k, v in proof.items())), self.example)
 
     def with_name(self, name: str, origin: str | None = None) -> "Rule":
         return Rule(name, self.inputs, self.source, self.target, self.vars, self.constraints,
-                    origin or self.origin, self.proof)
+                    origin or self.origin, self.proof, self.example)
+
+    def with_example(self, example: str) -> "Rule":
+        return Rule(self.name, self.inputs, self.source, self.target, self.vars, self.constraints,
+                    self.origin, self.proof, example)
 
     def body_key(self) -> str:
         """Hash of everything but name and proof (used for deduplication)."""
         d = self.to_json()
-        d.pop("name"); d.pop("proof"); d.pop("origin")
+        d.pop("name"); d.pop("proof"); d.pop("origin"); d.pop("example", None)
         return hashlib.blake2b(json.dumps(d, sort_keys=True).encode(), digest_size=12).hexdigest()
 
     def __str__(self) -> str:

@@ -293,6 +293,14 @@ _ax("Concat_reduce", "concat_parallel", "parallel",
     op("Concat", op("Reduce", "x", degree="$k"), op("Reduce", "y", degree="$k"), axis="$a"),
     op("Reduce", op("Concat", "x", "y", axis="$a"), degree="$k"), {"k": "degree", "a": "dim"},
     bind={"k": 2, "a": -1}, shapes={"x": S.of((4, 2), sum_degree=2), "y": S.of((4, 2), sum_degree=2)})
+_ax("Concat_assoc", "concat_assoc", "algebraic", op("Concat", op("Concat", "x", "y", axis="$a"), "z", axis="$a"),
+    op("Concat", "x", op("Concat", "y", "z", axis="$a"), axis="$a"), {"a": "dim"}, bind={"a": -1},
+    shapes={"x": S.of((4, 1)), "y": S.of((4, 2)), "z": S.of((4, 3))})
+_ax("Concat_blocks", "concat_blocks", "algebraic",
+    op("Concat", op("Concat", "x1", "x2", axis="$b"), op("Concat", "y1", "y2", axis="$b"), axis="$a"),
+    op("Concat", op("Concat", "x1", "y1", axis="$a"), op("Concat", "x2", "y2", axis="$a"), axis="$b"),
+    {"a": "dim", "b": "dim"}, [["$a", "!=", "$b"]], bind={"a": -2, "b": -1},
+    shapes={"x1": S.of((2, 1)), "x2": S.of((2, 3)), "y1": S.of((3, 1)), "y2": S.of((3, 3))})
 _ax("ReduceSum_partition_reduced", "reducesum_partition", "parallel",
     op("Reduce", op("ReduceSum", op("Partition", "x", dim="$a", degree="$k"), axes=("$a",), keepdims="$kd"),
        degree="$k"),

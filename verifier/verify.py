@@ -22,6 +22,7 @@ from substitutions.rule import Pattern, Rule, is_var
 from .axioms import AXIOMS, Axiom
 
 PARALLEL = set(ops.PARALLEL_OPS) | {"AllReduce"}
+RLIMIT_PER_SECOND = 1_000_000
 
 
 @dataclass(frozen=True)
@@ -119,12 +120,17 @@ def rule_ops(r: Rule) -> set[str]:
 
 
 def relevant_axioms(r: Rule, axioms: Sequence[Axiom] = AXIOMS) -> list[Axiom]:
-    """Axioms over the rule's operators, the parallel operators, and operators one axiom away."""
-    mine = rule_ops(r)
-    allowed = set(mine) | PARALLEL
-    for a in axioms:
-        if a.ops & (mine - PARALLEL):
-            allowed |= a.ops
+    """Axioms over the rule's operators, the parallel operators, and the operators that axioms firing
+    on those can introduce (two steps)."""
+    allowed = rule_ops(r) | PARALLEL
+    for _ in range(2):   # operators an axiom can introduce when it fires on terms of allowed operators
+        grown = set(allowed)
+        for a in axioms:
+            lhs = {n.op for n in a.rule.source.nodes}
+            rhs = {n.op for n in a.rule.target.nodes}
+            if lhs <= allowed or rhs <= allowed:
+                grown |= a.ops
+        allowed = grown
     return [a for a in axioms if a.ops <= allowed]
 
 
@@ -132,7 +138,10 @@ def verify_rule(r: Rule, timeout: float = 10.0, axioms: Sequence[Axiom] = AXIOMS
     t0 = time.perf_counter()
     enc = Encoder()
     s = z3.Solver()
-    s.set("timeout", int(timeout * 1000))
+    # the budget is Z3's deterministic resource count (about 1e6 per second of an unloaded core), so
+    # verdicts do not depend on machine load; the wall-clock timeout is only a safety net
+    s.set("rlimit", int(timeout * RLIMIT_PER_SECOND))
+    s.set("timeout", int(timeout * 1000 * 10))
     s.set("unsat_core", True)
     s.set("smt.mbqi", False)
     used = relevant_axioms(r, axioms)
@@ -151,7 +160,7 @@ def verify_rule(r: Rule, timeout: float = 10.0, axioms: Sequence[Axiom] = AXIOMS
         return Verdict(r.name, "proven", dt, core)
     if res == z3.unknown:
         why = s.reason_unknown()
-        status = "timeout" if ("timeout" in why or "canceled" in why) else "unproven"
+        status = "timeout" if ("timeout" in why or "canceled" in why or "resource" in why) else "unproven"
         return Verdict(r.name, status, dt, (), why)
     return Verdict(r.name, "unproven", dt, (), "a counter-model exists under the axioms")
 

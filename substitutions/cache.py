@@ -1,0 +1,172 @@
+"""Load and save the rule cache (``rules_cache/rules.json`` + ``manifest.json``).
+
+The manifest holds the generator settings, the op-set hash, counts, timings and the sha256 digest of
+the rules file; ``load`` refuses a rules file whose digest does not match (a cache edited by hand) with a
+one-line :class:`RuleError`.  Loaded sets are memoized per (path, digest).
+"""
+from __future__ import annotations
+
+import hashlib
+import json
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Iterable, Mapping
+
+from unity_pcg import ops
+
+from .rule import Rule, RuleError, dumps_rules, loads_rules
+
+MANIFEST_SCHEMA = "unity-pcg/rules-manifest/v1"
+
+
+def default_dir() -> Path:
+    from rules_cache import DATA_DIR
+    return DATA_DIR
+
+
+def op_set_hash() -> str:
+    """Hash of the registry's operator names, kinds and attributes (a change means: regenerate)."""
+    items = sorted((n, s.kind, sorted(s.attrs)) for n, s in ops.REGISTRY.items())
+    return hashlib.sha256(json.dumps(items).encode()).hexdigest()[:16]
+
+
+def digest(text: str | bytes) -> str:
+    data = text.encode() if isinstance(text, str) else text
+    return hashlib.sha256(data).hexdigest()
+
+
+@dataclass
+class RuleSet:
+    rules: list[Rule]
+    manifest: dict = field(default_factory=dict)
+    path: Path | None = None
+
+    def __len__(self) -> int:
+        return len(self.rules)
+
+    def __iter__(self):
+        return iter(self.rules)
+
+    def by_name(self) -> dict[str, Rule]:
+        return {r.name: r for r in self.rules}
+
+    def get(self, name: str) -> Rule:
+        try:
+            return self.by_name()[name]
+        except KeyError:
+            raise RuleError(f"no rule named {name!r} in {self.path or 'the rule set'}") from None
+
+    def all_directions(self) -> list[Rule]:
+        """Every rule, plus the reverse of every reversible rule (named ``<name>~rev``)."""
+        out = list(self.rules)
+        names = {r.name for r in self.rules}
+        for r in self.rules:
+            if r.reversible and r.name + "~rev" not in names:
+                out.append(r.reversed())
+        return out
+
+    @property
+    def stale(self) -> bool:
+        """True when the operator registry changed since generation (regenerate to pick it up)."""
+        return self.manifest.get("op_set_hash") not in (None, op_set_hash())
+
+
+def counts(rules: Iterable[Rule]) -> dict[str, int]:
+    rules = list(rules)
+    par = sum(1 for r in rules if r.is_parallel)
+    return {"rules": len(rules), "parallel_rules": par, "algebraic_rules": len(rules) - par,
+            "generated_rules": sum(1 for r in rules if r.origin == "generated"),
+            "template_rules": sum(1 for r in rules if r.origin != "generated")}
+
+
+def save(rules: Iterable[Rule], out_dir: str | Path | None = None, extra: Mapping[str, Any] | None = None) -> Path:
+    rules = list(rules)
+    d = Path(out_dir) if out_dir is not None else default_dir()
+    d.mkdir(parents=True, exist_ok=True)
+    text = dumps_rules(rules) + "\n"
+    (d / "rules.json").write_text(text)
+    from verifier.axioms import counts as axiom_counts
+    manifest = {"schema": MANIFEST_SCHEMA, "op_set_hash": op_set_hash(), "digest": digest(text),
+                "counts": {**counts(rules), **axiom_counts()}, **dict(extra or {})}
+    (d / "manifest.json").write_text(json.dumps(manifest, indent=1, sort_keys=True) + "\n")
+    _MEMO.clear()
+    return d
+
+
+_MEMO: dict[tuple[str, str], RuleSet] = {}
+
+
+def load(path: str | Path | None = None) -> RuleSet:
+    """Load a rule directory (or a rules.json beside its manifest.json); refuses a digest mismatch."""
+    p = Path(path) if path is not None else default_dir()
+    rules_path = p / "rules.json" if p.is_dir() else p
+    man_path = rules_path.parent / "manifest.json"
+    try:
+        data = rules_path.read_bytes()
+    except OSError as e:
+        raise RuleError(f"{rules_path}: cannot read the rule cache ({e.strerror}); run `unity-pcg rules generate`") \
+            from None
+    try:
+        manifest = json.loads(man_path.read_text())
+    except OSError:
+        raise RuleError(f"{man_path}: missing manifest; run `unity-pcg rules generate`") from None
+    except json.JSONDecodeError:
+        raise RuleError(f"{man_path}: the manifest is not valid JSON") from None
+    if manifest.get("schema") != MANIFEST_SCHEMA:
+        raise RuleError(f"{man_path}: not a rule-cache manifest (schema {manifest.get('schema')!r})")
+    dg = digest(data)
+    if dg != manifest.get("digest"):
+        raise RuleError(f"{rules_path}: digest {dg[:12]} does not match the manifest ({str(manifest.get('digest'))[:12]}); "
+                        f"the cache was edited by hand: regenerate it with `unity-pcg rules generate`")
+    key = (str(rules_path), dg)
+    if key not in _MEMO:
+        _MEMO[key] = RuleSet(loads_rules(data.decode(), str(rules_path)), manifest, rules_path)
+    rs = _MEMO[key]
+    return RuleSet(list(rs.rules), dict(rs.manifest), rs.path)
+
+
+def load_file(path: str | Path) -> list[Rule]:
+    """A rule file without a manifest (for `rules verify FILE`)."""
+    p = Path(path)
+    try:
+        return loads_rules(p.read_text(), str(p))
+    except OSError as e:
+        raise RuleError(f"{p}: cannot read ({e.strerror})") from None
+
+
+def rebuild(settings, out_dir: str | Path | None = None, timeout: float = 2.0, workers: int = 2,
+            progress: bool = True, log=print) -> tuple[RuleSet, dict]:
+    """Generate, add the named template rules, prove everything, save with a manifest."""
+    from verifier.verify import verify_rules
+
+    from .generate import generate
+    from .templates import template_rules
+    t0 = time.perf_counter()
+    gen_rules, stats, unproven = generate(settings, timeout, workers, progress)
+    t1 = time.perf_counter()
+    templ = template_rules()
+    verdicts = verify_rules(templ, max(timeout, 10.0), workers)
+    t_templ = time.perf_counter() - t1
+    shipped = list(gen_rules)
+    names = {r.name for r in shipped}
+    for r, v in zip(templ, verdicts):
+        if v.proven:
+            shipped.append(r.with_proof(status="proven", axioms=list(v.axioms), seconds=round(v.seconds, 4)))
+            names.add(r.name)
+        else:
+            unproven.append((r, f"{v.status}: {v.detail}"))
+    info = {
+        "generator": settings.to_json(),
+        "stats": {"graphs": stats.graphs, "classes": stats.classes, "candidates": stats.candidates,
+                  "pruned": dict(stats.pruned), "duplicates": stats.duplicates, "proven": len(shipped),
+                  "unproven": len(unproven), "generalized": sum(1 for r in shipped if r.vars),
+                  "template_rules": len(templ)},
+        "seconds": {"generate": round(stats.enumerate_seconds, 2),
+                    "verify": round(stats.verify_seconds + t_templ, 2),
+                    "total": round(time.perf_counter() - t0, 2)},
+        "timeout_s": timeout, "workers": workers,
+        "unproven": [{"rule": str(r), "reason": why} for r, why in unproven][:500],
+    }
+    d = save(shipped, out_dir, info)
+    return load(d), info

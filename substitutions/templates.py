@@ -1,0 +1,171 @@
+"""Named rules the paper relies on, written as patterns (origin "template") and proven by the verifier
+like every generated rule (rules_cmd / generate re-prove them; none is shipped unproven).
+
+* ``dp_<Op>``: data (sample-dim) parallelism for every compute operator that allows it: ``op(x, w..)``
+  becomes ``Combine(op(Partition(x), Replicate(w)..))`` (Unity Fig. 9a);
+* Megatron-LM (Fig. 10): ``megatron_attention_heads`` (BatchMatMul on partitioned heads),
+  ``megatron_column_linear``, ``megatron_row_linear`` and ``megatron_mlp_column_row`` (column- then
+  row-parallel Linear ending in a Reduce);
+* ``fig11a_relu_spatial`` (ReLU on a partitioned spatial/any dim), ``fig11b_add_concat_reduce`` (Add as
+  Concat, a local ReduceSum over the partitioned concat dim, then Reduce, see below);
+* ``fig2_matmul_reduction`` (split the contraction dim of MatMul on both inputs -> partial sums -> Reduce);
+* ``linear_relu_fusion`` / ``linear_relu_unfusion`` (and with bias);
+* ``reduce_replicate_allreduce`` / ``allreduce_split``.
+
+Figure 11b under our piece semantics: partial sums only arise from a contraction over a partitioned
+dim, so "Add == Concat then Reduce" is stated for tensors summed along a dim ``a``:
+``Add(ReduceSum_a(x), ReduceSum_a(y)) == Reduce(2, ReduceSum_a(Partition(a, 2, Concat(a, x, y))))``;
+with equal sizes each device holds exactly x or y (the Concat moves no data), sums it locally and the
+Reduce adds the two partial sums (an AllReduce when followed by Replicate).  With size-1 ``a`` dims
+(keepdims) it is exactly ``Add(x, y)``.
+"""
+from __future__ import annotations
+
+import json
+from typing import Any
+
+from unity_pcg.shape import ParallelTensorShape as S
+from verifier.axioms import BINARY, SAMPLE_OPS, UNARY
+
+from .rule import Rule
+from .terms import op, rule_of
+
+K = {"k": "degree"}
+
+
+def _part(t, d, k="$k"):
+    return op("Partition", t, dim=d, degree=k)
+
+
+def _comb(t, d, k="$k"):
+    return op("Combine", t, dim=d, degree=k)
+
+
+def _rep(t, k="$k"):
+    return op("Replicate", t, degree=k)
+
+
+def _with_example(r: Rule, bind: dict, shapes: dict, ints: tuple = (), values: str = "float") -> Rule:
+    ex = {"bind": bind, "shapes": {n: s.to_json() for n, s in shapes.items()}, "ints": list(ints),
+          "values": values}
+    return r.with_example(json.dumps(ex, sort_keys=True))
+
+
+def template_rules() -> list[Rule]:
+    rules: list[Rule] = []
+    x44 = {"x": S.of((4, 4))}
+    # --- data parallelism, element-wise ---------------------------------------------------------------
+    for u, (pa, ex, vk, _) in UNARY.items():
+        V = {**K, **{v[1:]: "attr" for v in pa.values()}}
+        r = rule_of(f"dp_{u}", op(u, "x", **pa), _comb(op(u, _part("x", 0), **pa), 0), V)
+        rules.append(_with_example(r, {**ex, "k": 2}, x44, values=vk))
+    for b, (_, vk) in BINARY.items():
+        r = rule_of(f"dp_{b}", op(b, "x", "y"), _comb(op(b, _part("x", 0), _part("y", 0)), 0), K)
+        rules.append(_with_example(r, {"k": 2}, {"x": S.of((4, 4)), "y": S.of((4, 4))}, values=vk))
+    # --- data parallelism, dense ------------------------------------------------------------------------
+    D = {**K, "d": "dim"}
+    r = rule_of("dp_Linear", op("Linear", "x", "w", activation="$act"),
+                _comb(op("Linear", _part("x", "$d"), _rep("w"), activation="$act"), "$d"), {**D, "act": "attr"},
+                [["$d", "<=", -2]])
+    rules.append(_with_example(r, {"k": 2, "d": -2, "act": "none"}, {"x": S.of((4, 4)), "w": S.of((4, 4))}))
+    r = rule_of("dp_Linear_bias", op("Linear", "x", "w", "b", activation="$act"),
+                _comb(op("Linear", _part("x", "$d"), _rep("w"), _rep("b"), activation="$act"), "$d"),
+                {**D, "act": "attr"}, [["$d", "<=", -2]])
+    rules.append(_with_example(r, {"k": 2, "d": -2, "act": "relu"},
+                               {"x": S.of((4, 4)), "w": S.of((4, 4)), "b": S.of((4,))}))
+    r = rule_of("dp_MatMul", op("MatMul", "x", "y"), _comb(op("MatMul", _part("x", "$d"), _rep("y")), "$d"), D,
+                [["$d", "<=", -2]])
+    rules.append(_with_example(r, {"k": 2, "d": -2}, {"x": S.of((4, 4)), "y": S.of((4, 4))}))
+    r = rule_of("dp_BatchMatMul", op("BatchMatMul", "x", "y"),
+                _comb(op("BatchMatMul", _part("x", "$d"), _part("y", "$d")), "$d"), D, [["$d", "<=", -3]])
+    rules.append(_with_example(r, {"k": 2, "d": -3}, {"x": S.of((2, 4, 4)), "y": S.of((2, 4, 4))}))
+    # --- data parallelism, the rest (sample dim = dim 0) -----------------------------------------------------
+    for o, (pa, ex, shapes, vk, ints, cons, V) in SAMPLE_OPS.items():
+        names = list(shapes)
+        args = [_part(names[0], 0)] + [_rep(n) for n in names[1:]]
+        r = rule_of(f"dp_{o}", op(o, *names, **pa), _comb(op(o, *args, **pa), 0), V, cons, inputs=names)
+        rules.append(_with_example(r, {**ex, "k": 2}, shapes, ints, vk))
+    r = rule_of("dp_Softmax", op("Softmax", "x", axis="$a"), _comb(op("Softmax", _part("x", "$d"), axis="$a"), "$d"),
+                {**D, "a": "dim"}, [["$d", "!=", "$a"]])
+    rules.append(_with_example(r, {"k": 2, "d": -2, "a": -1}, x44))
+    r = rule_of("dp_LayerNorm", op("LayerNorm", "x", "g", "b", axis="$a", eps="$e"),
+                _comb(op("LayerNorm", _part("x", "$d"), _rep("g"), _rep("b"), axis="$a", eps="$e"), "$d"),
+                {**D, "a": "dim", "e": "attr"}, [["$d", "<", "$a"]])
+    rules.append(_with_example(r, {"k": 2, "d": -2, "a": -1, "e": 1e-5},
+                               {"x": S.of((4, 4)), "g": S.of((4,)), "b": S.of((4,))}))
+    r = rule_of("dp_Concat", op("Concat", "x", "y", axis="$a"),
+                _comb(op("Concat", _part("x", "$d"), _part("y", "$d"), axis="$a"), "$d"),
+                {**D, "a": "dim"}, [["$d", "!=", "$a"]])
+    rules.append(_with_example(r, {"k": 2, "d": -2, "a": -1}, {"x": S.of((4, 2)), "y": S.of((4, 2))}))
+    sp = op("Split", "x", axis="$a", sizes="$s")
+    spp = op("Split", _part("x", "$d"), axis="$a", sizes="$s")
+    r = rule_of("dp_Split", (sp[0], sp[1]), (_comb(spp[0], "$d"), _comb(spp[1], "$d")),
+                {**D, "a": "dim", "s": "attr"}, [["$d", "!=", "$a"]])
+    rules.append(_with_example(r, {"k": 2, "d": -2, "a": -1, "s": (1, 3)}, x44))
+
+    # --- Megatron-LM (Fig. 10) -----------------------------------------------------------------------------
+    r = rule_of("megatron_attention_heads", op("BatchMatMul", "x", "y"),
+                _comb(op("BatchMatMul", _part("x", "$d"), _part("y", "$d")), "$d"), D, [["$d", "<=", -3]])
+    rules.append(_with_example(r, {"k": 2, "d": -3}, {"x": S.of((2, 4, 4, 4)), "y": S.of((2, 4, 4, 4))}))
+    r = rule_of("megatron_column_linear", op("Linear", "x", "w", activation="$act"),
+                _comb(op("Linear", _rep("x"), _part("w", -1), activation="$act"), -1), {**K, "act": "attr"})
+    rules.append(_with_example(r, {"k": 2, "act": "relu"}, {"x": S.of((4, 4)), "w": S.of((4, 4))}))
+    r = rule_of("megatron_row_linear", op("Linear", "x", "w"),
+                op("Reduce", op("Linear", _part("x", -1), _part("w", -2)), degree="$k"), K)
+    rules.append(_with_example(r, {"k": 2}, {"x": S.of((4, 4)), "w": S.of((4, 4))}))
+    r = rule_of("megatron_mlp_column_row", op("Linear", op("Linear", "x", "w1", activation="$act"), "w2"),
+                op("Reduce", op("Linear", op("Linear", _rep("x"), _part("w1", -1), activation="$act"), _part("w2", -2)),
+                   degree="$k"), {**K, "act": "attr"})
+    rules.append(_with_example(r, {"k": 2, "act": "relu"},
+                               {"x": S.of((4, 4)), "w1": S.of((4, 8)), "w2": S.of((8, 4))}))
+    r = rule_of("megatron_mlp_column_row_allreduce", op("Replicate", op("Linear", op("Linear", "x", "w1", activation="$act"), "w2"), degree="$k"),
+                op("AllReduce", op("Linear", op("Linear", _rep("x"), _part("w1", -1), activation="$act"),
+                                   _part("w2", -2)), degree="$k"), {**K, "act": "attr"})
+    rules.append(_with_example(r, {"k": 2, "act": "relu"},
+                               {"x": S.of((4, 4)), "w1": S.of((4, 8)), "w2": S.of((8, 4))}))
+
+    # --- Figure 11 -------------------------------------------------------------------------------------------
+    r = rule_of("fig11a_relu_spatial", op("Relu", "x"), _comb(op("Relu", _part("x", "$d")), "$d"), D)
+    rules.append(_with_example(r, {"k": 2, "d": -1}, {"x": S.of((2, 2, 4, 4))}))
+    rs = lambda t: op("ReduceSum", t, axes=("$a",), keepdims=True)  # noqa: E731
+    r = rule_of("fig11b_add_concat_reduce", op("Add", rs("x"), rs("y")),
+                op("Reduce", rs(_part(op("Concat", "x", "y", axis="$a"), "$a", 2)), degree=2), {"a": "dim"})
+    rules.append(_with_example(r, {"a": -2}, {"x": S.of((1, 4)), "y": S.of((1, 4))}))
+
+    # --- Figure 2: reduction parallelism -----------------------------------------------------------------------
+    r = rule_of("fig2_matmul_reduction", op("MatMul", "x", "y"),
+                op("Reduce", op("MatMul", _part("x", -1), _part("y", -2)), degree="$k"), K)
+    rules.append(_with_example(r, {"k": 2}, {"x": S.of((4, 4)), "y": S.of((4, 4))}))
+
+    # --- fusion -----------------------------------------------------------------------------------------------
+    r = rule_of("linear_relu_fusion", op("Relu", op("Linear", "x", "w")), op("Linear", "x", "w", activation="relu"))
+    rules.append(_with_example(r, {}, {"x": S.of((4, 4)), "w": S.of((4, 4))}))
+    rules.append(_with_example(r.reversed().with_name("linear_relu_unfusion"), {},
+                               {"x": S.of((4, 4)), "w": S.of((4, 4))}))
+    r = rule_of("linear_bias_relu_fusion", op("Relu", op("Linear", "x", "w", "b")),
+                op("Linear", "x", "w", "b", activation="relu"))
+    shapes = {"x": S.of((4, 4)), "w": S.of((4, 4)), "b": S.of((4,))}
+    rules.append(_with_example(r, {}, shapes))
+    rules.append(_with_example(r.reversed().with_name("linear_bias_relu_unfusion"), {}, shapes))
+
+    # --- Reduce + Replicate as one AllReduce -----------------------------------------------------------------------
+    r = rule_of("reduce_replicate_allreduce", op("Replicate", op("Reduce", "x", degree="$k"), degree="$k"),
+                op("AllReduce", "x", degree="$k"), K)
+    ex = {"x": S.of((4, 4), sum_degree=2)}
+    rules.append(_with_example(r, {"k": 2}, ex))
+    rules.append(_with_example(r.reversed().with_name("allreduce_split"), {"k": 2}, ex))
+    return [r.with_name(r.name, origin="template") for r in rules]
+
+
+NAMED = ("fig2_matmul_reduction", "fig11a_relu_spatial", "fig11b_add_concat_reduce", "megatron_attention_heads",
+         "megatron_column_linear", "megatron_row_linear", "megatron_mlp_column_row", "linear_relu_fusion",
+         "linear_relu_unfusion", "reduce_replicate_allreduce")
+
+
+def example_of(r: Rule) -> dict[str, Any] | None:
+    if not r.example:
+        return None
+    ex = json.loads(r.example)
+    ex["shapes"] = {n: S.from_json(s) for n, s in ex["shapes"].items()}
+    ex["bind"] = {k: (tuple(v) if isinstance(v, list) else v) for k, v in ex["bind"].items()}
+    return ex

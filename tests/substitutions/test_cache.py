@@ -1,0 +1,99 @@
+"""The shipped rule cache: loads fast, refuses hand edits, contains the paper's named substitutions."""
+import json
+import shutil
+import time
+
+import pytest
+
+from substitutions import cache
+from substitutions.rule import RuleError
+from substitutions.templates import NAMED
+from verifier.axioms import SAMPLE_OPS, UNARY, BINARY
+
+
+@pytest.fixture(scope="module")
+def shipped():
+    return cache.load()
+
+
+def test_cache_loads_within_half_a_second():
+    times = []
+    for _ in range(3):
+        cache._MEMO.clear()
+        t0 = time.perf_counter()
+        rs = cache.load()
+        times.append(time.perf_counter() - t0)
+    assert len(rs) > 0
+    assert sorted(times)[1] <= 0.5, times
+
+
+def test_manifest_counts_match(shipped):
+    c = shipped.manifest["counts"]
+    assert c["rules"] == len(shipped)
+    assert c["parallel_rules"] == sum(1 for r in shipped if r.is_parallel)
+    assert c["axioms"] > 0
+    assert all(dict(r.proof).get("status") == "proven" for r in shipped)
+    assert not shipped.stale, "operator registry changed: run `unity-pcg rules generate`"
+
+
+def test_hand_edited_cache_is_refused(tmp_path):
+    d = tmp_path / "cache"
+    shutil.copytree(cache.default_dir(), d, ignore=shutil.ignore_patterns("__pycache__", "*.py"))
+    p = d / "rules.json"
+    obj = json.loads(p.read_text())
+    obj["rules"][0]["target"]["nodes"] = obj["rules"][0]["source"]["nodes"]
+    p.write_text(json.dumps(obj))
+    with pytest.raises(RuleError) as e:
+        cache.load(d)
+    msg = str(e.value)
+    assert "digest" in msg and "edited by hand" in msg and "\n" not in msg
+
+
+def test_missing_manifest_is_refused(tmp_path):
+    d = tmp_path / "c"
+    d.mkdir()
+    shutil.copy(cache.default_dir() / "rules.json", d / "rules.json")
+    with pytest.raises(RuleError, match="missing manifest"):
+        cache.load(d)
+
+
+def test_save_load_round_trip(tmp_path, shipped):
+    some = shipped.rules[:20]
+    cache.save(some, tmp_path)
+    back = cache.load(tmp_path)
+    assert back.rules == some
+    assert back.manifest["counts"]["rules"] == 20
+
+
+def test_named_paper_substitutions_present(shipped):
+    names = set(shipped.by_name())
+    missing = [n for n in NAMED if n not in names]
+    assert not missing, missing
+    dp_ops = list(UNARY) + list(BINARY) + list(SAMPLE_OPS) + ["Linear", "Linear_bias", "MatMul", "BatchMatMul",
+                                                              "Softmax", "LayerNorm", "Concat", "Split"]
+    missing = [f"dp_{o}" for o in dp_ops if f"dp_{o}" not in names]
+    assert not missing, missing
+
+
+def test_named_rules_have_the_paper_shape(shipped):
+    r = shipped.get("fig2_matmul_reduction")
+    assert [n.op for n in r.source.nodes] == ["MatMul"]
+    assert r.target.nodes[-1].op == "Reduce"
+    assert sorted(n.a.get("dim") for n in r.target.nodes if n.op == "Partition") == [-2, -1]
+    r = shipped.get("megatron_mlp_column_row")
+    assert r.target.nodes[-1].op == "Reduce" and [n.op for n in r.source.nodes] == ["Linear", "Linear"]
+    r = shipped.get("megatron_attention_heads")
+    assert r.source.nodes[0].op == "BatchMatMul"
+    r = shipped.get("reduce_replicate_allreduce")
+    assert [n.op for n in r.target.nodes] == ["AllReduce"]
+    r = shipped.get("linear_relu_fusion")
+    assert r.target.nodes[0].a.get("activation") == "relu"
+
+
+def test_generated_rules_present(shipped):
+    gen = [r for r in shipped if r.origin == "generated"]
+    assert len(gen) > 100
+    assert any(r.is_parallel for r in gen) and any(not r.is_parallel for r in gen)
+    # the generator itself rediscovers Linear+Relu fusion and ReLU's partition commutation
+    exprs = {str(r).split(": ", 1)[1] for r in gen}
+    assert any("Linear(activation=relu" in e and "Relu(MatMul" in e for e in exprs), "fusion not generated"

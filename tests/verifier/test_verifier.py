@@ -1,0 +1,131 @@
+"""The verifier: axioms hold under the piece semantics (and a wrong axiom is caught), true rules are
+proven, wrong rules and >= 200 numerically wrong mutants of shipped rules are refused, and a fixed
+deterministic sample of the shipped cache re-proves (the whole cache: ``-m slow``)."""
+import pytest
+
+from substitutions import cache
+from substitutions.terms import op, rule_of
+from unity_pcg.shape import ParallelTensorShape as S
+from verifier.axioms import AXIOMS, Axiom, counts
+from verifier.mutate import numerically_wrong, valid_mutants
+from verifier.selfcheck import check_all, check_axiom
+from verifier.verify import verify_rule, verify_rules
+
+P = lambda t, d="$d", k="$k": op("Partition", t, dim=d, degree=k)  # noqa: E731
+DK = {"d": "dim", "k": "degree"}
+
+
+def test_every_axiom_holds_under_the_piece_semantics():
+    bad = [r for r in check_all(AXIOMS) if not r.ok]
+    assert not bad, bad
+
+
+def test_axiom_counts():
+    c = counts()
+    assert c["axioms"] == len(AXIOMS) and c["axiom_schemas"] >= 40 and c["parallel_axiom_schemas"] >= 25
+    assert len({a.name for a in AXIOMS}) == len(AXIOMS)
+
+
+WRONG_AXIOMS = [
+    # relu is not linear: it does not commute with a sum of partial results
+    ("relu_reduce", op("Relu", op("Reduce", "x", degree="$k")), op("Reduce", op("Relu", "x"), degree="$k"),
+     {"k": "degree"}, {"k": 2}, {"x": S.of((4, 4), sum_degree=2)}),
+    # softmax along a partitioned axis is not piecewise
+    ("softmax_axis", op("Softmax", P("x", -1, 2), axis=-1), P(op("Softmax", "x", axis=-1), -1, 2), {}, {},
+     {"x": S.of((4, 4))}),
+    # matmul is not commutative
+    ("matmul_comm", op("MatMul", "x", "y"), op("MatMul", "y", "x"), {}, {}, {"x": S.of((4, 4)), "y": S.of((4, 4))}),
+    # combine along the wrong dim
+    ("combine_wrong_dim", op("Combine", P("x", -1, 2), dim=-2, degree=2), "x", {}, {}, {"x": S.of((4, 4), (2, 1))}),
+    # concat order matters
+    ("concat_comm", op("Concat", "x", "y", axis=-1), op("Concat", "y", "x", axis=-1), {}, {},
+     {"x": S.of((4, 2)), "y": S.of((4, 2))}),
+    # a contraction split on one side only
+    ("matmul_half_split", op("Reduce", op("MatMul", P("x", -1, 2), op("Replicate", "y", degree=2)), degree=2),
+     op("MatMul", "x", "y"), {}, {}, {"x": S.of((4, 4)), "y": S.of((4, 4))}),
+]
+
+
+@pytest.mark.parametrize("case", WRONG_AXIOMS, ids=lambda c: c[0])
+def test_a_wrong_axiom_is_caught(case):
+    name, lhs, rhs, vars_, bind, shapes = case
+    ax = Axiom(name, name, "parallel", rule_of(name, lhs, rhs, vars_), bind, shapes)
+    assert not check_axiom(ax).ok
+
+
+TRUE_RULES = [
+    rule_of("relu_push", op("Relu", P("x")), P(op("Relu", "x")), DK),
+    rule_of("fig2", op("MatMul", "x", "y"), op("Reduce", op("MatMul", P("x", -1), P("y", -2)), degree="$k"),
+            {"k": "degree"}),
+    rule_of("mlp", op("Linear", op("Relu", op("Linear", "x", "w1")), "w2"),
+            op("Reduce", op("Linear", op("Relu", op("Linear", op("Replicate", "x", degree="$k"), P("w1", -1))),
+                            P("w2", -2)), degree="$k"), {"k": "degree"}),
+    rule_of("assoc", op("MatMul", op("MatMul", op("MatMul", "x", "y"), "z"), "w"),
+            op("MatMul", "x", op("MatMul", "y", op("MatMul", "z", "w")))),
+    rule_of("allreduce", op("Replicate", op("Reduce", op("Add", "x", "y"), degree="$k"), degree="$k"),
+            op("AllReduce", op("Add", "x", "y"), degree="$k"), {"k": "degree"}),
+]
+FALSE_RULES = [
+    rule_of("relu_reduce", op("Relu", op("Reduce", "x", degree="$k")), op("Reduce", op("Relu", "x"), degree="$k"),
+            {"k": "degree"}),
+    rule_of("mm_comm", op("MatMul", "x", "y"), op("MatMul", "y", "x")),
+    rule_of("wrong_dim", op("Relu", P("x", -1)), P(op("Relu", "x"), -2), {"k": "degree"}),
+    rule_of("linear_dp_last_dim", op("Linear", "x", "w"),
+            op("Combine", op("Linear", P("x", "$d"), op("Replicate", "w", degree="$k")), dim="$d", degree="$k"), DK),
+]
+
+
+@pytest.mark.parametrize("rule", TRUE_RULES, ids=lambda r: r.name)
+def test_true_rules_are_proven(rule):
+    v = verify_rule(rule, timeout=20)
+    assert v.proven, v
+    assert v.axioms
+
+
+@pytest.mark.parametrize("rule", FALSE_RULES, ids=lambda r: r.name)
+def test_false_rules_are_refused(rule):
+    assert not verify_rule(rule, timeout=2).proven
+
+
+def test_mutants_of_shipped_rules_that_are_wrong_are_refused():
+    """Issue point 4(a): >= 200 mutants; every numerically wrong one is refused by the verifier."""
+    rs = cache.load()
+    pool = valid_mutants(rs.rules, limit=900, seed=7)
+    wrong = []
+    kinds = set()
+    for m in pool:
+        if numerically_wrong(m):
+            wrong.append(m)
+            kinds.add(m.name.split("~")[-1].split(":")[0].rstrip("0123456789"))
+        if len(wrong) >= 220:
+            break
+    assert len(wrong) >= 200, len(wrong)
+    assert {"swap", "attr", "swapin", "drop"} <= kinds, kinds
+    verdicts = verify_rules(wrong, timeout=0.5, workers=2)
+    proven = [v.name for v in verdicts if v.proven]
+    assert not proven, proven
+
+
+def _sample(rules, n):
+    rules = sorted(rules, key=lambda r: r.name)
+    step = max(1, len(rules) // n)
+    return rules[::step][:n]
+
+
+def test_reprove_shipped_cache_sample_and_digest():
+    """Issue point 4(c): a fixed deterministic sample of the shipped cache re-proves; digest checked by
+    load (the whole cache re-proves in the slow test below)."""
+    rs = cache.load()
+    named = [r for r in rs.rules if r.origin != "generated"]
+    sample = _sample([r for r in rs.rules if r.origin == "generated"], 60) + named
+    vs = verify_rules(sample, timeout=10, workers=2)
+    bad = [v for v in vs if not v.proven]
+    assert not bad, bad
+
+
+@pytest.mark.slow
+def test_reprove_whole_shipped_cache():
+    rs = cache.load()
+    vs = verify_rules(rs.rules, timeout=10, workers=2)
+    bad = [v for v in vs if not v.proven]
+    assert not bad, bad
