@@ -84,6 +84,14 @@ def measure_compute(quick: bool = False, quiet: bool = False) -> dict:
     runs = 2 * (2 * layers)  # Linear and ReLU, forward and backward
     out["op_overhead"] = t / runs
     _say(f"per-operator overhead: {out['op_overhead'] * 1e6:.1f} us", quiet)
+    # optimizer step overhead per weight tensor (Adam on tiny tensors; bytes are negligible)
+    ps = [torch.nn.Parameter(torch.randn(4, 4)) for _ in range(64)]
+    for p in ps:
+        p.grad = torch.randn(4, 4)
+    opt = torch.optim.Adam(ps, lr=1e-4)
+    t = _median_time(opt.step, reps * 3, warmup=2)
+    out["update_overhead"] = t / len(ps)
+    _say(f"optimizer step overhead: {out['update_overhead'] * 1e6:.1f} us per weight tensor", quiet)
     return out
 
 
@@ -169,7 +177,7 @@ def calibrate(quick: bool = False, worlds: tuple | None = None, quiet: bool = Fa
         mem = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
     except (ValueError, OSError, AttributeError):
         mem = 8 * 2 ** 30
-    dev = DeviceSpec(peak, comp["mem_bandwidth"], int(mem), eff, comp["op_overhead"])
+    dev = DeviceSpec(peak, comp["mem_bandwidth"], int(mem), eff, comp["op_overhead"], comp["update_overhead"])
     first = fits[min(fits)]
     link = LinkSpec(first["bandwidth"], first["latency"])
     meta = {"calibrated": True, "quick": bool(quick), "cores": cores, "threads_per_process": 1,

@@ -95,8 +95,9 @@ class CostModel:
     def roofline(self, op: str, flops: float, nbytes: float) -> tuple[float, float]:
         m = self.machine
         t = max(flops / (m.flops * m.device.eff(op_class(op))), nbytes / m.mem_bandwidth)
-        fwd = t + m.device.op_overhead
-        bwd = self.backward_factor * t + m.device.op_overhead
+        over = m.device.op_overhead / m.share      # dispatch runs on the (shared) cores too
+        fwd = t + over
+        bwd = self.backward_factor * t + over
         return fwd, bwd
 
     # --- gradient synchronization --------------------------------------------------------------
@@ -117,7 +118,9 @@ class CostModel:
         if weight_bytes <= 0:
             return 0.0
         k = OPTIMIZER_STATES[self.optimizer]
-        return (3 + 2 * k) * weight_bytes / self.machine.mem_bandwidth + self.machine.device.op_overhead
+        dev = self.machine.device
+        over = dev.update_overhead if dev.update_overhead > 0 else dev.op_overhead
+        return (3 + 2 * k) * weight_bytes / self.machine.mem_bandwidth + over / self.machine.share
 
     def weight_memory_factor(self) -> int:
         """Bytes per weight byte held on a device: weight + gradient + optimizer states."""

@@ -47,6 +47,7 @@ class DeviceSpec:
     memory_bytes: int                 # capacity
     efficiency: Mapping[str, float] = field(default_factory=lambda: {"default": 1.0})
     op_overhead: float = 0.0          # seconds per operator launch (kernel launch / dispatch)
+    update_overhead: float = 0.0      # seconds of optimizer-step overhead per weight tensor (0: op_overhead)
 
     def eff(self, kind: str) -> float:
         e = dict(self.efficiency)
@@ -157,7 +158,8 @@ class MachineSpec:
             dev = obj["device"]
             if not isinstance(dev, dict):
                 raise MachineError(f"{source}: field 'device' must be an object")
-            bad = set(dev) - {"peak_flops", "mem_bandwidth", "memory_bytes", "efficiency", "op_overhead"}
+            bad = set(dev) - {"peak_flops", "mem_bandwidth", "memory_bytes", "efficiency", "op_overhead",
+                              "update_overhead"}
             if bad:
                 raise MachineError(f"{source}: unknown device field(s) {', '.join(sorted(bad))}")
             eff = dev.get("efficiency", {"default": 1.0})
@@ -166,7 +168,7 @@ class MachineSpec:
             device = DeviceSpec(_num(dev, "peak_flops", source), _num(dev, "mem_bandwidth", source),
                                 int(_num(dev, "memory_bytes", source)),
                                 {str(k): _num(eff, k, source) for k in eff},
-                                _num(dev, "op_overhead", source, 0.0))
+                                _num(dev, "op_overhead", source, 0.0), _num(dev, "update_overhead", source, 0.0))
             links_obj = obj["links"]
             if not isinstance(links_obj, dict):
                 raise MachineError(f"{source}: field 'links' must be an object")
@@ -240,8 +242,8 @@ def validate(m: MachineSpec) -> None:
     for k, v in dict(d.efficiency).items():
         if not isinstance(v, (int, float)) or not 0 < v <= 1.0:
             raise MachineError(f"machine {m.name!r}: device.efficiency[{k!r}] must be in (0, 1], got {v!r}")
-    if d.op_overhead < 0:
-        raise MachineError(f"machine {m.name!r}: device.op_overhead must be >= 0")
+    if d.op_overhead < 0 or d.update_overhead < 0:
+        raise MachineError(f"machine {m.name!r}: device.op_overhead and update_overhead must be >= 0")
     for lv in ("group", "node", "network"):
         if lv not in m.links:
             raise MachineError(f"machine {m.name!r}: links.{lv} is missing")
