@@ -130,13 +130,14 @@ def main() -> int:
     for name in a.models.split(","):
         for p in (int(x) for x in a.procs.split(",")):
             pred = predict(name, p, a.batch, a.machine)
+            load = os.getloadavg()[0]
             ms = [measure(name, p, a.batch, a.iters) for _ in range(a.runs)]
             meas = statistics.median(ms)
             err = (pred["predicted_s"] - meas) / meas
             rows.append({"model": name, "procs": p, "batch_per_proc": a.batch, "measured_s": meas,
-                         "measured_runs_s": ms, **pred, "rel_error": err})
+                         "measured_runs_s": ms, **pred, "rel_error": err, "loadavg_1min_before": load})
             print(f"{name:13s} P={p}  measured {meas * 1e3:8.2f} ms  predicted {pred['predicted_s'] * 1e3:8.2f} ms"
-                  f"  error {err * 100:+6.1f}%", flush=True)
+                  f"  error {err * 100:+6.1f}%  (load {load:.1f})", flush=True)
     errs = [abs(r["rel_error"]) for r in rows]
     summary = {"median_abs_rel_error": statistics.median(errs), "max_abs_rel_error": max(errs),
                "within_20pct": sum(e <= 0.2 for e in errs), "cases": len(errs)}
