@@ -381,7 +381,9 @@ def _conv2d(imp, ctx, ins):
     xs, ws = imp.sizes(x), imp.sizes(w)
     if len(xs) == 3 and len(ws) == 3:  # 1-D convolution: run as 2-D with height 1
         return [_conv1d(imp, ctx, x, w, b)]
-    if len(xs) != 4 or len(ws) != 4:
+    if len(xs) != len(ws) or len(xs) < 3:
+        raise InvalidModel(f"{ctx.what}: input {list(xs)} and weight {list(ws)} do not fit a convolution")
+    if len(xs) != 4:
         _unsupported(ctx, f"{len(xs) - 2}-D convolution; only 1-D and 2-D are supported")
     kernel = list(ws[2:])
     ks = ctx.ints("kernel_shape", None)
@@ -423,6 +425,8 @@ def _conv1d(imp, ctx, x, w, b):
 def _pool(imp, ctx, ins):
     x = _R(imp, ctx, ins, 0)
     xs = imp.sizes(x)
+    if len(xs) < 3:
+        raise InvalidModel(f"{ctx.what}: needs an (N, C, ...) input, got {list(xs)}")
     if len(xs) != 4:
         _unsupported(ctx, f"{len(xs) - 2}-D pooling; only 2-D is supported")
     kernel = _spatial(ctx, "kernel_shape", None)

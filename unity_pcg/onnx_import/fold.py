@@ -219,7 +219,9 @@ def fold(ctx, ins: list) -> list[Const]:
         return [derive(x, lambda v: v.astype(to), x.shape, dtype=to)]
 
     def val(i):
-        c = ins[i]
+        c = ins[i] if i < len(ins) else None
+        if c is None:
+            raise InvalidModel(f"{what}: missing input {i}")
         guard(c.numel, what)
         return c.value
 
