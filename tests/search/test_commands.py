@@ -1,0 +1,75 @@
+import json
+import os
+import time
+
+import pytest
+
+from search.calibrate import fit_ring
+from unity_pcg.cli import main
+
+
+@pytest.fixture(scope="module")
+def tiny_onnx(tmp_path_factory):
+    pytest.importorskip("torch")
+    from unity_pcg import zoo
+    p = tmp_path_factory.mktemp("m") / "candle_uno.onnx"
+    zoo.export("candle_uno", str(p), size="tiny", batch=12)
+    return str(p)
+
+
+def test_simulate_json_dp_and_none(tiny_onnx, capsys):
+    assert main(["simulate", tiny_onnx, "--machine", "summit:1x6", "--strategy", "dp", "--json"]) == 0
+    dp = json.loads(capsys.readouterr().out)
+    for k in ("predicted_iteration_s", "comm_elements", "max_memory_bytes", "devices", "feasible", "breakdown"):
+        assert k in dp
+    assert dp["feasible"] and dp["devices"] == 6 and dp["degree"] == 6 and dp["comm_elements"] > 0
+    assert main(["simulate", tiny_onnx, "--machine", "summit:1x6", "--strategy", "none", "--json"]) == 0
+    one = json.loads(capsys.readouterr().out)
+    assert one["comm_elements"] == 0 and one["stats"]["devices_used"] == 1
+    assert one["breakdown"]["compute_s"] > dp["breakdown"]["compute_s"]   # 6x the work per device
+    assert main(["simulate", tiny_onnx, "--machine", "summit:1x6", "--degree", "3"]) == 0
+    assert "iteration" in capsys.readouterr().out
+
+
+def test_simulate_errors_exit_2(tiny_onnx, capsys):
+    assert main(["simulate", tiny_onnx, "--machine", "nosuch:1x2"]) == 2
+    assert "unknown machine" in capsys.readouterr().err
+    assert main(["simulate", tiny_onnx, "--machine", "summit:1x6", "--degree", "5"]) == 2
+    assert "not divisible" in capsys.readouterr().err
+    assert main(["simulate", tiny_onnx, "--machine", "summit:1x2", "--degree", "4"]) == 2
+    assert main(["simulate", "/nonexistent.onnx", "--machine", "summit:1x2"]) == 2
+
+
+def test_simulate_with_a_machine_file(tiny_onnx, tmp_path, capsys):
+    from unity_pcg.machine import parse_machine
+    p = tmp_path / "m.json"
+    parse_machine("local:1x2").save(str(p))
+    assert main(["simulate", tiny_onnx, "--machine", f"{p}:1x4", "--json"]) == 0
+    assert json.loads(capsys.readouterr().out)["devices"] == 4
+
+
+def test_fit_ring_recovers_alpha_beta():
+    alpha, beta, p = 50e-6, 1e9, 4
+    n_small, n_large = 1, 2 ** 20
+
+    def t(n):
+        return 2 * (p - 1) * alpha + 2 * (p - 1) / p * 4 * n / beta
+    f = fit_ring(p, {n_small: t(n_small), n_large: t(n_large)})
+    assert f["bandwidth"] == pytest.approx(beta, rel=1e-3)
+    assert f["latency"] == pytest.approx(alpha, rel=1e-3)
+
+
+def test_calibrate_bad_worlds(capsys):
+    assert main(["calibrate", "--worlds", "two", "-o", os.devnull]) == 2
+
+
+@pytest.mark.slow
+def test_calibrate_quick_within_a_minute(tmp_path):
+    out = tmp_path / "local.json"
+    t = time.perf_counter()
+    assert main(["calibrate", "--quick", "-o", str(out)]) == 0
+    assert time.perf_counter() - t <= 60
+    from unity_pcg.machine import MachineSpec
+    m = MachineSpec.load(str(out))
+    assert m.meta["calibrated"] and set(m.meta["allreduce_fits"]) == {"2", "4"}
+    assert m.resized(1, 4).links["group"].bandwidth == pytest.approx(m.meta["allreduce_fits"]["4"]["bandwidth"])
