@@ -9,7 +9,7 @@ from hypothesis import HealthCheck, settings
 
 _common = dict(deadline=None, suppress_health_check=[HealthCheck.too_slow, HealthCheck.filter_too_much,
                                                      HealthCheck.data_too_large])
-settings.register_profile("ci", max_examples=25, **_common)
-settings.register_profile("dev", max_examples=100, **_common)
+settings.register_profile("ci", max_examples=50, **_common)
+settings.register_profile("dev", max_examples=200, **_common)
 settings.register_profile("thorough", max_examples=1000, **_common)
 settings.load_profile(os.environ.get("HYPOTHESIS_PROFILE", "ci"))

@@ -9,6 +9,7 @@ from . import ops
 from . import pieces as P
 from .errors import GraphError
 from .pcg import PCG, Ref
+from .shape import numpy_dtype
 
 
 def _source_value(g: PCG, n, feeds: Mapping[str, Any]) -> np.ndarray:
@@ -27,7 +28,7 @@ def _source_value(g: PCG, n, feeds: Mapping[str, Any]) -> np.ndarray:
     v = np.asarray(v)
     if tuple(v.shape) != tuple(a["shape"]):
         raise GraphError(f"value for {name!r} has shape {list(v.shape)}, expected {list(a['shape'])}")
-    return v.astype(a["dtype"], copy=False)
+    return v.astype(numpy_dtype(a["dtype"]), copy=False)
 
 
 def evaluate(g: PCG, feeds: Mapping[str, Any], mode: str = "logical", rng: np.random.Generator | None = None,

@@ -228,6 +228,8 @@ class PCG:
             b = PCG.builder(weights)
             idmap: dict[int, int] = {}
             for nd in obj["nodes"]:
+                if int(nd["id"]) in idmap:
+                    raise GraphError(f"malformed PCG JSON: duplicate node id {int(nd['id'])}")
                 ins = [(idmap[int(r[0])], int(r[1])) for r in nd["inputs"]]
                 idmap[int(nd["id"])] = b.add_node(str(nd["op"]), nd.get("attrs", {}), ins, str(nd.get("name", "")),
                                                   nid=int(nd["id"]))
@@ -255,6 +257,8 @@ def _jsonable(v: Any) -> Any:
 
 
 def _unjson_attr(v: Any) -> Any:
+    if not isinstance(v, str):
+        return v
     if v == "inf":
         return float("inf")
     if v == "-inf":
@@ -407,6 +411,7 @@ class GraphBuilder:
         hashes = {k: v for k, v in self._hashes.items() if k not in stale and k in self._nodes}
         g = PCG(self._nodes, self._shapes, tuple(self._outputs), self._weights, self.meta, hashes)
         g._topo = order
+        self._hashes = dict(hashes)   # a builder reused after finish() must not keep stale hashes
         self._nodes, self._shapes = dict(self._nodes), dict(self._shapes)  # builder stays usable
         self._dirty = set()
         return g

@@ -174,5 +174,10 @@ class ParallelTensorShape:
         return f"[{dims}]{extra}{dt}"
 
 
+def numpy_dtype(dtype: str) -> str:
+    """The numpy dtype that holds values of ``dtype`` (numpy has no bfloat16: float32 holds it)."""
+    return "float32" if dtype == "bfloat16" else dtype
+
+
 def logical_shape(sizes: Sequence[int], dtype: str = "float32") -> ParallelTensorShape:
     return ParallelTensorShape.of(sizes, dtype=dtype)

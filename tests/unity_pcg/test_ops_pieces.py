@@ -13,7 +13,7 @@ from unity_pcg.shape import ParallelTensorShape
 
 from unity_pcg.errors import InvalidParallelization
 
-from .op_cases import GENERATORS, HypDrawer, RandDrawer, accepts, draw_parallel, gen_conv
+from .op_cases import GENERATORS, Case, HypDrawer, RandDrawer, accepts, draw_parallel, gen_conv
 
 OPS = sorted(GENERATORS)
 
@@ -54,7 +54,6 @@ def check_piecewise(case, shapes, seed: int) -> None:
 
 @pytest.mark.parametrize("op", OPS)
 @given(data=st.data())
-@settings(max_examples=40)
 def test_piecewise_equals_logical(op, data):
     d = HypDrawer(data)
     case = GENERATORS[op](d)
@@ -248,3 +247,96 @@ def test_conv2d_kernel_matches_torch(data):
                                      a["stride"], (a["padding"][0], a["padding"][1]), a["dilation"], a["groups"])
     assert ops.infer("Conv2d", a, case.shapes()).outputs[0].sizes == tuple(ref.shape)
     np.testing.assert_allclose(y, ref.numpy(), rtol=1e-10, atol=1e-10)
+
+
+def test_reduce_with_an_axis_named_twice():
+    x = np.arange(6.0).reshape(2, 3)
+    for op, f in (("ReduceSum", np.sum), ("ReduceMean", np.mean)):
+        (y,) = ops.run_logical(op, {"axes": (0, -2), "keepdims": False}, [x])
+        np.testing.assert_array_equal(y, f(x, axis=0))
+        assert ops.infer(op, {"axes": (0, -2), "keepdims": False}, [S([2, 3])]).outputs[0].sizes == (3,)
+
+
+def test_numpy_array_attributes_are_frozen_to_tuples():
+    from unity_pcg.pcg import PCG
+    b = PCG.builder()
+    x = b.add("Input", {"name": "x", "shape": np.array([2, 3, 4])})
+    r = b.add("Reshape", {"shape": np.array([6, 4])}, [x])
+    t = b.add("Transpose", {"perm": np.array([1, 0])}, [r])
+    g = b.finish()
+    assert g.node(r[0]).a["shape"] == (6, 4) and g.node(t[0]).a["perm"] == (1, 0)
+    assert g.shape(t).sizes == (4, 6)
+
+
+def test_bfloat16_values_are_held_in_float32():
+    (y,) = ops.run_logical("Cast", {"to": "bfloat16"}, [np.ones(3)])
+    assert y.dtype == np.float32
+    assert ops.infer("Cast", {"to": "bfloat16"}, [S([3])]).outputs[0].dtype == "bfloat16"
+
+
+@st.composite
+def _regroupings(draw):
+    atoms = draw(st.lists(st.sampled_from([1, 1, 2, 3, 5]), min_size=0, max_size=7))
+
+    def group(xs):
+        out, i = [], 0
+        while i < len(xs):
+            k = draw(st.integers(1, max(1, len(xs) - i)))
+            out.append(int(np.prod(xs[i:i + k])))
+            i += k
+        return out
+    src, dst = group(atoms), group(atoms)
+    if draw(st.booleans()):
+        dst.insert(draw(st.integers(0, len(dst))), 1)
+    return src, dst
+
+
+@given(_regroupings())
+def test_reshape_groups_pair_up_runs_of_equal_products(sd):
+    from unity_pcg.ops.compute import reshape_groups
+    src, dst = sd
+    groups = reshape_groups(src, dst)
+    assert groups is not None
+    assert [i for gi, _ in groups for i in gi] == list(range(len(src)))
+    assert [j for _, gj in groups for j in gj] == list(range(len(dst)))
+    for gi, gj in groups:
+        assert int(np.prod([src[i] for i in gi])) == int(np.prod([dst[j] for j in gj]))
+    # and the Reshape labels built on them are valid for every drawn partition of the outer dims
+    case = Case("Reshape", {"shape": tuple(dst)}, [src], ["float64"], ["normal"])
+    for seed in range(3):
+        par = draw_parallel(RandDrawer(seed), case)
+        if accepts(case, par.shapes):
+            check_piecewise(case, par.shapes, seed)
+
+
+def test_pool2d_kernel_matches_onnxruntime():
+    """Max/average pooling with ceil_mode and count_include_pad as onnxruntime computes them (ONNX's
+    own shape inference disagrees with onnxruntime on some ceil_mode shapes; we follow the runtime)."""
+    ort = pytest.importorskip("onnxruntime")
+    from onnx import TensorProto, helper
+    import itertools
+    opts = ort.SessionOptions()
+    opts.log_severity_level = 3
+    n = 0
+    for h, k, s, p, ceil, cip, kind in itertools.product([3, 4, 5, 7], [1, 2, 3], [1, 2, 3], [0, 1], [0, 1], [0, 1],
+                                                         ["max", "avg"]):
+        if p > k // 2 or k > h or (kind == "max" and cip):
+            continue
+        attrs = dict(kernel_shape=[k, k + (h > 4)], strides=[s, s], pads=[p, 0, p, 0], ceil_mode=ceil)
+        if kind == "avg":
+            attrs["count_include_pad"] = cip
+        node = helper.make_node("MaxPool" if kind == "max" else "AveragePool", ["x"], ["y"], **attrs)
+        graph = helper.make_graph([node], "g", [helper.make_tensor_value_info("x", TensorProto.FLOAT, [1, 2, h, h])],
+                                  [helper.make_tensor_value_info("y", TensorProto.FLOAT, None)])
+        m = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 19)])
+        m.ir_version = 9
+        x = np.random.default_rng(n).standard_normal((1, 2, h, h)).astype(np.float32)
+        ref = ort.InferenceSession(m.SerializeToString(), opts, providers=["CPUExecutionProvider"]).run(
+            None, {"x": x})[0]
+        a = {"kind": kind, "kernel": (k, k + (h > 4)), "stride": (s, s), "padding": (p, 0, p, 0),
+             "ceil_mode": bool(ceil), "count_include_pad": bool(cip)}
+        (y,) = ops.run_logical("Pool2d", a, [x])
+        assert ops.infer("Pool2d", a, [S([1, 2, h, h], dtype="float32")]).outputs[0].sizes == ref.shape, a
+        np.testing.assert_allclose(y, ref, rtol=1e-5, atol=1e-6, err_msg=str(a))
+        n += 1
+    assert n > 200

@@ -439,3 +439,23 @@ def test_random_chains_hash_and_evaluate_consistently(ops_list, deg):
     assert g.structural_hash() == h.structural_hash()
     v = np.random.default_rng(0).standard_normal((8, 2))
     np.testing.assert_allclose(evaluate(g, {"x": v}, mode="pieces")[0], evaluate(h, {"x": v})[0])
+
+
+def test_builder_reused_after_finish_keeps_hashes_fresh():
+    g = chain()
+    g.structural_hash()   # fills g's hash cache, which edit() hands to the builder
+    part = [n for n in g.nodes() if n.op == "Partition"][0]
+    e = g.edit()
+    e.replace_uses((part.id, 0), e.add("Partition", {"dim": 0, "degree": 4}, [part.inputs[0]]))
+    e.remove_dead()
+    h1 = e.finish()
+    h2 = e.finish()
+    fresh = PCG.from_json(h1.to_json())
+    assert h1.structural_hash() == h2.structural_hash() == fresh.structural_hash() != g.structural_hash()
+
+
+def test_json_with_duplicate_node_ids_is_refused():
+    obj = chain().to_json()
+    obj["nodes"][1]["id"] = obj["nodes"][0]["id"]
+    with pytest.raises(GraphError, match="duplicate node id"):
+        PCG.from_json(obj)

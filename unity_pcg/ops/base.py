@@ -231,6 +231,8 @@ REQUIRED = _Required()
 
 
 def _freeze(v: Any) -> Any:
+    if hasattr(v, "tolist") and getattr(v, "ndim", 0) > 0:   # numpy array
+        return _freeze(v.tolist())
     if isinstance(v, list):
         return tuple(_freeze(x) for x in v)
     if isinstance(v, tuple):

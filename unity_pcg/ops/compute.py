@@ -7,7 +7,7 @@ from typing import Callable, Sequence
 import numpy as np
 
 from ..errors import InvalidParallelization
-from ..shape import DTYPES, ParallelTensorShape
+from ..shape import DTYPES, ParallelTensorShape, numpy_dtype
 from . import kernels as K
 from .base import REQUIRED, Inference, Labels, OpSpec, Shapes, label_inference, register
 
@@ -149,7 +149,7 @@ def _np_dtype(dt: str):
 
 
 compute_op("Cast", attrs={"to": REQUIRED}, num_inputs=1, logical=_cast_logical, labels=_cast_labels,
-           forward=lambda a, xs: [xs[0].astype(a["to"])], flops=lambda a, i, o: 0.0)
+           forward=lambda a, xs: [xs[0].astype(numpy_dtype(a["to"]))], flops=lambda a, i, o: 0.0)
 
 
 def _broadcast(op: str, shapes: Sequence[Sequence[int]]) -> tuple[int, ...]:
@@ -780,10 +780,15 @@ def _reduce_labels(name):
     return labels
 
 
+def _reduce_axes(a, ndim: int):
+    """Axes as numpy wants them: normalized and without duplicates (ONNX allows -1 and r-1 both)."""
+    return tuple(sorted({ax % ndim for ax in a["axes"]})) if a["axes"] else None
+
+
 for _n, _f in (("ReduceSum", np.sum), ("ReduceMean", np.mean)):
     compute_op(_n, attrs={"axes": (), "keepdims": True}, num_inputs=1, logical=_reduce_logical(_n),
                labels=_reduce_labels(_n),
-               forward=(lambda f: lambda a, xs: [np.asarray(f(xs[0], axis=tuple(a["axes"]) or None,
+               forward=(lambda f: lambda a, xs: [np.asarray(f(xs[0], axis=_reduce_axes(a, xs[0].ndim),
                                                              keepdims=bool(a["keepdims"]))).astype(xs[0].dtype)])(_f),
                flops=lambda a, i, o: float(i[0].numel),
                doc="Empty axes reduce over all dims. ReduceSum over a partitioned axis gives partial sums.")
