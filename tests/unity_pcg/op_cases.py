@@ -157,6 +157,8 @@ def gen_binary(op):
             b = out
         if d.bool():
             a, b = b, a
+        if op in ("Add", "Sub", "Mul", "Max", "Min") and d.bool(0.25):   # integer arithmetic is exact
+            return Case(op, {}, [a, b], ["int64", "int64"], ["int", "int"])
         return Case(op, {}, [a, b], ["float64", "float64"], list(BINARY_FILL[op]))
     return g
 
@@ -378,7 +380,8 @@ def gen_reduce(op):
         axes = [a - len(s) if d.bool(0.3) else a for a in axes]
         if axes and d.bool(0.2):   # ONNX allows naming an axis twice (r-1 and -1)
             axes.append(axes[0] - len(s) if axes[0] >= 0 else axes[0] + len(s))
-        return Case(op, {"axes": tuple(axes), "keepdims": d.bool()}, [s], ["float64"], ["normal"])
+        dt = "int64" if op == "ReduceSum" and d.bool(0.25) else "float64"
+        return Case(op, {"axes": tuple(axes), "keepdims": d.bool()}, [s], [dt], ["int" if dt == "int64" else "normal"])
     return g
 
 

@@ -340,3 +340,26 @@ def test_pool2d_kernel_matches_onnxruntime():
         np.testing.assert_allclose(y, ref, rtol=1e-5, atol=1e-6, err_msg=str(a))
         n += 1
     assert n > 200
+
+
+@pytest.mark.parametrize("op", OPS)
+def test_task_flops_add_up_to_the_logical_flops(op):
+    """One task's FLOPs times the number of tasks is the logical FLOPs when the work is only sharded;
+    replicas and partial sums (each task works on a whole piece) can only add redundant work."""
+    for seed in range(60):
+        d = RandDrawer(1000 + seed)
+        case = GENERATORS[op](d)
+        par = draw_parallel(d, case)
+        if not accepts(case, par.shapes):
+            continue
+        inf = ops.infer(op, case.attrs, par.shapes)
+        total = ops.flops(op, case.attrs, par.shapes, inf.outputs)
+        per_task = ops.task_flops(op, case.attrs, par.shapes, inf.outputs)
+        tasks = inf.piece_map.degree
+        assert total >= 0 and per_task >= 0
+        if par.rep == 1 and all(s == 1 for s in par.sums):
+            assert per_task * tasks == pytest.approx(total, rel=1e-9), (case.attrs, [str(s) for s in par.shapes])
+        else:
+            assert per_task * tasks >= total * (1 - 1e-9)
+        moved = ops.bytes_moved(op, par.shapes, inf.outputs, per_task=True)
+        assert 0 < moved <= ops.bytes_moved(op, par.shapes, inf.outputs) or 0 in case.sizes
