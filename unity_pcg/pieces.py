@@ -84,8 +84,13 @@ def run_piecewise(kernel, attrs: dict, piece_attrs: dict, pm: PieceMap, ins: Seq
         task = dict(zip(names, idx))
         pieces = [x[grid_index(tm, task, deg)] for x, tm in zip(ins, pm.inputs)]
         res = kernel(piece_attrs, pieces)
+        if len(res) != len(out_shapes):
+            raise ValueError(f"kernel gave {len(res)} outputs, expected {len(out_shapes)}")
         for k, (y, tm, s) in enumerate(zip(res, pm.outputs, out_shapes)):
             y = np.asarray(y)
+            if tuple(y.shape) != s.piece_shape:   # never broadcast a wrong piece into its slot
+                raise ValueError(f"output {k}: the kernel gave a piece of shape {list(y.shape)}, "
+                                 f"expected {list(s.piece_shape)} for {s}")
             if outs[k] is None:
                 outs[k] = np.zeros(s.grid + tuple(y.shape), dtype=y.dtype)
             outs[k][grid_index(tm, task, deg)] = y

@@ -363,3 +363,14 @@ def test_task_flops_add_up_to_the_logical_flops(op):
             assert per_task * tasks >= total * (1 - 1e-9)
         moved = ops.bytes_moved(op, par.shapes, inf.outputs, per_task=True)
         assert 0 < moved <= ops.bytes_moved(op, par.shapes, inf.outputs) or 0 in case.sizes
+
+
+def test_a_kernel_piece_of_the_wrong_shape_is_an_error_not_a_broadcast():
+    from unity_pcg.ops.base import PieceMap, TensorMap
+    s_in = S([4, 3], [2, 1])
+    s_out = S([4, 3], [2, 1])
+    pm = PieceMap((("d0", 2),), (TensorMap((), (), (("d0",), ())),), (TensorMap((), (), (("d0",), ())),))
+    x = P.split(np.ones((4, 3)), s_in)
+    bad = lambda a, xs: [xs[0][:1]]   # (1, 3) would broadcast into a (2, 3) slot
+    with pytest.raises(ValueError, match="expected \\[2, 3\\]"):
+        P.run_piecewise(bad, {}, {}, pm, [x], [s_in], [s_out])

@@ -459,3 +459,25 @@ def test_json_with_duplicate_node_ids_is_refused():
     obj["nodes"][1]["id"] = obj["nodes"][0]["id"]
     with pytest.raises(GraphError, match="duplicate node id"):
         PCG.from_json(obj)
+
+
+def test_finish_reinfers_only_downstream_of_the_edit(monkeypatch):
+    b = PCG.builder()
+    x = b.add("Input", {"name": "x", "shape": (8, 4), "dtype": "float64"})
+    refs = [x]
+    for k in range(200):
+        refs.append(b.add("Tanh" if k % 2 else "Relu", {}, [refs[-1]]))
+    b.set_outputs([refs[-1]])
+    g = b.finish()
+    calls = []
+    real = ops.infer
+    monkeypatch.setattr("unity_pcg.pcg.ops.infer", lambda *a, **k: (calls.append(a[0]), real(*a, **k))[1])
+    e = g.edit()
+    p = e.add("Partition", {"dim": 0, "degree": 2}, [refs[-4]])   # partition the last 3 ops' input
+    e.replace_uses(refs[-4], p, exclude=[p[0]])
+    h = e.finish()
+    assert calls.count("Partition") == 1 and len(calls) == 1 + 3   # the new node, then 3 downstream ops
+    assert h.shape(refs[-1]).degrees == (2, 1) and h.shape(refs[-5]).degrees == (1, 1)
+    assert g.shape(refs[-1]).degrees == (1, 1)
+    v = np.random.default_rng(0).standard_normal((8, 4))
+    np.testing.assert_allclose(evaluate(h, {"x": v}, mode="pieces")[0], evaluate(g, {"x": v})[0])
