@@ -50,7 +50,7 @@ def bert_matching(runs: int) -> dict:
     from unity_pcg import zoo
     from unity_pcg.onnx_import import load_onnx
     CACHE.mkdir(parents=True, exist_ok=True)
-    path = CACHE / "bert_large_paper.onnx"
+    path = CACHE / "bert_large-paper.onnx"
     if not path.exists():
         zoo.export("bert_large", str(path), size="paper")
     t0 = time.perf_counter()

@@ -135,6 +135,25 @@ def load_file(path: str | Path) -> list[Rule]:
         raise RuleError(f"{p}: cannot read ({e.strerror})") from None
 
 
+def _numerically_false(r: Rule, settings) -> bool:
+    """True if a (concrete) unproven candidate is wrong under the real kernels (float inputs): it
+    collided only through a polynomial stand-in.  Unproven candidates that are not false would be
+    gaps in the axioms."""
+    import numpy as np
+
+    from unity_pcg.shape import ParallelTensorShape
+    from verifier.selfcheck import compare_sides
+    if r.vars:
+        return False
+    shapes = {n: ParallelTensorShape.of((settings.size,) * settings.rank) for n in r.inputs}
+    rng = np.random.default_rng(0)
+    for _ in range(3):
+        vals = {n: rng.standard_normal(s.sizes) for n, s in shapes.items()}
+        if compare_sides(r.source, r.target, {}, shapes, vals, rng):
+            return True
+    return False
+
+
 def rebuild(settings, out_dir: str | Path | None = None, timeout: float = 2.0, workers: int = 2,
             progress: bool = True, log=print) -> tuple[RuleSet, dict]:
     """Generate, add the named template rules, prove everything, save with a manifest."""
@@ -156,11 +175,14 @@ def rebuild(settings, out_dir: str | Path | None = None, timeout: float = 2.0, w
             names.add(r.name)
         else:
             unproven.append((r, f"{v.status}: {v.detail}"))
+    false_unproven = sum(1 for r, _ in unproven if _numerically_false(r, settings))
     info = {
         "generator": settings.to_json(),
         "stats": {"graphs": stats.graphs, "classes": stats.classes, "candidates": stats.candidates,
+                  "false_candidates": stats.false_candidates,
                   "pruned": dict(stats.pruned), "duplicates": stats.duplicates, "proven": len(shipped),
-                  "unproven": len(unproven), "generalized": sum(1 for r in shipped if r.vars),
+                  "unproven": len(unproven), "unproven_numerically_false": false_unproven,
+                  "generalized": sum(1 for r in shipped if r.vars),
                   "template_rules": len(templ)},
         "seconds": {"generate": round(stats.enumerate_seconds, 2),
                     "verify": round(stats.verify_seconds + t_templ, 2),

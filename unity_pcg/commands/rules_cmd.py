@@ -58,7 +58,11 @@ def run(args) -> int:
     if args.action == "verify":
         from substitutions.cache import load, load_file
         from verifier.verify import verify_rules
-        rules = load(None).rules if args.file is None else load_file(args.file)
+        from pathlib import Path
+        if args.file is None or Path(args.file).is_dir():
+            rules = load(args.file).rules          # a cache directory: digest checked too
+        else:
+            rules = load_file(args.file)
         if args.sample:
             rules = sorted(rules, key=lambda r: r.name)[:: max(1, len(rules) // args.sample)][: args.sample]
         t0 = time.perf_counter()
