@@ -11,7 +11,7 @@ For every zoo model and P in (2, 4) local processes:
   mapping DP on the calibrated local machine (``unity-pcg calibrate``) resized to 1 x P.
 
 Usage:  .venv/bin/python benchmarks/ddp_predict.py [--machine benchmarks/results/local.json]
-        [--models a,b] [--procs 2,4] [--batch 8] [--iters 20] [--runs 3]
+        [--calibrate] [--recalibrate-each] [--models a,b] [--procs 2,4] [--batch 8] [--iters 20] [--runs 3]
 Writes benchmarks/results/ddp_predict.json.
 """
 from __future__ import annotations
@@ -91,6 +91,14 @@ def measure(name: str, procs: int, batch: int, iters: int) -> float:
                 p.terminate()
 
 
+def fresh_machine(procs: int, path: str, quick: bool = True) -> str:
+    """Calibrate again right before a measurement (compute on one thread + gloo for ``procs``):
+    the host is shared, so its speed drifts; the calibration never looks at the model."""
+    from search.calibrate import calibrate
+    calibrate(quick=quick, worlds=(procs,), quiet=True).save(path)
+    return path
+
+
 def predict(name: str, procs: int, batch: int, machine_path: str) -> dict:
     from search.baselines import data_parallel
     from search.cost import CostModel
@@ -121,6 +129,8 @@ def main() -> int:
     ap.add_argument("--iters", type=int, default=20)
     ap.add_argument("--runs", type=int, default=3)
     ap.add_argument("--out", default=os.path.join(RESULTS, "ddp_predict.json"))
+    ap.add_argument("--recalibrate-each", action="store_true",
+                    help="quick-calibrate right before every (model, P) measurement (shared, drifting hosts)")
     a = ap.parse_args()
     os.makedirs(RESULTS, exist_ok=True)
     if a.calibrate or not os.path.exists(a.machine):
@@ -129,7 +139,10 @@ def main() -> int:
     rows = []
     for name in a.models.split(","):
         for p in (int(x) for x in a.procs.split(",")):
-            pred = predict(name, p, a.batch, a.machine)
+            mpath = a.machine
+            if a.recalibrate_each:
+                mpath = fresh_machine(p, os.path.join(CACHE, f"local-now-{p}.json"))
+            pred = predict(name, p, a.batch, mpath)
             load = os.getloadavg()[0]
             ms = [measure(name, p, a.batch, a.iters) for _ in range(a.runs)]
             meas = statistics.median(ms)

@@ -5,10 +5,12 @@ measured per-process throughput is scaled by ``cores / processes`` when there ar
 than cores (``MachineSpec.share``).  What is measured (medians of repeated runs, torch on one
 thread):
 
-* matmul throughput (FLOP/s; the device's ``peak_flops``), conv2d throughput (its efficiency relative
-  to matmul), memory bandwidth (a large tensor copy: read + write);
+* matmul and conv2d throughput (FLOP/s; the faster is the device's ``peak_flops``, each kind's
+  efficiency is its throughput relative to it), memory bandwidth (a large tensor copy: read + write);
 * the per-operator overhead of a training step: a chain of tiny Linear+ReLU layers, forward and
-  backward, divided by the number of operator runs (forward + backward);
+  backward, divided by the number of operator runs (forward + backward); and per operator class
+  (conv, matmul, elementwise, norm, pool) the forward and backward time of a tiny instance;
+* the optimizer (Adam) step overhead per weight tensor;
 * gloo collectives over loopback TCP for world sizes 2..4 (``torch.multiprocessing`` +
   ``torch.distributed``, ``init_method=tcp://127.0.0.1:PORT``): all-reduce time of a tiny and a large
   tensor, fitted to the ring model ``2(p-1) alpha + 2(p-1)/p n / beta``.  The fit for each world size
@@ -84,6 +86,33 @@ def measure_compute(quick: bool = False, quiet: bool = False) -> dict:
     runs = 2 * (2 * layers)  # Linear and ReLU, forward and backward
     out["op_overhead"] = t / runs
     _say(f"per-operator overhead: {out['op_overhead'] * 1e6:.1f} us", quiet)
+    # per-class launch overheads: tiny instances, forward and forward+backward
+    F = torch.nn.functional
+    xi = torch.randn(2, 4, 8, 8, requires_grad=True)
+    wc = torch.randn(4, 4, 3, 3, requires_grad=True)
+    wl = torch.randn(4, 4, requires_grad=True)
+    xl = torch.randn(2, 4, requires_grad=True)
+    kinds = {
+        "conv": lambda: F.conv2d(xi, wc, padding=1),
+        "matmul": lambda: F.linear(xl, wl),
+        "elementwise": lambda: torch.relu(xl),
+        "norm": lambda: F.batch_norm(xi, None, None, training=True),
+        "pool": lambda: F.max_pool2d(xi, 2),
+    }
+    over = {}
+    for kind, fn in kinds.items():
+        tf = _median_time(lambda: fn(), reps * 3, warmup=2)
+
+        def fb(fn=fn):
+            fn().sum().backward()
+        tfb = _median_time(fb, reps * 3, warmup=2)
+        # the sum and the backward of the sum are two more tiny ops
+        t_sum = _median_time(lambda: xl.sum(), reps * 3, warmup=2)
+        over[kind] = tf
+        over[f"{kind}:bwd"] = max(tfb - tf - 2 * t_sum, 0.0)
+    out["overheads"] = over
+    _say("launch overheads (us, fwd/bwd): " + ", ".join(
+        f"{k} {over[k] * 1e6:.0f}/{over[k + ':bwd'] * 1e6:.0f}" for k in kinds), quiet)
     # optimizer step overhead per weight tensor (Adam on tiny tensors; bytes are negligible)
     ps = [torch.nn.Parameter(torch.randn(4, 4)) for _ in range(64)]
     for p in ps:
@@ -170,14 +199,15 @@ def calibrate(quick: bool = False, worlds: tuple | None = None, quiet: bool = Fa
         fits[w] = fit_ring(w, res)
         _say(f"  world {w}: latency {fits[w]['latency'] * 1e6:.0f} us, bandwidth "
              f"{fits[w]['bandwidth'] / 1e9:.2f} GB/s", quiet)
-    peak = comp["matmul_flops"]
-    eff = {"matmul": 1.0, "conv": min(1.0, comp["conv_flops"] / peak),
-           "default": min(1.0, comp["conv_flops"] / peak), "elementwise": 1.0}
+    peak = max(comp["matmul_flops"], comp["conv_flops"])
+    eff = {"matmul": comp["matmul_flops"] / peak, "conv": comp["conv_flops"] / peak,
+           "default": min(comp["matmul_flops"], comp["conv_flops"]) / peak, "elementwise": 1.0}
     try:
         mem = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
     except (ValueError, OSError, AttributeError):
         mem = 8 * 2 ** 30
-    dev = DeviceSpec(peak, comp["mem_bandwidth"], int(mem), eff, comp["op_overhead"], comp["update_overhead"])
+    dev = DeviceSpec(peak, comp["mem_bandwidth"], int(mem), eff, comp["op_overhead"], comp["update_overhead"],
+                     comp["overheads"])
     first = fits[min(fits)]
     link = LinkSpec(first["bandwidth"], first["latency"])
     meta = {"calibrated": True, "quick": bool(quick), "cores": cores, "threads_per_process": 1,

@@ -4,7 +4,7 @@
 
 * ``op_time(op, attrs, in_shapes, out_shapes)`` -- forward and backward time of one task (one
   device's piece of work): a roofline ``max(FLOPs / (peak * efficiency), bytes / memory bandwidth)``
-  plus a per-operator launch overhead.  Backward = ``backward_factor`` (default 2) x forward, for
+  plus a per-operator launch overhead (per operator class and direction when calibrated).  Backward = ``backward_factor`` (default 2) x forward, for
   FLOPs and bytes alike (the input and the weight gradient each cost about one forward).
 * collectives and transfers (:mod:`search.collectives`), per link level;
 * ``update_time(bytes)`` -- the optimizer step over a device's weight bytes (memory bound).
@@ -54,15 +54,26 @@ CONV_OPS = {"Conv2d"}
 ELEMENTWISE_OPS = {"Relu", "Gelu", "Sigmoid", "Tanh", "Erf", "Exp", "Sqrt", "Reciprocal", "Neg", "Identity",
                    "Dropout", "Scale", "Clip", "Cast", "Add", "Sub", "Mul", "Div", "Pow", "Max", "Min"}
 INF = math.inf
+NON_DIFFERENTIABLE = {("BatchNorm", 3), ("BatchNorm", 4)}      # running mean / variance
+FLOAT_DTYPES = {"float32", "float16", "bfloat16", "float64"}
+
+
+NORM_OPS = {"BatchNorm", "LayerNorm", "LRN", "Softmax"}
+POOL_OPS = {"Pool2d"}
 
 
 def op_class(op: str) -> str:
+    """Operator class for per-class efficiency and launch overhead (calibrated on local machines)."""
     if op in MATMUL_OPS:
         return "matmul"
     if op in CONV_OPS:
         return "conv"
     if op in ELEMENTWISE_OPS:
         return "elementwise"
+    if op in NORM_OPS:
+        return "norm"
+    if op in POOL_OPS:
+        return "pool"
     return "default"
 
 
@@ -94,10 +105,11 @@ class CostModel:
 
     def roofline(self, op: str, flops: float, nbytes: float) -> tuple[float, float]:
         m = self.machine
-        t = max(flops / (m.flops * m.device.eff(op_class(op))), nbytes / m.mem_bandwidth)
-        over = m.device.op_overhead / m.share      # dispatch runs on the (shared) cores too
-        fwd = t + over
-        bwd = self.backward_factor * t + over
+        kind = op_class(op)
+        t = max(flops / (m.flops * m.device.eff(kind)), nbytes / m.mem_bandwidth)
+        # launch / dispatch overhead per class (calibrated), on the (shared) cores too
+        fwd = t + m.device.overhead(kind) / m.share
+        bwd = self.backward_factor * t + m.device.overhead(kind, backward=True) / m.share
         return fwd, bwd
 
     # --- gradient synchronization --------------------------------------------------------------
@@ -152,6 +164,40 @@ class LeafCost:
                         self.update + o.update, self.comm_elements + o.comm_elements, self.reason or o.reason)
 
 
+_TASK_PIECE: dict = {}
+
+
+def _task_piece_map(axes, tm, grid) -> tuple[int, ...]:
+    """Flat piece index (canonical grid order) held by each task (row-major over ``axes``);
+    shared by every node with the same piece map and tensor grid."""
+    key = (axes, tm, grid)
+    hit = _TASK_PIECE.get(key)
+    if hit is not None:
+        return hit
+    deg = dict(axes)
+    names = [a for a, _ in axes]
+    total = 1
+    for _, d in axes:
+        total *= d
+    out = []
+    for t in range(total):
+        idx = {}
+        r = t
+        for a in reversed(names):
+            idx[a] = r % deg[a]
+            r //= deg[a]
+        gi = [_mixed(idx, tm.copy, deg), _mixed(idx, tm.sum, deg)] + [_mixed(idx, d, deg) for d in tm.dims]
+        flat = 0
+        for x, gsz in zip(gi, grid):
+            flat = flat * gsz + x
+        out.append(flat)
+    res = tuple(out)
+    if len(_TASK_PIECE) > 100_000:
+        _TASK_PIECE.clear()
+    _TASK_PIECE[key] = res
+    return res
+
+
 def _mixed(idx: dict, axes: Sequence[str], deg: dict) -> int:
     v = 0
     for a in axes:
@@ -172,7 +218,8 @@ class GraphCost:
         self._pm: dict[int, Any] = {}
         self._edge_cache: dict = {}
         self._leaf_cache: dict = {}
-        self._update_owner: dict[int, set] = {}          # compute node -> Weight inputs it updates
+        self._update_owner: dict[int, set] = {}          # compute node -> trained Weight inputs it updates
+        self._direct_weights: dict[int, set] = {}        # compute node -> Weight inputs it holds
         seen_w: set = set()
         for n in g.nodes():
             spec = ops.get_op(n.op)
@@ -201,7 +248,28 @@ class GraphCost:
                     if self.role[r[0]] == "weight" and r[0] not in seen_w:
                         seen_w.add(r[0])
                         owned.add(r)
-                self._update_owner[n.id] = owned
+                self._direct_weights[n.id] = owned
+        # which weights are trained: float weights that reach some differentiable operand (not the
+        # running statistics of a BatchNorm, not integer indices); others get no gradient, no
+        # synchronization, no optimizer state
+        origin: dict[int, int] = {}
+        for n in g.nodes():
+            if self.role[n.id] == "weight":
+                origin[n.id] = n.id
+            elif self.role[n.id] == "weight-placement":
+                origin[n.id] = origin[n.inputs[0][0]]
+        self._trainable_src: dict[int, bool] = {}
+        for n in g.nodes():
+            if self.role[n.id] != "compute":
+                continue
+            for pos, r in enumerate(n.inputs):
+                w = origin.get(r[0])
+                if w is None:
+                    continue
+                diff = (n.op, pos) not in NON_DIFFERENTIABLE and g.shape(r).dtype in FLOAT_DTYPES
+                self._trainable_src[w] = self._trainable_src.get(w, False) or diff
+        self._origin = origin
+        self._update_owner = {nid: {r for r in ws if self.trainable(r[0])} for nid, ws in self._direct_weights.items()}
         # placement chains whose consumers leave the chain own the weight update
         self._chain_end: set[int] = set()
         for nid, role in self.role.items():
@@ -209,6 +277,10 @@ class GraphCost:
                 users = [c for c, _ in self._consumers_of(nid)]
                 if any(self.role[u] != "weight-placement" for u in users) or not users:
                     self._chain_end.add(nid)
+
+    def trainable(self, nid: int) -> bool:
+        """Whether the weight behind ``nid`` (a Weight or a node of its placement chain) is trained."""
+        return self._trainable_src.get(self._origin.get(nid, nid), False)
 
     def _consumers_of(self, nid: int) -> list[tuple[int, int]]:
         out = []
@@ -234,22 +306,7 @@ class GraphCost:
         pm = self._pm[nid]
         tm = (pm.inputs if which == "in" else pm.outputs)[k]
         shape = (self.g.input_shapes(nid)[k] if which == "in" else self.g.shapes(nid)[k])
-        deg = dict(pm.axes)
-        names = [a for a, _ in pm.axes]
-        grid = shape.grid
-        out = []
-        for t in range(pm.degree):
-            idx = {}
-            r = t
-            for a in reversed(names):
-                idx[a] = r % deg[a]
-                r //= deg[a]
-            gi = [_mixed(idx, tm.copy, deg), _mixed(idx, tm.sum, deg)] + [_mixed(idx, d, deg) for d in tm.dims]
-            flat = 0
-            for x, gsz in zip(gi, grid):
-                flat = flat * gsz + x
-            out.append(flat)
-        res = tuple(out)
+        res = _task_piece_map(pm.axes, tm, shape.grid)
         self._task_piece[key] = res
         return res
 
@@ -396,7 +453,7 @@ class GraphCost:
         role = self.role[nid]
         c = LeafCost()
         if role == "weight-placement":
-            if nid in self._chain_end:  # where the weight lives: sync its copies, update its pieces
+            if nid in self._chain_end and self.trainable(nid):  # where it lives: sync copies, update pieces
                 c.sync, c.comm_elements = self._grad_sync(nid, view)
                 c.update = self.model.update_time(self.g.shapes(nid)[0].piece_nbytes)
         elif role == "compute":

@@ -2,7 +2,8 @@
 
 On each device: every weight piece it holds (the end of a weight's placement chain, or a weight read
 directly by a compute operator) times ``2 + optimizer states`` (weight, gradient, and 0 / 1 / 2 state
-copies for SGD / SGD with momentum / Adam); every activation piece it holds -- outputs of compute
+copies for SGD / SGD with momentum / Adam) if it is trained, once if not (BatchNorm running
+statistics, integer index tables); every activation piece it holds -- outputs of compute
 operators and of data-moving parallel operators, all kept for the backward pass (no
 rematerialization); and the input shards the data loader feeds it.  A plan whose busiest device
 exceeds ``MachineSpec.device.memory_bytes`` is infeasible.
@@ -53,19 +54,21 @@ def memory_per_device(gc: GraphCost, views: Mapping[int, MachineView]) -> Memory
         node = g.node(nid)
         if role == "weight-placement":
             if nid in gc._chain_end:
-                pb = g.shapes(nid)[0].piece_nbytes
+                pb = g.shapes(nid)[0].piece_nbytes * (factor if gc.trainable(nid) else 1)
                 for d in set(gc.placement(nid, view)):
-                    w[d] += pb * factor
+                    w[d] += pb
             continue
         if role == "compute":
-            for r in gc._update_owner.get(nid, ()):   # weights read directly (one task)
+            for r in gc._direct_weights.get(nid, ()):   # weights read directly (one task)
+                f = factor if gc.trainable(r[0]) else 1
                 for d in set(view.devices()):
-                    w[d] += g.shape(r).piece_nbytes * factor
+                    w[d] += g.shape(r).piece_nbytes * f
         if role == "input-placement" and any(gc.role[x[0]] != "input" for x in node.inputs):
             continue  # only the first placement of an input holds data; later ones re-describe it
         for k, s in enumerate(g.shapes(nid)):
+            pb = s.piece_nbytes
             for d in gc.placement(nid, view, k):
-                a[d] += s.piece_nbytes
+                a[d] += pb
     devs = set(w) | set(a)
     per = {d: w.get(d, 0) + a.get(d, 0) for d in devs}
     return MemoryReport(per, dict(w), dict(a), gc.machine.device.memory_bytes)

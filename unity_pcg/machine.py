@@ -20,6 +20,7 @@ import math
 import os
 import re
 from dataclasses import asdict, dataclass, field, replace
+from functools import lru_cache
 from itertools import permutations
 from math import prod
 from typing import Any, Iterator, Mapping, Sequence
@@ -48,6 +49,12 @@ class DeviceSpec:
     efficiency: Mapping[str, float] = field(default_factory=lambda: {"default": 1.0})
     op_overhead: float = 0.0          # seconds per operator launch (kernel launch / dispatch)
     update_overhead: float = 0.0      # seconds of optimizer-step overhead per weight tensor (0: op_overhead)
+    overheads: Mapping[str, float] = field(default_factory=dict)  # per op class: "conv", "conv:bwd", ...
+
+    def overhead(self, kind: str, backward: bool = False) -> float:
+        o = dict(self.overheads)
+        key = f"{kind}:bwd" if backward else kind
+        return float(o.get(key, self.op_overhead))
 
     def eff(self, kind: str) -> float:
         e = dict(self.efficiency)
@@ -142,6 +149,7 @@ class MachineSpec:
              "links": {k: asdict(v) for k, v in self.links.items()}, "shared_cores": self.shared_cores,
              "meta": dict(self.meta)}
         d["device"]["efficiency"] = dict(self.device.efficiency)
+        d["device"]["overheads"] = dict(self.device.overheads)
         return d
 
     @staticmethod
@@ -159,7 +167,7 @@ class MachineSpec:
             if not isinstance(dev, dict):
                 raise MachineError(f"{source}: field 'device' must be an object")
             bad = set(dev) - {"peak_flops", "mem_bandwidth", "memory_bytes", "efficiency", "op_overhead",
-                              "update_overhead"}
+                              "update_overhead", "overheads"}
             if bad:
                 raise MachineError(f"{source}: unknown device field(s) {', '.join(sorted(bad))}")
             eff = dev.get("efficiency", {"default": 1.0})
@@ -168,7 +176,8 @@ class MachineSpec:
             device = DeviceSpec(_num(dev, "peak_flops", source), _num(dev, "mem_bandwidth", source),
                                 int(_num(dev, "memory_bytes", source)),
                                 {str(k): _num(eff, k, source) for k in eff},
-                                _num(dev, "op_overhead", source, 0.0), _num(dev, "update_overhead", source, 0.0))
+                                _num(dev, "op_overhead", source, 0.0), _num(dev, "update_overhead", source, 0.0),
+                                _overheads(dev.get("overheads", {}), source))
             links_obj = obj["links"]
             if not isinstance(links_obj, dict):
                 raise MachineError(f"{source}: field 'links' must be an object")
@@ -215,6 +224,12 @@ def _num(obj: Mapping, key: str, source: str, default: float | None = None) -> f
     if isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v) or v < 0:
         raise MachineError(f"{source}: field {key!r} must be a finite non-negative number, got {v!r}")
     return float(v)
+
+
+def _overheads(obj: Any, source: str) -> dict:
+    if not isinstance(obj, dict):
+        raise MachineError(f"{source}: field 'device.overheads' must be an object")
+    return {str(k): _num(obj, k, source) for k in obj}
 
 
 def _int(obj: Mapping, key: str, source: str, default: Any = None) -> int:
@@ -330,6 +345,14 @@ def parse_machine(arg: str) -> MachineSpec:
 
 # --- machine views --------------------------------------------------------------------------------
 
+@lru_cache(maxsize=1 << 16)
+def _view_devices(start: int, dims: tuple) -> tuple[int, ...]:
+    out = [start]
+    for d, s in dims:
+        out = [o + i * s for o in out for i in range(d)]
+    return tuple(out)
+
+
 @dataclass(frozen=True, order=True)
 class MachineView:
     start: int
@@ -341,10 +364,7 @@ class MachineView:
 
     def devices(self) -> tuple[int, ...]:
         """Device of every task, tasks in row-major order over ``dims``."""
-        out = [self.start]
-        for d, s in self.dims:
-            out = [o + i * s for o in out for i in range(d)]
-        return tuple(out)
+        return _view_devices(self.start, self.dims)
 
     def is_valid(self, machine: MachineSpec) -> bool:
         devs = self.devices()

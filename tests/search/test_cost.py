@@ -88,3 +88,21 @@ def test_gradient_sync_grows_across_nodes():
     one = MachineMapper(CostModel(parse_machine("summit:1x6"))).optimize(g6)
     two = MachineMapper(CostModel(parse_machine("summit:2x6"))).optimize(g12)
     assert two.breakdown.sync > one.breakdown.sync
+
+
+def test_batchnorm_running_stats_are_not_trained():
+    from unity_pcg.pcg import PCG
+    b = PCG.builder()
+    x = b.add("Input", {"name": "x", "shape": (4, 3, 8, 8)})
+    w = b.add("Weight", {"name": "w", "shape": (6, 3, 3, 3)})
+    y = b.add("Conv2d", {"padding": (1, 1, 1, 1)}, [x, w], name="conv")
+    ps = [b.add("Weight", {"name": n, "shape": (6,)}) for n in ("scale", "bias", "mean", "var")]
+    y = b.add("BatchNorm", {}, [y] + ps, name="bn")
+    b.set_outputs([y])
+    g = data_parallel(b.finish(), 2)
+    r = MachineMapper(CostModel(parse_machine("summit:1x2"), optimizer="adam")).optimize(g)
+    trained = 6 * 3 * 3 * 3 + 6 + 6
+    gather = (4 // 2) * 6 * 8 * 8
+    assert r.breakdown.comm_elements == 2 * trained + 2 * gather
+    per_dev = 4 * (4 * trained + 2 * 6)                       # adam: w, g, m, v; running stats once
+    assert max(r.memory.weights.values()) == per_dev
