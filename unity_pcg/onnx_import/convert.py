@@ -224,7 +224,7 @@ def _cast(imp, ctx, ins):
 @_conv("Shape", "Size")
 def _shape(imp, ctx, ins):
     x = _in(ctx, ins, 0)
-    return fold(ctx, [Const(np.empty((0,), np.float32)) if False else _ShapeOnly(imp.sizes(x))])
+    return fold(ctx, [_ShapeOnly(imp.sizes(x))])
 
 
 class _ShapeOnly(Const):
