@@ -189,3 +189,17 @@ def test_named_refusals(op, attrs, shapes, fill, expect, words):
 @settings(max_examples=400)
 def test_refusals_are_justified_thorough(op, data):
     test_refusals_are_justified.hypothesis.inner_test(op, data)
+
+
+def test_a_contraction_split_in_a_non_linear_operator_is_refused_by_the_label_rule():
+    """The generic guard in label_inference: sharding a label that reaches no output gives partial
+    sums, valid only for an operator that is linear (here a made-up op whose labels forget to say so)."""
+    from unity_pcg.ops.base import Labels, label_inference
+    lab = Labels((("m", "k"), ("k", "n")), (("m", "n"),), linearity=())
+    ins = [S([4, 6], [1, 2]), S([6, 8], [2, 1])]
+    with pytest.raises(InvalidParallelization, match="not linear"):
+        label_inference("Bilinear", lab, ins, [(4, 8)], ["float64"])
+    outs, _ = label_inference("Bilinear", lab, ins, [(4, 8)], ["float64"], strict=False)
+    assert outs[0].sum_degree == 2
+    lab = Labels((("m", "k"), ("k", "n")), (("m", "n"),), linearity=(True, True))
+    assert label_inference("MatMul", lab, ins, [(4, 8)], ["float64"])[0][0].sum_degree == 2

@@ -98,6 +98,11 @@ def label_inference(op: str, labels: Labels, in_shapes: Shapes, out_sizes: Seque
                 _fail(op, f"{where[l]} is partitioned (degree {deg[l]}) but {why}")
     out_labels = set(l for lab in labels.outputs for l in lab)
     contracted = [l for l in deg if l not in out_labels and deg[l] > 1]
+    linear_somewhere = labels.linearity == "additive" or any(labels.linearity or ())
+    if strict and contracted and not linear_somewhere:
+        l = contracted[0]
+        _fail(op, f"{where[l]} is partitioned (degree {deg[l]}) along a dim {op} sums over, which gives "
+                  f"partial sums, but {op} is not linear")
 
     # partial sums
     sums = [s.sum_degree for s in in_shapes]
