@@ -516,3 +516,73 @@ def test_shape_mismatch_is_a_unity_error():
 def test_load_weights_false_leaves_store_empty():
     g = load_onnx(os.path.join(LIGHT_DIR, "light_squeezenet.onnx"), load_weights=False)
     assert g.weights == {} and g.summary()["params"] > 0
+
+
+# --- operator coverage: a hand-written graph of exporter idioms, opset 20 --------------------------------
+
+def _idioms_model() -> onnx.ModelProto:
+    rng = np.random.default_rng(7)
+
+    def init(name, v):
+        return numpy_helper.from_array(np.asarray(v), name)
+
+    inits = [
+        init("w", rng.standard_normal((4, 3, 3, 3)).astype(np.float32) * 0.3),
+        init("ax1", np.array([1], np.int64)), init("ax0", np.array([0], np.int64)),
+        init("ax23", np.array([2, 3], np.int64)),
+        init("st", np.array([-1], np.int64)), init("en", np.array([-100], np.int64)),
+        init("stp", np.array([-2], np.int64)),
+        init("exp_shape", np.array([1, 1, 5, 1], np.int64)),
+        init("lo", np.array(-0.5, np.float32)), init("hi", np.array(0.75, np.float32)),
+        init("three", np.array(3.0, np.float32)),
+        init("cvec", rng.standard_normal((1, 4, 1, 1)).astype(np.float32)),
+        init("ratio", np.array(0.3, np.float32)),
+        init("ln_s", rng.uniform(0.5, 1.5, (4,)).astype(np.float32)),
+        init("gidx", np.array([[2, 0], [1, 1]], np.int64)),
+    ]
+    N = helper.make_node
+    nodes = [
+        N("Conv", ["x", "w"], ["c"], auto_pad="SAME_UPPER", strides=[2, 2], name="conv_same"),
+        N("AveragePool", ["c"], ["ap"], kernel_shape=[2, 2], auto_pad="SAME_LOWER", name="avg_same"),
+        N("GlobalMaxPool", ["c"], ["gm"], name="gmax"),
+        N("LRN", ["c"], ["lrn"], size=3, alpha=1e-3, beta=0.7, bias=1.5, name="lrn"),
+        N("Sub", ["cvec", "lrn"], ["s1"], name="sub_const_first"),
+        N("Div", ["s1", "three"], ["d1"], name="div_scalar"),
+        N("Expand", ["gm", "exp_shape"], ["ex"], name="expand_batch"),
+        N("Max", ["d1", "ex", "cvec"], ["mx"], name="max3"),
+        N("Mean", ["mx", "lrn"], ["mn"], name="mean2"),
+        N("Clip", ["mn", "lo", "hi"], ["cl"], name="clip"),
+        N("Gelu", ["cl"], ["ge"], approximate="tanh", name="gelu_tanh"),
+        N("Gelu", ["ge"], ["ge2"], name="gelu"),
+        N("Slice", ["ge2", "st", "en", "ax1", "stp"], ["sl"], name="slice_reverse"),
+        N("Split", ["sl"], ["sp1", "sp2"], axis=3, num_outputs=2, name="split_uneven"),
+        N("ReduceMean", ["sp1", "ax23"], ["rm"], keepdims=1, name="reduce_mean"),
+        N("Squeeze", ["rm", "ax23"], ["sq"], name="squeeze"),
+        N("Unsqueeze", ["sq", "ax0"], ["us"], name="unsqueeze"),
+        N("Flatten", ["sp2"], ["fl"], axis=-2, name="flatten_neg"),
+        N("Transpose", ["fl"], ["tr"], name="transpose_default"),
+        N("Dropout", ["tr", "ratio"], ["dr"], name="dropout"),
+        N("ReduceSum", ["dr", "ax0"], ["rs"], keepdims=0, name="reduce_sum"),
+        N("Gather", ["ap", "gidx"], ["ga"], axis=1, name="gather_const_idx"),
+        N("LayerNormalization", ["rs", "ln_s"], ["ln"], axis=-1, epsilon=1e-3, name="layernorm_no_bias"),
+        N("Cast", ["ga"], ["ga64"], to=TensorProto.DOUBLE, name="cast64"),
+    ]
+    g = helper.make_graph(nodes, "idioms", [helper.make_tensor_value_info("x", TensorProto.FLOAT, [2, 3, 9, 10])],
+                          [helper.make_tensor_value_info(n, t, None) for n, t in
+                           (("us", TensorProto.FLOAT), ("ln", TensorProto.FLOAT), ("ga64", TensorProto.DOUBLE),
+                            ("ap", TensorProto.FLOAT))], inits)
+    m = helper.make_model(g, opset_imports=[helper.make_opsetid("", 20)])
+    m.ir_version = 9
+    return m
+
+
+def test_exporter_idioms_opset20_match_onnxruntime():
+    g = import_and_compare(_idioms_model())
+    c = g.op_counts()
+    for op in ("Conv2d", "Pool2d", "LRN", "Scale", "Expand", "Max", "Clip", "Gelu", "Slice", "Split",
+               "ReduceMean", "Reshape", "Flatten", "Transpose", "Dropout", "ReduceSum", "Gather", "Cast",
+               "LayerNorm"):
+        assert c[op] >= 1, op
+    gather = next(n for n in g.nodes() if n.op == "Gather")
+    idx = g.node(gather.inputs[1][0])
+    assert idx.op == "Weight" and idx.a["dtype"] == "int64" and idx.a["shape"] == (2, 2)
