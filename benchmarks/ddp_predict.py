@@ -112,7 +112,7 @@ def predict(name: str, procs: int, batch: int, machine_path: str) -> dict:
     if not os.path.exists(path):
         zoo.export(name, path, size="tiny", batch=batch * procs)
     g = load_onnx(path, load_weights=False)
-    pg = data_parallel(g, procs)
+    pg = data_parallel(g, procs, combine_outputs=False)   # DDP computes each loss on its own shard
     m = parse_machine(f"{machine_path}:1x{procs}")
     r = MachineMapper(CostModel(m, optimizer="adam")).optimize(pg)
     return {"predicted_s": r.cost, "breakdown": r.to_json()["breakdown"], "fallbacks": pg.meta.get("fallbacks", [])}

@@ -44,7 +44,10 @@ def none(g: PCG) -> PCG:
     return g
 
 
-def data_parallel(g: PCG, degree: int) -> PCG:
+def data_parallel(g: PCG, degree: int, combine_outputs: bool = True) -> PCG:
+    """Data-parallel PCG of degree ``degree`` (see module docstring).  ``combine_outputs=False``
+    leaves the outputs batch-partitioned (each device computes its loss on its shard, as torch DDP
+    does)."""
     if not isinstance(degree, int) or degree < 1:
         raise StrategyError(f"data-parallel degree must be a positive integer, got {degree!r}")
     if degree == 1:
@@ -109,7 +112,7 @@ def data_parallel(g: PCG, degree: int) -> PCG:
     outs = []
     for r in g.outputs:
         ref = raw[r] if r in raw else m[r]
-        outs.append(unpartition(ref, f"output{len(outs)}"))
+        outs.append(unpartition(ref, f"output{len(outs)}") if combine_outputs else ref)
     b.set_outputs(outs)
     b.meta = dict(g.meta, strategy="dp", degree=d, fallbacks=fallbacks)
     out = b.finish()

@@ -13,7 +13,8 @@ thread):
 * the optimizer (Adam) step overhead per weight tensor;
 * gloo collectives over loopback TCP for world sizes 2..4 (``torch.multiprocessing`` +
   ``torch.distributed``, ``init_method=tcp://127.0.0.1:PORT``): all-reduce time of a tiny and a large
-  tensor, fitted to the ring model ``2(p-1) alpha + 2(p-1)/p n / beta``.  The fit for each world size
+  tensor sweep (1 to 4M floats), fitted to the ring model ``2(p-1) alpha + 2(p-1)/p n / beta`` by least
+  squares on relative error.  The fit for each world size
   is kept in ``meta["allreduce_fits"]``; the links of a resized local machine use the fit of its
   device count (nearest measured).
 
@@ -155,11 +156,11 @@ def _allreduce_worker(rank: int, world: int, port: int, sizes: list, reps: int, 
 
 
 def measure_allreduce(world: int, quick: bool = False) -> dict:
-    """Median all-reduce seconds of a tiny and a large float32 tensor over ``world`` processes."""
+    """Median all-reduce seconds per float32 tensor size over ``world`` processes."""
     import torch.multiprocessing as mp
     ctx = mp.get_context("spawn")
     q = ctx.Queue()
-    sizes = [1, (1 if quick else 4) * 2 ** 20]
+    sizes = [1, 2 ** 12, 2 ** 16, 2 ** 18, 2 ** 20] + ([] if quick else [2 ** 22])
     reps = 5 if quick else 10
     port = _free_port()
     procs = [ctx.Process(target=_allreduce_worker, args=(r, world, port, sizes, reps, q)) for r in range(world)]
@@ -176,14 +177,25 @@ def measure_allreduce(world: int, quick: bool = False) -> dict:
 
 
 def fit_ring(world: int, res: dict) -> dict:
-    """Fit alpha (s) and beta (bytes/s) of the ring all-reduce model to two measured sizes."""
-    small, large = sorted(res)
-    t0, t1 = res[small], res[large]
+    """Fit alpha (s) and beta (bytes/s) of the ring all-reduce model
+    ``t(n) = 2(p-1) alpha + 2(p-1)/p * 4n / beta`` to the measured sizes (float32 elements), by least
+    squares on the relative error (so small and large messages weigh alike)."""
     steps = 2 * (world - 1)
-    alpha = t0 / steps
-    nbytes = 4 * (large - small)
-    beta = (2 * (world - 1) / world) * nbytes / max(t1 - t0, 1e-9)
-    return {"latency": alpha, "bandwidth": beta, "t_small": t0, "t_large": t1, "bytes_large": 4 * large}
+    xs = [(steps, (2 * (world - 1) / world) * 4 * n, t) for n, t in sorted(res.items())]
+    # minimize sum ((a*x1 + b*x2 - t) / t)^2 over a = alpha, b = 1/beta (2x2 normal equations)
+    s11 = sum((x1 / t) ** 2 for x1, x2, t in xs)
+    s12 = sum((x1 / t) * (x2 / t) for x1, x2, t in xs)
+    s22 = sum((x2 / t) ** 2 for x1, x2, t in xs)
+    r1 = sum(x1 / t for x1, x2, t in xs)
+    r2 = sum(x2 / t for x1, x2, t in xs)
+    det = s11 * s22 - s12 * s12
+    a = (r1 * s22 - r2 * s12) / det if det else xs[0][2] / steps
+    b = (s11 * r2 - s12 * r1) / det if det else 0.0
+    if a <= 0 or b <= 0:   # degenerate noise: fall back to the two extreme sizes
+        t0, t1 = xs[0][2], xs[-1][2]
+        a = max(t0 / steps, 1e-7)
+        b = max((t1 - t0) / max(xs[-1][1] - xs[0][1], 1.0), 1e-12)
+    return {"latency": a, "bandwidth": 1.0 / b, "measured": {str(n): t for n, t in sorted(res.items())}}
 
 
 def calibrate(quick: bool = False, worlds: tuple | None = None, quiet: bool = False) -> MachineSpec:

@@ -50,11 +50,10 @@ def test_simulate_with_a_machine_file(tiny_onnx, tmp_path, capsys):
 
 def test_fit_ring_recovers_alpha_beta():
     alpha, beta, p = 50e-6, 1e9, 4
-    n_small, n_large = 1, 2 ** 20
 
     def t(n):
         return 2 * (p - 1) * alpha + 2 * (p - 1) / p * 4 * n / beta
-    f = fit_ring(p, {n_small: t(n_small), n_large: t(n_large)})
+    f = fit_ring(p, {n: t(n) for n in (1, 2 ** 12, 2 ** 16, 2 ** 20)})
     assert f["bandwidth"] == pytest.approx(beta, rel=1e-3)
     assert f["latency"] == pytest.approx(alpha, rel=1e-3)
 
