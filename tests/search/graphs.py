@@ -57,3 +57,15 @@ def two_branches(batch=8, h=32):
         outs.append(b.add("Relu", {}, [y], name=f"relu{k}"))
     b.set_outputs([b.add("Add", {}, outs, name="add")])
     return b.finish()
+
+
+def shared_weight(batch=8, h=16):
+    """One weight read by two layers (tied weights): its placement is a boundary of a series split."""
+    b = PCG.builder()
+    x = b.add("Input", {"name": "x", "shape": (batch, h)})
+    w = b.add("Weight", {"name": "w", "shape": (h, h)})
+    y = b.add("Linear", {}, [x, w], name="fc0")
+    y = b.add("Relu", {}, [y], name="relu")
+    y = b.add("Linear", {}, [y, w], name="fc1")
+    b.set_outputs([y])
+    return b.finish()

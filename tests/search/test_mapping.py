@@ -9,7 +9,7 @@ from search.sp import decompose
 from unity_pcg.machine import parse_machine
 from unity_pcg.pcg import PCG
 
-from .graphs import diamond, mlp, n_shape, two_branches
+from .graphs import diamond, mlp, n_shape, shared_weight, two_branches
 
 
 def _hand_mixed():
@@ -37,6 +37,7 @@ CASES = [
     ("branches-none", lambda: two_branches(), "local:1x2"),
     ("branches-2nodes", lambda: two_branches(batch=64, h=256), "summit:2x1"),
     ("mixed", _hand_mixed, "summit:1x3"),
+    ("shared-weight-dp2", lambda: data_parallel(shared_weight(), 2), "summit:1x3"),
 ]
 
 
