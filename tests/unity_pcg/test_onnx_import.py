@@ -100,7 +100,11 @@ def randomize_light(name: str) -> onnx.ModelProto:
 
 # --- the onnx wheel's light models --------------------------------------------------------------------
 
-@pytest.mark.parametrize("name", LIGHT)
+# the two heaviest (numpy convolutions on 224x224 images, ~100 MB of random weights) run with `-m slow`
+_HEAVY = ("light_vgg19", "light_resnet50")
+
+
+@pytest.mark.parametrize("name", [pytest.param(n, marks=pytest.mark.slow) if n in _HEAVY else n for n in LIGHT])
 def test_light_model_random_weights_matches_onnxruntime(name):
     g = import_and_compare(randomize_light(name))
     assert g.summary()["params"] > 100_000

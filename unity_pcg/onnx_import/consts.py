@@ -17,7 +17,7 @@ from .errors import InvalidModel
 # constants at most this big are materialized eagerly when an op needs their value
 SMALL = 1 << 16
 # refuse to fold a constant bigger than this many elements (a corrupt shape, not a model)
-MAX_FOLD = 1 << 27
+MAX_FOLD = 1 << 25
 
 
 class Const:

@@ -10,7 +10,8 @@ from typing import Callable
 
 import numpy as np
 
-from .consts import SMALL, Const, as_ints, as_scalar, broadcast_shape, derive, guard, lazy
+from .consts import SMALL, Const, as_ints, as_scalar, broadcast_shape, derive, lazy
+from .consts import guard as _guard
 from .errors import InvalidModel, UnsupportedOperator
 from .loader import np_dtype, tensor_attr_const
 
@@ -180,9 +181,27 @@ _UN = {
 LAYOUT = {"Identity", "Transpose", "Reshape", "Flatten", "Squeeze", "Unsqueeze", "Cast", "Dropout"}
 
 
-def fold(ctx, ins: list) -> list[Const]:
+_BOOL_OUT = {"Equal", "Less", "Greater", "LessOrEqual", "GreaterOrEqual", "And", "Or", "Xor", "Not"}
+
+
+def fold(ctx, ins: list, unbounded: bool = False) -> list[Const]:
     op = ctx.op
     what = ctx.what
+    if not unbounded and op in ELEMWISE and any(c is not None and c.lazy and c.numel > SMALL for c in ins):
+        # element-wise on a big lazy constant (e.g. a weight scaled by a constant): stays lazy
+        shape = broadcast_shape([c.shape for c in ins if c is not None], what)
+        dtype = bool if op in _BOOL_OUT else (ins[1].dtype if op == "Where" else ins[0].dtype)
+        srcs = list(ins)
+
+        def compute():
+            vals = [None if c is None else Const(c.materialize()) for c in srcs]
+            return fold(ctx, vals, unbounded=True)[0].value
+        return [lazy(compute, shape, dtype)]
+
+    def guard(numel, what):
+        if not unbounded:
+            _guard(numel, what)
+
     if op == "Constant":
         return [_constant(ctx)]
     if op == "ConstantOfShape":
@@ -347,6 +366,7 @@ def fold(ctx, ins: list) -> list[Const]:
     raise UnsupportedOperator(f"unsupported operator {op} on constant inputs (node {ctx.name!r})")
 
 
+ELEMWISE = (set(_BIN) - {"BitShift"}) | (set(_UN) - {"Identity"}) | {"Pow", "Mod", "Where", "Sum", "Max", "Min", "Mean", "Clip"}
 FOLDABLE = {"Constant", "ConstantOfShape", "Identity", "Dropout", "Transpose", "Reshape", "Flatten", "Squeeze",
             "Unsqueeze", "Cast", "Shape", "Size", "Pow", "Mod", "Sum", "Max", "Min", "Mean", "Where", "Expand",
             "Gather", "Concat", "Slice", "Split", "Range", "ReduceSum", "ReduceMean", "ReduceMax", "ReduceMin",
