@@ -286,6 +286,8 @@ class Importer:
             name = vi.name
             if not name:
                 raise InvalidModel("a graph input has no name")
+            if name in self.vals:
+                raise InvalidModel(f"graph input {name!r} is declared twice")
             tt = vi.type.tensor_type if vi.type.HasField("tensor_type") else None
             if tt is None:
                 raise UnsupportedOperator(f"input {name!r} is not a tensor (sequences/maps are not supported)")
@@ -321,6 +323,7 @@ class Importer:
                 raise DynamicDimension(f"input {name!r} has a dynamic dimension {label!r} at position {k}; only the "
                                        "batch dimension (position 0) can be set with --batch: export the model "
                                        "with static shapes")
+            self.wnames.add(name)  # weights never take an input's name (feeds are matched by name)
             self.vals[name] = self.add("Input", {"name": name, "shape": tuple(dims), "dtype": dt}, [], name)
 
 
