@@ -590,3 +590,21 @@ def test_exporter_idioms_opset20_match_onnxruntime():
     gather = next(n for n in g.nodes() if n.op == "Gather")
     idx = g.node(gather.inputs[1][0])
     assert idx.op == "Weight" and idx.a["dtype"] == "int64" and idx.a["shape"] == (2, 2)
+
+
+def test_slice_bounds_follow_onnx_clamping():
+    """Out-of-range and negative starts/ends/steps are clamped as the ONNX spec says (= onnxruntime); an empty
+    result is refused with a typed error."""
+    import itertools
+    x = np.arange(10, dtype=np.float32).reshape(2, 5)
+    for st, en, sp in itertools.product([-9, -6, -5, -1, 0, 2, 4, 5, 9], [-9, -6, -1, 0, 3, 5, 9], [-3, -1, 1, 2]):
+        inits = [numpy_helper.from_array(np.array([v], np.int64), k) for k, v in
+                 (("s", st), ("e", en), ("a", 1), ("p", sp))]
+        m = _tiny_model([helper.make_node("Slice", ["x", "s", "e", "a", "p"], ["y"], name="sl")], inits=inits,
+                        inputs=[helper.make_tensor_value_info("x", TensorProto.FLOAT, [2, 5])])
+        (ref,) = run_ort(m, {"x": x})
+        if ref.size == 0:
+            with pytest.raises(UnityError):
+                load_onnx(m)
+            continue
+        np.testing.assert_array_equal(evaluate(load_onnx(m), {"x": x})[0], ref, err_msg=str((st, en, sp)))

@@ -96,8 +96,17 @@ def slice_params(ctx, ins, shape):
         if sp == 0:
             raise InvalidModel(f"{what}: slice step 0")
         n = shape[ax]
-        st = max(-(n + 1), min(n + 1, st))
-        en = max(-(n + 1), min(n + 1, en))
+        # ONNX semantics: add n to negative indices, then clamp (start to [0, n] for a positive step and
+        # [0, n-1] for a negative one; end to [0, n] or [-1, n-1]); then write them for Python's slice, where
+        # an end before index 0 must be -(n+1) (-1 would mean the last element)
+        st = st + n if st < 0 else st
+        en = en + n if en < 0 else en
+        if sp > 0:
+            st, en = min(max(st, 0), n), min(max(en, 0), n)
+        else:
+            st, en = min(max(st, 0), n - 1), min(max(en, -1), n - 1)
+            if en < 0:
+                en = -(n + 1)
         out.append((ax, st, en, sp))
     return out
 
