@@ -291,7 +291,6 @@ def _gemm(imp, ctx, ins):
     if ta:
         a = fold(_T(ctx), [a])[0] if isinstance(a, Const) else \
             imp.add("Transpose", {"perm": (1, 0)}, [a], _name(ctx, "transA"))
-    m = imp.sizes(a)[0]
     n = sb[0] if tb else sb[1]
     if isinstance(b, Const) and not isinstance(a, Const):
         w = derive(b, lambda v: v.T, (sb[1], sb[0])) if tb else b
@@ -323,7 +322,6 @@ def _gemm(imp, ctx, ins):
         y = imp.add("Scale", {"factor": alpha}, [y], _name(ctx, "alpha") if c is not None else ctx.name)
     if c is not None:
         y = _add_scaled(imp, ctx, y, c, beta)
-    del m
     return [y]
 
 

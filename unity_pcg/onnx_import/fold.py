@@ -6,8 +6,6 @@
 from __future__ import annotations
 
 from math import prod
-from typing import Callable
-
 import numpy as np
 
 from .consts import SMALL, Const, as_ints, as_scalar, broadcast_shape, derive, lazy
@@ -187,7 +185,6 @@ _UN = {
     "Tanh": np.tanh, "Sigmoid": lambda x: 1.0 / (1.0 + np.exp(-x)), "Sign": np.sign, "Round": np.round,
     "Identity": lambda x: x,
 }
-LAYOUT = {"Identity", "Transpose", "Reshape", "Flatten", "Squeeze", "Unsqueeze", "Cast", "Dropout"}
 
 
 _BOOL_OUT = {"Equal", "Less", "Greater", "LessOrEqual", "GreaterOrEqual", "And", "Or", "Xor", "Not"}
@@ -437,5 +434,3 @@ def _constant(ctx) -> Const:
         raise UnsupportedOperator(f"Constant with a sparse value (node {ctx.name!r})")
     raise InvalidModel(f"{what}: Constant without a value")
 
-
-Callable  # re-exported type for annotations elsewhere
