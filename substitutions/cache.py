@@ -82,6 +82,11 @@ def counts(rules: Iterable[Rule]) -> dict[str, int]:
 
 def save(rules: Iterable[Rule], out_dir: str | Path | None = None, extra: Mapping[str, Any] | None = None) -> Path:
     rules = list(rules)
+    for r in rules:
+        r.validate()
+    names = [r.name for r in rules]
+    if len(set(names)) != len(names):
+        raise RuleError("rule names must be unique in a rule file")
     d = Path(out_dir) if out_dir is not None else default_dir()
     d.mkdir(parents=True, exist_ok=True)
     text = dumps_rules(rules) + "\n"
@@ -121,7 +126,8 @@ def load(path: str | Path | None = None) -> RuleSet:
                         f"the cache was edited by hand: regenerate it with `unity-pcg rules generate`")
     key = (str(rules_path), dg)
     if key not in _MEMO:
-        _MEMO[key] = RuleSet(loads_rules(data.decode(), str(rules_path)), manifest, rules_path)
+        # the digest proves the file is what save() wrote (and validated): skip re-validation
+        _MEMO[key] = RuleSet(loads_rules(data.decode(), str(rules_path), validate=False), manifest, rules_path)
     rs = _MEMO[key]
     return RuleSet(list(rs.rules), dict(rs.manifest), rs.path)
 

@@ -42,6 +42,7 @@ from unity_pcg.shape import ParallelTensorShape
 from .rule import PatNode, Pattern, Rule, _freeze, is_var
 
 GENERATOR_VERSION = "1"
+RETRY_FACTOR = 10      # budget multiplier for the second attempt at numerically true candidates
 
 # --- settings -----------------------------------------------------------------------------------------
 
@@ -52,7 +53,8 @@ class Settings:
     degrees: tuple[int, ...] = (2,)
     size: int = 4
     rank: int = 2
-    n_inputs: int = 3
+    n_inputs: int = 3                      # distinct inputs per graph at most
+    input_kinds: tuple[str, ...] = ("plain", "plain", "plain", "rows", "cols", "sum")
     compute_ops: tuple[str, ...] = ("Relu", "Add", "Mul", "MatMul", "Linear_relu", "Concat")
     parallel_ops: tuple[str, ...] = ("Partition", "Combine", "Replicate", "Reduce")
     seed: int = 1234
@@ -60,7 +62,7 @@ class Settings:
 
     def to_json(self) -> dict:
         return {"max_ops": self.max_ops, "degrees": list(self.degrees), "size": self.size, "rank": self.rank,
-                "n_inputs": self.n_inputs, "compute_ops": list(self.compute_ops),
+                "n_inputs": self.n_inputs, "input_kinds": list(self.input_kinds), "compute_ops": list(self.compute_ops),
                 "parallel_ops": list(self.parallel_ops), "seed": self.seed, "draws": self.draws,
                 "generator_version": GENERATOR_VERSION}
 
@@ -93,6 +95,24 @@ def _relu_standin(x: np.ndarray) -> np.ndarray:
     return x * x + x
 
 
+def slot_shape(st: Settings, k: int, dtype: str = "int64") -> ParallelTensorShape:
+    """The parallel shape of input slot ``k``: plain, rows/cols partitioned, or partial sums."""
+    kind = st.input_kinds[k]
+    d = st.degrees[0]
+    sizes = (st.size,) * st.rank
+    if kind == "plain":
+        return ParallelTensorShape.of(sizes, dtype=dtype)
+    if kind == "rows":
+        return ParallelTensorShape.of(sizes, (d,) + (1,) * (st.rank - 1), dtype=dtype)
+    if kind == "cols":
+        return ParallelTensorShape.of(sizes, (1,) * (st.rank - 1) + (d,), dtype=dtype)
+    if kind == "sum":
+        return ParallelTensorShape.of(sizes, sum_degree=d, dtype=dtype)
+    if kind == "copy":
+        return ParallelTensorShape.of(sizes, copy_degree=d, dtype=dtype)
+    raise ValueError(f"unknown input kind {kind!r}")
+
+
 def run_op(op: str, attrs: dict, xs: Sequence[np.ndarray], shapes: Sequence[ParallelTensorShape]):
     """ops.run_pieces, with Relu (and Linear's relu activation) replaced by an integer polynomial."""
     spec = ops.get_op(op)
@@ -114,7 +134,7 @@ class Graph:
     """A candidate graph: ops as (op, attrs, args); an arg is ("i", k) for input k or ("o", j)."""
     nodes: tuple[tuple[str, tuple, tuple], ...]
     fingerprint: str
-    n_inputs_used: int
+    n_inputs_used: Any
     arg_fps: tuple[str, ...] = ()           # fingerprints of the root's arguments
     node_fps: tuple[str, ...] = ()          # fingerprint of each node
 
@@ -137,13 +157,25 @@ class Enumerator:
         self.st = st
         self.variants = op_variants(st)
         rng = np.random.default_rng(st.seed)
-        shp = ParallelTensorShape.of((st.size,) * st.rank, dtype="int64")
-        self.in_shape = shp
-        self.inputs = [[rng.integers(-2, 3, size=shp.sizes).astype(np.int64) for _ in range(st.n_inputs)]
+        self.shapes = [slot_shape(st, k) for k in range(len(st.input_kinds))]
+        self.inputs = [[rng.integers(-2, 3, size=s.sizes).astype(np.int64) for s in self.shapes]
                        for _ in range(st.draws)]
+        self._split_rng = np.random.default_rng(st.seed + 1)
 
     def input_fp(self, k: int) -> str:
-        return _fp(self.in_shape, [d[k] for d in self.inputs])
+        return _fp(self.shapes[k], [d[k] for d in self.inputs])
+
+    def available(self, used: frozenset) -> list[int]:
+        """Input slots a new operator may read: used ones, plus the first unused slot of each kind
+        (renaming symmetry) while fewer than ``n_inputs`` are used."""
+        out = sorted(used)
+        if len(used) < self.st.n_inputs:
+            seen = set()
+            for k, kind in enumerate(self.st.input_kinds):
+                if k not in used and kind not in seen:
+                    out.append(k)
+                seen.add(kind) if k not in used else None
+        return out
 
     def enumerate(self, first: Iterable[int] | None = None, progress: Callable | None = None) -> list[Graph]:
         """Every graph (as a list) whose first operator variant index is in ``first``."""
@@ -151,9 +183,9 @@ class Enumerator:
         out: list[Graph] = []
         # tensors: list of (key, shape, [pieces per draw], fp)
         inputs = []
-        for k in range(st.n_inputs):
-            pieces = [P.split(d[k], self.in_shape) for d in self.inputs]
-            inputs.append((("i", k), self.in_shape, pieces, self.input_fp(k)))
+        for k in range(len(st.input_kinds)):
+            pieces = [P.split(d[k], self.shapes[k], self._split_rng) for d in self.inputs]
+            inputs.append((("i", k), self.shapes[k], pieces, self.input_fp(k)))
         firsts = list(range(len(self.variants))) if first is None else list(first)
 
         def rec(nodes, tensors, keys, used_inputs, unused, depth, fps):
@@ -168,20 +200,19 @@ class Enumerator:
             if len(unused) > st.max_ops - depth:      # cannot use them all any more
                 return
             vlist = firsts if depth == 0 else range(len(self.variants))
-            avail = [("i", k) for k in range(min(used_inputs + 1, st.n_inputs))] + \
+            avail = [("i", k) for k in self.available(used_inputs)] + \
                     [("o", j) for j in range(len(nodes))]
             for vi in vlist:
                 opn, attrs, arity = self.variants[vi]
                 for args in itertools.product(avail, repeat=arity):
                     new_inputs = used_inputs
                     ok = True
-                    for a in args:           # canonical input order: input k only after k-1 is used
-                        if a[0] == "i":
-                            if a[1] > new_inputs:
+                    for a in args:           # canonical input order within each kind
+                        if a[0] == "i" and a[1] not in new_inputs:
+                            if a[1] not in self.available(new_inputs):
                                 ok = False
                                 break
-                            if a[1] == new_inputs:
-                                new_inputs += 1
+                            new_inputs = new_inputs | {a[1]}
                     if not ok:
                         continue
                     key = (opn, attrs, args)
@@ -220,7 +251,7 @@ class Enumerator:
                 if depth == 0 and progress:
                     progress()
 
-        rec([], [], set(), 0, set(), 0, [])
+        rec([], [], set(), frozenset(), set(), 0, [])
         return out
 
     def _tensor(self, a, tensors, inputs):
@@ -327,8 +358,14 @@ def pair_rule(src: Graph, tgt: Graph, name: str) -> Rule:
         k = int(tgt.nodes_input) if hasattr(tgt, "nodes_input") else None
         tp = Pattern((), (names[k],))
     ins = tuple(n for n in names if n in set(sp.inputs_used()) | set(tp.inputs_used()))
-    r = Rule(name, ins, sp, tp, (), (), "generated")
+    st = _CURRENT_SETTINGS[0]
+    ex = {"bind": {}, "shapes": {n: slot_shape(st, int(n[1:])).to_json() for n in ins}, "ints": [],
+          "values": "int"}
+    r = Rule(name, ins, sp, tp, (), (), "generated", (), json.dumps(ex, sort_keys=True))
     return canonical(r)
+
+
+_CURRENT_SETTINGS: list = [Settings()]
 
 
 def canonical(r: Rule) -> Rule:
@@ -372,8 +409,14 @@ def canonical(r: Rule) -> Rule:
                               tuple(ren[i] if isinstance(i, str) else i for i in n.inputs)) for n in p.nodes)
         return Pattern(nodes, tuple(ren[o] if isinstance(o, str) else o for o in p.outputs))
     cons = tuple(sorted(((rv(a), o, rv(b)) for a, o, b in r.constraints), key=repr))
+    example = r.example
+    if example:
+        ex = json.loads(example)
+        ex["shapes"] = {ren.get(n, n): v for n, v in ex.get("shapes", {}).items() if n in ren}
+        ex["bind"] = {vren.get(k, k): v for k, v in ex.get("bind", {}).items()}
+        example = json.dumps(ex, sort_keys=True)
     return Rule(r.name, tuple(ren[n] for n in order), rp(r.source), rp(r.target),
-                tuple(sorted((vren[v], k) for v, k in r.vars if v in vren)), cons, r.origin, r.proof)
+                tuple(sorted((vren[v], k) for v, k in r.vars if v in vren)), cons, r.origin, r.proof, example)
 
 
 def generalizations(r: Rule) -> list[Rule]:
@@ -491,9 +534,43 @@ def merged_instances(r: Rule) -> list[str]:
     return keys
 
 
+def _walk_pairs(general: Rule, concrete: Rule):
+    for pg, pc in ((general.source, concrete.source), (general.target, concrete.target)):
+        for ng, nc in zip(pg.nodes, pc.nodes):
+            yield ng, nc
+        for og, oc in zip(pg.outputs, pc.outputs):
+            if isinstance(og, str) and isinstance(oc, str):
+                yield og, oc
+
+
+def _bind_by_names(general: Rule, concrete: Rule) -> dict:
+    """Variable values of ``general`` read off the concrete rule it generalizes (same structure)."""
+    b = {}
+    for ng, nc in _walk_pairs(general, concrete):
+        if isinstance(ng, str):
+            continue
+        for (k, v), (_, c) in zip(ng.attrs, nc.attrs):
+            if is_var(v):
+                b[v[1:]] = c
+    return b
+
+
+def _renamed_shapes(general: Rule, concrete: Rule, shapes: dict) -> dict:
+    ren = {}
+    for ng, nc in _walk_pairs(general, concrete):
+        if isinstance(ng, str):
+            ren[ng] = nc
+            continue
+        for a, c in zip(ng.inputs, nc.inputs):
+            if isinstance(a, str):
+                ren[a] = c
+    return {n: shapes[ren[n]] for n in general.inputs}
+
+
 def _false_under_real_kernels(r: Rule, st: Settings) -> bool:
     from verifier.selfcheck import compare_sides
-    shapes = {n: ParallelTensorShape.of((st.size,) * st.rank, dtype="float64") for n in r.inputs}
+    shapes = {n: ParallelTensorShape.from_json(v).with_dtype("float64")
+              for n, v in json.loads(r.example)["shapes"].items()}
     rng = np.random.default_rng(st.seed)
     for _ in range(2):
         vals = {n: rng.standard_normal(s.sizes) for n, s in shapes.items()}
@@ -507,16 +584,18 @@ def example_for(general: Rule, concrete: Rule, st: Settings) -> str:
     source graph), as JSON for the rule file."""
     from .match import find_matches
     from .terms import instantiate
-    shapes = {n: ParallelTensorShape.of((st.size,) * st.rank, dtype="int64") for n in concrete.inputs}
+    shapes = {n: ParallelTensorShape.from_json(v) for n, v in json.loads(concrete.example)["shapes"].items()}
+    if any(s.sum_degree > 1 for s in shapes.values()):
+        # instance graphs cannot start from partial sums: bind by matching a sum-free stand-in
+        return json.dumps({"bind": _bind_by_names(general, concrete), "shapes": {n: s.to_json() for n, s in
+                           _renamed_shapes(general, concrete, shapes).items()}, "ints": [], "values": "int"},
+                          sort_keys=True)
     g = instantiate(concrete.source, {}, shapes, list(concrete.inputs))
     ms = find_matches(general, g, degrees=st.degrees)
     bind = dict(ms[0].binding) if ms else {}
     # input names of the general rule, fed in the order matched
     ins = dict(ms[0].inputs) if ms else {}
-    by_ref = {}
-    for n in g.nodes():
-        if n.op == "Input":
-            by_ref[(n.id, 0)] = n.a["name"]
+    by_ref = {tuple(r): name for name, r in g.meta["inputs"].items()}
     shapes_g = {name: shapes[by_ref[ref]] for name, ref in ins.items()} if ms else \
         {n: shapes[n] for n in general.inputs}
     return json.dumps({"bind": {k: list(v) if isinstance(v, tuple) else v for k, v in bind.items()},
@@ -596,12 +675,13 @@ def generate(st: Settings, timeout: float = 5.0, workers: int = 2, progress: boo
     from verifier.verify import verify_rules
     stats = GenStats()
     t0 = time.perf_counter()
+    _CURRENT_SETTINGS[0] = st
     graphs = enumerate_all(st, workers, progress)
     stats.graphs = len(graphs)
     e = Enumerator(st)
     in_graphs = []
-    for k in range(st.n_inputs):
-        g = Graph((), e.input_fp(k), k + 1)
+    for k in range(len(st.input_kinds)):
+        g = Graph((), e.input_fp(k), frozenset([k]))
         g.nodes_input = k  # type: ignore[attr-defined]
         in_graphs.append(g)
     pairs = candidate_pairs(graphs, in_graphs, stats)
@@ -674,6 +754,19 @@ def generate(st: Settings, timeout: float = 5.0, workers: int = 2, progress: boo
         pending = nxt
         level += 1
     bar.done()
+    # a second chance with a larger budget for candidates that are true numerically
+    late = [(f, why) for f, why in unproven if (f, why) not in early_unproven]
+    if late:
+        vs = verify_rules([f for f, _ in late], timeout * RETRY_FACTOR, workers)
+        unproven = list(early_unproven)
+        for (f, why), v in zip(late, vs):
+            fk = rule_key(f)
+            if v.proven and fk not in proven:
+                proven[fk] = f.with_name(rule_name(f)).with_proof(status="proven", axioms=list(v.axioms),
+                                                                  seconds=round(v.seconds, 4))
+                proven[fk] = proven[fk].with_example(example_for(f, f, st))
+            elif not v.proven:
+                unproven.append((f, v.status + (f": {v.detail}" if v.detail else "")))
     stats.verify_seconds = time.perf_counter() - t1
     rules = sorted(proven.values(), key=lambda r: r.name)
     # names must be unique

@@ -106,6 +106,7 @@ def instantiate(p: Pattern, bindings: Mapping[str, Any], input_shapes: Mapping[s
         attrs = {k: resolve(v, bindings) for k, v in pn.attrs}
         node_refs.append(b.add_node(pn.op, attrs, [ref(r) for r in pn.inputs]))
     b.set_outputs([ref(o) for o in p.outputs])
+    b.meta["inputs"] = {name: tuple(r) for name, r in refs.items()}
     return b.finish()
 
 

@@ -67,7 +67,8 @@ def check_instance(rule, seed: int, degree: int | None) -> bool:
     b = evaluate(g2, vals, "pieces")
     for x, y in zip(a, b):
         assert x.shape == y.shape
-        assert np.allclose(np.asarray(x, np.float64), np.asarray(y, np.float64), rtol=1e-6, atol=1e-8), rule.name
+        tol = 1e-5 if x.dtype == np.float32 else 1e-8   # float32 instances: rounding differs per piece
+        assert np.allclose(np.asarray(x, np.float64), np.asarray(y, np.float64), rtol=tol, atol=tol), rule.name
     assert [g.shape(r) for r in g.outputs] == [g2.shape(r) for r in g2.outputs]
     return True
 
