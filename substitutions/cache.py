@@ -198,3 +198,6 @@ def rebuild(settings, out_dir: str | Path | None = None, timeout: float = 2.0, w
     }
     d = save(shipped, out_dir, info)
     return load(d), info
+
+
+load_rules = load   # the name the demo and the search use
