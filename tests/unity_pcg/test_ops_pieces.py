@@ -379,3 +379,46 @@ def test_a_kernel_piece_of_the_wrong_shape_is_an_error_not_a_broadcast():
     bad = lambda a, xs: [xs[0][:1]]   # (1, 3) would broadcast into a (2, 3) slot
     with pytest.raises(ValueError, match="expected \\[2, 3\\]"):
         P.run_piecewise(bad, {}, {}, pm, [x], [s_in], [s_out])
+
+
+X4 = S([1, 2, 6, 6])
+
+
+@pytest.mark.parametrize("op,attrs,shapes,words", [
+    ("Conv2d", {"stride": (0, 1)}, [X4, S([3, 2, 3, 3])], "stride"),
+    ("Conv2d", {"stride": (1, 1, 1)}, [X4, S([3, 2, 3, 3])], "stride"),
+    ("Conv2d", {"dilation": 0}, [X4, S([3, 2, 3, 3])], "dilation"),
+    ("Conv2d", {"padding": (-1, 0, 0, 0)}, [X4, S([3, 2, 3, 3])], "padding"),
+    ("Conv2d", {"groups": 0}, [X4, S([3, 2, 3, 3])], "groups"),
+    ("Conv2d", {}, [X4, S([3, 2, 7, 7])], "larger than"),
+    ("Pool2d", {"kernel": (0, 2)}, [X4], "kernel"),
+    ("Pool2d", {"stride": 0}, [X4], "stride"),
+    ("Pool2d", {"padding": (1, 1)}, [X4], "padding"),
+    ("Pool2d", {"kind": "median"}, [X4], "kind"),
+    ("LRN", {"size": 0}, [X4], "size"),
+    ("Slice", {"axes": (0, 1), "starts": (0,), "ends": (1, 1), "steps": (1, 1)}, [S([4, 4])], "length"),
+    ("Slice", {"axes": (1, -1), "starts": (0, 0), "ends": (1, 1), "steps": (1, 1)}, [S([4, 4])], "twice"),
+    ("Slice", {"axes": (2,), "starts": (0,), "ends": (1,), "steps": (1,)}, [S([4, 4])], "out of range"),
+    ("Slice", {"axes": (0,), "starts": (0,), "ends": (1,), "steps": (0,)}, [S([4, 4])], "step 0"),
+    ("Split", {"axis": 0, "sizes": 4}, [S([4, 4])], "sizes"),
+    ("Split", {"axis": 0, "sizes": (1, 2)}, [S([4, 4])], "add up"),
+    ("Reshape", {"shape": (-1, 4)}, [S([4, 4])], "cannot reshape"),
+    ("Transpose", {"perm": (0, 0)}, [S([4, 4])], "permutation"),
+    ("Softmax", {"axis": 2}, [S([4, 4])], "out of range"),
+    ("Linear", {}, [S([4, 3]), S([4, 5])], "does not match"),
+    ("Linear", {"activation": "swish"}, [S([4, 3]), S([3, 5])], "activation"),
+    ("MatMul", {}, [S([4, 3]), S([4, 5])], "contraction"),
+    ("BatchMatMul", {}, [S([2, 4, 3]), S([3, 3, 5])], "batch"),
+    ("Embedding", {}, [S([4]), S([10, 3])], "integers"),
+    ("Add", {}, [S([4, 3]), S([2, 3])], "broadcast"),
+    ("Cast", {"to": "complex64"}, [S([4])], "dtype"),
+    ("Concat", {"axis": 0}, [S([4, 3]), S([4, 2])], "does not match"),
+    ("Flatten", {"axis": 3}, [S([4, 3])], "out of range"),
+    ("LayerNorm", {"axis": 0}, [S([4, 3]), S([3])], "expected"),
+    ("BatchNorm", {}, [S([4, 3])] + [S([4])] * 4, "expected"),
+])
+def test_malformed_operators_are_typed_errors(op, attrs, shapes, words):
+    with pytest.raises(InvalidParallelization) as e:
+        ops.infer(op, attrs, shapes)
+    msg = str(e.value)
+    assert msg.startswith(op) and words in msg and "\n" not in msg, msg

@@ -274,6 +274,14 @@ def _pair(v, n=2):
     return v
 
 
+def _ints(op: str, name: str, v, n: int, lo: int) -> tuple[int, ...]:
+    """An int or a tuple of ``n`` ints, each at least ``lo`` (strides, kernels, paddings...)."""
+    t = _pair(v, n)
+    if len(t) != n or not all(isinstance(x, int) and not isinstance(x, bool) and x >= lo for x in t):
+        _bad(op, f"{name} must be {n} ints >= {lo}, got {v!r}")
+    return t
+
+
 def _conv_logical(a, ins):
     x, w = ins[0], ins[1]
     if x.rank != 4 or w.rank != 4:
@@ -285,6 +293,9 @@ def _conv_logical(a, ins):
         _bad("Conv2d", f"groups={g} does not fit {c} input channels and weight {list(w.sizes)}")
     if len(ins) == 3 and ins[2].sizes != (co,):
         _bad("Conv2d", f"bias {list(ins[2].sizes)} does not match {co} output channels")
+    _ints("Conv2d", "stride", a["stride"], 2, 1)
+    _ints("Conv2d", "dilation", a["dilation"], 2, 1)
+    _ints("Conv2d", "padding", a["padding"], 4, 0)
     (sh, sw), (dh, dw) = _pair(a["stride"]), _pair(a["dilation"])
     t, l, b, r = _pair(a["padding"], 4)
     ho = (h + t + b - (kh - 1) * dh - 1) // sh + 1
@@ -378,6 +389,9 @@ def _pool_logical(a, ins):
     n, c, h, w = x.sizes
     if a["global_pool"]:
         return [((n, c, 1, 1), x.dtype)]
+    _ints("Pool2d", "kernel", a["kernel"], 2, 1)
+    _ints("Pool2d", "stride", a["stride"], 2, 1)
+    _ints("Pool2d", "padding", a["padding"], 4, 0)
     (kh, kw), (sh, sw) = _pair(a["kernel"]), _pair(a["stride"])
     t, l, b, r = _pair(a["padding"], 4)
     ho = K.pool_out(h, kh, sh, t, b, a["ceil_mode"])
@@ -424,8 +438,15 @@ def _lrn_fwd(a, xs):
     return [(x / (a["bias"] + a["alpha"] / size * s) ** a["beta"]).astype(x.dtype, copy=False)]
 
 
+def _lrn_logical(a, ins):
+    if ins[0].rank != 4:
+        _bad("LRN", "expects an NCHW input")
+    _ints("LRN", "size", a["size"], 1, 1)
+    return _same(a, ins)
+
+
 compute_op("LRN", attrs={"size": REQUIRED, "alpha": 1e-4, "beta": 0.75, "bias": 1.0}, num_inputs=1,
-           logical=lambda a, ins: (_bad("LRN", "expects an NCHW input") if ins[0].rank != 4 else _same(a, ins)),
+           logical=_lrn_logical,
            labels=lambda a, ins, outs: Labels((("n", "c", "h", "w"),), (("n", "c", "h", "w"),),
                                               frozenset({"c"}) if a["size"] > 1 else frozenset(),
                                               (), {"c": "the normalization window spans neighbouring channels"}),
@@ -588,6 +609,8 @@ compute_op("Concat", attrs={"axis": REQUIRED}, num_inputs=(1, 1 << 16), logical=
 def _split_logical(a, ins):
     x = ins[0]
     ax = _axis("Split", a["axis"], x.rank)
+    if not isinstance(a["sizes"], tuple) or not a["sizes"]:
+        _bad("Split", f"sizes must be a non-empty list of ints, got {a['sizes']!r}")
     if sum(a["sizes"]) != x.sizes[ax] or any(s < 1 for s in a["sizes"]):
         _bad("Split", f"sizes {list(a['sizes'])} do not add up to {x.sizes[ax]}")
     out = []
@@ -619,11 +642,16 @@ compute_op("Split", attrs={"axis": REQUIRED, "sizes": REQUIRED}, num_inputs=1, l
 def _slice_logical(a, ins):
     x = ins[0]
     sizes = list(x.sizes)
+    if not len(a["axes"]) == len(a["starts"]) == len(a["ends"]) == len(a["steps"]):
+        _bad("Slice", f"axes, starts, ends and steps differ in length: {len(a['axes'])}, {len(a['starts'])}, "
+                      f"{len(a['ends'])}, {len(a['steps'])}")
     for ax, st, en, sp in zip(a["axes"], a["starts"], a["ends"], a["steps"]):
         ax = _axis("Slice", ax, x.rank)
         if sp == 0:
             _bad("Slice", "step 0")
         sizes[ax] = len(range(*slice(st, en, sp).indices(x.sizes[ax])))
+    if len({ax % x.rank for ax in a["axes"]}) != len(a["axes"]):
+        _bad("Slice", f"axes {list(a['axes'])} name an axis twice")
     return [(tuple(sizes), x.dtype)]
 
 
