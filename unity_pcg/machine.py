@@ -71,6 +71,7 @@ class MachineSpec:
     links: Mapping[str, LinkSpec]     # "group", "node", "network"
     shared_cores: int = 0             # >0: devices are processes sharing this many cores (local)
     meta: Mapping[str, Any] = field(default_factory=dict)
+    background_load: float = 0.0      # runnable tasks of other programs competing for the shared cores
 
     def __post_init__(self) -> None:
         validate(self)
@@ -99,8 +100,10 @@ class MachineSpec:
     @property
     def share(self) -> float:
         """Fraction of one device's calibrated throughput each device gets (1 unless cores are shared)."""
-        if self.shared_cores > 0 and self.num_devices > self.shared_cores:
-            return self.shared_cores / self.num_devices
+        if self.shared_cores > 0:
+            demand = self.num_devices + self.background_load
+            if demand > self.shared_cores:
+                return self.shared_cores / demand
         return 1.0
 
     @property
@@ -147,6 +150,7 @@ class MachineSpec:
         d = {"schema": SCHEMA, "name": self.name, "nodes": self.nodes, "devices_per_node": self.devices_per_node,
              "group_size": self.group_size, "device": asdict(self.device),
              "links": {k: asdict(v) for k, v in self.links.items()}, "shared_cores": self.shared_cores,
+             "background_load": self.background_load,
              "meta": dict(self.meta)}
         d["device"]["efficiency"] = dict(self.device.efficiency)
         d["device"]["overheads"] = dict(self.device.overheads)
@@ -159,7 +163,7 @@ class MachineSpec:
         if obj.get("schema", SCHEMA) != SCHEMA:
             raise MachineError(f"{source}: unknown schema {obj.get('schema')!r} (expected {SCHEMA!r})")
         unknown = set(obj) - {"schema", "name", "nodes", "devices_per_node", "group_size", "device", "links",
-                              "shared_cores", "meta"}
+                              "shared_cores", "meta", "background_load"}
         if unknown:
             raise MachineError(f"{source}: unknown field(s) {', '.join(sorted(unknown))}")
         try:
@@ -189,7 +193,8 @@ class MachineSpec:
             return MachineSpec(str(obj.get("name", "custom")), _int(obj, "nodes", source),
                                _int(obj, "devices_per_node", source),
                                _int(obj, "group_size", source, obj.get("devices_per_node")), device, links,
-                               _int(obj, "shared_cores", source, 0), dict(obj.get("meta", {}) or {}))
+                               _int(obj, "shared_cores", source, 0), dict(obj.get("meta", {}) or {}),
+                               _num(obj, "background_load", source, 0.0))
         except KeyError as e:
             raise MachineError(f"{source}: missing field {e.args[0]!r}") from None
 
@@ -267,6 +272,8 @@ def validate(m: MachineSpec) -> None:
             raise MachineError(f"machine {m.name!r}: links.{lv} needs bandwidth > 0 and latency >= 0")
     if m.shared_cores < 0:
         raise MachineError(f"machine {m.name!r}: shared_cores must be >= 0")
+    if not isinstance(m.background_load, (int, float)) or not m.background_load >= 0:
+        raise MachineError(f"machine {m.name!r}: background_load must be >= 0")
 
 
 # --- presets ---------------------------------------------------------------------------------------

@@ -68,6 +68,9 @@ def test_local_devices_share_cores():
     m4 = m.resized(1, 4)
     assert m4.share == pytest.approx(0.5)
     assert m4.flops == pytest.approx(m.flops / 2)
+    busy = dataclasses.replace(m, background_load=2.0)      # two other runnable tasks on the 2 cores
+    assert busy.share == pytest.approx(0.5)
+    assert dataclasses.replace(m4, background_load=4.0).share == pytest.approx(0.25)
 
 
 def test_optimizer_states_change_memory_and_update():
