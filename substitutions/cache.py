@@ -66,6 +66,13 @@ class RuleSet:
                 out.append(r.reversed())
         return out
 
+    def without_ops(self, names: Iterable[str]) -> "RuleSet":
+        """The rules that mention none of ``names`` (e.g. ``{"AllReduce"}`` for a consumer that cannot
+        cost the fused operator yet)."""
+        bad = set(names)
+        keep = [r for r in self.rules if not any(n.op in bad for p in (r.source, r.target) for n in p.nodes)]
+        return RuleSet(keep, dict(self.manifest), self.path)
+
     @property
     def stale(self) -> bool:
         """True when the operator registry changed since generation (regenerate to pick it up)."""
