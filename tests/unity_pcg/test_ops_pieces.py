@@ -394,6 +394,7 @@ X4 = S([1, 2, 6, 6])
     ("Pool2d", {"kernel": (0, 2)}, [X4], "kernel"),
     ("Pool2d", {"stride": 0}, [X4], "stride"),
     ("Pool2d", {"padding": (1, 1)}, [X4], "padding"),
+    ("Pool2d", {"kernel": (1, 1), "padding": (0, 0, 3, 0), "ceil_mode": True}, [X4], "smaller than the kernel"),
     ("Pool2d", {"kind": "median"}, [X4], "kind"),
     ("LRN", {"size": 0}, [X4], "size"),
     ("Slice", {"axes": (0, 1), "starts": (0,), "ends": (1, 1), "steps": (1, 1)}, [S([4, 4])], "length"),

@@ -203,3 +203,62 @@ def test_a_contraction_split_in_a_non_linear_operator_is_refused_by_the_label_ru
     assert outs[0].sum_degree == 2
     lab = Labels((("m", "k"), ("k", "n")), (("m", "n"),), linearity=(True, True))
     assert label_inference("MatMul", lab, ins, [(4, 8)], ["float64"])[0][0].sum_degree == 2
+
+
+# --- robustness: mutated attributes and shapes give a typed error or a consistent result ---------------------
+
+def _mutate(d, v):
+    pick = d.int(0, 7)
+    if pick == 0:
+        return d.choice([-3, -1, 0, 1, 2, 5, 100])
+    if pick == 1:
+        return tuple(d.choice([-2, 0, 1, 2, 3]) for _ in range(d.int(0, 5)))
+    if pick == 2:
+        return d.choice(["", "max", "none", "float32", "x"])
+    if pick == 3:
+        return d.choice([True, False, None, 0.5, float("inf")])
+    if pick == 4 and isinstance(v, tuple) and v:
+        t = list(v)
+        t[d.int(0, len(t) - 1)] = d.choice([-5, -1, 0, 3, 7])
+        return tuple(t)
+    if pick == 5 and isinstance(v, tuple):
+        return v[:-1] if v and d.bool() else v + (d.choice([0, 1, 2]),)
+    if pick == 6 and isinstance(v, int) and not isinstance(v, bool):
+        return v + d.choice([-2, -1, 1, 2])
+    return v
+
+
+@pytest.mark.parametrize("op", OPS)
+@given(data=st.data())
+def test_mutated_operators_fail_typed_or_agree_with_their_kernels(op, data):
+    d = HypDrawer(data)
+    case = GENERATORS[op](d)
+    attrs = dict(ops.get_op(op).normalize_attrs(case.attrs))
+    for k in d.subset(sorted(attrs)):
+        attrs[k] = _mutate(d, attrs[k])
+    sizes = [list(s) for s in case.sizes]
+    if d.bool(0.3) and sizes:
+        i = d.int(0, len(sizes) - 1)
+        if sizes[i] and d.bool():
+            sizes[i][d.int(0, len(sizes[i]) - 1)] = d.choice([0, 1, 2, 5])
+        elif d.bool():
+            sizes[i] = sizes[i][1:]
+        else:
+            sizes[i] = sizes[i] + [d.choice([1, 2])]
+    mutated = Case(op, attrs, sizes, case.dtypes, case.fill)
+    try:
+        inf = ops.infer(op, attrs, mutated.shapes())
+    except UnityError as e:
+        assert "\n" not in str(e)
+        event("refused")
+        return
+    event("accepted")
+    if op in ("Gather", "Embedding"):   # indices must address the (mutated) table: a data error otherwise
+        n = sizes[0][attrs["axis"] % len(sizes[0])] if op == "Gather" else sizes[1][0]
+        if n == 0:
+            return
+        mutated.fill = [("index", n) if isinstance(f, tuple) else f for f in mutated.fill]
+    xs = mutated.values(np.random.default_rng(0))
+    with np.errstate(all="ignore"):
+        ys = ops.run_logical(op, attrs, xs)
+    assert [tuple(np.shape(y)) for y in ys] == [s.sizes for s in inf.outputs], (attrs, sizes)

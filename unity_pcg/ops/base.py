@@ -165,7 +165,9 @@ def label_inference(op: str, labels: Labels, in_shapes: Shapes, out_sizes: Seque
             try:
                 dims.append(ShardDim(int(size), d))
             except ShapeError:
-                _fail(op, f"degree {d} of {where[l]} does not divide output size {size}")
+                if int(size) < 0:
+                    _fail(op, f"output size {size} is negative")
+                _fail(op, f"degree {d} of {where.get(l, 'a dim')} does not divide output size {size}")
             dmaps.append((l,) if d > 1 else ())
         out_sum = tuple(contracted) + tuple(out_sum_axes)
         outs.append(ParallelTensorShape(tuple(dims), prod(task[a] for a in out_sum), rep, dt))

@@ -26,6 +26,39 @@ def _dims(prefix: str, n: int) -> tuple[str, ...]:
     return tuple(f"{prefix}{i}" for i in range(n))
 
 
+def _is_int(v) -> bool:
+    return isinstance(v, int) and not isinstance(v, bool)
+
+
+_KIND_CHECKS = {
+    "int": _is_int,
+    "ints": lambda v: isinstance(v, tuple) and all(_is_int(x) for x in v),
+    "int|ints": lambda v: _is_int(v) or (isinstance(v, tuple) and all(_is_int(x) for x in v)),
+    "num": lambda v: isinstance(v, (int, float)) and not isinstance(v, bool),
+    "bool": lambda v: isinstance(v, bool) or v in (0, 1),
+    "str": lambda v: isinstance(v, str),
+}
+_KIND_NAMES = {"int": "an int", "ints": "a list of ints", "int|ints": "an int or a list of ints",
+               "num": "a number", "bool": "a boolean", "str": "a string"}
+_WINDOW = {"stride": "int|ints", "padding": "int|ints"}
+# attribute types, checked before any shape rule reads them (malformed models give typed errors)
+ATTR_KINDS: dict[str, dict[str, str]] = {
+    "Scale": {"factor": "num"}, "Clip": {"min": "num", "max": "num"}, "Cast": {"to": "str"},
+    "Dropout": {"ratio": "num"}, "Linear": {"activation": "str"},
+    "Conv2d": {**_WINDOW, "dilation": "int|ints", "groups": "int"},
+    "Pool2d": {**_WINDOW, "kind": "str", "kernel": "int|ints", "global_pool": "bool", "count_include_pad": "bool",
+               "ceil_mode": "bool"},
+    "LRN": {"size": "int", "alpha": "num", "beta": "num", "bias": "num"},
+    "Softmax": {"axis": "int"}, "LayerNorm": {"axis": "int", "eps": "num"},
+    "BatchNorm": {"eps": "num", "momentum": "num"}, "Gather": {"axis": "int"}, "Concat": {"axis": "int"},
+    "Split": {"axis": "int", "sizes": "ints"},
+    "Slice": {"axes": "ints", "starts": "ints", "ends": "ints", "steps": "ints"},
+    "Reshape": {"shape": "ints"}, "Transpose": {"perm": "ints"}, "Flatten": {"axis": "int"},
+    "Expand": {"shape": "ints"}, "ReduceSum": {"axes": "ints", "keepdims": "bool"},
+    "ReduceMean": {"axes": "ints", "keepdims": "bool"},
+}
+
+
 def compute_op(name: str, *, attrs: dict, num_inputs, logical: Callable, labels: Callable,
                forward: Callable, flops: Callable | None = None, piece_attrs: Callable | None = None,
                doc: str = "") -> OpSpec:
@@ -35,6 +68,7 @@ def compute_op(name: str, *, attrs: dict, num_inputs, logical: Callable, labels:
     outputs; ``labels(attrs, in_shapes, out_sizes) -> Labels`` describes the parallel behaviour.
     """
     defaults = {k: v for k, v in attrs.items() if v is not REQUIRED}
+    kinds = ATTR_KINDS.get(name, {})
 
     def full(a: dict) -> dict:
         """Callers may leave out attributes that have defaults."""
@@ -47,6 +81,9 @@ def compute_op(name: str, *, attrs: dict, num_inputs, logical: Callable, labels:
 
     def infer(a: dict, in_shapes: Shapes, strict: bool = True) -> Inference:
         a = full(a)
+        for k, kind in kinds.items():
+            if not _KIND_CHECKS[kind](a[k]):
+                _bad(name, f"attribute {k} must be {_KIND_NAMES[kind]}, got {a[k]!r}")
         outs = logical(a, in_shapes)
         lab = labels(a, in_shapes, [o[0] for o in outs])
         shapes, pm = label_inference(name, lab, in_shapes, [o[0] for o in outs], [o[1] for o in outs],
@@ -388,10 +425,15 @@ def _pool_logical(a, ins):
         _bad("Pool2d", f"kind must be max or avg, got {a['kind']!r}")
     n, c, h, w = x.sizes
     if a["global_pool"]:
+        if h * w == 0:
+            _bad("Pool2d", f"global pooling of an empty {h}x{w} image")
         return [((n, c, 1, 1), x.dtype)]
-    _ints("Pool2d", "kernel", a["kernel"], 2, 1)
+    kernel = _ints("Pool2d", "kernel", a["kernel"], 2, 1)
     _ints("Pool2d", "stride", a["stride"], 2, 1)
-    _ints("Pool2d", "padding", a["padding"], 4, 0)
+    pads = _ints("Pool2d", "padding", a["padding"], 4, 0)
+    if any(p >= kernel[j % 2] for j, p in enumerate(pads)):
+        _bad("Pool2d", f"padding {list(pads)} must be smaller than the kernel {list(kernel)} "
+                       f"(a window would hold only padding)")
     (kh, kw), (sh, sw) = _pair(a["kernel"]), _pair(a["stride"])
     t, l, b, r = _pair(a["padding"], 4)
     ho = K.pool_out(h, kh, sh, t, b, a["ceil_mode"])
@@ -458,6 +500,8 @@ compute_op("LRN", attrs={"size": REQUIRED, "alpha": 1e-4, "beta": 0.75, "bias": 
 def _softmax_fwd(a, xs):
     x = xs[0]
     ax = a["axis"]
+    if x.size == 0:
+        return [x.copy()]
     e = np.exp(x - x.max(axis=ax, keepdims=True))
     return [(e / e.sum(axis=ax, keepdims=True)).astype(x.dtype, copy=False)]
 
@@ -772,6 +816,8 @@ compute_op("Flatten", attrs={"axis": 1}, num_inputs=1, logical=_flatten_logical,
 
 def _expand_logical(a, ins):
     x = ins[0]
+    if any(s < 0 for s in a["shape"]):
+        _bad("Expand", f"shape {list(a['shape'])} has a negative size")
     out = _broadcast("Expand", [x.sizes, tuple(a["shape"])])
     return [(out, x.dtype)]
 
