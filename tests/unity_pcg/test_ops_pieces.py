@@ -423,3 +423,16 @@ def test_malformed_operators_are_typed_errors(op, attrs, shapes, words):
         ops.infer(op, attrs, shapes)
     msg = str(e.value)
     assert msg.startswith(op) and words in msg and "\n" not in msg, msg
+
+
+def test_list_attributes_work_like_tuples():
+    x = np.arange(24.0).reshape(1, 2, 3, 4)
+    for op, attrs in [("Reshape", {"shape": [2, 12]}), ("Transpose", {"perm": [0, 2, 1, 3]}),
+                      ("Slice", {"axes": [3], "starts": [1], "ends": [3], "steps": [1]}),
+                      ("Split", {"axis": 3, "sizes": [1, 3]}), ("ReduceSum", {"axes": [1, 2]}),
+                      ("Pool2d", {"kind": "avg", "kernel": [1, 2], "stride": [1, 2], "padding": [0, 0, 0, 0]})]:
+        want = ops.run_logical(op, {k: tuple(v) if isinstance(v, list) else v for k, v in attrs.items()}, [x])
+        got = ops.run_logical(op, attrs, [x])
+        assert [s.sizes for s in ops.infer(op, attrs, [S(x.shape)]).outputs] == [w.shape for w in want]
+        for g, w in zip(got, want):
+            np.testing.assert_array_equal(g, w)

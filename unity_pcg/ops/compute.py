@@ -32,8 +32,8 @@ def _is_int(v) -> bool:
 
 _KIND_CHECKS = {
     "int": _is_int,
-    "ints": lambda v: isinstance(v, tuple) and all(_is_int(x) for x in v),
-    "int|ints": lambda v: _is_int(v) or (isinstance(v, tuple) and all(_is_int(x) for x in v)),
+    "ints": lambda v: isinstance(v, (tuple, list)) and all(_is_int(x) for x in v),
+    "int|ints": lambda v: _is_int(v) or (isinstance(v, (tuple, list)) and all(_is_int(x) for x in v)),
     "num": lambda v: isinstance(v, (int, float)) and not isinstance(v, bool),
     "bool": lambda v: isinstance(v, bool) or v in (0, 1),
     "str": lambda v: isinstance(v, str),
@@ -653,7 +653,7 @@ compute_op("Concat", attrs={"axis": REQUIRED}, num_inputs=(1, 1 << 16), logical=
 def _split_logical(a, ins):
     x = ins[0]
     ax = _axis("Split", a["axis"], x.rank)
-    if not isinstance(a["sizes"], tuple) or not a["sizes"]:
+    if not isinstance(a["sizes"], (tuple, list)) or not a["sizes"]:
         _bad("Split", f"sizes must be a non-empty list of ints, got {a['sizes']!r}")
     if sum(a["sizes"]) != x.sizes[ax] or any(s < 1 for s in a["sizes"]):
         _bad("Split", f"sizes {list(a['sizes'])} do not add up to {x.sizes[ax]}")
