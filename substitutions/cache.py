@@ -21,8 +21,11 @@ MANIFEST_SCHEMA = "unity-pcg/rules-manifest/v1"
 
 
 def default_dir() -> Path:
-    from rules_cache import DATA_DIR
-    return DATA_DIR
+    try:
+        from rules_cache import DATA_DIR
+        return DATA_DIR
+    except ImportError:   # an editable install made before rules_cache/ became a package
+        return Path(__file__).resolve().parent.parent / "rules_cache"
 
 
 def op_set_hash() -> str:
