@@ -161,7 +161,10 @@ class PCG:
                 raise GraphError(f"graph output {tuple(r)} is missing")
 
     def param_count(self) -> int:
-        return sum(self._shapes[n.id][0].numel for n in self._nodes.values() if n.op == "Weight")
+        """Trainable parameters: elements of floating-point Weight nodes (integer weights, such as
+        constant gather indices an importer turns into Weight nodes, are not parameters)."""
+        return sum(s.numel for n in self._nodes.values() if n.op == "Weight"
+                   for s in self._shapes[n.id][:1] if s.dtype.startswith(("float", "bfloat")))
 
     def flops(self) -> float:
         """FLOPs of one forward pass (logical)."""

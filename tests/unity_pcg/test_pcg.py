@@ -481,3 +481,11 @@ def test_finish_reinfers_only_downstream_of_the_edit(monkeypatch):
     assert g.shape(refs[-1]).degrees == (1, 1)
     v = np.random.default_rng(0).standard_normal((8, 4))
     np.testing.assert_allclose(evaluate(h, {"x": v}, mode="pieces")[0], evaluate(g, {"x": v})[0])
+
+
+def test_param_count_counts_only_float_weights():
+    b = PCG.builder()
+    idx = b.add("Weight", {"name": "idx", "shape": (4,), "dtype": "int64"})
+    tab = b.add("Weight", {"name": "table", "shape": (10, 3)})
+    b.set_outputs([b.add("Embedding", {}, [idx, tab])])
+    assert b.finish().param_count() == 30
