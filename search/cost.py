@@ -465,6 +465,14 @@ class GraphCost:
         self._leaf_cache[key] = c
         return c
 
+    def compute_time(self, nid: int) -> float:
+        """Forward + backward compute of a compute node (0 for others); independent of the view."""
+        if self.role[nid] != "compute":
+            return 0.0
+        node = self.g.node(nid)
+        f, b = self.model.op_time(node.op, node.a, self.g.input_shapes(nid), self.g.shapes(nid))
+        return f + b
+
     def leaf_cost(self, nid: int, view: MachineView, prod_views: Mapping[int, MachineView]) -> LeafCost:
         """Cost of node ``nid`` on ``view`` given the views of its producers (:meth:`producers`):
         :meth:`own_cost` plus :meth:`edge_cost` of every priced input.  Placement nodes pay nothing

@@ -17,7 +17,9 @@ the predicted iteration time is minimal.  The PCG is decomposed into a series-pa
   (max).  No interleaving of the two (as in Unity).
 
 Memoization.  :class:`MachineMapper` keeps one cache per machine and cost model across calls,
-keyed by (subtree key, resource, the views fixed for the subtree's boundary).  The subtree key is
+keyed by (subtree key, resource, the views fixed for the subtree's boundary), the last two taken
+relative to the resource's first node: moving a subproblem by whole nodes moves its optimum (costs
+depend only on which devices share a group or a node), so a hit is shifted back.  The subtree key is
 built from the PCG's node hashes (which hash a node's operator, attributes and, transitively, its
 inputs), so a candidate PCG produced by a substitution reuses every subproblem upstream of the
 rewritten region.  Views are remembered by node hash and translated back to node ids per graph.
@@ -91,6 +93,7 @@ class _Ctx:
         self.relevant: dict[int, frozenset] = {}           # id(tree) -> nodes + external producers
         self.key: dict[int, str] = {}
         self.need: dict[int, int] = {}
+        self.lb: dict[int, float] = {}
         self.boundary: dict[int, list] = {}                # id(series) -> per child: (outs, live_after)
         self._prep(dec.tree)
 
@@ -115,6 +118,9 @@ class _Ctx:
         self.relevant[id(t)] = frozenset(ns | ext)
         self.key[id(t)] = hashlib.blake2b(key.encode(), digest_size=16).hexdigest()
         self.need[id(t)] = max((_deg(self.gc, n) for n in ns), default=1)
+        # a lower bound of the subtree's cost on any resource: the compute of its compute nodes
+        # (it does not depend on the view: devices are identical)
+        self.lb[id(t)] = sum(self.gc.compute_time(n) for n in ns)
         if isinstance(t, Series):
             info = []
             later_reads: list[set] = []
@@ -197,13 +203,18 @@ class MachineMapper:
 
     # --- the DP --------------------------------------------------------------------------------
     def _solve(self, ctx: _Ctx, t, res: Resource, fixed: Mapping[int, MachineView]):
+        # Costs only depend on which devices share a group / node, so a subproblem moved by whole
+        # nodes (its resource and every fixed view) has the same optimum, moved: the key is taken
+        # relative to the resource's first node and a hit is shifted back.
+        off = (res.start // self.machine.devices_per_node) * self.machine.devices_per_node
         rel = ctx.relevant[id(t)]
-        fk = tuple(sorted((ctx.h[n], v) for n, v in fixed.items() if n in rel))
-        key = (ctx.key[id(t)], res, fk)
+        fk = tuple(sorted((ctx.h[n], MachineView(v.start - off, v.dims)) for n, v in fixed.items() if n in rel))
+        key = (ctx.key[id(t)], Resource(res.start - off, res.nodes, res.per_node), fk)
         hit = self.cache.get(key)
         if hit is not None:
             self.hits += 1
-            return hit
+            cost, assign, at = hit
+            return (cost, _Shift(off - at, assign) if off != at and assign else assign)
         self.misses += 1
         if ctx.need[id(t)] > res.size:
             out = (INF, ())
@@ -213,7 +224,7 @@ class MachineMapper:
             out = self._series(ctx, t, res, fixed)
         else:
             out = self._parallel(ctx, t, res, fixed)
-        self.cache[key] = out
+        self.cache[key] = (out[0], out[1], off)
         return out
 
     def _inside(self, v: MachineView, res: Resource) -> bool:
@@ -300,6 +311,8 @@ class MachineMapper:
         ca, aa = self._solve(ctx, t.left, res, fixed)
         cb, ab = self._solve(ctx, t.right, res, fixed) if ca < INF else (INF, ())
         best = (ca + cb, (aa, ab))
+        if max(ctx.lb[id(t.left)], ctx.lb[id(t.right)]) >= best[0]:
+            return best                      # side by side cannot beat one after the other
         for r1, r2 in res.splits(self.machine):
             for x, y in ((t.left, t.right), (t.right, t.left)):
                 if ctx.need[id(x)] > r1.size or ctx.need[id(y)] > r2.size:
@@ -314,17 +327,31 @@ class MachineMapper:
         return best
 
 
+class _Shift:
+    """An assignment moved by ``k`` devices (a translated cache hit); flattened lazily."""
+    __slots__ = ("k", "inner")
+
+    def __init__(self, k: int, inner):
+        self.k, self.inner = k, inner
+
+    def __bool__(self) -> bool:
+        return True
+
+
 def _flatten(a) -> list:
     out = []
-    stack = [a]
+    stack = [(a, 0)]
     while stack:
-        x = stack.pop()
+        x, k = stack.pop()
+        if isinstance(x, _Shift):
+            stack.append((x.inner, k + x.k))
+            continue
         if not x:
             continue
         if isinstance(x, tuple) and len(x) == 2 and isinstance(x[0], str) and isinstance(x[1], MachineView):
-            out.append(x)
+            out.append((x[0], MachineView(x[1].start + k, x[1].dims)) if k else x)
         else:
-            stack.extend(x)
+            stack.extend((y, k) for y in x)
     return out
 
 
