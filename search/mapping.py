@@ -24,6 +24,11 @@ built from the PCG's node hashes (which hash a node's operator, attributes and, 
 inputs), so a candidate PCG produced by a substitution reuses every subproblem upstream of the
 rewritten region.  Views are remembered by node hash and translated back to node ids per graph.
 
+Complexity: each series child is solved once per (state, combination of its boundary views), so a
+boundary of k nodes with V views each costs V^k.  Data-parallel PCGs at full degree have V = 1-2 and
+solve in well under a second at 192 devices; smaller degrees (more views per operator) after a
+k-way parallel split (Inception: k = 4) are the expensive case (benchmarks/results/machine_mapping.md).
+
 Memory: the DP minimizes time; the chosen mapping's memory per device is then checked and a plan
 that does not fit is infeasible (``cost = inf`` with a reason), never merely slow.
 """
