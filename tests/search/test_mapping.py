@@ -118,3 +118,19 @@ def test_exhaustive_comparison_catches_a_dp_without_resource_splits(monkeypatch)
     best, _ = exhaustive_mapping(g, model)
     monkeypatch.setattr(Resource, "splits", lambda self, m: iter(()))
     assert MachineMapper(model).optimize(g).cost > best * 1.01
+
+
+def test_imported_densenet_maps_data_parallel():
+    import os
+
+    import onnx
+
+    from unity_pcg.onnx_import import load_onnx
+    dn = os.path.join(os.path.dirname(onnx.__file__), "backend", "test", "data", "light", "light_densenet121.onnx")
+    if not os.path.exists(dn):
+        pytest.skip("the onnx wheel ships no light_densenet121 test model")
+    g = data_parallel(load_onnx(dn, batch=6, load_weights=False), 6)
+    r = MachineMapper(CostModel(parse_machine("summit:1x6"))).optimize(g)
+    assert r.feasible and r.stats["devices_used"] == 6
+    assert r.cost == pytest.approx(r.breakdown.time, rel=1e-9)
+    assert r.breakdown.sync > 0 and r.breakdown.compute > 0
