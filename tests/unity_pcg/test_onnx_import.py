@@ -100,11 +100,9 @@ def randomize_light(name: str) -> onnx.ModelProto:
 
 # --- the onnx wheel's light models --------------------------------------------------------------------
 
-# the two heaviest (numpy convolutions on 224x224 images, ~100 MB of random weights) run with `-m slow`
-_HEAVY = ("light_vgg19", "light_resnet50")
-
-
-@pytest.mark.parametrize("name", [pytest.param(n, marks=pytest.mark.slow) if n in _HEAVY else n for n in LIGHT])
+# all nine run by default (VGG-19 and ResNet-50, the heaviest, take ~20 s each: numpy convolutions on
+# 224x224 images with ~100 MB of random weights)
+@pytest.mark.parametrize("name", LIGHT)
 def test_light_model_random_weights_matches_onnxruntime(name):
     g = import_and_compare(randomize_light(name))
     assert g.summary()["params"] > 100_000
