@@ -160,11 +160,18 @@ class PCG:
             if r[0] not in self._nodes or not 0 <= r[1] < len(self._shapes[r[0]]):
                 raise GraphError(f"graph output {tuple(r)} is missing")
 
+    def is_trainable(self, nid: int) -> bool:
+        """A Weight is trainable unless it is integer (constant gather indices an importer turns into
+        weights) or only feeds BatchNorm's running statistics (inputs 3 and 4)."""
+        n = self._nodes[nid]
+        if n.op != "Weight" or not self._shapes[nid][0].dtype.startswith(("float", "bfloat")):
+            return False
+        uses = self.consumers((nid, 0))
+        return not uses or any(not (self._nodes[u].op == "BatchNorm" and pos >= 3) for u, pos in uses)
+
     def param_count(self) -> int:
-        """Trainable parameters: elements of floating-point Weight nodes (integer weights, such as
-        constant gather indices an importer turns into Weight nodes, are not parameters)."""
-        return sum(s.numel for n in self._nodes.values() if n.op == "Weight"
-                   for s in self._shapes[n.id][:1] if s.dtype.startswith(("float", "bfloat")))
+        """Trainable parameters (see :meth:`is_trainable`)."""
+        return sum(self._shapes[n.id][0].numel for n in self._nodes.values() if self.is_trainable(n.id))
 
     def flops(self) -> float:
         """FLOPs of one forward pass (logical)."""

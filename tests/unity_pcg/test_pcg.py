@@ -489,3 +489,13 @@ def test_param_count_counts_only_float_weights():
     tab = b.add("Weight", {"name": "table", "shape": (10, 3)})
     b.set_outputs([b.add("Embedding", {}, [idx, tab])])
     assert b.finish().param_count() == 30
+
+
+def test_batchnorm_running_statistics_are_not_parameters():
+    b = PCG.builder()
+    x = b.add("Input", {"name": "x", "shape": (2, 3, 4, 4)})
+    ps = [b.add("Weight", {"name": k, "shape": (3,)}) for k in ("scale", "bias", "mean", "var")]
+    b.set_outputs([b.add("BatchNorm", {}, [x] + ps)])
+    g = b.finish()
+    assert g.param_count() == 6
+    assert [g.is_trainable(r[0]) for r in ps] == [True, True, False, False]
