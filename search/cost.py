@@ -89,6 +89,13 @@ class CostModel:
         self.backward_factor = float(backward_factor)
         self.grad_bucket_bytes = float(grad_bucket_bytes)
         self._op_cache: dict = {}
+        # data-parallel framework costs measured by calibration (local machines; 0 elsewhere):
+        # per iteration (bucket all-reduce latency, waiting for the slowest replica), per gradient
+        # tensor (hooks, bucket copies), and per iteration for synchronizing replicated buffers
+        sync = dict(machine.meta).get("sync") or {}
+        self.sync_iteration = max(float(sync.get("iteration", 0.0)), 0.0)
+        self.sync_per_tensor = max(float(sync.get("per_tensor", 0.0)), 0.0)
+        self.sync_buffers = max(float(sync.get("buffers", 0.0)), 0.0)
 
     # --- compute -------------------------------------------------------------------------------
     def op_time(self, op: str, attrs: Mapping[str, Any], in_shapes: Sequence[ParallelTensorShape],
@@ -277,6 +284,19 @@ class GraphCost:
                 users = [c for c, _ in self._consumers_of(nid)]
                 if any(self.role[u] != "weight-placement" for u in users) or not users:
                     self._chain_end.add(nid)
+        # replicated weights: the bytes whose gradients are synchronized (trained) and the bytes of
+        # buffers kept in sync (untrained float weights); the per-iteration costs of either are
+        # spread over those weights in proportion to their bytes, so the leaves sum to them once
+        self._sync_bytes = 0.0
+        self._buffer_bytes = 0.0
+        for nid in self._chain_end:
+            sh = g.shapes(nid)[0]
+            if sh.copy_degree <= 1:
+                continue
+            if self.trainable(nid):
+                self._sync_bytes += sh.piece_nbytes
+            elif sh.dtype in FLOAT_DTYPES:
+                self._buffer_bytes += sh.piece_nbytes
 
     def trainable(self, nid: int) -> bool:
         """Whether the weight behind ``nid`` (a Weight or a node of its placement chain) is trained."""
@@ -422,6 +442,15 @@ class GraphCost:
                             elements += pnum
                     if contrib:
                         groups[("r", flat)] = [contrib, [dev], local]
+                elif op == "AllReduce":   # Reduce(k) then Replicate(k) as one collective
+                    k = a["degree"]
+                    grp = groups.setdefault(("a", tuple(gi[1:])), [set(), []])
+                    for j in range(k):
+                        src = list(gi)
+                        src[1] = gi[1] * k + j
+                        src[0] = 0
+                        grp[0].add(near(hold[key_of(src)], dev))
+                    grp[1].append(dev)
                 else:  # pragma: no cover - registry has exactly these parallel ops
                     raise AssertionError(op)
             t = C.transfer_time(m, moves)
@@ -430,6 +459,11 @@ class GraphCost:
                     srcs, dsts = grp[0], grp[1]
                     devs = [near(srcs, dsts[0])] + dsts
                     t = max(t, C.broadcast_time(m, devs, pbytes))
+                elif kind == "a":
+                    devs = sorted(grp[0] | set(grp[1]))
+                    if len(devs) > 1:
+                        t = max(t, C.allreduce_time(m, devs, out.piece_nbytes))
+                        elements += C.allreduce_elements(len(devs), out.piece_numel)
                 else:
                     devs = list(grp[0]) + grp[1]
                     t = max(t, C.reduce_time(m, devs, out.piece_nbytes))
@@ -456,6 +490,10 @@ class GraphCost:
             if nid in self._chain_end and self.trainable(nid):  # where it lives: sync copies, update pieces
                 c.sync, c.comm_elements = self._grad_sync(nid, view)
                 c.update = self.model.update_time(self.g.shapes(nid)[0].piece_nbytes)
+            elif nid in self._chain_end and self._buffer_bytes > 0:   # a replicated buffer
+                sh = self.g.shapes(nid)[0]
+                if sh.copy_degree > 1 and sh.dtype in FLOAT_DTYPES:
+                    c.sync = self.model.sync_buffers * sh.piece_nbytes / self._buffer_bytes
         elif role == "compute":
             f, b = self.model.op_time(node.op, node.a, self.g.input_shapes(nid), self.g.shapes(nid))
             c.compute = f + b
@@ -522,6 +560,8 @@ class GraphCost:
         for g in groups.values():
             t = max(t, self.model.grad_allreduce_time(sorted(g), out.piece_nbytes))
             el += C.allreduce_elements(len(g), out.piece_numel)
+        if t > 0 and self._sync_bytes > 0:
+            t += self.model.sync_per_tensor + self.model.sync_iteration * out.piece_nbytes / self._sync_bytes
         return t, el
 
 
