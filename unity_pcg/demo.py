@@ -40,7 +40,6 @@ def main(argv: list[str] | None = None) -> int:
 
 def _run(args) -> int:
     from . import zoo
-    from .evaluate import evaluate
     from .onnx_import import load_onnx
 
     os.makedirs(args.out, exist_ok=True)
@@ -59,7 +58,7 @@ def _run(args) -> int:
           f"imported in {time.perf_counter() - t:.2f} s")
     print("operators: " + ", ".join(f"{k} {v}" for k, v in s["op_types"].items()))
     if args.size == "tiny":
-        _check_numerics(g, path, evaluate)
+        _check_numerics(g, path)
 
     _stage("3. verified substitution rules")
     _rules(g)
@@ -77,20 +76,14 @@ def _run(args) -> int:
     return 0
 
 
-def _check_numerics(g, path: str, evaluate) -> None:
+def _check_numerics(g, path: str) -> None:
+    from .evaluate import evaluate, random_feeds
     try:
         import onnxruntime as ort
     except ImportError:
         print("onnxruntime not installed: numeric check skipped")
         return
-    rng = np.random.default_rng(0)
-    feeds = {}
-    for n in g.sources("Input"):
-        a = n.a
-        if a["dtype"].startswith("int"):
-            feeds[a["name"]] = rng.integers(0, 2, size=a["shape"]).astype(a["dtype"])
-        else:
-            feeds[a["name"]] = rng.standard_normal(a["shape"]).astype(a["dtype"])
+    feeds = random_feeds(g)
     ours = evaluate(g, feeds)
     sess = ort.InferenceSession(path, providers=["CPUExecutionProvider"])
     theirs = sess.run(None, feeds)

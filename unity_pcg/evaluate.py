@@ -75,3 +75,19 @@ def evaluate(g: PCG, feeds: Mapping[str, Any], mode: str = "logical", rng: np.ra
         v = vals[tuple(r)]
         res.append(P.join(v, g.shape(r)) if mode == "pieces" else v)
     return res
+
+
+def random_feeds(g: PCG, seed: int = 0, int_high: int = 2) -> dict[str, np.ndarray]:
+    """Random values for every Input of ``g``: standard normal floats, integers in [0, int_high)
+    (valid indices for any table with at least ``int_high`` rows), random booleans."""
+    rng = np.random.default_rng(seed)
+    feeds = {}
+    for n in g.sources("Input"):
+        a = n.a
+        if a["dtype"].startswith("int"):
+            feeds[a["name"]] = rng.integers(0, int_high, a["shape"]).astype(a["dtype"])
+        elif a["dtype"] == "bool":
+            feeds[a["name"]] = rng.random(a["shape"]) < 0.5
+        else:
+            feeds[a["name"]] = rng.standard_normal(a["shape"]).astype(a["dtype"])
+    return feeds

@@ -9,19 +9,8 @@ pytest.importorskip("torch")
 
 from search.baselines import data_parallel  # noqa: E402
 from unity_pcg import zoo  # noqa: E402
-from unity_pcg.evaluate import evaluate  # noqa: E402
+from unity_pcg.evaluate import evaluate, random_feeds  # noqa: E402
 from unity_pcg.onnx_import import load_onnx  # noqa: E402
-
-
-def _feeds(g, rng):
-    feeds = {}
-    for n in g.sources("Input"):
-        a = n.a
-        if a["dtype"].startswith("int"):
-            feeds[a["name"]] = rng.integers(0, 3, size=a["shape"]).astype(a["dtype"])
-        else:
-            feeds[a["name"]] = rng.standard_normal(a["shape"]).astype(a["dtype"])
-    return feeds
 
 
 @pytest.mark.parametrize("name", list(zoo.MODELS))
@@ -35,7 +24,7 @@ def test_data_parallel_pieces_equal_logical(name, tmp_path):
     # most operators really run on partitioned pieces (fallbacks are the exception)
     split = [n for n in pg.nodes() if n.kind == "compute" and any(s.piece_count > 1 for s in pg.shapes(n.id))]
     assert len(split) >= 0.8 * sum(1 for n in g.nodes() if n.kind == "compute"), pg.meta.get("fallbacks")
-    feeds = _feeds(g, np.random.default_rng(1))
+    feeds = random_feeds(g, seed=1, int_high=3)
     want = evaluate(g, feeds)
     got = evaluate(pg, feeds, mode="pieces")
     for a, b in zip(want, got):

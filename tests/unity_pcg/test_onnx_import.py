@@ -16,7 +16,7 @@ import pytest
 from onnx import TensorProto, helper, numpy_helper
 
 from unity_pcg.errors import ModelImportError, UnityError, UnsupportedOperator
-from unity_pcg.evaluate import evaluate
+from unity_pcg.evaluate import evaluate, random_feeds
 from unity_pcg.onnx_import import DynamicDimension, InvalidModel, MissingTensor, load_onnx
 
 ort = pytest.importorskip("onnxruntime")
@@ -27,20 +27,6 @@ LIGHT = sorted(f[:-5] for f in os.listdir(LIGHT_DIR) if f.endswith(".onnx")) if 
 
 
 # --- helpers ----------------------------------------------------------------------------------------
-
-def random_feeds(g, seed=0, int_high=2):
-    rng = np.random.default_rng(seed)
-    feeds = {}
-    for n in g.sources("Input"):
-        a = n.a
-        if a["dtype"].startswith("int"):
-            feeds[a["name"]] = rng.integers(0, int_high, a["shape"]).astype(a["dtype"])
-        elif a["dtype"] == "bool":
-            feeds[a["name"]] = rng.random(a["shape"]) < 0.5
-        else:
-            feeds[a["name"]] = rng.standard_normal(a["shape"]).astype(a["dtype"])
-    return feeds
-
 
 def run_ort(model, feeds):
     so = ort.SessionOptions()
