@@ -100,6 +100,8 @@ class _Ctx:
         self.need: dict[int, int] = {}
         self.lb: dict[int, float] = {}
         self.boundary: dict[int, list] = {}                # id(series) -> per child: (outs, live_after)
+        self.join: dict[tuple, int] = {}                   # (id(series), i) -> main node of child i+1
+        self.fronts: dict = {}                             # memo of MachineMapper._front
         self._prep(dec.tree)
 
     def _prep(self, t) -> None:
@@ -142,6 +144,22 @@ class _Ctx:
                 live = frozenset(n for n in done if n in later_reads[i])
                 info.append((outs, live))
             self.boundary[id(t)] = info
+            # children i whose boundary nodes (two or more) are read only by the main node of the
+            # next child, a leaf: the pair (i, i+1) is solved jointly (see MachineMapper._series_join)
+            for i in range(len(kids) - 1):
+                outs = info[i][0]
+                j = kids[i + 1]
+                if len(outs) < 2 or not isinstance(j, Leaf):
+                    continue
+                unit = self.dec.units[j.unit]
+                jmain = unit[-1]
+                if any(n in later_reads[i + 1] for n in outs):
+                    continue                                 # read again after the join
+                if any(n in self.reads[m] for n in outs for m in unit[:-1]):
+                    continue
+                if not set(outs) <= self.reads[jmain] or not set(info[i + 1][0]) <= {jmain}:
+                    continue
+                self.join[(id(t), i)] = jmain
 
 
 def _deg(gc: GraphCost, n: int) -> int:
@@ -242,7 +260,9 @@ class MachineMapper:
             return [v] if self._inside(v, res) else []
         return ctx.gc.views(n, res)
 
-    def _leaf(self, ctx: _Ctx, t: Leaf, res: Resource, fixed):
+    def _leaf(self, ctx: _Ctx, t: Leaf, res: Resource, fixed, skip=frozenset()):
+        """The leaf's optimum given ``fixed``; edges from producers in ``skip`` are left out (the
+        caller prices them)."""
         gc = ctx.gc
         unit = ctx.dec.units[t.unit]
         main = unit[-1]
@@ -270,7 +290,7 @@ class MachineMapper:
             tot = base + gc.own_cost(main, vm).time
             ch = [(ctx.h[main], vm)]
             for pos, p in inputs:
-                if p not in feeders:
+                if p not in feeders and p not in skip:
                     tot += gc.edge_cost(main, pos, fixed[p], vm).time
             for p in sorted(feeders):
                 bp, bv = INF, None
@@ -287,30 +307,125 @@ class MachineMapper:
 
     def _series(self, ctx: _Ctx, t: Series, res: Resource, fixed):
         states: dict = {(): (0.0, ())}
-        for child, (outs, live) in zip(t.children, ctx.boundary[id(t)]):
+        kids, info = t.children, ctx.boundary[id(t)]
+        i = 0
+        while i < len(kids):
+            child, (outs, live) = kids[i], info[i]
             outs = [n for n in outs if n not in fixed]
-            out_cands = [self._cands(ctx, n, res, fixed) for n in outs]
-            new: dict = {}
-            for skey, (scost, sass) in states.items():
-                f = dict(fixed)
-                f.update(skey)
-                for combo in product(*out_cands):
-                    f2 = f
-                    if outs:
-                        f2 = dict(f)
-                        f2.update(zip(outs, combo))
-                    c, a = self._solve(ctx, child, res, f2)
-                    if c == INF:
-                        continue
-                    tot = scost + c
-                    nkey = tuple(sorted((n, v) for n, v in f2.items() if n in live and n not in fixed))
-                    old = new.get(nkey)
-                    if old is None or tot < old[0]:
-                        new[nkey] = (tot, (sass, a))
-            states = new
+            jmain = ctx.join.get((id(t), i))
+            if jmain is not None and len(outs) >= 2:
+                states = self._series_join(ctx, child, kids[i + 1], jmain, outs, info[i + 1][1], states,
+                                           res, fixed)
+                i += 2
+            else:
+                states = self._series_step(ctx, child, outs, live, states, res, fixed)
+                i += 1
             if not states:
                 return (INF, ())
         return min(states.values(), key=lambda x: x[0])
+
+    def _series_step(self, ctx: _Ctx, child, outs, live, states, res, fixed) -> dict:
+        """One child of the left-to-right pass: solved once per state and combination of views of its
+        boundary nodes ``outs``; the new states are keyed by the views of the ``live`` nodes."""
+        out_cands = [self._cands(ctx, n, res, fixed) for n in outs]
+        new: dict = {}
+        for skey, (scost, sass) in states.items():
+            f = dict(fixed)
+            f.update(skey)
+            for combo in product(*out_cands):
+                f2 = f
+                if outs:
+                    f2 = dict(f)
+                    f2.update(zip(outs, combo))
+                c, a = self._solve(ctx, child, res, f2)
+                if c == INF:
+                    continue
+                tot = scost + c
+                nkey = tuple(sorted((n, v) for n, v in f2.items() if n in live and n not in fixed))
+                old = new.get(nkey)
+                if old is None or tot < old[0]:
+                    new[nkey] = (tot, (sass, a))
+        return new
+
+    def _series_join(self, ctx: _Ctx, child, jleaf: Leaf, jmain: int, outs, live, states, res, fixed) -> dict:
+        """A child whose boundary nodes ``outs`` are read only by ``jmain``, the main node of the next
+        child (a join after a parallel split), solved together with that leaf.  Given the join's view
+        vJ, the edges from the child into the join depend on one boundary node's view each, so
+        instead of enumerating every combination of boundary views the child is priced by its
+        Pareto front of (child cost, cost of its edges into the join) (:meth:`_front`): a parallel
+        split combines its branches' fronts (sum of costs one after the other, max side by side;
+        the edge costs always add), and the optimum is the front's least cost + edges."""
+        gc = ctx.gc
+        outset = frozenset(outs)
+        new: dict = {}
+        for skey, (scost, sass) in states.items():
+            f = dict(fixed)
+            f.update(skey)
+            for vj in self._cands(ctx, jmain, res, f):
+                fj = dict(f)
+                fj[jmain] = vj
+                jc, ja = self._leaf(ctx, jleaf, res, fj, skip=outset)
+                if jc == INF:
+                    continue
+                front = self._front(ctx, child, res, f, jmain, vj, outset)
+                if not front:
+                    continue
+                c, e, a = min(front, key=lambda p: p[0] + p[1])
+                tot = scost + jc + c + e
+                nkey = tuple(sorted((n, v) for n, v in fj.items() if n in live and n not in fixed))
+                old = new.get(nkey)
+                if old is None or tot < old[0]:
+                    new[nkey] = (tot, (sass, (a, ja)))
+        return new
+
+    def _front(self, ctx: _Ctx, t, res: Resource, fixed, jmain: int, vj: MachineView, outs: frozenset) -> list:
+        """Pareto front of (cost of subtree ``t`` on ``res``, cost of the edges from its nodes in
+        ``outs`` into ``jmain`` on view ``vj``, assignment), sorted by cost."""
+        rel = ctx.relevant[id(t)]
+        key = (id(t), res, vj, tuple(sorted((n, v) for n, v in fixed.items() if n in rel)))
+        hit = ctx.fronts.get(key)
+        if hit is not None:
+            return hit
+        R = sorted(n for n in outs if n in ctx.nodes[id(t)])
+        pts = []
+        if not R:
+            c, a = self._solve(ctx, t, res, fixed)
+            if c < INF:
+                pts.append((c, 0.0, a))
+        elif isinstance(t, Parallel):
+            fl = self._front(ctx, t.left, res, fixed, jmain, vj, outs)
+            fr = self._front(ctx, t.right, res, fixed, jmain, vj, outs) if fl else []
+            pts = [(ca + cb, ea + eb, (aa, ab)) for ca, ea, aa in fl for cb, eb, ab in fr]
+            # side by side costs at least max(lb) and edges at least the least edge cost of any
+            # one-after-the-other point (the latter allows every boundary view the former does)
+            lbmax = max(ctx.lb[id(t.left)], ctx.lb[id(t.right)])
+            e0 = min((p[1] for p in pts), default=INF)
+            c0 = min((p[0] for p in pts if p[1] == e0), default=INF)
+            if c0 > lbmax:
+                for r1, r2 in res.splits(self.machine):
+                    for x, y in ((t.left, t.right), (t.right, t.left)):
+                        if ctx.need[id(x)] > r1.size or ctx.need[id(y)] > r2.size:
+                            continue
+                        fx = self._front(ctx, x, r1, fixed, jmain, vj, outs)
+                        if not fx:
+                            continue
+                        fy = self._front(ctx, y, r2, fixed, jmain, vj, outs)
+                        pts.extend((max(cx, cy), ex + ey, (ax, ay)) for cx, ex, ax in fx for cy, ey, ay in fy)
+        else:
+            gc = ctx.gc
+            inputs = gc.priced_inputs(jmain)
+            rs = set(R)
+            for combo in product(*(self._cands(ctx, n, res, fixed) for n in R)):
+                f2 = dict(fixed)
+                f2.update(zip(R, combo))
+                c, a = self._solve(ctx, t, res, f2)
+                if c == INF:
+                    continue
+                e = sum(gc.edge_cost(jmain, pos, f2[p], vj).time for pos, p in inputs if p in rs)
+                pts.append((c, e, a))
+        out = _pareto(pts)
+        ctx.fronts[key] = out
+        return out
 
     def _parallel(self, ctx: _Ctx, t: Parallel, res: Resource, fixed):
         ca, aa = self._solve(ctx, t.left, res, fixed)
@@ -330,6 +445,17 @@ class MachineMapper:
                 if c < best[0]:
                     best = (c, (ax, ay))
         return best
+
+
+def _pareto(pts: list) -> list:
+    """The points (cost, edges, assignment) not dominated in both cost and edges, by cost."""
+    pts.sort(key=lambda p: (p[0], p[1]))
+    out, best_e = [], INF
+    for p in pts:
+        if p[1] < best_e:
+            out.append(p)
+            best_e = p[1]
+    return out
 
 
 class _Shift:
