@@ -6,13 +6,16 @@ For every zoo model and P in (2, 4) local processes:
   ``max(1, cores // P)`` torch threads, train the tiny model wrapped in DistributedDataParallel with
   Adam on ``--batch`` samples per process; the median iteration time (forward, loss, backward with
   DDP's gradient all-reduce, optimizer step) of rank 0 after warm-up, median over ``--runs`` launches;
-* predicted: the model exported to ONNX with global batch ``P * batch``, imported with
-  ``load_onnx``, parallelized by ``search.baselines.data_parallel(P)`` and priced by the machine-
-  mapping DP on the calibrated local machine (``unity-pcg calibrate``) resized to 1 x P.
+* predicted: right before the measurement, the local machine is calibrated for P concurrent
+  processes (``search.calibrate.calibrate(worlds=(P,))``: generic micro-benchmarks run in P
+  processes at once -- operator chains forward+backward, an Adam step over many tensors, DDP on
+  chains of tiny Linear layers, gloo all-reduce sweeps; never the model); the model exported to
+  ONNX with global batch ``P * batch`` is imported with ``load_onnx``, parallelized by
+  ``search.baselines.data_parallel(P)`` and priced by the machine-mapping DP on that machine.
 
-Usage:  .venv/bin/python benchmarks/ddp_predict.py [--machine benchmarks/results/local.json]
-        [--calibrate] [--recalibrate-each] [--models a,b] [--procs 2,4] [--batch 8] [--iters 20] [--runs 3]
-Writes benchmarks/results/ddp_predict.json.
+Usage:  .venv/bin/python benchmarks/ddp_predict.py [--fixed-machine [--machine F] [--calibrate]]
+        [--models a,b] [--procs 2,4] [--batch 8] [--iters 20] [--runs 3]
+Writes benchmarks/results/ddp_predict.json and ddp_predict.md.
 """
 from __future__ import annotations
 
@@ -91,30 +94,16 @@ def measure(name: str, procs: int, batch: int, iters: int) -> float:
                 p.terminate()
 
 
-def fresh_machine(procs: int, path: str, quick: bool = True) -> str:
-    """Calibrate again right before a measurement (compute on one thread + gloo for ``procs``):
-    the host is shared, so its speed drifts; the calibration never looks at the model."""
+def fresh_machine(procs: int, path: str, quick: bool = False) -> str:
+    """Calibrate the local machine for ``procs`` concurrent processes right before a measurement:
+    the host is shared, so its speed drifts; the calibration runs generic micro-benchmarks only
+    (never the model)."""
     from search.calibrate import calibrate
     calibrate(quick=quick, worlds=(procs,), quiet=True).save(path)
     return path
 
 
-def background_runnable(seconds: float = 1.0, samples: int = 20) -> float:
-    """Mean number of runnable tasks of other programs (``/proc/loadavg`` field 4, minus this
-    sampler), sampled over ``seconds``: the competition our processes will meet on the shared cores."""
-    vals = []
-    for _ in range(samples):
-        try:
-            with open("/proc/loadavg") as f:
-                running = int(f.read().split()[3].split("/")[0])
-        except (OSError, ValueError, IndexError):
-            return 0.0
-        vals.append(max(0, running - 1))
-        time.sleep(seconds / samples)
-    return statistics.mean(vals)
-
-
-def predict(name: str, procs: int, batch: int, machine_path: str, background: float = 0.0) -> dict:
+def predict(name: str, procs: int, batch: int, machine_path: str) -> dict:
     from search.baselines import data_parallel
     from search.cost import CostModel
     from search.mapping import MachineMapper
@@ -128,17 +117,9 @@ def predict(name: str, procs: int, batch: int, machine_path: str, background: fl
         zoo.export(name, path, size="tiny", batch=batch * procs)
     g = load_onnx(path, load_weights=False)
     pg = data_parallel(g, procs, combine_outputs=False)   # DDP computes each loss on its own shard
-    import dataclasses
     m = parse_machine(f"{machine_path}:1x{procs}")
     r = MachineMapper(CostModel(m, optimizer="adam")).optimize(pg)
-    out = {"predicted_s": r.cost, "breakdown": r.to_json()["breakdown"], "fallbacks": pg.meta.get("fallbacks", [])}
-    if background > 0:   # the same cost model, the cores shared with the measured background load too
-        mb = dataclasses.replace(m, background_load=background)
-        rb = MachineMapper(CostModel(mb, optimizer="adam")).optimize(pg)
-        out["predicted_loaded_s"] = rb.cost
-    else:
-        out["predicted_loaded_s"] = r.cost
-    return out
+    return {"predicted_s": r.cost, "breakdown": r.to_json()["breakdown"], "fallbacks": pg.meta.get("fallbacks", [])}
 
 
 def main() -> int:
@@ -152,48 +133,73 @@ def main() -> int:
     ap.add_argument("--iters", type=int, default=20)
     ap.add_argument("--runs", type=int, default=3)
     ap.add_argument("--out", default=os.path.join(RESULTS, "ddp_predict.json"))
-    ap.add_argument("--recalibrate-each", action="store_true",
-                    help="quick-calibrate right before every (model, P) measurement (shared, drifting hosts)")
+    ap.add_argument("--fixed-machine", action="store_true",
+                    help="price with --machine as is instead of calibrating for P processes right before "
+                         "every (model, P) measurement")
+    ap.add_argument("--md", default=os.path.join(RESULTS, "ddp_predict.md"))
     a = ap.parse_args()
     os.makedirs(RESULTS, exist_ok=True)
-    if a.calibrate or not os.path.exists(a.machine):
+    if a.fixed_machine and (a.calibrate or not os.path.exists(a.machine)):
         from search.calibrate import calibrate
         calibrate(quick=False).save(a.machine)
     rows = []
+    machines = {}
     for name in a.models.split(","):
         for p in (int(x) for x in a.procs.split(",")):
-            mpath = a.machine
-            if a.recalibrate_each:
-                mpath = fresh_machine(p, os.path.join(CACHE, f"local-now-{p}.json"))
             load = os.getloadavg()[0]
-            ms, bgs = [], []
-            for _ in range(a.runs):
-                bgs.append(background_runnable())
-                ms.append(measure(name, p, a.batch, a.iters))
+            mpath = a.machine
+            if not a.fixed_machine:
+                mpath = fresh_machine(p, os.path.join(CACHE, f"local-now-{p}.json"))
+                with open(mpath) as f:
+                    machines[f"{name}:{p}"] = json.load(f)["meta"]["worlds"][str(p)]
+            ms = [measure(name, p, a.batch, a.iters) for _ in range(a.runs)]
             meas = statistics.median(ms)
-            bg = statistics.median(bgs)
-            pred = predict(name, p, a.batch, mpath, bg)
+            pred = predict(name, p, a.batch, mpath)
             err = (pred["predicted_s"] - meas) / meas
-            errl = (pred["predicted_loaded_s"] - meas) / meas
             rows.append({"model": name, "procs": p, "batch_per_proc": a.batch, "measured_s": meas,
-                         "measured_runs_s": ms, **pred, "rel_error": err, "rel_error_loaded": errl,
-                         "background_runnable": bg, "background_runs": bgs, "loadavg_1min_before": load})
+                         "measured_runs_s": ms, **pred, "rel_error": err, "loadavg_1min_before": load,
+                         "loadavg_1min_after": os.getloadavg()[0]})
             print(f"{name:13s} P={p}  measured {meas * 1e3:8.2f} ms  predicted {pred['predicted_s'] * 1e3:8.2f} ms"
-                  f" ({err * 100:+6.1f}%)  with background load {bg:.1f}: {pred['predicted_loaded_s'] * 1e3:8.2f} ms"
-                  f" ({errl * 100:+6.1f}%)", flush=True)
+                  f" ({err * 100:+6.1f}%)  load {load:.1f}", flush=True)
     errs = [abs(r["rel_error"]) for r in rows]
-    errsl = [abs(r["rel_error_loaded"]) for r in rows]
     summary = {"median_abs_rel_error": statistics.median(errs), "max_abs_rel_error": max(errs),
-               "within_20pct": sum(e <= 0.2 for e in errs),
-               "median_abs_rel_error_loaded": statistics.median(errsl),
-               "within_20pct_loaded": sum(e <= 0.2 for e in errsl), "cases": len(errs)}
-    with open(a.machine) as f:
-        machine = json.load(f)
+               "within_20pct": sum(e <= 0.2 for e in errs), "cases": len(errs)}
+    for p in sorted({r["procs"] for r in rows}):
+        e = [abs(r["rel_error"]) for r in rows if r["procs"] == p]
+        summary[f"median_abs_rel_error_p{p}"] = statistics.median(e)
+    if a.fixed_machine:
+        with open(a.machine) as f:
+            machines = json.load(f)
+    command = "python benchmarks/ddp_predict.py " + " ".join(sys.argv[1:])
     with open(a.out, "w") as f:
-        json.dump({"summary": summary, "rows": rows, "machine": machine, "args": vars(a),
-                   "command": "python benchmarks/ddp_predict.py " + " ".join(sys.argv[1:])}, f, indent=2)
+        json.dump({"summary": summary, "rows": rows, "machines": machines, "args": vars(a),
+                   "command": command}, f, indent=2)
+    if a.md:
+        write_markdown(a.md, rows, summary, command)
     print(json.dumps(summary))
     return 0
+
+
+def write_markdown(path: str, rows: list, summary: dict, command: str) -> None:
+    lines = ["# DDP iteration time: predicted vs measured (tiny zoo models, torch DDP, gloo, CPU)", "",
+             f"Command: `.venv/bin/{command}`", "",
+             "| model | P | measured ms | predicted ms | error | compute | grad sync | update | load before |",
+             "|---|---|---|---|---|---|---|---|---|"]
+    for r in rows:
+        b = r["breakdown"]
+        lines.append(f"| {r['model']} | {r['procs']} | {r['measured_s'] * 1e3:.2f} | {r['predicted_s'] * 1e3:.2f} | "
+                     f"{r['rel_error'] * 100:+.1f}% | {b.get('compute_s', 0) * 1e3:.2f} | "
+                     f"{b.get('grad_sync_s', 0) * 1e3:.2f} | {b.get('update_s', 0) * 1e3:.2f} | "
+                     f"{r['loadavg_1min_before']:.1f} |")
+    lines += ["", f"Median absolute error: {summary['median_abs_rel_error'] * 100:.1f}% "
+              f"({summary['within_20pct']} of {summary['cases']} within 20%; max "
+              f"{summary['max_abs_rel_error'] * 100:.1f}%)."]
+    for k, v in summary.items():
+        if k.startswith("median_abs_rel_error_p"):
+            lines.append(f"- P={k.rsplit('p', 1)[1]}: median absolute error {v * 100:.1f}%")
+    lines.append("")
+    with open(path, "w") as f:
+        f.write("\n".join(lines))
 
 
 if __name__ == "__main__":

@@ -28,6 +28,8 @@ import socket
 import statistics
 import sys
 import time
+import warnings
+from dataclasses import asdict
 from typing import Callable
 
 from unity_pcg.machine import DeviceSpec, LinkSpec, MachineSpec
@@ -38,36 +40,49 @@ def _say(msg: str, quiet: bool) -> None:
         print(f"[calibrate] {msg}", file=sys.stderr, flush=True)
 
 
-def _median_time(fn: Callable[[], None], reps: int, warmup: int = 1) -> float:
+def _median_time(fn: Callable[[], None], reps: int, warmup: int = 1, window: float = 0.0, count: int = 0) -> float:
+    """Median seconds per call of ``fn`` over ``reps`` samples.  With ``window`` > 0 each sample is
+    the mean over a loop of calls lasting at least ``window`` seconds, so that a sample covers
+    several scheduler time slices: when processes outnumber the cores a short timing would catch a
+    process while it holds a core and miss the time it waits for one.  ``count`` > 0 fixes the
+    number of calls per sample instead (collectives: every rank must make the same calls)."""
     for _ in range(warmup):
         fn()
     ts = []
     for _ in range(reps):
+        n = 0
         t = time.perf_counter()
-        fn()
-        ts.append(time.perf_counter() - t)
+        while True:
+            fn()
+            n += 1
+            el = time.perf_counter() - t
+            if (count and n >= count) or (not count and el >= window):
+                break
+        ts.append(el / n)
     return statistics.median(ts)
 
 
-def measure_compute(quick: bool = False, quiet: bool = False) -> dict:
+def measure_compute(quick: bool = False, quiet: bool = False, threads: int = 1, window: float = 0.0) -> dict:
+    """Compute micro-benchmarks on ``threads`` torch threads (see the module docstring)."""
     import torch
-    torch.set_num_threads(1)
+    torch.set_num_threads(threads)
     reps = 3 if quick else 7
+    w = window
     out = {}
     n = 384 if quick else 768
     a, b = torch.randn(n, n), torch.randn(n, n)
-    t = _median_time(lambda: torch.mm(a, b), reps)
+    t = _median_time(lambda: torch.mm(a, b), reps, window=w)
     out["matmul_flops"] = 2 * n ** 3 / t
     _say(f"matmul {n}^3: {out['matmul_flops'] / 1e9:.1f} GFLOP/s", quiet)
     x = torch.randn(8, 32, 32, 32)
-    w = torch.randn(32, 32, 3, 3)
-    t = _median_time(lambda: torch.nn.functional.conv2d(x, w, padding=1), reps)
+    wt = torch.randn(32, 32, 3, 3)
+    t = _median_time(lambda: torch.nn.functional.conv2d(x, wt, padding=1), reps, window=w)
     out["conv_flops"] = 2 * 8 * 32 * 32 * 32 * 32 * 9 / t
     _say(f"conv2d 3x3: {out['conv_flops'] / 1e9:.1f} GFLOP/s", quiet)
     m = (4 if quick else 16) * 2 ** 20
     src = torch.randn(m)
     dst = torch.empty(m)
-    t = _median_time(lambda: dst.copy_(src), reps)
+    t = _median_time(lambda: dst.copy_(src), reps, window=w)
     out["mem_bandwidth"] = 2 * 4 * m / t
     _say(f"memory copy: {out['mem_bandwidth'] / 1e9:.1f} GB/s", quiet)
     # per-operator overhead of a training step: tiny layers, forward + backward
@@ -83,34 +98,43 @@ def measure_compute(quick: bool = False, quiet: bool = False) -> dict:
         h.sum().backward()
         for p in params:
             p.grad = None
-    t = _median_time(step, reps * 3, warmup=2)
+    t = _median_time(step, reps * 3, warmup=2, window=w)
     runs = 2 * (2 * layers)  # Linear and ReLU, forward and backward
     out["op_overhead"] = t / runs
     _say(f"per-operator overhead: {out['op_overhead'] * 1e6:.1f} us", quiet)
-    # per-class launch overheads: tiny instances, forward and forward+backward
-    F = torch.nn.functional
-    xi = torch.randn(2, 4, 8, 8, requires_grad=True)
-    wc = torch.randn(4, 4, 3, 3, requires_grad=True)
-    wl = torch.randn(4, 4, requires_grad=True)
-    xl = torch.randn(2, 4, requires_grad=True)
+    # per-class launch overheads: tiny module instances (as models call them), forward and
+    # forward+backward; a chain of ``k`` instances amortizes the loss's own two tiny operators
+    nn = torch.nn
+    k = 8
+    xi = torch.randn(2, 4, 8, 8)
+    xl = torch.randn(2, 4)
     kinds = {
-        "conv": lambda: F.conv2d(xi, wc, padding=1),
-        "matmul": lambda: F.linear(xl, wl),
-        "elementwise": lambda: torch.relu(xl),
-        "norm": lambda: F.batch_norm(xi, None, None, training=True),
-        "pool": lambda: F.max_pool2d(xi, 2),
+        "conv": (lambda: nn.Conv2d(4, 4, 3, padding=1), xi),
+        "conv1x1": (lambda: nn.Conv2d(4, 4, 1), xi),
+        "matmul": (lambda: nn.Linear(4, 4), xl),
+        "elementwise": (lambda: nn.ReLU(), xl),
+        "norm": (lambda: nn.BatchNorm2d(4), xi),
+        "pool": (lambda: nn.MaxPool2d(3, 1, 1), xi),
     }
     over = {}
-    for kind, fn in kinds.items():
-        tf = _median_time(lambda: fn(), reps * 3, warmup=2)
+    for kind, (make, xin0) in kinds.items():
+        chain = nn.Sequential(*[make() for _ in range(k)])
+        cps = list(chain.parameters())
+        xg = xin0.clone().requires_grad_(True)
 
-        def fb(fn=fn):
-            fn().sum().backward()
-        tfb = _median_time(fb, reps * 3, warmup=2)
-        # the sum and the backward of the sum are two more tiny ops
-        t_sum = _median_time(lambda: xl.sum(), reps * 3, warmup=2)
-        over[kind] = tf
-        over[f"{kind}:bwd"] = max(tfb - tf - 2 * t_sum, 0.0)
+        def fwd_grad(chain=chain, xg=xg):
+            chain(xg)
+
+        def fb(chain=chain, xg=xg, cps=cps):
+            chain(xg).sum().backward()
+            xg.grad = None
+            for p in cps:
+                p.grad = None
+        tf = _median_time(fwd_grad, reps * 3, warmup=2, window=w)
+        tfb = _median_time(fb, reps * 3, warmup=2, window=w)
+        t_sum = _median_time(lambda xg=xg: xg.sum(), reps * 3, warmup=2, window=w)
+        over[kind] = tf / k
+        over[f"{kind}:bwd"] = max(tfb - tf - 2 * t_sum, 0.0) / k
     out["overheads"] = over
     _say("launch overheads (us, fwd/bwd): " + ", ".join(
         f"{k} {over[k] * 1e6:.0f}/{over[k + ':bwd'] * 1e6:.0f}" for k in kinds), quiet)
@@ -119,10 +143,61 @@ def measure_compute(quick: bool = False, quiet: bool = False) -> dict:
     for p in ps:
         p.grad = torch.randn(4, 4)
     opt = torch.optim.Adam(ps, lr=1e-4)
-    t = _median_time(opt.step, reps * 3, warmup=2)
+    t = _median_time(opt.step, reps * 3, warmup=2, window=w)
     out["update_overhead"] = t / len(ps)
     _say(f"optimizer step overhead: {out['update_overhead'] * 1e6:.1f} us per weight tensor", quiet)
     return out
+
+
+def measure_ddp(quick: bool = False) -> dict:
+    """DistributedDataParallel's own cost in a running process group (every rank calls this at
+    the same time).  Generic chains of tiny Linear(16, 16) + ReLU layers (gradients of a few KB, so
+    bandwidth plays no part) train with Adam, with and without DDP; the difference per iteration is
+    fitted as ``iteration + per_tensor * weight tensors`` over two chain lengths (the bucket's
+    all-reduce latency, the wait for the slowest peer, the per-gradient hooks and bucket copies).
+    A chain with BatchNorm layers, with and without ``broadcast_buffers``, gives the per-iteration
+    cost of synchronizing buffers (one coalesced broadcast in every forward)."""
+    import torch
+    import torch.distributed as dist
+    from torch.nn.parallel import DistributedDataParallel as DDP
+    nn = torch.nn
+    reps = 3 if quick else 5
+    count = 10 if quick else 20    # iterations per sample (tens of ms: several scheduler slices)
+    x = torch.randn(8, 16)
+
+    def chain(layers: int, bn: bool = False):
+        torch.manual_seed(0)
+        mods = []
+        for _ in range(layers):
+            mods.append(nn.Linear(16, 16))
+            if bn:
+                mods.append(nn.BatchNorm1d(16))
+            mods.append(nn.ReLU())
+        return nn.Sequential(*mods)
+
+    def iter_time(model, wrap) -> float:
+        m = wrap(model) if wrap else model
+        opt = torch.optim.Adam(model.parameters(), lr=1e-4)
+
+        def step():
+            opt.zero_grad(set_to_none=True)
+            m(x).mean().backward()
+            opt.step()
+        dist.barrier()
+        return _median_time(step, reps, warmup=3, count=count)
+
+    short, long_ = 4, 16
+    res = {}
+    for layers in (short, long_):
+        plain = iter_time(chain(layers), None)
+        ddp = iter_time(chain(layers), DDP)
+        res[layers] = max(ddp - plain, 0.0)
+    per_tensor = max((res[long_] - res[short]) / (2 * (long_ - short)), 0.0)
+    iteration = max(res[short] - per_tensor * 2 * short, 0.0)
+    with_buf = iter_time(chain(short, bn=True), lambda mm: DDP(mm, broadcast_buffers=True))
+    no_buf = iter_time(chain(short, bn=True), lambda mm: DDP(mm, broadcast_buffers=False))
+    return {"iteration": iteration, "per_tensor": per_tensor, "buffers": max(with_buf - no_buf, 0.0),
+            "measured": {str(k): v for k, v in res.items()}}
 
 
 def _free_port() -> int:
@@ -131,49 +206,86 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def _allreduce_worker(rank: int, world: int, port: int, sizes: list, reps: int, q) -> None:
+def _allreduce_sweep(sizes: list, reps: int) -> dict:
     import torch
     import torch.distributed as dist
-    torch.set_num_threads(1)
+    res = {}
+    for n in sizes:
+        x = torch.ones(n)
+        for _ in range(2):
+            dist.all_reduce(x)
+        ts = []
+        for _ in range(reps):
+            dist.barrier()
+            t = time.perf_counter()
+            dist.all_reduce(x)
+            ts.append(time.perf_counter() - t)
+        res[n] = statistics.median(ts)
+    return res
+
+
+def _world_worker(rank: int, world: int, port: int, quick: bool, threads: int, window: float, q) -> None:
+    """One of ``world`` processes measuring together, so every number includes the sharing of the
+    cores with the other ranks (all busy with the same benchmarks), as in data-parallel training."""
+    import torch
+    import torch.distributed as dist
+    torch.set_num_threads(threads)
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
     try:
-        res = {}
-        for n in sizes:
-            x = torch.ones(n)
-            for _ in range(2):
-                dist.all_reduce(x)
-            ts = []
-            for _ in range(reps):
-                dist.barrier()
-                t = time.perf_counter()
-                dist.all_reduce(x)
-                ts.append(time.perf_counter() - t)
-            res[n] = statistics.median(ts)
-        if rank == 0:
-            q.put(res)
+        dist.barrier()
+        comp = measure_compute(quick, quiet=True, threads=threads, window=window)
+        dist.barrier()
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            ddp = measure_ddp(quick)
+        sizes = [1, 2 ** 12, 2 ** 16, 2 ** 18, 2 ** 20] + ([] if quick else [2 ** 22])
+        ar = _allreduce_sweep(sizes, 5 if quick else 10)
+        q.put((rank, {"compute": comp, "ddp": ddp, "allreduce": ar}))
     finally:
         dist.destroy_process_group()
 
 
-def measure_allreduce(world: int, quick: bool = False) -> dict:
-    """Median all-reduce seconds per float32 tensor size over ``world`` processes."""
+def _median_tree(items: list):
+    """Element-wise median of equally shaped nested dicts of numbers."""
+    first = items[0]
+    if isinstance(first, dict):
+        return {k: _median_tree([it[k] for it in items]) for k in first}
+    return statistics.median(items)
+
+
+def measure_world(world: int, quick: bool = False, threads: int | None = None, window: float | None = None) -> dict:
+    """Run :func:`measure_compute`, :func:`measure_ddp` and an all-reduce sweep in ``world``
+    concurrent processes (gloo over loopback); the median over ranks of each number.  Threads per
+    process: ``max(1, cores // world)`` unless given (as a data-parallel launcher would set them)."""
     import torch.multiprocessing as mp
+    cores = os.cpu_count() or 1
+    threads = threads or max(1, cores // world)
+    if window is None:
+        window = 0.02 if quick else 0.03
     ctx = mp.get_context("spawn")
     q = ctx.Queue()
-    sizes = [1, 2 ** 12, 2 ** 16, 2 ** 18, 2 ** 20] + ([] if quick else [2 ** 22])
-    reps = 5 if quick else 10
     port = _free_port()
-    procs = [ctx.Process(target=_allreduce_worker, args=(r, world, port, sizes, reps, q)) for r in range(world)]
+    procs = [ctx.Process(target=_world_worker, args=(r, world, port, quick, threads, window, q))
+             for r in range(world)]
     for p in procs:
         p.start()
     try:
-        res = q.get(timeout=120)
+        got = [q.get(timeout=600)[1] for _ in range(world)]
     finally:
         for p in procs:
             p.join(timeout=60)
             if p.is_alive():
                 p.terminate()
-    return res
+    out = _median_tree(got)
+    out["threads"] = threads
+    out["allreduce"] = {int(k): v for k, v in out["allreduce"].items()}
+    return out
+
+
+def measure_allreduce(world: int, quick: bool = False) -> dict:
+    """Median all-reduce seconds per float32 tensor size over ``world`` processes (measured together
+    with the other per-world benchmarks, see :func:`measure_world`)."""
+    return measure_world(world, quick)["allreduce"]
 
 
 def fit_ring(world: int, res: dict) -> dict:
@@ -198,39 +310,69 @@ def fit_ring(world: int, res: dict) -> dict:
     return {"latency": a, "bandwidth": 1.0 / b, "measured": {str(n): t for n, t in sorted(res.items())}}
 
 
-def calibrate(quick: bool = False, worlds: tuple | None = None, quiet: bool = False) -> MachineSpec:
-    t_start = time.perf_counter()
-    cores = os.cpu_count() or 1
-    _say(f"{cores} core(s); measuring compute on one thread", quiet)
-    comp = measure_compute(quick, quiet)
-    worlds = worlds or ((2, 4) if quick else (2, 3, 4))
-    fits = {}
-    for w in worlds:
-        _say(f"gloo all-reduce over {w} processes ...", quiet)
-        res = measure_allreduce(w, quick)
-        fits[w] = fit_ring(w, res)
-        _say(f"  world {w}: latency {fits[w]['latency'] * 1e6:.0f} us, bandwidth "
-             f"{fits[w]['bandwidth'] / 1e9:.2f} GB/s", quiet)
+def _device(comp: dict, mem: int) -> DeviceSpec:
     peak = max(comp["matmul_flops"], comp["conv_flops"])
     eff = {"matmul": comp["matmul_flops"] / peak, "conv": comp["conv_flops"] / peak,
-           "default": min(comp["matmul_flops"], comp["conv_flops"]) / peak, "elementwise": 1.0}
+           "conv1x1": comp["conv_flops"] / peak, "default": min(comp["matmul_flops"], comp["conv_flops"]) / peak, "elementwise": 1.0}
+    return DeviceSpec(peak, comp["mem_bandwidth"], int(mem), eff, comp["op_overhead"], comp["update_overhead"],
+                      comp["overheads"])
+
+
+def _device_json(dev: DeviceSpec) -> dict:
+    d = asdict(dev)
+    d["efficiency"] = dict(dev.efficiency)
+    d["overheads"] = dict(dev.overheads)
+    return d
+
+
+def calibrate(quick: bool = False, worlds: tuple | None = None, quiet: bool = False) -> MachineSpec:
+    """Measure this computer once per world size (``worlds``: numbers of concurrent processes) and
+    describe it as a ``local`` machine.  ``meta["worlds"][str(w)]`` holds, for ``w`` processes, the
+    device (compute measured while all ``w`` ranks compute), the link (ring fit of the all-reduce
+    sweep) and DDP's own costs (``sync``); :meth:`MachineSpec.resized` picks the nearest world size."""
+    t_start = time.perf_counter()
+    cores = os.cpu_count() or 1
+    worlds = tuple(sorted(worlds or ((2, 4) if quick else (2, 3, 4))))
     try:
         mem = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
     except (ValueError, OSError, AttributeError):
         mem = 8 * 2 ** 30
-    dev = DeviceSpec(peak, comp["mem_bandwidth"], int(mem), eff, comp["op_overhead"], comp["update_overhead"],
-                     comp["overheads"])
-    first = fits[min(fits)]
-    link = LinkSpec(first["bandwidth"], first["latency"])
-    meta = {"calibrated": True, "quick": bool(quick), "cores": cores, "threads_per_process": 1,
-            "measured": {k: v for k, v in comp.items()},
+    per_world = {}
+    fits = {}
+    load_before = os.getloadavg()[0] if hasattr(os, "getloadavg") else 0.0
+    for w in worlds:
+        _say(f"{cores} core(s); {w} concurrent processes: compute, DDP and gloo all-reduce ...", quiet)
+        res = measure_world(w, quick)
+        comp = res["compute"]
+        fits[w] = fit_ring(w, res["allreduce"])
+        dev = _device(comp, mem)
+        per_world[str(w)] = {"device": _device_json(dev),
+                             "link": {"bandwidth": fits[w]["bandwidth"], "latency": fits[w]["latency"]},
+                             "sync": res["ddp"], "threads": res["threads"], "measured": comp}
+        o = comp["overheads"]
+        _say(f"  world {w}: matmul {comp['matmul_flops'] / 1e9:.1f} GFLOP/s, conv {comp['conv_flops'] / 1e9:.1f}"
+             f" GFLOP/s, op {comp['op_overhead'] * 1e6:.1f} us, Adam {comp['update_overhead'] * 1e6:.1f} us/tensor;"
+             " fwd/bwd us " + ", ".join(f"{k} {o[k] * 1e6:.0f}/{o[k + ':bwd'] * 1e6:.0f}"
+                                         for k in ("conv", "conv1x1", "matmul", "elementwise", "norm",
+                                                   "pool")), quiet)
+        _say(f"  world {w}: all-reduce latency {fits[w]['latency'] * 1e6:.0f} us, bandwidth "
+             f"{fits[w]['bandwidth'] / 1e9:.2f} GB/s; DDP {res['ddp']['iteration'] * 1e6:.0f} us/iteration + "
+             f"{res['ddp']['per_tensor'] * 1e6:.1f} us/tensor, buffers {res['ddp']['buffers'] * 1e6:.0f} us", quiet)
+    first = min(worlds)
+    dev = _device(per_world[str(first)]["measured"], mem)
+    link = LinkSpec(fits[first]["bandwidth"], fits[first]["latency"])
+    meta = {"calibrated": True, "quick": bool(quick), "cores": cores,
+            "threads_per_process": {str(w): per_world[str(w)]["threads"] for w in worlds},
+            "device_world": first, "sync": per_world[str(first)]["sync"],
+            "worlds": per_world,
             "allreduce_fits": {str(k): v for k, v in fits.items()},
+            "loadavg_before": load_before,
             "seconds": time.perf_counter() - t_start,
             "host": socket.gethostname()}
-    m = MachineSpec("local", 1, min(fits), min(fits), dev, {"group": link, "node": link, "network": link},
+    m = MachineSpec("local", 1, first, first, dev, {"group": link, "node": link, "network": link},
                     shared_cores=cores, meta=meta)
     _say(f"done in {meta['seconds']:.1f} s", quiet)
     return m
 
 
-__all__ = ["calibrate", "measure_compute", "measure_allreduce", "fit_ring"]
+__all__ = ["calibrate", "measure_compute", "measure_ddp", "measure_world", "measure_allreduce", "fit_ring"]

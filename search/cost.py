@@ -62,8 +62,12 @@ NORM_OPS = {"BatchNorm", "LayerNorm", "LRN", "Softmax"}
 POOL_OPS = {"Pool2d"}
 
 
-def op_class(op: str) -> str:
-    """Operator class for per-class efficiency and launch overhead (calibrated on local machines)."""
+def op_class(op: str, in_shapes: Sequence[ParallelTensorShape] | None = None) -> str:
+    """Operator class for per-class efficiency and launch overhead (calibrated on local machines).
+    With the input shapes, a convolution whose kernel is 1x1 is ``"conv1x1"`` (CPU libraries run
+    pointwise convolutions through a much cheaper path than spatial ones)."""
+    if op in CONV_OPS and in_shapes is not None and len(in_shapes) > 1 and prod(in_shapes[1].sizes[2:]) == 1:
+        return "conv1x1"
     if op in MATMUL_OPS:
         return "matmul"
     if op in CONV_OPS:
@@ -106,17 +110,22 @@ class CostModel:
         if r is None:
             f = ops.task_flops(op, attrs, in_shapes, out_shapes)
             b = ops.bytes_moved(op, in_shapes, out_shapes, per_task=True)
-            r = self.roofline(op, f, b)
+            r = self.roofline(op, f, b, op_class(op, in_shapes))
             self._op_cache[key] = r
         return r
 
-    def roofline(self, op: str, flops: float, nbytes: float) -> tuple[float, float]:
+    def roofline(self, op: str, flops: float, nbytes: float, kind: str | None = None) -> tuple[float, float]:
         m = self.machine
-        kind = op_class(op)
-        t = max(flops / (m.flops * m.device.eff(kind)), nbytes / m.mem_bandwidth)
+        kind = kind or op_class(op)
+        base = op_class(op)
+        dev = m.device
+        if kind != base and kind not in dev.overheads:   # a calibration without the subclass
+            kind = base
+        eff = dev.eff(kind) if kind in dev.efficiency else dev.eff(base)
+        t = max(flops / (m.flops * eff), nbytes / m.mem_bandwidth)
         # launch / dispatch overhead per class (calibrated), on the (shared) cores too
-        fwd = t + m.device.overhead(kind) / m.share
-        bwd = self.backward_factor * t + m.device.overhead(kind, backward=True) / m.share
+        fwd = t + dev.overhead(kind) / m.share
+        bwd = self.backward_factor * t + dev.overhead(kind, backward=True) / m.share
         return fwd, bwd
 
     # --- gradient synchronization --------------------------------------------------------------

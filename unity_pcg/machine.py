@@ -85,7 +85,25 @@ class MachineSpec:
         g = self.group_size if devices_per_node % self.group_size == 0 else devices_per_node
         g = min(g, devices_per_node)
         links = self.links
-        fits = dict(self.meta).get("allreduce_fits")
+        meta = dict(self.meta)
+        worlds = meta.get("worlds")
+        if worlds:  # a local machine calibrated per number of concurrent processes: the nearest one
+            try:
+                p = nodes * devices_per_node
+                k = min(worlds, key=lambda w: (abs(int(w) - p), int(w)))
+                rec = worlds[k]
+                lk = LinkSpec(float(rec["link"]["bandwidth"]), float(rec["link"]["latency"]))
+                links = {lv: lk for lv in ("group", "node", "network")}
+                d = dict(rec["device"])
+                device = DeviceSpec(float(d["peak_flops"]), float(d["mem_bandwidth"]), int(d["memory_bytes"]),
+                                    dict(d.get("efficiency", {"default": 1.0})), float(d.get("op_overhead", 0.0)),
+                                    float(d.get("update_overhead", 0.0)), dict(d.get("overheads", {})))
+                meta.update(device_world=int(k), sync=dict(rec.get("sync", {})))
+            except (KeyError, TypeError, ValueError, AttributeError):
+                raise MachineError(f"machine {self.name!r}: malformed meta.worlds") from None
+            return replace(self, nodes=nodes, devices_per_node=devices_per_node, group_size=g, links=links,
+                           device=device, meta=meta)
+        fits = meta.get("allreduce_fits")
         if fits:  # a calibrated local machine: the links measured for the nearest world size
             try:
                 p = nodes * devices_per_node
@@ -101,9 +119,12 @@ class MachineSpec:
     def share(self) -> float:
         """Fraction of one device's calibrated throughput each device gets (1 unless cores are shared)."""
         if self.shared_cores > 0:
-            demand = self.num_devices + self.background_load
-            if demand > self.shared_cores:
-                return self.shared_cores / demand
+            def fraction(n: float) -> float:
+                return min(1.0, self.shared_cores / (n + self.background_load))
+            # a device calibrated while ``device_world`` processes ran together already includes
+            # their sharing of the cores: scale relative to that
+            base = dict(self.meta).get("device_world")
+            return fraction(self.num_devices) / (fraction(int(base)) if base else 1.0)
         return 1.0
 
     @property

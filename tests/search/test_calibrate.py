@@ -1,0 +1,131 @@
+"""Calibrated local machines: per-world devices, DDP sync overheads, 1x1 convolutions.
+
+No timings are asserted; the micro-benchmark helpers are checked for what they compute."""
+import dataclasses
+
+import pytest
+
+from search import calibrate as cal
+from search.baselines import data_parallel
+from search.cost import CostModel, GraphCost, op_class
+from search.mapping import MachineMapper
+from unity_pcg.machine import DeviceSpec, LinkSpec, MachineSpec, parse_machine
+from unity_pcg.pcg import PCG
+from unity_pcg.shape import ParallelTensorShape
+
+from .graphs import mlp
+
+
+def _dev(scale: float) -> dict:
+    d = DeviceSpec(1e10 * scale, 1e10, 2 ** 30, {"default": 1.0}, 1e-6 / scale, 2e-6, {"conv": 5e-6})
+    return cal._device_json(d)
+
+
+def calibrated(sync2=None, sync4=None) -> MachineSpec:
+    worlds = {"2": {"device": _dev(1.0), "link": {"bandwidth": 1e9, "latency": 1e-4},
+                    "sync": sync2 or {"iteration": 1e-3, "per_tensor": 2e-5, "buffers": 5e-4}},
+              "4": {"device": _dev(0.5), "link": {"bandwidth": 5e8, "latency": 3e-4},
+                    "sync": sync4 or {"iteration": 4e-3, "per_tensor": 3e-5, "buffers": 1e-3}}}
+    dev = DeviceSpec(**{**_dev(1.0)})
+    link = LinkSpec(1e9, 1e-4)
+    return MachineSpec("local", 1, 2, 2, dev, {lv: link for lv in ("group", "node", "network")},
+                       shared_cores=2, meta={"calibrated": True, "worlds": worlds, "device_world": 2,
+                                             "sync": worlds["2"]["sync"]})
+
+
+def test_resized_picks_the_nearest_world():
+    m = calibrated()
+    m4 = m.resized(1, 4)
+    assert m4.device.peak_flops == pytest.approx(0.5e10)
+    assert m4.links["group"].latency == pytest.approx(3e-4)
+    assert m4.meta["sync"]["iteration"] == pytest.approx(4e-3)
+    assert m4.meta["device_world"] == 4
+    assert m4.share == 1.0                 # the sharing of the cores is inside the measurement
+    assert m.resized(1, 3).meta["device_world"] == 2   # ties go to the smaller world
+    m8 = m.resized(1, 8)
+    assert m8.meta["device_world"] == 4 and m8.share == pytest.approx(0.5)   # 8 processes vs 4 measured
+    # round trip through JSON keeps the per-world data
+    again = MachineSpec.from_json(m.to_json()).resized(1, 4)
+    assert again.device == m4.device
+
+
+def test_uncalibrated_share_unchanged():
+    m = dataclasses.replace(parse_machine("local:1x2"), shared_cores=2)
+    assert m.resized(1, 4).share == pytest.approx(0.5)
+
+
+def test_ddp_sync_overheads_sum_once_per_iteration():
+    d = 2
+    layers = 3
+    g = data_parallel(mlp(batch=8, h=16, layers=layers), d)
+    base = calibrated(sync2={"iteration": 0.0, "per_tensor": 0.0, "buffers": 0.0})
+    with_sync = calibrated()
+    r0 = MachineMapper(CostModel(base)).optimize(g)
+    r1 = MachineMapper(CostModel(with_sync)).optimize(g)
+    gc = GraphCost(g, CostModel(with_sync))
+    n_tensors = sum(1 for nid in gc._chain_end if gc.trainable(nid) and g.shapes(nid)[0].copy_degree > 1)
+    assert n_tensors == layers
+    extra = 1e-3 + 2e-5 * n_tensors
+    assert r1.breakdown.sync - r0.breakdown.sync == pytest.approx(extra, rel=1e-6)
+    assert r1.cost - r0.cost == pytest.approx(extra, rel=1e-6)
+    # one device: no replicas, no synchronization at all
+    one = MachineMapper(CostModel(with_sync.resized(1, 1))).optimize(mlp(batch=8, h=16, layers=layers))
+    assert one.breakdown.sync == 0.0
+
+
+def _bn_net(batch=8, c=4):
+    b = PCG.builder({})
+    x = b.add("Input", {"name": "x", "shape": (batch, c, 4, 4)})
+    w = b.add("Weight", {"name": "w", "shape": (c, c, 1, 1)})
+    h = b.add("Conv2d", {}, [x, w])
+    ws = [b.add("Weight", {"name": n, "shape": (c,)}) for n in ("scale", "bias", "mean", "var")]
+    y = b.add("BatchNorm", {}, [h] + ws)
+    b.set_outputs([y])
+    return b.finish()
+
+
+def test_buffers_synchronized_once_per_iteration():
+    g = data_parallel(_bn_net(), 2)
+    no_buf = calibrated(sync2={"iteration": 0.0, "per_tensor": 0.0, "buffers": 0.0})
+    buf = calibrated(sync2={"iteration": 0.0, "per_tensor": 0.0, "buffers": 7e-4})
+    r0 = MachineMapper(CostModel(no_buf)).optimize(g)
+    r1 = MachineMapper(CostModel(buf)).optimize(g)
+    assert r1.cost - r0.cost == pytest.approx(7e-4, rel=1e-6)
+
+
+def test_pointwise_conv_class():
+    x = ParallelTensorShape.of([8, 4, 8, 8])
+    w1 = ParallelTensorShape.of([4, 4, 1, 1])
+    w3 = ParallelTensorShape.of([4, 4, 3, 3])
+    assert op_class("Conv2d", [x, w1]) == "conv1x1"
+    assert op_class("Conv2d", [x, w3]) == "conv"
+    assert op_class("Conv2d") == "conv"
+    m = calibrated()
+    cm = CostModel(m)
+    # no conv1x1 overhead calibrated: falls back to the conv class
+    assert cm.roofline("Conv2d", 0.0, 0.0, "conv1x1") == cm.roofline("Conv2d", 0.0, 0.0, "conv")
+    d = dataclasses.replace(m.device, overheads={"conv": 5e-6, "conv1x1": 1e-6, "conv1x1:bwd": 2e-6})
+    cm2 = CostModel(dataclasses.replace(m, device=d))
+    f, b = cm2.roofline("Conv2d", 0.0, 0.0, "conv1x1")
+    assert (f, b) == (pytest.approx(1e-6), pytest.approx(2e-6))
+
+
+def test_median_time_counts_and_median_tree():
+    calls = []
+    cal._median_time(lambda: calls.append(1), reps=3, warmup=2, count=5)
+    assert len(calls) == 2 + 3 * 5
+    calls.clear()
+    cal._median_time(lambda: calls.append(1), reps=4, warmup=0)
+    assert len(calls) == 4                       # no window: one call per sample
+    t = cal._median_tree([{"a": 1.0, "b": {"c": 3.0}}, {"a": 5.0, "b": {"c": 1.0}}, {"a": 2.0, "b": {"c": 2.0}}])
+    assert t == {"a": 2.0, "b": {"c": 2.0}}
+
+
+@pytest.mark.slow
+def test_calibrate_quick_world_two():
+    m = cal.calibrate(quick=True, worlds=(2,), quiet=True)
+    rec = m.meta["worlds"]["2"]
+    assert set(rec["sync"]) >= {"iteration", "per_tensor", "buffers"}
+    assert "conv1x1" in rec["device"]["overheads"]
+    m2 = MachineSpec.from_json(m.to_json()).resized(1, 2)
+    assert m2.share == 1.0 and m2.meta["device_world"] == 2
