@@ -101,8 +101,36 @@ class _Ctx:
         self.lb: dict[int, float] = {}
         self.boundary: dict[int, list] = {}                # id(series) -> per child: (outs, live_after)
         self.join: dict[tuple, int] = {}                   # (id(series), i) -> main node of child i+1
-        self.fronts: dict = {}                             # memo of MachineMapper._front
+        self.fronts: dict = {}                             # memo of MachineMapper._front / _open
+        self._views: dict = {}
+        self._edges: dict = {}
+        self._pin: dict = {}
+        self.dpn = gc.model.machine.devices_per_node
         self._prep(dec.tree)
+
+    def views(self, n: int, res: Resource) -> list:
+        key = (self.gc.grid[n], res)
+        v = self._views.get(key)
+        if v is None:
+            v = self._views[key] = self.gc.views(n, res)
+        return v
+
+    def edge(self, n: int, pos: int, pv: MachineView, v: MachineView) -> float:
+        # moving both views by whole nodes does not change the cost (see MachineMapper._solve)
+        off = (min(pv.start, v.start) // self.dpn) * self.dpn
+        if off:
+            pv, v = MachineView(pv.start - off, pv.dims), MachineView(v.start - off, v.dims)
+        key = (n, pos, pv, v)
+        e = self._edges.get(key)
+        if e is None:
+            e = self._edges[key] = self.gc.edge_cost(n, pos, pv, v).time
+        return e
+
+    def priced_inputs(self, n: int) -> list:
+        p = self._pin.get(n)
+        if p is None:
+            p = self._pin[n] = self.gc.priced_inputs(n)
+        return p
 
     def _prep(self, t) -> None:
         if isinstance(t, Leaf):
@@ -176,6 +204,7 @@ class MachineMapper:
         self.model = model
         self.machine: MachineSpec = model.machine
         self.cache: dict = {}
+        self._inside_memo: dict = {}
         self.hits = 0
         self.misses = 0
 
@@ -231,7 +260,11 @@ class MachineMapper:
         # relative to the resource's first node and a hit is shifted back.
         off = (res.start // self.machine.devices_per_node) * self.machine.devices_per_node
         rel = ctx.relevant[id(t)]
-        fk = tuple(sorted((ctx.h[n], MachineView(v.start - off, v.dims)) for n, v in fixed.items() if n in rel))
+        if len(rel) < len(fixed):
+            items = [(n, fixed[n]) for n in rel if n in fixed]
+        else:
+            items = [(n, v) for n, v in fixed.items() if n in rel]
+        fk = tuple(sorted((ctx.h[n], MachineView(v.start - off, v.dims)) for n, v in items))
         key = (ctx.key[id(t)], Resource(res.start - off, res.nodes, res.per_node), fk)
         hit = self.cache.get(key)
         if hit is not None:
@@ -251,14 +284,18 @@ class MachineMapper:
         return out
 
     def _inside(self, v: MachineView, res: Resource) -> bool:
-        devs = set(res.devices(self.machine))
-        return all(d in devs for d in v.devices())
+        key = (v, res)
+        hit = self._inside_memo.get(key)
+        if hit is None:
+            devs = set(res.devices(self.machine))
+            hit = self._inside_memo[key] = all(d in devs for d in v.devices())
+        return hit
 
     def _cands(self, ctx: _Ctx, n: int, res: Resource, fixed: Mapping[int, MachineView]) -> list:
         if n in fixed:
             v = fixed[n]
             return [v] if self._inside(v, res) else []
-        return ctx.gc.views(n, res)
+        return ctx.views(n, res)
 
     def _leaf(self, ctx: _Ctx, t: Leaf, res: Resource, fixed, skip=frozenset()):
         """The leaf's optimum given ``fixed``; edges from producers in ``skip`` are left out (the
@@ -267,7 +304,7 @@ class MachineMapper:
         unit = ctx.dec.units[t.unit]
         main = unit[-1]
         others = unit[:-1]
-        feeders = {p for _, p in gc.priced_inputs(main) if p in others}
+        feeders = {p for _, p in ctx.priced_inputs(main) if p in others}
         # placements that feed nothing priced in this unit: their own cost only
         base = 0.0
         chosen: list = []
@@ -284,18 +321,18 @@ class MachineMapper:
         feed_cands = {p: self._cands(ctx, p, res, fixed) for p in feeders}
         if not main_cands or any(not c for c in feed_cands.values()):
             return (INF, ())
-        inputs = gc.priced_inputs(main)
+        inputs = ctx.priced_inputs(main)
         best_total, best_choice = INF, None
         for vm in main_cands:
             tot = base + gc.own_cost(main, vm).time
             ch = [(ctx.h[main], vm)]
             for pos, p in inputs:
                 if p not in feeders and p not in skip:
-                    tot += gc.edge_cost(main, pos, fixed[p], vm).time
+                    tot += ctx.edge(main, pos, fixed[p], vm)
             for p in sorted(feeders):
                 bp, bv = INF, None
                 for vp in feed_cands[p]:
-                    c = gc.own_cost(p, vp).time + sum(gc.edge_cost(main, pos, vp, vm).time
+                    c = gc.own_cost(p, vp).time + sum(ctx.edge(main, pos, vp, vm)
                                                        for pos, q in inputs if q == p)
                     if c < bp:
                         bp, bv = c, vp
@@ -306,23 +343,65 @@ class MachineMapper:
         return (best_total, tuple(chosen) + tuple(best_choice))
 
     def _series(self, ctx: _Ctx, t: Series, res: Resource, fixed):
+        states = self._series_pass(ctx, t, res, fixed, frozenset())
+        if not states:
+            return (INF, ())
+        return min(states.values(), key=lambda x: x[0])
+
+    def _series_pass(self, ctx: _Ctx, t: Series, res: Resource, fixed, extra: frozenset) -> dict:
+        """The left-to-right pass; the final states are keyed by the views of the nodes in ``extra``
+        (not in ``fixed``), which are treated as read after the series."""
         states: dict = {(): (0.0, ())}
         kids, info = t.children, ctx.boundary[id(t)]
+        done: set = set()
         i = 0
         while i < len(kids):
             child, (outs, live) = kids[i], info[i]
+            mine = ctx.nodes[id(child)]
+            done |= mine
+            if extra:
+                outs = sorted(set(outs) | (extra & mine))
+                live = live | (extra & done)
             outs = [n for n in outs if n not in fixed]
             jmain = ctx.join.get((id(t), i))
-            if jmain is not None and len(outs) >= 2:
-                states = self._series_join(ctx, child, kids[i + 1], jmain, outs, info[i + 1][1], states,
-                                           res, fixed)
+            if (jmain is not None and len(outs) >= 2
+                    and not (extra & (mine | ctx.nodes[id(kids[i + 1])]))):
+                jlive = info[i + 1][1]
+                done |= ctx.nodes[id(kids[i + 1])]
+                if extra:
+                    jlive = jlive | (extra & done)
+                states = self._series_join(ctx, child, kids[i + 1], jmain, outs, jlive, states, res, fixed)
                 i += 2
             else:
                 states = self._series_step(ctx, child, outs, live, states, res, fixed)
                 i += 1
             if not states:
-                return (INF, ())
-        return min(states.values(), key=lambda x: x[0])
+                return {}
+        return states
+
+    def _open(self, ctx: _Ctx, t, res: Resource, fixed, R: tuple) -> list:
+        """The optimum of subtree ``t`` for every combination of views of its nodes ``R`` (none in
+        ``fixed``): a list of (views of R, cost, assignment).  A series is solved in one pass whose
+        final states are keyed by those views."""
+        rel = ctx.relevant[id(t)]
+        key = ("open", id(t), res, R, tuple(sorted((n, v) for n, v in fixed.items() if n in rel)))
+        hit = ctx.fronts.get(key)
+        if hit is not None:
+            return hit
+        out = []
+        if isinstance(t, Series) and ctx.need[id(t)] <= res.size:
+            for skey, (c, a) in self._series_pass(ctx, t, res, fixed, frozenset(R)).items():
+                vm = dict(skey)
+                out.append((tuple(vm[n] for n in R), c, a))
+        else:
+            for combo in product(*(self._cands(ctx, n, res, fixed) for n in R)):
+                f2 = dict(fixed)
+                f2.update(zip(R, combo))
+                c, a = self._solve(ctx, t, res, f2)
+                if c < INF:
+                    out.append((combo, c, a))
+        ctx.fronts[key] = out
+        return out
 
     def _series_step(self, ctx: _Ctx, child, outs, live, states, res, fixed) -> dict:
         """One child of the left-to-right pass: solved once per state and combination of views of its
@@ -413,15 +492,10 @@ class MachineMapper:
                         pts.extend((max(cx, cy), ex + ey, (ax, ay)) for cx, ex, ax in fx for cy, ey, ay in fy)
         else:
             gc = ctx.gc
-            inputs = gc.priced_inputs(jmain)
-            rs = set(R)
-            for combo in product(*(self._cands(ctx, n, res, fixed) for n in R)):
-                f2 = dict(fixed)
-                f2.update(zip(R, combo))
-                c, a = self._solve(ctx, t, res, f2)
-                if c == INF:
-                    continue
-                e = sum(gc.edge_cost(jmain, pos, f2[p], vj).time for pos, p in inputs if p in rs)
+            inputs = [(pos, p) for pos, p in ctx.priced_inputs(jmain) if p in R]
+            idx = {n: k for k, n in enumerate(R)}
+            for views, c, a in self._open(ctx, t, res, fixed, tuple(R)):
+                e = sum(ctx.edge(jmain, pos, views[idx[p]], vj) for pos, p in inputs)
                 pts.append((c, e, a))
         out = _pareto(pts)
         ctx.fronts[key] = out
