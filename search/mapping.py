@@ -96,6 +96,7 @@ class _Ctx:
                 self.reads[nid] = {p for _, p in gc.priced_inputs(nid)}
         self.nodes: dict[int, frozenset] = {}              # id(tree) -> nodes in it
         self.relevant: dict[int, frozenset] = {}           # id(tree) -> nodes + external producers
+        self.relsorted: dict[int, list] = {}               # id(tree) -> (node, hash) by hash, small trees
         self.key: dict[int, str] = {}
         self.need: dict[int, int] = {}
         self.lb: dict[int, float] = {}
@@ -151,6 +152,8 @@ class _Ctx:
             ext |= self.reads[n]
         self.nodes[id(t)] = ns
         self.relevant[id(t)] = frozenset(ns | ext)
+        if len(self.relevant[id(t)]) <= 64:
+            self.relsorted[id(t)] = sorted(((n, self.h[n]) for n in self.relevant[id(t)]), key=lambda x: x[1])
         self.key[id(t)] = hashlib.blake2b(key.encode(), digest_size=16).hexdigest()
         self.need[id(t)] = max((_deg(self.gc, n) for n in ns), default=1)
         # a lower bound of the subtree's cost on any resource: the compute of its compute nodes
@@ -260,12 +263,13 @@ class MachineMapper:
         # relative to the resource's first node and a hit is shifted back.
         off = (res.start // self.machine.devices_per_node) * self.machine.devices_per_node
         rel = ctx.relevant[id(t)]
-        if len(rel) < len(fixed):
-            items = [(n, fixed[n]) for n in rel if n in fixed]
+        if len(rel) <= len(fixed) and id(t) in ctx.relsorted:
+            fk = tuple((h, v.start - off, v.dims) for n, h in ctx.relsorted[id(t)]
+                       if (v := fixed.get(n)) is not None)
         else:
-            items = [(n, v) for n, v in fixed.items() if n in rel]
-        fk = tuple(sorted((ctx.h[n], MachineView(v.start - off, v.dims)) for n, v in items))
-        key = (ctx.key[id(t)], Resource(res.start - off, res.nodes, res.per_node), fk)
+            h = ctx.h
+            fk = tuple(sorted((h[n], v.start - off, v.dims) for n, v in fixed.items() if n in rel))
+        key = (ctx.key[id(t)], res.start - off, res.nodes, res.per_node, fk)
         hit = self.cache.get(key)
         if hit is not None:
             self.hits += 1
@@ -407,6 +411,7 @@ class MachineMapper:
         """One child of the left-to-right pass: solved once per state and combination of views of its
         boundary nodes ``outs``; the new states are keyed by the views of the ``live`` nodes."""
         out_cands = [self._cands(ctx, n, res, fixed) for n in outs]
+        keep = sorted(n for n in live if n not in fixed)
         new: dict = {}
         for skey, (scost, sass) in states.items():
             f = dict(fixed)
@@ -420,7 +425,7 @@ class MachineMapper:
                 if c == INF:
                     continue
                 tot = scost + c
-                nkey = tuple(sorted((n, v) for n, v in f2.items() if n in live and n not in fixed))
+                nkey = tuple((n, f2[n]) for n in keep if n in f2)
                 old = new.get(nkey)
                 if old is None or tot < old[0]:
                     new[nkey] = (tot, (sass, a))
@@ -436,6 +441,7 @@ class MachineMapper:
         the edge costs always add), and the optimum is the front's least cost + edges."""
         gc = ctx.gc
         outset = frozenset(outs)
+        keep = sorted(n for n in live if n not in fixed)
         new: dict = {}
         for skey, (scost, sass) in states.items():
             f = dict(fixed)
@@ -446,22 +452,46 @@ class MachineMapper:
                 jc, ja = self._leaf(ctx, jleaf, res, fj, skip=outset)
                 if jc == INF:
                     continue
-                front = self._front(ctx, child, res, f, jmain, vj, outset)
+                ub = self._seqval(ctx, child, res, f, jmain, vj, outset)
+                if ub == INF:
+                    continue
+                front = self._front(ctx, child, res, f, jmain, vj, outset, ub)
                 if not front:
                     continue
                 c, e, a = min(front, key=lambda p: p[0] + p[1])
                 tot = scost + jc + c + e
-                nkey = tuple(sorted((n, v) for n, v in fj.items() if n in live and n not in fixed))
+                nkey = tuple((n, fj[n]) for n in keep if n in fj)
                 old = new.get(nkey)
                 if old is None or tot < old[0]:
                     new[nkey] = (tot, (sass, (a, ja)))
         return new
 
-    def _front(self, ctx: _Ctx, t, res: Resource, fixed, jmain: int, vj: MachineView, outs: frozenset) -> list:
+    def _seqval(self, ctx: _Ctx, t, res: Resource, fixed, jmain: int, vj: MachineView, outs: frozenset) -> float:
+        """The least cost + edges into the join with every parallel split of ``t`` run one branch
+        after the other (an achievable value: the upper bound for :meth:`_front`)."""
+        if isinstance(t, Parallel) and any(n in ctx.nodes[id(t)] for n in outs):
+            return (self._seqval(ctx, t.left, res, fixed, jmain, vj, outs)
+                    + self._seqval(ctx, t.right, res, fixed, jmain, vj, outs))
+        return min((c + e for c, e, _ in self._front(ctx, t, res, fixed, jmain, vj, outs, INF)), default=INF)
+
+    def _emin(self, ctx: _Ctx, t, res: Resource, jmain: int, vj: MachineView, outs: frozenset) -> float:
+        """A lower bound of the edges from ``t``'s nodes in ``outs`` into the join, ``t`` on ``res``."""
+        tot = 0.0
+        mine = ctx.nodes[id(t)]
+        for pos, p in ctx.priced_inputs(jmain):
+            if p in outs and p in mine:
+                tot += min((ctx.edge(jmain, pos, v, vj) for v in ctx.views(p, res)), default=INF)
+        return tot
+
+    def _front(self, ctx: _Ctx, t, res: Resource, fixed, jmain: int, vj: MachineView, outs: frozenset,
+               ub: float) -> list:
         """Pareto front of (cost of subtree ``t`` on ``res``, cost of the edges from its nodes in
-        ``outs`` into ``jmain`` on view ``vj``, assignment), sorted by cost."""
+        ``outs`` into ``jmain`` on view ``vj``, assignment), sorted by cost.  ``ub`` is an
+        achievable value of the join's cost + edges: side-by-side splits whose lower bound (branch
+        compute and least edges) reaches it are skipped (their points cannot win: every cost the
+        caller adds is non-negative)."""
         rel = ctx.relevant[id(t)]
-        key = (id(t), res, vj, tuple(sorted((n, v) for n, v in fixed.items() if n in rel)))
+        key = (id(t), res, vj, ub, tuple(sorted((n, v) for n, v in fixed.items() if n in rel)))
         hit = ctx.fronts.get(key)
         if hit is not None:
             return hit
@@ -472,8 +502,8 @@ class MachineMapper:
             if c < INF:
                 pts.append((c, 0.0, a))
         elif isinstance(t, Parallel):
-            fl = self._front(ctx, t.left, res, fixed, jmain, vj, outs)
-            fr = self._front(ctx, t.right, res, fixed, jmain, vj, outs) if fl else []
+            fl = self._front(ctx, t.left, res, fixed, jmain, vj, outs, ub)
+            fr = self._front(ctx, t.right, res, fixed, jmain, vj, outs, ub) if fl else []
             pts = [(ca + cb, ea + eb, (aa, ab)) for ca, ea, aa in fl for cb, eb, ab in fr]
             # side by side costs at least max(lb) and edges at least the least edge cost of any
             # one-after-the-other point (the latter allows every boundary view the former does)
@@ -485,10 +515,13 @@ class MachineMapper:
                     for x, y in ((t.left, t.right), (t.right, t.left)):
                         if ctx.need[id(x)] > r1.size or ctx.need[id(y)] > r2.size:
                             continue
-                        fx = self._front(ctx, x, r1, fixed, jmain, vj, outs)
+                        if (max(ctx.lb[id(x)], ctx.lb[id(y)]) + self._emin(ctx, x, r1, jmain, vj, outs)
+                                + self._emin(ctx, y, r2, jmain, vj, outs)) >= ub:
+                            continue
+                        fx = self._front(ctx, x, r1, fixed, jmain, vj, outs, ub)
                         if not fx:
                             continue
-                        fy = self._front(ctx, y, r2, fixed, jmain, vj, outs)
+                        fy = self._front(ctx, y, r2, fixed, jmain, vj, outs, ub)
                         pts.extend((max(cx, cy), ex + ey, (ax, ay)) for cx, ex, ax in fx for cy, ey, ay in fy)
         else:
             gc = ctx.gc
