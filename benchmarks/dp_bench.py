@@ -1,5 +1,6 @@
 """Machine-mapping DP solve time on the zoo's paper-size models, data parallel on Summit, and the DP's
-agreement with exhaustive enumeration on small graphs.
+agreement with exhaustive enumeration on small graphs (tests/search/test_mapping.py and
+test_mapping_join.py).
 
 For each model and D in (6, 48, 192) devices (summit:1x6, 8x6, 32x6): the model is exported once
 (``zoo.export(name, size="paper")``, cached in benchmarks/.cache/), imported with ``load_onnx`` at the
@@ -8,6 +9,9 @@ by a fresh :class:`MachineMapper` (cold cache) ``--runs`` times (median), then o
 same mapper (warm cache: the reuse the substitution search gets).
 
 Usage:  .venv/bin/python benchmarks/dp_bench.py [--models a,b] [--devices 6,48,192] [--runs 3]
+        .venv/bin/python benchmarks/dp_bench.py --models inception_v3 --degree 6 --devices 12,24
+        (``--degree D``: data parallel of degree D on more devices -- many views per operator and
+        side-by-side splits possible: the DP's hard regime)
 Writes benchmarks/results/dp_bench.json.
 """
 from __future__ import annotations
@@ -84,10 +88,11 @@ def agreement() -> dict:
     """DP optimum vs exhaustive enumeration on the small graphs of tests/search (same cost model)."""
     from search.cost import CostModel
     from search.mapping import MachineMapper, exhaustive_mapping
-    from tests.search.test_mapping import CASES
+    from tests.search.test_mapping import CASES as C1
+    from tests.search.test_mapping_join import CASES as C2
     from unity_pcg.machine import parse_machine
     out = []
-    for name, make, machine in CASES:
+    for name, make, machine in list(C1) + list(C2):
         g = make()
         model = CostModel(parse_machine(machine))
         t = time.perf_counter()

@@ -12,6 +12,16 @@ the predicted iteration time is minimal.  The PCG is decomposed into a series-pa
   c1..ci that later children read (the boundary of a sequence split; for a post-dominator split it
   is just the post-dominator); each child is solved once per state and per combination of views of
   its own boundary nodes.  Series cost = sum.
+* *Joins.*  When a child's boundary has two or more nodes and all of them are read only by the main
+  node J of the next child (a k-way parallel split followed by the concat / add that reads every
+  branch), the two are solved together: for each state and each view vJ of J, J's edges from
+  the child decompose per boundary node, so the child is priced by its Pareto front of (child
+  cost, cost of its edges into J).  A parallel split combines its branches' fronts (costs add one
+  after the other and take the max side by side; edge costs always add); a branch's points come
+  from one series pass whose final states are keyed by the branch end's view.  The optimum is
+  the front's least cost + edges -- exact, without enumerating the V^k combinations of branch-end
+  views.  Side-by-side splits whose lower bound (compute of the larger side plus the least
+  possible edges) reaches the all-one-after-the-other value are skipped.
 * ``Parallel(a, b)``: either one after the other on the whole resource (sum), or side by side on a
   split of the resource by *quantity* -- whole nodes, or devices inside one node, both orientations
   (max).  No interleaving of the two (as in Unity).
@@ -25,9 +35,10 @@ inputs), so a candidate PCG produced by a substitution reuses every subproblem u
 rewritten region.  Views are remembered by node hash and translated back to node ids per graph.
 
 Complexity: each series child is solved once per (state, combination of its boundary views), so a
-boundary of k nodes with V views each costs V^k.  Data-parallel PCGs at full degree have V = 1-2 and
-solve in well under a second at 192 devices; smaller degrees (more views per operator) after a
-k-way parallel split (Inception: k = 4) are the expensive case (benchmarks/results/machine_mapping.md).
+boundary of k nodes with V views each costs V^k -- except at joins (above), where a k-way split costs
+about k * V^2 series passes per view of the join and per state.  Data-parallel PCGs at full degree have
+V = 1-2; smaller degrees (V ~ 7 for degree 6 on 24 devices) are the expensive case
+(benchmarks/results/machine_mapping.md, dp_join.md).
 
 Memory: the DP minimizes time; the chosen mapping's memory per device is then checked and a plan
 that does not fit is infeasible (``cost = inf`` with a reason), never merely slow.
