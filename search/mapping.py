@@ -117,6 +117,7 @@ class _Ctx:
         self._views: dict = {}
         self._edges: dict = {}
         self._pin: dict = {}
+        self.feed: dict = {}                               # (placement, main view, resource, fixed) -> best
         self.dpn = gc.model.machine.devices_per_node
         self._prep(dec.tree)
 
@@ -130,11 +131,11 @@ class _Ctx:
     def edge(self, n: int, pos: int, pv: MachineView, v: MachineView) -> float:
         # moving both views by whole nodes does not change the cost (see MachineMapper._solve)
         off = (min(pv.start, v.start) // self.dpn) * self.dpn
-        if off:
-            pv, v = MachineView(pv.start - off, pv.dims), MachineView(v.start - off, v.dims)
-        key = (n, pos, pv, v)
+        key = (n, pos, pv.start - off, pv.dims, v.start - off, v.dims)
         e = self._edges.get(key)
         if e is None:
+            if off:
+                pv, v = MachineView(pv.start - off, pv.dims), MachineView(v.start - off, v.dims)
             e = self._edges[key] = self.gc.edge_cost(n, pos, pv, v).time
         return e
 
@@ -345,12 +346,17 @@ class MachineMapper:
                 if p not in feeders and p not in skip:
                     tot += ctx.edge(main, pos, fixed[p], vm)
             for p in sorted(feeders):
-                bp, bv = INF, None
-                for vp in feed_cands[p]:
-                    c = gc.own_cost(p, vp).time + sum(ctx.edge(main, pos, vp, vm)
-                                                       for pos, q in inputs if q == p)
-                    if c < bp:
-                        bp, bv = c, vp
+                fkey = (p, vm, res, fixed.get(p))     # independent of the other fixed views
+                hit = ctx.feed.get(fkey)
+                if hit is None:
+                    bp, bv = INF, None
+                    for vp in feed_cands[p]:
+                        c = gc.own_cost(p, vp).time + sum(ctx.edge(main, pos, vp, vm)
+                                                           for pos, q in inputs if q == p)
+                        if c < bp:
+                            bp, bv = c, vp
+                    hit = ctx.feed[fkey] = (bp, bv)
+                bp, bv = hit
                 tot += bp
                 ch.append((ctx.h[p], bv))
             if tot < best_total:
