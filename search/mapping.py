@@ -386,7 +386,7 @@ class MachineMapper:
             outs = [n for n in outs if n not in fixed]
             jmain = ctx.join.get((id(t), i))
             if (jmain is not None and len(outs) >= 2
-                    and not (extra & (mine | ctx.nodes[id(kids[i + 1])]))):
+                    and not (extra & mine) and (extra & ctx.nodes[id(kids[i + 1])]) <= {jmain}):
                 jlive = info[i + 1][1]
                 done |= ctx.nodes[id(kids[i + 1])]
                 if extra:
