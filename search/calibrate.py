@@ -1,25 +1,29 @@
 """Measure this computer and describe it as a ``local`` :class:`MachineSpec`.
 
-Devices of the local machine are CPU processes (one torch thread each) that share the cores: the
-measured per-process throughput is scaled by ``cores / processes`` when there are more processes
-than cores (``MachineSpec.share``).  What is measured (medians of repeated runs, torch on one
-thread):
+Devices of the local machine are CPU processes that share the cores.  Everything is measured once
+per *world size* ``w`` (number of processes training together), with ``w`` processes running the
+same micro-benchmarks at the same time (``torch.multiprocessing`` + gloo over
+``tcp://127.0.0.1``), each on ``max(1, cores // w)`` torch threads as a data-parallel launcher
+would set them, so the numbers include what sharing the cores costs (oversubscription, SMT
+siblings, other programs' load at that moment).  Per world size (medians over repeated samples
+and over the ranks; every sample loops for at least a few scheduler time slices, so the time a
+process waits for a core is counted):
 
 * matmul and conv2d throughput (FLOP/s; the faster is the device's ``peak_flops``, each kind's
-  efficiency is its throughput relative to it), memory bandwidth (a large tensor copy: read + write);
+  efficiency is its throughput relative to it), memory bandwidth (a large tensor copy);
 * the per-operator overhead of a training step: a chain of tiny Linear+ReLU layers, forward and
-  backward, divided by the number of operator runs (forward + backward); and per operator class
-  (conv, matmul, elementwise, norm, pool) the forward and backward time of a tiny instance;
-* the optimizer (Adam) step overhead per weight tensor;
-* gloo collectives over loopback TCP for world sizes 2..4 (``torch.multiprocessing`` +
-  ``torch.distributed``, ``init_method=tcp://127.0.0.1:PORT``): all-reduce time of a tiny and a large
-  tensor sweep (1 to 4M floats), fitted to the ring model ``2(p-1) alpha + 2(p-1)/p n / beta`` by least
-  squares on relative error.  The fit for each world size
-  is kept in ``meta["allreduce_fits"]``; the links of a resized local machine use the fit of its
-  device count (nearest measured).
+  backward, per operator run; and per operator class (conv 3x3, conv 1x1, matmul, elementwise,
+  norm, pool) the forward and backward time of a chain of tiny module instances;
+* the optimizer (Adam) step overhead per weight tensor (64 tiny tensors);
+* DistributedDataParallel's own cost (:func:`measure_ddp`): per iteration, per gradient tensor and
+  for buffer synchronization, from chains of tiny Linear layers with and without DDP;
+* gloo all-reduce over a sweep of sizes (1 to 4M floats), fitted to the ring model
+  ``2(p-1) alpha + 2(p-1)/p n / beta`` by least squares on relative error.
 
-Progress goes to stderr.  ``quick=True`` uses smaller sizes, fewer repeats and world sizes 2 and 4,
-and finishes well within a minute.
+``meta["worlds"][str(w)]`` keeps each world's device, link and ``sync`` costs;
+:meth:`MachineSpec.resized` picks the nearest world (and ``meta["allreduce_fits"]`` keeps the
+fits as before).  Nothing here looks at a particular model.  Progress goes to stderr.
+``quick=True`` uses smaller sizes, fewer repeats and world sizes 2 and 4.
 """
 from __future__ import annotations
 
@@ -161,8 +165,8 @@ def measure_ddp(quick: bool = False) -> dict:
     import torch.distributed as dist
     from torch.nn.parallel import DistributedDataParallel as DDP
     nn = torch.nn
-    reps = 3 if quick else 5
-    count = 10 if quick else 20    # iterations per sample (tens of ms: several scheduler slices)
+    reps = 5 if quick else 9
+    count = 10 if quick else 15    # iterations per sample (tens of ms: several scheduler slices)
     x = torch.randn(8, 16)
 
     def chain(layers: int, bn: bool = False):
@@ -175,7 +179,7 @@ def measure_ddp(quick: bool = False) -> dict:
             mods.append(nn.ReLU())
         return nn.Sequential(*mods)
 
-    def iter_time(model, wrap) -> float:
+    def make_step(model, wrap):
         m = wrap(model) if wrap else model
         opt = torch.optim.Adam(model.parameters(), lr=1e-4)
 
@@ -183,21 +187,31 @@ def measure_ddp(quick: bool = False) -> dict:
             opt.zero_grad(set_to_none=True)
             m(x).mean().backward()
             opt.step()
-        dist.barrier()
-        return _median_time(step, reps, warmup=3, count=count)
+        return step
 
     short, long_ = 4, 16
-    res = {}
-    for layers in (short, long_):
-        plain = iter_time(chain(layers), None)
-        ddp = iter_time(chain(layers), DDP)
-        res[layers] = max(ddp - plain, 0.0)
+    configs = {
+        "short": make_step(chain(short), None), "short_ddp": make_step(chain(short), DDP),
+        "long": make_step(chain(long_), None), "long_ddp": make_step(chain(long_), DDP),
+        "bn_sync": make_step(chain(short, bn=True), lambda mm: DDP(mm, broadcast_buffers=True)),
+        "bn_nosync": make_step(chain(short, bn=True), lambda mm: DDP(mm, broadcast_buffers=False)),
+    }
+    # interleaved samples (one of every configuration per round), so that a drifting host load
+    # affects the configurations alike and cancels in their differences
+    samples: dict = {k: [] for k in configs}
+    for step in configs.values():
+        for _ in range(3):
+            step()
+    for _ in range(reps):
+        for k, step in configs.items():
+            dist.barrier()
+            samples[k].append(_median_time(step, 1, warmup=0, count=count))
+    t = {k: statistics.median(v) for k, v in samples.items()}
+    res = {short: max(t["short_ddp"] - t["short"], 0.0), long_: max(t["long_ddp"] - t["long"], 0.0)}
     per_tensor = max((res[long_] - res[short]) / (2 * (long_ - short)), 0.0)
     iteration = max(res[short] - per_tensor * 2 * short, 0.0)
-    with_buf = iter_time(chain(short, bn=True), lambda mm: DDP(mm, broadcast_buffers=True))
-    no_buf = iter_time(chain(short, bn=True), lambda mm: DDP(mm, broadcast_buffers=False))
-    return {"iteration": iteration, "per_tensor": per_tensor, "buffers": max(with_buf - no_buf, 0.0),
-            "measured": {str(k): v for k, v in res.items()}}
+    return {"iteration": iteration, "per_tensor": per_tensor, "buffers": max(t["bn_sync"] - t["bn_nosync"], 0.0),
+            "measured": t}
 
 
 def _free_port() -> int:
