@@ -50,6 +50,7 @@ def bench_model(name: str, devices: list, runs: int, degree: int | None = None) 
 
     path = model_path(name)
     per_dev = zoo.MODELS[name].paper_batch
+    optimizer = zoo.MODELS[name].paper_optimizer   # Unity §6.1: Adam for BERT-Large, SGD otherwise
     rows = []
     for D in devices:
         m = parse_machine(f"summit:{max(1, D // 6)}x{min(6, D)}")
@@ -60,7 +61,7 @@ def bench_model(name: str, devices: list, runs: int, degree: int | None = None) 
         t_build = time.perf_counter() - t
         times, r = [], None
         for _ in range(runs):
-            mm = MachineMapper(CostModel(m))
+            mm = MachineMapper(CostModel(m, optimizer=optimizer))
             t = time.perf_counter()
             r = mm.optimize(pg)
             times.append(time.perf_counter() - t)
@@ -69,7 +70,7 @@ def bench_model(name: str, devices: list, runs: int, degree: int | None = None) 
         warm = time.perf_counter() - t
         assert r2.cost == r.cost or (math.isinf(r.cost) and math.isinf(r2.cost))
         row = {"model": name, "devices": D, "dp_degree": deg, "machine": f"summit:{m.nodes}x{m.devices_per_node}",
-               "global_batch": per_dev * deg, "pcg_nodes": len(pg), "units": r.stats["units"],
+               "global_batch": per_dev * deg, "optimizer": optimizer, "pcg_nodes": len(pg), "units": r.stats["units"],
                "series_parallel": r.stats["series_parallel"], "fallbacks": len(pg.meta.get("fallbacks", [])),
                "solve_s_median": statistics.median(times), "solve_s_runs": times, "warm_solve_s": warm,
                "subproblems": r.stats["cache_misses"], "predicted_iteration_s": r.cost if r.feasible else None,

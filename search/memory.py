@@ -3,9 +3,11 @@
 On each device: every weight piece it holds (the end of a weight's placement chain, or a weight read
 directly by a compute operator) times ``2 + optimizer states`` (weight, gradient, and 0 / 1 / 2 state
 copies for SGD / SGD with momentum / Adam) if it is trained, once if not (BatchNorm running
-statistics, integer index tables); every activation piece it holds -- outputs of compute
-operators and of data-moving parallel operators, all kept for the backward pass (no
-rematerialization); and the input shards the data loader feeds it.  A plan whose busiest device
+statistics, integer index tables); every activation piece it holds that the backward pass needs
+(:func:`kept_fraction`: a tensor some consumer saves for its gradient, e.g. the input of a Linear
+or the output of a Relu, or a graph output; a view such as a Reshape's output or the output of an
+Add that nobody saves is freed after the forward pass; Dropout keeps a one-byte mask per element);
+and the input shards the data loader feeds it. No rematerialization.  A plan whose busiest device
 exceeds ``MachineSpec.device.memory_bytes`` is infeasible.
 """
 from __future__ import annotations
@@ -43,6 +45,41 @@ class MemoryReport:
                 f"{self.activations.get(dev, 0) / 2**30:.2f} GiB) but has {self.capacity / 2**30:.2f} GiB")
 
 
+# input positions an operator saves for its backward pass ("*": all), and operators that save their own
+# output; operators not listed save all their inputs (the conservative default)
+SAVES_INPUTS: dict = {
+    "Linear": {0}, "MatMul": {0, 1}, "BatchMatMul": {0, 1}, "Conv2d": {0}, "Mul": {0, 1}, "Div": {0, 1},
+    "Pow": {0, 1}, "Max": {0, 1}, "Min": {0, 1}, "Gelu": {0}, "Erf": {0}, "Sqrt": set(), "Reciprocal": set(),
+    "Clip": {0}, "LayerNorm": {0}, "BatchNorm": {0}, "LRN": {0}, "Embedding": {0}, "Gather": {1},
+    "Pool2d": {0}, "Relu": set(), "Sigmoid": set(), "Tanh": set(), "Exp": set(), "Softmax": set(),
+    "Add": set(), "Sub": set(), "Neg": set(), "Scale": set(), "Identity": set(), "Dropout": set(),
+    "Cast": set(), "Concat": set(), "Split": set(), "Slice": set(), "Reshape": set(), "Transpose": set(),
+    "Flatten": set(), "Expand": set(), "ReduceSum": set(), "ReduceMean": set(),
+    "Partition": set(), "Combine": set(), "Replicate": set(), "Reduce": set(), "AllReduce": set(),
+    "Pipeline": set(), "Batch": set(),
+}
+SAVES_OUTPUT = {"Relu", "Sigmoid", "Tanh", "Exp", "Softmax", "Sqrt", "Reciprocal", "Div", "LRN"}
+
+
+def kept_fraction(g, nid: int, k: int) -> float:
+    """Fraction of output ``k`` of node ``nid`` held until the backward pass: 1 when its producer or
+    a consumer saves it or it is a graph output; a Dropout output that nobody saves keeps only its
+    one-byte-per-element mask; else 0."""
+    node = g.node(nid)
+    if node.op in SAVES_OUTPUT or (nid, k) in set(map(tuple, g.outputs)):
+        return 1.0
+    uses = g.consumers((nid, k))
+    if not uses:
+        return 1.0
+    for u, pos in uses:
+        saved = SAVES_INPUTS.get(g.node(u).op)
+        if saved is None or pos in saved:
+            return 1.0
+    if node.op == "Dropout":
+        return 1.0 / g.shapes(nid)[k].itemsize
+    return 0.0
+
+
 def memory_per_device(gc: GraphCost, views: Mapping[int, MachineView]) -> MemoryReport:
     g = gc.g
     factor = gc.model.weight_memory_factor()
@@ -66,7 +103,10 @@ def memory_per_device(gc: GraphCost, views: Mapping[int, MachineView]) -> Memory
         if role == "input-placement" and any(gc.role[x[0]] != "input" for x in node.inputs):
             continue  # only the first placement of an input holds data; later ones re-describe it
         for k, s in enumerate(g.shapes(nid)):
-            pb = s.piece_nbytes
+            frac = 1.0 if role == "input-placement" else kept_fraction(g, nid, k)
+            if frac == 0.0:
+                continue
+            pb = int(s.piece_nbytes * frac)
             for d in gc.placement(nid, view, k):
                 a[d] += pb
     devs = set(w) | set(a)

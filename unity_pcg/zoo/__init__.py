@@ -50,6 +50,11 @@ class ZooEntry:
     paper_batch: int   # per-device batch size used in the Unity paper
     tiny_batch: int    # batch size used for the tiny (test) configuration
 
+    @property
+    def paper_optimizer(self) -> str:
+        """The optimizer of Unity §6.1: Adam for BERT-Large, SGD for the other models."""
+        return "adam" if self.name == "bert_large" else "sgd"
+
 
 MODELS: "OrderedDict[str, ZooEntry]" = OrderedDict(
     (e.name, e) for e in (
