@@ -15,8 +15,9 @@ process waits for a core is counted):
   backward, per operator run; and per operator class (conv 3x3, conv 1x1, matmul, elementwise,
   norm, pool) the forward and backward time of a chain of tiny module instances;
 * the optimizer (Adam) step overhead per weight tensor (64 tiny tensors);
-* DistributedDataParallel's own cost (:func:`measure_ddp`): per iteration, per gradient tensor and
-  for buffer synchronization, from chains of tiny Linear layers with and without DDP;
+* DistributedDataParallel's own cost (:func:`measure_ddp`): per iteration, per gradient tensor,
+  for buffer synchronization and per second of compute, from generic Linear chains with and
+  without DDP;
 * gloo all-reduce over a sweep of sizes (1 to 4M floats), fitted to the ring model
   ``2(p-1) alpha + 2(p-1)/p n / beta`` by least squares on relative error.
 
@@ -160,32 +161,38 @@ def measure_ddp(quick: bool = False) -> dict:
     fitted as ``iteration + per_tensor * weight tensors`` over two chain lengths (the bucket's
     all-reduce latency, the wait for the slowest peer, the per-gradient hooks and bucket copies).
     A chain with BatchNorm layers, with and without ``broadcast_buffers``, gives the per-iteration
-    cost of synchronizing buffers (one coalesced broadcast in every forward)."""
+    cost of synchronizing buffers (one coalesced broadcast in every forward).  A compute-heavy,
+    parameter-light chain (a few Linear(64, 64) on 4096 rows) gives ``per_compute``: DDP's extra
+    time beyond the fixed terms per second of compute (replicas waiting for each other grows with
+    the compute between synchronizations)."""
     import torch
     import torch.distributed as dist
     from torch.nn.parallel import DistributedDataParallel as DDP
     nn = torch.nn
     reps = 5 if quick else 9
-    count = 10 if quick else 15    # iterations per sample (tens of ms: several scheduler slices)
+    count = 10 if quick else 15
+    heavy_count = 2 if quick else 3    # iterations per sample (tens of ms: several scheduler slices)
     x = torch.randn(8, 16)
 
-    def chain(layers: int, bn: bool = False):
+    heavy_x = torch.randn(4096, 64)
+
+    def chain(layers: int, bn: bool = False, width: int = 16):
         torch.manual_seed(0)
         mods = []
         for _ in range(layers):
-            mods.append(nn.Linear(16, 16))
+            mods.append(nn.Linear(width, width))
             if bn:
                 mods.append(nn.BatchNorm1d(16))
             mods.append(nn.ReLU())
         return nn.Sequential(*mods)
 
-    def make_step(model, wrap):
+    def make_step(model, wrap, inp=x):
         m = wrap(model) if wrap else model
         opt = torch.optim.Adam(model.parameters(), lr=1e-4)
 
         def step():
             opt.zero_grad(set_to_none=True)
-            m(x).mean().backward()
+            m(inp).mean().backward()
             opt.step()
         return step
 
@@ -195,6 +202,11 @@ def measure_ddp(quick: bool = False) -> dict:
         "long": make_step(chain(long_), None), "long_ddp": make_step(chain(long_), DDP),
         "bn_sync": make_step(chain(short, bn=True), lambda mm: DDP(mm, broadcast_buffers=True)),
         "bn_nosync": make_step(chain(short, bn=True), lambda mm: DDP(mm, broadcast_buffers=False)),
+        # few tiny weights, much compute (tens of ms): how the replicas' waiting for each other
+        # grows with the compute between synchronizations (processes descheduled while others
+        # compute, gloo's waiting ranks taking CPU time)
+        "heavy": make_step(chain(short, width=64), None, heavy_x),
+        "heavy_ddp": make_step(chain(short, width=64), DDP, heavy_x),
     }
     # interleaved samples (one of every configuration per round), so that a drifting host load
     # affects the configurations alike and cancels in their differences
@@ -205,13 +217,15 @@ def measure_ddp(quick: bool = False) -> dict:
     for _ in range(reps):
         for k, step in configs.items():
             dist.barrier()
-            samples[k].append(_median_time(step, 1, warmup=0, count=count))
+            samples[k].append(_median_time(step, 1, warmup=0, count=heavy_count if k.startswith("heavy") else count))
     t = {k: statistics.median(v) for k, v in samples.items()}
     res = {short: max(t["short_ddp"] - t["short"], 0.0), long_: max(t["long_ddp"] - t["long"], 0.0)}
     per_tensor = max((res[long_] - res[short]) / (2 * (long_ - short)), 0.0)
     iteration = max(res[short] - per_tensor * 2 * short, 0.0)
+    fixed = iteration + per_tensor * 2 * short
+    per_compute = max((t["heavy_ddp"] - t["heavy"] - fixed) / max(t["heavy"], 1e-9), 0.0)
     return {"iteration": iteration, "per_tensor": per_tensor, "buffers": max(t["bn_sync"] - t["bn_nosync"], 0.0),
-            "measured": t}
+            "per_compute": per_compute, "measured": t}
 
 
 def _free_port() -> int:

@@ -100,6 +100,8 @@ class CostModel:
         self.sync_iteration = max(float(sync.get("iteration", 0.0)), 0.0)
         self.sync_per_tensor = max(float(sync.get("per_tensor", 0.0)), 0.0)
         self.sync_buffers = max(float(sync.get("buffers", 0.0)), 0.0)
+        # waiting for the other replicas grows with the compute between synchronizations
+        self.sync_per_compute = max(float(sync.get("per_compute", 0.0)), 0.0) if machine.num_devices > 1 else 0.0
 
     # --- compute -------------------------------------------------------------------------------
     def op_time(self, op: str, attrs: Mapping[str, Any], in_shapes: Sequence[ParallelTensorShape],
@@ -126,7 +128,8 @@ class CostModel:
         # launch / dispatch overhead per class (calibrated), on the (shared) cores too
         fwd = t + dev.overhead(kind) / m.share
         bwd = self.backward_factor * t + dev.overhead(kind, backward=True) / m.share
-        return fwd, bwd
+        k = 1.0 + self.sync_per_compute
+        return fwd * k, bwd * k
 
     # --- gradient synchronization --------------------------------------------------------------
     def grad_allreduce_time(self, devs, nbytes: float) -> float:

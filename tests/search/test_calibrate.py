@@ -129,3 +129,15 @@ def test_calibrate_quick_world_two():
     assert "conv1x1" in rec["device"]["overheads"]
     m2 = MachineSpec.from_json(m.to_json()).resized(1, 2)
     assert m2.share == 1.0 and m2.meta["device_world"] == 2
+
+
+def test_sync_wait_grows_with_compute_only_with_replicas():
+    g = mlp(batch=8, h=16, layers=2)
+    s0 = {"iteration": 0.0, "per_tensor": 0.0, "buffers": 0.0, "per_compute": 0.0}
+    s1 = dict(s0, per_compute=0.25)
+    r0 = MachineMapper(CostModel(calibrated(sync2=s0))).optimize(data_parallel(g, 2))
+    r1 = MachineMapper(CostModel(calibrated(sync2=s1))).optimize(data_parallel(g, 2))
+    assert r1.breakdown.compute == pytest.approx(1.25 * r0.breakdown.compute, rel=1e-9)
+    one = calibrated(sync2=s1)
+    one = dataclasses.replace(one, devices_per_node=1, group_size=1)
+    assert CostModel(one).sync_per_compute == 0.0          # a single process waits for nobody
