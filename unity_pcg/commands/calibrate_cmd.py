@@ -13,7 +13,8 @@ def add_arguments(p) -> None:
                    help="machine JSON to write (default local.json); use it as --machine FILE[:1xN]")
     p.add_argument("--quick", action="store_true", help="smaller measurements (at most about a minute)")
     p.add_argument("--worlds", default=None, metavar="LIST",
-                   help="comma-separated process counts for the gloo measurements (default 2,3,4; quick 2,4)")
+                   help="comma-separated numbers of concurrent processes to calibrate for: compute, DDP overheads and "
+                        "gloo collectives are measured with that many processes running (default 2,3,4; quick 2,4)")
     p.add_argument("--quiet", action="store_true", help="no progress on stderr")
 
 
