@@ -1,4 +1,4 @@
-"""Render benchmarks/results/machine_mapping.md from dp_bench.json and ddp_predict.json.
+"""Render benchmarks/results/machine_mapping.md from dp_bench.json (DDP results: ddp_predict.md).
 
 Usage: .venv/bin/python benchmarks/mapping_report.py
 """
@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import json
 import os
-import statistics
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 RES = os.path.join(ROOT, "benchmarks", "results")
@@ -50,34 +49,10 @@ def main() -> None:
             pit = f"{r['predicted_iteration_s'] * 1e3:.1f} ms" if r["feasible"] else "infeasible (out of memory)"
             out.append(f"| {r['model']} | {r['devices']} | {r['solve_s_median']:.2f} | {r['warm_solve_s']:.3f} | "
                        f"{r['subproblems']} | {pit} |")
-        out += ["", "The cost grows with the product of the views of the nodes on a series boundary: after a "
-                "parallel split (Inception's 4-branch modules) the join reads every branch end, so the left-to-right "
-                "pass enumerates V^4 view combinations (V = 7 views per degree-6 operator on 24 devices).", ""]
-    p = os.path.join(RES, "ddp_predict.json")
-    if os.path.exists(p):
-        d = json.load(open(p))
-        s = d["summary"]
-        out += ["## Predicted vs measured torch DDP (gloo, CPU) on the tiny zoo models", "",
-                f"Command: `{d['command']}`; {d['args']['batch']} samples per process, median of "
-                f"{d['args']['runs']} launches x {d['args']['iters']} iterations. Host: 2 cores shared with other "
-                "sessions' work. 'predicted' uses the calibrated machine alone; 'with load' also shares the cores "
-                "with the runnable tasks of other programs sampled just before each launch "
-                "(`MachineSpec.background_load`).", "",
-                "| model | P | measured (ms) | predicted (ms) | error | background runnable | with load (ms) | error |",
-                "|---|---|---|---|---|---|---|---|"]
-        for r in d["rows"]:
-            out.append(f"| {r['model']} | {r['procs']} | {r['measured_s'] * 1e3:.2f} | {r['predicted_s'] * 1e3:.2f} | "
-                       f"{r['rel_error'] * 100:+.0f}% | {r.get('background_runnable', 0):.1f} | "
-                       f"{r.get('predicted_loaded_s', r['predicted_s']) * 1e3:.2f} | "
-                       f"{r.get('rel_error_loaded', r['rel_error']) * 100:+.0f}% |")
-        for P in sorted({r["procs"] for r in d["rows"]}):
-            e = [abs(r["rel_error"]) for r in d["rows"] if r["procs"] == P]
-            el = [abs(r.get("rel_error_loaded", r["rel_error"])) for r in d["rows"] if r["procs"] == P]
-            out.append(f"\nP={P}: median |error| {statistics.median(e) * 100:.0f}% (with load "
-                       f"{statistics.median(el) * 100:.0f}%).")
-        out.append(f"\nAll: median |error| {s['median_abs_rel_error'] * 100:.0f}%, within 20%: "
-                   f"{s['within_20pct']}/{s['cases']}; with load {s.get('median_abs_rel_error_loaded', 0) * 100:.0f}%, "
-                   f"within 20%: {s.get('within_20pct_loaded', 0)}/{s['cases']}.")
+        out += ["", "Joins after a parallel split (Inception's 4-branch modules) are solved together with the join "
+                "node by Pareto fronts instead of enumerating V^k branch-end views: `dp_join.md` has before/after.", ""]
+    out += ["## Predicted vs measured torch DDP (gloo, CPU) on the tiny zoo models", "",
+            "See `ddp_predict.md` (written by `benchmarks/ddp_predict.py`).", ""]
     notes = os.path.join(RES, "machine_mapping_notes.md")
     if os.path.exists(notes):
         out += ["", open(notes).read()]
