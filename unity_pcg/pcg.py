@@ -276,30 +276,38 @@ def _unjson_attr(v: Any) -> Any:
     return v
 
 
-def topo_sort(nodes: Mapping[int, Node]) -> tuple[int, ...]:
-    indeg = {i: 0 for i in nodes}
-    users: dict[int, list[int]] = defaultdict(list)
-    for n in nodes.values():
-        for r in n.inputs:
-            if r[0] in nodes:
-                indeg[n.id] += 1
-                users[r[0]].append(n.id)
-    ready = sorted(i for i, d in indeg.items() if d == 0)
-    out = []
+def kahn_order(keys: Iterable, deps) -> tuple[list, object]:
+    """Topological order of ``keys`` (smallest ready key first, so the order is deterministic) where
+    ``deps(k)`` lists the keys ``k`` reads (repeats allowed).  Returns ``(order, stuck)``: ``stuck`` is
+    the smallest key on or behind a cycle, or None when every key was ordered."""
     import heapq
+    keys = list(keys)
+    indeg = {k: 0 for k in keys}
+    users: dict = defaultdict(list)
+    for k in keys:
+        for d in deps(k):
+            indeg[k] += 1
+            users[d].append(k)
+    ready = [k for k, d in indeg.items() if d == 0]
     heapq.heapify(ready)
+    out = []
     while ready:
-        i = heapq.heappop(ready)
-        out.append(i)
-        for u in users[i]:
+        k = heapq.heappop(ready)
+        out.append(k)
+        for u in users[k]:
             indeg[u] -= 1
             if indeg[u] == 0:
                 heapq.heappush(ready, u)
-    if len(out) != len(nodes):
-        stuck = sorted(i for i, d in indeg.items() if d > 0)
-        n = nodes[stuck[0]]
+    stuck = min((k for k, d in indeg.items() if d > 0), default=None) if len(out) != len(keys) else None
+    return out, stuck
+
+
+def topo_sort(nodes: Mapping[int, Node]) -> tuple[int, ...]:
+    order, stuck = kahn_order(nodes, lambda i: [r[0] for r in nodes[i].inputs if r[0] in nodes])
+    if stuck is not None:
+        n = nodes[stuck]
         raise GraphError(f"the graph has a cycle through node {n.label()} ({n.op})")
-    return tuple(out)
+    return tuple(order)
 
 
 class GraphBuilder:

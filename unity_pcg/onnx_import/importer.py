@@ -9,13 +9,12 @@ nodes named after the initializer they come from.
 from __future__ import annotations
 
 import time
-from collections import defaultdict
 from typing import Any
 
 import numpy as np
 
 from ..errors import UnityError
-from ..pcg import PCG
+from ..pcg import PCG, kahn_order
 from .consts import Const
 from .errors import DynamicDimension, InvalidModel, MissingTensor, ModelImportError, UnsupportedOperator
 from .loader import PCG_DTYPES, default_opset, initializer_const, np_dtype, read_model
@@ -99,28 +98,10 @@ class NodeCtx:
 
 def _topo(nodes, producers) -> list[int]:
     """Topological order of ONNX nodes, file order where possible (cycle -> InvalidModel naming a node)."""
-    import heapq
-    n = len(nodes)
-    indeg = [0] * n
-    users: dict[int, list[int]] = defaultdict(list)
-    for j, node in enumerate(nodes):
-        for name in set(x for x in node.input if x):
-            p = producers.get(name)
-            if p is not None:
-                indeg[j] += 1
-                users[p].append(j)
-    heap = [j for j in range(n) if indeg[j] == 0]
-    heapq.heapify(heap)
-    out = []
-    while heap:
-        j = heapq.heappop(heap)
-        out.append(j)
-        for u in users[j]:
-            indeg[u] -= 1
-            if indeg[u] == 0:
-                heapq.heappush(heap, u)
-    if len(out) != n:
-        stuck = min(j for j in range(n) if indeg[j] > 0)
+    def deps(j):
+        return [producers[name] for name in set(x for x in nodes[j].input if x) if name in producers]
+    out, stuck = kahn_order(range(len(nodes)), deps)
+    if stuck is not None:
         node = nodes[stuck]
         raise InvalidModel(f"the graph has a cycle through node {node.name or node.op_type + '_' + str(stuck)!r} "
                            f"({node.op_type})")
