@@ -62,13 +62,9 @@ def broadcast_time(machine: MachineSpec, devs: Sequence[int], nbytes: float) -> 
     return math.ceil(math.log2(p)) * link.latency + nbytes / link.bandwidth
 
 
-def reduce_time(machine: MachineSpec, devs: Sequence[int], nbytes: float) -> float:
-    """Reduce to one device = reduce-scatter + gather: 2(p-1)/p n bytes through the slowest link."""
-    p = len(set(devs))
-    link = _link(machine, devs)
-    if p <= 1 or link is None or nbytes <= 0:
-        return 0.0
-    return 2 * (p - 1) * link.latency + 2 * (p - 1) / p * nbytes / link.bandwidth
+# reduce to one device = reduce-scatter + gather: 2(p-1)/p n bytes through the slowest link, the same
+# alpha-beta cost as a ring all-reduce
+reduce_time = allreduce_time
 
 
 def p2p_time(machine: MachineSpec, src: int, dst: int, nbytes: float) -> float:
