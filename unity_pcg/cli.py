@@ -19,6 +19,9 @@ COMMANDS: dict[str, str] = {
     "rules": "unity_pcg.commands.rules_cmd",
     "calibrate": "unity_pcg.commands.calibrate_cmd",
     "simulate": "unity_pcg.commands.simulate_cmd",
+    "optimize": "unity_pcg.commands.optimize_cmd",
+    "explain": "unity_pcg.commands.explain_cmd",
+    "run": "unity_pcg.commands.run_cmd",
 }
 
 # one-line help per command, kept here so `unity-pcg --help` imports nothing heavy
@@ -27,7 +30,10 @@ HELP: dict[str, str] = {
     "zoo": "list or export the models of Unity's evaluation as ONNX",
     "rules": "generate, verify and inspect the verified substitution rules",
     "calibrate": "measure this computer and write a machine description (JSON)",
-    "simulate": "predict iteration time, communication and memory of a fixed parallelization (dp / none)",
+    "simulate": "predict iteration time, communication and memory of a fixed parallelization",
+    "optimize": "search the fastest parallelization plan that fits memory (Unity's joint search)",
+    "explain": "show a plan: parallel degrees, machine views, rules applied, communication, stages",
+    "run": "train an ONNX model with a plan on torch.distributed (local processes or torchrun)",
 }
 
 
