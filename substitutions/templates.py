@@ -27,7 +27,7 @@ from typing import Any
 from unity_pcg.shape import ParallelTensorShape as S
 from verifier.axioms import BINARY, SAMPLE_OPS, UNARY
 
-from .rule import Rule
+from .rule import Pattern, PatNode, Rule
 from .terms import op, rule_of
 
 K = {"k": "degree"}
@@ -154,6 +154,22 @@ def template_rules() -> list[Rule]:
     ex = {"x": S.of((4, 4), sum_degree=2)}
     rules.append(_with_example(r, {"k": 2}, ex))
     rules.append(_with_example(r.reversed().with_name("allreduce_split"), {"k": 2}, ex))
+
+    # --- cancelling a Combine/Partition pair (the search builds data parallelism op by op with dp_<Op>
+    # and removes the Combine -> Partition pairs left between neighbours) ---------------------------------------
+    r = rule_of("partition_combine_cancel", _part(_comb("x", "$d"), "$d"), "x", D)
+    rules.append(_with_example(r, {"k": 2, "d": -2}, {"x": S.of((4, 4), (2, 1))}))
+    r = rule_of("combine_partition_cancel", _comb(_part("x", "$d"), "$d"), "x", D)
+    rules.append(_with_example(r, {"k": 2, "d": -2}, x44))
+    # two identical parallel operators on one tensor (left where several consumers were parallelized
+    # one by one) become one: its output feeds both
+    for o, at in (("Partition", (("degree", "$k"), ("dim", "$d"))), ("Replicate", (("degree", "$k"),))):
+        two = Pattern((PatNode(o, at, ("x",)), PatNode(o, at, ("x",))), ((0, 0), (1, 0)))
+        one = Pattern((PatNode(o, at, ("x",)),), ((0, 0), (0, 0)))
+        V = D if o == "Partition" else K
+        r = Rule(f"{o.lower()}_cse", ("x",), two, one, tuple(sorted(V.items())))
+        r.validate()
+        rules.append(_with_example(r, {"k": 2, "d": -2} if o == "Partition" else {"k": 2}, x44))
     return [r.with_name(r.name, origin="template") for r in rules]
 
 
