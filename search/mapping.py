@@ -56,7 +56,7 @@ from unity_pcg.machine import MachineSpec, MachineView, Resource
 from unity_pcg.pcg import PCG
 
 from .cost import CostModel, GraphCost, LeafCost
-from .memory import MemoryReport, memory_per_device
+from .memory import MemoryReport, memory_per_device, node_memory
 from .sp import Decomposition, Leaf, Parallel, Series, decompose, tree_units
 
 INF = math.inf
@@ -612,13 +612,29 @@ def _flatten(a) -> list:
 
 # --- exhaustive reference (tests) ----------------------------------------------------------------
 
-def exhaustive_mapping(g: PCG, model: CostModel, limit: int = 2_000_000) -> tuple[float, dict]:
+def exhaustive_mapping(g: PCG, model: CostModel, limit: int = 2_000_000,
+                       memory: bool = False) -> tuple[float, dict]:
     """The optimum over the DP's search space by brute force: every way to run each parallel split
     (one after the other, or side by side on every split of the resource by quantity, both
     orientations) and every combination of views of every node inside its resource, each priced by
-    summing leaf costs over series and taking the max over side-by-side branches.  Exponential: for
+    summing leaf costs over series and taking the max over side-by-side branches.  With ``memory``,
+    only mappings whose memory per device (:func:`search.memory.memory_per_device`) fits the
+    device's capacity count: the fastest mapping that fits (``inf`` if none does).  Exponential: for
     tests on small graphs only (raises ValueError past ``limit`` combinations)."""
     gc = GraphCost(g, model)
+    cap = model.machine.device.memory_bytes
+    nmem: dict = {}
+
+    def fits(views) -> bool:
+        per: dict = {}
+        for n, v in views.items():
+            hit = nmem.get((n, v))
+            if hit is None:
+                w, a = node_memory(gc, n, v)
+                hit = nmem[(n, v)] = [(d, w.get(d, 0) + a.get(d, 0)) for d in set(w) | set(a)]
+            for d, b in hit:
+                per[d] = per.get(d, 0) + b
+        return max(per.values(), default=0) <= cap
     dec = decompose(g, gc.role)
     m = model.machine
 
@@ -665,7 +681,7 @@ def exhaustive_mapping(g: PCG, model: CostModel, limit: int = 2_000_000) -> tupl
             views = dict(zip(order, combo))
             leaf = [sum(gc.leaf_cost(n, views[n], views).time for n in u) for u in dec.units]
             v = value(dec.tree, leaf, modes)
-            if v < best:
+            if v < best and (not memory or fits(views)):
                 best, best_views = v, views
     return best, best_views
 

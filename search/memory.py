@@ -40,9 +40,20 @@ class MemoryReport:
         if self.feasible:
             return ""
         dev = max(self.per_device, key=self.per_device.get)
-        return (f"device {dev} needs {self.per_device[dev] / 2**30:.2f} GiB "
-                f"(weights+grads+optimizer {self.weights.get(dev, 0) / 2**30:.2f} GiB, activations "
-                f"{self.activations.get(dev, 0) / 2**30:.2f} GiB) but has {self.capacity / 2**30:.2f} GiB")
+        need = self.per_device[dev]
+        return (f"device {dev} needs {_gib(need)} "
+                f"(weights+grads+optimizer {_gib(self.weights.get(dev, 0))}, activations "
+                f"{_gib(self.activations.get(dev, 0))}) but has {_gib(self.capacity)}: "
+                f"{_gib(need - self.capacity)} over capacity")
+
+
+def _gib(b: float) -> str:
+    """Bytes in GiB, two decimals; small amounts in MiB or bytes so that "over by" is never 0.00."""
+    if b >= 2**30 / 100:
+        return f"{b / 2**30:.2f} GiB"
+    if b >= 2**20 / 100:
+        return f"{b / 2**20:.2f} MiB"
+    return f"{int(b)} bytes"
 
 
 # input positions an operator saves for its backward pass ("*": all), and operators that save their own
@@ -80,38 +91,52 @@ def kept_fraction(g, nid: int, k: int) -> float:
     return 0.0
 
 
-def memory_per_device(gc: GraphCost, views: Mapping[int, MachineView]) -> MemoryReport:
+def node_memory(gc: GraphCost, nid: int, view: MachineView) -> tuple[dict, dict]:
+    """What node ``nid`` on ``view`` holds: (device -> bytes of weights + grads + optimizer states,
+    device -> bytes of kept activations and input shards).  A mapping's memory per device is the sum
+    of these over its nodes (:func:`memory_per_device`), which is what lets the machine-mapping DP
+    add memory up subproblem by subproblem."""
     g = gc.g
-    factor = gc.model.weight_memory_factor()
+    w: dict = {}
+    a: dict = {}
+    role = gc.role[nid]
+    node = g.node(nid)
+    if role == "weight-placement":
+        if nid in gc._chain_end:
+            pb = g.shapes(nid)[0].piece_nbytes * (gc.model.weight_memory_factor() if gc.trainable(nid) else 1)
+            for d in set(gc.placement(nid, view)):
+                w[d] = w.get(d, 0) + pb
+        return w, a
+    if role == "compute":
+        factor = gc.model.weight_memory_factor()
+        for r in gc._direct_weights.get(nid, ()):   # weights read directly (one task)
+            f = factor if gc.trainable(r[0]) else 1
+            for d in set(view.devices()):
+                w[d] = w.get(d, 0) + g.shape(r).piece_nbytes * f
+    if role == "input-placement" and any(gc.role[x[0]] != "input" for x in node.inputs):
+        return w, a   # only the first placement of an input holds data; later ones re-describe it
+    for k, s in enumerate(g.shapes(nid)):
+        frac = 1.0 if role == "input-placement" else kept_fraction(g, nid, k)
+        if frac == 0.0:
+            continue
+        pb = int(s.piece_nbytes * frac)
+        for d in gc.placement(nid, view, k):
+            a[d] = a.get(d, 0) + pb
+    return w, a
+
+
+def memory_per_device(gc: GraphCost, views: Mapping[int, MachineView]) -> MemoryReport:
     w: dict = defaultdict(int)
     a: dict = defaultdict(int)
     for nid in gc.nodes():
-        role = gc.role[nid]
-        view = views[nid]
-        node = g.node(nid)
-        if role == "weight-placement":
-            if nid in gc._chain_end:
-                pb = g.shapes(nid)[0].piece_nbytes * (factor if gc.trainable(nid) else 1)
-                for d in set(gc.placement(nid, view)):
-                    w[d] += pb
-            continue
-        if role == "compute":
-            for r in gc._direct_weights.get(nid, ()):   # weights read directly (one task)
-                f = factor if gc.trainable(r[0]) else 1
-                for d in set(view.devices()):
-                    w[d] += g.shape(r).piece_nbytes * f
-        if role == "input-placement" and any(gc.role[x[0]] != "input" for x in node.inputs):
-            continue  # only the first placement of an input holds data; later ones re-describe it
-        for k, s in enumerate(g.shapes(nid)):
-            frac = 1.0 if role == "input-placement" else kept_fraction(g, nid, k)
-            if frac == 0.0:
-                continue
-            pb = int(s.piece_nbytes * frac)
-            for d in gc.placement(nid, view, k):
-                a[d] += pb
+        nw, na = node_memory(gc, nid, views[nid])
+        for d, b in nw.items():
+            w[d] += b
+        for d, b in na.items():
+            a[d] += b
     devs = set(w) | set(a)
     per = {d: w.get(d, 0) + a.get(d, 0) for d in devs}
     return MemoryReport(per, dict(w), dict(a), gc.machine.device.memory_bytes)
 
 
-__all__ = ["MemoryReport", "memory_per_device"]
+__all__ = ["MemoryReport", "memory_per_device", "node_memory"]
