@@ -1,20 +1,24 @@
-"""The main job end to end on the bundled default (what `./run.sh` runs).
+"""The main job end to end on a bundled default (what `./run.sh` runs).
 
-1. export a zoo model (default: BERT-Large at --size tiny) to ONNX,
-2. import it as a PCG and check the import numerically against onnxruntime when available,
-3. load the shipped, verified rule set and count its matches on the model,
-4. predict the iteration time of single-device and data-parallel training on a machine preset.
+1. export a zoo model (default: the MLP at --size tiny) to ONNX,
+2. import it as a PCG (checked numerically against onnxruntime when it is installed),
+3. describe the machine: this computer's CPU processes, calibrated for --nproc processes (quick),
+4. plan: Unity's joint search (`search.optimize`) when it is available, data parallelism otherwise,
+   and the data-parallel baseline in the same cost model (predicted speedup),
+5. explain the plan (degrees, views, transfers, gradient all-reduces; full text and DOT in --out),
+6. run it on local processes with the executor and print predicted against measured step time.
 
-Every stage prints what it did; a failing stage prints one line and exits 2.
+Every stage prints a few lines; a failing stage prints one line and exits 2.
 """
 from __future__ import annotations
 
 import argparse
+import json
+import math
 import os
+import subprocess
 import sys
 import time
-
-import numpy as np
 
 from .errors import UnityError
 
@@ -23,14 +27,28 @@ def _stage(title: str) -> None:
     print(f"\n== {title}", flush=True)
 
 
-def main(argv: list[str] | None = None) -> int:
+def _ms(t) -> str:
+    return "-" if t is None or not math.isfinite(t) else f"{t * 1e3:.2f} ms"
+
+
+def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="unity_pcg.demo", description=__doc__.splitlines()[0])
-    p.add_argument("--model", default="bert_large", help="zoo model (default bert_large)")
+    p.add_argument("--model", default="mlp", help="zoo model (default mlp)")
     p.add_argument("--size", default="tiny", choices=["tiny", "paper"])
-    p.add_argument("--machine", default="summit:1x6", help="machine preset for the prediction")
-    p.add_argument("--batch", type=int, default=24, help="global batch size (default 24)")
+    p.add_argument("--batch", type=int, default=None, help="global batch size (default: the zoo's tiny batch x nproc)")
+    p.add_argument("--nproc", type=int, default=2, help="local processes to plan for and run on (default 2)")
+    p.add_argument("--machine", default=None, metavar="M",
+                   help="machine to plan for (PRESET[:NxD] or JSON); default: calibrate this computer for "
+                        "--nproc processes (quick, ~15 s)")
+    p.add_argument("--budget", type=float, default=20.0, help="search budget in seconds (default 20)")
+    p.add_argument("--steps", type=int, default=10, help="training steps of the run (default 10)")
+    p.add_argument("--no-run", action="store_true", help="stop after planning and explaining")
     p.add_argument("--out", default="out/demo", help="working directory for exported files")
-    args = p.parse_args(argv)
+    return p
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
     try:
         return _run(args)
     except UnityError as e:
@@ -42,12 +60,20 @@ def _run(args) -> int:
     from . import zoo
     from .onnx_import import load_onnx
 
+    if args.nproc < 1 or args.steps < 1 or args.budget <= 0:
+        raise UnityError("--nproc and --steps must be positive integers and --budget positive")
+    entry = zoo.MODELS.get(args.model)
+    if entry is None:
+        raise UnityError(f"unknown zoo model {args.model!r} (known: {', '.join(zoo.MODELS)})")
+    batch = args.batch or entry.tiny_batch * args.nproc
+    optimizer = entry.paper_optimizer
     os.makedirs(args.out, exist_ok=True)
-    path = os.path.join(args.out, f"{args.model}_{args.size}.onnx")
+    path = os.path.join(args.out, f"{args.model}_{args.size}_b{batch}.onnx")
+    t_all = time.perf_counter()
 
-    _stage(f"1. export {args.model} ({args.size}) to ONNX")
+    _stage(f"1. export {args.model} ({args.size}, batch {batch}) to ONNX")
     t = time.perf_counter()
-    zoo.export(args.model, path, size=args.size, batch=args.batch)
+    zoo.export(args.model, path, size=args.size, batch=batch)
     print(f"wrote {path} in {time.perf_counter() - t:.1f} s")
 
     _stage("2. import as a parallel computation graph")
@@ -56,27 +82,46 @@ def _run(args) -> int:
     s = g.summary()
     print(f"{s['ops']} operators, {s['params']:,} parameters, {s['flops'] / 1e9:.3f} GFLOP per forward pass, "
           f"imported in {time.perf_counter() - t:.2f} s")
-    print("operators: " + ", ".join(f"{k} {v}" for k, v in s["op_types"].items()))
     if args.size == "tiny":
         _check_numerics(g, path)
 
-    _stage("3. verified substitution rules")
-    _rules(g)
+    _stage("3. machine")
+    machine = _machine(args)
+    print(machine.describe())
 
-    _stage(f"4. predicted training iteration on {args.machine}")
-    from .commands.simulate_cmd import simulate
-    for strategy in ("none", "dp"):
-        r = simulate(path, args.machine, strategy)
-        t_s = r["predicted_iteration_s"]
-        mem = r["max_memory_bytes"]
-        print(f"{strategy:>5}: {r['degree']} device(s), "
-              + (f"{t_s * 1e3:.3f} ms/iteration" if t_s is not None else "infeasible")
-              + (f", {mem / 2**20:.1f} MiB on the busiest device" if mem is not None else "")
-              + f", {r['comm_elements']:,} elements communicated")
+    _stage(f"4. plan ({optimizer} optimizer)")
+    plan_path = os.path.join(args.out, "plan.json")
+    dp_plan, dp_res = data_parallel_plan(path, machine, args.nproc, optimizer)
+    pl, how = _search(path, machine, optimizer, args.budget, dp_plan)
+    pl.save(plan_path)
+    t_plan = pl.predicted.get("predicted_iteration_s")
+    t_dp = dp_res.cost if dp_res.feasible else None
+    print(f"{how}; plan written to {plan_path}")
+    print(f"predicted iteration: plan {_ms(t_plan)}, data parallel ({args.nproc} processes) {_ms(t_dp)}")
+    speedup = (t_dp / t_plan) if t_plan and t_dp else None
+    print("predicted speedup over data parallel: " + (f"{speedup:.2f}x" if speedup else "- (one side infeasible)"))
+
+    _stage("5. explain the plan")
+    _explain(pl, plan_path)
+
+    measured = None
+    if args.no_run:
+        print("\n(run skipped: --no-run)")
+    else:
+        _stage("6. train on local processes with the plan")
+        measured = _train(plan_path, path, args.steps, optimizer)
+
+    print(f"\nsummary: {args.model} ({args.size}) on {machine.name} {machine.nodes}x{machine.devices_per_node}; "
+          + (f"predicted speedup over data parallel {speedup:.2f}x; " if speedup else "")
+          + f"step time predicted {_ms(t_plan)}"
+          + (f", measured {_ms(measured)} ({(measured / t_plan - 1) * 100:+.0f}%)" if measured and t_plan else "")
+          + f"; {time.perf_counter() - t_all:.0f} s in all")
     return 0
 
 
 def _check_numerics(g, path: str) -> None:
+    import numpy as np
+
     from .evaluate import evaluate, random_feeds
     try:
         import onnxruntime as ort
@@ -94,16 +139,104 @@ def _check_numerics(g, path: str) -> None:
         raise UnityError("the imported PCG does not reproduce onnxruntime's output")
 
 
-def _rules(g) -> None:
-    from substitutions.cache import load_rules
-    from substitutions.match import find_matches
+def _machine(args):
+    from .machine import parse_machine
+    if args.machine:
+        m = parse_machine(args.machine)
+        print(f"given: {args.machine}")
+        return m
+    from search.calibrate import calibrate
+    out = os.path.join(args.out, f"local-{args.nproc}.json")
     t = time.perf_counter()
-    rules = load_rules()
-    load_s = time.perf_counter() - t
+    calibrate(quick=True, worlds=(args.nproc,), quiet=True).save(out)
+    print(f"calibrated this computer for {args.nproc} processes in {time.perf_counter() - t:.0f} s -> {out}")
+    return parse_machine(f"{out}:1x{args.nproc}")
+
+
+def data_parallel_plan(model_path: str, machine, degree: int, optimizer: str):
+    """The data-parallel plan of degree ``degree`` for ``model_path``, priced and mapped by the DP:
+    ``(Plan, MappingResult)``."""
+    from search.baselines import data_parallel
+    from search.cost import CostModel
+    from search.mapping import MachineMapper
+
+    from .onnx_import import load_onnx
+    from .plan import Plan, file_sha256
+
+    if degree > machine.num_devices:
+        raise UnityError(f"data-parallel degree {degree} exceeds the {machine.num_devices} devices of {machine.name}")
+    g = load_onnx(model_path, load_weights=False)
+    pg = data_parallel(g, degree)
+    r = MachineMapper(CostModel(machine, optimizer=optimizer)).optimize(pg)
+    if not r.views:
+        raise UnityError(f"data parallelism of degree {degree} has no mapping on {machine.name}: {r.reason}")
+    pred = dict(r.to_json(), optimizer=optimizer, strategy="dp")
+    return Plan(model_path, file_sha256(model_path), machine, pg, r.views, pred, None,
+                {"strategy": "dp", "degree": degree}), r
+
+
+def _search(model_path: str, machine, optimizer: str, budget: float, fallback):
+    """Unity's joint search when `search.optimize` is importable; the data-parallel plan otherwise."""
+    try:
+        from search.optimize import optimize  # noqa: F401
+    except Exception as e:   # not landed (or broken) yet: the demo still works end to end
+        why = "not available" if isinstance(e, ImportError) else f"failed to import ({type(e).__name__})"
+        return fallback, f"joint search {why}: using the data-parallel plan"
+    return _optimize(model_path, machine, optimizer, budget, fallback)
+
+
+def _optimize(model_path: str, machine, optimizer: str, budget: float, fallback):
+    from search.optimize import optimize
     t = time.perf_counter()
-    n = sum(len(find_matches(r, g)) for r in rules)
-    print(f"{len(rules)} proven rules loaded in {load_s:.2f} s; {n} matches on this model "
-          f"({time.perf_counter() - t:.2f} s)")
+    res = optimize(model_path, machine, budget=budget, optimizer=optimizer)
+    pl = getattr(res, "plan", None)
+    if pl is None:
+        return fallback, "joint search returned no plan: using the data-parallel plan"
+    return pl, f"joint search: best plan found in {time.perf_counter() - t:.1f} s"
+
+
+def _explain(pl, plan_path: str) -> None:
+    from .commands.explain_cmd import write_drawings
+    from .explain import explain, format_text
+    e = explain(pl)
+    full = os.path.splitext(plan_path)[0] + "_explain.txt"
+    with open(full, "w") as f:
+        f.write(format_text(e))
+    sys.stdout.write(format_text(e, limit=4, sections=("summary", "rules", "communication", "gradients")))
+    import shutil
+    files = write_drawings(pl, e, os.path.splitext(plan_path)[0] + ".dot",
+                           os.path.splitext(plan_path)[0] + ".png" if shutil.which("dot") else None)
+    print(f"full explanation: {full}; PCG drawn to {files['png'] or files['dot']}")
+
+
+def _train(plan_path: str, model_path: str, steps: int, optimizer: str) -> float | None:
+    """`unity-pcg run PLAN --model MODEL --json`: returns the measured step time (None when the
+    executor is not available yet)."""
+    import importlib.util
+    if importlib.util.find_spec("unity_pcg.commands.run_cmd") is None:
+        print("executor (`unity-pcg run`) not available yet: run skipped")
+        return None
+    cmd = [sys.executable, "-m", "unity_pcg.cli", "run", plan_path, "--model", model_path, "--steps", str(steps),
+           "--optimizer", optimizer, "--json"]
+    print("$ unity-pcg " + " ".join(cmd[3:]), flush=True)
+    t = time.perf_counter()
+    r = subprocess.run(cmd, capture_output=True, text=True)
+    wall = time.perf_counter() - t
+    if r.returncode != 0:
+        last = (r.stderr.strip().splitlines() or [f"exit code {r.returncode}"])[-1]
+        raise UnityError(f"the run failed: {last}")
+    try:
+        out = json.loads(r.stdout[r.stdout.index("{"):])
+    except ValueError:
+        raise UnityError("the run printed no JSON result") from None
+    losses = out.get("losses") or []
+    step = out.get("step_time_s")
+    pred = out.get("predicted_iteration_s")
+    print(f"{out.get('nproc', '?')} processes, {len(losses)} steps in {wall:.0f} s; loss "
+          + (f"{losses[0]:.4g} -> {losses[-1]:.4g}" if losses else "-"))
+    print(f"step time: predicted {_ms(pred)}, measured {_ms(step)} (median after warm-up)"
+          + (f", error {(pred / step - 1) * 100:+.0f}%" if pred and step else ""))
+    return step
 
 
 if __name__ == "__main__":
