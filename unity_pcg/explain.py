@@ -306,7 +306,7 @@ def describe_steps(steps: Sequence[Any]) -> list[str]:
         if site:
             shown = site if isinstance(site, str) else ", ".join(str(x) for x in (
                 site.values() if isinstance(site, Mapping) else site))
-            words += f" at {shown}"
+            words += f" at {'nodes ' if not isinstance(site, str) else ''}{shown}"
         if bind:
             pairs = bind.items() if isinstance(bind, Mapping) else bind
             words += " with " + ", ".join(f"{k}={v}" for k, v in pairs)
@@ -408,12 +408,13 @@ def format_text(e: Explanation, limit: int | None = None, sections: Sequence[str
     if "summary" in want:
         pred = e.predicted.get("predicted_iteration_s")
         out.append(f"plan for {e.model} on {e.machine}")
-        out.append(f"predicted iteration (plan): {_ms(pred)}; re-priced, leaves one after the other: "
-                   f"{_ms(t['sum_of_leaves_s'])} (compute {_ms(t['compute_s'])}, transfers {_ms(t['comm_s'])}, "
-                   f"gradient sync {_ms(t['grad_sync_s'])}, update {_ms(t['update_s'])})")
-        out.append(f"communication: {t['comm_elements']:,} elements per iteration "
-                   f"({t['activation_comm_elements']:,} activations, {t['grad_sync_elements']:,} gradients); "
-                   f"busiest device {_bytes(t.get('max_memory_bytes'))}")
+        out.append(f"predicted iteration: {_ms(pred)} (the plan's); re-priced with every operator one after "
+                   f"the other: {_ms(t['sum_of_leaves_s'])}")
+        out.append(f"  compute {_ms(t['compute_s'])}, transfers {_ms(t['comm_s'])}, gradient sync "
+                   f"{_ms(t['grad_sync_s'])}, optimizer update {_ms(t['update_s'])}")
+        out.append(f"communication per iteration: {t['comm_elements']:,} elements ({t['activation_comm_elements']:,} "
+                   f"activations, {t['grad_sync_elements']:,} gradients); busiest device holds "
+                   f"{_bytes(t.get('max_memory_bytes'))}")
         if not t["feasible"]:
             out.append(f"INFEASIBLE: {t['reason']}")
         par = ", ".join(f"{k} {v}" for k, v in t["parallel_ops"].items()) or "none"
@@ -521,9 +522,10 @@ def to_dot(plan, e: Explanation) -> str:
         return f'n{n.id} [label="{lab}", style="{style}", fillcolor="{color}"{shape}];'
 
     staged: set = set()
+    by_name = {n.label(): n.id for n in g.nodes()}
     for s in e.stages:
-        ids = [x for x in (plan.pipeline or {}).get("stages", [])[s.index].get("nodes", [])
-               if isinstance(x, int) and x in g]
+        ids = [by_name.get(x, x) for x in (plan.pipeline or {}).get("stages", [])[s.index].get("nodes", [])]
+        ids = [x for x in ids if isinstance(x, int) and not isinstance(x, bool) and x in g]
         lines.append(f"  subgraph cluster_stage{s.index} {{")
         lines.append(f'    label="stage {s.index}: devices {device_ranges(s.devices)}"; style=dashed;')
         for x in ids:
