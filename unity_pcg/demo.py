@@ -209,7 +209,8 @@ def _explain(pl, plan_path: str) -> None:
     full = os.path.splitext(plan_path)[0] + "_explain.txt"
     with open(full, "w") as f:
         f.write(format_text(e))
-    sys.stdout.write(format_text(e, limit=4, sections=("summary", "rules", "communication", "gradients")))
+    sections = ("summary", "rules", "communication", "gradients") + (("pipeline",) if e.pipeline else ())
+    sys.stdout.write(format_text(e, limit=4, sections=sections))
     import shutil
     files = write_drawings(pl, e, os.path.splitext(plan_path)[0] + ".dot",
                            os.path.splitext(plan_path)[0] + ".png" if shutil.which("dot") else None)

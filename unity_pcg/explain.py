@@ -439,8 +439,11 @@ def format_text(e: Explanation, limit: int | None = None, sections: Sequence[str
         elif not e.rules:
             out.append("rules applied: none (the plan is the imported graph's own parallelization)")
         else:
-            out.append(f"rules applied ({len(e.rules)}):")
-            out += ["  " + r for r in e.rules]
+            out.append(f"rules applied ({len(e.rules)}, in order):")
+            shown_r = e.rules if limit is None else e.rules[:limit]
+            out += ["  " + r for r in shown_r]
+            if len(shown_r) < len(e.rules):
+                out.append(f"  ... {len(e.rules) - len(shown_r)} more steps")
     if "communication" in want:
         out.append("")
         if not e.comm:

@@ -114,7 +114,11 @@ def test_rule_sequence_in_words(tmp_path):
     assert e.rules_recorded and len(e.rules) == 1
     assert rule.name in e.rules[0] and rule.source.expr(0) in e.rules[0] and rule.target.expr(0) in e.rules[0]
     assert "at nodes 3, 4" in e.rules[0] and "k0=2" in e.rules[0]
-    assert "rules applied (1)" in format_text(e)
+    assert "rules applied (1, in order)" in format_text(e)
+    many = explain(P.load(_saved(tmp_path, _plan(tmp_path, data_parallel(_mlp(8, 16, 16, 4), 2),
+                                                 info={"rules": steps * 5}))))
+    text = format_text(many, limit=2)
+    assert text.count(rule.name) == 2 and "... 3 more steps" in text
     assert "rules applied: none recorded" in format_text(explain(_plan(tmp_path, _megatron())))
     assert describe_steps(["no_such_rule"]) == ["1. no_such_rule"]
 
