@@ -2,7 +2,9 @@
 
 A plan holds the model's identity (path and sha256), the machine, the parallelized PCG, the machine
 view of every operator, the pipeline schedule if any, and the predicted iteration time, memory per
-device and communication volume.  Loading re-infers every shape of the PCG and checks every view
+device and communication volume, and (optional, ``rules``) the rule sequence that produced the PCG
+from the imported model: one ``{"rule", "nodes", "inputs", "bind"}`` object per step (see
+``search.substitution.RuleStep``; ``search.substitution.replay`` re-applies it).  Loading re-infers every shape of the PCG and checks every view
 against its operator's task grid and the machine, so a plan from a stranger is checked data.
 """
 from __future__ import annotations
@@ -40,6 +42,7 @@ class Plan:
     predicted: Mapping[str, Any]
     pipeline: Mapping[str, Any] | None = None
     info: Mapping[str, Any] = field(default_factory=dict)
+    rules: tuple | None = None          # the rule sequence (JSON objects), None when not recorded
 
     def to_json(self) -> dict:
         return {"schema": SCHEMA,
@@ -50,7 +53,8 @@ class Plan:
                 "pipeline": dict(self.pipeline) if self.pipeline is not None else None,
                 "predicted": {k: (None if isinstance(v, float) and not math.isfinite(v) else v)
                               for k, v in self.predicted.items()},
-                "info": dict(self.info)}
+                "info": dict(self.info),
+                **({"rules": [dict(x) for x in self.rules]} if self.rules is not None else {})}
 
     def save(self, path: str) -> None:
         tmp = f"{path}.tmp"
@@ -120,7 +124,40 @@ def from_json(obj: Any) -> Plan:
     pipeline = obj.get("pipeline")
     if pipeline is not None and not isinstance(pipeline, Mapping):
         raise PlanError("plan: field pipeline must be an object or null")
-    return Plan(path, sha, machine, pcg, views, predicted, pipeline, obj.get("info") or {})
+    rules = obj.get("rules")
+    if rules is not None:
+        rules = tuple(_check_step(k, st) for k, st in enumerate(_list(rules, "rules")))
+    return Plan(path, sha, machine, pcg, views, predicted, pipeline, obj.get("info") or {}, rules)
+
+
+def _list(v: Any, where: str) -> list:
+    if not isinstance(v, list):
+        raise PlanError(f"plan: field {where} must be a list")
+    return v
+
+
+def _is_int(x: Any) -> bool:
+    return isinstance(x, int) and not isinstance(x, bool)
+
+
+def _check_step(k: int, st: Any) -> dict:
+    """One recorded rule step, checked for shape: rule name, matched node ids, input tensors, bindings."""
+    where = f"rules[{k}]"
+    if not isinstance(st, Mapping):
+        raise PlanError(f"plan: field {where} must be an object")
+    name = _need(st, "rule", str, where + ".")
+    nodes = _list(_need(st, "nodes", list, where + "."), where + ".nodes")
+    if not nodes or not all(_is_int(n) and n >= 0 for n in nodes):
+        raise PlanError(f"plan: field {where}.nodes must be a non-empty list of node ids")
+    ins = _need(st, "inputs", dict, where + ".")
+    for key, r in ins.items():
+        if not (isinstance(r, list) and len(r) == 2 and all(_is_int(x) and x >= 0 for x in r)):
+            raise PlanError(f"plan: field {where}.inputs.{key} must be [node id, output index]")
+    bind = st.get("bind", {})
+    if not isinstance(bind, Mapping):
+        raise PlanError(f"plan: field {where}.bind must be an object")
+    return {"rule": name, "nodes": list(nodes), "inputs": {str(a): list(b) for a, b in ins.items()},
+            "bind": dict(bind)}
 
 
 def load(path: str) -> Plan:

@@ -1,0 +1,370 @@
+"""The joint optimizer behind `unity-pcg optimize`, the demo and the benchmarks.
+
+    from search.optimize import optimize
+    res = optimize("model.onnx", "summit:2x6", budget_s=30)
+    res.plan.save("plan.json"); print(res.json()["predicted_iteration_s"])
+
+Strategies:
+
+* ``unity`` (default): the joint search.  The imported graph is split into sequential segments
+  (:mod:`search.split`); each distinct segment is searched best-first (:mod:`search.substitution`)
+  over every proven rule of the shipped cache, from the segment itself and its data-parallel
+  versions (built by rules); the segments' choices are combined and replayed on the whole graph, so
+  the plan records a rule sequence from the imported graph.  The result is compared with data
+  parallelism built by rules over the whole graph, and the faster of the two is returned: a plan is
+  never predicted slower than data parallelism where that fits.
+* ``sequential`` (TASO then FlexFlow, Unity Fig. 15b): algebraic rules only, to convergence, priced
+  on one device; then parallelization rules only from that graph; the same total budget.
+* ``dp``, ``megatron``, ``expert``, ``none``: the fixed strategies of :func:`search.baselines.build_strategy`
+  (built by hand, so their plans record no rule sequence).
+
+Budgets: ``budget_s`` seconds in all (split evenly over the distinct segments) and ``max_candidates``
+expanded candidates per segment; with a candidate budget that is reached first the result does not
+depend on the machine's speed, so the same seed gives the same plan.  A KeyboardInterrupt during
+the search stops it and the best plan so far is returned (``result.interrupted``).
+"""
+from __future__ import annotations
+
+import hashlib
+import json
+import math
+import time
+from dataclasses import dataclass, field
+from typing import Any, Callable
+
+from unity_pcg.errors import UnityError
+from unity_pcg.machine import MachineSpec, Resource, parse_machine
+from unity_pcg.pcg import PCG
+
+from .substitution import (Candidate, RuleBook, RuleStep, best_first, data_parallel_steps, neighbours)
+
+INF = math.inf
+SEARCHES = ("unity", "sequential")
+FIXED = ("dp", "megatron", "expert", "none")
+STRATEGIES = SEARCHES + FIXED
+
+
+class OptimizeError(UnityError, ValueError):
+    """Bad input to the optimizer (unknown strategy, budget, batch the machine cannot split)."""
+
+
+def machine_degrees(m: MachineSpec) -> list[int]:
+    """Parallel degrees that fit the machine's hierarchy: a divisor of the devices per node times a
+    divisor of the number of nodes (1 excluded)."""
+    dpn, nodes = m.devices_per_node, m.nodes
+    out = {a * b for a in range(1, dpn + 1) if dpn % a == 0 for b in range(1, nodes + 1) if nodes % b == 0}
+    out.discard(1)
+    return sorted(out)
+
+
+def search_degrees(m: MachineSpec) -> list[int]:
+    """Degrees enumerated for rules that introduce parallelism during the search: those inside a node
+    and the whole machine (data-parallel seeds cover the others)."""
+    dpn = m.devices_per_node
+    return sorted({d for d in machine_degrees(m) if d <= dpn} | {m.num_devices} - {1})
+
+
+@dataclass
+class OptimizeResult:
+    plan: Any                                    # unity_pcg.plan.Plan
+    strategy: str
+    mapping: Any                                 # MappingResult of the plan's PCG
+    dp: Any | None                               # MappingResult of data parallelism (None: not buildable)
+    steps: list = field(default_factory=list)    # RuleStep sequence (unity / sequential)
+    search_s: float = 0.0
+    stats: dict = field(default_factory=dict)
+    interrupted: bool = False
+    batch: int | None = None
+
+    @property
+    def predicted_iteration_s(self) -> float:
+        return self.mapping.cost
+
+    @property
+    def feasible(self) -> bool:
+        return bool(self.mapping.feasible)
+
+    @property
+    def speedup_over_dp(self) -> float | None:
+        if self.dp is None or not self.dp.feasible or not self.feasible:
+            return None
+        return self.dp.cost / self.mapping.cost
+
+    def json(self) -> dict:
+        r = self.mapping
+        mem = r.memory
+        t = r.cost if math.isfinite(r.cost) else None
+        dpt = self.dp.cost if self.dp is not None and math.isfinite(self.dp.cost) else None
+        return {"strategy": self.strategy, "feasible": self.feasible, "reason": r.reason,
+                "predicted_iteration_s": t,
+                "throughput_samples_s": (self.batch / t) if t and self.batch else None,
+                "search_s": self.search_s,
+                "data_parallel_iteration_s": dpt,
+                "data_parallel_feasible": bool(self.dp.feasible) if self.dp is not None else None,
+                "data_parallel_reason": self.dp.reason if self.dp is not None else "not buildable",
+                "speedup_over_dp": self.speedup_over_dp,
+                "comm_elements": r.breakdown.comm_elements,
+                "max_memory_bytes": mem.max_bytes if mem else None,
+                "memory_per_device": {str(d): v for d, v in sorted(mem.per_device.items())} if mem else {},
+                "devices": r.devices, "devices_used": r.stats.get("devices_used", 0),
+                "batch": self.batch, "rule_steps": len(self.steps), "interrupted": self.interrupted,
+                "search": dict(self.stats)}
+
+
+# --- evaluation ----------------------------------------------------------------------------------------
+
+class Evaluator:
+    """Prices candidate PCGs with one MachineMapper (its memo is shared by every candidate)."""
+
+    def __init__(self, machine: MachineSpec, optimizer: str):
+        from .cost import CostModel
+        from .mapping import MachineMapper
+        self.machine = machine
+        self.mapper = MachineMapper(CostModel(machine, optimizer=optimizer))
+        self.calls = 0
+        self._memo: dict = {}
+
+    def cost(self, g: PCG, resource: Resource | None = None) -> float:
+        key = (g.structural_hash(), resource)
+        c = self._memo.get(key)
+        if c is None:
+            self.calls += 1
+            r = self.mapper.optimize(g, resource=resource)
+            c = self._memo[key] = r.cost if r.feasible else INF
+        return c
+
+    def full(self, g: PCG, resource: Resource | None = None):
+        return self.mapper.optimize(g, resource=resource)
+
+
+# --- the searches ----------------------------------------------------------------------------------------
+
+def _segment_search(g: PCG, book: RuleBook, ev: Evaluator, dp_degrees, k: int, budget_s: float,
+                    max_candidates: int, alpha: float, progress, deadline: float):
+    """The split search (module docstring): returns (graph, steps, stats)."""
+    from .split import (SegmentChoice, assemble, blocking_pairs, boundary_keys, canonicalize, combine, segments,
+                        trimmed)
+    segs = segments(g, k, blocking_pairs(book))
+    later: list = []
+    reads_after: set = set()
+    for seg in reversed(segs):
+        later.append(set(reads_after))
+        for nid in seg.nodes:
+            reads_after |= {tuple(r) for r in g.node(nid).inputs}
+    later.reverse()
+    for seg, nr in zip(segs, later):
+        canonicalize(g, seg, nr)
+    uniq = list(dict.fromkeys(s.key for s in segs))
+    memo: dict = {}
+    totals = {"segments": len(segs), "distinct_segments": len(uniq), "explored": 0, "evaluated": 0,
+              "stopped": []}
+    interrupted = False
+    for i, key in enumerate(uniq):
+        seg = next(s for s in segs if s.key == key)
+        cg = seg.canon
+        cross_idx = [j for j, r in enumerate(seg.outputs) if r in later[segs.index(seg)]]
+        left = max(deadline - time.perf_counter(), 0.0)
+        share = left / (len(uniq) - i)
+
+        def evaluate(x: PCG, seg=seg):
+            return ev.cost(trimmed(x)), boundary_keys(seg, x)
+
+        c0, i0 = evaluate(cg)
+        start = [Candidate(c0, cg, (), i0)]
+        for d in dp_degrees:
+            try:
+                x, st = data_parallel_steps(cg, d, book)
+            except KeyboardInterrupt:
+                interrupted = True
+                break
+            if st:
+                cx, ix = evaluate(x)
+                start.append(Candidate(cx, x, tuple(st), ix))
+
+        def expand(c: Candidate):
+            for m, x in neighbours(c.graph, book.rules, book.degrees):
+                yield x, (RuleStep.of(m),)
+
+        def prog(stats, best, i=i):
+            if progress is not None:
+                progress({"segment": i + 1, "segments": len(uniq),
+                          "explored": totals["explored"] + stats.explored, "best_segment_s": best})
+
+        res = best_first(start, expand, evaluate, alpha, 0 if interrupted else max_candidates, share,
+                         key=lambda c: c.info, progress=prog)
+        totals["explored"] += res.stats.explored
+        totals["evaluated"] += res.stats.evaluated
+        totals["stopped"].append(res.stats.stopped)
+        if res.stats.stopped == "interrupted":
+            interrupted = True
+        front = {}
+        for kk, c in res.front.items():
+            if not math.isfinite(c.cost):
+                continue
+            cross = c.info[1][cross_idx[0]] if cross_idx else None
+            front[kk] = SegmentChoice(c.cost, ev.cost(c.graph), c.steps, kk, cross)
+        memo[key] = front
+    fronts = [memo[s.key] for s in segs]
+    choices = combine(fronts)
+    if not choices:
+        return None, [], totals, interrupted
+    out, steps = assemble(g, segs, choices, book)
+    return out, steps, totals, interrupted
+
+
+def _whole_search(g: PCG, rules, book: RuleBook, cost: Callable[[PCG], float], budget_s: float,
+                  max_candidates: int, alpha: float, progress, start_steps=()) -> tuple:
+    """Best-first search over the whole graph with ``rules`` (used by the sequential strategy)."""
+    def evaluate(x):
+        return cost(x), None
+
+    def expand(c):
+        for m, x in neighbours(c.graph, rules, book.degrees):
+            yield x, (RuleStep.of(m),)
+
+    def prog(stats, best):
+        if progress is not None:
+            progress({"explored": stats.explored, "best_s": best})
+
+    res = best_first([Candidate(cost(g), g, tuple(start_steps))], expand, evaluate, alpha, max_candidates,
+                     budget_s, progress=prog)
+    return res.best.graph, list(res.best.steps), res.stats
+
+
+# --- the entry point -------------------------------------------------------------------------------------
+
+def _load(model, batch):
+    from unity_pcg.plan import file_sha256
+    if isinstance(model, PCG):
+        if batch is not None:
+            raise OptimizeError("batch can only be set when optimizing a model file")
+        sha = hashlib.sha256(json.dumps(model.to_json(), sort_keys=True, default=str).encode()).hexdigest()
+        return model, "<in-memory PCG>", sha
+    from unity_pcg.onnx_import import load_onnx
+    try:
+        sha = file_sha256(str(model))
+    except OSError as e:
+        raise OptimizeError(f"cannot read model file {model}: {e.strerror}") from None
+    return load_onnx(str(model), batch=batch, load_weights=False), str(model), sha
+
+
+def _batch_of(g: PCG) -> int | None:
+    ins = g.sources("Input")
+    if not ins:
+        return None
+    s = g.shape((ins[0].id, 0))
+    return s.sizes[0] if s.rank else None
+
+
+def optimize(model, machine, budget_s: float | None = None, alpha: float = 1.05, pipeline: bool = True,
+             strategy: str = "unity", optimizer: str = "adam", batch: int | None = None, seed: int = 0,
+             progress: Callable[[dict], None] | None = None, max_candidates: int = 40, k: int = 10,
+             budget: float | None = None, rules=None) -> OptimizeResult:
+    """Optimize ``model`` (an ONNX path or a PCG) for ``machine`` (a MachineSpec or a preset string
+    such as ``"summit:2x6"``); see the module docstring.  ``budget`` is an alias of ``budget_s``
+    (default 60 s).  ``seed`` is recorded; the search itself is deterministic."""
+    from unity_pcg.plan import Plan
+    t0 = time.perf_counter()
+    if budget_s is None:
+        budget_s = budget if budget is not None else 60.0
+    if strategy not in STRATEGIES:
+        raise OptimizeError(f"unknown strategy {strategy!r} (known: {', '.join(STRATEGIES)})")
+    if not isinstance(budget_s, (int, float)) or not budget_s > 0:
+        raise OptimizeError(f"budget must be a positive number of seconds, got {budget_s!r}")
+    if not alpha >= 1.0:
+        raise OptimizeError(f"alpha must be at least 1, got {alpha!r}")
+    if batch is not None and batch < 1:
+        raise OptimizeError(f"batch must be a positive integer, got {batch}")
+    if max_candidates < 0:
+        raise OptimizeError(f"max_candidates must be >= 0, got {max_candidates}")
+    m = machine if isinstance(machine, MachineSpec) else parse_machine(str(machine))
+    g, model_path, sha = _load(model, batch)
+    b = _batch_of(g)
+    degrees = machine_degrees(m)
+    n_dev = m.num_devices
+    if n_dev > 1 and b is not None and not any(b % d == 0 for d in degrees):
+        raise OptimizeError(f"batch {b} is not divisible by any parallel degree of machine {m.name} "
+                            f"({', '.join(map(str, degrees[:8]))}{' ...' if len(degrees) > 8 else ''})")
+    ev = Evaluator(m, optimizer)
+    from .baselines import StrategyError, build_strategy
+    dp_res = None
+    dp_deg = max((d for d in degrees if b is None or b % d == 0), default=1)
+    try:
+        if n_dev > 1:
+            dp_res = ev.full(build_strategy(g, "dp", dp_deg))
+    except StrategyError:
+        dp_res = None
+
+    steps: list = []
+    stats: dict = {}
+    interrupted = False
+    if strategy in FIXED:
+        deg = 1 if strategy == "none" else dp_deg
+        try:
+            pg = build_strategy(g, strategy, deg)
+        except StrategyError as e:
+            raise OptimizeError(str(e)) from None
+        res_ = Resource(0, 1, 1) if strategy == "none" else None
+        final = ev.full(pg, res_)
+        rules_json = None
+    else:
+        book = RuleBook(rules, search_degrees(m))
+        deadline = t0 + budget_s
+        # data parallelism by rules over the whole graph: the floor of every search
+        dp_graph, dp_steps = (g, [])
+        if n_dev > 1 and dp_deg > 1:
+            dp_graph, dp_steps = data_parallel_steps(g, dp_deg, book)
+        floor = [(ev.cost(dp_graph), 0, dp_graph, dp_steps)]
+        cands = []
+        try:
+            if strategy == "unity":
+                dps = [d for d in degrees if b is None or b % d == 0]
+                out, st, stats, interrupted = _segment_search(g, book, ev, dps, k, budget_s, max_candidates, alpha,
+                                                              progress, deadline)
+                if out is not None:
+                    cands.append((ev.cost(out), 1, out, st))
+            else:
+                one = Resource(0, 1, 1)
+                alg = [r for r in book.rules if not r.is_parallel]
+                par = [r for r in book.rules if r.is_parallel]
+                half = budget_s / 2
+                g1, st1, s1 = _whole_search(g, alg, book, lambda x: ev.cost(x, one), half, 10 ** 9, alpha, progress)
+                left = max(deadline - time.perf_counter(), 0.01)
+                # parallelization from the algebraic optimum: its data-parallel version seeds the search
+                g2, st2 = (g1, [])
+                if n_dev > 1 and dp_deg > 1:
+                    g2, st2 = data_parallel_steps(g1, dp_deg, book)
+                g3, st3, s2 = _whole_search(g2, par, book, ev.cost, left, max_candidates, alpha, progress,
+                                            start_steps=st1 + st2)
+                cands.append((ev.cost(g3), 1, g3, st3))
+                stats = {"algebraic": s1.to_json(), "parallel": s2.to_json()}
+                interrupted = "interrupted" in (s1.stopped, s2.stopped)
+        except KeyboardInterrupt:
+            interrupted = True
+        best = min(floor + cands, key=lambda c: (c[0], c[1]))
+        pg, steps = best[2], list(best[3])
+        final = ev.full(pg)
+        if not final.feasible:
+            # nothing reachable fits: fall back to a feasible fixed strategy (recorded as such)
+            for name in FIXED:
+                try:
+                    alt = build_strategy(g, name, 1 if name == "none" else dp_deg)
+                except StrategyError:
+                    continue
+                r = ev.full(alt, Resource(0, 1, 1) if name == "none" else None)
+                if r.feasible:
+                    pg, final, steps = alt, r, []
+                    stats = dict(stats, fallback=name)
+                    break
+        rules_json = tuple(s.to_json() for s in steps) if not stats.get("fallback") else None
+        stats = dict(stats, chosen="data parallel by rules" if best[1] == 0 else "search",
+                     mapper_calls=ev.calls)
+    search_s = time.perf_counter() - t0
+    pred = dict(final.to_json(), strategy=strategy, optimizer=optimizer, search_s=search_s)
+    plan = Plan(model_path, sha, m, pg, final.views, pred, None,
+                {"strategy": strategy, "seed": seed, "alpha": alpha, "budget_s": budget_s, "optimizer": optimizer,
+                 "batch": b, "search": stats}, rules_json)
+    return OptimizeResult(plan, strategy, final, dp_res, steps, search_s, stats, interrupted, b)
+
+
+__all__ = ["optimize", "OptimizeResult", "OptimizeError", "STRATEGIES", "machine_degrees", "search_degrees"]

@@ -1,0 +1,357 @@
+"""Substitution selection (Unity section 5.1): best-first search over PCGs reachable by proven rules.
+
+Every candidate is the imported graph rewritten by a sequence of :class:`RuleStep` (rule name, the
+matched graph nodes, the input bindings and the bound degrees/dims).  The sequence is recorded in the
+plan and :func:`replay` re-applies it on a fresh import, re-checking at every step that the recorded
+site is a match of the rule -- so a plan is reachable from the model by the shipped rules or it does
+not load.  Node ids are deterministic: applying a match adds the target's nodes with the next free
+ids, in the target pattern's order.
+
+The search (:func:`best_first`) keeps a priority queue of candidates ordered by a cost function (the
+machine-mapping DP's predicted iteration time; one :class:`search.mapping.MachineMapper` is reused so
+its memo hits on every unchanged subgraph), deduplicates them by structural hash, drops a candidate
+worse than ``alpha`` times the best, and stops after a budget of expanded candidates or seconds.  Ties
+are broken by insertion order, so a candidate budget gives the same result every time.
+
+Data parallelism is reachable by rules (:func:`data_parallel_steps`): the ``dp_<Op>`` rule of every
+compute operator in topological order, each followed by merging the duplicate Partition/Replicate
+nodes of a shared tensor (``partition_cse``, ``replicate_cse``) and cancelling the Combine/Partition
+pairs left between neighbours (``partition_combine_cancel``).
+"""
+from __future__ import annotations
+
+import heapq
+import math
+import time
+from dataclasses import dataclass, field
+from typing import Any, Callable, Iterable, Mapping, Sequence
+
+from substitutions import GraphIndex, Match, Rule, iter_matches, try_apply
+from substitutions.cache import RuleSet, load as load_rules
+from unity_pcg import ops
+from unity_pcg.errors import UnityError
+from unity_pcg.pcg import PCG
+
+INF = math.inf
+CANCEL_RULES = ("partition_cse", "replicate_cse", "partition_combine_cancel")
+
+
+class ReplayError(UnityError, ValueError):
+    """A recorded rule step does not apply to the graph it is replayed on."""
+
+
+def _jv(v: Any) -> Any:
+    return [_jv(x) for x in v] if isinstance(v, tuple) else v
+
+
+def _tv(v: Any) -> Any:
+    return tuple(_tv(x) for x in v) if isinstance(v, list) else v
+
+
+@dataclass(frozen=True)
+class RuleStep:
+    """One rule application: ``rule`` matched at graph nodes ``nodes`` (one per source pattern node),
+    named inputs bound to tensors ``inputs`` and variables bound to ``bindings``."""
+    rule: str
+    nodes: tuple[int, ...]
+    inputs: tuple[tuple[str, tuple[int, int]], ...]
+    bindings: tuple[tuple[str, Any], ...]
+
+    @staticmethod
+    def of(m: Match) -> "RuleStep":
+        return RuleStep(m.rule.name, tuple(m.nodes), tuple((k, (int(r[0]), int(r[1]))) for k, r in m.inputs),
+                        tuple(m.bindings))
+
+    def to_json(self) -> dict:
+        return {"rule": self.rule, "nodes": list(self.nodes),
+                "inputs": {k: list(r) for k, r in self.inputs},
+                "bind": {k: _jv(v) for k, v in self.bindings}}
+
+    @staticmethod
+    def from_json(obj: Any) -> "RuleStep":
+        try:
+            return RuleStep(str(obj["rule"]), tuple(int(n) for n in obj["nodes"]),
+                            tuple(sorted((str(k), (int(r[0]), int(r[1]))) for k, r in dict(obj["inputs"]).items())),
+                            tuple(sorted((str(k), _tv(v)) for k, v in dict(obj.get("bind", {})).items())))
+        except (KeyError, TypeError, ValueError, IndexError) as e:
+            raise ReplayError(f"malformed rule step {obj!r:.80}: {type(e).__name__}: {e}") from None
+
+    def remap(self, ids: Mapping[int, int], refs: Mapping[tuple, tuple]) -> "RuleStep":
+        """The same step with node ids / input tensors translated (a subgraph's step on the whole graph)."""
+        return RuleStep(self.rule, tuple(ids[n] for n in self.nodes),
+                        tuple((k, tuple(refs[r]) if r in refs else (ids[r[0]], r[1])) for k, r in self.inputs), self.bindings)
+
+    def describe(self, g: PCG | None = None) -> str:
+        where = ", ".join(g.node(n).label() if g is not None and n in g else str(n) for n in self.nodes)
+        b = ", ".join(f"{k}={v}" for k, v in self.bindings)
+        return f"{self.rule} at [{where}]" + (f" with {b}" if b else "")
+
+
+class RuleBook:
+    """The rules the search may apply (every proven rule of the cache, reversible ones both ways),
+    indexed by name, and the degrees free degree variables are chosen from."""
+
+    def __init__(self, rules: RuleSet | Iterable[Rule] | None = None, degrees: Sequence[int] = (2,)):
+        rs = rules if rules is not None else load_rules()
+        self.rules: list[Rule] = rs.all_directions() if isinstance(rs, RuleSet) else list(rs)
+        self.by_name: dict[str, Rule] = {r.name: r for r in self.rules}
+        self.degrees = tuple(sorted(set(int(d) for d in degrees if d >= 2)))
+        self.algebraic = [r for r in self.rules if not r.is_parallel]
+        self.parallel = [r for r in self.rules if r.is_parallel]
+
+    def get(self, name: str) -> Rule:
+        r = self.by_name.get(name)
+        if r is None:
+            raise ReplayError(f"rule {name!r} is not in the shipped rule cache")
+        return r
+
+    def subset(self, rules: Iterable[Rule]) -> "RuleBook":
+        b = RuleBook(list(rules), self.degrees)
+        return b
+
+
+# --- matching and replay ---------------------------------------------------------------------------
+
+def _window_index(g: PCG, window: Iterable[int] | None) -> GraphIndex:
+    idx = GraphIndex(g)
+    if window is not None:
+        w = set(window)
+        idx.by_op = {op: [n for n in ids if n in w] for op, ids in idx.by_op.items()}
+    return idx
+
+
+def neighbours(g: PCG, rules: Iterable[Rule], degrees: Sequence[int], window: Iterable[int] | None = None,
+               limit_per_rule: int | None = None) -> Iterable[tuple[Match, PCG]]:
+    """Every valid application of ``rules`` whose pattern ends in ``window`` (all nodes if None):
+    (match, rewritten graph)."""
+    idx = _window_index(g, window)
+    for r in rules:
+        for m in iter_matches(r, g, idx, limit_per_rule, degrees):
+            g2 = try_apply(g, m)
+            if g2 is not None:
+                yield m, g2
+
+
+def match_step(g: PCG, step: RuleStep, book: RuleBook) -> Match:
+    """The match ``step`` records, checked to be a match of its rule in ``g`` (else ReplayError)."""
+    rule = book.get(step.rule)
+    for n in step.nodes:
+        if n not in g:
+            raise ReplayError(f"step {step.describe()}: node {n} is not in the graph")
+    b = dict(step.bindings)
+    kinds = rule.var_kinds
+    degs = sorted({int(v) for k, v in b.items() if kinds.get(k) == "degree"}) or [2]
+    idx = _window_index(g, step.nodes)
+    for m in iter_matches(rule, g, idx, None, degs):
+        if tuple(m.nodes) == step.nodes and RuleStep.of(m) == step:
+            return m
+    raise ReplayError(f"step {step.describe(g)} is not a match of rule {step.rule} in this graph")
+
+
+def apply_step(g: PCG, step: RuleStep, book: RuleBook) -> PCG:
+    m = match_step(g, step, book)
+    g2 = try_apply(g, m)
+    if g2 is None:
+        raise ReplayError(f"step {step.describe(g)}: the rewritten graph is not a valid parallelization")
+    return g2
+
+
+def replay(g: PCG, steps: Iterable[RuleStep], book: RuleBook | None = None) -> PCG:
+    """Apply a recorded rule sequence to ``g``, checking every step (raises ReplayError)."""
+    book = book or RuleBook()
+    for s in steps:
+        g = apply_step(g, s, book)
+    return g
+
+
+def new_ids(before: PCG, after: PCG) -> list[int]:
+    """Ids of the nodes a step added, in creation order."""
+    return sorted(n for n in after.node_ids() if n not in before)
+
+
+# --- data parallelism by rules --------------------------------------------------------------------------
+
+def _dp_rule_names(op: str) -> list[str]:
+    return [f"dp_{op}", f"dp_{op}_bias"]
+
+
+def cancel_steps(g: PCG, book: RuleBook, window: Iterable[int] | None = None,
+                 max_steps: int = 10_000) -> tuple[PCG, list[RuleStep]]:
+    """Merge duplicate Partition/Replicate nodes and cancel Combine->Partition pairs until none is left."""
+    rules = [book.by_name[n] for n in CANCEL_RULES if n in book.by_name]
+    steps: list[RuleStep] = []
+    w = set(window) if window is not None else None
+    for _ in range(max_steps):
+        for m, g2 in neighbours(g, rules, (2,), w, limit_per_rule=1):
+            steps.append(RuleStep.of(m))
+            if w is not None:
+                w |= set(new_ids(g, g2))
+            g = g2
+            break
+        else:
+            return g, steps
+    return g, steps
+
+
+def data_parallel_steps(g: PCG, degree: int, book: RuleBook) -> tuple[PCG, list[RuleStep]]:
+    """Data parallelism of ``degree`` built by rules: each compute operator in topological order gets
+    its ``dp_<Op>`` rule (sample dim = dim 0), then shared Partitions are merged and Combine/Partition
+    pairs cancelled.  Operators whose rule does not apply (the batch dim does not survive them) stay
+    whole, with Combine before and Partition after them."""
+    steps: list[RuleStep] = []
+    for nid in list(g.topo_order()):
+        if nid not in g:
+            continue
+        n = g.node(nid)
+        if n.kind != "compute":
+            continue
+        rank = g.shape(n.inputs[0]).rank if n.inputs else 0
+        done = False
+        for name in _dp_rule_names(n.op):
+            r = book.by_name.get(name)
+            if r is None or done:
+                continue
+            idx = _window_index(g, [nid])
+            for m in iter_matches(r, g, idx, None, (degree,)):
+                b = m.binding
+                if "d" in b and b["d"] != -rank:        # the sample dim
+                    continue
+                g2 = try_apply(g, m)
+                if g2 is None:
+                    continue
+                steps.append(RuleStep.of(m))
+                window = set(new_ids(g, g2))
+                g = g2
+                for k in list(window):
+                    window |= {r[0] for r in g.node(k).inputs}
+                    window |= {c for c, _ in g.consumers((k, 0))}
+                g, more = cancel_steps(g, book, window)
+                steps.extend(more)
+                done = True
+                break
+    g, more = cancel_steps(g, book)
+    steps.extend(more)
+    return g, steps
+
+
+def normalized_hash(g: PCG) -> str:
+    """Structural hash with the dim attributes of parallel operators counted from the front (rules
+    bind dims counted from the end, hand-built baselines count from the front)."""
+    b = g.edit()
+    for n in g.nodes():
+        if n.kind == "parallel" and "dim" in n.a:
+            rank = g.shape(n.inputs[0]).rank
+            a = dict(n.a, dim=n.a["dim"] % rank)
+            if a != n.a:
+                from unity_pcg.pcg import Node
+                b._nodes[n.id] = Node(n.id, n.op, tuple(sorted(a.items())), n.inputs, n.name)
+                b._hashes.pop(n.id, None)
+                b._dirty.add(n.id)
+    return b.finish().structural_hash()
+
+
+# --- best-first search ------------------------------------------------------------------------------------
+
+@dataclass
+class Candidate:
+    cost: float
+    graph: PCG
+    steps: tuple[RuleStep, ...]
+    info: Any = None
+
+
+@dataclass
+class SearchStats:
+    explored: int = 0            # candidates expanded
+    evaluated: int = 0           # candidates priced
+    duplicates: int = 0
+    pruned: int = 0
+    seconds: float = 0.0
+    stopped: str = ""            # "exhausted", "candidates", "seconds", "interrupted"
+
+    def to_json(self) -> dict:
+        return dict(self.__dict__)
+
+
+@dataclass
+class SearchResult:
+    best: Candidate
+    stats: SearchStats
+    front: dict = field(default_factory=dict)      # key -> best Candidate of that key (see best_first)
+
+
+def best_first(start: Sequence[Candidate], expand: Callable[[Candidate], Iterable[tuple[PCG, tuple]]],
+               evaluate: Callable[[PCG], tuple[float, Any]], alpha: float = 1.05,
+               max_candidates: int = 100, max_seconds: float = INF,
+               key: Callable[[Candidate], Any] | None = None,
+               progress: Callable[[SearchStats, float], None] | None = None,
+               seen: set | None = None) -> SearchResult:
+    """Best-first search.  ``start``: priced candidates (the imported graph, seeds); ``expand(c)``
+    yields (graph, steps) of its neighbours; ``evaluate(graph)`` -> (cost, info).  A candidate costing
+    more than ``alpha`` times the best of its ``key`` (all one key if None) is neither queued nor
+    expanded.  Stops when the queue is empty, after ``max_candidates`` expansions or ``max_seconds``;
+    a KeyboardInterrupt stops it too (``stats.stopped == "interrupted"``) with the best so far."""
+    t0 = time.perf_counter()
+    stats = SearchStats()
+    keyf = key or (lambda c: None)
+    seen = set() if seen is None else seen
+    front: dict = {}
+    queue: list = []
+    counter = 0
+
+    def consider(c: Candidate) -> None:
+        nonlocal counter
+        k = keyf(c)
+        best = front.get(k)
+        if best is None or c.cost < best.cost:
+            front[k] = c
+        if c.cost == INF or (best is not None and c.cost > alpha * best.cost):
+            stats.pruned += 1
+            return
+        heapq.heappush(queue, (c.cost, counter, c))
+        counter += 1
+
+    for c in start:
+        h = c.graph.structural_hash()
+        if h in seen:
+            continue
+        seen.add(h)
+        consider(c)
+    stats.stopped = "exhausted"
+    try:
+        while queue:
+            if stats.explored >= max_candidates:
+                stats.stopped = "candidates"
+                break
+            if time.perf_counter() - t0 > max_seconds:
+                stats.stopped = "seconds"
+                break
+            cost, _, c = heapq.heappop(queue)
+            best = front.get(keyf(c))
+            if best is not None and cost > alpha * best.cost:
+                stats.pruned += 1
+                continue
+            stats.explored += 1
+            for g2, steps in expand(c):
+                h = g2.structural_hash()
+                if h in seen:
+                    stats.duplicates += 1
+                    continue
+                seen.add(h)
+                cost2, info = evaluate(g2)
+                stats.evaluated += 1
+                consider(Candidate(cost2, g2, c.steps + tuple(steps), info))
+                if time.perf_counter() - t0 > max_seconds:
+                    break
+            if progress is not None:
+                progress(stats, min((x.cost for x in front.values()), default=INF))
+    except KeyboardInterrupt:
+        stats.stopped = "interrupted"
+    stats.seconds = time.perf_counter() - t0
+    best = min(front.values(), key=lambda x: x.cost) if front else start[0]
+    return SearchResult(best, stats, front)
+
+
+__all__ = ["RuleStep", "RuleBook", "ReplayError", "replay", "apply_step", "match_step", "neighbours",
+           "data_parallel_steps", "cancel_steps", "normalized_hash", "best_first", "Candidate", "SearchResult",
+           "SearchStats", "new_ids"]
