@@ -1,127 +1,589 @@
 """Fixed parallelizations of a (logical) PCG: the baselines the search is compared with.
 
 * ``none``: the model on one device -- the logical PCG itself (every degree 1).
-* ``dp`` with degree d (data parallelism): every Input is partitioned d ways on its first dim (the
-  batch), every Weight is replicated d times (each device holds a full copy; the cost model charges
-  the gradient all-reduce this implies), shape inference propagates the batch partition through
-  the graph, and every graph output is combined back to one piece.
+* ``dp`` (data parallelism, degree d): every model input is partitioned d ways on its first dim (the
+  batch), every weight is replicated d times (the cost model charges the gradient all-reduce this
+  implies) and shape inference carries the batch partition through the graph.  Graph outputs stay
+  partitioned: the loss is computed where each piece of the output lives (as torch DDP does), so
+  nothing is gathered.
+* ``megatron`` (Megatron-LM, Shoeybi et al.): tensor parallelism of degree t inside a node, data
+  parallelism of degree d/t across nodes.  Column-parallel Linears (weight split on its output
+  features) feed row-parallel Linears (weight split on its input features, partial sums all-reduced):
+  the MLP's two matrices, and in attention the Q/K/V projections (their output features are the
+  heads, so the attention heads split with them) feeding the output projection.  Everything else
+  is data parallel over d/t with t copies.  Transformers only.
+* ``expert`` (the expert-designed strategy of Unity §6.1 / FlexFlow's DLRM example, [38]):
+  communication-intensive operators in model parallelism, compute-intensive ones in data
+  parallelism.  Embedding tables are communication-intensive: each table lives whole on one device
+  (different tables on different devices: the machine-mapping DP places them, side by side), its
+  lookup reads the whole batch of indices, and the looked-up vectors are scattered to the
+  data-parallel layout where they meet dense operators.  A dense Linear is communication-intensive
+  when its weight has more elements than the activations it reads and writes in one iteration
+  (``k*n > B*(k+n)`` at global batch B: synchronizing its gradient would move more than moving its
+  activations); it is split on its output features across all d devices (its input gathered to every
+  device).  Models with neither raise :class:`StrategyError`.
 
-Robustness: where an operator refuses its batch-partitioned inputs (a Reshape that merges the batch
-dim into another, a reduction over the batch, ...), its partitioned inputs are combined back to
-one piece (a gather onto one device), it reads the unreplicated weights and runs as a single task,
-and its outputs are partitioned again on dim 0 when that dim is divisible by d (else they stay
-whole and the next operators fall back the same way).  ``fallbacks`` in the returned PCG's ``meta``
-lists these operators by name.
+All of them are built by one propagation (:class:`_Rebuild`): model inputs take the strategy's
+layout, every compute operator keeps the parallel shapes its inputs arrive with, and each weight
+takes the parallel shape the operator's labels imply for those inputs (a weight shares the degree of
+every label it has; its copy degree covers the task axes it lacks).  Partial sums (a row-parallel
+Linear's output) are all-reduced at once.  Where an operator refuses its inputs as they are, they are
+first brought to the strategy's layout, and failing that combined into one piece (a gather): it runs
+unpartitioned (``fallbacks`` in the PCG's ``meta`` lists these operators) and its outputs go back to
+the strategy's layout.  The strategy's structural choices (which Linears are column-parallel, which
+embeddings model-parallel) are found by graph pattern, not by node names.
 """
 from __future__ import annotations
 
-from typing import Callable
+from math import gcd, prod
+from typing import Iterable
 
 from unity_pcg import ops
-from unity_pcg.errors import InvalidParallelization, UnityError
-from unity_pcg.pcg import PCG
+from unity_pcg.errors import InvalidParallelization, ShapeError, UnityError
+from unity_pcg.pcg import PCG, Ref
+
+FLOAT_DTYPES = ("float32", "float16", "bfloat16", "float64")
 
 
 class StrategyError(UnityError, ValueError):
     """A fixed parallelization that cannot be built for this model (e.g. batch not divisible)."""
 
 
-STRATEGIES = ("none", "dp")
+STRATEGIES = ("none", "dp", "megatron", "expert")
 
 
-def build_strategy(g: PCG, strategy: str, degree: int = 1) -> PCG:
+def build_strategy(g: PCG, strategy: str, degree: int = 1, *, devices_per_node: int | None = None) -> PCG:
+    """The PCG of fixed strategy ``strategy`` over ``degree`` devices.  ``devices_per_node`` bounds
+    Megatron's tensor-parallel degree (default: all ``degree`` devices form one node)."""
     if strategy == "none":
         return none(g)
     if strategy == "dp":
         return data_parallel(g, degree)
+    if strategy == "megatron":
+        return megatron(g, degree, devices_per_node)
+    if strategy == "expert":
+        return expert(g, degree)
     raise StrategyError(f"unknown strategy {strategy!r} (known: {', '.join(STRATEGIES)})")
 
 
 def none(g: PCG) -> PCG:
-    for n in g.nodes():
-        if n.kind == "parallel":
-            raise StrategyError(f"strategy 'none' needs a logical PCG; node {n.label()} is a {n.op}")
+    _check_logical(g, "none")
     return g
 
 
-def data_parallel(g: PCG, degree: int, combine_outputs: bool = True) -> PCG:
-    """Data-parallel PCG of degree ``degree`` (see module docstring).  ``combine_outputs=False``
-    leaves the outputs batch-partitioned (each device computes its loss on its shard, as torch DDP
-    does)."""
-    if not isinstance(degree, int) or degree < 1:
-        raise StrategyError(f"data-parallel degree must be a positive integer, got {degree!r}")
-    if degree == 1:
-        return none(g)
-    d = degree
-    b = PCG.builder(g.weights)
-    m: dict = {}          # old ref -> new ref (parallel version)
-    raw: dict = {}        # old weight ref -> new unreplicated ref
-    rep: dict = {}        # old weight ref -> new replicated ref (lazy)
-    fallbacks: list[str] = []
-
-    def replicated(r):
-        if r not in rep:
-            rep[r] = b.add("Replicate", {"degree": d}, [raw[r]], name=f"{_name(g, r)}/replicate")
-        return rep[r]
-
-    def unpartition(ref, label):
-        s = b.shape(ref)
-        if s.sum_degree > 1:
-            ref = b.add("Reduce", {"degree": s.sum_degree}, [ref], name=f"{label}/reduce")
-        s = b.shape(ref)
-        for dim, deg in enumerate(s.degrees):
-            if deg > 1:
-                ref = b.add("Combine", {"dim": dim, "degree": deg}, [ref], name=f"{label}/combine{dim}")
-        return ref
-
+def _check_logical(g: PCG, strategy: str) -> None:
     for n in g.nodes():
         if n.kind == "parallel":
-            raise StrategyError(f"strategy 'dp' needs a logical PCG; node {n.label()} is a {n.op}")
-        if n.op == "Input":
-            ref = b.add("Input", n.a, [], name=n.name)
-            s = b.shape(ref)
-            if s.rank == 0 or s.sizes[0] % d:
-                size = s.sizes[0] if s.rank else "a scalar"
-                raise StrategyError(f"input {n.label()!r}: batch dim of size {size} is not divisible by "
-                                    f"data-parallel degree {d}")
-            m[(n.id, 0)] = b.add("Partition", {"dim": 0, "degree": d}, [ref], name=f"{n.label()}/partition")
+            raise StrategyError(f"strategy {strategy!r} needs a logical PCG; node {n.label()} is a {n.op}")
+
+
+def _check_degree(degree) -> None:
+    if not isinstance(degree, int) or isinstance(degree, bool) or degree < 1:
+        raise StrategyError(f"parallel degree must be a positive integer, got {degree!r}")
+
+
+def data_parallel(g: PCG, degree: int, combine_outputs: bool = False) -> PCG:
+    """Data-parallel PCG of degree ``degree`` (see module docstring).  ``combine_outputs=True``
+    gathers every output into one piece (what a caller that needs whole outputs on one device
+    pays; training does not)."""
+    _check_degree(degree)
+    _check_logical(g, "dp")
+    if degree == 1:
+        return g
+    r = _Rebuild(g, "dp", dp=degree)
+    return r.finish(combine_outputs=combine_outputs, degree=degree)
+
+
+# --- Megatron-LM ------------------------------------------------------------------------------------
+
+class _Group:
+    """Column-parallel Linears (``starts``) whose outputs reach row-parallel Linears (``terms``)
+    through the operators in ``nodes`` only."""
+
+    def __init__(self, starts, nodes, terms):
+        self.starts, self.nodes, self.terms = set(starts), set(nodes), set(terms)
+
+    def attention(self, g: PCG) -> bool:
+        """Whether two activations meet in a matmul inside the group (scores = Q K^T: attention)."""
+        return any(g.node(i).op in ("BatchMatMul", "MatMul") for i in self.nodes)
+
+
+def _weight_like(g: PCG) -> set:
+    """Nodes whose values depend on weights only (Weight sources and operators reading only them)."""
+    wl: set = set()
+    for n in g.nodes():
+        if n.op == "Weight" or (n.kind == "compute" and n.inputs and all(r[0] in wl for r in n.inputs)):
+            wl.add(n.id)
+    return wl
+
+
+def _is_dense(g: PCG, n, wl: set) -> bool:
+    """A Linear whose activation input is not weight-derived and whose weight is a trainable 2-D Weight."""
+    if n.op != "Linear" or n.inputs[0][0] in wl:
+        return False
+    w = g.node(n.inputs[1][0])
+    return w.op == "Weight" and g.shape(n.inputs[1]).dtype in FLOAT_DTYPES
+
+
+def _closure(g: PCG, start: int, wl: set, limit: int = 64):
+    """Operators reached from ``start``'s output before any Linear (which ends a path), or None when
+    the region reaches a graph output or grows past ``limit`` operators (no row-parallel partner)."""
+    outs = {tuple(r) for r in g.outputs}
+    nodes: set = set()
+    terms: set = set()
+    stack = [c for c, _ in g.consumers((start, 0))]
+    if (start, 0) in outs:
+        return None
+    while stack:
+        c = stack.pop()
+        if c in nodes or c in terms:
             continue
-        if n.op == "Weight":
-            raw[(n.id, 0)] = b.add("Weight", n.a, [], name=n.name)
+        cn = g.node(c)
+        if cn.op == "Linear" and cn.inputs[0][0] not in wl and len(cn.inputs) >= 2:
+            terms.add(c)
             continue
-        ins = [replicated(r) if r in raw else m[r] for r in n.inputs]
+        nodes.add(c)
+        if len(nodes) > limit:
+            return None
+        for k in range(len(g.shapes(c))):
+            if (c, k) in outs:
+                return None
+            stack.extend(x for x, _ in g.consumers((c, k)))
+    return nodes, terms
+
+
+def megatron_groups(g: PCG) -> list[_Group]:
+    """Candidate column -> row Linear groups, found by graph pattern: the regions between dense
+    Linears, merged where they share operators (Q, K and V meet in the attention scores); a group
+    qualifies when every path from its column Linears ends in a bias-free Linear without activation
+    (the row-parallel one, whose partial sums are all-reduced) and its operators read no activation
+    from outside the group."""
+    wl = _weight_like(g)
+    regions = {}
+    for n in g.nodes():
+        if _is_dense(g, n, wl):
+            c = _closure(g, n.id, wl)
+            if c is not None and c[1]:
+                regions[n.id] = c
+    # union regions that share operators
+    parent = {s: s for s in regions}
+
+    def find(x):
+        while parent[x] != x:
+            parent[x] = parent[parent[x]]
+            x = parent[x]
+        return x
+    owner: dict = {}
+    for s, (nodes, _) in regions.items():
+        for v in nodes:
+            if v in owner:
+                parent[find(s)] = find(owner[v])
+            else:
+                owner[v] = s
+    merged: dict = {}
+    for s in regions:
+        merged.setdefault(find(s), []).append(s)
+    order = {nid: i for i, nid in enumerate(g.topo_order())}
+    groups = []
+    for starts in merged.values():
+        nodes = set().union(*(regions[s][0] for s in starts))
+        terms = set().union(*(regions[s][1] for s in starts))
+        if terms & set(starts):
+            continue
+        ok = all(len(g.node(t).inputs) == 2 and g.node(t).a.get("activation", "none") == "none"
+                 and g.node(t).inputs[0][0] in nodes | set(starts) for t in terms)
+        inside = nodes | set(starts)
+        ok = ok and all(r[0] in inside or r[0] in wl for v in nodes for r in g.node(v).inputs)
+        if ok:
+            groups.append(_Group(starts, nodes, terms))
+    groups.sort(key=lambda gr: min(order[s] for s in gr.starts))
+    return groups
+
+
+def _divisors_desc(n: int) -> list[int]:
+    return [t for t in range(n, 1, -1) if n % t == 0]
+
+
+def megatron(g: PCG, degree: int, devices_per_node: int | None = None) -> PCG:
+    """Megatron-LM: tensor parallelism of the largest degree t dividing the devices of a node (and
+    ``degree``) that splits the attention heads and MLP matrices evenly; data parallelism of degree
+    ``degree / t`` across nodes (see module docstring)."""
+    _check_degree(degree)
+    _check_logical(g, "megatron")
+    groups = megatron_groups(g)
+    if not any(gr.attention(g) for gr in groups):
+        raise StrategyError("strategy 'megatron' applies to Transformers: no attention block (Q/K/V "
+                            "projections whose outputs meet in a batched matmul before an output "
+                            "projection) found in the model")
+    if degree == 1:
+        return g
+    dpn = devices_per_node or degree
+    last = None
+    for tp in _divisors_desc(gcd(dpn, degree)):
+        accepted = _accept(g, groups, tp, degree // tp)
+        if accepted is None:
+            continue
+        r, chosen = accepted
+        if any(gr.attention(g) for gr in chosen):
+            out = r.finish(degree=degree, tp=tp, dp=degree // tp,
+                           column=sorted(g.node(s).label() for gr in chosen for s in gr.starts),
+                           row=sorted(g.node(t).label() for gr in chosen for t in gr.terms))
+            return out
+        last = tp
+    raise StrategyError(f"strategy 'megatron': no tensor-parallel degree dividing {gcd(dpn, degree)} "
+                        f"(devices per node and degree {degree}) splits the attention heads evenly"
+                        + (f" (tried down to {last})" if last else ""))
+
+
+def _accept(g: PCG, groups: list[_Group], tp: int, dp: int):
+    """Build with every non-conflicting group column-parallel at degree ``tp``; drop the groups the
+    operators refuse (a fallback inside, or a row Linear that did not get split inputs) and rebuild
+    until none is dropped.  Returns (rebuild, accepted groups) or None if ``dp`` does not divide
+    the batch."""
+    chosen: list[_Group] = []
+    starts: set = set()
+    terms: set = set()
+    for gr in groups:
+        if gr.starts & terms or gr.terms & starts:
+            continue
+        chosen.append(gr)
+        starts |= gr.starts
+        terms |= gr.terms
+    while True:
+        col = frozenset().union(*(gr.starts for gr in chosen)) if chosen else frozenset()
         try:
-            ops.infer(n.op, n.a, [b.shape(r) for r in ins])
-            nid = b.add_node(n.op, n.a, ins, name=n.name)
-        except InvalidParallelization:
-            fallbacks.append(n.label())
-            ins = [raw[r] if r in raw else unpartition(m[r], f"{n.label()}/in{i}") for i, r in enumerate(n.inputs)]
-            nid = b.add_node(n.op, n.a, ins, name=n.name)
-            outs = []
-            for k in range(len(g.shapes(n.id))):
-                ref = (nid, k)
-                s = b.shape(ref)
-                if s.rank and s.sizes[0] % d == 0 and s.sizes[0] >= d:
-                    ref = b.add("Partition", {"dim": 0, "degree": d}, [ref], name=f"{n.label()}/out{k}/partition")
-                outs.append(ref)
-            for k, ref in enumerate(outs):
-                m[(n.id, k)] = ref
-            continue
-        for k in range(len(g.shapes(n.id))):
-            m[(n.id, k)] = (nid, k)
-    outs = []
-    for r in g.outputs:
-        ref = raw[r] if r in raw else m[r]
-        outs.append(unpartition(ref, f"output{len(outs)}") if combine_outputs else ref)
-    b.set_outputs(outs)
-    b.meta = dict(g.meta, strategy="dp", degree=d, fallbacks=fallbacks)
-    out = b.finish()
-    out.meta.update(strategy="dp", degree=d, fallbacks=fallbacks)
-    return out
+            r = _Rebuild(g, "megatron", dp=dp, tp=tp, column=col)
+        except StrategyError:
+            return None
+        bad = set(r.fallback_ids)
+        keep = []
+        for gr in chosen:
+            if (gr.nodes | gr.starts | gr.terms) & bad:
+                continue
+            if any(r.row_input_degree.get(t) != tp for t in gr.terms):
+                continue
+            keep.append(gr)
+        if len(keep) == len(chosen):
+            return r, chosen
+        chosen = keep
 
 
-def _name(g: PCG, r) -> str:
-    return g.node(r[0]).label()
+# --- expert (embeddings and communication-intensive dense layers model-parallel) -------------------
+
+def expert_choices(g: PCG, degree: int) -> tuple[list[int], list[int]]:
+    """(model-parallel Embedding ids, model-parallel Linear ids) of the expert strategy over
+    ``degree`` devices: every embedding whose table is a trainable weight, and every dense Linear
+    whose weight outweighs its activations at the global batch (see module docstring) and whose
+    output features divide by ``degree``."""
+    wl = _weight_like(g)
+    embs, dense = [], []
+    for n in g.nodes():
+        if (n.op == "Embedding" and n.inputs[0][0] not in wl and g.node(n.inputs[1][0]).op == "Weight"
+                and g.shape(n.inputs[1]).dtype in FLOAT_DTYPES):
+            embs.append(n.id)
+        elif _is_dense(g, n, wl) and degree > 1:
+            x, w = g.shape(n.inputs[0]), g.shape(n.inputs[1])
+            k, nf = w.sizes
+            rows = x.numel // x.sizes[-1]
+            if k * nf > rows * (k + nf) and nf % degree == 0:
+                dense.append(n.id)
+    return embs, dense
 
 
-__all__ = ["build_strategy", "none", "data_parallel", "StrategyError", "STRATEGIES"]
+def expert(g: PCG, degree: int) -> PCG:
+    _check_degree(degree)
+    _check_logical(g, "expert")
+    embs, dense = expert_choices(g, degree)
+    if not embs and not dense:
+        raise StrategyError("strategy 'expert' applies to models with communication-intensive operators "
+                            "(embedding tables, or dense layers whose weights outweigh their activations "
+                            f"at this batch over {degree} devices, as DLRM, XDL, CANDLE-Uno); this model "
+                            "has none")
+    if degree == 1:
+        return g
+    r = _Rebuild(g, "expert", dp=degree, mp_embeddings=frozenset(embs), mp_dense=frozenset(dense))
+    return r.finish(degree=degree, model_parallel=sorted(g.node(i).label() for i in embs + dense))
+
+
+# --- the propagation ---------------------------------------------------------------------------------
+
+class _Rebuild:
+    """Rebuilds a logical PCG with parallel operators for one strategy (see module docstring).
+
+    ``dp``: degree of the batch partition; ``tp``: copies of every activation in the strategy's
+    layout (Megatron's tensor-parallel degree; 1 otherwise); ``column``: Linears whose weight is
+    split on its output features by ``tp``; ``mp_embeddings``: embeddings run whole on one device;
+    ``mp_dense``: Linears split on their output features by ``dp`` over every device."""
+
+    def __init__(self, g: PCG, strategy: str, dp: int, tp: int = 1, column: frozenset = frozenset(),
+                 mp_embeddings: frozenset = frozenset(), mp_dense: frozenset = frozenset()):
+        self.g = g
+        self.strategy = strategy
+        self.dp, self.tp = dp, tp
+        self.column = column
+        self.mp_emb = mp_embeddings
+        self.mp_dense = mp_dense
+        self.b = PCG.builder(g.weights)
+        self.m: dict = {}                 # old ref -> new ref (activations)
+        self.wl = _weight_like(g)
+        self.raw: dict = {}               # old Weight id -> new unpartitioned ref
+        self.wcache: dict = {}            # (old ref, shards, copy) -> new ref
+        self.whole: set = set()           # new refs kept whole on one device (model-parallel lookups)
+        self.fallback_ids: list[int] = []
+        self.row_input_degree: dict = {}  # Linear id -> degree of its x input's last dim
+        for n in g.nodes():
+            if n.kind == "parallel":
+                raise StrategyError(f"strategy {strategy!r} needs a logical PCG; node {n.label()} is a {n.op}")
+            if n.id in self.wl:
+                continue
+            if n.op == "Input":
+                self._input(n)
+            else:
+                self._compute(n)
+
+    # --- layout helpers ----------------------------------------------------------------------------
+    def shape(self, ref):
+        return self.b.shape(ref)
+
+    def _add(self, op, attrs, ins, name) -> Ref:
+        return self.b.add(op, attrs, ins, name=name)
+
+    def _canon_degrees(self, s) -> tuple[int, ...]:
+        degs = [1] * s.rank
+        if s.rank and s.sizes[0] % self.dp == 0 and s.sizes[0] >= self.dp:
+            degs[0] = self.dp
+        return tuple(degs)
+
+    def _reshard(self, ref: Ref, degrees: tuple[int, ...], copy: int, label: str) -> Ref:
+        """Bring ``ref`` to shard ``degrees`` and (at least) ``copy`` copies: Reduce partial sums,
+        Combine dims whose degree differs, Partition, Replicate.  Copies cannot be dropped (no
+        parallel operator does that); a tensor with more copies keeps them."""
+        s = self.shape(ref)
+        if s.sum_degree > 1:
+            ref = self._add("Reduce", {"degree": s.sum_degree}, [ref], f"{label}/reduce")
+        s = self.shape(ref)
+        for dim, (cur, want) in enumerate(zip(s.degrees, degrees)):
+            if cur != want and cur > 1:
+                ref = self._add("Combine", {"dim": dim, "degree": cur}, [ref], f"{label}/combine{dim}")
+        s = self.shape(ref)
+        for dim, (cur, want) in enumerate(zip(s.degrees, degrees)):
+            if want > 1 and cur != want:
+                ref = self._add("Partition", {"dim": dim, "degree": want}, [ref], f"{label}/partition{dim}")
+        c = self.shape(ref).copy_degree
+        if c < copy and copy % c == 0:
+            ref = self._add("Replicate", {"degree": copy // c}, [ref], f"{label}/replicate")
+        return ref
+
+    def _canonical(self, ref: Ref, label: str) -> Ref:
+        s = self.shape(ref)
+        if self._canon_degrees(s) == s.degrees and s.sum_degree == 1 and s.copy_degree == self.tp:
+            return ref
+        return self._reshard(ref, self._canon_degrees(s), self.tp, label)
+
+    def _whole(self, ref: Ref, label: str) -> Ref:
+        s = self.shape(ref)
+        if s.sum_degree == 1 and all(d == 1 for d in s.degrees):
+            return ref
+        return self._reshard(ref, (1,) * s.rank, 1, label)
+
+    # --- weights -----------------------------------------------------------------------------------
+    def _weight(self, ref: Ref, shards: tuple[int, ...], copy: int) -> Ref:
+        """The weight(-derived) tensor ``ref`` of the logical graph with the given shard degrees and
+        copy degree (a placement chain: Partition per dim, then Replicate)."""
+        key = (ref, shards, copy)
+        hit = self.wcache.get(key)
+        if hit is not None:
+            return hit
+        n = self.g.node(ref[0])
+        if n.op == "Weight":
+            if n.id not in self.raw:
+                self.raw[n.id] = self._add("Weight", n.a, [], n.name)
+            x = self.raw[n.id]
+            for dim, d in enumerate(shards):
+                if d > 1:
+                    x = self._add("Partition", {"dim": dim, "degree": d}, [x], f"{n.label()}/partition{dim}")
+            if copy > 1:
+                x = self._add("Replicate", {"degree": copy}, [x], f"{n.label()}/replicate")
+        else:
+            # an operator on weights only: computed on ``copy`` devices from copied inputs, then sliced
+            ins = [self._weight(r, (1,) * self.g.shape(r).rank, copy) for r in n.inputs]
+            wkey = (ref[0], copy)
+            nid = self.wcache.get(wkey)
+            if nid is None:
+                nid = self.wcache[wkey] = self.b.add_node(n.op, n.a, ins, name=n.name)
+            x = (nid, ref[1])
+            for dim, d in enumerate(shards):
+                if d > 1:
+                    x = self._add("Partition", {"dim": dim, "degree": d}, [x], f"{n.label()}/partition{dim}")
+        self.wcache[key] = x
+        return x
+
+    def _weight_targets(self, n, acts: dict, force: dict | None = None):
+        """Shard and copy degrees of every weight input of ``n`` given its activation inputs ``acts``
+        (position -> new ref), from the operator's labels; ``force`` sets degrees of labels no
+        activation carries (a column-parallel Linear's output features).  None if the activations
+        disagree (the operator would refuse them)."""
+        g = self.g
+        spec = ops.get_op(n.op)
+        lins = [self.shape(acts[i]) if i in acts else s for i, s in enumerate(g.input_shapes(n.id))]
+        lab = spec.labels(n.a, lins, [s.sizes for s in g.shapes(n.id)])
+        deg: dict = {}
+        for i, ref in acts.items():
+            s = self.shape(ref)
+            if s.sum_degree > 1:
+                return None
+            for l, d in zip(lab.inputs[i], s.degrees):
+                if deg.get(l, d) != d:
+                    return None
+                deg[l] = d
+        for l, d in (force or {}).items():
+            if deg.get(l, d) != d:
+                return None
+            deg[l] = d
+        G = prod(deg.values())
+        reps = set()
+        for i, ref in acts.items():
+            s = self.shape(ref)
+            have = set(lab.inputs[i])
+            need = prod(d for l, d in deg.items() if l not in have)
+            if s.copy_degree % need:
+                return None
+            reps.add(s.copy_degree // need)
+        if len(reps) > 1:
+            return None
+        r = reps.pop() if reps else 1
+        out = {}
+        for i in range(len(n.inputs)):
+            if i in acts:
+                continue
+            shards = tuple(deg.get(l, 1) for l in lab.inputs[i])
+            out[i] = (shards, G // prod(shards) * r)
+        return out
+
+    # --- nodes -------------------------------------------------------------------------------------
+    def _input(self, n) -> None:
+        ref = self._add("Input", n.a, [], n.name)
+        s = self.shape(ref)
+        if self.strategy == "expert" and not s.dtype.startswith("float"):
+            self.m[(n.id, 0)] = ref            # indices: each lookup reads the batch it needs
+            self.whole.add(ref)
+            return
+        if s.rank == 0 or s.sizes[0] % self.dp:
+            size = s.sizes[0] if s.rank else "a scalar"
+            raise StrategyError(f"input {n.label()!r}: batch dim of size {size} is not divisible by "
+                                f"data-parallel degree {self.dp}")
+        if self.dp > 1:
+            ref = self._add("Partition", {"dim": 0, "degree": self.dp}, [ref], f"{n.label()}/partition")
+        if self.tp > 1:
+            ref = self._add("Replicate", {"degree": self.tp}, [ref], f"{n.label()}/replicate")
+        self.m[(n.id, 0)] = ref
+
+    def _try(self, n, acts: dict, force: dict | None = None):
+        targets = self._weight_targets(n, acts, force)
+        if targets is None:
+            return None
+        try:
+            ins = [acts[i] if i in acts else self._weight(r, *targets[i]) for i, r in enumerate(n.inputs)]
+            ops.infer(n.op, n.a, [self.shape(x) for x in ins])
+            return self.b.add_node(n.op, n.a, ins, name=n.name)
+        except (InvalidParallelization, ShapeError):
+            return None
+
+    def _has_float_weights(self, n) -> bool:
+        return any(r[0] in self.wl and self.g.shape(r).dtype in FLOAT_DTYPES for r in n.inputs)
+
+    def _compute(self, n) -> None:
+        acts = {i: self.m[r] for i, r in enumerate(n.inputs) if r[0] not in self.wl}
+        label = n.label()
+        nid = None
+        whole_out = False
+        if n.id in self.mp_emb:
+            acts = {i: self._whole(r, f"{label}/in{i}") for i, r in acts.items()}
+            nid = self._try(n, acts)
+            whole_out = nid is not None
+        elif n.id in self.column:
+            acts = {i: self._canonical(r, f"{label}/in{i}") for i, r in acts.items()}
+            nid = self._try(n, acts, force={"n": self.tp})
+        elif n.id in self.mp_dense:
+            # output features split over every device; the input gathered and copied to each
+            acts = {i: self._reshard(r, (1,) * self.shape(r).rank, self.dp, f"{label}/in{i}")
+                    for i, r in acts.items()}
+            nid = self._try(n, acts, force={"n": self.dp})
+        else:
+            if self.strategy == "expert" and (self._has_float_weights(n) or (
+                    len(acts) > 1 and any(r in self.whole for r in acts.values()))):
+                # dense operators run data parallel; model-parallel lookups that meet them are
+                # scattered to that layout (the all-to-all of FlexFlow's DLRM)
+                acts = {i: self._canonical(r, f"{label}/in{i}") for i, r in acts.items()}
+            nid = self._try(n, acts)
+            if nid is not None and len(acts) == 1 and next(iter(acts.values())) in self.whole:
+                whole_out = True
+            if nid is None:
+                canon = {i: self._canonical(r, f"{label}/in{i}") for i, r in acts.items()}
+                if canon != acts:
+                    nid = self._try(n, canon)
+        if n.op == "Linear" and nid is not None:
+            self.row_input_degree[n.id] = self.b.shape(self.b.node(nid).inputs[0]).degrees[-1]
+        if nid is None:
+            nid = self._fallback(n, acts)
+            for k in range(len(self.g.shapes(n.id))):
+                self.m[(n.id, k)] = self._canonical((nid, k), f"{label}/out{k}")
+            return
+        for k in range(len(self.g.shapes(n.id))):
+            ref = (nid, k)
+            s = self.shape(ref)
+            if s.sum_degree > 1:          # partial sums (a row-parallel Linear): all-reduce at once
+                ref = self._add("AllReduce", {"degree": s.sum_degree}, [ref], f"{label}/allreduce")
+            if whole_out:
+                self.whole.add(ref)
+            self.m[(n.id, k)] = ref
+
+    def _fallback(self, n, acts: dict) -> int:
+        """Run ``n`` unpartitioned: its activations combined into one piece (copies kept), its
+        weights with as many copies."""
+        self.fallback_ids.append(n.id)
+        label = n.label()
+        whole = {i: self._whole(r, f"{label}/in{i}") for i, r in acts.items()}
+        c = max((self.shape(r).copy_degree for r in whole.values()), default=1)
+        for i, r in whole.items():
+            have = self.shape(r).copy_degree
+            if c % have:
+                raise StrategyError(f"node {label} ({n.op}): inputs with {have} and {c} copies cannot be "
+                                    f"brought together")
+            if have < c:
+                whole[i] = self._add("Replicate", {"degree": c // have}, [r], f"{label}/in{i}/replicate")
+        try:
+            ins = [whole[i] if i in whole else self._weight(r, (1,) * self.g.shape(r).rank, c)
+                   for i, r in enumerate(n.inputs)]
+            return self.b.add_node(n.op, n.a, ins, name=n.name)
+        except (InvalidParallelization, ShapeError) as e:
+            raise StrategyError(f"node {label} ({n.op}) cannot run even unpartitioned under strategy "
+                                f"{self.strategy!r}: {e}") from None
+
+    # --- result ------------------------------------------------------------------------------------
+    def finish(self, combine_outputs: bool = False, **meta) -> PCG:
+        outs = []
+        for r in self.g.outputs:
+            r = tuple(r)
+            if r[0] in self.wl:
+                ref = self._weight(r, (1,) * self.g.shape(r).rank, 1)
+            else:
+                ref = self.m[r]
+                s = self.shape(ref)
+                if s.sum_degree > 1:
+                    ref = self._add("Reduce", {"degree": s.sum_degree}, [ref], f"output{len(outs)}/reduce")
+                if combine_outputs:
+                    ref = self._whole(ref, f"output{len(outs)}")
+            outs.append(ref)
+        self.b.set_outputs(outs)
+        self.b.remove_dead()
+        fallbacks = [self.g.node(i).label() for i in self.fallback_ids]
+        info = dict(strategy=self.strategy, fallbacks=fallbacks, **meta)
+        self.b.meta = dict(self.g.meta, **info)
+        out = self.b.finish()
+        out.meta.update(info)
+        return out
+
+
+__all__ = ["build_strategy", "none", "data_parallel", "megatron", "expert", "megatron_groups",
+           "expert_choices", "StrategyError", "STRATEGIES"]

@@ -52,7 +52,7 @@ def test_roofline_and_backward_factor():
 @pytest.mark.parametrize("d", [2, 3, 6])
 def test_data_parallel_volume_is_gradient_allreduce_plus_output_gather(d):
     batch, h, layers = 12, 32, 3
-    g = data_parallel(mlp(batch=batch, h=h, layers=layers), d)
+    g = data_parallel(mlp(batch=batch, h=h, layers=layers), d, combine_outputs=True)
     r = MachineMapper(CostModel(parse_machine(f"summit:1x{d}"))).optimize(g)
     params = layers * h * h
     gather = (d - 1) * (batch // d) * h                      # Combine of the output onto one device
@@ -102,7 +102,7 @@ def test_batchnorm_running_stats_are_not_trained():
     ps = [b.add("Weight", {"name": n, "shape": (6,)}) for n in ("scale", "bias", "mean", "var")]
     y = b.add("BatchNorm", {}, [y] + ps, name="bn")
     b.set_outputs([y])
-    g = data_parallel(b.finish(), 2)
+    g = data_parallel(b.finish(), 2, combine_outputs=True)
     r = MachineMapper(CostModel(parse_machine("summit:1x2"), optimizer="adam")).optimize(g)
     trained = 6 * 3 * 3 * 3 + 6 + 6
     gather = (4 // 2) * 6 * 8 * 8
