@@ -40,11 +40,26 @@ about k * V^2 series passes per view of the join and per state.  Data-parallel P
 V = 1-2; smaller degrees (V ~ 7 for degree 6 on 24 devices) are the expensive case
 (benchmarks/results/machine_mapping.md, dp_join.md).
 
-Memory: the DP minimizes time; the chosen mapping's memory per device is then checked and a plan
-that does not fit is infeasible (``cost = inf`` with a reason), never merely slow.
+Memory: ``optimize`` returns the fastest mapping that fits the devices' memory.  The time DP runs
+first; when its mapping fits (the common case) that is the answer, at no extra cost.  Otherwise
+:func:`search.memory.memory_lower_bound` may show at once that no mapping fits (a data-parallel graph
+whose replicas are too large: every view of a full-degree node puts the same bytes on every device);
+else the memory-aware DP (:class:`_MemoryDP`, the same recursion over the same tree) keeps per
+subproblem a Pareto front of (time, memory per device) and returns the fastest point that fits.
+Memory is a *vector* (bytes per device), not a scalar peak: per device it is a sum over nodes, so
+vectors add exactly in series and side by side (disjoint devices), while a scalar peak composes
+exactly only side by side (max) and in series only as an upper bound (the sum of peaks) -- with it, a
+chain of layers placed one per device, the very mapping a model too large for one device needs, would
+look as large as all layers on one device (flexflow-train's memory-aware DP keeps such a scalar).
+Fronts drop dominated points and points already over capacity; past ``front_limit`` points (default
+16) they keep the (time, busiest device) front first, so the search is exact on small fronts (tests
+against ``exhaustive_mapping(memory=True)``) and a well-founded approximation beyond.  When nothing
+fits the result is infeasible (``cost = inf``) and its reason names the busiest device of the
+fastest mapping and how much it is over capacity.
 """
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import math
 import time
@@ -52,11 +67,13 @@ from dataclasses import dataclass, field
 from itertools import product
 from typing import Any, Mapping
 
+import numpy as np
+
 from unity_pcg.machine import MachineSpec, MachineView, Resource
 from unity_pcg.pcg import PCG
 
 from .cost import CostModel, GraphCost, LeafCost
-from .memory import MemoryReport, memory_per_device, node_memory
+from .memory import MemoryReport, format_bytes, memory_lower_bound, memory_per_device, node_memory
 from .sp import Decomposition, Leaf, Parallel, Series, decompose, tree_units
 
 INF = math.inf
@@ -215,10 +232,12 @@ def _deg(gc: GraphCost, n: int) -> int:
 class MachineMapper:
     """Finds optimal machine views; one instance per (machine, cost model), reused across PCGs."""
 
-    def __init__(self, model: CostModel):
+    def __init__(self, model: CostModel, front_limit: int = 16):
         self.model = model
         self.machine: MachineSpec = model.machine
         self.cache: dict = {}
+        self.mcache: dict = {}               # the memory-aware DP's subproblems (fronts)
+        self.front_limit = front_limit       # most points a memory-aware front keeps (see _mprune)
         self._inside_memo: dict = {}
         self.hits = 0
         self.misses = 0
@@ -236,11 +255,43 @@ class MachineMapper:
         if math.isfinite(cost):
             for hsh, v in _flatten(assign):
                 views[ctx.by_hash[hsh]] = v
-        return self._finish(g, gc, dec, cost, views, t0, {"cache_hits": self.hits - h0,
-                                                          "cache_misses": self.misses - m0,
-                                                          "cache_size": len(self.cache),
-                                                          "series_parallel": dec.is_sp,
-                                                          "units": len(dec.units)})
+        stats = {"cache_hits": self.hits - h0, "cache_misses": self.misses - m0, "cache_size": len(self.cache),
+                 "series_parallel": dec.is_sp, "units": len(dec.units)}
+        out = self._finish(g, gc, dec, cost, views, t0, stats)
+        if out.feasible or out.memory is None:
+            return out                      # the time-optimal mapping fits (or no view fits at all)
+        return self._memory_aware(ctx, res, out, t0, stats)
+
+    def _memory_aware(self, ctx: _Ctx, res: Resource, fastest: MappingResult, t0: float,
+                      stats: dict) -> MappingResult:
+        """The time-optimal mapping does not fit: the fastest mapping that fits, from the Pareto DP
+        (:class:`_MemoryDP`), or ``fastest`` (infeasible) with a reason saying that none fits."""
+        g, gc, dec = ctx.g, ctx.gc, ctx.dec
+        cap = self.machine.device.memory_bytes
+        t1 = time.perf_counter()
+        lb = memory_lower_bound(gc, res)
+        stats = dict(stats, memory_lower_bound=lb)
+        why = "out of memory: " + fastest.memory.reason()
+        if lb > cap:
+            return dataclasses.replace(
+                fastest, reason=(f"out of memory: every mapping of this graph needs at least "
+                                 f"{format_bytes(lb)} on some device, capacity {format_bytes(cap)}; "
+                                 f"the fastest: {fastest.memory.reason()}"),
+                solve_s=time.perf_counter() - t0, stats=dict(stats, memory_dp_s=0.0))
+        mdp = _MemoryDP(self, ctx, cap, self.front_limit)
+        front = mdp.solve(dec.tree, res, {})
+        stats = dict(stats, memory_dp_s=time.perf_counter() - t1, memory_front=len(front),
+                     memory_front_capped=mdp.capped, memory_cache_size=len(self.mcache))
+        if not front:
+            return dataclasses.replace(
+                fastest, reason=f"out of memory: no mapping of this graph fits; the fastest: {fastest.memory.reason()}",
+                solve_s=time.perf_counter() - t0, stats=stats)
+        cost, _, assign = front[0]
+        views = {ctx.by_hash[hsh]: v for hsh, v in _flatten(assign)}
+        out = self._finish(g, gc, dec, cost, views, t0, stats)
+        if not out.feasible:                # cannot happen: the DP adds memory exactly (kept as a guard)
+            return dataclasses.replace(out, reason=why)
+        return out
 
     def evaluate(self, g: PCG, views: Mapping[int, MachineView]) -> MappingResult:
         """Price a given mapping, every leaf one after the other (no side-by-side execution)."""
@@ -569,6 +620,320 @@ class MachineMapper:
                 if c < best[0]:
                     best = (c, (ax, ay))
         return best
+
+
+class _MemoryDP:
+    """The memory-aware DP: the same recursion as :class:`MachineMapper`'s, but every subproblem's
+    value is a Pareto front of (time, memory vector, assignment) instead of the least time.
+
+    The memory vector holds the bytes of the subproblem's nodes on every device of the machine
+    (:func:`search.memory.node_memory`).  A mapping's memory is a sum over nodes per device, so the
+    vectors compose exactly: a series or a one-after-the-other split adds them, a side-by-side split
+    adds vectors with disjoint supports; times add or take the max as in the time DP.  A point is
+    dropped when another is no slower and holds no more on any device (it cannot be part of a better
+    completion: everything added later is the same for both), and when its busiest device is already
+    over capacity (memory only grows).  No time bound prunes here: a slower partial mapping may be
+    the one that fits.  The fastest point of the root's front is the fastest mapping that fits.
+
+    Exact while no front exceeds ``limit`` points; beyond, :func:`_mprune` keeps the points on the
+    two-dimensional front of (time, busiest device) first, so the fastest and the least-peak
+    mappings of every subproblem always survive (``capped`` counts the fronts cut)."""
+
+    def __init__(self, mapper: MachineMapper, ctx: _Ctx, cap: float, limit: int):
+        self.mp, self.ctx, self.cap, self.limit = mapper, ctx, float(cap), max(2, int(limit))
+        self.machine = mapper.machine
+        self.D = self.machine.num_devices
+        self.zero = np.zeros(self.D)
+        self.nmem: dict = {}
+        self.fronts: dict = {}
+        self.capped = 0
+
+    def mem(self, n: int, v: MachineView) -> np.ndarray:
+        key = (n, v)
+        hit = self.nmem.get(key)
+        if hit is None:
+            w, a = node_memory(self.ctx.gc, n, v)
+            hit = np.zeros(self.D)
+            for d, b in w.items():
+                hit[d] += b
+            for d, b in a.items():
+                hit[d] += b
+            self.nmem[key] = hit
+        return hit
+
+    def prune(self, pts: list, nk: int = 1) -> list:
+        out, cut = _mprune(pts, self.cap, self.limit, nk)
+        self.capped += cut
+        return out
+
+    def prod(self, fa: list, fb: list) -> list:
+        """One after the other: times add, memory adds."""
+        if not fa or not fb:
+            return []
+        return self.prune([(ta + tb, ma + mb, (aa, ab)) for ta, ma, aa in fa for tb, mb, ab in fb])
+
+    # --- the recursion (mirrors MachineMapper._solve and the methods it calls) ---------------------
+    def solve(self, t, res: Resource, fixed) -> list:
+        ctx, mp = self.ctx, self.mp
+        dpn = self.machine.devices_per_node
+        off = (res.start // dpn) * dpn
+        rel = ctx.relevant[id(t)]
+        fk = tuple(sorted((ctx.h[n], v.start - off, v.dims) for n, v in fixed.items() if n in rel))
+        key = (self.cap, self.limit, ctx.key[id(t)], res.start - off, res.nodes, res.per_node, fk)
+        hit = mp.mcache.get(key)
+        if hit is not None:
+            front, at = hit
+            if off != at:
+                k = off - at
+                front = [(c, np.roll(m, k), _Shift(k, a) if a else a) for c, m, a in front]
+            return front
+        if ctx.need[id(t)] > res.size:
+            out = []
+        elif isinstance(t, Leaf):
+            out = self.leaf(t, res, fixed)
+        elif isinstance(t, Series):
+            out = self.prune([p for f in self.series_pass(t, res, fixed, frozenset()).values() for p in f])
+        else:
+            out = self.parallel(t, res, fixed)
+        mp.mcache[key] = (out, off)
+        return out
+
+    def leaf(self, t: Leaf, res: Resource, fixed, skip=frozenset()) -> list:
+        ctx, mp, gc = self.ctx, self.mp, self.ctx.gc
+        unit = ctx.dec.units[t.unit]
+        main, others = unit[-1], unit[:-1]
+        inputs = ctx.priced_inputs(main)
+        feeders = {p for _, p in inputs if p in others}
+        base = [(0.0, self.zero, ())]
+        for p in others:                      # placements feeding nothing priced: own cost, memory
+            if p in feeders:
+                continue
+            cands = mp._cands(ctx, p, res, fixed)
+            base = self.prod(base, self.prune([(gc.own_cost(p, v).time, self.mem(p, v), (ctx.h[p], v))
+                                               for v in cands]))
+            if not base:
+                return []
+        feed_cands = {p: mp._cands(ctx, p, res, fixed) for p in sorted(feeders)}
+        out: list = []
+        for vm in mp._cands(ctx, main, res, fixed):
+            t0 = gc.own_cost(main, vm).time
+            for pos, p in inputs:
+                if p not in feeders and p not in skip:
+                    t0 += ctx.edge(main, pos, fixed[p], vm)
+            cur = [(t0, self.mem(main, vm), (ctx.h[main], vm))]
+            for p, cands in feed_cands.items():
+                fr = self.prune([(gc.own_cost(p, vp).time + sum(ctx.edge(main, pos, vp, vm)
+                                                               for pos, q in inputs if q == p),
+                                  self.mem(p, vp), (ctx.h[p], vp)) for vp in cands])
+                cur = self.prod(cur, fr)
+                if not cur:
+                    break
+            out.extend(self.prod(cur, base))
+        return self.prune(out)
+
+    def series_pass(self, t: Series, res: Resource, fixed, extra: frozenset) -> dict:
+        ctx = self.ctx
+        states: dict = {(): [(0.0, self.zero, ())]}
+        kids, info = t.children, ctx.boundary[id(t)]
+        done: set = set()
+        i = 0
+        while i < len(kids):
+            child, (outs, live) = kids[i], info[i]
+            mine = ctx.nodes[id(child)]
+            done |= mine
+            if extra:
+                outs = sorted(set(outs) | (extra & mine))
+                live = live | (extra & done)
+            outs = [n for n in outs if n not in fixed]
+            jmain = ctx.join.get((id(t), i))
+            if (jmain is not None and len(outs) >= 2
+                    and not (extra & mine) and (extra & ctx.nodes[id(kids[i + 1])]) <= {jmain}):
+                jlive = info[i + 1][1]
+                done |= ctx.nodes[id(kids[i + 1])]
+                if extra:
+                    jlive = jlive | (extra & done)
+                states = self.series_join(child, kids[i + 1], jmain, outs, jlive, states, res, fixed)
+                i += 2
+            else:
+                states = self.series_step(child, outs, live, states, res, fixed)
+                i += 1
+            if not states:
+                return {}
+        return states
+
+    def _add(self, new: dict, nkey, pts: list) -> None:
+        cur = new.get(nkey)
+        if cur is None:
+            new[nkey] = pts
+        else:
+            cur.extend(pts)
+            if len(cur) > 4 * self.limit:
+                new[nkey] = self.prune(cur)
+
+    def series_step(self, child, outs, live, states, res, fixed) -> dict:
+        ctx, mp = self.ctx, self.mp
+        out_cands = [mp._cands(ctx, n, res, fixed) for n in outs]
+        keep = sorted(n for n in live if n not in fixed)
+        new: dict = {}
+        for skey, sfront in states.items():
+            f = dict(fixed)
+            f.update(skey)
+            for combo in product(*out_cands):
+                f2 = f
+                if outs:
+                    f2 = dict(f)
+                    f2.update(zip(outs, combo))
+                pts = self.prod(sfront, self.solve(child, res, f2))
+                if pts:
+                    self._add(new, tuple((n, f2[n]) for n in keep if n in f2), pts)
+        return {k: v for k, v in ((k, self.prune(v)) for k, v in new.items()) if v}
+
+    def series_join(self, child, jleaf: Leaf, jmain: int, outs, live, states, res, fixed) -> dict:
+        ctx, mp = self.ctx, self.mp
+        outset = frozenset(outs)
+        keep = sorted(n for n in live if n not in fixed)
+        new: dict = {}
+        for skey, sfront in states.items():
+            f = dict(fixed)
+            f.update(skey)
+            for vj in mp._cands(ctx, jmain, res, f):
+                fj = dict(f)
+                fj[jmain] = vj
+                jf = self.leaf(jleaf, res, fj, skip=outset)
+                if not jf:
+                    continue
+                fr = self.front(child, res, f, jmain, vj, outset)
+                cf = self.prune([(c + e, m, a) for c, e, m, a in fr])
+                pts = self.prod(self.prod(sfront, cf), jf)
+                if pts:
+                    self._add(new, tuple((n, fj[n]) for n in keep if n in fj), pts)
+        return {k: v for k, v in ((k, self.prune(v)) for k, v in new.items()) if v}
+
+    def front(self, t, res: Resource, fixed, jmain: int, vj: MachineView, outs: frozenset) -> list:
+        """Pareto front of (cost of ``t``, cost of its edges into the join, memory, assignment)."""
+        ctx = self.ctx
+        rel = ctx.relevant[id(t)]
+        key = ("front", id(t), res, vj, tuple(sorted((n, v) for n, v in fixed.items() if n in rel)))
+        hit = self.fronts.get(key)
+        if hit is not None:
+            return hit
+        R = sorted(n for n in outs if n in ctx.nodes[id(t)])
+        pts: list = []
+        if not R:
+            pts = [(c, 0.0, m, a) for c, m, a in self.solve(t, res, fixed)]
+        elif isinstance(t, Parallel):
+            fl = self.front(t.left, res, fixed, jmain, vj, outs)
+            fr = self.front(t.right, res, fixed, jmain, vj, outs) if fl else []
+            pts = [(ca + cb, ea + eb, ma + mb, (aa, ab)) for ca, ea, ma, aa in fl for cb, eb, mb, ab in fr]
+            pts = self.prune(pts, 2)
+            for r1, r2 in res.splits(self.machine):
+                for x, y in ((t.left, t.right), (t.right, t.left)):
+                    if ctx.need[id(x)] > r1.size or ctx.need[id(y)] > r2.size:
+                        continue
+                    fx = self.front(x, r1, fixed, jmain, vj, outs)
+                    fy = self.front(y, r2, fixed, jmain, vj, outs) if fx else []
+                    pts.extend((max(cx, cy), ex + ey, mx + my, (ax, ay))
+                               for cx, ex, mx, ax in fx for cy, ey, my, ay in fy)
+                    if len(pts) > 4 * self.limit:
+                        pts = self.prune(pts, 2)
+        else:
+            inputs = [(pos, p) for pos, p in ctx.priced_inputs(jmain) if p in R]
+            idx = {n: k for k, n in enumerate(R)}
+            for views, fr in self.open(t, res, fixed, tuple(R)):
+                e = sum(ctx.edge(jmain, pos, views[idx[p]], vj) for pos, p in inputs)
+                pts.extend((c, e, m, a) for c, m, a in fr)
+        out = self.prune(pts, 2)
+        self.fronts[key] = out
+        return out
+
+    def open(self, t, res: Resource, fixed, R: tuple) -> list:
+        """(views of ``R``, front of ``t`` with those views) for every combination of views of R."""
+        ctx, mp = self.ctx, self.mp
+        rel = ctx.relevant[id(t)]
+        key = ("open", id(t), res, R, tuple(sorted((n, v) for n, v in fixed.items() if n in rel)))
+        hit = self.fronts.get(key)
+        if hit is not None:
+            return hit
+        out = []
+        if isinstance(t, Series) and ctx.need[id(t)] <= res.size:
+            for skey, fr in self.series_pass(t, res, fixed, frozenset(R)).items():
+                vm = dict(skey)
+                out.append((tuple(vm[n] for n in R), fr))
+        else:
+            for combo in product(*(mp._cands(ctx, n, res, fixed) for n in R)):
+                f2 = dict(fixed)
+                f2.update(zip(R, combo))
+                fr = self.solve(t, res, f2)
+                if fr:
+                    out.append((combo, fr))
+        self.fronts[key] = out
+        return out
+
+    def parallel(self, t: Parallel, res: Resource, fixed) -> list:
+        ctx = self.ctx
+        fa = self.solve(t.left, res, fixed)
+        pts = self.prod(fa, self.solve(t.right, res, fixed)) if fa else []
+        for r1, r2 in res.splits(self.machine):
+            for x, y in ((t.left, t.right), (t.right, t.left)):
+                if ctx.need[id(x)] > r1.size or ctx.need[id(y)] > r2.size:
+                    continue
+                fx = self.solve(x, r1, fixed)
+                fy = self.solve(y, r2, fixed) if fx else []
+                pts.extend((max(cx, cy), mx + my, (ax, ay)) for cx, mx, ax in fx for cy, my, ay in fy)
+                if len(pts) > 4 * self.limit:
+                    pts = self.prune(pts)
+        return self.prune(pts)
+
+
+def _mprune(pts: list, cap: float, limit: int, nk: int = 1) -> tuple[list, int]:
+    """Points (key_1 .. key_nk, memory vector, assignment) that fit ``cap`` on every device and that
+    no other point dominates (keys and memory on every device no larger), sorted by the sum of their
+    keys (the time); at most ``limit`` of them: past it, the points on the front of (time, busiest
+    device) first -- evenly spaced along it if even they are too many, always including its two
+    ends, the fastest and the least-peak point -- then the fastest of the rest.  Returns the points
+    and 1 if some were cut for the limit, else 0."""
+    if not pts:
+        return pts, 0
+    if nk == 1:
+        dec = [(p[0], float(p[1].max()), p) for p in pts]
+    else:
+        dec = [(p[0] + p[1], float(p[2].max()), p) for p in pts]
+    dec = [d for d in dec if d[1] <= cap]
+    if len(dec) <= 1:
+        return [d[2] for d in dec], 0
+    dec.sort(key=lambda d: (d[0], d[1]))
+    n = len(dec)
+    mems = np.empty((n, len(dec[0][2][nk])))
+    keys = np.empty((n, nk))
+    kept: list = []
+    for tsum, peak, p in dec:
+        m = p[nk]
+        k = len(kept)
+        if k:
+            dom = np.all(mems[:k] <= m, axis=1)
+            if nk > 1:
+                dom &= np.all(keys[:k] <= p[:nk], axis=1)
+            if dom.any():
+                continue
+        mems[k] = m
+        keys[k] = p[:nk]
+        kept.append((tsum, peak, p))
+    if len(kept) <= limit:
+        return [d[2] for d in kept], 0
+    two, rest, best = [], [], math.inf
+    for d in kept:
+        if d[1] < best:
+            two.append(d)
+            best = d[1]
+        else:
+            rest.append(d)
+    if len(two) >= limit:
+        step = (len(two) - 1) / (limit - 1)
+        chosen = [two[round(i * step)] for i in range(limit)]
+    else:
+        chosen = two + rest[:limit - len(two)]
+    chosen.sort(key=lambda d: (d[0], d[1]))
+    return [d[2] for d in chosen], 1
 
 
 def _pareto(pts: list) -> list:

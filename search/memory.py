@@ -41,13 +41,13 @@ class MemoryReport:
             return ""
         dev = max(self.per_device, key=self.per_device.get)
         need = self.per_device[dev]
-        return (f"device {dev} needs {_gib(need)} "
-                f"(weights+grads+optimizer {_gib(self.weights.get(dev, 0))}, activations "
-                f"{_gib(self.activations.get(dev, 0))}) but has {_gib(self.capacity)}: "
-                f"{_gib(need - self.capacity)} over capacity")
+        return (f"device {dev} needs {format_bytes(need)} "
+                f"(weights+grads+optimizer {format_bytes(self.weights.get(dev, 0))}, activations "
+                f"{format_bytes(self.activations.get(dev, 0))}) but has {format_bytes(self.capacity)}: "
+                f"{format_bytes(need - self.capacity)} over capacity")
 
 
-def _gib(b: float) -> str:
+def format_bytes(b: float) -> str:
     """Bytes in GiB, two decimals; small amounts in MiB or bytes so that "over by" is never 0.00."""
     if b >= 2**30 / 100:
         return f"{b / 2**30:.2f} GiB"
@@ -139,4 +139,33 @@ def memory_per_device(gc: GraphCost, views: Mapping[int, MachineView]) -> Memory
     return MemoryReport(per, dict(w), dict(a), gc.machine.device.memory_bytes)
 
 
-__all__ = ["MemoryReport", "memory_per_device", "node_memory"]
+def memory_lower_bound(gc: GraphCost, resource=None) -> float:
+    """A lower bound of the busiest device's bytes over every mapping of the graph onto ``resource``
+    (default: the whole machine).  Each node holds the same bytes ``c`` on each of the ``k`` distinct
+    devices of its view, whichever view it takes (a view places one task per device, and every task
+    one piece of each tensor), so nodes of degree ``k = resource.size`` put ``c`` on every device
+    (``F``, their sum), and the others put ``sum(c * k)`` somewhere: the busiest device holds at
+    least ``F + max(sum(c * k) / devices, largest c)``.  The mapper uses it to say at once that no
+    mapping fits (a data-parallel graph whose replicas are too large)."""
+    from unity_pcg.machine import Resource
+    res = resource or Resource.whole(gc.machine)
+    n_dev = res.size
+    full = spread = largest = 0.0
+    for nid in gc.nodes():
+        views = gc.views(nid, res)
+        if not views:
+            continue
+        w, a = node_memory(gc, nid, views[0])
+        per = [w.get(d, 0) + a.get(d, 0) for d in set(w) | set(a)]
+        if not per:
+            continue
+        c = max(per)
+        if len(per) >= n_dev:
+            full += c
+        else:
+            spread += sum(per)
+            largest = max(largest, c)
+    return full + max(spread / n_dev, largest)
+
+
+__all__ = ["MemoryReport", "memory_per_device", "node_memory", "memory_lower_bound"]
