@@ -40,6 +40,45 @@ def test_simulate_errors_exit_2(tiny_onnx, capsys):
     assert main(["simulate", "/nonexistent.onnx", "--machine", "summit:1x2"]) == 2
 
 
+def test_simulate_writes_the_plan_it_priced(tiny_onnx, tmp_path, capsys):
+    from search.baselines import data_parallel
+    from unity_pcg import plan as P
+    from unity_pcg.onnx_import import load_onnx
+    path = tmp_path / "dp.json"
+    assert main(["simulate", tiny_onnx, "--machine", "summit:1x6", "--strategy", "dp", "--json",
+                 "-o", str(path)]) == 0
+    out = json.loads(capsys.readouterr().out)
+    assert out["plan"] == str(path)
+    pl = P.load(str(path))
+    pl.check_model(tiny_onnx)
+    assert pl.info["strategy"] == "dp" and pl.info["degree"] == 6
+    assert pl.predicted["predicted_iteration_s"] == pytest.approx(out["predicted_iteration_s"])
+    assert pl.predicted["comm_elements"] == out["comm_elements"]
+    expect = data_parallel(load_onnx(tiny_onnx, load_weights=False), 6)
+    assert pl.pcg.structural_hash() == expect.structural_hash()
+    assert set(pl.views) == {n.id for n in pl.pcg.nodes() if n.kind != "source"}
+    assert pl.machine.num_devices == 6
+    # the whole model on one device
+    assert main(["simulate", tiny_onnx, "--machine", "summit:1x6", "--strategy", "none",
+                 "-o", str(tmp_path / "one.json")]) == 0
+    assert "plan" in capsys.readouterr().out
+    one = P.load(str(tmp_path / "one.json"))
+    assert {v.devices() for v in one.views.values()} == {(0,)}
+
+
+def test_simulate_expert_and_megatron(tiny_onnx, tmp_path, capsys):
+    assert main(["simulate", tiny_onnx, "--machine", "summit:1x2", "--strategy", "expert", "--json",
+                 "-o", str(tmp_path / "ex.json")]) == 0
+    out = json.loads(capsys.readouterr().out)
+    assert out["feasible"] and out["model_parallel"]
+    from unity_pcg import plan as P
+    assert P.load(str(tmp_path / "ex.json")).info["model_parallel"] == out["model_parallel"]
+    assert main(["simulate", tiny_onnx, "--machine", "summit:1x2", "--strategy", "megatron"]) == 2
+    assert "applies to Transformers" in capsys.readouterr().err
+    assert main(["simulate", tiny_onnx, "--machine", "summit:1x2", "-o", str(tmp_path / "no" / "x.json")]) == 2
+    assert "cannot write plan" in capsys.readouterr().err
+
+
 def test_simulate_with_a_machine_file(tiny_onnx, tmp_path, capsys):
     from unity_pcg.machine import parse_machine
     p = tmp_path / "m.json"

@@ -1,5 +1,8 @@
-"""`unity-pcg simulate MODEL.onnx --machine M --strategy dp|none [--degree N] [--batch N] [--json]`:
-predicted iteration time, communication and memory per device of a fixed parallelization."""
+"""`unity-pcg simulate MODEL.onnx --machine M --strategy none|dp|megatron|expert [--degree N] [--batch N]
+[--optimizer O] [--json] [-o plan.json]`: predicted iteration time, communication and memory per device of
+a fixed parallelization (search/baselines.py), and with ``-o`` its plan (``unity-pcg/plan/v1``: the model's
+path and sha256, the machine, the parallel PCG, the DP's machine views, the predicted figures) for
+``unity-pcg run`` / ``explain``."""
 from __future__ import annotations
 
 import json
@@ -8,7 +11,8 @@ import sys
 
 from ..errors import UnityError
 
-HELP = "predict iteration time, communication and memory of a fixed parallelization (dp / none)"
+HELP = ("predict iteration time, communication and memory of a fixed parallelization "
+        "(none / dp / megatron / expert); -o writes its plan")
 
 
 def add_arguments(p) -> None:
@@ -16,19 +20,27 @@ def add_arguments(p) -> None:
     p.add_argument("--machine", default="summit:1x6", metavar="M",
                    help="PRESET[:NODESxDEVICES] (summit, dgx-a100, h100, local) or a machine JSON file "
                         "(from `unity-pcg calibrate`), e.g. summit:32x6 (default summit:1x6)")
-    p.add_argument("--strategy", choices=("dp", "none"), default="dp",
-                   help="dp: data parallel; none: the whole model on one device (default dp)")
+    p.add_argument("--strategy", choices=("none", "dp", "megatron", "expert"), default="dp",
+                   help="none: the whole model on one device; dp: data parallel; megatron: Megatron-LM "
+                        "tensor parallelism inside a node, data parallel across nodes (Transformers); "
+                        "expert: embedding tables (and dense layers whose weights outweigh their "
+                        "activations) model parallel, the rest data parallel (DLRM, XDL, CANDLE-Uno) "
+                        "(default dp)")
     p.add_argument("--degree", type=int, default=None, metavar="N",
-                   help="data-parallel degree (default: every device of the machine)")
+                   help="devices the strategy uses (default: every device of the machine)")
     p.add_argument("--batch", type=int, default=None, metavar="N",
                    help="global batch size: replaces the first dim of every model input")
     p.add_argument("--optimizer", choices=("sgd", "momentum", "adam"), default="adam",
                    help="optimizer whose states count in memory and update time (default adam)")
     p.add_argument("--json", action="store_true", help="print one JSON object")
+    p.add_argument("-o", "--output", default=None, metavar="PLAN.json",
+                   help="write the priced strategy's plan (unity-pcg/plan/v1) for `unity-pcg run`")
 
 
 def simulate(model_path: str, machine: str, strategy: str = "dp", degree: int | None = None,
-             batch: int | None = None, optimizer: str = "adam") -> dict:
+             batch: int | None = None, optimizer: str = "adam", output: str | None = None) -> dict:
+    """Price fixed strategy ``strategy`` of ``model_path`` on ``machine``; with ``output``, write its
+    plan there.  Returns the JSON summary (``plan`` holds the written path)."""
     from search.baselines import build_strategy
     from search.cost import CostModel
     from search.mapping import MachineMapper
@@ -48,7 +60,7 @@ def simulate(model_path: str, machine: str, strategy: str = "dp", degree: int | 
     if batch is not None and batch < 1:
         raise UnityError(f"--batch must be a positive integer, got {batch}")
     g = load_onnx(model_path, batch=batch, load_weights=False)
-    pg = build_strategy(g, strategy, deg)
+    pg = build_strategy(g, strategy, deg, devices_per_node=m.devices_per_node)
     from ..machine import Resource
     # "none": the whole model on one device (the DP still picks the best views inside it)
     res = Resource(0, 1, 1) if deg == 1 else None
@@ -57,11 +69,36 @@ def simulate(model_path: str, machine: str, strategy: str = "dp", degree: int | 
     out.update({"model": model_path, "machine": m.describe(), "strategy": strategy, "degree": deg,
                 "optimizer": optimizer, "batch": g.shape((g.sources("Input")[0].id, 0)).sizes[0]
                 if g.sources("Input") else None, "fallbacks": list(pg.meta.get("fallbacks", []))})
+    for k in ("tp", "dp", "model_parallel"):
+        if k in pg.meta:
+            out[k] = pg.meta[k]
+    if output is not None:
+        out["plan"] = write_plan(output, model_path, m, pg, r, out)
     return out
 
 
+def write_plan(path: str, model_path: str, machine, pg, result, summary: dict) -> str:
+    """Save the plan of a priced fixed strategy (DESIGN "Plan file")."""
+    from ..plan import Plan, file_sha256
+
+    if not result.views:
+        raise UnityError(f"strategy {summary['strategy']!r} has no machine mapping on {machine.name} "
+                         f"({result.reason}); no plan written")
+    pred = {k: summary[k] for k in ("predicted_iteration_s", "feasible", "reason", "devices", "comm_elements",
+                                    "max_memory_bytes", "breakdown", "memory_per_device", "solve_s")}
+    pred.update(strategy=summary["strategy"], optimizer=summary["optimizer"])
+    info = {k: summary[k] for k in ("strategy", "degree", "optimizer", "batch", "fallbacks") if k in summary}
+    info.update({k: summary[k] for k in ("tp", "dp", "model_parallel") if k in summary})
+    plan = Plan(model_path, file_sha256(model_path), machine, pg, result.views, pred, None, info)
+    try:
+        plan.save(path)
+    except OSError as e:
+        raise UnityError(f"cannot write plan {path}: {e.strerror or e}") from None
+    return path
+
+
 def run(args) -> int:
-    out = simulate(args.model, args.machine, args.strategy, args.degree, args.batch, args.optimizer)
+    out = simulate(args.model, args.machine, args.strategy, args.degree, args.batch, args.optimizer, args.output)
     if args.json:
         json.dump(out, sys.stdout, indent=2)
         sys.stdout.write("\n")
@@ -70,7 +107,9 @@ def run(args) -> int:
     b = out["breakdown"]
     print(f"model      {out['model']}  (batch {out['batch']})")
     print(f"machine    {out['machine']}")
-    print(f"strategy   {out['strategy']} (degree {out['degree']}, {out['stats'].get('devices_used', 0)} devices used)")
+    extra = f", tensor parallel {out['tp']} x data parallel {out['dp']}" if "tp" in out else ""
+    print(f"strategy   {out['strategy']} (degree {out['degree']}{extra}, "
+          f"{out['stats'].get('devices_used', 0)} devices used)")
     if out["fallbacks"]:
         print(f"fallbacks  {len(out['fallbacks'])} op(s) run unpartitioned: {', '.join(out['fallbacks'][:5])}"
               + (" ..." if len(out["fallbacks"]) > 5 else ""))
@@ -84,4 +123,6 @@ def run(args) -> int:
     if mx is not None:
         print(f"memory     {mx / 2**30:.3f} GiB on the busiest device")
     print(f"solve      {out['solve_s']:.3f} s")
+    if out.get("plan"):
+        print(f"plan       {out['plan']}")
     return 0 if out["feasible"] else 1
