@@ -36,7 +36,7 @@ from unity_pcg.errors import UnityError
 from unity_pcg.machine import MachineSpec, Resource, parse_machine
 from unity_pcg.pcg import PCG
 
-from .substitution import (Candidate, RuleBook, RuleStep, best_first, data_parallel_steps, neighbours)
+from .substitution import (Candidate, RuleBook, RuleStep, best_first, data_parallel_steps, neighbours, trimmed)
 
 INF = math.inf
 SEARCHES = ("unity", "sequential")
@@ -314,7 +314,7 @@ def optimize(model, machine, budget_s: float | None = None, alpha: float = 1.05,
         dp_graph, dp_steps = (g, [])
         if n_dev > 1 and dp_deg > 1:
             dp_graph, dp_steps = data_parallel_steps(g, dp_deg, book)
-        floor = [(ev.cost(dp_graph), 0, dp_graph, dp_steps)]
+        floor = [(ev.cost(trimmed(dp_graph)), 0, dp_graph, dp_steps)]
         cands = []
         try:
             if strategy == "unity":
@@ -322,27 +322,27 @@ def optimize(model, machine, budget_s: float | None = None, alpha: float = 1.05,
                 out, st, stats, interrupted = _segment_search(g, book, ev, dps, k, budget_s, max_candidates, alpha,
                                                               progress, deadline)
                 if out is not None:
-                    cands.append((ev.cost(out), 1, out, st))
+                    cands.append((ev.cost(trimmed(out)), 1, out, st))
             else:
                 one = Resource(0, 1, 1)
                 alg = [r for r in book.rules if not r.is_parallel]
                 par = [r for r in book.rules if r.is_parallel]
                 half = budget_s / 2
-                g1, st1, s1 = _whole_search(g, alg, book, lambda x: ev.cost(x, one), half, 10 ** 9, alpha, progress)
+                g1, st1, s1 = _whole_search(g, alg, book, lambda x: ev.cost(trimmed(x), one), half, 10 ** 9, alpha, progress)
                 left = max(deadline - time.perf_counter(), 0.01)
                 # parallelization from the algebraic optimum: its data-parallel version seeds the search
                 g2, st2 = (g1, [])
                 if n_dev > 1 and dp_deg > 1:
                     g2, st2 = data_parallel_steps(g1, dp_deg, book)
-                g3, st3, s2 = _whole_search(g2, par, book, ev.cost, left, max_candidates, alpha, progress,
+                g3, st3, s2 = _whole_search(g2, par, book, lambda x: ev.cost(trimmed(x)), left, max_candidates, alpha, progress,
                                             start_steps=st1 + st2)
-                cands.append((ev.cost(g3), 1, g3, st3))
+                cands.append((ev.cost(trimmed(g3)), 1, g3, st3))
                 stats = {"algebraic": s1.to_json(), "parallel": s2.to_json()}
                 interrupted = "interrupted" in (s1.stopped, s2.stopped)
         except KeyboardInterrupt:
             interrupted = True
         best = min(floor + cands, key=lambda c: (c[0], c[1]))
-        pg, steps = best[2], list(best[3])
+        pg, steps = trimmed(best[2]), list(best[3])
         final = ev.full(pg)
         if not final.feasible:
             # nothing reachable fits: fall back to a feasible fixed strategy (recorded as such)
@@ -363,7 +363,8 @@ def optimize(model, machine, budget_s: float | None = None, alpha: float = 1.05,
     pred = dict(final.to_json(), strategy=strategy, optimizer=optimizer, search_s=search_s)
     plan = Plan(model_path, sha, m, pg, final.views, pred, None,
                 {"strategy": strategy, "seed": seed, "alpha": alpha, "budget_s": budget_s, "optimizer": optimizer,
-                 "batch": b, "search": stats}, rules_json)
+                 "batch": b, "search": stats,
+                 **({"outputs_trimmed": True} if rules_json is not None else {})}, rules_json)
     return OptimizeResult(plan, strategy, final, dp_res, steps, search_s, stats, interrupted, b)
 
 

@@ -29,7 +29,7 @@ from typing import Any, Callable, Mapping, Sequence
 from unity_pcg import ops
 from unity_pcg.pcg import PCG
 
-from .substitution import RuleBook, RuleStep, apply_step, cancel_steps, new_ids
+from .substitution import RuleBook, RuleStep, apply_step, cancel_steps, new_ids, trailing, trimmed
 
 INF = math.inf
 
@@ -159,15 +159,6 @@ def canonicalize(g: PCG, seg: Segment, next_reads: set) -> Segment:
     return seg
 
 
-def trailing(g: PCG, ref: tuple) -> tuple:
-    """The tensor an output is computed from before the parallel operators that end at the output."""
-    r = tuple(ref)
-    while g.node(r[0]).kind == "parallel" and len(g.consumers(r)) <= 1:
-        n = g.node(r[0])
-        r = tuple(n.inputs[0])
-    return r
-
-
 def boundary_keys(seg: Segment, g: PCG) -> tuple:
     """(shapes the entering tensor is read with, shapes of the leaving tensors before the parallel
     operators that bring them back to one piece) of a candidate of ``seg``."""
@@ -184,14 +175,6 @@ def boundary_keys(seg: Segment, g: PCG) -> tuple:
                     ins.append(str(g.shape(r)))
     outs = tuple(str(g.shape(trailing(g, r))) for r in g.outputs)
     return (tuple(sorted(set(ins))), outs)
-
-
-def trimmed(g: PCG) -> PCG:
-    """``g`` with its outputs taken before their trailing parallel operators (removed)."""
-    e = g.edit()
-    e.set_outputs([trailing(g, r) for r in g.outputs])
-    e.remove_dead()
-    return e.finish()
 
 
 @dataclass

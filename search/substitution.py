@@ -156,12 +156,37 @@ def apply_step(g: PCG, step: RuleStep, book: RuleBook) -> PCG:
     return g2
 
 
-def replay(g: PCG, steps: Iterable[RuleStep], book: RuleBook | None = None) -> PCG:
-    """Apply a recorded rule sequence to ``g``, checking every step (raises ReplayError)."""
+def replay(g: PCG, steps: Iterable[RuleStep], book: RuleBook | None = None, trim_outputs: bool = False) -> PCG:
+    """Apply a recorded rule sequence to ``g``, checking every step (raises ReplayError);
+    ``trim_outputs``: then take the outputs before their trailing parallel operators, as a plan does
+    (:func:`trimmed`)."""
     book = book or RuleBook()
     for s in steps:
         g = apply_step(g, s, book)
-    return g
+    return trimmed(g) if trim_outputs else g
+
+
+def trailing(g: PCG, ref: tuple) -> tuple:
+    """The tensor an output is computed from, before the chain of parallel operators that ends at the
+    output (each read by nothing else)."""
+    r = tuple(ref)
+    while g.node(r[0]).kind == "parallel" and len(g.consumers(r)) <= 1:
+        r = tuple(g.node(r[0]).inputs[0])
+    return r
+
+
+def trimmed(g: PCG) -> PCG:
+    """``g`` with every output taken before its trailing parallel operators (removed).  Rules keep
+    every output's parallel shape, so a rule-reached PCG ends in the gathers that bring its outputs
+    back to one piece; training does not need them (the loss is computed where each piece of the
+    output lives, as for every plan), so plans are priced and written without them."""
+    outs = [trailing(g, r) for r in g.outputs]
+    if outs == [tuple(r) for r in g.outputs]:
+        return g
+    e = g.edit()
+    e.set_outputs(outs)
+    e.remove_dead()
+    return e.finish()
 
 
 def new_ids(before: PCG, after: PCG) -> list[int]:
@@ -354,4 +379,4 @@ def best_first(start: Sequence[Candidate], expand: Callable[[Candidate], Iterabl
 
 __all__ = ["RuleStep", "RuleBook", "ReplayError", "replay", "apply_step", "match_step", "neighbours",
            "data_parallel_steps", "cancel_steps", "normalized_hash", "best_first", "Candidate", "SearchResult",
-           "SearchStats", "new_ids"]
+           "SearchStats", "new_ids", "trailing", "trimmed"]
