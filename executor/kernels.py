@@ -1,0 +1,287 @@
+"""Torch versions of the compute operators, run on one piece (one task) of every tensor.
+
+Each kernel takes ``(attrs, inputs, ctx)`` where ``attrs`` are the operator's *piece* attributes
+(``OpSpec.piece_attrs``: a Reshape's target is the piece's shape, a grouped Conv2d's groups are
+those of one piece) and ``ctx`` is a :class:`TaskContext` that says where the piece sits in the
+logical tensor (for Dropout's counter-based mask) and how BatchNorm's statistics are summed across
+the tasks that split its batch or spatial dims.  Kernels follow the numpy reference
+(:mod:`unity_pcg.ops.compute`) except where training differs (DESIGN "Numpy reference semantics"):
+BatchNorm uses batch statistics and Dropout drops.
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+from typing import Any, Callable, Sequence
+
+import torch
+import torch.nn.functional as F
+
+from unity_pcg.errors import UnityError
+
+from .dropout import dropout_keep, logical_index
+
+TORCH_DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16,
+                "float64": torch.float64, "int64": torch.int64, "int32": torch.int32, "bool": torch.bool}
+
+
+class ExecutorError(UnityError, RuntimeError):
+    """A plan the executor cannot run (an operator without a torch kernel, a device outside the world)."""
+
+
+@dataclass
+class TaskContext:
+    """What a kernel may need besides its piece values."""
+    training: bool = True
+    seed: int = 0
+    step: int = 0
+    node_id: int = 0
+    # per output/input: (logical sizes, offsets of this piece in the logical tensor)
+    out_logical: tuple = ()
+    out_offset: tuple = ()
+    in_logical: tuple = ()
+    in_offset: tuple = ()
+    # BatchNorm: sums of the statistics over the tasks splitting the reduced dims (None: local)
+    stat_sum: Callable[[torch.Tensor], torch.Tensor] | None = None
+    extra: dict = field(default_factory=dict)
+
+
+def _pair(v, n=2):
+    return tuple(v) if isinstance(v, (tuple, list)) else (v,) * n
+
+
+def _act(name: str, y: torch.Tensor) -> torch.Tensor:
+    if name == "none":
+        return y
+    if name == "relu":
+        return torch.relu(y)
+    if name == "gelu":
+        return F.gelu(y)
+    if name == "sigmoid":
+        return torch.sigmoid(y)
+    if name == "tanh":
+        return torch.tanh(y)
+    raise ExecutorError(f"Linear: unknown activation {name!r}")
+
+
+def _dropout(a, xs, ctx: TaskContext):
+    x = xs[0]
+    ratio = float(a["ratio"])
+    if not ctx.training or ratio <= 0.0:
+        return [x]
+    if ratio >= 1.0:
+        return [x * 0]
+    idx = logical_index(ctx.out_logical[0], ctx.out_offset[0], x.shape, x.device)
+    keep = dropout_keep(ctx.seed, ctx.step, ctx.node_id, idx, ratio)
+    return [x * keep.to(x.dtype) * (1.0 / (1.0 - ratio))]
+
+
+# --- normalization -------------------------------------------------------------------------------------
+
+def _batchnorm(a, xs, ctx: TaskContext):
+    x, scale, bias, mean, var = xs
+    sh = (1, -1) + (1,) * (x.dim() - 2)
+    eps = float(a["eps"])
+    if not ctx.training:
+        y = (x - mean.reshape(sh)) / torch.sqrt(var.reshape(sh) + eps) * scale.reshape(sh) + bias.reshape(sh)
+        return [y]
+    dims = [0] + list(range(2, x.dim()))
+    n = torch.tensor(float(x.numel() // x.shape[1]), dtype=x.dtype, device=x.device)
+    stats = torch.cat([x.sum(dims), (x * x).sum(dims), n.reshape(1)])
+    if ctx.stat_sum is not None:
+        stats = ctx.stat_sum(stats)
+    c = x.shape[1]
+    cnt = stats[2 * c]
+    mu = stats[:c] / cnt
+    var_b = torch.clamp(stats[c:2 * c] / cnt - mu * mu, min=0.0)
+    y = (x - mu.reshape(sh)) * torch.rsqrt(var_b.reshape(sh) + eps) * scale.reshape(sh) + bias.reshape(sh)
+    return [y]
+
+
+def _layernorm(a, xs, ctx):
+    x = xs[0]
+    ax = a["axis"] % x.dim()
+    dims = tuple(range(ax, x.dim()))
+    mu = x.mean(dim=dims, keepdim=True)
+    var = ((x - mu) ** 2).mean(dim=dims, keepdim=True)
+    y = (x - mu) / torch.sqrt(var + float(a["eps"]))
+    if len(xs) > 1:
+        y = y * xs[1]
+    if len(xs) > 2:
+        y = y + xs[2]
+    return [y]
+
+
+def _lrn(a, xs, ctx):
+    x = xs[0]
+    size = int(a["size"])
+    sq = F.pad(x * x, (0, 0, 0, 0, (size - 1) // 2, size // 2))
+    s = sum(sq[:, i:i + x.shape[1]] for i in range(size))
+    return [x / (float(a["bias"]) + float(a["alpha"]) / size * s) ** float(a["beta"])]
+
+
+# --- convolution and pooling --------------------------------------------------------------------------
+
+def _conv(a, xs, ctx):
+    x, w = xs[0], xs[1]
+    b = xs[2] if len(xs) == 3 else None
+    t, l, bo, r = _pair(a["padding"], 4)
+    if (t, l) == (bo, r):
+        return [F.conv2d(x, w, b, _pair(a["stride"]), (t, l), _pair(a["dilation"]), int(a["groups"]))]
+    x = F.pad(x, (l, r, t, bo))
+    return [F.conv2d(x, w, b, _pair(a["stride"]), 0, _pair(a["dilation"]), int(a["groups"]))]
+
+
+def _pool_extra(size, k, s, p0, p1):
+    out = -(-(size + p0 + p1 - k) // s) + 1
+    if (out - 1) * s >= size + p0:
+        out -= 1
+    return max(0, (out - 1) * s + k - (size + p0 + p1))
+
+
+def _pool(a, xs, ctx):
+    x = xs[0]
+    if a["global_pool"]:
+        if a["kind"] == "max":
+            return [x.amax(dim=(2, 3), keepdim=True)]
+        return [x.mean(dim=(2, 3), keepdim=True)]
+    kh, kw = _pair(a["kernel"])
+    sh, sw = _pair(a["stride"])
+    top, left, bottom, right = _pair(a["padding"], 4)
+    h, w = x.shape[2], x.shape[3]
+    pb, pr = bottom, right
+    if a["ceil_mode"]:
+        pb += _pool_extra(h, kh, sh, top, bottom)
+        pr += _pool_extra(w, kw, sw, left, right)
+    if a["kind"] == "max":
+        xp = F.pad(x, (left, pr, top, pb), value=-math.inf)
+        return [F.max_pool2d(xp, (kh, kw), (sh, sw))]
+    xp = F.pad(x, (left, pr, top, pb), value=0.0)
+    s = F.avg_pool2d(xp, (kh, kw), (sh, sw)) * (kh * kw)
+    ones = torch.ones((1, 1, h, w), dtype=x.dtype, device=x.device)
+    if a["count_include_pad"]:
+        ones = F.pad(ones, (left, right, top, bottom), value=1.0)
+        ones = F.pad(ones, (0, pr - right, 0, pb - bottom), value=0.0)
+    else:
+        ones = F.pad(ones, (left, pr, top, pb), value=0.0)
+    cnt = F.avg_pool2d(ones, (kh, kw), (sh, sw)) * (kh * kw)
+    return [s / torch.clamp(cnt, min=1.0)]
+
+
+# --- shapes --------------------------------------------------------------------------------------------
+
+def _slice(a, xs, ctx):
+    x = xs[0]
+    for ax, st, en, sp in zip(a["axes"], a["starts"], a["ends"], a["steps"]):
+        ax = ax % x.dim()
+        r = range(*slice(st, en, sp).indices(x.shape[ax]))
+        if sp > 0:
+            x = x.narrow(ax, r.start, len(r)) if sp == 1 else \
+                x.index_select(ax, torch.arange(r.start, r.start + sp * len(r), sp, device=x.device)
+                               if len(r) else torch.zeros(0, dtype=torch.int64, device=x.device))
+        else:
+            x = x.index_select(ax, torch.tensor(list(r), dtype=torch.int64, device=x.device))
+    return [x]
+
+
+def _reduce(kind):
+    def k(a, xs, ctx):
+        x = xs[0]
+        axes = sorted({ax % x.dim() for ax in a["axes"]}) if a["axes"] else list(range(x.dim()))
+        f = torch.sum if kind == "sum" else torch.mean
+        if not axes:
+            return [x]
+        return [f(x, dim=axes, keepdim=bool(a["keepdims"]))]
+    return k
+
+
+def _gather(a, xs, ctx):
+    data, idx = xs
+    ax = a["axis"] % data.dim()
+    out = data.index_select(ax, idx.reshape(-1).long())
+    shape = data.shape[:ax] + idx.shape + data.shape[ax + 1:]
+    return [out.reshape(shape)]
+
+
+def _clip(a, xs, ctx):
+    lo, hi = a["min"], a["max"]
+    return [torch.clamp(xs[0], min=None if lo == -math.inf else lo, max=None if hi == math.inf else hi)]
+
+
+def _split(a, xs, ctx):
+    return list(torch.split(xs[0], list(a["sizes"]), dim=a["axis"] % xs[0].dim()))
+
+
+def _expand(a, xs, ctx):
+    shape = a.get("_piece_shape") or torch.broadcast_shapes(xs[0].shape, tuple(a["shape"]))
+    return [xs[0].expand(tuple(shape)).contiguous()]
+
+
+def _flatten(a, xs, ctx):
+    x = xs[0]
+    if a.get("_piece_shape"):
+        return [x.reshape(tuple(a["_piece_shape"]))]
+    ax = a["axis"] % (x.dim() + 1) if a["axis"] < 0 else a["axis"]
+    return [x.reshape(math.prod(x.shape[:ax]), math.prod(x.shape[ax:]))]
+
+
+def _linear(a, xs, ctx):
+    y = torch.matmul(xs[0], xs[1])
+    if len(xs) == 3:
+        y = y + xs[2]
+    return [_act(a["activation"], y)]
+
+
+KERNELS: dict[str, Callable[[dict, list, TaskContext], list]] = {
+    "Relu": lambda a, xs, c: [torch.relu(xs[0])],
+    "Gelu": lambda a, xs, c: [F.gelu(xs[0])],
+    "Sigmoid": lambda a, xs, c: [torch.sigmoid(xs[0])],
+    "Tanh": lambda a, xs, c: [torch.tanh(xs[0])],
+    "Erf": lambda a, xs, c: [torch.erf(xs[0])],
+    "Exp": lambda a, xs, c: [torch.exp(xs[0])],
+    "Sqrt": lambda a, xs, c: [torch.sqrt(xs[0])],
+    "Reciprocal": lambda a, xs, c: [torch.reciprocal(xs[0])],
+    "Neg": lambda a, xs, c: [-xs[0]],
+    "Identity": lambda a, xs, c: [xs[0]],
+    "Dropout": _dropout,
+    "Scale": lambda a, xs, c: [xs[0] * float(a["factor"])],
+    "Clip": _clip,
+    "Cast": lambda a, xs, c: [xs[0].to(TORCH_DTYPES[a["to"]])],
+    "Add": lambda a, xs, c: [xs[0] + xs[1]],
+    "Sub": lambda a, xs, c: [xs[0] - xs[1]],
+    "Mul": lambda a, xs, c: [xs[0] * xs[1]],
+    "Div": lambda a, xs, c: [xs[0] / xs[1]],
+    "Pow": lambda a, xs, c: [torch.pow(xs[0], xs[1])],
+    "Max": lambda a, xs, c: [torch.maximum(xs[0], xs[1])],
+    "Min": lambda a, xs, c: [torch.minimum(xs[0], xs[1])],
+    "Linear": _linear,
+    "MatMul": lambda a, xs, c: [torch.matmul(xs[0], xs[1])],
+    "BatchMatMul": lambda a, xs, c: [torch.matmul(xs[0], xs[1])],
+    "Conv2d": _conv,
+    "Pool2d": _pool,
+    "LRN": _lrn,
+    "Softmax": lambda a, xs, c: [torch.softmax(xs[0], dim=a["axis"] % xs[0].dim())],
+    "LayerNorm": _layernorm,
+    "BatchNorm": _batchnorm,
+    "Embedding": lambda a, xs, c: [F.embedding(xs[0].long(), xs[1])],
+    "Gather": _gather,
+    "Concat": lambda a, xs, c: [torch.cat(list(xs), dim=a["axis"] % xs[0].dim())],
+    "Split": _split,
+    "Slice": _slice,
+    "Reshape": lambda a, xs, c: [xs[0].reshape(tuple(a["shape"]))],
+    "Transpose": lambda a, xs, c: [xs[0].permute(tuple(a["perm"]))],
+    "Flatten": _flatten,
+    "Expand": _expand,
+    "ReduceSum": _reduce("sum"),
+    "ReduceMean": _reduce("mean"),
+}
+
+
+def kernel(op: str) -> Callable[[dict, list, TaskContext], list]:
+    try:
+        return KERNELS[op]
+    except KeyError:
+        raise ExecutorError(f"operator {op} has no torch kernel in the executor") from None
+
+
+__all__ = ["KERNELS", "kernel", "TaskContext", "ExecutorError", "TORCH_DTYPES", "dropout_keep", "logical_index"]

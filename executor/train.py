@@ -1,0 +1,565 @@
+"""Training with a plan: the per-rank runtime of a lowered plan (:mod:`executor.lower`).
+
+    t = Trainer(plan, model_path, rank=r, world=w, optimizer="sgd", lr=0.01, seed=0, device="cpu")
+    loss = t.step(feeds, targets)      # same float on every rank
+
+The caller initializes ``torch.distributed`` (gloo on CPU, nccl on GPU) before building a Trainer when
+``world > 1``.  What one step does:
+
+* forward: every rank runs the steps of the lowered plan that reach the loss, on plain local tensors,
+  with communication only where the plan moves pieces between devices;
+* loss: the mean of the model's first output (MSE against float targets, cross-entropy against integer
+  class targets), computed on the pieces where they are (each rank adds its pieces' share; copies count
+  once) -- the global value one device would compute, whatever the partitioning;
+* backward, then gradient synchronization exactly where the plan's PCG puts it: a weight region read
+  on several devices (a weight with copy degree > 1) has its gradient all-reduced over those devices; a
+  region read on one device (a sharded weight's piece) is not.  All-reduces are bucketed (one flat
+  buffer per bucket of at most ``bucket_bytes``, one process group per device set) and start while the
+  backward pass runs, as soon as every gradient of a bucket is ready (in a fixed bucket order, as DDP);
+* the optimizer (SGD or Adam) updates the logical parameters.
+
+Parameters are the ONNX model's own initializers (logical, full tensors, on every rank); the pieces
+a task reads are slices of them, so operators that substitutions put on weights (a Concat of two
+weights, Partition / Replicate chains) run inside the step and gradients reach the original weights.
+A rank updates only the regions it reads (its other regions get no gradient and stay as they are);
+:meth:`Trainer.model_state` assembles the current full tensors from the ranks that own each region.
+"""
+from __future__ import annotations
+
+import math
+from typing import Any, Mapping
+
+import numpy as np
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+
+from unity_pcg import plan as plan_mod
+from unity_pcg.errors import PlanError
+
+from .kernels import TORCH_DTYPES, ExecutorError, kernel
+from .lower import Lowered, block, lower, unravel
+
+GRAD_TAG = 1 << 30     # backward messages of an exchange: its forward tags + GRAD_TAG
+
+
+# --- communication with autograd ----------------------------------------------------------------------
+
+def _p2p(sends, recvs) -> None:
+    """Post every send and receive of one exchange together and wait for all of them."""
+    ops_ = [dist.P2POp(dist.isend, t, peer, tag=tag) for peer, tag, t in sends]
+    ops_ += [dist.P2POp(dist.irecv, t, peer, tag=tag) for peer, tag, t in recvs]
+    if ops_:
+        for r in dist.batch_isend_irecv(ops_):
+            r.wait()
+
+
+class _Exchange(torch.autograd.Function):
+    """Point-to-point movement of pieces; the backward pass sends the gradients back."""
+
+    @staticmethod
+    def forward(ctx, meta, anchor, *sends):
+        send_meta, recv_meta = meta
+        ctx.meta = meta
+        ctx.send_shapes = [(t.shape, t.dtype, t.device) for t in sends]
+        ctx.device = anchor.device
+        outs = [torch.empty(shape, dtype=dtype, device=anchor.device) for _, _, shape, dtype in recv_meta]
+        _p2p([(peer, tag, t.contiguous()) for (peer, tag), t in zip(send_meta, sends)],
+             [(peer, tag, o) for (peer, tag, _, _), o in zip(recv_meta, outs)])
+        return (*outs, anchor.new_zeros(()))
+
+    @staticmethod
+    def backward(ctx, *grads):
+        send_meta, recv_meta = ctx.meta
+        gouts = []
+        for g, (_, _, shape, dtype) in zip(grads, recv_meta):
+            gouts.append(torch.zeros(shape, dtype=dtype, device=ctx.device) if g is None else g.contiguous())
+        gins = [torch.empty(shape, dtype=dtype, device=dev) for shape, dtype, dev in ctx.send_shapes]
+        _p2p([(peer, tag + GRAD_TAG, g) for (peer, tag, _, _), g in zip(recv_meta, gouts)],
+             [(peer, tag + GRAD_TAG, g) for (peer, tag), g in zip(send_meta, gins)])
+        return (None, None, *gins)
+
+
+class _AllReduce(torch.autograd.Function):
+    """Sum over a process group; the gradient of every input is the sum of the outputs' gradients."""
+
+    @staticmethod
+    def forward(ctx, group, anchor, x):
+        ctx.group = group
+        y = x.clone()
+        dist.all_reduce(y, group=group)
+        return y
+
+    @staticmethod
+    def backward(ctx, g):
+        g = g.contiguous().clone()
+        dist.all_reduce(g, group=ctx.group)
+        return None, None, g
+
+
+def _narrow(t: torch.Tensor, nw) -> torch.Tensor:
+    if nw is None:
+        return t
+    dim, start, length = nw
+    return t.narrow(dim, start, length)
+
+
+# --- the trainer ----------------------------------------------------------------------------------------
+
+class Trainer:
+    """Trains the ONNX model ``model_path`` with ``plan`` as rank ``rank`` of ``world`` (see module doc)."""
+
+    def __init__(self, plan, model_path: str | None = None, rank: int = 0, world: int = 1,
+                 optimizer: str = "sgd", lr: float = 0.01, seed: int = 0, device: str = "cpu",
+                 sync_batchnorm: bool = True, bucket_bytes: int = 25 * 2 ** 20, weights: Mapping | None = None):
+        if isinstance(plan, str):
+            plan = plan_mod.load(plan)
+        self.plan = plan
+        self.g = plan.pcg
+        self.rank, self.world = int(rank), int(world)
+        if world > 1 and not (dist.is_available() and dist.is_initialized()):
+            raise ExecutorError("torch.distributed must be initialized before a Trainer with world > 1")
+        if device == "cuda":
+            self.device = torch.device("cuda", self.rank % max(1, torch.cuda.device_count()))
+        else:
+            self.device = torch.device(device)
+        self.seed = int(seed)
+        self.step_no = 0
+        self.low: Lowered = lower(self.g, plan.views, self.rank, self.world, plan.machine, sync_batchnorm)
+        self._load_weights(model_path or plan.model_path, weights)
+        self._loss_refs = {}
+        self._pgs: dict[tuple, Any] = {}
+        self._plan_sync(bucket_bytes)
+        for grp in sorted(self.low.groups | {b["devs"] for b in self._buckets}):
+            self._group(grp)
+        self._bucket_pgs = {}
+        for grp in sorted({b["devs"] for b in self._buckets}):   # gradient buckets get their own groups
+            self._bucket_pgs[grp] = dist.new_group(list(grp)) if self.world > 1 else None
+        if optimizer == "sgd":
+            self.opt = torch.optim.SGD(list(self.params.values()), lr=lr)
+        elif optimizer == "adam":
+            self.opt = torch.optim.Adam(list(self.params.values()), lr=lr)
+        else:
+            raise ExecutorError(f"unknown optimizer {optimizer!r} (known: sgd, adam)")
+        self._hooks()
+        # message tags: every exchange of the plan gets its own range (same numbers on every rank)
+        self._tags = {}
+        for st in self.low.steps:
+            for j in range(len(st.exchanges)):
+                self._tags[(st.node, j)] = len(self._tags) * 4096
+
+    # --- setup --------------------------------------------------------------------------------------
+    def _group(self, devs: tuple):
+        if devs not in self._pgs:
+            self._pgs[devs] = dist.new_group(list(devs)) if self.world > 1 else None
+        return self._pgs[devs]
+
+    def _load_weights(self, model_path: str | None, weights: Mapping | None) -> None:
+        if weights is None:
+            if model_path is None:
+                raise PlanError("no model file to read the weights from")
+            from unity_pcg.onnx_import import load_onnx
+            from unity_pcg.onnx_import.errors import DynamicDimension
+            try:
+                g0 = load_onnx(model_path)
+            except DynamicDimension:
+                batch = next(iter(n.a["shape"][0] for n in self.g.sources("Input")), None)
+                g0 = load_onnx(model_path, batch=batch)
+            weights = g0.weights
+        trained = {self.g.node(o).a["name"] for o in self.low.trainable_weights()}
+        self.params: dict[str, torch.nn.Parameter] = {}
+        self.buffers: dict[str, torch.Tensor] = {}
+        for n in self.g.sources("Weight"):
+            name = n.a["name"]
+            if name in self.params or name in self.buffers:
+                continue
+            v = weights.get(name)
+            if v is None:
+                raise PlanError(f"weight {name!r} of the plan is not in the model")
+            if callable(v):
+                v = v()
+            v = np.asarray(v)
+            if tuple(v.shape) != tuple(n.a["shape"]):
+                raise PlanError(f"weight {name!r} has shape {list(v.shape)} in the model, the plan expects "
+                                f"{list(n.a['shape'])}")
+            t = torch.as_tensor(np.ascontiguousarray(v)).to(self.device, TORCH_DTYPES[n.a["dtype"]])
+            if name in trained:
+                self.params[name] = torch.nn.Parameter(t.clone())
+            else:
+                self.buffers[name] = t
+
+    def _plan_sync(self, bucket_bytes: int) -> None:
+        """Atoms of every trained weight (regions read by the same set of devices) and the buckets of
+        those read on more than one device, in the order their gradients become ready."""
+        uses = self.low.weight_uses
+        self._atoms: dict[str, list] = {}
+        order = []   # weights by the position of their last use, latest first (gradients ready first)
+        last = {}
+        for pos, st in enumerate(self.low.steps):
+            n = self.g.node(st.node)
+            for r in n.inputs:
+                o = self.low.origin.get(r[0])
+                if o is not None and self.low.role[o] == "weight":
+                    last[self.g.node(o).a["name"]] = pos
+        order = sorted(self.params, key=lambda nm: (-last.get(nm, -1), nm))
+        entries = []
+        for name in order:
+            p = self.params[name]
+            atoms = _atoms(tuple(p.shape), uses.get(name, []))
+            self._atoms[name] = atoms
+            for sl, devs in atoms:
+                if len(devs) > 1:
+                    entries.append((devs, name, sl))
+        buckets: list[dict] = []
+        open_: dict[tuple, dict] = {}
+        for devs, name, sl in entries:
+            nbytes = _numel(sl) * self.params[name].element_size()
+            b = open_.get(devs)
+            if b is None or (b["bytes"] + nbytes > bucket_bytes and b["items"]):
+                b = {"devs": devs, "items": [], "bytes": 0}
+                buckets.append(b)
+                open_[devs] = b
+            b["items"].append((name, sl))
+            b["bytes"] += nbytes
+        self._buckets = buckets
+        self._my_buckets = [i for i, b in enumerate(buckets) if self.rank in b["devs"]]
+        self._bucket_of: dict[str, list[int]] = {}
+        for i in self._my_buckets:
+            for name, _ in buckets[i]["items"]:
+                self._bucket_of.setdefault(name, []).append(i)
+
+    def _hooks(self) -> None:
+        if self.world == 1 or not self._my_buckets:
+            return
+        for name, p in self.params.items():
+            if name in self._bucket_of:
+                p.register_post_accumulate_grad_hook(lambda p, name=name: self._grad_ready(name))
+
+    # --- gradient buckets -----------------------------------------------------------------------------
+    def _start_step_sync(self) -> None:
+        self._ready = {i: set() for i in self._my_buckets}
+        self._next = 0
+        self._works: dict[int, tuple] = {}
+
+    def _grad_ready(self, name: str) -> None:
+        for i in self._bucket_of.get(name, ()):
+            self._ready[i].add(name)
+        self._launch(final=False)
+
+    def _launch(self, final: bool) -> None:
+        while self._next < len(self._my_buckets):
+            i = self._my_buckets[self._next]
+            b = self._buckets[i]
+            need = {nm for nm, _ in b["items"]}
+            if not final and not need <= self._ready[i]:
+                return
+            parts = []
+            for nm, sl in b["items"]:
+                p = self.params[nm]
+                g = p.grad
+                if g is None:
+                    p.grad = g = torch.zeros_like(p)
+                parts.append(g[_slices(sl)].reshape(-1))
+            flat = torch.cat(parts) if len(parts) > 1 else parts[0].clone()
+            work = dist.all_reduce(flat, group=self._bucket_pgs[b["devs"]], async_op=True)
+            self._works[i] = (work, flat)
+            self._next += 1
+
+    def _finish_sync(self) -> None:
+        if self.world == 1 or not self._my_buckets:
+            return
+        self._launch(final=True)
+        for i in self._my_buckets:
+            work, flat = self._works[i]
+            work.wait()
+            off = 0
+            for nm, sl in self._buckets[i]["items"]:
+                g = self.params[nm].grad
+                view = g[_slices(sl)]
+                n = view.numel()
+                view.copy_(flat[off:off + n].view_as(view))
+                off += n
+
+    # --- one step ---------------------------------------------------------------------------------------
+    def _feeds(self, feeds) -> dict[str, torch.Tensor]:
+        if feeds is None:
+            from unity_pcg.evaluate import random_feeds
+            feeds = random_feeds(self.g, seed=self.seed * 1_000_003 + self.step_no)
+        out = {}
+        for n in self.g.sources("Input"):
+            name = n.a["name"]
+            if name not in feeds:
+                raise ExecutorError(f"no value fed for input {name!r}")
+            v = feeds[name]
+            t = v if isinstance(v, torch.Tensor) else torch.as_tensor(np.ascontiguousarray(v))
+            if tuple(t.shape) != tuple(n.a["shape"]):
+                raise ExecutorError(f"input {name!r} has shape {list(t.shape)}, the plan expects {list(n.a['shape'])}")
+            out[name] = t.to(self.device, TORCH_DTYPES[n.a["dtype"]])
+        return out
+
+    def _source_value(self, nid: int, feeds) -> torch.Tensor:
+        n = self.g.node(self.low.origin[nid])
+        name = n.a["name"]
+        if n.op == "Input":
+            return feeds[name]
+        return self.params[name] if name in self.params else self.buffers[name]
+
+    def _resolve(self, src, vals, recv, feeds) -> torch.Tensor:
+        if src.kind == "source":
+            v = self._source_value(src.ref[0], feeds)
+            if all(a == 0 and b == s for (a, b), s in zip(src.slices, v.shape)):
+                return v
+            return v[_slices(src.slices)]
+        if src.kind == "local":
+            return _narrow(vals[src.ref], src.narrow)
+        return recv[src.ref][src.index]
+
+    def _exchange(self, e, tag_base: int, vals, anchor, sinks) -> list:
+        s = self.g.shape(e.ref)
+        sends, send_meta, recv_meta = [], [], []
+        for i, t in enumerate(e.transfers):
+            if t.src == self.rank:
+                sends.append(_narrow(vals[t.ref], t.narrow).contiguous())
+                send_meta.append((t.dst, tag_base + i))
+            if t.dst == self.rank:
+                shape = list(s.piece_shape)
+                if t.narrow is not None:
+                    shape[t.narrow[0]] = t.narrow[2]
+                recv_meta.append((t.src, tag_base + i, tuple(shape), TORCH_DTYPES[s.dtype]))
+        if e.differentiable:
+            outs = _Exchange.apply((send_meta, recv_meta), anchor, *sends)
+            sinks.extend(outs)
+            return list(outs[:-1])
+        outs = [torch.empty(shape, dtype=dt, device=self.device) for _, _, shape, dt in recv_meta]
+        _p2p([(peer, tag, t) for (peer, tag), t in zip(send_meta, sends)],
+             [(peer, tag, o) for (peer, tag, _, _), o in zip(recv_meta, outs)])
+        return outs
+
+    def _loss_ref(self, kind: str):
+        """The tensor the loss is computed on: the first output, or the tensor before the Combines that
+        gather it (their result is only summed), when its pieces allow (no partial sums; cross-entropy
+        needs whole class rows)."""
+        if kind in self._loss_refs:
+            return self._loss_refs[kind]
+        g = self.g
+        ref = tuple(g.outputs[0])
+        chain = [ref]
+        while g.node(ref[0]).op in ("Combine", "Batch") and self.low.role[ref[0]] == "parallel":
+            ref = tuple(g.node(ref[0]).inputs[0])
+            chain.append(ref)
+        pick = None
+        for r in reversed(chain):
+            s = g.shape(r)
+            if self.low.role[r[0]] not in ("compute", "parallel") or s.sum_degree != 1:
+                continue
+            if kind == "ce" and s.rank >= 2 and s.degrees[1] != 1:
+                continue
+            pick = r
+            break
+        if pick is None:
+            raise ExecutorError(f"cannot compute the loss on output {g.node(ref[0]).label()}: it holds partial "
+                                f"sums or is not computed")
+        need = set()
+        stack = [pick[0]]
+        while stack:
+            i = stack.pop()
+            if i in need:
+                continue
+            need.add(i)
+            stack.extend(r[0] for r in g.node(i).inputs)
+        self._loss_refs[kind] = (pick, need)
+        return self._loss_refs[kind]
+
+    def step(self, feeds=None, targets=None) -> float:
+        """One training step; returns the loss (the same float on every rank)."""
+        kind = "mean"
+        if targets is not None:
+            tt = targets if isinstance(targets, torch.Tensor) else torch.as_tensor(np.asarray(targets))
+            kind = "mse" if tt.is_floating_point() else "ce"
+            tt = tt.to(self.device)
+        ref, need = self._loss_ref(kind)
+        fv = self._feeds(feeds)
+        anchor = torch.zeros((), device=self.device, requires_grad=True)
+        vals: dict = {}
+        sinks: list = []
+        for st in self.low.steps:
+            if st.node not in need:
+                continue
+            recv = {}
+            for j, e in enumerate(st.exchanges):
+                if e.involves(self.rank):
+                    recv[e.ref] = self._exchange(e, self._tags[(st.node, j)], vals, anchor, sinks)
+            if not st.outputs:
+                continue
+            if st.kind == "compute":
+                xs = [self._resolve(s, vals, recv, fv) for s in st.inputs]
+                st.ctx.seed, st.ctx.step, st.ctx.training = self.seed, self.step_no, True
+                if st.bn_group is not None:
+                    pg = self._group(st.bn_group)
+                    st.ctx.stat_sum = lambda t, pg=pg: _AllReduce.apply(pg, anchor, t)
+                outs = kernel(st.op)(st.attrs, xs, st.ctx)
+                if st.bn_group is not None:
+                    st.ctx.stat_sum = None
+                for r, y in zip(st.outputs, outs):
+                    vals[r] = y
+            else:
+                c = st.combine
+                if c[0] == "allreduce":
+                    x = self._resolve(st.inputs[0], vals, recv, fv)
+                    if self.low.diff[st.outputs[0]]:
+                        y = _AllReduce.apply(self._group(c[1]), anchor, x)
+                        sinks.append(y)
+                    else:
+                        y = x.clone()
+                        dist.all_reduce(y, group=self._group(c[1]))
+                else:
+                    xs = [self._resolve(s, vals, recv, fv) for s in st.inputs]
+                    if c[0] == "cat":
+                        y = torch.cat(xs, dim=c[1])
+                    elif c[0] == "sum":
+                        y = xs[0]
+                        for x in xs[1:]:
+                            y = y + x
+                    else:
+                        y = xs[0]
+                vals[st.outputs[0]] = y
+        # loss on the pieces this rank holds (copy 0 only)
+        s = self.g.shape(ref)
+        contrib = None
+        flat = self.low.mine.get(ref)
+        if flat is not None and unravel(flat, s.grid)[0] == 0:
+            y = vals[ref]
+            region = _slices(block(s, flat))
+            if kind == "mean":
+                contrib = y.sum() / s.numel
+            elif kind == "mse":
+                if tuple(tt.shape) != s.sizes:
+                    raise ExecutorError(f"targets have shape {list(tt.shape)}, the output has {list(s.sizes)}")
+                contrib = ((y - tt[region].to(y.dtype)) ** 2).sum() / s.numel
+            else:
+                want = s.sizes[:1] + s.sizes[2:]
+                if tuple(tt.shape) != want:
+                    raise ExecutorError(f"class targets have shape {list(tt.shape)}, expected {list(want)}")
+                treg = region[:1] + region[2:]
+                contrib = F.cross_entropy(y, tt[treg].long(), reduction="sum") / (s.numel // s.sizes[1])
+        total = contrib if contrib is not None else torch.zeros((), device=self.device)
+        for t in sinks:
+            total = total + t.sum() * 0.0
+        self._start_step_sync()
+        if total.requires_grad:
+            total.backward()
+        self._finish_sync()
+        self.opt.step()
+        self.opt.zero_grad(set_to_none=True)
+        lv = (contrib.detach() if contrib is not None else torch.zeros((), device=self.device)).double().reshape(1)
+        if self.world > 1:
+            dist.all_reduce(lv)
+        self.step_no += 1
+        loss = float(lv.item())
+        if not math.isfinite(loss):
+            raise ExecutorError(f"step {self.step_no - 1}: the loss is {loss}")
+        return loss
+
+    # --- state ------------------------------------------------------------------------------------------
+    def _assemble(self, name: str, t: torch.Tensor) -> torch.Tensor:
+        """The full tensor, each region from the rank that owns it (collective when world > 1)."""
+        if self.world == 1:
+            return t.detach().clone()
+        buf = torch.zeros_like(t.detach())
+        for sl, devs in self._atoms.get(name, [((tuple((0, s) for s in t.shape)), (0,))]):
+            owner = min(devs) if devs else 0
+            if owner == self.rank:
+                buf[_slices(sl)] = t.detach()[_slices(sl)]
+        dist.all_reduce(buf)
+        return buf
+
+    def model_state(self) -> dict[str, torch.Tensor]:
+        """The model's own parameters and buffers, logical and full (collective: call on every rank)."""
+        out = {name: self._assemble(name, p) for name, p in sorted(self.params.items())}
+        out.update({name: b.detach().clone() for name, b in self.buffers.items()})
+        return out
+
+    def load_model_state(self, d: Mapping[str, Any]) -> None:
+        with torch.no_grad():
+            for name, p in self.params.items():
+                if name in d:
+                    p.copy_(torch.as_tensor(np.asarray(d[name]) if not isinstance(d[name], torch.Tensor) else d[name]))
+            for name, b in self.buffers.items():
+                if name in d:
+                    b.copy_(torch.as_tensor(d[name]))
+
+    def optimizer_state(self) -> dict:
+        """Optimizer state per parameter name, logical full tensors (collective), plus the step count."""
+        st = self.opt.state_dict()
+        names = list(self.params)
+        out: dict = {"step": self.step_no, "param_groups": [{k: v for k, v in grp.items() if k != "params"}
+                                                            for grp in st["param_groups"]], "state": {}}
+        for idx, name in enumerate(names):
+            s = st["state"].get(idx)
+            if s is None:
+                continue
+            ent = {}
+            for k, v in s.items():
+                if isinstance(v, torch.Tensor) and tuple(v.shape) == tuple(self.params[name].shape):
+                    ent[k] = self._assemble(name, v)
+                else:
+                    ent[k] = v.clone() if isinstance(v, torch.Tensor) else v
+            out["state"][name] = ent
+        return out
+
+    def load_optimizer_state(self, d: Mapping) -> None:
+        names = list(self.params)
+        cur = self.opt.state_dict()
+        state = {}
+        for idx, name in enumerate(names):
+            if name in d.get("state", {}):
+                state[idx] = {k: (v.to(self.device).clone() if isinstance(v, torch.Tensor) else v)
+                              for k, v in d["state"][name].items()}
+        cur["state"] = state
+        for grp, saved in zip(cur["param_groups"], d.get("param_groups", [])):
+            grp.update({k: v for k, v in saved.items() if k != "params"})
+        self.opt.load_state_dict(cur)
+        self.step_no = int(d.get("step", self.step_no))
+
+    def local_shards(self) -> dict[str, tuple[torch.Tensor, dict]]:
+        """The regions of each parameter this rank owns: name/region -> (tensor, placement info)."""
+        out = {}
+        for name, p in self.params.items():
+            for sl, devs in self._atoms.get(name, []):
+                if devs and min(devs) == self.rank:
+                    key = name if len(self._atoms[name]) == 1 else f"{name}@" + ",".join(f"{a}:{b}" for a, b in sl)
+                    out[key] = (p.detach()[_slices(sl)], {"name": name, "region": sl, "devices": devs})
+        return out
+
+
+# --- helpers ---------------------------------------------------------------------------------------------
+
+def _slices(region) -> tuple:
+    return tuple(slice(a, b) for a, b in region)
+
+
+def _numel(region) -> int:
+    return math.prod(b - a for a, b in region)
+
+
+def _atoms(shape: tuple, uses: list) -> list[tuple[tuple, tuple]]:
+    """Split a weight into the regions read by the same set of devices: [(region, devices)]."""
+    if not uses:
+        return [(tuple((0, s) for s in shape), ())]
+    cuts = []
+    for d, size in enumerate(shape):
+        pts = {0, size}
+        for blk, _ in uses:
+            pts.update(blk[d])
+        cuts.append(sorted(pts))
+    out = []
+    import itertools
+    for idx in itertools.product(*(range(len(c) - 1) for c in cuts)):
+        region = tuple((cuts[d][i], cuts[d][i + 1]) for d, i in enumerate(idx))
+        devs = sorted({dev for blk, dev in uses
+                       if all(b0 <= r0 and r1 <= b1 for (b0, b1), (r0, r1) in zip(blk, region))})
+        out.append((region, tuple(devs)))
+    return out
+
+
+__all__ = ["Trainer"]
