@@ -97,6 +97,9 @@ def test_package_import_is_torch_free():
     lambda: zoo.export("mlp", "/tmp/never-written.onnx", exporter="tf"),
     lambda: zoo.param_count("gpt3"),
     lambda: zoo.get_config("mlp", "medium"),
+    lambda: zoo.get_config("mlp", "small"),
+    lambda: zoo.export_structure("bert_large", "/tmp/never-written.onnx"),
+    lambda: zoo.export_structure("dlrm", "/tmp/never-written.onnx", size="small"),
 ])
 def test_errors(call):
     with pytest.raises(ZooError) as info:
@@ -153,7 +156,7 @@ def test_expected_tiny_graph_structure(tmp_path):
     nodes = onnx.load(str(tmp_path / "bert.onnx")).graph.node
     assert not any(n.op_type in ("Range", "Shape") for n in nodes)
     ops = _check_export("dlrm", tmp_path / "dlrm.onnx", "legacy")
-    assert {"Gather", "MatMul", "Concat", "Sigmoid", "Gemm"} <= ops
+    assert {"Gather", "MatMul", "Concat", "Sigmoid", "ReduceSum"} <= ops   # embedding bags, concat
 
 
 def test_keep_batchnorm(tmp_path):
@@ -213,7 +216,6 @@ PAPER_PARAMS = {
     "resnext50": 25_028_904,       # ResNeXt-50 32x4d (torchvision reference count)
     "inception_v3": 23_834_568,    # Inception-v3 without the auxiliary classifier
     "bert_large": 335_141_888,     # BERT-Large (embeddings + 24 layers + pooler)
-    "candle_uno": 19_274_001,      # 3 towers of 3x1000 + 3x1000 + 1 (computed)
     "mlp": 16 * (8192 * 8192 + 8192),
 }
 
@@ -227,16 +229,54 @@ def test_paper_param_counts(name):
 
 
 def test_paper_embedding_models_param_counts():
+    # DLRM as FlexFlow's example: 24 tables of 1M x 64, bottom 2048-4096x5, concat, top 4096x4-1, no bias
     d = zoo.get_config("dlrm", "paper")
+    assert (len(d.table_rows), d.emb_dim, d.bag, d.interaction, d.bias) == (24, 64, 100, "cat", False)
+    assert set(d.table_rows) == {1_000_000}
+    mlp = 2048 * 4096 + 4 * 4096 * 4096
+    mlp += (4096 + 24 * 64) * 4096 + 3 * 4096 * 4096 + 4096
+    assert zoo.param_count("dlrm", "paper") == 24 * 1_000_000 * 64 + mlp
+    assert len(zoo.get_config("dlrm", "paper6").table_rows) == 6
+    # the Criteo Kaggle configuration stays as "small"
+    d = zoo.get_config("dlrm", "small")
     assert len(d.table_rows) == 26 and d.emb_dim == 16 and max(d.table_rows) == 1_000_000
     mlp = (13 * 512 + 512) + (512 * 256 + 256) + (256 * 64 + 64) + (64 * 16 + 16)
     top_in = 16 + 27 * 26 // 2
     mlp += (top_in * 512 + 512) + (512 * 256 + 256) + (256 + 1)
-    assert zoo.param_count("dlrm", "paper") == sum(d.table_rows) * 16 + mlp
+    assert zoo.param_count("dlrm", "small") == sum(d.table_rows) * 16 + mlp
     x = zoo.get_config("xdl", "paper")
     emb = x.num_features * x.rows * x.emb_dim
     mlp = (1024 * 1024 + 1024) + (1024 * 512 + 512) + (512 * 256 + 256) + 257
     assert zoo.param_count("xdl", "paper") == emb + mlp
+
+
+def test_paper_candle_uno_param_count():
+    # two drugs: five towers of 8 x 4192 (no bias) on 942, 5270, 2048, 5270, 2048 features; the two
+    # doses join the concatenation; 4 x 4192 dense and one output
+    h = 4192
+    towers = sum(f * h + 7 * h * h for f in (942, 5270, 2048, 5270, 2048))
+    dense = (2 + 5 * h) * h + 3 * h * h + h
+    assert zoo.param_count("candle_uno", "paper") == towers + dense
+    assert zoo.param_count("candle_uno", "small") == 19_274_001   # 3 towers of 3x1000 + 3x1000 + 1
+
+
+@pytest.mark.parametrize("name", ["dlrm", "candle_uno", "xdl"])
+def test_export_structure_is_the_model_without_weights(name, tmp_path):
+    from unity_pcg.onnx_import import load_onnx
+    real = load_onnx(zoo.export(name, tmp_path / "real.onnx"), load_weights=False)
+    skel = load_onnx(zoo.export_structure(name, tmp_path / "skel.onnx", size="tiny"), load_weights=False)
+    assert skel.structural_hash() == real.structural_hash()
+
+
+def test_export_structure_paper_dlrm(tmp_path):
+    from unity_pcg.onnx_import import load_onnx
+    path = zoo.export_structure("dlrm", tmp_path / "dlrm.onnx", batch=8)
+    data = tmp_path / "dlrm.onnx.data"
+    assert data.stat().st_size >= 4 * zoo.param_count("dlrm", "paper")
+    assert data.stat().st_blocks * 512 < 2**20               # sparse: no disk used
+    g = load_onnx(path, load_weights=False)
+    assert g.param_count() == zoo.param_count("dlrm", "paper")
+    assert g.op_counts()["Embedding"] == 24 and g.shape(g.outputs[0]).sizes == (8, 1)
 
 
 def test_paper_inputs_shapes_on_meta():

@@ -20,8 +20,10 @@ def add_arguments(p) -> None:
     ls.add_argument("--json", action="store_true", help="print one JSON object")
     ex = sub.add_parser("export", help="export a model to ONNX with random weights")
     ex.add_argument("name", help="model name (see `unity-pcg zoo list`)")
-    ex.add_argument("--size", default="tiny", choices=["tiny", "paper"],
-                    help="tiny: seconds on CPU, for tests; paper: the dimensions of Unity §6.1")
+    ex.add_argument("--size", default="tiny",
+                    help="tiny: seconds on CPU, for tests; paper: the dimensions of Unity §6.1; small "
+                         "(dlrm, candle_uno): their earlier published configurations; paper6 (dlrm): "
+                         "6 embedding tables")
     ex.add_argument("--batch", type=int, default=None, help="batch size (default: the size's per-device batch)")
     ex.add_argument("--exporter", default="legacy", choices=["legacy", "dynamo"],
                     help="torch.onnx exporter (dynamo needs onnxscript)")

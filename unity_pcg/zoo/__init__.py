@@ -13,11 +13,16 @@ name            paper_batch  model
 resnext50       64           ResNeXt-50 32x4d, 224x224
 inception_v3    64           Inception-v3 (no aux head), 299x299
 bert_large      4            BERT-Large encoder + pooler, seq 512
-dlrm            1024         DLRM, Criteo Kaggle config (tables capped at 1M rows)
+dlrm            1024         DLRM as FlexFlow's example: 24 x 1M-row 64-dim embedding bags
 xdl             1024         XDL sparse ads model: 16 multi-hot features + deep MLP
-candle_uno      256          CANDLE Uno drug-response model
+candle_uno      256          CANDLE Uno drug-response model, two drugs, 8 x 4192 towers
 mlp             256          16 x Linear(8192, 8192) with ReLU
 ==============  ===========  ======================================================
+
+Sizes: ``tiny`` (tests), ``paper`` (Unity §6.1) and, for DLRM and CANDLE-Uno, ``small`` (their
+earlier published configurations) and DLRM's 6-table ``paper6``; :func:`sizes` lists them.
+Paper-size DLRM and CANDLE-Uno hold 1.7 and 0.8 billion parameters: :func:`export_structure`
+writes their graph without weights (a sparse zero file stands in), enough to plan them.
 """
 from __future__ import annotations
 
@@ -36,7 +41,7 @@ except ImportError:  # pragma: no cover - zoo used standalone
     _ErrorBase = Exception
 
 __all__ = ["ZooEntry", "ZooError", "MODELS", "SIZES", "EXPORTERS", "LARGE_MODEL_BYTES",
-           "list_models", "get_config", "build", "export", "param_count"]
+           "list_models", "sizes", "get_config", "build", "export", "export_structure", "param_count"]
 
 
 class ZooError(_ErrorBase, ValueError):
@@ -64,18 +69,19 @@ MODELS: "OrderedDict[str, ZooEntry]" = OrderedDict(
                  "factorized convolutions, no aux head, 299x299, 1000 classes)", 64, 2),
         ZooEntry("bert_large", "BERT-Large encoder (24 layers, hidden 1024, 16 heads, FFN 4096, "
                  "seq 512, vocab 30522) with pooler", 4, 2),
-        ZooEntry("dlrm", "DLRM recommendation model, Criteo Kaggle config (bottom MLP "
-                 "13-512-256-64-16, 26 embedding tables of dim 16, dot interaction, top MLP "
-                 "512-256-1)", 1024, 4),
+        ZooEntry("dlrm", "DLRM recommendation model as FlexFlow's example (24 embedding bags of "
+                 "100 lookups, 1M rows x 64; bottom MLP 2048-4096x5; concat; top MLP 4096x4-1; "
+                 "no biases)", 1024, 4),
         ZooEntry("xdl", "XDL sparse ads CTR model (16 multi-hot features x 4 ids, sum-pooled "
                  "64-dim embeddings, 500k rows/table, MLP 1024-512-256-1)", 1024, 4),
-        ZooEntry("candle_uno", "CANDLE Uno drug-response model (3x1000 towers for gene "
-                 "expression, drug descriptors, fingerprints; 3x1000 dense; regression)", 256, 4),
+        ZooEntry("candle_uno", "CANDLE Uno drug-response model as FlexFlow's example (two drugs; "
+                 "8x4192 towers on RNA-seq and each drug's descriptors and fingerprints; 4x4192 "
+                 "dense; regression; no biases)", 256, 4),
         ZooEntry("mlp", "16 dense layers of 8192 units with ReLU", 256, 4),
     )
 )
 
-SIZES = ("tiny", "paper")
+SIZES = ("tiny", "small", "paper")   # "small" only where a model has one (see sizes())
 EXPORTERS = ("legacy", "dynamo")
 
 #: Exports whose parameters take at least this many bytes store weights as ONNX
@@ -87,12 +93,17 @@ def list_models() -> "list[ZooEntry]":
     return list(MODELS.values())
 
 
-def _check(name: str, size: str) -> ZooEntry:
+def sizes(name: str) -> "list[str]":
+    """The sizes model ``name`` comes in (tiny and paper always)."""
     if name not in MODELS:
         raise ZooError(f"unknown model {name!r}; valid names: {', '.join(MODELS)}")
-    if size not in SIZES:
+    return list(CONFIGS[name])
+
+
+def _check(name: str, size: str) -> ZooEntry:
+    if size not in sizes(name):
         raise ZooError(f"unknown size {size!r} for model {name!r}; valid sizes: "
-                       f"{', '.join(SIZES)}")
+                       f"{', '.join(sizes(name))}")
     return MODELS[name]
 
 
@@ -104,7 +115,7 @@ def get_config(name: str, size: str = "tiny"):
 
 def _batch(entry: ZooEntry, size: str, batch) -> int:
     if batch is None:
-        return entry.paper_batch if size == "paper" else entry.tiny_batch
+        return entry.tiny_batch if size == "tiny" else entry.paper_batch
     if isinstance(batch, bool) or not isinstance(batch, int) or batch < 1:
         raise ZooError(f"batch must be a positive int, got {batch!r}")
     return batch
@@ -206,4 +217,124 @@ def export(name: str, path, size: str = "tiny", batch: "int | None" = None,
                             size_threshold=1024)
         else:
             onnx.save_model(proto, path)
+    return path
+
+
+#: models whose ONNX graph holds no constant that depends on a layer width (only on the batch and
+#: structural counts), so :func:`export_structure` can trace a narrow twin of them
+_STRUCTURE_OK = {"dlrm": lambda c: c.interaction == "cat", "xdl": lambda c: True,
+                 "candle_uno": lambda c: True, "mlp": lambda c: True}
+
+
+def _narrow(cfg):
+    """A twin of ``cfg`` with every layer width and row count (fields of sizes, not counts) cut to 3
+    or less, its structure (layers, tables, bag, drugs) unchanged."""
+    import dataclasses
+    small = {}
+    for f in dataclasses.fields(cfg):
+        v = getattr(cfg, f.name)
+        if f.name in ("bag", "drugs", "num_features", "layers") or isinstance(v, (bool, str)):
+            continue
+        if isinstance(v, int):
+            small[f.name] = min(v, 3)
+        elif isinstance(v, tuple):
+            small[f.name] = tuple(min(x, 3) for x in v)
+    return dataclasses.replace(cfg, **small)
+
+
+def export_structure(name: str, path, size: str = "paper", batch: "int | None" = None):
+    """Write the ONNX graph of ``name`` at ``size`` with every float weight stored as external data
+    in ``<path>.data``, a sparse file of zeros (no disk blocks, no memory): the graph and every
+    weight's shape are those of the real model, so ``load_onnx(path, load_weights=False)`` gives
+    its PCG for planning.  For paper-size DLRM and CANDLE-Uno, whose real export would write
+    gigabytes.  The graph is traced from a narrow twin (widths <= 3) whose weights are tagged by
+    value, and each initializer is given the shape of the parameter it came from."""
+    entry = _check(name, size)
+    b = _batch(entry, size, batch)
+    cfg = CONFIGS[name][size]
+    if name not in _STRUCTURE_OK or not _STRUCTURE_OK[name](cfg):
+        raise ZooError(f"export_structure: model {name!r} ({size}) has width-dependent constants; "
+                       "use export()")
+    import numpy as np
+    import onnx
+    import torch
+    from onnx import numpy_helper
+
+    from . import models
+    twin = _narrow(cfg)
+    with torch.device("meta"):
+        real = models.make_module(name, cfg)
+    module = models.make_module(name, twin)
+    params = list(module.named_parameters())
+    real_shapes = dict((n, tuple(p.shape)) for n, p in real.named_parameters())
+    with torch.no_grad():
+        for j, (_, p) in enumerate(params):
+            p.fill_(float(j + 1))
+    module.eval()
+    inputs = models.example_inputs(name, twin, b)
+    in_names, out_names = models.io_names(name, cfg)
+    path = os.fspath(path)
+    directory = os.path.dirname(os.path.abspath(path))
+    os.makedirs(directory, exist_ok=True)
+    base = os.path.basename(path)
+    with tempfile.TemporaryDirectory(prefix=".zoo-structure-", dir=directory) as tmp:
+        tmp_path = os.path.join(tmp, base)
+        with torch.no_grad(), warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            torch.onnx.export(module, inputs, tmp_path, dynamo=False, opset_version=17,
+                              input_names=in_names, output_names=out_names, do_constant_folding=True)
+        proto = onnx.load(tmp_path)
+    users: dict = {}
+    for node in proto.graph.node:
+        trans_b = any(a.name == "transB" and a.i for a in node.attribute)
+        for pos, x in enumerate(node.input):
+            users.setdefault(x, []).append((node.op_type, pos, trans_b))
+    offset = 0
+    data_name = base + ".data"
+    for t in proto.graph.initializer:
+        if t.data_type not in (onnx.TensorProto.FLOAT, onnx.TensorProto.DOUBLE, onnx.TensorProto.FLOAT16):
+            continue
+        v = numpy_helper.to_array(t)
+        tags = np.unique(v)
+        if v.size == 0 or len(tags) != 1 or not 1 <= tags[0] <= len(params) or tags[0] != int(tags[0]):
+            raise ZooError(f"export_structure: initializer {t.name!r} of {name} is not one parameter")
+        pname, p = params[int(tags[0]) - 1]
+        dims, twin_shape, shape = tuple(t.dims), tuple(p.shape), real_shapes[pname]
+        # a Linear's (out, in) weight is stored transposed for MatMul (and Gemm without transB)
+        flip = any((op == "MatMul" and pos == 1) or (op == "Gemm" and pos == 1 and not trans_b)
+                   for op, pos, trans_b in users.get(t.name, ()))
+        if len(dims) == 2 and flip and dims == twin_shape[::-1]:
+            new = shape[::-1]
+        elif not flip and dims == twin_shape:
+            new = shape
+        else:
+            raise ZooError(f"export_structure: initializer {t.name!r} has shape {list(dims)}, parameter "
+                           f"{pname} {list(twin_shape)}")
+        nbytes = int(np.prod(new)) * v.dtype.itemsize
+        t.ClearField("raw_data")
+        t.ClearField("float_data")
+        del t.dims[:]
+        t.dims.extend(new)
+        t.data_location = onnx.TensorProto.EXTERNAL
+        del t.external_data[:]
+        for k, val in (("location", data_name), ("offset", str(offset)), ("length", str(nbytes))):
+            e = t.external_data.add()
+            e.key, e.value = k, val
+        offset += nbytes
+    for vi in list(proto.graph.value_info):       # intermediate shapes of the twin: not the model's
+        proto.graph.value_info.remove(vi)
+    # the graph's inputs and outputs get the real model's shapes (outputs from a meta-device forward)
+    real_inputs = models.example_inputs(name, cfg, b)
+    with torch.no_grad():
+        real_outputs = real(*[x.to("meta") for x in real_inputs])
+    real_outputs = real_outputs if isinstance(real_outputs, tuple) else (real_outputs,)
+    for vi, x in list(zip(proto.graph.input, real_inputs)) + list(zip(proto.graph.output, real_outputs)):
+        dims = vi.type.tensor_type.shape.dim
+        del dims[:]
+        for d in x.shape:
+            dims.add().dim_value = int(d)
+    with open(path, "wb") as f:
+        f.write(proto.SerializeToString())
+    with open(os.path.join(directory, data_name), "wb") as f:
+        f.truncate(offset)                         # sparse: reads as zeros, occupies no blocks
     return path

@@ -3,6 +3,9 @@
 Every model has a ``paper`` configuration (the published architecture used in
 the Unity evaluation, OSDI'22 section 6.1) and a ``tiny`` configuration with the
 same graph structure but small dimensions, so a forward pass takes milliseconds.
+DLRM and CANDLE-Uno also keep their earlier, smaller published configurations as
+``small`` (DLRM's Criteo Kaggle model, the single-drug Uno), and DLRM has a
+6-table ``paper6`` variant of its paper configuration.
 
 The planner may read these to know tensor sizes without importing torch.
 """
@@ -19,10 +22,9 @@ CRITEO_KAGGLE_CARDINALITIES: Tuple[int, ...] = (
     27, 14992, 5461306, 10, 5652, 2173, 4, 7046547, 18, 15, 286181, 105, 142572,
 )
 
-#: Row cap applied to the DLRM embedding tables at paper size.  The five
+#: Row cap applied to the DLRM embedding tables of the ``small`` (Criteo Kaggle) configuration.  The five
 #: largest Kaggle tables (2.2M .. 10.1M rows) are truncated to this many rows,
-#: which keeps the paper-size model at ~89M parameters (~357 MB) instead of
-#: ~540M (~2.2 GB).  Computation per sample is unchanged (one lookup per table).
+#: which keeps that model at ~89M parameters (~357 MB) instead of ~540M (~2.2 GB).
 DLRM_PAPER_ROW_CAP = 1_000_000
 
 
@@ -59,10 +61,13 @@ class BertConfig:
 @dataclass(frozen=True)
 class DLRMConfig:
     dense_features: int                # number of dense (continuous) inputs
-    bottom_mlp: Tuple[int, ...]        # output sizes of the bottom MLP (last = emb_dim)
+    bottom_mlp: Tuple[int, ...]        # output sizes of the bottom MLP (dot: last = emb_dim)
     emb_dim: int
     table_rows: Tuple[int, ...]        # one nn.Embedding per entry
     top_mlp: Tuple[int, ...]           # output sizes of the top MLP (last = 1)
+    bag: int = 1                       # ids per table and sample, sum-pooled (1: one lookup, sparse is 2-D)
+    interaction: str = "dot"           # "dot" (DLRM's Criteo config) or "cat" (FlexFlow's DLRM example)
+    bias: bool = True                  # Linear layers with bias (FlexFlow's example has none)
 
     @property
     def num_interacting(self) -> int:  # bottom-MLP output + one vector per table
@@ -90,6 +95,8 @@ class CandleUnoConfig:
     drug_fingerprint_features: int  # ECFP drug fingerprints
     tower: Tuple[int, ...]     # dense layers of each feature tower
     dense: Tuple[int, ...]     # dense layers after the concatenation
+    drugs: int = 1             # drugs per sample: one dose input and one descriptor + fingerprint tower each
+    bias: bool = True          # Linear layers with bias (FlexFlow's candle_uno has none)
 
 
 @dataclass(frozen=True)
@@ -116,13 +123,24 @@ CONFIGS = {
         "tiny": BertConfig(layers=2, hidden=64, heads=4, ffn=256, vocab=100, seq=16),
     },
     "dlrm": {
-        "paper": DLRMConfig(dense_features=13, bottom_mlp=(512, 256, 64, 16), emb_dim=16,
+        # FlexFlow's DLRM example as the Unity evaluation ran it on Summit (examples/cpp/DLRM): 64-dim
+        # embedding bags of 100 lookups over 1M-row tables, concatenated with the bottom MLP's output;
+        # bottom MLP 2048-4096x5, top MLP 4096x4-1 (its nominal input 10240 is the concatenation's
+        # width in FlexFlow, 4096 + 64 x tables here), no biases.  24 tables: with 6 the model fits one
+        # 16 GB GPU under SGD (benchmarks/results/zoo_memory.md), which the paper says it does not.
+        "paper": DLRMConfig(dense_features=2048, bottom_mlp=(4096,) * 5, emb_dim=64,
+                            table_rows=(1_000_000,) * 24, top_mlp=(4096,) * 4 + (1,), bag=100,
+                            interaction="cat", bias=False),
+        "paper6": DLRMConfig(dense_features=2048, bottom_mlp=(4096,) * 5, emb_dim=64,
+                             table_rows=(1_000_000,) * 6, top_mlp=(4096,) * 4 + (1,), bag=100,
+                             interaction="cat", bias=False),
+        # the Criteo Kaggle configuration of the DLRM reference (dot interaction, one id per table)
+        "small": DLRMConfig(dense_features=13, bottom_mlp=(512, 256, 64, 16), emb_dim=16,
                             table_rows=tuple(min(c, DLRM_PAPER_ROW_CAP)
                                              for c in CRITEO_KAGGLE_CARDINALITIES),
                             top_mlp=(512, 256, 1)),
-        "tiny": DLRMConfig(dense_features=13, bottom_mlp=(32, 16, 8), emb_dim=8,
-                           table_rows=tuple(min(c, 100) for c in CRITEO_KAGGLE_CARDINALITIES),
-                           top_mlp=(32, 16, 1)),
+        "tiny": DLRMConfig(dense_features=8, bottom_mlp=(16, 16), emb_dim=8, table_rows=(100,) * 4,
+                           top_mlp=(16, 16, 1), bag=4, interaction="cat", bias=False),
     },
     "xdl": {
         "paper": XDLConfig(num_features=16, bag=4, emb_dim=64, rows=500_000,
@@ -130,12 +148,20 @@ CONFIGS = {
         "tiny": XDLConfig(num_features=16, bag=4, emb_dim=8, rows=100, mlp=(64, 32, 16, 1)),
     },
     "candle_uno": {
+        # FlexFlow's candle_uno as the Unity evaluation ran it: two drugs; a tower of 8 dense layers of
+        # 4192 (ReLU, no bias) on each of the five feature inputs (cell RNA-seq 942, each drug's
+        # descriptors 5270 and fingerprints 2048); the two doses pass through to the concatenation;
+        # 4 dense layers of 4192 and one output
         "paper": CandleUnoConfig(cell_features=942, drug_descriptor_features=5270,
+                                 drug_fingerprint_features=2048, tower=(4192,) * 8, dense=(4192,) * 4,
+                                 drugs=2, bias=False),
+        # the single-drug Uno of the CANDLE benchmarks (3 x 1000 towers and dense layers, biases)
+        "small": CandleUnoConfig(cell_features=942, drug_descriptor_features=5270,
                                  drug_fingerprint_features=2048, tower=(1000, 1000, 1000),
                                  dense=(1000, 1000, 1000)),
         "tiny": CandleUnoConfig(cell_features=24, drug_descriptor_features=40,
                                 drug_fingerprint_features=32, tower=(16, 16, 16),
-                                dense=(32, 32, 32)),
+                                dense=(32, 32, 32), drugs=2, bias=False),
     },
     "mlp": {
         "paper": MLPConfig(layers=16, hidden=8192),

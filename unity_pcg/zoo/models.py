@@ -18,13 +18,13 @@ from .configs import (BertConfig, CandleUnoConfig, DLRMConfig, InceptionV3Config
                       ResNeXtConfig, XDLConfig)
 
 
-def _mlp(sizes: Sequence[int], in_features: int, final_relu: bool) -> nn.Sequential:
+def _mlp(sizes: Sequence[int], in_features: int, final_relu: bool, bias: bool = True) -> nn.Sequential:
     """Linear layers of the given output sizes with ReLU between them (and after the
     last one when ``final_relu``)."""
     layers: List[nn.Module] = []
     prev = in_features
     for i, n in enumerate(sizes):
-        layers.append(nn.Linear(prev, n))
+        layers.append(nn.Linear(prev, n, bias=bias))
         if final_relu or i + 1 < len(sizes):
             layers.append(nn.ReLU())
         prev = n
@@ -339,31 +339,47 @@ class BertLarge(nn.Module):
 
 
 class DLRM(nn.Module):
-    """DLRM (Naumov et al., 2019), Criteo Kaggle configuration.
+    """DLRM (Naumov et al., 2019).
 
-    Inputs: ``dense`` float32 [batch, 13], ``sparse`` int64 [batch, 26] (one id per
-    table).  Bottom MLP (ReLU after every layer) -> [batch, emb_dim]; one nn.Embedding
-    lookup per table; dot interaction: stack the bottom output with the embeddings to
-    [batch, F, d], Z = T @ T^T, keep the strictly-lower triangle of Z (a constant index
-    Gather on the flattened matrix), concat with the bottom output; top MLP (ReLU
-    between layers) and a final Sigmoid.  Output ``click_prob`` [batch, 1]."""
+    Inputs: ``dense`` float32 [batch, dense_features]; ``sparse`` int64 [batch, tables] (one id
+    per table) or, with ``bag > 1``, [batch, tables, bag] (each table's ids are looked up and
+    sum-pooled: an embedding bag).  Bottom MLP (ReLU after every layer).  Interaction:
+
+    * ``dot`` (the Criteo configuration): stack the bottom output with the embeddings to
+      [batch, F, d], Z = T @ T^T, keep the strictly-lower triangle of Z (a constant index Gather
+      on the flattened matrix), concat with the bottom output;
+    * ``cat`` (FlexFlow's DLRM example, the Unity evaluation): concat the bottom output with
+      the pooled embeddings.
+
+    Top MLP (ReLU between layers) and a final Sigmoid.  Output ``click_prob`` [batch, 1]."""
 
     def __init__(self, cfg: DLRMConfig):
         super().__init__()
-        assert cfg.bottom_mlp[-1] == cfg.emb_dim
+        if cfg.interaction not in ("dot", "cat"):
+            raise ValueError(f"unknown DLRM interaction {cfg.interaction!r}")
         self.cfg = cfg
-        self.bottom = _mlp(cfg.bottom_mlp, cfg.dense_features, final_relu=True)
+        self.bottom = _mlp(cfg.bottom_mlp, cfg.dense_features, final_relu=True, bias=cfg.bias)
         self.tables = nn.ModuleList(nn.Embedding(n, cfg.emb_dim) for n in cfg.table_rows)
-        f = cfg.num_interacting
-        rows, cols = torch.tril_indices(f, f, offset=-1, device="cpu")
-        self.register_buffer("tril_index", (rows * f + cols).to(torch.long), persistent=False)
-        self.top = _mlp(cfg.top_mlp, cfg.emb_dim + cfg.num_interactions, final_relu=False)
+        if cfg.interaction == "dot":
+            assert cfg.bottom_mlp[-1] == cfg.emb_dim
+            f = cfg.num_interacting
+            rows, cols = torch.tril_indices(f, f, offset=-1, device="cpu")
+            self.register_buffer("tril_index", (rows * f + cols).to(torch.long), persistent=False)
+            top_in = cfg.emb_dim + cfg.num_interactions
+        else:
+            top_in = cfg.bottom_mlp[-1] + len(cfg.table_rows) * cfg.emb_dim
+        self.top = _mlp(cfg.top_mlp, top_in, final_relu=False, bias=cfg.bias)
 
     def forward(self, dense, sparse):
-        f, d = self.cfg.num_interacting, self.cfg.emb_dim
         x = self.bottom(dense)
-        feats = [x] + [table(sparse[:, i]) for i, table in enumerate(self.tables)]
-        t = torch.cat(feats, dim=1).reshape(-1, f, d)
+        feats = []
+        for i, table in enumerate(self.tables):
+            e = table(sparse[:, i])
+            feats.append(e.sum(dim=1) if self.cfg.bag > 1 else e)
+        if self.cfg.interaction == "cat":
+            return torch.sigmoid(self.top(torch.cat([x] + feats, dim=1)))
+        f, d = self.cfg.num_interacting, self.cfg.emb_dim
+        t = torch.cat([x] + feats, dim=1).reshape(-1, f, d)
         z = torch.matmul(t, t.transpose(1, 2)).reshape(-1, f * f)
         z = torch.index_select(z, 1, self.tril_index)
         return torch.sigmoid(self.top(torch.cat([x, z], dim=1)))
@@ -403,26 +419,44 @@ class XDL(nn.Module):
 
 
 class CandleUno(nn.Module):
-    """CANDLE Uno (ECP-CANDLE pilot 1, drug response prediction), single-drug variant.
+    """CANDLE Uno (ECP-CANDLE pilot 1, drug response prediction).
 
-    Inputs (float32): ``dose`` [batch, 1], ``cell_rnaseq`` [batch, 942],
-    ``drug_descriptors`` [batch, 5270], ``drug_fingerprints`` [batch, 2048].  Each
-    feature type has a tower of 3 Dense(1000)+ReLU; [dose, towers...] are concatenated
-    and followed by 3 Dense(1000)+ReLU and a 1-unit linear regression head (growth)."""
+    Every feature input has its own tower of dense layers with ReLU (the drugs' towers are not
+    shared); the doses pass through; [doses, towers...] are concatenated and followed by dense
+    layers with ReLU and a 1-unit linear regression head (growth).  Inputs (float32), one drug:
+    ``dose`` [batch, 1], ``cell_rnaseq`` [batch, 942], ``drug_descriptors`` [batch, 5270],
+    ``drug_fingerprints`` [batch, 2048]; two drugs (FlexFlow's candle_uno, the Unity evaluation):
+    ``dose1``, ``dose2``, ``cell_rnaseq``, ``drug1_descriptors``, ``drug1_fingerprints``,
+    ``drug2_descriptors``, ``drug2_fingerprints``."""
 
     def __init__(self, cfg: CandleUnoConfig):
         super().__init__()
-        self.cell_tower = _mlp(cfg.tower, cfg.cell_features, final_relu=True)
-        self.descriptor_tower = _mlp(cfg.tower, cfg.drug_descriptor_features, final_relu=True)
-        self.fingerprint_tower = _mlp(cfg.tower, cfg.drug_fingerprint_features, final_relu=True)
-        self.dense = _mlp(cfg.dense, 1 + 3 * cfg.tower[-1], final_relu=True)
-        self.head = nn.Linear(cfg.dense[-1], 1)
+        self.cfg = cfg
+        b = cfg.bias
+        self.cell_tower = _mlp(cfg.tower, cfg.cell_features, final_relu=True, bias=b)
+        if cfg.drugs == 1:
+            self.descriptor_tower = _mlp(cfg.tower, cfg.drug_descriptor_features, final_relu=True, bias=b)
+            self.fingerprint_tower = _mlp(cfg.tower, cfg.drug_fingerprint_features, final_relu=True, bias=b)
+        else:
+            self.descriptor_towers = nn.ModuleList(
+                _mlp(cfg.tower, cfg.drug_descriptor_features, final_relu=True, bias=b) for _ in range(cfg.drugs))
+            self.fingerprint_towers = nn.ModuleList(
+                _mlp(cfg.tower, cfg.drug_fingerprint_features, final_relu=True, bias=b) for _ in range(cfg.drugs))
+        width = cfg.drugs + (1 + 2 * cfg.drugs) * cfg.tower[-1]
+        self.dense = _mlp(cfg.dense, width, final_relu=True, bias=b)
+        self.head = nn.Linear(cfg.dense[-1], 1, bias=b)
 
-    def forward(self, dose, cell_rnaseq, drug_descriptors, drug_fingerprints):
-        x = torch.cat([dose, self.cell_tower(cell_rnaseq),
-                       self.descriptor_tower(drug_descriptors),
-                       self.fingerprint_tower(drug_fingerprints)], dim=1)
-        return self.head(self.dense(x))
+    def forward(self, *inputs):
+        n = self.cfg.drugs
+        if n == 1:
+            dose, cell, desc, fp = inputs
+            parts = [dose, self.cell_tower(cell), self.descriptor_tower(desc), self.fingerprint_tower(fp)]
+        else:
+            doses, cell, rest = inputs[:n], inputs[n], inputs[n + 1:]
+            parts = list(doses) + [self.cell_tower(cell)]
+            for i in range(n):
+                parts += [self.descriptor_towers[i](rest[2 * i]), self.fingerprint_towers[i](rest[2 * i + 1])]
+        return self.head(self.dense(torch.cat(parts, dim=1)))
 
 
 # ---------------------------------------------------------------------------------- MLP
@@ -463,6 +497,18 @@ _IO_NAMES = {
 }
 
 
+def io_names(name: str, cfg) -> Tuple[List[str], List[str]]:
+    """The graph input and output names of model ``name`` with configuration ``cfg``."""
+    if name == "candle_uno" and cfg.drugs > 1:
+        n = cfg.drugs
+        ins = [f"dose{i + 1}" for i in range(n)] + ["cell_rnaseq"]
+        for i in range(n):
+            ins += [f"drug{i + 1}_descriptors", f"drug{i + 1}_fingerprints"]
+        return ins, ["growth"]
+    i, o = _IO_NAMES[name]
+    return list(i), list(o)
+
+
 def make_module(name: str, cfg, device=None) -> nn.Module:
     """Instantiate the module for ``cfg`` (default init), on ``device`` if given
     (``"meta"`` builds it without allocating weights)."""
@@ -500,16 +546,19 @@ def example_inputs(name: str, cfg, batch: int, seed: int = 1234) -> Tuple[torch.
         return (torch.randint(0, cfg.vocab, (batch, cfg.seq), generator=g),)
     if name == "dlrm":
         dense = torch.rand(batch, cfg.dense_features, generator=g)
-        sparse = torch.stack([torch.randint(0, n, (batch,), generator=g)
+        shape = (batch,) if cfg.bag == 1 else (batch, cfg.bag)
+        sparse = torch.stack([torch.randint(0, n, shape, generator=g)
                               for n in cfg.table_rows], dim=1)
         return dense, sparse
     if name == "xdl":
         return (torch.randint(0, cfg.rows, (batch, cfg.num_features, cfg.bag), generator=g),)
     if name == "candle_uno":
-        return (torch.rand(batch, 1, generator=g),
-                torch.randn(batch, cfg.cell_features, generator=g),
-                torch.randn(batch, cfg.drug_descriptor_features, generator=g),
-                torch.rand(batch, cfg.drug_fingerprint_features, generator=g).round())
+        doses = tuple(torch.rand(batch, 1, generator=g) for _ in range(cfg.drugs))
+        out = doses + (torch.randn(batch, cfg.cell_features, generator=g),)
+        for _ in range(cfg.drugs):
+            out += (torch.randn(batch, cfg.drug_descriptor_features, generator=g),
+                    torch.rand(batch, cfg.drug_fingerprint_features, generator=g).round())
+        return out
     if name == "mlp":
         return (torch.randn(batch, cfg.hidden, generator=g),)
     raise KeyError(name)
@@ -521,5 +570,5 @@ def build(name: str, cfg, batch: int):
     _randomize_norms(model)
     model.eval()
     inputs = example_inputs(name, cfg, batch)
-    in_names, out_names = _IO_NAMES[name]
-    return model, inputs, list(in_names), list(out_names)
+    in_names, out_names = io_names(name, cfg)
+    return model, inputs, in_names, out_names
