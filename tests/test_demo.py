@@ -17,7 +17,7 @@ from unity_pcg.machine import parse_machine
 
 def test_planning_stages(tmp_path, capsys):
     out = tmp_path / "demo"
-    assert main(["--machine", "local:1x2", "--no-run", "--budget", "5", "--out", str(out)]) == 0
+    assert main(["--machine", "local:1x2", "--no-run", "--budget", "2", "--out", str(out)]) == 0
     text = capsys.readouterr().out
     for stage in ("== 1. export", "== 2. import", "== 3. machine", "== 4. plan", "== 5. explain"):
         assert stage in text

@@ -108,7 +108,7 @@ def test_rule_sequence_in_words(tmp_path):
     from substitutions.cache import load
     rule = next(r for r in load() if r.is_parallel)
     steps = [{"rule": rule.name, "nodes": [3, 4], "inputs": {"x0": [1, 0]}, "bind": {"k0": 2}}]
-    pl = _plan(tmp_path, data_parallel(_mlp(8, 16, 16, 4), 2), info={"rules": steps})
+    pl = _plan(tmp_path, data_parallel(_mlp(8, 16, 16, 4), 2), rules=tuple(steps))
     back = P.load(_saved(tmp_path, pl))
     e = explain(back)
     assert e.rules_recorded and len(e.rules) == 1
@@ -121,6 +121,22 @@ def test_rule_sequence_in_words(tmp_path):
     assert text.count(rule.name) == 2 and "... 3 more steps" in text
     assert "rules applied: none recorded" in format_text(explain(_plan(tmp_path, _megatron())))
     assert describe_steps(["no_such_rule"]) == ["1. no_such_rule"]
+
+
+def test_plan_from_the_joint_search(tmp_path):
+    """A plan written by search.optimize: its recorded rule steps are told in words, in order, and
+    its rows add up to the search's own prediction of communication."""
+    from search.optimize import optimize
+    res = optimize(_mlp(8, 16, 16, 4), "summit:1x2", budget_s=2, max_candidates=5, optimizer="sgd")
+    path = tmp_path / "opt.json"
+    res.plan.save(str(path))
+    e = explain(P.load(str(path)))
+    assert e.rules_recorded and len(e.rules) == len(res.steps) >= 1
+    for words, st in zip(e.rules, res.steps):
+        assert st.to_json()["rule"] in words and " into " in words
+    assert e.totals["optimizer"] == "sgd"
+    assert e.totals["comm_elements"] == res.mapping.breakdown.comm_elements
+    assert e.totals["activation_comm_elements"] + e.totals["grad_sync_elements"] == e.totals["comm_elements"]
 
 
 def test_pipeline_stages_are_shown_and_drawn(tmp_path):
