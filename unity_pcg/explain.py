@@ -18,6 +18,7 @@ Planning code: no torch import; the search modules are imported when :func:`expl
 from __future__ import annotations
 
 import math
+import re
 from dataclasses import dataclass, field
 from typing import Any, Iterable, Mapping, Sequence
 
@@ -299,16 +300,19 @@ def describe_steps(steps: Sequence[Any]) -> list[str]:
             site = _get(st, "site", "nodes", "match", "at")
             bind = _get(st, "bindings", "binding", "bind", "bound")
         rule = known.get(name) if isinstance(name, str) else None
+        pairs = list(bind.items() if isinstance(bind, Mapping) else bind) if bind else []
         words = f"{i}. {name or '(unnamed rule)'}"
-        if rule is not None:
+        if rule is not None:   # the rule's patterns with the bound values put in
             outs = range(len(rule.source.outputs))
-            words += ": rewrites " + "; ".join(f"{rule.source.expr(k)} into {rule.target.expr(k)}" for k in outs)
+            text = "; ".join(f"{rule.source.expr(k)} into {rule.target.expr(k)}" for k in outs)
+            for k, v in sorted(pairs, key=lambda kv: -len(str(kv[0]))):
+                text = re.sub(r"\$" + re.escape(str(k)) + r"\b", str(v), text)
+            words += ": rewrites " + text
         if site:
             shown = site if isinstance(site, str) else ", ".join(str(x) for x in (
                 site.values() if isinstance(site, Mapping) else site))
             words += f" at {'nodes ' if not isinstance(site, str) else ''}{shown}"
-        if bind:
-            pairs = bind.items() if isinstance(bind, Mapping) else bind
+        if pairs and rule is None:
             words += " with " + ", ".join(f"{k}={v}" for k, v in pairs)
         out.append(words)
     return out

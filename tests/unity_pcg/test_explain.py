@@ -106,14 +106,16 @@ def test_model_parallel_pair_has_allreduce_and_no_gradient_sync(tmp_path):
 
 def test_rule_sequence_in_words(tmp_path):
     from substitutions.cache import load
-    rule = next(r for r in load() if r.is_parallel)
-    steps = [{"rule": rule.name, "nodes": [3, 4], "inputs": {"x0": [1, 0]}, "bind": {"k0": 2}}]
+    rule = next(r for r in load() if r.is_parallel and "$k0" in r.source.expr(0) and "$d0" in r.source.expr(0))
+    steps = [{"rule": rule.name, "nodes": [3, 4], "inputs": {"x0": [1, 0]}, "bind": {"k0": 2, "d0": -1}}]
     pl = _plan(tmp_path, data_parallel(_mlp(8, 16, 16, 4), 2), rules=tuple(steps))
     back = P.load(_saved(tmp_path, pl))
     e = explain(back)
     assert e.rules_recorded and len(e.rules) == 1
-    assert rule.name in e.rules[0] and rule.source.expr(0) in e.rules[0] and rule.target.expr(0) in e.rules[0]
-    assert "at nodes 3, 4" in e.rules[0] and "k0=2" in e.rules[0]
+    # the rule's own patterns, with the bound degree and dim put in
+    src = rule.source.expr(0).replace("$k0", "2").replace("$d0", "-1")
+    dst = rule.target.expr(0).replace("$k0", "2").replace("$d0", "-1")
+    assert e.rules[0] == f"1. {rule.name}: rewrites {src} into {dst} at nodes 3, 4"
     assert "rules applied (1, in order)" in format_text(e)
     many = explain(P.load(_saved(tmp_path, _plan(tmp_path, data_parallel(_mlp(8, 16, 16, 4), 2),
                                                  info={"rules": steps * 5}))))
@@ -121,6 +123,8 @@ def test_rule_sequence_in_words(tmp_path):
     assert text.count(rule.name) == 2 and "... 3 more steps" in text
     assert "rules applied: none recorded" in format_text(explain(_plan(tmp_path, _megatron())))
     assert describe_steps(["no_such_rule"]) == ["1. no_such_rule"]
+    assert describe_steps([{"rule": "no_such_rule", "nodes": [1], "bind": {"k": 2}}]) == \
+        ["1. no_such_rule at nodes 1 with k=2"]
 
 
 def test_plan_from_the_joint_search(tmp_path):
