@@ -25,7 +25,7 @@ import json
 from typing import Any
 
 from unity_pcg.shape import ParallelTensorShape as S
-from verifier.axioms import BINARY, SAMPLE_OPS, UNARY
+from verifier.axioms import BINARY, SAMPLE_OPS, TRANSPOSE_SAMPLE_PERMS, UNARY
 
 from .rule import Pattern, PatNode, Rule
 from .terms import op, rule_of
@@ -85,6 +85,10 @@ def template_rules() -> list[Rule]:
         args = [_part(names[0], 0)] + [_rep(n) for n in names[1:]]
         r = rule_of(f"dp_{o}", op(o, *names, **pa), _comb(op(o, *args, **pa), 0), V, cons, inputs=names)
         rules.append(_with_example(r, {**ex, "k": 2}, shapes, ints, vk))
+    for p in TRANSPOSE_SAMPLE_PERMS:        # a permutation that keeps the sample dim first
+        r = rule_of("dp_Transpose_" + "".join(map(str, p)), op("Transpose", "x", perm=p),
+                    _comb(op("Transpose", _part("x", 0), perm=p), 0), K)
+        rules.append(_with_example(r, {"k": 2}, {"x": S.of((2,) + tuple(range(2, len(p) + 1)))}))
     r = rule_of("dp_Softmax", op("Softmax", "x", axis="$a"), _comb(op("Softmax", _part("x", "$d"), axis="$a"), "$d"),
                 {**D, "a": "dim"}, [["$d", "!=", "$a"]])
     rules.append(_with_example(r, {"k": 2, "d": -2, "a": -1}, x44))

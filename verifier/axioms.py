@@ -373,6 +373,15 @@ for _o, _pa, _ex, _shapes, _vk, _ints in _SAMPLE:
         op("Partition", op(_o, *names, **_pa), dim=0, degree="$k"), V, cons, bind={**_ex, "k": 2},
         shapes=_shapes, values=_vk, int_inputs=_ints)
 
+# Transpose keeps the sample dim where its permutation fixes dim 0: one axiom per such permutation (a
+# permutation is an attribute value, and constraints cannot look inside it)
+TRANSPOSE_SAMPLE_PERMS = ((0, 2, 1), (0, 2, 1, 3), (0, 2, 3, 1), (0, 1, 3, 2), (0, 3, 1, 2), (0, 3, 2, 1))
+for _p in TRANSPOSE_SAMPLE_PERMS:
+    _ax("Transpose_partition_sample_" + "".join(map(str, _p)), "sample_partition", "parallel",
+        op("Transpose", op("Partition", "x", dim=0, degree="$k"), perm=_p),
+        op("Partition", op("Transpose", "x", perm=_p), dim=0, degree="$k"), {"k": "degree"}, (), bind={"k": 2},
+        shapes={"x": S.of((2,) + tuple(range(2, len(_p) + 1)))})
+
 
 AXIOMS: tuple[Axiom, ...] = tuple(_AXIOMS)
 
