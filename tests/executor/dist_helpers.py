@@ -156,8 +156,20 @@ def _entry(rank: int, world: int, port: int, fn, args, q) -> None:
         q.put((rank, "err", traceback.format_exc()))
 
 
+_PRELOAD = ["torch", "torch.distributed", "torch._dynamo", "numpy", "onnx", "executor.train", "unity_pcg.onnx_import.importer",
+            "unity_pcg.plan", "tests.executor.dist_helpers"]
+
+
+def _context():
+    """A forkserver that imported torch and the executor once: later ranks start in milliseconds, and
+    never inherit a parent's OpenMP threads (fork after torch ran is unsafe)."""
+    ctx = mp.get_context("forkserver")
+    ctx.set_forkserver_preload(_PRELOAD)
+    return ctx
+
+
 def run_dist(world: int, fn, *args, timeout: float = 180.0) -> list:
-    ctx = mp.get_context("spawn")
+    ctx = _context()
     q = ctx.Queue()
     port = free_port()
     procs = [ctx.Process(target=_entry, args=(r, world, port, fn, args, q), daemon=True) for r in range(world)]
@@ -200,3 +212,53 @@ def assert_same(ref, got, rtol: float = 1e-4, atol: float = 1e-6, what: str = ""
     assert set(s0) == set(s1), f"{what}: different parameter names"
     for k in s0:
         np.testing.assert_allclose(s1[k], s0[k], rtol=rtol, atol=atol, err_msg=f"{what}: weight {k} differs")
+
+
+def rebuild(g, src_ops: dict, after: dict | None = None):
+    """The PCG ``g`` with parallel operators put on its sources (``src_ops``: source name -> list of
+    ("Partition", dim, degree) / ("Replicate", degree) / ("Combine", dim, degree)) and after nodes
+    (``after``: node id -> list of the same); shape inference propagates the rest and every graph output
+    is brought back to one piece (Reduce, then Combine)."""
+    from unity_pcg.pcg import PCG
+    after = after or {}
+    b = PCG.builder(g.weights)
+
+    def put(ref, steps):
+        for st in steps:
+            if st[0] in ("Partition", "Combine"):
+                ref = b.add(st[0], {"dim": st[1], "degree": st[2]}, [ref])
+            else:
+                ref = b.add(st[0], {"degree": st[1]}, [ref])
+        return ref
+
+    m = {}
+    for n in g.nodes():
+        if n.kind == "source":
+            ref = b.add(n.op, n.a, [], name=n.name)
+            m[(n.id, 0)] = put(ref, src_ops.get(n.a["name"], []))
+            continue
+        nid = b.add_node(n.op, n.a, [m[tuple(r)] for r in n.inputs], name=n.name)
+        for k in range(len(g.shapes(n.id))):
+            m[(n.id, k)] = put((nid, k), after.get(n.id, []) if k == 0 else [])
+    outs = []
+    for r in g.outputs:
+        ref = m[tuple(r)]
+        s = b.shape(ref)
+        if s.sum_degree > 1:
+            ref = b.add("Reduce", {"degree": s.sum_degree}, [ref])
+        for dim, deg in enumerate(b.shape(ref).degrees):
+            if deg > 1:
+                ref = b.add("Combine", {"dim": dim, "degree": deg}, [ref])
+        outs.append(ref)
+    b.set_outputs(outs)
+    return b.finish()
+
+
+def with_views(plan_views: dict, g, device_of) -> dict:
+    """Views putting every single-task node on ``device_of(node)`` (for model-parallel placements)."""
+    from unity_pcg.machine import MachineView
+    out = dict(plan_views)
+    for n in g.nodes():
+        if n.kind != "source" and n.id in out and out[n.id].degree == 1:
+            out[n.id] = MachineView(device_of(n), out[n.id].dims)
+    return out
