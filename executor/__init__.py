@@ -1,4 +1,12 @@
-"""The executor: lowers a plan to per-rank torch programs (DTensor, DeviceMesh, pipelining).
+"""The executor: runs a plan's training on torch.distributed, one rank per device of the plan.
 
-Not built yet: no issue has asked for it so far. Nothing here pretends to run a plan.
+* ``executor.lower`` / ``executor.train`` / ``executor.kernels`` / ``executor.dropout``: the lowering of a
+  plan to a per-rank program and its training step (``Trainer``);
+* ``executor.pipeline``: plans with pipeline stages, run with ``torch.distributed.pipelining`` (1F1B);
+* ``executor.__main__``: one rank (``python -m executor plan.json --model M``; what torchrun runs);
+* ``executor.launch``: checks before launch and the local launch of the ranks (`unity-pcg run`);
+* ``executor.checkpoint``: ``torch.distributed.checkpoint`` save / resume;
+* ``executor.data``: the feeds of each step (an .npz file or seeded random feeds).
+
+Importing the package imports no torch; its modules do.
 """

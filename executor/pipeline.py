@@ -1,0 +1,431 @@
+"""Pipeline execution: a plan's ``pipeline`` field run with ``torch.distributed.pipelining``.
+
+The plan field (written by search/pipeline.py)::
+
+    "pipeline": {"schedule": "1F1B", "micro_batches": M,
+                 "stages": [{"nodes": [node ids], "devices": [device ids]}, ...]}
+
+Stage ``i`` becomes one :class:`StageModule` on its device (rank == device id), wrapped in a
+``PipelineStage`` and driven by ``Schedule1F1B`` with ``M`` micro-batches (the batch, dim 0 of every
+model input, split in M equal parts).  A stage module runs its nodes' torch kernels
+(:mod:`executor.kernels`) on whole micro-batch tensors; its parameters are the ONNX initializers its
+nodes read (a Weight belongs to the stage of its first consumer).  Tensors cross stages as a tuple:
+stage ``i`` sends every tensor produced at or before it (model inputs included) that a later stage reads,
+so a later stage can read a model input or an early activation.
+
+What a stage's kernels see: each operator is inferred once on *micro-batch pieces* -- the plan's graph
+without its parallel operators (on one device they move nothing), model inputs partitioned M ways on
+dim 0 and weights copied M ways -- so a Reshape's target or a Dropout's logical position are those of
+the micro-batch.  Dropout draws its mask from the element's index in the whole batch (the micro-batch
+number, counted per step, gives the offset), so pipelined dropout equals one device's.  An operator that
+cannot run on a batch part (e.g. a Reshape that merges the batch dim) makes the plan refused.
+
+Training semantics: loss per micro-batch (mean of the model's first output, or MSE / cross-entropy
+against the targets' part), gradients accumulated over micro-batches and divided by M (the schedule's
+``scale_grads``): the same gradient as the whole batch's mean loss; the step's loss is the mean of the
+micro-batch losses, broadcast from the last stage.  BatchNorm over micro-batches computes each
+micro-batch's statistics, which is not one device's training: refused unless ``--per-device-bn``.
+
+Limits (refused by :func:`check_pipeline` with a one-line error before any process starts): stages of
+more than one device (running a stage's sub-plan on a sub-group is not built), a schedule other than 1F1B,
+a batch that M does not divide, non-floating tensors crossing stages.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Mapping
+
+import numpy as np
+
+from unity_pcg import ops
+from unity_pcg.errors import InvalidParallelization, PlanError, UnityError
+from unity_pcg.pcg import PCG
+
+SCHEDULES = ("1F1B",)
+
+
+class PipelineError(PlanError):
+    """A pipeline field the executor cannot run."""
+
+
+@dataclass(frozen=True)
+class StagePlan:
+    """One stage, resolved: its device, its nodes in topological order (sources included), the tensors it
+    receives from the previous stage and sends to the next one (in order)."""
+    index: int
+    device: int
+    nodes: tuple[int, ...]
+    recv: tuple[tuple[int, int], ...]
+    send: tuple[tuple[int, int], ...]
+
+
+def _stage_of_nodes(plan) -> list[list[int]]:
+    pf = plan.pipeline
+    if not isinstance(pf, Mapping):
+        raise PipelineError("plan: field pipeline must be an object")
+    sched = pf.get("schedule", "1F1B")
+    if sched not in SCHEDULES:
+        raise PipelineError(f"plan: pipeline schedule {sched!r} is not supported (the executor runs "
+                            f"{', '.join(SCHEDULES)})")
+    stages = pf.get("stages")
+    if not isinstance(stages, list) or not stages:
+        raise PipelineError("plan: field pipeline.stages must be a non-empty list")
+    out = []
+    for i, st in enumerate(stages):
+        if not isinstance(st, Mapping) or not isinstance(st.get("nodes"), list) \
+                or not isinstance(st.get("devices"), list):
+            raise PipelineError(f"plan: pipeline.stages[{i}] must have lists 'nodes' and 'devices'")
+        if not all(isinstance(x, int) for x in st["nodes"] + st["devices"]):
+            raise PipelineError(f"plan: pipeline.stages[{i}] nodes and devices must be integers")
+        out.append(list(st["nodes"]))
+    return out
+
+
+def resolve(plan) -> tuple[int, list[StagePlan]]:
+    """Validate the pipeline field against the plan's PCG and views; returns (micro-batches, stages).
+    Raises PipelineError (one line).  Imports no torch."""
+    g: PCG = plan.pcg
+    pf = plan.pipeline
+    node_lists = _stage_of_nodes(plan)
+    M = pf.get("micro_batches")
+    if not isinstance(M, int) or isinstance(M, bool) or M < 1:
+        raise PipelineError(f"plan: pipeline.micro_batches must be a positive integer, got {M!r}")
+    devices = []
+    for i, st in enumerate(pf["stages"]):
+        devs = st["devices"]
+        if len(devs) != 1:
+            raise PipelineError(f"plan: pipeline stage {i} runs on {len(devs)} devices {devs}; the executor runs "
+                                "single-device stages only (a stage's sub-plan on a sub-group is not built)")
+        devices.append(devs[0])
+    if len(set(devices)) != len(devices):
+        raise PipelineError(f"plan: pipeline stages share devices {devices}")
+    stage_of: dict[int, int] = {}
+    for i, nodes in enumerate(node_lists):
+        for nid in nodes:
+            if nid not in g:
+                raise PipelineError(f"plan: pipeline stage {i} lists node {nid}, which is not in the PCG")
+            if nid in stage_of and stage_of[nid] != i:
+                raise PipelineError(f"plan: node {g.node(nid).label()} is in pipeline stages {stage_of[nid]} and {i}")
+            stage_of[nid] = i
+    order = g.topo_order()
+    for nid in order:
+        n = g.node(nid)
+        if n.kind == "source":
+            continue
+        if nid not in stage_of:
+            raise PipelineError(f"plan: node {n.label()} ({n.op}) is in no pipeline stage")
+        for r in n.inputs:
+            src = g.node(r[0])
+            if src.kind != "source" and stage_of[r[0]] > stage_of[nid]:
+                raise PipelineError(f"plan: node {n.label()} in pipeline stage {stage_of[nid]} reads "
+                                    f"{src.label()} of the later stage {stage_of[r[0]]}")
+        v = plan.views.get(nid)
+        if v is not None and set(v.devices()) != {devices[stage_of[nid]]}:
+            raise PipelineError(f"plan: view {v} of node {n.label()} lies outside its pipeline stage's "
+                                f"device {devices[stage_of[nid]]}")
+        if n.kind == "compute":
+            pm = ops.infer(n.op, n.a, g.input_shapes(nid)).piece_map
+            if pm is not None and pm.degree != 1:
+                raise PipelineError(f"plan: node {n.label()} runs {pm.degree} tasks inside a single-device "
+                                    "pipeline stage")
+    # sources join the stage of their first consumer (in topological order)
+    for nid in order:
+        n = g.node(nid)
+        if n.kind == "source" and nid not in stage_of:
+            users = [u for u, _ in g.consumers((nid, 0))]
+            if users:
+                stage_of[nid] = min(stage_of[u] for u in users)
+    # micro-batches: every model input's dim 0 must split M ways
+    for n in g.sources("Input"):
+        b = n.a["shape"][0] if n.a["shape"] else None
+        if b is None or b % M:
+            raise PipelineError(f"plan: pipeline.micro_batches {M} does not divide the batch (dim 0 = {b}) "
+                                f"of input {n.label()}")
+    S = len(node_lists)
+    first_out = tuple(g.outputs[0])
+    # what each stage needs from earlier stages: tensors produced in stages < i (model inputs count as
+    # produced "before" stage 0) and read in stage i or later
+    def produced_at(ref) -> int:
+        src = g.node(ref[0])
+        if src.op == "Input":
+            return -1
+        return stage_of.get(ref[0], 0)
+
+    stages = []
+    order_pos = {nid: k for k, nid in enumerate(order)}
+
+    def key(r):
+        return (order_pos[r[0]], r[1])
+
+    carried_in: tuple = tuple(sorted((tuple((n.id, 0)) for n in g.sources("Input")), key=key))
+    for i in range(S):
+        reads_later = set()
+        for nid in order:
+            if stage_of.get(nid, -2) > i:
+                for r in g.node(nid).inputs:
+                    r = tuple(r)
+                    if g.node(r[0]).op != "Weight" and produced_at(r) <= i:
+                        reads_later.add(r)
+        if i == S - 1:
+            send = (first_out,)
+        else:
+            send = tuple(sorted(reads_later, key=key))
+            if not send:
+                raise PipelineError(f"plan: pipeline stage {i} sends nothing to stage {i + 1}")
+        nodes = tuple(nid for nid in order if stage_of.get(nid) == i)
+        stages.append(StagePlan(i, devices[i], nodes, carried_in, send))
+        carried_in = send
+    if stage_of.get(first_out[0], -1) not in range(S) and g.node(first_out[0]).op != "Input":
+        raise PipelineError("plan: the model's first output is produced by no pipeline stage")
+    for st in stages[:-1]:
+        for r in st.send:
+            dt = g.shape(r).dtype
+            if not dt.startswith(("float", "bfloat")):
+                raise PipelineError(f"plan: tensor {g.node(r[0]).label()} ({dt}) crosses from pipeline stage "
+                                    f"{st.index} to {st.index + 1}; only floating tensors may cross stages")
+    return M, stages
+
+
+def check_pipeline(plan, per_device_bn: bool = True) -> None:
+    """Everything about a pipelined plan that can fail before a process starts."""
+    M, stages = resolve(plan)
+    devs = sorted(st.device for st in stages)
+    if devs != list(range(len(stages))):
+        raise PipelineError(f"plan: pipeline stages run on devices {[st.device for st in stages]}; the "
+                            f"executor needs one stage per rank 0..{len(stages) - 1}")
+    micro_graph(plan.pcg, M)
+    if not per_device_bn and any(n.op == "BatchNorm" for n in plan.pcg.nodes()):
+        raise PipelineError("plan: BatchNorm in a pipelined plan computes statistics per micro-batch, which "
+                            "is not one device's training; run with --per-device-bn to accept that")
+
+
+def logical_graph(g: PCG) -> tuple[PCG, dict]:
+    """``g`` without parallel operators (on one device they move nothing); returns it and the map from a
+    parallel operator's output to the tensor it stands for."""
+    b = g.edit()
+    alias: dict = {}
+    for n in g.nodes():
+        if n.kind == "parallel":
+            src = tuple(n.inputs[0])
+            src = alias.get(src, src)
+            alias[(n.id, 0)] = src
+    for n in g.nodes():
+        if n.kind != "parallel":
+            new = tuple(alias.get(tuple(r), tuple(r)) for r in n.inputs)
+            if new != tuple(tuple(r) for r in n.inputs):
+                b.set_inputs(n.id, new)
+    b.set_outputs([alias.get(tuple(r), tuple(r)) for r in g.outputs])
+    for n in g.nodes():
+        if n.kind == "parallel":
+            b.remove(n.id)
+    return b.finish(), alias
+
+
+def micro_graph(g: PCG, M: int) -> PCG:
+    """The logical graph on micro-batch pieces: inputs partitioned M ways on dim 0, weights copied M ways.
+    Compute nodes keep their ids; their input shapes give the kernels' piece attributes."""
+    lg, _ = logical_graph(g)
+    if M == 1:
+        return lg
+    b = lg.edit()
+    try:
+        for n in lg.sources():
+            op, attrs = ("Partition", {"dim": 0, "degree": M}) if n.op == "Input" else ("Replicate", {"degree": M})
+            if n.op == "Input" and not n.a["shape"]:
+                continue
+            p = b.add(op, attrs, [(n.id, 0)])
+            b.replace_uses((n.id, 0), p, exclude=[p[0]])
+        return b.finish()
+    except (InvalidParallelization, UnityError) as e:
+        raise PipelineError(f"plan: the pipeline's micro-batches cannot run through the model: {e}") from None
+
+
+# --- torch side ----------------------------------------------------------------------------------------
+
+def _torch_modules():
+    import torch
+    from torch import nn
+    return torch, nn
+
+
+def build_stage_module(plan, st: StagePlan, M: int, weights: Mapping[str, Any], seed: int):
+    """The ``nn.Module`` of one stage (see module docstring)."""
+    torch, nn = _torch_modules()
+    from .kernels import TORCH_DTYPES, TaskContext, kernel
+
+    g: PCG = plan.pcg
+    lg, alias = logical_graph(g)
+    mg = micro_graph(g, M)
+
+    class StageModule(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.params = nn.ParameterDict()
+            self.consts: dict[int, torch.Tensor] = {}
+            self.pname: dict[int, str] = {}
+            self.names: dict[str, str] = {}        # ONNX name -> parameter key
+            self.steps_done = 0
+            self.micro = 0
+            self.recv = [alias.get(r, r) for r in st.recv]
+            self.send = [alias.get(r, r) for r in st.send]
+            self.prog = []
+            for nid in st.nodes:
+                n = g.node(nid)
+                if n.op == "Weight":
+                    name = n.a["name"]
+                    if name not in weights:
+                        raise UnityError(f"model has no initializer {name!r} (plan node {n.label()})")
+                    v = weights[name]
+                    v = v() if callable(v) else v
+                    t = torch.from_numpy(np.array(v, copy=True)).to(TORCH_DTYPES.get(n.a["dtype"], torch.float32)).clone()
+                    if g.is_trainable(nid):
+                        key = f"p{len(self.params)}"
+                        self.params[key] = nn.Parameter(t)
+                        self.pname[nid] = key
+                        self.names[name] = key
+                    else:
+                        self.consts[nid] = t
+                elif n.kind == "compute":
+                    ins = mg.input_shapes(nid)
+                    outs = mg.shapes(nid)
+                    spec = ops.get_op(n.op)
+                    pa = spec.piece_attrs(n.a, ins, outs) if spec.piece_attrs else n.a
+                    logical = tuple(tuple(s.sizes) for s in lg.shapes(nid))
+                    batched = tuple(bool(s.dims) and s.dims[0].degree == M and M > 1 for s in outs)
+                    mb = tuple((s.sizes[0] // M) if b else 0 for s, b in zip(outs, batched))
+                    self.prog.append((nid, kernel(n.op), dict(pa), tuple(tuple(r) for r in lg.node(nid).inputs),
+                                      logical, mb, len(outs)))
+            self.seed = seed
+
+        def forward(self, *xs):
+            vals = dict(zip(self.recv, xs))
+            meta = bool(xs) and xs[0].device.type == "meta"
+            k = self.micro
+            if not meta:
+                self.micro += 1
+            for nid, key in self.pname.items():
+                vals[(nid, 0)] = self.params[key]
+            for nid, t in self.consts.items():
+                vals[(nid, 0)] = t
+            for nid, fn, pa, inputs, logical, mb, nout in self.prog:
+                ctx = TaskContext(training=True, seed=self.seed, step=self.steps_done, node_id=nid,
+                                  out_logical=logical,
+                                  out_offset=tuple((k * m,) + (0,) * (len(s) - 1) if s else ()
+                                                   for m, s in zip(mb, logical)))
+                ys = fn(pa, [vals[r] for r in inputs], ctx)
+                for j, y in enumerate(ys):
+                    vals[(nid, j)] = y
+            out = tuple(vals[r] for r in self.send)
+            return out if len(out) > 1 else out[0]
+
+    return StageModule()
+
+
+def loss_of(out, target):
+    """Loss of one output (and its targets): mean of the output, MSE for float targets, cross-entropy for
+    integer targets (classes along dim 1, as torch and executor.train take them)."""
+    import torch.nn.functional as F
+    if target is None:
+        return out.float().mean()
+    if not target.is_floating_point():
+        return F.cross_entropy(out.float(), target.long())
+    return F.mse_loss(out.float(), target.float().reshape(out.shape))
+
+
+class PipelineTrainer:
+    """The Trainer API (executor.train.Trainer) for plans with pipeline stages; rank == stage device."""
+
+    def __init__(self, plan, model_path: str, rank: int = 0, world: int = 1, optimizer: str = "sgd",
+                 lr: float = 0.01, seed: int = 0, device: str = "cpu", sync_batchnorm: bool = True):
+        torch, nn = _torch_modules()
+        import torch.distributed as dist
+        from torch.distributed.pipelining import PipelineStage, Schedule1F1B
+
+        from unity_pcg.onnx_import import load_onnx
+
+        check_pipeline(plan, per_device_bn=not sync_batchnorm)
+        self.M, stages = resolve(plan)
+        mine = [st for st in stages if st.device == rank]
+        if len(mine) != 1:
+            raise PipelineError(f"rank {rank} runs no pipeline stage")
+        self.st = mine[0]
+        self.S = len(stages)
+        self.last_rank = stages[-1].device
+        self.rank, self.world = rank, world
+        self.dev = torch.device(device if device == "cpu" else f"cuda:{torch.cuda.current_device()}")
+        weights = load_onnx(model_path).weights
+        self.mod = build_stage_module(plan, self.st, self.M, weights, seed).to(self.dev)
+        self.order = {k: name for name, k in self.mod.names.items()}
+        params = list(self.mod.params.values())
+        if optimizer == "sgd":
+            self.opt = torch.optim.SGD(params, lr=lr)
+        elif optimizer == "adam":
+            self.opt = torch.optim.Adam(params, lr=lr)
+        else:
+            raise UnityError(f"unknown optimizer {optimizer!r} (sgd, adam)")
+        self.stage = PipelineStage(self.mod, self.st.index, self.S, self.dev)
+        self.stage.stage_index_to_group_rank = {s.index: s.device for s in stages}
+        self._targets = False   # the schedule wants a target on the last stage; without one, a dummy
+        self.sched = Schedule1F1B(self.stage, self.M, scale_grads=True,
+                                  loss_fn=lambda out, t: loss_of(out, t if self._targets else None))
+        self.input_names = [plan.pcg.node(r[0]).a["name"] for r in self.st.recv] if self.st.index == 0 else []
+        self.steps_done = 0
+        self._dist = dist
+        ins = plan.pcg.sources("Input")
+        self.batch = ins[0].a["shape"][0] if ins and ins[0].a["shape"] else self.M
+
+    def step(self, feeds=None, targets=None) -> float:
+        torch = _torch_modules()[0]
+        self.mod.steps_done = self.steps_done
+        self.mod.micro = 0
+        self.opt.zero_grad(set_to_none=True)
+        args = []
+        if self.st.index == 0:
+            if feeds is None:
+                raise UnityError("the first pipeline stage needs the model inputs")
+            args = [torch.as_tensor(feeds[n]).to(self.dev) for n in self.input_names]
+        kw = {}
+        losses: list = []
+        if self.st.index == self.S - 1:
+            self._targets = targets is not None
+            kw["target"] = (torch.as_tensor(targets).to(self.dev) if targets is not None
+                            else torch.zeros(self.batch, device=self.dev))
+            kw["losses"] = losses
+        self.sched.step(*args, **kw)
+        self.opt.step()
+        self.steps_done += 1
+        loss = torch.zeros(1, dtype=torch.float64, device=self.dev)
+        if self.st.index == self.S - 1:
+            loss[0] = sum(float(x.detach()) for x in losses) / len(losses)
+        if self.world > 1:
+            self._dist.broadcast(loss, src=self.last_rank)
+        return float(loss[0])
+
+    # --- state (the model's own parameter names; a stage holds its own) ---------------------------------
+    def model_state(self) -> dict:
+        return {name: self.mod.params[k].detach().clone() for name, k in self.mod.names.items()}
+
+    def load_model_state(self, d: Mapping) -> None:
+        torch = _torch_modules()[0]
+        with torch.no_grad():
+            for name, k in self.mod.names.items():
+                if name not in d:
+                    raise UnityError(f"checkpoint has no parameter {name!r}")
+                self.mod.params[k].copy_(torch.as_tensor(d[name]))
+
+    def optimizer_state(self) -> dict:
+        sd = self.opt.state_dict()
+        keys = list(self.mod.params.keys())
+        # parameter positions -> the model's names, so keys of different stages never collide
+        return {"state": {self.order[keys[i]]: v for i, v in sd["state"].items()},
+                "param_groups": [{k: v for k, v in grp.items() if k != "params"} for grp in sd["param_groups"]]}
+
+    def load_optimizer_state(self, d: Mapping) -> None:
+        keys = list(self.mod.params.keys())
+        pos = {self.order[k]: i for i, k in enumerate(keys)}
+        state = {pos[name]: v for name, v in d.get("state", {}).items() if name in pos}
+        groups = [dict(grp, params=list(range(len(keys)))) for grp in d.get("param_groups", [])]
+        self.opt.load_state_dict({"state": state, "param_groups": groups})
+
+    def local_shards(self) -> dict:
+        return {name: (t, "stage") for name, t in self.model_state().items()}

@@ -1,0 +1,78 @@
+"""`unity-pcg run plan.json --model MODEL.onnx [--steps N] [--nproc K] [--data FILE.npz] [--optimizer sgd|adam]
+[--lr X] [--checkpoint DIR] [--resume] [--json] [--seed S] [--per-device-bn]`: train with a plan on local ranks.
+
+Everything that can be checked is checked before a process starts (executor/launch.py ``check``): the plan
+loads and validates, the model's sha256 is the plan's, ``--nproc`` (default: the plan's device count) is
+the plan's device count, a --data file fits the model, --resume finds a checkpoint.  Then K local ranks
+run ``python -m executor`` under torch's elastic launch API; rank 0 prints one line per step.  ``--json``
+prints one JSON object at the end (losses, step_time_s, predicted_iteration_s, nproc, ...) and sends the
+progress lines to stderr.  torch is imported only here, when the command runs.
+"""
+from __future__ import annotations
+
+import json
+import os
+import sys
+
+from ..errors import UnityError
+
+HELP = "train an ONNX model with a plan on torch.distributed (local processes or torchrun)"
+
+
+def add_arguments(p) -> None:
+    from executor.__main__ import add_training_arguments
+    add_training_arguments(p)
+    p.add_argument("--nproc", type=int, default=None, metavar="K",
+                   help="local processes (ranks); must be the plan's device count (default: that count)")
+    p.add_argument("--json", action="store_true", help="print one JSON object at the end (progress to stderr)")
+
+
+def _rank_args(args) -> list[str]:
+    out = [os.path.abspath(args.plan), "--model", os.path.abspath(args.model), "--steps", str(args.steps),
+           "--optimizer", args.optimizer, "--lr", repr(args.lr), "--seed", str(args.seed),
+           "--timeout", repr(args.timeout), "--progress", "stderr" if args.json else "stdout"]
+    if args.data:
+        out += ["--data", os.path.abspath(args.data)]
+    if args.checkpoint:
+        out += ["--checkpoint", os.path.abspath(args.checkpoint), "--checkpoint-every", str(args.checkpoint_every)]
+    if args.resume:
+        out.append("--resume")
+    if args.per_device_bn:
+        out.append("--per-device-bn")
+    return out
+
+
+def precheck(args):
+    """Every check that needs no process: returns (plan, nproc)."""
+    from executor.launch import check
+    if args.steps < 0:
+        raise UnityError(f"--steps must be >= 0, got {args.steps}")
+    if args.checkpoint_every < 0:
+        raise UnityError(f"--checkpoint-every must be >= 0, got {args.checkpoint_every}")
+    if args.resume and not args.checkpoint:
+        raise UnityError("--resume needs --checkpoint DIR")
+    plan, world = check(args.plan, args.model, args.nproc, args.per_device_bn)
+    from executor.data import open_data
+    open_data(plan.pcg, args.data, seed=args.seed)
+    if args.resume:
+        from executor.checkpoint import check_resume
+
+        from ..plan import file_sha256
+        check_resume(args.checkpoint, file_sha256(args.plan), args.optimizer, world)
+    return plan, world
+
+
+def run(args) -> int:
+    plan, world = precheck(args)
+    from executor.launch import RunFailed, launch
+    threads = max(1, (os.cpu_count() or 1) // world)
+    try:
+        out = launch(_rank_args(args) + ["--threads", str(threads)], world)
+    except RunFailed as e:
+        print(f"unity-pcg run: error: {e}", file=sys.stderr)
+        return e.code
+    res = out.result
+    if args.json:
+        json.dump(res, sys.stdout, indent=2)
+        sys.stdout.write("\n")
+    return 0
