@@ -302,7 +302,33 @@ def expert(g: PCG, degree: int) -> PCG:
     if degree == 1:
         return g
     r = _Rebuild(g, "expert", dp=degree, mp_embeddings=frozenset(embs), mp_dense=frozenset(dense))
-    return r.finish(degree=degree, model_parallel=sorted(g.node(i).label() for i in embs + dense))
+    # table i lives on device i mod degree (round-robin): the machine mapping keeps it there
+    pinned = {str(r.new_id[e]): k % degree for k, e in enumerate(embs) if e in r.new_id}
+    return r.finish(degree=degree, model_parallel=sorted(g.node(i).label() for i in embs + dense),
+                    pinned=pinned)
+
+
+def pinned_views(g: PCG, machine=None) -> dict:
+    """Machine views a fixed strategy pinned in ``g.meta["pinned"]`` (node id -> device: expert's
+    embedding tables, round-robin), for :meth:`search.mapping.MachineMapper.optimize`.  Pins of nodes
+    that are not one-task operators of ``g``, or that name a device outside ``machine``, are ignored
+    (a PCG rewritten by the search keeps its meta but not necessarily those nodes)."""
+    from unity_pcg.machine import MachineView
+    out = {}
+    for k, dev in dict(g.meta.get("pinned") or {}).items():
+        try:
+            nid, dev = int(k), int(dev)
+        except (TypeError, ValueError):
+            continue
+        if nid not in g or g.node(nid).kind != "compute" or dev < 0:
+            continue
+        if machine is not None and dev >= machine.num_devices:
+            continue
+        pm = ops.infer(g.node(nid).op, g.node(nid).a, g.input_shapes(nid)).piece_map
+        if pm.degree != 1:
+            continue
+        out[nid] = MachineView(dev, ())
+    return out
 
 
 # --- the propagation ---------------------------------------------------------------------------------
@@ -330,6 +356,7 @@ class _Rebuild:
         self.wcache: dict = {}            # (old ref, shards, copy) -> new ref
         self.whole: set = set()           # new refs kept whole on one device (model-parallel lookups)
         self.fallback_ids: list[int] = []
+        self.new_id: dict = {}            # old compute node id -> its node in the new graph
         self.row_input_degree: dict = {}  # Linear id -> degree of its x input's last dim
         for n in g.nodes():
             if n.kind == "parallel":
@@ -522,6 +549,8 @@ class _Rebuild:
                 canon = {i: self._canonical(r, f"{label}/in{i}") for i, r in acts.items()}
                 if canon != acts:
                     nid = self._try(n, canon)
+        if nid is not None:
+            self.new_id[n.id] = nid
         if n.op == "Linear" and nid is not None:
             self.row_input_degree[n.id] = self.b.shape(self.b.node(nid).inputs[0]).degrees[-1]
         if nid is None:
@@ -586,4 +615,4 @@ class _Rebuild:
 
 
 __all__ = ["build_strategy", "none", "data_parallel", "megatron", "expert", "megatron_groups",
-           "expert_choices", "StrategyError", "STRATEGIES"]
+           "expert_choices", "pinned_views", "StrategyError", "STRATEGIES"]

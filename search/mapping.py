@@ -243,14 +243,22 @@ class MachineMapper:
         self.misses = 0
 
     # --- public -------------------------------------------------------------------------------
-    def optimize(self, g: PCG, resource: Resource | None = None) -> MappingResult:
+    def optimize(self, g: PCG, resource: Resource | None = None,
+                 fixed: Mapping[int, MachineView] | None = None) -> MappingResult:
+        """The fastest mapping of ``g`` (that fits).  ``fixed``: views some nodes must take; by default
+        the placements a fixed strategy pinned in ``g.meta["pinned"]`` (expert's embedding tables,
+        :func:`search.baselines.pinned_views`)."""
         t0 = time.perf_counter()
         h0, m0 = self.hits, self.misses
         gc = GraphCost(g, self.model)
         dec = decompose(g, gc.role)
         ctx = _Ctx(g, gc, dec)
         res = resource or Resource.whole(self.machine)
-        cost, assign = self._solve(ctx, dec.tree, res, {})
+        if fixed is None:
+            from .baselines import pinned_views
+            fixed = pinned_views(g, self.machine)
+        fixed = {n: v for n, v in fixed.items() if n in g}
+        cost, assign = self._solve(ctx, dec.tree, res, fixed)
         views: dict[int, MachineView] = {}
         if math.isfinite(cost):
             for hsh, v in _flatten(assign):
@@ -260,10 +268,10 @@ class MachineMapper:
         out = self._finish(g, gc, dec, cost, views, t0, stats)
         if out.feasible or out.memory is None:
             return out                      # the time-optimal mapping fits (or no view fits at all)
-        return self._memory_aware(ctx, res, out, t0, stats)
+        return self._memory_aware(ctx, res, out, t0, stats, fixed)
 
     def _memory_aware(self, ctx: _Ctx, res: Resource, fastest: MappingResult, t0: float,
-                      stats: dict) -> MappingResult:
+                      stats: dict, fixed: Mapping[int, MachineView] | None = None) -> MappingResult:
         """The time-optimal mapping does not fit: the fastest mapping that fits, from the Pareto DP
         (:class:`_MemoryDP`), or ``fastest`` (infeasible) with a reason saying that none fits."""
         g, gc, dec = ctx.g, ctx.gc, ctx.dec
@@ -279,7 +287,7 @@ class MachineMapper:
                                  f"the fastest: {fastest.memory.reason()}"),
                 solve_s=time.perf_counter() - t0, stats=dict(stats, memory_dp_s=0.0))
         mdp = _MemoryDP(self, ctx, cap, self.front_limit)
-        front = mdp.solve(dec.tree, res, {})
+        front = mdp.solve(dec.tree, res, dict(fixed or {}))
         stats = dict(stats, memory_dp_s=time.perf_counter() - t1, memory_front=len(front),
                      memory_front_capped=mdp.capped, memory_cache_size=len(self.mcache))
         if not front:

@@ -187,6 +187,9 @@ def test_expert_embeddings_model_parallel_dense_data_parallel(zoo_graphs, name):
             assert pg.shape(n.inputs[0]).degrees[0] == 4
     r = _price(pg, "summit:1x4")
     assert r.breakdown.comm_elements > 0
+    # tables round-robin over the devices, each whole on one (the mapping keeps the strategy's pins)
+    devs = [r.views[n.id].devices() for n in emb]
+    assert devs == [(k % 4,) for k in range(len(emb))]
 
 
 def test_expert_dense_layers_that_outweigh_their_activations(zoo_graphs):
