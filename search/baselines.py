@@ -20,8 +20,10 @@
   data-parallel layout where they meet dense operators.  A dense Linear is communication-intensive
   when its weight has more elements than the activations it reads and writes in one iteration
   (``k*n > B*(k+n)`` at global batch B: synchronizing its gradient would move more than moving its
-  activations); it is split on its output features across all d devices (its input gathered to every
-  device).  Models with neither raise :class:`StrategyError`.
+  activations); it is split on its output features m ways (the largest divisor of d dividing them) and
+  data parallel d/m ways (its input copied m times).  At a scale where nothing is communication-intensive
+  the strategy is data parallelism.  Models with convolutions or attention (a softmax) raise
+  :class:`StrategyError`.
 
 All of them are built by one propagation (:class:`_Rebuild`): model inputs take the strategy's
 layout, every compute operator keeps the parallel shapes its inputs arrive with, and each weight
@@ -270,13 +272,14 @@ def _accept(g: PCG, groups: list[_Group], tp: int, dp: int):
 
 # --- expert (embeddings and communication-intensive dense layers model-parallel) -------------------
 
-def expert_choices(g: PCG, degree: int) -> tuple[list[int], list[int]]:
-    """(model-parallel Embedding ids, model-parallel Linear ids) of the expert strategy over
-    ``degree`` devices: every embedding whose table is a trainable weight, and every dense Linear
-    whose weight outweighs its activations at the global batch (see module docstring) and whose
-    output features divide by ``degree``."""
+def expert_choices(g: PCG, degree: int) -> tuple[list[int], dict]:
+    """(model-parallel Embedding ids, {model-parallel Linear id: model degree}) of the expert strategy
+    over ``degree`` devices: every embedding whose table is a trainable weight, and every dense Linear
+    whose weight outweighs its activations at the global batch (see module docstring), split on its
+    output features by the largest divisor m > 1 of ``degree`` that divides them (data parallel over
+    the remaining ``degree / m``)."""
     wl = _weight_like(g)
-    embs, dense = [], []
+    embs, dense = [], {}
     for n in g.nodes():
         if (n.op == "Embedding" and n.inputs[0][0] not in wl and g.node(n.inputs[1][0]).op == "Weight"
                 and g.shape(n.inputs[1]).dtype in FLOAT_DTYPES):
@@ -285,26 +288,40 @@ def expert_choices(g: PCG, degree: int) -> tuple[list[int], list[int]]:
             x, w = g.shape(n.inputs[0]), g.shape(n.inputs[1])
             k, nf = w.sizes
             rows = x.numel // x.sizes[-1]
-            if k * nf > rows * (k + nf) and nf % degree == 0:
-                dense.append(n.id)
+            m = next((t for t in _divisors_desc(degree) if nf % t == 0), 1)
+            if k * nf > rows * (k + nf) and m > 1:
+                dense[n.id] = m
     return embs, dense
+
+
+def expert_applies(g: PCG) -> bool:
+    """The expert strategy is for recommendation and dense models: embedding tables or dense layers,
+    and no convolution or attention (a softmax: Transformers have Megatron, CNNs data parallelism)."""
+    wl = _weight_like(g)
+    some = other = False
+    for n in g.nodes():
+        if (n.op == "Embedding" and n.inputs[0][0] not in wl and g.node(n.inputs[1][0]).op == "Weight") \
+                or _is_dense(g, n, wl):
+            some = True
+        elif n.op in ("Conv2d", "Softmax"):
+            other = True
+    return some and not other
 
 
 def expert(g: PCG, degree: int) -> PCG:
     _check_degree(degree)
     _check_logical(g, "expert")
-    embs, dense = expert_choices(g, degree)
-    if not embs and not dense:
-        raise StrategyError("strategy 'expert' applies to models with communication-intensive operators "
-                            "(embedding tables, or dense layers whose weights outweigh their activations "
-                            f"at this batch over {degree} devices, as DLRM, XDL, CANDLE-Uno); this model "
-                            "has none")
+    if not expert_applies(g):
+        raise StrategyError("strategy 'expert' applies to recommendation and dense models (embedding tables, "
+                            "or dense layers without convolutions or attention: DLRM, XDL, CANDLE-Uno, MLP); "
+                            "this model has none of them")
     if degree == 1:
         return g
-    r = _Rebuild(g, "expert", dp=degree, mp_embeddings=frozenset(embs), mp_dense=frozenset(dense))
+    embs, dense = expert_choices(g, degree)
+    r = _Rebuild(g, "expert", dp=degree, mp_embeddings=frozenset(embs), mp_dense=dense)
     # table i lives on device i mod degree (round-robin): the machine mapping keeps it there
     pinned = {str(r.new_id[e]): k % degree for k, e in enumerate(embs) if e in r.new_id}
-    return r.finish(degree=degree, model_parallel=sorted(g.node(i).label() for i in embs + dense),
+    return r.finish(degree=degree, model_parallel=sorted(g.node(i).label() for i in embs + list(dense)),
                     pinned=pinned)
 
 
@@ -339,16 +356,16 @@ class _Rebuild:
     ``dp``: degree of the batch partition; ``tp``: copies of every activation in the strategy's
     layout (Megatron's tensor-parallel degree; 1 otherwise); ``column``: Linears whose weight is
     split on its output features by ``tp``; ``mp_embeddings``: embeddings run whole on one device;
-    ``mp_dense``: Linears split on their output features by ``dp`` over every device."""
+    ``mp_dense``: Linear id -> m: split on its output features m ways, data parallel ``dp / m`` ways."""
 
     def __init__(self, g: PCG, strategy: str, dp: int, tp: int = 1, column: frozenset = frozenset(),
-                 mp_embeddings: frozenset = frozenset(), mp_dense: frozenset = frozenset()):
+                 mp_embeddings: frozenset = frozenset(), mp_dense: dict | None = None):
         self.g = g
         self.strategy = strategy
         self.dp, self.tp = dp, tp
         self.column = column
         self.mp_emb = mp_embeddings
-        self.mp_dense = mp_dense
+        self.mp_dense = dict(mp_dense or {})
         self.b = PCG.builder(g.weights)
         self.m: dict = {}                 # old ref -> new ref (activations)
         self.wl = _weight_like(g)
@@ -400,6 +417,13 @@ class _Rebuild:
         if c < copy and copy % c == 0:
             ref = self._add("Replicate", {"degree": copy // c}, [ref], f"{label}/replicate")
         return ref
+
+    @staticmethod
+    def _mp_degrees(s, batch_degree: int) -> tuple[int, ...]:
+        degs = [1] * s.rank
+        if s.rank > 1 and s.sizes[0] % batch_degree == 0:
+            degs[0] = batch_degree
+        return tuple(degs)
 
     def _canonical(self, ref: Ref, label: str) -> Ref:
         s = self.shape(ref)
@@ -532,10 +556,11 @@ class _Rebuild:
             acts = {i: self._canonical(r, f"{label}/in{i}") for i, r in acts.items()}
             nid = self._try(n, acts, force={"n": self.tp})
         elif n.id in self.mp_dense:
-            # output features split over every device; the input gathered and copied to each
-            acts = {i: self._reshard(r, (1,) * self.shape(r).rank, self.dp, f"{label}/in{i}")
+            # output features split m ways, the batch dp / m ways; the input copied m times
+            m = self.mp_dense[n.id]
+            acts = {i: self._reshard(r, self._mp_degrees(self.shape(r), self.dp // m), m, f"{label}/in{i}")
                     for i, r in acts.items()}
-            nid = self._try(n, acts, force={"n": self.dp})
+            nid = self._try(n, acts, force={"n": m})
         else:
             if self.strategy == "expert" and (self._has_float_weights(n) or (
                     len(acts) > 1 and any(r in self.whole for r in acts.values()))):
@@ -615,4 +640,4 @@ class _Rebuild:
 
 
 __all__ = ["build_strategy", "none", "data_parallel", "megatron", "expert", "megatron_groups",
-           "expert_choices", "pinned_views", "StrategyError", "STRATEGIES"]
+           "expert_choices", "expert_applies", "pinned_views", "StrategyError", "STRATEGIES"]

@@ -204,8 +204,28 @@ def test_expert_dense_layers_that_outweigh_their_activations(zoo_graphs):
             s, _ = _weight_shape(pg, n.id, 1)
             assert s.degrees == (1, 2) and s.copy_degree == 1      # split, never copied
     _price(pg, "summit:1x2")
-    # at a large batch nothing is communication-intensive: the strategy does not apply
-    with pytest.raises(StrategyError, match="communication-intensive"):
-        build_strategy(zoo_graphs("candle_uno", 4096), "expert", 2)
-    with pytest.raises(StrategyError, match="communication-intensive"):
-        build_strategy(mlp(batch=64, h=8, layers=2), "expert", 2)
+    # 6 devices and output features that 6 does not divide (16, 32): split 2 ways, data parallel 3 ways
+    embs, dense = expert_choices(zoo_graphs("candle_uno", 6), 6)
+    assert dense and set(dense.values()) == {2}
+    pg = build_strategy(zoo_graphs("candle_uno", 6), "expert", 6)
+    assert _same_function(zoo_graphs("candle_uno", 6), pg)
+    lin = next(n for n in pg.nodes() if n.op == "Linear" and n.name in names)
+    s, _ = _weight_shape(pg, lin.id, 1)
+    assert s.degrees == (1, 2) and s.copy_degree == 3
+    assert pg.shape(pg.node(lin.id).inputs[0]).degrees[0] == 3
+    # at a large batch nothing is communication-intensive: the expert strategy is data parallelism
+    big = zoo_graphs("candle_uno", 4096)
+    assert expert_choices(big, 2) == ([], {})
+    assert build_strategy(big, "expert", 2).structural_hash() == data_parallel(big, 2).structural_hash()
+
+
+def test_expert_refuses_convolutions_and_attention(zoo_graphs):
+    with pytest.raises(StrategyError, match="recommendation and dense models"):
+        build_strategy(zoo_graphs("bert_large"), "expert", 2)
+    b = PCG.builder()
+    x = b.add("Input", {"name": "x", "shape": (4, 3, 8, 8)})
+    w = b.add("Weight", {"name": "w", "shape": (6, 3, 3, 3)})
+    b.set_outputs([b.add("Conv2d", {"padding": (1, 1, 1, 1)}, [x, w], name="conv")])
+    with pytest.raises(StrategyError, match="recommendation and dense models"):
+        build_strategy(b.finish(), "expert", 2)
+    assert build_strategy(mlp(batch=8, h=16, layers=2), "expert", 2).meta["strategy"] == "expert"
