@@ -198,13 +198,15 @@ def _reduce(kind):
 def _gather(a, xs, ctx):
     data, idx = xs
     ax = a["axis"] % data.dim()
-    out = data.index_select(ax, idx.reshape(-1).long())
+    out = data.index_select(ax, idx.reshape(-1).long() % data.shape[ax])   # ONNX allows negative indices
     shape = data.shape[:ax] + idx.shape + data.shape[ax + 1:]
     return [out.reshape(shape)]
 
 
 def _clip(a, xs, ctx):
     lo, hi = a["min"], a["max"]
+    if lo == -math.inf and hi == math.inf:
+        return [xs[0]]
     return [torch.clamp(xs[0], min=None if lo == -math.inf else lo, max=None if hi == math.inf else hi)]
 
 
@@ -221,7 +223,7 @@ def _flatten(a, xs, ctx):
     x = xs[0]
     if a.get("_piece_shape"):
         return [x.reshape(tuple(a["_piece_shape"]))]
-    ax = a["axis"] % (x.dim() + 1) if a["axis"] < 0 else a["axis"]
+    ax = a["axis"] + x.dim() if a["axis"] < 0 else a["axis"]
     return [x.reshape(math.prod(x.shape[:ax]), math.prod(x.shape[ax:]))]
 
 
@@ -263,7 +265,7 @@ KERNELS: dict[str, Callable[[dict, list, TaskContext], list]] = {
     "Softmax": lambda a, xs, c: [torch.softmax(xs[0], dim=a["axis"] % xs[0].dim())],
     "LayerNorm": _layernorm,
     "BatchNorm": _batchnorm,
-    "Embedding": lambda a, xs, c: [F.embedding(xs[0].long(), xs[1])],
+    "Embedding": lambda a, xs, c: [F.embedding(xs[0].long() % xs[1].shape[0], xs[1])],
     "Gather": _gather,
     "Concat": lambda a, xs, c: [torch.cat(list(xs), dim=a["axis"] % xs[0].dim())],
     "Split": _split,

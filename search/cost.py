@@ -511,9 +511,29 @@ class GraphCost:
             c.compute = f + b
             c.update = sum(self.model.update_time(self.g.shape(r).piece_nbytes)
                            for r in self._update_owner.get(nid, ()))
+            if node.op == "BatchNorm":
+                c.comm += self._stat_sync(nid, view)
         c.time = c.compute + c.comm + c.sync + c.update
         self._leaf_cache[key] = c
         return c
+
+    def _stat_sync(self, nid: int, view: MachineView) -> float:
+        """Training BatchNorm over a partitioned batch or spatial dim (SyncBatchNorm): an all-reduce of
+        its 2*C per-channel sums (and the count) over the tasks sharing its channels, forward and
+        backward."""
+        x = self.g.input_shapes(nid)[0]
+        if x.shard_degree // x.degrees[1] <= 1:
+            return 0.0
+        pm = self._pm[nid]
+        red = {a for j, axes in enumerate(pm.inputs[0].dims) if j != 1 for a in axes}
+        devs = view.devices()
+        strides, acc = {}, 1
+        for a, d in reversed(pm.axes):
+            strides[a] = acc
+            acc *= d
+        grp = [devs[t] for t in range(len(devs))
+               if all((t // strides[a]) % d == 0 for a, d in pm.axes if a not in red)]
+        return 2 * C.allreduce_time(self.machine, grp, (2 * x.piece_shape[1] + 1) * x.itemsize)
 
     def compute_time(self, nid: int) -> float:
         """Forward + backward compute of a compute node (0 for others); independent of the view."""

@@ -70,8 +70,9 @@ def apply_rule(g, name: str, pick: Callable | None = None, degree: int = 2, inde
     raise AssertionError(f"rule {name} has no valid match")
 
 
-def make_plan(g, model_path: str, world: int, views=None):
-    """A plan for ``world`` local processes; views from the machine mapper unless given."""
+def make_plan(g, model_path: str, world: int, views=None, strict: bool = True):
+    """A plan for ``world`` local processes; views from the machine mapper unless given (None when
+    no mapping is feasible and not ``strict``)."""
     from search.cost import CostModel
     from search.mapping import MachineMapper
     from unity_pcg.machine import local
@@ -79,6 +80,8 @@ def make_plan(g, model_path: str, world: int, views=None):
     machine = local(1, world)
     if views is None:
         res = MachineMapper(CostModel(machine)).optimize(g)
+        if not strict and not res.feasible:
+            return None
         assert res.feasible, res.reason
         views = res.views
     return Plan(model_path, file_sha256(model_path), machine, g, dict(views), {"iteration_s": 0.0})

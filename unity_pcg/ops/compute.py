@@ -578,8 +578,13 @@ compute_op("BatchNorm", attrs={"eps": 1e-5, "momentum": 0.9}, num_inputs=5, logi
                                                (_dims("d", ins[0].rank),)),
            forward=_bn_fwd, flops=lambda a, i, o: 4.0 * o[0].numel,
            doc="Inputs x, scale, bias, running mean, running var. The numpy reference uses the running "
-               "statistics (ONNX inference semantics); the executor trains with per-device batch "
-               "statistics, as data-parallel frameworks do.")
+               "statistics (ONNX inference semantics). Training uses batch statistics: when the batch or a "
+               "spatial dim is partitioned they need an all-reduce of 2*C sums (SyncBatchNorm; see "
+               "TRAINING_STAT_SYNC), which the executor runs and the cost model prices.")
+
+# operators whose training statistics are sums over partitioned dims (an all-reduce of per-channel
+# sums across the tasks that split the batch or spatial dims: SyncBatchNorm semantics)
+TRAINING_STAT_SYNC = frozenset({"BatchNorm"})
 
 
 # --- lookups ------------------------------------------------------------------------------------------
