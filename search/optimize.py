@@ -133,17 +133,28 @@ class Evaluator:
             c = self._memo[key] = r.cost if r.feasible else INF
         return c
 
+    def estimate(self, g: PCG) -> float:
+        """Forward + backward compute of one task of every compute operator (no DP): the order in
+        which the search prices sibling candidates."""
+        from unity_pcg import ops
+        t = 0.0
+        for n in g.nodes():
+            if n.kind == "compute":
+                f, b = self.mapper.model.op_time(n.op, n.a, g.input_shapes(n.id), g.shapes(n.id))
+                t += f + b
+        return t
+
     def full(self, g: PCG, resource: Resource | None = None):
         return self.mapper.optimize(g, resource=resource)
 
 
 # --- the searches ----------------------------------------------------------------------------------------
 
-def _segment_search(g: PCG, book: RuleBook, ev: Evaluator, dp_degrees, k: int, budget_s: float,
+def _segment_search(g: PCG, book: RuleBook, ev: "Evaluator", dp_degrees, dp_deg: int, k: int,
                     max_candidates: int, alpha: float, progress, deadline: float):
-    """The split search (module docstring): returns (graph, steps, stats)."""
-    from .split import (SegmentChoice, assemble, blocking_pairs, boundary_keys, canonicalize, combine, segments,
-                        trimmed)
+    """The split search (module docstring).  Returns (searched graph, its steps, data parallelism
+    by rules at ``dp_deg`` assembled from the segments' seeds, its steps, stats, interrupted)."""
+    from .split import SegmentChoice, assemble, blocking_pairs, boundary_keys, canonicalize, combine, segments
     segs = segments(g, k, blocking_pairs(book))
     later: list = []
     reads_after: set = set()
@@ -156,6 +167,7 @@ def _segment_search(g: PCG, book: RuleBook, ev: Evaluator, dp_degrees, k: int, b
         canonicalize(g, seg, nr)
     uniq = list(dict.fromkeys(s.key for s in segs))
     memo: dict = {}
+    dp_memo: dict = {}
     totals = {"segments": len(segs), "distinct_segments": len(uniq), "explored": 0, "evaluated": 0,
               "stopped": []}
     interrupted = False
@@ -163,23 +175,34 @@ def _segment_search(g: PCG, book: RuleBook, ev: Evaluator, dp_degrees, k: int, b
         seg = next(s for s in segs if s.key == key)
         cg = seg.canon
         cross_idx = [j for j, r in enumerate(seg.outputs) if r in later[segs.index(seg)]]
-        left = max(deadline - time.perf_counter(), 0.0)
-        share = left / (len(uniq) - i)
+        share = max(deadline - time.perf_counter(), 0.0) / (len(uniq) - i)
 
-        def evaluate(x: PCG, seg=seg):
-            return ev.cost(trimmed(x)), boundary_keys(seg, x)
+        def evaluate(x: PCG):
+            return ev.cost(trimmed(x)), None
 
-        c0, i0 = evaluate(cg)
-        start = [Candidate(c0, cg, (), i0)]
-        for d in dp_degrees:
+        def keyf(x: PCG, seg=seg):
+            return boundary_keys(seg, x)
+
+        def choice(c: Candidate, kk, cross_idx=cross_idx) -> SegmentChoice:
+            cross = kk[1][cross_idx[0]] if cross_idx else None
+            return SegmentChoice(c.cost, ev.cost(c.graph), c.steps, kk, cross)
+
+        start = [Candidate(evaluate(cg)[0], cg, ())]
+        dp_seed = None
+        for d in sorted(dp_degrees, key=lambda d: (d != dp_deg, -d)):
+            if interrupted:
+                break
             try:
                 x, st = data_parallel_steps(cg, d, book)
             except KeyboardInterrupt:
                 interrupted = True
                 break
-            if st:
-                cx, ix = evaluate(x)
-                start.append(Candidate(cx, x, tuple(st), ix))
+            if not st:
+                continue
+            c = Candidate(evaluate(x)[0] if d == dp_deg else None, x, tuple(st))
+            start.append(c)
+            if d == dp_deg:
+                dp_seed = c
 
         def expand(c: Candidate):
             for m, x in neighbours(c.graph, book.rules, book.degrees):
@@ -191,25 +214,21 @@ def _segment_search(g: PCG, book: RuleBook, ev: Evaluator, dp_degrees, k: int, b
                           "explored": totals["explored"] + stats.explored, "best_segment_s": best})
 
         res = best_first(start, expand, evaluate, alpha, 0 if interrupted else max_candidates, share,
-                         key=lambda c: c.info, progress=prog)
+                         key=keyf, estimate=ev.estimate, progress=prog)
         totals["explored"] += res.stats.explored
         totals["evaluated"] += res.stats.evaluated
         totals["stopped"].append(res.stats.stopped)
         if res.stats.stopped == "interrupted":
             interrupted = True
-        front = {}
-        for kk, c in res.front.items():
-            if not math.isfinite(c.cost):
-                continue
-            cross = c.info[1][cross_idx[0]] if cross_idx else None
-            front[kk] = SegmentChoice(c.cost, ev.cost(c.graph), c.steps, kk, cross)
-        memo[key] = front
-    fronts = [memo[s.key] for s in segs]
-    choices = combine(fronts)
+        memo[key] = {kk: choice(c, kk) for kk, c in res.front.items() if math.isfinite(c.cost)}
+        dp_memo[key] = choice(dp_seed, keyf(dp_seed.graph)) if dp_seed is not None and dp_seed.cost is not None \
+            else SegmentChoice(start[0].cost, start[0].cost, (), keyf(cg))
+    dp_graph, dp_steps = assemble(g, segs, [dp_memo[s.key] for s in segs], book)
+    choices = combine([memo[s.key] for s in segs])
     if not choices:
-        return None, [], totals, interrupted
+        return None, [], dp_graph, dp_steps, totals, interrupted
     out, steps = assemble(g, segs, choices, book)
-    return out, steps, totals, interrupted
+    return out, steps, dp_graph, dp_steps, totals, interrupted
 
 
 def _whole_search(g: PCG, rules, book: RuleBook, cost: Callable[[PCG], float], budget_s: float,
@@ -310,17 +329,15 @@ def optimize(model, machine, budget_s: float | None = None, alpha: float = 1.05,
     else:
         book = RuleBook(rules, search_degrees(m))
         deadline = t0 + budget_s
-        # data parallelism by rules over the whole graph: the floor of every search
-        dp_graph, dp_steps = (g, [])
-        if n_dev > 1 and dp_deg > 1:
-            dp_graph, dp_steps = data_parallel_steps(g, dp_deg, book)
-        floor = [(ev.cost(trimmed(dp_graph)), 0, dp_graph, dp_steps)]
-        cands = []
+        floor: list = []
+        cands: list = []
         try:
             if strategy == "unity":
                 dps = [d for d in degrees if b is None or b % d == 0]
-                out, st, stats, interrupted = _segment_search(g, book, ev, dps, k, budget_s, max_candidates, alpha,
-                                                              progress, deadline)
+                out, st, dpg, dpst, stats, interrupted = _segment_search(
+                    g, book, ev, dps, dp_deg, k, max_candidates, alpha, progress, deadline)
+                # data parallelism by rules (assembled from the segments' seeds): the floor
+                floor.append((ev.cost(trimmed(dpg)), 0, dpg, dpst))
                 if out is not None:
                     cands.append((ev.cost(trimmed(out)), 1, out, st))
             else:
@@ -334,6 +351,8 @@ def optimize(model, machine, budget_s: float | None = None, alpha: float = 1.05,
                 g2, st2 = (g1, [])
                 if n_dev > 1 and dp_deg > 1:
                     g2, st2 = data_parallel_steps(g1, dp_deg, book)
+                    dg, dst = data_parallel_steps(g, dp_deg, book)
+                    floor.append((ev.cost(trimmed(dg)), 0, dg, dst))
                 g3, st3, s2 = _whole_search(g2, par, book, lambda x: ev.cost(trimmed(x)), left, max_candidates, alpha, progress,
                                             start_steps=st1 + st2)
                 cands.append((ev.cost(trimmed(g3)), 1, g3, st3))
@@ -341,6 +360,8 @@ def optimize(model, machine, budget_s: float | None = None, alpha: float = 1.05,
                 interrupted = "interrupted" in (s1.stopped, s2.stopped)
         except KeyboardInterrupt:
             interrupted = True
+        if not floor and not cands:
+            floor.append((ev.cost(g), 0, g, []))
         best = min(floor + cands, key=lambda c: (c[0], c[1]))
         pg, steps = trimmed(best[2]), list(best[3])
         final = ev.full(pg)

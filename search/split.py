@@ -210,8 +210,10 @@ def combine(fronts: Sequence[Mapping[tuple, SegmentChoice]]) -> list[SegmentChoi
     return path if math.isfinite(tot) else []
 
 
-def assemble(g: PCG, segs: Sequence[Segment], choices: Sequence[SegmentChoice], book: RuleBook) -> tuple[PCG, list]:
-    """Replay every segment's chosen steps on the whole graph, then cancel at the boundaries."""
+def assemble_by_replay(g: PCG, segs: Sequence[Segment], choices: Sequence[SegmentChoice],
+                       book: RuleBook) -> tuple[PCG, list]:
+    """Replay every segment's chosen steps on the whole graph, then cancel at the boundaries (the
+    reference for :func:`assemble`; each step rebuilds the whole graph, so this is quadratic)."""
     steps: list[RuleStep] = []
     for seg, ch in zip(segs, choices):
         cg = seg.canon
@@ -231,10 +233,190 @@ def assemble(g: PCG, segs: Sequence[Segment], choices: Sequence[SegmentChoice], 
                 ids[a] = b
             steps.append(full)
             g, cg = g2, c2
-    g, more = cancel_steps(g, book)
+    g, more = cancel_rounds(g, book)
     steps.extend(more)
     return g, steps
 
 
-__all__ = ["Segment", "segments", "canonicalize", "boundary_keys", "trimmed", "trailing", "combine", "assemble",
+def _canonical_run(cg: PCG, steps: Sequence[RuleStep], book: RuleBook) -> tuple[PCG, list]:
+    """The segment's final graph and, per step, the ids it created (creation order)."""
+    news = []
+    for s in steps:
+        c2 = apply_step(cg, s, book)
+        news.append(new_ids(cg, c2))
+        cg = c2
+    return cg, news
+
+
+def assemble(g: PCG, segs: Sequence[Segment], choices: Sequence[SegmentChoice], book: RuleBook) -> tuple[PCG, list]:
+    """The whole graph after every segment's chosen steps, and those steps in whole-graph ids, without
+    replaying them on the whole graph: each segment's steps run on its small canonical graph, the
+    ids a whole-graph replay would allocate are predicted (applying a match gives the target's nodes
+    the ids following the largest id in the graph), and the segments' final graphs are stitched
+    together.  Then the Combine/Partition pairs at the boundaries are cancelled by rules.  Linear in
+    the graph size; ``assemble_by_replay`` is the quadratic reference (tests compare the two)."""
+    from unity_pcg.pcg import Node
+    live = set(g.node_ids())
+    cur_max = max(live)
+    nodes: dict = {}
+    shapes: dict = {}
+    for n in g.nodes():
+        if n.kind == "source":
+            nodes[n.id] = n
+            shapes[n.id] = g.shapes(n.id)
+    out_ref: dict = {}
+    steps: list[RuleStep] = []
+    runs: dict = {}
+    for seg, ch in zip(segs, choices):
+        rk = (seg.key, id(ch))
+        if rk not in runs:
+            runs[rk] = _canonical_run(seg.canon, ch.steps, book)
+        cf, news = runs[rk]
+        ids = dict(seg.to_orig)
+        refs: dict = {}
+        if seg.boundary is not None:
+            refs[(seg.boundary, 0)] = out_ref[tuple(seg.crossing_in)]
+        for s, cnew in zip(ch.steps, news):
+            full = s.remap(ids, refs)
+            steps.append(full)
+            for k, a in enumerate(cnew):
+                ids[a] = cur_max + 1 + k
+            live.update(range(cur_max + 1, cur_max + 1 + len(cnew)))
+            cur_max += len(cnew)
+            live.difference_update(full.nodes)
+            if cur_max not in live:
+                cur_max = max(live)
+
+        def ref(r):
+            r = tuple(r)
+            return refs[r] if r in refs else (ids[r[0]], r[1])
+
+        for n in cf.nodes():
+            if n.kind == "source":
+                continue
+            fid = ids[n.id]
+            name = g.node(fid).name if n.id in seg.to_orig else ""
+            nodes[fid] = Node(fid, n.op, n.attrs, tuple(ref(r) for r in n.inputs), name)
+            shapes[fid] = cf.shapes(n.id)
+        for j, r in enumerate(seg.outputs):
+            out_ref[tuple(r)] = ref(cf.outputs[j])
+    used = {r[0] for n in nodes.values() for r in n.inputs} | {out_ref[tuple(r)][0] for r in g.outputs}
+    for sid in [i for i, n in nodes.items() if n.kind == "source" and i not in used]:
+        del nodes[sid], shapes[sid]            # not possible for an imported graph; kept consistent
+    out = PCG(nodes, shapes, tuple(out_ref[tuple(r)] for r in g.outputs), g.weights, g.meta)
+    out, more = cancel_rounds(out, book)
+    steps.extend(more)
+    return out, steps
+
+
+def apply_disjoint(g: PCG, matches: Sequence) -> PCG:
+    """Apply matches that share no node (and read nothing another one removes) in one edit, giving
+    every new node the id a one-by-one application would (the largest id in the graph + 1, ...)."""
+    from substitutions.apply import _resolve
+    from unity_pcg.errors import InvalidParallelization
+    live = set(g.node_ids())
+    cur_max = max(live)
+    e = g.edit()
+    for m in matches:
+        rule, b, ins = m.rule, m.binding, m.input_map
+        new_refs: list = []
+
+        def ref(r):
+            return ins[r] if isinstance(r, str) else (new_refs[r[0]][0], r[1])
+
+        for k, pn in enumerate(rule.target.nodes):
+            nid = e.add_node(pn.op, {a: _resolve(v, b) for a, v in pn.attrs}, [ref(r) for r in pn.inputs],
+                             name="", nid=cur_max + 1 + k)
+            new_refs.append((nid, 0))
+        for so, to in zip(rule.source.outputs, rule.target.outputs):
+            old = (m.nodes[so[0]], so[1])
+            nw = ins[to] if isinstance(to, str) else ref(to)
+            if e.shape(old) != e.shape(nw):
+                raise InvalidParallelization(f"rule {rule.name}: target output differs from source output")
+            e.replace_uses(old, nw)
+        for nid in m.nodes:
+            e.remove(nid)
+        live.update(range(cur_max + 1, cur_max + 1 + len(rule.target.nodes)))
+        cur_max += len(rule.target.nodes)
+        live.difference_update(m.nodes)
+        if cur_max not in live:
+            cur_max = max(live)
+    return e.finish()
+
+
+def cancel_rounds(g: PCG, book: RuleBook, max_rounds: int = 64) -> tuple[PCG, list]:
+    """:func:`search.substitution.cancel_steps` in rounds: each round finds the matches of one
+    cancellation rule that do not interfere and applies them together (linear per round)."""
+    from substitutions import GraphIndex, iter_matches
+
+    from .substitution import CANCEL_RULES
+    rules = [book.by_name[n] for n in CANCEL_RULES if n in book.by_name]
+    steps: list = []
+    for _ in range(max_rounds):
+        idx = GraphIndex(g)
+        chosen: list = []
+        for r in rules:
+            used: set = set()
+            for m in iter_matches(r, g, idx, None, (2,)):
+                touch = set(m.nodes) | {x[0] for _, x in m.inputs}
+                if touch & used:
+                    continue
+                chosen.append(m)
+                used |= touch
+            if chosen:
+                break
+        if not chosen:
+            break
+        g = apply_disjoint(g, chosen)
+        steps.extend(RuleStep.of(m) for m in chosen)
+    return g, steps
+
+
+# --- synthetic graphs (scaling benchmark and tests) --------------------------------------------------------
+
+def synthetic_chain(n_ops: int, batch: int = 64, h: int = 256) -> PCG:
+    """A chain of ``n_ops`` operators: Linear, Relu, Linear, Relu, ... (each Linear its own weight)."""
+    b = PCG.builder()
+    x = b.add("Input", {"name": "x", "shape": (batch, h)})
+    for i in range(n_ops):
+        if i % 2 == 0:
+            w = b.add("Weight", {"name": f"w{i}", "shape": (h, h)})
+            x = b.add("Linear", {}, [x, w], name=f"fc{i}")
+        else:
+            x = b.add("Relu", {}, [x], name=f"relu{i}")
+    b.set_outputs([x])
+    return b.finish()
+
+
+def synthetic_transformer(layers: int, batch: int = 8, seq: int = 128, hidden: int = 256, heads: int = 4) -> PCG:
+    """``layers`` post-LayerNorm Transformer encoder layers (20 operators each): Q/K/V projections,
+    heads split by Reshape/Transpose, two BatchMatMuls around a Softmax, output projection, residual
+    Add + LayerNorm, a Gelu MLP of 4x hidden, residual Add + LayerNorm."""
+    b = PCG.builder()
+    d = hidden // heads
+    x = b.add("Input", {"name": "x", "shape": (batch, seq, hidden)})
+
+    def w(name, shape):
+        return b.add("Weight", {"name": name, "shape": shape})
+
+    for L in range(layers):
+        p = f"l{L}."
+        q, k, v = (b.add("Linear", {}, [x, w(p + n, (hidden, hidden))], name=p + n) for n in "qkv")
+        q, k, v = (b.add("Reshape", {"shape": (batch, seq, heads, d)}, [t]) for t in (q, k, v))
+        q = b.add("Transpose", {"perm": (0, 2, 1, 3)}, [q])
+        k = b.add("Transpose", {"perm": (0, 2, 3, 1)}, [k])
+        v = b.add("Transpose", {"perm": (0, 2, 1, 3)}, [v])
+        s = b.add("Softmax", {"axis": -1}, [b.add("BatchMatMul", {}, [q, k])])
+        o = b.add("Transpose", {"perm": (0, 2, 1, 3)}, [b.add("BatchMatMul", {}, [s, v])])
+        o = b.add("Reshape", {"shape": (batch, seq, hidden)}, [o])
+        o = b.add("Linear", {}, [o, w(p + "o", (hidden, hidden))], name=p + "o")
+        x = b.add("LayerNorm", {}, [b.add("Add", {}, [o, x]), w(p + "ln1g", (hidden,)), w(p + "ln1b", (hidden,))])
+        f = b.add("Gelu", {}, [b.add("Linear", {}, [x, w(p + "ff1", (hidden, 4 * hidden))], name=p + "ff1")])
+        f = b.add("Linear", {}, [f, w(p + "ff2", (4 * hidden, hidden))], name=p + "ff2")
+        x = b.add("LayerNorm", {}, [b.add("Add", {}, [f, x]), w(p + "ln2g", (hidden,)), w(p + "ln2b", (hidden,))])
+    b.set_outputs([x])
+    return b.finish()
+
+
+__all__ = ["synthetic_chain", "synthetic_transformer", "Segment", "segments", "canonicalize", "boundary_keys", "trimmed", "trailing", "combine", "assemble", "assemble_by_replay", "cancel_rounds", "apply_disjoint",
            "blocking_pairs", "SegmentChoice"]

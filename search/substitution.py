@@ -98,6 +98,7 @@ class RuleBook:
         self.degrees = tuple(sorted(set(int(d) for d in degrees if d >= 2)))
         self.algebraic = [r for r in self.rules if not r.is_parallel]
         self.parallel = [r for r in self.rules if r.is_parallel]
+        self.dp_names: dict[str, list[str]] = {}
 
     def get(self, name: str) -> Rule:
         r = self.by_name.get(name)
@@ -196,8 +197,14 @@ def new_ids(before: PCG, after: PCG) -> list[int]:
 
 # --- data parallelism by rules --------------------------------------------------------------------------
 
-def _dp_rule_names(op: str) -> list[str]:
-    return [f"dp_{op}", f"dp_{op}_bias"]
+def _dp_rule_names(op: str, book: "RuleBook") -> list[str]:
+    """The data-parallel rules of an operator: ``dp_<Op>`` and its variants (``dp_Linear_bias``,
+    ``dp_Transpose_0213``, ...)."""
+    got = book.dp_names.get(op)
+    if got is None:
+        got = book.dp_names[op] = [n for n in book.by_name
+                                   if n == f"dp_{op}" or (n.startswith(f"dp_{op}_") and "~" not in n)]
+    return got
 
 
 def cancel_steps(g: PCG, book: RuleBook, window: Iterable[int] | None = None,
@@ -232,7 +239,7 @@ def data_parallel_steps(g: PCG, degree: int, book: RuleBook) -> tuple[PCG, list[
             continue
         rank = g.shape(n.inputs[0]).rank if n.inputs else 0
         done = False
-        for name in _dp_rule_names(n.op):
+        for name in _dp_rule_names(n.op, book):
             r = book.by_name.get(name)
             if r is None or done:
                 continue
@@ -308,40 +315,57 @@ class SearchResult:
 def best_first(start: Sequence[Candidate], expand: Callable[[Candidate], Iterable[tuple[PCG, tuple]]],
                evaluate: Callable[[PCG], tuple[float, Any]], alpha: float = 1.05,
                max_candidates: int = 100, max_seconds: float = INF,
-               key: Callable[[Candidate], Any] | None = None,
+               key: Callable[[PCG], Any] | None = None,
+               estimate: Callable[[PCG], float] | None = None,
                progress: Callable[[SearchStats, float], None] | None = None,
                seen: set | None = None) -> SearchResult:
-    """Best-first search.  ``start``: priced candidates (the imported graph, seeds); ``expand(c)``
-    yields (graph, steps) of its neighbours; ``evaluate(graph)`` -> (cost, info).  A candidate costing
-    more than ``alpha`` times the best of its ``key`` (all one key if None) is neither queued nor
-    expanded.  Stops when the queue is empty, after ``max_candidates`` expansions or ``max_seconds``;
-    a KeyboardInterrupt stops it too (``stats.stopped == "interrupted"``) with the best so far."""
+    """Best-first search.  ``start``: candidates (the imported graph, seeds; cost None: priced when reached); ``expand(c)``
+    yields (graph, steps) of its neighbours; ``evaluate(graph)`` -> (cost, info) is the DP.
+
+    Pricing is lazy: a neighbour is queued at its parent's cost (siblings in order of ``estimate``,
+    e.g. their compute time, then in generation order) and priced by ``evaluate`` when it reaches the
+    front of the queue, then re-queued at its own cost; only priced candidates are expanded, so the
+    expansion order is by DP-predicted cost and a budget cut costs no unneeded DP solves.  A
+    candidate costing more than ``alpha`` times the best of its ``key`` (one key if None) is neither
+    re-queued nor expanded.  Stops when the queue is empty, after ``max_candidates`` expansions or
+    ``max_seconds``; a KeyboardInterrupt stops it too (``stats.stopped == "interrupted"``) with the
+    best so far.  Ties are broken by insertion order: with a candidate budget the result is the same
+    every time."""
     t0 = time.perf_counter()
     stats = SearchStats()
-    keyf = key or (lambda c: None)
+    keyf = key or (lambda g: None)
+    est = estimate or (lambda g: 0.0)
     seen = set() if seen is None else seen
     front: dict = {}
     queue: list = []
     counter = 0
 
-    def consider(c: Candidate) -> None:
+    def push(prio: float, sub: float, c: Candidate, priced: bool, k) -> None:
         nonlocal counter
-        k = keyf(c)
+        heapq.heappush(queue, (prio, sub, counter, priced, k, c))
+        counter += 1
+
+    def record(c: Candidate, k) -> bool:
+        """Update the front with a priced candidate; False when it is pruned."""
         best = front.get(k)
         if best is None or c.cost < best.cost:
             front[k] = c
         if c.cost == INF or (best is not None and c.cost > alpha * best.cost):
             stats.pruned += 1
-            return
-        heapq.heappush(queue, (c.cost, counter, c))
-        counter += 1
+            return False
+        return True
 
+    first = min((c.cost for c in start if c.cost is not None), default=0.0)
     for c in start:
         h = c.graph.structural_hash()
         if h in seen:
             continue
         seen.add(h)
-        consider(c)
+        k = keyf(c.graph)
+        if c.cost is None:                  # a seed to price when it reaches the front
+            push(first, est(c.graph), c, False, k)
+        elif record(c, k):
+            push(c.cost, 0.0, c, True, k)
     stats.stopped = "exhausted"
     try:
         while queue:
@@ -351,9 +375,15 @@ def best_first(start: Sequence[Candidate], expand: Callable[[Candidate], Iterabl
             if time.perf_counter() - t0 > max_seconds:
                 stats.stopped = "seconds"
                 break
-            cost, _, c = heapq.heappop(queue)
-            best = front.get(keyf(c))
-            if best is not None and cost > alpha * best.cost:
+            prio, sub, _, priced, k, c = heapq.heappop(queue)
+            if not priced:
+                c.cost, c.info = evaluate(c.graph)
+                stats.evaluated += 1
+                if record(c, k):
+                    push(c.cost, 0.0, c, True, k)
+                continue
+            best = front.get(k)
+            if best is not None and c.cost > alpha * best.cost:
                 stats.pruned += 1
                 continue
             stats.explored += 1
@@ -363,17 +393,15 @@ def best_first(start: Sequence[Candidate], expand: Callable[[Candidate], Iterabl
                     stats.duplicates += 1
                     continue
                 seen.add(h)
-                cost2, info = evaluate(g2)
-                stats.evaluated += 1
-                consider(Candidate(cost2, g2, c.steps + tuple(steps), info))
-                if time.perf_counter() - t0 > max_seconds:
-                    break
+                push(c.cost, est(g2), Candidate(INF, g2, c.steps + tuple(steps)), False, keyf(g2))
             if progress is not None:
                 progress(stats, min((x.cost for x in front.values()), default=INF))
     except KeyboardInterrupt:
         stats.stopped = "interrupted"
     stats.seconds = time.perf_counter() - t0
     best = min(front.values(), key=lambda x: x.cost) if front else start[0]
+    if best.cost is None:
+        best.cost = INF
     return SearchResult(best, stats, front)
 
 
