@@ -221,9 +221,12 @@ def megatron(g: PCG, degree: int, devices_per_node: int | None = None) -> PCG:
         return g
     dpn = devices_per_node or degree
     last = None
+    batch_error = None
     for tp in _divisors_desc(gcd(dpn, degree)):
-        accepted = _accept(g, groups, tp, degree // tp)
-        if accepted is None:
+        try:
+            accepted = _accept(g, groups, tp, degree // tp)
+        except StrategyError as e:          # the batch does not divide by this data-parallel degree
+            batch_error = batch_error or e
             continue
         r, chosen = accepted
         if any(gr.attention(g) for gr in chosen):
@@ -232,16 +235,18 @@ def megatron(g: PCG, degree: int, devices_per_node: int | None = None) -> PCG:
                            row=sorted(g.node(t).label() for gr in chosen for t in gr.terms))
             return out
         last = tp
-    raise StrategyError(f"strategy 'megatron': no tensor-parallel degree dividing {gcd(dpn, degree)} "
-                        f"(devices per node and degree {degree}) splits the attention heads evenly"
-                        + (f" (tried down to {last})" if last else ""))
+    if batch_error is not None and last is None:
+        raise StrategyError(f"strategy 'megatron': {batch_error}")
+    raise StrategyError(f"strategy 'megatron': no tensor-parallel degree t dividing {gcd(dpn, degree)} (devices "
+                        f"per node and degree {degree}) splits the attention heads evenly"
+                        + (f" with a batch that divides by {degree}/t ({batch_error})" if batch_error else ""))
 
 
 def _accept(g: PCG, groups: list[_Group], tp: int, dp: int):
     """Build with every non-conflicting group column-parallel at degree ``tp``; drop the groups the
     operators refuse (a fallback inside, or a row Linear that did not get split inputs) and rebuild
-    until none is dropped.  Returns (rebuild, accepted groups) or None if ``dp`` does not divide
-    the batch."""
+    until none is dropped.  Returns (rebuild, accepted groups); raises StrategyError if ``dp`` does
+    not divide the batch."""
     chosen: list[_Group] = []
     starts: set = set()
     terms: set = set()
@@ -253,10 +258,7 @@ def _accept(g: PCG, groups: list[_Group], tp: int, dp: int):
         terms |= gr.terms
     while True:
         col = frozenset().union(*(gr.starts for gr in chosen)) if chosen else frozenset()
-        try:
-            r = _Rebuild(g, "megatron", dp=dp, tp=tp, column=col)
-        except StrategyError:
-            return None
+        r = _Rebuild(g, "megatron", dp=dp, tp=tp, column=col)
         bad = set(r.fallback_ids)
         keep = []
         for gr in chosen:

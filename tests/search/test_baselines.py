@@ -162,6 +162,8 @@ def test_megatron_tensor_degree_follows_the_node(zoo_graphs):
     # 6 devices per node (Summit) and 4 heads: the largest degree dividing both is 2
     pg = build_strategy(zoo_graphs("bert_large", 6), "megatron", 6, devices_per_node=6)
     assert pg.meta["tp"] == 2 and pg.meta["dp"] == 3
+    with pytest.raises(StrategyError, match="batch dim of size 5 is not divisible"):
+        build_strategy(zoo_graphs("bert_large", 5), "megatron", 4, devices_per_node=2)
 
 
 def test_megatron_refuses_non_transformers(zoo_graphs):
