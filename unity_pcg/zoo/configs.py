@@ -125,8 +125,9 @@ CONFIGS = {
     "dlrm": {
         # FlexFlow's DLRM example as the Unity evaluation ran it on Summit (examples/cpp/DLRM): 64-dim
         # embedding bags of 100 lookups over 1M-row tables, concatenated with the bottom MLP's output;
-        # bottom MLP 2048-4096x5, top MLP 4096x4-1 (its nominal input 10240 is the concatenation's
-        # width in FlexFlow, 4096 + 64 x tables here), no biases.  24 tables: with 6 the model fits one
+        # bottom MLP 2048-4096x5 (2048 dense inputs), top MLP 4096x4-1, no biases.  FlexFlow's dense
+        # layers read their input width from the tensor, so the top MLP's nominal input "10240" of the
+        # command line only scales its initializer: its real input is the concatenation, 4096 + 64 x tables.  24 tables: with 6 the model fits one
         # 16 GB GPU under SGD (benchmarks/results/zoo_memory.md), which the paper says it does not.
         "paper": DLRMConfig(dense_features=2048, bottom_mlp=(4096,) * 5, emb_dim=64,
                             table_rows=(1_000_000,) * 24, top_mlp=(4096,) * 4 + (1,), bag=100,
