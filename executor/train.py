@@ -40,6 +40,7 @@ from unity_pcg.errors import PlanError
 from .kernels import TORCH_DTYPES, ExecutorError, kernel
 from .lower import Lowered, block, lower, unravel
 
+FIRST_BUCKET_BYTES = 1 << 20
 GRAD_TAG = 1 << 30     # backward messages of an exchange: its forward tags + GRAD_TAG
 
 
@@ -212,13 +213,17 @@ class Trainer:
                     entries.append((devs, name, sl))
         buckets: list[dict] = []
         open_: dict[tuple, dict] = {}
+        count: dict[tuple, int] = {}
         for devs, name, sl in entries:
             nbytes = _numel(sl) * self.params[name].element_size()
             b = open_.get(devs)
-            if b is None or (b["bytes"] + nbytes > bucket_bytes and b["items"]):
+            # the first bucket of a device set is small (1 MiB, as DDP's) so communication starts early
+            cap = min(bucket_bytes, FIRST_BUCKET_BYTES) if count.get(devs, 0) <= 1 else bucket_bytes
+            if b is None or (b["bytes"] + nbytes > cap and b["items"]):
                 b = {"devs": devs, "items": [], "bytes": 0}
                 buckets.append(b)
                 open_[devs] = b
+                count[devs] = count.get(devs, 0) + 1
             b["items"].append((name, sl))
             b["bytes"] += nbytes
         self._buckets = buckets
@@ -236,10 +241,12 @@ class Trainer:
                 p.register_post_accumulate_grad_hook(lambda p, name=name: self._grad_ready(name))
 
     # --- gradient buckets -----------------------------------------------------------------------------
-    def _start_step_sync(self) -> None:
+    def _start_step_sync(self, loss_part: torch.Tensor) -> None:
         self._ready = {i: set() for i in self._my_buckets}
         self._next = 0
         self._works: dict[int, tuple] = {}
+        self._loss_part = loss_part        # rides in the first bucket over all ranks (one collective less)
+        self._loss_bucket = None
 
     def _grad_ready(self, name: str) -> None:
         for i in self._bucket_of.get(name, ()):
@@ -260,6 +267,9 @@ class Trainer:
                 if g is None:
                     p.grad = g = torch.zeros_like(p)
                 parts.append(g[_slices(sl)].reshape(-1))
+            if self._loss_bucket is None and len(b["devs"]) == self.world:
+                self._loss_bucket = i
+                parts.append(self._loss_part.to(parts[0].dtype).reshape(1))
             flat = torch.cat(parts) if len(parts) > 1 else parts[0].clone()
             work = dist.all_reduce(flat, group=self._bucket_pgs[b["devs"]], async_op=True)
             self._works[i] = (work, flat)
@@ -445,15 +455,19 @@ class Trainer:
         total = contrib if contrib is not None else torch.zeros((), device=self.device)
         for t in sinks:
             total = total + t.sum() * 0.0
-        self._start_step_sync()
+        part = (contrib.detach() if contrib is not None else torch.zeros((), device=self.device)).reshape(1)
+        self._start_step_sync(part)
         if total.requires_grad:
             total.backward()
         self._finish_sync()
         self.opt.step()
         self.opt.zero_grad(set_to_none=True)
-        lv = (contrib.detach() if contrib is not None else torch.zeros((), device=self.device)).double().reshape(1)
-        if self.world > 1:
-            dist.all_reduce(lv)
+        if self.world > 1 and self._loss_bucket is not None:
+            lv = self._works[self._loss_bucket][1][-1:]
+        else:
+            lv = part.double()
+            if self.world > 1:
+                dist.all_reduce(lv)
         self.step_no += 1
         loss = float(lv.item())
         if not math.isfinite(loss):
