@@ -203,3 +203,27 @@ def load(root: str) -> tuple[dict, Any, dict]:
         warnings.simplefilter("ignore", UserWarning)
         dcp.load(tensors, checkpoint_id=d, no_dist=not _dist())
     return unflatten(state["model"], tensors), unflatten(state["optim"], tensors), meta
+
+
+def read_model(root: str) -> dict:
+    """The model's parameters in the latest checkpoint under ``root``, merged over every rank's part (a
+    pipeline stage holds its own): for inspection or export, in one process."""
+    import glob
+
+    import torch
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.metadata import TensorStorageMetadata
+
+    d = read_meta(root)["dir"]
+    md = dcp.FileSystemReader(d).read_metadata()
+    tensors = {k: torch.empty(tuple(m.size), dtype=m.properties.dtype)
+               for k, m in md.state_dict_metadata.items()
+               if isinstance(m, TensorStorageMetadata) and k.startswith("model/")}
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", UserWarning)
+        dcp.load(tensors, checkpoint_id=d, no_dist=True)
+    out: dict = {}
+    for path in sorted(glob.glob(os.path.join(d, "state-*.json"))):
+        with open(path) as f:
+            out.update(unflatten(json.load(f)["model"], tensors))
+    return out

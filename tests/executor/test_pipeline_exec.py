@@ -1,0 +1,102 @@
+"""Pipeline stages (torch.distributed.pipelining, 1F1B): a 2-stage pipeline of a tiny MLP on 2 processes
+trains as one process does; pipeline fields the executor cannot run are refused before start."""
+from __future__ import annotations
+
+import json
+
+import numpy as np
+import pytest
+
+from executor import checkpoint as C
+from executor.pipeline import PipelineError, check_pipeline, micro_graph, resolve
+from tests.executor.runtime_plans import pipeline_plan, reference_losses, tiny_mlp_onnx
+from unity_pcg import plan as P
+from unity_pcg.machine import MachineView
+
+
+@pytest.fixture(scope="module")
+def work(tmp_path_factory):
+    d = tmp_path_factory.mktemp("pipe")
+    model = tiny_mlp_onnx(str(d / "mlp.onnx"))
+    return {"dir": d, "model": model, "pp": pipeline_plan(model, str(d / "pp.json"), stages=2, micro_batches=4)}
+
+
+def test_two_stage_pipeline_trains_like_one_process(work, capfd):
+    from unity_pcg.cli import main
+    ck = work["dir"] / "ck"
+    capfd.readouterr()
+    rc = main(["run", work["pp"], "--model", work["model"], "--steps", "4", "--optimizer", "adam", "--lr", "0.02",
+               "--checkpoint", str(ck), "--json"])
+    out, err = capfd.readouterr()
+    assert rc == 0, err
+    res = json.loads(out)
+    assert res["pipeline"] and res["nproc"] == 2 and len(res["losses"]) == 4
+    ref, ref_w = reference_losses(work["model"], 4, "adam", lr=0.02)
+    np.testing.assert_allclose(res["losses"], ref, rtol=1e-4, atol=1e-7)
+    # each stage checkpointed its own parameters; together they are the whole model, trained as one device
+    model = C.read_model(str(ck))
+    assert sorted(model) == ["0.bias", "0.weight", "2.bias", "2.weight", "4.bias", "4.weight"]
+    for k, v in ref_w.items():
+        v = v.numpy().T if v.ndim == 2 else v.numpy()
+        np.testing.assert_allclose(model[k].numpy(), v, rtol=1e-4, atol=1e-6)
+
+
+def test_stages_carry_what_later_stages_read(work):
+    pl = P.load(work["pp"])
+    M, stages = resolve(pl)
+    assert M == 4 and [s.device for s in stages] == [0, 1]
+    g = pl.pcg
+    assert [g.node(r[0]).op for r in stages[0].recv] == ["Input"]
+    assert stages[0].send == stages[1].recv and len(stages[0].send) == 1
+    assert stages[1].send == (tuple(g.outputs[0]),)
+    # kernels see micro-batch pieces: the input of the first Linear is a quarter of the batch
+    mg = micro_graph(g, M)
+    first = next(n.id for n in g.nodes() if n.op == "Linear")
+    assert mg.input_shapes(first)[0].dims[0].degree == 4
+
+
+def _edit(work, tmp_path, fn):
+    obj = json.loads(open(work["pp"]).read())
+    fn(obj)
+    p = tmp_path / "p.json"
+    p.write_text(json.dumps(obj))
+    return P.load(str(p))
+
+
+@pytest.mark.parametrize("change, msg", [
+    (lambda o: o["pipeline"].update(schedule="GPipe"), "schedule 'GPipe' is not supported"),
+    (lambda o: o["pipeline"].update(micro_batches=3), "does not divide the batch"),
+    (lambda o: o["pipeline"]["stages"][0].update(devices=[0, 1]), "single-device stages only"),
+    (lambda o: o["pipeline"]["stages"][1]["nodes"].pop(), "is in no pipeline stage"),
+    (lambda o: o["pipeline"].update(stages=o["pipeline"]["stages"][::-1]), "of the later stage"),
+    (lambda o: o["pipeline"]["stages"][1].update(devices=[0]), "share devices"),
+])
+def test_pipeline_fields_the_executor_cannot_run_are_refused(work, tmp_path, change, msg):
+    pl = _edit(work, tmp_path, change)
+    with pytest.raises(PipelineError, match=msg) as e:
+        check_pipeline(pl)
+    assert "\n" not in str(e.value)
+
+
+def test_view_outside_its_stage_is_refused(work, tmp_path):
+    pl = P.load(work["pp"])
+    nid = pl.pipeline["stages"][1]["nodes"][0]
+    views = dict(pl.views)
+    views[nid] = MachineView(0, views[nid].dims)
+    bad = P.Plan(pl.model_path, pl.model_sha256, pl.machine, pl.pcg, views, pl.predicted, pl.pipeline)
+    with pytest.raises(PipelineError, match="outside its pipeline stage"):
+        check_pipeline(bad)
+
+
+def test_run_refuses_a_multi_device_stage_before_start(work, tmp_path, capfd, monkeypatch):
+    import executor.launch
+    from unity_pcg.cli import main
+    monkeypatch.setattr(executor.launch, "launch", lambda *a, **k: pytest.fail("a process was started"))
+    obj = json.loads(open(work["pp"]).read())
+    obj["pipeline"]["stages"][1]["devices"] = [1, 2]
+    p = tmp_path / "multi.json"
+    p.write_text(json.dumps(obj))
+    capfd.readouterr()
+    rc = main(["run", str(p), "--model", work["model"]])
+    err = capfd.readouterr().err.strip().splitlines()
+    assert rc == 2 and len(err) == 1 and "single-device stages only" in err[0], err
