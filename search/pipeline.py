@@ -1,0 +1,1098 @@
+"""Pipeline parallelism: 1F1B stages over a sequential cut of the PCG (Unity section 5, "Pipeline
+parallelism"; the stage DP of Alpa, /work/shared/notes/alpa-oneflow.md).
+
+A pipeline plan cuts the PCG, in topological order, into S contiguous *stages*; stage i runs on a
+sub-mesh (a :class:`Resource`: whole nodes, or devices inside one node; the sub-meshes are laid out
+left to right and cover the machine) with its own intra-stage parallelization; the mini-batch of B
+samples is split into M micro-batches that flow through the stages under the 1F1B schedule
+(PipeDream-Flush / Megatron-LM's non-interleaved schedule, with a synchronous weight update).
+
+**The cost** (:func:`simulate_1f1b`).  Per micro-batch, stage i takes ``f_i`` forward and ``b_i``
+backward; sending the activations to stage i+1 takes ``c_i`` (and the gradient back the same);
+after its last backward a stage synchronizes its gradients and updates its weights once (``u_i``).
+Stage i runs ``w_i = min(S-1-i, M)`` warm-up forwards, then alternates one forward and one backward,
+then drains ``w_i`` backwards.  The makespan is computed by an event simulation of exactly that
+order: an operation starts when its stage is free and its input has arrived (a forward needs the
+previous stage's forward of the same micro-batch plus ``c``; a backward needs the next stage's
+backward plus ``c``, or on the last stage its own forward); each direction of each inter-stage link
+sends one message at a time, in micro-batch order.  Iteration time = max over stages of (end of its
+last backward + ``u_i``).  For equal stages and free links this is the closed form
+``(M + S - 1)(f + b) + u``; for unequal stages it is what the closed form only approximates.
+
+**Per-micro-batch stage costs.**  The stage's sub-PCG is rebuilt at the micro-batch size
+(:func:`rebatch`: every Input whose first dim is the batch B gets B/M, Reshape/Expand shapes follow),
+parallelized by the ``intra`` hook (default: data parallel over the largest divisor of the
+micro-batch that fits the stage's devices, :func:`search.baselines.data_parallel`; nothing on one
+device) and mapped by :class:`search.mapping.MachineMapper` on the stage's Resource.  The mapping's
+iteration time minus its gradient-sync and optimizer-update parts is ``f + b`` of one micro-batch
+(split ``1 : backward_factor`` as the cost model prices backward); the sync and update parts are
+``u`` (once per iteration).  Tensors produced by an earlier stage enter the stage graph as Inputs of
+the same parallel shape (free for the mapping, counted in memory as the received activation).
+
+**Inter-stage transfers.**  The tensors live across a cut (produced before it, read after it: a
+tensor skipping a stage is relayed and counted on each link it crosses), at the micro-batch size,
+spread evenly over the sending and the receiving stage's devices; the pieces move point to point
+(:func:`search.collectives.transfer_time`, the slowest link level between the two sub-meshes).
+
+**Memory per device** (1F1B): the weights, gradients and optimizer states of the stage's nodes plus
+the activations of one micro-batch (what the backward keeps, :mod:`search.memory`) times the number
+in flight, ``min(S - i, M)`` for stage i.  A plan whose busiest device does not fit is infeasible.
+
+**The search** (:func:`search_pipeline`).  Cut points are the positions in the topological order of
+units (a node with its placement chains, :func:`search.sp.build_units`) where the fewest activation
+tensors cross (the single-tensor bottlenecks of a chain), never across a trained weight read on both
+sides; they are clustered into at most ``max_layers`` layers of about equal forward FLOPs (Alpa's
+operator clustering).  For each number of micro-batches M (divisors of the batch), every layer is
+priced alone on every candidate sub-mesh size; a stage's estimate is the sum of its layers'.  The
+stage DP (Alpa's Eq. 3-4) then, for each bound ``t_max`` on a stage's time (ascending, stopping once
+``M * t_max`` reaches the best), finds for every stage count S the partition of layers and devices
+minimizing ``sum_i (t_i + 2 c_i)`` with every ``t_i <= t_max`` and every stage fitting in memory with
+its micro-batches in flight; the estimate is that sum plus ``(M - 1) * max t_i`` plus the largest
+``u_i``.  The best few candidates per (S, M) are priced exactly (each stage's whole sub-PCG mapped on
+its actual sub-mesh, the 1F1B simulation) and the fastest feasible one is stitched into one PCG.
+
+**The plan.**  :attr:`PipelineResult.pcg` is the whole model at the full batch: every stage's
+parallel sub-PCG, its boundary Inputs replaced by the producing stage's tensor (directly when the
+parallel shapes agree, else through Reduce / Combine to one piece and the receiving stage's own
+Partition / Replicate chain, all placed on the receiving stage's devices).  Node ids grow stage by
+stage, so each stage is contiguous in the PCG's topological order.  :meth:`PipelineResult.to_plan_field`
+is the plan file's ``pipeline`` field (schedule, micro_batches, stages with nodes and devices).
+"""
+from __future__ import annotations
+
+import math
+import time
+from dataclasses import dataclass, field
+from fractions import Fraction
+from math import gcd
+from typing import Any, Callable, Iterable, Mapping, Sequence
+
+from unity_pcg import ops
+from unity_pcg.errors import PlanError, UnityError
+from unity_pcg.machine import MachineSpec, MachineView, Resource
+from unity_pcg.pcg import PCG
+
+from . import collectives as C
+from .baselines import StrategyError, data_parallel
+from .cost import CostModel, GraphCost
+from .mapping import MachineMapper
+from .sp import build_units
+
+INF = math.inf
+SCHEDULE = "1F1B"
+
+
+class PipelineError(UnityError, ValueError):
+    """A pipeline that cannot be built (no cut, batch not divisible by the micro-batches, ...)."""
+
+
+# --- the 1F1B schedule ---------------------------------------------------------------------------
+
+def schedule_1f1b(stages: int, i: int, micro_batches: int) -> list[tuple[str, int]]:
+    """The order in which stage ``i`` of ``stages`` runs its operations: ``("F", m)`` / ``("B", m)``.
+    Warm-up forwards (``min(S-1-i, M)``), then one forward and one backward alternately, then the
+    remaining backwards."""
+    S, M = stages, micro_batches
+    w = min(S - 1 - i, M)
+    out = [("F", m) for m in range(w)]
+    for k in range(M - w):
+        out.append(("F", w + k))
+        out.append(("B", k))
+    out.extend(("B", m) for m in range(M - w, M))
+    return out
+
+
+def in_flight(stages: int, i: int, micro_batches: int) -> int:
+    """Micro-batches whose activations stage ``i`` holds at once under 1F1B: ``min(S - i, M)``."""
+    return min(stages - i, micro_batches)
+
+
+@dataclass(frozen=True)
+class Timeline:
+    makespan: float
+    finish: tuple[float, ...]                 # per stage: end of its last backward + its update
+    ops: dict                                 # (stage, "F"/"B", m) -> (start, end)
+
+    def busy(self, i: int) -> float:
+        return sum(e - s for (st, _, _), (s, e) in self.ops.items() if st == i)
+
+
+def simulate_1f1b(fwd: Sequence[float], bwd: Sequence[float], micro_batches: int,
+                  send: Sequence[float] | None = None, send_back: Sequence[float] | None = None,
+                  once: Sequence[float] | None = None) -> Timeline:
+    """Event simulation of 1F1B (see module docstring).  ``fwd[i]`` / ``bwd[i]``: seconds per
+    micro-batch on stage i; ``send[i]``: activation transfer stage i -> i+1 (``S - 1`` values);
+    ``send_back[i]``: gradient transfer stage i+1 -> i (default ``send``); ``once[i]``: gradient
+    sync + update of stage i after its last backward."""
+    S, M = len(fwd), int(micro_batches)
+    if S < 1 or M < 1 or len(bwd) != S:
+        raise ValueError("simulate_1f1b needs at least one stage, one micro-batch and bwd per stage")
+    send = list(send) if send is not None else [0.0] * (S - 1)
+    back = list(send_back) if send_back is not None else list(send)
+    once = list(once) if once is not None else [0.0] * S
+    if len(send) != S - 1 or len(back) != S - 1 or len(once) != S:
+        raise ValueError("send / send_back need S - 1 values, once S")
+    order = [schedule_1f1b(S, i, M) for i in range(S)]
+    ptr = [0] * S
+    free = [0.0] * S
+    arr_f = [[None] * M for _ in range(S)]   # activation m available at stage i
+    arr_b = [[None] * M for _ in range(S)]   # gradient m available at stage i
+    fend = [[None] * M for _ in range(S)]
+    link_f = [0.0] * max(S - 1, 0)
+    link_b = [0.0] * max(S - 1, 0)
+    rec: dict = {}
+    left = sum(len(o) for o in order)
+    while left:
+        moved = False
+        for i in range(S):
+            while ptr[i] < len(order[i]):
+                kind, m = order[i][ptr[i]]
+                if kind == "F":
+                    dep = 0.0 if i == 0 else arr_f[i][m]
+                else:
+                    dep = fend[i][m] if i == S - 1 else arr_b[i][m]
+                if dep is None:
+                    break
+                start = max(free[i], dep)
+                end = start + (fwd[i] if kind == "F" else bwd[i])
+                free[i] = end
+                rec[(i, kind, m)] = (start, end)
+                if kind == "F":
+                    fend[i][m] = end
+                    if i < S - 1:
+                        s0 = max(end, link_f[i])
+                        link_f[i] = s0 + send[i]
+                        arr_f[i + 1][m] = s0 + send[i]
+                elif i > 0:
+                    s0 = max(end, link_b[i - 1])
+                    link_b[i - 1] = s0 + back[i - 1]
+                    arr_b[i - 1][m] = s0 + back[i - 1]
+                ptr[i] += 1
+                left -= 1
+                moved = True
+        if not moved:  # pragma: no cover - 1F1B cannot deadlock
+            raise AssertionError("1F1B simulation deadlocked")
+    finish = tuple(free[i] + once[i] for i in range(S))
+    return Timeline(max(finish), finish, rec)
+
+
+# --- graph surgery ---------------------------------------------------------------------------------
+
+def batch_size(g: PCG) -> int:
+    """The batch: the first dim of the first Input of rank >= 1 (topological order)."""
+    for n in g.sources("Input"):
+        sh = g.shapes(n.id)[0]
+        if sh.rank:
+            return sh.sizes[0]
+    raise PipelineError("the model has no Input with a batch dimension")
+
+
+def rebatch(g: PCG, old: int, new: int) -> PCG:
+    """The same PCG (same node ids, same parallelization) at batch ``new``: every Input whose first
+    dim is ``old`` gets ``new``; a Reshape whose input shrank or grew scales its first target dim; an
+    Expand whose first target dim was ``old`` follows.  Raises PipelineError where shapes do not
+    follow (a degree no longer divides, a Reshape that cannot be rescaled)."""
+    if old == new:
+        return g
+    b = PCG.builder(g.weights)
+    r = Fraction(new, old)
+    try:
+        for n in g.nodes():
+            a = n.a
+            ins = list(n.inputs)
+            if n.op == "Input" and a["shape"] and a["shape"][0] == old:
+                a = {**a, "shape": (new,) + tuple(a["shape"][1:])}
+            elif n.op == "Reshape":
+                before, after = g.shape(n.inputs[0]).numel, b.shape(ins[0]).numel
+                if before != after:
+                    s0 = Fraction(a["shape"][0]) * Fraction(after, before)
+                    if s0.denominator != 1:
+                        raise PipelineError(f"{n.label()}: Reshape to {list(a['shape'])} cannot follow "
+                                            f"a batch of {new}")
+                    a = {**a, "shape": (int(s0),) + tuple(a["shape"][1:])}
+            elif n.op == "Expand" and a["shape"] and a["shape"][0] == old and r != 1:
+                a = {**a, "shape": (new,) + tuple(a["shape"][1:])}
+            b.add_node(n.op, a, ins, n.name, nid=n.id)
+    except PipelineError:
+        raise
+    except UnityError as e:
+        raise PipelineError(f"batch {new}: {e}") from None
+    b.set_outputs(g.outputs)
+    b.meta = dict(g.meta)
+    return b.finish()
+
+
+@dataclass
+class _Cuts:
+    """The sequential structure of a PCG: units in order, the tensors live across each cut."""
+    units: list                    # unit index (in order) -> tuple of node ids
+    crossing: list                 # cut c (between unit c-1 and c), c = 1..U-1 -> list of refs
+    valid: list                    # cut c -> bool
+    flops: list                    # unit -> forward FLOPs
+    roles: dict
+
+
+def _analyze(g: PCG, roles: Mapping[int, str]) -> _Cuts:
+    units, unit_of, main = build_units(g, dict(roles))
+    pos = {nid: i for i, nid in enumerate(g.topo_order())}
+    order = sorted(range(len(units)), key=lambda u: pos[main[u]])
+    rank = {u: k for k, u in enumerate(order)}
+    U = len(units)
+    first: dict = {}
+    last: dict = {}
+    for u in order:
+        for nid in units[u]:
+            for r in g.node(nid).inputs:
+                r = tuple(r)
+                v = unit_of.get(r[0])
+                if v is None:
+                    continue
+                q, p = rank[v], rank[u]
+                if q < p:
+                    first[r] = q
+                    last[r] = max(last.get(r, p), p)
+    crossing: list = [[] for _ in range(U)]
+    valid = [True] * U
+    for r, q in first.items():
+        role = roles[r[0]]
+        for c in range(q + 1, last[r] + 1):
+            if role == "input-placement":
+                continue                   # the loader feeds the data again
+            if role == "weight-placement" or g.shape(r).sum_degree > 1:
+                valid[c] = False           # a weight used on both sides, or partial sums
+            else:
+                crossing[c].append(r)
+    # a trained Weight read by units on both sides of a cut
+    trained = {n.id for n in g.sources("Weight") if g.is_trainable(n.id)}
+    for n in g.sources("Weight"):
+        us = set()
+        for nid, _ in g.consumers((n.id, 0)):
+            if nid in unit_of:
+                us.add(rank[unit_of[nid]])
+            else:
+                stack = [nid]
+                while stack:           # a weight read through a chain that is its own unit
+                    x = stack.pop()
+                    if x in unit_of:
+                        us.add(rank[unit_of[x]])
+                    else:
+                        stack.extend(c for c, _ in g.consumers((x, 0)))
+        if len(us) > 1 and n.id in trained:
+            for c in range(min(us) + 1, max(us) + 1):
+                valid[c] = False
+    fl = []
+    for u in order:
+        f = 0.0
+        for nid in units[u]:
+            n = g.node(nid)
+            if n.kind == "compute":
+                f += ops.flops(n.op, n.a, g.input_shapes(nid), g.shapes(nid))
+        fl.append(f)
+    return _Cuts([units[u] for u in order], crossing, valid, fl, dict(roles))
+
+
+def sequential_layers(g: PCG, roles: Mapping[int, str], max_layers: int) -> tuple[list, list]:
+    """Cut the PCG into at most ``max_layers`` layers (see module docstring).  Returns
+    ``(layers, cuts)``: per layer the unit indices ``(first, last + 1)``; per layer boundary the
+    refs crossing it."""
+    info = _analyze(g, roles)
+    U = len(info.units)
+    cand = [c for c in range(1, U) if info.valid[c]]
+    if cand:
+        low = min(len(info.crossing[c]) for c in cand)
+        cand = [c for c in cand if len(info.crossing[c]) == low]
+    total = sum(info.flops) or float(U)
+    pre = [0.0]
+    for k, f in enumerate(info.flops):
+        pre.append(pre[-1] + (f if sum(info.flops) else 1.0))
+    chosen: list[int] = []
+    L = max(1, int(max_layers))
+    for t in range(1, L):
+        target = total * t / L
+        best = None
+        for c in cand:
+            if chosen and c <= chosen[-1]:
+                continue
+            d = abs(pre[c] - target)
+            if best is None or d < best[0]:
+                best = (d, c)
+        if best is not None and best[1] not in chosen:
+            chosen.append(best[1])
+    bounds = [0] + sorted(set(chosen)) + [U]
+    layers = [(bounds[k], bounds[k + 1]) for k in range(len(bounds) - 1)]
+    return layers, info
+
+
+def stage_graph(g: PCG, roles: Mapping[int, str], nodes: Iterable[int]) -> PCG:
+    """The sub-PCG of ``nodes`` (non-source nodes of one stage, with their placement chains): the
+    sources and placement chains they read are copied, every tensor produced outside (an earlier
+    stage's activation) becomes an Input of the same parallel shape (an Input, then Partition /
+    Replicate), named ``pipe:<producer id>:<output>``.  Node ids of copied nodes are kept; its
+    outputs are the tensors later stages read and the graph outputs among ``nodes``."""
+    inside = set(nodes)
+    b = PCG.builder(g.weights)
+    m: dict = {}
+    nxt = [max(g.node_ids(), default=-1) + 1]
+
+    def fresh(op, attrs, ins, name=""):
+        nid = b.add_node(op, attrs, ins, name, nid=nxt[0])
+        nxt[0] = nid + 1
+        return (nid, 0)
+
+    def ensure(r):
+        r = tuple(r)
+        if r in m:
+            return m[r]
+        nid = r[0]
+        role = roles[nid]
+        if nid in inside or role in ("input", "weight", "input-placement", "weight-placement"):
+            n = g.node(nid)
+            ins = [ensure(x) for x in n.inputs]
+            b.add_node(n.op, n.a, ins, n.name, nid=nid)
+            for k in range(len(g.shapes(nid))):
+                m[(nid, k)] = (nid, k)
+            return m[r]
+        sh = g.shape(r)
+        if sh.sum_degree > 1:
+            raise PipelineError(f"tensor {g.node(nid).label()}:{r[1]} crosses a stage boundary as partial sums")
+        ref = fresh("Input", {"name": f"pipe:{nid}:{r[1]}", "shape": sh.sizes, "dtype": sh.dtype}, [],
+                    name=f"pipe:{nid}:{r[1]}")
+        for dim, deg in enumerate(sh.degrees):
+            if deg > 1:
+                ref = fresh("Partition", {"dim": dim, "degree": deg}, [ref])
+        if sh.copy_degree > 1:
+            ref = fresh("Replicate", {"degree": sh.copy_degree}, [ref])
+        m[r] = ref
+        return ref
+
+    for nid in g.topo_order():
+        if nid in inside:
+            ensure((nid, 0))
+    outs = []
+    gouts = {tuple(r) for r in g.outputs}
+    for nid in g.topo_order():
+        if nid not in inside:
+            continue
+        for k in range(len(g.shapes(nid))):
+            uses = [c for c, _ in g.consumers((nid, k))]
+            if (nid, k) in gouts or any(c not in inside for c in uses):
+                outs.append((nid, k))
+    if not outs:
+        outs = [(max(inside, key=lambda n: g.topo_order().index(n)), 0)]
+    b.set_outputs(outs)
+    b.meta = dict(g.meta)
+    return b.finish()
+
+
+def default_intra(stage: PCG, resource: Resource) -> PCG:
+    """Data parallel over the largest divisor of the micro-batch that fits the stage's devices
+    (outputs left batch-partitioned); the stage as given when it is already parallel or has one
+    device."""
+    if any(n.kind == "parallel" for n in stage.nodes()):
+        return stage
+    g0 = 0
+    for n in stage.sources("Input"):
+        sh = stage.shapes(n.id)[0]
+        if sh.rank:
+            g0 = gcd(g0, sh.sizes[0])
+    d = max((k for k in range(1, min(resource.size, g0 or 1) + 1) if g0 % k == 0), default=1) if g0 else 1
+    if d <= 1:
+        return stage
+    try:
+        return data_parallel(stage, d, combine_outputs=False)
+    except StrategyError:
+        return stage
+
+
+# --- results ---------------------------------------------------------------------------------------
+
+@dataclass(frozen=True)
+class PipelineStage:
+    nodes: tuple[int, ...]            # node ids of PipelineResult.pcg, topological order
+    devices: tuple[int, ...]
+    resource: Resource
+    layers: tuple[int, int]           # first layer, last layer + 1
+    fwd_s: float                      # per micro-batch
+    bwd_s: float
+    once_s: float                     # gradient sync + optimizer update, once per iteration
+    send_s: float                     # activations to the next stage per micro-batch (0 on the last)
+    in_flight: int
+    memory_bytes: int                 # busiest device of the stage
+
+    def to_json(self) -> dict:
+        return {"nodes": list(self.nodes), "devices": list(self.devices), "layers": list(self.layers),
+                "fwd_s": self.fwd_s, "bwd_s": self.bwd_s, "once_s": self.once_s, "send_s": self.send_s,
+                "in_flight": self.in_flight, "memory_bytes": self.memory_bytes}
+
+
+@dataclass
+class PipelineResult:
+    cost: float                       # predicted iteration time (s), the 1F1B makespan; inf if infeasible
+    feasible: bool
+    reason: str
+    micro_batches: int
+    stages: tuple[PipelineStage, ...]
+    pcg: PCG | None                   # the whole model at the full batch, stages stitched
+    views: dict                       # node id of pcg -> MachineView
+    memory: dict                      # device -> bytes
+    capacity: int
+    search_s: float = 0.0
+    stats: dict = field(default_factory=dict)
+
+    @property
+    def num_stages(self) -> int:
+        return len(self.stages)
+
+    @property
+    def max_memory_bytes(self) -> int:
+        return max(self.memory.values(), default=0)
+
+    def to_plan_field(self) -> dict:
+        """The plan file's ``pipeline`` field."""
+        return {"schedule": SCHEDULE, "micro_batches": self.micro_batches,
+                "stages": [{"nodes": list(s.nodes), "devices": list(s.devices)} for s in self.stages]}
+
+    def to_json(self) -> dict:
+        return {"predicted_iteration_s": self.cost if math.isfinite(self.cost) else None,
+                "feasible": self.feasible, "reason": self.reason, "micro_batches": self.micro_batches,
+                "stages": [s.to_json() for s in self.stages], "max_memory_bytes": self.max_memory_bytes,
+                "search_s": self.search_s, "stats": dict(self.stats)}
+
+
+def validate_pipeline_field(pipeline: Any, pcg: PCG, views: Mapping[int, MachineView],
+                            machine: MachineSpec) -> None:
+    """Check a plan's ``pipeline`` field against its PCG and views (raises PlanError): the
+    schedule, a positive number of micro-batches dividing the batch, every node in exactly one
+    stage, stages contiguous in topological order, devices of different stages disjoint and on the
+    machine, every view inside its stage's devices, sources and placement chains in the stage of
+    their first consumer."""
+    if not isinstance(pipeline, Mapping):
+        raise PlanError("plan: field pipeline must be an object")
+    if pipeline.get("schedule") != SCHEDULE:
+        raise PlanError(f"plan: pipeline.schedule must be {SCHEDULE!r}, got {pipeline.get('schedule')!r}")
+    M = pipeline.get("micro_batches")
+    if not isinstance(M, int) or isinstance(M, bool) or M < 1:
+        raise PlanError(f"plan: pipeline.micro_batches must be a positive integer, got {M!r}")
+    try:
+        B = batch_size(pcg)
+    except PipelineError:
+        B = M
+    if B % M:
+        raise PlanError(f"plan: pipeline.micro_batches {M} does not divide the batch {B}")
+    stages = pipeline.get("stages")
+    if not isinstance(stages, list) or not stages:
+        raise PlanError("plan: pipeline.stages must be a non-empty list")
+    stage_of: dict = {}
+    used: set = set()
+    for k, st in enumerate(stages):
+        if not isinstance(st, Mapping) or not isinstance(st.get("nodes"), list) or \
+                not isinstance(st.get("devices"), list) or not st["devices"]:
+            raise PlanError(f"plan: pipeline.stages[{k}] needs lists 'nodes' and 'devices'")
+        devs = set()
+        for d in st["devices"]:
+            if not isinstance(d, int) or not 0 <= d < machine.num_devices:
+                raise PlanError(f"plan: pipeline.stages[{k}] names device {d!r}, not on the machine")
+            devs.add(d)
+        if devs & used:
+            raise PlanError(f"plan: pipeline.stages[{k}] shares devices with an earlier stage")
+        used |= devs
+        for nid in st["nodes"]:
+            if not isinstance(nid, int) or nid not in pcg:
+                raise PlanError(f"plan: pipeline.stages[{k}] names node {nid!r}, not in the PCG")
+            if nid in stage_of:
+                raise PlanError(f"plan: node {nid} is in two pipeline stages")
+            stage_of[nid] = k
+            v = views.get(nid)
+            if v is not None and not set(v.devices()) <= devs:
+                raise PlanError(f"plan: view {v} of node {pcg.node(nid).label()} leaves the devices of "
+                                f"pipeline stage {k}")
+    missing = [n for n in pcg.node_ids() if n not in stage_of]
+    if missing:
+        raise PlanError(f"plan: node {pcg.node(missing[0]).label()} is in no pipeline stage")
+    seq = [stage_of[n] for n in pcg.topo_order()]
+    if any(b < a for a, b in zip(seq, seq[1:])):
+        raise PlanError("plan: pipeline stages are not contiguous in topological order")
+    for nid in pcg.topo_order():
+        n = pcg.node(nid)
+        if n.kind == "compute":
+            continue
+        if n.kind == "parallel" and not _from_source(pcg, nid):
+            continue
+        uses = [c for k in range(len(pcg.shapes(nid))) for c, _ in pcg.consumers((nid, k))]
+        if uses and stage_of[nid] != min(stage_of[c] for c in uses):
+            raise PlanError(f"plan: node {n.label()} is not in the stage of its first consumer")
+
+
+def _from_source(g: PCG, nid: int) -> bool:
+    n = g.node(nid)
+    while n.kind == "parallel":
+        n = g.node(n.inputs[0][0])
+    return n.kind == "source"
+
+
+# --- pricing ---------------------------------------------------------------------------------------
+
+@dataclass
+class _Priced:
+    t: float                          # fwd + bwd per micro-batch
+    once: float                       # gradient sync + optimizer update, once per iteration
+    w: dict                           # device -> bytes of weights + grads + states
+    a: dict                           # device -> bytes of activations of one micro-batch
+    views: dict                       # node id of pcg -> view
+    pcg: PCG | None                   # the stage's parallel sub-PCG (micro-batch size)
+    outputs: tuple = ()               # the original refs its outputs stand for, in order
+    reason: str = ""
+
+
+def _failed(reason: str) -> _Priced:
+    return _Priced(INF, 0.0, {}, {}, {}, None, (), reason)
+
+
+def _price(mapper: MachineMapper, sg: PCG, intra, res: Resource, memo: dict | None = None) -> _Priced:
+    """Parallelize the stage sub-PCG ``sg`` with ``intra`` for ``res`` and map it on the smallest block
+    of ``res`` (from its first device) that holds its largest degree: a data-parallel stage of degree
+    d < |res| leaves the other devices idle either way, and the mapping then costs a d-device search,
+    not a |res|-device one.  ``memo`` shares results between parallel sub-PCGs of the same structure
+    (names ignored) on blocks of the same size."""
+    try:
+        P = intra(sg, res)
+    except UnityError as e:
+        return _failed(str(e))
+    if len(P.outputs) != len(sg.outputs):
+        raise PipelineError(f"the intra hook returned {len(P.outputs)} outputs for a stage with "
+                            f"{len(sg.outputs)}; it must keep the outputs and their order")
+    machine = mapper.machine
+    deg = _max_degree(P)
+    if deg > res.size:
+        return _Priced(INF, 0.0, {}, {}, {}, P, tuple(sg.outputs),
+                       f"the stage needs {deg} devices, its sub-mesh has {res.size}")
+    D = machine.devices_per_node
+    size = deg if deg <= D else -(-deg // D) * D
+    block = _resource(machine, res.start, min(size, res.size)) or res
+    key = None
+    if memo is not None:
+        key = (_shape_key(P), block.size, block.start % D if block.nodes == 1 else 0)
+        hit = memo.get(key)
+        if hit is not None:
+            return hit
+    r = mapper.optimize(P, block)
+    if r.memory is None or not r.views:
+        out = _Priced(INF, 0.0, {}, {}, {}, P, tuple(sg.outputs), r.reason or "no machine view fits the stage")
+    else:
+        b = r.breakdown
+        total = r.cost if math.isfinite(r.cost) else b.time   # out of memory at one micro-batch: priced anyway
+        once = b.sync + b.update
+        out = _Priced(max(total - once, 0.0), once, dict(r.memory.weights), dict(r.memory.activations),
+                      dict(r.views), P, tuple(tuple(x) for x in sg.outputs))
+    if key is not None:
+        memo[key] = out
+    return out
+
+
+def _max_degree(g: PCG) -> int:
+    """The most devices any node of ``g`` runs on (tasks of a compute node, pieces otherwise)."""
+    d = 1
+    for n in g.nodes():
+        if n.kind == "compute":
+            d = max(d, ops.infer(n.op, n.a, g.input_shapes(n.id)).piece_map.degree)
+        elif n.kind == "parallel":
+            d = max(d, g.shapes(n.id)[0].piece_count)
+    return d
+
+
+def _shape_key(g: PCG) -> tuple:
+    """The structure of ``g`` with node names and ids left out (repeated layers share it)."""
+    idx: dict = {}
+    items = []
+    for nid in g.topo_order():
+        n = g.node(nid)
+        idx[nid] = len(items)
+        items.append((n.op, tuple((k, v if not isinstance(v, list) else tuple(v)) for k, v in n.attrs
+                                  if k != "name"), tuple((idx[r[0]], r[1]) for r in n.inputs)))
+    return tuple(items), tuple((idx[r[0]], r[1]) for r in g.outputs)
+
+
+def _resource(machine: MachineSpec, start: int, size: int) -> Resource | None:
+    """The block of ``size`` devices from ``start`` if it is a Resource (inside one node, or whole nodes)."""
+    D = machine.devices_per_node
+    if size < 1 or start < 0 or start + size > machine.num_devices:
+        return None
+    if size <= D and start % D + size <= D:
+        return Resource(start, 1, size)
+    if start % D == 0 and size % D == 0:
+        return Resource(start, size // D, D)
+    return None
+
+
+def _sizes(machine: MachineSpec, max_stages: int) -> list[int]:
+    """Sub-mesh sizes the DP tries: divisors and powers of two inside a node (unless the machine has
+    more than 64 devices and at least two nodes per stage: that keeps the DP's device states to
+    whole nodes); whole nodes (every count up to 8 nodes, beyond that powers of two,
+    the machine, and the machine over each stage count)."""
+    D, N = machine.devices_per_node, machine.nodes
+    part = {k for k in range(1, D + 1) if D % k == 0} | {1 << k for k in range(D.bit_length()) if 1 << k <= D}
+    if N >= 2 * max_stages and N * D > 64:   # large machines: every stage has whole nodes
+        part = {D}
+    if N <= 8:
+        whole = set(range(1, N + 1))
+    else:
+        whole = {1 << k for k in range(N.bit_length()) if 1 << k <= N} | {N}
+        whole |= {N // s for s in range(1, max_stages + 1) if N % s == 0}
+    return sorted(part | {n * D for n in whole})
+
+
+def _transfer(machine: MachineSpec, src: Sequence[int], dst: Sequence[int], nbytes: float) -> float:
+    """Point-to-point moves of a tensor of ``nbytes`` spread evenly over ``src`` to ``dst``: sender
+    i holds [i/p, (i+1)/p) of it, receiver j needs [j/q, (j+1)/q)."""
+    if nbytes <= 0 or not src or not dst:
+        return 0.0
+    p, q = len(src), len(dst)
+    moves = []
+    for i, s in enumerate(src):
+        for j, d in enumerate(dst):
+            lo, hi = max(Fraction(i, p), Fraction(j, q)), min(Fraction(i + 1, p), Fraction(j + 1, q))
+            if hi > lo:
+                moves.append((s, d, float(hi - lo) * nbytes))
+    return C.transfer_time(machine, moves)
+
+
+def _crossing_bytes(g: PCG, refs: Iterable) -> float:
+    return float(sum(g.shape(r).nbytes for r in refs))
+
+
+# --- the search ------------------------------------------------------------------------------------
+
+def _micro_batch_candidates(B: int, micro_batches) -> list[int]:
+    if micro_batches is not None:
+        ms = [micro_batches] if isinstance(micro_batches, int) else list(micro_batches)
+        for m in ms:
+            if not isinstance(m, int) or isinstance(m, bool) or m < 1 or B % m:
+                raise PipelineError(f"micro-batch count {m!r} does not divide the batch {B}")
+        return sorted(set(ms))
+    divs = [m for m in range(1, B + 1) if B % m == 0 and m <= 64]
+    pick = [m for m in divs if m & (m - 1) == 0]
+    extra = [m for m in divs if m not in pick]
+    while len(pick) < 8 and extra:
+        pick.append(extra.pop(len(extra) // 2))
+    return sorted(set(pick))
+
+
+def search_pipeline(pcg: PCG, mapper_or_cost_model: MachineMapper | CostModel, *, max_stages: int = 4,
+                    min_stages: int = 1, micro_batches: int | Sequence[int] | None = None,
+                    budget_s: float | None = None, intra: Callable[[PCG, Resource], PCG] | None = None,
+                    max_layers: int = 12, candidates: int = 2, max_exact: int = 8) -> PipelineResult | None:
+    """The fastest 1F1B pipeline plan of ``pcg`` found by the stage DP (see module docstring).
+
+    ``pcg`` is logical or parallel (a parallel one keeps its parallelization inside each stage under
+    the default ``intra``).  ``intra(stage_pcg, resource)`` returns the parallelization of a stage's
+    sub-PCG (at the micro-batch size) for its sub-mesh, computing the same outputs in the same order;
+    default :func:`default_intra`.  ``micro_batches``: one count or several (default: divisors of the
+    batch up to 64, at most 8 of them).  Stage counts from ``min_stages`` to ``max_stages`` (one stage
+    is no pipeline: gradient accumulation over M micro-batches).  ``budget_s`` bounds the search (the
+    best plan found so far is returned).  ``candidates``: DP plans kept per stage count and number
+    of micro-batches; the best estimate of every stage count and up to ``max_exact`` in all are priced
+    exactly.
+    Returns the fastest feasible plan, else the fastest infeasible one (``feasible`` False, with the
+    reason), or None when the graph has no split into ``min_stages`` stages."""
+    t0 = time.perf_counter()
+    if budget_s is not None and budget_s <= 0:
+        raise PipelineError(f"pipeline search budget must be positive, got {budget_s}")
+    mapper = mapper_or_cost_model if isinstance(mapper_or_cost_model, MachineMapper) \
+        else MachineMapper(mapper_or_cost_model)
+    machine = mapper.machine
+    intra = intra or default_intra
+    deadline = t0 + budget_s if budget_s is not None else INF
+    roles = GraphCost(pcg, mapper.model).role
+    layers, info = sequential_layers(pcg, roles, max_layers)
+    L = len(layers)
+    T = machine.num_devices
+    max_stages = max(1, min(max_stages, L, T))
+    if min_stages > max_stages:
+        return None
+    B = batch_size(pcg)
+    sizes = _sizes(machine, max_stages)
+    stats: dict = {"layers": L, "layer_units": [list(x) for x in layers], "priced": 0, "exact": 0,
+                   "micro_batches_tried": []}
+    layer_nodes = [[n for u in range(a, b) for n in info.units[u]] for a, b in layers]
+    memo: dict = {}
+    graphs: dict = {}
+    cands: list = []
+    for M in _micro_batch_candidates(B, micro_batches):
+        if cands and time.perf_counter() > deadline:
+            break
+        try:
+            graphs[M] = rebatch(pcg, B, B // M)
+        except PipelineError:
+            continue
+        stats["micro_batches_tried"].append(M)
+        lay = _LayerPrices(graphs[M], roles, layer_nodes, mapper, intra, machine, memo)
+        for est, plan in _stage_dp(lay, info, layers, graphs[M], machine, sizes, T, M, min_stages, max_stages,
+                                   deadline if cands else INF, candidates):
+            cands.append((est, len(plan), M, plan))
+    stats["dp_s"] = time.perf_counter() - t0
+    stats["priced"] = len(memo)
+    # exact prices, most promising first: at least the best per stage count, then while an estimate
+    # is within 25% of the best exact makespan (at most max_exact)
+    # (one stage with one micro-batch, the plain intra plan on the whole machine, is always priced)
+    cands.sort()
+    best = None
+    seen: set = set()
+    for est, S, M, plan in cands:
+        must = S not in seen or (S == 1 and M == 1 and (1, 1) not in seen)
+        if best is not None and not must and (stats["exact"] >= max_exact or est > 1.25 * best[0][1]
+                                              or time.perf_counter() > deadline):
+            continue
+        seen.update({S, (S, M)})
+        ev = _evaluate(graphs[M], roles, info, layers, plan, M, mapper, intra, machine, memo)
+        ev["estimate"] = est
+        stats["exact"] += 1
+        rank = (not ev["feasible"], ev["makespan"], S, M)
+        if best is None or rank < best[0]:
+            best = (rank, M, plan, ev)
+    if best is None:
+        return None
+    _, M, plan, ev = best
+    result = _assemble(pcg, graphs[M], plan, M, ev, machine)
+    result.search_s = time.perf_counter() - t0
+    result.stats = dict(stats, estimate_s=ev["estimate"], makespan_s=ev["makespan"])
+    return result
+
+
+class _LayerPrices:
+    """Per-layer costs at one micro-batch size, memoized per (layer, sub-mesh size) and, through
+    :func:`_price`, per structure of the parallel layer: repeated layers are mapped once."""
+
+    def __init__(self, gM, roles, layer_nodes, mapper, intra, machine, memo: dict):
+        self.gM, self.roles, self.layer_nodes = gM, roles, layer_nodes
+        self.mapper, self.intra, self.machine = mapper, intra, machine
+        self.memo: dict = {}
+        self.shared = memo
+        self.graphs: dict = {}
+
+    def get(self, layer: int, size: int) -> _Priced:
+        key = (layer, size)
+        hit = self.memo.get(key)
+        if hit is not None:
+            return hit
+        res = _resource(self.machine, 0, size)
+        sg = self.graphs.get(layer)
+        if sg is None:
+            try:
+                sg = stage_graph(self.gM, self.roles, self.layer_nodes[layer])
+            except PipelineError as e:
+                sg = e
+            self.graphs[layer] = sg
+        if res is None:
+            p = _failed(f"no sub-mesh of {size} devices")
+        elif isinstance(sg, PipelineError):
+            p = _failed(str(sg))
+        else:
+            p = _price(self.mapper, sg, self.intra, res, self.shared)
+        self.memo[key] = p
+        return p
+
+
+def _stage_dp(lay: _LayerPrices, info: _Cuts, layers, gM, machine, sizes, T, M, min_stages, max_stages,
+              deadline, candidates) -> list:
+    """Alpa's stage DP over layers and devices (module docstring).  Returns up to ``candidates``
+    plans per stage count, best first, each ``(estimate, plan)``; a plan is a tuple of stages
+    ``(first layer, last layer + 1, first device, number of devices)``.  Bounds ``t_max`` closer than
+    1% are merged (the DP runs at the larger one; the estimate uses the plan's actual maximum)."""
+    L = len(layers)
+    D = machine.devices_per_node
+    cap = machine.device.memory_bytes
+    tab: dict = {}                      # s -> (t[k][i], once[k][i], w/a dicts [k][i]) for layers k..i
+
+    def table(s):
+        hit = tab.get(s)
+        if hit is None:
+            t = [[INF] * L for _ in range(L)]
+            o = [[0.0] * L for _ in range(L)]
+            wa = [[None] * L for _ in range(L)]
+            ps = [lay.get(x, s) for x in range(L)]
+            for k in range(L):
+                tk, ok, w, a = 0.0, 0.0, {}, {}
+                for i in range(k, L):
+                    p = ps[i]
+                    tk += p.t
+                    ok += p.once
+                    w, a = dict(w), dict(a)
+                    for d, v in p.w.items():
+                        w[d] = w.get(d, 0) + v
+                    for d, v in p.a.items():
+                        a[d] = a.get(d, 0) + v
+                    t[k][i], o[k][i], wa[k][i] = tk, ok, (w, a)
+            hit = tab[s] = (t, o, wa, {})
+        return hit
+
+    def fits(s, k, i, infl):
+        _, _, wa, memo = table(s)
+        key = (k, i, infl)
+        hit = memo.get(key)
+        if hit is None:
+            w, a = wa[k][i]
+            hit = memo[key] = all(w.get(d, 0) + infl * a.get(d, 0) <= cap for d in set(w) | set(a))
+        return hit
+
+    cut_bytes = [0.0] * (L + 1)
+    for j in range(1, L):
+        cut_bytes[j] = _crossing_bytes(gM, info.crossing[layers[j][0]])
+    xmemo: dict = {}
+
+    def xfer(j, d, s):                  # estimate: activations into the stage from layer j on devices d..
+        key = (j, d, s)
+        hit = xmemo.get(key)
+        if hit is None:
+            hit = 0.0
+            if j and d and cut_bytes[j] > 0:
+                lv = machine.level(d - 1, d)
+                link = machine.link(lv)
+                par = max(1, s // D) if lv == "network" else max(1, min(s, D))
+                hit = 2 * (link.latency + cut_bytes[j] / (link.bandwidth * par))
+            xmemo[key] = hit
+        return hit
+
+    steps = {d: [s for s in sizes if d + s < T and _resource(machine, d, s) is not None] for d in range(T)}
+    tvals = sorted({table(s)[0][k][i] for s in sizes if s <= T for k in range(L) for i in range(k, L)
+                    if math.isfinite(table(s)[0][k][i])})
+    merged, low = [], INF
+    for t in tvals:                     # clusters of values within 1% of the cluster's smallest
+        if merged and t <= low * 1.01:
+            merged[-1] = t
+        else:
+            merged.append(t)
+            low = t
+    found: dict = {}                    # S -> {plan: estimate}
+    best_T = INF
+    for t_max in merged:
+        if M * t_max >= best_T or time.perf_counter() > deadline:
+            break
+        memo: dict = {}
+
+        def G(k, d, r):
+            key = (k, d, r)
+            hit = memo.get(key)
+            if hit is not None:
+                return hit
+            best = (INF, ())
+            infl = min(r, M)
+            if r == 1:
+                s = T - d
+                if _resource(machine, d, s) is not None:
+                    tb = table(s)
+                    t = tb[0][k][L - 1]
+                    if t <= t_max and fits(s, k, L - 1, infl):
+                        best = (t + tb[1][k][L - 1] + xfer(k, d, s), ((k, L, d, s),))
+            else:
+                for s in steps[d]:
+                    tb = table(s)
+                    tk, ok = tb[0][k], tb[1][k]
+                    x = xfer(k, d, s)
+                    for i in range(k, L - r + 1):
+                        t = tk[i]
+                        if t > t_max:
+                            break
+                        if x + t + ok[i] >= best[0] or not fits(s, k, i, infl):
+                            continue
+                        rest = G(i + 1, d + s, r - 1)
+                        c = t + ok[i] + x + rest[0]
+                        if c < best[0]:
+                            best = (c, ((k, i + 1, d, s),) + rest[1])
+            memo[key] = best
+            return best
+
+        for S in range(min_stages, max_stages + 1):
+            tot, plan = G(0, 0, S)
+            if tot == INF:
+                continue
+            tmax = max(table(s)[0][k][i - 1] for k, i, _, s in plan)
+            once = [table(s)[1][k][i - 1] for k, i, _, s in plan]
+            est = tot - sum(once) + (M - 1) * tmax + max(once)
+            plans = found.setdefault(S, {})
+            plans[plan] = min(est, plans.get(plan, INF))
+            best_T = min(best_T, est)
+    out = []
+    for S, plans in found.items():
+        out.extend(sorted((e, p) for p, e in plans.items())[:candidates])
+    out.sort()
+    return out
+
+
+def _evaluate(gM, roles, info, layers, plan, M, mapper, intra, machine, memo=None) -> dict:
+    """Exact price of one plan at the micro-batch size: every stage's sub-PCG mapped on its actual
+    sub-mesh, transfers between the sub-meshes, the 1F1B simulation, memory with micro-batches in
+    flight."""
+    S = len(plan)
+    bf = mapper.model.backward_factor
+    cap = machine.device.memory_bytes
+    fwd, bwd, once, send, priced, mems, reasons = [], [], [], [], [], [], []
+    for idx, (k, i, d, s) in enumerate(plan):
+        res = _resource(machine, d, s)
+        nodes = [n for a, b in layers[k:i] for u in range(a, b) for n in info.units[u]]
+        try:
+            p = _price(mapper, stage_graph(gM, roles, nodes), intra, res)
+        except PipelineError as e:
+            p = _failed(str(e))
+        priced.append(p)
+        fwd.append(p.t / (1 + bf))
+        bwd.append(p.t * bf / (1 + bf))
+        once.append(p.once)
+        if p.reason:
+            reasons.append(f"stage {idx}: {p.reason}")
+        infl = in_flight(S, idx, M)
+        mems.append({dev: p.w.get(dev, 0) + infl * p.a.get(dev, 0) for dev in set(p.w) | set(p.a)})
+    for idx in range(S - 1):
+        _, i, d, s = plan[idx]
+        _, _, d2, s2 = plan[idx + 1]
+        nb = _crossing_bytes(gM, info.crossing[layers[i][0]])
+        send.append(_transfer(machine, tuple(range(d, d + s)), tuple(range(d2, d2 + s2)), nb))
+    out = {"priced": priced, "fwd": fwd, "bwd": bwd, "once": once, "send": send, "mem": mems,
+           "memory": {dev: v for mem in mems for dev, v in mem.items()}}
+    if any(not math.isfinite(x) for x in fwd):
+        return dict(out, cost=INF, makespan=INF, feasible=False,
+                    reason="; ".join(reasons) or "a stage cannot be mapped")
+    makespan = simulate_1f1b(fwd, bwd, M, send, send, once).makespan
+    for idx, mem in enumerate(mems):
+        if mem and max(mem.values()) > cap:
+            dev = max(mem, key=mem.get)
+            return dict(out, cost=INF, makespan=makespan, feasible=False,
+                        reason=f"out of memory: stage {idx} device {dev} needs {mem[dev] / 2**30:.2f} GiB with "
+                               f"{in_flight(S, idx, M)} micro-batches in flight but has {cap / 2**30:.2f} GiB")
+    return dict(out, cost=makespan, makespan=makespan, feasible=True, reason="")
+
+
+# --- stitching the stages into one PCG ----------------------------------------------------------
+
+def _assemble(pcg: PCG, gM: PCG, plan, M: int, ev: dict, machine: MachineSpec) -> PipelineResult:
+    S = len(plan)
+    cap = machine.device.memory_bytes
+    full, views, members = None, {}, [[] for _ in range(S)]
+    cost, feasible, reason = ev["cost"], ev["feasible"], ev["reason"]
+    if all(p.pcg is not None and p.views for p in ev["priced"]):
+        try:
+            full, views, members = _stitch(pcg, gM, ev["priced"], plan, machine)
+        except UnityError as e:
+            cost, feasible, reason = INF, False, f"cannot join the stages: {e}"
+    stages = []
+    for idx, (k, i, d, s) in enumerate(plan):
+        res = _resource(machine, d, s)
+        mem = ev["mem"][idx]
+        stages.append(PipelineStage(tuple(members[idx]), res.devices(machine), res, (k, i), ev["fwd"][idx],
+                                    ev["bwd"][idx], ev["once"][idx], ev["send"][idx] if idx < S - 1 else 0.0,
+                                    in_flight(S, idx, M), int(max(mem.values(), default=0))))
+    return PipelineResult(cost, feasible, reason, M, tuple(stages), full, views, dict(ev["memory"]), cap)
+
+
+def _stitch(pcg: PCG, gM: PCG, priced: Sequence[_Priced], plan, machine: MachineSpec
+            ) -> tuple[PCG, dict, list]:
+    """One PCG at the full batch from the stages' parallel sub-PCGs (module docstring).  Returns the
+    PCG, its views and the node ids of every stage in topological order."""
+    B, Bm = batch_size(pcg), batch_size(gM)
+    b = PCG.builder(pcg.weights)
+    where: dict = {}                   # original ref -> global ref
+    sources: dict = {}                 # (op, name) -> global ref
+    views: dict = {}
+    members: list = []
+    for idx, p in enumerate(priced):
+        R = rebatch(p.pcg, Bm, B)
+        res = _resource(machine, plan[idx][2], plan[idx][3])
+        devs = res.devices(machine)
+        mine: list = []
+        m: dict = {}                   # R ref -> global ref
+        pending: dict = {}             # R ref on a boundary chain -> global ref of the same logical tensor
+        logical: dict = {}             # global ref -> its logical version (made on this stage)
+
+        def resolve(r):
+            r = tuple(r)
+            if r in m:
+                return m[r]
+            src = pending[r]
+            n = R.node(r[0])
+            if n.op == "Input":
+                lg = logical.get(src)
+                if lg is None:
+                    lg = logical[src] = _to_logical(b, src, devs, views, mine)
+                m[r] = lg
+                return lg
+            x = resolve(n.inputs[0])
+            new = b.add_node(n.op, n.a, [x], n.name)
+            mine.append(new)
+            if r[0] in p.views:
+                views[new] = p.views[r[0]]
+            m[r] = (new, 0)
+            return m[r]
+
+        for nid in R.topo_order():
+            n = R.node(nid)
+            name = str(n.a.get("name", "")) if n.kind == "source" else ""
+            if n.op == "Input" and name.startswith("pipe:"):
+                _, pid, k = name.split(":")
+                pending[(nid, 0)] = where[(int(pid), int(k))]
+                continue
+            if n.kind == "parallel" and tuple(n.inputs[0]) in pending:
+                src = pending[tuple(n.inputs[0])]
+                if b.shape(src) == R.shapes(nid)[0]:
+                    m[(nid, 0)] = src          # the producer already has this parallel shape
+                else:
+                    pending[(nid, 0)] = src    # made only if something reads it
+                continue
+            if n.kind == "source":
+                key = (n.op, name)
+                if key not in sources:
+                    sources[key] = (b.add_node(n.op, n.a, [], n.name), 0)
+                    mine.append(sources[key][0])
+                m[(nid, 0)] = sources[key]
+                continue
+            new = b.add_node(n.op, n.a, [resolve(r) for r in n.inputs], n.name)
+            mine.append(new)
+            for k in range(len(R.shapes(nid))):
+                m[(nid, k)] = (new, k)
+            if nid in p.views:
+                views[new] = p.views[nid]
+        for orig, r in zip(p.outputs, R.outputs):
+            where[tuple(orig)] = resolve(r)
+        members.append(mine)
+    b.set_outputs([where[tuple(r)] for r in pcg.outputs])
+    b.meta = dict(pcg.meta)
+    g = b.finish()
+    g.meta["pipeline_stages"] = len(plan)
+    pos = {nid: i for i, nid in enumerate(g.topo_order())}
+    return g, views, [sorted(ms, key=pos.__getitem__) for ms in members]
+
+
+def _to_logical(b, src, devs: Sequence[int], views: dict, mine: list):
+    """Reduce and Combine ``src`` to one piece on the receiving stage's devices (contiguous views)."""
+    s = b.shape(src)
+    if s.copy_degree > 1:
+        raise PipelineError(f"a tensor with {s.copy_degree} copies crosses a stage boundary into a stage that "
+                            f"partitions it differently")
+    ref = src
+    steps = ([("Reduce", {"degree": s.sum_degree})] if s.sum_degree > 1 else []) + \
+        [("Combine", {"dim": dim, "degree": deg}) for dim, deg in sorted(enumerate(s.degrees), key=lambda x: -x[1])
+         if deg > 1]
+    for op, attrs in steps:
+        nid = b.add_node(op, attrs, [ref], f"pipe/{op.lower()}")
+        ref = (nid, 0)
+        grid = b.shape(ref).grid
+        if prod_(grid) > len(devs):
+            raise PipelineError(f"{prod_(grid)} pieces do not fit the receiving stage's {len(devs)} devices")
+        strides, acc = [], 1
+        for g_ in reversed(grid):
+            strides.append(acc)
+            acc *= g_
+        views[nid] = MachineView(devs[0], tuple((g_, st if g_ > 1 else 1)
+                                                for g_, st in zip(grid, reversed(strides))))
+        mine.append(nid)
+    return ref
+
+
+def prod_(xs) -> int:
+    out = 1
+    for x in xs:
+        out *= x
+    return out
+
+
+__all__ = ["search_pipeline", "simulate_1f1b", "schedule_1f1b", "in_flight", "PipelineResult", "PipelineStage",
+           "PipelineError", "Timeline", "rebatch", "stage_graph", "sequential_layers", "default_intra",
+           "validate_pipeline_field", "batch_size", "SCHEDULE"]
