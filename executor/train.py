@@ -183,7 +183,7 @@ class Trainer:
             if tuple(v.shape) != tuple(n.a["shape"]):
                 raise PlanError(f"weight {name!r} has shape {list(v.shape)} in the model, the plan expects "
                                 f"{list(n.a['shape'])}")
-            t = torch.as_tensor(np.ascontiguousarray(v)).to(self.device, TORCH_DTYPES[n.a["dtype"]])
+            t = torch.as_tensor(np.ascontiguousarray(v).reshape(v.shape)).to(self.device, TORCH_DTYPES[n.a["dtype"]])
             if name in trained:
                 self.params[name] = torch.nn.Parameter(t.clone())
             else:
