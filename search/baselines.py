@@ -321,10 +321,44 @@ def expert(g: PCG, degree: int) -> PCG:
         return g
     embs, dense = expert_choices(g, degree)
     r = _Rebuild(g, "expert", dp=degree, mp_embeddings=frozenset(embs), mp_dense=dense)
-    # table i lives on device i mod degree (round-robin): the machine mapping keeps it there
-    pinned = {str(r.new_id[e]): k % degree for k, e in enumerate(embs) if e in r.new_id}
-    return r.finish(degree=degree, model_parallel=sorted(g.node(i).label() for i in embs + list(dense)),
-                    pinned=pinned)
+    out = r.finish(degree=degree, model_parallel=sorted(g.node(i).label() for i in embs + list(dense)))
+    # table i lives on device i mod degree (round-robin), and so do the one-task operators that only
+    # feed it its indices or only reduce its lookups: the machine mapping keeps them there
+    pins = _chain_pins(out, {r.new_id[e]: k % degree for k, e in enumerate(embs) if e in r.new_id})
+    out.meta["pinned"] = {str(n): d for n, d in sorted(pins.items())}
+    return out
+
+
+def _chain_pins(g: PCG, pins: dict) -> dict:
+    """Extend pins (node -> device) to the one-task compute operators upstream of a pinned node that
+    feed only pinned nodes of the same device, and downstream ones that read only them."""
+    def one_task(nid):
+        n = g.node(nid)
+        return n.kind == "compute" and all(s.piece_count == 1 for s in g.shapes(nid)) \
+            and all(g.shape(r).piece_count == 1 for r in n.inputs)
+
+    def users(nid):
+        return {c for k in range(len(g.shapes(nid))) for c, _ in g.consumers((nid, k))}
+    out = dict(pins)
+    for start, dev in pins.items():
+        stack = [r[0] for r in g.node(start).inputs]
+        while stack:                                   # upstream: the index pipeline
+            p = stack.pop()
+            if p in out or not one_task(p) or any(out.get(u) != dev for u in users(p)):
+                continue
+            out[p] = dev
+            stack.extend(r[0] for r in g.node(p).inputs)
+        stack = list(users(start))
+        while stack:                                   # downstream: pooling of the lookups
+            c = stack.pop()
+            if c in out or not one_task(c):
+                continue
+            producers = [r[0] for r in g.node(c).inputs if g.node(r[0]).kind != "source"]
+            if any(out.get(p) != dev for p in producers):
+                continue
+            out[c] = dev
+            stack.extend(users(c))
+    return out
 
 
 def pinned_views(g: PCG, machine=None) -> dict:

@@ -197,6 +197,11 @@ def test_expert_embeddings_model_parallel_dense_data_parallel(zoo_graphs, name):
     # tables round-robin over the devices, each whole on one (the mapping keeps the strategy's pins)
     devs = [r.views[n.id].devices() for n in emb]
     assert devs == [(k % 4,) for k in range(len(emb))]
+    # the index slicing feeding a table and the pooling of its lookups stay on the table's device
+    for n in emb:
+        idx = pg.node(n.id).inputs[0][0]
+        assert r.views[idx].devices() == r.views[n.id].devices()
+    assert len(pg.meta["pinned"]) > len(emb)
 
 
 def test_expert_dense_layers_that_outweigh_their_activations(zoo_graphs):
