@@ -40,9 +40,11 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--machine", default=None, metavar="M",
                    help="machine to plan for (PRESET[:NxD] or JSON); default: calibrate this computer for "
                         "--nproc processes (quick, ~15 s)")
-    p.add_argument("--budget", type=float, default=20.0, help="search budget in seconds (default 20)")
-    p.add_argument("--steps", type=int, default=10, help="training steps of the run (default 10)")
+    p.add_argument("--budget", type=float, default=15.0, help="search budget in seconds (default 15)")
+    p.add_argument("--steps", type=int, default=20, help="training steps of the run (default 20)")
     p.add_argument("--no-run", action="store_true", help="stop after planning and explaining")
+    p.add_argument("--measure-dp", action="store_true",
+                   help="also train with the data-parallel plan and print the measured speedup over it")
     p.add_argument("--out", default="out/demo", help="working directory for exported files")
     return p
 
@@ -104,17 +106,26 @@ def _run(args) -> int:
     _stage("5. explain the plan")
     _explain(pl, plan_path)
 
-    measured = None
+    measured = measured_speedup = None
     if args.no_run:
         print("\n(run skipped: --no-run)")
     else:
         _stage("6. train on local processes with the plan")
         measured = _train(plan_path, path, args.steps, optimizer)
+        if args.measure_dp and measured:
+            dp_path = os.path.join(args.out, "dp_plan.json")
+            dp_plan.save(dp_path)
+            print("the data-parallel plan, for comparison:")
+            t_dp_run = _train(dp_path, path, args.steps, optimizer)
+            if t_dp_run:
+                measured_speedup = t_dp_run / measured
+                print(f"measured speedup over data parallel: {measured_speedup:.2f}x")
 
     print(f"\nsummary: {args.model} ({args.size}) on {machine.name} {machine.nodes}x{machine.devices_per_node}; "
-          + (f"predicted speedup over data parallel {speedup:.2f}x; " if speedup else "")
+          + (f"predicted speedup over data parallel {speedup:.2f}x" if speedup else "")
+          + (f" (measured {measured_speedup:.2f}x)" if measured_speedup else "") + "; "
           + f"step time predicted {_ms(t_plan)}"
-          + (f", measured {_ms(measured)} ({(measured / t_plan - 1) * 100:+.0f}%)" if measured and t_plan else "")
+          + (f", measured {_ms(measured)} ({_ratio(measured, t_plan)})" if measured and t_plan else "")
           + f"; {time.perf_counter() - t_all:.0f} s in all")
     return 0
 
@@ -242,9 +253,27 @@ def _train(plan_path: str, model_path: str, steps: int, optimizer: str) -> float
     pred = out.get("predicted_iteration_s")
     print(f"{out.get('nproc', '?')} processes, {len(losses)} steps in {wall:.0f} s; loss "
           + (f"{losses[0]:.4g} -> {losses[-1]:.4g}" if losses else "-"))
-    print(f"step time: predicted {_ms(pred)}, measured {_ms(step)} (median after warm-up)"
-          + (f", error {(pred / step - 1) * 100:+.0f}%" if pred and step else ""))
+    times = [t for t in (out.get("step_times_s") or [])[1:] if isinstance(t, (int, float))]
+    print(f"step time: predicted {_ms(pred)}, measured {_ms(step)} (median after warm-up"
+          + (f"; fastest {_ms(min(times))}" if times else "") + ")"
+          + (f": {_ratio(step, pred)}" if pred and step else ""))
+    load = _loadavg()
+    if load is not None and load > (os.cpu_count() or 1):
+        print(f"note: this computer is busy (load average {load:.1f} on {os.cpu_count()} cores): "
+              "measured times are noisy")
     return step
+
+
+def _ratio(measured: float, predicted: float) -> str:
+    r = measured / predicted
+    return f"measured is {r:.2f}x the prediction" if r >= 1 else f"measured is {1 / r:.2f}x faster than predicted"
+
+
+def _loadavg() -> float | None:
+    try:
+        return os.getloadavg()[0]
+    except (OSError, AttributeError):
+        return None
 
 
 if __name__ == "__main__":
