@@ -118,9 +118,12 @@ class StageRow:
     index: int
     nodes: tuple[str, ...]          # names of the stage's nodes
     devices: tuple[int, ...]
+    leaves_s: float = 0.0           # the stage's operators re-priced one after the other (whole batch)
+    recorded: Mapping[str, Any] = field(default_factory=dict)   # the search's per-stage figures, if any
 
     def to_json(self) -> dict:
-        return {"stage": self.index, "nodes": list(self.nodes), "devices": list(self.devices)}
+        return {"stage": self.index, "nodes": list(self.nodes), "devices": list(self.devices),
+                "leaves_s": self.leaves_s, **{k: v for k, v in self.recorded.items() if k not in ("nodes", "devices")}}
 
 
 @dataclass(frozen=True)
@@ -178,7 +181,7 @@ def explain(plan, optimizer: str | None = None) -> Explanation:
     grads = tuple(_grad_rows(g, gc, views))
     steps = rule_steps(plan)
     rules = tuple(describe_steps(steps)) if steps else ()
-    pipe, stages = _pipeline(plan)
+    pipe, stages = _pipeline(plan, gc, views)
     b = res.breakdown
     totals = {"sum_of_leaves_s": b.time if math.isfinite(b.time) else None,
               "compute_s": b.compute, "comm_s": b.comm, "grad_sync_s": b.sync, "update_s": b.update,
@@ -320,7 +323,21 @@ def describe_steps(steps: Sequence[Any]) -> list[str]:
 
 # --- pipeline ------------------------------------------------------------------------------------
 
-def _pipeline(plan) -> tuple[Mapping[str, Any] | None, tuple[StageRow, ...]]:
+# per-stage figures the search may record (search/pipeline.py PipelineStage.to_json)
+STAGE_FIGURES = ("fwd_s", "bwd_s", "send_s", "once_s", "in_flight", "memory_bytes", "layers")
+
+
+def _recorded_stages(plan) -> list:
+    """Per-stage figures from the plan's prediction (``predicted.pipeline.stages`` or
+    ``predicted.stages``), when the search wrote them."""
+    pred = plan.predicted if isinstance(plan.predicted, Mapping) else {}
+    for src in (pred.get("pipeline"), pred):
+        if isinstance(src, Mapping) and isinstance(src.get("stages"), list):
+            return [st if isinstance(st, Mapping) else {} for st in src["stages"]]
+    return []
+
+
+def _pipeline(plan, gc=None, views=None) -> tuple[Mapping[str, Any] | None, tuple[StageRow, ...]]:
     p = plan.pipeline
     if p is None:
         return None, ()
@@ -330,21 +347,32 @@ def _pipeline(plan) -> tuple[Mapping[str, Any] | None, tuple[StageRow, ...]]:
     if not isinstance(stages, list):
         raise PlanError("plan: field pipeline.stages must be a list")
     g = plan.pcg
+    rec = _recorded_stages(plan)
+    by_name = {n.label(): n.id for n in g.nodes()}
     rows = []
     for i, st in enumerate(stages):
         if not isinstance(st, Mapping):
             raise PlanError(f"plan: pipeline stage {i} must be an object")
         names = []
+        ids = []
         for x in st.get("nodes", []):
             if isinstance(x, int) and not isinstance(x, bool) and x in g:
                 names.append(g.node(x).label())
+                ids.append(x)
             else:
                 names.append(str(x))
+                if isinstance(x, str) and x in by_name:
+                    ids.append(by_name[x])
+        leaves = 0.0
+        if gc is not None:
+            priced = set(gc.nodes())
+            leaves = sum(gc.leaf_cost(n, views[n], views).time for n in ids if n in priced)
+        figures = {k: rec[i][k] for k in STAGE_FIGURES if i < len(rec) and k in rec[i]}
         try:
             devs = tuple(int(d) for d in st.get("devices", []))
         except (TypeError, ValueError):
             raise PlanError(f"plan: pipeline stage {i} has a malformed device list") from None
-        rows.append(StageRow(i, tuple(names), devs))
+        rows.append(StageRow(i, tuple(names), devs, leaves, figures))
     head = {k: v for k, v in p.items() if k != "stages"}
     return head, tuple(rows)
 
@@ -484,9 +512,20 @@ def format_text(e: Explanation, limit: int | None = None, sections: Sequence[str
         else:
             out.append(f"pipeline: schedule {e.pipeline.get('schedule', '?')}, "
                        f"{e.pipeline.get('micro_batches', '?')} micro-batches, {len(e.stages)} stages")
+            rows_s = []
             for s in e.stages:
-                names = ", ".join(s.nodes[:3]) + (f", ... ({len(s.nodes)} nodes)" if len(s.nodes) > 3 else "")
-                out.append(f"  stage {s.index}: devices {device_ranges(s.devices)}: {names}")
+                r = s.recorded
+                names = ", ".join(_clip(x, 24) for x in s.nodes[:2]) + (f", ... ({len(s.nodes)} nodes)"
+                                                                         if len(s.nodes) > 2 else "")
+                rows_s.append([str(s.index), device_ranges(s.devices), _ms(s.leaves_s),
+                               _ms(r.get("fwd_s")) if "fwd_s" in r else "-", _ms(r.get("bwd_s")) if "bwd_s" in r else "-",
+                               _ms(r.get("send_s")) if "send_s" in r else "-", str(r.get("in_flight", "-")),
+                               _bytes(r.get("memory_bytes")), names])
+            out += ["  " + x for x in _table(
+                ["stage", "devices", "operators", "fwd/mb", "bwd/mb", "send/mb", "in flight", "memory", "nodes"],
+                rows_s, {2, 3, 4, 5, 6, 7})]
+            out.append("  (operators: the stage's operators re-priced one after the other for the whole batch; "
+                       "per micro-batch (mb) figures are the search's)")
     return "\n".join(out) + "\n"
 
 

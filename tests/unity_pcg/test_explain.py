@@ -149,12 +149,21 @@ def test_pipeline_stages_are_shown_and_drawn(tmp_path):
     pipe = {"schedule": "1F1B", "micro_batches": 4,
             "stages": [{"nodes": ids[:3], "devices": [0, 1]},            # by id
                        {"nodes": [g.node(i).label() for i in ids[3:]], "devices": [2, 3]}]}   # by name
-    pl = P.load(_saved(tmp_path, _plan(tmp_path, g, pipeline=pipe)))
+    pl = _plan(tmp_path, g, pipeline=pipe)
+    pred = dict(pl.predicted, pipeline={"stages": [{"fwd_s": 1e-3, "bwd_s": 2e-3, "send_s": 1e-4, "in_flight": 2,
+                                                    "memory_bytes": 3 * 2**20}, {"fwd_s": 5e-4}]})
+    pl = P.load(_saved(tmp_path, P.Plan(pl.model_path, pl.model_sha256, pl.machine, g, pl.views, pred, pipe)))
     e = explain(pl)
     assert [s.devices for s in e.stages] == [(0, 1), (2, 3)]
+    # each stage's operators re-priced: together, every priced leaf of the plan
+    assert e.stages[0].leaves_s > 0 and e.stages[1].leaves_s > 0
+    assert sum(s.leaves_s for s in e.stages) == pytest.approx(e.totals["sum_of_leaves_s"])
+    assert e.stages[0].recorded["in_flight"] == 2 and e.stages[1].recorded == {"fwd_s": 5e-4}
     assert e.stages[0].nodes == tuple(g.node(i).label() for i in ids[:3])
     text = format_text(e)
-    assert "schedule 1F1B, 4 micro-batches, 2 stages" in text and "stage 1: devices 2-3" in text
+    assert "schedule 1F1B, 4 micro-batches, 2 stages" in text
+    row0 = next(line for line in text.splitlines() if line.strip().startswith("0 "))
+    assert "0-1" in row0 and "1.000 ms" in row0 and "2.000 ms" in row0 and "3.0 MiB" in row0
     dot = to_dot(pl, e)
     assert "cluster_stage0" in dot and "cluster_stage1" in dot
     second = dot[dot.index("cluster_stage1"):dot.index("}", dot.index("cluster_stage1"))]
