@@ -252,6 +252,7 @@ def build_stage_module(plan, st: StagePlan, M: int, weights: Mapping[str, Any], 
     """The ``nn.Module`` of one stage (see module docstring)."""
     torch, nn = _torch_modules()
     from .kernels import TORCH_DTYPES, TaskContext, kernel
+    from .lower import dropout_key
 
     g: PCG = plan.pcg
     lg, alias = logical_graph(g)
@@ -294,21 +295,19 @@ def build_stage_module(plan, st: StagePlan, M: int, weights: Mapping[str, Any], 
                     batched = tuple(bool(s.dims) and s.dims[0].degree == M and M > 1 for s in outs)
                     mb = tuple((s.sizes[0] // M) if b else 0 for s, b in zip(outs, batched))
                     self.prog.append((nid, kernel(n.op), dict(pa), tuple(tuple(r) for r in lg.node(nid).inputs),
-                                      logical, mb, len(outs)))
+                                      logical, mb, dropout_key(g, nid)))
             self.seed = seed
 
         def forward(self, *xs):
             vals = dict(zip(self.recv, xs))
-            meta = bool(xs) and xs[0].device.type == "meta"
-            k = self.micro
-            if not meta:
-                self.micro += 1
+            k = self.micro        # micro-batches run forward in order (1F1B), counted from 0 each step
+            self.micro += 1
             for nid, key in self.pname.items():
                 vals[(nid, 0)] = self.params[key]
             for nid, t in self.consts.items():
                 vals[(nid, 0)] = t
-            for nid, fn, pa, inputs, logical, mb, nout in self.prog:
-                ctx = TaskContext(training=True, seed=self.seed, step=self.steps_done, node_id=nid,
+            for nid, fn, pa, inputs, logical, mb, dkey in self.prog:
+                ctx = TaskContext(training=True, seed=self.seed, step=self.steps_done, node_id=dkey,
                                   out_logical=logical,
                                   out_offset=tuple((k * m,) + (0,) * (len(s) - 1) if s else ()
                                                    for m, s in zip(mb, logical)))
@@ -319,6 +318,16 @@ def build_stage_module(plan, st: StagePlan, M: int, weights: Mapping[str, Any], 
             return out if len(out) > 1 else out[0]
 
     return StageModule()
+
+
+def _piece_sizes(g: PCG, mg: PCG, ref, M: int) -> tuple[int, ...]:
+    """Sizes of one micro-batch's piece of tensor ``ref`` (a model input: dim 0 split M ways)."""
+    if g.node(ref[0]).op == "Input":
+        sizes = list(mg.shape(ref).sizes)
+        if sizes:
+            sizes[0] //= M
+        return tuple(sizes)
+    return tuple(d.size // d.degree for d in mg.shape(ref).dims)
 
 
 def loss_of(out, target):
@@ -343,6 +352,8 @@ class PipelineTrainer:
 
         from unity_pcg.onnx_import import load_onnx
 
+        from .kernels import TORCH_DTYPES
+
         check_pipeline(plan, per_device_bn=not sync_batchnorm)
         self.M, stages = resolve(plan)
         mine = [st for st in stages if st.device == rank]
@@ -363,7 +374,18 @@ class PipelineTrainer:
             self.opt = torch.optim.Adam(params, lr=lr)
         else:
             raise UnityError(f"unknown optimizer {optimizer!r} (sgd, adam)")
-        self.stage = PipelineStage(self.mod, self.st.index, self.S, self.dev)
+        # the tensors a stage receives and sends, per micro-batch, are known from the plan: passing them
+        # makes the schedule skip its metadata inference (a forward run that would count as a micro-batch)
+        mg = micro_graph(plan.pcg, self.M)
+        dts = TORCH_DTYPES
+
+        def example(refs):   # a model input needs no gradient; every activation (floating) does
+            return tuple(torch.empty(_piece_sizes(plan.pcg, mg, r, self.M), dtype=dts[mg.shape(r).dtype],
+                                     device="meta").requires_grad_(plan.pcg.node(r[0]).op != "Input"
+                                                                   and dts[mg.shape(r).dtype].is_floating_point)
+                         for r in refs)
+        self.stage = PipelineStage(self.mod, self.st.index, self.S, self.dev,
+                                   input_args=example(self.mod.recv), output_args=example(self.mod.send))
         self.stage.stage_index_to_group_rank = {s.index: s.device for s in stages}
         self._targets = False   # the schedule wants a target on the last stage; without one, a dummy
         self.sched = Schedule1F1B(self.stage, self.M, scale_grads=True,

@@ -100,3 +100,32 @@ def test_run_refuses_a_multi_device_stage_before_start(work, tmp_path, capfd, mo
     rc = main(["run", str(p), "--model", work["model"]])
     err = capfd.readouterr().err.strip().splitlines()
     assert rc == 2 and len(err) == 1 and "single-device stages only" in err[0], err
+
+
+def test_pipelined_dropout_draws_the_masks_of_one_device(work, capfd):
+    """Dropout inside a 2-stage pipeline with 2 micro-batches: each micro-batch's mask is the part of the
+    whole batch's mask (offset by its position), so the losses equal the one-process Trainer's."""
+    from executor.data import open_data
+    from executor.train import Trainer
+    from tests.executor.models import dropout_mlp
+    from tests.executor.runtime_plans import one_device_plan
+    from unity_pcg.cli import main
+    from unity_pcg.evaluate import evaluate
+    from unity_pcg.onnx_import import load_onnx
+
+    model = dropout_mlp()
+    pp = pipeline_plan(model, str(work["dir"] / "drop_pp.json"), stages=2, micro_batches=2)
+    one = P.load(one_device_plan(model, str(work["dir"] / "drop_one.json")))
+    assert any(n.op == "Dropout" for n in one.pcg.nodes())
+    capfd.readouterr()
+    rc = main(["run", pp, "--model", model, "--steps", "3", "--seed", "5", "--json"])
+    out, err = capfd.readouterr()
+    assert rc == 0, err
+    got = json.loads(out)["losses"]
+    t = Trainer(one, model, rank=0, world=1, seed=5)
+    src = open_data(one.pcg, None, seed=5)
+    ref = [t.step(src.feeds(s)[0]) for s in range(3)]
+    np.testing.assert_allclose(got, ref, rtol=1e-4, atol=1e-7)
+    # dropout is really active: inference semantics (numpy reference, Dropout = identity) give another loss
+    g = load_onnx(model)
+    assert abs(float(np.mean(evaluate(g, src.feeds(0)[0])[0])) - got[0]) > 1e-4
