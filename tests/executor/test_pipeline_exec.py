@@ -103,18 +103,19 @@ def test_run_refuses_a_multi_device_stage_before_start(work, tmp_path, capfd, mo
 
 
 def test_pipelined_dropout_draws_the_masks_of_one_device(work, capfd):
-    """Dropout inside a 2-stage pipeline with 2 micro-batches: each micro-batch's mask is the part of the
-    whole batch's mask (offset by its position), so the losses equal the one-process Trainer's."""
+    """Dropout inside a 2-stage pipeline with 2 micro-batches, in a plan written by the pipeline search
+    (its stitched PCG renumbers nodes): each micro-batch's mask is the part of the whole batch's mask
+    (offset by its position), so the losses equal the one-process Trainer's."""
     from executor.data import open_data
     from executor.train import Trainer
     from tests.executor.models import dropout_mlp
-    from tests.executor.runtime_plans import one_device_plan
+    from tests.executor.runtime_plans import one_device_plan, searched_pipeline_plan
     from unity_pcg.cli import main
     from unity_pcg.evaluate import evaluate
     from unity_pcg.onnx_import import load_onnx
 
     model = dropout_mlp()
-    pp = pipeline_plan(model, str(work["dir"] / "drop_pp.json"), stages=2, micro_batches=2)
+    pp = searched_pipeline_plan(model, str(work["dir"] / "drop_pp.json"), stages=2, micro_batches=2)
     one = P.load(one_device_plan(model, str(work["dir"] / "drop_one.json")))
     assert any(n.op == "Dropout" for n in one.pcg.nodes())
     capfd.readouterr()
