@@ -144,8 +144,8 @@ def test_tiny_legacy_export_matches_torch(name, tmp_path):
 
 
 def test_batch_override(tmp_path):
-    model, inputs, _, _ = zoo.build("dlrm", batch=3)
-    assert [t.shape[0] for t in inputs] == [3, 3]
+    model, inputs, names, _ = zoo.build("dlrm", batch=3)
+    assert [t.shape[0] for t in inputs] == [3] * 5 and names == ["dense", "sparse0", "sparse1", "sparse2", "sparse3"]
     _check_export("candle_uno", tmp_path / "uno.onnx", "legacy", batch=5)
 
 

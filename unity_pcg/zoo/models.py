@@ -341,9 +341,10 @@ class BertLarge(nn.Module):
 class DLRM(nn.Module):
     """DLRM (Naumov et al., 2019).
 
-    Inputs: ``dense`` float32 [batch, dense_features]; ``sparse`` int64 [batch, tables] (one id
-    per table) or, with ``bag > 1``, [batch, tables, bag] (each table's ids are looked up and
-    sum-pooled: an embedding bag).  Bottom MLP (ReLU after every layer).  Interaction:
+    Inputs: ``dense`` float32 [batch, dense_features]; with the dot interaction ``sparse`` int64
+    [batch, tables] (one id per table); with the cat interaction one int64 input per table,
+    ``sparse0`` .. (as FlexFlow's example), [batch] or, with ``bag > 1``, [batch, bag] (the ids are
+    looked up and sum-pooled: an embedding bag).  Bottom MLP (ReLU after every layer).  Interaction:
 
     * ``dot`` (the Criteo configuration): stack the bottom output with the embeddings to
       [batch, F, d], Z = T @ T^T, keep the strictly-lower triangle of Z (a constant index Gather
@@ -370,11 +371,11 @@ class DLRM(nn.Module):
             top_in = cfg.bottom_mlp[-1] + len(cfg.table_rows) * cfg.emb_dim
         self.top = _mlp(cfg.top_mlp, top_in, final_relu=False, bias=cfg.bias)
 
-    def forward(self, dense, sparse):
+    def forward(self, dense, *sparse):
         x = self.bottom(dense)
         feats = []
         for i, table in enumerate(self.tables):
-            e = table(sparse[:, i])
+            e = table(sparse[i] if self.cfg.interaction == "cat" else sparse[0][:, i])
             feats.append(e.sum(dim=1) if self.cfg.bag > 1 else e)
         if self.cfg.interaction == "cat":
             return torch.sigmoid(self.top(torch.cat([x] + feats, dim=1)))
@@ -499,6 +500,8 @@ _IO_NAMES = {
 
 def io_names(name: str, cfg) -> Tuple[List[str], List[str]]:
     """The graph input and output names of model ``name`` with configuration ``cfg``."""
+    if name == "dlrm" and cfg.interaction == "cat":
+        return ["dense"] + [f"sparse{i}" for i in range(len(cfg.table_rows))], ["click_prob"]
     if name == "candle_uno" and cfg.drugs > 1:
         n = cfg.drugs
         ins = [f"dose{i + 1}" for i in range(n)] + ["cell_rnaseq"]
@@ -547,9 +550,10 @@ def example_inputs(name: str, cfg, batch: int, seed: int = 1234) -> Tuple[torch.
     if name == "dlrm":
         dense = torch.rand(batch, cfg.dense_features, generator=g)
         shape = (batch,) if cfg.bag == 1 else (batch, cfg.bag)
-        sparse = torch.stack([torch.randint(0, n, shape, generator=g)
-                              for n in cfg.table_rows], dim=1)
-        return dense, sparse
+        ids = [torch.randint(0, n, shape, generator=g) for n in cfg.table_rows]
+        if cfg.interaction == "cat":
+            return (dense,) + tuple(ids)
+        return dense, torch.stack(ids, dim=1)
     if name == "xdl":
         return (torch.randint(0, cfg.rows, (batch, cfg.num_features, cfg.bag), generator=g),)
     if name == "candle_uno":
