@@ -80,6 +80,7 @@ from .sp import build_units
 
 INF = math.inf
 SCHEDULE = "1F1B"
+MAX_BOUNDS = 48                         # stage-time bounds the DP tries per number of micro-batches
 
 
 class PipelineError(UnityError, ValueError):
@@ -388,20 +389,25 @@ def default_intra(stage: PCG, resource: Resource) -> PCG:
     """Data parallel over the largest divisor of the micro-batch that fits the stage's devices
     (outputs left batch-partitioned); the stage as given when it is already parallel or has one
     device."""
-    if any(n.kind == "parallel" for n in stage.nodes()):
-        return stage
-    g0 = 0
-    for n in stage.sources("Input"):
-        sh = stage.shapes(n.id)[0]
-        if sh.rank:
-            g0 = gcd(g0, sh.sizes[0])
-    d = max((k for k in range(1, min(resource.size, g0 or 1) + 1) if g0 % k == 0), default=1) if g0 else 1
+    d = _dp_degree(stage, resource.size)
     if d <= 1:
         return stage
     try:
         return data_parallel(stage, d, combine_outputs=False)
     except StrategyError:
         return stage
+
+
+def _dp_degree(stage: PCG, size: int) -> int:
+    """The degree :func:`default_intra` uses (1: the stage as given)."""
+    if any(n.kind == "parallel" for n in stage.nodes()):
+        return 1
+    g0 = 0
+    for n in stage.sources("Input"):
+        sh = stage.shapes(n.id)[0]
+        if sh.rank:
+            g0 = gcd(g0, sh.sizes[0])
+    return max((k for k in range(1, min(size, g0) + 1) if g0 % k == 0), default=1) if g0 else 1
 
 
 # --- results ---------------------------------------------------------------------------------------
@@ -590,14 +596,9 @@ def _price(mapper: MachineMapper, sg: PCG, intra, res: Resource, memo: dict | No
 
 
 def _max_degree(g: PCG) -> int:
-    """The most devices any node of ``g`` runs on (tasks of a compute node, pieces otherwise)."""
-    d = 1
-    for n in g.nodes():
-        if n.kind == "compute":
-            d = max(d, ops.infer(n.op, n.a, g.input_shapes(n.id)).piece_map.degree)
-        elif n.kind == "parallel":
-            d = max(d, g.shapes(n.id)[0].piece_count)
-    return d
+    """The most devices any node of ``g`` runs on: every tensor of an operator has one piece per task,
+    so it is the largest piece count of any output."""
+    return max((s.piece_count for n in g.nodes() if n.kind != "source" for s in g.shapes(n.id)), default=1)
 
 
 def _shape_key(g: PCG) -> tuple:
@@ -662,19 +663,21 @@ def _crossing_bytes(g: PCG, refs: Iterable) -> float:
 
 # --- the search ------------------------------------------------------------------------------------
 
-def _micro_batch_candidates(B: int, micro_batches) -> list[int]:
+def _micro_batch_candidates(B: int, micro_batches, max_stages: int) -> list[int]:
+    """The numbers of micro-batches tried: the given ones, else the divisors of the batch that are
+    powers of two up to 8 x max_stages (the bubble is then below 1/9 of the iteration for equal stages),
+    and the batch itself if it is within that bound (one sample per micro-batch)."""
     if micro_batches is not None:
         ms = [micro_batches] if isinstance(micro_batches, int) else list(micro_batches)
         for m in ms:
             if not isinstance(m, int) or isinstance(m, bool) or m < 1 or B % m:
                 raise PipelineError(f"micro-batch count {m!r} does not divide the batch {B}")
         return sorted(set(ms))
-    divs = [m for m in range(1, B + 1) if B % m == 0 and m <= 64]
-    pick = [m for m in divs if m & (m - 1) == 0]
-    extra = [m for m in divs if m not in pick]
-    while len(pick) < 8 and extra:
-        pick.append(extra.pop(len(extra) // 2))
-    return sorted(set(pick))
+    top = 8 * max(1, max_stages) if max_stages > 1 else 1
+    out = {m for m in range(1, min(B, top) + 1) if B % m == 0 and m & (m - 1) == 0}
+    if B <= top:
+        out.add(B)
+    return sorted(out)
 
 
 def search_pipeline(pcg: PCG, mapper_or_cost_model: MachineMapper | CostModel, *, max_stages: int = 4,
@@ -686,8 +689,8 @@ def search_pipeline(pcg: PCG, mapper_or_cost_model: MachineMapper | CostModel, *
     ``pcg`` is logical or parallel (a parallel one keeps its parallelization inside each stage under
     the default ``intra``).  ``intra(stage_pcg, resource)`` returns the parallelization of a stage's
     sub-PCG (at the micro-batch size) for its sub-mesh, computing the same outputs in the same order;
-    default :func:`default_intra`.  ``micro_batches``: one count or several (default: divisors of the
-    batch up to 64, at most 8 of them).  Stage counts from ``min_stages`` to ``max_stages`` (one stage
+    default :func:`default_intra`.  ``micro_batches``: one count or several (default: the powers of two
+    dividing the batch up to 8 x max_stages, :func:`_micro_batch_candidates`).  Stage counts from ``min_stages`` to ``max_stages`` (one stage
     is no pipeline: gradient accumulation over M micro-batches).  ``budget_s`` bounds the search (the
     best plan found so far is returned).  ``candidates``: DP plans kept per stage count and number
     of micro-batches; the best estimate of every stage count and up to ``max_exact`` in all are priced
@@ -717,7 +720,7 @@ def search_pipeline(pcg: PCG, mapper_or_cost_model: MachineMapper | CostModel, *
     memo: dict = {}
     graphs: dict = {}
     cands: list = []
-    for M in _micro_batch_candidates(B, micro_batches):
+    for M in _micro_batch_candidates(B, micro_batches, max_stages):
         if cands and time.perf_counter() > deadline:
             break
         try:
@@ -768,6 +771,7 @@ class _LayerPrices:
         self.memo: dict = {}
         self.shared = memo
         self.graphs: dict = {}
+        self.keys: dict = {}
 
     def get(self, layer: int, size: int) -> _Priced:
         key = (layer, size)
@@ -787,7 +791,17 @@ class _LayerPrices:
         elif isinstance(sg, PipelineError):
             p = _failed(str(sg))
         else:
-            p = _price(self.mapper, sg, self.intra, res, self.shared)
+            # repeated layers are parallelized and mapped once; under the default intra, so are the
+            # sub-mesh sizes that give the same data-parallel degree
+            shape = self.keys.get(layer)
+            if shape is None:
+                shape = self.keys[layer] = _shape_key(sg)
+            d = _dp_degree(sg, size) if self.intra is default_intra else size
+            D = self.machine.devices_per_node
+            skey = ("layer", shape, d if self.intra is default_intra and (d <= D or d % D == 0) else size)
+            p = self.shared.get(skey)
+            if p is None:
+                p = self.shared[skey] = _price(self.mapper, sg, self.intra, res, self.shared)
         self.memo[key] = p
         return p
 
@@ -797,7 +811,8 @@ def _stage_dp(lay: _LayerPrices, info: _Cuts, layers, gM, machine, sizes, T, M, 
     """Alpa's stage DP over layers and devices (module docstring).  Returns up to ``candidates``
     plans per stage count, best first, each ``(estimate, plan)``; a plan is a tuple of stages
     ``(first layer, last layer + 1, first device, number of devices)``.  Bounds ``t_max`` closer than
-    1% are merged (the DP runs at the larger one; the estimate uses the plan's actual maximum)."""
+    1% are merged (the DP runs at the larger one; the estimate uses the plan's actual maximum), more
+    coarsely where that leaves more than ``MAX_BOUNDS`` of them."""
     L = len(layers)
     D = machine.devices_per_node
     cap = machine.device.memory_bytes
@@ -855,13 +870,18 @@ def _stage_dp(lay: _LayerPrices, info: _Cuts, layers, gM, machine, sizes, T, M, 
     steps = {d: [s for s in sizes if d + s < T and _resource(machine, d, s) is not None] for d in range(T)}
     tvals = sorted({table(s)[0][k][i] for s in sizes if s <= T for k in range(L) for i in range(k, L)
                     if math.isfinite(table(s)[0][k][i])})
-    merged, low = [], INF
-    for t in tvals:                     # clusters of values within 1% of the cluster's smallest
-        if merged and t <= low * 1.01:
-            merged[-1] = t
-        else:
-            merged.append(t)
-            low = t
+    eps = 0.01
+    while True:                         # clusters of values within eps of the cluster's smallest
+        merged, low = [], INF
+        for t in tvals:
+            if merged and t <= low * (1 + eps):
+                merged[-1] = t
+            else:
+                merged.append(t)
+                low = t
+        if len(merged) <= MAX_BOUNDS:
+            break
+        eps *= 2
     found: dict = {}                    # S -> {plan: estimate}
     best_T = INF
     for t_max in merged:

@@ -296,3 +296,16 @@ def test_bad_arguments_are_typed_errors():
         search_pipeline(g, cm, budget_s=0)
     assert search_pipeline(g, cm, min_stages=5) is None       # four units cannot make five stages
     assert math.isfinite(search_pipeline(g, cm, budget_s=5).cost)
+
+
+def test_one_device_stages_pass_the_executors_pipeline_checks():
+    # the executor runs single-device stages (executor/pipeline.py); a plan of such stages from the
+    # search must pass its checks before any process starts
+    ex = pytest.importorskip("executor.pipeline")
+    g = mlp(batch=8, h=2048, layers=4)
+    m = machine(2, 1, network_bw=1e9)
+    res = search_pipeline(g, CostModel(m, "adam"), min_stages=2, max_stages=2)
+    p = plan_mod.Plan("model.onnx", "0" * 64, m, res.pcg, res.views, {}, pipeline=res.to_plan_field())
+    ex.check_pipeline(p)
+    M, stages = ex.resolve(p)
+    assert M == res.micro_batches and [s.device for s in stages] == [0, 1]
