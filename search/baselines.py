@@ -14,10 +14,13 @@
   is data parallel over d/t with t copies.  Transformers only.
 * ``expert`` (the expert-designed strategy of Unity §6.1 / FlexFlow's DLRM example, [38]):
   communication-intensive operators in model parallelism, compute-intensive ones in data
-  parallelism.  Embedding tables are communication-intensive: each table lives whole on one device
-  (different tables on different devices: the machine-mapping DP places them, side by side), its
+  parallelism.  Embedding tables are communication-intensive: each table lives whole on one device,
+  table i on device i mod d (as FlexFlow's dlrm_strategy; pinned in ``meta["pinned"]`` with the
+  one-task operators that feed it its indices or pool its lookups, see :func:`pinned_views`); its
   lookup reads the whole batch of indices, and the looked-up vectors are scattered to the
-  data-parallel layout where they meet dense operators.  A dense Linear is communication-intensive
+  data-parallel layout where they meet dense operators.  (The machine-mapping DP prices the tables'
+  branches one after the other: each ends in a scatter over every device, so no split of the
+  devices runs them side by side -- pessimistic for many tables on many devices.)  A dense Linear is communication-intensive
   when its weight has more elements than the activations it reads and writes in one iteration
   (``k*n > B*(k+n)`` at global batch B: synchronizing its gradient would move more than moving its
   activations); it is split on its output features m ways (the largest divisor of d dividing them) and
@@ -38,8 +41,6 @@ embeddings model-parallel) are found by graph pattern, not by node names.
 from __future__ import annotations
 
 from math import gcd, prod
-from typing import Iterable
-
 from unity_pcg import ops
 from unity_pcg.errors import InvalidParallelization, ShapeError, UnityError
 from unity_pcg.pcg import PCG, Ref
