@@ -427,7 +427,11 @@ def _table(header: Sequence[str], rows: Sequence[Sequence[str]], right: set = fr
 
 
 def _clip(s: str, n: int = 40) -> str:
-    return s if len(s) <= n else s[: n - 3] + "..."
+    """At most ``n`` characters, cut in the middle (names differ at their ends: layer and op)."""
+    if len(s) <= n:
+        return s
+    head = (n - 3) // 2
+    return s[:head] + "..." + s[len(s) - (n - 3 - head):]
 
 
 def format_text(e: Explanation, limit: int | None = None, sections: Sequence[str] | None = None) -> str:
@@ -485,7 +489,7 @@ def format_text(e: Explanation, limit: int | None = None, sections: Sequence[str
             rows_c = sorted(e.comm, key=lambda r: (-r.time_s, -r.elements, r.consumer))
             shown_c = rows_c if limit is None else rows_c[:limit]
             out += _table(["into", "from", "collective", "shape", "elements", "devices", "time"],
-                          [[_clip(r.consumer_name, 32), _clip(r.producer_name, 32), r.collective, r.shape,
+                          [[_clip(r.consumer_name, 44), _clip(r.producer_name, 44), r.collective, r.shape,
                             f"{r.elements:,}", device_ranges(r.devices), _ms(r.time_s)] for r in shown_c], {4, 6})
             if len(shown_c) < len(rows_c):
                 rest = rows_c[len(shown_c):]
