@@ -95,9 +95,13 @@ def _run(args) -> int:
     plan_path = os.path.join(args.out, "plan.json")
     dp_plan, dp_res = data_parallel_plan(path, machine, args.nproc, optimizer)
     pl, how = _search(path, machine, optimizer, args.budget, dp_plan)
-    pl.save(plan_path)
     t_plan = pl.predicted.get("predicted_iteration_s")
     t_dp = dp_res.cost if dp_res.feasible else None
+    if pl is not dp_plan and t_dp is not None and (t_plan is None or t_plan > t_dp * (1 + 1e-9)):
+        print(f"{how}, but its plan ({_ms(t_plan)}) is predicted slower than data parallelism: "
+              "running data parallelism")
+        pl, t_plan, how = dp_plan, t_dp, "data-parallel plan"
+    pl.save(plan_path)
     print(f"{how}; plan written to {plan_path}")
     print(f"predicted iteration: plan {_ms(t_plan)}, data parallel ({args.nproc} processes) {_ms(t_dp)}")
     speedup = (t_dp / t_plan) if t_plan and t_dp else None
