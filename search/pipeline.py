@@ -772,6 +772,13 @@ class _LayerPrices:
         self.shared = memo
         self.graphs: dict = {}
         self.keys: dict = {}
+        self.degrees: dict = {}
+
+    def _degree(self, layer: int, sg: PCG) -> int:
+        d = self.degrees.get(layer)
+        if d is None:
+            d = self.degrees[layer] = _max_degree(sg)
+        return d
 
     def get(self, layer: int, size: int) -> _Priced:
         key = (layer, size)
@@ -796,9 +803,13 @@ class _LayerPrices:
             shape = self.keys.get(layer)
             if shape is None:
                 shape = self.keys[layer] = _shape_key(sg)
-            d = _dp_degree(sg, size) if self.intra is default_intra else size
-            D = self.machine.devices_per_node
-            skey = ("layer", shape, d if self.intra is default_intra and (d <= D or d % D == 0) else size)
+            tag: Any = ("size", size)
+            if self.intra is default_intra:      # the devices it uses: the data-parallel degree, or the
+                need = max(_dp_degree(sg, size), self._degree(layer, sg))   # given parallelization's
+                D = self.machine.devices_per_node
+                if need <= size and (need <= D or need % D == 0):
+                    tag = need
+            skey = ("layer", shape, tag)
             p = self.shared.get(skey)
             if p is None:
                 p = self.shared[skey] = _price(self.mapper, sg, self.intra, res, self.shared)

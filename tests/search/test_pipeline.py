@@ -309,3 +309,16 @@ def test_one_device_stages_pass_the_executors_pipeline_checks():
     ex.check_pipeline(p)
     M, stages = ex.resolve(p)
     assert M == res.micro_batches and [s.device for s in stages] == [0, 1]
+
+
+def test_a_parallel_pcg_keeps_its_parallelization_inside_the_stages():
+    g = mlp(batch=8, h=16, layers=4)
+    pg = data_parallel(g, 2, combine_outputs=True)
+    m = machine(1, 4)
+    res = search_pipeline(pg, CostModel(m, "sgd"), min_stages=2, max_stages=2)
+    assert res.feasible and [len(s.devices) for s in res.stages] == [2, 2]
+    assert {res.views[n.id].degree for n in res.pcg.nodes() if n.op == "Linear"} == {2}
+    x = np.random.default_rng(5).standard_normal((8, 16)).astype("float32")
+    got = evaluate(res.pcg, {"x": x}, mode="pieces", rng=np.random.default_rng(0))
+    assert all(np.allclose(a, b, rtol=1e-4, atol=1e-4) for a, b in zip(evaluate(g, {"x": x}), got))
+    _check_views_inside_stages(res, m)
