@@ -68,3 +68,20 @@ def test_whole_job(tmp_path):
     assert "== 6. train on local processes" in r.stdout
     m = re.search(r"step time: predicted ([\d.]+) ms, measured ([\d.]+) ms", r.stdout)
     assert m and float(m.group(2)) > 0
+
+
+def test_a_search_plan_slower_than_data_parallel_is_not_run(tmp_path, capsys, monkeypatch):
+    """The main command runs the faster of the search's plan and data parallelism, and says why."""
+    import unity_pcg.demo as demo
+
+    def slower(model_path, machine, optimizer, budget, fallback):
+        pred = dict(fallback.predicted, predicted_iteration_s=fallback.predicted["predicted_iteration_s"] * 3)
+        return P.Plan(fallback.model_path, fallback.model_sha256, machine, fallback.pcg, fallback.views, pred,
+                      None, {"strategy": "unity"}), "joint search (stand-in)"
+    monkeypatch.setattr(demo, "_optimize", slower)
+    out = tmp_path / "demo"
+    assert main(["--machine", "local:1x2", "--no-run", "--out", str(out)]) == 0
+    text = capsys.readouterr().out
+    assert "is predicted slower than data parallelism: running data parallelism" in text
+    assert "predicted speedup over data parallel: 1.00x" in text
+    assert P.load(str(out / "plan.json")).info["strategy"] == "dp"
