@@ -294,8 +294,8 @@ def _analyze(g: PCG, roles: Mapping[int, str]) -> _Cuts:
 
 def sequential_layers(g: PCG, roles: Mapping[int, str], max_layers: int) -> tuple[list, list]:
     """Cut the PCG into at most ``max_layers`` layers (see module docstring).  Returns
-    ``(layers, cuts)``: per layer the unit indices ``(first, last + 1)``; per layer boundary the
-    refs crossing it."""
+    ``(layers, info)``: per layer the unit indices ``(first, last + 1)``; the units in order and,
+    per cut between units, the refs crossing it and whether it may be cut."""
     info = _analyze(g, roles)
     U = len(info.units)
     cand = [c for c in range(1, U) if info.valid[c]]
