@@ -227,8 +227,11 @@ def _explain(pl, plan_path: str) -> None:
     sections = ("summary", "rules", "communication", "gradients") + (("pipeline",) if e.pipeline else ())
     sys.stdout.write(format_text(e, limit=4, sections=sections))
     import shutil
+
+    from .commands.explain_cmd import AUTO_PNG_NODES
+    png = shutil.which("dot") is not None and len(pl.pcg) <= AUTO_PNG_NODES
     files = write_drawings(pl, e, os.path.splitext(plan_path)[0] + ".dot",
-                           os.path.splitext(plan_path)[0] + ".png" if shutil.which("dot") else None)
+                           os.path.splitext(plan_path)[0] + ".png" if png else None)
     print(f"full explanation: {full}; PCG drawn to {files['png'] or files['dot']}")
 
 

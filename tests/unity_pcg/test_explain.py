@@ -225,6 +225,24 @@ def test_cli_png_through_graphviz(tmp_path, capsys, monkeypatch):
     assert str(png) in capsys.readouterr().out
 
 
+def test_cli_default_png_only_for_small_graphs(tmp_path, capsys, monkeypatch):
+    """With graphviz present a PNG is drawn by default next to the plan, unless the PCG is large."""
+    import unity_pcg.commands.explain_cmd as cmd
+    path = _saved(tmp_path, _plan(tmp_path, _megatron()))
+    bindir = tmp_path / "bin"
+    bindir.mkdir()
+    fake = bindir / "dot"
+    fake.write_text("#!/bin/sh\ncat > \"$3\"\n")
+    fake.chmod(fake.stat().st_mode | stat.S_IEXEC)
+    monkeypatch.setenv("PATH", f"{bindir}{os.pathsep}{os.environ.get('PATH', '')}")
+    assert cli(["explain", path]) == 0
+    assert (tmp_path / "plan.png").exists() and "plan.png" in capsys.readouterr().out
+    (tmp_path / "plan.png").unlink()
+    monkeypatch.setattr(cmd, "AUTO_PNG_NODES", 3)
+    assert cli(["explain", path]) == 0
+    assert not (tmp_path / "plan.png").exists() and "--png FILE draws it" in capsys.readouterr().out
+
+
 def test_cli_png_without_graphviz_is_one_line(tmp_path, capsys, monkeypatch):
     path = _saved(tmp_path, _plan(tmp_path, _megatron()))
     monkeypatch.setenv("PATH", str(tmp_path / "empty"))

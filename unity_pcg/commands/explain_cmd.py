@@ -14,6 +14,10 @@ from ..errors import UnityError
 HELP = "show a plan: parallel degrees, machine views, rules applied, communication, stages"
 
 
+# graphviz lays out a few hundred nodes in seconds, thousands in minutes: draw a PNG by default only below
+AUTO_PNG_NODES = 300
+
+
 class RenderError(UnityError):
     """Graphviz is missing or failed, or a drawing cannot be written."""
 
@@ -23,7 +27,7 @@ def add_arguments(p) -> None:
     p.add_argument("--dot", metavar="FILE", help="write the PCG as Graphviz DOT to FILE "
                    "(default: next to the plan, PLAN.dot)")
     p.add_argument("--png", metavar="FILE", help="render the PCG to FILE with Graphviz `dot` "
-                   "(default when `dot` is installed: next to the plan, PLAN.png)")
+                   f"(default when `dot` is installed and the PCG has at most {AUTO_PNG_NODES} nodes: PLAN.png)")
     p.add_argument("--limit", type=int, default=None, metavar="N",
                    help="show the first N operators and the N most expensive transfers and weights (default all)")
     p.add_argument("--optimizer", choices=("sgd", "momentum", "adam"), default=None,
@@ -76,7 +80,8 @@ def run(args) -> int:
     e = explain(pl, optimizer=args.optimizer)
     stem = _stem(args.plan)
     dot_path = args.dot or f"{stem}.dot"
-    png_path = args.png or (f"{stem}.png" if shutil.which("dot") else None)
+    auto_png = shutil.which("dot") is not None and len(pl.pcg) <= AUTO_PNG_NODES
+    png_path = args.png or (f"{stem}.png" if auto_png else None)
     files = write_drawings(pl, e, dot_path, png_path)
     if args.json:
         obj = e.to_json()
@@ -86,6 +91,11 @@ def run(args) -> int:
         return 0
     sys.stdout.write(format_text(e, limit=args.limit))
     print()
-    print(f"PCG drawn to {files['dot']}" + (f" and {files['png']}" if files["png"] else
-                                          " (install graphviz for a PNG: dot -Tpng)"))
+    if files["png"]:
+        note = f" and {files['png']}"
+    elif shutil.which("dot") is None:
+        note = " (install graphviz for a PNG: dot -Tpng)"
+    else:
+        note = f" (no PNG by default for {len(pl.pcg)} nodes: --png FILE draws it)"
+    print(f"PCG drawn to {files['dot']}{note}")
     return 0
