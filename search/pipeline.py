@@ -666,7 +666,8 @@ def _crossing_bytes(g: PCG, refs: Iterable) -> float:
 def _micro_batch_candidates(B: int, micro_batches, max_stages: int) -> list[int]:
     """The numbers of micro-batches tried: the given ones, else the divisors of the batch that are
     powers of two up to 8 x max_stages (the bubble is then below 1/9 of the iteration for equal stages),
-    and the batch itself if it is within that bound (one sample per micro-batch)."""
+    the batch itself if it is within that bound (one sample per micro-batch), and the smallest other
+    divisors where that makes fewer than four."""
     if micro_batches is not None:
         ms = [micro_batches] if isinstance(micro_batches, int) else list(micro_batches)
         for m in ms:
@@ -674,9 +675,14 @@ def _micro_batch_candidates(B: int, micro_batches, max_stages: int) -> list[int]
                 raise PipelineError(f"micro-batch count {m!r} does not divide the batch {B}")
         return sorted(set(ms))
     top = 8 * max(1, max_stages) if max_stages > 1 else 1
-    out = {m for m in range(1, min(B, top) + 1) if B % m == 0 and m & (m - 1) == 0}
+    divs = [m for m in range(1, min(B, top) + 1) if B % m == 0]
+    out = {m for m in divs if m & (m - 1) == 0}
     if B <= top:
         out.add(B)
+    for m in divs:                      # an odd batch: a few other divisors
+        if len(out) >= 4:
+            break
+        out.add(m)
     return sorted(out)
 
 
@@ -1124,6 +1130,53 @@ def prod_(xs) -> int:
     return out
 
 
+def main(argv: Sequence[str] | None = None) -> int:
+    """``python -m search.pipeline MODEL.onnx --machine summit:2x6 --batch 24``: the pipeline plan
+    against data parallelism on the whole machine (both predicted by this cost model), as JSON."""
+    import argparse
+    import json
+
+    from unity_pcg.machine import parse_machine
+    from unity_pcg.onnx_import import load_onnx
+
+    ap = argparse.ArgumentParser(prog="python -m search.pipeline", description=main.__doc__)
+    ap.add_argument("model")
+    ap.add_argument("--machine", default="summit:2x6")
+    ap.add_argument("--batch", type=int, default=None)
+    ap.add_argument("--optimizer", default="sgd")
+    ap.add_argument("--max-stages", type=int, default=4)
+    ap.add_argument("--budget", type=float, default=None)
+    args = ap.parse_args(argv)
+    try:
+        g = load_onnx(args.model, batch=args.batch, load_weights=False)
+        m = parse_machine(args.machine)
+        mapper = MachineMapper(CostModel(m, args.optimizer))
+        t = time.perf_counter()
+        try:
+            dp = mapper.optimize(data_parallel(g, m.num_devices))
+            dp_s = dp.cost if dp.feasible else None
+        except StrategyError:
+            dp_s = None
+        dp_t = time.perf_counter() - t
+        r = search_pipeline(g, mapper, max_stages=args.max_stages, budget_s=args.budget)
+    except UnityError as e:
+        print(f"error: {e}")
+        return 2
+    out = {"model": args.model, "machine": args.machine, "batch": batch_size(g), "pcg_nodes": len(g),
+           "data_parallel_iteration_s": dp_s, "data_parallel_solve_s": dp_t,
+           "pipeline": r.to_json() if r is not None else None}
+    if r is not None:
+        for st, js in zip(r.stages, out["pipeline"]["stages"]):
+            js["nodes"] = len(st.nodes)
+            js["devices"] = [st.devices[0], st.devices[-1] + 1]
+    print(json.dumps(out, indent=1))
+    return 0
+
+
 __all__ = ["search_pipeline", "simulate_1f1b", "schedule_1f1b", "in_flight", "PipelineResult", "PipelineStage",
            "PipelineError", "Timeline", "rebatch", "stage_graph", "sequential_layers", "default_intra",
            "validate_pipeline_field", "batch_size", "SCHEDULE"]
+
+
+if __name__ == "__main__":  # pragma: no cover
+    raise SystemExit(main())
