@@ -111,3 +111,22 @@ def test_calibrate_quick_within_a_minute(tmp_path):
     m = MachineSpec.load(str(out))
     assert m.meta["calibrated"] and set(m.meta["allreduce_fits"]) == {"2", "4"}
     assert m.resized(1, 4).links["group"].bandwidth == pytest.approx(m.meta["allreduce_fits"]["4"]["bandwidth"])
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name,strategy,batch", [("bert_large", "megatron", 4), ("dlrm", "expert", 8)])
+def test_simulated_plans_train_as_one_device(name, strategy, batch, tmp_path, capsys):
+    """The plans `simulate -o` writes run on the executor and train as the whole model on one
+    device does (Megatron's tensor parallelism on tiny BERT, expert's round-robin tables on DLRM)."""
+    pytest.importorskip("torch")
+    from unity_pcg import zoo
+    model = zoo.export(name, str(tmp_path / f"{name}.onnx"), size="tiny", batch=batch)
+    losses = {}
+    for strat, machine in ((strategy, "summit:1x2"), ("none", "summit:1x1")):
+        plan = str(tmp_path / f"{strat}.json")
+        assert main(["simulate", model, "--machine", machine, "--strategy", strat, "-o", plan]) == 0
+        capsys.readouterr()
+        nproc = "2" if strat != "none" else "1"
+        assert main(["run", plan, "--model", model, "--steps", "3", "--nproc", nproc, "--json"]) == 0
+        losses[strat] = json.loads(capsys.readouterr().out)["losses"]
+    assert losses[strategy] == pytest.approx(losses["none"], rel=1e-4, abs=1e-6)
