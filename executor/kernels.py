@@ -85,16 +85,22 @@ def _batchnorm(a, xs, ctx: TaskContext):
     if not ctx.training:
         y = (x - mean.reshape(sh)) / torch.sqrt(var.reshape(sh) + eps) * scale.reshape(sh) + bias.reshape(sh)
         return [y]
+    # two passes (mean, then the mean of squared deviations), each summed over the tasks that split the
+    # batch or spatial dims: E[x^2] - E[x]^2 in one pass loses the variance to cancellation
     dims = [0] + list(range(2, x.dim()))
     n = torch.tensor(float(x.numel() // x.shape[1]), dtype=x.dtype, device=x.device)
-    stats = torch.cat([x.sum(dims), (x * x).sum(dims), n.reshape(1)])
-    if ctx.stat_sum is not None:
-        stats = ctx.stat_sum(stats)
     c = x.shape[1]
-    cnt = stats[2 * c]
-    mu = stats[:c] / cnt
-    var_b = torch.clamp(stats[c:2 * c] / cnt - mu * mu, min=0.0)
-    y = (x - mu.reshape(sh)) * torch.rsqrt(var_b.reshape(sh) + eps) * scale.reshape(sh) + bias.reshape(sh)
+    s1 = torch.cat([x.sum(dims), n.reshape(1)])
+    if ctx.stat_sum is not None:
+        s1 = ctx.stat_sum(s1)
+    cnt = s1[c]
+    mu = (s1[:c] / cnt).reshape(sh)
+    d = x - mu
+    s2 = (d * d).sum(dims)
+    if ctx.stat_sum is not None:
+        s2 = ctx.stat_sum(s2)
+    var_b = (s2 / cnt).reshape(sh)
+    y = d * torch.rsqrt(var_b + eps) * scale.reshape(sh) + bias.reshape(sh)
     return [y]
 
 

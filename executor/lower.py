@@ -13,11 +13,14 @@ From that picture each rank keeps what concerns it:
 * **compute operators**: the rank runs the torch kernel (:mod:`executor.kernels`) of the task the
   view puts on it, on plain local tensors, with the operator's piece attributes;
 * **parallel operators on activations** and **inputs of a compute task held by another device**:
-  communication.  ``AllReduce`` whose copies sit on the devices holding its partial sums is one
-  ``all_reduce`` over that group; every other movement (Combine's gather, Partition to another device,
-  Reduce's partial sums, a producer on other devices than its consumer) is a batch of point-to-point
-  ``isend``/``irecv`` of whole pieces or slices, with the gradient sent back in the backward pass.
-  Nothing else is written by hand: collectives are torch.distributed's own.
+  communication, with torch.distributed's own collectives where the pieces sit as a collective expects
+  (one per output group; each with its autograd backward): ``AllReduce`` whose copies sit on the devices
+  holding its partial sums -> ``all_reduce``; ``Reduce`` onto one of the devices holding the partial sums
+  -> ``reduce`` (backward ``broadcast``); ``Combine`` onto one of the devices holding the parts ->
+  ``gather`` (backward ``scatter``); ``Replicate`` from a device keeping a copy -> ``broadcast`` (backward
+  ``reduce``); ``Partition`` of a piece held by one of the receivers -> ``scatter`` (backward ``gather``).
+  Any other movement (a piece on devices its consumer does not use, mixed layouts) is a batch of
+  point-to-point ``isend``/``irecv`` of whole pieces or slices, the gradient sent back in the backward.
 
 Backward ordering: every rank creates its communication autograd nodes in the same global order (the
 PCG's topological order), the autograd engine runs ready nodes latest-created first, and every
@@ -381,6 +384,7 @@ class Lowered:
                 for gg in grp.values():
                     self.groups.add(gg)
                 return st
+        plan = []                 # per output piece: (device, [(input flat, narrow)], combine)
         for q, dev in enumerate(devs):
             gi = list(unravel(q, s_out.grid))
             srcs: list = []
@@ -417,12 +421,86 @@ class Lowered:
                 combine = ("sum",)
             else:
                 raise ExecutorError(f"parallel operator {op} has no lowering")
+            plan.append((dev, srcs, combine))
+        coll = self._collective(n, ref, plan)
+        if coll is not None:
+            return coll
+        for dev, srcs, combine_q in plan:
             got = [self._need(ref, f, dev, nw, ex) for f, nw in srcs]
             if dev == self.rank:
                 mine = got
+                combine = combine_q
         st = Step(n.id, op, "parallel", list(ex.values()), inputs=mine, attrs=dict(a), combine=combine)
         if self.rank in devs:
             st.outputs = [(n.id, 0)]
+        return st
+
+    def _collective(self, n, ref, plan) -> Step | None:
+        """One torch.distributed collective per output piece where the pieces sit as the collective
+        expects: Reduce onto one of the devices holding its partial sums (``reduce``), Combine onto one
+        of the devices holding its parts (``gather``), Replicate from a device that keeps a copy
+        (``broadcast``), Partition from a device that keeps a slice (``scatter``).  None when any output piece does not fit (then: point-to-point)."""
+        op = n.op
+        if op not in ("Reduce", "Combine", "Batch", "Replicate", "Partition", "Pipeline"):
+            return None
+        hold = self.holders(ref)
+        s_in = self.g.shape(ref)
+        st = Step(n.id, op, "parallel", [], attrs=dict(n.a))
+        groups = []
+        if op in ("Partition", "Pipeline"):
+            by_src = {}
+            for dev, srcs, _ in plan:
+                by_src.setdefault(piece_key(srcs[0][0], s_in), []).append((dev, srcs[0][1]))
+            for key, outs in by_src.items():
+                devs = [d for d, _ in outs]
+                inside = sorted(set(hold[key]) & set(devs))
+                if not inside or len(set(devs)) != len(devs) or len(devs) != n.a["degree"]:
+                    return None
+                grp = tuple(sorted(devs))
+                groups.append(grp)
+                if self.rank in grp:
+                    narrows = tuple(dict(outs)[d] for d in grp)     # slice sent to each group member
+                    st.combine = ("scatter", grp, inside[0], narrows)
+                    st.inputs = [Source("local", ref)] if self.rank == inside[0] else []
+                    st.outputs = [(n.id, 0)]
+        elif op == "Replicate":
+            by_src: dict = {}
+            for dev, srcs, _ in plan:
+                by_src.setdefault(piece_key(srcs[0][0], s_in), []).append(dev)
+            for key, devs in by_src.items():
+                inside = sorted(set(hold[key]) & set(devs))
+                if not inside or len(set(devs)) != len(devs):
+                    return None
+                grp = tuple(sorted(devs))
+                groups.append(grp)
+                if self.rank in grp:
+                    st.combine = ("broadcast", grp, inside[0])
+                    st.inputs = [Source("local", ref)] if self.rank == inside[0] else []
+                    st.outputs = [(n.id, 0)]
+        else:
+            for dev, srcs, comb in plan:
+                owners = []
+                for f, _ in srcs:
+                    h = hold[piece_key(f, s_in)]
+                    if len(h) != 1:
+                        return None
+                    owners.append(h[0])
+                if dev not in owners or len(set(owners)) != len(owners):
+                    return None
+                grp = tuple(sorted(owners))
+                groups.append(grp)
+                if self.rank in grp:
+                    st.inputs = [Source("local", ref)]
+                    if op == "Reduce":
+                        st.combine = ("reduce", grp, dev)
+                    else:   # gather: part j comes from owners[j]
+                        st.combine = ("gather", grp, dev, comb[1], tuple(grp.index(o) for o in owners))
+                    if self.rank == dev:
+                        st.outputs = [(n.id, 0)]
+        if any(len(set(g) & set(h)) and g != h for g in groups for h in groups):
+            return None       # a rank in two groups of one operator: keep it simple, point-to-point
+        for grp in groups:
+            self.groups.add(grp)
         return st
 
     def _allreduce_group(self, n) -> dict | None:

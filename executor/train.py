@@ -98,6 +98,93 @@ class _AllReduce(torch.autograd.Function):
         return None, None, g
 
 
+class _Reduce(torch.autograd.Function):
+    """Sum onto ``dst``; the backward broadcasts the gradient from ``dst`` to every contributor."""
+
+    @staticmethod
+    def forward(ctx, group, dst, anchor, x):
+        ctx.group, ctx.dst = group, dst
+        y = x.contiguous().clone()
+        dist.reduce(y, dst, group=group)
+        return y
+
+    @staticmethod
+    def backward(ctx, g):
+        g = g.contiguous().clone()
+        dist.broadcast(g, ctx.dst, group=ctx.group)
+        return None, None, None, g
+
+
+class _Broadcast(torch.autograd.Function):
+    """Copy ``src``'s piece to every member; the backward sums the copies' gradients onto ``src``."""
+
+    @staticmethod
+    def forward(ctx, group, src, anchor, x):
+        ctx.group, ctx.src = group, src
+        y = x.contiguous().clone()
+        dist.broadcast(y, src, group=group)
+        return y
+
+    @staticmethod
+    def backward(ctx, g):
+        g = g.contiguous().clone()
+        dist.reduce(g, ctx.src, group=ctx.group)
+        return None, None, None, g
+
+
+class _Gather(torch.autograd.Function):
+    """Every member's piece onto ``dst`` (stacked in group order); the backward scatters the gradient."""
+
+    @staticmethod
+    def forward(ctx, group, dst, me, n, anchor, x):
+        ctx.group, ctx.dst, ctx.me, ctx.shape = group, dst, me, x.shape
+        x = x.contiguous()
+        if me == dst:
+            parts = [torch.empty_like(x) for _ in range(n)]
+            dist.gather(x, parts, dst=dst, group=group)
+            return torch.stack(parts)
+        dist.gather(x, None, dst=dst, group=group)
+        return x.new_zeros(())
+
+    @staticmethod
+    def backward(ctx, g):
+        out = torch.empty(ctx.shape, dtype=g.dtype, device=g.device)
+        if ctx.me == ctx.dst:
+            dist.scatter(out, list(g.contiguous().unbind(0)), src=ctx.dst, group=ctx.group)
+        else:
+            dist.scatter(out, None, src=ctx.dst, group=ctx.group)
+        return None, None, None, None, None, out
+
+
+class _Scatter(torch.autograd.Function):
+    """Slices of ``src``'s piece to the members (``narrows`` in group order); the backward gathers the
+    slices' gradients back into the piece's gradient."""
+
+    @staticmethod
+    def forward(ctx, group, src, me, narrows, shape, anchor, x):
+        ctx.group, ctx.src, ctx.me, ctx.narrows, ctx.xshape = group, src, me, narrows, x.shape
+        out = torch.empty(shape, dtype=x.dtype, device=anchor.device)
+        if me == src:
+            parts = [x.narrow(*nw).contiguous() for nw in narrows]
+            dist.scatter(out, parts, src=src, group=group)
+        else:
+            dist.scatter(out, None, src=src, group=group)
+        return out
+
+    @staticmethod
+    def backward(ctx, g):
+        g = g.contiguous()
+        if ctx.me == ctx.src:
+            parts = [torch.empty_like(g) for _ in ctx.narrows]
+            dist.gather(g, parts, dst=ctx.src, group=ctx.group)
+            gx = torch.zeros(ctx.xshape, dtype=g.dtype, device=g.device)
+            for nw, p in zip(ctx.narrows, parts):
+                gx.narrow(*nw).add_(p)
+            return None, None, None, None, None, None, gx
+        dist.gather(g, None, dst=ctx.src, group=ctx.group)
+        return None, None, None, None, None, None, None
+
+
 def _narrow(t: torch.Tensor, nw) -> torch.Tensor:
     if nw is None:
         return t
@@ -126,6 +213,7 @@ class Trainer:
             self.device = torch.device(device)
         self.seed = int(seed)
         self.step_no = 0
+        self.keep_values = False          # debugging: keep every local piece of the last step
         self.low: Lowered = lower(self.g, plan.views, self.rank, self.world, plan.machine, sync_batchnorm)
         self._load_weights(model_path or plan.model_path, weights)
         self._loss_refs = {}
@@ -345,6 +433,62 @@ class Trainer:
              [(peer, tag, o) for (peer, tag, _, _), o in zip(recv_meta, outs)])
         return outs
 
+    def _collective(self, st, c, vals, recv, fv, anchor, sinks):
+        """Reduce / broadcast / gather of one parallel operator (see ``Lowered._collective``)."""
+        ref = st.outputs[0] if st.outputs else None
+        diff = self.low.diff[(st.node, 0)]
+        pg = self._group(c[1])
+        s_out = self.g.shapes(st.node)[0]
+        if c[0] == "scatter":
+            _, grp, src, narrows = c
+            shape = list(s_out.piece_shape)
+            dt = TORCH_DTYPES[s_out.dtype]
+            x = self._resolve(st.inputs[0], vals, recv, fv) if st.inputs else \
+                torch.empty((0,), dtype=dt, device=self.device)
+            if not diff:
+                out = torch.empty(shape, dtype=dt, device=self.device)
+                parts = [x.narrow(*nw).contiguous() for nw in narrows] if self.rank == src else None
+                dist.scatter(out, parts, src=src, group=pg)
+                return out
+            y = _Scatter.apply(pg, src, self.rank, narrows, tuple(shape), anchor, x)
+            sinks.append(y)
+            return y
+        if c[0] == "broadcast":
+            if st.inputs:
+                x = self._resolve(st.inputs[0], vals, recv, fv)
+            else:
+                x = torch.empty(s_out.piece_shape, dtype=TORCH_DTYPES[s_out.dtype], device=self.device)
+            if not diff:
+                y = x.contiguous().clone()
+                dist.broadcast(y, c[2], group=pg)
+                return y
+            y = _Broadcast.apply(pg, c[2], anchor, x)
+            sinks.append(y)
+            return y
+        x = self._resolve(st.inputs[0], vals, recv, fv)
+        if c[0] == "reduce":
+            if not diff:
+                y = x.contiguous().clone()
+                dist.reduce(y, c[2], group=pg)
+            else:
+                y = _Reduce.apply(pg, c[2], anchor, x)
+                sinks.append(y)
+            return y if ref is not None else None
+        _, grp, dst, dim, order = c
+        if not diff:
+            x = x.contiguous()
+            parts = [torch.empty_like(x) for _ in grp] if self.rank == dst else None
+            dist.gather(x, parts, dst=dst, group=pg)
+            if parts is None:
+                return None
+            y = torch.stack(parts)
+        else:
+            y = _Gather.apply(pg, dst, self.rank, len(grp), anchor, x)
+            sinks.append(y)
+            if self.rank != dst:
+                return None
+        return torch.cat([y[i] for i in order], dim=dim)
+
     def _loss_ref(self, kind: str):
         """The tensor the loss is computed on: the first output, or the tensor before the Combines that
         gather it (their result is only summed), when its pieces allow (no partial sums; cross-entropy
@@ -399,7 +543,7 @@ class Trainer:
             for j, e in enumerate(st.exchanges):
                 if e.involves(self.rank):
                     recv[e.ref] = self._exchange(e, self._tags[(st.node, j)], vals, anchor, sinks)
-            if not st.outputs:
+            if not st.outputs and not st.inputs:
                 continue
             if st.kind == "compute":
                 xs = [self._resolve(s, vals, recv, fv) for s in st.inputs]
@@ -422,6 +566,10 @@ class Trainer:
                     else:
                         y = x.clone()
                         dist.all_reduce(y, group=self._group(c[1]))
+                elif c[0] in ("reduce", "broadcast", "gather", "scatter"):
+                    y = self._collective(st, c, vals, recv, fv, anchor, sinks)
+                    if not st.outputs:
+                        continue
                 else:
                     xs = [self._resolve(s, vals, recv, fv) for s in st.inputs]
                     if c[0] == "cat":
@@ -433,6 +581,8 @@ class Trainer:
                     else:
                         y = xs[0]
                 vals[st.outputs[0]] = y
+        if self.keep_values:
+            self.last_values = {r: v.detach().clone() for r, v in vals.items() if isinstance(v, torch.Tensor)}
         # loss on the pieces this rank holds (copy 0 only)
         s = self.g.shape(ref)
         contrib = None

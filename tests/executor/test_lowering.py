@@ -74,7 +74,9 @@ def test_megatron_lowering_shards_weights_and_reduces_partial_sums():
         atoms = _atoms(tuple(shape), low.weight_uses[name])
         assert len(atoms) == 2 and all(len(devs) == 1 for _, devs in atoms)
     reduce = [s for s in low.steps if s.op == "Reduce"]
-    assert len(reduce) == 1 and reduce[0].combine == ("sum",)
+    assert len(reduce) == 1
+    dst = plan.views[reduce[0].node].devices()[0]
+    assert reduce[0].combine == ("reduce", (0, 1), dst) and not reduce[0].exchanges   # one torch reduce
 
 
 def test_allreduce_lowers_to_one_collective_when_copies_sit_with_partial_sums():

@@ -579,7 +579,7 @@ compute_op("BatchNorm", attrs={"eps": 1e-5, "momentum": 0.9}, num_inputs=5, logi
            forward=_bn_fwd, flops=lambda a, i, o: 4.0 * o[0].numel,
            doc="Inputs x, scale, bias, running mean, running var. The numpy reference uses the running "
                "statistics (ONNX inference semantics). Training uses batch statistics: when the batch or a "
-               "spatial dim is partitioned they need an all-reduce of 2*C sums (SyncBatchNorm; see "
+               "spatial dim is partitioned they need all-reduces of per-channel sums (SyncBatchNorm; see "
                "TRAINING_STAT_SYNC), which the executor runs and the cost model prices.")
 
 # operators whose training statistics are sums over partitioned dims (an all-reduce of per-channel
