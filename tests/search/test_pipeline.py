@@ -1,5 +1,6 @@
 """Pipeline parallelism (search/pipeline.py): the 1F1B schedule and its simulation, memory in flight,
 the stage search against data parallelism, and the plan field."""
+import itertools
 import json
 import math
 import random
@@ -11,7 +12,7 @@ from search.baselines import data_parallel
 from search.cost import CostModel, GraphCost
 from search.mapping import MachineMapper
 from search.memory import memory_per_device
-from search.pipeline import (PipelineError, in_flight, rebatch, schedule_1f1b, search_pipeline,
+from search.pipeline import (PipelineError, evaluate_pipeline, in_flight, rebatch, schedule_1f1b, search_pipeline,
                              simulate_1f1b, stage_graph, validate_pipeline_field)
 from unity_pcg import plan as plan_mod
 from unity_pcg.errors import PlanError
@@ -322,3 +323,47 @@ def test_a_parallel_pcg_keeps_its_parallelization_inside_the_stages():
     got = evaluate(res.pcg, {"x": x}, mode="pieces", rng=np.random.default_rng(0))
     assert all(np.allclose(a, b, rtol=1e-4, atol=1e-4) for a, b in zip(evaluate(g, {"x": x}), got))
     _check_views_inside_stages(res, m)
+
+
+def _chain(batch, widths):
+    b = PCG.builder()
+    x = b.add("Input", {"name": "x", "shape": (batch, widths[0])})
+    for i in range(len(widths) - 1):
+        w = b.add("Weight", {"name": f"w{i}", "shape": (widths[i], widths[i + 1])})
+        x = b.add("Linear", {}, [x, w], name=f"fc{i}")
+        x = b.add("Relu", {}, [x], name=f"relu{i}")
+    b.set_outputs([x])
+    return b.finish()
+
+
+@pytest.mark.parametrize("widths,shape,net,batch", [
+    ([512, 2048, 256, 4096, 512], (1, 4), 20e9, 16),
+    ([1024, 1024, 4096, 1024, 64], (4, 1), 2e9, 8),
+    ([256, 4096, 4096, 256], (2, 2), 5e9, 32),
+])
+def test_search_is_near_the_best_of_every_pipeline(widths, shape, net, batch):
+    # every cut of the layers, every sequence of sub-meshes covering the machine and every searched
+    # micro-batch count (1 and 4 here), each priced exactly: the search's plan is within 5% of the best
+    g = _chain(batch, widths)
+    m = machine(*shape, network_bw=net, node_bw=net * 10)
+    mapper = MachineMapper(CostModel(m, "adam"))
+    res = search_pipeline(g, mapper, max_stages=4, max_layers=100, micro_batches=(1, 4))
+    L, T = res.stats["layers"], m.num_devices
+    best = math.inf
+    for M in res.stats["micro_batches_tried"]:
+        for S in range(1, 5):
+            for cuts in itertools.combinations(range(1, L), S - 1):
+                bounds = (0,) + cuts + (L,)
+                for sizes in itertools.product(range(1, T + 1), repeat=S):
+                    if sum(sizes) != T:
+                        continue
+                    starts = [sum(sizes[:k]) for k in range(S)]
+                    stages = [(bounds[k], bounds[k + 1], starts[k], sizes[k]) for k in range(S)]
+                    try:
+                        r = evaluate_pipeline(g, mapper, stages, M, max_layers=100, stitch=False)
+                    except PipelineError:
+                        continue                      # a block across a node boundary
+                    if r.feasible:
+                        best = min(best, r.cost)
+    assert res.feasible and best < math.inf
+    assert best * (1 - 1e-9) <= res.cost <= 1.05 * best
