@@ -730,8 +730,12 @@ def search_pipeline(pcg: PCG, mapper_or_cost_model: MachineMapper | CostModel, *
     memo: dict = {}
     graphs: dict = {}
     cands: list = []
-    for M in _micro_batch_candidates(B, micro_batches, max_stages):
+    # under a budget the counts most likely to pay come first: about two micro-batches per stage
+    ms = sorted(_micro_batch_candidates(B, micro_batches, max_stages),
+                key=lambda m: (abs(math.log2(m) - math.log2(2 * max_stages)), m))
+    for M in ms:
         if cands and time.perf_counter() > deadline:
+            stats["budget_exhausted"] = True
             break
         try:
             graphs[M] = rebatch(pcg, B, B // M)

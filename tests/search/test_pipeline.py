@@ -367,3 +367,13 @@ def test_search_is_near_the_best_of_every_pipeline(widths, shape, net, batch):
                         best = min(best, r.cost)
     assert res.feasible and best < math.inf
     assert best * (1 - 1e-9) <= res.cost <= 1.05 * best
+
+
+def test_a_spent_budget_still_returns_the_best_plan_of_the_first_micro_batch_count():
+    g = mlp(batch=8, h=2048, layers=8)
+    mapper = MachineMapper(CostModel(machine(4, 1, network_bw=1e9), "adam"))
+    full = search_pipeline(g, mapper, max_stages=4)
+    quick = search_pipeline(g, mapper, max_stages=4, budget_s=1e-9)
+    assert len(full.stats["micro_batches_tried"]) > 1
+    assert len(quick.stats["micro_batches_tried"]) == 1 and quick.stats["budget_exhausted"]
+    assert quick.feasible and quick.cost >= full.cost
