@@ -448,6 +448,7 @@ class PipelineResult:
     capacity: int
     search_s: float = 0.0
     stats: dict = field(default_factory=dict)
+    comm_elements: int = 0            # elements sent by all devices per iteration
 
     @property
     def num_stages(self) -> int:
@@ -466,7 +467,7 @@ class PipelineResult:
         return {"predicted_iteration_s": self.cost if math.isfinite(self.cost) else None,
                 "feasible": self.feasible, "reason": self.reason, "micro_batches": self.micro_batches,
                 "stages": [s.to_json() for s in self.stages], "max_memory_bytes": self.max_memory_bytes,
-                "search_s": self.search_s, "stats": dict(self.stats)}
+                "comm_elements": self.comm_elements, "search_s": self.search_s, "stats": dict(self.stats)}
 
 
 def validate_pipeline_field(pipeline: Any, pcg: PCG, views: Mapping[int, MachineView],
@@ -1013,7 +1014,7 @@ def _evaluate(gM, roles, info, layers, plan, M, mapper, intra, machine, memo=Non
     S = len(plan)
     bf = mapper.model.backward_factor
     cap = machine.device.memory_bytes
-    fwd, bwd, once, send, priced, mems, reasons = [], [], [], [], [], [], []
+    fwd, bwd, once, send, priced, mems, reasons, send_el = [], [], [], [], [], [], [], []
     for idx, (k, i, d, s) in enumerate(plan):
         res = _resource(machine, d, s)
         nodes = [n for a, b in layers[k:i] for u in range(a, b) for n in info.units[u]]
@@ -1034,8 +1035,9 @@ def _evaluate(gM, roles, info, layers, plan, M, mapper, intra, machine, memo=Non
         _, _, d2, s2 = plan[idx + 1]
         nb = _crossing_bytes(gM, info.crossing[layers[i][0]])
         send.append(_transfer(machine, tuple(range(d, d + s)), tuple(range(d2, d2 + s2)), nb))
+        send_el.append(sum(gM.shape(r).numel for r in info.crossing[layers[i][0]]))
     out = {"priced": priced, "fwd": fwd, "bwd": bwd, "once": once, "send": send, "mem": mems,
-           "memory": {dev: v for mem in mems for dev, v in mem.items()}}
+           "memory": {dev: v for mem in mems for dev, v in mem.items()}, "send_elements": send_el}
     if any(not math.isfinite(x) for x in fwd):
         return dict(out, cost=INF, makespan=INF, feasible=False,
                     reason="; ".join(reasons) or "a stage cannot be mapped")
@@ -1069,7 +1071,24 @@ def _assemble(pcg: PCG, gM: PCG, plan, M: int, ev: dict, machine: MachineSpec, s
         stages.append(PipelineStage(tuple(members[idx]), res.devices(machine), res, (k, i), ev["fwd"][idx],
                                     ev["bwd"][idx], ev["once"][idx], ev["send"][idx] if idx < S - 1 else 0.0,
                                     in_flight(S, idx, M), int(max(mem.values(), default=0))))
-    return PipelineResult(cost, feasible, reason, M, tuple(stages), full, views, dict(ev["memory"]), cap)
+    return PipelineResult(cost, feasible, reason, M, tuple(stages), full, views, dict(ev["memory"]), cap,
+                          comm_elements=_comm_elements(ev, M, machine))
+
+
+def _comm_elements(ev: dict, M: int, machine: MachineSpec) -> int:
+    """Elements sent by all devices in one iteration (the project's convention): each stage's
+    activation transfers once per micro-batch, its gradient synchronization once, and every
+    boundary's activations forward and gradients back once per micro-batch."""
+    total = 2 * M * sum(ev.get("send_elements", ()))
+    model = CostModel(machine)
+    for p in ev["priced"]:
+        if p.pcg is None or not p.views:
+            continue
+        gc = GraphCost(p.pcg, model)
+        for n in gc.nodes():
+            el = gc.leaf_cost(n, p.views[n], p.views).comm_elements
+            total += el if gc.role[n] == "weight-placement" else M * el
+    return int(total)
 
 
 def _stitch(pcg: PCG, gM: PCG, priced: Sequence[_Priced], plan, machine: MachineSpec

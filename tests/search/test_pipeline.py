@@ -377,3 +377,25 @@ def test_a_spent_budget_still_returns_the_best_plan_of_the_first_micro_batch_cou
     assert len(full.stats["micro_batches_tried"]) > 1
     assert len(quick.stats["micro_batches_tried"]) == 1 and quick.stats["budget_exhausted"]
     assert quick.feasible and quick.cost >= full.cost
+
+
+def test_communication_volume_counts_boundaries_per_micro_batch_and_sync_once():
+    g = mlp(batch=8, h=2048, layers=4)
+    m = machine(2, 1, network_bw=1e9)
+    mapper = MachineMapper(CostModel(m, "adam"))
+    # two one-device stages: only the boundary moves, 8 x 2048 activations forward and gradients back
+    two = evaluate_pipeline(g, mapper, [(0, 4, 0, 1), (4, 8, 1, 1)], 4, max_layers=8)
+    assert two.stats["layers"] == 8
+    assert two.comm_elements == 2 * 8 * 2048
+    # one stage, one micro-batch: data parallelism, as the mapping counts it
+    one = evaluate_pipeline(g, mapper, [(0, 8, 0, 2)], 1, max_layers=8)
+    dp = mapper.optimize(data_parallel(g, 2))
+    assert one.comm_elements == dp.breakdown.comm_elements > 0
+    assert one.cost == pytest.approx(dp.cost)
+    # four micro-batches: the same gradient sync once, the activation transfers (none here) four times
+    four = evaluate_pipeline(g, mapper, [(0, 8, 0, 2)], 4, max_layers=8)
+    assert four.comm_elements == one.comm_elements
+    with pytest.raises(PipelineError, match="does not continue"):
+        evaluate_pipeline(g, mapper, [(0, 4, 0, 1), (5, 8, 1, 1)], 4, max_layers=8)
+    with pytest.raises(PipelineError, match="cover"):
+        evaluate_pipeline(g, mapper, [(0, 4, 0, 1)], 4, max_layers=8)
