@@ -700,14 +700,17 @@ def search_pipeline(pcg: PCG, mapper_or_cost_model: MachineMapper | CostModel, *
     ``pcg`` is logical or parallel (a parallel one keeps its parallelization inside each stage under
     the default ``intra``).  ``intra(stage_pcg, resource)`` returns the parallelization of a stage's
     sub-PCG (at the micro-batch size) for its sub-mesh, computing the same outputs in the same order;
-    default :func:`default_intra`.  ``micro_batches``: one count or several (default: the powers of two
-    dividing the batch up to 8 x max_stages, :func:`_micro_batch_candidates`).  Stage counts from ``min_stages`` to ``max_stages`` (one stage
-    is no pipeline: gradient accumulation over M micro-batches).  ``budget_s`` bounds the search (the
-    best plan found so far is returned).  ``candidates``: DP plans kept per stage count and number
-    of micro-batches; the best estimate of every stage count and up to ``max_exact`` in all are priced
-    exactly.
-    Returns the fastest feasible plan, else the fastest infeasible one (``feasible`` False, with the
-    reason), or None when the graph has no split into ``min_stages`` stages."""
+    default :func:`default_intra`.  It is called once per distinct layer structure, sub-mesh size and
+    number of micro-batches (layer prices are reused for layers of the same structure, so a hook
+    should depend on the structure and the resource only), and once per stage of each plan priced
+    exactly.  ``micro_batches``: one count or several (default: the powers of two dividing the batch
+    up to 8 x max_stages, :func:`_micro_batch_candidates`).  Stage counts from ``min_stages`` to
+    ``max_stages`` (one stage is no pipeline: gradient accumulation over M micro-batches).
+    ``budget_s`` bounds the search (at least one number of micro-batches is searched; the best plan
+    found so far is returned).  ``candidates``: DP plans kept per stage count and number of
+    micro-batches; the best estimate of every stage count and up to ``max_exact`` in all are priced
+    exactly.  Returns the fastest feasible plan, else the fastest infeasible one (``feasible`` False,
+    with the reason), or None when the graph has no split into ``min_stages`` stages."""
     t0 = time.perf_counter()
     if budget_s is not None and budget_s <= 0:
         raise PipelineError(f"pipeline search budget must be positive, got {budget_s}")
@@ -1244,8 +1247,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     return 0
 
 
-__all__ = ["search_pipeline", "evaluate_pipeline", "simulate_1f1b", "schedule_1f1b", "in_flight", "PipelineResult", "PipelineStage",
-           "PipelineError", "Timeline", "rebatch", "stage_graph", "sequential_layers", "default_intra",
+__all__ = ["search_pipeline", "evaluate_pipeline", "simulate_1f1b", "schedule_1f1b", "in_flight", "PipelineResult",
+           "PipelineStage", "PipelineError", "Timeline", "rebatch", "stage_graph", "sequential_layers", "default_intra",
            "validate_pipeline_field", "batch_size", "SCHEDULE"]
 
 
