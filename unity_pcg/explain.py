@@ -119,6 +119,7 @@ class StageRow:
     nodes: tuple[str, ...]          # names of the stage's nodes
     devices: tuple[int, ...]
     leaves_s: float = 0.0           # the stage's operators re-priced one after the other (whole batch)
+    operators: tuple[str, ...] = () # names of the stage's non-source nodes, topological order
     recorded: Mapping[str, Any] = field(default_factory=dict)   # the search's per-stage figures, if any
 
     def to_json(self) -> dict:
@@ -372,7 +373,9 @@ def _pipeline(plan, gc=None, views=None) -> tuple[Mapping[str, Any] | None, tupl
             devs = tuple(int(d) for d in st.get("devices", []))
         except (TypeError, ValueError):
             raise PlanError(f"plan: pipeline stage {i} has a malformed device list") from None
-        rows.append(StageRow(i, tuple(names), devs, leaves, figures))
+        topo = {n: k for k, n in enumerate(g.topo_order())}
+        opnames = tuple(g.node(n).label() for n in sorted(set(ids), key=topo.get) if g.node(n).kind != "source")
+        rows.append(StageRow(i, tuple(names), devs, leaves_s=leaves, recorded=figures, operators=opnames))
     head = {k: v for k, v in p.items() if k != "stages"}
     return head, tuple(rows)
 
@@ -519,8 +522,9 @@ def format_text(e: Explanation, limit: int | None = None, sections: Sequence[str
             rows_s = []
             for s in e.stages:
                 r = s.recorded
-                names = ", ".join(_clip(x, 24) for x in s.nodes[:2]) + (f", ... ({len(s.nodes)} nodes)"
-                                                                         if len(s.nodes) > 2 else "")
+                o = s.operators
+                names = (f"{_clip(o[0], 24)} .. {_clip(o[-1], 24)} ({len(o)} operators)" if len(o) > 1
+                         else (o[0] if o else f"{len(s.nodes)} nodes"))
                 rows_s.append([str(s.index), device_ranges(s.devices), _ms(s.leaves_s),
                                _ms(r.get("fwd_s")) if "fwd_s" in r else "-", _ms(r.get("bwd_s")) if "bwd_s" in r else "-",
                                _ms(r.get("send_s")) if "send_s" in r else "-", str(r.get("in_flight", "-")),

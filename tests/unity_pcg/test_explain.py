@@ -171,6 +171,30 @@ def test_pipeline_stages_are_shown_and_drawn(tmp_path):
     assert e.to_json()["pipeline"]["stages"][1]["devices"] == [2, 3]
 
 
+def test_pipeline_plan_from_the_stage_search(tmp_path):
+    """A plan built from search.pipeline's result: every stage is shown with its devices, its operators
+    and the search's per-micro-batch figures; the transfers between stages are point-to-point."""
+    from search.pipeline import search_pipeline
+    m = parse_machine("summit:1x4")
+    r = search_pipeline(_mlp(8, 16, 16, 4), MachineMapper(CostModel(m, "sgd")), max_stages=2, min_stages=2)
+    assert r is not None and r.feasible and r.num_stages == 2
+    model = tmp_path / "model.onnx"
+    model.write_bytes(b"stand-in")
+    pl = P.Plan(str(model), P.file_sha256(str(model)), m, r.pcg, r.views,
+                {"predicted_iteration_s": r.cost, "pipeline": r.to_json()}, r.to_plan_field())
+    e = explain(P.load(_saved(tmp_path, pl)))
+    assert [s.devices for s in e.stages] == [tuple(st.devices) for st in r.stages]
+    assert [s.recorded["fwd_s"] for s in e.stages] == [st.fwd_s for st in r.stages]
+    assert "fc1" in e.stages[0].operators and "fc2" in e.stages[1].operators
+    assert "fc2" not in e.stages[0].operators and "fc1" not in e.stages[1].operators
+    # fc1's output travels from stage 0's devices to stage 1's
+    cross = [c for c in e.comm if c.producer_name == "fc1"]
+    assert len(cross) == 1 and cross[0].elements > 0
+    d0, d1 = set(e.stages[0].devices), set(e.stages[1].devices)
+    assert d0 <= set(cross[0].devices) <= d0 | d1 and set(cross[0].devices) & d1
+    assert f"{r.micro_batches} micro-batches, 2 stages" in format_text(e)
+
+
 def test_dot_marks_parallel_operators_and_communication(tmp_path):
     pl = _plan(tmp_path, _megatron())
     e = explain(pl)
