@@ -3,7 +3,8 @@ agreement with exhaustive enumeration on small graphs (tests/search/test_mapping
 test_mapping_join.py).
 
 For each model and D in (6, 48, 192) devices (summit:1x6, 8x6, 32x6): the model is exported once
-(``zoo.export(name, size="paper")``, cached in benchmarks/.cache/), imported with ``load_onnx`` at the
+(``zoo.export_structure(name, size="paper")`` -- no weights allocated -- where the zoo supports it,
+else ``zoo.export``; cached in benchmarks/.cache/), imported with ``load_onnx`` at the
 paper's per-device batch times D, parallelized with ``search.baselines.data_parallel(D)`` and mapped
 by a fresh :class:`MachineMapper` (cold cache) ``--runs`` times (median), then once more on the
 same mapper (warm cache: the reuse the substitution search gets).
@@ -36,7 +37,10 @@ def model_path(name: str) -> str:
     p = os.path.join(CACHE, f"{name}-paper.onnx")
     if not os.path.exists(p):
         print(f"exporting {name} (paper size) ...", file=sys.stderr, flush=True)
-        zoo.export(name, p, size="paper")
+        try:
+            zoo.export_structure(name, p, size="paper")   # graph and weight shapes only: nothing allocated
+        except zoo.ZooError:
+            zoo.export(name, p, size="paper")             # models with width-dependent constants
     return p
 
 

@@ -1,6 +1,8 @@
 """ONNX import benchmark: the seven zoo models at paper size, plus the onnx wheel's light_densenet121.
 
-For each model: export once with the legacy exporter (cached under benchmarks/.cache/, git-ignored), import
+For each model: export once with the legacy exporter (cached under benchmarks/.cache/, git-ignored; with
+``zoo.export_structure`` where the zoo supports it: the real graph and weight shapes, weights a sparse
+zero file, nothing allocated), import
 it N times (default 5) with ``load_onnx`` and record the median wall time, the ONNX node count and the PCG's
 operator counts (compute operators; sources = Input/Weight nodes are counted apart), parameters and FLOPs of one
 forward pass.  Target (issue 2, point 8): paper-size BERT-Large and DenseNet-121 import in <= 5 s each.
@@ -30,12 +32,15 @@ TARGET_S = 5.0
 
 def _export(name: str, refresh: bool) -> tuple[str, float | None]:
     from unity_pcg import zoo
-    path = os.path.join(CACHE, f"{name}_paper_legacy.onnx")
+    path = os.path.join(CACHE, f"{name}-paper.onnx")     # shared with dp_bench.py and fig14.py
     if os.path.exists(path) and not refresh:
         return path, None
     os.makedirs(CACHE, exist_ok=True)
     t = time.perf_counter()
-    zoo.export(name, path, size="paper", exporter="legacy")
+    try:   # the graph with every weight's shape, weights in a sparse zero file (nothing allocated)
+        zoo.export_structure(name, path, size="paper")
+    except zoo.ZooError:   # models with width-dependent constants: the real export
+        zoo.export(name, path, size="paper", exporter="legacy")
     return path, time.perf_counter() - t
 
 
@@ -115,7 +120,8 @@ def _markdown(meta, rows) -> str:
            f"`benchmarks/import_bench.py`: median of {meta['repeats']} imports with `load_onnx` "
            f"({meta['cpus']} CPUs, Python {meta['python']}, onnx {meta['onnx']}, {meta['date']}). "
            "Zoo models at paper size, exported once with the legacy exporter (weights stay on disk: "
-           "they are read lazily). *ops* = compute operators of the PCG (Input/Weight nodes not counted).", "",
+           "they are read lazily; DLRM, XDL, CANDLE-Uno and MLP by `zoo.export_structure`: their weights "
+           "are a sparse zero file). *ops* = compute operators of the PCG (Input/Weight nodes not counted).", "",
            "| model | batch | ONNX nodes | PCG ops | params | GFLOPs (fwd) | import (s, median) | top op types |",
            "|---|---|---:|---:|---:|---:|---:|---|"]
     for r in rows:

@@ -1,0 +1,471 @@
+"""Unity's Figure 14 (and 15b) in simulation: the joint search against the baselines on Summit.
+
+For every zoo model at paper size and every device count D of ``--devices`` (default 6, 12, 24, 48,
+96, 192 GPUs = ``summit:(D/6)x6``), at the paper's global batch (its per-GPU batch x D, Unity §6.1) and
+optimizer (Adam for BERT-Large, SGD otherwise), one task per row:
+
+* the baselines that apply, each the real strategy in the same cost model: ``dp`` for every model,
+  ``megatron`` for BERT-Large (tensor parallelism inside a node: ``devices_per_node`` of the machine),
+  ``expert`` for DLRM, XDL and CANDLE-Uno -- built with :func:`search.baselines.build_strategy` and
+  mapped by a fresh :class:`search.mapping.MachineMapper` (memory-aware: a plan that does not fit
+  is reported infeasible with its reason);
+* ``unity``: :func:`search.optimize.optimize` with strategy ``unity`` and ``--budget`` seconds;
+* ``sequential`` (Figure 15b: TASO then FlexFlow): the same call with strategy ``sequential``, same budget.
+
+Throughput = global batch / predicted iteration time; speedup = Unity's throughput over the best
+feasible baseline's.  Extra rows: DenseNet-121 of the onnx wheel (backend/test/data/light, per-GPU
+batch 64 as the CNNs) and 1,024 simulated GPUs (``h100:128x8``).
+
+Each task runs in its own process (``--worker``) under a hard time limit, and its row is appended to
+benchmarks/results/fig14.json as soon as it is done, so a partial run keeps what it measured; a rerun
+skips the rows already there (``--fresh`` starts over).  Paper-size models are written once to
+benchmarks/.cache/ (``zoo.export_structure`` where the zoo supports it: no weights allocated).
+
+    .venv/bin/python benchmarks/fig14.py                       # the whole matrix (hours on 2 busy cores)
+    .venv/bin/python benchmarks/fig14.py --models mlp,dlrm --devices 6,192 --budget 30
+    .venv/bin/python benchmarks/fig14.py --quick               # mlp and dlrm at 6 and 12 GPUs, 10 s budget
+    .venv/bin/python benchmarks/fig14.py --report              # fig14.md from fig14.json (no measurement)
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import resource
+import subprocess
+import sys
+import time
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+ROOT = os.path.dirname(HERE)
+sys.path.insert(0, ROOT)
+CACHE = os.path.join(HERE, ".cache")
+RESULTS = os.path.join(HERE, "results")
+JSON_OUT = os.path.join(RESULTS, "fig14.json")
+MD_OUT = os.path.join(RESULTS, "fig14.md")
+
+PAPER_MODELS = ("resnext50", "inception_v3", "bert_large", "dlrm", "xdl", "candle_uno", "mlp")
+DEVICES = (6, 12, 24, 48, 96, 192)
+BIG_MACHINE = "h100:128x8"                  # 1,024 simulated GPUs
+BIG_MODELS = ("mlp", "dlrm", "bert_large", "candle_uno", "xdl", "inception_v3", "resnext50")
+DENSENET = "densenet121"
+DENSENET_BATCH = 64                          # per GPU, as the paper's CNNs
+#: Unity's speedup over the best baseline (Figure 14, at the largest scale) and the baseline named
+PAPER_SPEEDUP = {"dlrm": 3.6, "candle_uno": 1.6, "mlp": 2.0, "xdl": 1.9, "inception_v3": 1.3,
+                 "resnext50": 1.0, "bert_large": 1.0}
+SEARCH_TARGET_S = {"paper": 60.0, "big": 120.0, DENSENET: 120.0}
+
+
+def baselines_for(model: str) -> list[str]:
+    """The baselines of Figure 14 that apply to ``model``: data parallelism for all, Megatron for
+    BERT, the expert strategy for the recommendation models and CANDLE-Uno."""
+    out = ["dp"]
+    if model == "bert_large":
+        out.append("megatron")
+    if model in ("dlrm", "xdl", "candle_uno"):
+        out.append("expert")
+    return out
+
+
+def model_path(name: str) -> str:
+    """The ONNX file of ``name`` at paper size (cached in benchmarks/.cache/); DenseNet-121 from the
+    onnx wheel."""
+    if name == DENSENET:
+        import onnx
+        return os.path.join(os.path.dirname(onnx.__file__), "backend", "test", "data", "light",
+                            "light_densenet121.onnx")
+    from unity_pcg import zoo
+    os.makedirs(CACHE, exist_ok=True)
+    p = os.path.join(CACHE, f"{name}-paper.onnx")
+    if not os.path.exists(p):
+        print(f"exporting {name} (paper size) ...", file=sys.stderr, flush=True)
+        try:
+            zoo.export_structure(name, p, size="paper")      # graph and shapes only, no weights
+        except zoo.ZooError:
+            zoo.export(name, p, size="paper")                # models with width-dependent constants
+    return p
+
+
+def per_gpu_batch(name: str) -> int:
+    if name == DENSENET:
+        return DENSENET_BATCH
+    from unity_pcg import zoo
+    return zoo.MODELS[name].paper_batch
+
+
+def optimizer_of(name: str) -> str:
+    if name == DENSENET:
+        return "sgd"
+    from unity_pcg import zoo
+    return zoo.MODELS[name].paper_optimizer
+
+
+def machine_for(devices: int) -> str:
+    if devices == 1024:
+        return BIG_MACHINE
+    if devices % 6:
+        raise SystemExit(f"--devices: {devices} is not a multiple of Summit's 6 GPUs per node (or 1024)")
+    return f"summit:{devices // 6}x6"
+
+
+# --- one task (runs in a worker process) ------------------------------------------------------------------
+
+def run_task(task: dict) -> dict:
+    """Price one (model, devices, strategy) task; returns its row."""
+    from unity_pcg.machine import parse_machine
+    name, D, strategy = task["model"], task["devices"], task["strategy"]
+    m = parse_machine(task["machine"])
+    batch = per_gpu_batch(name) * D
+    opt = optimizer_of(name)
+    path = model_path(name)
+    row = {"model": name, "devices": D, "machine": task["machine"], "strategy": strategy, "batch": batch,
+           "optimizer": opt}
+    t0 = time.perf_counter()
+    if strategy in ("unity", "sequential"):
+        from search.optimize import optimize
+        r = optimize(path, m, budget_s=task["budget"], strategy=strategy, optimizer=opt, batch=batch,
+                     max_candidates=task["max_candidates"])
+        j = r.json()
+        j.pop("memory_per_device", None)
+        row.update({"feasible": j["feasible"], "reason": j["reason"], "predicted_iteration_s": j["predicted_iteration_s"],
+                    "search_s": j["search_s"], "budget_s": task["budget"], "max_candidates": task["max_candidates"],
+                    "comm_elements": j["comm_elements"], "max_memory_bytes": j["max_memory_bytes"],
+                    "data_parallel_iteration_s": j["data_parallel_iteration_s"], "rule_steps": j["rule_steps"],
+                    "devices_used": j["devices_used"], "search": j["search"],
+                    "breakdown": r.mapping.to_json().get("breakdown")})
+    else:
+        from search.baselines import build_strategy
+        from search.cost import CostModel
+        from search.mapping import MachineMapper
+        from unity_pcg.onnx_import import load_onnx
+        g = load_onnx(path, batch=batch, load_weights=False)
+        t1 = time.perf_counter()
+        pg = build_strategy(g, strategy, D, devices_per_node=m.devices_per_node)
+        r = MachineMapper(CostModel(m, optimizer=opt)).optimize(pg)
+        row.update({"feasible": bool(r.feasible), "reason": r.reason,
+                    "predicted_iteration_s": r.cost if r.feasible else None,
+                    "build_and_map_s": time.perf_counter() - t1, "comm_elements": r.breakdown.comm_elements,
+                    "max_memory_bytes": r.memory.max_bytes if r.memory else None,
+                    "devices_used": r.stats.get("devices_used", 0), "fallbacks": len(pg.meta.get("fallbacks", [])),
+                    "breakdown": r.to_json().get("breakdown")})
+        for k in ("tp", "dp"):
+            if k in pg.meta:
+                row[k] = pg.meta[k]
+    row["wall_s"] = time.perf_counter() - t0
+    ru = resource.getrusage(resource.RUSAGE_SELF)
+    row["cpu_s"] = ru.ru_utime + ru.ru_stime      # the whole worker, import and export check included
+    t = row.get("predicted_iteration_s")
+    row["throughput_samples_s"] = batch / t if t else None
+    return row
+
+
+def worker(arg: str) -> int:
+    task = json.loads(arg)
+    try:
+        row = run_task(task)
+    except Exception as e:                 # recorded, the run goes on
+        row = dict(task, feasible=False, error=f"{type(e).__name__}: {e}"[:400], predicted_iteration_s=None)
+    sys.stdout.write("ROW " + json.dumps(row, default=str) + "\n")
+    return 0
+
+
+# --- the run ------------------------------------------------------------------------------------------------
+
+def tasks_for(models, devices, budget, max_candidates, extras: bool, seq_devices) -> list[dict]:
+    """Tasks in the order they run, so that a run cut short still has the headline numbers: Unity and
+    the baselines at the largest scale (the paper's anchors), the sequential search there (Figure 15b),
+    DenseNet-121 and 1,024 GPUs for the four models of the paper's anchors with the largest speedups,
+    then the other device counts (spread: smallest, middle, ...), the other models at 1,024 GPUs,
+    and the sequential search at the other ``seq_devices``."""
+    def t(model, D, strategy, machine=None):
+        return {"model": model, "devices": D, "machine": machine or machine_for(D), "strategy": strategy,
+                "budget": budget, "max_candidates": max_candidates}
+
+    def block(name, D, machine=None):
+        return [t(name, D, s, machine) for s in baselines_for(name)] + [t(name, D, "unity", machine)]
+    top = max(devices)
+    rest = sorted(d for d in devices if d != top)
+    spread = []
+    while rest:                                  # 6, 48, 12, 96, 24: coverage early
+        spread.append(rest.pop(0))
+        if rest:
+            spread.append(rest.pop(len(rest) // 2))
+    out = [x for name in models for x in block(name, top)]
+    out += [t(name, top, "sequential") for name in models if top in seq_devices]
+    big = [x for x in BIG_MODELS if x in models]
+    if extras:
+        out += [t(DENSENET, 192, s) for s in ("dp", "unity")]
+        out += [x for name in big[:4] for x in block(name, 1024, BIG_MACHINE)]
+    for D in spread:
+        out += [x for name in models for x in block(name, D)]
+    if extras:
+        out += [x for name in big[4:] for x in block(name, 1024, BIG_MACHINE)]
+        if 192 in seq_devices:
+            out.append(t(DENSENET, 192, "sequential"))
+    for D in spread:
+        if D in seq_devices:
+            out += [t(name, D, "sequential") for name in models]
+    return out
+
+
+def _key(row) -> tuple:
+    return (row["model"], row["machine"], row["strategy"])
+
+
+def load_rows(path: str) -> dict:
+    if not os.path.exists(path):
+        return {"meta": {}, "rows": []}
+    with open(path) as f:
+        return json.load(f)
+
+
+def save(path: str, data: dict) -> None:
+    tmp = path + ".tmp"
+    with open(tmp, "w") as f:
+        json.dump(data, f, indent=1, default=str)
+    os.replace(tmp, path)
+
+
+def run(tasks: list[dict], out: str, fresh: bool, task_timeout: float | None, meta: dict) -> None:
+    data = {"meta": {}, "rows": []} if fresh else load_rows(out)
+    data["meta"] = dict(data.get("meta") or {}, **meta)
+    done = {_key(r) for r in data["rows"]}
+    for i, task in enumerate(tasks):
+        if _key(task) in done:
+            continue
+        model_path(task["model"])          # export outside the timed worker
+        limit = task_timeout or (4 * task["budget"] + 300)
+        t0 = time.perf_counter()
+        try:
+            p = subprocess.run([sys.executable, os.path.abspath(__file__), "--worker", json.dumps(task)],
+                               capture_output=True, text=True, timeout=limit, cwd=ROOT)
+            line = next((x for x in p.stdout.splitlines() if x.startswith("ROW ")), None)
+            row = json.loads(line[4:]) if line else dict(task, feasible=False, predicted_iteration_s=None,
+                                                         error=f"worker exit {p.returncode}: {p.stderr[-400:]}")
+        except subprocess.TimeoutExpired:
+            row = dict(task, feasible=False, predicted_iteration_s=None, error=f"timed out after {limit:.0f} s")
+        row["task_wall_s"] = time.perf_counter() - t0
+        row["finished"] = time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())
+        data["rows"].append(row)
+        save(out, data)
+        t = row.get("predicted_iteration_s")
+        extra = f" search {row['search_s']:.1f} s" if row.get("search_s") is not None else ""
+        print(f"[{i + 1}/{len(tasks)}] {row['model']:13s} {row['machine']:12s} {row['strategy']:10s} "
+              f"{(f'{t * 1e3:10.2f} ms') if t else ('ERROR ' + row['error'][:60] if row.get('error') else 'infeasible')}"
+              f"{extra}  ({row['task_wall_s']:.0f} s)", flush=True)
+
+
+# --- the report ---------------------------------------------------------------------------------------------
+
+def _fmt_t(x) -> str:
+    return f"{x:,.0f}" if x is not None else "-"
+
+
+def _cell(row) -> str:
+    if row is None:
+        return "n/m"                        # not measured (yet)
+    if row.get("error"):
+        return "error"
+    if not row.get("feasible"):
+        return "OOM" if "memory" in (row.get("reason") or "").lower() or "fit" in (row.get("reason") or "").lower() \
+            else "infeasible"
+    return _fmt_t(row.get("throughput_samples_s"))
+
+
+def summarize(rows: list[dict]) -> list[dict]:
+    """One line per (model, machine): each strategy's row, the best feasible baseline and the speedups."""
+    by = {}
+    for r in rows:
+        by.setdefault((r["model"], r["devices"], r["machine"]), {})[r["strategy"]] = r
+    out = []
+    for (model, D, machine), s in by.items():
+        base = [(k, r) for k, r in s.items() if k not in ("unity", "sequential") and r.get("feasible")
+                and r.get("throughput_samples_s")]
+        best = max(base, key=lambda kr: kr[1]["throughput_samples_s"], default=(None, None))
+        u, q = s.get("unity"), s.get("sequential")
+        tu = u.get("throughput_samples_s") if u and u.get("feasible") else None
+        tq = q.get("throughput_samples_s") if q and q.get("feasible") else None
+        out.append({"model": model, "devices": D, "machine": machine, "rows": s, "best_baseline": best[0],
+                    "best_baseline_tput": best[1]["throughput_samples_s"] if best[1] else None,
+                    "unity_tput": tu, "sequential_tput": tq,
+                    "speedup": tu / best[1]["throughput_samples_s"] if tu and best[1] else None,
+                    "joint_over_sequential": tu / tq if tu and tq else None,
+                    "search_s": u.get("search_s") if u else None,
+                    "sequential_search_s": q.get("search_s") if q else None})
+    order = {m: i for i, m in enumerate(PAPER_MODELS + (DENSENET,))}
+    out.sort(key=lambda x: (x["devices"] == 1024, order.get(x["model"], 99), x["devices"]))
+    return out
+
+
+def _x(v) -> str:
+    return f"{v:.2f}x" if v is not None else "-"
+
+
+def report(path: str = JSON_OUT, md: str = MD_OUT) -> str:
+    data = load_rows(path)
+    rows, meta = data["rows"], data.get("meta", {})
+    lines = summarize(rows)
+    o = ["# Figure 14 / 15b in simulation", "",
+         "`benchmarks/fig14.py` (report from `benchmarks/results/fig14.json`). Predicted by the cost model on "
+         "Summit (`summit:Nx6`, V100 16 GB) at the paper's global batch (per-GPU batch x GPUs) and optimizer "
+         "(Adam for BERT-Large, SGD otherwise). Throughput in samples/s = global batch / predicted iteration. "
+         "Baselines: `dp` all models, `megatron` BERT-Large (tensor parallel inside a node), `expert` DLRM, "
+         "XDL, CANDLE-Uno. *OOM*: the strategy's best mapping does not fit a device; *n/m*: not measured "
+         "(run cut short); *error*: see the JSON.", "",
+         f"Run: {meta.get('command', '?')}; search budget {meta.get('budget_s', '?')} s, at most "
+         f"{meta.get('max_candidates', '?')} expanded candidates per segment; {meta.get('cpus', '?')} CPUs shared "
+         f"with other work (load average at start {meta.get('loadavg', '?')}); git {meta.get('git', '?')}; "
+         f"started {meta.get('started', '?')}.", ""]
+    o += ["## Figure 14: Unity against the best baseline (throughput, samples/s)", "",
+          "| model | GPUs | dp | megatron | expert | Unity | best baseline | Unity / best | paper | search (s) |",
+          "|---|---:|---:|---:|---:|---:|---|---:|---:|---:|"]
+    for x in lines:
+        if x["devices"] == 1024 or x["model"] == DENSENET:
+            continue
+        s = x["rows"]
+        paper = PAPER_SPEEDUP.get(x["model"]) if x["devices"] == 192 else None
+        st = f"{x['search_s']:.1f}" if x["search_s"] is not None else "-"
+        o.append(f"| {x['model']} | {x['devices']} | {_cell(s.get('dp'))} | "
+                 f"{_cell(s.get('megatron')) if 'megatron' in baselines_for(x['model']) else ''} | "
+                 f"{_cell(s.get('expert')) if 'expert' in baselines_for(x['model']) else ''} | {_cell(s.get('unity'))} | "
+                 f"{x['best_baseline'] or '-'} | {_x(x['speedup'])} | {_x(paper) if paper else ''} | {st} |")
+    o += ["", "Paper column: Unity over the best baseline at the largest scale (Figure 14; BERT-Large "
+          "on par with Megatron, ResNeXt-50 about 1.0x).", ""]
+    o += _extras(lines)
+    o += _fig15b(lines)
+    o += _search_times(lines, meta)
+    o += _notes(lines, rows)
+    text = "\n".join(o) + "\n"
+    with open(md, "w") as f:
+        f.write(text)
+    return text
+
+
+def _extras(lines) -> list[str]:
+    ex = [x for x in lines if x["devices"] == 1024 or x["model"] == DENSENET]
+    if not ex:
+        return []
+    o = ["## DenseNet-121 and 1,024 GPUs", "",
+         "| model | machine | GPUs | best baseline | baseline samples/s | Unity samples/s | Unity / best | search (s) | target (s) |",
+         "|---|---|---:|---|---:|---:|---:|---:|---:|"]
+    for x in ex:
+        st = f"{x['search_s']:.1f}" if x["search_s"] is not None else "-"
+        o.append(f"| {x['model']} | {x['machine']} | {x['devices']} | {x['best_baseline'] or '-'} | "
+                 f"{_fmt_t(x['best_baseline_tput'])} | {_cell(x['rows'].get('unity'))} | {_x(x['speedup'])} | "
+                 f"{st} | 120 |")
+    return o + [""]
+
+
+def _fig15b(lines) -> list[str]:
+    q = [x for x in lines if "sequential" in x["rows"]]
+    o = ["## Figure 15b: joint (Unity) against sequential (TASO then FlexFlow), same budget", ""]
+    if not q:
+        return o + ["Not measured yet.", ""]
+    o += ["| model | machine | sequential samples/s | Unity samples/s | joint / sequential | sequential search (s) |",
+          "|---|---|---:|---:|---:|---:|"]
+    for x in q:
+        ss = x["sequential_search_s"]
+        o.append(f"| {x['model']} | {x['machine']} | {_cell(x['rows'].get('sequential'))} | {_cell(x['rows'].get('unity'))} | "
+                 f"{_x(x['joint_over_sequential'])} | {f'{ss:.1f}' if ss is not None else '-'} |")
+    return o + ["", "Paper: joint over sequential up to 1.6x.", ""]
+
+
+def _search_times(lines, meta) -> list[str]:
+    o = ["## Unity search time (s) per model and GPU count", ""]
+    devs = sorted({x["devices"] for x in lines if x["search_s"] is not None})
+    if not devs:
+        return o + ["Not measured yet.", ""]
+    o += ["| model | " + " | ".join(str(d) for d in devs) + " |", "|---|" + "---:|" * len(devs)]
+    for name in PAPER_MODELS + (DENSENET,):
+        cells = []
+        for d in devs:
+            x = next((y for y in lines if y["model"] == name and y["devices"] == d), None)
+            cells.append(f"{x['search_s']:.1f}" if x and x["search_s"] is not None else "")
+        if any(cells):
+            o.append(f"| {name} | " + " | ".join(cells) + " |")
+    o += ["", "Targets on this machine: <= 60 s per paper model at 192 GPUs, <= 120 s at 1,024 GPUs and "
+          "for DenseNet-121 (wall clock, including import and the data-parallel reference; "
+          "the machine was shared, see the load average above).", ""]
+    return o
+
+
+def _notes(lines, rows) -> list[str]:
+    o = ["## What the search chose", "",
+         "| model | machine | Unity chose | rule steps | explored | DP solves | DP solves cut by time | stopped by |",
+         "|---|---|---|---:|---:|---:|---:|---|"]
+    for r in rows:
+        if r["strategy"] != "unity" or r.get("error"):
+            continue
+        s = r.get("search") or {}
+        stopped = ",".join(sorted(set(s.get("stopped", []))))
+        o.append(f"| {r['model']} | {r['machine']} | {s.get('chosen', '-')}{' (fallback ' + s['fallback'] + ')' if s.get('fallback') else ''} | "
+                 f"{r.get('rule_steps', '-')} | {s.get('explored', '-')} | {s.get('mapper_calls', '-')} | "
+                 f"{s.get('mapper_timeouts', '-')} | {stopped} |")
+    errs = [r for r in rows if r.get("error")]
+    if errs:
+        o += ["", "Errors:", ""] + [f"- {r['model']} {r['machine']} {r['strategy']}: {r['error'][:200]}" for r in errs]
+    return o + [""]
+
+
+# --- main ---------------------------------------------------------------------------------------------------
+
+def _meta(a, argv) -> dict:
+    try:
+        git = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True,
+                             cwd=ROOT).stdout.strip()
+    except OSError:
+        git = "?"
+    return {"command": "python benchmarks/fig14.py " + " ".join(argv), "budget_s": a.budget,
+            "max_candidates": a.max_candidates, "cpus": os.cpu_count(), "python": platform.python_version(),
+            "loadavg": " ".join(f"{x:.1f}" for x in os.getloadavg()), "git": git,
+            "started": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())}
+
+
+def main(argv=None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--models", default=",".join(PAPER_MODELS))
+    ap.add_argument("--devices", default=",".join(map(str, DEVICES)),
+                    help="GPU counts on Summit (multiples of 6), 1024 = h100:128x8")
+    ap.add_argument("--budget", type=float, default=60.0, help="search budget in seconds (unity and sequential)")
+    ap.add_argument("--max-candidates", type=int, default=40, help="expanded candidates per segment")
+    ap.add_argument("--quick", action="store_true", help="mlp and dlrm at 6 and 12 GPUs, 10 s budget, no extras")
+    ap.add_argument("--no-extras", action="store_true", help="skip DenseNet-121 and 1,024 GPUs")
+    ap.add_argument("--sequential-devices", default="192",
+                    help="GPU counts at which the sequential search runs (Figure 15b; '' for none)")
+    ap.add_argument("--fresh", action="store_true", help="discard the rows already in the output")
+    ap.add_argument("--task-timeout", type=float, default=None, help="seconds per task (default 4 x budget + 300)")
+    ap.add_argument("--out", default=JSON_OUT)
+    ap.add_argument("--report", action="store_true", help="only write the markdown report from the JSON")
+    ap.add_argument("--worker", default=None, help=argparse.SUPPRESS)
+    a = ap.parse_args(argv)
+    if a.worker is not None:
+        return worker(a.worker)
+    md = os.path.splitext(a.out)[0] + ".md"
+    if a.report:
+        print(report(a.out, md))
+        return 0
+    if a.quick:
+        a.models, a.devices, a.budget, a.no_extras, a.sequential_devices = "mlp,dlrm", "6,12", 10.0, True, "6,12"
+    if a.budget <= 0:
+        ap.error("--budget must be positive")
+    models = [x for x in a.models.split(",") if x]
+    from unity_pcg import zoo
+    bad = [x for x in models if x not in zoo.MODELS]
+    if bad:
+        ap.error(f"unknown model(s) {', '.join(bad)}; known: {', '.join(zoo.MODELS)}")
+    devices = [int(x) for x in a.devices.split(",") if x]
+    for d in devices:
+        machine_for(d)
+    os.makedirs(RESULTS, exist_ok=True)
+    seq = {int(x) for x in a.sequential_devices.split(",") if x}
+    tasks = tasks_for(models, devices, a.budget, a.max_candidates, not a.no_extras, seq)
+    run(tasks, a.out, a.fresh, a.task_timeout, _meta(a, argv))
+    report(a.out, md)
+    print(f"wrote {os.path.relpath(a.out, ROOT)} and {os.path.relpath(md, ROOT)}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,73 @@
+"""benchmarks/fig14.py: which baselines apply, the task order, and the report's arithmetic (speedup over
+the best *feasible* baseline, joint over sequential) from synthetic rows -- no search is run."""
+import importlib.util
+import json
+import os
+
+import pytest
+
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+
+@pytest.fixture(scope="module")
+def fig14():
+    spec = importlib.util.spec_from_file_location("fig14", os.path.join(ROOT, "benchmarks", "fig14.py"))
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
+
+
+def test_baselines_per_model(fig14):
+    assert fig14.baselines_for("bert_large") == ["dp", "megatron"]
+    for m in ("dlrm", "xdl", "candle_uno"):
+        assert fig14.baselines_for(m) == ["dp", "expert"]
+    for m in ("mlp", "resnext50", "inception_v3"):
+        assert fig14.baselines_for(m) == ["dp"]
+    assert fig14.machine_for(192) == "summit:32x6" and fig14.machine_for(1024) == "h100:128x8"
+
+
+def test_tasks_cover_matrix_once_largest_scale_first(fig14):
+    tasks = fig14.tasks_for(("bert_large", "dlrm", "mlp"), (6, 12, 48), 5.0, 3, True, {48})
+    keys = [(t["model"], t["machine"], t["strategy"]) for t in tasks]
+    assert len(keys) == len(set(keys))
+    assert all(t["budget"] == 5.0 and t["max_candidates"] == 3 for t in tasks)
+    assert tasks[0]["devices"] == 48
+    # every (model, D) has its baselines and unity; sequential only at 48
+    for m in ("bert_large", "dlrm", "mlp"):
+        for d in (6, 12, 48):
+            strategies = {s for (mm, mach, s) in keys if mm == m and mach == fig14.machine_for(d)}
+            assert strategies == set(fig14.baselines_for(m)) | {"unity"} | ({"sequential"} if d == 48 else set())
+    assert ("densenet121", "summit:32x6", "unity") in keys
+    assert ("bert_large", "h100:128x8", "megatron") in keys
+    last48 = max(i for i, t in enumerate(tasks) if t["devices"] == 48 and t["strategy"] != "sequential")
+    first6 = min(i for i, t in enumerate(tasks) if t["devices"] == 6)
+    assert last48 < first6
+
+
+def _row(model, D, strategy, t, feasible=True, **kw):
+    batch = 100 * D
+    return dict({"model": model, "devices": D, "machine": f"summit:{D // 6}x6", "strategy": strategy,
+                 "batch": batch, "feasible": feasible, "predicted_iteration_s": t if feasible else None,
+                 "throughput_samples_s": batch / t if feasible else None, "reason": "" if feasible else
+                 "does not fit in device memory"}, **kw)
+
+
+def test_report_speedup_over_best_feasible_baseline(fig14, tmp_path):
+    rows = [_row("dlrm", 6, "dp", 0.5, feasible=False), _row("dlrm", 6, "expert", 2.0),
+            _row("dlrm", 6, "unity", 0.5, search_s=3.0), _row("dlrm", 6, "sequential", 1.0, search_s=2.0),
+            _row("bert_large", 6, "dp", 1.0), _row("bert_large", 6, "megatron", 0.8),
+            _row("bert_large", 6, "unity", 1.0, search_s=1.0)]
+    lines = {(x["model"], x["devices"]): x for x in fig14.summarize(rows)}
+    d = lines[("dlrm", 6)]
+    assert d["best_baseline"] == "expert"            # dp is faster but does not fit
+    assert d["speedup"] == pytest.approx(4.0)
+    assert d["joint_over_sequential"] == pytest.approx(2.0)
+    b = lines[("bert_large", 6)]
+    assert b["best_baseline"] == "megatron" and b["speedup"] == pytest.approx(0.8)
+    assert b["joint_over_sequential"] is None
+    p = tmp_path / "f.json"
+    p.write_text(json.dumps({"meta": {}, "rows": rows}))
+    text = fig14.report(str(p), str(tmp_path / "f.md"))
+    dl = next(x for x in text.splitlines() if x.startswith("| dlrm | 6 |"))
+    assert "OOM" in dl and "4.00x" in dl and "expert" in dl
+    assert (tmp_path / "f.md").read_text() == text
