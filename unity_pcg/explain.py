@@ -141,11 +141,13 @@ class Explanation:
     stages: tuple[StageRow, ...]
     totals: Mapping[str, Any]               # re-priced by the cost model + the plan's own prediction
     predicted: Mapping[str, Any] = field(default_factory=dict)
+    steps: tuple = ()                       # the recorded rule steps as the plan holds them
 
     def to_json(self) -> dict:
         return {"model": self.model, "machine": self.machine, "devices": self.devices,
                 "operators": [r.to_json() for r in self.operators],
                 "rules": list(self.rules), "rules_recorded": self.rules_recorded,
+                "rule_steps": [dict(x) if isinstance(x, Mapping) else x for x in self.steps],
                 "communication": [r.to_json() for r in self.comm],
                 "gradient_allreduce": [r.to_json() for r in self.grad_sync],
                 "pipeline": None if self.pipeline is None else dict(self.pipeline, stages=[s.to_json() for s in self.stages]),
@@ -194,7 +196,8 @@ def explain(plan, optimizer: str | None = None) -> Explanation:
               "optimizer": opt,
               "parallel_ops": {k: v for k, v in sorted(g.op_counts().items()) if ops.get_op(k).kind == "parallel"}}
     return Explanation(plan.model_path, plan.machine.describe(), plan.machine.num_devices, operators, rules,
-                       steps is not None, comm, grads, pipe, stages, totals, dict(plan.predicted))
+                       steps is not None, comm, grads, pipe, stages, totals, dict(plan.predicted),
+                       tuple(steps or ()))
 
 
 def _recorded(plan, key: str):

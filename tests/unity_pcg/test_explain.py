@@ -139,6 +139,7 @@ def test_plan_from_the_joint_search(tmp_path):
     for words, st in zip(e.rules, res.steps):
         assert st.to_json()["rule"] in words and " into " in words
     assert e.totals["optimizer"] == "sgd"
+    assert e.to_json()["rule_steps"] == [st.to_json() for st in res.steps]
     assert e.totals["comm_elements"] == res.mapping.breakdown.comm_elements
     assert e.totals["activation_comm_elements"] + e.totals["grad_sync_elements"] == e.totals["comm_elements"]
 
