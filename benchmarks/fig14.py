@@ -10,7 +10,8 @@ optimizer (Adam for BERT-Large, SGD otherwise), one task per row:
   mapped by a fresh :class:`search.mapping.MachineMapper` (memory-aware: a plan that does not fit
   is reported infeasible with its reason);
 * ``unity``: :func:`search.optimize.optimize` with strategy ``unity`` and ``--budget`` seconds;
-* ``sequential`` (Figure 15b: TASO then FlexFlow): the same call with strategy ``sequential``, same budget.
+* ``sequential`` (Figure 15b: TASO then FlexFlow): the same call with strategy ``sequential``, same
+  budget, at ``--sequential-devices`` (default 96 GPUs, as the paper's Figure 15b).
 
 Throughput = global batch / predicted iteration time; speedup = Unity's throughput over the best
 feasible baseline's.  Extra rows: DenseNet-121 of the onnx wheel (backend/test/data/light, per-GPU
@@ -174,10 +175,10 @@ def worker(arg: str) -> int:
 
 def tasks_for(models, devices, budget, max_candidates, extras: bool, seq_devices) -> list[dict]:
     """Tasks in the order they run, so that a run cut short still has the headline numbers: Unity and
-    the baselines at the largest scale (the paper's anchors), the sequential search there (Figure 15b),
-    DenseNet-121 and 1,024 GPUs for the four models of the paper's anchors with the largest speedups,
-    then the other device counts (spread: smallest, middle, ...), the other models at 1,024 GPUs,
-    and the sequential search at the other ``seq_devices``."""
+    the baselines at the largest scale (the paper's anchors); at each GPU count of ``seq_devices``
+    (Figure 15b: 96 GPUs in the paper) the same, then the sequential search; DenseNet-121 and 1,024
+    GPUs for the four models of the paper's anchors with the largest speedups; then the other GPU
+    counts (spread: smallest, middle, ...) and the other models at 1,024 GPUs."""
     def t(model, D, strategy, machine=None):
         return {"model": model, "devices": D, "machine": machine or machine_for(D), "strategy": strategy,
                 "budget": budget, "max_candidates": max_candidates}
@@ -185,14 +186,18 @@ def tasks_for(models, devices, budget, max_candidates, extras: bool, seq_devices
     def block(name, D, machine=None):
         return [t(name, D, s, machine) for s in baselines_for(name)] + [t(name, D, "unity", machine)]
     top = max(devices)
-    rest = sorted(d for d in devices if d != top)
+    first = [top] + sorted((d for d in seq_devices if d in devices and d != top), reverse=True)
+    rest = sorted(d for d in devices if d not in first)
     spread = []
-    while rest:                                  # 6, 48, 12, 96, 24: coverage early
+    while rest:                                  # 6, 48, 12, ...: coverage early
         spread.append(rest.pop(0))
         if rest:
             spread.append(rest.pop(len(rest) // 2))
-    out = [x for name in models for x in block(name, top)]
-    out += [t(name, top, "sequential") for name in models if top in seq_devices]
+    out = []
+    for D in first:
+        out += [x for name in models for x in block(name, D)]
+        if D in seq_devices:
+            out += [t(name, D, "sequential") for name in models]
     big = [x for x in BIG_MODELS if x in models]
     if extras:
         out += [t(DENSENET, 192, s) for s in ("dp", "unity")]
@@ -203,9 +208,6 @@ def tasks_for(models, devices, budget, max_candidates, extras: bool, seq_devices
         out += [x for name in big[4:] for x in block(name, 1024, BIG_MACHINE)]
         if 192 in seq_devices:
             out.append(t(DENSENET, 192, "sequential"))
-    for D in spread:
-        if D in seq_devices:
-            out += [t(name, D, "sequential") for name in models]
     return out
 
 
@@ -432,7 +434,7 @@ def main(argv=None) -> int:
     ap.add_argument("--max-candidates", type=int, default=40, help="expanded candidates per segment")
     ap.add_argument("--quick", action="store_true", help="mlp and dlrm at 6 and 12 GPUs, 10 s budget, no extras")
     ap.add_argument("--no-extras", action="store_true", help="skip DenseNet-121 and 1,024 GPUs")
-    ap.add_argument("--sequential-devices", default="192",
+    ap.add_argument("--sequential-devices", default="96",
                     help="GPU counts at which the sequential search runs (Figure 15b; '' for none)")
     ap.add_argument("--fresh", action="store_true", help="discard the rows already in the output")
     ap.add_argument("--task-timeout", type=float, default=None, help="seconds per task (default 4 x budget + 300)")

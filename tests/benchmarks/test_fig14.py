@@ -39,9 +39,12 @@ def test_tasks_cover_matrix_once_largest_scale_first(fig14):
             assert strategies == set(fig14.baselines_for(m)) | {"unity"} | ({"sequential"} if d == 48 else set())
     assert ("densenet121", "summit:32x6", "unity") in keys
     assert ("bert_large", "h100:128x8", "megatron") in keys
-    last48 = max(i for i, t in enumerate(tasks) if t["devices"] == 48 and t["strategy"] != "sequential")
+    last48 = max(i for i, t in enumerate(tasks) if t["devices"] == 48)
     first6 = min(i for i, t in enumerate(tasks) if t["devices"] == 6)
-    assert last48 < first6
+    assert last48 < first6                           # the largest scale and its sequential rows first
+    tasks = fig14.tasks_for(("mlp",), (6, 12, 48), 5.0, 3, False, {12})
+    assert [(t["devices"], t["strategy"]) for t in tasks][:4] == [(48, "dp"), (48, "unity"), (12, "dp"), (12, "unity")]
+    assert tasks[4]["strategy"] == "sequential" and tasks[4]["devices"] == 12
 
 
 def _row(model, D, strategy, t, feasible=True, **kw):
