@@ -18,8 +18,12 @@ parameters turn NaN/inf (the last good checkpoint is left as it is), 1 for anyth
 ``--report-dir`` each failing rank also writes ``rank-R.json`` (kind, message) and rank 0 writes
 ``result.json`` for the launcher.
 
-Test hook: ``UNITY_PCG_FAULT_KILL=R:S`` makes rank R kill itself with SIGKILL when it reaches step S
-(0-based, counted over resumes), the way a crashed or OOM-killed worker dies.
+Every rank of a multi-rank run bumps a heartbeat counter in the process group's store (:class:`Heartbeat`);
+when a collective fails, the ranks whose counters stand still are named in the failure line.
+
+Test hooks: ``UNITY_PCG_FAULT_KILL=R:S`` makes rank R kill itself with SIGKILL when it reaches step S
+(0-based, counted over resumes), the way a crashed or OOM-killed worker dies; ``UNITY_PCG_FAULT_HANG=R:S``
+wedges it there (its heartbeat stops, it never returns), the way a stuck worker stops answering.
 """
 from __future__ import annotations
 
@@ -105,6 +109,49 @@ def _one_line(e: BaseException) -> str:
     return s if len(s) <= 300 else s[:297] + "..."
 
 
+class Heartbeat:
+    """Each rank bumps a counter in the process group's store every ``period`` seconds (a daemon thread).
+    When a collective fails, the ranks whose counters stand still are the ones that died or stopped
+    answering: the failure line names them.  The store is the launcher's (torchrun's agent hosts it), so
+    it outlives a dead rank; without it the line names no rank."""
+
+    KEY = "unity-pcg/heartbeat/{}"
+
+    def __init__(self, rank: int, world: int, period: float = 0.25):
+        import threading
+
+        import torch.distributed.distributed_c10d as c10d
+        self.rank, self.world, self.period = rank, world, period
+        self.store = c10d._get_default_store()
+        self.store.add(self.KEY.format(rank), 1)
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, name="unity-pcg-heartbeat", daemon=True)
+        self._thread.start()
+
+    def _run(self) -> None:
+        while not self._stop.wait(self.period):
+            try:
+                self.store.add(self.KEY.format(self.rank), 1)
+            except Exception:  # noqa: BLE001 -- the store is gone: nothing left to tell
+                return
+
+    def counts(self) -> list[int]:
+        return [int(self.store.add(self.KEY.format(r), 0)) for r in range(self.world)]
+
+    def silent(self, wait: float = 1.5) -> list[int]:
+        """Ranks (other than this one) whose counter does not move for ``wait`` seconds; [] if unknown."""
+        try:
+            a = self.counts()
+            time.sleep(wait)
+            b = self.counts()
+        except Exception:  # noqa: BLE001
+            return []
+        return [r for r in range(self.world) if r != self.rank and a[r] == b[r]]
+
+    def stop(self) -> None:
+        self._stop.set()
+
+
 class Rank:
     """State of one rank's run (what the loop, the checkpoints and the reports share)."""
 
@@ -112,16 +159,17 @@ class Rank:
         self.args, self.rank, self.world = args, rank, world
         self.step = 0            # steps done (counted over resumes)
         self.last_ckpt = None    # folder of the last good checkpoint
+        self.heartbeat: Heartbeat | None = None
 
     def out(self, line: str) -> None:
         if self.rank != 0 or self.args.progress == "none":
             return
         print(line, file=sys.stdout if self.args.progress == "stdout" else sys.stderr, flush=True)
 
-    def report(self, kind: str, message: str) -> None:
+    def report(self, kind: str, message: str, **extra) -> None:
         if self.args.report_dir:
             _write_json(os.path.join(self.args.report_dir, f"rank-{self.rank}.json"),
-                        {"kind": kind, "message": message})
+                        {"kind": kind, "message": message, **extra})
 
 
 def _write_json(path: str, obj) -> None:
@@ -142,12 +190,20 @@ def make_trainer(plan, args, rank: int, world: int, device: str):
     return Trainer(plan, args.model, **kw)
 
 
-def _fault_step() -> int | None:
-    v = os.environ.get("UNITY_PCG_FAULT_KILL")
+def _fault_step(kind: str = "KILL") -> int | None:
+    v = os.environ.get(f"UNITY_PCG_FAULT_{kind}")
     if not v:
         return None
     r, s = v.split(":")
     return int(s) if int(r) == _env_int("RANK", 0) else None
+
+
+def _hang(R: Rank) -> None:
+    """Test hook: wedge this rank (no more heartbeats, never returns; SIGTERM still ends it)."""
+    if R.heartbeat is not None:
+        R.heartbeat.stop()
+    while True:
+        time.sleep(3600)
 
 
 def _all_finite(state: dict) -> bool:
@@ -225,13 +281,15 @@ def train(R: Rank, plan) -> dict:
         R.out(f"resumed from {R.last_ckpt} (step {R.step})")
     R.out(f"training {args.model} on {R.world} rank(s) ({device}), {args.optimizer} lr {args.lr}, "
           f"{data.describe()}")
-    kill_at = _fault_step()
+    kill_at, hang_at = _fault_step("KILL"), _fault_step("HANG")
     losses, times = [], []
     first = R.step
     for i in range(args.steps):
         s = R.step
         if kill_at is not None and s == kill_at:
             os.kill(os.getpid(), signal.SIGKILL)
+        if hang_at is not None and s == hang_at:
+            _hang(R)
         feeds, targets = data.feeds(s)
         t0 = time.perf_counter()
         try:
@@ -291,9 +349,18 @@ def main(argv: list[str] | None = None) -> int:
         import torch.distributed as dist
         if world > 1 or "MASTER_ADDR" in os.environ:
             backend = "nccl" if torch.cuda.is_available() else "gloo"
+            # every process group of the run (the trainer's sub-groups too: new_group takes torch's
+            # 30-minute default, not the world group's) waits at most --timeout for a peer
+            import torch.distributed.distributed_c10d as c10d
+            c10d.default_pg_timeout = c10d.default_pg_nccl_timeout = datetime.timedelta(seconds=args.timeout)
             dist.init_process_group(backend, rank=rank, world_size=world,
                                     timeout=datetime.timedelta(seconds=args.timeout))
             initialized = True
+            if world > 1:
+                try:
+                    R.heartbeat = Heartbeat(rank, world)
+                except Exception:  # noqa: BLE001 -- no store to use: failures name no rank
+                    R.heartbeat = None
         res = train(R, plan)
         if rank == 0:
             if args.report_dir:
@@ -309,8 +376,7 @@ def main(argv: list[str] | None = None) -> int:
         code = _fail(R, "diverged", str(e), EXIT_DIVERGED)
     except Exception as e:  # noqa: BLE001 -- every failure ends in one line, never a traceback
         if _is_peer_error(e):
-            code = _fail(R, "peer", f"rank {rank}: a collective failed at step {R.step + 1} (another rank "
-                         f"died or stopped answering): {_one_line(e)}", EXIT_PEER)
+            code = _peer_failure(R, e)
         else:
             code = _fail(R, "internal", f"rank {rank}: {type(e).__name__} at step {R.step + 1}: {_one_line(e)}", 1)
             if os.environ.get("UNITY_PCG_TRACEBACK"):
@@ -327,8 +393,24 @@ def main(argv: list[str] | None = None) -> int:
     return code
 
 
-def _fail(R: Rank, kind: str, message: str, code: int) -> int:
-    R.report(kind, message)
+def _peer_failure(R: Rank, e: BaseException) -> int:
+    """A collective failed: name the ranks that stopped (their heartbeats stand still) when we can."""
+    silent = R.heartbeat.silent() if R.heartbeat is not None else []
+    timed_out = "timed out" in str(e).lower() or "timeout" in str(e).lower()
+    what = f"timed out after {R.args.timeout:g} s" if timed_out else "failed"
+    if silent:
+        who = ", ".join(f"rank {r}" for r in silent)
+        msg = (f"{who} stopped answering (no heartbeat): rank {R.rank}'s collective {what} at step {R.step + 1}")
+    else:
+        msg = (f"rank {R.rank}: a collective {what} at step {R.step + 1} (another rank died or stopped "
+               f"answering): {_one_line(e)}")
+    return _fail(R, "peer", msg, EXIT_PEER, silent=silent, timed_out=timed_out)
+
+
+def _fail(R: Rank, kind: str, message: str, code: int, **extra) -> int:
+    if R.heartbeat is not None:
+        R.heartbeat.stop()
+    R.report(kind, message, **extra)
     # under the local launcher (a report folder) the launcher prints the one line; under torchrun the ranks
     # do: user errors and divergence are the same on every rank, so rank 0 says it; other failures per rank
     if R.args.report_dir:

@@ -12,7 +12,7 @@ processes; the machine's own device count does not matter.
 ``launch(rank_args, nproc)`` starts ``nproc`` local ranks with torch's elastic launch API (the code
 behind ``torchrun --standalone``: a c10d rendezvous on a free local port, no restarts), each running
 ``python -m executor RANK_ARGS``.  The elastic agent watches the children: when one fails, it stops the
-others (SIGTERM, then SIGKILL) at once.  Each rank leaves a one-line report in the run's report folder
+others at once (SIGTERM; the agent sends SIGKILL 30 s later to a rank that is stopped and cannot die).  Each rank leaves a one-line report in the run's report folder
 (``rank-R.json``: kind and message) before it exits on an error it can name; rank 0 also writes
 ``result.json``.  From the exit codes and these reports :func:`diagnose` picks the one line that names
 the cause: a rank killed by a signal (other than the agent's own SIGTERM), else a rank's own error, else
@@ -162,6 +162,10 @@ def diagnose(exitcodes: dict, reports: dict) -> tuple[str, int]:
     agent (anything but SIGTERM), then a rank's own error or divergence (rank 0's first), then a rank
     that exited non-zero without a report, then a rank that only lost its peers."""
     ranks = sorted(exitcodes)
+    for r in ranks:   # a rank whose peers timed out on it: it hung (the launcher killed it afterwards)
+        rep = reports.get(r) or {}
+        if rep.get("kind") == "peer" and rep.get("timed_out") and rep.get("silent"):
+            return str(rep.get("message", "")), 1
     for r in ranks:
         c = exitcodes[r]
         if c is not None and c < 0 and -c != signal.SIGTERM and not (reports.get(r) or {}).get("kind"):

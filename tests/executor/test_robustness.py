@@ -50,6 +50,18 @@ def test_killed_rank_stops_every_rank_with_one_line(work, capfd, monkeypatch):
     assert sum(1 for ln in out.splitlines() if ln.startswith("step ")) == 2   # steps 1 and 2 completed
 
 
+def test_hung_rank_is_named_after_the_collective_timeout(work, capfd, monkeypatch):
+    monkeypatch.setenv("UNITY_PCG_FAULT_HANG", "1:2")    # rank 1 wedges at step 2: no heartbeat, no collective
+    t = time.monotonic()
+    rc, out, err = cli(capfd, work["dp2"], "--model", work["model"], "--steps", 100000, "--timeout", 3)
+    took = time.monotonic() - t
+    assert rc != 0 and took < 60
+    errors = [ln for ln in err if "error" in ln]
+    assert len(errors) == 1, err
+    assert errors[0].startswith("unity-pcg run: error: rank 1 stopped answering (no heartbeat)"), errors[0]
+    assert "timed out after 3 s at step 3" in errors[0]
+
+
 def test_diverging_run_stops_at_the_step_and_keeps_the_last_good_checkpoint(work, capfd):
     ck = work["dir"] / "ck"
     rc, out, err = cli(capfd, work["dp2"], "--model", work["model"], "--steps", 20, "--lr", "1e30",
