@@ -234,6 +234,8 @@ def _flatten(a, xs, ctx):
 
 
 def _linear(a, xs, ctx):
+    if len(xs) == 3 and xs[0].dim() == 2:
+        return [_act(a["activation"], torch.addmm(xs[2], xs[0], xs[1]))]
     y = torch.matmul(xs[0], xs[1])
     if len(xs) == 3:
         y = y + xs[2]

@@ -199,7 +199,8 @@ class Trainer:
 
     def __init__(self, plan, model_path: str | None = None, rank: int = 0, world: int = 1,
                  optimizer: str = "sgd", lr: float = 0.01, seed: int = 0, device: str = "cpu",
-                 sync_batchnorm: bool = True, bucket_bytes: int = 25 * 2 ** 20, weights: Mapping | None = None):
+                 sync_batchnorm: bool = True, bucket_bytes: int = 25 * 2 ** 20, weights: Mapping | None = None,
+                 first_bucket_bytes: int | None = None, overlap: bool | None = None):
         if isinstance(plan, str):
             plan = plan_mod.load(plan)
         self.plan = plan
@@ -218,7 +219,14 @@ class Trainer:
         self._load_weights(model_path or plan.model_path, weights)
         self._loss_refs = {}
         self._pgs: dict[tuple, Any] = {}
-        self._plan_sync(bucket_bytes)
+        # overlap (DDP-style: a 1 MiB first bucket, buckets launched from gradient hooks during the
+        # backward pass) pays on GPUs; on CPU processes (gloo) the collectives compete with the backward
+        # for the same cores and each costs milliseconds, so fewer buckets launched after the backward
+        # are faster (measured: benchmarks/executor_dp_vs_ddp.py)
+        self.overlap = (self.device.type == "cuda") if overlap is None else bool(overlap)
+        if first_bucket_bytes is None:
+            first_bucket_bytes = FIRST_BUCKET_BYTES if self.overlap else bucket_bytes
+        self._plan_sync(bucket_bytes, first_bucket_bytes)
         for grp in sorted(self.low.groups | {b["devs"] for b in self._buckets}):
             self._group(grp)
         self._bucket_pgs = {}
@@ -277,7 +285,7 @@ class Trainer:
             else:
                 self.buffers[name] = t
 
-    def _plan_sync(self, bucket_bytes: int) -> None:
+    def _plan_sync(self, bucket_bytes: int, first_bucket_bytes: int) -> None:
         """Atoms of every trained weight (regions read by the same set of devices) and the buckets of
         those read on more than one device, in the order their gradients become ready."""
         uses = self.low.weight_uses
@@ -306,7 +314,7 @@ class Trainer:
             nbytes = _numel(sl) * self.params[name].element_size()
             b = open_.get(devs)
             # the first bucket of a device set is small (1 MiB, as DDP's) so communication starts early
-            cap = min(bucket_bytes, FIRST_BUCKET_BYTES) if count.get(devs, 0) <= 1 else bucket_bytes
+            cap = min(bucket_bytes, first_bucket_bytes) if count.get(devs, 0) <= 1 else bucket_bytes
             if b is None or (b["bytes"] + nbytes > cap and b["items"]):
                 b = {"devs": devs, "items": [], "bytes": 0}
                 buckets.append(b)
@@ -322,7 +330,7 @@ class Trainer:
                 self._bucket_of.setdefault(name, []).append(i)
 
     def _hooks(self) -> None:
-        if self.world == 1 or not self._my_buckets:
+        if self.world == 1 or not self._my_buckets or not self.overlap:
             return
         for name, p in self.params.items():
             if name in self._bucket_of:
