@@ -279,6 +279,8 @@ def rank_main(spec: dict) -> dict:
     """One rank: build every case, then time them interleaved (see module docstring)."""
     import torch
     import torch.distributed as dist
+    import warnings
+    warnings.filterwarnings("ignore", message="The given NumPy array is not writable")
     rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
     torch.set_num_threads(spec["threads"])
     dist.init_process_group("gloo")
@@ -459,6 +461,10 @@ def main(argv=None) -> int:
                "spearman": spearman([r["predicted_s"] for r in rows], [r["measured_s"] for r in rows]),
                "seconds": time.perf_counter() - t0, "loadavg_start": list(load0), "loadavg_end": list(os.getloadavg()),
                "cores": os.cpu_count(), "first_loss_mismatches": bad, **_provenance()}
+    for p in procs:
+        sub = [r for r in rows if r["procs"] == p]
+        summary[f"median_abs_rel_error_p{p}"] = statistics.median(abs(r["rel_error"]) for r in sub)
+        summary[f"spearman_p{p}"] = spearman([r["predicted_s"] for r in sub], [r["measured_s"] for r in sub])
     for r in rows:
         if "ratio" in r:
             summary[f"ratio_{r['vs']}_{r['model']}_p{r['procs']}"] = r["ratio"]
@@ -508,6 +514,20 @@ def write_markdown(path: str, res: dict) -> None:
     L += ["", f"Median absolute error {s['median_abs_rel_error'] * 100:.1f}% (target <= 20%; {s['within_20pct']} of "
           f"{s['plans']} within 20%, max {s['max_abs_rel_error'] * 100:.1f}%); Spearman rank correlation "
           f"{s['spearman']:.3f} (target >= 0.9).", ""]
+    L += ["Per process count: " + "; ".join(
+        f"P={p}: median absolute error {s[f'median_abs_rel_error_p{p}'] * 100:.1f}%, Spearman "
+        f"{s[f'spearman_p{p}']:.3f}" for p in sorted({r['procs'] for r in rows})) + ".", ""]
+    L += ["## The calibrations (right before each P's runs)", "",
+          "| P | seconds | load (1 min) | matmul GFLOP/s | memory GB/s | op overhead us | all-reduce latency us | "
+          "all-reduce GB/s | per_compute |", "|---|---|---|---|---|---|---|---|---|"]
+    for x in res["per_procs"]:
+        m = x.get("machine") or {}
+        meas, link, sync = m.get("measured", {}), m.get("link", {}), m.get("sync", {})
+        L.append(f"| {x['procs']} | {x['calibration_s']:.0f} | {x['loadavg_calibration']:.1f} | "
+                 f"{meas.get('matmul_flops', 0) / 1e9:.1f} | {meas.get('mem_bandwidth', 0) / 1e9:.2f} | "
+                 f"{meas.get('op_overhead', 0) * 1e6:.0f} | {link.get('latency', 0) * 1e6:.0f} | "
+                 f"{link.get('bandwidth', 0) / 1e9:.2f} | {sync.get('per_compute', 0):.2f} |")
+    L.append("")
     L += ["Load average (1 min) per launch: " + "; ".join(
         f"P={x['procs']}: calibration {x['loadavg_calibration']:.1f}, runs "
         + ", ".join(f"{r['loadavg_before']:.1f}" for r in x["runs"]) for x in res["per_procs"]), ""]
