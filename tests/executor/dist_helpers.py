@@ -96,10 +96,10 @@ def logical_plan(g, model_path: str):
 # --- training ---------------------------------------------------------------------------------------------
 
 def train(plan, model_path: str, steps: int, rank: int = 0, world: int = 1, feeds=None, targets=None,
-          optimizer: str = "sgd", lr: float = 0.05, seed: int = 0, sync_batchnorm: bool = True):
+          optimizer: str = "sgd", lr: float = 0.05, seed: int = 0, sync_batchnorm: bool = True, **kw):
     from executor.train import Trainer
     t = Trainer(plan, model_path, rank=rank, world=world, optimizer=optimizer, lr=lr, seed=seed,
-                sync_batchnorm=sync_batchnorm)
+                sync_batchnorm=sync_batchnorm, **kw)
     losses = []
     for i in range(steps):
         f = feeds[i] if feeds is not None else None

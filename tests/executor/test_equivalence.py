@@ -27,9 +27,12 @@ def test_data_parallel_two_processes_equals_one():
     ref = H.reference(path, 5)
     ref_adam = H.reference(path, 5, optimizer="adam", lr=0.01)
     plan = H.make_plan(data_parallel(g, 2), path, 2)
-    got = H.run_cases(2, [H.case(plan, path), H.case(plan, path, optimizer="adam", lr=0.01)])
+    got = H.run_cases(2, [H.case(plan, path), H.case(plan, path, optimizer="adam", lr=0.01),
+                          # DDP-style overlap (the GPU default): tiny buckets launched from gradient hooks
+                          H.case(plan, path, overlap=True, bucket_bytes=300, first_bucket_bytes=100)])
     H.assert_same(ref, got[0], what="dp sgd")
     H.assert_same(ref_adam, got[1], what="dp adam")
+    H.assert_same(ref, got[2], what="dp sgd, overlapped buckets")
     assert ref[0][0] != ref[0][-1]        # the losses move: training happens
 
 
