@@ -334,6 +334,7 @@ def report(path: str = JSON_OUT, md: str = MD_OUT) -> str:
                  f"{x['best_baseline'] or '-'} | {_x(x['speedup'])} | {_x(paper) if paper else ''} | {st} |")
     o += ["", "Paper column: Unity over the best baseline at the largest scale (Figure 14; BERT-Large "
           "on par with Megatron, ResNeXt-50 about 1.0x).", ""]
+    o += _breakdown(lines)
     o += _extras(lines)
     o += _fig15b(lines)
     o += _search_times(lines, meta)
@@ -342,6 +343,31 @@ def report(path: str = JSON_OUT, md: str = MD_OUT) -> str:
     with open(md, "w") as f:
         f.write(text)
     return text
+
+
+def _breakdown(lines) -> list[str]:
+    """Where the predicted iteration goes, best baseline against Unity, at the largest Summit scale."""
+    top = max((x["devices"] for x in lines if x["devices"] != 1024 and x["model"] != DENSENET), default=None)
+    sel = [x for x in lines if x["devices"] == top and x["model"] != DENSENET]
+    if not sel:
+        return []
+    o = [f"## Where the iteration goes at {top} GPUs (predicted ms: compute / activation communication / "
+         "gradient synchronization / update; memory per device GiB)", "",
+         "| model | strategy | iteration | compute | comm | grad sync | update | memory (GiB) | comm elements |",
+         "|---|---|---:|---:|---:|---:|---:|---:|---:|"]
+    for x in sel:
+        for name in ([x["best_baseline"]] if x["best_baseline"] else []) + ["unity"]:
+            r = x["rows"].get(name)
+            b = (r or {}).get("breakdown") or {}
+            if not r or not r.get("feasible") or not b:
+                continue
+            ms = [f"{1e3 * b.get(k, 0.0):.1f}" for k in ("compute_s", "comm_s", "grad_sync_s", "update_s")]
+            mem = r.get("max_memory_bytes")
+            o.append(f"| {x['model']} | {name} | {1e3 * r['predicted_iteration_s']:.1f} | " + " | ".join(ms) +
+                     f" | {mem / 2**30:.2f} | {r.get('comm_elements', 0):.3g} |" if mem else
+                     f"| {x['model']} | {name} | {1e3 * r['predicted_iteration_s']:.1f} | " + " | ".join(ms) +
+                     f" | - | {r.get('comm_elements', 0):.3g} |")
+    return o + [""]
 
 
 def _extras(lines) -> list[str]:
