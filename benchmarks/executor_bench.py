@@ -9,9 +9,11 @@ For every P in ``--procs`` (default 2 and 4 local gloo processes):
 2. ``--runs`` launches, each of P ranks started by torch's elastic launch API (the mechanism of
    ``unity-pcg run``: a c10d rendezvous on a free local port, ``cores // P`` torch threads per rank, gloo),
    train every case of the table below in the same processes, interleaved: ``--rounds`` rounds, each
-   timing ``--iters`` steps of every case (the order reversed every other round) after a barrier.  A
-   case's time in a run is the median over rounds of rank 0's mean step time; a ratio is taken between two
-   cases of the same run; the report gives the median over runs.
+   timing ``--iters`` steps of every case (each executor plan next to its torch counterpart; the order
+   reversed every other round) after a barrier.  A case's time in a run is the median over rounds of rank
+   0's mean step time (the report: median over runs); a throughput ratio is taken per round between the
+   two adjacent cases (the host is shared: its load drifts within seconds), the report gives the median
+   over all rounds of all runs, each run's median and the quartiles.
 
 Cases (one global batch per model, the same for both sides; SGD, lr 1e-3; loss = mean square of the output,
 (the executor's MSE against zero targets); the first step's loss of both sides is recorded as a check that
@@ -33,8 +35,8 @@ Predicted vs measured: every executor plan's predicted iteration time (the mappe
 calibrated for its P) against its measured step time; median absolute relative error and Spearman rank
 correlation over all plans.
 
-Usage:  .venv/bin/python benchmarks/executor_bench.py [--quick] [--procs 2,4] [--runs 3] [--rounds 5]
-        [--iters 4] [--out F.json] [--md F.md]
+Usage:  .venv/bin/python benchmarks/executor_bench.py [--quick] [--procs 2,4] [--runs 3] [--rounds 7]
+        [--iters 3] [--out F.json] [--md F.md]
 Writes benchmarks/results/executor_bench.json and executor_bench.md.
 """
 from __future__ import annotations
@@ -353,6 +355,13 @@ def spearman(a: list, b: list) -> float:
     return num / den if den else float("nan")
 
 
+def _quartiles(v: list) -> list:
+    if len(v) < 2:
+        return [v[0], v[0]] if v else []
+    q = statistics.quantiles(v, n=4)
+    return [q[0], q[2]]
+
+
 def run_procs(procs: int, a, models: dict) -> dict:
     from search.calibrate import calibrate
     t0 = time.perf_counter()
@@ -364,8 +373,9 @@ def run_procs(procs: int, a, models: dict) -> dict:
         calibrate(quick=a.quick, worlds=(procs,), quiet=True).save(mpath)
     cal_s = time.perf_counter() - t0
     plans = make_plans(procs, mpath, models)
-    cases = list(plans)
-    for c in plans:
+    cases = []
+    for c in plans:          # each executor plan next to its torch counterpart: paired in time
+        cases.append(c)
         if c["vs"]:
             cases.append({"id": f"{c['vs']}:{c['model']}", "kind": c["vs"], "model": c["model"]})
     spec = {"cases": [{k: v for k, v in c.items() if k in ("id", "kind", "model", "plan", "name")} for c in cases],
@@ -396,10 +406,13 @@ def run_procs(procs: int, a, models: dict) -> dict:
                                  "rel_diff": abs(la - lb) / max(abs(lb), 1e-12)}
         if c["vs"]:
             other = f"{c['vs']}:{c['model']}"
-            ratios = [r["times"][other] / r["times"][c["id"]] for r in runs]   # throughput exec / torch
+            # throughput executor / torch = torch time / executor time, paired per round (adjacent in time)
+            paired = [[t / e for e, t in zip(r["rounds"][c["id"]], r["rounds"][other])] for r in runs]
             row.update({"vs": c["vs"], "torch_s": statistics.median(r["times"][other] for r in runs),
-                        "torch_runs_s": [r["times"][other] for r in runs], "ratio": statistics.median(ratios),
-                        "ratio_runs": ratios})
+                        "torch_runs_s": [r["times"][other] for r in runs],
+                        "ratio": statistics.median(x for pr in paired for x in pr),
+                        "ratio_runs": [statistics.median(pr) for pr in paired],
+                        "ratio_rounds_iqr": _quartiles([x for pr in paired for x in pr])})
         rows.append(row)
     with open(mpath) as f:
         machine = json.load(f)
@@ -427,8 +440,8 @@ def main(argv=None) -> int:
     ap.add_argument("--quick", action="store_true", help="quick calibration and 1 run of 3 rounds x 3 steps per P (about 3 minutes)")
     ap.add_argument("--procs", default="2,4")
     ap.add_argument("--runs", type=int, default=3, help="launches per P (default 3)")
-    ap.add_argument("--rounds", type=int, default=5, help="interleaved rounds per launch (default 5)")
-    ap.add_argument("--iters", type=int, default=4, help="steps per case per round (default 4)")
+    ap.add_argument("--rounds", type=int, default=7, help="interleaved rounds per launch (default 7)")
+    ap.add_argument("--iters", type=int, default=3, help="steps per case per round (default 3)")
     ap.add_argument("--machine", default=None,
                     help="price on this machine file instead of calibrating for each P right before measuring")
     ap.add_argument("--out", default=os.path.join(RESULTS, "executor_bench.json"))
@@ -492,13 +505,14 @@ def write_markdown(path: str, res: dict) -> None:
          "First-step losses that differ from torch's by more than 1e-4 (relative): "
          + (", ".join(s["first_loss_mismatches"]) or "none") + ".", "",
          "## Throughput against PyTorch (ratio = torch step time / executor step time; target >= 0.95)", "",
-         "| model | P | executor plan | torch | executor ms | torch ms | ratio (median) | ratio per run |",
-         "|---|---|---|---|---|---|---|---|"]
+         "| model | P | executor plan | torch | executor ms | torch ms | ratio (median) | quartiles | ratio per run |",
+         "|---|---|---|---|---|---|---|---|---|"]
     for r in rows:
         if "ratio" in r:
             torch_name = "DDP" if r["vs"] == "ddp" else "parallelize_module (Colwise/Rowwise)"
             L.append(f"| {names[r['model']]} | {r['procs']} | {r['plan']} | {torch_name} | {r['measured_s'] * 1e3:.2f} | "
                      f"{r['torch_s'] * 1e3:.2f} | {r['ratio']:.2f} | "
+                     + "-".join(f"{x:.2f}" for x in r["ratio_rounds_iqr"]) + " | "
                      + ", ".join(f"{x:.2f}" for x in r["ratio_runs"]) + " |")
     L += ["", "## Predicted vs measured iteration time (calibrated local machine)", "",
            "| model | P | plan | measured ms | predicted ms | error | compute | grad sync | transfers | first loss rel. "
