@@ -50,6 +50,7 @@ def test_killed_rank_stops_every_rank_with_one_line(work, capfd, monkeypatch):
     assert sum(1 for ln in out.splitlines() if ln.startswith("step ")) == 2   # steps 1 and 2 completed
 
 
+@pytest.mark.slow
 def test_hung_rank_is_named_after_the_collective_timeout(work, capfd, monkeypatch):
     monkeypatch.setenv("UNITY_PCG_FAULT_HANG", "1:2")    # rank 1 wedges at step 2: no heartbeat, no collective
     t = time.monotonic()
@@ -62,6 +63,29 @@ def test_hung_rank_is_named_after_the_collective_timeout(work, capfd, monkeypatc
     assert "timed out after 3 s at step 3" in errors[0]
 
 
+def test_diverging_rank_stops_at_the_step_and_keeps_the_last_good_checkpoint(work, tmp_path, monkeypatch, capfd):
+    """One rank in this process (no launch): the step named, the exit status, the checkpoint kept."""
+    from executor.__main__ import main
+    for k in ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT"):
+        monkeypatch.delenv(k, raising=False)
+    ck, rep = tmp_path / "ck", tmp_path / "rep"
+    rep.mkdir()
+    one = tmp_path / "one.json"
+    from tests.executor.runtime_plans import one_device_plan
+    one_device_plan(work["model"], str(one))
+    rc = main([str(one), "--model", work["model"], "--steps", "20", "--lr", "1e30", "--checkpoint", str(ck),
+               "--checkpoint-every", "1", "--report-dir", str(rep), "--progress", "none"])
+    assert rc == 4
+    report = json.loads((rep / "rank-0.json").read_text())
+    good = (ck / "latest").read_text().strip()
+    n_good = int(good.split("-")[1])
+    assert report["kind"] == "diverged" and report["message"].startswith(f"step {n_good + 1}: ")
+    assert f"{good} kept" in report["message"] and "\n" not in report["message"]
+    model, _, meta = C.load(str(ck))
+    assert meta["step"] == n_good and all(torch.isfinite(v).all() for v in model.values())
+
+
+@pytest.mark.slow
 def test_diverging_run_stops_at_the_step_and_keeps_the_last_good_checkpoint(work, capfd):
     ck = work["dir"] / "ck"
     rc, out, err = cli(capfd, work["dp2"], "--model", work["model"], "--steps", 20, "--lr", "1e30",

@@ -52,6 +52,10 @@ def precheck(args):
     if args.resume and not args.checkpoint:
         raise UnityError("--resume needs --checkpoint DIR")
     plan, world = check(args.plan, args.model, args.nproc, args.per_device_bn)
+    import torch
+    if torch.cuda.is_available() and world > torch.cuda.device_count():
+        raise UnityError(f"plan {args.plan} runs on {world} ranks, one per GPU, but this machine has "
+                         f"{torch.cuda.device_count()} GPU(s); run it with torchrun across machines")
     from executor.data import open_data
     open_data(plan.pcg, args.data, seed=args.seed)
     if args.resume:
