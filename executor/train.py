@@ -98,6 +98,22 @@ class _AllReduce(torch.autograd.Function):
         return None, None, g
 
 
+class _AllReduceToLoss(torch.autograd.Function):
+    """An all-reduce whose k copies each add 1/k of the loss: their gradients are equal, so the sum
+    over copies that the backward all-reduce would compute is k times the local one (no message)."""
+
+    @staticmethod
+    def forward(ctx, group, k, x):
+        ctx.k = k
+        y = x.contiguous().clone()
+        dist.all_reduce(y, group=group)
+        return y
+
+    @staticmethod
+    def backward(ctx, g):
+        return None, None, g * ctx.k
+
+
 class _Reduce(torch.autograd.Function):
     """Sum onto ``dst``; the backward broadcasts the gradient from ``dst`` to every contributor."""
 
@@ -498,21 +514,29 @@ class Trainer:
         return torch.cat([y[i] for i in order], dim=dim)
 
     def _loss_ref(self, kind: str):
-        """The tensor the loss is computed on: the first output, or the tensor before the Combines that
-        gather it (their result is only summed), when its pieces allow (no partial sums; cross-entropy
-        needs whole class rows)."""
+        """The tensor the loss is computed on, its weight per piece, and the nodes to run.
+
+        Starting from the first output, the walk goes back through parallel operators whose result is
+        only fed to the loss: Combine / Batch / Replicate always (the loss adds the pieces where they
+        are; copies count once), Reduce / AllReduce for the mean (a mean of a sum is the sum of the
+        pieces' means), and stops where the pieces allow the loss (mean square and cross-entropy need
+        no partial sums; cross-entropy needs whole class rows).  When the tensor is an AllReduce's
+        output (a non-linear loss of a replicated result, as a Megatron row-parallel layer ends), every
+        one of its k copies adds 1/k of its loss and the AllReduce's backward scales the local gradient
+        by k instead of all-reducing identical gradients."""
         if kind in self._loss_refs:
             return self._loss_refs[kind]
         g = self.g
         ref = tuple(g.outputs[0])
         chain = [ref]
-        while g.node(ref[0]).op in ("Combine", "Batch") and self.low.role[ref[0]] == "parallel":
+        linear = ("Reduce", "AllReduce") if kind == "mean" else ()
+        while self.low.role[ref[0]] == "parallel" and g.node(ref[0]).op in ("Combine", "Batch", "Replicate") + linear:
             ref = tuple(g.node(ref[0]).inputs[0])
             chain.append(ref)
         pick = None
         for r in reversed(chain):
             s = g.shape(r)
-            if self.low.role[r[0]] not in ("compute", "parallel") or s.sum_degree != 1:
+            if self.low.role[r[0]] not in ("compute", "parallel") or (s.sum_degree != 1 and kind != "mean"):
                 continue
             if kind == "ce" and s.rank >= 2 and s.degrees[1] != 1:
                 continue
@@ -521,6 +545,11 @@ class Trainer:
         if pick is None:
             raise ExecutorError(f"cannot compute the loss on output {g.node(ref[0]).label()}: it holds partial "
                                 f"sums or is not computed")
+        split = None           # (AllReduce node, k): each copy adds 1/k (see docstring)
+        n = g.node(pick[0])
+        if kind != "mean" and n.op == "AllReduce" and self.low.role[n.id] == "parallel" \
+                and self.low._allreduce_group(n) is not None:
+            split = (n.id, n.a["degree"])
         need = set()
         stack = [pick[0]]
         while stack:
@@ -529,7 +558,7 @@ class Trainer:
                 continue
             need.add(i)
             stack.extend(r[0] for r in g.node(i).inputs)
-        self._loss_refs[kind] = (pick, need)
+        self._loss_refs[kind] = (pick, need, split)
         return self._loss_refs[kind]
 
     def step(self, feeds=None, targets=None) -> float:
@@ -539,7 +568,7 @@ class Trainer:
             tt = targets if isinstance(targets, torch.Tensor) else torch.as_tensor(np.asarray(targets))
             kind = "mse" if tt.is_floating_point() else "ce"
             tt = tt.to(self.device)
-        ref, need = self._loss_ref(kind)
+        ref, need, split = self._loss_ref(kind)
         fv = self._feeds(feeds)
         anchor = torch.zeros((), device=self.device, requires_grad=True)
         vals: dict = {}
@@ -568,7 +597,9 @@ class Trainer:
                 c = st.combine
                 if c[0] == "allreduce":
                     x = self._resolve(st.inputs[0], vals, recv, fv)
-                    if self.low.diff[st.outputs[0]]:
+                    if split is not None and split[0] == st.node and self.low.diff[st.outputs[0]]:
+                        y = _AllReduceToLoss.apply(self._group(c[1]), split[1], x)
+                    elif self.low.diff[st.outputs[0]]:
                         y = _AllReduce.apply(self._group(c[1]), anchor, x)
                         sinks.append(y)
                     else:
@@ -595,7 +626,12 @@ class Trainer:
         s = self.g.shape(ref)
         contrib = None
         flat = self.low.mine.get(ref)
-        if flat is not None and unravel(flat, s.grid)[0] == 0:
+        weight = 1.0
+        if split is not None and flat is not None:
+            copy = unravel(flat, s.grid)[0]
+            flat = flat if copy // split[1] == 0 else None
+            weight = 1.0 / split[1]
+        if flat is not None and unravel(flat, s.grid)[0] == 0 or (split is not None and flat is not None):
             y = vals[ref]
             region = _slices(block(s, flat))
             if kind == "mean":
@@ -610,6 +646,8 @@ class Trainer:
                     raise ExecutorError(f"class targets have shape {list(tt.shape)}, expected {list(want)}")
                 treg = region[:1] + region[2:]
                 contrib = F.cross_entropy(y, tt[treg].long(), reduction="sum") / (s.numel // s.sizes[1])
+        if contrib is not None and weight != 1.0:
+            contrib = contrib * weight
         total = contrib if contrib is not None else torch.zeros((), device=self.device)
         for t in sinks:
             total = total + t.sum() * 0.0

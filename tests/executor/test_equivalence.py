@@ -46,6 +46,10 @@ def test_plan_kinds_two_processes_equal_one():
                                                             "b.weight": [("Partition", 0, 2)],
                                                             "c.weight": [("Replicate", 2)]},
                                                         after={5: [("AllReduce", 2)]}), mlp),
+        "megatron pair at the output, AllReduce": (H.rebuild(gm, {"x": [("Replicate", 2)], "a.weight": [("Replicate", 2)],
+                                                                  "b.weight": [("Partition", 1, 2)],
+                                                                  "c.weight": [("Partition", 0, 2)]},
+                                                              after={7: [("AllReduce", 2)]}), mlp),
         "reduction parallel (row linear)": (H.apply_rule(gm, "megatron_row_linear", index=1), mlp),
         "attention heads": (H.apply_rule(ga, "megatron_attention_heads", pick=_heads), att),
         "spatial conv (height split) + sync batchnorm": (H.rebuild(gc, {"x": [("Partition", 2, 2)], **ws(gc)}), conv),
@@ -66,6 +70,19 @@ def test_plan_kinds_two_processes_equal_one():
     cases.append(H.case(H.make_plan(gm, mlp, 2, views=views), mlp))
     refs.append(ref_cache[mlp])
     names.append("layers on alternating devices")
+    # targets: mean square (float) and cross-entropy (class indices) on replicated, reduced and split outputs
+    rng = np.random.default_rng(7)
+    mse = [rng.standard_normal((8, 4)).astype(np.float32) for _ in range(5)]
+    ce = [rng.integers(0, 4, (8,)).astype(np.int64) for _ in range(5)]
+    for name in ("megatron column->row", "megatron pair ending in AllReduce", "megatron pair at the output, AllReduce"):
+        g, path = plans[name]
+        for tname, tg in (("mse", mse), ("cross-entropy", ce)):
+            cases.append(H.case(H.make_plan(g, path, 2), path, targets=tg))
+            refs.append(H.reference(path, 5, targets=tg))
+            names.append(f"{name}, {tname} loss")
+    cases.append(H.case(H.make_plan(data_parallel(gm, 2), mlp, 2), mlp, targets=ce))
+    refs.append(H.reference(mlp, 5, targets=ce))
+    names.append("data parallel, cross-entropy loss")
     got = H.run_cases(2, cases)
     for name, r, o in zip(names, refs, got):
         H.assert_same(r, o, what=name)
