@@ -58,7 +58,6 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--report-dir", default=None, help=argparse.SUPPRESS)
     p.add_argument("--progress", choices=("stdout", "stderr", "none"), default="stdout",
                    help="where rank 0 prints one line per step (default stdout)")
-    p.add_argument("--threads", type=int, default=None, help="torch CPU threads per rank")
     return p
 
 
@@ -83,6 +82,9 @@ def add_training_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--per-device-bn", action="store_true",
                    help="BatchNorm statistics per device (as DDP without SyncBatchNorm; such runs are not "
                         "claimed equal to one device)")
+    p.add_argument("--threads", type=int, default=None, metavar="N",
+                   help="torch CPU threads per rank (`unity-pcg run` default: cores // ranks; under torchrun: "
+                        "OMP_NUM_THREADS). More threads than free cores slow CPU training down many times")
     p.add_argument("--timeout", type=float, default=30.0, metavar="S",
                    help="seconds a collective may wait for a peer before the run stops (default 30)")
 

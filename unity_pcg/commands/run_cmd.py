@@ -69,7 +69,9 @@ def precheck(args):
 def run(args) -> int:
     plan, world = precheck(args)
     from executor.launch import RunFailed, launch
-    threads = max(1, (os.cpu_count() or 1) // world)
+    threads = args.threads or max(1, (os.cpu_count() or 1) // world)
+    if threads < 1:
+        raise UnityError(f"--threads must be a positive integer, got {threads}")
     try:
         out = launch(_rank_args(args) + ["--threads", str(threads)], world)
     except RunFailed as e:
