@@ -56,6 +56,11 @@ def test_plan_kinds_two_processes_equal_one():
         "embedding-table parallel": (H.rebuild(ge, {"idx": [("Replicate", 2)], "emb.weight": [("Partition", 1, 2)],
                                                     "lin.weight": [("Partition", 0, 2)]}), emb),
     }
+    from search.baselines import build_strategy
+    plans.update({
+        "baseline strategy megatron (attention)": (build_strategy(ga, "megatron", 2), att),
+        "baseline strategy expert (embedding table)": (build_strategy(ge, "expert", 2), emb),
+    })
     cases, refs, names = [], [], []
     ref_cache = {}
     for name, (g, path) in plans.items():

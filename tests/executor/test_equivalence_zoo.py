@@ -1,6 +1,6 @@
 """The tiny zoo models (unity_pcg.zoo) trained with a data-parallel plan on 2 gloo processes equal
-single-process training (3 steps, losses and weights).  DLRM and CANDLE-Uno by default; the others
-under ``-m slow``.
+single-process training (3 steps, losses and weights).  DLRM and CANDLE-Uno by default; the others,
+and the Megatron (BERT) and expert (DLRM, XDL, CANDLE-Uno) baseline plans, under ``-m slow``.
 
 Inception-v3 is left out on purpose: its tiny configuration trains ill-conditioned in float32 (merely
 permuting the samples of the batch -- the same mathematics -- moves the third loss by 1% and weights
@@ -25,16 +25,18 @@ def _zoo(name: str, batch: int | None = None) -> str:
     return path
 
 
-def _check(names, world: int = 2, atol: float = 1e-6) -> None:
+def _check(names, world: int = 2, atol: float = 1e-6, strategy: str = "dp") -> None:
+    from search.baselines import build_strategy
     cases, refs = [], []
     for name, batch in names:
         path = _zoo(name, batch)
         g = H.load(path)
         refs.append(H.reference(path, 3))
-        cases.append(H.case(H.make_plan(data_parallel(g, world), path, world), path, steps=3))
+        pg = data_parallel(g, world) if strategy == "dp" else build_strategy(g, strategy, world)
+        cases.append(H.case(H.make_plan(pg, path, world), path, steps=3))
     got = H.run_cases(world, cases)
     for (name, _), r, o in zip(names, refs, got):
-        H.assert_same(r, o, atol=atol, what=f"zoo {name}")
+        H.assert_same(r, o, atol=atol, what=f"zoo {name} ({strategy})")
 
 
 def test_zoo_dlrm_and_candle_uno_data_parallel():
@@ -46,3 +48,5 @@ def test_zoo_models_data_parallel():
     _check([("mlp", None), ("xdl", None), ("bert_large", None)])
     # BatchNorm statistics over 4 samples per device; weights of magnitude 1e-3 differ at float32 noise
     _check([("resnext50", 8)], atol=2e-5)
+    _check([("bert_large", None)], strategy="megatron")
+    _check([("dlrm", None), ("xdl", None), ("candle_uno", None)], strategy="expert")
