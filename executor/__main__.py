@@ -376,6 +376,8 @@ def main(argv: list[str] | None = None) -> int:
         code = _fail(R, "error", str(e), EXIT_ERROR)
     except Diverged as e:
         code = _fail(R, "diverged", str(e), EXIT_DIVERGED)
+    except KeyboardInterrupt:   # the launcher passes Ctrl-C on to the ranks; it says so itself
+        code = _fail(R, "interrupted", f"rank {rank}: interrupted at step {R.step + 1}", 130)
     except Exception as e:  # noqa: BLE001 -- every failure ends in one line, never a traceback
         if _is_peer_error(e):
             code = _peer_failure(R, e)

@@ -94,7 +94,11 @@ class Outcome:
 def _quiet_elastic():
     """Silence the elastic agent's own log lines (the launcher prints one line of its own)."""
     saved = {}
-    for name in ("torch.distributed.elastic", "torch.distributed.launcher"):
+    # elastic's module loggers carry their own level (torch.distributed.elastic.utils.logging), so each
+    # one is silenced, not just the package's
+    names = [n for n in list(logging.root.manager.loggerDict)
+             if n.startswith(("torch.distributed.elastic", "torch.distributed.launcher"))]
+    for name in names:
         lg = logging.getLogger(name)
         saved[name] = lg.level
         lg.setLevel(logging.CRITICAL)
@@ -104,7 +108,7 @@ def _quiet_elastic():
 def launch(rank_args: list[str], nproc: int, *, report_dir: str | None = None) -> Outcome:
     """Run ``python -m executor RANK_ARGS --report-dir DIR`` on ``nproc`` local ranks; returns rank 0's
     result or raises :class:`RunFailed` with one line naming the cause."""
-    from torch.distributed.elastic.multiprocessing.api import DefaultLogsSpecs
+    from torch.distributed.elastic.multiprocessing.api import DefaultLogsSpecs, SignalException
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
     from torch.distributed.launcher.api import LaunchConfig, elastic_launch
 
@@ -120,6 +124,9 @@ def launch(rank_args: list[str], nproc: int, *, report_dir: str | None = None) -
         if res is None:
             raise RunFailed("rank 0 finished without writing its result", code=1)
         return Outcome(res, {r: 0 for r in range(nproc)})
+    except SignalException as e:   # Ctrl-C / SIGTERM to the launcher: the agent has stopped the ranks
+        raise RunFailed(f"interrupted ({_signame(-int(e.sigval))}); the ranks were stopped",
+                        code=128 + int(e.sigval)) from None
     except ChildFailedError as e:
         codes = {r: 0 for r in range(nproc)}
         codes.update({int(r): f.exitcode for r, f in e.failures.items()})
