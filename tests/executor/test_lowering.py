@@ -105,3 +105,14 @@ def test_cost_model_prices_synchronized_batchnorm_statistics():
     c1 = GraphCost(g1, CostModel(m)).own_cost(bn1, MachineView(0, ()))
     c2 = GraphCost(g2, CostModel(m)).own_cost(bn2, MachineView(0, ((2, 1),)))
     assert c1.comm == 0.0 and c2.comm > 0.0
+
+
+def test_gradient_atoms_of_a_weight_read_in_two_layouts():
+    """A weight read row-split on devices 0 and 1 and whole on device 2: each half's gradient is summed
+    over the devices that read it (0 and 2, 1 and 2); a weight read once per region is not synchronized."""
+    from executor.train import _atoms
+    uses = [(((0, 4), (0, 8)), 0), (((4, 8), (0, 8)), 1), (((0, 8), (0, 8)), 2)]
+    assert _atoms((8, 8), uses) == [(((0, 4), (0, 8)), (0, 2)), (((4, 8), (0, 8)), (1, 2))]
+    cols = [(((0, 8), (0, 4)), 0), (((0, 8), (4, 8)), 1)]
+    assert [devs for _, devs in _atoms((8, 8), cols)] == [(0,), (1,)]
+    assert _atoms((), [((), 0), ((), 1)]) == [((), (0, 1))]
