@@ -17,7 +17,8 @@ Throughput = global batch / predicted iteration time; speedup = Unity's throughp
 feasible baseline's.  Extra rows: DenseNet-121 of the onnx wheel (backend/test/data/light, per-GPU
 batch 64 as the CNNs) and 1,024 simulated GPUs (``h100:128x8``).
 
-Each task runs in its own process (``--worker``) under a hard time limit, and its row is appended to
+Each task runs in its own process (``--worker``) under a time limit (``--task-timeout``, then Ctrl-C, on
+which the search returns its best plan so far: the row says ``interrupted``), and its row is appended to
 benchmarks/results/fig14.json as soon as it is done, so a partial run keeps what it measured; a rerun
 skips the rows already there (``--fresh`` starts over).  Paper-size models are written once to
 benchmarks/.cache/ (``zoo.export_structure`` where the zoo supports it: no weights allocated).
@@ -34,6 +35,7 @@ import json
 import os
 import platform
 import resource
+import signal
 import subprocess
 import sys
 import time
@@ -55,7 +57,7 @@ DENSENET_BATCH = 64                          # per GPU, as the paper's CNNs
 #: Unity's speedup over the best baseline (Figure 14, at the largest scale) and the baseline named
 PAPER_SPEEDUP = {"dlrm": 3.6, "candle_uno": 1.6, "mlp": 2.0, "xdl": 1.9, "inception_v3": 1.3,
                  "resnext50": 1.0, "bert_large": 1.0}
-SEARCH_TARGET_S = {"paper": 60.0, "big": 120.0, DENSENET: 120.0}
+GRACE_S = 120.0                              # after the SIGINT of a task past its limit
 
 
 def baselines_for(model: str) -> list[str]:
@@ -133,7 +135,7 @@ def run_task(task: dict) -> dict:
                     "search_s": j["search_s"], "budget_s": task["budget"], "max_candidates": task["max_candidates"],
                     "comm_elements": j["comm_elements"], "max_memory_bytes": j["max_memory_bytes"],
                     "data_parallel_iteration_s": j["data_parallel_iteration_s"], "rule_steps": j["rule_steps"],
-                    "devices_used": j["devices_used"], "search": j["search"],
+                    "devices_used": j["devices_used"], "search": j["search"], "interrupted": j["interrupted"],
                     "breakdown": r.mapping.to_json().get("breakdown")})
     else:
         from search.baselines import build_strategy
@@ -167,6 +169,8 @@ def worker(arg: str) -> int:
         row = run_task(task)
     except Exception as e:                 # recorded, the run goes on
         row = dict(task, feasible=False, error=f"{type(e).__name__}: {e}"[:400], predicted_iteration_s=None)
+    except KeyboardInterrupt:              # the limit's SIGINT came before the search had a plan
+        row = dict(task, feasible=False, error="interrupted before a plan was found", predicted_iteration_s=None)
     sys.stdout.write("ROW " + json.dumps(row, default=str) + "\n")
     return 0
 
@@ -237,16 +241,28 @@ def run(tasks: list[dict], out: str, fresh: bool, task_timeout: float | None, me
         if _key(task) in done:
             continue
         model_path(task["model"])          # export outside the timed worker
-        limit = task_timeout or (4 * task["budget"] + 300)
+        limit = task_timeout or max(3 * task["budget"], task["budget"] + 120)
         t0 = time.perf_counter()
+        p = subprocess.Popen([sys.executable, os.path.abspath(__file__), "--worker", json.dumps(task)],
+                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=ROOT)
+        note = None
         try:
-            p = subprocess.run([sys.executable, os.path.abspath(__file__), "--worker", json.dumps(task)],
-                               capture_output=True, text=True, timeout=limit, cwd=ROOT)
-            line = next((x for x in p.stdout.splitlines() if x.startswith("ROW ")), None)
-            row = json.loads(line[4:]) if line else dict(task, feasible=False, predicted_iteration_s=None,
-                                                         error=f"worker exit {p.returncode}: {p.stderr[-400:]}")
+            stdout, stderr = p.communicate(timeout=limit)
         except subprocess.TimeoutExpired:
-            row = dict(task, feasible=False, predicted_iteration_s=None, error=f"timed out after {limit:.0f} s")
+            # past the limit: Ctrl-C, on which optimize() returns the best plan so far; killed if it does not
+            p.send_signal(signal.SIGINT)
+            note = f"interrupted (SIGINT) after {limit:.0f} s"
+            try:
+                stdout, stderr = p.communicate(timeout=GRACE_S)
+            except subprocess.TimeoutExpired:
+                p.kill()
+                stdout, stderr = p.communicate()
+                note = f"killed: no answer {GRACE_S:.0f} s after SIGINT at {limit:.0f} s"
+        line = next((x for x in stdout.splitlines() if x.startswith("ROW ")), None)
+        row = json.loads(line[4:]) if line else dict(task, feasible=False, predicted_iteration_s=None,
+                                                     error=note or f"worker exit {p.returncode}: {stderr[-400:]}")
+        if note:
+            row["limit_note"] = note
         row["task_wall_s"] = time.perf_counter() - t0
         row["finished"] = time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())
         data["rows"].append(row)
@@ -272,7 +288,7 @@ def _cell(row) -> str:
     if not row.get("feasible"):
         return "OOM" if "memory" in (row.get("reason") or "").lower() or "fit" in (row.get("reason") or "").lower() \
             else "infeasible"
-    return _fmt_t(row.get("throughput_samples_s"))
+    return _fmt_t(row.get("throughput_samples_s")) + ("*" if row.get("limit_note") else "")
 
 
 def summarize(rows: list[dict]) -> list[dict]:
@@ -314,7 +330,8 @@ def report(path: str = JSON_OUT, md: str = MD_OUT) -> str:
          "(Adam for BERT-Large, SGD otherwise). Throughput in samples/s = global batch / predicted iteration. "
          "Baselines: `dp` all models, `megatron` BERT-Large (tensor parallel inside a node), `expert` DLRM, "
          "XDL, CANDLE-Uno. *OOM*: the strategy's best mapping does not fit a device; *n/m*: not measured "
-         "(run cut short); *error*: see the JSON.", "",
+         "(run cut short); *error*: see the JSON; a star: the search ran past the task's time limit and was "
+         "stopped with Ctrl-C (its best plan so far).", "",
          f"Run: {meta.get('command', '?')}; search budget {meta.get('budget_s', '?')} s, at most "
          f"{meta.get('max_candidates', '?')} expanded candidates per segment; {meta.get('cpus', '?')} CPUs shared "
          f"with other work (load average at start {meta.get('loadavg', '?')}); git {meta.get('git', '?')}; "
@@ -463,7 +480,9 @@ def main(argv=None) -> int:
     ap.add_argument("--sequential-devices", default="96",
                     help="GPU counts at which the sequential search runs (Figure 15b; '' for none)")
     ap.add_argument("--fresh", action="store_true", help="discard the rows already in the output")
-    ap.add_argument("--task-timeout", type=float, default=None, help="seconds per task (default 4 x budget + 300)")
+    ap.add_argument("--task-timeout", type=float, default=None,
+                    help="seconds after which a task gets Ctrl-C (the search returns its best plan so far; "
+                         "default max(3 x budget, budget + 120))")
     ap.add_argument("--out", default=JSON_OUT)
     ap.add_argument("--report", action="store_true", help="only write the markdown report from the JSON")
     ap.add_argument("--worker", default=None, help=argparse.SUPPRESS)
