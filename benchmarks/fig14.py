@@ -485,12 +485,27 @@ def main(argv=None) -> int:
                          "default max(3 x budget, budget + 120))")
     ap.add_argument("--out", default=JSON_OUT)
     ap.add_argument("--report", action="store_true", help="only write the markdown report from the JSON")
+    ap.add_argument("--merge", action="append", default=[], metavar="JSON",
+                    help="add the rows of another run's JSON (e.g. a second process run with --out) to --out, "
+                         "then write the report")
     ap.add_argument("--worker", default=None, help=argparse.SUPPRESS)
     a = ap.parse_args(argv)
     if a.worker is not None:
         return worker(a.worker)
     md = os.path.splitext(a.out)[0] + ".md"
-    if a.report:
+    if a.merge:
+        data = load_rows(a.out)
+        have = {_key(r) for r in data["rows"]}
+        for f in a.merge:
+            extra = load_rows(f)
+            new = [r for r in extra["rows"] if _key(r) not in have]
+            data["rows"] += new
+            have |= {_key(r) for r in new}
+            data.setdefault("meta", {}).setdefault("merged", []).append(dict(extra.get("meta", {}), file=os.path.basename(f),
+                                                                            rows=len(new)))
+            print(f"merged {len(new)} rows of {f}")
+        save(a.out, data)
+    if a.report or a.merge:
         print(report(a.out, md))
         return 0
     if a.quick:
