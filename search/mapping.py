@@ -237,7 +237,7 @@ class MachineMapper:
         self.machine: MachineSpec = model.machine
         self.cache: dict = {}
         self.mcache: dict = {}               # the memory-aware DP's subproblems (fronts)
-        self.front_limit = front_limit       # most points a memory-aware front keeps (see _mprune)
+        self.front_limit = front_limit       # most points a memory-aware front keeps (see _mselect)
         self._inside_memo: dict = {}
         self.hits = 0
         self.misses = 0
@@ -290,11 +290,12 @@ class MachineMapper:
         front = mdp.solve(dec.tree, res, dict(fixed or {}))
         stats = dict(stats, memory_dp_s=time.perf_counter() - t1, memory_front=len(front),
                      memory_front_capped=mdp.capped, memory_cache_size=len(self.mcache))
-        if not front:
+        if not len(front):
             return dataclasses.replace(
                 fastest, reason=f"out of memory: no mapping of this graph fits; the fastest: {fastest.memory.reason()}",
                 solve_s=time.perf_counter() - t0, stats=stats)
-        cost, _, assign = front[0]
+        best = int(np.argmin(front.keys[:, 0]))
+        cost, assign = float(front.keys[best, 0]), front.a[best]
         views = {ctx.by_hash[hsh]: v for hsh, v in _flatten(assign)}
         out = self._finish(g, gc, dec, cost, views, t0, stats)
         if not out.feasible:                # cannot happen: the DP adds memory exactly (kept as a guard)
@@ -630,9 +631,23 @@ class MachineMapper:
         return best
 
 
+class _Front:
+    """A memory-aware DP value: ``k`` points, each with its scalar keys (``keys[i]``: the time, or
+    for a branch into a join (its time, its edges into the join)), its bytes on every device
+    (``mem[i]``) and its assignment (``a[i]``)."""
+    __slots__ = ("keys", "mem", "a")
+
+    def __init__(self, keys: np.ndarray, mem: np.ndarray, a: list):
+        self.keys, self.mem, self.a = keys, mem, a
+
+    def __len__(self) -> int:
+        return len(self.a)
+
+
 class _MemoryDP:
     """The memory-aware DP: the same recursion as :class:`MachineMapper`'s, but every subproblem's
-    value is a Pareto front of (time, memory vector, assignment) instead of the least time.
+    value is a Pareto front (:class:`_Front`) of (time, memory vector, assignment) instead of the
+    least time.
 
     The memory vector holds the bytes of the subproblem's nodes on every device of the machine
     (:func:`search.memory.node_memory`).  A mapping's memory is a sum over nodes per device, so the
@@ -640,10 +655,18 @@ class _MemoryDP:
     adds vectors with disjoint supports; times add or take the max as in the time DP.  A point is
     dropped when another is no slower and holds no more on any device (it cannot be part of a better
     completion: everything added later is the same for both), and when its busiest device is already
-    over capacity (memory only grows).  No time bound prunes here: a slower partial mapping may be
-    the one that fits.  The fastest point of the root's front is the fastest mapping that fits.
+    over capacity (memory only grows).  The fastest point of the root's front is the fastest mapping
+    that fits.
 
-    Exact while no front exceeds ``limit`` points; beyond, :func:`_mprune` keeps the points on the
+    Side by side.  As in the time DP, a parallel split is tried side by side on a split of the
+    resource only when that could be faster than its fastest one-after-the-other point that fits
+    (the larger side's compute, plus the least edges into a join, below it).  For time alone that is
+    exact; for memory it is a restriction: side by side puts the branches on disjoint devices, but
+    one after the other can do so too (its views range over the whole resource), so a side-by-side
+    mapping that is slower anyway is rarely the only one that fits -- and when no
+    one-after-the-other point fits, every split is tried.
+
+    Exact while no front exceeds ``limit`` points; beyond, :func:`_mselect` keeps the points on the
     two-dimensional front of (time, busiest device) first, so the fastest and the least-peak
     mappings of every subproblem always survive (``capped`` counts the fronts cut)."""
 
@@ -651,9 +674,10 @@ class _MemoryDP:
         self.mp, self.ctx, self.cap, self.limit = mapper, ctx, float(cap), max(2, int(limit))
         self.machine = mapper.machine
         self.D = self.machine.num_devices
-        self.zero = np.zeros(self.D)
+        self.unit = _Front(np.zeros((1, 1)), np.zeros((1, self.D)), [()])
         self.nmem: dict = {}
         self.fronts: dict = {}
+        self.feed: dict = {}
         self.capped = 0
 
     def mem(self, n: int, v: MachineView) -> np.ndarray:
@@ -669,19 +693,56 @@ class _MemoryDP:
             self.nmem[key] = hit
         return hit
 
-    def prune(self, pts: list, nk: int = 1) -> list:
-        out, cut = _mprune(pts, self.cap, self.limit, nk)
-        self.capped += cut
-        return out
+    def make(self, pts: list) -> _Front:
+        """A pruned front from a list of (time, node memory vector, assignment)."""
+        if not pts:
+            return _Front(np.zeros((0, 1)), np.zeros((0, self.D)), [])
+        return self.prune(_Front(np.array([[p[0]] for p in pts]), np.array([p[1] for p in pts]),
+                                 [p[2] for p in pts]))
 
-    def prod(self, fa: list, fb: list) -> list:
-        """One after the other: times add, memory adds."""
-        if not fa or not fb:
-            return []
-        return self.prune([(ta + tb, ma + mb, (aa, ab)) for ta, ma, aa in fa for tb, mb, ab in fb])
+    def prune(self, f: _Front) -> _Front:
+        if len(f) <= 1:
+            if len(f) == 1 and f.mem[0].max() > self.cap:
+                return _Front(f.keys[:0], f.mem[:0], [])
+            return f
+        idx, cut = _mselect(f.keys, f.mem, self.cap, self.limit)
+        self.capped += cut
+        return _Front(f.keys[idx], f.mem[idx], [f.a[i] for i in idx])
+
+    def combine(self, fa: _Front, fb: _Front, side: bool = False, prune: bool = True) -> _Front:
+        """Every point of ``fa`` with every point of ``fb``: memory adds; times add (one after the
+        other) or take the max (side by side, ``side``); a join branch's edge costs always add."""
+        na, nb = len(fa), len(fb)
+        if not na or not nb:
+            return _Front(np.zeros((0, fa.keys.shape[1])), np.zeros((0, self.D)), [])
+        keys = fa.keys[:, None, :] + fb.keys[None, :, :]
+        if side:
+            keys[:, :, 0] = np.maximum(fa.keys[:, None, 0], fb.keys[None, :, 0])
+        keys = keys.reshape(na * nb, -1)
+        mem = (fa.mem[:, None, :] + fb.mem[None, :, :]).reshape(na * nb, self.D)
+        if not prune or na == 1 or nb == 1:
+            # one point on a side moves the other side's points alike (no new domination one after
+            # the other; side by side at most the other side's count): only the capacity filters
+            if prune:
+                ok = np.flatnonzero(mem.max(axis=1) <= self.cap)
+                if len(ok) < na * nb:
+                    return _Front(keys[ok], mem[ok], [(fa.a[i // nb], fb.a[i % nb]) for i in ok])
+            return _Front(keys, mem, [(x, y) for x in fa.a for y in fb.a])
+        idx, cut = _mselect(keys, mem, self.cap, self.limit)
+        self.capped += cut
+        return _Front(keys[idx], mem[idx], [(fa.a[i // nb], fb.a[i % nb]) for i in idx])
+
+    def cat(self, fs: list) -> _Front:
+        fs = [f for f in fs if len(f)]
+        if not fs:
+            return _Front(np.zeros((0, 1)), np.zeros((0, self.D)), [])
+        if len(fs) == 1:
+            return fs[0]
+        return _Front(np.concatenate([f.keys for f in fs]), np.concatenate([f.mem for f in fs]),
+                      [x for f in fs for x in f.a])
 
     # --- the recursion (mirrors MachineMapper._solve and the methods it calls) ---------------------
-    def solve(self, t, res: Resource, fixed) -> list:
+    def solve(self, t, res: Resource, fixed) -> _Front:
         ctx, mp = self.ctx, self.mp
         dpn = self.machine.devices_per_node
         off = (res.start // dpn) * dpn
@@ -690,37 +751,37 @@ class _MemoryDP:
         key = (self.cap, self.limit, ctx.key[id(t)], res.start - off, res.nodes, res.per_node, fk)
         hit = mp.mcache.get(key)
         if hit is not None:
-            front, at = hit
-            if off != at:
+            f, at = hit
+            if off != at and len(f):
                 k = off - at
-                front = [(c, np.roll(m, k), _Shift(k, a) if a else a) for c, m, a in front]
-            return front
+                f = _Front(f.keys, np.roll(f.mem, k, axis=1), [_Shift(k, a) if a else a for a in f.a])
+            return f
         if ctx.need[id(t)] > res.size:
-            out = []
+            out = self.cat([])
         elif isinstance(t, Leaf):
             out = self.leaf(t, res, fixed)
         elif isinstance(t, Series):
-            out = self.prune([p for f in self.series_pass(t, res, fixed, frozenset()).values() for p in f])
+            out = self.prune(self.cat(list(self.series_pass(t, res, fixed, frozenset()).values())))
         else:
             out = self.parallel(t, res, fixed)
         mp.mcache[key] = (out, off)
         return out
 
-    def leaf(self, t: Leaf, res: Resource, fixed, skip=frozenset()) -> list:
+    def leaf(self, t: Leaf, res: Resource, fixed, skip=frozenset()) -> _Front:
         ctx, mp, gc = self.ctx, self.mp, self.ctx.gc
         unit = ctx.dec.units[t.unit]
         main, others = unit[-1], unit[:-1]
         inputs = ctx.priced_inputs(main)
         feeders = {p for _, p in inputs if p in others}
-        base = [(0.0, self.zero, ())]
+        base = self.unit
         for p in others:                      # placements feeding nothing priced: own cost, memory
             if p in feeders:
                 continue
             cands = mp._cands(ctx, p, res, fixed)
-            base = self.prod(base, self.prune([(gc.own_cost(p, v).time, self.mem(p, v), (ctx.h[p], v))
-                                               for v in cands]))
-            if not base:
-                return []
+            base = self.combine(base, self.make([(gc.own_cost(p, v).time, self.mem(p, v), (ctx.h[p], v))
+                                                 for v in cands]))
+            if not len(base):
+                return base
         feed_cands = {p: mp._cands(ctx, p, res, fixed) for p in sorted(feeders)}
         out: list = []
         for vm in mp._cands(ctx, main, res, fixed):
@@ -728,20 +789,23 @@ class _MemoryDP:
             for pos, p in inputs:
                 if p not in feeders and p not in skip:
                     t0 += ctx.edge(main, pos, fixed[p], vm)
-            cur = [(t0, self.mem(main, vm), (ctx.h[main], vm))]
+            cur = self.make([(t0, self.mem(main, vm), (ctx.h[main], vm))])
             for p, cands in feed_cands.items():
-                fr = self.prune([(gc.own_cost(p, vp).time + sum(ctx.edge(main, pos, vp, vm)
-                                                               for pos, q in inputs if q == p),
-                                  self.mem(p, vp), (ctx.h[p], vp)) for vp in cands])
-                cur = self.prod(cur, fr)
-                if not cur:
+                fkey = (p, vm, res, fixed.get(p))     # independent of the other fixed views
+                fr = self.feed.get(fkey)
+                if fr is None:
+                    fr = self.feed[fkey] = self.make([
+                        (gc.own_cost(p, vp).time + sum(ctx.edge(main, pos, vp, vm) for pos, q in inputs if q == p),
+                         self.mem(p, vp), (ctx.h[p], vp)) for vp in cands])
+                cur = self.combine(cur, fr)
+                if not len(cur):
                     break
-            out.extend(self.prod(cur, base))
-        return self.prune(out)
+            out.append(self.combine(cur, base, prune=False))
+        return self.prune(self.cat(out))
 
     def series_pass(self, t: Series, res: Resource, fixed, extra: frozenset) -> dict:
         ctx = self.ctx
-        states: dict = {(): [(0.0, self.zero, ())]}
+        states: dict = {(): self.unit}
         kids, info = t.children, ctx.boundary[id(t)]
         done: set = set()
         i = 0
@@ -769,14 +833,21 @@ class _MemoryDP:
                 return {}
         return states
 
-    def _add(self, new: dict, nkey, pts: list) -> None:
-        cur = new.get(nkey)
-        if cur is None:
-            new[nkey] = pts
-        else:
-            cur.extend(pts)
-            if len(cur) > 4 * self.limit:
-                new[nkey] = self.prune(cur)
+    def _add(self, new: dict, nkey, f: _Front) -> None:
+        if not len(f):
+            return
+        cur = new.setdefault(nkey, [])
+        cur.append(f)
+        if sum(len(x) for x in cur) > 32 * self.limit:
+            new[nkey] = [self.prune(self.cat(cur))]
+
+    def _close(self, new: dict) -> dict:
+        out = {}
+        for k, fs in new.items():
+            f = self.prune(self.cat(fs))
+            if len(f):
+                out[k] = f
+        return out
 
     def series_step(self, child, outs, live, states, res, fixed) -> dict:
         ctx, mp = self.ctx, self.mp
@@ -791,10 +862,11 @@ class _MemoryDP:
                 if outs:
                     f2 = dict(f)
                     f2.update(zip(outs, combo))
-                pts = self.prod(sfront, self.solve(child, res, f2))
-                if pts:
-                    self._add(new, tuple((n, f2[n]) for n in keep if n in f2), pts)
-        return {k: v for k, v in ((k, self.prune(v)) for k, v in new.items()) if v}
+                cf = self.solve(child, res, f2)
+                if len(cf):
+                    self._add(new, tuple((n, f2[n]) for n in keep if n in f2),
+                              self.combine(sfront, cf, prune=len(sfront) * len(cf) > 4 * self.limit))
+        return self._close(new)
 
     def series_join(self, child, jleaf: Leaf, jmain: int, outs, live, states, res, fixed) -> dict:
         ctx, mp = self.ctx, self.mp
@@ -808,17 +880,18 @@ class _MemoryDP:
                 fj = dict(f)
                 fj[jmain] = vj
                 jf = self.leaf(jleaf, res, fj, skip=outset)
-                if not jf:
+                if not len(jf):
                     continue
                 fr = self.front(child, res, f, jmain, vj, outset)
-                cf = self.prune([(c + e, m, a) for c, e, m, a in fr])
-                pts = self.prod(self.prod(sfront, cf), jf)
-                if pts:
-                    self._add(new, tuple((n, fj[n]) for n in keep if n in fj), pts)
-        return {k: v for k, v in ((k, self.prune(v)) for k, v in new.items()) if v}
+                if not len(fr):
+                    continue
+                cf = self.prune(_Front(fr.keys.sum(axis=1, keepdims=True), fr.mem, fr.a))
+                self._add(new, tuple((n, fj[n]) for n in keep if n in fj),
+                          self.combine(self.combine(sfront, cf), jf))
+        return self._close(new)
 
-    def front(self, t, res: Resource, fixed, jmain: int, vj: MachineView, outs: frozenset) -> list:
-        """Pareto front of (cost of ``t``, cost of its edges into the join, memory, assignment)."""
+    def front(self, t, res: Resource, fixed, jmain: int, vj: MachineView, outs: frozenset) -> _Front:
+        """Pareto front of (cost of ``t``, cost of its edges into the join) and memory."""
         ctx = self.ctx
         rel = ctx.relevant[id(t)]
         key = ("front", id(t), res, vj, tuple(sorted((n, v) for n, v in fixed.items() if n in rel)))
@@ -826,31 +899,39 @@ class _MemoryDP:
         if hit is not None:
             return hit
         R = sorted(n for n in outs if n in ctx.nodes[id(t)])
-        pts: list = []
+        parts: list = []
         if not R:
-            pts = [(c, 0.0, m, a) for c, m, a in self.solve(t, res, fixed)]
+            f = self.solve(t, res, fixed)
+            parts.append(_Front(np.hstack([f.keys, np.zeros((len(f), 1))]), f.mem, f.a))
         elif isinstance(t, Parallel):
             fl = self.front(t.left, res, fixed, jmain, vj, outs)
-            fr = self.front(t.right, res, fixed, jmain, vj, outs) if fl else []
-            pts = [(ca + cb, ea + eb, ma + mb, (aa, ab)) for ca, ea, ma, aa in fl for cb, eb, mb, ab in fr]
-            pts = self.prune(pts, 2)
-            for r1, r2 in res.splits(self.machine):
+            if len(fl):
+                parts.append(self.combine(fl, self.front(t.right, res, fixed, jmain, vj, outs)))
+            # as in the time DP, side by side is tried only where it can be faster than the fastest
+            # one-after-the-other point that fits (see the class docstring)
+            seq = float(parts[0].keys.sum(axis=1).min()) if parts and len(parts[0]) else INF
+            lbmax = max(ctx.lb[id(t.left)], ctx.lb[id(t.right)])
+            for r1, r2 in res.splits(self.machine) if lbmax < seq else ():
                 for x, y in ((t.left, t.right), (t.right, t.left)):
                     if ctx.need[id(x)] > r1.size or ctx.need[id(y)] > r2.size:
                         continue
+                    mp = self.mp
+                    if (lbmax + mp._emin(ctx, x, r1, jmain, vj, outs) + mp._emin(ctx, y, r2, jmain, vj, outs)
+                            >= seq):
+                        continue
                     fx = self.front(x, r1, fixed, jmain, vj, outs)
-                    fy = self.front(y, r2, fixed, jmain, vj, outs) if fx else []
-                    pts.extend((max(cx, cy), ex + ey, mx + my, (ax, ay))
-                               for cx, ex, mx, ax in fx for cy, ey, my, ay in fy)
-                    if len(pts) > 4 * self.limit:
-                        pts = self.prune(pts, 2)
+                    if len(fx):
+                        parts.append(self.combine(fx, self.front(y, r2, fixed, jmain, vj, outs), side=True))
         else:
             inputs = [(pos, p) for pos, p in ctx.priced_inputs(jmain) if p in R]
             idx = {n: k for k, n in enumerate(R)}
-            for views, fr in self.open(t, res, fixed, tuple(R)):
+            for views, f in self.open(t, res, fixed, tuple(R)):
                 e = sum(ctx.edge(jmain, pos, views[idx[p]], vj) for pos, p in inputs)
-                pts.extend((c, e, m, a) for c, m, a in fr)
-        out = self.prune(pts, 2)
+                parts.append(_Front(np.hstack([f.keys, np.full((len(f), 1), e)]), f.mem, f.a))
+        if not parts:
+            out = _Front(np.zeros((0, 2)), np.zeros((0, self.D)), [])
+        else:
+            out = self.prune(self.cat(parts))
         self.fronts[key] = out
         return out
 
@@ -872,76 +953,77 @@ class _MemoryDP:
                 f2 = dict(fixed)
                 f2.update(zip(R, combo))
                 fr = self.solve(t, res, f2)
-                if fr:
+                if len(fr):
                     out.append((combo, fr))
         self.fronts[key] = out
         return out
 
-    def parallel(self, t: Parallel, res: Resource, fixed) -> list:
+    def parallel(self, t: Parallel, res: Resource, fixed) -> _Front:
         ctx = self.ctx
         fa = self.solve(t.left, res, fixed)
-        pts = self.prod(fa, self.solve(t.right, res, fixed)) if fa else []
+        parts = [self.combine(fa, self.solve(t.right, res, fixed))] if len(fa) else []
+        seq = float(parts[0].keys[:, 0].min()) if parts and len(parts[0]) else INF
+        if max(ctx.lb[id(t.left)], ctx.lb[id(t.right)]) >= seq:
+            return parts[0]                   # side by side cannot be faster (see the class docstring)
         for r1, r2 in res.splits(self.machine):
             for x, y in ((t.left, t.right), (t.right, t.left)):
                 if ctx.need[id(x)] > r1.size or ctx.need[id(y)] > r2.size:
                     continue
                 fx = self.solve(x, r1, fixed)
-                fy = self.solve(y, r2, fixed) if fx else []
-                pts.extend((max(cx, cy), mx + my, (ax, ay)) for cx, mx, ax in fx for cy, my, ay in fy)
-                if len(pts) > 4 * self.limit:
-                    pts = self.prune(pts)
-        return self.prune(pts)
+                if len(fx):
+                    parts.append(self.combine(fx, self.solve(y, r2, fixed), side=True))
+        return self.prune(self.cat(parts))
 
 
-def _mprune(pts: list, cap: float, limit: int, nk: int = 1) -> tuple[list, int]:
-    """Points (key_1 .. key_nk, memory vector, assignment) that fit ``cap`` on every device and that
-    no other point dominates (keys and memory on every device no larger), sorted by the sum of their
-    keys (the time); at most ``limit`` of them: past it, the points on the front of (time, busiest
-    device) first -- evenly spaced along it if even they are too many, always including its two
-    ends, the fastest and the least-peak point -- then the fastest of the rest.  Returns the points
-    and 1 if some were cut for the limit, else 0."""
-    if not pts:
-        return pts, 0
-    if nk == 1:
-        dec = [(p[0], float(p[1].max()), p) for p in pts]
-    else:
-        dec = [(p[0] + p[1], float(p[2].max()), p) for p in pts]
-    dec = [d for d in dec if d[1] <= cap]
-    if len(dec) <= 1:
-        return [d[2] for d in dec], 0
-    dec.sort(key=lambda d: (d[0], d[1]))
-    n = len(dec)
-    mems = np.empty((n, len(dec[0][2][nk])))
-    keys = np.empty((n, nk))
-    kept: list = []
-    for tsum, peak, p in dec:
-        m = p[nk]
-        k = len(kept)
-        if k:
-            dom = np.all(mems[:k] <= m, axis=1)
-            if nk > 1:
-                dom &= np.all(keys[:k] <= p[:nk], axis=1)
-            if dom.any():
-                continue
-        mems[k] = m
-        keys[k] = p[:nk]
-        kept.append((tsum, peak, p))
-    if len(kept) <= limit:
-        return [d[2] for d in kept], 0
-    two, rest, best = [], [], math.inf
-    for d in kept:
-        if d[1] < best:
-            two.append(d)
-            best = d[1]
-        else:
-            rest.append(d)
-    if len(two) >= limit:
-        step = (len(two) - 1) / (limit - 1)
-        chosen = [two[round(i * step)] for i in range(limit)]
-    else:
-        chosen = two + rest[:limit - len(two)]
-    chosen.sort(key=lambda d: (d[0], d[1]))
-    return [d[2] for d in chosen], 1
+def _mselect(keys: np.ndarray, mem: np.ndarray, cap: float, limit: int, chunk: int = 64) -> tuple[np.ndarray, int]:
+    """Which points (rows of ``keys`` and ``mem``) a front keeps, ordered by the sum of their keys
+    (the time): those that fit ``cap`` on every device and that no other point dominates (keys and
+    memory on every device no larger); at most ``limit`` of them: the points on the front of (time,
+    busiest device) first -- evenly spaced along it if even they are too many, always including its
+    two ends, the fastest and the least-peak point -- then the fastest of the rest.  Returns the row
+    indices and 1 if some non-dominated point was cut for the limit, else 0."""
+    peak = mem.max(axis=1)
+    ok = np.flatnonzero(peak <= cap)
+    if len(ok) <= 1:
+        return ok, 0
+    s = keys.sum(axis=1)
+    order = ok[np.lexsort((peak[ok], s[ok]))]
+    pk = peak[order]
+    f2 = np.empty(len(order), dtype=bool)
+    f2[0] = True
+    f2[1:] = pk[1:] < np.minimum.accumulate(pk)[:-1]
+    front2 = order[f2]
+    if len(front2) > limit:
+        pick = np.unique(np.round(np.linspace(0, len(front2) - 1, limit)).astype(int))
+        return front2[pick], 1
+    kept = [front2]
+    kk, km = keys[front2], mem[front2]
+    rest = order[~f2]
+    room = limit - len(front2)
+    cut = 0
+    for i in range(0, len(rest), chunk):
+        c = rest[i:i + chunk]
+        ck, cm = keys[c], mem[c]
+        dom = np.any(np.all(kk[None, :, :] <= ck[:, None, :], axis=2)
+                     & np.all(km[None, :, :] <= cm[:, None, :], axis=2), axis=1)
+        if len(c) > 1:                       # an earlier point of the chunk dominates a later one
+            mut = (np.all(ck[None, :, :] <= ck[:, None, :], axis=2)
+                   & np.all(cm[None, :, :] <= cm[:, None, :], axis=2))
+            dom |= np.tril(mut, -1).any(axis=1)
+        surv = c[~dom]
+        if len(surv) > room:
+            surv = surv[:room]
+            cut = 1
+        if len(surv):
+            kept.append(surv)
+            kk, km = np.concatenate([kk, keys[surv]]), np.concatenate([km, mem[surv]])
+            room -= len(surv)
+        if room <= 0:
+            if not cut and i + chunk < len(rest):
+                cut = 1                      # (conservatively: the rest was not examined)
+            break
+    idx = np.concatenate(kept)
+    return idx[np.lexsort((peak[idx], s[idx]))], cut
 
 
 def _pareto(pts: list) -> list:
