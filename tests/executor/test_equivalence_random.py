@@ -14,13 +14,13 @@ _REFS: dict = {}
 MODELS = ("mlp_nobias", "attention", "dropout_mlp", "convnet")
 
 
-def _applications(g, rules):
+def _applications(g, rules, degrees=(2,)):
     from substitutions.apply import try_apply
     from substitutions.match import GraphIndex, find_matches
     idx = GraphIndex(g)
     out = []
     for r in rules:
-        for m in find_matches(r, g, idx, limit=8, degrees=(2,)):
+        for m in find_matches(r, g, idx, limit=8, degrees=degrees):
             out.append((r.name, m))
     return out, try_apply
 
@@ -33,7 +33,7 @@ def _random_plan(data, world: int, max_steps: int):
     rules = cache.load().rules
     applied = []
     for _ in range(data.draw(st.integers(1, max_steps), label="steps")):
-        apps, try_apply = _applications(g, rules)
+        apps, try_apply = _applications(g, rules, (2,) if world == 2 else (2, 4))
         if not apps:
             break
         k = data.draw(st.integers(0, len(apps) - 1), label="application")
@@ -71,3 +71,10 @@ def test_random_rule_sequences_train_as_one_device(data):
 @given(st.data())
 def test_random_rule_sequences_train_as_one_device_many(data):
     _check(data, world=2, max_steps=6)
+
+
+@pytest.mark.slow
+@settings(max_examples=30, **_SETTINGS)
+@given(st.data())
+def test_random_rule_sequences_train_as_one_device_four_processes(data):
+    _check(data, world=4, max_steps=5)
