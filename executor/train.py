@@ -248,6 +248,7 @@ class Trainer:
         self._bucket_pgs = {}
         for grp in sorted({b["devs"] for b in self._buckets}):   # gradient buckets get their own groups
             self._bucket_pgs[grp] = dist.new_group(list(grp)) if self.world > 1 else None
+        self._opt_kind = optimizer
         if optimizer == "sgd":
             self.opt = torch.optim.SGD(list(self.params.values()), lr=lr)
         elif optimizer == "adam":
@@ -699,21 +700,31 @@ class Trainer:
                     b.copy_(torch.as_tensor(d[name]))
 
     def optimizer_state(self) -> dict:
-        """Optimizer state per parameter name, logical full tensors (collective), plus the step count."""
+        """Optimizer state per parameter name, logical full tensors, plus the step count (collective:
+        call on every rank).  A rank that never read a parameter has no state for it: every rank
+        contributes the same entries (zeros where it has none, each region from its owner; scalar
+        entries such as Adam's step count from the rank that stepped most)."""
         st = self.opt.state_dict()
         names = list(self.params)
+        keys = {"adam": ("step", "exp_avg", "exp_avg_sq")}.get(self._opt_kind, ())
         out: dict = {"step": self.step_no, "param_groups": [{k: v for k, v in grp.items() if k != "params"}
                                                             for grp in st["param_groups"]], "state": {}}
         for idx, name in enumerate(names):
-            s = st["state"].get(idx)
-            if s is None:
+            s = st["state"].get(idx) or {}
+            if not keys and not s:
                 continue
+            p = self.params[name]
             ent = {}
-            for k, v in s.items():
-                if isinstance(v, torch.Tensor) and tuple(v.shape) == tuple(self.params[name].shape):
-                    ent[k] = self._assemble(name, v)
+            for k in keys or tuple(s):
+                v = s.get(k)
+                if k == "step":
+                    t = torch.as_tensor(float(v) if v is not None else 0.0, dtype=torch.float64)
+                    if self.world > 1:
+                        dist.all_reduce(t, op=dist.ReduceOp.MAX)
+                    ent[k] = t.to(torch.float32)
                 else:
-                    ent[k] = v.clone() if isinstance(v, torch.Tensor) else v
+                    v = v if isinstance(v, torch.Tensor) else torch.zeros_like(p)
+                    ent[k] = self._assemble(name, v)
             out["state"][name] = ent
         return out
 

@@ -265,3 +265,20 @@ def with_views(plan_views: dict, g, device_of) -> dict:
         if n.kind != "source" and n.id in out and out[n.id].degree == 1:
             out[n.id] = MachineView(device_of(n), out[n.id].dims)
     return out
+
+
+def _resume_worker(rank: int, world: int, plan_json: dict, model: str, first: int, then: int, optimizer: str,
+                   lr: float):
+    """Train ``first`` steps, hand the model and optimizer state to a fresh Trainer, train ``then`` more."""
+    from executor.train import Trainer
+    from unity_pcg import plan as plan_mod
+    p = plan_mod.from_json(plan_json)
+    a = Trainer(p, model, rank=rank, world=world, optimizer=optimizer, lr=lr)
+    losses = [a.step() for _ in range(first)]
+    ms, os_ = a.model_state(), a.optimizer_state()
+    b = Trainer(p, model, rank=rank, world=world, optimizer=optimizer, lr=lr)
+    b.load_model_state(ms)
+    b.load_optimizer_state(os_)
+    losses += [b.step() for _ in range(then)]
+    state = {k: v.numpy().copy() for k, v in b.model_state().items()}
+    return losses, state if rank == 0 else None

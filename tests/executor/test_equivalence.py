@@ -139,3 +139,15 @@ def test_dropout_drops_and_batchnorm_statistics_are_synchronized():
     from unity_pcg.evaluate import evaluate, random_feeds
     y = evaluate(gd, random_feeds(gd, seed=0))[0]
     assert abs(float(y.mean()) - ref_d[0][0]) > 1e-4
+
+
+def test_model_and_optimizer_state_round_trip_continues_identically():
+    """Adam on a Megatron plan (a weight read on one device only, others split): training 3 steps,
+    handing model_state/optimizer_state to fresh Trainers and training 2 more equals 5 steps on one
+    process."""
+    path = models.mlp_nobias()
+    g = H.apply_rule(H.load(path), "megatron_mlp_column_row")
+    plan = H.make_plan(g, path, 2)
+    ref = H.reference(path, 5, optimizer="adam", lr=0.01)
+    got = H.run_dist(2, H._resume_worker, plan.to_json(), path, 3, 2, "adam", 0.01)[0]
+    H.assert_same(ref, got, what="resumed adam")
