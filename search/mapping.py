@@ -988,14 +988,32 @@ def _mselect(keys: np.ndarray, mem: np.ndarray, cap: float, limit: int, chunk: i
         return ok, 0
     s = keys.sum(axis=1)
     order = ok[np.lexsort((peak[ok], s[ok]))]
+    if len(order) <= chunk:
+        # small: every pair at once; i dominates j if no larger anywhere and (larger somewhere the
+        # other way round, or equal and earlier)
+        k, m = keys[order], mem[order]
+        le = np.all(k[:, None, :] <= k[None, :, :], axis=2) & np.all(m[:, None, :] <= m[None, :, :], axis=2)
+        n = len(order)
+        dom = le & (~le.T | (np.arange(n)[:, None] < np.arange(n)[None, :]))
+        cand = order[~dom.any(axis=0)]
+        if len(cand) <= limit:
+            return cand, 0
+        pk = peak[cand]
+        f2 = np.empty(len(cand), dtype=bool)
+        f2[0] = True
+        f2[1:] = pk[1:] < np.minimum.accumulate(pk)[:-1]
+        front2 = cand[f2]
+        if len(front2) > limit:
+            return front2[_spread(len(front2), limit)], 1
+        idx = np.concatenate([front2, cand[~f2][:limit - len(front2)]])
+        return idx[np.lexsort((peak[idx], s[idx]))], 1
     pk = peak[order]
     f2 = np.empty(len(order), dtype=bool)
     f2[0] = True
     f2[1:] = pk[1:] < np.minimum.accumulate(pk)[:-1]
     front2 = order[f2]
     if len(front2) > limit:
-        pick = np.unique(np.round(np.linspace(0, len(front2) - 1, limit)).astype(int))
-        return front2[pick], 1
+        return front2[_spread(len(front2), limit)], 1
     kept = [front2]
     kk, km = keys[front2], mem[front2]
     rest = order[~f2]
@@ -1024,6 +1042,11 @@ def _mselect(keys: np.ndarray, mem: np.ndarray, cap: float, limit: int, chunk: i
             break
     idx = np.concatenate(kept)
     return idx[np.lexsort((peak[idx], s[idx]))], cut
+
+
+def _spread(n: int, k: int) -> list:
+    """``k`` indices evenly spaced over ``range(n)``, first and last included (k >= 2, n > k)."""
+    return [(i * (n - 1) + (k - 1) // 2) // (k - 1) for i in range(k)]
 
 
 def _pareto(pts: list) -> list:
