@@ -5,9 +5,14 @@ The plan field (written by search/pipeline.py)::
     "pipeline": {"schedule": "1F1B", "micro_batches": M,
                  "stages": [{"nodes": [node ids], "devices": [device ids]}, ...]}
 
-Stage ``i`` becomes one :class:`StageModule` on its device (rank == device id), wrapped in a
+Stage ``i`` becomes one :class:`StageModule` per device (rank == device id), wrapped in a
 ``PipelineStage`` and driven by ``Schedule1F1B`` with ``M`` micro-batches (the batch, dim 0 of every
-model input, split in M equal parts).  A stage module runs its nodes' torch kernels
+model input, split in M equal parts).  A stage may run on K devices when it is data parallel inside
+(every operator's tensors split K ways on the batch dim, weights copied K ways -- what the pipeline
+search's default intra-stage parallelization builds) and every stage has K devices: then K pipelines
+run side by side, replica r made of the device of task r of every stage's operators; replica r takes
+block r of each micro-batch (rows ``m*B/M + r*B/(MK)`` onwards, as the plan's pieces say) and the K
+replicas of a stage average their gradients with one flat all-reduce per step.  A stage module runs its nodes' torch kernels
 (:mod:`executor.kernels`) on whole micro-batch tensors; its parameters are the ONNX initializers its
 nodes read (a Weight belongs to the stage of its first consumer).  Tensors cross stages as a tuple:
 stage ``i`` sends every tensor produced at or before it (model inputs included) that a later stage reads,
@@ -27,8 +32,9 @@ micro-batch losses, broadcast from the last stage.  BatchNorm over micro-batches
 micro-batch's statistics, which is not one device's training: refused unless ``--per-device-bn``.
 
 Limits (refused by :func:`check_pipeline` with a one-line error before any process starts): stages of
-more than one device (running a stage's sub-plan on a sub-group is not built), a schedule other than 1F1B,
-a batch that M does not divide, non-floating tensors crossing stages.
+different sizes, parallelism inside a stage other than data parallelism (a stage's sub-plan lowered on a
+sub-group is not built), a schedule other than 1F1B, a batch that M (times K) does not divide, non-floating
+tensors crossing stages.
 """
 from __future__ import annotations
 
@@ -50,13 +56,18 @@ class PipelineError(PlanError):
 
 @dataclass(frozen=True)
 class StagePlan:
-    """One stage, resolved: its device, its nodes in topological order (sources included), the tensors it
-    receives from the previous stage and sends to the next one (in order)."""
+    """One stage, resolved: its devices (replica r runs the stage's r-th batch block: the device of task r of
+    every operator), its nodes in topological order (sources included), the tensors it receives from the
+    previous stage and sends to the next one (in order)."""
     index: int
-    device: int
+    devices: tuple[int, ...]
     nodes: tuple[int, ...]
     recv: tuple[tuple[int, int], ...]
     send: tuple[tuple[int, int], ...]
+
+    @property
+    def device(self) -> int:
+        return self.devices[0]
 
 
 def _stage_of_nodes(plan) -> list[list[int]]:
@@ -90,15 +101,20 @@ def resolve(plan) -> tuple[int, list[StagePlan]]:
     M = pf.get("micro_batches")
     if not isinstance(M, int) or isinstance(M, bool) or M < 1:
         raise PipelineError(f"plan: pipeline.micro_batches must be a positive integer, got {M!r}")
-    devices = []
+    devices: list[tuple[int, ...]] = []
     for i, st in enumerate(pf["stages"]):
-        devs = st["devices"]
-        if len(devs) != 1:
-            raise PipelineError(f"plan: pipeline stage {i} runs on {len(devs)} devices {devs}; the executor runs "
-                                "single-device stages only (a stage's sub-plan on a sub-group is not built)")
-        devices.append(devs[0])
-    if len(set(devices)) != len(devices):
-        raise PipelineError(f"plan: pipeline stages share devices {devices}")
+        devs = tuple(st["devices"])
+        if not devs or len(set(devs)) != len(devs):
+            raise PipelineError(f"plan: pipeline stage {i} has devices {list(devs)}")
+        if len(devs) != len(pf["stages"][0]["devices"]):
+            raise PipelineError(f"plan: pipeline stages run on {[len(x['devices']) for x in pf['stages']]} devices; "
+                                "the executor runs stages of equal size (one pipeline per data-parallel replica)")
+        devices.append(devs)
+    flat = [d for devs in devices for d in devs]
+    if len(set(flat)) != len(flat):
+        raise PipelineError(f"plan: pipeline stages share devices {[list(x) for x in devices]}")
+    K = len(devices[0])
+    order_of: dict[int, tuple] = {}   # stage -> device of task r of its operators (replica order)
     stage_of: dict[int, int] = {}
     for i, nodes in enumerate(node_lists):
         for nid in nodes:
@@ -119,15 +135,27 @@ def resolve(plan) -> tuple[int, list[StagePlan]]:
             if src.kind != "source" and stage_of[r[0]] > stage_of[nid]:
                 raise PipelineError(f"plan: node {n.label()} in pipeline stage {stage_of[nid]} reads "
                                     f"{src.label()} of the later stage {stage_of[r[0]]}")
+        i = stage_of[nid]
         v = plan.views.get(nid)
-        if v is not None and set(v.devices()) != {devices[stage_of[nid]]}:
+        if v is not None and not set(v.devices()) <= set(devices[i]):
             raise PipelineError(f"plan: view {v} of node {n.label()} lies outside its pipeline stage's "
-                                f"device {devices[stage_of[nid]]}")
+                                f"devices {list(devices[i])}")
         if n.kind == "compute":
             pm = ops.infer(n.op, n.a, g.input_shapes(nid)).piece_map
-            if pm is not None and pm.degree != 1:
-                raise PipelineError(f"plan: node {n.label()} runs {pm.degree} tasks inside a single-device "
-                                    "pipeline stage")
+            deg = pm.degree if pm is not None else 1
+            if deg != K:
+                what = "a single-device" if K == 1 else f"a {K}-device"
+                raise PipelineError(f"plan: node {n.label()} ({n.op}) runs {deg} task(s) inside {what} pipeline "
+                                    f"stage; the executor runs stages of {K} data-parallel task(s) per operator")
+            if K > 1:
+                _check_batch_split(g, n, K)
+                devs = tuple(v.devices()) if v is not None else None
+                if devs is None or set(devs) != set(devices[i]):
+                    raise PipelineError(f"plan: node {n.label()} of pipeline stage {i} has no view on all of the "
+                                        f"stage's devices {list(devices[i])}")
+                if order_of.setdefault(i, devs) != devs:
+                    raise PipelineError(f"plan: operators of pipeline stage {i} place their batch blocks on the "
+                                        f"devices in different orders ({list(order_of[i])}, {list(devs)})")
     # sources join the stage of their first consumer (in topological order)
     for nid in order:
         n = g.node(nid)
@@ -135,12 +163,15 @@ def resolve(plan) -> tuple[int, list[StagePlan]]:
             users = [u for u, _ in g.consumers((nid, 0))]
             if users:
                 stage_of[nid] = min(stage_of[u] for u in users)
-    # micro-batches: every model input's dim 0 must split M ways
+    # micro-batches: every model input's dim 0 must split M ways (and each micro-batch K ways)
     for n in g.sources("Input"):
         b = n.a["shape"][0] if n.a["shape"] else None
         if b is None or b % M:
             raise PipelineError(f"plan: pipeline.micro_batches {M} does not divide the batch (dim 0 = {b}) "
                                 f"of input {n.label()}")
+        if b % (M * K):
+            raise PipelineError(f"plan: the micro-batches of input {n.label()} ({b // M} samples) do not split "
+                                f"over the {K} devices of a stage")
     S = len(node_lists)
     first_out = tuple(g.outputs[0])
     # what each stage needs from earlier stages: tensors produced in stages < i (model inputs count as
@@ -173,7 +204,7 @@ def resolve(plan) -> tuple[int, list[StagePlan]]:
             if not send:
                 raise PipelineError(f"plan: pipeline stage {i} sends nothing to stage {i + 1}")
         nodes = tuple(nid for nid in order if stage_of.get(nid) == i)
-        stages.append(StagePlan(i, devices[i], nodes, carried_in, send))
+        stages.append(StagePlan(i, order_of.get(i, devices[i]), nodes, carried_in, send))
         carried_in = send
     if stage_of.get(first_out[0], -1) not in range(S) and g.node(first_out[0]).op != "Input":
         raise PipelineError("plan: the model's first output is produced by no pipeline stage")
@@ -186,14 +217,26 @@ def resolve(plan) -> tuple[int, list[StagePlan]]:
     return M, stages
 
 
+def _check_batch_split(g: PCG, n, K: int) -> None:
+    """Inside a stage of K devices every operator must be data parallel: each tensor it reads or writes is
+    split K ways on dim 0 (the batch) and nowhere else, or (a weight) whole and copied K ways."""
+    for s in tuple(g.input_shapes(n.id)) + tuple(g.shapes(n.id)):
+        split = bool(s.dims) and s.dims[0].degree == K and all(d.degree == 1 for d in s.dims[1:]) \
+            and s.copy_degree == 1
+        copied = all(d.degree == 1 for d in s.dims) and s.copy_degree == K
+        if s.sum_degree != 1 or not (split or copied):
+            raise PipelineError(f"plan: node {n.label()} ({n.op}) in a {K}-device pipeline stage is not data "
+                                f"parallel (shape {s}); the executor runs data parallelism inside stages only")
+
+
 def check_pipeline(plan, per_device_bn: bool = True) -> None:
     """Everything about a pipelined plan that can fail before a process starts."""
     M, stages = resolve(plan)
-    devs = sorted(st.device for st in stages)
-    if devs != list(range(len(stages))):
-        raise PipelineError(f"plan: pipeline stages run on devices {[st.device for st in stages]}; the "
-                            f"executor needs one stage per rank 0..{len(stages) - 1}")
-    micro_graph(plan.pcg, M)
+    devs = sorted(d for st in stages for d in st.devices)
+    if devs != list(range(len(devs))):
+        raise PipelineError(f"plan: pipeline stages run on devices {[list(st.devices) for st in stages]}; the "
+                            f"executor needs the ranks 0..{len(devs) - 1}, each in one stage")
+    micro_graph(plan.pcg, M * len(stages[0].devices))
     if not per_device_bn and any(n.op == "BatchNorm" for n in plan.pcg.nodes()):
         raise PipelineError("plan: BatchNorm in a pipelined plan computes statistics per micro-batch, which "
                             "is not one device's training; run with --per-device-bn to accept that")
@@ -248,15 +291,16 @@ def _torch_modules():
     return torch, nn
 
 
-def build_stage_module(plan, st: StagePlan, M: int, weights: Mapping[str, Any], seed: int):
-    """The ``nn.Module`` of one stage (see module docstring)."""
+def build_stage_module(plan, st: StagePlan, M: int, weights: Mapping[str, Any], seed: int, replica: int = 0):
+    """The ``nn.Module`` of one stage's replica (see module docstring)."""
     torch, nn = _torch_modules()
     from .kernels import TORCH_DTYPES, TaskContext, kernel
     from .lower import dropout_key
 
     g: PCG = plan.pcg
     lg, alias = logical_graph(g)
-    mg = micro_graph(g, M)
+    K = len(st.devices)
+    mg = micro_graph(g, M * K)
 
     class StageModule(nn.Module):
         def __init__(self):
@@ -292,8 +336,10 @@ def build_stage_module(plan, st: StagePlan, M: int, weights: Mapping[str, Any], 
                     spec = ops.get_op(n.op)
                     pa = spec.piece_attrs(n.a, ins, outs) if spec.piece_attrs else n.a
                     logical = tuple(tuple(s.sizes) for s in lg.shapes(nid))
-                    batched = tuple(bool(s.dims) and s.dims[0].degree == M and M > 1 for s in outs)
-                    mb = tuple((s.sizes[0] // M) if b else 0 for s, b in zip(outs, batched))
+                    # micro-batch k of replica r holds rows [k*B/M + r*B/(MK), ...) of the whole batch
+                    batched = tuple(bool(s.dims) and s.dims[0].degree == M * K and M * K > 1 for s in outs)
+                    mb = tuple((s.sizes[0] // M, replica * (s.sizes[0] // (M * K))) if b else (0, 0)
+                               for s, b in zip(outs, batched))
                     self.prog.append((nid, kernel(n.op), dict(pa), tuple(tuple(r) for r in lg.node(nid).inputs),
                                       logical, mb, dropout_key(g, nid)))
             self.seed = seed
@@ -309,7 +355,7 @@ def build_stage_module(plan, st: StagePlan, M: int, weights: Mapping[str, Any], 
             for nid, fn, pa, inputs, logical, mb, dkey in self.prog:
                 ctx = TaskContext(training=True, seed=self.seed, step=self.steps_done, node_id=dkey,
                                   out_logical=logical,
-                                  out_offset=tuple((k * m,) + (0,) * (len(s) - 1) if s else ()
+                                  out_offset=tuple((k * m[0] + m[1],) + (0,) * (len(s) - 1) if s else ()
                                                    for m, s in zip(mb, logical)))
                 ys = fn(pa, [vals[r] for r in inputs], ctx)
                 for j, y in enumerate(ys):
@@ -321,7 +367,8 @@ def build_stage_module(plan, st: StagePlan, M: int, weights: Mapping[str, Any], 
 
 
 def _piece_sizes(g: PCG, mg: PCG, ref, M: int) -> tuple[int, ...]:
-    """Sizes of one micro-batch's piece of tensor ``ref`` (a model input: dim 0 split M ways)."""
+    """Sizes of one micro-batch's piece of tensor ``ref`` (a model input: dim 0 split ``M`` ways: the
+    micro-batches times the replicas)."""
     if g.node(ref[0]).op == "Input":
         sizes = list(mg.shape(ref).sizes)
         if sizes:
@@ -356,16 +403,33 @@ class PipelineTrainer:
 
         check_pipeline(plan, per_device_bn=not sync_batchnorm)
         self.M, stages = resolve(plan)
-        mine = [st for st in stages if st.device == rank]
+        mine = [st for st in stages if rank in st.devices]
         if len(mine) != 1:
             raise PipelineError(f"rank {rank} runs no pipeline stage")
         self.st = mine[0]
         self.S = len(stages)
-        self.last_rank = stages[-1].device
+        self.K = K = len(self.st.devices)
+        self.replica = r = self.st.devices.index(rank)
         self.rank, self.world = rank, world
+        # one pipeline per replica (the r-th device of every stage); one data-parallel group per stage.
+        # Every rank creates every group, in the same order (a collective).
+        self.pp_group, self.dp_group = None, None
+        pp_ranks = [s.devices[r] for s in stages]
+        if K > 1:
+            for rr in range(K):
+                grp = dist.new_group([s.devices[rr] for s in stages])
+                if rr == r:
+                    self.pp_group = grp
+            for s in stages:
+                grp = dist.new_group(list(s.devices))
+                if s is self.st:
+                    self.dp_group = grp
+            pos = {d: j for j, d in enumerate(sorted(pp_ranks))}   # group ranks follow the sorted ranks
+        else:
+            pos = {d: d for d in pp_ranks}
         self.dev = torch.device(device if device == "cpu" else f"cuda:{torch.cuda.current_device()}")
         weights = load_onnx(model_path).weights
-        self.mod = build_stage_module(plan, self.st, self.M, weights, seed).to(self.dev)
+        self.mod = build_stage_module(plan, self.st, self.M, weights, seed, replica=r).to(self.dev)
         self.order = {k: name for name, k in self.mod.names.items()}
         params = list(self.mod.params.values())
         if optimizer == "sgd":
@@ -376,17 +440,17 @@ class PipelineTrainer:
             raise UnityError(f"unknown optimizer {optimizer!r} (sgd, adam)")
         # the tensors a stage receives and sends, per micro-batch, are known from the plan: passing them
         # makes the schedule skip its metadata inference (a forward run that would count as a micro-batch)
-        mg = micro_graph(plan.pcg, self.M)
+        mg = micro_graph(plan.pcg, self.M * K)
         dts = TORCH_DTYPES
 
         def example(refs):   # a model input needs no gradient; every activation (floating) does
-            return tuple(torch.empty(_piece_sizes(plan.pcg, mg, r, self.M), dtype=dts[mg.shape(r).dtype],
-                                     device="meta").requires_grad_(plan.pcg.node(r[0]).op != "Input"
-                                                                   and dts[mg.shape(r).dtype].is_floating_point)
-                         for r in refs)
-        self.stage = PipelineStage(self.mod, self.st.index, self.S, self.dev,
+            return tuple(torch.empty(_piece_sizes(plan.pcg, mg, x, self.M * K), dtype=dts[mg.shape(x).dtype],
+                                     device="meta").requires_grad_(plan.pcg.node(x[0]).op != "Input"
+                                                                   and dts[mg.shape(x).dtype].is_floating_point)
+                         for x in refs)
+        self.stage = PipelineStage(self.mod, self.st.index, self.S, self.dev, group=self.pp_group,
                                    input_args=example(self.mod.recv), output_args=example(self.mod.send))
-        self.stage.stage_index_to_group_rank = {s.index: s.device for s in stages}
+        self.stage.stage_index_to_group_rank = {s.index: pos[s.devices[r]] for s in stages}
         self._targets = False   # the schedule wants a target on the last stage; without one, a dummy
         self.sched = Schedule1F1B(self.stage, self.M, scale_grads=True,
                                   loss_fn=lambda out, t: loss_of(out, t if self._targets else None))
@@ -394,7 +458,11 @@ class PipelineTrainer:
         self.steps_done = 0
         self._dist = dist
         ins = plan.pcg.sources("Input")
-        self.batch = ins[0].a["shape"][0] if ins and ins[0].a["shape"] else self.M
+        self.batch = ins[0].a["shape"][0] if ins and ins[0].a["shape"] else self.M * K
+        # this replica's rows of the whole batch: block r of every micro-batch, micro-batches in order
+        B, b = self.batch, self.batch // (self.M * K)
+        self.rows = torch.cat([torch.arange(m * (B // self.M) + r * b, m * (B // self.M) + (r + 1) * b)
+                               for m in range(self.M)]) if K > 1 else None
 
     def step(self, feeds=None, targets=None) -> float:
         torch = _torch_modules()[0]
@@ -405,23 +473,38 @@ class PipelineTrainer:
         if self.st.index == 0:
             if feeds is None:
                 raise UnityError("the first pipeline stage needs the model inputs")
-            args = [torch.as_tensor(feeds[n]).to(self.dev) for n in self.input_names]
+            args = [self._mine(torch.as_tensor(feeds[n])).to(self.dev) for n in self.input_names]
         kw = {}
         losses: list = []
         if self.st.index == self.S - 1:
             self._targets = targets is not None
-            kw["target"] = (torch.as_tensor(targets).to(self.dev) if targets is not None
-                            else torch.zeros(self.batch, device=self.dev))
+            kw["target"] = (self._mine(torch.as_tensor(targets)).to(self.dev) if targets is not None
+                            else torch.zeros(self.batch // self.K, device=self.dev))
             kw["losses"] = losses
         self.sched.step(*args, **kw)
+        if self.K > 1:   # the stage's replicas average their gradients (one flat all-reduce)
+            ps = [p for p in self.mod.params.values() if p.grad is not None]
+            if ps:
+                flat = torch.cat([p.grad.reshape(-1) for p in ps])
+                self._dist.all_reduce(flat, group=self.dp_group)
+                flat /= self.K
+                off = 0
+                for p in ps:
+                    p.grad.copy_(flat[off:off + p.numel()].view_as(p.grad))
+                    off += p.numel()
         self.opt.step()
         self.steps_done += 1
+        # the step's loss: mean over micro-batches (last stage) and replicas, the same float on every rank
         loss = torch.zeros(1, dtype=torch.float64, device=self.dev)
         if self.st.index == self.S - 1:
-            loss[0] = sum(float(x.detach()) for x in losses) / len(losses)
+            loss[0] = sum(float(x.detach()) for x in losses) / len(losses) / self.K
         if self.world > 1:
-            self._dist.broadcast(loss, src=self.last_rank)
+            self._dist.all_reduce(loss)
         return float(loss[0])
+
+    def _mine(self, t):
+        """This replica's rows of a whole-batch tensor."""
+        return t if self.rows is None else t.index_select(0, self.rows)
 
     # --- state (the model's own parameter names; a stage holds its own) ---------------------------------
     def model_state(self) -> dict:

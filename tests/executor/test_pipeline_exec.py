@@ -71,7 +71,10 @@ def _edit(work, tmp_path, fn):
 @pytest.mark.parametrize("change, msg", [
     (lambda o: o["pipeline"].update(schedule="GPipe"), "schedule 'GPipe' is not supported"),
     (lambda o: o["pipeline"].update(micro_batches=3), "does not divide the batch"),
-    (lambda o: o["pipeline"]["stages"][0].update(devices=[0, 1]), "single-device stages only"),
+    (lambda o: o["pipeline"]["stages"][0].update(devices=[0, 2]), "stages of equal size"),
+    # two devices per stage, but every operator runs one task: not data parallel inside the stages
+    (lambda o: [st.update(devices=[2 * i, 2 * i + 1]) for i, st in enumerate(o["pipeline"]["stages"])],
+     "runs 1 task"),
     (lambda o: o["pipeline"]["stages"][1]["nodes"].pop(), "is in no pipeline stage"),
     (lambda o: o["pipeline"].update(stages=o["pipeline"]["stages"][::-1]), "of the later stage"),
     (lambda o: o["pipeline"]["stages"][1].update(devices=[0]), "share devices"),
@@ -104,13 +107,14 @@ def test_run_refuses_a_multi_device_stage_before_start(work, tmp_path, capfd, mo
     capfd.readouterr()
     rc = main(["run", str(p), "--model", work["model"]])
     err = capfd.readouterr().err.strip().splitlines()
-    assert rc == 2 and len(err) == 1 and "single-device stages only" in err[0], err
+    assert rc == 2 and len(err) == 1 and "stages of equal size" in err[0], err
 
 
-def test_pipelined_dropout_draws_the_masks_of_one_device(work, capfd):
-    """Dropout inside a 2-stage pipeline with 2 micro-batches, in a plan written by the pipeline search
-    (its stitched PCG renumbers nodes): each micro-batch's mask is the part of the whole batch's mask
-    (offset by its position), so the losses equal the one-process Trainer's."""
+def test_pipelined_data_parallel_dropout_draws_the_masks_of_one_device(work, capfd):
+    """A plan written by the pipeline search on 4 devices: 2 stages of 2 devices each, data parallel inside
+    (its stitched PCG renumbers nodes), 2 micro-batches, Dropout active.  4 ranks run 2 pipelines (one per
+    data-parallel replica) whose stages average their gradients; each replica's micro-batch piece draws
+    its part of the whole batch's mask, so the losses equal the one-process Trainer's."""
     from executor.data import open_data
     from executor.train import Trainer
     from tests.executor.models import dropout_mlp
@@ -120,7 +124,9 @@ def test_pipelined_dropout_draws_the_masks_of_one_device(work, capfd):
     from unity_pcg.onnx_import import load_onnx
 
     model = dropout_mlp()
-    pp = searched_pipeline_plan(model, str(work["dir"] / "drop_pp.json"), stages=2, micro_batches=2)
+    pp = searched_pipeline_plan(model, str(work["dir"] / "drop_pp.json"), stages=2, micro_batches=2, devices=4)
+    stages = P.load(pp).pipeline["stages"]
+    assert [len(st["devices"]) for st in stages] == [2, 2]
     one = P.load(one_device_plan(model, str(work["dir"] / "drop_one.json")))
     assert any(n.op == "Dropout" for n in one.pcg.nodes())
     capfd.readouterr()
@@ -128,6 +134,7 @@ def test_pipelined_dropout_draws_the_masks_of_one_device(work, capfd):
     out, err = capfd.readouterr()
     assert rc == 0, err
     got = json.loads(out)["losses"]
+    assert json.loads(out)["nproc"] == 4
     t = Trainer(one, model, rank=0, world=1, seed=5)
     src = open_data(one.pcg, None, seed=5)
     ref = [t.step(src.feeds(s)[0]) for s in range(3)]
