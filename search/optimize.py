@@ -113,24 +113,68 @@ class OptimizeResult:
 
 # --- evaluation ----------------------------------------------------------------------------------------
 
+class _Timeout(Exception):
+    pass
+
+
+class _time_limit:
+    """Raise _Timeout in the main thread after ``seconds`` (no limit elsewhere or when None).  The
+    mapper writes a memo entry only once a subproblem is solved, so an interrupted solve leaves it
+    consistent."""
+
+    def __init__(self, seconds: float | None):
+        import threading
+        self.on = bool(seconds) and threading.current_thread() is threading.main_thread()
+        self.seconds = seconds
+
+    def __enter__(self):
+        if self.on:
+            import signal
+
+            def fire(signum, frame):
+                raise _Timeout()
+            self.old = signal.signal(signal.SIGALRM, fire)
+            signal.setitimer(signal.ITIMER_REAL, self.seconds)
+        return self
+
+    def __exit__(self, *exc):
+        if self.on:
+            import signal
+            signal.setitimer(signal.ITIMER_REAL, 0)
+            signal.signal(signal.SIGALRM, self.old)
+        return False
+
+
 class Evaluator:
     """Prices candidate PCGs with one MachineMapper (its memo is shared by every candidate)."""
 
-    def __init__(self, machine: MachineSpec, optimizer: str):
+    def __init__(self, machine: MachineSpec, optimizer: str, limit_s: float | None = None):
         from .cost import CostModel
         from .mapping import MachineMapper
         self.machine = machine
         self.mapper = MachineMapper(CostModel(machine, optimizer=optimizer))
         self.calls = 0
+        self.timeouts = 0
+        self.limit_s = limit_s
         self._memo: dict = {}
 
     def cost(self, g: PCG, resource: Resource | None = None) -> float:
+        """The DP's predicted iteration time (inf when infeasible).  With ``limit_s``, a candidate
+        whose DP solve takes longer is priced inf (pruned): on large machines, graphs that leave
+        most operators on a few devices have many machine views per operator and solve slowly, and
+        are never competitive."""
         key = (g.structural_hash(), resource)
         c = self._memo.get(key)
         if c is None:
             self.calls += 1
-            r = self.mapper.optimize(g, resource=resource)
-            c = self._memo[key] = r.cost if r.feasible else INF
+            try:
+                with _time_limit(self.limit_s):
+                    r = self.mapper.optimize(g, resource=resource)
+                c = r.cost if r.feasible else INF
+            except _Timeout:
+                self.timeouts += 1
+                c = INF
+            self._memo[key] = c
         return c
 
     def estimate(self, g: PCG) -> float:
@@ -278,7 +322,7 @@ def _batch_of(g: PCG) -> int | None:
 def optimize(model, machine, budget_s: float | None = None, alpha: float = 1.05, pipeline: bool = True,
              strategy: str = "unity", optimizer: str = "adam", batch: int | None = None, seed: int = 0,
              progress: Callable[[dict], None] | None = None, max_candidates: int = 40, k: int = 10,
-             budget: float | None = None, rules=None) -> OptimizeResult:
+             budget: float | None = None, rules=None, price_limit_s: float | None = None) -> OptimizeResult:
     """Optimize ``model`` (an ONNX path or a PCG) for ``machine`` (a MachineSpec or a preset string
     such as ``"summit:2x6"``); see the module docstring.  ``budget`` is an alias of ``budget_s``
     (default 60 s).  ``seed`` is recorded; the search itself is deterministic."""
@@ -304,7 +348,7 @@ def optimize(model, machine, budget_s: float | None = None, alpha: float = 1.05,
     if n_dev > 1 and b is not None and not any(b % d == 0 for d in degrees):
         raise OptimizeError(f"batch {b} is not divisible by any parallel degree of machine {m.name} "
                             f"({', '.join(map(str, degrees[:8]))}{' ...' if len(degrees) > 8 else ''})")
-    ev = Evaluator(m, optimizer)
+    ev = Evaluator(m, optimizer, limit_s=price_limit_s if price_limit_s is not None else max(1.0, budget_s / 30))
     from .baselines import StrategyError, build_strategy
     dp_res = None
     dp_deg = max((d for d in degrees if b is None or b % d == 0), default=1)
@@ -364,8 +408,12 @@ def optimize(model, machine, budget_s: float | None = None, alpha: float = 1.05,
             floor.append((ev.cost(g), 0, g, []))
         best = min(floor + cands, key=lambda c: (c[0], c[1]))
         pg, steps = trimmed(best[2]), list(best[3])
-        final = ev.full(pg)
-        if not final.feasible:
+        if math.isfinite(best[0]):
+            final = ev.full(pg)
+        else:           # nothing reachable was priced feasible within the limits: no whole-graph solve
+            final = ev.full(g, Resource(0, 1, 1))
+            stats = dict(stats, unpriced=True)
+        if not final.feasible or not math.isfinite(best[0]):
             # nothing reachable fits: fall back to a feasible fixed strategy (recorded as such)
             for name in FIXED:
                 try:
@@ -379,7 +427,7 @@ def optimize(model, machine, budget_s: float | None = None, alpha: float = 1.05,
                     break
         rules_json = tuple(s.to_json() for s in steps) if not stats.get("fallback") else None
         stats = dict(stats, chosen="data parallel by rules" if best[1] == 0 else "search",
-                     mapper_calls=ev.calls)
+                     mapper_calls=ev.calls, mapper_timeouts=ev.timeouts)
     search_s = time.perf_counter() - t0
     pred = dict(final.to_json(), strategy=strategy, optimizer=optimizer, search_s=search_s)
     plan = Plan(model_path, sha, m, pg, final.views, pred, None,
