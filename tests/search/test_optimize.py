@@ -1,0 +1,87 @@
+"""`optimize()` and `unity-pcg optimize`: strategies, never slower than dp, bad input, Ctrl-C."""
+import json
+
+import pytest
+
+from search.optimize import OptimizeError, optimize
+from search.substitution import RuleStep, replay
+from unity_pcg import plan as P
+from unity_pcg.cli import main
+
+from .graphs import mlp
+
+
+@pytest.fixture(scope="module")
+def tiny_onnx(tmp_path_factory):
+    pytest.importorskip("torch")
+    from unity_pcg import zoo
+    p = tmp_path_factory.mktemp("m") / "candle_uno.onnx"
+    zoo.export("candle_uno", str(p), size="tiny", batch=12)
+    return str(p)
+
+
+def test_unity_never_slower_than_dp_and_deterministic(tiny_onnx):
+    a = optimize(tiny_onnx, "summit:1x2", budget_s=600, max_candidates=3)
+    assert a.feasible and a.dp.feasible
+    assert a.predicted_iteration_s <= a.dp.cost * (1 + 1e-9)
+    b = optimize(tiny_onnx, "summit:1x2", budget_s=600, max_candidates=3)
+    assert a.plan.pcg.structural_hash() == b.plan.pcg.structural_hash()
+    assert a.plan.rules == b.plan.rules
+    j = a.json()
+    for k in ("predicted_iteration_s", "search_s", "data_parallel_iteration_s", "comm_elements",
+              "max_memory_bytes", "devices", "feasible"):
+        assert k in j
+    assert j["devices"] == 2
+
+
+def test_sequential_strategy_reaches_a_replayable_plan():
+    g = mlp(batch=8, h=16, layers=2)
+    r = optimize(g, "summit:1x2", budget_s=600, strategy="sequential", max_candidates=3)
+    assert r.feasible and "algebraic" in r.stats and "parallel" in r.stats
+    assert r.predicted_iteration_s <= r.dp.cost * (1 + 1e-9)
+    steps = [RuleStep.from_json(s) for s in r.plan.rules]
+    assert replay(g, steps, trim_outputs=True).structural_hash() == r.plan.pcg.structural_hash()
+
+
+def test_fixed_strategies_record_no_rules():
+    r = optimize(mlp(), "summit:1x2", budget_s=5, strategy="dp")
+    assert r.plan.rules is None and r.feasible
+    r = optimize(mlp(), "summit:1x2", budget_s=5, strategy="none")
+    assert r.json()["devices_used"] == 1
+
+
+def test_interrupt_returns_the_best_plan_so_far():
+    calls = []
+
+    def boom(info):
+        calls.append(info)
+        raise KeyboardInterrupt
+    r = optimize(mlp(batch=8, h=32, layers=3), "summit:1x2", budget_s=600, max_candidates=50, progress=boom)
+    assert calls and r.interrupted and r.feasible
+    assert r.predicted_iteration_s <= r.dp.cost * (1 + 1e-9)
+
+
+@pytest.mark.parametrize("kw,msg", [({"strategy": "magic"}, "unknown strategy"), ({"budget_s": 0}, "budget"),
+                                    ({"batch": 0}, "batch")])
+def test_bad_arguments_are_typed_errors(kw, msg):
+    with pytest.raises(OptimizeError, match=msg):
+        optimize(mlp(), "summit:1x2", **kw)
+
+
+def test_cli_json_plan_and_errors(tiny_onnx, tmp_path, capsys):
+    out = tmp_path / "plan.json"
+    assert main(["optimize", tiny_onnx, "--machine", "summit:1x2", "--candidates", "2", "-o", str(out),
+                 "--json"]) == 0
+    j = json.loads(capsys.readouterr().out)
+    assert j["feasible"] and j["devices"] == 2 and j["data_parallel_iteration_s"] > 0
+    pl = P.load(str(out))
+    assert pl.rules is not None and pl.predicted["predicted_iteration_s"] == pytest.approx(j["predicted_iteration_s"])
+    assert main(["optimize", tiny_onnx, "--machine", "summit:1x2", "--candidates", "1", "-o", str(out)]) == 0
+    text = capsys.readouterr().out
+    assert "speedup" in text and "search" in text
+    for bad in (["--strategy", "magic"], ["--budget", "0"], ["--batch", "7", "--machine", "summit:1x6"]):
+        argv = ["optimize", tiny_onnx, "--machine", "summit:1x2", "-o", str(out)] + bad
+        assert main(argv) == 2
+        err = capsys.readouterr().err.strip().splitlines()
+        assert len(err) == 1 and "error" in err[0]
+    assert main(["optimize", str(tmp_path / "missing.onnx"), "-o", str(out)]) == 2
