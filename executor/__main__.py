@@ -220,7 +220,8 @@ def _agree(flag: bool) -> bool:
     import torch.distributed as dist
     if not (dist.is_available() and dist.is_initialized()):
         return flag
-    t = torch.tensor([1 if flag else 0], dtype=torch.int32)
+    dev = f"cuda:{torch.cuda.current_device()}" if dist.get_backend() == "nccl" else "cpu"   # nccl: GPU tensors
+    t = torch.tensor([1 if flag else 0], dtype=torch.int32, device=dev)
     dist.all_reduce(t, op=dist.ReduceOp.MIN)
     return bool(t.item())
 
