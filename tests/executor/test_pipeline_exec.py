@@ -142,3 +142,34 @@ def test_pipelined_data_parallel_dropout_draws_the_masks_of_one_device(work, cap
     # dropout is really active: inference semantics (numpy reference, Dropout = identity) give another loss
     g = load_onnx(model)
     assert abs(float(np.mean(evaluate(g, src.feeds(0)[0])[0])) - got[0]) > 1e-4
+
+
+def test_batchnorm_in_a_pipeline_needs_per_device_statistics(work):
+    from tests.executor.models import convnet
+    pl = P.load(pipeline_plan(convnet(), str(work["dir"] / "conv_pp.json"), stages=2, micro_batches=2))
+    assert any(n.op == "BatchNorm" for n in pl.pcg.nodes())
+    with pytest.raises(PipelineError, match="per micro-batch.*--per-device-bn"):
+        check_pipeline(pl, per_device_bn=False)
+    check_pipeline(pl, per_device_bn=True)
+
+
+@pytest.mark.slow
+def test_pipeline_resume_continues_exactly(work, capfd):
+    """A data-parallel x pipeline plan (4 ranks): 3 steps + checkpoint, then 2 resumed steps, equal the
+    losses of 5 uninterrupted steps exactly (each stage's replicas hold the same parameters: DCP keeps
+    one copy)."""
+    from tests.executor.runtime_plans import searched_pipeline_plan
+    from unity_pcg.cli import main
+    pp = searched_pipeline_plan(work["model"], str(work["dir"] / "pp4.json"), stages=2, micro_batches=2, devices=4)
+
+    def run(*extra):
+        capfd.readouterr()
+        rc = main(["run", pp, "--model", work["model"], "--optimizer", "adam", "--json", *map(str, extra)])
+        out, err = capfd.readouterr()
+        assert rc == 0, err
+        return json.loads(out)["losses"]
+
+    full = run("--steps", 5)
+    ck = work["dir"] / "pp4ck"
+    assert run("--steps", 3, "--checkpoint", ck) == full[:3]
+    assert run("--steps", 2, "--checkpoint", ck, "--resume") == full[3:]
