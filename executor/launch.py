@@ -12,11 +12,12 @@ processes; the machine's own device count does not matter.
 ``launch(rank_args, nproc)`` starts ``nproc`` local ranks with torch's elastic launch API (the code
 behind ``torchrun --standalone``: a c10d rendezvous on a free local port, no restarts), each running
 ``python -m executor RANK_ARGS``.  The elastic agent watches the children: when one fails, it stops the
-others at once (SIGTERM; the agent sends SIGKILL 30 s later to a rank that is stopped and cannot die).  Each rank leaves a one-line report in the run's report folder
-(``rank-R.json``: kind and message) before it exits on an error it can name; rank 0 also writes
+others at once (SIGTERM; 30 s later SIGKILL to a rank that is stopped and cannot die).  Each rank leaves a
+one-line report in the run's report folder (``rank-R.json``: kind, message, and for a failed collective
+the ranks whose heartbeats stood still) before it exits on an error it can name; rank 0 also writes
 ``result.json``.  From the exit codes and these reports :func:`diagnose` picks the one line that names
-the cause: a rank killed by a signal (other than the agent's own SIGTERM), else a rank's own error, else
-a rank that lost its peers.
+the cause: a rank that hung (its peers timed out on it), else a rank killed by a signal (other than the
+agent's own SIGTERM), else a rank's own error, else a rank that lost its peers.
 """
 from __future__ import annotations
 
