@@ -41,6 +41,7 @@ from .kernels import TORCH_DTYPES, ExecutorError, kernel
 from .lower import Lowered, block, lower, unravel
 
 FIRST_BUCKET_BYTES = 1 << 20
+OVERLAP_MIN_BYTES = 8 << 20      # CPU: overlap the gradient all-reduces with backward from this many bytes
 GRAD_TAG = 1 << 30     # backward messages of an exchange: its forward tags + GRAD_TAG
 
 
@@ -237,9 +238,14 @@ class Trainer:
         self._pgs: dict[tuple, Any] = {}
         # overlap (DDP-style: a 1 MiB first bucket, buckets launched from gradient hooks during the
         # backward pass) pays on GPUs; on CPU processes (gloo) the collectives compete with the backward
-        # for the same cores and each costs milliseconds, so fewer buckets launched after the backward
-        # are faster (measured: benchmarks/executor_dp_vs_ddp.py)
-        self.overlap = (self.device.type == "cuda") if overlap is None else bool(overlap)
+        # for the same cores and each costs milliseconds, so below OVERLAP_MIN_BYTES of gradients to
+        # synchronize, fewer buckets launched after the backward are faster (measured:
+        # benchmarks/executor_dp_vs_ddp.py, 4-layer MLPs of width 256, 512 and 1024 on 2 processes)
+        self._plan_sync(bucket_bytes, bucket_bytes)
+        if overlap is None:
+            # decided from the global bucket list, so every rank lays out the same buckets
+            overlap = self.device.type == "cuda" or sum(b["bytes"] for b in self._buckets) >= OVERLAP_MIN_BYTES
+        self.overlap = bool(overlap)
         if first_bucket_bytes is None:
             first_bucket_bytes = FIRST_BUCKET_BYTES if self.overlap else bucket_bytes
         self._plan_sync(bucket_bytes, first_bucket_bytes)
