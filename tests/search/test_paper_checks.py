@@ -58,3 +58,46 @@ def test_figure2_mlp_on_two_devices(tmp_path):
     assert res.predicted_iteration_s < res.dp.cost
     used = {s["rule"] for s in res.plan.rules}
     assert any(r.startswith("megatron") or r.startswith("fig2") for r in used)
+
+
+class Layer(torch.nn.Module):
+    """One Transformer encoder layer (post-LayerNorm, as BERT), bias-free projections."""
+
+    def __init__(self, hidden=4096, heads=32):
+        super().__init__()
+        self.h, self.n = hidden, heads
+        self.q, self.k, self.v, self.o = (torch.nn.Linear(hidden, hidden, bias=False) for _ in range(4))
+        self.ff1 = torch.nn.Linear(hidden, 4 * hidden, bias=False)
+        self.ff2 = torch.nn.Linear(4 * hidden, hidden, bias=False)
+        self.ln1, self.ln2 = torch.nn.LayerNorm(hidden), torch.nn.LayerNorm(hidden)
+
+    def forward(self, x):
+        b, s, _ = x.shape
+        d = self.h // self.n
+
+        def heads(t):
+            return t.reshape(b, s, self.n, d).transpose(1, 2)
+        q, k, v = heads(self.q(x)), heads(self.k(x)), heads(self.v(x))
+        a = torch.softmax(q @ k.transpose(-1, -2) / d ** 0.5, dim=-1) @ v
+        x = self.ln1(x + self.o(a.transpose(1, 2).reshape(b, s, self.h)))
+        return self.ln2(x + self.ff2(torch.nn.functional.gelu(self.ff1(x))))
+
+
+@pytest.mark.slow
+@pytest.mark.xfail(strict=True, reason="measured: the plan is faster than dp but leaves Q/K/V/O and the MLP "
+                   "weights whole (copies on 4 devices): the shipped rules cannot move a Partition of the hidden "
+                   "dim through Reshape/Transpose onto the heads dim, so head-partitioned attention is unreachable")
+def test_figure10_transformer_layer_on_dgx_a100(tmp_path):
+    path = _export(Layer(), (torch.zeros(4, 512, 4096),), tmp_path / "layer.onnx")
+    res = optimize(path, "dgx-a100:1x8", budget_s=300, max_candidates=20)
+    g = res.plan.pcg
+    assert res.feasible and res.dp.feasible and res.predicted_iteration_s < res.dp.cost
+    weights = {n.id: n for n in g.nodes() if n.op == "Weight" and len(n.a["shape"]) == 2}
+    for wid, w in weights.items():                      # Q/K/V/O and the two MLP matrices
+        r = (wid, 0)
+        while len(g.consumers(r)) == 1 and g.node(g.consumers(r)[0][0]).kind == "parallel":
+            r = (g.consumers(r)[0][0], 0)
+        s = g.shape(r)
+        assert s.copy_degree < 8 and max(s.degrees) > 1, f"{w.a['name']} is replicated on all devices"
+    reduces = sum(1 for n in g.nodes() if n.op in ("Reduce", "AllReduce"))
+    assert reduces <= 4
