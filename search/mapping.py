@@ -52,8 +52,11 @@ exactly only side by side (max) and in series only as an upper bound (the sum of
 chain of layers placed one per device, the very mapping a model too large for one device needs, would
 look as large as all layers on one device (flexflow-train's memory-aware DP keeps such a scalar).
 Fronts drop dominated points and points already over capacity; past ``front_limit`` points (default
-16) they keep the (time, busiest device) front first, so the search is exact on small fronts (tests
-against ``exhaustive_mapping(memory=True)``) and a well-founded approximation beyond.  When nothing
+16) they keep the (time, busiest device) front first; side-by-side splits are tried where they could
+be faster, as in the time DP (see :class:`_MemoryDP`).  So the search agrees with
+``exhaustive_mapping(memory=True)`` on the small graphs of the tests and is a well-founded
+approximation beyond.  Cost: nothing when the time-optimal mapping fits; else about 1-5x the time DP
+(benchmarks/memory_dp_bench.py; up to ~20x on Inception-v3 at degree 6 on 24 devices).  When nothing
 fits the result is infeasible (``cost = inf``) and its reason names the busiest device of the
 fastest mapping and how much it is over capacity.
 """
