@@ -222,6 +222,7 @@ class Trainer:
             plan = plan_mod.load(plan)
         self.plan = plan
         self.g = plan.pcg
+        self._inputs = self.g.sources("Input")     # read every step: scanning the graph costs ~1 ms
         self.rank, self.world = int(rank), int(world)
         if world > 1 and not (dist.is_available() and dist.is_initialized()):
             raise ExecutorError("torch.distributed must be initialized before a Trainer with world > 1")
@@ -415,7 +416,7 @@ class Trainer:
             from unity_pcg.evaluate import random_feeds
             feeds = random_feeds(self.g, seed=self.seed * 1_000_003 + self.step_no)
         out = {}
-        for n in self.g.sources("Input"):
+        for n in self._inputs:
             name = n.a["name"]
             if name not in feeds:
                 raise ExecutorError(f"no value fed for input {name!r}")
