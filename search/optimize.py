@@ -294,6 +294,39 @@ def _whole_search(g: PCG, rules, book: RuleBook, cost: Callable[[PCG], float], b
     return res.best.graph, list(res.best.steps), res.stats
 
 
+class _PipelineMapping:
+    """A pipeline result seen through the MappingResult fields the optimizer reports."""
+
+    def __init__(self, p, devices: int):
+        from .cost import LeafCost
+        from .memory import MemoryReport
+        self.cost, self.feasible, self.reason, self.views = p.cost, p.feasible, p.reason, dict(p.views)
+        self.breakdown = LeafCost(p.cost, comm_elements=p.comm_elements)
+        self.memory = MemoryReport(dict(p.memory), {}, {}, p.capacity)
+        self.devices = devices
+        used = {d for s in p.stages for d in s.devices}
+        self.stats = {"devices_used": len(used), "pipeline": p.to_json()}
+
+    def to_json(self) -> dict:
+        return {"predicted_iteration_s": self.cost if math.isfinite(self.cost) else None,
+                "feasible": self.feasible, "reason": self.reason, "devices": self.devices,
+                "comm_elements": self.breakdown.comm_elements, "max_memory_bytes": self.memory.max_bytes,
+                "memory_per_device": {str(d): v for d, v in sorted(self.memory.per_device.items())},
+                "stats": dict(self.stats)}
+
+
+def _pipeline(g: PCG, ev: "Evaluator", budget_s: float):
+    """The best 1F1B pipeline of at least two stages (search/pipeline.py), or None."""
+    try:
+        from .pipeline import PipelineError, search_pipeline
+    except ImportError:
+        return None
+    try:
+        return search_pipeline(g, ev.mapper, min_stages=2, budget_s=max(budget_s, 0.01))
+    except (PipelineError, UnityError):
+        return None
+
+
 # --- the entry point -------------------------------------------------------------------------------------
 
 def _load(model, batch):
@@ -361,6 +394,7 @@ def optimize(model, machine, budget_s: float | None = None, alpha: float = 1.05,
     steps: list = []
     stats: dict = {}
     interrupted = False
+    pipe_plan = None
     if strategy in FIXED:
         deg = 1 if strategy == "none" else dp_deg
         try:
@@ -372,7 +406,7 @@ def optimize(model, machine, budget_s: float | None = None, alpha: float = 1.05,
         rules_json = None
     else:
         book = RuleBook(rules, search_degrees(m))
-        deadline = t0 + budget_s
+        deadline = t0 + (budget_s * 0.75 if pipeline and strategy == "unity" and n_dev > 1 else budget_s)
         floor: list = []
         cands: list = []
         try:
@@ -426,11 +460,22 @@ def optimize(model, machine, budget_s: float | None = None, alpha: float = 1.05,
                     stats = dict(stats, fallback=name)
                     break
         rules_json = tuple(s.to_json() for s in steps) if not stats.get("fallback") else None
-        stats = dict(stats, chosen="data parallel by rules" if best[1] == 0 else "search",
+        if pipeline and strategy == "unity" and n_dev > 1 and not interrupted:
+            pipe = _pipeline(g, ev, max(deadline - time.perf_counter(), budget_s * 0.25))
+            if pipe is not None and pipe.feasible and (not final.feasible or pipe.cost < final.cost):
+                # pipeline stages with data parallelism inside (search/pipeline.py): built by the
+                # stage DP, not by rules, so the plan records no rule sequence
+                pipe_plan = pipe
+                pg, steps, rules_json = pipe.pcg, [], None
+                final = _PipelineMapping(pipe, n_dev)
+                stats = dict(stats, chosen="pipeline", pipeline_stages=pipe.num_stages,
+                             micro_batches=pipe.micro_batches)
+        stats = dict(stats, chosen=stats.get("chosen") or ("data parallel by rules" if best[1] == 0 else "search"),
                      mapper_calls=ev.calls, mapper_timeouts=ev.timeouts)
     search_s = time.perf_counter() - t0
     pred = dict(final.to_json(), strategy=strategy, optimizer=optimizer, search_s=search_s)
-    plan = Plan(model_path, sha, m, pg, final.views, pred, None,
+    plan = Plan(model_path, sha, m, pg, final.views, pred,
+                pipe_plan.to_plan_field() if pipe_plan is not None else None,
                 {"strategy": strategy, "seed": seed, "alpha": alpha, "budget_s": budget_s, "optimizer": optimizer,
                  "batch": b, "search": stats,
                  **({"outputs_trimmed": True} if rules_json is not None else {})}, rules_json)
