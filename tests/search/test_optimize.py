@@ -85,3 +85,17 @@ def test_cli_json_plan_and_errors(tiny_onnx, tmp_path, capsys):
         err = capsys.readouterr().err.strip().splitlines()
         assert len(err) == 1 and "error" in err[0]
     assert main(["optimize", str(tmp_path / "missing.onnx"), "-o", str(out)]) == 2
+
+
+def test_pipeline_is_taken_only_when_faster(tmp_path):
+    from search.split import synthetic_chain
+    g = synthetic_chain(16, batch=8, h=4096)
+    off = optimize(g, "summit:2x6", budget_s=60, max_candidates=1, pipeline=False)
+    on = optimize(g, "summit:2x6", budget_s=60, max_candidates=1, pipeline=True)
+    assert off.plan.pipeline is None
+    assert on.predicted_iteration_s <= off.predicted_iteration_s * (1 + 1e-9)
+    if on.plan.pipeline is not None:
+        assert on.stats["chosen"] == "pipeline" and on.plan.rules is None
+        assert len(on.plan.pipeline["stages"]) >= 2
+        on.plan.save(str(tmp_path / "p.json"))
+        assert P.load(str(tmp_path / "p.json")).pipeline == on.plan.pipeline
