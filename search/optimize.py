@@ -18,10 +18,17 @@ Strategies:
 * ``dp``, ``megatron``, ``expert``, ``none``: the fixed strategies of :func:`search.baselines.build_strategy`
   (built by hand, so their plans record no rule sequence).
 
+Pipelines: with ``pipeline=True`` (unity), the last quarter of the budget runs the 1F1B stage search of
+:mod:`search.pipeline` (stages of at least two, data parallel inside each); its plan is taken when it is
+predicted faster, and then records its stages (``Plan.pipeline``) and no rule sequence (the stages are
+built by the stage DP, not by rules).
+
 Budgets: ``budget_s`` seconds in all (split evenly over the distinct segments) and ``max_candidates``
 expanded candidates per segment; with a candidate budget that is reached first the result does not
 depend on the machine's speed, so the same seed gives the same plan.  A KeyboardInterrupt during
-the search stops it and the best plan so far is returned (``result.interrupted``).
+the search stops it and the best plan so far is returned (``result.interrupted``).  One DP solve
+of a candidate is limited to ``price_limit_s`` (default max(1 s, budget / 30)); a slower one prices
+the candidate inf.
 """
 from __future__ import annotations
 
@@ -323,7 +330,7 @@ def _pipeline(g: PCG, ev: "Evaluator", budget_s: float):
         return None
     try:
         return search_pipeline(g, ev.mapper, min_stages=2, budget_s=max(budget_s, 0.01))
-    except (PipelineError, UnityError):
+    except (PipelineError, UnityError, KeyboardInterrupt):      # Ctrl-C: keep the plan found so far
         return None
 
 
