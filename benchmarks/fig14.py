@@ -156,11 +156,30 @@ def run_task(task: dict) -> dict:
             if k in pg.meta:
                 row[k] = pg.meta[k]
     row["wall_s"] = time.perf_counter() - t0
+    row["code"] = code_version()
     ru = resource.getrusage(resource.RUSAGE_SELF)
     row["cpu_s"] = ru.ru_utime + ru.ru_stime      # the whole worker, import and export check included
     t = row.get("predicted_iteration_s")
     row["throughput_samples_s"] = batch / t if t else None
     return row
+
+
+def code_version() -> str:
+    """Short digest of the search code this row ran with (the search is being changed while the matrix
+    runs): search/*.py and substitutions/*.py, and the git commit."""
+    import hashlib
+    h = hashlib.sha256()
+    for d in ("search", "substitutions"):
+        for f in sorted(os.listdir(os.path.join(ROOT, d))):
+            if f.endswith(".py"):
+                with open(os.path.join(ROOT, d, f), "rb") as fh:
+                    h.update(f.encode() + fh.read())
+    try:
+        git = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True,
+                             cwd=ROOT).stdout.strip()
+    except OSError:
+        git = "?"
+    return f"{git}+{h.hexdigest()[:8]}"
 
 
 def worker(arg: str) -> int:
