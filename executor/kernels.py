@@ -107,15 +107,9 @@ def _batchnorm(a, xs, ctx: TaskContext):
 def _layernorm(a, xs, ctx):
     x = xs[0]
     ax = a["axis"] % x.dim()
-    dims = tuple(range(ax, x.dim()))
-    mu = x.mean(dim=dims, keepdim=True)
-    var = ((x - mu) ** 2).mean(dim=dims, keepdim=True)
-    y = (x - mu) / torch.sqrt(var + float(a["eps"]))
-    if len(xs) > 1:
-        y = y * xs[1]
-    if len(xs) > 2:
-        y = y + xs[2]
-    return [y]
+    w = xs[1] if len(xs) > 1 else None
+    b = xs[2] if len(xs) > 2 else None
+    return [F.layer_norm(x, tuple(x.shape[ax:]), w, b, float(a["eps"]))]
 
 
 def _lrn(a, xs, ctx):

@@ -223,6 +223,8 @@ class Trainer:
         self.plan = plan
         self.g = plan.pcg
         self._inputs = self.g.sources("Input")     # read every step: scanning the graph costs ~1 ms
+        self._src_cache: dict = {}                 # per-step lookups, computed once
+        self._cut_cache: dict = {}
         self.rank, self.world = int(rank), int(world)
         if world > 1 and not (dist.is_available() and dist.is_initialized()):
             raise ExecutorError("torch.distributed must be initialized before a Trainer with world > 1")
@@ -428,18 +430,23 @@ class Trainer:
         return out
 
     def _source_value(self, nid: int, feeds) -> torch.Tensor:
-        n = self.g.node(self.low.origin[nid])
-        name = n.a["name"]
-        if n.op == "Input":
+        hit = self._src_cache.get(nid)
+        if hit is None:
+            n = self.g.node(self.low.origin[nid])
+            hit = self._src_cache[nid] = (n.op == "Input", n.a["name"])
+        is_input, name = hit
+        if is_input:
             return feeds[name]
         return self.params[name] if name in self.params else self.buffers[name]
 
     def _resolve(self, src, vals, recv, feeds) -> torch.Tensor:
         if src.kind == "source":
             v = self._source_value(src.ref[0], feeds)
-            if all(a == 0 and b == s for (a, b), s in zip(src.slices, v.shape)):
-                return v
-            return v[_slices(src.slices)]
+            cut = self._cut_cache.get(id(src))
+            if cut is None:
+                whole = all(a == 0 and b == s for (a, b), s in zip(src.slices, v.shape))
+                cut = self._cut_cache[id(src)] = () if whole else _slices(src.slices)
+            return v[cut] if cut else v
         if src.kind == "local":
             return _narrow(vals[src.ref], src.narrow)
         return recv[src.ref][src.index]
