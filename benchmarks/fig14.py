@@ -466,10 +466,38 @@ def _notes(lines, rows) -> list[str]:
         o.append(f"| {r['model']} | {r['machine']} | {s.get('chosen', '-')}{' (fallback ' + s['fallback'] + ')' if s.get('fallback') else ''} | "
                  f"{r.get('rule_steps', '-')} | {s.get('explored', '-')} | {s.get('mapper_calls', '-')} | "
                  f"{s.get('mapper_timeouts', '-')} | {stopped} |")
+    o += _checks(lines, rows)
     errs = [r for r in rows if r.get("error")]
     if errs:
         o += ["", "Errors:", ""] + [f"- {r['model']} {r['machine']} {r['strategy']}: {r['error'][:200]}" for r in errs]
     return o + [""]
+
+
+def _checks(lines, rows) -> list[str]:
+    """The issue's requirements, checked on the rows: Unity never predicted slower than data parallelism
+    where that fits; search time within the targets; every search answered within its task limit."""
+    o = ["", "## Checks", ""]
+    slow = [x for x in lines if x["rows"].get("dp", {}).get("feasible") and x["unity_tput"]
+            and x["unity_tput"] < x["rows"]["dp"]["throughput_samples_s"] * (1 - 1e-9)]
+    o.append(f"- Unity predicted slower than hand-built data parallelism (which fits): {len(slow)} of "
+             f"{sum(1 for x in lines if x['unity_tput'])} cases" + (": " if slow else "."))
+    for x in slow:
+        u = x["rows"]["unity"]
+        o.append(f"  - {x['model']} {x['machine']}: Unity {1e3 * u['predicted_iteration_s']:.0f} ms "
+                 f"({(u.get('search') or {}).get('chosen', '?')}) vs dp "
+                 f"{1e3 * x['rows']['dp']['predicted_iteration_s']:.0f} ms")
+    over = []
+    for r in rows:
+        if r["strategy"] != "unity" or r.get("search_s") is None:
+            continue
+        target = 120.0 if (r["devices"] == 1024 or r["model"] == DENSENET) else 60.0 if r["devices"] == 192 else None
+        if target is not None and r["search_s"] > target:
+            over.append(f"{r['model']} {r['machine']} {r['search_s']:.0f} s (target {target:.0f} s, "
+                        f"CPU {r.get('cpu_s', 0):.0f} s)")
+    o.append(f"- Search over its time target: {len(over)}" + (": " + "; ".join(over) if over else "."))
+    lim = [f"{r['model']} {r['machine']} {r['strategy']} ({r['limit_note']})" for r in rows if r.get("limit_note")]
+    o.append(f"- Tasks past their time limit: {len(lim)}" + (": " + "; ".join(lim) if lim else "."))
+    return o
 
 
 # --- main ---------------------------------------------------------------------------------------------------
