@@ -85,6 +85,8 @@ def _batchnorm(a, xs, ctx: TaskContext):
     if not ctx.training:
         y = (x - mean.reshape(sh)) / torch.sqrt(var.reshape(sh) + eps) * scale.reshape(sh) + bias.reshape(sh)
         return [y]
+    if ctx.stat_sum is None:            # statistics of this piece alone: torch's fused kernel
+        return [F.batch_norm(x, None, None, scale, bias, training=True, eps=eps)]
     # two passes (mean, then the mean of squared deviations), each summed over the tasks that split the
     # batch or spatial dims: E[x^2] - E[x]^2 in one pass loses the variance to cancellation
     dims = [0] + list(range(2, x.dim()))
