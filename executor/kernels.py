@@ -41,8 +41,8 @@ class TaskContext:
     out_offset: tuple = ()
     in_logical: tuple = ()
     in_offset: tuple = ()
-    # BatchNorm: sums of the statistics over the tasks splitting the reduced dims (None: local)
-    stat_sum: Callable[[torch.Tensor], torch.Tensor] | None = None
+    # BatchNorm: all-gather of per-task statistics over the tasks splitting the reduced dims (None: local)
+    stat_gather: Callable[[torch.Tensor], torch.Tensor] | None = None
     extra: dict = field(default_factory=dict)
 
 
@@ -85,24 +85,23 @@ def _batchnorm(a, xs, ctx: TaskContext):
     if not ctx.training:
         y = (x - mean.reshape(sh)) / torch.sqrt(var.reshape(sh) + eps) * scale.reshape(sh) + bias.reshape(sh)
         return [y]
-    if ctx.stat_sum is None:            # statistics of this piece alone: torch's fused kernel
+    if ctx.stat_gather is None:         # statistics of this piece alone: torch's fused kernel
         return [F.batch_norm(x, None, None, scale, bias, training=True, eps=eps)]
-    # two passes (mean, then the mean of squared deviations), each summed over the tasks that split the
-    # batch or spatial dims: E[x^2] - E[x]^2 in one pass loses the variance to cancellation
+    # statistics over the tasks that split the batch or spatial dims (SyncBatchNorm): every task's
+    # (mean, squared deviations, count) per channel in one all-gather, combined as Chan et al.'s
+    # parallel variance (numerically stable; E[x^2] - E[x]^2 would lose the variance to cancellation)
     dims = [0] + list(range(2, x.dim()))
-    n = torch.tensor(float(x.numel() // x.shape[1]), dtype=x.dtype, device=x.device)
     c = x.shape[1]
-    s1 = torch.cat([x.sum(dims), n.reshape(1)])
-    if ctx.stat_sum is not None:
-        s1 = ctx.stat_sum(s1)
-    cnt = s1[c]
-    mu = (s1[:c] / cnt).reshape(sh)
-    d = x - mu
-    s2 = (d * d).sum(dims)
-    if ctx.stat_sum is not None:
-        s2 = ctx.stat_sum(s2)
-    var_b = (s2 / cnt).reshape(sh)
-    y = d * torch.rsqrt(var_b + eps) * scale.reshape(sh) + bias.reshape(sh)
+    m = x.mean(dims)
+    d0 = x - m.reshape(sh)
+    local = torch.cat([m, (d0 * d0).sum(dims), x.new_full((1,), float(x.numel() // c))])
+    allv = ctx.stat_gather(local)                       # (tasks, 2C + 1)
+    ns = allv[:, 2 * c:2 * c + 1]
+    ms = allv[:, :c]
+    total = ns.sum()
+    mu = (ns * ms).sum(0) / total
+    var_b = (allv[:, c:2 * c] + ns * (ms - mu) ** 2).sum(0) / total
+    y = (x - mu.reshape(sh)) * torch.rsqrt(var_b.reshape(sh) + eps) * scale.reshape(sh) + bias.reshape(sh)
     return [y]
 
 

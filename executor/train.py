@@ -99,6 +99,24 @@ class _AllReduce(torch.autograd.Function):
         return None, None, g
 
 
+class _AllGather(torch.autograd.Function):
+    """Every member's tensor, stacked in group order; a member's gradient is the sum over members of
+    the gradients of its slot (one all-reduce)."""
+
+    @staticmethod
+    def forward(ctx, group, k, me, anchor, x):
+        ctx.group, ctx.me = group, me
+        parts = [torch.empty_like(x) for _ in range(k)]
+        dist.all_gather(parts, x.contiguous(), group=group)
+        return torch.stack(parts)
+
+    @staticmethod
+    def backward(ctx, g):
+        g = g.contiguous().clone()
+        dist.all_reduce(g, group=ctx.group)
+        return None, None, None, None, g[ctx.me]
+
+
 class _AllReduceToLoss(torch.autograd.Function):
     """An all-reduce whose k copies each add 1/k of the loss: their gradients are equal, so the sum
     over copies that the backward all-reduce would compute is k times the local one (no message)."""
@@ -602,10 +620,16 @@ class Trainer:
                 st.ctx.seed, st.ctx.step, st.ctx.training = self.seed, self.step_no, True
                 if st.bn_group is not None:
                     pg = self._group(st.bn_group)
-                    st.ctx.stat_sum = lambda t, pg=pg: _AllReduce.apply(pg, anchor, t)
+                    me = st.bn_group.index(self.rank)
+
+                    def gather(t, pg=pg, me=me, k=len(st.bn_group)):
+                        y = _AllGather.apply(pg, k, me, anchor, t)
+                        sinks.append(y)
+                        return y
+                    st.ctx.stat_gather = gather
                 outs = kernel(st.op)(st.attrs, xs, st.ctx)
                 if st.bn_group is not None:
-                    st.ctx.stat_sum = None
+                    st.ctx.stat_gather = None
                 for r, y in zip(st.outputs, outs):
                     vals[r] = y
             else:

@@ -518,9 +518,9 @@ class GraphCost:
         return c
 
     def _stat_sync(self, nid: int, view: MachineView) -> float:
-        """Training BatchNorm over a partitioned batch or spatial dim (SyncBatchNorm): two all-reduces of
-        C per-channel sums (mean, then squared deviations) over the tasks sharing its channels, forward
-        and backward."""
+        """Training BatchNorm over a partitioned batch or spatial dim (SyncBatchNorm): an all-gather of
+        every task's 2*C+1 statistics (per-channel mean, squared deviations, count) over the tasks sharing
+        its channels in the forward pass, an all-reduce of their gradients in the backward pass."""
         x = self.g.input_shapes(nid)[0]
         if x.shard_degree // x.degrees[1] <= 1:
             return 0.0
@@ -533,7 +533,8 @@ class GraphCost:
             acc *= d
         grp = [devs[t] for t in range(len(devs))
                if all((t // strides[a]) % d == 0 for a, d in pm.axes if a not in red)]
-        return 4 * C.allreduce_time(self.machine, grp, (x.piece_shape[1] + 1) * x.itemsize)
+        nbytes = len(grp) * (2 * x.piece_shape[1] + 1) * x.itemsize
+        return 2 * C.allreduce_time(self.machine, grp, nbytes)
 
     def compute_time(self, nid: int) -> float:
         """Forward + backward compute of a compute node (0 for others); independent of the view."""
