@@ -1,7 +1,8 @@
 """Memory-aware machine mapping: what the fallback costs when the time-optimal mapping does not fit.
 
-For each case (zoo model at paper size, data parallel of degree ``deg`` on a Summit machine, device
-memory set to ``frac`` x the peak of the time-optimal mapping), a fresh :class:`MachineMapper`
+For each case (zoo model at paper size, data parallel of degree ``deg`` on a Summit machine -- degree
+1: the logical graph, every operator on one device, which the mapping may spread -- device memory set
+to ``frac`` x the peak of the time-optimal mapping), a fresh :class:`MachineMapper`
 maps the PCG twice: on the real device (time DP only) and on the shrunken one (time DP, then the
 memory-aware Pareto DP).  Reports the predicted time of both mappings, the peak memory, and wall and
 CPU seconds of each solve (CPU time is the load-robust figure on a shared machine).
@@ -22,7 +23,7 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 sys.path.insert(0, os.path.join(ROOT, "benchmarks"))
 
-DEFAULT = "mlp:2x6:6:0.75,mlp:4x6:6:0.5,inception_v3:2x6:6:0.75"
+DEFAULT = "dlrm:1x6:1:0.25,mlp:2x6:6:0.75,mlp:4x6:6:0.5,inception_v3:2x6:6:0.75"
 
 
 def run_case(name: str, shape: str, deg: int, frac: float) -> dict:
