@@ -1,7 +1,7 @@
 """Search time against graph size (Unity 5.3): graph splitting keeps the joint search about linear.
 
 Synthetic chains (Linear/Relu) and repeated Transformer encoder layers (20 operators each) from about
-100 to 2,000 operators are optimized with `search.optimize.optimize` (strategy unity, a fixed budget
+100 to 2,000 operators are optimized with `search.optimize.optimize` (strategy unity, no pipeline search, a fixed budget
 of candidates per distinct segment, so the work per segment is the same at every size) on a small
 machine; the search time (everything optimize does: splitting, segment searches, stitching, the
 whole-graph DP of the result and of data parallelism) is fitted as time = c * ops^e by least squares
@@ -43,7 +43,7 @@ def run(kind: str, size: int, machine: str, candidates: int) -> dict:
     g = synthetic_chain(size) if kind == "chain" else synthetic_transformer(size // 20)
     ops = g.summary()["ops"]
     t = time.perf_counter()
-    r = optimize(g, machine, budget_s=3600, max_candidates=candidates)
+    r = optimize(g, machine, budget_s=3600, max_candidates=candidates, pipeline=False)
     s = time.perf_counter() - t
     j = r.json()
     return {"kind": kind, "ops": ops, "search_s": round(s, 3), "segments": r.stats.get("segments"),
@@ -78,7 +78,7 @@ def main(argv=None) -> int:
         json.dump(out, f, indent=1)
     lines = ["# Search time against graph size (graph splitting, Unity 5.3)", "",
              f"Command: `{out['command']}` on a {out['cpus']}-CPU host shared with other jobs; machine "
-             f"`{a.machine}`, strategy unity, {a.candidates} candidates expanded per distinct segment (k = 10).", "",
+             f"`{a.machine}`, strategy unity without pipelines, {a.candidates} candidates expanded per distinct segment (k = 10).", "",
              "| graph | operators | segments | distinct | rule steps | search (s) | speedup over dp |",
              "|---|---|---|---|---|---|---|"]
     for r in rows:

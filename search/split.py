@@ -304,7 +304,33 @@ def assemble(g: PCG, segs: Sequence[Segment], choices: Sequence[SegmentChoice], 
     for sid in [i for i, n in nodes.items() if n.kind == "source" and i not in used]:
         del nodes[sid], shapes[sid]            # not possible for an imported graph; kept consistent
     out = PCG(nodes, shapes, tuple(out_ref[tuple(r)] for r in g.outputs), g.weights, g.meta)
-    out, more = cancel_rounds(out, book)
+    # where pairs are left: the parallel chain ending each segment and the chains starting the next
+    window: set = set()
+    for seg in segs:
+        if seg.crossing_in is None:
+            continue
+        r = out_ref[tuple(seg.crossing_in)]
+        stack = [r[0]]
+        while stack:
+            nid = stack.pop()
+            if nid in window or out.node(nid).kind != "parallel":
+                continue
+            window.add(nid)
+            stack.extend(x[0] for x in out.node(nid).inputs)
+            stack.extend(c for c, _ in out.consumers((nid, 0)))
+        for c, _ in out.consumers(r):
+            stack.append(c)
+        while stack:
+            nid = stack.pop()
+            if nid in window or out.node(nid).kind != "parallel":
+                continue
+            window.add(nid)
+            stack.extend(c for c, _ in out.consumers((nid, 0)))
+    for n in g.sources():                     # a source partitioned in several segments: merge them
+        par = [c for c, _ in out.consumers((n.id, 0)) if out.node(c).kind == "parallel"]
+        if len(par) > 1:
+            window.update(par)
+    out, more = cancel_rounds(out, book, window)
     steps.extend(more)
     return out, steps
 
@@ -344,16 +370,17 @@ def apply_disjoint(g: PCG, matches: Sequence) -> PCG:
     return e.finish()
 
 
-def cancel_rounds(g: PCG, book: RuleBook, max_rounds: int = 64) -> tuple[PCG, list]:
+def cancel_rounds(g: PCG, book: RuleBook, window: set | None = None, max_rounds: int = 64) -> tuple[PCG, list]:
     """:func:`search.substitution.cancel_steps` in rounds: each round finds the matches of one
-    cancellation rule that do not interfere and applies them together (linear per round)."""
-    from substitutions import GraphIndex, iter_matches
+    cancellation rule (ending in ``window``, with the nodes the rounds create; everywhere if None)
+    that do not interfere and applies them together (linear per round)."""
+    from substitutions import iter_matches
 
-    from .substitution import CANCEL_RULES
+    from .substitution import CANCEL_RULES, _window_index
     rules = [book.by_name[n] for n in CANCEL_RULES if n in book.by_name]
     steps: list = []
     for _ in range(max_rounds):
-        idx = GraphIndex(g)
+        idx = _window_index(g, window)
         chosen: list = []
         for r in rules:
             used: set = set()
@@ -367,7 +394,10 @@ def cancel_rounds(g: PCG, book: RuleBook, max_rounds: int = 64) -> tuple[PCG, li
                 break
         if not chosen:
             break
-        g = apply_disjoint(g, chosen)
+        g2 = apply_disjoint(g, chosen)
+        if window is not None:
+            window = window | (set(g2.node_ids()) - set(g.node_ids()))
+        g = g2
         steps.extend(RuleStep.of(m) for m in chosen)
     return g, steps
 
