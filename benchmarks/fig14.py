@@ -533,8 +533,8 @@ def main(argv=None) -> int:
     ap.add_argument("--out", default=JSON_OUT)
     ap.add_argument("--report", action="store_true", help="only write the markdown report from the JSON")
     ap.add_argument("--merge", action="append", default=[], metavar="JSON",
-                    help="add the rows of another run's JSON (e.g. a second process run with --out) to --out, "
-                         "then write the report")
+                    help="add the rows of another run's JSON (e.g. a second process run with --out) to --out "
+                         "(a task's later row replaces its earlier one), then write the report")
     ap.add_argument("--worker", default=None, help=argparse.SUPPRESS)
     a = ap.parse_args(argv)
     if a.worker is not None:
@@ -542,15 +542,23 @@ def main(argv=None) -> int:
     md = os.path.splitext(a.out)[0] + ".md"
     if a.merge:
         data = load_rows(a.out)
-        have = {_key(r) for r in data["rows"]}
+        have = {_key(r): i for i, r in enumerate(data["rows"])}
         for f in a.merge:
             extra = load_rows(f)
-            new = [r for r in extra["rows"] if _key(r) not in have]
-            data["rows"] += new
-            have |= {_key(r) for r in new}
+            new = 0
+            for r in extra["rows"]:                   # a row measured later replaces the same task's row
+                i = have.get(_key(r))
+                if i is None:
+                    have[_key(r)] = len(data["rows"])
+                    data["rows"].append(r)
+                elif r.get("finished", "") > data["rows"][i].get("finished", ""):
+                    data["rows"][i] = r
+                else:
+                    continue
+                new += 1
             data.setdefault("meta", {}).setdefault("merged", []).append(dict(extra.get("meta", {}), file=os.path.basename(f),
-                                                                            rows=len(new)))
-            print(f"merged {len(new)} rows of {f}")
+                                                                            rows=new))
+            print(f"merged {new} rows of {f}")
         save(a.out, data)
     if a.report or a.merge:
         print(report(a.out, md))
