@@ -56,7 +56,7 @@ Fronts drop dominated points and points already over capacity; past ``front_limi
 be faster, as in the time DP (see :class:`_MemoryDP`).  So the search agrees with
 ``exhaustive_mapping(memory=True)`` on the small graphs of the tests and is a well-founded
 approximation beyond.  Cost: nothing when the time-optimal mapping fits; else about 1-5x the time DP
-(benchmarks/memory_dp_bench.py; up to ~20x on Inception-v3 at degree 6 on 24 devices).  When nothing
+(benchmarks/memory_dp_bench.py; ~16x, 80 s of CPU, on Inception-v3 at degree 6 on 24 devices).  When nothing
 fits the result is infeasible (``cost = inf``) and its reason names the busiest device of the
 fastest mapping and how much it is over capacity.
 """
