@@ -50,15 +50,16 @@ Memory is a *vector* (bytes per device), not a scalar peak: per device it is a s
 vectors add exactly in series and side by side (disjoint devices), while a scalar peak composes
 exactly only side by side (max) and in series only as an upper bound (the sum of peaks) -- with it, a
 chain of layers placed one per device, the very mapping a model too large for one device needs, would
-look as large as all layers on one device (flexflow-train's memory-aware DP keeps such a scalar).
-Fronts drop dominated points and points already over capacity; past ``front_limit`` points (default
-16) they keep the (time, busiest device) front first; side-by-side splits are tried where they could
-be faster, as in the time DP (see :class:`_MemoryDP`).  So the search agrees with
-``exhaustive_mapping(memory=True)`` on the small graphs of the tests and is a well-founded
-approximation beyond.  Cost: nothing when the time-optimal mapping fits; else about 1-5x the time DP
-(benchmarks/memory_dp_bench.py; ~16x, 80 s of CPU, on Inception-v3 at degree 6 on 24 devices).  When nothing
-fits the result is infeasible (``cost = inf``) and its reason names the busiest device of the
-fastest mapping and how much it is over capacity.
+look as large as all layers on one device (a scalar memory per subproblem is, as far as we read it,
+what flexflow-train's memory-aware DP keeps).  Fronts drop dominated points and points already over
+capacity; past ``front_limit`` points (default 16) they keep the (time, busiest device) front first;
+side-by-side splits are tried where they could be faster, as in the time DP (see :class:`_MemoryDP`).
+So the search agrees with ``exhaustive_mapping(memory=True)`` on the small graphs of the tests and is
+a well-founded approximation beyond.  Cost: nothing when the time-optimal mapping fits; else 3-7x the
+time DP alone in CPU time (benchmarks/memory_dp_bench.py), ~16x (80 s) on Inception-v3 at degree 6
+on 24 devices, where the time DP's subproblems are many.  When nothing fits the result is
+infeasible (``cost = inf``) and its reason names the busiest device of the fastest mapping and how
+much it is over capacity.
 """
 from __future__ import annotations
 
