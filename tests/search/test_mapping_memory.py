@@ -183,3 +183,15 @@ def test_random_joins_fastest_fit_equals_exhaustive(seed):
         assert r.feasible == math.isfinite(best)
         if r.feasible:
             assert r.cost == pytest.approx(best, rel=1e-12, abs=1e-15) and r.memory.max_bytes <= cap
+
+
+def test_pinned_views_are_kept_by_the_memory_aware_mapping():
+    from unity_pcg.machine import MachineView
+    g = mlp(batch=8, h=4096, layers=4)
+    fc = [n.id for n in g.nodes() if n.op == "Linear"]
+    mm = MachineMapper(CostModel(capped("summit:1x4", 300 * 2**20)))
+    r = mm.optimize(g, fixed={fc[0]: MachineView(3, ())})
+    assert r.feasible and r.views[fc[0]] == MachineView(3, ()) and r.memory.max_bytes <= 300 * 2**20
+    # two layers pinned to one device cannot fit: nothing does
+    r = mm.optimize(g, fixed={fc[0]: MachineView(3, ()), fc[1]: MachineView(3, ())})
+    assert not r.feasible and "no mapping of this graph fits" in r.reason and "device 3" in r.reason
