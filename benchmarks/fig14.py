@@ -456,16 +456,18 @@ def _search_times(lines, meta) -> list[str]:
 
 def _notes(lines, rows) -> list[str]:
     o = ["## What the search chose", "",
-         "| model | machine | Unity chose | rule steps | explored | DP solves | DP solves cut by time | stopped by |",
-         "|---|---|---|---:|---:|---:|---:|---|"]
+         "| model | machine | Unity chose | pipeline stages x micro-batches | rule steps | explored | DP solves | "
+         "DP solves cut by time | stopped by | code |",
+         "|---|---|---|---|---:|---:|---:|---:|---|---|"]
     for r in rows:
         if r["strategy"] != "unity" or r.get("error"):
             continue
         s = r.get("search") or {}
         stopped = ",".join(sorted(set(s.get("stopped", []))))
+        pipe = f"{s['pipeline_stages']} x {s.get('micro_batches', '?')}" if s.get("pipeline_stages") else ""
         o.append(f"| {r['model']} | {r['machine']} | {s.get('chosen', '-')}{' (fallback ' + s['fallback'] + ')' if s.get('fallback') else ''} | "
-                 f"{r.get('rule_steps', '-')} | {s.get('explored', '-')} | {s.get('mapper_calls', '-')} | "
-                 f"{s.get('mapper_timeouts', '-')} | {stopped} |")
+                 f"{pipe} | {r.get('rule_steps', '-')} | {s.get('explored', '-')} | {s.get('mapper_calls', '-')} | "
+                 f"{s.get('mapper_timeouts', '-')} | {stopped} | {r.get('code') or 'unrecorded'} |")
     o += _checks(lines, rows)
     errs = [r for r in rows if r.get("error")]
     if errs:
@@ -495,6 +497,10 @@ def _checks(lines, rows) -> list[str]:
             over.append(f"{r['model']} {r['machine']} {r['search_s']:.0f} s (target {target:.0f} s, "
                         f"CPU {r.get('cpu_s', 0):.0f} s)")
     o.append(f"- Search over its time target: {len(over)}" + (": " + "; ".join(over) if over else "."))
+    mixed = [f"{x['model']} {x['machine']}" for x in lines
+             if len({r.get("code") or "unrecorded" for r in x["rows"].values()}) > 1]
+    o.append(f"- Comparisons whose rows ran different search/cost code (the code changed during the run; "
+             f"`code` in the JSON): {len(mixed)}" + (": " + ", ".join(mixed) if mixed else "."))
     lim = [f"{r['model']} {r['machine']} {r['strategy']} ({r['limit_note']})" for r in rows if r.get("limit_note")]
     o.append(f"- Tasks past their time limit: {len(lim)}" + (": " + "; ".join(lim) if lim else "."))
     return o
