@@ -498,9 +498,9 @@ def _checks(lines, rows) -> list[str]:
                         f"CPU {r.get('cpu_s', 0):.0f} s)")
     o.append(f"- Search over its time target: {len(over)}" + (": " + "; ".join(over) if over else "."))
     mixed = [f"{x['model']} {x['machine']}" for x in lines
-             if len({r.get("code") or "unrecorded" for r in x["rows"].values()}) > 1]
-    o.append(f"- Comparisons whose rows ran different search/cost code (the code changed during the run; "
-             f"`code` in the JSON): {len(mixed)}" + (": " + ", ".join(mixed) if mixed else "."))
+             if len({(r.get("code") or "unrecorded").split("+")[-1] for r in x["rows"].values()}) > 1]
+    o.append(f"- Comparisons whose rows ran different search/cost code (search/ and substitutions/ changed during "
+             f"the run; the digest after `+` in `code`): {len(mixed)}" + (": " + ", ".join(mixed) if mixed else "."))
     lim = [f"{r['model']} {r['machine']} {r['strategy']} ({r['limit_note']})" for r in rows if r.get("limit_note")]
     o.append(f"- Tasks past their time limit: {len(lim)}" + (": " + "; ".join(lim) if lim else "."))
     return o
