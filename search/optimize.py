@@ -166,7 +166,7 @@ class Evaluator:
         self._memo: dict = {}
         self._timed_out: dict = {}
 
-    def cost(self, g: PCG, resource: Resource | None = None, limited: bool = True) -> float:
+    def cost(self, g: PCG, resource: Resource | None = None, limited: bool | float = True) -> float:
         """The DP's predicted iteration time (inf when infeasible).  With ``limit_s``, a candidate
         whose DP solve takes longer is priced inf (pruned): on large machines, graphs that leave
         most operators on a few devices have many machine views per operator and solve slowly, and
@@ -178,7 +178,7 @@ class Evaluator:
         if c is None:
             self.calls += 1
             try:
-                with _time_limit(self.limit_s if limited else None):
+                with _time_limit(self.limit_s if limited is True else (limited or None)):
                     r = self.mapper.optimize(g, resource=resource)
                 c = self._memo[key] = r.cost if r.feasible else INF
             except _Timeout:            # remembered for limited calls only
@@ -415,6 +415,7 @@ def optimize(model, machine, budget_s: float | None = None, alpha: float = 1.05,
         rules_json = None
     else:
         book = RuleBook(rules, search_degrees(m))
+        whole_limit = max(10.0, budget_s / 3)        # pricing a whole graph (result, dp floor)
         deadline = t0 + (budget_s * 0.75 if pipeline and strategy == "unity" and n_dev > 1 else budget_s)
         floor: list = []
         cands: list = []
@@ -424,9 +425,9 @@ def optimize(model, machine, budget_s: float | None = None, alpha: float = 1.05,
                 out, st, dpg, dpst, stats, interrupted = _segment_search(
                     g, book, ev, dps, dp_deg, k, max_candidates, alpha, progress, deadline)
                 # data parallelism by rules (assembled from the segments' seeds): the floor
-                floor.append((ev.cost(trimmed(dpg), limited=False), 0, dpg, dpst))
+                floor.append((ev.cost(trimmed(dpg), limited=whole_limit), 0, dpg, dpst))
                 if out is not None:
-                    cands.append((ev.cost(trimmed(out), limited=False), 1, out, st))
+                    cands.append((ev.cost(trimmed(out), limited=whole_limit), 1, out, st))
             else:
                 one = Resource(0, 1, 1)
                 alg = [r for r in book.rules if not r.is_parallel]
@@ -439,10 +440,10 @@ def optimize(model, machine, budget_s: float | None = None, alpha: float = 1.05,
                 if n_dev > 1 and dp_deg > 1:
                     g2, st2 = data_parallel_steps(g1, dp_deg, book)
                     dg, dst = data_parallel_steps(g, dp_deg, book)
-                    floor.append((ev.cost(trimmed(dg), limited=False), 0, dg, dst))
+                    floor.append((ev.cost(trimmed(dg), limited=whole_limit), 0, dg, dst))
                 g3, st3, s2 = _whole_search(g2, par, book, lambda x: ev.cost(trimmed(x)), left, max_candidates, alpha, progress,
                                             start_steps=st1 + st2)
-                cands.append((ev.cost(trimmed(g3), limited=False), 1, g3, st3))
+                cands.append((ev.cost(trimmed(g3), limited=whole_limit), 1, g3, st3))
                 stats = {"algebraic": s1.to_json(), "parallel": s2.to_json()}
                 interrupted = "interrupted" in (s1.stopped, s2.stopped)
         except KeyboardInterrupt:
