@@ -57,6 +57,11 @@ DENSENET_BATCH = 64                          # per GPU, as the paper's CNNs
 #: Unity's speedup over the best baseline (Figure 14, at the largest scale) and the baseline named
 PAPER_SPEEDUP = {"dlrm": 3.6, "candle_uno": 1.6, "mlp": 2.0, "xdl": 1.9, "inception_v3": 1.3,
                  "resnext50": 1.0, "bert_large": 1.0}
+#: the searches: the joint search with its 1F1B pipeline stage (the product's default), the joint search
+#: without pipelines (the paper's Figure 14 disables pipelines against baselines that have none, and
+#: Figure 15b isolates joint vs sequential, which has none), and TASO then FlexFlow
+NOPIPE = "unity-nopipe"
+SEARCHES = ("unity", NOPIPE, "sequential")
 GRACE_S = 120.0                              # after the SIGINT of a task past its limit
 
 
@@ -125,10 +130,10 @@ def run_task(task: dict) -> dict:
     row = {"model": name, "devices": D, "machine": task["machine"], "strategy": strategy, "batch": batch,
            "optimizer": opt}
     t0 = time.perf_counter()
-    if strategy in ("unity", "sequential"):
+    if strategy in SEARCHES:
         from search.optimize import optimize
-        r = optimize(path, m, budget_s=task["budget"], strategy=strategy, optimizer=opt, batch=batch,
-                     max_candidates=task["max_candidates"])
+        r = optimize(path, m, budget_s=task["budget"], strategy=strategy.split("-")[0], optimizer=opt, batch=batch,
+                     max_candidates=task["max_candidates"], pipeline=strategy != NOPIPE)
         j = r.json()
         j.pop("memory_per_device", None)
         row.update({"feasible": j["feasible"], "reason": j["reason"], "predicted_iteration_s": j["predicted_iteration_s"],
@@ -196,7 +201,8 @@ def worker(arg: str) -> int:
 
 # --- the run ------------------------------------------------------------------------------------------------
 
-def tasks_for(models, devices, budget, max_candidates, extras: bool, seq_devices) -> list[dict]:
+def tasks_for(models, devices, budget, max_candidates, extras: bool, seq_devices,
+              searches=("unity", NOPIPE)) -> list[dict]:
     """Tasks in the order they run, so that a run cut short still has the headline numbers: Unity and
     the baselines at the largest scale (the paper's anchors); at each GPU count of ``seq_devices``
     (Figure 15b: 96 GPUs in the paper) the same, then the sequential search; DenseNet-121 and 1,024
@@ -207,7 +213,7 @@ def tasks_for(models, devices, budget, max_candidates, extras: bool, seq_devices
                 "budget": budget, "max_candidates": max_candidates}
 
     def block(name, D, machine=None):
-        return [t(name, D, s, machine) for s in baselines_for(name)] + [t(name, D, "unity", machine)]
+        return [t(name, D, s, machine) for s in baselines_for(name)] + [t(name, D, s, machine) for s in searches]
     top = max(devices)
     first = [top] + sorted((d for d in seq_devices if d in devices and d != top), reverse=True)
     rest = sorted(d for d in devices if d not in first)
@@ -223,7 +229,7 @@ def tasks_for(models, devices, budget, max_candidates, extras: bool, seq_devices
             out += [t(name, D, "sequential") for name in models]
     big = [x for x in BIG_MODELS if x in models]
     if extras:
-        out += [t(DENSENET, 192, s) for s in ("dp", "unity")]
+        out += [t(DENSENET, 192, s) for s in ("dp",) + tuple(searches)]
         out += [x for name in big[:4] for x in block(name, 1024, BIG_MACHINE)]
     for D in spread:
         out += [x for name in models for x in block(name, D)]
@@ -317,17 +323,22 @@ def summarize(rows: list[dict]) -> list[dict]:
         by.setdefault((r["model"], r["devices"], r["machine"]), {})[r["strategy"]] = r
     out = []
     for (model, D, machine), s in by.items():
-        base = [(k, r) for k, r in s.items() if k not in ("unity", "sequential") and r.get("feasible")
+        base = [(k, r) for k, r in s.items() if k not in SEARCHES and r.get("feasible")
                 and r.get("throughput_samples_s")]
         best = max(base, key=lambda kr: kr[1]["throughput_samples_s"], default=(None, None))
         u, q = s.get("unity"), s.get("sequential")
         tu = u.get("throughput_samples_s") if u and u.get("feasible") else None
         tq = q.get("throughput_samples_s") if q and q.get("feasible") else None
+        n = s.get(NOPIPE)
+        tn = n.get("throughput_samples_s") if n and n.get("feasible") else None
         out.append({"model": model, "devices": D, "machine": machine, "rows": s, "best_baseline": best[0],
                     "best_baseline_tput": best[1]["throughput_samples_s"] if best[1] else None,
                     "unity_tput": tu, "sequential_tput": tq,
                     "speedup": tu / best[1]["throughput_samples_s"] if tu and best[1] else None,
                     "joint_over_sequential": tu / tq if tu and tq else None,
+                    "nopipe_tput": tn, "nopipe_speedup": tn / best[1]["throughput_samples_s"] if tn and best[1] else None,
+                    "nopipe_over_sequential": tn / tq if tn and tq else None,
+                    "nopipe_search_s": n.get("search_s") if n else None,
                     "search_s": u.get("search_s") if u else None,
                     "sequential_search_s": q.get("search_s") if q else None})
     order = {m: i for i, m in enumerate(PAPER_MODELS + (DENSENET,))}
@@ -356,19 +367,25 @@ def report(path: str = JSON_OUT, md: str = MD_OUT) -> str:
          f"with other work (load average at start {meta.get('loadavg', '?')}); git {meta.get('git', '?')}; "
          f"started {meta.get('started', '?')}.", ""]
     o += ["## Figure 14: Unity against the best baseline (throughput, samples/s)", "",
-          "| model | GPUs | dp | megatron | expert | Unity | best baseline | Unity / best | paper | search (s) |",
-          "|---|---:|---:|---:|---:|---:|---|---:|---:|---:|"]
+          "| model | GPUs | dp | megatron | expert | best baseline | Unity | Unity / best | search (s) | "
+          "Unity, no pipeline | no pipeline / best | search (s) | paper |",
+          "|---|---:|---:|---:|---:|---|---:|---:|---:|---:|---:|---:|---:|"]
     for x in lines:
         if x["devices"] == 1024 or x["model"] == DENSENET:
             continue
         s = x["rows"]
         paper = PAPER_SPEEDUP.get(x["model"]) if x["devices"] == 192 else None
         st = f"{x['search_s']:.1f}" if x["search_s"] is not None else "-"
+        sn = f"{x['nopipe_search_s']:.1f}" if x["nopipe_search_s"] is not None else "-"
         o.append(f"| {x['model']} | {x['devices']} | {_cell(s.get('dp'))} | "
                  f"{_cell(s.get('megatron')) if 'megatron' in baselines_for(x['model']) else ''} | "
-                 f"{_cell(s.get('expert')) if 'expert' in baselines_for(x['model']) else ''} | {_cell(s.get('unity'))} | "
-                 f"{x['best_baseline'] or '-'} | {_x(x['speedup'])} | {_x(paper) if paper else ''} | {st} |")
-    o += ["", "Paper column: Unity over the best baseline at the largest scale (Figure 14; BERT-Large "
+                 f"{_cell(s.get('expert')) if 'expert' in baselines_for(x['model']) else ''} | "
+                 f"{x['best_baseline'] or '-'} | {_cell(s.get('unity'))} | {_x(x['speedup'])} | {st} | "
+                 f"{_cell(s.get(NOPIPE))} | {_x(x['nopipe_speedup'])} | {sn} | {_x(paper) if paper else ''} |")
+    o += ["", "*Unity*: `optimize(strategy=\"unity\")` as the product runs it, with its 1F1B pipeline stage "
+          "(taken when predicted faster). *Unity, no pipeline*: the same with `pipeline=False`: the paper's "
+          "Figure 14 disables pipeline parallelism against frameworks without it (all baselines here but "
+          "Megatron). Paper column: Unity over the best baseline at the largest scale (Figure 14; BERT-Large "
           "on par with Megatron, ResNeXt-50 about 1.0x).", ""]
     o += _breakdown(lines)
     o += _extras(lines)
@@ -426,18 +443,21 @@ def _fig15b(lines) -> list[str]:
     o = ["## Figure 15b: joint (Unity) against sequential (TASO then FlexFlow), same budget", ""]
     if not q:
         return o + ["Not measured yet.", ""]
-    o += ["| model | machine | sequential samples/s | Unity samples/s | joint / sequential | sequential search (s) |",
-          "|---|---|---:|---:|---:|---:|"]
+    o += ["| model | machine | sequential samples/s | Unity, no pipeline | joint / sequential | Unity (pipelines) | "
+          "with pipelines / sequential | sequential search (s) |",
+          "|---|---|---:|---:|---:|---:|---:|---:|"]
     for x in q:
         ss = x["sequential_search_s"]
-        o.append(f"| {x['model']} | {x['machine']} | {_cell(x['rows'].get('sequential'))} | {_cell(x['rows'].get('unity'))} | "
+        o.append(f"| {x['model']} | {x['machine']} | {_cell(x['rows'].get('sequential'))} | "
+                 f"{_cell(x['rows'].get(NOPIPE))} | {_x(x['nopipe_over_sequential'])} | {_cell(x['rows'].get('unity'))} | "
                  f"{_x(x['joint_over_sequential'])} | {f'{ss:.1f}' if ss is not None else '-'} |")
-    return o + ["", "Paper: joint over sequential up to 1.6x.", ""]
+    return o + ["", "The sequential strategy has no pipeline stage, so *joint / sequential* (no pipeline on "
+                "either side) is the paper's comparison; paper: joint over sequential up to 1.6x (96 GPUs).", ""]
 
 
 def _search_times(lines, meta) -> list[str]:
-    o = ["## Unity search time (s) per model and GPU count", ""]
-    devs = sorted({x["devices"] for x in lines if x["search_s"] is not None})
+    o = ["## Unity search time (s) per model and GPU count (with pipelines / without)", ""]
+    devs = sorted({x["devices"] for x in lines if x["search_s"] is not None or x["nopipe_search_s"] is not None})
     if not devs:
         return o + ["Not measured yet.", ""]
     o += ["| model | " + " | ".join(str(d) for d in devs) + " |", "|---|" + "---:|" * len(devs)]
@@ -445,7 +465,9 @@ def _search_times(lines, meta) -> list[str]:
         cells = []
         for d in devs:
             x = next((y for y in lines if y["model"] == name and y["devices"] == d), None)
-            cells.append(f"{x['search_s']:.1f}" if x and x["search_s"] is not None else "")
+            a = f"{x['search_s']:.1f}" if x and x["search_s"] is not None else "-"
+            b = f"{x['nopipe_search_s']:.1f}" if x and x["nopipe_search_s"] is not None else "-"
+            cells.append("" if a == b == "-" else f"{a} / {b}")
         if any(cells):
             o.append(f"| {name} | " + " | ".join(cells) + " |")
     o += ["", "Targets on this machine: <= 60 s per paper model at 192 GPUs, <= 120 s at 1,024 GPUs and "
@@ -460,12 +482,12 @@ def _notes(lines, rows) -> list[str]:
          "DP solves cut by time | stopped by | code |",
          "|---|---|---|---|---:|---:|---:|---:|---|---|"]
     for r in rows:
-        if r["strategy"] != "unity" or r.get("error"):
+        if r["strategy"] not in ("unity", NOPIPE) or r.get("error"):
             continue
         s = r.get("search") or {}
         stopped = ",".join(sorted(set(s.get("stopped", []))))
         pipe = f"{s['pipeline_stages']} x {s.get('micro_batches', '?')}" if s.get("pipeline_stages") else ""
-        o.append(f"| {r['model']} | {r['machine']} | {s.get('chosen', '-')}{' (fallback ' + s['fallback'] + ')' if s.get('fallback') else ''} | "
+        o.append(f"| {r['model']} | {r['machine']} | {r['strategy']}: {s.get('chosen', '-')}{' (fallback ' + s['fallback'] + ')' if s.get('fallback') else ''} | "
                  f"{pipe} | {r.get('rule_steps', '-')} | {s.get('explored', '-')} | {s.get('mapper_calls', '-')} | "
                  f"{s.get('mapper_timeouts', '-')} | {stopped} | {r.get('code') or 'unrecorded'} |")
     o += _checks(lines, rows)
@@ -479,18 +501,24 @@ def _checks(lines, rows) -> list[str]:
     """The issue's requirements, checked on the rows: Unity never predicted slower than data parallelism
     where that fits; search time within the targets; every search answered within its task limit."""
     o = ["", "## Checks", ""]
-    slow = [x for x in lines if x["rows"].get("dp", {}).get("feasible") and x["unity_tput"]
-            and x["unity_tput"] < x["rows"]["dp"]["throughput_samples_s"] * (1 - 1e-9)]
-    o.append(f"- Unity predicted slower than hand-built data parallelism (which fits): {len(slow)} of "
-             f"{sum(1 for x in lines if x['unity_tput'])} cases" + (": " if slow else "."))
-    for x in slow:
-        u = x["rows"]["unity"]
-        o.append(f"  - {x['model']} {x['machine']}: Unity {1e3 * u['predicted_iteration_s']:.0f} ms "
-                 f"({(u.get('search') or {}).get('chosen', '?')}) vs dp "
-                 f"{1e3 * x['rows']['dp']['predicted_iteration_s']:.0f} ms")
+    n_u = 0
+    slow = []
+    for x in lines:
+        dp = x["rows"].get("dp") or {}
+        for strat in ("unity", NOPIPE):
+            u = x["rows"].get(strat)
+            if not u or not u.get("feasible") or not u.get("throughput_samples_s") or not dp.get("feasible"):
+                continue
+            n_u += 1
+            if u["throughput_samples_s"] < dp["throughput_samples_s"] * (1 - 1e-9):
+                slow.append(f"  - {x['model']} {x['machine']} {strat}: {1e3 * u['predicted_iteration_s']:.0f} ms "
+                            f"({(u.get('search') or {}).get('chosen', '?')}) vs dp {1e3 * dp['predicted_iteration_s']:.0f} ms")
+    o.append(f"- Unity predicted slower than hand-built data parallelism (which fits): {len(slow)} of {n_u} searches"
+             + (":" if slow else "."))
+    o += slow
     over = []
     for r in rows:
-        if r["strategy"] != "unity" or r.get("search_s") is None:
+        if r["strategy"] not in ("unity", NOPIPE) or r.get("search_s") is None:
             continue
         target = 120.0 if (r["devices"] == 1024 or r["model"] == DENSENET) else 60.0 if r["devices"] == 192 else None
         if target is not None and r["search_s"] > target:
@@ -530,6 +558,8 @@ def main(argv=None) -> int:
     ap.add_argument("--max-candidates", type=int, default=40, help="expanded candidates per segment")
     ap.add_argument("--quick", action="store_true", help="mlp and dlrm at 6 and 12 GPUs, 10 s budget, no extras")
     ap.add_argument("--no-extras", action="store_true", help="skip DenseNet-121 and 1,024 GPUs")
+    ap.add_argument("--searches", default=f"unity,{NOPIPE}",
+                    help=f"joint searches per (model, GPUs): unity (with pipelines) and {NOPIPE}")
     ap.add_argument("--sequential-devices", default="96",
                     help="GPU counts at which the sequential search runs (Figure 15b; '' for none)")
     ap.add_argument("--fresh", action="store_true", help="discard the rows already in the output")
@@ -583,7 +613,10 @@ def main(argv=None) -> int:
         machine_for(d)
     os.makedirs(RESULTS, exist_ok=True)
     seq = {int(x) for x in a.sequential_devices.split(",") if x}
-    tasks = tasks_for(models, devices, a.budget, a.max_candidates, not a.no_extras, seq)
+    searches = tuple(x for x in a.searches.split(",") if x)
+    if any(x not in ("unity", NOPIPE) for x in searches):
+        ap.error(f"--searches: unity and/or {NOPIPE}")
+    tasks = tasks_for(models, devices, a.budget, a.max_candidates, not a.no_extras, seq, searches)
     run(tasks, a.out, a.fresh, a.task_timeout, _meta(a, argv))
     report(a.out, md)
     print(f"wrote {os.path.relpath(a.out, ROOT)} and {os.path.relpath(md, ROOT)}")

@@ -36,13 +36,14 @@ def test_tasks_cover_matrix_once_largest_scale_first(fig14):
     for m in ("bert_large", "dlrm", "mlp"):
         for d in (6, 12, 48):
             strategies = {s for (mm, mach, s) in keys if mm == m and mach == fig14.machine_for(d)}
-            assert strategies == set(fig14.baselines_for(m)) | {"unity"} | ({"sequential"} if d == 48 else set())
+            assert strategies == (set(fig14.baselines_for(m)) | {"unity", "unity-nopipe"}
+                                  | ({"sequential"} if d == 48 else set()))
     assert ("densenet121", "summit:32x6", "unity") in keys
     assert ("bert_large", "h100:128x8", "megatron") in keys
     last48 = max(i for i, t in enumerate(tasks) if t["devices"] == 48)
     first6 = min(i for i, t in enumerate(tasks) if t["devices"] == 6)
     assert last48 < first6                           # the largest scale and its sequential rows first
-    tasks = fig14.tasks_for(("mlp",), (6, 12, 48), 5.0, 3, False, {12})
+    tasks = fig14.tasks_for(("mlp",), (6, 12, 48), 5.0, 3, False, {12}, searches=("unity",))
     assert [(t["devices"], t["strategy"]) for t in tasks][:4] == [(48, "dp"), (48, "unity"), (12, "dp"), (12, "unity")]
     assert tasks[4]["strategy"] == "sequential" and tasks[4]["devices"] == 12
 
@@ -58,6 +59,7 @@ def _row(model, D, strategy, t, feasible=True, **kw):
 def test_report_speedup_over_best_feasible_baseline(fig14, tmp_path):
     rows = [_row("dlrm", 6, "dp", 0.5, feasible=False), _row("dlrm", 6, "expert", 2.0),
             _row("dlrm", 6, "unity", 0.5, search_s=3.0), _row("dlrm", 6, "sequential", 1.0, search_s=2.0),
+            _row("dlrm", 6, "unity-nopipe", 0.8, search_s=3.0),
             _row("bert_large", 6, "dp", 1.0), _row("bert_large", 6, "megatron", 0.8),
             _row("bert_large", 6, "unity", 1.0, search_s=1.0)]
     lines = {(x["model"], x["devices"]): x for x in fig14.summarize(rows)}
@@ -65,6 +67,7 @@ def test_report_speedup_over_best_feasible_baseline(fig14, tmp_path):
     assert d["best_baseline"] == "expert"            # dp is faster but does not fit
     assert d["speedup"] == pytest.approx(4.0)
     assert d["joint_over_sequential"] == pytest.approx(2.0)
+    assert d["nopipe_speedup"] == pytest.approx(2.5) and d["nopipe_over_sequential"] == pytest.approx(1.25)
     b = lines[("bert_large", 6)]
     assert b["best_baseline"] == "megatron" and b["speedup"] == pytest.approx(0.8)
     assert b["joint_over_sequential"] is None
