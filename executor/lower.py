@@ -152,8 +152,9 @@ class Lowered:
     """The plan as one rank sees it (see module docstring)."""
 
     def __init__(self, g: PCG, views: Mapping[int, MachineView], rank: int, world: int, machine=None,
-                 seed: int = 0, sync_batchnorm: bool = True):
+                 seed: int = 0, sync_batchnorm: bool = True, frozen: frozenset = frozenset()):
         self.g = g
+        self.frozen = frozenset(frozen)             # weight names that are model constants, not parameters
         self._views_in = dict(views)
         self.rank = rank
         self.world = world
@@ -212,6 +213,8 @@ class Lowered:
                 if o is None or self.role[o] != "weight":
                     continue
                 if (n.op, pos) in NON_DIFFERENTIABLE or self.g.shape(r).dtype not in FLOAT:
+                    continue
+                if self.g.node(o).a.get("name") in self.frozen:
                     continue
                 out.add(o)
         return out
@@ -579,8 +582,8 @@ def dropout_key(g: PCG, nid: int) -> int:
 
 
 def lower(g: PCG, views: Mapping[int, MachineView], rank: int, world: int, machine=None,
-          sync_batchnorm: bool = True) -> Lowered:
-    return Lowered(g, views, rank, world, machine, sync_batchnorm=sync_batchnorm)
+          sync_batchnorm: bool = True, frozen: frozenset = frozenset()) -> Lowered:
+    return Lowered(g, views, rank, world, machine, sync_batchnorm=sync_batchnorm, frozen=frozen)
 
 
 __all__ = ["Lowered", "lower", "Step", "Source", "Exchange", "Transfer", "block", "task_pieces", "unravel",

@@ -229,6 +229,23 @@ def _narrow(t: torch.Tensor, nw) -> torch.Tensor:
 
 # --- the trainer ----------------------------------------------------------------------------------------
 
+def model_constants(g, model_path: str) -> frozenset:
+    """Names of the PCG's Weight nodes that are constants of the ONNX graph: values computed from
+    Constant nodes alone (GELU's 0.5 and sqrt(2) in a legacy export), which the importer turns into
+    weights.  torch trains only its parameters (the exporters' initializers), so these stay fixed;
+    a weight derived from an initializer (a transposed matrix, a tied copy) is trained."""
+    import onnx
+    try:
+        m = onnx.load(model_path, load_external_data=False)
+    except Exception:                       # unreadable here: the weight loader reports it
+        return frozenset()
+    const: set[str] = set()
+    for node in m.graph.node:               # ONNX graphs are topologically sorted
+        if all(x == "" or x in const for x in node.input):
+            const.update(o for o in node.output if o)
+    return frozenset(n.a["name"] for n in g.sources("Weight") if n.a.get("name") in const)
+
+
 class Trainer:
     """Trains the ONNX model ``model_path`` with ``plan`` as rank ``rank`` of ``world`` (see module doc)."""
 
@@ -253,7 +270,10 @@ class Trainer:
         self.seed = int(seed)
         self.step_no = 0
         self.keep_values = False          # debugging: keep every local piece of the last step
-        self.low: Lowered = lower(self.g, plan.views, self.rank, self.world, plan.machine, sync_batchnorm)
+        path = model_path or plan.model_path
+        frozen = model_constants(self.g, path) if weights is None and path else frozenset()
+        self.low: Lowered = lower(self.g, plan.views, self.rank, self.world, plan.machine, sync_batchnorm,
+                                  frozen=frozen)
         self._load_weights(model_path or plan.model_path, weights)
         self._loss_refs = {}
         self._pgs: dict[tuple, Any] = {}
