@@ -480,6 +480,15 @@ def optimize(model, machine, budget_s: float | None = None, alpha: float = 1.05,
                 final = _PipelineMapping(pipe, n_dev)
                 stats = dict(stats, chosen="pipeline", pipeline_stages=pipe.num_stages,
                              micro_batches=pipe.micro_batches)
+        if (strategy == "unity" and dp_res is not None and dp_res.feasible
+                and (not final.feasible or dp_res.cost < final.cost)):
+            # The promise "never predicted slower than data parallel where it fits" outranks rule
+            # reachability: where the rules cannot build the whole dp PCG (an operator without a dp
+            # rule) or the budget ran out first, the hand-built dp baseline is returned, recorded as
+            # such (no rule sequence), exactly as a pipeline plan is.
+            pipe_plan = None
+            pg, steps, rules_json, final = build_strategy(g, "dp", dp_deg), [], None, dp_res
+            stats = dict(stats, chosen="data parallel baseline (not reached by rules within the budget)")
         stats = dict(stats, chosen=stats.get("chosen") or ("data parallel by rules" if best[1] == 0 else "search"),
                      mapper_calls=ev.calls, mapper_timeouts=ev.timeouts)
     search_s = time.perf_counter() - t0

@@ -99,3 +99,23 @@ def test_pipeline_is_taken_only_when_faster(tmp_path):
         assert len(on.plan.pipeline["stages"]) >= 2
         on.plan.save(str(tmp_path / "p.json"))
         assert P.load(str(tmp_path / "p.json")).pipeline == on.plan.pipeline
+
+
+def test_never_slower_than_dp_when_the_rules_cannot_build_it(tmp_path):
+    """Tiny BERT on two local processes with a short budget: the rules do not reach the whole dp PCG
+    in time (and the pipeline was slower than dp), so the hand-built dp baseline is returned, recorded
+    as not rule-derived, rather than a plan predicted slower than data parallelism."""
+    pytest.importorskip("torch")
+    from unity_pcg import zoo
+    p = tmp_path / "bert.onnx"
+    zoo.export("bert_large", str(p), size="tiny", batch=4)
+    r = optimize(str(p), "local:1x2", budget_s=3)
+    assert r.feasible and r.dp.feasible
+    assert r.predicted_iteration_s <= r.dp.cost * (1 + 1e-9)
+    if r.plan.rules is None:
+        assert r.plan.pipeline is not None or r.stats["chosen"] != "search"
+    else:
+        steps = [RuleStep.from_json(s) for s in r.plan.rules]
+        from unity_pcg.onnx_import import load_onnx
+        g = load_onnx(str(p), load_weights=False)
+        assert replay(g, steps, trim_outputs=True).structural_hash() == r.plan.pcg.structural_hash()
