@@ -72,9 +72,10 @@ from math import gcd
 from typing import Any, Callable, Iterable, Mapping, Sequence
 
 from unity_pcg import ops
-from unity_pcg.errors import PlanError, UnityError
+from unity_pcg.errors import UnityError
 from unity_pcg.machine import MachineSpec, MachineView, Resource
 from unity_pcg.pcg import PCG
+from unity_pcg.plan import PIPELINE_SCHEDULE, validate_pipeline_field  # noqa: F401 (re-exported)
 
 from . import collectives as C
 from .baselines import StrategyError, data_parallel
@@ -83,7 +84,7 @@ from .mapping import MachineMapper
 from .sp import build_units
 
 INF = math.inf
-SCHEDULE = "1F1B"
+SCHEDULE = PIPELINE_SCHEDULE
 MAX_BOUNDS = 48                         # stage-time bounds the DP tries per number of micro-batches
 
 
@@ -468,77 +469,6 @@ class PipelineResult:
                 "feasible": self.feasible, "reason": self.reason, "micro_batches": self.micro_batches,
                 "stages": [s.to_json() for s in self.stages], "max_memory_bytes": self.max_memory_bytes,
                 "comm_elements": self.comm_elements, "search_s": self.search_s, "stats": dict(self.stats)}
-
-
-def validate_pipeline_field(pipeline: Any, pcg: PCG, views: Mapping[int, MachineView],
-                            machine: MachineSpec) -> None:
-    """Check a plan's ``pipeline`` field against its PCG and views (raises PlanError): the
-    schedule, a positive number of micro-batches dividing the batch, every node in exactly one
-    stage, stages contiguous in topological order, devices of different stages disjoint and on the
-    machine, every view inside its stage's devices, sources and placement chains in the stage of
-    their first consumer."""
-    if not isinstance(pipeline, Mapping):
-        raise PlanError("plan: field pipeline must be an object")
-    if pipeline.get("schedule") != SCHEDULE:
-        raise PlanError(f"plan: pipeline.schedule must be {SCHEDULE!r}, got {pipeline.get('schedule')!r}")
-    M = pipeline.get("micro_batches")
-    if not isinstance(M, int) or isinstance(M, bool) or M < 1:
-        raise PlanError(f"plan: pipeline.micro_batches must be a positive integer, got {M!r}")
-    try:
-        B = batch_size(pcg)
-    except PipelineError:
-        B = M
-    if B % M:
-        raise PlanError(f"plan: pipeline.micro_batches {M} does not divide the batch {B}")
-    stages = pipeline.get("stages")
-    if not isinstance(stages, list) or not stages:
-        raise PlanError("plan: pipeline.stages must be a non-empty list")
-    stage_of: dict = {}
-    used: set = set()
-    for k, st in enumerate(stages):
-        if not isinstance(st, Mapping) or not isinstance(st.get("nodes"), list) or \
-                not isinstance(st.get("devices"), list) or not st["devices"]:
-            raise PlanError(f"plan: pipeline.stages[{k}] needs lists 'nodes' and 'devices'")
-        devs = set()
-        for d in st["devices"]:
-            if not isinstance(d, int) or not 0 <= d < machine.num_devices:
-                raise PlanError(f"plan: pipeline.stages[{k}] names device {d!r}, not on the machine")
-            devs.add(d)
-        if devs & used:
-            raise PlanError(f"plan: pipeline.stages[{k}] shares devices with an earlier stage")
-        used |= devs
-        for nid in st["nodes"]:
-            if not isinstance(nid, int) or nid not in pcg:
-                raise PlanError(f"plan: pipeline.stages[{k}] names node {nid!r}, not in the PCG")
-            if nid in stage_of:
-                raise PlanError(f"plan: node {nid} is in two pipeline stages")
-            stage_of[nid] = k
-            v = views.get(nid)
-            if v is not None and not set(v.devices()) <= devs:
-                raise PlanError(f"plan: view {v} of node {pcg.node(nid).label()} leaves the devices of "
-                                f"pipeline stage {k}")
-    missing = [n for n in pcg.node_ids() if n not in stage_of]
-    if missing:
-        raise PlanError(f"plan: node {pcg.node(missing[0]).label()} is in no pipeline stage")
-    seq = [stage_of[n] for n in pcg.topo_order()]
-    if any(b < a for a, b in zip(seq, seq[1:])):
-        raise PlanError("plan: pipeline stages are not contiguous in topological order")
-    for nid in pcg.topo_order():
-        n = pcg.node(nid)
-        if n.kind == "compute":
-            continue
-        if n.kind == "parallel" and not _from_source(pcg, nid):
-            continue
-        uses = [c for k in range(len(pcg.shapes(nid))) for c, _ in pcg.consumers((nid, k))]
-        if uses and stage_of[nid] != min(stage_of[c] for c in uses):
-            raise PlanError(f"plan: node {n.label()} is not in the stage of its first consumer")
-
-
-def _from_source(g: PCG, nid: int) -> bool:
-    n = g.node(nid)
-    while n.kind == "parallel":
-        n = g.node(n.inputs[0][0])
-    return n.kind == "source"
 
 
 # --- pricing ---------------------------------------------------------------------------------------

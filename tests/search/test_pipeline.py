@@ -279,7 +279,9 @@ def test_validate_pipeline_field_refuses_broken_fields():
     swapped = dict(field, stages=[field["stages"][1], field["stages"][0]])
     with pytest.raises(PlanError, match="contiguous|first consumer"):
         validate_pipeline_field(swapped, res.pcg, res.views, m)
-    short = dict(field, stages=[dict(field["stages"][0], nodes=field["stages"][0]["nodes"][1:]), field["stages"][1]])
+    first = next(n for n in field["stages"][0]["nodes"] if res.pcg.node(n).kind != "source")
+    short = dict(field, stages=[dict(field["stages"][0], nodes=[n for n in field["stages"][0]["nodes"] if n != first]),
+                                field["stages"][1]])
     with pytest.raises(PlanError, match="no pipeline stage"):
         validate_pipeline_field(short, res.pcg, res.views, m)
     with pytest.raises(PlanError, match="micro_batches"):

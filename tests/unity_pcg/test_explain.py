@@ -148,9 +148,11 @@ def test_pipeline_stages_are_shown_and_drawn(tmp_path):
     g = data_parallel(_mlp(8, 16, 16, 4), 2)
     ids = [n.id for n in g.nodes() if n.kind != "source"]
     pipe = {"schedule": "1F1B", "micro_batches": 4,
-            "stages": [{"nodes": ids[:3], "devices": [0, 1]},            # by id
-                       {"nodes": [g.node(i).label() for i in ids[3:]], "devices": [2, 3]}]}   # by name
-    pl = _plan(tmp_path, g, pipeline=pipe)
+            "stages": [{"nodes": ids[:3], "devices": [0, 1]}, {"nodes": ids[3:], "devices": [2, 3]}]}
+    pl = _plan(tmp_path, g)
+    from unity_pcg.machine import MachineView
+    views = {i: (MachineView(v.start + 2, v.dims) if i in ids[3:] else v) for i, v in pl.views.items()}
+    pl = P.Plan(pl.model_path, pl.model_sha256, pl.machine, g, views, pl.predicted, pipe)
     pred = dict(pl.predicted, pipeline={"stages": [{"fwd_s": 1e-3, "bwd_s": 2e-3, "send_s": 1e-4, "in_flight": 2,
                                                     "memory_bytes": 3 * 2**20}, {"fwd_s": 5e-4}]})
     pl = P.load(_saved(tmp_path, P.Plan(pl.model_path, pl.model_sha256, pl.machine, g, pl.views, pred, pipe)))
