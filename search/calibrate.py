@@ -15,6 +15,8 @@ process waits for a core is counted):
   backward, per operator run; and per operator class (conv 3x3, conv 1x1, matmul, elementwise,
   norm, pool) the forward and backward time of a chain of tiny module instances;
 * the optimizer (Adam) step overhead per weight tensor (64 tiny tensors);
+* ``solo_speedup`` (:func:`measure_solo`): how much faster one process computes while the others
+  wait than while all compute (the cores idle processes leave to the busy one);
 * DistributedDataParallel's own cost (:func:`measure_ddp`): per iteration, per gradient tensor,
   for buffer synchronization and per second of compute, from generic Linear chains with and
   without DDP;
@@ -154,6 +156,36 @@ def measure_compute(quick: bool = False, quiet: bool = False, threads: int = 1, 
     return out
 
 
+def measure_solo(world: int, rank: int, quick: bool = False, window: float = 0.0) -> float:
+    """How much faster one process multiplies matrices when it is the only one of ``world`` busy
+    than when all are (every rank calls this at the same time).  All ranks time a matmul together,
+    then each rank in turn times it alone while the others wait in a barrier; the ratio of the
+    medians over ranks (>= 1: the cores the idle processes leave; ~1 on a host with a core per
+    process).  ``MachineSpec.concurrency_factor`` prices nodes placed on fewer devices with it."""
+    import torch
+    import torch.distributed as dist
+    reps = 3 if quick else 5
+    n = 256 if quick else 512
+    a, b = torch.randn(n, n), torch.randn(n, n)
+
+    def timed() -> float:
+        return _median_time(lambda: torch.mm(a, b), reps, window=window)
+    dist.barrier()
+    busy = timed()
+    solo = 0.0
+    for k in range(world):
+        dist.barrier()
+        if k == rank:
+            solo = timed()
+        dist.barrier()
+    t = torch.tensor([busy, solo], dtype=torch.float64)
+    every = [torch.zeros_like(t) for _ in range(world)]
+    dist.all_gather(every, t)
+    busy_m = statistics.median(float(x[0]) for x in every)
+    solo_m = statistics.median(float(x[1]) for x in every)
+    return busy_m / solo_m if solo_m > 0 else 1.0
+
+
 def measure_ddp(quick: bool = False) -> dict:
     """DistributedDataParallel's own cost in a running process group (every rank calls this at
     the same time).  Generic chains of tiny Linear(16, 16) + ReLU layers (gradients of a few KB, so
@@ -263,6 +295,7 @@ def _world_worker(rank: int, world: int, port: int, quick: bool, threads: int, w
         dist.barrier()
         comp = measure_compute(quick, quiet=True, threads=threads, window=window)
         dist.barrier()
+        comp["solo_speedup"] = measure_solo(world, rank, quick, window=window)
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")
             ddp = measure_ddp(quick)
@@ -376,10 +409,11 @@ def calibrate(quick: bool = False, worlds: tuple | None = None, quiet: bool = Fa
         dev = _device(comp, mem)
         per_world[str(w)] = {"device": _device_json(dev),
                              "link": {"bandwidth": fits[w]["bandwidth"], "latency": fits[w]["latency"]},
-                             "sync": res["ddp"], "threads": res["threads"], "measured": comp}
+                             "sync": res["ddp"], "threads": res["threads"], "measured": comp,
+                             "solo_speedup": comp["solo_speedup"]}
         o = comp["overheads"]
         _say(f"  world {w}: matmul {comp['matmul_flops'] / 1e9:.1f} GFLOP/s, conv {comp['conv_flops'] / 1e9:.1f}"
-             f" GFLOP/s, op {comp['op_overhead'] * 1e6:.1f} us, Adam {comp['update_overhead'] * 1e6:.1f} us/tensor;"
+             f" GFLOP/s, one busy alone {comp['solo_speedup']:.2f}x faster, op {comp['op_overhead'] * 1e6:.1f} us, Adam {comp['update_overhead'] * 1e6:.1f} us/tensor;"
              " fwd/bwd us " + ", ".join(f"{k} {o[k] * 1e6:.0f}/{o[k + ':bwd'] * 1e6:.0f}"
                                          for k in ("conv", "conv1x1", "matmul", "elementwise", "norm",
                                                    "pool")), quiet)
@@ -392,6 +426,7 @@ def calibrate(quick: bool = False, worlds: tuple | None = None, quiet: bool = Fa
     meta = {"calibrated": True, "quick": bool(quick), "cores": cores,
             "threads_per_process": {str(w): per_world[str(w)]["threads"] for w in worlds},
             "device_world": first, "sync": per_world[str(first)]["sync"],
+            "solo_speedup": per_world[str(first)]["solo_speedup"],
             "worlds": per_world,
             "allreduce_fits": {str(k): v for k, v in fits.items()},
             "loadavg_before": load_before,

@@ -102,21 +102,38 @@ class CostModel:
         self.sync_buffers = max(float(sync.get("buffers", 0.0)), 0.0)
         # waiting for the other replicas grows with the compute between synchronizations
         self.sync_per_compute = max(float(sync.get("per_compute", 0.0)), 0.0) if machine.num_devices > 1 else 0.0
+        # devices that share cores (local processes): see busy_factor, side_by_side and
+        # GraphCost.backward_scale; machines without shared cores (GPU presets) are priced as before
+        self.shared = machine.shared_cores > 0
+
+    def busy_factor(self, busy: int) -> float:
+        """Compute time of a task while ``busy`` devices compute at once, relative to its priced
+        time (which assumes every device busy): ``MachineSpec.concurrency_factor`` on machines whose
+        devices share cores (a node placed on fewer devices leaves the others' cores to it), else 1."""
+        return self.machine.concurrency_factor(busy) if self.shared else 1.0
+
+    def side_by_side(self, a: float, b: float) -> float:
+        """Cost of two branches run side by side on disjoint devices: the slower one; on a machine
+        whose devices share cores the branches compete for the same cores, so their costs add (each
+        already priced with the cores its own devices leave free, :meth:`busy_factor`)."""
+        return a + b if self.shared else max(a, b)
 
     # --- compute -------------------------------------------------------------------------------
     def op_time(self, op: str, attrs: Mapping[str, Any], in_shapes: Sequence[ParallelTensorShape],
-                out_shapes: Sequence[ParallelTensorShape]) -> tuple[float, float]:
-        """(forward, backward) seconds of one task."""
-        key = (op, tuple(sorted(dict(attrs).items())), tuple(in_shapes), tuple(out_shapes))
+                out_shapes: Sequence[ParallelTensorShape], bwd_scale: float = 1.0) -> tuple[float, float]:
+        """(forward, backward) seconds of one task.  ``bwd_scale``: the part of the backward that
+        runs (1: every operand needs a gradient; 0: none does, no backward at all)."""
+        key = (op, tuple(sorted(dict(attrs).items())), tuple(in_shapes), tuple(out_shapes), bwd_scale)
         r = self._op_cache.get(key)
         if r is None:
             f = ops.task_flops(op, attrs, in_shapes, out_shapes)
             b = ops.bytes_moved(op, in_shapes, out_shapes, per_task=True)
-            r = self.roofline(op, f, b, op_class(op, in_shapes))
+            r = self.roofline(op, f, b, op_class(op, in_shapes), bwd_scale)
             self._op_cache[key] = r
         return r
 
-    def roofline(self, op: str, flops: float, nbytes: float, kind: str | None = None) -> tuple[float, float]:
+    def roofline(self, op: str, flops: float, nbytes: float, kind: str | None = None,
+                 bwd_scale: float = 1.0) -> tuple[float, float]:
         m = self.machine
         kind = kind or op_class(op)
         base = op_class(op)
@@ -128,6 +145,9 @@ class CostModel:
         # launch / dispatch overhead per class (calibrated), on the (shared) cores too
         fwd = t + dev.overhead(kind) / m.share
         bwd = self.backward_factor * t + dev.overhead(kind, backward=True) / m.share
+        if bwd_scale != 1.0:
+            bwd = bwd_scale * self.backward_factor * t + (dev.overhead(kind, backward=True) / m.share
+                                                          if bwd_scale > 0 else 0.0)
         k = 1.0 + self.sync_per_compute
         return fwd * k, bwd * k
 
@@ -288,6 +308,19 @@ class GraphCost:
                 diff = (n.op, pos) not in NON_DIFFERENTIABLE and g.shape(r).dtype in FLOAT_DTYPES
                 self._trainable_src[w] = self._trainable_src.get(w, False) or diff
         self._origin = origin
+        # which tensors carry a gradient in the backward pass: those computed from a trained weight
+        # (torch skips the gradient of an operand that needs none, e.g. the first Linear's input)
+        self._needs_grad: dict[int, bool] = {}
+        for n in g.nodes():
+            role = self.role[n.id]
+            if role in ("input", "input-placement"):
+                self._needs_grad[n.id] = False
+            elif role in ("weight", "weight-placement"):
+                self._needs_grad[n.id] = self._trainable_src.get(origin[n.id], False)
+            elif role == "parallel":
+                self._needs_grad[n.id] = self._needs_grad[n.inputs[0][0]]
+            else:
+                self._needs_grad[n.id] = any(self._operand_needs_grad(n, pos) for pos in range(len(n.inputs)))
         self._update_owner = {nid: {r for r in ws if self.trainable(r[0])} for nid, ws in self._direct_weights.items()}
         # placement chains whose consumers leave the chain own the weight update
         self._chain_end: set[int] = set()
@@ -309,6 +342,27 @@ class GraphCost:
                 self._sync_bytes += sh.piece_nbytes
             elif sh.dtype in FLOAT_DTYPES:
                 self._buffer_bytes += sh.piece_nbytes
+
+    def _operand_needs_grad(self, n, pos: int) -> bool:
+        r = n.inputs[pos]
+        return ((n.op, pos) not in NON_DIFFERENTIABLE and self.g.shape(r).dtype in FLOAT_DTYPES
+                and self._needs_grad.get(r[0], False))
+
+    def backward_scale(self, nid: int) -> float:
+        """The part of a compute node's backward that runs, on machines whose devices share cores
+        (1 elsewhere, so GPU presets keep the uniform ``backward_factor``): 0 when no operand needs
+        a gradient (no backward); for a matmul or convolution the data operand's gradient is half of
+        the backward and the weights' the other half (Linear(x) with an input x: 0.5); other
+        operators run their whole backward when any operand needs a gradient."""
+        if not self.model.shared or self.role[nid] != "compute":
+            return 1.0
+        n = self.g.node(nid)
+        need = [self._operand_needs_grad(n, pos) for pos in range(len(n.inputs))]
+        if not any(need):
+            return 0.0
+        if op_class(n.op) in ("matmul", "conv") and n.op != "Embedding" and len(need) >= 2:
+            return 0.5 * need[0] + 0.5 * any(need[1:])
+        return 1.0
 
     def trainable(self, nid: int) -> bool:
         """Whether the weight behind ``nid`` (a Weight or a node of its placement chain) is trained."""
@@ -507,8 +561,10 @@ class GraphCost:
                 if sh.copy_degree > 1 and sh.dtype in FLOAT_DTYPES:
                     c.sync = self.model.sync_buffers * sh.piece_nbytes / self._buffer_bytes
         elif role == "compute":
-            f, b = self.model.op_time(node.op, node.a, self.g.input_shapes(nid), self.g.shapes(nid))
-            c.compute = f + b
+            f, b = self.model.op_time(node.op, node.a, self.g.input_shapes(nid), self.g.shapes(nid),
+                                      self.backward_scale(nid))
+            # on shared cores a node on fewer devices runs faster (the idle devices' cores)
+            c.compute = (f + b) * self.model.busy_factor(view.degree)
             c.update = sum(self.model.update_time(self.g.shape(r).piece_nbytes)
                            for r in self._update_owner.get(nid, ()))
             if node.op == "BatchNorm":
@@ -537,12 +593,15 @@ class GraphCost:
         return 2 * C.allreduce_time(self.machine, grp, nbytes)
 
     def compute_time(self, nid: int) -> float:
-        """Forward + backward compute of a compute node (0 for others); independent of the view."""
+        """A lower bound of the forward + backward compute of a compute node over its views (0 for
+        others): its time on the fewest busy devices (:meth:`CostModel.busy_factor`; the same on
+        every view unless cores are shared)."""
         if self.role[nid] != "compute":
             return 0.0
         node = self.g.node(nid)
-        f, b = self.model.op_time(node.op, node.a, self.g.input_shapes(nid), self.g.shapes(nid))
-        return f + b
+        f, b = self.model.op_time(node.op, node.a, self.g.input_shapes(nid), self.g.shapes(nid),
+                                  self.backward_scale(nid))
+        return (f + b) * self.model.busy_factor(1)
 
     def leaf_cost(self, nid: int, view: MachineView, prod_views: Mapping[int, MachineView]) -> LeafCost:
         """Cost of node ``nid`` on ``view`` given the views of its producers (:meth:`producers`):

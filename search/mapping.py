@@ -24,7 +24,9 @@ the predicted iteration time is minimal.  The PCG is decomposed into a series-pa
   possible edges) reaches the all-one-after-the-other value are skipped.
 * ``Parallel(a, b)``: either one after the other on the whole resource (sum), or side by side on a
   split of the resource by *quantity* -- whole nodes, or devices inside one node, both orientations
-  (max).  No interleaving of the two (as in Unity).
+  (max).  No interleaving of the two (as in Unity).  On a machine whose devices share cores (local
+  processes) side by side adds instead (:meth:`CostModel.side_by_side`: the branches compete for
+  the same cores).
 
 Memoization.  :class:`MachineMapper` keeps one cache per machine and cost model across calls,
 keyed by (subtree key, resource, the views fixed for the subtree's boundary), the last two taken
@@ -603,7 +605,8 @@ class MachineMapper:
                         if not fx:
                             continue
                         fy = self._front(ctx, y, r2, fixed, jmain, vj, outs, ub)
-                        pts.extend((max(cx, cy), ex + ey, (ax, ay)) for cx, ex, ax in fx for cy, ey, ay in fy)
+                        side = self.model.side_by_side
+                        pts.extend((side(cx, cy), ex + ey, (ax, ay)) for cx, ex, ax in fx for cy, ey, ay in fy)
         else:
             gc = ctx.gc
             inputs = [(pos, p) for pos, p in ctx.priced_inputs(jmain) if p in R]
@@ -629,7 +632,7 @@ class MachineMapper:
                 if cx >= best[0]:
                     continue
                 cy, ay = self._solve(ctx, y, r2, fixed)
-                c = max(cx, cy)
+                c = self.model.side_by_side(cx, cy)
                 if c < best[0]:
                     best = (c, (ax, ay))
         return best
@@ -720,7 +723,7 @@ class _MemoryDP:
         if not na or not nb:
             return _Front(np.zeros((0, fa.keys.shape[1])), np.zeros((0, self.D)), [])
         keys = fa.keys[:, None, :] + fb.keys[None, :, :]
-        if side:
+        if side and not self.mp.model.shared:      # shared cores: side by side adds (CostModel.side_by_side)
             keys[:, :, 0] = np.maximum(fa.keys[:, None, 0], fb.keys[None, :, 0])
         keys = keys.reshape(na * nb, -1)
         mem = (fa.mem[:, None, :] + fb.mem[None, :, :]).reshape(na * nb, self.D)
@@ -1148,7 +1151,7 @@ def exhaustive_mapping(g: PCG, model: CostModel, limit: int = 2_000_000,
         if isinstance(t, Series):
             return sum(value(c, leaf_costs, modes) for c in t.children)
         a, b = value(t.left, leaf_costs, modes), value(t.right, leaf_costs, modes)
-        return a + b if modes[id(t)] == "seq" else max(a, b)
+        return a + b if modes[id(t)] == "seq" else model.side_by_side(a, b)
 
     best, best_views, count = INF, {}, 0
     order = [n for u in dec.units for n in u]

@@ -99,6 +99,10 @@ class MachineSpec:
                                     dict(d.get("efficiency", {"default": 1.0})), float(d.get("op_overhead", 0.0)),
                                     float(d.get("update_overhead", 0.0)), dict(d.get("overheads", {})))
                 meta.update(device_world=int(k), sync=dict(rec.get("sync", {})))
+                if rec.get("solo_speedup") is not None:     # measured with this world (calibrate)
+                    meta["solo_speedup"] = float(rec["solo_speedup"])
+                else:
+                    meta.pop("solo_speedup", None)
             except (KeyError, TypeError, ValueError, AttributeError):
                 raise MachineError(f"machine {self.name!r}: malformed meta.worlds") from None
             return replace(self, nodes=nodes, devices_per_node=devices_per_node, group_size=g, links=links,
@@ -126,6 +130,35 @@ class MachineSpec:
             base = dict(self.meta).get("device_world")
             return fraction(self.num_devices) / (fraction(int(base)) if base else 1.0)
         return 1.0
+
+    def solo_speedup(self) -> float:
+        """How much faster one device computes when it is the only one busy than when all
+        ``num_devices`` compute at once (1 unless cores are shared).  Measured by calibration
+        (``meta["solo_speedup"]``, from the nearest world size); otherwise from the core count:
+        ``fraction(1) / fraction(P)``.  Clamped to [1, P]: all devices together never get more
+        than P times one device's share of the cores."""
+        p = self.num_devices
+        if self.shared_cores <= 0 or p <= 1:
+            return 1.0
+        s = dict(self.meta).get("solo_speedup")
+        if s is None:
+            def fraction(n: float) -> float:
+                return min(1.0, self.shared_cores / (n + self.background_load))
+            s = fraction(1) / fraction(p)
+        return min(max(float(s), 1.0), float(p))
+
+    def concurrency_factor(self, busy: int) -> float:
+        """Time of a task while only ``busy`` devices compute, relative to its time priced with all
+        P devices busy (the calibration's setting); 1 unless cores are shared.  Devices sharing
+        the cores share one pool of throughput R (P devices busy: R / P each), and one device never
+        goes faster than its solo speed s * R / P: each of ``busy`` devices gets
+        ``min(s R / P, R / busy)``, so the factor is ``max(1 / s, busy / P)`` -- a step costs the
+        total work of all devices over the pool, or the slowest device's work at solo speed."""
+        p = self.num_devices
+        if self.shared_cores <= 0 or p <= 1:
+            return 1.0
+        b = min(max(int(busy), 1), p)
+        return max(1.0 / self.solo_speedup(), b / p)
 
     @property
     def flops(self) -> float:
