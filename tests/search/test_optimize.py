@@ -119,3 +119,14 @@ def test_never_slower_than_dp_when_the_rules_cannot_build_it(tmp_path):
         from unity_pcg.onnx_import import load_onnx
         g = load_onnx(str(p), load_weights=False)
         assert replay(g, steps, trim_outputs=True).structural_hash() == r.plan.pcg.structural_hash()
+
+
+def test_a_model_whose_data_parallel_plan_does_not_fit_gets_a_feasible_plan():
+    """Issue 7 point 2: the 16 x 8192 MLP with Adam at batch 1536 on six 16 GiB devices: data parallel
+    (every weight on every device) needs over 16 GiB and says so; the joint search returns a plan that
+    fits (stages on disjoint devices, each holding a part of the weights)."""
+    g = mlp(batch=1536, h=8192, layers=16)
+    r = optimize(g, "summit:1x6", budget_s=60, optimizer="adam", max_candidates=5)
+    assert not r.dp.feasible and "out of memory" in r.dp.reason and "16.00 GiB" in r.dp.reason
+    assert r.feasible and r.json()["max_memory_bytes"] <= 16 * 2**30
+    assert r.plan.pipeline is not None or r.plan.rules is not None
