@@ -33,7 +33,8 @@ they train the same model):
 
 Predicted vs measured: every executor plan's predicted iteration time (the mapper's cost on the machine
 calibrated for its P) against its measured step time; median absolute relative error and Spearman rank
-correlation over all plans.
+correlation over all plans; and, for comparison, the same plans priced on the same calibration as
+independent devices (``shared_cores=0``: the cost model before it modelled local processes sharing cores).
 
 Usage:  .venv/bin/python benchmarks/executor_bench.py [--quick] [--procs 2,4] [--runs 3] [--rounds 7]
         [--iters 3] [--out F.json] [--md F.md]
@@ -196,7 +197,11 @@ def make_plans(procs: int, machine_path: str, models: dict) -> list[dict]:
     from search.mapping import MachineMapper
     from unity_pcg.machine import parse_machine
     from unity_pcg.plan import Plan, file_sha256
+    import dataclasses
     m = parse_machine(f"{machine_path}:1x{procs}")
+    # the same calibration priced as independent devices (no shared cores): the cost model before
+    # it knew that local processes share one pool of cores, for comparison in the report
+    indep = MachineMapper(CostModel(dataclasses.replace(m, shared_cores=0), optimizer="sgd"))
     cases = []
     for c in plan_graphs(procs, models):
         r = MachineMapper(CostModel(m, optimizer="sgd")).optimize(c["pcg"])
@@ -207,7 +212,8 @@ def make_plans(procs: int, machine_path: str, models: dict) -> list[dict]:
         devs = sorted({d for v in r.views.values() for d in v.devices()})
         cases.append({"id": f"exec:{c['name']}:{c['model']}", "kind": "exec", "name": c["name"],
                       "model": c["model"], "plan": plan.to_json(), "vs": c["vs"], "predicted_s": r.cost,
-                      "breakdown": r.to_json().get("breakdown"), "devices_used": len(devs)})
+                      "breakdown": r.to_json().get("breakdown"), "devices_used": len(devs),
+                      "predicted_independent_s": indep.optimize(c["pcg"]).cost})
     return cases
 
 
@@ -403,6 +409,7 @@ def run_procs(procs: int, a, models: dict) -> dict:
     for c in plans:
         meas = [r["times"][c["id"]] for r in runs]
         row = {"plan": c["name"], "model": c["model"], "procs": procs, "predicted_s": c["predicted_s"],
+               "predicted_independent_s": c.get("predicted_independent_s"),
                "measured_s": statistics.median(meas), "measured_runs_s": meas, "breakdown": c["breakdown"],
                "devices_used": c["devices_used"],
                "cpu_all_ranks_s": statistics.median(x for r in runs for x in r["cpu_all_rounds"][c["id"]])}
@@ -485,6 +492,7 @@ def main(argv=None) -> int:
                "spearman": spearman([r["predicted_s"] for r in rows], [r["measured_s"] for r in rows]),
                "seconds": time.perf_counter() - t0, "loadavg_start": list(load0), "loadavg_end": list(os.getloadavg()),
                "cores": os.cpu_count(), "first_loss_mismatches": bad, **_provenance()}
+    summary.update(independent_summary(rows))
     for p in procs:
         sub = [r for r in rows if r["procs"] == p]
         summary[f"median_abs_rel_error_p{p}"] = statistics.median(abs(r["rel_error"]) for r in sub)
@@ -502,6 +510,17 @@ def main(argv=None) -> int:
         write_markdown(a.md, res)
     print(json.dumps({k: v for k, v in summary.items() if not isinstance(v, list)}))
     return 0
+
+
+def independent_summary(rows: list) -> dict:
+    """Median error and Spearman of the predictions that price the devices as independent (the
+    same calibration with ``shared_cores=0``)."""
+    if not rows or any(r.get("predicted_independent_s") is None for r in rows):
+        return {}
+    return {"median_abs_rel_error_independent": statistics.median(
+                abs(r["predicted_independent_s"] - r["measured_s"]) / r["measured_s"] for r in rows),
+            "spearman_independent": spearman([r["predicted_independent_s"] for r in rows],
+                                             [r["measured_s"] for r in rows])}
 
 
 def write_markdown(path: str, res: dict) -> None:
@@ -530,18 +549,23 @@ def write_markdown(path: str, res: dict) -> None:
           "the paired rounds: the work each side does, less sensitive to the host's load than wall time.", "",
           "## Predicted vs measured iteration time (calibrated local machine)", "",
            "| model | P | plan | measured ms | predicted ms | error | compute | grad sync | transfers | CPU ms, all ranks "
-          "| first loss rel. diff to torch |",
-          "|---|---|---|---|---|---|---|---|---|---|---|"]
+          "| first loss rel. diff to torch | devices used | independent devices: predicted ms |",
+          "|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for r in rows:
         b = r.get("breakdown") or {}
         xfer = b.get("transfer_s", b.get("comm_s", 0.0)) or 0.0
         L.append(f"| {names[r['model']]} | {r['procs']} | {r['plan']} | {r['measured_s'] * 1e3:.2f} | "
                  f"{r['predicted_s'] * 1e3:.2f} | {r['rel_error'] * 100:+.1f}% | {(b.get('compute_s') or 0) * 1e3:.2f} | "
                  f"{(b.get('grad_sync_s') or 0) * 1e3:.2f} | {xfer * 1e3:.2f} | {r['cpu_all_ranks_s'] * 1e3:.1f} | "
-                 + (f"{r['first_loss']['rel_diff']:.1e} |" if r.get("first_loss") else "- |"))
+                 + (f"{r['first_loss']['rel_diff']:.1e} |" if r.get("first_loss") else "- |")
+                 + f" {r.get('devices_used', '-')} | "
+                 + (f"{r['predicted_independent_s'] * 1e3:.2f} |" if r.get("predicted_independent_s") else "- |"))
     L += ["", f"Median absolute error {s['median_abs_rel_error'] * 100:.1f}% (target <= 20%; {s['within_20pct']} of "
           f"{s['plans']} within 20%, max {s['max_abs_rel_error'] * 100:.1f}%); Spearman rank correlation "
-          f"{s['spearman']:.3f} (target >= 0.9).", "",
+          f"{s['spearman']:.3f} (target >= 0.9)."
+          + (f" The same calibrations priced as independent devices (`shared_cores=0`: the cost model before it "
+             f"modelled shared cores): median absolute error {s['median_abs_rel_error_independent'] * 100:.1f}%, "
+             f"Spearman {s['spearman_independent']:.3f}." if "spearman_independent" in s else ""), "",
           "Compute, grad sync and transfers: the cost model's breakdown of the prediction. CPU ms, all ranks: the "
           "measured CPU time of one step summed over the ranks (median over rounds).", ""]
     L += ["Per process count: " + "; ".join(
@@ -549,15 +573,18 @@ def write_markdown(path: str, res: dict) -> None:
         f"{s[f'spearman_p{p}']:.3f}" for p in sorted({r['procs'] for r in rows})) + ".", ""]
     L += ["## The calibrations (right before each P's runs)", "",
           "| P | seconds | load (1 min) | matmul GFLOP/s | memory GB/s | op overhead us | all-reduce latency us | "
-          "all-reduce GB/s | per_compute |", "|---|---|---|---|---|---|---|---|---|"]
+          "all-reduce GB/s | per_compute | solo speedup |", "|---|---|---|---|---|---|---|---|---|---|"]
     for x in res["per_procs"]:
         m = x.get("machine") or {}
         meas, link, sync = m.get("measured", {}), m.get("link", {}), m.get("sync", {})
         L.append(f"| {x['procs']} | {x['calibration_s']:.0f} | {x['loadavg_calibration']:.1f} | "
                  f"{meas.get('matmul_flops', 0) / 1e9:.1f} | {meas.get('mem_bandwidth', 0) / 1e9:.2f} | "
                  f"{meas.get('op_overhead', 0) * 1e6:.0f} | {link.get('latency', 0) * 1e6:.0f} | "
-                 f"{link.get('bandwidth', 0) / 1e9:.2f} | {sync.get('per_compute', 0):.2f} |")
-    L.append("")
+                 f"{link.get('bandwidth', 0) / 1e9:.2f} | {sync.get('per_compute', 0):.2f} | "
+                 + (f"{m['solo_speedup']:.2f} |" if m.get("solo_speedup") is not None else "- |"))
+    L += ["", "Solo speedup: how much faster one process multiplies matrices while the others wait than while "
+          "all compute (`search.calibrate.measure_solo`); the cost model prices a node on fewer devices with it "
+          "(`MachineSpec.concurrency_factor`).", ""]
     L += ["Load average (1 min) per launch: " + "; ".join(
         f"P={x['procs']}: calibration {x['loadavg_calibration']:.1f}, runs "
         + ", ".join(f"{r['loadavg_before']:.1f}" for r in x["runs"]) for x in res["per_procs"]), ""]
