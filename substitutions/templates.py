@@ -5,7 +5,8 @@ like every generated rule (rules_cmd / generate re-prove them; none is shipped u
   becomes ``Combine(op(Partition(x), Replicate(w)..))`` (Unity Fig. 9a);
 * Megatron-LM (Fig. 10): ``megatron_attention_heads`` (BatchMatMul on partitioned heads),
   ``megatron_column_linear``, ``megatron_row_linear`` and ``megatron_mlp_column_row`` (column- then
-  row-parallel Linear ending in a Reduce);
+  row-parallel Linear ending in a Reduce), ``megatron_mlp_column_<gelu|relu>_row`` (the same with the
+  activation as its own operator, as exported);
 * ``fig11a_relu_spatial`` (ReLU on a partitioned spatial/any dim), ``fig11b_add_concat_reduce`` (Add as
   Concat, a local ReduceSum over the partitioned concat dim, then Reduce, see below);
 * ``fig2_matmul_reduction`` (split the contraction dim of MatMul on both inputs -> partial sums -> Reduce);
@@ -128,6 +129,12 @@ def template_rules() -> list[Rule]:
     rules.append(_with_example(r, {"k": 2, "act": "relu"},
                                {"x": S.of((4, 4)), "w1": S.of((4, 8)), "w2": S.of((8, 4))}))
 
+    # the MLP with an element-wise activation between the two Linears (as exported: Linear -> Gelu -> Linear)
+    for u in ("Gelu", "Relu"):
+        r = rule_of(f"megatron_mlp_column_{u.lower()}_row", op("Linear", op(u, op("Linear", "x", "w1")), "w2"),
+                    op("Reduce", op("Linear", op(u, op("Linear", _rep("x"), _part("w1", -1))), _part("w2", -2)),
+                       degree="$k"), K)
+        rules.append(_with_example(r, {"k": 2}, {"x": S.of((4, 4)), "w1": S.of((4, 8)), "w2": S.of((8, 4))}))
     # --- Figure 11 -------------------------------------------------------------------------------------------
     r = rule_of("fig11a_relu_spatial", op("Relu", "x"), _comb(op("Relu", _part("x", "$d")), "$d"), D)
     rules.append(_with_example(r, {"k": 2, "d": -1}, {"x": S.of((2, 2, 4, 4))}))

@@ -382,6 +382,29 @@ for _p in TRANSPOSE_SAMPLE_PERMS:
         op("Partition", op("Transpose", "x", perm=_p), dim=0, degree="$k"), {"k": "degree"}, (), bind={"k": 2},
         shapes={"x": S.of((2,) + tuple(range(2, len(_p) + 1)))})
 
+# Megatron attention heads (Fig. 10): a Partition of a non-sample dim moves through a Transpose onto the
+# permuted dim (one axiom per permutation and dim: constraints cannot look inside a permutation), and
+# through a Reshape that splits the last dim into (heads, head size) or merges them back, where the
+# partition lands on the outermost dim of the split group (the heads).  Partition does not change the
+# logical value, so both sides always have the same value; a Reshape whose groups put the partition
+# elsewhere gives the two sides different parallel shapes, which rule application refuses (DESIGN: shape
+# side conditions are not in the axioms).
+for _p in TRANSPOSE_SAMPLE_PERMS:
+    _r = len(_p)
+    for _d in range(1, _r):
+        _ax(f"Transpose_partition_{''.join(map(str, _p))}_d{_d - _r}", "transpose_partition", "parallel",
+            op("Transpose", op("Partition", "x", dim=_d - _r, degree="$k"), perm=_p),
+            op("Partition", op("Transpose", "x", perm=_p), dim=_p.index(_d) - _r, degree="$k"), {"k": "degree"},
+            (), bind={"k": 2}, shapes={"x": S.of(tuple(2 for _ in _p))})
+_ax("Reshape_partition_split_last", "reshape_partition_heads", "parallel",
+    op("Reshape", op("Partition", "x", dim=-1, degree="$k"), shape="$sh"),
+    op("Partition", op("Reshape", "x", shape="$sh"), dim=-2, degree="$k"), {"k": "degree", "sh": "attr"},
+    (), bind={"k": 2, "sh": (2, 2, 2)}, shapes={"x": S.of((2, 4))})
+_ax("Reshape_partition_merge_last", "reshape_partition_heads", "parallel",
+    op("Reshape", op("Partition", "x", dim=-2, degree="$k"), shape="$sh"),
+    op("Partition", op("Reshape", "x", shape="$sh"), dim=-1, degree="$k"), {"k": "degree", "sh": "attr"},
+    (), bind={"k": 2, "sh": (2, 4)}, shapes={"x": S.of((2, 2, 2))})
+
 
 AXIOMS: tuple[Axiom, ...] = tuple(_AXIOMS)
 
