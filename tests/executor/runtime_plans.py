@@ -105,12 +105,12 @@ def pipeline_plan(model: str, out: str, stages: int = 2, micro_batches: int = 2)
 
 
 def searched_pipeline_plan(model: str, out: str, stages: int = 2, micro_batches: int = 2,
-                           devices: int | None = None) -> str:
-    """A pipeline plan as the search writes it (search.pipeline.search_pipeline on local:1xD, forced to
+                           devices: int | None = None, preset: str = "local") -> str:
+    """A pipeline plan as the search writes it (search.pipeline.search_pipeline on PRESET:1xD, forced to
     ``stages`` stages): its stitched PCG, views and ``pipeline`` field."""
     from search.pipeline import search_pipeline
     g = load_onnx(model, load_weights=False)
-    m = parse_machine(f"local:1x{devices or stages}")
+    m = parse_machine(f"{preset}:1x{devices or stages}")
     r = search_pipeline(g, CostModel(m), min_stages=stages, max_stages=stages, micro_batches=micro_batches)
     assert r is not None and r.feasible, "the search found no pipeline"
     return _save(r.pcg, r.views, model, out, m, pipeline=r.to_plan_field(), predicted=r.to_json())
