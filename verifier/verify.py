@@ -183,7 +183,9 @@ def verify_rules(rules: Iterable[Rule], timeout: float = 10.0, workers: int = 2,
                 progress(k + 1, len(jobs))
     else:
         import multiprocessing as mp
-        ctx = mp.get_context("fork")
+        # spawn, not fork: a caller may hold threads (torch, onnxruntime, a test runner's), and a forked
+        # child can inherit one of their locks held and hang for ever (seen in the test suite)
+        ctx = mp.get_context("spawn")
         with ctx.Pool(workers) as pool:
             for k, res in enumerate(pool.imap(_verify_json, jobs, chunksize=4)):
                 out.append(res)
