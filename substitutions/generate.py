@@ -660,7 +660,8 @@ def enumerate_all(st: Settings, workers: int = 2, progress: bool = True) -> list
     # interleave first-operator indices so the workers get similar loads
     jobs = [(st.to_json(), [i]) for i in range(n)]
     out: list[Graph] = []
-    with mp.get_context("fork").Pool(workers) as pool:
+    # spawn, not fork: a caller holding threads (torch, onnxruntime) can leave a forked worker hung on a lock
+    with mp.get_context("spawn").Pool(workers) as pool:
         for k, gs in enumerate(pool.imap_unordered(_enum_worker, jobs)):
             out.extend(gs)
             bar.update(k + 1)
