@@ -395,7 +395,7 @@ class PipelineTrainer:
                  lr: float = 0.01, seed: int = 0, device: str = "cpu", sync_batchnorm: bool = True):
         torch, nn = _torch_modules()
         import torch.distributed as dist
-        from torch.distributed.pipelining import PipelineStage, Schedule1F1B
+        from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGPipe
 
         from unity_pcg.onnx_import import load_onnx
 
@@ -452,8 +452,11 @@ class PipelineTrainer:
                                    input_args=example(self.mod.recv), output_args=example(self.mod.send))
         self.stage.stage_index_to_group_rank = {s.index: pos[s.devices[r]] for s in stages}
         self._targets = False   # the schedule wants a target on the last stage; without one, a dummy
-        self.sched = Schedule1F1B(self.stage, self.M, scale_grads=True,
-                                  loss_fn=lambda out, t: loss_of(out, t if self._targets else None))
+        # with fewer micro-batches than stages, 1F1B has no steady state: every forward runs before the
+        # first backward, which is GPipe's order (torch's Schedule1F1B refuses M < S, ScheduleGPipe runs it)
+        kind = Schedule1F1B if self.M >= self.S else ScheduleGPipe
+        self.sched = kind(self.stage, self.M, scale_grads=True,
+                          loss_fn=lambda out, t: loss_of(out, t if self._targets else None))
         self.input_names = [plan.pcg.node(r[0]).a["name"] for r in self.st.recv] if self.st.index == 0 else []
         self.steps_done = 0
         self._dist = dist

@@ -186,3 +186,21 @@ def test_pipeline_resume_continues_exactly(work, capfd):
     ck = work["dir"] / "pp4ck"
     assert run("--steps", 3, "--checkpoint", ck) == full[:3]
     assert run("--steps", 2, "--checkpoint", ck, "--resume") == full[3:]
+
+
+def test_one_micro_batch_through_two_stages_trains_like_one_process(work, tmp_path, capfd):
+    """M = 1 < S = 2 (the search can choose it): torch's Schedule1F1B refuses it, the executor runs GPipe's
+    order, which is what 1F1B is without a steady state; losses equal plain PyTorch."""
+    from tests.executor.runtime_plans import pipeline_plan
+    from unity_pcg.cli import main
+    pp = pipeline_plan(work["model"], str(tmp_path / "pp1.json"), stages=2, micro_batches=1)
+    data = tmp_path / "data.npz"
+    rng = np.random.default_rng(3)
+    np.savez(data, x=rng.standard_normal((16, 16)).astype(np.float32), targets=rng.integers(0, 8, 16))
+    capfd.readouterr()
+    rc = main(["run", pp, "--model", work["model"], "--steps", "3", "--optimizer", "sgd", "--lr", "0.05",
+               "--data", str(data), "--json"])
+    out, err = capfd.readouterr()
+    assert rc == 0, err
+    ref, _ = reference_losses(work["model"], 3, "sgd", lr=0.05, data=str(data))
+    np.testing.assert_allclose(json.loads(out)["losses"], ref, rtol=1e-4, atol=1e-7)
