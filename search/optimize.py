@@ -392,13 +392,14 @@ def optimize(model, machine, budget_s: float | None = None, alpha: float = 1.05,
                             f"({', '.join(map(str, degrees[:8]))}{' ...' if len(degrees) > 8 else ''})")
     ev = Evaluator(m, optimizer, limit_s=price_limit_s if price_limit_s is not None else max(1.0, budget_s / 30))
     from .baselines import StrategyError, build_strategy
-    dp_res = None
+    dp_res = dp_pg = None
     dp_deg = max((d for d in degrees if b is None or b % d == 0), default=1)
     try:
         if n_dev > 1:
-            dp_res = ev.full(build_strategy(g, "dp", dp_deg))
+            dp_pg = build_strategy(g, "dp", dp_deg)
+            dp_res = ev.full(dp_pg)
     except StrategyError:
-        dp_res = None
+        dp_res = dp_pg = None
 
     steps: list = []
     stats: dict = {}
@@ -487,7 +488,7 @@ def optimize(model, machine, budget_s: float | None = None, alpha: float = 1.05,
             # rule) or the budget ran out first, the hand-built dp baseline is returned, recorded as
             # such (no rule sequence), exactly as a pipeline plan is.
             pipe_plan = None
-            pg, steps, rules_json, final = build_strategy(g, "dp", dp_deg), [], None, dp_res
+            pg, steps, rules_json, final = dp_pg, [], None, dp_res
             stats = dict(stats, chosen="data parallel baseline (not reached by rules within the budget)")
         stats = dict(stats, chosen=stats.get("chosen") or ("data parallel by rules" if best[1] == 0 else "search"),
                      mapper_calls=ev.calls, mapper_timeouts=ev.timeouts)
