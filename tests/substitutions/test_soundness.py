@@ -1,14 +1,15 @@
 """Issue point 4(b): every shipped rule, applied to random concrete instances, evaluates equal piecewise.
 
 For each rule we build a concrete PCG from its source pattern at the rule's recorded example (input
-shapes, variable values; hypothesis varies the values, the random partial-sum splits and, where the
+shapes, variable values; three fixed seeds per rule vary the values, the random partial-sum splits and, where the
 sizes allow, the degree), find the match with ``find_matches``, apply it with ``apply_match`` and evaluate
 both graphs piece by piece with the real kernels.  Rules whose inputs carry partial sums (which an
 instance graph cannot start from) are checked with ``eval_pattern`` on both sides.
 """
+import zlib
+
 import numpy as np
 import pytest
-from hypothesis import given, settings, strategies as st
 
 from substitutions import cache
 from substitutions.apply import apply_match
@@ -73,13 +74,21 @@ def check_instance(rule, seed: int, degree: int | None) -> bool:
     return True
 
 
+def _seeds(rule, n: int = 3) -> list[int]:
+    """Three seeds per rule, fixed by its name: the same draws on every machine and in every run."""
+    rng = np.random.default_rng(zlib.crc32(rule.name.encode()))
+    return [int(s) for s in rng.integers(0, 2**31 - 1, size=n)]
+
+
+# Plain parametrization, not hypothesis: hypothesis' pytest plugin wraps a parametrized test's settings
+# once per parameter, and over ~1,050 rules that chain overflows the recursion limit when the CI profile
+# (CI=true) resolves the example database.
 @pytest.mark.parametrize("rule", RULES, ids=lambda r: r.name)
-@settings(max_examples=3)
-@given(seed=st.integers(0, 2**31 - 1), deg4=st.booleans())
-def test_rule_sound_on_random_instances(rule, seed, deg4):
-    assert check_instance(rule, seed, None)
-    if deg4:
-        check_instance(rule, seed + 1, 4)
+def test_rule_sound_on_random_instances(rule):
+    for i, seed in enumerate(_seeds(rule)):
+        assert check_instance(rule, seed, None)
+        if i:   # the second and third draws also try degree 4 where the sizes allow
+            check_instance(rule, seed + 1, 4)
 
 
 def test_instance_checker_catches_a_wrong_rule():
