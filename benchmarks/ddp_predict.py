@@ -98,15 +98,15 @@ def fresh_machine(procs: int, path: str, quick: bool = False) -> str:
     """Calibrate the local machine for ``procs`` concurrent processes right before a measurement:
     the host is shared, so its speed drifts; the calibration runs generic micro-benchmarks only
     (never the model)."""
-    from search.calibrate import calibrate
+    from unity_pcg.search.calibrate import calibrate
     calibrate(quick=quick, worlds=(procs,), quiet=True).save(path)
     return path
 
 
 def predict(name: str, procs: int, batch: int, machine_path: str) -> dict:
-    from search.baselines import data_parallel
-    from search.cost import CostModel
-    from search.mapping import MachineMapper
+    from unity_pcg.search.baselines import data_parallel
+    from unity_pcg.search.cost import CostModel
+    from unity_pcg.search.mapping import MachineMapper
     from unity_pcg import zoo
     from unity_pcg.machine import parse_machine
     from unity_pcg.onnx_import import load_onnx
@@ -140,7 +140,7 @@ def main() -> int:
     a = ap.parse_args()
     os.makedirs(RESULTS, exist_ok=True)
     if a.fixed_machine and (a.calibrate or not os.path.exists(a.machine)):
-        from search.calibrate import calibrate
+        from unity_pcg.search.calibrate import calibrate
         calibrate(quick=False).save(a.machine)
     rows = []
     machines = {}

@@ -45,9 +45,9 @@ def model_path(name: str) -> str:
 
 
 def bench_model(name: str, devices: list, runs: int, degree: int | None = None) -> list:
-    from search.baselines import data_parallel
-    from search.cost import CostModel
-    from search.mapping import MachineMapper
+    from unity_pcg.search.baselines import data_parallel
+    from unity_pcg.search.cost import CostModel
+    from unity_pcg.search.mapping import MachineMapper
     from unity_pcg import zoo
     from unity_pcg.machine import parse_machine
     from unity_pcg.onnx_import import load_onnx
@@ -91,8 +91,8 @@ def bench_model(name: str, devices: list, runs: int, degree: int | None = None) 
 
 def agreement() -> dict:
     """DP optimum vs exhaustive enumeration on the small graphs of tests/search (same cost model)."""
-    from search.cost import CostModel
-    from search.mapping import MachineMapper, exhaustive_mapping
+    from unity_pcg.search.cost import CostModel
+    from unity_pcg.search.mapping import MachineMapper, exhaustive_mapping
     from tests.search.test_mapping import CASES as C1
     from tests.search.test_mapping_join import CASES as C2
     from unity_pcg.machine import parse_machine

@@ -155,9 +155,9 @@ def export_model(kind: str) -> str:
 
 def apply_rule(g, name: str, degree: int, index: int = 0):
     """``g`` with proven rule ``name`` of the shipped cache applied at its ``index``-th valid match."""
-    from substitutions import cache
-    from substitutions.apply import try_apply
-    from substitutions.match import find_matches
+    from unity_pcg.substitutions import cache
+    from unity_pcg.substitutions.apply import try_apply
+    from unity_pcg.substitutions.match import find_matches
     rule = cache.load().by_name()[name]
     k = 0
     for m in find_matches(rule, g, degrees=(degree,)):
@@ -172,7 +172,7 @@ def apply_rule(g, name: str, degree: int, index: int = 0):
 
 def plan_graphs(procs: int, models: dict) -> list[dict]:
     """The executor plans measured on ``procs`` processes: name, model kind, PCG and what it is compared to."""
-    from search.baselines import build_strategy, data_parallel
+    from unity_pcg.search.baselines import build_strategy, data_parallel
     from unity_pcg.onnx_import import load_onnx
     gs = {k: load_onnx(p) for k, p in models.items()}
     fused = apply_rule(gs["ffn"], "linear_relu_fusion", procs)      # Linear(activation=relu) -> Linear
@@ -193,8 +193,8 @@ def plan_graphs(procs: int, models: dict) -> list[dict]:
 
 def make_plans(procs: int, machine_path: str, models: dict) -> list[dict]:
     """Map every plan on the calibrated machine; returns JSON-ready cases with the prediction."""
-    from search.cost import CostModel
-    from search.mapping import MachineMapper
+    from unity_pcg.search.cost import CostModel
+    from unity_pcg.search.mapping import MachineMapper
     from unity_pcg.machine import parse_machine
     from unity_pcg.plan import Plan, file_sha256
     import dataclasses
@@ -229,7 +229,7 @@ def _feeds(kind: str, world: int, rank: int):
 
 def _exec_step(case: dict, rank: int, world: int):
     import torch
-    from executor.train import Trainer
+    from unity_pcg.executor.train import Trainer
     from unity_pcg import plan as plan_mod
     plan = plan_mod.from_json(case["plan"])
     t = Trainer(plan, plan.model_path, rank=rank, world=world, optimizer="sgd", lr=LR, seed=0)
@@ -375,7 +375,7 @@ def _quartiles(v: list) -> list:
 
 
 def run_procs(procs: int, a, models: dict) -> dict:
-    from search.calibrate import calibrate
+    from unity_pcg.search.calibrate import calibrate
     t0 = time.perf_counter()
     load_cal = os.getloadavg()[0]
     mpath = os.path.join(CACHE, f"local-{procs}.json")

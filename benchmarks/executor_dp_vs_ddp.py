@@ -38,10 +38,10 @@ def _worker(rank, world, port, args, path, q):
     import torch.distributed as dist
     from torch.nn.parallel import DistributedDataParallel as DDP
 
-    from executor.train import Trainer
-    from search.baselines import data_parallel
-    from search.cost import CostModel
-    from search.mapping import MachineMapper
+    from unity_pcg.executor.train import Trainer
+    from unity_pcg.search.baselines import data_parallel
+    from unity_pcg.search.cost import CostModel
+    from unity_pcg.search.mapping import MachineMapper
     from unity_pcg.machine import local
     from unity_pcg.onnx_import import load_onnx
     from unity_pcg.plan import Plan, file_sha256

@@ -131,7 +131,7 @@ def run_task(task: dict) -> dict:
            "optimizer": opt}
     t0 = time.perf_counter()
     if strategy in SEARCHES:
-        from search.optimize import optimize
+        from unity_pcg.search.optimize import optimize
         r = optimize(path, m, budget_s=task["budget"], strategy=strategy.split("-")[0], optimizer=opt, batch=batch,
                      max_candidates=task["max_candidates"], pipeline=strategy != NOPIPE)
         j = r.json()
@@ -143,9 +143,9 @@ def run_task(task: dict) -> dict:
                     "devices_used": j["devices_used"], "search": j["search"], "interrupted": j["interrupted"],
                     "breakdown": r.mapping.to_json().get("breakdown")})
     else:
-        from search.baselines import build_strategy
-        from search.cost import CostModel
-        from search.mapping import MachineMapper
+        from unity_pcg.search.baselines import build_strategy
+        from unity_pcg.search.cost import CostModel
+        from unity_pcg.search.mapping import MachineMapper
         from unity_pcg.onnx_import import load_onnx
         g = load_onnx(path, batch=batch, load_weights=False)
         t1 = time.perf_counter()

@@ -28,9 +28,9 @@ DEFAULT = "dlrm:1x6:1:0.25,mlp:2x6:6:0.75,mlp:4x6:6:0.5,inception_v3:2x6:6:0.75"
 
 def run_case(name: str, shape: str, deg: int, frac: float) -> dict:
     from dp_bench import model_path
-    from search.baselines import data_parallel
-    from search.cost import CostModel
-    from search.mapping import MachineMapper
+    from unity_pcg.search.baselines import data_parallel
+    from unity_pcg.search.cost import CostModel
+    from unity_pcg.search.mapping import MachineMapper
     from unity_pcg import zoo
     from unity_pcg.machine import parse_machine
     from unity_pcg.onnx_import import load_onnx

@@ -27,7 +27,7 @@ RESULTS = ROOT / "benchmarks" / "results"
 
 
 def cache_load_times(runs: int) -> dict:
-    from substitutions import cache
+    from unity_pcg.substitutions import cache
     inproc = []
     for _ in range(runs):
         cache._MEMO.clear()
@@ -45,8 +45,8 @@ def cache_load_times(runs: int) -> dict:
 
 
 def bert_matching(runs: int) -> dict:
-    from substitutions import cache
-    from substitutions.match import GraphIndex, iter_matches
+    from unity_pcg.substitutions import cache
+    from unity_pcg.substitutions.match import GraphIndex, iter_matches
     from unity_pcg import zoo
     from unity_pcg.onnx_import import load_onnx
     CACHE.mkdir(parents=True, exist_ok=True)
@@ -96,7 +96,7 @@ def main() -> int:
     ap.add_argument("--runs", type=int, default=3)
     ap.add_argument("--skip-bert", action="store_true")
     a = ap.parse_args()
-    from substitutions import cache
+    from unity_pcg.substitutions import cache
     rs = cache.load()
     man = rs.manifest
     res = {"machine": {"python": platform.python_version(), "cpus": os.cpu_count(),

@@ -23,8 +23,8 @@ import time
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from search.optimize import optimize  # noqa: E402
-from search.split import synthetic_chain, synthetic_transformer  # noqa: E402
+from unity_pcg.search.optimize import optimize  # noqa: E402
+from unity_pcg.search.split import synthetic_chain, synthetic_transformer  # noqa: E402
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 

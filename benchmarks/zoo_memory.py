@@ -29,9 +29,9 @@ OPTIMIZER = "sgd"
 
 
 def measure(name: str, size: str, tmp: str) -> dict:
-    from search.baselines import build_strategy
-    from search.cost import CostModel
-    from search.mapping import MachineMapper
+    from unity_pcg.search.baselines import build_strategy
+    from unity_pcg.search.cost import CostModel
+    from unity_pcg.search.mapping import MachineMapper
     from unity_pcg import zoo
     from unity_pcg.machine import parse_machine
     from unity_pcg.onnx_import import load_onnx

@@ -3,7 +3,7 @@
 * ``executor.lower`` / ``executor.train`` / ``executor.kernels`` / ``executor.dropout``: the lowering of a
   plan to a per-rank program and its training step (``Trainer``);
 * ``executor.pipeline``: plans with pipeline stages, run with ``torch.distributed.pipelining`` (1F1B);
-* ``executor.__main__``: one rank (``python -m executor plan.json --model M``; what torchrun runs);
+* ``executor.__main__``: one rank (``python -m unity_pcg.executor plan.json --model M``; what torchrun runs);
 * ``executor.launch``: checks before launch and the local launch of the ranks (`unity-pcg run`);
 * ``executor.checkpoint``: ``torch.distributed.checkpoint`` save / resume;
 * ``executor.data``: the feeds of each step (an .npz file or seeded random feeds).

@@ -1,9 +1,9 @@
-"""One rank of a run: ``python -m executor plan.json --model MODEL.onnx [options]``.
+"""One rank of a run: ``python -m unity_pcg.executor plan.json --model MODEL.onnx [options]``.
 
 This is what `unity-pcg run` starts on every local rank, and what ``torchrun`` runs across machines::
 
     torchrun --nnodes 2 --nproc-per-node 4 --rdzv-backend c10d --rdzv-endpoint HOST:29500 \\
-        -m executor plan.json --model model.onnx --steps 100
+        -m unity_pcg.executor plan.json --model model.onnx --steps 100
 
 The rank and world size come from torchrun's environment (RANK, WORLD_SIZE, LOCAL_RANK, MASTER_ADDR,
 MASTER_PORT); without it the process is rank 0 of 1 (a one-device plan).  Every rank validates the plan,
@@ -52,7 +52,7 @@ class PeerLost(Exception):
 
 
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="python -m executor", description="one rank of a unity-pcg run "
+    p = argparse.ArgumentParser(prog="python -m unity_pcg.executor", description="one rank of a unity-pcg run "
                                 "(started by `unity-pcg run` or torchrun)")
     add_training_arguments(p)
     p.add_argument("--report-dir", default=None, help=argparse.SUPPRESS)
@@ -62,7 +62,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def add_training_arguments(p: argparse.ArgumentParser) -> None:
-    """The options `unity-pcg run` and ``python -m executor`` share."""
+    """The options `unity-pcg run` and ``python -m unity_pcg.executor`` share."""
     p.add_argument("plan", metavar="plan.json", help="plan file (unity-pcg optimize / simulate -o)")
     p.add_argument("--model", required=True, metavar="MODEL.onnx",
                    help="the ONNX model the plan was made for (its sha256 must match the plan)")

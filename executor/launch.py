@@ -11,7 +11,7 @@ processes; the machine's own device count does not matter.
 
 ``launch(rank_args, nproc)`` starts ``nproc`` local ranks with torch's elastic launch API (the code
 behind ``torchrun --standalone``: a c10d rendezvous on a free local port, no restarts), each running
-``python -m executor RANK_ARGS``.  The elastic agent watches the children: when one fails, it stops the
+``python -m unity_pcg.executor RANK_ARGS``.  The elastic agent watches the children: when one fails, it stops the
 others at once (SIGTERM; 30 s later SIGKILL to a rank that is stopped and cannot die).  Each rank leaves a
 one-line report in the run's report folder (``rank-R.json``: kind, message, and for a failed collective
 the ranks whose heartbeats stood still) before it exits on an error it can name; rank 0 also writes
@@ -107,7 +107,7 @@ def _quiet_elastic():
 
 
 def launch(rank_args: list[str], nproc: int, *, report_dir: str | None = None) -> Outcome:
-    """Run ``python -m executor RANK_ARGS --report-dir DIR`` on ``nproc`` local ranks; returns rank 0's
+    """Run ``python -m unity_pcg.executor RANK_ARGS --report-dir DIR`` on ``nproc`` local ranks; returns rank 0's
     result or raises :class:`RunFailed` with one line naming the cause."""
     from torch.distributed.elastic.multiprocessing.api import DefaultLogsSpecs, SignalException
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
@@ -120,7 +120,7 @@ def launch(rank_args: list[str], nproc: int, *, report_dir: str | None = None) -
                        logs_specs=DefaultLogsSpecs(log_dir=os.path.join(rdir, "elastic")))
     saved = _quiet_elastic()
     try:
-        elastic_launch(cfg, sys.executable)("-m", "executor", *rank_args, "--report-dir", rdir)
+        elastic_launch(cfg, sys.executable)("-m", "unity_pcg.executor", *rank_args, "--report-dir", rdir)
         res = _read(os.path.join(rdir, "result.json"))
         if res is None:
             raise RunFailed("rank 0 finished without writing its result", code=1)

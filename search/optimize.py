@@ -1,6 +1,6 @@
 """The joint optimizer behind `unity-pcg optimize`, the demo and the benchmarks.
 
-    from search.optimize import optimize
+    from unity_pcg.search.optimize import optimize
     res = optimize("model.onnx", "summit:2x6", budget_s=30)
     res.plan.save("plan.json"); print(res.json()["predicted_iteration_s"])
 

@@ -1135,7 +1135,7 @@ def prod_(xs) -> int:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    """``python -m search.pipeline MODEL.onnx --machine summit:2x6 --batch 24``: the pipeline plan
+    """``python -m unity_pcg.search.pipeline MODEL.onnx --machine summit:2x6 --batch 24``: the pipeline plan
     against data parallelism on the whole machine (both predicted by this cost model), as JSON."""
     import argparse
     import json
@@ -1143,7 +1143,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     from unity_pcg.machine import parse_machine
     from unity_pcg.onnx_import import load_onnx
 
-    ap = argparse.ArgumentParser(prog="python -m search.pipeline", description=main.__doc__)
+    ap = argparse.ArgumentParser(prog="python -m unity_pcg.search.pipeline", description=main.__doc__)
     ap.add_argument("model")
     ap.add_argument("--machine", default="summit:2x6")
     ap.add_argument("--batch", type=int, default=None)

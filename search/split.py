@@ -338,7 +338,7 @@ def assemble(g: PCG, segs: Sequence[Segment], choices: Sequence[SegmentChoice], 
 def apply_disjoint(g: PCG, matches: Sequence) -> PCG:
     """Apply matches that share no node (and read nothing another one removes) in one edit, giving
     every new node the id a one-by-one application would (the largest id in the graph + 1, ...)."""
-    from substitutions.apply import _resolve
+    from unity_pcg.substitutions.apply import _resolve
     from unity_pcg.errors import InvalidParallelization
     live = set(g.node_ids())
     cur_max = max(live)
@@ -374,7 +374,7 @@ def cancel_rounds(g: PCG, book: RuleBook, window: set | None = None, max_rounds:
     """:func:`search.substitution.cancel_steps` in rounds: each round finds the matches of one
     cancellation rule (ending in ``window``, with the nodes the rounds create; everywhere if None)
     that do not interfere and applies them together (linear per round)."""
-    from substitutions import iter_matches
+    from unity_pcg.substitutions import iter_matches
 
     from .substitution import CANCEL_RULES, _window_index
     rules = [book.by_name[n] for n in CANCEL_RULES if n in book.by_name]

@@ -26,8 +26,8 @@ import time
 from dataclasses import dataclass, field
 from typing import Any, Callable, Iterable, Mapping, Sequence
 
-from substitutions import GraphIndex, Match, Rule, iter_matches, try_apply
-from substitutions.cache import RuleSet, load as load_rules
+from unity_pcg.substitutions import GraphIndex, Match, Rule, iter_matches, try_apply
+from unity_pcg.substitutions.cache import RuleSet, load as load_rules
 from unity_pcg import ops
 from unity_pcg.errors import UnityError
 from unity_pcg.pcg import PCG

@@ -1,6 +1,6 @@
 """Graph substitutions: the rule format, matching, application, the generator and the rule cache.
 
-    from substitutions import load_rules, GraphIndex, iter_matches, try_apply
+    from unity_pcg.substitutions import load_rules, GraphIndex, iter_matches, try_apply
     rules = load_rules().all_directions()      # proven rules, reversible ones in both directions
     idx = GraphIndex(g)
     for r in rules:

@@ -22,7 +22,7 @@ MANIFEST_SCHEMA = "unity-pcg/rules-manifest/v1"
 
 def default_dir() -> Path:
     try:
-        from rules_cache import DATA_DIR
+        from unity_pcg.rules_cache import DATA_DIR
         return DATA_DIR
     except ImportError:   # an editable install made before rules_cache/ became a package
         return Path(__file__).resolve().parent.parent / "rules_cache"
@@ -101,7 +101,7 @@ def save(rules: Iterable[Rule], out_dir: str | Path | None = None, extra: Mappin
     d.mkdir(parents=True, exist_ok=True)
     text = dumps_rules(rules) + "\n"
     (d / "rules.json").write_text(text)
-    from verifier.axioms import counts as axiom_counts
+    from unity_pcg.verifier.axioms import counts as axiom_counts
     manifest = {"schema": MANIFEST_SCHEMA, "op_set_hash": op_set_hash(), "digest": digest(text),
                 "counts": {**counts(rules), **axiom_counts()}, **dict(extra or {})}
     (d / "manifest.json").write_text(json.dumps(manifest, indent=1, sort_keys=True) + "\n")
@@ -158,7 +158,7 @@ def _numerically_false(r: Rule, settings) -> bool:
     import numpy as np
 
     from unity_pcg.shape import ParallelTensorShape
-    from verifier.selfcheck import compare_sides
+    from unity_pcg.verifier.selfcheck import compare_sides
     if r.vars:
         return False
     shapes = {n: ParallelTensorShape.of((settings.size,) * settings.rank) for n in r.inputs}
@@ -173,7 +173,7 @@ def _numerically_false(r: Rule, settings) -> bool:
 def rebuild(settings, out_dir: str | Path | None = None, timeout: float = 2.0, workers: int = 2,
             progress: bool = True, log=print) -> tuple[RuleSet, dict]:
     """Generate, add the named template rules, prove everything, save with a manifest."""
-    from verifier.verify import verify_rules
+    from unity_pcg.verifier.verify import verify_rules
 
     from .generate import generate
     from .templates import template_rules

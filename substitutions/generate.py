@@ -568,7 +568,7 @@ def _renamed_shapes(general: Rule, concrete: Rule, shapes: dict) -> dict:
 
 
 def _false_under_real_kernels(r: Rule, st: Settings) -> bool:
-    from verifier.selfcheck import compare_sides
+    from unity_pcg.verifier.selfcheck import compare_sides
     shapes = {n: ParallelTensorShape.from_json(v).with_dtype("float64")
               for n, v in json.loads(r.example)["shapes"].items()}
     rng = np.random.default_rng(st.seed)
@@ -673,7 +673,7 @@ def generate(st: Settings, timeout: float = 5.0, workers: int = 2, progress: boo
              log=None) -> tuple[list[Rule], GenStats, list[tuple[Rule, str]]]:
     """Enumerate, fingerprint, pair, prune, generalize and prove.  Returns (proven rules, stats,
     unproven (rule, reason))."""
-    from verifier.verify import verify_rules
+    from unity_pcg.verifier.verify import verify_rules
     stats = GenStats()
     t0 = time.perf_counter()
     _CURRENT_SETTINGS[0] = st

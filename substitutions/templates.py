@@ -26,7 +26,7 @@ import json
 from typing import Any
 
 from unity_pcg.shape import ParallelTensorShape as S
-from verifier.axioms import BINARY, SAMPLE_OPS, TRANSPOSE_SAMPLE_PERMS, UNARY
+from unity_pcg.verifier.axioms import BINARY, SAMPLE_OPS, TRANSPOSE_SAMPLE_PERMS, UNARY
 
 from .rule import Pattern, PatNode, Rule
 from .terms import op, rule_of

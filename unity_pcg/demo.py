@@ -160,7 +160,7 @@ def _machine(args):
         m = parse_machine(args.machine)
         print(f"given: {args.machine}")
         return m
-    from search.calibrate import calibrate
+    from unity_pcg.search.calibrate import calibrate
     out = os.path.join(args.out, f"local-{args.nproc}.json")
     t = time.perf_counter()
     calibrate(quick=True, worlds=(args.nproc,), quiet=True).save(out)
@@ -171,9 +171,9 @@ def _machine(args):
 def data_parallel_plan(model_path: str, machine, degree: int, optimizer: str):
     """The data-parallel plan of degree ``degree`` for ``model_path``, priced and mapped by the DP:
     ``(Plan, MappingResult)``."""
-    from search.baselines import data_parallel
-    from search.cost import CostModel
-    from search.mapping import MachineMapper
+    from unity_pcg.search.baselines import data_parallel
+    from unity_pcg.search.cost import CostModel
+    from unity_pcg.search.mapping import MachineMapper
 
     from .onnx_import import load_onnx
     from .plan import Plan, file_sha256
@@ -193,7 +193,7 @@ def data_parallel_plan(model_path: str, machine, degree: int, optimizer: str):
 def _search(model_path: str, machine, optimizer: str, budget: float, fallback):
     """Unity's joint search when `search.optimize` is importable; the data-parallel plan otherwise."""
     try:
-        from search.optimize import optimize  # noqa: F401
+        from unity_pcg.search.optimize import optimize  # noqa: F401
     except Exception as e:   # not landed (or broken) yet: the demo still works end to end
         why = "not available" if isinstance(e, ImportError) else f"failed to import ({type(e).__name__})"
         return fallback, f"joint search {why}: using the data-parallel plan"
@@ -205,7 +205,7 @@ def _search(model_path: str, machine, optimizer: str, budget: float, fallback):
 
 
 def _optimize(model_path: str, machine, optimizer: str, budget: float, fallback):
-    from search.optimize import optimize
+    from unity_pcg.search.optimize import optimize
     res = optimize(model_path, machine, budget_s=budget, optimizer=optimizer)
     pl = getattr(res, "plan", None)
     if pl is None:

@@ -163,8 +163,8 @@ def _finite(d: dict) -> dict:
 def explain(plan, optimizer: str | None = None) -> Explanation:
     """Re-price ``plan`` edge by edge and collect what it does (see module docstring).  ``optimizer``
     (sgd / momentum / adam) defaults to the one the plan records, else adam."""
-    from search.cost import OPTIMIZER_STATES, CostModel, GraphCost
-    from search.mapping import MachineMapper
+    from unity_pcg.search.cost import OPTIMIZER_STATES, CostModel, GraphCost
+    from unity_pcg.search.mapping import MachineMapper
 
     g = plan.pcg
     opt = optimizer or _recorded(plan, "optimizer") or "adam"
@@ -291,7 +291,7 @@ def describe_steps(steps: Sequence[Any]) -> list[str]:
     """One sentence per step: the rule's name, what it rewrites into what (from the shipped rule set
     when the rule is found there), where it matched and the values it bound."""
     try:
-        from substitutions.cache import load as load_rules
+        from unity_pcg.substitutions.cache import load as load_rules
         rs = load_rules()
         known = {r.name: r for r in rs.all_directions()}
     except Exception:   # a plan stays explainable without a readable rule cache

@@ -19,8 +19,8 @@ from dataclasses import dataclass, field
 from typing import Any, Mapping
 
 from unity_pcg.shape import ParallelTensorShape as S
-from substitutions.rule import Rule
-from substitutions.terms import op, rule_of
+from unity_pcg.substitutions.rule import Rule
+from unity_pcg.substitutions.terms import op, rule_of
 
 
 @dataclass(frozen=True)

@@ -10,7 +10,7 @@ from typing import Iterator
 
 import numpy as np
 
-from substitutions.rule import Pattern, PatNode, Rule, RuleError
+from unity_pcg.substitutions.rule import Pattern, PatNode, Rule, RuleError
 from unity_pcg import ops
 from unity_pcg.errors import InvalidParallelization, ShapeError
 
@@ -93,8 +93,8 @@ def valid_mutants(rules, limit: int, seed: int = 0) -> list[Rule]:
 def numerically_wrong(m: Rule, draws: int = 2, seed: int = 0) -> bool | None:
     """True if the mutant's two sides differ on a valid instance, False if they agree, None if its
     example is not a valid instance of the mutated target."""
-    from substitutions.templates import example_of
-    from substitutions.terms import eval_pattern
+    from unity_pcg.substitutions.templates import example_of
+    from unity_pcg.substitutions.terms import eval_pattern
 
     from .selfcheck import sample_values
     ex = example_of(m)

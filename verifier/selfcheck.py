@@ -16,7 +16,7 @@ import numpy as np
 from unity_pcg.errors import InvalidParallelization
 from unity_pcg.shape import ParallelTensorShape
 
-from substitutions.terms import eval_pattern
+from unity_pcg.substitutions.terms import eval_pattern
 
 from .axioms import AXIOMS, Axiom
 

@@ -17,7 +17,7 @@ import z3
 
 from unity_pcg import ops
 from unity_pcg.ops.base import REQUIRED
-from substitutions.rule import Pattern, Rule, is_var
+from unity_pcg.substitutions.rule import Pattern, Rule, is_var
 
 from .axioms import AXIOMS, Axiom
 

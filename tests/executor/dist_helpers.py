@@ -48,14 +48,14 @@ def load(path: str):
 
 
 def rules():
-    from substitutions import cache
+    from unity_pcg.substitutions import cache
     return cache.load().by_name()
 
 
 def apply_rule(g, name: str, pick: Callable | None = None, degree: int = 2, index: int = 0):
     """Apply proven rule ``name`` at its ``index``-th valid match (optionally filtered by ``pick``)."""
-    from substitutions.apply import try_apply
-    from substitutions.match import find_matches
+    from unity_pcg.substitutions.apply import try_apply
+    from unity_pcg.substitutions.match import find_matches
     rule = rules()[name]
     k = 0
     for m in find_matches(rule, g, degrees=(degree,)):
@@ -73,8 +73,8 @@ def apply_rule(g, name: str, pick: Callable | None = None, degree: int = 2, inde
 def make_plan(g, model_path: str, world: int, views=None, strict: bool = True):
     """A plan for ``world`` local processes; views from the machine mapper unless given (None when
     no mapping is feasible and not ``strict``)."""
-    from search.cost import CostModel
-    from search.mapping import MachineMapper
+    from unity_pcg.search.cost import CostModel
+    from unity_pcg.search.mapping import MachineMapper
     from unity_pcg.machine import local
     from unity_pcg.plan import Plan, file_sha256
     machine = local(1, world)
@@ -97,7 +97,7 @@ def logical_plan(g, model_path: str):
 
 def train(plan, model_path: str, steps: int, rank: int = 0, world: int = 1, feeds=None, targets=None,
           optimizer: str = "sgd", lr: float = 0.05, seed: int = 0, sync_batchnorm: bool = True, **kw):
-    from executor.train import Trainer
+    from unity_pcg.executor.train import Trainer
     t = Trainer(plan, model_path, rank=rank, world=world, optimizer=optimizer, lr=lr, seed=seed,
                 sync_batchnorm=sync_batchnorm, **kw)
     losses = []
@@ -159,7 +159,7 @@ def _entry(rank: int, world: int, port: int, fn, args, q) -> None:
         q.put((rank, "err", traceback.format_exc()))
 
 
-_PRELOAD = ["torch", "torch.distributed", "torch._dynamo", "numpy", "onnx", "executor.train", "unity_pcg.onnx_import.importer",
+_PRELOAD = ["torch", "torch.distributed", "torch._dynamo", "numpy", "onnx", "unity_pcg.executor.train", "unity_pcg.onnx_import.importer",
             "unity_pcg.plan", "tests.executor.dist_helpers"]
 
 
@@ -270,7 +270,7 @@ def with_views(plan_views: dict, g, device_of) -> dict:
 def _resume_worker(rank: int, world: int, plan_json: dict, model: str, first: int, then: int, optimizer: str,
                    lr: float):
     """Train ``first`` steps, hand the model and optimizer state to a fresh Trainer, train ``then`` more."""
-    from executor.train import Trainer
+    from unity_pcg.executor.train import Trainer
     from unity_pcg import plan as plan_mod
     p = plan_mod.from_json(plan_json)
     a = Trainer(p, model, rank=rank, world=world, optimizer=optimizer, lr=lr)

@@ -4,9 +4,9 @@ from __future__ import annotations
 
 import os
 
-from search.baselines import data_parallel
-from search.cost import CostModel
-from search.mapping import MachineMapper
+from unity_pcg.search.baselines import data_parallel
+from unity_pcg.search.cost import CostModel
+from unity_pcg.search.mapping import MachineMapper
 from unity_pcg import plan as P
 from unity_pcg.machine import MachineView, Resource, parse_machine
 from unity_pcg.onnx_import import load_onnx
@@ -44,7 +44,7 @@ def reference_losses(model_path: str, steps: int, optimizer: str = "sgd", lr: fl
     import torch
     import torch.nn.functional as F
 
-    from executor.data import open_data
+    from unity_pcg.executor.data import open_data
     m = tiny_mlp(dims)
     g = load_onnx(model_path, load_weights=False)
     src = open_data(g, data, seed=seed)
@@ -108,7 +108,7 @@ def searched_pipeline_plan(model: str, out: str, stages: int = 2, micro_batches:
                            devices: int | None = None, preset: str = "local") -> str:
     """A pipeline plan as the search writes it (search.pipeline.search_pipeline on PRESET:1xD, forced to
     ``stages`` stages): its stitched PCG, views and ``pipeline`` field."""
-    from search.pipeline import search_pipeline
+    from unity_pcg.search.pipeline import search_pipeline
     g = load_onnx(model, load_weights=False)
     m = parse_machine(f"{preset}:1x{devices or stages}")
     r = search_pipeline(g, CostModel(m), min_stages=stages, max_stages=stages, micro_batches=micro_batches)

@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 import torch
 
-from executor import checkpoint as C
+from unity_pcg.executor import checkpoint as C
 from tests.executor.runtime_plans import dp_plan, reference_losses, tiny_mlp_onnx
 
 
@@ -73,9 +73,9 @@ def test_resume_continues_exactly_like_an_uninterrupted_run(work, capfd):
 
 
 def test_resume_refuses_a_foreign_checkpoint_before_start(work, capfd, monkeypatch):
-    import executor.launch
+    from unity_pcg.executor import launch as _launch
     from unity_pcg.cli import main
-    monkeypatch.setattr(executor.launch, "launch", lambda *a, **k: pytest.fail("launched"))
+    monkeypatch.setattr(_launch, "launch", lambda *a, **k: pytest.fail("launched"))
     ck = work["dir"] / "foreign"
     ck.mkdir()
     step = ck / "step-00000002"

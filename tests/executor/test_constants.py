@@ -24,7 +24,7 @@ class _TanhGelu(torch.nn.Module):
 
 
 def test_constants_stay_fixed_and_training_matches_torch():
-    from executor.train import Trainer, model_constants
+    from unity_pcg.executor.train import Trainer, model_constants
 
     m = _TanhGelu()
     x = torch.randn(4, 8, generator=torch.Generator().manual_seed(1))

@@ -11,7 +11,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from search.baselines import data_parallel
+from unity_pcg.search.baselines import data_parallel
 
 from . import dist_helpers as H
 from . import models
@@ -56,7 +56,7 @@ def test_plan_kinds_two_processes_equal_one():
         "embedding-table parallel": (H.rebuild(ge, {"idx": [("Replicate", 2)], "emb.weight": [("Partition", 1, 2)],
                                                     "lin.weight": [("Partition", 0, 2)]}), emb),
     }
-    from search.baselines import build_strategy
+    from unity_pcg.search.baselines import build_strategy
     plans.update({
         "baseline strategy megatron (attention)": (build_strategy(ga, "megatron", 2), att),
         "baseline strategy expert (embedding table)": (build_strategy(ge, "expert", 2), emb),

@@ -15,8 +15,8 @@ MODELS = ("mlp_nobias", "attention", "dropout_mlp", "convnet")
 
 
 def _applications(g, rules, degrees=(2,)):
-    from substitutions.apply import try_apply
-    from substitutions.match import GraphIndex, find_matches
+    from unity_pcg.substitutions.apply import try_apply
+    from unity_pcg.substitutions.match import GraphIndex, find_matches
     idx = GraphIndex(g)
     out = []
     for r in rules:
@@ -26,7 +26,7 @@ def _applications(g, rules, degrees=(2,)):
 
 
 def _random_plan(data, world: int, max_steps: int):
-    from substitutions import cache
+    from unity_pcg.substitutions import cache
     name = data.draw(st.sampled_from(MODELS), label="model")
     path = getattr(models, name)()
     g = H.load(path)

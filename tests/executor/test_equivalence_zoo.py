@@ -12,7 +12,7 @@ import os
 
 import pytest
 
-from search.baselines import data_parallel
+from unity_pcg.search.baselines import data_parallel
 
 from . import dist_helpers as H
 
@@ -26,7 +26,7 @@ def _zoo(name: str, batch: int | None = None) -> str:
 
 
 def _check(names, world: int = 2, atol: float = 1e-6, strategy: str = "dp") -> None:
-    from search.baselines import build_strategy
+    from unity_pcg.search.baselines import build_strategy
     cases, refs = [], []
     for name, batch in names:
         path = _zoo(name, batch)

@@ -7,10 +7,10 @@ import numpy as np
 import pytest
 import torch
 
-from executor.dropout import dropout_keep, logical_index
-from executor.kernels import KERNELS, TaskContext
-from executor.lower import lower
-from search.baselines import data_parallel
+from unity_pcg.executor.dropout import dropout_keep, logical_index
+from unity_pcg.executor.kernels import KERNELS, TaskContext
+from unity_pcg.executor.lower import lower
+from unity_pcg.search.baselines import data_parallel
 from unity_pcg import ops
 
 from ..unity_pcg.op_cases import GENERATORS, RandDrawer
@@ -63,7 +63,7 @@ def test_megatron_lowering_shards_weights_and_reduces_partial_sums():
     path = models.mlp_nobias()
     g = H.apply_rule(H.load(path), "megatron_mlp_column_row")
     plan = H.make_plan(g, path, 2)
-    from executor.train import _atoms
+    from unity_pcg.executor.train import _atoms
     low = lower(plan.pcg, plan.views, 0, 2, plan.machine)
     # the column- and row-split weights are read on one device per region: no gradient all-reduce
     split = [g.node(n.inputs[0][0]).a["name"] for n in g.nodes() if n.op == "Partition"
@@ -94,7 +94,7 @@ def test_allreduce_lowers_to_one_collective_when_copies_sit_with_partial_sums():
 
 
 def test_cost_model_prices_synchronized_batchnorm_statistics():
-    from search.cost import CostModel, GraphCost
+    from unity_pcg.search.cost import CostModel, GraphCost
     from unity_pcg.machine import MachineView, local
     path = models.convnet()
     g1 = H.load(path)
@@ -110,7 +110,7 @@ def test_cost_model_prices_synchronized_batchnorm_statistics():
 def test_gradient_atoms_of_a_weight_read_in_two_layouts():
     """A weight read row-split on devices 0 and 1 and whole on device 2: each half's gradient is summed
     over the devices that read it (0 and 2, 1 and 2); a weight read once per region is not synchronized."""
-    from executor.train import _atoms
+    from unity_pcg.executor.train import _atoms
     uses = [(((0, 4), (0, 8)), 0), (((4, 8), (0, 8)), 1), (((0, 8), (0, 8)), 2)]
     assert _atoms((8, 8), uses) == [(((0, 4), (0, 8)), (0, 2)), (((4, 8), (0, 8)), (1, 2))]
     cols = [(((0, 8), (0, 4)), 0), (((0, 8), (4, 8)), 1)]

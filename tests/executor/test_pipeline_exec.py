@@ -7,8 +7,8 @@ import json
 import numpy as np
 import pytest
 
-from executor import checkpoint as C
-from executor.pipeline import PipelineError, check_pipeline, micro_graph, resolve
+from unity_pcg.executor import checkpoint as C
+from unity_pcg.executor.pipeline import PipelineError, check_pipeline, micro_graph, resolve
 from tests.executor.runtime_plans import pipeline_plan, reference_losses, tiny_mlp_onnx
 from unity_pcg import plan as P
 from unity_pcg.machine import MachineView
@@ -105,9 +105,9 @@ def test_view_outside_its_stage_is_refused(work, tmp_path):
 
 
 def test_run_refuses_a_multi_device_stage_before_start(work, tmp_path, capfd, monkeypatch):
-    import executor.launch
+    from unity_pcg.executor import launch as _launch
     from unity_pcg.cli import main
-    monkeypatch.setattr(executor.launch, "launch", lambda *a, **k: pytest.fail("a process was started"))
+    monkeypatch.setattr(_launch, "launch", lambda *a, **k: pytest.fail("a process was started"))
     obj = json.loads(open(work["pp"]).read())
     obj["pipeline"]["stages"][1]["devices"] = [1, 2]
     p = tmp_path / "multi.json"
@@ -124,8 +124,8 @@ def test_pipelined_data_parallel_dropout_draws_the_masks_of_one_device(work, cap
     (its stitched PCG renumbers nodes), 2 micro-batches, Dropout active.  4 ranks run 2 pipelines (one per
     data-parallel replica) whose stages average their gradients; each replica's micro-batch piece draws
     its part of the whole batch's mask, so the losses equal the one-process Trainer's."""
-    from executor.data import open_data
-    from executor.train import Trainer
+    from unity_pcg.executor.data import open_data
+    from unity_pcg.executor.train import Trainer
     from tests.executor.models import dropout_mlp
     from tests.executor.runtime_plans import one_device_plan, searched_pipeline_plan
     from unity_pcg.cli import main

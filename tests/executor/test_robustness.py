@@ -10,8 +10,8 @@ import time
 import pytest
 import torch
 
-from executor import checkpoint as C
-from executor.launch import diagnose
+from unity_pcg.executor import checkpoint as C
+from unity_pcg.executor.launch import diagnose
 from tests.executor.runtime_plans import dp_plan, tiny_mlp_onnx
 
 
@@ -32,8 +32,8 @@ def cli(capfd, *args):
 
 @pytest.fixture()
 def no_launch(monkeypatch):
-    import executor.launch
-    monkeypatch.setattr(executor.launch, "launch", lambda *a, **k: pytest.fail("a process was started"))
+    from unity_pcg.executor import launch as _launch
+    monkeypatch.setattr(_launch, "launch", lambda *a, **k: pytest.fail("a process was started"))
 
 
 def test_killed_rank_stops_every_rank_with_one_line(work, capfd, monkeypatch):
@@ -65,7 +65,7 @@ def test_hung_rank_is_named_after_the_collective_timeout(work, capfd, monkeypatc
 
 def test_diverging_rank_stops_at_the_step_and_keeps_the_last_good_checkpoint(work, tmp_path, monkeypatch, capfd):
     """One rank in this process (no launch): the step named, the exit status, the checkpoint kept."""
-    from executor.__main__ import main
+    from unity_pcg.executor.__main__ import main
     for k in ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT"):
         monkeypatch.delenv(k, raising=False)
     ck, rep = tmp_path / "ck", tmp_path / "rep"

@@ -52,9 +52,9 @@ def test_dp_run_on_two_ranks_prints_json_and_trains_as_pytorch(work, capfd):
 
 
 def rank_main(tmp, monkeypatch, *args) -> tuple[int, dict | None]:
-    """``python -m executor ARGS`` as a world of one, in this process (no process start); returns the exit
+    """``python -m unity_pcg.executor ARGS`` as a world of one, in this process (no process start); returns the exit
     code and rank 0's result."""
-    from executor.__main__ import main
+    from unity_pcg.executor.__main__ import main
     for k in ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT"):
         monkeypatch.delenv(k, raising=False)
     rep = tmp / "report"
@@ -85,8 +85,8 @@ def test_data_file_with_class_targets(work, monkeypatch):
     (lambda r: {"x": r.standard_normal((16, 16)), "targets": r.integers(0, 8, 15)}, "multiple of the 2 batches"),
 ])
 def test_data_files_that_do_not_fit_are_refused_before_start(work, capfd, monkeypatch, arrays, msg):
-    import executor.launch
-    monkeypatch.setattr(executor.launch, "launch", lambda *a, **k: pytest.fail("launched"))
+    from unity_pcg.executor import launch as _launch
+    monkeypatch.setattr(_launch, "launch", lambda *a, **k: pytest.fail("launched"))
     data = work["dir"] / "bad.npz"
     np.savez(data, **arrays(np.random.default_rng(0)))
     r = cli(capfd, work["dp2"], "--model", work["model"], "--data", data)
@@ -98,7 +98,7 @@ def test_data_files_that_do_not_fit_are_refused_before_start(work, capfd, monkey
 @pytest.mark.slow
 def test_same_rank_code_under_torchrun(work):
     r = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
-                        "-m", "executor", work["dp2"], "--model", work["model"], "--steps", "2"],
+                        "-m", "unity_pcg.executor", work["dp2"], "--model", work["model"], "--steps", "2"],
                        cwd=ROOT, capture_output=True, text=True, timeout=120, env=dict(os.environ, OMP_NUM_THREADS="1"))
     assert r.returncode == 0, r.stderr
     steps = [ln for ln in r.stdout.splitlines() if ln.startswith("step ")]
@@ -109,7 +109,7 @@ def test_same_rank_code_under_torchrun(work):
 
 
 def test_one_rank_without_torchrun_refuses_a_two_device_plan(work, capfd, monkeypatch):
-    from executor.__main__ import main
+    from unity_pcg.executor.__main__ import main
     for k in ("RANK", "WORLD_SIZE", "MASTER_ADDR"):
         monkeypatch.delenv(k, raising=False)
     capfd.readouterr()

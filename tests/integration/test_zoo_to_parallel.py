@@ -7,7 +7,7 @@ import pytest
 
 pytest.importorskip("torch")
 
-from search.baselines import data_parallel  # noqa: E402
+from unity_pcg.search.baselines import data_parallel  # noqa: E402
 from unity_pcg import zoo  # noqa: E402
 from unity_pcg.evaluate import evaluate, random_feeds  # noqa: E402
 from unity_pcg.onnx_import import load_onnx  # noqa: E402

@@ -2,8 +2,8 @@
 ring all-reduce: 2(p-1)N elements, and no slower than the Reduce + Replicate pair it replaces."""
 from __future__ import annotations
 
-from search.cost import CostModel
-from search.mapping import MachineMapper
+from unity_pcg.search.cost import CostModel
+from unity_pcg.search.mapping import MachineMapper
 from unity_pcg.machine import parse_machine
 from unity_pcg.pcg import PCG
 

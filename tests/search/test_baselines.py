@@ -1,10 +1,10 @@
 import numpy as np
 import pytest
 
-from search.baselines import (StrategyError, build_strategy, data_parallel, expert, expert_choices, megatron,
+from unity_pcg.search.baselines import (StrategyError, build_strategy, data_parallel, expert, expert_choices, megatron,
                               megatron_groups)
-from search.cost import CostModel
-from search.mapping import MachineMapper
+from unity_pcg.search.cost import CostModel
+from unity_pcg.search.mapping import MachineMapper
 from unity_pcg.evaluate import evaluate, random_feeds
 from unity_pcg.machine import parse_machine
 from unity_pcg.pcg import PCG

@@ -5,10 +5,10 @@ import dataclasses
 
 import pytest
 
-from search import calibrate as cal
-from search.baselines import data_parallel
-from search.cost import CostModel, GraphCost, op_class
-from search.mapping import MachineMapper
+from unity_pcg.search import calibrate as cal
+from unity_pcg.search.baselines import data_parallel
+from unity_pcg.search.cost import CostModel, GraphCost, op_class
+from unity_pcg.search.mapping import MachineMapper
 from unity_pcg.machine import DeviceSpec, LinkSpec, MachineSpec, parse_machine
 from unity_pcg.pcg import PCG
 from unity_pcg.shape import ParallelTensorShape

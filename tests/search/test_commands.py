@@ -4,7 +4,7 @@ import time
 
 import pytest
 
-from search.calibrate import fit_ring
+from unity_pcg.search.calibrate import fit_ring
 from unity_pcg.cli import main
 
 
@@ -41,7 +41,7 @@ def test_simulate_errors_exit_2(tiny_onnx, capsys):
 
 
 def test_simulate_writes_the_plan_it_priced(tiny_onnx, tmp_path, capsys):
-    from search.baselines import data_parallel
+    from unity_pcg.search.baselines import data_parallel
     from unity_pcg import plan as P
     from unity_pcg.onnx_import import load_onnx
     path = tmp_path / "dp.json"

@@ -2,10 +2,10 @@ import math
 
 import pytest
 
-from search import collectives as C
-from search.baselines import data_parallel
-from search.cost import CostModel, GraphCost
-from search.mapping import MachineMapper
+from unity_pcg.search import collectives as C
+from unity_pcg.search.baselines import data_parallel
+from unity_pcg.search.cost import CostModel, GraphCost
+from unity_pcg.search.mapping import MachineMapper
 from unity_pcg.machine import parse_machine
 
 from .graphs import mlp

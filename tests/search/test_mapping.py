@@ -2,10 +2,10 @@ import math
 
 import pytest
 
-from search.baselines import data_parallel
-from search.cost import CostModel, GraphCost
-from search.mapping import MachineMapper, exhaustive_mapping
-from search.sp import decompose
+from unity_pcg.search.baselines import data_parallel
+from unity_pcg.search.cost import CostModel, GraphCost
+from unity_pcg.search.mapping import MachineMapper, exhaustive_mapping
+from unity_pcg.search.sp import decompose
 from unity_pcg.machine import parse_machine
 from unity_pcg.pcg import PCG
 

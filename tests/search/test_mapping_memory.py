@@ -6,9 +6,9 @@ import math
 
 import pytest
 
-from search.baselines import data_parallel
-from search.cost import CostModel
-from search.mapping import MachineMapper, exhaustive_mapping
+from unity_pcg.search.baselines import data_parallel
+from unity_pcg.search.cost import CostModel
+from unity_pcg.search.mapping import MachineMapper, exhaustive_mapping
 from unity_pcg.machine import parse_machine
 
 from .graphs import mlp, n_shape, shared_weight, two_branches
@@ -121,8 +121,8 @@ def test_no_mapping_fits_names_the_device_and_the_excess():
 
 
 def test_memory_lower_bound_is_a_lower_bound():
-    from search.cost import GraphCost
-    from search.memory import memory_lower_bound
+    from unity_pcg.search.cost import GraphCost
+    from unity_pcg.search.memory import memory_lower_bound
     for make, machine in [(lambda: mlp(batch=8, h=64, layers=3), "summit:1x3"),
                           (lambda: data_parallel(mlp(batch=8, h=64, layers=2), 2), "local:1x4"),
                           (lambda: data_parallel(mlp(batch=8, h=64, layers=2), 4), "local:1x4")]:

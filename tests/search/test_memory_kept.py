@@ -1,7 +1,7 @@
 """Activation memory counts only what the backward pass needs."""
 from __future__ import annotations
 
-from search.memory import kept_fraction
+from unity_pcg.search.memory import kept_fraction
 from unity_pcg.pcg import PCG
 
 

@@ -3,8 +3,8 @@ import json
 
 import pytest
 
-from search.optimize import OptimizeError, optimize
-from search.substitution import RuleStep, replay
+from unity_pcg.search.optimize import OptimizeError, optimize
+from unity_pcg.search.substitution import RuleStep, replay
 from unity_pcg import plan as P
 from unity_pcg.cli import main
 
@@ -88,7 +88,7 @@ def test_cli_json_plan_and_errors(tiny_onnx, tmp_path, capsys):
 
 
 def test_pipeline_is_taken_only_when_faster(tmp_path):
-    from search.split import synthetic_chain
+    from unity_pcg.search.split import synthetic_chain
     g = synthetic_chain(16, batch=8, h=4096)
     off = optimize(g, "summit:2x6", budget_s=60, max_candidates=1, pipeline=False)
     on = optimize(g, "summit:2x6", budget_s=60, max_candidates=1, pipeline=True)

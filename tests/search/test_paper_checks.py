@@ -1,9 +1,9 @@
 """The paper's worked examples as checks of the joint search (Unity Figures 2 and 10)."""
 import pytest
 
-from search.cost import CostModel
-from search.mapping import MachineMapper
-from search.optimize import optimize
+from unity_pcg.search.cost import CostModel
+from unity_pcg.search.mapping import MachineMapper
+from unity_pcg.search.optimize import optimize
 from unity_pcg.machine import parse_machine
 from unity_pcg.pcg import PCG
 

@@ -8,11 +8,11 @@ import random
 import numpy as np
 import pytest
 
-from search.baselines import data_parallel
-from search.cost import CostModel, GraphCost
-from search.mapping import MachineMapper
-from search.memory import memory_per_device
-from search.pipeline import (PipelineError, evaluate_pipeline, in_flight, rebatch, schedule_1f1b, search_pipeline,
+from unity_pcg.search.baselines import data_parallel
+from unity_pcg.search.cost import CostModel, GraphCost
+from unity_pcg.search.mapping import MachineMapper
+from unity_pcg.search.memory import memory_per_device
+from unity_pcg.search.pipeline import (PipelineError, evaluate_pipeline, in_flight, rebatch, schedule_1f1b, search_pipeline,
                              simulate_1f1b, stage_graph, validate_pipeline_field)
 from unity_pcg import plan as plan_mod
 from unity_pcg.errors import PlanError
@@ -304,7 +304,7 @@ def test_bad_arguments_are_typed_errors():
 def test_one_device_stages_pass_the_executors_pipeline_checks():
     # the executor runs single-device stages (executor/pipeline.py); a plan of such stages from the
     # search must pass its checks before any process starts
-    ex = pytest.importorskip("executor.pipeline")
+    ex = pytest.importorskip("unity_pcg.executor.pipeline")
     g = mlp(batch=8, h=2048, layers=4)
     m = machine(2, 1, network_bw=1e9)
     res = search_pipeline(g, CostModel(m, "adam"), min_stages=2, max_stages=2)

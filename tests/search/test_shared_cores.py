@@ -6,8 +6,8 @@ import math
 
 import pytest
 
-from search.cost import CostModel, GraphCost
-from search.mapping import MachineMapper, exhaustive_mapping
+from unity_pcg.search.cost import CostModel, GraphCost
+from unity_pcg.search.mapping import MachineMapper, exhaustive_mapping
 from unity_pcg.machine import parse_machine
 
 from .graphs import mlp, two_branches

@@ -1,6 +1,6 @@
-from search.baselines import data_parallel
-from search.cost import CostModel, GraphCost
-from search.sp import Leaf, Parallel, Series, decompose, tree_units
+from unity_pcg.search.baselines import data_parallel
+from unity_pcg.search.cost import CostModel, GraphCost
+from unity_pcg.search.sp import Leaf, Parallel, Series, decompose, tree_units
 from unity_pcg.machine import parse_machine
 
 from .graphs import diamond, mlp, n_shape, two_branches

@@ -1,10 +1,10 @@
 """Graph splitting (Unity 5.3): sequential segments, canonical memo, stitching equals replay."""
 import pytest
 
-from search.optimize import Evaluator, _segment_search
-from search.split import (assemble, assemble_by_replay, blocking_pairs, canonicalize, segments, synthetic_chain,
+from unity_pcg.search.optimize import Evaluator, _segment_search
+from unity_pcg.search.split import (assemble, assemble_by_replay, blocking_pairs, canonicalize, segments, synthetic_chain,
                           synthetic_transformer)
-from search.substitution import RuleBook, replay
+from unity_pcg.search.substitution import RuleBook, replay
 from unity_pcg.machine import parse_machine
 
 
@@ -71,12 +71,12 @@ def test_split_search_result_is_reachable_and_stitching_equals_replay(book, laye
     assert replay(g, steps, b2).structural_hash() == out.structural_hash()
     assert replay(g, dpst, b2).structural_hash() == dpg.structural_hash()
     # data parallelism assembled from the segments' seeds is the dp baseline
-    from search.baselines import data_parallel
-    from search.substitution import normalized_hash, trimmed
+    from unity_pcg.search.baselines import data_parallel
+    from unity_pcg.search.substitution import normalized_hash, trimmed
     assert normalized_hash(trimmed(dpg)) == normalized_hash(data_parallel(g, 2))
     # the linear stitching and the step-by-step replay on the whole graph agree
-    from search.split import SegmentChoice, boundary_keys
-    from search.substitution import data_parallel_steps
+    from unity_pcg.search.split import SegmentChoice, boundary_keys
+    from unity_pcg.search.substitution import data_parallel_steps
     segs = segments(g, 6, blocking_pairs(b2))
     choices = []
     for i, s in enumerate(segs):

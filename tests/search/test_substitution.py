@@ -3,11 +3,11 @@ import json
 
 import pytest
 
-from search.baselines import data_parallel
-from search.optimize import optimize
-from search.substitution import (Candidate, ReplayError, RuleBook, RuleStep, best_first, data_parallel_steps,
+from unity_pcg.search.baselines import data_parallel
+from unity_pcg.search.optimize import optimize
+from unity_pcg.search.substitution import (Candidate, ReplayError, RuleBook, RuleStep, best_first, data_parallel_steps,
                                  normalized_hash, replay, trimmed)
-from substitutions import load_rules
+from unity_pcg.substitutions import load_rules
 from unity_pcg import plan as P
 from unity_pcg.errors import PlanError
 from unity_pcg.pcg import PCG

@@ -4,10 +4,10 @@ import shutil
 
 import pytest
 
-from substitutions import cache
-from substitutions.rule import RuleError
-from substitutions.templates import NAMED
-from verifier.axioms import SAMPLE_OPS, UNARY, BINARY
+from unity_pcg.substitutions import cache
+from unity_pcg.substitutions.rule import RuleError
+from unity_pcg.substitutions.templates import NAMED
+from unity_pcg.verifier.axioms import SAMPLE_OPS, UNARY, BINARY
 
 
 @pytest.fixture(scope="module")

@@ -5,11 +5,11 @@ import json
 import numpy as np
 import pytest
 
-from substitutions.apply import apply_match, try_apply
-from substitutions.match import GraphIndex, find_matches, match_all
-from substitutions.rule import Rule, RuleError, dumps_rules, loads_rules
-from substitutions.templates import template_rules
-from substitutions.terms import instantiate, op, rule_of
+from unity_pcg.substitutions.apply import apply_match, try_apply
+from unity_pcg.substitutions.match import GraphIndex, find_matches, match_all
+from unity_pcg.substitutions.rule import Rule, RuleError, dumps_rules, loads_rules
+from unity_pcg.substitutions.templates import template_rules
+from unity_pcg.substitutions.terms import instantiate, op, rule_of
 from unity_pcg.errors import InvalidParallelization
 from unity_pcg.evaluate import evaluate
 from unity_pcg.pcg import PCG

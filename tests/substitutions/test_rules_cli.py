@@ -1,9 +1,9 @@
 """`unity-pcg rules ...`: stats keys, verify of a rule file, generate at a tiny size, one-line errors."""
 import json
 
-from substitutions import cache
-from substitutions.rule import dumps_rules
-from substitutions.terms import op, rule_of
+from unity_pcg.substitutions import cache
+from unity_pcg.substitutions.rule import dumps_rules
+from unity_pcg.substitutions.terms import op, rule_of
 from unity_pcg.cli import main
 
 

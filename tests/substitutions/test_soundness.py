@@ -11,14 +11,14 @@ import zlib
 import numpy as np
 import pytest
 
-from substitutions import cache
-from substitutions.apply import apply_match
-from substitutions.match import find_matches
-from substitutions.templates import example_of
-from substitutions.terms import instantiate
+from unity_pcg.substitutions import cache
+from unity_pcg.substitutions.apply import apply_match
+from unity_pcg.substitutions.match import find_matches
+from unity_pcg.substitutions.templates import example_of
+from unity_pcg.substitutions.terms import instantiate
 from unity_pcg.errors import InvalidParallelization
 from unity_pcg.evaluate import evaluate
-from verifier.selfcheck import compare_sides, sample_values
+from unity_pcg.verifier.selfcheck import compare_sides, sample_values
 
 RULES = cache.load().rules
 
@@ -92,8 +92,8 @@ def test_rule_sound_on_random_instances(rule):
 
 
 def test_instance_checker_catches_a_wrong_rule():
-    from substitutions.terms import op, rule_of
-    from substitutions.rule import Rule
+    from unity_pcg.substitutions.terms import op, rule_of
+    from unity_pcg.substitutions.rule import Rule
     good = next(r for r in RULES if r.name == "fig2_matmul_reduction")
     # wrong but a valid parallelization: the partial sums of a split contraction combined as shards
     bad = rule_of("bad", op("MatMul", "x", "y"),

@@ -10,9 +10,9 @@ import sys
 
 import pytest
 
-from search.baselines import data_parallel
-from search.cost import CostModel
-from search.mapping import MachineMapper
+from unity_pcg.search.baselines import data_parallel
+from unity_pcg.search.cost import CostModel
+from unity_pcg.search.mapping import MachineMapper
 from unity_pcg import plan as P
 from unity_pcg.cli import main as cli
 from unity_pcg.errors import PlanError
@@ -105,7 +105,7 @@ def test_model_parallel_pair_has_allreduce_and_no_gradient_sync(tmp_path):
 
 
 def test_rule_sequence_in_words(tmp_path):
-    from substitutions.cache import load
+    from unity_pcg.substitutions.cache import load
     rule = next(r for r in load() if r.is_parallel and "$k0" in r.source.expr(0) and "$d0" in r.source.expr(0))
     steps = [{"rule": rule.name, "nodes": [3, 4], "inputs": {"x0": [1, 0]}, "bind": {"k0": 2, "d0": -1}}]
     pl = _plan(tmp_path, data_parallel(_mlp(8, 16, 16, 4), 2), rules=tuple(steps))
@@ -130,7 +130,7 @@ def test_rule_sequence_in_words(tmp_path):
 def test_plan_from_the_joint_search(tmp_path):
     """A plan written by search.optimize: its recorded rule steps are told in words, in order, and
     its rows add up to the search's own prediction of communication."""
-    from search.optimize import optimize
+    from unity_pcg.search.optimize import optimize
     res = optimize(_mlp(8, 16, 16, 4), "summit:1x2", budget_s=2, max_candidates=5, optimizer="sgd")
     path = tmp_path / "opt.json"
     res.plan.save(str(path))
@@ -177,7 +177,7 @@ def test_pipeline_stages_are_shown_and_drawn(tmp_path):
 def test_pipeline_plan_from_the_stage_search(tmp_path):
     """A plan built from search.pipeline's result: every stage is shown with its devices, its operators
     and the search's per-micro-batch figures; the transfers between stages are point-to-point."""
-    from search.pipeline import search_pipeline
+    from unity_pcg.search.pipeline import search_pipeline
     m = parse_machine("summit:1x4")
     r = search_pipeline(_mlp(8, 16, 16, 4), MachineMapper(CostModel(m, "sgd")), max_stages=2, min_stages=2)
     assert r is not None and r.feasible and r.num_stages == 2

@@ -5,9 +5,9 @@ import json
 
 import pytest
 
-from search.baselines import data_parallel
-from search.cost import CostModel
-from search.mapping import MachineMapper
+from unity_pcg.search.baselines import data_parallel
+from unity_pcg.search.cost import CostModel
+from unity_pcg.search.mapping import MachineMapper
 from unity_pcg import plan as P
 from unity_pcg.errors import PlanError
 from unity_pcg.machine import parse_machine

@@ -3,13 +3,13 @@ proven, wrong rules and >= 200 numerically wrong mutants of shipped rules are re
 deterministic sample of the shipped cache re-proves (the whole cache: ``-m slow``)."""
 import pytest
 
-from substitutions import cache
-from substitutions.terms import op, rule_of
+from unity_pcg.substitutions import cache
+from unity_pcg.substitutions.terms import op, rule_of
 from unity_pcg.shape import ParallelTensorShape as S
-from verifier.axioms import AXIOMS, Axiom, counts
-from verifier.mutate import numerically_wrong, valid_mutants
-from verifier.selfcheck import check_all, check_axiom
-from verifier.verify import verify_rule, verify_rules
+from unity_pcg.verifier.axioms import AXIOMS, Axiom, counts
+from unity_pcg.verifier.mutate import numerically_wrong, valid_mutants
+from unity_pcg.verifier.selfcheck import check_all, check_axiom
+from unity_pcg.verifier.verify import verify_rule, verify_rules
 
 P = lambda t, d="$d", k="$k": op("Partition", t, dim=d, degree=k)  # noqa: E731
 DK = {"d": "dim", "k": "degree"}

@@ -23,7 +23,7 @@ def run(args) -> int:
         import torch  # noqa: F401
     except ImportError:
         raise UnityError("calibrate needs torch (pip install 'unity-pcg[torch]')") from None
-    from search.calibrate import calibrate
+    from unity_pcg.search.calibrate import calibrate
 
     worlds = None
     if args.worlds:

@@ -64,7 +64,7 @@ class _Progress:
 
 
 def run(args) -> int:
-    from search.optimize import STRATEGIES, optimize
+    from unity_pcg.search.optimize import STRATEGIES, optimize
     if args.strategy not in STRATEGIES:
         raise UnityError(f"unknown strategy {args.strategy!r} (known: {', '.join(STRATEGIES)})")
     if not args.budget > 0:

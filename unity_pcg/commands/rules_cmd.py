@@ -31,7 +31,7 @@ def add_arguments(p) -> None:
 
 
 def _degrees(text: str) -> tuple[int, ...]:
-    from substitutions.rule import RuleError
+    from unity_pcg.substitutions.rule import RuleError
     try:
         ds = tuple(sorted({int(x) for x in text.split(",") if x.strip()}))
     except ValueError:
@@ -43,9 +43,9 @@ def _degrees(text: str) -> tuple[int, ...]:
 
 def run(args) -> int:
     if args.action == "generate":
-        from substitutions.cache import rebuild
-        from substitutions.generate import Settings
-        from substitutions.rule import RuleError
+        from unity_pcg.substitutions.cache import rebuild
+        from unity_pcg.substitutions.generate import Settings
+        from unity_pcg.substitutions.rule import RuleError
         if not 1 <= args.max_ops <= 5:
             raise RuleError(f"--max-ops must be between 1 and 5, got {args.max_ops}")
         st = Settings(max_ops=args.max_ops, degrees=_degrees(args.degrees))
@@ -56,8 +56,8 @@ def run(args) -> int:
               f"generation {info['seconds']['generate']}s, verification {info['seconds']['verify']}s")
         return 0
     if args.action == "verify":
-        from substitutions.cache import load, load_file
-        from verifier.verify import verify_rules
+        from unity_pcg.substitutions.cache import load, load_file
+        from unity_pcg.verifier.verify import verify_rules
         from pathlib import Path
         if args.file is None or Path(args.file).is_dir():
             rules = load(args.file).rules          # a cache directory: digest checked too
@@ -73,7 +73,7 @@ def run(args) -> int:
         print(f"{len(vs) - len(bad)}/{len(vs)} rules proven in {time.perf_counter() - t0:.1f}s")
         return 1 if bad else 0
     if args.action == "stats":
-        from substitutions.cache import load
+        from unity_pcg.substitutions.cache import load
         t0 = time.perf_counter()
         rs = load(args.dir)
         load_s = time.perf_counter() - t0
@@ -91,14 +91,14 @@ def run(args) -> int:
                 print(f"{k:>18}: {v}")
         return 0
     if args.action == "list":
-        from substitutions.cache import load
+        from unity_pcg.substitutions.cache import load
         for r in load(None).rules:
             if args.text in r.name:
                 print(r)
         return 0
     if args.action == "selfcheck":
-        from verifier.axioms import AXIOMS
-        from verifier.selfcheck import check_all
+        from unity_pcg.verifier.axioms import AXIOMS
+        from unity_pcg.verifier.selfcheck import check_all
         res = check_all(AXIOMS)
         bad = [r for r in res if not r.ok]
         for r in bad:

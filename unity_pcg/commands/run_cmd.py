@@ -4,7 +4,7 @@
 Everything that can be checked is checked before a process starts (executor/launch.py ``check``): the plan
 loads and validates, the model's sha256 is the plan's, ``--nproc`` (default: the plan's device count) is
 the plan's device count, a --data file fits the model, --resume finds a checkpoint.  Then K local ranks
-run ``python -m executor`` under torch's elastic launch API; rank 0 prints one line per step.  ``--json``
+run ``python -m unity_pcg.executor`` under torch's elastic launch API; rank 0 prints one line per step.  ``--json``
 prints one JSON object at the end (losses, step_time_s, predicted_iteration_s, nproc, ...) and sends the
 progress lines to stderr.  torch is imported only here, when the command runs.
 """
@@ -20,7 +20,7 @@ HELP = "train an ONNX model with a plan on torch.distributed (local processes or
 
 
 def add_arguments(p) -> None:
-    from executor.__main__ import add_training_arguments
+    from unity_pcg.executor.__main__ import add_training_arguments
     add_training_arguments(p)
     p.add_argument("--nproc", type=int, default=None, metavar="K",
                    help="local processes (ranks); must be the plan's device count (default: that count)")
@@ -44,7 +44,7 @@ def _rank_args(args) -> list[str]:
 
 def precheck(args):
     """Every check that needs no process: returns (plan, nproc)."""
-    from executor.launch import check
+    from unity_pcg.executor.launch import check
     if args.steps < 0:
         raise UnityError(f"--steps must be >= 0, got {args.steps}")
     if args.checkpoint_every < 0:
@@ -56,10 +56,10 @@ def precheck(args):
     if torch.cuda.is_available() and world > torch.cuda.device_count():
         raise UnityError(f"plan {args.plan} runs on {world} ranks, one per GPU, but this machine has "
                          f"{torch.cuda.device_count()} GPU(s); run it with torchrun across machines")
-    from executor.data import open_data
+    from unity_pcg.executor.data import open_data
     open_data(plan.pcg, args.data, seed=args.seed)
     if args.resume:
-        from executor.checkpoint import check_resume
+        from unity_pcg.executor.checkpoint import check_resume
 
         from ..plan import file_sha256
         check_resume(args.checkpoint, file_sha256(args.plan), args.optimizer, world)
@@ -68,7 +68,7 @@ def precheck(args):
 
 def run(args) -> int:
     plan, world = precheck(args)
-    from executor.launch import RunFailed, launch
+    from unity_pcg.executor.launch import RunFailed, launch
     threads = args.threads or max(1, (os.cpu_count() or 1) // world)
     if threads < 1:
         raise UnityError(f"--threads must be a positive integer, got {threads}")

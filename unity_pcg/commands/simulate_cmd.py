@@ -41,9 +41,9 @@ def simulate(model_path: str, machine: str, strategy: str = "dp", degree: int | 
              batch: int | None = None, optimizer: str = "adam", output: str | None = None) -> dict:
     """Price fixed strategy ``strategy`` of ``model_path`` on ``machine``; with ``output``, write its
     plan there.  Returns the JSON summary (``plan`` holds the written path)."""
-    from search.baselines import build_strategy
-    from search.cost import CostModel
-    from search.mapping import MachineMapper
+    from unity_pcg.search.baselines import build_strategy
+    from unity_pcg.search.cost import CostModel
+    from unity_pcg.search.mapping import MachineMapper
 
     from ..machine import parse_machine
     from ..onnx_import import load_onnx
