@@ -28,9 +28,19 @@ def default_dir() -> Path:
         return Path(__file__).resolve().parent.parent / "rules_cache"
 
 
+def rule_vocabulary() -> set[str]:
+    """The operators rules can mention: those the verifier has axioms for (and the parallel operators).
+
+    An operator added to the registry without axioms cannot appear in a proven rule, so it leaves the
+    rule set valid; a change to an operator the axioms speak about (its kind or attributes) does not."""
+    from unity_pcg.verifier.axioms import AXIOMS
+    names = {n for a in AXIOMS for n in a.ops} | {n for n, s in ops.REGISTRY.items() if s.kind == "parallel"}
+    return {n for n in names if n in ops.REGISTRY}
+
+
 def op_set_hash() -> str:
-    """Hash of the registry's operator names, kinds and attributes (a change means: regenerate)."""
-    items = sorted((n, s.kind, sorted(s.attrs)) for n, s in ops.REGISTRY.items())
+    """Hash of the rule vocabulary's operator names, kinds and attributes (a change means: regenerate)."""
+    items = sorted((n, s.kind, sorted(s.attrs)) for n, s in ops.REGISTRY.items() if n in rule_vocabulary())
     return hashlib.sha256(json.dumps(items).encode()).hexdigest()[:16]
 
 

@@ -5,6 +5,7 @@ alone (no editable finder, no checkout on the path), every module imports under 
 old top-level names do not exist, and no module file is loaded under two names.
 """
 import json
+import shutil
 import subprocess
 import sys
 import sysconfig
@@ -20,8 +21,13 @@ OLD_NAMES = ("search", "substitutions", "verifier", "executor", "rules_cache")
 @pytest.fixture(scope="module")
 def wheel(tmp_path_factory):
     out = tmp_path_factory.mktemp("wheel")
+    src = tmp_path_factory.mktemp("src")     # a copy: setuptools writes build/ and *.egg-info beside the sources
+    for f in ("pyproject.toml", "README.md"):
+        shutil.copy(ROOT / f, src / f)
+    for d in ("unity_pcg", *OLD_NAMES):
+        shutil.copytree(ROOT / d, src / d, ignore=shutil.ignore_patterns("__pycache__", "*.pyc"))
     r = subprocess.run([sys.executable, "-m", "pip", "wheel", "--no-deps", "--no-build-isolation", "-q",
-                        "-w", str(out), str(ROOT)], capture_output=True, text=True, timeout=300)
+                        "-w", str(out), str(src)], capture_output=True, text=True, timeout=300)
     assert r.returncode == 0, r.stderr[-2000:]
     (whl,) = out.glob("unity_pcg-*.whl")
     return whl

@@ -97,3 +97,21 @@ def test_generated_rules_present(shipped):
     # the generator itself rediscovers Linear+Relu fusion and ReLU's partition commutation
     exprs = {str(r).split(": ", 1)[1] for r in gen}
     assert any("Linear(activation=relu" in e and "Relu(MatMul" in e for e in exprs), "fusion not generated"
+
+
+def test_rules_mention_only_the_vocabulary_the_hash_covers(shipped):
+    """The op-set hash covers the operators the axioms speak about; every shipped rule stays inside it,
+    so an operator added without axioms cannot make the cache stale, and one changed inside it does."""
+    vocab = cache.rule_vocabulary()
+    used = {n.op for r in shipped for p in (r.source, r.target) for n in p.nodes}
+    assert used <= vocab, used - vocab
+    before = cache.op_set_hash()
+    from unity_pcg import ops
+    spec = ops.REGISTRY["Relu"]
+    old_attrs = spec.attrs
+    try:
+        object.__setattr__(spec, "attrs", {**old_attrs, "extra_attr": 0})   # works on frozen dataclasses too
+        assert cache.op_set_hash() != before
+    finally:
+        object.__setattr__(spec, "attrs", old_attrs)
+    assert cache.op_set_hash() == before

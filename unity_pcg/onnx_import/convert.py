@@ -696,3 +696,7 @@ def _reduce(imp, ctx, ins):
     keep = bool(ctx.i("keepdims", 1))
     return [imp.add(ctx.op, {"axes": tuple(axes) if axes is not None else tuple(range(r)), "keepdims": keep},
                     [x], ctx.name)]
+
+
+# registration of the import-coverage converters (they use this module's helpers)
+from . import convert_elementwise, convert_spatial  # noqa: E402,F401
