@@ -398,6 +398,13 @@ GENERATORS: dict[str, Callable[[Drawer], Case]] = {
 }
 
 
+def _more_generators() -> None:
+    """The import-coverage operators' generators live beside this file, one module per family."""
+    from . import op_cases_elementwise, op_cases_spatial
+    for m in (op_cases_elementwise, op_cases_spatial):
+        GENERATORS.update(m.GENERATORS)
+
+
 # --- parallelizations ---------------------------------------------------------------------------------
 
 def _divisors(n: int, cap: int = 4) -> list[int]:
@@ -502,3 +509,6 @@ def accepts(case: Case, shapes) -> bool:
         return True
     except InvalidParallelization:
         return False
+
+
+_more_generators()
