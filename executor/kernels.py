@@ -289,6 +289,6 @@ def kernel(op: str) -> Callable[[dict, list, TaskContext], list]:
         raise ExecutorError(f"operator {op} has no torch kernel in the executor") from None
 
 
-from . import kernels_elementwise, kernels_spatial  # noqa: E402,F401  (they add to KERNELS)
+from . import kernels_elementwise, kernels_indexing, kernels_spatial  # noqa: E402,F401  (they add to KERNELS)
 
 __all__ = ["KERNELS", "kernel", "TaskContext", "ExecutorError", "TORCH_DTYPES", "dropout_keep", "logical_index"]

@@ -400,8 +400,8 @@ GENERATORS: dict[str, Callable[[Drawer], Case]] = {
 
 def _more_generators() -> None:
     """The import-coverage operators' generators live beside this file, one module per family."""
-    from . import op_cases_elementwise, op_cases_spatial
-    for m in (op_cases_elementwise, op_cases_spatial):
+    from . import op_cases_elementwise, op_cases_indexing, op_cases_spatial
+    for m in (op_cases_elementwise, op_cases_indexing, op_cases_spatial):
         GENERATORS.update(m.GENERATORS)
 
 

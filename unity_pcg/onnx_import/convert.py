@@ -699,4 +699,4 @@ def _reduce(imp, ctx, ins):
 
 
 # registration of the import-coverage converters (they use this module's helpers)
-from . import convert_elementwise, convert_spatial  # noqa: E402,F401
+from . import convert_elementwise, convert_indexing, convert_spatial  # noqa: E402,F401

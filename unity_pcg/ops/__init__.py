@@ -15,7 +15,7 @@ from .. import pieces as P
 from ..shape import ParallelTensorShape
 from . import compute, parallel  # noqa: F401  (registration)
 from . import fused  # noqa: F401  (AllReduce, a fused parallel operator)
-from . import elementwise, spatial  # noqa: F401  (registration: the import-coverage operators)
+from . import elementwise, indexing, spatial  # noqa: F401  (registration: the import-coverage operators)
 from .base import REGISTRY, REQUIRED, Inference, Labels, OpSpec, PieceMap, TensorMap, get_op, logical_shapes, piece_shapes
 from .parallel import PARALLEL_OPS
 
