@@ -1,4 +1,5 @@
-"""`unity-pcg import MODEL.onnx [--batch N] [--json] [--dot FILE] [--png FILE]`: show an ONNX model as a PCG."""
+"""`unity-pcg import MODEL.onnx [--batch N] [--json] [--dot FILE] [--png FILE] [--check [--seed S]]`: show an ONNX
+model as a PCG; with ``--check``, also compare the PCG's numpy evaluation with onnxruntime (exit 1 if they differ)."""
 from __future__ import annotations
 
 import json
@@ -24,6 +25,12 @@ def add_arguments(p) -> None:
     p.add_argument("--json", action="store_true", help="print one JSON object instead of a table")
     p.add_argument("--dot", metavar="FILE", help="write the PCG as Graphviz DOT to FILE")
     p.add_argument("--png", metavar="FILE", help="render the PCG to FILE with Graphviz `dot` (must be installed)")
+    p.add_argument("--check", action="store_true",
+                   help="evaluate the PCG with numpy and onnxruntime on the same seeded random inputs (integer "
+                        "inputs: indices below the size of the table they index, else 0/1) and compare every "
+                        "output: equal when |pcg - ort| <= f * (1e-5 * max|ort| + 1e-4 * |ort|) elementwise, "
+                        "f = sqrt(depth), depth = compute operators on the longest path; exit 1 if not")
+    p.add_argument("--seed", type=int, default=0, metavar="S", help="seed of --check's random inputs (default 0)")
 
 
 def _human(x: float) -> str:
@@ -42,8 +49,12 @@ def run(args) -> int:
         raise RenderError("--png needs Graphviz `dot`, which is not installed (apt-get install graphviz), "
                           "or use --dot FILE")
     t0 = time.perf_counter()
-    g = load_onnx(args.model, batch=args.batch, load_weights=False)
+    g = load_onnx(args.model, batch=args.batch, load_weights=bool(args.check))
     seconds = time.perf_counter() - t0
+    chk = None
+    if args.check:
+        from ..onnx_import.check import check_model
+        chk = check_model(args.model, batch=args.batch, seed=args.seed, graph=g)
     s = g.summary()
     if args.dot or args.png:
         dot = g.to_dot()
@@ -64,8 +75,10 @@ def run(args) -> int:
                "flops": s["flops"], "weights": s["weights"], "inputs": inputs,
                "outputs": [list(g.shape(r).sizes) for r in g.outputs], "onnx_nodes": g.meta.get("onnx_nodes"),
                "opset": g.meta.get("opset"), "batch": args.batch, "import_seconds": round(seconds, 4)}
+        if chk is not None:
+            out["check"] = chk.to_json()
         print(json.dumps(out))
-        return 0
+        return 0 if chk is None or chk.ok else 1
     w = sys.stdout.write
     w(f"{args.model}: ONNX opset {g.meta.get('opset')}, {g.meta.get('onnx_nodes')} ONNX nodes -> "
       f"PCG of {s['ops']} operators, {s['weights']} weights\n")
@@ -84,7 +97,24 @@ def run(args) -> int:
         w(f"wrote {args.dot}\n")
     if args.png:
         w(f"wrote {args.png}\n")
+    if chk is not None:
+        _write_check(w, chk)
+        return 0 if chk.ok else 1
     return 0
+
+
+def _write_check(w, chk) -> None:
+    w(f"check against onnxruntime (seed {chk.seed}; depth {chk.depth}, tolerance f = {chk.factor:.3g} x "
+      f"(atol {chk.atol:g} x max|ort| + rtol {chk.rtol:g} x |ort|)")
+    if chk.int_bounds:
+        w("; integer inputs below " + ", ".join(f"{k}: {v}" for k, v in chk.int_bounds.items()))
+    w("):\n")
+    width = max((len(o.name) for o in chk.outputs), default=6)
+    for o in chk.outputs:
+        w(f"  {o.name:<{width}}  {o.dtype}{list(o.shape)}  max abs err {o.max_abs:.3g}  max rel err {o.max_rel:.3g}"
+          f"  ({o.ratio:.3g} of tolerance)  {'ok' if o.ok else 'DIFFERENT: ' + o.why}\n")
+    w(f"check: {'equal' if chk.ok else 'DIFFERENT'} (max abs err {chk.max_abs:.3g}, max rel err {chk.max_rel:.3g}; "
+      f"numpy {chk.eval_seconds:.2f} s, onnxruntime {chk.ort_seconds:.2f} s)\n")
 
 
 def _write(path: str, text: str) -> None:

@@ -1,0 +1,334 @@
+"""``import --check``: does the imported PCG compute what the ONNX model computes?
+
+The PCG is evaluated with numpy (:func:`unity_pcg.evaluate.evaluate`, logical mode) and the ONNX file with
+onnxruntime (CPU, graph optimizations off, so it runs the graph as written) on the same seeded random inputs:
+
+* float inputs: standard normal;
+* integer inputs that index a table (an ONNX ``Gather``/``GatherElements`` reads them as indices, possibly
+  through Cast/Reshape/Unsqueeze/... views): uniform in ``[0, rows)`` where ``rows`` is the smallest indexed
+  dimension among those tables (token ids within the vocabulary, token types within their table);
+* other integer inputs and booleans (attention masks): 0/1.
+
+Every output is compared elementwise with the tolerance scaled for the model's depth::
+
+    |pcg - ort| <= f * (atol * max|ort| + rtol * |ort|),   f = sqrt(max(1, depth))
+
+where ``depth`` is the number of compute operators on the longest input-to-output path of the PCG and
+``max|ort|`` is the output's largest magnitude (float32 sums are evaluated in different orders by numpy and
+onnxruntime; rounding errors grow like the square root of the number of rounded steps, and elements that
+cancel to ~0 need an absolute floor in the unit of the tensor).  Integer and boolean outputs must be equal.
+
+Errors (no onnxruntime, a model onnxruntime refuses, a PCG whose evaluation fails) are one-line
+:class:`CheckError` s.
+"""
+from __future__ import annotations
+
+import math
+import os
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+import numpy as np
+
+from ..errors import ModelImportError, UnityError
+
+RTOL = 1e-4
+ATOL = 1e-5
+
+# ONNX ops an integer index tensor may pass through unchanged in value before it is used as an index
+_VIEW_OPS = {"Cast", "Reshape", "Unsqueeze", "Squeeze", "Flatten", "Identity", "Expand", "Slice", "Transpose",
+             "Tile", "Concat", "Gather", "Split"}
+# ONNX ops whose input 1 is an index tensor into input 0 along ``axis``
+_INDEX_OPS = {"Gather": 0, "GatherElements": 0}
+
+
+class CheckError(ModelImportError):
+    """``--check`` could not run (onnxruntime missing or refusing the model, PCG evaluation failed)."""
+
+
+@dataclass(frozen=True)
+class OutputCheck:
+    """One graph output: its name, shape, the errors and the tolerance it was judged by."""
+    name: str
+    shape: tuple[int, ...]
+    dtype: str
+    max_abs: float
+    max_rel: float       # max |pcg - ort| / (|ort| + atol * max|ort|)
+    ratio: float         # max |pcg - ort| / tolerance; <= 1 is equal
+    ok: bool
+    why: str = ""
+
+    def to_json(self) -> dict:
+        d = asdict(self)
+        d["shape"] = list(self.shape)
+        return d
+
+    @staticmethod
+    def from_json(d: dict) -> "OutputCheck":
+        return OutputCheck(**{**d, "shape": tuple(d["shape"])})
+
+
+@dataclass(frozen=True)
+class CheckResult:
+    """The verdict over every output, with what it was judged by."""
+    ok: bool
+    outputs: tuple[OutputCheck, ...]
+    depth: int
+    factor: float
+    rtol: float
+    atol: float
+    seed: int
+    int_bounds: dict = field(default_factory=dict)   # integer input -> exclusive upper bound of its values
+    eval_seconds: float = 0.0
+    ort_seconds: float = 0.0
+
+    @property
+    def max_abs(self) -> float:
+        return max((o.max_abs for o in self.outputs), default=0.0)
+
+    @property
+    def max_rel(self) -> float:
+        return max((o.max_rel for o in self.outputs), default=0.0)
+
+    def to_json(self) -> dict:
+        d = asdict(self)
+        d["outputs"] = [o.to_json() for o in self.outputs]
+        d["max_abs"] = self.max_abs
+        d["max_rel"] = self.max_rel
+        return d
+
+    @staticmethod
+    def from_json(d: dict) -> "CheckResult":
+        keys = {f for f in CheckResult.__dataclass_fields__}
+        d = {k: v for k, v in d.items() if k in keys}
+        d["outputs"] = tuple(OutputCheck.from_json(o) for o in d["outputs"])
+        return CheckResult(**d)
+
+
+def depth(g) -> int:
+    """Compute operators on the longest source-to-output path of ``g`` (parallel operators count 0)."""
+    best: dict[int, int] = {}
+    for nid in g.topo_order():
+        n = g.node(nid)
+        d = max((best[r[0]] for r in n.inputs), default=0)
+        best[nid] = d + (1 if n.kind == "compute" else 0)
+    return max((best[r[0]] for r in g.outputs), default=0)
+
+
+def tolerance_factor(d: int) -> float:
+    return math.sqrt(max(1, d))
+
+
+def int_bounds(model) -> dict[str, int]:
+    """Exclusive upper bound for each integer graph input: the rows of the smallest table it indexes
+    (through value-preserving views), else 2 (a mask)."""
+    import onnx
+
+    g = model.graph
+    inits = {t.name for t in g.initializer}
+    shapes: dict[str, tuple] = {t.name: tuple(t.dims) for t in g.initializer}
+    try:
+        inferred = onnx.shape_inference.infer_shapes(model, strict_mode=False)
+        for vi in list(inferred.graph.value_info) + list(inferred.graph.input) + list(inferred.graph.output):
+            if vi.type.HasField("tensor_type") and vi.type.tensor_type.HasField("shape"):
+                dims = tuple(d.dim_value if d.HasField("dim_value") else -1 for d in vi.type.tensor_type.shape.dim)
+                shapes.setdefault(vi.name, dims)
+    except Exception:   # shape inference is only a help here: initializer and Constant shapes still work
+        pass
+    for n in g.node:
+        if n.op_type == "Constant" and n.output:
+            for a in n.attribute:
+                if a.name == "value":
+                    shapes.setdefault(n.output[0], tuple(a.t.dims))
+    users: dict[str, list] = {}
+    for n in g.node:
+        for k, x in enumerate(n.input):
+            if x:
+                users.setdefault(x, []).append((n, k))
+    out: dict[str, int] = {}
+    for vi in g.input:
+        if vi.name in inits or not vi.type.HasField("tensor_type"):
+            continue
+        if vi.type.tensor_type.elem_type not in (2, 3, 4, 5, 6, 7, 12, 13):   # integer element types
+            continue
+        bounds = []
+        seen, stack = set(), [vi.name]
+        while stack:
+            t = stack.pop()
+            if t in seen:
+                continue
+            seen.add(t)
+            for n, k in users.get(t, ()):
+                if n.op_type in _INDEX_OPS and k == 1:
+                    axis = next((int(a.i) for a in n.attribute if a.name == "axis"), 0)
+                    s = shapes.get(n.input[0])
+                    if s and -len(s) <= axis < len(s) and s[axis] > 0:
+                        bounds.append(int(s[axis]))
+                elif n.op_type in _VIEW_OPS and (k == 0 or n.op_type == "Concat"):
+                    stack.extend(o for o in n.output if o)
+        out[vi.name] = min(bounds) if bounds else 2
+    return out
+
+
+def random_inputs(g, bounds: dict[str, int], seed: int) -> dict[str, np.ndarray]:
+    """Seeded values for every Input of the PCG ``g`` (shapes after any batch override)."""
+    rng = np.random.default_rng(seed)
+    feeds = {}
+    for n in g.sources("Input"):
+        a = n.a
+        shape = tuple(a["shape"])
+        if a["dtype"] == "bool":
+            feeds[a["name"]] = rng.random(shape) < 0.5
+        elif a["dtype"].startswith("int") or a["dtype"].startswith("uint"):
+            feeds[a["name"]] = rng.integers(0, max(1, bounds.get(a["name"], 2)), shape).astype(a["dtype"])
+        else:
+            feeds[a["name"]] = rng.standard_normal(shape).astype(a["dtype"])
+    return feeds
+
+
+def _with_batch(model, batch: int):
+    """A copy of ``model`` whose graph inputs have first dim ``batch`` (output/value_info shapes cleared,
+    so onnxruntime infers them again)."""
+    import onnx
+
+    m = onnx.ModelProto()
+    m.CopyFrom(model)
+    inits = {t.name for t in m.graph.initializer}
+    for vi in m.graph.input:
+        if vi.name in inits or not vi.type.HasField("tensor_type"):
+            continue
+        dims = vi.type.tensor_type.shape.dim
+        if len(dims):
+            dims[0].Clear()
+            dims[0].dim_value = batch
+    del m.graph.value_info[:]
+    for vo in m.graph.output:
+        if vo.type.HasField("tensor_type"):
+            vo.type.tensor_type.ClearField("shape")
+    return m
+
+
+def run_onnxruntime(src, feeds: dict[str, np.ndarray]) -> list[np.ndarray]:
+    """Every graph output of ``src`` (a path or ModelProto) under onnxruntime's CPU provider."""
+    try:
+        import onnxruntime as ort
+    except ImportError:
+        raise CheckError("--check needs onnxruntime (pip install onnxruntime)") from None
+    so = ort.SessionOptions()
+    so.log_severity_level = 3
+    so.graph_optimization_level = ort.GraphOptimizationLevel.ORT_DISABLE_ALL
+    data = os.fspath(src) if isinstance(src, (str, os.PathLike)) else src.SerializeToString()
+    try:
+        s = ort.InferenceSession(data, so, providers=["CPUExecutionProvider"])
+    except Exception as e:
+        raise CheckError(f"onnxruntime cannot load the model: {_first_line(e)}") from None
+    names = {i.name for i in s.get_inputs()}
+    try:
+        return [np.asarray(v) for v in s.run(None, {k: v for k, v in feeds.items() if k in names})]
+    except Exception as e:
+        raise CheckError(f"onnxruntime cannot run the model on the check's inputs: {_first_line(e)}") from None
+
+
+def _first_line(e: BaseException) -> str:
+    msg = str(e).strip().splitlines()
+    s = msg[0] if msg else type(e).__name__
+    return s if len(s) <= 300 else s[:297] + "..."
+
+
+def compare(name: str, ours: np.ndarray, ref: np.ndarray, factor: float, rtol: float = RTOL,
+            atol: float = ATOL) -> OutputCheck:
+    """One output against onnxruntime's (see the module docstring for the tolerance)."""
+    a, b = np.asarray(ours), np.asarray(ref)
+    dt = str(b.dtype)
+    if a.shape != b.shape:
+        return OutputCheck(name, tuple(b.shape), dt, math.inf, math.inf, math.inf, False,
+                           f"shape {list(a.shape)} != onnxruntime's {list(b.shape)}")
+    if b.size == 0:
+        return OutputCheck(name, tuple(b.shape), dt, 0.0, 0.0, 0.0, True)
+    exact = b.dtype.kind in "biu" or b.dtype == object
+    a64 = a.astype(np.float64)
+    b64 = b.astype(np.float64)
+    nan_a, nan_b = np.isnan(a64), np.isnan(b64)
+    if (nan_a != nan_b).any():
+        k = int(np.argmax(nan_a != nan_b))
+        return OutputCheck(name, tuple(b.shape), dt, math.inf, math.inf, math.inf, False,
+                           f"NaN where the other has a number (flat index {k})")
+    both = nan_a & nan_b
+    same_inf = np.isinf(b64) & (a64 == b64)
+    diff = np.where(both | same_inf, 0.0, np.abs(a64 - b64))
+    finite_b = np.where(np.isfinite(b64), np.abs(b64), 0.0)
+    scale = float(finite_b.max())
+    max_abs = float(diff.max())
+    max_rel = float((diff / (finite_b + max(atol * scale, np.finfo(np.float64).tiny))).max())
+    if exact:
+        return OutputCheck(name, tuple(b.shape), dt, max_abs, max_rel, math.inf if max_abs else 0.0,
+                           max_abs == 0.0, "" if max_abs == 0.0 else "integer/boolean values differ")
+    tol = factor * (atol * scale + rtol * finite_b)
+    with np.errstate(divide="ignore", invalid="ignore"):
+        r = np.where(diff == 0, 0.0, diff / np.where(tol > 0, tol, np.finfo(np.float64).tiny))
+    ratio = float(r.max())
+    ok = bool(ratio <= 1.0) and math.isfinite(max_abs)
+    why = "" if ok else f"max |error| {max_abs:.3g} exceeds the tolerance {ratio:.3g}x"
+    return OutputCheck(name, tuple(b.shape), dt, max_abs, max_rel, ratio, ok, why)
+
+
+def check_model(src: Any, batch: int | None = None, seed: int = 0, rtol: float = RTOL, atol: float = ATOL,
+                graph=None) -> CheckResult:
+    """Import ``src`` (path, bytes or ModelProto) and compare the PCG's outputs with onnxruntime's.
+
+    ``graph``: an already imported PCG of ``src`` (with weights) to check instead of importing again.
+    """
+    import time
+
+    import onnx
+
+    from ..evaluate import evaluate
+    from . import load_onnx
+    from .loader import read_model
+
+    model, _ = read_model(src)
+    path = src if isinstance(src, (str, os.PathLike)) else None
+    if path is not None and any(t.data_location == onnx.TensorProto.EXTERNAL for t in model.graph.initializer):
+        try:
+            model = onnx.load(os.fspath(path))
+        except Exception as e:
+            raise CheckError(f"cannot read the model's external data: {_first_line(e)}") from None
+    g = graph if graph is not None else load_onnx(model if path is None else path, batch=batch)
+    bounds = int_bounds(model)
+    feeds = random_inputs(g, bounds, seed)
+    d = depth(g)
+    f = tolerance_factor(d)
+    t0 = time.perf_counter()
+    try:
+        ours = evaluate(g, feeds)
+    except UnityError as e:
+        raise CheckError(f"evaluating the imported PCG failed: {e}") from None
+    except (ValueError, TypeError, IndexError, KeyError, ArithmeticError, MemoryError) as e:
+        raise CheckError(f"evaluating the imported PCG failed ({type(e).__name__}: {_first_line(e)})") from None
+    t1 = time.perf_counter()
+    ort_src: Any = model
+    if batch is not None and _needs_batch_change(model, batch):
+        ort_src = _with_batch(model, batch)
+    elif path is not None:
+        ort_src = path
+    ref = run_onnxruntime(ort_src, feeds)
+    t2 = time.perf_counter()
+    names = [o.name for o in model.graph.output]
+    if len(ref) != len(ours):
+        raise CheckError(f"the PCG has {len(ours)} outputs, onnxruntime gives {len(ref)}")
+    outs = tuple(compare(names[k] if k < len(names) else f"output{k}", ours[k], ref[k], f, rtol, atol)
+                 for k in range(len(ref)))
+    return CheckResult(all(o.ok for o in outs), outs, d, f, rtol, atol, seed,
+                       {k: v for k, v in bounds.items() if k in feeds}, t1 - t0, t2 - t1)
+
+
+def _needs_batch_change(model, batch: int) -> bool:
+    inits = {t.name for t in model.graph.initializer}
+    for vi in model.graph.input:
+        if vi.name in inits or not vi.type.HasField("tensor_type"):
+            continue
+        dims = vi.type.tensor_type.shape.dim
+        if len(dims) and not (dims[0].HasField("dim_value") and dims[0].dim_value == batch) \
+                and dims[0].HasField("dim_value") and dims[0].dim_value > 0:
+            return True
+    return False
