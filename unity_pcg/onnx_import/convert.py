@@ -12,7 +12,7 @@ import numpy as np
 
 from .consts import SMALL, Const, as_ints, as_scalar, derive
 from .errors import InvalidModel, UnsupportedOperator
-from .fold import FOLDABLE, fold, layout_shape, reduce_axes, reshape_target, slice_params, slice_shape, split_sizes
+from .fold import FOLDABLE, fold, fold_any, layout_shape, reduce_axes, reshape_target, slice_params, slice_shape, split_sizes
 from .loader import PCG_DTYPES, np_dtype
 
 CONVERTERS: dict = {}
@@ -34,8 +34,10 @@ def _unsupported(ctx, why: str = ""):
 def convert_node(imp, ctx, ins) -> list:
     op = ctx.op
     all_const = all(v is None or isinstance(v, Const) for v in ins)
-    if op == "Constant" or (all_const and op in FOLDABLE and ins and not _keep_lookup(imp, ctx, ins)):
+    if op == "Constant":
         return fold(ctx, ins)
+    if all_const and any(v is not None for v in ins) and not _keep_lookup(imp, ctx, ins):
+        return fold_any(ctx, ins)
     if op == "ConstantOfShape":
         _unsupported(ctx, "shape computed from activation values")
     fn = CONVERTERS.get(op)
@@ -113,15 +115,26 @@ def _identity(imp, ctx, ins):
 
 @_conv("Dropout")
 def _dropout(imp, ctx, ins):
+    """Dropout in every form: ``ratio`` attribute (opset < 12) or constant input, constant ``training_mode``
+    input (either value: the PCG describes training, where Dropout is active; its numpy reference is the
+    identity), a mask output that nothing reads (dropped).  A mask that is read is refused."""
     x = _in(ctx, ins, 0)
     if ctx.opset >= 12:
         r = _in(ctx, ins, 1, required=False)
-        ratio = float(as_scalar(ctx.const_in(ins, 1), ctx.what)) if r is not None else 0.5
+        if r is not None and not isinstance(r, Const):
+            _unsupported(ctx, "a ratio computed from activations")
+        ratio = float(as_scalar(r, ctx.what)) if r is not None else 0.5
         t = _in(ctx, ins, 2, required=False)
-        if t is not None and (not isinstance(t, Const) or bool(np.any(t.value))):
-            _unsupported(ctx, "training_mode input")
+        if t is not None and not isinstance(t, Const):
+            _unsupported(ctx, "a training_mode computed from activations")
     else:
         ratio = ctx.f("ratio", 0.5)
+    if not 0.0 <= ratio < 1.0:
+        raise InvalidModel(f"{ctx.what}: ratio {ratio} is not in [0, 1)")
+    mask = ctx.node.output[1] if ctx.n_outputs > 1 else ""
+    if mask and imp.is_read(mask):
+        raise UnsupportedOperator(f"Dropout's mask output {mask!r} is read by another node or is a graph output; "
+                                  f"only the data output is supported (node {ctx.name!r})")
     return [imp.add("Dropout", {"ratio": ratio}, [imp.ref(x, _hint(ctx, 0))], ctx.name), None]
 
 

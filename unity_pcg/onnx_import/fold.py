@@ -8,7 +8,7 @@ from __future__ import annotations
 from math import prod
 import numpy as np
 
-from .consts import SMALL, Const, as_ints, as_scalar, broadcast_shape, derive, lazy
+from .consts import MAX_FOLD, SMALL, Const, as_ints, as_scalar, broadcast_shape, derive, lazy
 from .consts import guard as _guard
 from .errors import InvalidModel, UnsupportedOperator
 from .loader import np_dtype, tensor_attr_const
@@ -434,3 +434,116 @@ def _constant(ctx) -> Const:
         raise UnsupportedOperator(f"Constant with a sparse value (node {ctx.name!r})")
     raise InvalidModel(f"{what}: Constant without a value")
 
+
+
+# --- any other operator: onnx.reference on a one-node model ---------------------------------------
+
+#: operators whose value is not a function of their inputs: never folded
+NONDETERMINISTIC = {"RandomNormal", "RandomUniform", "RandomNormalLike", "RandomUniformLike", "Multinomial",
+                    "Bernoulli"}
+
+
+def _one_node_model(ctx, ins, with_values: bool):
+    """A model holding only ``ctx.node``; constant inputs are graph inputs (or initializers when
+    ``with_values``, so shape inference can propagate small shape tensors)."""
+    import onnx
+    from onnx import helper, numpy_helper
+
+    node = onnx.NodeProto()
+    node.CopyFrom(ctx.node)
+    inputs, inits, seen = [], [], set()
+    for name, c in zip(node.input, ins):
+        if not name or c is None or name in seen:
+            continue
+        seen.add(name)
+        etype = helper.np_dtype_to_tensor_dtype(np.dtype(c.dtype))
+        if with_values and (not c.lazy or c.numel <= SMALL):
+            inits.append(numpy_helper.from_array(np.asarray(c.value), name))
+        else:
+            inputs.append(helper.make_tensor_value_info(name, etype, list(c.shape)))
+    outs = [helper.make_tensor_value_info(o, onnx.TensorProto.UNDEFINED, None) for o in node.output if o]
+    g = helper.make_graph([node], "fold", inputs, outs, initializer=inits)
+    return helper.make_model(g, opset_imports=[helper.make_opsetid("", ctx.opset)])
+
+
+def _inferred_numel(ctx, ins) -> list:
+    """Element counts of the node's outputs where ONNX shape inference (with data propagation) knows them."""
+    import onnx
+    try:
+        m = onnx.shape_inference.infer_shapes(_one_node_model(ctx, ins, True), strict_mode=False, data_prop=True)
+    except Exception:
+        return []
+    out = []
+    for vi in m.graph.output:
+        tt = vi.type.tensor_type
+        if not tt.HasField("shape") or not all(d.HasField("dim_value") for d in tt.shape.dim):
+            continue
+        out.append((vi.name, prod(int(d.dim_value) for d in tt.shape.dim)))
+    return out
+
+
+def reference_fold(ctx, ins: list) -> list[Const]:
+    """Fold a node whose inputs are all constant with ``onnx.reference`` (any default-domain operator).
+
+    Refused with one line: random operators, control flow (subgraph attributes), inputs or outputs
+    beyond :data:`MAX_FOLD` elements (the output size is checked before evaluating where shape
+    inference knows it), and element types a PCG constant cannot hold."""
+    import onnx
+    what = ctx.what
+    if ctx.op in NONDETERMINISTIC:
+        raise UnsupportedOperator(f"{ctx.op} is random; it cannot be folded to a constant (node {ctx.name!r})")
+    if any(a.type in (onnx.AttributeProto.GRAPH, onnx.AttributeProto.GRAPHS) for a in ctx.node.attribute):
+        raise UnsupportedOperator(f"control flow ({ctx.op} with a subgraph) on constants is not folded "
+                                  f"(node {ctx.name!r})")
+    for c in ins:
+        if c is not None and c.numel > MAX_FOLD:
+            raise InvalidModel(f"{what}: folding it would read a constant of {c.numel} elements "
+                               f"(limit {MAX_FOLD})")
+    for name, n in _inferred_numel(ctx, ins):
+        if n > MAX_FOLD:
+            raise InvalidModel(f"{what}: folding it would make a constant {name!r} of {n} elements "
+                               f"(limit {MAX_FOLD}); a model input is probably too large")
+    from onnx.reference import ReferenceEvaluator
+    model = _one_node_model(ctx, ins, False)
+    feeds = {name: np.asarray(c.materialize()) for name, c in zip(ctx.node.input, ins) if name and c is not None}
+    try:
+        with np.errstate(all="ignore"):
+            res = ReferenceEvaluator(model).run(None, feeds)
+    except (NotImplementedError, KeyError) as e:
+        raise UnsupportedOperator(f"unsupported operator {ctx.op} on constant inputs: onnx.reference cannot "
+                                  f"evaluate it ({type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''})"
+                                  f" (node {ctx.name!r})") from None
+    except MemoryError:
+        raise InvalidModel(f"{what}: out of memory while folding a constant") from None
+    except Exception as e:
+        msg = str(e).splitlines()[0] if str(e) else ""
+        raise InvalidModel(f"{what}: cannot fold its constant inputs ({type(e).__name__}: {msg[:200]})") from None
+    out: list = []
+    k = 0
+    for o in ctx.node.output:
+        if not o:
+            out.append(None)
+            continue
+        v = res[k]
+        k += 1
+        if v is None:
+            out.append(None)
+            continue
+        v = np.asarray(v)
+        if v.dtype.kind in "OUS":
+            raise UnsupportedOperator(f"{what}: folds to a {v.dtype} tensor, which a PCG cannot hold")
+        if v.size > MAX_FOLD:
+            raise InvalidModel(f"{what}: folding it makes a constant of {v.size} elements (limit {MAX_FOLD})")
+        out.append(Const(v))
+    return out
+
+
+def fold_any(ctx, ins: list) -> list[Const]:
+    """Fold a node whose inputs are all constant: the numpy kernels above where they exist (fast, lazy on
+    big weights), ``onnx.reference`` for every other operator and for forms the kernels do not cover."""
+    if ctx.op in FOLDABLE:
+        try:
+            return fold(ctx, ins)
+        except UnsupportedOperator:
+            pass
+    return reference_fold(ctx, ins)

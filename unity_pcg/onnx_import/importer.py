@@ -160,6 +160,10 @@ class Importer:
                               [], name)
         return key.wref
 
+    def is_read(self, tensor: str) -> bool:
+        """Whether a live node or a graph output reads ONNX tensor ``tensor``."""
+        return tensor in self._live_inputs or tensor in self.out_names
+
     def add(self, op: str, attrs: dict, inputs: list, name: str):
         return self.b.add(op, attrs, inputs, name)
 
@@ -203,6 +207,7 @@ class Importer:
                 raise MissingTensor(f"graph output {o!r} is not defined by any node, input or initializer")
         order = _topo(nodes, producers)
         live = self._live(nodes, producers, outs)
+        self.out_names = set(outs)
         from . import convert
         for j in order:
             if j not in live:
