@@ -1,0 +1,276 @@
+"""ONNX import of the element-wise, LogSoftmax and reduction operators (issue 10 point 2): each operator imported
+from a one-node model and evaluated with the numpy reference, compared with onnxruntime; bad attribute values,
+rank mismatches and zero-size dims give a one-line typed error (and exit 2 on the CLI), never a traceback."""
+from __future__ import annotations
+
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+from onnx import TensorProto, helper, numpy_helper
+
+from unity_pcg.errors import UnityError
+from unity_pcg.evaluate import evaluate
+from unity_pcg.onnx_import import load_onnx
+
+ort = pytest.importorskip("onnxruntime")
+
+F = TensorProto.FLOAT
+
+
+def _model(op, attrs=None, shape=(2, 3, 4), inputs=("x",), inits=(), opset=13, dtype=F, extra_inputs=()):
+    node = helper.make_node(op, list(inputs), ["y"], name="n", **(attrs or {}))
+    vis = [helper.make_tensor_value_info("x", dtype, list(shape))]
+    vis += [helper.make_tensor_value_info(n, dtype, list(s)) for n, s in extra_inputs]
+    g = helper.make_graph([node], "g", vis, [helper.make_tensor_value_info("y", dtype, None)],
+                          [numpy_helper.from_array(np.asarray(v), n) for n, v in inits])
+    m = helper.make_model(g, opset_imports=[helper.make_opsetid("", opset)])
+    m.ir_version = 10 if opset >= 21 else 8
+    return m
+
+
+def _ort(model, feeds):
+    so = ort.SessionOptions()
+    so.log_severity_level = 3
+    s = ort.InferenceSession(model.SerializeToString(), so, providers=["CPUExecutionProvider"])
+    return s.run(None, feeds)
+
+
+def _feeds(model, fill, seed=0):
+    rng = np.random.default_rng(seed)
+    out = {}
+    for vi in model.graph.input:
+        shape = [d.dim_value for d in vi.type.tensor_type.shape.dim]
+        if fill == "positive":
+            v = rng.uniform(0.1, 3.0, shape)
+        elif fill == "wide":
+            v = rng.uniform(-5.0, 5.0, shape)
+        else:
+            v = rng.standard_normal(shape)
+        out[vi.name] = v.astype(np.float32)
+    return out
+
+
+def _compare(model, fill="normal"):
+    g = load_onnx(model)
+    g.check()
+    feeds = _feeds(model, fill)
+    (ours,) = evaluate(g, feeds)
+    (ref,) = _ort(model, feeds)
+    assert ours.shape == ref.shape
+    np.testing.assert_allclose(ours, ref, rtol=1e-5, atol=1e-6)
+    return sorted({n.op for n in g.nodes()} - {"Input", "Weight"})
+
+
+SLOPE_C11 = np.array([0.1, -0.3, 2.0], np.float32).reshape(3, 1, 1)
+# (ONNX op, attributes, opset, input shape, extra initializers, fill, the PCG operators it becomes)
+CASES = [
+    ("LeakyRelu", {}, 13, (2, 3, 4), (), "normal", ["LeakyRelu"]),
+    ("LeakyRelu", {"alpha": 0.3}, 6, (5,), (), "normal", ["LeakyRelu"]),
+    ("Elu", {"alpha": 0.7}, 13, (2, 3, 4), (), "wide", ["Elu"]),
+    ("Selu", {}, 13, (2, 3, 4), (), "wide", ["Selu"]),
+    ("Selu", {"alpha": 1.5, "gamma": 2.0}, 6, (4, 4), (), "wide", ["Selu"]),
+    ("Celu", {"alpha": 0.5}, 12, (2, 3, 4), (), "wide", ["Celu"]),
+    ("Softplus", {}, 13, (2, 3, 4), (), "wide", ["Softplus"]),
+    ("Softsign", {}, 13, (2, 3, 4), (), "wide", ["Softsign"]),
+    ("Mish", {}, 18, (2, 3, 4), (), "wide", ["Mish"]),
+    ("HardSigmoid", {}, 13, (2, 3, 4), (), "wide", ["HardSigmoid"]),
+    ("HardSigmoid", {"alpha": 0.5, "beta": 0.1}, 6, (2, 3, 4), (), "wide", ["HardSigmoid"]),
+    ("HardSwish", {}, 14, (2, 3, 4), (), "wide", ["HardSwish"]),
+    ("Abs", {}, 13, (2, 3, 4), (), "normal", ["Abs"]),
+    ("Log", {}, 13, (2, 3, 4), (), "positive", ["Log"]),
+    ("Swish", {}, 24, (2, 3, 4), (), "wide", ["Silu"]),
+    ("Swish", {"alpha": 1.702}, 24, (2, 3, 4), (), "wide", ["Mul", "Scale", "Sigmoid"]),
+    ("PRelu", {}, 13, (2, 3, 4, 5), [("s", SLOPE_C11)], "normal", ["PRelu"]),
+    ("PRelu", {}, 9, (2, 3, 4), [("s", np.array([0.25], np.float32))], "normal", ["PRelu"]),
+    ("PRelu", {}, 16, (2, 4), [("s", np.array([0.1, 0.2, -0.5, 1.0], np.float32))], "normal", ["PRelu"]),
+    ("LogSoftmax", {}, 13, (2, 3, 4), (), "normal", ["LogSoftmax"]),
+    ("LogSoftmax", {"axis": 1}, 13, (2, 3, 4), (), "normal", ["LogSoftmax"]),
+    ("LogSoftmax", {}, 11, (2, 3, 4), (), "normal", ["LogSoftmax", "Reshape"]),   # opset < 13: 2-D coercion
+    ("LogSoftmax", {"axis": -1}, 11, (2, 3, 4), (), "normal", ["LogSoftmax"]),
+    # the existing converters, on activations
+    ("Neg", {}, 13, (2, 3, 4), (), "normal", ["Neg"]),
+    ("Exp", {}, 13, (2, 3, 4), (), "normal", ["Exp"]),
+    ("Sqrt", {}, 13, (2, 3, 4), (), "positive", ["Sqrt"]),
+    ("Reciprocal", {}, 13, (2, 3, 4), (), "positive", ["Reciprocal"]),
+    ("Erf", {}, 13, (2, 3, 4), (), "normal", ["Erf"]),
+    ("Clip", {"min": -0.5, "max": 0.5}, 6, (2, 3, 4), (), "normal", ["Clip"]),
+]
+# reductions: (op, attributes, opset, axes input or None)
+REDUCE_CASES = [
+    (op, attrs, opset, axes)
+    for op in ("ReduceMax", "ReduceMin", "ReduceProd", "ReduceL2", "ReduceLogSumExp", "ReduceL1", "ReduceSumSquare")
+    for attrs, opset, axes in [({"axes": [1]}, 13, None), ({"axes": [0, -1], "keepdims": 0}, 13, None),
+                               ({}, 13, None), ({"keepdims": 0}, 18, [2]), ({"noop_with_empty_axes": 1}, 18, [])]
+]
+
+
+@pytest.mark.parametrize("op,attrs,opset,shape,inits,fill,pcg_ops", CASES,
+                         ids=[f"{c[0]}-{i}" for i, c in enumerate(CASES)])
+def test_activation_matches_onnxruntime(op, attrs, opset, shape, inits, fill, pcg_ops):
+    inputs = ("x",) + tuple(n for n, _ in inits)
+    assert _compare(_model(op, attrs, shape, inputs, inits, opset), fill) == pcg_ops
+
+
+@pytest.mark.parametrize("op,attrs,opset,axes", REDUCE_CASES, ids=[f"{c[0]}-{i}" for i, c in enumerate(REDUCE_CASES)])
+def test_reduction_matches_onnxruntime(op, attrs, opset, axes):
+    inputs, inits = ("x",), ()
+    if axes is not None:
+        inputs, inits = ("x", "axes"), [("axes", np.array(axes, np.int64))]
+    got = _compare(_model(op, attrs, (2, 3, 4), inputs, inits, opset), "positive" if op == "ReduceProd" else "normal")
+    noop = attrs.get("noop_with_empty_axes")
+    if op == "ReduceL1":
+        assert got == (["Abs"] if noop else ["Abs", "ReduceSum"])   # sums stay sums: shardable into partial sums
+    elif op == "ReduceSumSquare":
+        assert got == (["Mul"] if noop else ["Mul", "ReduceSum"])
+    elif noop:
+        assert got == (["Abs"] if op == "ReduceL2" else [])
+    else:
+        assert got == [op]
+
+
+def test_clip_bounds_as_inputs_and_pow_div_sub_on_activations():
+    """Clip's min/max inputs (opset 11+), Pow/Div/Sub with a computed second operand."""
+    m = _model("Clip", {}, (2, 3, 4), ("x", "lo", "hi"), [("lo", np.float32(-0.3)), ("hi", np.float32(0.8))], 13)
+    assert _compare(m) == ["Clip"]
+    m = _model("Clip", {}, (2, 3, 4), ("x", "", "hi"), [("hi", np.float32(0.8))], 13)
+    assert _compare(m) == ["Clip"]
+    for op in ("Pow", "Div", "Sub"):
+        m = _model(op, {}, (2, 3, 4), ("x", "x2"), (), 13, extra_inputs=[("x2", (3, 4))])
+        assert _compare(m, "positive") == [op]
+
+
+def test_prelu_slope_is_a_weight_that_can_be_sharded_with_the_channels():
+    from unity_pcg import ops
+    from unity_pcg.shape import ParallelTensorShape as S
+    g = load_onnx(_model("PRelu", {}, (2, 3, 4, 5), ("x", "s"), [("s", SLOPE_C11)], 13))
+    assert [n.a["shape"] for n in g.sources("Weight")] == [(3, 1, 1)]
+    # channels split 3 ways: the slope is split the same way, no copies
+    out = ops.infer("PRelu", {}, [S.of((2, 3, 4, 5), (1, 3, 1, 1)), S.of((3, 1, 1), (3, 1, 1))]).outputs[0]
+    assert out.degrees == (1, 3, 1, 1) and out.copy_degree == 1
+
+
+# --- bad input ------------------------------------------------------------------------------------------
+
+def _refused(model) -> str:
+    with pytest.raises(UnityError) as e:
+        load_onnx(model)
+    s = str(e.value)
+    assert s and "\n" not in s and "Traceback" not in s
+    return s
+
+
+BAD = [
+    # (ONNX op, attributes, opset, input shape, initializers, words the error must contain)
+    ("LeakyRelu", {"alpha": "x"}, 13, (2, 3), (), "'alpha'"),
+    ("LeakyRelu", {"alpha": [1.0, 2.0]}, 13, (2, 3), (), "'alpha'"),
+    ("Elu", {"alpha": float("nan")}, 13, (2, 3), (), "'alpha'"),
+    ("Selu", {"gamma": float("inf")}, 13, (2, 3), (), "'gamma'"),
+    ("Celu", {"alpha": 0.0}, 12, (2, 3), (), "'alpha'"),
+    ("HardSigmoid", {"beta": 3}, 13, (2, 3), (), "'beta'"),
+    ("Softplus", {"beta": 2.0}, 13, (2, 3), (), "'beta'"),
+    ("HardSwish", {"alpha": 0.2}, 14, (2, 3), (), "'alpha'"),
+    ("LogSoftmax", {"axis": 3}, 13, (2, 3), (), "axis 3"),
+    ("LogSoftmax", {"axis": -4}, 11, (2, 3, 4), (), "axis -4"),
+    ("LogSoftmax", {"axis": 1.5}, 13, (2, 3), (), "'axis'"),
+    ("LogSoftmax", {}, 13, (), (), "scalar"),
+    ("ReduceMax", {"keepdims": 2}, 13, (2, 3), (), "'keepdims'"),
+    ("ReduceL2", {"axes": [2]}, 13, (2, 3), (), "axis"),
+    ("ReduceMin", {"axes": [0, 7]}, 13, (2, 3), (), "axis"),
+    ("ReduceProd", {"axes": "0"}, 13, (2, 3), (), "'axes'"),
+    ("ReduceLogSumExp", {"noop_with_empty_axes": 1}, 13, (2, 3), (), "'noop_with_empty_axes'"),
+    ("ReduceMax", {"noop_with_empty_axes": 5}, 18, (2, 3), (), "'noop_with_empty_axes'"),
+    ("ReduceMax", {"select_last_index": 1}, 18, (2, 3), (), "'select_last_index'"),
+    ("ReduceMax", {"axes": [0]}, 18, (2, 3), (), "'axes'"),          # an input from opset 18 on
+    ("PRelu", {}, 13, (2, 3), [("s", np.ones((4, 2, 3), np.float32))], "does not broadcast"),   # rank mismatch
+    ("PRelu", {}, 13, (2, 3), [("s", np.ones((2,), np.float32))], "does not broadcast"),
+    ("PRelu", {}, 13, (2, 3), [("s", np.ones((0,), np.float32))], "does not broadcast"),       # zero-size slope
+    ("Abs", {}, 13, (0, 3), (), "zero-size"),
+    ("ReduceMax", {"axes": [0]}, 13, (0, 3), (), "zero-size"),
+    ("Log", {}, 13, (2, 0), (), "zero-size"),
+]
+
+
+@pytest.mark.parametrize("op,attrs,opset,shape,inits,words", BAD, ids=[f"{b[0]}-{i}" for i, b in enumerate(BAD)])
+def test_bad_nodes_are_one_line_errors_naming_the_culprit(op, attrs, opset, shape, inits, words):
+    inputs = ("x",) + tuple(n for n, _ in inits)
+    msg = _refused(_model(op, attrs, shape, inputs, inits, opset))
+    assert words in msg, msg
+
+
+def test_integer_input_to_a_float_operator_is_refused():
+    for op in ("Log", "Softplus", "LogSoftmax", "ReduceL2"):
+        assert "float" in _refused(_model(op, {}, (2, 3), dtype=TensorProto.INT64))
+
+
+def _mutations(rng, op):
+    """One mutated node of ``op``: an attribute changed in value or type, an unknown one, or the input's rank /
+    a dim set to 0."""
+    attrs = {"LeakyRelu": {"alpha": 0.1}, "Elu": {"alpha": 1.0}, "Selu": {"alpha": 1.5, "gamma": 1.1},
+             "Celu": {"alpha": 1.0}, "HardSigmoid": {"alpha": 0.2, "beta": 0.5}, "LogSoftmax": {"axis": -1},
+             "ReduceMax": {"axes": [1], "keepdims": 1}, "ReduceProd": {"axes": [0], "keepdims": 0},
+             "ReduceL1": {"keepdims": 1}, "ReduceLogSumExp": {"axes": [-1]}, "Softplus": {}, "PRelu": {},
+             "Mish": {}, "HardSwish": {}}[op]
+    attrs = dict(attrs)
+    shape = [2, 3, 4]
+    k = rng.integers(0, 6)
+    if k == 0 and attrs:
+        key = sorted(attrs)[rng.integers(0, len(attrs))]
+        attrs[key] = [float("nan"), -7, 100, "s", [1, 2, 3], 0.0, 2][rng.integers(0, 7)]
+    elif k == 1:
+        attrs["bogus"] = 1
+    elif k == 2:
+        shape = shape[: rng.integers(0, 3)]
+    elif k == 3:
+        shape[rng.integers(0, 3)] = 0
+    elif k == 4 and "axes" in attrs:
+        axes = [int(rng.integers(-5, 5)) for _ in range(rng.integers(0, 4))]
+        if axes:
+            attrs["axes"] = axes
+        else:
+            del attrs["axes"]
+    else:
+        shape = shape + [1]
+    inputs, inits = ("x",), ()
+    if op == "PRelu":
+        s = [3, 1] if rng.integers(0, 2) else [int(rng.integers(0, 4))] * int(rng.integers(1, 4))
+        inputs, inits = ("x", "s"), [("s", np.full(s, 0.2, np.float32))]
+    return _model(op, attrs, tuple(shape), inputs, inits, {"HardSwish": 14, "Mish": 18}.get(op, 13))
+
+
+FUZZ_OPS = ["LeakyRelu", "Elu", "Selu", "Celu", "HardSigmoid", "LogSoftmax", "ReduceMax", "ReduceProd", "ReduceL1",
+            "ReduceLogSumExp", "Softplus", "PRelu", "Mish", "HardSwish"]
+
+
+def test_fuzzed_nodes_import_and_match_or_fail_in_one_line():
+    """Mutated nodes either import to a PCG that onnxruntime agrees with, or fail with a one-line typed error."""
+    rng = np.random.default_rng(20261123)
+    outcomes = {"ok": 0, "refused": 0}
+    for i in range(160):
+        op = FUZZ_OPS[i % len(FUZZ_OPS)]
+        m = _mutations(rng, op)
+        try:
+            g = load_onnx(m)
+        except UnityError as e:
+            assert str(e) and "\n" not in str(e), (op, str(e))
+            outcomes["refused"] += 1
+            continue
+        g.check()
+        feeds = _feeds(m, "positive" if op == "ReduceProd" else "normal", i)
+        ref = _ort(m, feeds)   # what we accept, onnxruntime accepts too
+        with np.errstate(all="ignore"):
+            (ours,) = evaluate(g, feeds)
+        np.testing.assert_allclose(ours, ref[0], rtol=1e-5, atol=1e-6, err_msg=str(m.graph.node[0]))
+        outcomes["ok"] += 1
+    assert outcomes["ok"] >= 30 and outcomes["refused"] >= 30, outcomes
+
+
+def test_cli_prints_one_line_and_exits_2(tmp_path):
+    path = tmp_path / "bad.onnx"
+    path.write_bytes(_model("ReduceMax", {"keepdims": 3}, (2, 3)).SerializeToString())
+    r = subprocess.run([sys.executable, "-m", "unity_pcg.cli", "import", str(path)], capture_output=True, text=True,
+                       timeout=120)
+    assert r.returncode == 2, r.stderr
+    err = r.stderr.strip()
+    assert "Traceback" not in err and len(err.splitlines()) == 1 and "'keepdims'" in err, err
