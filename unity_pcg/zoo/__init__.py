@@ -19,6 +19,12 @@ candle_uno      256          CANDLE Uno drug-response model, two drugs, 8 x 4192
 mlp             256          16 x Linear(8192, 8192) with ReLU
 ==============  ===========  ======================================================
 
+The GPT models of the Alpa evaluation (OSDI'22, Appendix B, Table 6: seq 1024, vocab 51200) are in
+:data:`ALPA_MODELS`, not in :data:`MODELS` (Unity's seven): ``gpt_350m`` (1 GPU), ``gpt_1_3b`` (4),
+``gpt_2_6b`` (8), ``gpt_6_7b`` (16), ``gpt_15b`` (32), ``gpt_39b`` (64) (:data:`ALPA_GPUS`), global batch
+1024 (``paper_batch``: for these the global batch, not a per-device one), sizes ``tiny`` and ``paper``;
+plan them from :func:`export_structure` (no weights are materialized; 39B would be 156 GB).
+
 Sizes: ``tiny`` (tests), ``paper`` (Unity §6.1) and, for DLRM and CANDLE-Uno, ``small`` (their
 earlier published configurations) and DLRM's 6-table ``paper6``; :func:`sizes` lists them.
 Paper-size DLRM and CANDLE-Uno hold 1.7 and 0.8 billion parameters: :func:`export_structure`
@@ -40,7 +46,7 @@ try:  # the project-wide user-error base class (CLI prints it and exits 2)
 except ImportError:  # pragma: no cover - zoo used standalone
     _ErrorBase = Exception
 
-__all__ = ["ZooEntry", "ZooError", "MODELS", "SIZES", "EXPORTERS", "LARGE_MODEL_BYTES",
+__all__ = ["ZooEntry", "ZooError", "MODELS", "ALPA_MODELS", "ALPA_GPUS", "entry", "SIZES", "EXPORTERS", "LARGE_MODEL_BYTES",
            "list_models", "sizes", "get_config", "build", "export", "export_structure", "param_count"]
 
 
@@ -58,7 +64,7 @@ class ZooEntry:
     @property
     def paper_optimizer(self) -> str:
         """The optimizer of Unity §6.1: Adam for BERT-Large, SGD for the other models."""
-        return "adam" if self.name == "bert_large" else "sgd"
+        return "adam" if self.name == "bert_large" or self.name.startswith("gpt_") else "sgd"
 
 
 MODELS: "OrderedDict[str, ZooEntry]" = OrderedDict(
@@ -81,6 +87,19 @@ MODELS: "OrderedDict[str, ZooEntry]" = OrderedDict(
     )
 )
 
+#: Alpa's GPT benchmark models (Alpa OSDI'22 Table 6); ``paper_batch`` is the global batch (1024)
+ALPA_MODELS: "OrderedDict[str, ZooEntry]" = OrderedDict(
+    (e.name, e) for e in (
+        ZooEntry(n, f"GPT-3-style decoder as Alpa's GPT-{p} (hidden {h}, {l} layers, {a} heads, FFN 4 x hidden, "
+                 f"seq 1024, vocab 51200, pre-LN, causal attention, untied LM head)", 1024, 2)
+        for n, p, h, l, a in (("gpt_350m", "350M", 1024, 24, 16), ("gpt_1_3b", "1.3B", 2048, 24, 32),
+                              ("gpt_2_6b", "2.6B", 2560, 32, 32), ("gpt_6_7b", "6.7B", 4096, 32, 32),
+                              ("gpt_15b", "15B", 5120, 48, 32), ("gpt_39b", "39B", 8192, 48, 64))
+    )
+)
+#: GPUs each GPT model is trained on in the Alpa evaluation
+ALPA_GPUS = {"gpt_350m": 1, "gpt_1_3b": 4, "gpt_2_6b": 8, "gpt_6_7b": 16, "gpt_15b": 32, "gpt_39b": 64}
+
 SIZES = ("tiny", "small", "paper")   # "small" only where a model has one (see sizes())
 EXPORTERS = ("legacy", "dynamo")
 
@@ -93,10 +112,17 @@ def list_models() -> "list[ZooEntry]":
     return list(MODELS.values())
 
 
+def entry(name: str) -> ZooEntry:
+    """The entry of ``name`` among Unity's models and Alpa's GPT models."""
+    e = MODELS.get(name) or ALPA_MODELS.get(name)
+    if e is None:
+        raise ZooError(f"unknown model {name!r}; valid names: {', '.join(list(MODELS) + list(ALPA_MODELS))}")
+    return e
+
+
 def sizes(name: str) -> "list[str]":
     """The sizes model ``name`` comes in (tiny and paper always)."""
-    if name not in MODELS:
-        raise ZooError(f"unknown model {name!r}; valid names: {', '.join(MODELS)}")
+    entry(name)
     return list(CONFIGS[name])
 
 
@@ -104,7 +130,7 @@ def _check(name: str, size: str) -> ZooEntry:
     if size not in sizes(name):
         raise ZooError(f"unknown size {size!r} for model {name!r}; valid sizes: "
                        f"{', '.join(sizes(name))}")
-    return MODELS[name]
+    return entry(name)
 
 
 def get_config(name: str, size: str = "tiny"):
@@ -223,13 +249,16 @@ def export(name: str, path, size: str = "tiny", batch: "int | None" = None,
 #: models whose ONNX graph holds no constant that depends on a layer width (only on the batch and
 #: structural counts), so :func:`export_structure` can trace a narrow twin of them
 _STRUCTURE_OK = {"dlrm": lambda c: c.interaction == "cat", "xdl": lambda c: True,
-                 "candle_uno": lambda c: True, "mlp": lambda c: True}
+                 "candle_uno": lambda c: True, "mlp": lambda c: True,
+                 **{n: (lambda c: True) for n in ALPA_MODELS}}
 
 
 def _narrow(cfg):
     """A twin of ``cfg`` with every layer width and row count (fields of sizes, not counts) cut to 3
     or less, its structure (layers, tables, bag, drugs) unchanged."""
     import dataclasses
+    if type(cfg).__name__ == "GPTConfig":   # widths only; heads (in the Reshape constants) and seq stay
+        return dataclasses.replace(cfg, hidden=cfg.heads, ffn=3, vocab=3)
     small = {}
     for f in dataclasses.fields(cfg):
         v = getattr(cfg, f.name)
@@ -271,7 +300,9 @@ def export_structure(name: str, path, size: str = "paper", batch: "int | None" =
         for j, (_, p) in enumerate(params):
             p.fill_(float(j + 1))
     module.eval()
-    inputs = models.example_inputs(name, twin, b)
+    # GPT's graph reads the batch from the tensor shapes (no constant holds it): trace at batch 1, which
+    # spares the twin's [batch, heads, seq, seq] attention at seq 1024
+    inputs = models.example_inputs(name, twin, 1 if name in ALPA_MODELS else b)
     in_names, out_names = models.io_names(name, cfg)
     path = os.fspath(path)
     directory = os.path.dirname(os.path.abspath(path))

@@ -100,6 +100,23 @@ class CandleUnoConfig:
 
 
 @dataclass(frozen=True)
+class GPTConfig:
+    """A GPT-3-style decoder (pre-LayerNorm blocks, causal self-attention, GELU MLP of 4 x hidden,
+    learned position embeddings, untied LM head), as the Alpa evaluation's GPT models."""
+    layers: int
+    hidden: int
+    heads: int
+    vocab: int = 51200
+    seq: int = 1024
+    ffn: int = 0               # 0: 4 x hidden
+    ln_eps: float = 1e-5
+
+    @property
+    def ffn_size(self) -> int:
+        return self.ffn or 4 * self.hidden
+
+
+@dataclass(frozen=True)
 class MLPConfig:
     layers: int
     hidden: int
@@ -169,3 +186,10 @@ CONFIGS = {
         "tiny": MLPConfig(layers=16, hidden=64),
     },
 }
+
+# Alpa (OSDI'22) Appendix B, Table 6: seq 1024, vocab 51200; hidden / layers / heads; the GPU count is in
+# unity_pcg.zoo.ALPA_GPUS.  ``tiny``: the same graph structure (2 layers) at widths of a few units.
+_GPT_TINY = GPTConfig(layers=2, hidden=32, heads=4, vocab=64, seq=16)
+for _name, _h, _l, _heads in (("gpt_350m", 1024, 24, 16), ("gpt_1_3b", 2048, 24, 32), ("gpt_2_6b", 2560, 32, 32),
+                              ("gpt_6_7b", 4096, 32, 32), ("gpt_15b", 5120, 48, 32), ("gpt_39b", 8192, 48, 64)):
+    CONFIGS[_name] = {"paper": GPTConfig(layers=_l, hidden=_h, heads=_heads), "tiny": _GPT_TINY}

@@ -14,7 +14,7 @@ from typing import List, Sequence, Tuple
 import torch
 from torch import nn
 
-from .configs import (BertConfig, CandleUnoConfig, DLRMConfig, InceptionV3Config, MLPConfig,
+from .configs import (BertConfig, CandleUnoConfig, DLRMConfig, GPTConfig, InceptionV3Config, MLPConfig,
                       ResNeXtConfig, XDLConfig)
 
 
@@ -476,6 +476,64 @@ class DeepMLP(nn.Module):
 
 # ------------------------------------------------------------------------------ factory
 
+# --------------------------------------------------------------------------------- GPT
+
+
+class GPTBlock(nn.Module):
+    """A pre-LayerNorm GPT block: x + Attn(LN(x)), then x + MLP(LN(x)).  The attention is written
+    out (Q/K/V Linears, heads split with ``unflatten(-1, (heads, -1))`` and merged with ``flatten``,
+    an additive causal mask) so its ONNX graph holds no constant that depends on the width (only
+    on the batch, the sequence and the heads): :func:`unity_pcg.zoo.export_structure` traces a
+    narrow twin of it."""
+
+    def __init__(self, cfg: GPTConfig):
+        super().__init__()
+        h = cfg.hidden
+        self.heads = cfg.heads
+        self.scale = 1.0 / math.sqrt(h // cfg.heads)
+        self.ln1 = nn.LayerNorm(h, eps=cfg.ln_eps)
+        self.query = nn.Linear(h, h)
+        self.key = nn.Linear(h, h)
+        self.value = nn.Linear(h, h)
+        self.out = nn.Linear(h, h)
+        self.ln2 = nn.LayerNorm(h, eps=cfg.ln_eps)
+        self.fc = nn.Linear(h, cfg.ffn_size)
+        self.act = nn.GELU()
+        self.proj = nn.Linear(cfg.ffn_size, h)
+        self.register_buffer("mask", torch.full((cfg.seq, cfg.seq), -1e4).triu(1), persistent=False)
+
+    def _split(self, t):  # [B, S, H] -> [B, heads, S, head_dim]
+        return t.unflatten(-1, (self.heads, -1)).transpose(1, 2)
+
+    def forward(self, x):
+        y = self.ln1(x)
+        q, k, v = self._split(self.query(y)), self._split(self.key(y)), self._split(self.value(y))
+        probs = torch.softmax(torch.matmul(q, k.transpose(2, 3)) * self.scale + self.mask, dim=-1)
+        ctx = torch.matmul(probs, v).transpose(1, 2).flatten(2)
+        x = x + self.out(ctx)
+        return x + self.proj(self.act(self.fc(self.ln2(x))))
+
+
+class GPT(nn.Module):
+    """GPT-3-style language model (Alpa's GPT benchmark models): token embedding + learned position
+    embedding (a [seq, hidden] parameter added whole), ``layers`` pre-LN blocks, final LayerNorm and
+    an untied LM head (Linear without bias to the vocabulary; untied so that a pipeline may put the
+    embedding and the head on different stages).  Input ``input_ids`` int64 [batch, seq]; output
+    ``logits`` [batch, seq, vocab]."""
+
+    def __init__(self, cfg: GPTConfig):
+        super().__init__()
+        self.wte = nn.Embedding(cfg.vocab, cfg.hidden)
+        self.wpe = nn.Parameter(torch.randn(cfg.seq, cfg.hidden) * 0.02)
+        self.blocks = nn.Sequential(*[GPTBlock(cfg) for _ in range(cfg.layers)])
+        self.ln_f = nn.LayerNorm(cfg.hidden, eps=cfg.ln_eps)
+        self.head = nn.Linear(cfg.hidden, cfg.vocab, bias=False)
+
+    def forward(self, input_ids):
+        x = self.wte(input_ids) + self.wpe
+        return self.head(self.ln_f(self.blocks(x)))
+
+
 _CLASSES = {
     "resnext50": ResNeXt,
     "inception_v3": InceptionV3,
@@ -500,6 +558,8 @@ _IO_NAMES = {
 
 def io_names(name: str, cfg) -> Tuple[List[str], List[str]]:
     """The graph input and output names of model ``name`` with configuration ``cfg``."""
+    if isinstance(cfg, GPTConfig):
+        return ["input_ids"], ["logits"]
     if name == "dlrm" and cfg.interaction == "cat":
         return ["dense"] + [f"sparse{i}" for i in range(len(cfg.table_rows))], ["click_prob"]
     if name == "candle_uno" and cfg.drugs > 1:
@@ -515,7 +575,7 @@ def io_names(name: str, cfg) -> Tuple[List[str], List[str]]:
 def make_module(name: str, cfg, device=None) -> nn.Module:
     """Instantiate the module for ``cfg`` (default init), on ``device`` if given
     (``"meta"`` builds it without allocating weights)."""
-    cls = _CLASSES[name]
+    cls = GPT if isinstance(cfg, GPTConfig) else _CLASSES[name]
     if device is None:
         return cls(cfg)
     with torch.device(device):
@@ -545,7 +605,7 @@ def example_inputs(name: str, cfg, batch: int, seed: int = 1234) -> Tuple[torch.
     g = torch.Generator().manual_seed(seed)
     if name in ("resnext50", "inception_v3"):
         return (torch.randn(batch, 3, cfg.image, cfg.image, generator=g),)
-    if name == "bert_large":
+    if name == "bert_large" or isinstance(cfg, GPTConfig):
         return (torch.randint(0, cfg.vocab, (batch, cfg.seq), generator=g),)
     if name == "dlrm":
         dense = torch.rand(batch, cfg.dense_features, generator=g)

@@ -1,0 +1,640 @@
+"""Alpa's inter-operator pass (OSDI'22 section 5, Eqs. 2-6; the equations are restored in
+/work/shared/notes/alpa-oneflow.md): operator clustering, sub-mesh shapes, the stage DP over
+``t_max`` with its early stop, 1F1B memory, and the plan it gives, priced in our cost model.
+
+**Operator clustering** (:func:`cluster_operators`, Eq. 6).  The operators are the *units* of
+:func:`unity_pcg.search.sp.build_units` (a compute node with its placement chains) in topological
+order.  They are grouped into ``L`` layers by Alpa's DP ``G(k, r) = min_i max{G(i-1, r-1), C(i, k)}``
+subject to ``FLOP(o_i..o_k) <= (1 + delta) FLOP_total / L``, with ``C(i, k)`` the bytes the units
+``i..k`` read from units before ``i``: the layers minimize the largest activation any layer receives.
+Ties (a transformer's block boundaries all receive the same residual stream) are broken by the sum of
+squared deviations of the layers' FLOPs from ``FLOP_total / L``, so identical blocks make identical
+layers.  A layer may start only where no trained weight is read on both sides and no partial sum
+crosses (the valid cuts of :mod:`unity_pcg.search.pipeline`).  If no clustering meets the FLOP bound
+(one unit heavier than it), the bound is doubled until one does.
+
+**Sub-mesh shapes** (:func:`submesh_shapes`, Appendix A): ``(1, 1), (1, 2), (1, 4), ..., (1, D)``
+inside a node of ``D`` devices, then ``(n, D)`` for ``n = 2..N`` whole nodes.  Any multiset of them
+whose sizes sum to ``N * D`` covers the cluster exactly; :func:`place_submeshes` packs them (whole
+nodes first, then the in-node meshes largest first, first fit), so the DP counts devices only.  Each
+physical sub-mesh is tried under its logical meshes (``logical="physical"``: itself;
+``"all"``: inside a node every 2-D factorization ``(a, b)`` of its size, across nodes those whose
+second axis is whole nodes' devices, ``b`` a multiple of ``D``); a stage's cost on a sub-mesh is the best of them.
+
+**Stage costs.**  ``t_intra(layers k..i, mesh)`` is the intra-operator plan of the stage's sub-PCG
+(:func:`unity_pcg.search.pipeline.stage_graph` at the micro-batch size) on the mesh: a ``solve``
+callback, by default :func:`unity_pcg.search.alpa.intra.solve_intra`, returning a plan with ``pcg``
+and ``views``.  It is priced by our cost model (:meth:`MachineMapper.evaluate` of its views, or the
+machine-mapping DP when it has none): ``t`` = iteration time minus gradient sync and optimizer update
+(one micro-batch's forward + backward), ``once`` = sync + update, and per device the bytes of weights
+(with gradients and optimizer states) and of one micro-batch's activations.  Results are memoized by
+the stage sub-PCG's structure (node ids and names left out) and the logical mesh, so identical layers
+are solved once.  Stages that cannot fit (their weights with optimizer states over the sub-mesh's
+memory even if sharded over all of it) are not solved.
+
+**The stage DP** (:func:`stage_dp`, Eqs. 2-5).  ``F(s, k, d; t_max)`` = the least sum of stage
+times of layers ``k..L-1`` cut into ``s`` stages on ``d`` devices, each stage's ``t <= t_max`` and
+each stage fitting in memory with the micro-batches 1F1B keeps in flight (Eq. 5:
+``w + min(s, B) a <= capacity``, ``s`` = this stage and the ones after it); ``T*(t_max) = min_s
+F(s, 0, N D; t_max) + (B - 1) t_max``.  ``t_max`` runs over the distinct stage times ascending
+(skipping values within ``eps = 1e-6`` s of the previous); the loop stops once ``B t_max`` reaches the
+best ``T*`` found (no later bound can do better).  Each plan found is scored by Eq. 2 on its actual
+stage times.  The DP is vectorized over (first layer, last layer, devices) with numpy.
+
+**The plan** (:func:`alpa_plan`).  The best plan's stages are placed on the cluster, each stage's
+intra plan is solved again on its own sub-PCG at its place (the memo's plan may belong to another
+range of the same structure; stitching needs this stage's node ids), and the pipeline is
+priced with our 1F1B event simulation (:func:`unity_pcg.search.pipeline.simulate_1f1b`: per-stage
+forward / backward, activation transfers between the sub-meshes, sync and update once, memory with
+micro-batches in flight) and stitched into one PCG with the plan file's ``pipeline`` field, exactly
+as Unity's own pipeline plans: Alpa's and Unity's numbers come from the same model.  Micro-batch
+counts are Alpa's hyper-parameter: given, or by default the powers of two dividing the batch from 1
+up, stopping after the first count that does not improve on a feasible plan.
+"""
+from __future__ import annotations
+
+import math
+import time
+from dataclasses import dataclass, field, replace
+from typing import Callable, Mapping, Sequence
+
+import numpy as np
+
+from unity_pcg import ops
+from unity_pcg.errors import UnityError
+from unity_pcg.machine import MachineSpec, Resource
+from unity_pcg.pcg import PCG
+
+from .. import pipeline as P
+from ..cost import CostModel, GraphCost
+from ..mapping import MachineMapper
+
+INF = math.inf
+EPS = 1e-6                  # t_max values closer than this are skipped (the paper's epsilon)
+BYTES_PER_PARAM = {"sgd": 8, "momentum": 12, "adam": 16}   # fp32 weight + gradient + optimizer states
+
+
+class AlpaError(UnityError, ValueError):
+    """An Alpa plan that cannot be built (no clustering, no stage plan that covers the cluster)."""
+
+
+# --- sub-mesh shapes ---------------------------------------------------------------------------------
+
+def submesh_shapes(machine: MachineSpec) -> list[tuple[int, int]]:
+    """Alpa's sub-mesh shapes (Appendix A): (1, 2^k) inside a node, then (n, D) whole nodes."""
+    D, N = machine.devices_per_node, machine.nodes
+    out = []
+    k = 1
+    while k < D:
+        out.append((1, k))
+        k *= 2
+    out.append((1, D))
+    out.extend((n, D) for n in range(2, N + 1))
+    return out
+
+
+def logical_meshes(shape: tuple[int, int], devices_per_node: int, mode: str = "physical") -> list[tuple[int, int]]:
+    """The logical meshes a physical sub-mesh is tried under (module docstring)."""
+    if mode == "physical":
+        return [tuple(shape)]
+    if mode != "all":
+        raise AlpaError(f"logical mesh mode must be 'physical' or 'all', got {mode!r}")
+    size, D = shape[0] * shape[1], devices_per_node
+    out = []
+    for a in range(1, size + 1):
+        if size % a:
+            continue
+        b = size // a
+        if (shape[0] == 1 and D % b == 0) or (shape[0] > 1 and b % D == 0):
+            out.append((a, b))
+    return out
+
+
+def place_submeshes(machine: MachineSpec, shapes: Sequence[tuple[int, int]]) -> list[int]:
+    """First devices of sub-meshes of ``shapes`` (Alpa's shapes, sizes summing to the cluster) packed
+    onto the cluster: whole-node meshes first, left to right, then the in-node meshes largest first,
+    each in the first node with room (power-of-two sizes in a node of D then always fit aligned)."""
+    D, N = machine.devices_per_node, machine.nodes
+    if sum(n * m for n, m in shapes) != machine.num_devices:
+        raise AlpaError(f"sub-meshes {list(shapes)} do not cover the {machine.num_devices} devices")
+    starts = [0] * len(shapes)
+    node = 0
+    for j in sorted(range(len(shapes)), key=lambda j: -shapes[j][0]):
+        n, m = shapes[j]
+        if n > 1 or m == D:
+            starts[j] = node * D
+            node += n
+    fill = [0] * N
+    for j in sorted(range(len(shapes)), key=lambda j: (-(shapes[j][0] * shapes[j][1]), j)):
+        n, m = shapes[j]
+        if n > 1 or m == D:
+            continue
+        for x in range(node, N):
+            if fill[x] + m <= D:
+                starts[j] = x * D + fill[x]
+                fill[x] += m
+                break
+        else:
+            raise AlpaError(f"sub-meshes {list(shapes)} cannot be packed on {N} x {D} devices")
+    return starts
+
+
+# --- operator clustering (Eq. 6) ------------------------------------------------------------------------
+
+def cluster_costs(g: PCG, roles: Mapping[int, str]):
+    """The units of ``g`` in order (:func:`unity_pcg.search.pipeline._analyze`) and the matrix
+    ``C[i, k]`` of bytes units ``i..k`` read from units before ``i``."""
+    info = P._analyze(g, roles)
+    units = info.units
+    U = len(units)
+    unit_of = {nid: u for u, ns in enumerate(units) for nid in ns}
+    readers: dict = {}
+    for u, ns in enumerate(units):
+        for nid in ns:
+            for r in g.node(nid).inputs:
+                r = tuple(r)
+                q = unit_of.get(r[0])
+                if q is None or q >= u or roles.get(r[0]) in ("input-placement", "weight-placement"):
+                    continue
+                readers.setdefault(r, (q, set()))[1].add(u)
+    diff = np.zeros((U + 1, U + 1))
+    for r, (q, us) in readers.items():
+        nb = float(g.shape(r).nbytes)
+        cons = sorted(us)
+        j = 0
+        for i in range(q + 1, cons[-1] + 1):       # the first reader at or after i
+            while cons[j] < i:
+                j += 1
+            diff[i, cons[j]] += nb
+    C = np.cumsum(diff, axis=1)[:U, :U]
+    return info, C
+
+
+def cluster_operators(g: PCG, roles: Mapping[int, str], layers: int, delta: float = 0.5):
+    """Alpa's operator clustering (Eq. 6; module docstring).  Returns ``(layers, info)`` in the format
+    of :func:`unity_pcg.search.pipeline.sequential_layers`: per layer ``(first unit, last unit + 1)``."""
+    info, C = cluster_costs(g, roles)
+    U = len(info.units)
+    L = max(1, min(int(layers), U))
+    fl = np.array(info.flops, dtype=float)
+    pre = np.concatenate([[0.0], np.cumsum(fl)])
+    total = pre[-1]
+    target = total / L
+    ok_start = np.array([True] + [bool(info.valid[c]) for c in range(1, U)])
+    bound = (1 + delta) * target if total > 0 else INF
+    for _ in range(64):
+        res = _cluster_dp(C, pre, ok_start, L, bound, target)
+        if res is not None:
+            break
+        bound *= 2
+    else:  # pragma: no cover - the whole graph in one layer always meets some bound
+        raise AlpaError("operator clustering found no layering")
+    if res is None:
+        raise AlpaError("operator clustering found no layering")
+    return res, info
+
+
+def _cluster_dp(C, pre, ok_start, L, bound, target):
+    U = C.shape[0]
+    # G[r][k]: (max comm, flop deviation) over the first k units (0..k-1) in r layers
+    G = np.full((L + 1, U + 1), INF)
+    V = np.full((L + 1, U + 1), INF)
+    arg = np.zeros((L + 1, U + 1), dtype=int)
+    G[0, 0] = 0.0
+    V[0, 0] = 0.0
+    starts = np.arange(U)                       # layer [i, k) starts at unit i
+    for r in range(1, L + 1):
+        for k in range(1, U + 1):
+            i = starts[:k]
+            fl = pre[k] - pre[i]
+            ok = ok_start[:k] & (fl <= bound) & np.isfinite(G[r - 1, i])
+            if not ok.any():
+                continue
+            comm = np.where(i > 0, C[i, k - 1], 0.0)
+            cand = np.where(ok, np.maximum(G[r - 1, i], comm), INF)
+            best = cand.min()
+            if not math.isfinite(best):
+                continue
+            tie = ok & (cand <= best * (1 + 1e-9) + 1e-12)
+            dev = np.where(tie, V[r - 1, i] + (fl - target) ** 2, INF)
+            j = int(np.argmin(dev))
+            G[r, k], V[r, k], arg[r, k] = best, dev[j], j
+    if not math.isfinite(G[L, U]):
+        return None
+    out = []
+    k = U
+    for r in range(L, 0, -1):
+        i = int(arg[r, k])
+        out.append((i, k))
+        k = i
+    return out[::-1]
+
+
+# --- the stage DP (Eqs. 2-5) ----------------------------------------------------------------------------
+
+@dataclass(frozen=True)
+class DPResult:
+    cost: float                        # Eq. 2 on the plan's actual stage times
+    stages: tuple                      # ((first layer, last layer + 1, shape index), ...)
+    t_max_tried: int = 0
+    dp_s: float = 0.0
+
+
+def stage_dp(t: np.ndarray, fits: Callable[[int], np.ndarray] | np.ndarray | None, sizes: Sequence[int],
+             devices: int, micro_batches: int, max_stages: int | None = None) -> DPResult:
+    """Alpa's stage DP.  ``t[k, i, j]``: seconds per micro-batch of the stage of layers ``k..i`` on
+    sub-mesh shape ``j`` (``inf``: impossible); ``sizes[j]``: its devices; ``fits(s)`` (or a fixed
+    array): bool ``[k, i, j]``, the stage fits with ``s`` stages from it to the last (Eq. 5), None:
+    always.  Returns the plan minimizing ``sum t + (B - 1) max t`` over plans covering all layers and
+    exactly ``devices`` devices (cost inf and no stages when there is none)."""
+    t0 = time.perf_counter()
+    L = t.shape[0]
+    B = int(micro_batches)
+    S_max = L if max_stages is None else max(1, min(int(max_stages), L))
+    T = int(devices)
+    J = len(sizes)
+    fit = [None] * (S_max + 1)
+    for s in range(1, S_max + 1):
+        f = fits(s) if callable(fits) else fits
+        fit[s] = np.ones(t.shape, dtype=bool) if f is None else np.asarray(f, dtype=bool)
+    upper = np.triu(np.ones((L, L), dtype=bool))
+    vals = np.unique(t[np.isfinite(t) & upper[:, :, None]])
+    best = DPResult(INF, (), 0, 0.0)
+    prev = -INF
+    tried = 0
+    for t_max in vals:
+        if t_max - prev < EPS:
+            continue
+        prev = t_max
+        if B * t_max >= best.cost:
+            break
+        tried += 1
+        plan, total = _dp_bounded(t, fit, sizes, T, J, L, S_max, t_max)
+        for stages in plan:
+            ts = [t[k, i - 1, j] for k, i, j in stages]
+            cost = sum(ts) + (B - 1) * max(ts)
+            if cost < best.cost:
+                best = DPResult(cost, tuple(stages), 0, 0.0)
+    return replace(best, t_max_tried=tried, dp_s=time.perf_counter() - t0)
+
+
+def _dp_bounded(t, fit, sizes, T, J, L, S_max, t_max):
+    """F(s, k, d; t_max) for s = 1..S_max by numpy over (k, i, d); the best plan per stage count."""
+    # F[s][k, d]: least sum of stage times for layers k..L-1 in s stages on d devices
+    F_prev = np.full((L + 1, T + 1), INF)
+    F_prev[L, 0] = 0.0
+    choices = []
+    plans = []
+    for s in range(1, S_max + 1):
+        F = np.full((L + 1, T + 1), INF)
+        ch_i = np.full((L + 1, T + 1), -1, dtype=int)
+        ch_j = np.full((L + 1, T + 1), -1, dtype=int)
+        for j in range(J):
+            sz = sizes[j]
+            if sz > T:
+                continue
+            c = np.where((t[:, :, j] <= t_max) & fit[s][:, :, j], t[:, :, j], INF)   # [k, i]
+            rest = np.full((L, T + 1), INF)                                           # [i, d]
+            rest[:, sz:] = F_prev[1:, :T + 1 - sz]                                    # F(s-1, i+1, d-sz)
+            tot = c[:, :, None] + rest[None, :, :]                                    # [k, i, d]
+            i_best = np.argmin(tot, axis=1)                                           # [k, d]
+            v = np.take_along_axis(tot, i_best[:, None, :], axis=1)[:, 0, :]
+            better = v < F[:L]
+            F[:L] = np.where(better, v, F[:L])
+            ch_i[:L] = np.where(better, i_best, ch_i[:L])
+            ch_j[:L] = np.where(better, j, ch_j[:L])
+        choices.append((ch_i, ch_j))
+        if math.isfinite(F[0, T]):
+            stages, k, d = [], 0, T
+            for ss in range(s, 0, -1):
+                ci, cj = choices[ss - 1]
+                i, j = int(ci[k, d]), int(cj[k, d])
+                stages.append((k, i + 1, j))
+                k, d = i + 1, d - sizes[j]
+            plans.append(stages)
+        F_prev = F
+    return plans, None
+
+
+# --- stage costs -------------------------------------------------------------------------------------------
+
+@dataclass
+class StageCost:
+    t: float                          # forward + backward of one micro-batch (s)
+    once: float = 0.0                 # gradient sync + optimizer update, once per iteration
+    w: dict = field(default_factory=dict)   # device -> bytes of weights, gradients, optimizer states
+    a: dict = field(default_factory=dict)   # device -> bytes of one micro-batch's activations
+    pcg: PCG | None = None
+    views: dict = field(default_factory=dict)
+    mesh: tuple = ()
+    reason: str = ""
+    solve_s: float = 0.0
+    start: int = 0                    # the first device of the mesh it was solved on
+
+    def memory(self, in_flight: int) -> int:
+        keys = set(self.w) | set(self.a)
+        return max((self.w.get(d, 0) + in_flight * self.a.get(d, 0) for d in keys), default=0)
+
+
+def _default_solve():
+    from .intra import solve_intra          # the intra-operator ILP (its own module)
+    return solve_intra
+
+
+def mapping_standin(mapper_or_model) -> Callable:
+    """A stand-in for the intra-operator pass with ``solve_intra``'s interface: data parallelism over
+    the sub-mesh (:func:`unity_pcg.search.pipeline.default_intra`) mapped by our machine-mapping DP.
+    Used where the ILP is not wanted (tests, comparisons)."""
+    mapper = mapper_or_model if isinstance(mapper_or_model, MachineMapper) else MachineMapper(mapper_or_model)
+
+    @dataclass
+    class _Plan:
+        pcg: PCG
+        views: dict | None
+        time_s: float
+        memory_bytes: int
+        objective: float = 0.0
+        solve_s: float = 0.0
+        status: str = "standin"
+        specs: dict = field(default_factory=dict)
+
+    def solve(g, machine, mesh, *, start=0, optimizer="adam", memory_budget=None, weight_update_sharding=False,
+              time_limit_s=30.0):
+        t0 = time.perf_counter()
+        size = mesh[0] * mesh[1]
+        res = P._resource(machine, start, size)
+        pg = P.default_intra(g, res)
+        r = mapper.optimize(pg, res)
+        return _Plan(pg, dict(r.views) if r.views else None, r.cost, r.memory.max_bytes if r.memory else 0,
+                     solve_s=time.perf_counter() - t0)
+    return solve
+
+
+class StageCosts:
+    """``t_intra`` of (layers k..i, sub-mesh) by the ``solve`` callback, priced by our cost model and
+    memoized by (stage structure, logical mesh, in-node offset)."""
+
+    def __init__(self, gM: PCG, roles, layer_nodes, mapper: MachineMapper, solve: Callable, *, optimizer: str,
+                 logical: str = "physical", weight_update_sharding: bool = False, time_limit_s: float = 30.0,
+                 memo: dict | None = None, micro_batches: int = 1):
+        self.gM, self.roles, self.layer_nodes = gM, roles, layer_nodes
+        self.mapper, self.machine, self.solve = mapper, mapper.machine, solve
+        self.optimizer, self.logical, self.wus, self.limit = optimizer, logical, weight_update_sharding, time_limit_s
+        self.memo = memo if memo is not None else {}
+        self.graphs: dict = {}
+        self.solves = 0
+        self.solve_s = 0.0
+        self.M = micro_batches
+        per = BYTES_PER_PARAM.get(optimizer, 16)
+        self.wbytes = []
+        for ns in layer_nodes:
+            tot = 0
+            for nid in ns:
+                for r in gM.node(nid).inputs:
+                    n = gM.node(r[0])
+                    if n.op == "Weight" and gM.is_trainable(n.id):
+                        tot += gM.shape(tuple(r)).numel * per
+            self.wbytes.append(tot)
+
+    def stage_graph(self, k: int, i: int) -> PCG:
+        key = (k, i)
+        if key not in self.graphs:
+            nodes = [n for x in range(k, i + 1) for n in self.layer_nodes[x]]
+            self.graphs[key] = P.stage_graph(self.gM, self.roles, nodes)
+        return self.graphs[key]
+
+    def lower_bound_bytes(self, k: int, i: int) -> float:
+        """Weights with gradients and optimizer states of layers k..i (trained weights read by their
+        nodes; shared ones counted per layer, an upper side that only skips hopeless stages)."""
+        return float(sum(self.wbytes[k:i + 1]))
+
+    def get(self, k: int, i: int, shape: tuple[int, int], start: int = 0) -> StageCost:
+        n, m = shape
+        size = n * m
+        cap = self.machine.device.memory_bytes
+        if self.lower_bound_bytes(k, i) / size > cap:
+            return StageCost(INF, reason="weights and optimizer states exceed the sub-mesh's memory")
+        try:
+            sg = self.stage_graph(k, i)
+        except UnityError as e:
+            return StageCost(INF, reason=str(e))
+        D = self.machine.devices_per_node
+        skey = P._shape_key(sg)
+        best = None
+        for mesh in logical_meshes(shape, D, self.logical):
+            key = (skey, tuple(mesh), start % D if n == 1 else 0, self.optimizer, self.wus)
+            hit = self.memo.get(key)
+            if hit is None:
+                hit = self.memo[key] = self._solve(sg, mesh, start)
+            if best is None or hit.t < best.t:
+                best = hit
+        return best
+
+    def solve_at(self, sg: PCG, mesh, start: int) -> StageCost:
+        """The stage sub-PCG ``sg`` solved on ``mesh`` at device ``start``, not memoized (its plan's node
+        ids are ``sg``'s, as stitching the stages needs)."""
+        return self._solve(sg, mesh, start)
+
+    def _solve(self, sg: PCG, mesh, start: int) -> StageCost:
+        t0 = time.perf_counter()
+        self.solves += 1
+        try:
+            plan = self.solve(sg, self.machine, tuple(mesh), start=start, optimizer=self.optimizer,
+                              memory_budget=None, weight_update_sharding=self.wus, time_limit_s=self.limit)
+        except UnityError as e:
+            self.solve_s += time.perf_counter() - t0
+            return StageCost(INF, mesh=tuple(mesh), reason=str(e))
+        pg = getattr(plan, "pcg", None)
+        views = getattr(plan, "views", None)
+        try:
+            if pg is None:
+                raise AlpaError(f"the intra pass found no plan ({getattr(plan, 'status', '?')})")
+            if len(pg.outputs) != len(sg.outputs):
+                raise AlpaError("the intra plan changed the stage's outputs")
+            if views:
+                r = self.mapper.evaluate(pg, views)
+            else:
+                r = self.mapper.optimize(pg, P._resource(self.machine, start, mesh[0] * mesh[1]))
+        except UnityError as e:
+            self.solve_s += time.perf_counter() - t0
+            return StageCost(INF, mesh=tuple(mesh), reason=str(e))
+        dt = time.perf_counter() - t0
+        self.solve_s += dt
+        if r.memory is None or not r.views:
+            return StageCost(INF, mesh=tuple(mesh), reason=r.reason or "no mapping", solve_s=dt)
+        b = r.breakdown
+        total = r.cost if math.isfinite(r.cost) else b.time          # over memory at one micro-batch: Eq. 5 says
+        once = b.sync + b.update
+        return StageCost(max(total - once, 0.0), once, dict(r.memory.weights), dict(r.memory.activations), pg,
+                         dict(r.views), tuple(mesh), "", dt, start)
+
+
+# --- the whole pass ------------------------------------------------------------------------------------
+
+@dataclass
+class AlpaResult:
+    pipeline: P.PipelineResult          # the plan, priced by our 1F1B simulation (cost, pcg, views, stages)
+    micro_batches: int
+    layers: list                        # per layer (first unit, last unit + 1)
+    stages: list                        # per stage: {"layers": [k, i], "shape": [n, m], "mesh": [a, b], "start": d}
+    dp_cost: float                      # Eq. 2 estimate of the chosen plan
+    stats: dict = field(default_factory=dict)
+
+    @property
+    def cost(self) -> float:
+        return self.pipeline.cost
+
+    @property
+    def feasible(self) -> bool:
+        return self.pipeline.feasible
+
+    def to_json(self) -> dict:
+        return {"predicted_iteration_s": self.cost if math.isfinite(self.cost) else None,
+                "feasible": self.feasible, "reason": self.pipeline.reason, "micro_batches": self.micro_batches,
+                "layers": [list(x) for x in self.layers], "stages": self.stages,
+                "dp_estimate_s": self.dp_cost if math.isfinite(self.dp_cost) else None,
+                "pipeline": self.pipeline.to_json(), "stats": dict(self.stats)}
+
+
+def _micro_batch_list(B: int, micro_batches) -> list[int]:
+    if micro_batches is not None:
+        ms = [micro_batches] if isinstance(micro_batches, int) else list(micro_batches)
+        for m in ms:
+            if not isinstance(m, int) or isinstance(m, bool) or m < 1 or B % m:
+                raise AlpaError(f"micro-batch count {m!r} does not divide the batch {B}")
+        return list(dict.fromkeys(ms))
+    return [m for m in (1 << k for k in range(B.bit_length())) if B % m == 0]
+
+
+def alpa_plan(pcg: PCG, machine: MachineSpec, *, optimizer: str = "adam", layers: int = 16, delta: float = 0.5,
+              micro_batches: int | Sequence[int] | None = None, max_stages: int | None = None,
+              logical: str = "physical", solve: Callable | None = None, weight_update_sharding: bool = False,
+              time_limit_s: float = 30.0, mapper: MachineMapper | None = None, stitch: bool = True) -> AlpaResult:
+    """Alpa's plan of the logical PCG ``pcg`` for ``machine`` (module docstring).  ``solve``: the
+    intra-operator pass with :func:`unity_pcg.search.alpa.intra.solve_intra`'s interface (default:
+    that function).  ``micro_batches``: one count, several (the best is kept), or None (powers of two
+    ascending, stopping after the first that does not improve on a feasible plan).  Raises
+    :class:`AlpaError` when no plan covers the cluster."""
+    t0 = time.perf_counter()
+    mapper = mapper or MachineMapper(CostModel(machine, optimizer))
+    solve = solve or _default_solve()
+    roles = GraphCost(pcg, mapper.model).role
+    lay, info = cluster_operators(pcg, roles, layers, delta)
+    cluster_s = time.perf_counter() - t0
+    L = len(lay)
+    layer_nodes = [[n for u in range(a, b) for n in info.units[u]] for a, b in lay]
+    shapes = submesh_shapes(machine)
+    sizes = [n * m for n, m in shapes]
+    T = machine.num_devices
+    cap = machine.device.memory_bytes
+    B = P.batch_size(pcg)
+    ms = _micro_batch_list(B, micro_batches)
+    auto = micro_batches is None
+    memo: dict = {}
+    best = None
+    tried = []
+    stats: dict = {"layers": L, "cluster_s": cluster_s, "shapes": [list(s) for s in shapes], "per_m": {}}
+    for M in ms:
+        tm = time.perf_counter()
+        try:
+            gM = P.rebatch(pcg, B, B // M)
+        except P.PipelineError:
+            continue
+        costs = StageCosts(gM, roles, layer_nodes, mapper, solve, optimizer=optimizer, logical=logical,
+                           weight_update_sharding=weight_update_sharding, time_limit_s=time_limit_s, memo=memo,
+                           micro_batches=M)
+        t = np.full((L, L, len(shapes)), INF)
+        sc: dict = {}
+        for k in range(L):
+            for i in range(k, L):
+                for j, sh in enumerate(shapes):
+                    c = costs.get(k, i, sh)
+                    sc[(k, i, j)] = c
+                    t[k, i, j] = c.t
+        prof_s = time.perf_counter() - tm
+
+        def fits(s, sc=sc, M=M):
+            f = np.zeros((L, L, len(shapes)), dtype=bool)
+            for (k, i, j), c in sc.items():
+                f[k, i, j] = math.isfinite(c.t) and c.memory(min(s, M)) <= cap
+            return f
+
+        dp = stage_dp(t, fits, sizes, T, M, max_stages)
+        stats["per_m"][M] = {"profile_s": prof_s, "dp_s": dp.dp_s, "t_max_tried": dp.t_max_tried,
+                             "solves": costs.solves, "estimate_s": dp.cost if math.isfinite(dp.cost) else None}
+        tried.append(M)
+        if not dp.stages:
+            if auto and best is not None:
+                break
+            continue
+        res = _price_plan(pcg, gM, info, lay, dp, M, machine, mapper, costs, shapes, stitch)
+        stats["per_m"][M].update(predicted_s=res.cost if math.isfinite(res.cost) else None, solves=costs.solves)
+        rank = (not res.feasible, res.cost)
+        improved = best is None or rank < (not best.feasible, best.cost)
+        if improved:
+            best = res
+        elif auto and best.feasible:
+            break
+    if best is None:
+        raise AlpaError(f"no pipeline of the {L} layers covers the {T} devices within memory "
+                        f"(micro-batches tried: {tried})")
+    best.stats = dict(stats, micro_batches_tried=tried, planner_s=time.perf_counter() - t0,
+                      solves=sum(v["solves"] for v in stats["per_m"].values()))
+    best.pipeline.search_s = best.stats["planner_s"]
+    return best
+
+
+def _price_plan(pcg, gM, info, lay, dp: DPResult, M, machine, mapper, costs: StageCosts, shapes, stitch) -> AlpaResult:
+    stage_shapes = [shapes[j] for _, _, j in dp.stages]
+    starts = place_submeshes(machine, stage_shapes)
+    S = len(dp.stages)
+    bf = mapper.model.backward_factor
+    priced, fwd, bwd, once, mems, reasons, plan, out_stages = [], [], [], [], [], [], [], []
+    for idx, ((k, i, j), d) in enumerate(zip(dp.stages, starts)):
+        c = costs.get(k, i - 1, shapes[j])
+        sg = costs.stage_graph(k, i - 1)
+        if c.pcg is not None:           # the memo's plan may be of another range of the same structure:
+            c = costs.solve_at(sg, c.mesh, d)   # solved again on this stage's own sub-PCG, at its place
+        priced.append(P._Priced(c.t, c.once, dict(c.w), dict(c.a), dict(c.views), c.pcg,
+                                tuple(tuple(x) for x in sg.outputs), c.reason))
+        fwd.append(c.t / (1 + bf))
+        bwd.append(c.t * bf / (1 + bf))
+        once.append(c.once)
+        if c.reason:
+            reasons.append(f"stage {idx}: {c.reason}")
+        infl = P.in_flight(S, idx, M)
+        mems.append({dev: c.w.get(dev, 0) + infl * c.a.get(dev, 0) for dev in set(c.w) | set(c.a)})
+        size = shapes[j][0] * shapes[j][1]
+        plan.append((k, i, d, size))
+        out_stages.append({"layers": [k, i], "shape": list(shapes[j]), "mesh": list(c.mesh), "start": d,
+                           "t_s": c.t, "once_s": c.once})
+    send, send_el = [], []
+    for idx in range(S - 1):
+        _, i, d, s = plan[idx]
+        _, _, d2, s2 = plan[idx + 1]
+        refs = info.crossing[lay[i][0]]
+        send.append(P._transfer(machine, tuple(range(d, d + s)), tuple(range(d2, d2 + s2)),
+                                P._crossing_bytes(gM, refs)))
+        send_el.append(sum(gM.shape(r).numel for r in refs))
+    ev = {"priced": priced, "fwd": fwd, "bwd": bwd, "once": once, "send": send, "mem": mems,
+          "memory": {dev: v for mem in mems for dev, v in mem.items()}, "send_elements": send_el}
+    cap = machine.device.memory_bytes
+    if any(not math.isfinite(x) for x in fwd):
+        ev.update(cost=INF, makespan=INF, feasible=False, reason="; ".join(reasons) or "a stage has no plan")
+    else:
+        mk = P.simulate_1f1b(fwd, bwd, M, send, send, once).makespan
+        ev.update(cost=mk, makespan=mk, feasible=True, reason="")
+        for idx, mem in enumerate(mems):
+            if mem and max(mem.values()) > cap:
+                dev = max(mem, key=mem.get)
+                ev.update(cost=INF, feasible=False,
+                          reason=f"out of memory: stage {idx} device {dev} needs {mem[dev] / 2**30:.2f} GiB "
+                                 f"with {P.in_flight(S, idx, M)} micro-batches in flight, has {cap / 2**30:.2f} GiB")
+                break
+    pr = P._assemble(pcg, gM, tuple(plan), M, ev, machine, stitch)
+    pr.stats = {"makespan_s": ev["makespan"], "layers": len(lay)}
+    return AlpaResult(pr, M, list(lay), out_stages, dp.cost)
+
+
+__all__ = ["alpa_plan", "AlpaResult", "AlpaError", "stage_dp", "DPResult", "cluster_operators", "cluster_costs",
+           "submesh_shapes", "logical_meshes", "place_submeshes", "StageCosts", "StageCost", "mapping_standin"]
