@@ -1,2 +1,196 @@
 """ONNX converters for the operators of :mod:`unity_pcg.ops.indexing` (registered into
-:data:`unity_pcg.onnx_import.convert.CONVERTERS`)."""
+:data:`unity_pcg.onnx_import.convert.CONVERTERS`).
+
+They run for nodes with at least one activation input (all-constant nodes are folded before).  Each
+checks what the ONNX spec lets a file get wrong (dtypes, attribute values, constant index ranges) and
+raises a typed one-line error naming the node and the attribute; an attribute value the registry
+operator does not implement (ScatterND's ``reduction``, an Einsum summing over ellipsis dims, a computed
+Trilu ``k`` or CumSum ``axis``) is an :class:`UnsupportedOperator` naming it.
+"""
+from __future__ import annotations
+
+import numpy as np
+
+from ..errors import InvalidParallelization
+from ..ops.indexing import COMPARISONS, LOGIC, parse_einsum
+from .consts import Const, as_ints, broadcast_shape, derive
+from .convert import _axis, _conv, _hint, _in, _R, _unsupported
+from .errors import InvalidModel, UnsupportedOperator
+
+
+def _refs(imp, ctx, ins, n):
+    return [imp.ref(_in(ctx, ins, i), _hint(ctx, i)) for i in range(n)]
+
+
+def _flag(ctx, key: str, default: int = 0) -> bool:
+    v = ctx.i(key, default)
+    if v not in (0, 1):
+        raise InvalidModel(f"{ctx.what}: attribute {key!r} must be 0 or 1, got {v}")
+    return bool(v)
+
+
+def _const(imp, ctx, ins, i, name) -> Const:
+    v = _in(ctx, ins, i)
+    if not isinstance(v, Const):
+        _unsupported(ctx, f"input {name!r} computed from activations; it must be a constant")
+    return v
+
+
+def _same_dtype(imp, ctx, vals, what="inputs"):
+    dts = [imp.dtype(v) for v in vals]
+    if len(set(dts)) > 1:
+        raise InvalidModel(f"{ctx.what}: {what} differ in element type ({', '.join(dts)})")
+    return dts[0]
+
+
+# --- Where, comparisons, boolean logic ------------------------------------------------------------------
+
+@_conv("Where")
+def _where(imp, ctx, ins):
+    c, x, y = (_in(ctx, ins, i) for i in range(3))
+    if imp.dtype(c) != "bool":
+        raise InvalidModel(f"{ctx.what}: the condition must be bool, got {imp.dtype(c)}")
+    _same_dtype(imp, ctx, [x, y], "inputs 1 and 2")
+    broadcast_shape([imp.sizes(v) for v in (c, x, y)], ctx.what)
+    return [imp.add("Where", {}, _refs(imp, ctx, ins, 3), ctx.name)]
+
+
+@_conv(*COMPARISONS)
+def _compare(imp, ctx, ins):
+    a, b = _in(ctx, ins, 0), _in(ctx, ins, 1)
+    dt = _same_dtype(imp, ctx, [a, b])
+    if dt == "bool" and ctx.op != "Equal":
+        raise InvalidModel(f"{ctx.what}: {ctx.op} of bool inputs")
+    broadcast_shape([imp.sizes(a), imp.sizes(b)], ctx.what)
+    return [imp.add(ctx.op, {}, _refs(imp, ctx, ins, 2), ctx.name)]
+
+
+@_conv("Not", *LOGIC)
+def _logic(imp, ctx, ins):
+    n = 1 if ctx.op == "Not" else 2
+    vals = [_in(ctx, ins, i) for i in range(n)]
+    for i, v in enumerate(vals):
+        if imp.dtype(v) != "bool":
+            raise InvalidModel(f"{ctx.what}: input {i} must be bool, got {imp.dtype(v)}")
+    broadcast_shape([imp.sizes(v) for v in vals], ctx.what)
+    return [imp.add(ctx.op, {}, _refs(imp, ctx, ins, n), ctx.name)]
+
+
+# --- GatherElements ----------------------------------------------------------------------------------
+
+@_conv("GatherElements")
+def _gather_elements(imp, ctx, ins):
+    data, idx = _in(ctx, ins, 0), _in(ctx, ins, 1)
+    ds, isz = imp.sizes(data), imp.sizes(idx)
+    if not ds or len(isz) != len(ds):
+        raise InvalidModel(f"{ctx.what}: data {list(ds)} and indices {list(isz)} must have the same rank >= 1")
+    ax = _axis(ctx, ctx.i("axis", 0), len(ds))
+    if np.dtype(imp.dtype(idx)).kind not in "iu":
+        raise InvalidModel(f"{ctx.what}: indices must be integers, got {imp.dtype(idx)}")
+    if isinstance(idx, Const):
+        n = ds[ax]
+        iv = np.asarray(idx.value, dtype=np.int64)
+        if iv.size and (iv.min() < -n or iv.max() >= n):
+            raise InvalidModel(f"{ctx.what}: index out of range for axis {ax} of size {n}")
+        idx = Const(np.where(iv < 0, iv + n, iv), origin=None)
+    refs = [imp.ref(data, _hint(ctx, 0)), imp.ref(idx, _hint(ctx, 1))]
+    return [imp.add("GatherElements", {"axis": ax}, refs, ctx.name)]
+
+
+# --- Tile --------------------------------------------------------------------------------------------
+
+@_conv("Tile")
+def _tile(imp, ctx, ins):
+    x = _R(imp, ctx, ins, 0)
+    xs = imp.sizes(x)
+    if ctx.opset < 6:
+        _unsupported(ctx, "opset < 6 (tiles/axis inputs)")
+    reps = as_ints(ctx.const_in(ins, 1), ctx.what)
+    if len(reps) != len(xs) or any(r < 0 for r in reps):
+        raise InvalidModel(f"{ctx.what}: input 'repeats' {reps} must hold one non-negative count per dim "
+                           f"of {list(xs)}")
+    if all(r == 1 for r in reps):
+        return [x]
+    if 0 in reps:
+        _unsupported(ctx, f"repeats {reps} give an empty tensor")
+    return [imp.add("Tile", {"repeats": tuple(reps)}, [x], ctx.name)]
+
+
+# --- Einsum ------------------------------------------------------------------------------------------
+
+@_conv("Einsum")
+def _einsum(imp, ctx, ins):
+    vals = [v for v in ins if v is not None]
+    if not vals or len(vals) != len(ins):
+        raise InvalidModel(f"{ctx.what}: needs at least one input and no omitted ones")
+    eq = ctx.s("equation")
+    try:
+        parse_einsum(eq, [len(imp.sizes(v)) for v in vals])
+    except InvalidParallelization as e:
+        why = str(e).removeprefix("Einsum: ")
+        cls = UnsupportedOperator if "not supported" in why else InvalidModel
+        raise cls(f"{ctx.what}: attribute 'equation': {why}") from None
+    _same_dtype(imp, ctx, vals)
+    return [imp.add("Einsum", {"equation": eq}, _refs(imp, ctx, ins, len(vals)), ctx.name)]
+
+
+# --- Trilu -------------------------------------------------------------------------------------------
+
+@_conv("Trilu")
+def _trilu(imp, ctx, ins):
+    x = _R(imp, ctx, ins, 0)
+    xs = imp.sizes(x)
+    if len(xs) < 2:
+        raise InvalidModel(f"{ctx.what}: needs a rank >= 2 input, got {list(xs)}")
+    upper = _flag(ctx, "upper", 1)
+    k = 0
+    if _in(ctx, ins, 1, required=False) is not None:
+        kc = _const(imp, ctx, ins, 1, "k")
+        kv = as_ints(kc, ctx.what)
+        if len(kv) != 1:
+            raise InvalidModel(f"{ctx.what}: input 'k' must be a scalar, got shape {list(kc.shape)}")
+        k = kv[0]
+    return [imp.add("Trilu", {"upper": upper, "k": int(k)}, [x], ctx.name)]
+
+
+# --- ScatterND ---------------------------------------------------------------------------------------
+
+@_conv("ScatterND")
+def _scatter_nd(imp, ctx, ins):
+    data, idx, upd = (_in(ctx, ins, i) for i in range(3))
+    red = ctx.s("reduction", "none")
+    if red != "none":
+        _unsupported(ctx, f"attribute reduction={red!r}; only 'none' is supported")
+    if np.dtype(imp.dtype(idx)).kind not in "iu":
+        raise InvalidModel(f"{ctx.what}: indices must be integers, got {imp.dtype(idx)}")
+    ds, isz = imp.sizes(data), imp.sizes(idx)
+    if not isz or not 1 <= isz[-1] <= len(ds):
+        raise InvalidModel(f"{ctx.what}: indices {list(isz)} do not fit data {list(ds)}")
+    if isinstance(idx, Const):
+        k = isz[-1]
+        iv = np.asarray(idx.value, dtype=np.int64).reshape(-1, k)
+        lim = np.asarray(ds[:k], dtype=np.int64)
+        if iv.size and (np.any(iv < -lim) or np.any(iv >= lim)):
+            raise InvalidModel(f"{ctx.what}: index out of range for data {list(ds)}")
+        idx = derive(idx, lambda v: np.where(v < 0, v + lim, v).astype(np.int64), isz, dtype=np.int64,
+                     keep_origin=False)
+    refs = [imp.ref(data, _hint(ctx, 0)), imp.ref(idx, _hint(ctx, 1)), imp.ref(upd, _hint(ctx, 2))]
+    return [imp.add("ScatterND", {}, refs, ctx.name)]
+
+
+# --- CumSum ------------------------------------------------------------------------------------------
+
+@_conv("CumSum")
+def _cumsum(imp, ctx, ins):
+    x = _R(imp, ctx, ins, 0)
+    xs = imp.sizes(x)
+    if not xs:
+        raise InvalidModel(f"{ctx.what}: running sum of a scalar")
+    axc = _const(imp, ctx, ins, 1, "axis")
+    av = as_ints(axc, ctx.what)
+    if len(av) != 1:
+        raise InvalidModel(f"{ctx.what}: input 'axis' must be a scalar, got shape {list(axc.shape)}")
+    ax = _axis(ctx, av[0], len(xs))
+    attrs = {"axis": ax, "exclusive": _flag(ctx, "exclusive"), "reverse": _flag(ctx, "reverse")}
+    return [imp.add("CumSum", attrs, [x], ctx.name)]
+
