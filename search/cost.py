@@ -59,6 +59,10 @@ FLOAT_DTYPES = {"float32", "float16", "bfloat16", "float64"}
 
 
 NORM_OPS = {"BatchNorm", "LayerNorm", "LRN", "Softmax"}
+# the import-coverage operators of unity_pcg/ops/elementwise.py
+ELEMENTWISE_OPS |= {"Silu", "GeluTanh", "LeakyRelu", "Elu", "Selu", "Celu", "Softplus", "Softsign", "Mish",
+                    "HardSigmoid", "HardSwish", "Abs", "Log", "PRelu"}
+NORM_OPS |= {"LogSoftmax"}
 POOL_OPS = {"Pool2d"}
 
 
@@ -79,6 +83,13 @@ def op_class(op: str, in_shapes: Sequence[ParallelTensorShape] | None = None) ->
     if op in POOL_OPS:
         return "pool"
     return "default"
+
+
+# the import-coverage operators of unity_pcg/ops/indexing.py: masks, comparisons and scans are element-wise
+# work; an einsum is a contraction (two operands: a matmul, whose data operand's gradient is half its backward)
+ELEMENTWISE_OPS |= {"Where", "Equal", "Less", "Greater", "LessOrEqual", "GreaterOrEqual", "Not", "And", "Or", "Xor",
+                    "Tile", "Trilu", "CumSum"}
+MATMUL_OPS |= {"Einsum"}
 
 
 class CostModel:
