@@ -1,0 +1,1025 @@
+"""Alpa's intra-operator pass (Zheng et al., OSDI'22, section 4, Eq. 1) as an ILP in our cost model.
+
+Given a logical PCG and a 2-D logical device mesh ``(n0, n1)`` over devices ``start .. start+n0*n1-1``
+(device of mesh position (i, j) = ``start + i*n1 + j``: the inner axis 1 is contiguous, so it lies inside
+a node where it fits, as Alpa maps the inner mesh axis to the fast links), :func:`solve_intra` picks one
+parallel algorithm per operator minimizing compute + communication + resharding, and returns the result
+as a PCG with parallel operators plus the machine view of every node (:class:`IntraPlan`).
+
+**Parallel algorithms from the registry's labels.**  An algorithm of an operator assigns each mesh axis
+(of size > 1) to one label of the operator's task grid or to none (the operator is then replicated
+along that axis); both axes on one label is S01.  A tensor dim takes the mesh axes of its label (its
+sharding spec: S0, S1, S01 or R), an input is copied along the mesh axes its labels do not use, an
+output carries partial sums along the axes of contracted labels and copies along the unassigned
+ones.  Unshardable labels are never assigned; an assignment the operator refuses (degrees that do not
+divide, partial sums through a non-linear operator) is dropped by running the registry's shape
+inference on it.  Partial sums are resolved inside the algorithm (Alpa puts the all-reduce in the node
+cost c_v): ``AllReduce`` (the sum axes become copies) or ``Reduce`` + ``Partition`` of one output dim
+onto the sum axes (a reduce-scatter in two steps, which is how our IR expresses it).
+
+**Graph simplification** (section 4.2): operators that are not matmuls, convolutions or embeddings
+(element-wise, normalization, reshape/transpose, reductions) are merged into their deepest operand
+produced by a compute operator (BFS depth) and follow its spec: each label of the merged operator
+takes the mesh axes of the operand dim it reads, except unshardable ones (the operand is then
+gathered along that dim).  Only the remaining *anchors* are ILP variables; a merged operator's costs
+are part of its anchor's node cost, its other inputs are edges of the ILP.
+
+**Costs are our cost model's.**  A node cost is the sum of :meth:`GraphCost.leaf_cost` over a fragment
+PCG holding the anchor group under that algorithm (compute as ``CostModel.op_time`` prices one task,
+forward + backward; the partial-sum resolution; resharding between group members; each weight's
+gradient all-reduce over its copies and its optimizer update), its memory the busiest device of
+:func:`search.memory.memory_per_device` on that fragment.  An edge cost is the price of the chain of
+parallel operators that turns the producer's layout into the consumer's (Reduce/AllReduce, Combine,
+Partition, Replicate, each priced by :class:`GraphCost` with the views their layouts imply).  One
+limit of our IR shows here: no parallel operator drops copies, so a tensor replicated along a mesh axis
+cannot be resharded onto that axis (Alpa's free local slice R -> S); such edges are infeasible and the
+ILP routes around them (a replicated tensor can be split by the *operator* that reads it: Megatron's
+column-parallel Linear).  Tensors from model inputs and weights are placed for free in any layout
+(the data loader feeds shards; a weight lives where it is used).
+
+**ILP** (Eq. 1): one-hot s_v per anchor, node costs, and the quadratic edge term linearized with the
+sum-to-one formulation of Alpa's prototype: edge variables e_uv over pairs of *layouts* (algorithms
+that give the producer the same output layout, or the consumer the same input layout, share their
+rows / columns, which keeps e_uv small and the formulation exact), with sum_j e_ij = (sum of s_u over
+algorithms of layout i) and sum_i e_ij likewise for v; pairs that cannot be resharded get no variable.
+Memory (``memory_budget``, default the device capacity): the sum over anchors of the per-device
+bytes of their fragments (weights + gradients + optimizer states + activations kept for the backward
+pass) must fit.  In training every kept activation is live at the end of the forward pass, which is
+where Alpa prototype's per-liveness-step constraint binds, so this total is that step's constraint
+(an upper bound of it: each fragment's busiest device is counted).
+
+**Solver: HiGHS (highspy).**  Measured on GPT and ResNeXt blocks (``benchmarks`` numbers in DESIGN.md):
+building the model from numpy arrays and solving with HiGHS is several times faster than PuLP + CBC,
+most of PuLP's time being model construction in Python and the CBC process round trip; both return the
+same optimum.  ``solver="cbc"`` keeps PuLP + CBC available when it is installed.
+
+**Weight-update sharding** (``weight_update_sharding=True``, the post-ILP pass of section 4.2): every
+weight copied over k > 1 devices is stored as k shards instead (its gradient, optimizer state and update
+divided by k) and gathered before use; in our IR this is a sharded weight placement, an ``Identity`` task
+per shard and a ``Combine`` + ``Replicate`` to the layout the operator reads, whose backward is the
+reduce-scatter of the gradient (the cost model prices the edges forward and backward).  The ILP is
+solved with it applied, so the choice of algorithms sees the sharded memory and traffic.
+
+The predicted iteration time ``time_s`` is :meth:`search.mapping.MachineMapper.evaluate` of the result
+(every node on its view, one after the other), not the ILP objective.
+"""
+from __future__ import annotations
+
+import math
+import time
+from dataclasses import dataclass, field
+from itertools import product
+from math import prod
+from typing import Any, Mapping
+
+from unity_pcg import ops
+from unity_pcg.errors import InvalidParallelization, ShapeError, UnityError
+from unity_pcg.machine import MachineSpec, MachineView
+from unity_pcg.pcg import PCG
+from unity_pcg.shape import ParallelTensorShape
+
+from ..cost import CONV_OPS, MATMUL_OPS, CostModel, GraphCost
+from ..memory import SAVES_INPUTS, kept_fraction, node_memory
+
+INF = math.inf
+HEAVY_OPS = frozenset(MATMUL_OPS | CONV_OPS)
+
+
+class AlpaError(UnityError, ValueError):
+    """The intra-operator pass cannot plan this model on this mesh (bad mesh, nothing fits)."""
+
+
+class IntraInfeasible(AlpaError):
+    """No combination of parallel algorithms fits the memory budget."""
+
+
+@dataclass(frozen=True)
+class IntraPlan:
+    pcg: PCG                      # the logical graph with parallel operators inserted
+    views: dict | None            # node id -> MachineView of every non-source node
+    time_s: float                 # iteration time by our cost model (MachineMapper.evaluate)
+    memory_bytes: float           # busiest device by our memory model
+    objective: float              # the ILP objective (s)
+    solve_s: float                # solver time (s)
+    status: str                   # "optimal" or "time limit" (best found)
+    specs: dict                   # node label -> its sharding specs, readable
+    mesh: tuple = (1, 1)
+    start: int = 0
+    build_s: float = 0.0          # building the ILP (costing every algorithm) (s)
+    stats: dict = field(default_factory=dict)
+
+    def to_json(self) -> dict:
+        return {"mesh": list(self.mesh), "start": self.start, "time_s": self.time_s,
+                "memory_bytes": self.memory_bytes, "objective": self.objective, "solve_s": self.solve_s,
+                "build_s": self.build_s, "status": self.status, "specs": dict(self.specs),
+                "stats": dict(self.stats),
+                "views": {str(k): v.to_json() for k, v in sorted((self.views or {}).items())}}
+
+
+# --- the mesh and tensor layouts --------------------------------------------------------------------
+
+@dataclass(frozen=True)
+class Layout:
+    """Where the pieces of a tensor sit on the mesh: the mesh axes (major first) splitting each dim,
+    holding partial sums, holding copies; the other axes are unused (the pieces sit at coordinate 0)."""
+    dims: tuple
+    sum: tuple = ()
+    copy: tuple = ()
+
+    @staticmethod
+    def whole(rank: int) -> "Layout":
+        return Layout(((),) * rank)
+
+
+class Mesh:
+    def __init__(self, n0: int, n1: int, start: int):
+        self.n = (n0, n1)
+        self.start = start
+        self.active = tuple(a for a in (0, 1) if self.n[a] > 1)
+        self.cache: dict = {}          # memo of _instantiate, enumerate_algos, _follow
+
+    def size(self, axes) -> int:
+        return prod(self.n[a] for a in axes)
+
+    def dim(self, axes) -> tuple[int, int]:
+        """(degree, stride) of a grid axis spread over ``axes`` (sorted; axis 0 major)."""
+        axes = tuple(axes)
+        if not axes:
+            return (1, 1)
+        if axes == (0,):
+            return (self.n[0], self.n[1])
+        return (self.size(axes), 1)
+
+    def view(self, lay: Layout) -> MachineView:
+        return MachineView(self.start, (self.dim(lay.copy), self.dim(lay.sum)) + tuple(self.dim(d) for d in lay.dims))
+
+    def spec(self, lay: Layout) -> str:
+        s = ",".join("S" + "".join(map(str, d)) if d else "R" for d in lay.dims)
+        if lay.sum:
+            s += " P" + "".join(map(str, lay.sum))
+        return s
+
+
+class _Infeasible(Exception):
+    pass
+
+
+def _sorted(axes) -> tuple:
+    return tuple(sorted(set(axes)))
+
+
+# --- one operator under one algorithm ---------------------------------------------------------------
+
+@dataclass(frozen=True)
+class Algo:
+    """An operator's parallel algorithm: ``assign`` maps labels to mesh axes; ``resolve`` says how its
+    partial sums become whole (``"ar"``: AllReduce; ``("rs", j)``: Reduce then Partition of output dim j)."""
+    assign: tuple                 # sorted ((label, axes), ...)
+    resolve: Any = None
+
+    @property
+    def amap(self) -> dict:
+        return dict(self.assign)
+
+
+@dataclass
+class OpInst:
+    """A compute node under an algorithm: parallel input / output shapes, layouts, task view."""
+    in_lay: tuple
+    out_lay: tuple                # raw (partial sums possible)
+    final_lay: tuple              # after the resolution
+    in_shapes: tuple
+    view: MachineView
+
+
+def _labels(g: PCG, nid: int):
+    n = g.node(nid)
+    spec = ops.get_op(n.op)
+    lins = g.input_shapes(nid)
+    return spec.labels(n.a, [s.logical() for s in lins], [s.sizes for s in g.shapes(nid)])
+
+
+def _node_key(g: PCG, nid: int):
+    n = g.node(nid)
+    return (n.op, n.attrs, g.input_shapes(nid))
+
+
+def _instantiate(g: PCG, nid: int, algo: Algo, mesh: Mesh, lab=None) -> OpInst | None:
+    """The node under ``algo``, or None if the operator refuses it (memoized per mesh by the node's
+    operator, attributes and input shapes: repeated layers are instantiated once)."""
+    key = (_node_key(g, nid), algo)
+    try:
+        return mesh.cache[key]
+    except KeyError:
+        pass
+    out = mesh.cache[key] = _instantiate_new(g, nid, algo, mesh, lab)
+    return out
+
+
+def _instantiate_new(g: PCG, nid: int, algo: Algo, mesh: Mesh, lab=None) -> OpInst | None:
+    n = g.node(nid)
+    lab = lab or _labels(g, nid)
+    amap = algo.amap
+    in_lay, shapes = [], []
+    for i, ref in enumerate(n.inputs):
+        s = g.shape(ref)
+        dims = tuple(amap.get(l, ()) for l in lab.inputs[i])
+        used = {a for d in dims for a in d}
+        copy = tuple(a for a in mesh.active if a not in used)
+        lay = Layout(dims, (), copy)
+        try:
+            shapes.append(ParallelTensorShape.of(s.sizes, [mesh.size(d) for d in dims], 1, mesh.size(copy), s.dtype))
+        except ShapeError:
+            return None
+        in_lay.append(lay)
+    try:
+        inf = ops.infer(n.op, n.a, shapes)
+    except (InvalidParallelization, ShapeError):
+        return None
+    pm = inf.piece_map
+    out_labels = {l for lo in lab.outputs for l in lo}
+    used_all = {a for axes in amap.values() for a in axes}
+    rep = tuple(a for a in mesh.active if a not in used_all)
+    contracted = _sorted(a for l, axes in amap.items() if l not in out_labels for a in axes)
+    out_lay = []
+    for k, lo in enumerate(lab.outputs):
+        out_lay.append(Layout(tuple(amap.get(l, ()) for l in lo), contracted, rep))
+    # the task view: one (degree, stride) per task axis of the piece map
+    vd = []
+    for ax, deg in pm.axes:
+        if ax == "~rep":
+            axes = rep
+        elif ax.startswith("~"):
+            return None                     # inputs are never partial here
+        else:
+            axes = amap.get(ax, ())
+        d = mesh.dim(axes)
+        if d[0] != deg:
+            return None
+        vd.append(d)
+    final = []
+    for k, lay in enumerate(out_lay):
+        if not lay.sum:
+            final.append(lay)
+        elif algo.resolve == "ar" or algo.resolve is None:
+            final.append(Layout(lay.dims, (), _sorted(lay.copy + lay.sum)))
+        else:
+            j = algo.resolve[1]
+            dims = list(lay.dims)
+            new = tuple(dims[j]) + lay.sum
+            if tuple(sorted(new)) != new:
+                return None
+            sz = g.shapes(nid)[k].sizes[j]
+            if sz % mesh.size(new):
+                return None
+            dims[j] = new
+            final.append(Layout(tuple(dims), (), lay.copy))
+    return OpInst(tuple(in_lay), tuple(out_lay), tuple(final), tuple(shapes),
+                  MachineView(mesh.start, tuple(vd)))
+
+
+def enumerate_algos(g: PCG, nid: int, mesh: Mesh) -> list[Algo]:
+    """Every algorithm of node ``nid`` on the mesh, from its labels (see module docstring)."""
+    key = ("algos", _node_key(g, nid))
+    if key not in mesh.cache:
+        mesh.cache[key] = _enumerate_algos(g, nid, mesh)
+    return list(mesh.cache[key])
+
+
+def _enumerate_algos(g: PCG, nid: int, mesh: Mesh) -> list[Algo]:
+    lab = _labels(g, nid)
+    names = []
+    for lo in lab.inputs:
+        for l in lo:
+            if l not in names and l not in lab.unshardable:
+                names.append(l)
+    out_labels = {l for lo in lab.outputs for l in lo}
+    algos = []
+    for choice in product(*[[None] + names for _ in mesh.active]):
+        amap: dict = {}
+        for ax, l in zip(mesh.active, choice):
+            if l is not None:
+                amap[l] = amap.get(l, ()) + (ax,)
+        assign = tuple(sorted(amap.items()))
+        contracted = [l for l in amap if l not in out_labels]
+        if not contracted:
+            resolves = [None]
+        else:
+            resolves = ["ar"]
+            if len(lab.outputs) == 1:
+                resolves += [("rs", j) for j in range(len(lab.outputs[0]))]
+        for r in resolves:
+            a = Algo(assign, r)
+            if _instantiate(g, nid, a, mesh, lab) is not None:
+                algos.append(a)
+    return algos
+
+
+def _follow(g: PCG, nid: int, pos: int, lay: Layout, mesh: Mesh) -> Algo:
+    """The algorithm of a merged operator that follows the layout ``lay`` of its input ``pos``."""
+    key = ("follow", _node_key(g, nid), pos, lay)
+    if key not in mesh.cache:
+        mesh.cache[key] = _follow_new(g, nid, pos, lay, mesh)
+    return mesh.cache[key]
+
+
+def _follow_new(g: PCG, nid: int, pos: int, lay: Layout, mesh: Mesh) -> Algo:
+    lab = _labels(g, nid)
+    amap: dict = {}
+    used: set = set()
+    for l, axes in zip(lab.inputs[pos], lay.dims):
+        if not axes or l in lab.unshardable or l in amap or used & set(axes):
+            continue
+        amap[l] = tuple(axes)
+        used |= set(axes)
+    out_labels = {l for lo in lab.outputs for l in lo}
+    res = "ar" if any(l not in out_labels for l in amap) else None
+    a = Algo(tuple(sorted(amap.items())), res)
+    if _instantiate(g, nid, a, mesh, lab) is not None:
+        return a
+    # drop axes until the operator accepts (fewest dropped first)
+    items = sorted(amap.items())
+    for k in range(len(items) - 1, -1, -1):
+        for keep in _subsets(items, k):
+            res = "ar" if any(l not in out_labels for l, _ in keep) else None
+            a = Algo(tuple(keep), res)
+            if _instantiate(g, nid, a, mesh, lab) is not None:
+                return a
+    return Algo((), None)
+
+
+def _subsets(items, k):
+    from itertools import combinations
+    return [list(c) for c in combinations(items, k)]
+
+
+# --- conversion chains (our parallel operators) -----------------------------------------------------
+
+def convert(b, ref, src: Layout, dst: Layout, mesh: Mesh, views: dict, name: str = ""):
+    """Add to builder ``b`` the parallel operators that bring ``ref`` (laid out as ``src``) to ``dst``
+    (no partial sums); record each one's view in ``views``.  Raises _Infeasible when ``dst`` would
+    need copies of ``src`` to be dropped."""
+    cur = src
+    dst_dim_axes = {a for d in dst.dims for a in d}
+    if cur.sum:
+        S = cur.sum
+        if not set(S) & dst_dim_axes and not set(S) & set(cur.copy):
+            ref = b.add("AllReduce", {"degree": mesh.size(S)}, [ref], name=f"{name}/allreduce")
+            cur = Layout(cur.dims, (), _sorted(cur.copy + S))
+        else:
+            ref = b.add("Reduce", {"degree": mesh.size(S)}, [ref], name=f"{name}/reduce")
+            cur = Layout(cur.dims, (), cur.copy)
+        views[ref[0]] = mesh.view(cur)
+    dims = list(cur.dims)
+    for j, (s, d) in enumerate(zip(cur.dims, dst.dims)):
+        if s == d or not s or d[:len(s)] == s:
+            continue
+        keep = s[:len(d)] if s[:len(d)] == d else ()
+        drop = s[len(keep):]
+        ref = b.add("Combine", {"dim": j, "degree": mesh.size(drop)}, [ref], name=f"{name}/combine{j}")
+        dims[j] = keep
+        cur = Layout(tuple(dims), (), cur.copy)
+        views[ref[0]] = mesh.view(cur)
+    if not set(cur.copy) <= set(dst.copy):
+        raise _Infeasible()
+    for j, (s, d) in enumerate(zip(cur.dims, dst.dims)):
+        if s == d:
+            continue
+        new = d[len(s):]
+        ref = b.add("Partition", {"dim": j, "degree": mesh.size(new)}, [ref], name=f"{name}/partition{j}")
+        dims[j] = d
+        cur = Layout(tuple(dims), (), cur.copy)
+        views[ref[0]] = mesh.view(cur)
+    extra = tuple(a for a in dst.copy if a not in cur.copy)
+    if extra:
+        ref = b.add("Replicate", {"degree": mesh.size(extra)}, [ref], name=f"{name}/replicate")
+        cur = Layout(cur.dims, (), _sorted(cur.copy + extra))
+        views[ref[0]] = mesh.view(cur)
+    assert cur == dst, (cur, dst)
+    return ref
+
+
+def _zero_shard_layout(shape: ParallelTensorShape, lay: Layout, mesh: Mesh) -> Layout | None:
+    """Weight-update sharding: the layout of a weight copied along ``lay.copy`` stored sharded along those
+    axes instead (on its largest dim they divide), or None if no dim divides."""
+    if not lay.copy:
+        return None
+    order = sorted(range(shape.rank), key=lambda j: -shape.sizes[j])
+    for j in order:
+        new = _sorted(lay.dims[j] + lay.copy)
+        if lay.dims[j] and new[:len(lay.dims[j])] != lay.dims[j]:
+            continue
+        if shape.sizes[j] % mesh.size(new) == 0:
+            dims = list(lay.dims)
+            dims[j] = new
+            return Layout(tuple(dims), (), ())
+    return None
+
+
+# --- anchor groups (graph simplification) -----------------------------------------------------------
+
+def _groups(g: PCG) -> tuple[dict, list]:
+    """(node -> its anchor, anchors in topological order) after merging cheap operators into their
+    deepest compute operand."""
+    depth: dict = {}
+    anchor: dict = {}
+    via: dict = {}                 # merged node -> the input position it follows
+    anchors = []
+    for n in g.nodes():
+        if n.kind != "compute":
+            depth[n.id] = 0
+            continue
+        depth[n.id] = 1 + max((depth[r[0]] for r in n.inputs), default=0)
+        comp = [(depth[r[0]], pos) for pos, r in enumerate(n.inputs) if g.node(r[0]).kind == "compute"]
+        if n.op in HEAVY_OPS or not comp:
+            anchor[n.id] = n.id
+            anchors.append(n.id)
+        else:
+            _, pos = max(comp)
+            via[n.id] = pos
+            anchor[n.id] = anchor[n.inputs[pos][0]]
+    return anchor, anchors, via
+
+
+class IntraProblem:
+    """The ILP of one (graph, mesh, cost model): anchors, their algorithms, node costs and memory,
+    edges with their resharding costs over layouts.  :meth:`objective` prices one choice (the brute
+    force of the tests uses it); :meth:`solve` solves the ILP."""
+
+    def __init__(self, g: PCG, machine: MachineSpec, mesh: tuple[int, int], start: int = 0,
+                 optimizer: str = "adam", weight_update_sharding: bool = False):
+        n0, n1 = mesh
+        self.g = g
+        self.mesh = Mesh(n0, n1, start)
+        self.model = CostModel(machine, optimizer=optimizer)
+        self.machine = machine
+        self.zero = weight_update_sharding
+        self.anchor, self.anchors, self.via = _groups(g)
+        self.members: dict = {a: [] for a in self.anchors}
+        for n in g.nodes():
+            if n.kind == "compute":
+                self.members[self.anchor[n.id]].append(n.id)
+        self._edge_cache: dict = {}
+        self._frag_cache: dict = {}
+        self.algos: dict = {}
+        self.node_cost: dict = {}
+        self.node_mem: dict = {}
+        self.derived: dict = {}          # (anchor, k) -> {member: Algo}
+        self.insts: dict = {}            # (anchor, k) -> {member: OpInst}
+        for a in self.anchors:
+            self._build_anchor(a)
+        self._build_edges()
+
+    # --- per anchor ----------------------------------------------------------------------------------
+    def _derive(self, a: int, algo: Algo):
+        g, mesh = self.g, self.mesh
+        chosen = {a: algo}
+        insts = {a: _instantiate(g, a, algo, mesh)}
+        for m in self.members[a][1:]:
+            pos = self.via[m]
+            ref = g.node(m).inputs[pos]
+            lay = insts[ref[0]].final_lay[ref[1]]
+            al = _follow(g, m, pos, lay, mesh)
+            chosen[m] = al
+            insts[m] = _instantiate(g, m, al, mesh)
+        return chosen, insts
+
+    def _build_anchor(self, a: int) -> None:
+        algos = enumerate_algos(self.g, a, self.mesh)
+        if not algos:
+            algos = [Algo((), None)]
+        keep, costs, mems = [], [], []
+        seen = {}
+        for k, al in enumerate(algos):
+            chosen, insts = self._derive(a, al)
+            c, m = self._group_cost(a, insts)
+            if not math.isfinite(c):
+                continue
+            sig = self._signature(a, insts)
+            if sig in seen:        # same layouts at every boundary: keep the cheaper
+                j = seen[sig]
+                if (c, m) < (costs[j], mems[j]):
+                    keep[j], costs[j], mems[j] = (al, chosen, insts), c, m
+                continue
+            seen[sig] = len(keep)
+            keep.append((al, chosen, insts))
+            costs.append(c)
+            mems.append(m)
+        self.algos[a] = [k[0] for k in keep]
+        for i, (_, chosen, insts) in enumerate(keep):
+            self.derived[(a, i)] = chosen
+            self.insts[(a, i)] = insts
+        self.node_cost[a] = costs
+        self.node_mem[a] = mems
+
+    def _signature(self, a: int, insts: dict):
+        g = self.g
+        out = []
+        for m in self.members[a]:
+            n = g.node(m)
+            for pos, r in enumerate(n.inputs):
+                if self.anchor.get(r[0]) != a:
+                    out.append(("in", m, pos, insts[m].in_lay[pos]))
+            for k, lay in enumerate(insts[m].final_lay):
+                out.append(("out", m, k, lay))
+        return tuple(out)
+
+    def _group_cost(self, a: int, insts: dict) -> tuple[float, float]:
+        """Node cost and memory of anchor group ``a`` with its members laid out as ``insts``: priced
+        on a fragment PCG by :class:`GraphCost` (cached by structure)."""
+        g = self.g
+        key_parts = []
+        local = {m: i for i, m in enumerate(self.members[a])}
+        for m in self.members[a]:
+            n = g.node(m)
+            ins = []
+            for pos, r in enumerate(n.inputs):
+                p = g.node(r[0])
+                if p.kind == "source":
+                    ins.append(("src", p.op, g.shape(r).sizes, g.shape(r).dtype, g.is_trainable(p.id)))
+                elif r[0] in local:
+                    ins.append(("int", local[r[0]], r[1]))
+                else:
+                    ins.append(("ext", g.shape(r).sizes, g.shape(r).dtype))
+            kept = tuple(kept_fraction(g, m, k) for k in range(len(g.shapes(m))))
+            key_parts.append((n.op, n.attrs, tuple(ins), insts[m].in_lay, insts[m].final_lay,
+                              insts[m].view, kept))
+        key = tuple(key_parts)
+        hit = self._frag_cache.get(key)
+        if hit is not None:
+            return hit
+        b = PCG.builder()
+        views: dict = {}
+        new: dict = {}
+        srcs: dict = {}
+        placed: dict = {}
+        ext_nodes: set = set()           # placements of tensors from other groups: no memory here
+        kept: dict = {}                  # fragment ref -> fraction kept, from the real graph's consumers
+        for m in self.members[a]:
+            n = g.node(m)
+            inst = insts[m]
+            ins = []
+            for pos, r in enumerate(n.inputs):
+                p = g.node(r[0])
+                want = inst.in_lay[pos]
+                if r[0] in local:
+                    have = insts[r[0]].final_lay[r[1]]
+                    ck = (("int", r), want)
+                    if ck not in placed:
+                        try:
+                            placed[ck] = convert(b, new[r], have, want, self.mesh, views, f"m{m}.{pos}")
+                        except _Infeasible:
+                            self._frag_cache[key] = (INF, INF)
+                            return INF, INF
+                    ins.append(placed[ck])
+                    continue
+                if p.kind == "source":
+                    if r[0] not in srcs:
+                        srcs[r[0]] = b.add(p.op, p.a, [], name=p.label())
+                    src = srcs[r[0]]
+                    ck = (("src", r[0]), want)
+                else:
+                    ek = ("ext", r)
+                    if ek not in srcs:
+                        s = g.shape(r)
+                        srcs[ek] = b.add("Input", {"name": f"ext{r[0]}_{r[1]}", "shape": s.sizes,
+                                                   "dtype": s.dtype}, [])
+                    src = srcs[ek]
+                    ck = (ek, want)
+                if ck not in placed:
+                    before = set(views)
+                    placed[ck] = self._place(b, src, g.shape(r), want, views, p.kind == "source" and p.op == "Weight",
+                                             f"m{m}.{pos}")
+                    if p.kind != "source":
+                        ext_nodes |= set(views) - before
+                ins.append(placed[ck])
+            nid = b.add_node(n.op, n.a, ins, name=n.name)
+            views[nid] = inst.view
+            for k in range(len(g.shapes(m))):
+                ref = (nid, k)
+                if inst.out_lay[k].sum:
+                    ref = self._resolve(b, ref, inst.out_lay[k], inst.final_lay[k], views, f"m{m}")
+                new[(m, k)] = ref
+                kept[ref] = kept_fraction(g, m, k)
+        outs = [new[(m, k)] for m in self.members[a] for k in range(len(g.shapes(m)))]
+        b.set_outputs(outs)
+        frag = b.finish()
+        gc = GraphCost(frag, self.model)
+        total = 0.0
+        for nid in gc.nodes():
+            total += gc.leaf_cost(nid, views[nid], views).time
+        per_dev: dict = {}
+        for nid in gc.nodes():
+            if nid in ext_nodes:
+                continue
+            w, act = node_memory(gc, nid, views[nid])
+            for k in range(len(frag.shapes(nid))):
+                if (nid, k) in kept:      # a member's output: kept as the real graph keeps it
+                    for d in gc.placement(nid, views[nid], k):
+                        act[d] = act.get(d, 0) - frag.shapes(nid)[k].piece_nbytes * (
+                            kept_fraction(frag, nid, k) - kept[(nid, k)])
+            for d in set(w) | set(act):
+                per_dev[d] = per_dev.get(d, 0.0) + w.get(d, 0) + act.get(d, 0)
+        res = (total, float(max(per_dev.values(), default=0.0)))
+        self._frag_cache[key] = res
+        return res
+
+    def _resolve(self, b, ref, raw: Layout, final: Layout, views: dict, name: str):
+        """Resolve partial sums: AllReduce, or Reduce then Partition (see :class:`Algo`)."""
+        mesh = self.mesh
+        if set(final.copy) >= set(raw.sum):
+            ref = b.add("AllReduce", {"degree": mesh.size(raw.sum)}, [ref], name=f"{name}/allreduce")
+            views[ref[0]] = mesh.view(final)
+            return ref
+        ref = b.add("Reduce", {"degree": mesh.size(raw.sum)}, [ref], name=f"{name}/reduce")
+        views[ref[0]] = mesh.view(Layout(raw.dims, (), raw.copy))
+        j = next(j for j, (x, y) in enumerate(zip(raw.dims, final.dims)) if x != y)
+        ref = b.add("Partition", {"dim": j, "degree": mesh.size(raw.sum)}, [ref], name=f"{name}/partition{j}")
+        views[ref[0]] = mesh.view(final)
+        return ref
+
+    def _place(self, b, src, shape, want: Layout, views: dict, weight: bool, name: str):
+        """A source (or a fragment's external input) placed in layout ``want``; with weight-update
+        sharding a copied weight is stored sharded and gathered through an Identity task."""
+        mesh = self.mesh
+        if weight and self.zero:
+            z = _zero_shard_layout(shape, want, mesh)
+            if z is not None:
+                ref = convert(b, src, Layout.whole(shape.rank), z, mesh, views, name)
+                ref = b.add("Identity", {}, [ref], name=f"{name}/shard")
+                views[ref[0]] = MachineView(mesh.start, tuple(mesh.dim(d) for d in z.dims if d))
+                return convert(b, ref, z, want, mesh, views, name)
+        return convert(b, src, Layout.whole(shape.rank), want, mesh, views, name)
+
+    # --- edges -------------------------------------------------------------------------------------------
+    def edge_cost(self, shape: ParallelTensorShape, src: Layout, dst: Layout) -> float:
+        """Forward + backward price of resharding a tensor from ``src`` to ``dst`` (inf if impossible)."""
+        if src == dst:
+            return 0.0
+        key = (shape.sizes, shape.dtype, src, dst)
+        hit = self._edge_cache.get(key)
+        if hit is not None:
+            return hit
+        mesh = self.mesh
+        b = PCG.builder()
+        views: dict = {}
+        x = b.add("Input", {"name": "x", "shape": shape.sizes, "dtype": shape.dtype}, [])
+        x = convert(b, x, Layout.whole(shape.rank), Layout(src.dims, (), src.copy), mesh, views, "in")
+        y = b.add("Identity", {}, [x], name="producer")
+        amap = {f"d{j}": d for j, d in enumerate(src.dims) if d}
+        vd = []
+        pm = ops.infer("Identity", {}, [b.shape(x)]).piece_map
+        for ax, _ in pm.axes:
+            vd.append(mesh.dim(src.copy if ax == "~rep" else amap[ax]))
+        views[y[0]] = MachineView(mesh.start, tuple(vd))
+        chain_start = len(views)
+        try:
+            z = convert(b, y, Layout(src.dims, (), src.copy), dst, mesh, views, "edge")
+        except _Infeasible:
+            self._edge_cache[key] = INF
+            return INF
+        b.set_outputs([z])
+        frag = b.finish()
+        gc = GraphCost(frag, self.model)
+        total = 0.0
+        nodes = [n for n in list(views)[chain_start:]]
+        for nid in nodes:
+            total += gc.leaf_cost(nid, views[nid], views).time
+        self._edge_cache[key] = total
+        return total
+
+    def _build_edges(self) -> None:
+        """Edges between anchor groups: (producer anchor, consumer anchor, tensor shape, per-algorithm
+        producer layout, per-algorithm consumer layout)."""
+        g = self.g
+        self.edges = []
+        for v in self.anchors:
+            for m in self.members[v]:
+                for pos, r in enumerate(g.node(m).inputs):
+                    if g.node(r[0]).kind != "compute":
+                        continue
+                    u = self.anchor[r[0]]
+                    if u == v:
+                        continue
+                    src = [self.insts[(u, i)][r[0]].final_lay[r[1]] for i in range(len(self.algos[u]))]
+                    dst = [self.insts[(v, j)][m].in_lay[pos] for j in range(len(self.algos[v]))]
+                    saved = SAVES_INPUTS.get(g.node(m).op)
+                    self.edges.append((u, v, g.shape(r), src, dst, saved is None or pos in saved))
+
+    # --- objective and the ILP ------------------------------------------------------------------------------
+    def objective(self, choice: Mapping[int, int]) -> float:
+        """ILP objective of choosing algorithm ``choice[a]`` for every anchor ``a``."""
+        tot = sum(self.node_cost[a][choice[a]] for a in self.anchors)
+        for u, v, shape, src, dst, saves in self.edges:
+            tot += self.edge_cost(shape, src[choice[u]], dst[choice[v]])
+        return tot
+
+    def edge_memory(self, shape: ParallelTensorShape, src: Layout, dst: Layout, saves: bool) -> float:
+        """Bytes per device an edge adds: the resharded tensor, when the consumer keeps it for its
+        backward pass (the producer's own copy is counted with the producer)."""
+        if not saves or src == dst:
+            return 0.0
+        return shape.nbytes / prod(self.mesh.size(d) for d in dst.dims)
+
+    def memory(self, choice: Mapping[int, int]) -> float:
+        """The ILP's memory per device of a choice (see module docstring)."""
+        tot = sum(self.node_mem[a][choice[a]] for a in self.anchors)
+        for u, v, shape, src, dst, saves in self.edges:
+            tot += self.edge_memory(shape, src[choice[u]], dst[choice[v]], saves)
+        return tot
+
+    def size(self) -> dict:
+        return {"anchors": len(self.anchors), "algorithms": sum(len(self.algos[a]) for a in self.anchors),
+                "edges": len(self.edges), "compute_nodes": sum(len(m) for m in self.members.values())}
+
+    def prune(self, use_memory: bool = True) -> dict:
+        """Algorithms kept per anchor: an algorithm is dropped when another one of the same anchor costs no
+        more on the node, needs no more memory (if ``use_memory``) and costs no more on every incident edge
+        against every layout the other end can take (then some optimum avoids it; the optimum is unchanged)."""
+        import numpy as np
+        vec: dict = {a: [[c] + ([m] if use_memory else []) for c, m in zip(self.node_cost[a], self.node_mem[a])]
+                     for a in self.anchors}
+        for u, v, shape, src, dst, saves in self.edges:
+            cu, cv = _classes(src), _classes(dst)
+            for i in range(len(src)):
+                vec[u][i].extend(self.edge_cost(shape, src[i], l) for l, _ in cv)
+                if use_memory:
+                    vec[u][i].extend(self.edge_memory(shape, src[i], l, saves) for l, _ in cv)
+            for j in range(len(dst)):
+                vec[v][j].extend(self.edge_cost(shape, l, dst[j]) for l, _ in cu)
+                if use_memory:
+                    vec[v][j].extend(self.edge_memory(shape, l, dst[j], saves) for l, _ in cu)
+        alive: dict = {}
+        for a in self.anchors:
+            M = np.asarray(vec[a], dtype=float)
+            k = len(M)
+            keep = []
+            for i in range(k):
+                le = np.all(M <= M[i], axis=1)           # algorithms at least as good everywhere
+                eq = np.all(M == M[i], axis=1)
+                dom = le & (~eq | (np.arange(k) < i))    # strictly better somewhere, or equal and earlier
+                if not dom.any():
+                    keep.append(i)
+            alive[a] = keep
+        return alive
+
+    def solve(self, memory_budget: float | None = None, time_limit_s: float = 30.0, solver: str = "highs"):
+        """(choice, objective, status, solve seconds); raises IntraInfeasible if nothing fits."""
+        use_mem = memory_budget is not None and math.isfinite(memory_budget)
+        alive = self.prune(use_mem)
+        cols_cost: list = []
+        col_int: list = []
+        svar: dict = {}
+        for a in self.anchors:
+            for i in alive[a]:
+                svar[(a, i)] = len(cols_cost)
+                cols_cost.append(self.node_cost[a][i])
+                col_int.append(True)
+        rows: list = []                     # (coefficients {col: v}, lo, hi)
+        emem: dict = {}                     # edge variable -> bytes per device it adds
+        for a in self.anchors:
+            rows.append(({svar[(a, i)]: 1.0 for i in alive[a]}, 1.0, 1.0))
+        for u, v, shape, src, dst, saves in self.edges:
+            cu = _classes(src, alive[u])
+            cv = _classes(dst, alive[v])
+            evar: dict = {}
+            row_u = {ci: {} for ci in range(len(cu))}
+            row_v = {cj: {} for cj in range(len(cv))}
+            for ci, (lu, _) in enumerate(cu):
+                for cj, (lv, _) in enumerate(cv):
+                    c = self.edge_cost(shape, lu, lv)
+                    if not math.isfinite(c):
+                        continue
+                    col = len(cols_cost)
+                    cols_cost.append(c)
+                    col_int.append(False)
+                    evar[(ci, cj)] = col
+                    emem[col] = self.edge_memory(shape, lu, lv, saves)
+                    row_u[ci][col] = 1.0
+                    row_v[cj][col] = 1.0
+            for ci, (_, members) in enumerate(cu):
+                r = dict(row_u[ci])
+                for i in members:
+                    r[svar[(u, i)]] = r.get(svar[(u, i)], 0.0) - 1.0
+                rows.append((r, 0.0, 0.0))
+            for cj, (_, members) in enumerate(cv):
+                r = dict(row_v[cj])
+                for j in members:
+                    r[svar[(v, j)]] = r.get(svar[(v, j)], 0.0) - 1.0
+                rows.append((r, 0.0, 0.0))
+        if use_mem:
+            # in GiB: coefficients of order one keep the solver's tolerances meaningful
+            coef = {svar[(a, i)]: self.node_mem[a][i] / 2**30 for a in self.anchors for i in alive[a]}
+            coef.update({c: b / 2**30 for c, b in emem.items() if b > 0})
+            rows.append((coef, -INF, float(memory_budget) / 2**30))
+        t0 = time.perf_counter()
+        cols_cost = [c * _SCALE for c in cols_cost]      # microseconds: keeps the solver's tolerances meaningful
+        if solver == "highs":
+            x, obj, status = _solve_highs(cols_cost, col_int, rows, time_limit_s)
+        elif solver == "cbc":
+            x, obj, status = _solve_pulp(cols_cost, col_int, rows, time_limit_s)
+        else:
+            raise AlpaError(f"unknown ILP solver {solver!r} (known: highs, cbc)")
+        dt = time.perf_counter() - t0
+        if x is None:
+            need = min(self.node_mem[a][i] for a in self.anchors for i in range(len(self.node_mem[a])))
+            lb = sum(min(self.node_mem[a]) for a in self.anchors)
+            raise IntraInfeasible(f"alpa intra-op: no parallel plan on the {self.mesh.n[0]}x{self.mesh.n[1]} mesh "
+                                  f"fits the memory budget of {_gib(memory_budget)} per device (the smallest needs "
+                                  f"{_gib(lb)}){'' if status == 'infeasible' else f'; solver status: {status}'}")
+        choice = {a: max(alive[a], key=lambda i: x[svar[(a, i)]]) for a in self.anchors}
+        return choice, self.objective(choice), status, dt
+
+
+_SCALE = 1e6
+
+
+def _gib(b) -> str:
+    return "inf" if b is None or not math.isfinite(b) else f"{b / 2**30:.2f} GiB"
+
+
+def _classes(lays: list, among=None) -> list:
+    """Distinct layouts and the algorithm indices (of ``among``, default all) that give each."""
+    out: dict = {}
+    for i in (range(len(lays)) if among is None else among):
+        out.setdefault(lays[i], []).append(i)
+    return list(out.items())
+
+
+def _quiet_highs(highspy):
+    """A Highs instance without its banner (printed by the C++ constructor on stdout)."""
+    import os
+    import sys
+    sys.stdout.flush()
+    fd = os.dup(1)
+    try:
+        with open(os.devnull, "w") as null:
+            os.dup2(null.fileno(), 1)
+            h = highspy.Highs()
+    finally:
+        os.dup2(fd, 1)
+        os.close(fd)
+    h.setOptionValue("output_flag", False)
+    return h
+
+
+def _solve_highs(cost, is_int, rows, time_limit_s):
+    import highspy
+    import numpy as np
+    h = _quiet_highs(highspy)
+    h.setOptionValue("time_limit", float(time_limit_s))
+    h.setOptionValue("mip_rel_gap", 1e-7)
+    # HiGHS's presolve spends seconds on these equality-heavy models (16 s vs 0.3 s on a 2-layer GPT);
+    # the LP relaxation of the sum-to-one formulation is tight enough without it
+    h.setOptionValue("presolve", "off")
+    n = len(cost)
+    lp = highspy.HighsLp()
+    lp.num_col_ = n
+    lp.num_row_ = len(rows)
+    lp.col_cost_ = np.asarray(cost, dtype=float)
+    lp.col_lower_ = np.zeros(n)
+    lp.col_upper_ = np.ones(n)
+    inf = highspy.kHighsInf
+    lp.row_lower_ = np.asarray([-inf if not math.isfinite(lo) else lo for _, lo, _ in rows], dtype=float)
+    lp.row_upper_ = np.asarray([inf if not math.isfinite(hi) else hi for _, _, hi in rows], dtype=float)
+    # column-wise sparse matrix
+    cols: list = [[] for _ in range(n)]
+    for ri, (coef, _, _) in enumerate(rows):
+        for c, v in coef.items():
+            if v != 0.0:
+                cols[c].append((ri, v))
+    start, index, value = [0], [], []
+    for c in cols:
+        for ri, v in c:
+            index.append(ri)
+            value.append(v)
+        start.append(len(index))
+    lp.a_matrix_.format_ = highspy.MatrixFormat.kColwise
+    lp.a_matrix_.start_ = np.asarray(start, dtype=np.int32)
+    lp.a_matrix_.index_ = np.asarray(index, dtype=np.int32)
+    lp.a_matrix_.value_ = np.asarray(value, dtype=float)
+    lp.integrality_ = [highspy.HighsVarType.kInteger if i else highspy.HighsVarType.kContinuous for i in is_int]
+    h.passModel(lp)
+    h.run()
+    st = h.getModelStatus()
+    name = h.modelStatusToString(st).lower()
+    if st == highspy.HighsModelStatus.kOptimal:
+        status = "optimal"
+    elif st == highspy.HighsModelStatus.kInfeasible:
+        return None, INF, "infeasible"
+    else:
+        status = name
+    info = h.getInfo()
+    if info.primal_solution_status < 2:           # no feasible solution
+        return None, INF, name
+    x = list(h.getSolution().col_value)
+    return x, h.getObjectiveValue(), status
+
+
+def _solve_pulp(cost, is_int, rows, time_limit_s):
+    import pulp
+    prob = pulp.LpProblem("alpa_intra", pulp.LpMinimize)
+    xs = [pulp.LpVariable(f"x{i}", 0, 1, cat=pulp.LpBinary if b else pulp.LpContinuous)
+          for i, b in enumerate(is_int)]
+    prob += pulp.lpSum(c * x for c, x in zip(cost, xs) if c != 0.0)
+    for k, (coef, lo, hi) in enumerate(rows):
+        expr = pulp.lpSum(v * xs[c] for c, v in coef.items())
+        if lo == hi:
+            prob += (expr == lo), f"r{k}"
+        else:
+            if math.isfinite(hi):
+                prob += (expr <= hi), f"r{k}u"
+            if math.isfinite(lo):
+                prob += (expr >= lo), f"r{k}l"
+    prob.solve(pulp.PULP_CBC_CMD(msg=0, timeLimit=time_limit_s))
+    st = pulp.LpStatus[prob.status]
+    if st != "Optimal":
+        return None, INF, "infeasible" if st == "Infeasible" else st.lower()
+    return [x.value() or 0.0 for x in xs], pulp.value(prob.objective), "optimal"
+
+
+# --- the plan ----------------------------------------------------------------------------------------------
+
+def build_plan_pcg(problem: IntraProblem, choice: Mapping[int, int]) -> tuple[PCG, dict, dict]:
+    """The logical graph with every node under its chosen (or derived) algorithm: (PCG, views, specs)."""
+    g, mesh = problem.g, problem.mesh
+    insts: dict = {}
+    for a in problem.anchors:
+        insts.update(problem.insts[(a, choice[a])])
+    b = PCG.builder(g.weights)
+    views: dict = {}
+    new: dict = {}
+    placed: dict = {}
+    specs: dict = {}
+    for n in g.nodes():
+        if n.kind == "source":
+            new[(n.id, 0)] = b.add(n.op, n.a, [], name=n.name)
+            continue
+        inst = insts[n.id]
+        ins = []
+        for pos, r in enumerate(n.inputs):
+            want = inst.in_lay[pos]
+            key = (tuple(r), want)
+            if key not in placed:
+                p = g.node(r[0])
+                if p.kind == "source":
+                    placed[key] = problem._place(b, new[tuple(r)], g.shape(r), want, views, p.op == "Weight",
+                                                 f"{n.label()}/in{pos}")
+                else:
+                    placed[key] = convert(b, new[tuple(r)], insts[r[0]].final_lay[r[1]], want, mesh, views,
+                                          f"{n.label()}/in{pos}")
+            ins.append(placed[key])
+        nid = b.add_node(n.op, n.a, ins, name=n.name)
+        views[nid] = inst.view
+        for k in range(len(g.shapes(n.id))):
+            ref = (nid, k)
+            if inst.out_lay[k].sum:
+                ref = problem._resolve(b, ref, inst.out_lay[k], inst.final_lay[k], views, n.label())
+            new[(n.id, k)] = ref
+        specs[n.label()] = (" x ".join(mesh.spec(l) for l in inst.in_lay) + " -> "
+                            + " ; ".join(mesh.spec(l) for l in inst.out_lay)
+                            + ("" if inst.out_lay == inst.final_lay else
+                               " => " + " ; ".join(mesh.spec(l) for l in inst.final_lay)))
+    b.set_outputs([new[tuple(r)] for r in g.outputs])
+    b.remove_dead()
+    b.meta = dict(g.meta, strategy="alpa", mesh=list(mesh.n), mesh_start=mesh.start)
+    out = b.finish()
+    views = {k: v for k, v in views.items() if k in out}
+    return out, views, specs
+
+
+def solve_intra(g: PCG, machine: MachineSpec, mesh: tuple[int, int], *, start: int = 0, optimizer: str = "adam",
+                memory_budget: float | None = None, weight_update_sharding: bool = False,
+                time_limit_s: float = 30.0, solver: str = "highs") -> IntraPlan:
+    """Alpa's intra-operator plan of the logical PCG ``g`` on the ``mesh`` (n0, n1) of devices
+    ``start .. start+n0*n1-1`` of ``machine`` (see module docstring).  ``memory_budget``: bytes per device
+    (default: the device's capacity).  Raises :class:`AlpaError` for a bad mesh or graph,
+    :class:`IntraInfeasible` when no plan fits the budget."""
+    t0 = time.perf_counter()
+    try:
+        n0, n1 = (int(x) for x in mesh)
+    except (TypeError, ValueError):
+        raise AlpaError(f"alpa intra-op: mesh must be two positive integers, got {mesh!r}") from None
+    if n0 < 1 or n1 < 1 or start < 0 or start + n0 * n1 > machine.num_devices:
+        raise AlpaError(f"alpa intra-op: mesh {n0}x{n1} from device {start} does not fit the machine's "
+                        f"{machine.num_devices} devices")
+    for n in g.nodes():
+        if n.kind == "parallel":
+            raise AlpaError(f"alpa intra-op needs a logical PCG; node {n.label()} is a {n.op}")
+    if memory_budget is None:
+        memory_budget = float(machine.device.memory_bytes)
+    prob = IntraProblem(g, machine, (n0, n1), start, optimizer, weight_update_sharding)
+    t1 = time.perf_counter()
+    choice, obj, status, solve_s = prob.solve(memory_budget, time_limit_s, solver)
+    pcg, views, specs = build_plan_pcg(prob, choice)
+    from ..mapping import MachineMapper
+    r = MachineMapper(prob.model).evaluate(pcg, views)
+    mem = float(r.memory.max_bytes) if r.memory is not None else INF
+    return IntraPlan(pcg, views, float(r.cost), mem, float(obj), solve_s, status, specs, (n0, n1), start,
+                     t1 - t0, dict(prob.size(), total_s=time.perf_counter() - t0,
+                                   ilp_memory_bytes=prob.memory(choice), feasible=r.feasible,
+                                   reason=r.reason))
+
+
+__all__ = ["solve_intra", "IntraPlan", "IntraProblem", "AlpaError", "IntraInfeasible", "Layout", "Mesh",
+           "enumerate_algos", "build_plan_pcg", "convert"]

@@ -1,0 +1,239 @@
+"""Alpa's intra-operator ILP (unity_pcg.search.alpa.intra) in our cost model."""
+import math
+from itertools import product
+
+import numpy as np
+import pytest
+
+from unity_pcg.errors import UnityError
+from unity_pcg.evaluate import evaluate, random_feeds
+from unity_pcg.machine import parse_machine
+from unity_pcg.pcg import PCG
+from unity_pcg.search.alpa.intra import (AlpaError, IntraInfeasible, IntraProblem, Layout, Mesh, convert,
+                                         enumerate_algos, solve_intra)
+from unity_pcg.search.baselines import data_parallel
+from unity_pcg.search.cost import CostModel
+from unity_pcg.search.mapping import MachineMapper
+
+from .graphs import diamond, mlp
+
+DGX = parse_machine("dgx-a100:1x8")
+
+
+def _same_function(g, pg, seed=0):
+    feeds = random_feeds(g, seed=seed, int_high=2)
+    rng = np.random.default_rng(seed + 1)
+    for n in g.sources("Weight"):
+        name = n.a["name"]
+        if name not in g.weights and name not in feeds:
+            feeds[name] = rng.standard_normal(n.a["shape"]).astype("float32")
+    a = evaluate(g, feeds)
+    b = evaluate(pg, feeds, mode="pieces", rng=np.random.default_rng(seed))
+    return all(np.allclose(x, y, rtol=1e-4, atol=1e-4) for x, y in zip(a, b))
+
+
+def _attention(batch=2, seq=8, hidden=16, heads=4, ffn=32):
+    """A small pre-LN Transformer layer as the importer gives it (bias Adds, heads by Reshape/Transpose)."""
+    hd = hidden // heads
+    b = PCG.builder()
+    x = b.add("Input", {"name": "x", "shape": (batch, seq, hidden)})
+
+    def w(name, shape):
+        return b.add("Weight", {"name": name, "shape": shape})
+
+    def dense(inp, k, n, name):
+        y = b.add("Linear", {}, [inp, w(f"{name}.w", (k, n))], name=name)
+        return b.add("Add", {}, [w(f"{name}.b", (n,)), y], name=f"{name}/bias")
+
+    def heads_of(t, perm, name):
+        r = b.add("Reshape", {"shape": (batch, seq, heads, hd)}, [t], name=f"{name}/reshape")
+        return b.add("Transpose", {"perm": perm}, [r], name=f"{name}/transpose")
+    y = b.add("LayerNorm", {"axis": -1}, [x, w("ln.g", (hidden,)), w("ln.b", (hidden,))], name="ln")
+    q = heads_of(dense(y, hidden, hidden, "q"), (0, 2, 1, 3), "q")
+    k = heads_of(dense(y, hidden, hidden, "k"), (0, 2, 3, 1), "k")
+    v = heads_of(dense(y, hidden, hidden, "v"), (0, 2, 1, 3), "v")
+    s = b.add("Scale", {"factor": hd ** -0.5}, [b.add("BatchMatMul", {}, [q, k], name="scores")], name="scale")
+    ctx = b.add("BatchMatMul", {}, [b.add("Softmax", {"axis": -1}, [s], name="softmax"), v], name="context")
+    ctx = b.add("Reshape", {"shape": (batch, seq, hidden)},
+                [b.add("Transpose", {"perm": (0, 2, 1, 3)}, [ctx], name="ctx/transpose")], name="ctx/reshape")
+    a = b.add("Add", {}, [x, dense(ctx, hidden, hidden, "out")], name="residual")
+    h = b.add("Gelu", {}, [dense(a, hidden, ffn, "fc1")], name="gelu")
+    b.set_outputs([b.add("Add", {}, [a, dense(h, ffn, hidden, "fc2")], name="residual2")])
+    return b.finish()
+
+
+def _dp_time(g, machine, d, optimizer="adam"):
+    r = MachineMapper(CostModel(machine, optimizer=optimizer)).optimize(data_parallel(g, d))
+    return r.cost, r.memory.max_bytes
+
+
+# --- the ILP is exact: it equals brute force over the same cost function --------------------------------
+
+@pytest.mark.parametrize("graph,mesh", [(lambda: mlp(batch=8, h=16, layers=3), (2, 2)),
+                                        (lambda: mlp(batch=64, h=512, layers=3), (1, 4)),
+                                        (lambda: diamond(batch=8, h=16), (2, 2)),
+                                        (lambda: diamond(batch=1024, h=64), (1, 4))])
+def test_ilp_equals_brute_force(graph, mesh):
+    prob = IntraProblem(graph(), DGX, mesh)
+    counts = [len(prob.algos[a]) for a in prob.anchors]
+    assert prod_(counts) <= 30000 and len(prob.anchors) >= 2
+    best = math.inf
+    for combo in product(*[range(c) for c in counts]):
+        best = min(best, prob.objective(dict(zip(prob.anchors, combo))))
+    choice, obj, status, _ = prob.solve(None)
+    assert status == "optimal"
+    assert obj == pytest.approx(best, rel=1e-6, abs=1e-12)
+    # under a memory budget too: brute force over the choices that fit
+    mems = sorted({prob.memory(dict(zip(prob.anchors, c))) for c in product(*[range(k) for k in counts])})
+    budget = mems[len(mems) // 3]
+    fit = min(prob.objective(dict(zip(prob.anchors, c))) for c in product(*[range(k) for k in counts])
+              if prob.memory(dict(zip(prob.anchors, c))) <= budget)
+    choice, obj, _, _ = prob.solve(budget)
+    assert prob.memory(choice) <= budget * (1 + 1e-9)
+    assert obj == pytest.approx(fit, rel=1e-6, abs=1e-12)
+
+
+def prod_(xs):
+    out = 1
+    for x in xs:
+        out *= x
+    return out
+
+
+def test_cbc_agrees_with_highs():
+    pytest.importorskip("pulp")
+    prob = IntraProblem(mlp(batch=8, h=16, layers=3), DGX, (2, 2))
+    _, a, _, _ = prob.solve(None, solver="highs")
+    _, b, _, _ = prob.solve(None, solver="cbc")
+    assert a == pytest.approx(b, rel=1e-6)
+
+
+# --- algorithms come from the registry's labels ------------------------------------------------------------
+
+def test_algorithms_from_labels():
+    g = mlp(batch=8, h=16, layers=1)
+    fc = next(n.id for n in g.nodes() if n.op == "Linear")
+    mesh = Mesh(2, 2, 0)
+    algos = enumerate_algos(g, fc, mesh)
+    assigns = {a.assign for a in algos}
+    # Linear's labels b0 (batch), k (contracted), n: each mesh axis to one of them or none
+    assert (("b0", (0,)), ("n", (1,))) in assigns             # S0 x S1 -> (S0, S1), Table 3 #1
+    assert (("b0", (0, 1)),) in assigns                        # S01: both axes on the batch
+    assert () in assigns                                       # fully replicated
+    contracted = [a for a in algos if any(l == "k" for l, _ in a.assign)]
+    assert contracted and {a.resolve for a in contracted} >= {"ar", ("rs", 0)}
+    assert all(l in ("b0", "k", "n") for a in algos for l, _ in a.assign)
+    # Softmax's normalized axis is unshardable: never assigned
+    b = PCG.builder()
+    x = b.add("Input", {"name": "x", "shape": (4, 8)})
+    b.set_outputs([b.add("Softmax", {"axis": -1}, [x])])
+    sm = b.finish()
+    algos = enumerate_algos(sm, 1, mesh)
+    assert algos and all(l == "d0" for a in algos for l, _ in a.assign)
+
+
+def test_resharding_chain_is_our_parallel_operators():
+    mesh = Mesh(2, 2, 4)
+    b = PCG.builder()
+    x = b.add("Input", {"name": "x", "shape": (8, 8)})
+    views = {}
+    y = convert(b, x, Layout.whole(2), Layout(((0,), (1,)), (), ()), mesh, views)
+    z = convert(b, y, Layout(((0,), (1,)), (), ()), Layout(((0, 1), ()), (), ()), mesh, views)
+    r = convert(b, z, Layout(((0, 1), ()), (), ()), Layout(((), ()), (), (0, 1)), mesh, views)
+    b.set_outputs([r])
+    g = b.finish()
+    assert [n.op for n in g.nodes()][1:] == ["Partition", "Partition", "Combine", "Partition", "Combine",
+                                             "Replicate"]
+    assert g.shape(r).copy_degree == 4 and all(v.is_valid(DGX) and min(v.devices()) >= 4 for v in views.values())
+    with pytest.raises(Exception):   # copies cannot be dropped: R -> S is not a parallel operator
+        convert(b, r, Layout(((), ()), (), (0, 1)), Layout(((0,), ()), (), (1,)), mesh, {})
+
+
+# --- plans: the right shape for the sizes, valid PCGs, the same function ---------------------------------
+
+def test_mlp_big_batch_is_data_parallel():
+    g = mlp(batch=4096, h=256, layers=2)
+    p = solve_intra(g, DGX, (1, 8))
+    for n in p.pcg.nodes():
+        if n.op == "Linear":
+            x, w = p.pcg.input_shapes(n.id)
+            assert x.degrees[0] == 8 and w.copy_degree == 8, p.specs
+    dp, _ = _dp_time(g, DGX, 8)
+    assert p.time_s <= dp * (1 + 1e-9)
+    assert p.time_s == pytest.approx(p.objective, rel=1e-6)
+
+
+def test_mlp_huge_weights_are_tensor_parallel():
+    g = mlp(batch=8, h=8192, layers=2)
+    p = solve_intra(g, DGX, (1, 8))
+    for n in p.pcg.nodes():
+        if n.op == "Linear":
+            w = p.pcg.input_shapes(n.id)[1]
+            assert w.copy_degree == 1 and w.shard_degree == 8, p.specs
+    dp, dp_mem = _dp_time(g, DGX, 8)
+    assert p.time_s < dp / 5 and p.memory_bytes < dp_mem / 4
+
+
+@pytest.mark.parametrize("graph,mesh,start", [(lambda: _attention(), (2, 2), 4),
+                                              (lambda: _attention(), (1, 4), 0),
+                                              (lambda: mlp(batch=8, h=16, layers=2), (2, 4), 0),
+                                              (lambda: diamond(batch=8, h=16), (2, 2), 0)])
+def test_plan_validates_and_computes_the_same_function(graph, mesh, start):
+    g = graph()
+    p = solve_intra(g, DGX, mesh, start=start)
+    p.pcg.check()
+    assert _same_function(g, p.pcg)
+    devs = set()
+    for nid, v in p.views.items():
+        assert v.is_valid(DGX)
+        devs |= set(v.devices())
+    assert devs <= set(range(start, start + mesh[0] * mesh[1]))
+    assert math.isfinite(p.time_s) and p.memory_bytes > 0 and p.stats["feasible"]
+    # the plan as the rest of the project prices it: the mapper's own search does no worse
+    r = MachineMapper(CostModel(DGX)).optimize(p.pcg, fixed=p.views)
+    assert r.cost == pytest.approx(p.time_s, rel=1e-6)
+
+
+def test_attention_on_a_mesh_beats_or_matches_data_parallel():
+    g = _attention(batch=8, seq=512, hidden=1024, heads=16, ffn=4096)
+    p = solve_intra(g, DGX, (2, 4))
+    dp, _ = _dp_time(g, DGX, 8)
+    assert p.time_s <= dp * (1 + 1e-6)
+    assert p.time_s == pytest.approx(p.objective, rel=0.05)
+
+
+# --- memory --------------------------------------------------------------------------------------------------
+
+def test_memory_budget_forces_another_plan_and_an_infeasible_one_is_a_typed_error():
+    g = mlp(batch=2048, h=2048, layers=2)
+    free = solve_intra(g, DGX, (1, 8))
+    dp, dp_mem = _dp_time(g, DGX, 8)
+    assert free.time_s <= dp * (1 + 1e-9)
+    budget = free.memory_bytes * 0.6
+    tight = solve_intra(g, DGX, (1, 8), memory_budget=budget)
+    assert tight.specs != free.specs
+    assert tight.memory_bytes <= budget and tight.time_s >= free.time_s
+    with pytest.raises(IntraInfeasible) as e:
+        solve_intra(g, DGX, (1, 8), memory_budget=2**20)
+    assert isinstance(e.value, UnityError) and "\n" not in str(e.value) and "memory budget" in str(e.value)
+
+
+def test_weight_update_sharding_shards_the_weights():
+    g = mlp(batch=4096, h=512, layers=2)
+    plain = solve_intra(g, DGX, (1, 8))
+    zero = solve_intra(g, DGX, (1, 8), weight_update_sharding=True)
+    assert zero.memory_bytes < plain.memory_bytes
+    assert zero.pcg.op_counts()["Identity"] == 2            # one shard task per weight
+    for n in zero.pcg.nodes():
+        if n.op == "Identity":
+            assert zero.pcg.input_shapes(n.id)[0].copy_degree == 1
+    small = mlp(batch=16, h=16, layers=2)
+    assert _same_function(small, solve_intra(small, DGX, (1, 8), weight_update_sharding=True).pcg)
+
+
+def test_bad_mesh_and_parallel_graph_are_typed_errors():
+    g = mlp(batch=8, h=16, layers=1)
+    with pytest.raises(AlpaError, match="does not fit"):
+        solve_intra(g, DGX, (4, 4))
+    with pytest.raises(AlpaError, match="logical PCG"):
+        solve_intra(data_parallel(g, 2), DGX, (1, 2))
