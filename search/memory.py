@@ -70,6 +70,11 @@ SAVES_INPUTS: dict = {
     "Pipeline": set(), "Batch": set(),
 }
 SAVES_OUTPUT = {"Relu", "Sigmoid", "Tanh", "Exp", "Softmax", "Sqrt", "Reciprocal", "Div", "LRN"}
+# the import-coverage operators of unity_pcg/ops/indexing.py (Einsum saves all its operands, the default);
+# comparisons and boolean logic have no gradient
+SAVES_INPUTS.update({"Where": {0}, "GatherElements": {1}, "ScatterND": {1}, "Tile": set(), "Trilu": set(),
+                     "CumSum": set(), **{op: set() for op in ("Equal", "Less", "Greater", "LessOrEqual",
+                                                              "GreaterOrEqual", "Not", "And", "Or", "Xor")}})
 
 
 def kept_fraction(g, nid: int, k: int) -> float:
