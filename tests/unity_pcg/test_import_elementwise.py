@@ -274,3 +274,83 @@ def test_cli_prints_one_line_and_exits_2(tmp_path):
     assert r.returncode == 2, r.stderr
     err = r.stderr.strip()
     assert "Traceback" not in err and len(err.splitlines()) == 1 and "'keepdims'" in err, err
+
+
+# --- parallel behaviour: hand-picked layouts the importer's models use, and refusals that name the reason --------
+
+def _S(sizes, degrees=None, s=1, c=1, dtype="float64"):
+    from unity_pcg.shape import ParallelTensorShape
+    return ParallelTensorShape.of(sizes, degrees, s, c, dtype)
+
+
+def _case(op, attrs, shapes, fill):
+    from .op_cases import Case
+    return Case(op, attrs, [list(s.sizes) for s in shapes], [s.dtype for s in shapes], fill)
+
+
+ACCEPTED = [
+    # data and channel parallel PRelu: the [C, 1, 1] slope split with the channels, copied across the batch
+    ("PRelu", {}, [_S([4, 6, 2, 2], [2, 3, 1, 1]), _S([6, 1, 1], [3, 1, 1], c=2)], ["normal"] * 2),
+    ("PRelu", {}, [_S([4, 6], [1, 2], c=2), _S([6], [2], c=2)], ["normal"] * 2),
+    ("LogSoftmax", {"axis": -1}, [_S([4, 6], [2, 1], c=2)], ["normal"]),
+    ("LogSoftmax", {"axis": 0}, [_S([1, 6], s=2)], ["normal"]),           # a size-1 axis: the constant 0
+    ("ReduceMax", {"axes": (1,), "keepdims": False}, [_S([4, 6, 2], [2, 1, 2], c=2)], ["normal"]),
+    ("ReduceProd", {"axes": (1,), "keepdims": True}, [_S([4, 1, 3], [2, 1, 1], s=2)], ["normal"]),  # identity
+    ("Silu", {}, [_S([4, 6], [2, 3], c=2)], ["normal"]),
+    ("HardSwish", {}, [_S([4, 6], [4, 1])], ["int"]),
+]
+
+
+@pytest.mark.parametrize("op,attrs,shapes,fill", ACCEPTED, ids=[f"{a[0]}-{i}" for i, a in enumerate(ACCEPTED)])
+def test_hand_picked_parallelizations(op, attrs, shapes, fill):
+    from .test_ops_pieces import check_piecewise
+    check_piecewise(_case(op, attrs, shapes, fill), shapes, 0)
+
+
+REFUSED = [
+    ("Silu", {}, [_S([4, 6], s=2)], ["normal"], "partial sums"),
+    ("GeluTanh", {}, [_S([8], [2], s=2)], ["normal"], "partial sums"),
+    ("LeakyRelu", {"alpha": 0.1}, [_S([8], s=2)], ["normal"], "partial sums"),
+    ("PRelu", {}, [_S([4, 6], s=2), _S([6], c=2)], ["normal"] * 2, "partial sums"),
+    ("PRelu", {}, [_S([4, 6], c=2), _S([6], s=2)], ["normal"] * 2, "partial sums"),
+    ("LogSoftmax", {"axis": -1}, [_S([4, 6], [1, 2])], ["normal"], "log-softmax normalizes"),
+    ("LogSoftmax", {"axis": -1}, [_S([4, 6], s=2)], ["normal"], "partial sums"),
+    ("ReduceMax", {"axes": (1,)}, [_S([4, 6], [1, 2])], ["normal"], "max of pieces"),
+    ("ReduceMin", {"axes": ()}, [_S([4, 6], [2, 1])], ["normal"], "min of pieces"),
+    ("ReduceProd", {"axes": (0,)}, [_S([4, 6], [2, 1])], ["nonzero"], "product of pieces"),
+    ("ReduceL2", {"axes": (1,), "keepdims": False}, [_S([4, 6], [1, 3])], ["normal"], "norm of pieces"),
+    ("ReduceL2", {"axes": (0,)}, [_S([1, 6], s=2)], ["normal"], "partial sums"),     # |x| is not linear
+    ("ReduceLogSumExp", {"axes": (1,)}, [_S([4, 6], s=2)], ["normal"], "partial sums"),
+]
+
+
+@pytest.mark.parametrize("op,attrs,shapes,fill,words", REFUSED, ids=[f"{r[0]}-{i}" for i, r in enumerate(REFUSED)])
+def test_refusals_name_the_reason_and_are_justified(op, attrs, shapes, fill, words):
+    from unity_pcg import ops
+    from unity_pcg.errors import InvalidParallelization
+    from .test_ops_refusals import justified
+    with pytest.raises(InvalidParallelization) as e:
+        ops.infer(op, attrs, shapes)
+    msg = str(e.value)
+    assert msg.startswith(op) and words in msg and "\n" not in msg, msg
+    assert justified(_case(op, attrs, shapes, fill), shapes) == "differs"
+
+
+def test_reduce_l1_imports_as_a_sum_that_shards_into_partial_sums():
+    """ReduceL1 = ReduceSum(Abs(x)): the reduced dim may be split (partial sums), unlike ReduceL2's."""
+    from unity_pcg import ops
+    g = load_onnx(_model("ReduceL1", {"axes": [1], "keepdims": 0}, (4, 6)))
+    node = next(n for n in g.nodes() if n.op == "ReduceSum")
+    out = ops.infer("ReduceSum", node.a, [_S([4, 6], [1, 3], dtype="float32")]).outputs[0]
+    assert out.sum_degree == 3 and out.sizes == (4,)
+
+
+def test_gelu_tanh_and_silu_kernels_match_torch():
+    torch = pytest.importorskip("torch")
+    from unity_pcg import ops
+    x = np.linspace(-6, 6, 101)
+    t = torch.from_numpy(x)
+    np.testing.assert_allclose(ops.run_logical("GeluTanh", {}, [x])[0],
+                               torch.nn.functional.gelu(t, approximate="tanh").numpy(), rtol=1e-12, atol=1e-12)
+    np.testing.assert_allclose(ops.run_logical("Silu", {}, [x])[0], torch.nn.functional.silu(t).numpy(),
+                               rtol=1e-12, atol=1e-12)
