@@ -79,7 +79,11 @@ def _axis(ctx, ax, rank) -> int:
 
 
 def _rebatch(imp, target):
-    """A literal shape that baked in the exported batch size, rewritten for the new one (or None)."""
+    """A literal shape that baked in the exported batch size, rewritten for the new one (or None).  Only a
+    fallback: with a fixed exported batch the importer rewrites targets exactly before converting
+    (``Importer._rebatch_inputs``), so this applies when that reference is unavailable."""
+    if getattr(imp, "old_shapes", None) is not None:
+        return None
     if imp.batch_changed and imp.old_batch and target and target[0] > 0 and target[0] % imp.old_batch == 0:
         t = list(target)
         t[0] = target[0] // imp.old_batch * imp.batch
@@ -696,7 +700,8 @@ def _expand(imp, ctx, ins):
         return [x]
     if any(s == 0 for s in out):
         _unsupported(ctx, "expand to an empty tensor")
-    return [imp.add("Expand", {"shape": tuple(int(s) for s in shape)}, [x], ctx.name)]
+    # the attribute is the broadcast result (one PCG whatever 1s or batch sizes the exporter wrote)
+    return [imp.add("Expand", {"shape": tuple(int(s) for s in out)}, [x], ctx.name)]
 
 
 @_conv("ReduceSum", "ReduceMean")

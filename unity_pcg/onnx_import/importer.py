@@ -25,6 +25,18 @@ _AT = {1: "float", 2: "int", 3: "string", 4: "tensor", 5: "graph", 6: "floats", 
 _REQ = object()
 
 
+class BatchOverride(ModelImportError):
+    """``batch=N`` cannot be applied exactly: a node holds the exported batch in a way the importer cannot
+    rewrite (per-sample constant values, a reshape that moves the batch into a dim it cannot place)."""
+
+
+#: operators whose operands line up dim by dim (numpy broadcasting or equal ranks): a constant that holds the
+#: exported batch along a dim where an activation operand changed batch is re-broadcast to the new batch
+_ALIGNED = {"Add", "Sub", "Mul", "Div", "Pow", "Mod", "Where", "Equal", "Less", "Greater", "LessOrEqual",
+            "GreaterOrEqual", "And", "Or", "Xor", "Max", "Min", "Sum", "Mean", "PRelu", "BitShift", "Concat",
+            "GatherElements", "ScatterElements", "BitwiseAnd", "BitwiseOr", "BitwiseXor"}
+
+
 class NodeCtx:
     """One ONNX node: typed attribute access with one-line errors."""
 
@@ -122,6 +134,9 @@ class Importer:
         self.wnames: set[str] = set()
         self.old_batch: int | None = None
         self.batch_changed = False
+        # batch override: the shape of every ONNX tensor when imported at the exported batch (None: no override)
+        self.old_shapes: dict[str, tuple[int, ...]] | None = None
+        self._rebatched: dict[int, Const] = {}
 
     # --- values ---------------------------------------------------------------------------------
     def is_const(self, v) -> bool:
@@ -219,16 +234,25 @@ class Importer:
                                           f"(node {ctx.name!r})")
             ins = [self.vals[x] if x else None for x in node.input]
             try:
-                results = convert.convert_node(self, ctx, ins)
-            except UnityError as e:
-                if isinstance(e, ModelImportError):
+                try:
+                    if self.old_shapes is not None:
+                        ins = self._rebatch_inputs(ctx, ins)
+                    results = convert.convert_node(self, ctx, ins)
+                except UnityError as e:
+                    if isinstance(e, ModelImportError):
+                        raise
+                    raise InvalidModel(f"{ctx.what}: {e}") from None
+                except (ValueError, TypeError, IndexError, KeyError, ZeroDivisionError, OverflowError,
+                        ArithmeticError) as e:
+                    raise InvalidModel(f"{ctx.what}: cannot import ({type(e).__name__}: {e})") from None
+                except MemoryError:
+                    raise InvalidModel(f"{ctx.what}: out of memory while folding a constant") from None
+            except InvalidModel as e:
+                if self.old_shapes is None or isinstance(e, BatchOverride):
                     raise
-                raise InvalidModel(f"{ctx.what}: {e}") from None
-            except (ValueError, TypeError, IndexError, KeyError, ZeroDivisionError, OverflowError,
-                    ArithmeticError) as e:
-                raise InvalidModel(f"{ctx.what}: cannot import ({type(e).__name__}: {e})") from None
-            except MemoryError:
-                raise InvalidModel(f"{ctx.what}: out of memory while folding a constant") from None
+                # the graph imports at its exported batch, so this failure is the override's
+                raise BatchOverride(f"batch {self.batch}: {ctx.what} holds the exported batch {self.old_batch} "
+                                    f"and cannot be rewritten ({e})") from None
             for k, o in enumerate(node.output):
                 if not o:
                     continue
@@ -249,6 +273,123 @@ class Importer:
         pcg = self.b.finish()
         pcg.weights = self.weights
         return pcg
+
+    # --- batch override ----------------------------------------------------------------------------
+    def _changed_dims(self, name: str, v) -> list[tuple[int, int, int]]:
+        """(dim, exported size, new size) of each dim of activation ``v`` (ONNX tensor ``name``) that the
+        override changed."""
+        old = self.old_shapes.get(name) if name else None
+        if old is None or isinstance(v, Const) or v is None:
+            return []
+        new = self.sizes(v)
+        if len(old) != len(new):
+            return []
+        return [(p, o, n) for p, (o, n) in enumerate(zip(old, new)) if o != n]
+
+    def _rebatch_inputs(self, ctx, ins: list) -> list:
+        """Rewrite the constants of one node that hold the exported batch, so that the node reads what an
+        export at the new batch would hold.  Exact rules, driven by the shapes of the same graph imported at
+        its exported batch (``old_shapes``):
+
+        * Reshape/Expand of an activation: the target becomes the exported output shape with the batch-carrying
+          dim scaled (for Reshape, the dim whose outer product equals that of the changed input dim);
+        * an operand of an aligned operator (element-wise, Concat, GatherElements) that has the exported size
+          along a dim where an activation operand changed: re-broadcast, when its values do not vary along it
+          (folded Expand/Tile/ConstantOfShape of the exporter); varying values are per-sample data -> error;
+        * Gather/GatherND indices ``arange(exported batch)`` along a changed dim: ``arange(new batch)``.
+        """
+        names = list(ctx.node.input) + [""] * (len(ins) - len(ctx.node.input))
+        changed = {k: self._changed_dims(names[k], v) for k, v in enumerate(ins)}
+        changed = {k: d for k, d in changed.items() if d}
+        if not changed:
+            return ins
+        op = ctx.op
+        ins = list(ins)
+        if op in ("Reshape", "Expand") and 0 in changed and len(ins) > 1 and isinstance(ins[1], Const):
+            new_t = self._rebatch_target(ctx, changed[0])
+            if new_t is not None:
+                ins[1] = Const(np.asarray(new_t, dtype=np.int64))
+            return ins
+        if op in _ALIGNED:
+            k0 = next(iter(changed))
+            rank = len(self.sizes(ins[k0]))
+            skip_axis = None
+            if op == "Concat":
+                ax = ctx.i("axis")
+                skip_axis = ax % rank if -rank <= ax < rank else None
+            for k, c in enumerate(ins):
+                if not isinstance(c, Const) or len(c.shape) > rank:
+                    continue
+                off = rank - len(c.shape)
+                for p, o, n in changed[k0]:
+                    j = p - off
+                    if j < 0 or p == skip_axis or o == 1 or c.shape[j] != o:
+                        continue
+                    c = self._rebroadcast(ctx, names[k], c, j, n)
+                ins[k] = c
+            return ins
+        if op in ("Gather", "GatherND") and 0 in changed and len(ins) > 1 and isinstance(ins[1], Const):
+            axis = ctx.i("axis", 0) if op == "Gather" else ctx.i("batch_dims", 0)
+            rank = len(self.sizes(ins[0]))
+            axis = axis % rank if -rank <= axis < rank else axis
+            idx = ins[1]
+            for p, o, n in changed[0]:
+                if p != axis or o < 2 or idx.numel != o or o not in idx.shape:
+                    continue
+                v = np.asarray(idx.value).reshape(-1)
+                if np.array_equal(np.where(v < 0, v + o, v), np.arange(o)):
+                    shape = list(idx.shape)
+                    shape[shape.index(o)] = n
+                    ins[1] = Const(np.arange(n, dtype=idx.dtype).reshape(shape), origin=idx.origin)
+        return ins
+
+    def _rebatch_target(self, ctx, diffs) -> list[int] | None:
+        xo = self.old_shapes[ctx.node.input[0]]
+        yo = self.old_shapes.get(ctx.node.output[0])
+        if yo is None:
+            return None
+        yn = list(yo)
+        if ctx.op == "Expand":
+            off = len(yo) - len(xo)
+            for p, o, n in diffs:
+                yn[p + off] = n
+            return yn
+        from math import prod
+        b0 = self.old_batch or 1
+        for p, o, n in diffs:
+            # the dim of the output that starts at the same flat offset as the changed input dim takes the batch
+            # (the exported size times n/o); among several (1s in between), the first that holds the batch
+            outer = prod(xo[:p])
+            cands = [i for i in range(len(yo)) if prod(yo[:i]) == outer and (yo[i] * n) % o == 0]
+            if b0 > 1 and any(yo[i] % b0 == 0 for i in cands):
+                cands = [i for i in cands if yo[i] % b0 == 0]
+            if not cands:
+                raise BatchOverride(f"batch {self.batch}: {ctx.what} moves the batch dim (size {o} at dim {p} of "
+                                    f"{list(xo)}) into {list(yo)}, where the importer cannot place the new batch")
+            i = cands[0]
+            yn[i] = yo[i] * n // o
+        return yn
+
+    def _rebroadcast(self, ctx, name: str, c: Const, axis: int, n: int) -> Const:
+        key = (id(c), axis, n)
+        hit = self._rebatched.get(key)
+        if hit is not None:
+            return hit
+        if c.numel > (1 << 24):
+            raise BatchOverride(f"batch {self.batch}: {ctx.what} reads constant {name!r} {list(c.shape)} holding "
+                                f"the exported batch; it is too large to rewrite")
+        v = np.asarray(c.materialize())
+        first = np.take(v, [0], axis=axis)
+        if not np.array_equal(v, np.broadcast_to(first, v.shape)) and not (v.dtype.kind == "f" and np.allclose(
+                v, np.broadcast_to(first, v.shape), rtol=0, atol=0, equal_nan=True)):
+            raise BatchOverride(f"batch {self.batch}: {ctx.what} reads constant {name!r} {list(c.shape)} whose "
+                                f"values differ along dim {axis} (per-sample data for the exported batch "
+                                f"{self.old_batch}); export the model at batch {self.batch}")
+        shape = list(v.shape)
+        shape[axis] = n
+        out = Const(np.ascontiguousarray(np.broadcast_to(first, shape)), origin=c.origin)
+        self._rebatched[key] = out
+        return out
 
     def _live(self, nodes, producers, outs) -> set[int]:
         live: set[int] = set()
@@ -317,6 +458,26 @@ def live_names(imp: Importer, nodes, live) -> set[str]:
     return imp._live_inputs
 
 
+def _exported_shapes(model, base, imp: Importer) -> dict | None:
+    """With a batch override that changes a fixed exported batch: the shape of every ONNX tensor of the graph
+    imported at its exported batch (the reference the override's rewrites are derived from); else None."""
+    if imp.batch is None:
+        return None
+    probe = Importer(model, base, None, False)
+    g = model.graph
+    inits = {t.name for t in g.initializer}
+    fixed = [vi for vi in g.input if vi.name not in inits]
+    dims0 = {vi.type.tensor_type.shape.dim[0].dim_value if vi.type.tensor_type.shape.dim else 0 for vi in fixed
+             if vi.type.HasField("tensor_type")}
+    if not dims0 or 0 in dims0 or dims0 == {imp.batch}:
+        return None  # a dynamic batch (nothing baked in to rewrite) or no change
+    probe.run()
+    out = {}
+    for name, v in probe.vals.items():
+        out[name] = tuple(v.shape) if isinstance(v, Const) else tuple(probe.b.shape(v).sizes)
+    return out
+
+
 def load(src: Any, batch: int | None = None, load_weights: bool = True) -> PCG:
     t0 = time.perf_counter()
     model, base = read_model(src)
@@ -327,6 +488,10 @@ def load(src: Any, batch: int | None = None, load_weights: bool = True) -> PCG:
         except Exception as e:
             raise InvalidModel(f"cannot inline the model's local functions ({type(e).__name__})") from None
     imp = Importer(model, base, batch, load_weights)
+    old_shapes = _exported_shapes(model, base, imp)
+    if old_shapes is not None:
+        imp = Importer(model, base, batch, load_weights)
+        imp.old_shapes = old_shapes
     g = imp.run()
     g.meta.update({"source": "onnx", "opset": imp.opset, "onnx_nodes": len(model.graph.node),
                    "producer": model.producer_name or "", "batch": batch,

@@ -1,0 +1,206 @@
+"""ONNX import, issue 10 point 7: ``batch=N`` on a model exported with a fixed batch gives the same PCG
+(structural hash) as exporting at batch N, whatever the exporter baked into Expand, Reshape, Tile,
+ConstantOfShape or Range targets; where it cannot, one line names the node (exit 2 on the CLI)."""
+from __future__ import annotations
+
+import os
+import warnings
+
+import numpy as np
+import pytest
+from onnx import TensorProto, helper, numpy_helper
+
+from unity_pcg.cli import main
+from unity_pcg.evaluate import evaluate
+from unity_pcg.onnx_import import load_onnx
+from unity_pcg.onnx_import.importer import BatchOverride
+
+torch = pytest.importorskip("torch")
+ort = pytest.importorskip("onnxruntime")
+from torch import nn  # noqa: E402
+
+
+class ViTLike(nn.Module):
+    """What a ViT export bakes the batch into: the class token's Expand, a Tile (repeat), reshapes with the
+    batch as a literal (also merged with the sequence: B*S rows), a ConstantOfShape (zeros mask), and with
+    ``arange_rows`` a Range used as row indices."""
+
+    def __init__(self, arange_rows: bool, d=12, p=4, heads=2):
+        super().__init__()
+        self.arange_rows = arange_rows
+        self.patch = nn.Conv2d(3, d, p, p)
+        self.cls = nn.Parameter(torch.randn(1, 1, d))
+        self.reg = nn.Parameter(torch.randn(1, 1, d))
+        self.pos = nn.Parameter(torch.randn(1, 2 + (8 // p) ** 2, d))
+        self.qkv = nn.Linear(d, 3 * d)
+        self.heads = heads
+        self.out = nn.Linear(d, 5)
+
+    def forward(self, x):
+        B = x.shape[0]
+        t = self.patch(x).flatten(2).transpose(1, 2)
+        t = torch.cat([self.cls.expand(B, -1, -1), self.reg.repeat(B, 1, 1), t], dim=1) + self.pos
+        S, d = t.shape[1], t.shape[2]
+        q, k, v = self.qkv(t).chunk(3, dim=-1)
+        q, k, v = (z.reshape(B, S, self.heads, d // self.heads).transpose(1, 2) for z in (q, k, v))
+        a = (q @ k.transpose(-1, -2) + torch.zeros(B, 1, 1, S)).softmax(-1)
+        t = (a @ v).transpose(1, 2).reshape(B * S, d).reshape(B, S, d)
+        first = t[torch.arange(B), 0] if self.arange_rows else t[:, 0]
+        return self.out(first)
+
+
+def _export(batch, path, exporter, arange_rows=True):
+    torch.manual_seed(0)
+    m = ViTLike(arange_rows).eval()
+    x = torch.randn(batch, 3, 8, 8)
+    with torch.no_grad(), warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        torch.onnx.export(m, (x,), path, dynamo=(exporter == "dynamo"), opset_version=17 if exporter == "legacy"
+                          else 18, input_names=["x"], **({"do_constant_folding": True} if exporter == "legacy"
+                                                          else {"external_data": False, "verbose": False}))
+    return path
+
+
+def _ort(path, feeds):
+    so = ort.SessionOptions()
+    so.log_severity_level = 3
+    return ort.InferenceSession(path, so, providers=["CPUExecutionProvider"]).run(None, feeds)
+
+
+@pytest.fixture(scope="module")
+def vit_legacy(tmp_path_factory):
+    d = tmp_path_factory.mktemp("vit")
+    return {b: _export(b, str(d / f"vit{b}.onnx"), "legacy") for b in (2, 8)}
+
+
+@pytest.mark.parametrize("src,dst", [(2, 8), (8, 2)])
+def test_vit_like_legacy_override_equals_export_at_that_batch(vit_legacy, src, dst):
+    g = load_onnx(vit_legacy[src], batch=dst)
+    want = load_onnx(vit_legacy[dst])
+    assert g.structural_hash() == want.structural_hash()
+    # and it computes what onnxruntime computes on the file exported at that batch (same weights)
+    feeds = {"x": np.random.default_rng(1).standard_normal((dst, 3, 8, 8)).astype(np.float32)}
+    np.testing.assert_allclose(evaluate(g, feeds)[0], _ort(vit_legacy[dst], feeds)[0], rtol=1e-4, atol=1e-5)
+
+
+def test_issue_example_batch_48_on_a_batch_8_export(vit_legacy):
+    """The issue's report: a ViT exported at batch 8 stopped at the class token's Concat with --batch 48."""
+    g = load_onnx(vit_legacy[8], batch=48)
+    assert g.shape(g.outputs[0]).sizes == (48, 5)
+    exp = [n for n in g.nodes() if n.op == "Weight" and g.shape((n.id, 0)).sizes[:1] == (48,)]
+    assert exp  # the folded class-token / register Expand and Tile constants now hold 48 rows
+    assert main(["import", vit_legacy[8], "--batch", "48"]) == 0
+
+
+@pytest.mark.slow
+def test_vit_like_dynamo_override_equals_export_at_that_batch(tmp_path):
+    """The dynamo exporter folds the Expand, Tile and zeros into initializers [B, ...]."""
+    p2 = _export(2, str(tmp_path / "d2.onnx"), "dynamo", arange_rows=False)
+    p8 = _export(8, str(tmp_path / "d8.onnx"), "dynamo", arange_rows=False)
+    assert load_onnx(p2, batch=8).structural_hash() == load_onnx(p8).structural_hash()
+
+
+# --- hand-made graphs ------------------------------------------------------------------------------
+
+F = TensorProto.FLOAT
+
+
+def _model(nodes, inits, batch, in_shape, out="y"):
+    g = helper.make_graph(nodes, "g", [helper.make_tensor_value_info("x", F, [batch] + list(in_shape))],
+                          [helper.make_tensor_value_info(out, F, None)],
+                          initializer=[numpy_helper.from_array(np.asarray(v), k) for k, v in inits.items()])
+    m = helper.make_model(g, opset_imports=[helper.make_opsetid("", 17)])
+    m.ir_version = 8
+    return m
+
+
+def _seq_first(batch, seq=6, heads=3, hd=4):
+    """nn.MultiheadAttention's layout: x [S, B, d] reshaped to [S, B*heads, hd] (the batch is not dim 0)."""
+    nodes = [helper.make_node("Transpose", ["x"], ["xt"], perm=[1, 0, 2]),
+             helper.make_node("Reshape", ["xt", "t1"], ["r"]),
+             helper.make_node("Transpose", ["r"], ["rt"], perm=[1, 0, 2]),
+             helper.make_node("Reshape", ["rt", "t2"], ["y"])]
+    inits = {"t1": np.array([seq, batch * heads, hd]), "t2": np.array([batch, heads, seq, hd])}
+    return _model(nodes, inits, batch, [seq, heads * hd])
+
+
+@pytest.mark.parametrize("src,dst", [(3, 6), (6, 3), (2, 4)])
+def test_batch_inside_a_reshape_target_is_placed_exactly(src, dst):
+    """Here the exported batch (also a multiple of the seq length 6) is a factor of dim 1 of the target."""
+    g = load_onnx(_seq_first(src), batch=dst)
+    assert g.structural_hash() == load_onnx(_seq_first(dst)).structural_hash()
+    x = np.random.default_rng(0).standard_normal((dst, 6, 12)).astype(np.float32)
+    want = x.transpose(1, 0, 2).reshape(6, dst * 3, 4).transpose(1, 0, 2).reshape(dst, 3, 6, 4)
+    np.testing.assert_array_equal(evaluate(g, {"x": x})[0], want)
+
+
+def _masked(batch, per_sample: bool, rows: bool):
+    """x [B, 4] + a constant [B, 4] (a folded ConstantOfShape/Expand, or per-sample data); with ``rows`` a
+    Gather of rows Range(0, B) as the exporters fold ``x[torch.arange(B)]``."""
+    c = np.arange(batch * 4, dtype=np.float32).reshape(batch, 4) if per_sample else \
+        np.tile(np.array([[0.5, 1, 2, 3]], np.float32), (batch, 1))
+    nodes = [helper.make_node("Add", ["x", "c"], ["a"])]
+    inits = {"c": c}
+    if rows:
+        nodes += [helper.make_node("Range", ["zero", "b", "one"], ["ids"]),
+                  helper.make_node("Gather", ["a", "ids"], ["y"], axis=0)]
+        inits.update(zero=np.array(0), b=np.array(batch), one=np.array(1))
+    else:
+        nodes[0].output[0] = "y"
+    return _model(nodes, inits, batch, [4])
+
+
+@pytest.mark.parametrize("rows", [False, True])
+def test_folded_constant_and_range_rows_follow_the_batch(rows):
+    g = load_onnx(_masked(2, False, rows), batch=5)
+    assert g.structural_hash() == load_onnx(_masked(5, False, rows)).structural_hash()
+
+
+def test_per_sample_constant_is_a_one_line_error_naming_the_node(tmp_path):
+    with pytest.raises(BatchOverride) as ei:
+        load_onnx(_masked(2, True, False), batch=5)
+    msg = str(ei.value)
+    assert "\n" not in msg and "'c'" in msg and "Add" in msg and "batch 5" in msg
+    path = str(tmp_path / "m.onnx")
+    import onnx
+    onnx.save(_masked(2, True, False), path)
+    assert main(["import", path, "--batch", "5"]) == 2
+    assert load_onnx(path, batch=2).structural_hash() == load_onnx(path).structural_hash()  # no change: fine
+
+
+# --- the zoo -----------------------------------------------------------------------------------------
+
+def _zoo_same(name, exporter, tmp_path):
+    from unity_pcg import zoo
+    p2 = zoo.export(name, str(tmp_path / f"{name}2.onnx"), batch=2, exporter=exporter)
+    p8 = zoo.export(name, str(tmp_path / f"{name}8.onnx"), batch=8, exporter=exporter)
+    for a, b, n in ((p2, p8, 8), (p8, p2, 2)):
+        assert load_onnx(a, batch=n, load_weights=False).structural_hash() == \
+            load_onnx(b, load_weights=False).structural_hash(), (name, exporter, n)
+
+
+@pytest.mark.parametrize("name", ["bert_large", "dlrm", "mlp"])
+def test_zoo_override_equals_export_fast(name, tmp_path):
+    _zoo_same(name, "legacy", tmp_path)
+
+
+def _zoo_names():
+    try:
+        from unity_pcg import zoo
+        return [e.name for e in zoo.list_models()]
+    except Exception:  # pragma: no cover - the zoo needs torch
+        return []
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("exporter", ["legacy", "dynamo"])
+@pytest.mark.parametrize("name", _zoo_names())
+def test_zoo_override_equals_export_every_model(name, exporter, tmp_path):
+    _zoo_same(name, exporter, tmp_path)
+
+
+def test_file_is_not_rewritten(vit_legacy):
+    """The override reads the file; a second import without it is the file's own batch."""
+    load_onnx(vit_legacy[2], batch=8)
+    assert load_onnx(vit_legacy[2]).shape(load_onnx(vit_legacy[2]).outputs[0]).sizes == (2, 5)
+    assert os.path.getsize(vit_legacy[2]) > 0
