@@ -6,7 +6,7 @@ is not produced; the importer refuses a graph that reads it).
 """
 from __future__ import annotations
 
-from math import prod, sqrt
+from math import prod
 
 import numpy as np
 
@@ -149,16 +149,9 @@ def _gelu(imp, ctx, ins):
     if approx == "none":
         return [imp.add("Gelu", {}, [x], ctx.name)]
     if approx != "tanh":
-        raise InvalidModel(f"{ctx.what}: unknown approximate={approx!r}")
-    # 0.5 x (1 + tanh(sqrt(2/pi) (x + 0.044715 x^3)))
-    x2 = imp.add("Mul", {}, [x, x], _name(ctx, "x2"))
-    x3 = imp.add("Mul", {}, [x2, x], _name(ctx, "x3"))
-    inner = imp.add("Add", {}, [x, imp.add("Scale", {"factor": 0.044715}, [x3], _name(ctx, "c3"))], _name(ctx, "in"))
-    t = imp.add("Tanh", {}, [imp.add("Scale", {"factor": sqrt(2 / np.pi)}, [inner], _name(ctx, "k"))],
-                _name(ctx, "tanh"))
-    one = imp.ref(Const(np.ones((), dtype=imp.dtype(x))), _name(ctx, "one"))
-    t1 = imp.add("Add", {}, [t, one], _name(ctx, "plus1"))
-    return [imp.add("Mul", {}, [imp.add("Scale", {"factor": 0.5}, [x], _name(ctx, "half")), t1], ctx.name)]
+        raise InvalidModel(f"{ctx.what}: unknown value of attribute 'approximate': {approx!r}")
+    # 0.5 x (1 + tanh(sqrt(2/pi) (x + 0.044715 x^3))): one operator (unity_pcg/ops/elementwise.py)
+    return [imp.add("GeluTanh", {}, [x], ctx.name)]
 
 
 def _scalar_const(imp, v, other) -> float | None:
