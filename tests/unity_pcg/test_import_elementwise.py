@@ -201,6 +201,11 @@ def test_bad_nodes_are_one_line_errors_naming_the_culprit(op, attrs, opset, shap
     assert words in msg, msg
 
 
+def test_clip_bounds_computed_from_activations_are_refused():
+    m = _model("Clip", {}, (2, 3), ("x", "lo"), (), 13, extra_inputs=[("lo", ())])
+    assert "computed" in _refused(m)
+
+
 def test_integer_input_to_a_float_operator_is_refused():
     for op in ("Log", "Softplus", "LogSoftmax", "ReduceL2"):
         assert "float" in _refused(_model(op, {}, (2, 3), dtype=TensorProto.INT64))
@@ -213,7 +218,9 @@ def _mutations(rng, op):
              "Celu": {"alpha": 1.0}, "HardSigmoid": {"alpha": 0.2, "beta": 0.5}, "LogSoftmax": {"axis": -1},
              "ReduceMax": {"axes": [1], "keepdims": 1}, "ReduceProd": {"axes": [0], "keepdims": 0},
              "ReduceL1": {"keepdims": 1}, "ReduceLogSumExp": {"axes": [-1]}, "Softplus": {}, "PRelu": {},
-             "Mish": {}, "HardSwish": {}}[op]
+             "Mish": {}, "HardSwish": {}, "Swish": {"alpha": 1.0}, "Abs": {}, "Log": {}, "Softsign": {},
+             "ReduceMin": {"axes": [0, 1]}, "ReduceL2": {"keepdims": 0}, "ReduceSumSquare": {"axes": [2]},
+             "Gelu": {"approximate": "tanh"}}[op]
     attrs = dict(attrs)
     shape = [2, 3, 4]
     k = rng.integers(0, 6)
@@ -238,18 +245,19 @@ def _mutations(rng, op):
     if op == "PRelu":
         s = [3, 1] if rng.integers(0, 2) else [int(rng.integers(0, 4))] * int(rng.integers(1, 4))
         inputs, inits = ("x", "s"), [("s", np.full(s, 0.2, np.float32))]
-    return _model(op, attrs, tuple(shape), inputs, inits, {"HardSwish": 14, "Mish": 18}.get(op, 13))
+    return _model(op, attrs, tuple(shape), inputs, inits, {"HardSwish": 14, "Mish": 18, "Swish": 24, "Gelu": 20}.get(op, 13))
 
 
 FUZZ_OPS = ["LeakyRelu", "Elu", "Selu", "Celu", "HardSigmoid", "LogSoftmax", "ReduceMax", "ReduceProd", "ReduceL1",
-            "ReduceLogSumExp", "Softplus", "PRelu", "Mish", "HardSwish"]
+            "ReduceLogSumExp", "Softplus", "PRelu", "Mish", "HardSwish", "Swish", "Abs", "Log", "Softsign", "ReduceMin",
+            "ReduceL2", "ReduceSumSquare", "Gelu"]
 
 
 def test_fuzzed_nodes_import_and_match_or_fail_in_one_line():
     """Mutated nodes either import to a PCG that onnxruntime agrees with, or fail with a one-line typed error."""
     rng = np.random.default_rng(20261123)
     outcomes = {"ok": 0, "refused": 0}
-    for i in range(160):
+    for i in range(220):
         op = FUZZ_OPS[i % len(FUZZ_OPS)]
         m = _mutations(rng, op)
         try:
@@ -259,7 +267,7 @@ def test_fuzzed_nodes_import_and_match_or_fail_in_one_line():
             outcomes["refused"] += 1
             continue
         g.check()
-        feeds = _feeds(m, "positive" if op == "ReduceProd" else "normal", i)
+        feeds = _feeds(m, "positive" if op in ("ReduceProd", "Log") else "normal", i)
         ref = _ort(m, feeds)   # what we accept, onnxruntime accepts too
         with np.errstate(all="ignore"):
             (ours,) = evaluate(g, feeds)
