@@ -180,21 +180,32 @@ def export_one(family: str, name: str, exporter: str, refresh: bool = False) -> 
     args = tuple(ex[k] for k in names)
     rec["inputs"] = {k: list(v.shape) for k, v in ex.items()}
     t = time.perf_counter()
-    try:
-        with warnings.catch_warnings(), contextlib.redirect_stdout(io.StringIO()), torch.no_grad():
-            warnings.simplefilter("ignore")
-            if exporter == "legacy":
-                torch.onnx.export(w, args, path, input_names=names, opset_version=OPSET, dynamo=False)
-            else:
-                torch.onnx.export(w, args, path, input_names=names, opset_version=OPSET, dynamo=True,
-                                  external_data=False, optimize=True)
-        rec.update(status="ok", export_seconds=round(time.perf_counter() - t, 2))
-    except Exception as e:   # record why, go on with the next one
-        msg = (str(e).strip().splitlines() or [type(e).__name__])[0]
-        rec.update(status="export_failed", error=f"{type(e).__name__}: {msg[:300]}")
-        for p in (path, path + ".data"):
-            if os.path.exists(p):
-                os.remove(p)
+    err = None
+    # under no_grad first (as users export); the legacy exporter has no symbolic for the fused attention
+    # (aten::_native_multi_head_attention) that nn.MultiheadAttention takes then, so it retries with autograd on
+    for grad in (False, True):
+        try:
+            with warnings.catch_warnings(), contextlib.redirect_stdout(io.StringIO()), \
+                    torch.set_grad_enabled(grad):
+                warnings.simplefilter("ignore")
+                if exporter == "legacy":
+                    torch.onnx.export(w, args, path, input_names=names, opset_version=OPSET, dynamo=False)
+                else:
+                    torch.onnx.export(w, args, path, input_names=names, opset_version=OPSET, dynamo=True,
+                                      external_data=False, optimize=True)
+            rec.update(status="ok", export_seconds=round(time.perf_counter() - t, 2))
+            if grad:
+                rec["note"] = f"exported with autograd on (under no_grad: {err})"
+            return rec
+        except Exception as e:   # record why, go on with the next one
+            msg = (str(e).strip().splitlines() or [type(e).__name__])[0]
+            err = f"{type(e).__name__}: {msg[:300]}"
+            for p in (path, path + ".data"):
+                if os.path.exists(p):
+                    os.remove(p)
+            if exporter != "legacy" or "_native_multi_head_attention" not in msg:
+                break
+    rec.update(status="export_failed", error=err)
     return rec
 
 

@@ -102,7 +102,9 @@ def markdown(meta: dict, rows: list[dict]) -> str:
          "onnx-light: the onnx wheel's own test models, as shipped.",
          "Check: numpy evaluation of the imported PCG vs onnxruntime (optimizations off) on the same seeded inputs; "
          "`err/tol` is the largest elementwise |pcg - ort| / (f (1e-5 max|ort| + 1e-4 |ort|)) with f = sqrt(depth), "
-         "equal when <= 1. Import time: one `load_onnx` in the CLI process (target <= 5 s).", "",
+         "equal when <= 1. Import time: one `load_onnx` in the CLI process (target <= 5 s). \"export: autograd on\": "
+         "the legacy exporter has no symbolic for the fused attention nn.MultiheadAttention runs under no_grad "
+         "(aten::_native_multi_head_attention), so that model was exported with autograd on.", "",
          f"**{n_eq} of {len(rows)} exports import and check equal**"
          + (f"; {len(slow)} import over {TARGET_IMPORT_S:g} s" if slow else "") + ".", "",
          "| model | family | exporter | ONNX nodes | PCG ops | import s | max abs err | max rel err | err/tol | "
@@ -111,6 +113,8 @@ def markdown(meta: dict, rows: list[dict]) -> str:
         st = r["status"]
         if st != "equal":
             st = f"**{st}**: {r.get('reason', '')}".replace("|", "\\|")
+        if r.get("export_note"):
+            st += " (export: autograd on)"
         L.append(f"| {r['model']} | {r['family']} | {r['exporter']} | {r.get('onnx_nodes', '')} | "
                  f"{r.get('pcg_ops', '')} | {_fmt(r.get('import_seconds'))} | {_fmt(r.get('max_abs'))} | "
                  f"{_fmt(r.get('max_rel'))} | {_fmt(r.get('ratio'))} | {st} |")
@@ -157,6 +161,8 @@ def main(argv=None) -> int:
         if sel and rec["model"] not in sel:
             continue
         row = {"model": rec["model"], "family": rec["family"], "exporter": rec["exporter"], "file": rec["file"]}
+        if rec.get("note"):
+            row["export_note"] = rec["note"]
         if rec["status"] != "ok":
             row.update(status="export_failed", reason=rec.get("error", ""))
         else:

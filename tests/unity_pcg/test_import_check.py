@@ -347,6 +347,9 @@ def test_fuzzed_exports_exit_2_with_one_line(seed_model, tmp_path, capsys):
             failures.append(f"{what}: exit {rc}, stderr {cap.err.strip()[:200]!r}, stdout {cap.out[-200:]!r}")
         elif what.startswith("dangling"):
             assert "fuzz_dangling" in lines[0], what
+        elif what.startswith("attr") and "(If with a subgraph)" not in lines[0]:
+            attr = what.split(".", 1)[1].split("=")[0]
+            assert attr in lines[0], f"{what}: the error does not name the attribute: {lines[0]}"
     assert not failures, "\n".join(failures)
 
 
