@@ -42,16 +42,21 @@ sum-to-one formulation of Alpa's prototype: edge variables e_uv over pairs of *l
 that give the producer the same output layout, or the consumer the same input layout, share their
 rows / columns, which keeps e_uv small and the formulation exact), with sum_j e_ij = (sum of s_u over
 algorithms of layout i) and sum_i e_ij likewise for v; pairs that cannot be resharded get no variable.
-Memory (``memory_budget``, default the device capacity): the sum over anchors of the per-device
-bytes of their fragments (weights + gradients + optimizer states + activations kept for the backward
-pass) must fit.  In training every kept activation is live at the end of the forward pass, which is
-where Alpa prototype's per-liveness-step constraint binds, so this total is that step's constraint
-(an upper bound of it: each fragment's busiest device is counted).
+Memory (``memory_budget``, default the device capacity): the sum over anchors of the busiest device's
+bytes of their fragments (weights + gradients + optimizer states + the group's activations, kept as the
+real graph keeps them), plus, per edge variable, the resharded tensor when the consumer keeps it for its
+backward pass, must fit.  In training every kept activation is live at the end of the forward pass, which
+is where Alpa prototype's per-liveness-step constraint binds, so this total is that step's constraint (not
+one row per step).  It matches :func:`search.memory.memory_per_device` of the plan within a few percent on
+GPT and exactly on MLPs; the plan's ``memory_bytes`` is the latter.
 
-**Solver: HiGHS (highspy).**  Measured on GPT and ResNeXt blocks (``benchmarks`` numbers in DESIGN.md):
-building the model from numpy arrays and solving with HiGHS is several times faster than PuLP + CBC,
-most of PuLP's time being model construction in Python and the CBC process round trip; both return the
-same optimum.  ``solver="cbc"`` keeps PuLP + CBC available when it is installed.
+**Solver: HiGHS (highspy), presolve off.**  Measured on the same ILPs (benchmarks/alpa_intra_bench.py,
+results/alpa_intra.md): ResNeXt-50 (batch 512) 0.24 s with HiGHS vs 0.66 s with PuLP + CBC on a 1x8 mesh,
+2.2 s vs 5.1 s on 2x4; GPT-1.3B (24 layers, batch 8) 0.4 vs 0.6 s on 1x8 and 2.4 vs 16 s on 2x4; both find the
+same optimum.  CBC's time includes building the model in Python and a process round trip, HiGHS takes numpy
+arrays in process.  HiGHS's presolve, however, spent 16 s on a 2-layer GPT that solves in 0.3 s without it (the
+sum-to-one formulation's LP relaxation is tight), so it is off.  ``solver="cbc"`` keeps PuLP + CBC available
+(not a dependency).
 
 **Weight-update sharding** (``weight_update_sharding=True``, the post-ILP pass of section 4.2): every
 weight copied over k > 1 devices is stored as k shards instead (its gradient, optimizer state and update

@@ -26,7 +26,8 @@ def _same_function(g, pg, seed=0):
     for n in g.sources("Weight"):
         name = n.a["name"]
         if name not in g.weights and name not in feeds:
-            feeds[name] = rng.standard_normal(n.a["shape"]).astype("float32")
+            v = rng.standard_normal(n.a["shape"]).astype("float32")
+            feeds[name] = np.abs(v) + 0.5 if name.endswith(".v") else v      # BatchNorm variances
     a = evaluate(g, feeds)
     b = evaluate(pg, feeds, mode="pieces", rng=np.random.default_rng(seed))
     return all(np.allclose(x, y, rtol=1e-4, atol=1e-4) for x, y in zip(a, b))
@@ -59,6 +60,27 @@ def _attention(batch=2, seq=8, hidden=16, heads=4, ffn=32):
     a = b.add("Add", {}, [x, dense(ctx, hidden, hidden, "out")], name="residual")
     h = b.add("Gelu", {}, [dense(a, hidden, ffn, "fc1")], name="gelu")
     b.set_outputs([b.add("Add", {}, [a, dense(h, ffn, hidden, "fc2")], name="residual2")])
+    return b.finish()
+
+
+def _convnet(batch=4, c=8, hw=8, classes=4):
+    """A ResNet-like block: conv -> BatchNorm -> relu -> conv -> BatchNorm, residual add, relu, global
+    pool, flatten, linear."""
+    b = PCG.builder()
+    x = b.add("Input", {"name": "x", "shape": (batch, c, hw, hw)})
+
+    def w(name, shape):
+        return b.add("Weight", {"name": name, "shape": shape})
+
+    def conv_bn(t, name):
+        y = b.add("Conv2d", {"padding": (1, 1, 1, 1)}, [t, w(f"{name}.w", (c, c, 3, 3))], name=name)
+        stats = [w(f"{name}.bn.{k}", (c,)) for k in ("g", "b", "m", "v")]
+        return b.add("BatchNorm", {}, [y] + stats, name=f"{name}/bn")
+    y = b.add("Relu", {}, [conv_bn(x, "conv1")], name="relu1")
+    y = b.add("Relu", {}, [b.add("Add", {}, [x, conv_bn(y, "conv2")], name="residual")], name="relu2")
+    y = b.add("Pool2d", {"kind": "avg", "global_pool": True}, [y], name="pool")
+    y = b.add("Flatten", {"axis": 1}, [y], name="flatten")
+    b.set_outputs([b.add("Linear", {}, [y, w("fc.w", (c, classes))], name="fc")])
     return b.finish()
 
 
@@ -177,7 +199,8 @@ def test_mlp_huge_weights_are_tensor_parallel():
 @pytest.mark.parametrize("graph,mesh,start", [(lambda: _attention(), (2, 2), 4),
                                               (lambda: _attention(), (1, 4), 0),
                                               (lambda: mlp(batch=8, h=16, layers=2), (2, 4), 0),
-                                              (lambda: diamond(batch=8, h=16), (2, 2), 0)])
+                                              (lambda: diamond(batch=8, h=16), (2, 2), 0),
+                                              (lambda: _convnet(), (2, 2), 0)])
 def test_plan_validates_and_computes_the_same_function(graph, mesh, start):
     g = graph()
     p = solve_intra(g, DGX, mesh, start=start)
