@@ -44,15 +44,11 @@ def _trilu(a, xs, c):
     return [torch.triu(x, k) if a["upper"] else torch.tril(x, k)]
 
 
-def _scatter_nd(a, xs, c):
-    data, idx, upd = xs
-    k = idx.shape[-1]
-    ii = idx.reshape(-1, k).long()
-    if ii.shape[0] == 0:
-        return [data.clone()]
+def _put_last(data, ii, u):
+    """data with data[ii[m]] = u[m] for every index tuple ii[m] (in range); a repeated tuple keeps its last
+    update, as numpy's sequential assignment does, so the result is deterministic."""
+    k = ii.shape[1]
     sizes = torch.tensor(data.shape[:k], dtype=torch.long, device=ii.device)
-    ii = torch.remainder(ii, sizes)
-    u = upd.reshape((-1,) + tuple(data.shape[k:]))
     # keep the last write of every repeated index tuple (numpy's order), so the result is deterministic
     strides = torch.ones(k, dtype=torch.long, device=ii.device)
     for j in range(k - 2, -1, -1):
@@ -63,7 +59,28 @@ def _scatter_nd(a, xs, c):
     last = torch.full((uniq.shape[0],), -1, dtype=torch.long, device=ii.device)
     last = last.scatter_reduce(0, inv, pos, reduce="amax")
     keep = last[inv] == pos
-    return [data.index_put(tuple(ii[keep].unbind(-1)), u[keep])]
+    return data.index_put(tuple(ii[keep].unbind(-1)), u[keep])
+
+
+def _scatter_nd(a, xs, c):
+    data, idx, upd = xs
+    k = idx.shape[-1]
+    ii = idx.reshape(-1, k).long()
+    if ii.shape[0] == 0:
+        return [data.clone()]
+    ii = torch.remainder(ii, torch.tensor(data.shape[:k], dtype=torch.long, device=ii.device))
+    return [_put_last(data, ii, upd.reshape((-1,) + tuple(data.shape[k:])))]
+
+
+def _scatter_elements(a, xs, c):
+    data, idx, upd = xs
+    ax = a["axis"] % data.dim()
+    if idx.numel() == 0:
+        return [data.clone()]
+    grids = list(torch.meshgrid(*(torch.arange(n, device=idx.device) for n in idx.shape), indexing="ij"))
+    grids[ax] = torch.remainder(idx.long(), data.shape[ax])
+    ii = torch.stack([gr.reshape(-1) for gr in grids], 1)
+    return [_put_last(data, ii, upd.reshape(-1))]
 
 
 def _cumsum(a, xs, c):
@@ -95,5 +112,6 @@ KERNELS.update({
     "Einsum": _einsum,
     "Trilu": _trilu,
     "ScatterND": _scatter_nd,
+    "ScatterElements": _scatter_elements,
     "CumSum": _cumsum,
 })

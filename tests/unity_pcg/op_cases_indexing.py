@@ -122,6 +122,18 @@ def gen_scatter_nd(d: Drawer) -> Case:
                 ["normal", ("signed_index", n), "normal"])
 
 
+def gen_scatter_elements(d: Drawer) -> Case:
+    data = _shape(d, 1, 3, max_numel=64)
+    r = len(data)
+    ax = d.int(-r, r - 1)
+    idx = [s if j == ax % r or d.bool(0.7) else d.int(1, s) for j, s in enumerate(data)]
+    idx[ax % r] = d.int(1, max(1, data[ax % r] - 1))    # leave some data unwritten (a full overwrite is special)
+    if data[ax % r] == 1:
+        data[ax % r] = 2
+    return Case("ScatterElements", {"axis": ax}, [data, idx, list(idx)], ["float64", "int64", "float64"],
+                ["normal", ("signed_index", data[ax % r]), "normal"])
+
+
 def gen_cumsum(d: Drawer) -> Case:
     s = _shape(d, 1, 3)
     dt = d.choice(["float64", "float64", "int64"])
@@ -134,5 +146,5 @@ GENERATORS: dict = {
     **{op: gen_compare(op) for op in ("Equal", "Less", "Greater", "LessOrEqual", "GreaterOrEqual")},
     **{op: gen_logic(op) for op in ("Not", "And", "Or", "Xor")},
     "GatherElements": gen_gather_elements, "Tile": gen_tile, "Einsum": gen_einsum, "Trilu": gen_trilu,
-    "ScatterND": gen_scatter_nd, "CumSum": gen_cumsum,
+    "ScatterND": gen_scatter_nd, "ScatterElements": gen_scatter_elements, "CumSum": gen_cumsum,
 }

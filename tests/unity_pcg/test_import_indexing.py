@@ -158,6 +158,11 @@ CASES = {
     "scatter_nd_const_updates": (model([N("ScatterND", ["x", "idx", "u"], ["y"])], [("x", F, [2, 4, 4])],
                                        inits=[("idx", np.array([[0, 1, 2], [1, 3, 0], [1, 0, 0]])),
                                               ("u", np.array([-7.0, 8.0, 9.0], np.float32))]), ["ScatterND"]),
+    "scatter_elements": (model([N("ScatterElements", ["x", "idx", "u"], ["y"], axis=1)],
+                               [("x", F, [3, 5]), ("u", F, [3, 2])],
+                               inits=[("idx", np.array([[0, 4], [-1, 2], [1, 1]]))]), ["ScatterElements"]),
+    "scatter_elements_act_idx": (model([N("ScatterElements", ["x", "i", "u"], ["y"], axis=0)],
+                                       [("x", F, [3, 4]), ("i", I64, [1, 4]), ("u", F, [1, 4])]), ["ScatterElements"]),
     "cumsum": (model([N("CumSum", ["x", "a0"], ["y0"]), N("CumSum", ["x", "a1"], ["y1"], exclusive=1),
                       N("CumSum", ["x", "a1"], ["y2"], reverse=1), N("CumSum", ["x", "a0"], ["y3"], exclusive=1,
                                                                         reverse=1)],
@@ -209,7 +214,8 @@ def test_data_parallel_mask_model_evaluates_piecewise_to_the_same_values():
 
 # --- a torch module exported as users do -----------------------------------------------------------------
 
-def test_torch_export_of_mask_idioms_matches_onnxruntime(tmp_path):
+@pytest.mark.parametrize("exporter", ["legacy", pytest.param("dynamo", marks=pytest.mark.slow)])
+def test_torch_export_of_mask_idioms_matches_onnxruntime(tmp_path, exporter):
     torch = pytest.importorskip("torch")
 
     class Masks(torch.nn.Module):
@@ -227,7 +233,7 @@ def test_torch_export_of_mask_idioms_matches_onnxruntime(tmp_path):
             pos = torch.cumsum(attn, 1) * attn                                 # position ids from the mask
             g = torch.gather(o, 1, ids[:, :, None].expand(2, 3, 8))            # GatherElements
             o = o.clone()
-            o[:, 0] = g[:, 0] * 2                                              # ScatterND (index_put)
+            o[:, 0] = g[:, 0] * 2              # ScatterND (legacy) / ScatterElements (dynamo's select_scatter)
             return o.repeat(1, 2, 1), pos, (o > 0) & (attn[:, :, None] > 0)
 
     torch.manual_seed(0)
@@ -236,14 +242,18 @@ def test_torch_export_of_mask_idioms_matches_onnxruntime(tmp_path):
     path = tmp_path / "masks.onnx"
     with torch.no_grad(), warnings.catch_warnings():
         warnings.simplefilter("ignore")
-        torch.onnx.export(mod, args, str(path), dynamo=False, opset_version=17,
-                          input_names=["x", "attn", "ids"], do_constant_folding=True)
+        if exporter == "legacy":
+            torch.onnx.export(mod, args, str(path), dynamo=False, opset_version=17,
+                              input_names=["x", "attn", "ids"], do_constant_folding=True)
+        else:
+            torch.onnx.export(mod, args, str(path), dynamo=True, input_names=["x", "attn", "ids"])
     m = onnx.load(str(path))
     g = load_onnx(m)
     g.check()
     used = {n.op for n in g.nodes()}
-    assert {"Einsum", "Where", "Equal", "Trilu", "CumSum", "GatherElements", "Tile", "ScatterND", "Greater",
-            "And", "Expand"} <= used, sorted(used)
+    assert {"Einsum", "Where", "Equal", "Trilu", "CumSum", "GatherElements", "Tile", "Greater",
+            "And"} <= used, sorted(used)
+    assert used & {"ScatterND", "ScatterElements"}, sorted(used)
     rng = np.random.default_rng(0)
     feeds = {"x": rng.standard_normal((2, 4, 8)).astype(np.float32),
              "attn": rng.integers(0, 2, (2, 4)).astype(np.int64), "ids": rng.integers(0, 4, (2, 3)).astype(np.int64)}
@@ -274,6 +284,15 @@ BAD = [
     ("scatter_reduction", model([N("ScatterND", ["x", "i", "u"], ["y"], reduction="add")],
                                 [("x", F, [4, 3]), ("u", F, [1, 3])], inits=[("i", np.array([[1]]))]),
      UnsupportedOperator, "reduction"),
+    ("scatter_elements_reduction", model([N("ScatterElements", ["x", "i", "u"], ["y"], reduction="max")],
+                                         [("x", F, [4, 3]), ("u", F, [1, 3])], inits=[("i", np.zeros((1, 3), np.int64))],
+                                         opset=18), UnsupportedOperator, "reduction"),
+    ("scatter_elements_shapes", model([N("ScatterElements", ["x", "i", "u"], ["y"])],
+                                      [("x", F, [4, 3]), ("u", F, [2, 3])], inits=[("i", np.zeros((1, 3), np.int64))]),
+     InvalidModel, "one shape"),
+    ("scatter_elements_index", model([N("ScatterElements", ["x", "i", "u"], ["y"], axis=-1)],
+                                     [("x", F, [4, 3]), ("u", F, [1, 3])], inits=[("i", np.full((1, 3), 3))]),
+     InvalidModel, "out of range"),
     ("scatter_index_range", model([N("ScatterND", ["x", "i", "u"], ["y"])], [("x", F, [4, 3]), ("u", F, [1, 3])],
                                   inits=[("i", np.array([[4]]))]), InvalidModel, "out of range"),
     ("scatter_updates_shape", model([N("ScatterND", ["x", "i", "u"], ["y"])], [("x", F, [4, 3]), ("u", F, [2, 3])],

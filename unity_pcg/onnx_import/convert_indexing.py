@@ -178,6 +178,31 @@ def _scatter_nd(imp, ctx, ins):
     return [imp.add("ScatterND", {}, refs, ctx.name)]
 
 
+# --- ScatterElements (the dynamo exporter's select_scatter / index assignment) -----------------------------
+
+@_conv("ScatterElements", "Scatter")
+def _scatter_elements(imp, ctx, ins):
+    data, idx, upd = (_in(ctx, ins, i) for i in range(3))
+    red = ctx.s("reduction", "none")
+    if red != "none":
+        _unsupported(ctx, f"attribute reduction={red!r}; only 'none' is supported")
+    ds, isz = imp.sizes(data), imp.sizes(idx)
+    if not ds or len(isz) != len(ds) or imp.sizes(upd) != isz:
+        raise InvalidModel(f"{ctx.what}: data {list(ds)}, indices {list(isz)} and updates {list(imp.sizes(upd))} "
+                           f"must have one rank >= 1, indices and updates one shape")
+    ax = _axis(ctx, ctx.i("axis", 0), len(ds))
+    if np.dtype(imp.dtype(idx)).kind not in "iu":
+        raise InvalidModel(f"{ctx.what}: indices must be integers, got {imp.dtype(idx)}")
+    if isinstance(idx, Const):
+        n = ds[ax]
+        iv = np.asarray(idx.value, dtype=np.int64)
+        if iv.size and (iv.min() < -n or iv.max() >= n):
+            raise InvalidModel(f"{ctx.what}: index out of range for axis {ax} of size {n}")
+        idx = Const(np.where(iv < 0, iv + n, iv), origin=None)
+    refs = [imp.ref(data, _hint(ctx, 0)), imp.ref(idx, _hint(ctx, 1)), imp.ref(upd, _hint(ctx, 2))]
+    return [imp.add("ScatterElements", {"axis": ax}, refs, ctx.name)]
+
+
 # --- CumSum ------------------------------------------------------------------------------------------
 
 @_conv("CumSum")

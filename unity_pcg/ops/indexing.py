@@ -1,5 +1,5 @@
 """Indexing, comparison and masking operators added for ONNX import coverage (issue 10): Where and the
-comparisons on activations, GatherElements, Tile, Einsum, Trilu, ScatterND, CumSum.
+comparisons on activations, GatherElements, Tile, Einsum, Trilu, ScatterND, ScatterElements, CumSum.
 
 Each is a compute operator in the one registry (DESIGN "Operator spec"): logical shape rule, labels,
 numpy reference, FLOPs.  How they parallelize, in labels:
@@ -20,6 +20,8 @@ numpy reference, FLOPs.  How they parallelize, in labels:
   batch dims are free; linear (masking with zeros).
 * ScatterND: the dims the index tuples address and the update rows are unshardable (an update may land
   anywhere); the trailing slice dims the updates share with the data are shardable.
+* ScatterElements: the scatter axis is unshardable in data and updates; the other dims are shared where
+  data and indices have the same size.
 * CumSum: the scanned axis is unshardable, the others free; linear.
 """
 from __future__ import annotations
@@ -35,6 +37,7 @@ from .compute import ATTR_KINDS, _axis, _bad, _broadcast, _broadcast_labels, _di
 ATTR_KINDS.update({
     "GatherElements": {"axis": "int"}, "Tile": {"repeats": "ints"}, "Einsum": {"equation": "str"},
     "Trilu": {"upper": "bool", "k": "int"}, "ScatterND": {"reduction": "str"},
+    "ScatterElements": {"axis": "int", "reduction": "str"},
     "CumSum": {"axis": "int", "exclusive": "bool", "reverse": "bool"},
 })
 
@@ -402,6 +405,70 @@ def _scatter_fwd(a, xs):
 compute_op("ScatterND", attrs={"reduction": "none"}, num_inputs=3, logical=_scatter_logical,
            labels=_scatter_labels, forward=_scatter_fwd, flops=lambda a, i, o: 0.0,
            doc="out = data with out[indices[..., :]] = updates[...] (ONNX ScatterND, reduction none).")
+
+
+# --- ScatterElements -----------------------------------------------------------------------------------
+
+def _scatter_elements_logical(a, ins):
+    data, idx, upd = ins
+    if a["reduction"] not in SCATTER_REDUCTIONS:
+        _bad("ScatterElements", f"reduction {a['reduction']!r} is not supported (only 'none')")
+    if not _is_int_dtype(idx.dtype):
+        _bad("ScatterElements", f"indices must be integers, got {idx.dtype}")
+    if data.rank < 1 or idx.rank != data.rank or upd.sizes != idx.sizes:
+        _bad("ScatterElements", f"data {list(data.sizes)}, indices {list(idx.sizes)} and updates "
+                                f"{list(upd.sizes)} must have one rank >= 1, indices and updates one shape")
+    ax = _axis("ScatterElements", a["axis"], data.rank)
+    for j in range(data.rank):
+        if j != ax and idx.sizes[j] > data.sizes[j]:
+            _bad("ScatterElements", f"indices {list(idx.sizes)} exceed data {list(data.sizes)} in dim {j}")
+    if upd.dtype != data.dtype:
+        _bad("ScatterElements", f"updates are {upd.dtype} but data is {data.dtype}")
+    if data.sizes[ax] == 0 and idx.numel:
+        _bad("ScatterElements", f"scatters into an empty axis {ax} of data {list(data.sizes)}")
+    return [(data.sizes, data.dtype)]
+
+
+def _scatter_elements_labels(a, ins, outs):
+    data, idx, upd = ins
+    ax = a["axis"] % data.rank
+    ld, li, un, why = [], [], set(), {}
+    for j in range(data.rank):
+        if j == ax:
+            ld.append("a"), li.append(f"i{j}")
+            un |= {"a", f"i{j}"}
+            why["a"] = why[f"i{j}"] = "the updates are scattered along it (one may land in any piece)"
+        elif idx.sizes[j] == data.sizes[j]:
+            ld.append(f"d{j}"), li.append(f"d{j}")
+        else:
+            ld.append(f"x{j}"), li.append(f"i{j}")
+            un |= {f"x{j}", f"i{j}"}
+            why[f"x{j}"] = why[f"i{j}"] = "the indices cover only part of the data along it"
+    return Labels((tuple(ld), tuple(li), tuple(li)), (tuple(ld),), frozenset(un), (), why)
+
+
+def scatter_elements_coords(idx: np.ndarray, axis: int, n: int) -> tuple[np.ndarray, ...]:
+    """The full index tuple of every update, in C order of the indices (the axis coordinate from idx)."""
+    grids = list(np.indices(idx.shape, dtype=np.int64)) if idx.ndim else []
+    grids[axis] = idx.astype(np.int64) % n if n else idx.astype(np.int64)
+    return tuple(gr.reshape(-1) for gr in grids)
+
+
+def _scatter_elements_fwd(a, xs):
+    data, idx, upd = xs
+    ax = a["axis"] % data.ndim
+    out = data.copy()
+    if idx.size:
+        # numpy assigns repeated positions in order: the last update wins (ONNX leaves it undefined)
+        out[scatter_elements_coords(idx, ax, data.shape[ax])] = upd.reshape(-1)
+    return [out]
+
+
+compute_op("ScatterElements", attrs={"axis": 0, "reduction": "none"}, num_inputs=3,
+           logical=_scatter_elements_logical, labels=_scatter_elements_labels, forward=_scatter_elements_fwd,
+           flops=lambda a, i, o: 0.0,
+           doc="out = data with out[..., idx[p], ...] = updates[p] along axis (ONNX ScatterElements, the "
+               "dynamo exporter's select_scatter / index assignment).")
 
 
 # --- CumSum --------------------------------------------------------------------------------------------
