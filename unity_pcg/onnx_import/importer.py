@@ -121,7 +121,7 @@ def _topo(nodes, producers) -> list[int]:
 
 
 class Importer:
-    def __init__(self, model, base_dir, batch: int | None, load_weights: bool):
+    def __init__(self, model, base_dir, batch: int | None, load_weights: bool, fuse: bool = True):
         self.m = model
         self.g = model.graph
         self.base = base_dir
@@ -137,6 +137,8 @@ class Importer:
         # batch override: the shape of every ONNX tensor when imported at the exported batch (None: no override)
         self.old_shapes: dict[str, tuple[int, ...]] | None = None
         self._rebatched: dict[int, Const] = {}
+        self.fuse = fuse  # pattern fusion (:mod:`.fuse`); counts of fused patterns by kind
+        self.fused: dict[str, int] = {}
 
     # --- values ---------------------------------------------------------------------------------
     def is_const(self, v) -> bool:
@@ -223,48 +225,25 @@ class Importer:
         order = _topo(nodes, producers)
         live = self._live(nodes, producers, outs)
         self.out_names = set(outs)
-        from . import convert
+        from . import fuse
+        fusions = fuse.find(nodes, inits, outs) if self.fuse else {}
+        deferred = {k for f in fusions.values() for k in f.nodes if k != f.final}
+        pos = {j: i for i, j in enumerate(order)}
         for j in order:
-            if j not in live:
+            if j not in live or j in deferred:
                 continue
-            node = nodes[j]
-            ctx = NodeCtx(node, j, self.opset)
-            if node.domain not in ("", "ai.onnx"):
-                raise UnsupportedOperator(f"unsupported operator {node.domain}::{node.op_type} "
-                                          f"(node {ctx.name!r})")
-            ins = [self.vals[x] if x else None for x in node.input]
-            try:
-                try:
-                    if self.old_shapes is not None:
-                        ins = self._rebatch_inputs(ctx, ins)
-                    results = convert.convert_node(self, ctx, ins)
-                except UnityError as e:
-                    if isinstance(e, ModelImportError):
-                        raise
-                    raise InvalidModel(f"{ctx.what}: {e}") from None
-                except (ValueError, TypeError, IndexError, KeyError, ZeroDivisionError, OverflowError,
-                        ArithmeticError) as e:
-                    raise InvalidModel(f"{ctx.what}: cannot import ({type(e).__name__}: {e})") from None
-                except MemoryError:
-                    raise InvalidModel(f"{ctx.what}: out of memory while folding a constant") from None
-            except InvalidModel as e:
-                if self.old_shapes is None or isinstance(e, BatchOverride):
-                    raise
-                # the graph imports at its exported batch, so this failure is the override's
-                raise BatchOverride(f"batch {self.batch}: {ctx.what} holds the exported batch {self.old_batch} "
-                                    f"and cannot be rewritten ({e})") from None
-            for k, o in enumerate(node.output):
-                if not o:
+            f = fusions.get(j)
+            if f is not None:
+                ctx = NodeCtx(nodes[j], j, self.opset)
+                y = fuse.convert(self, f, ctx.name)
+                if y is not None:
+                    self.vals[nodes[j].output[0]] = y
+                    self.fused[f.kind] = self.fused.get(f.kind, 0) + 1
                     continue
-                if k >= len(results) or results[k] is None:
-                    if o in live_names(self, nodes, live) or o in outs:
-                        raise UnsupportedOperator(f"output {k} of {node.op_type} is not supported "
-                                                  f"(node {ctx.name!r})")
-                    continue
-                r = results[k]
-                if isinstance(r, Const) and r.origin is None:
-                    r.origin = o  # a folded constant is named after the tensor it defines
-                self.vals[o] = r
+                for k in sorted(f.nodes, key=pos.__getitem__):  # a shape check failed: node by node
+                    if k != j:
+                        self._visit(nodes, k, outs, live)
+            self._visit(nodes, j, outs, live)
         out_refs = []
         for o in outs:
             v = self.vals[o]
@@ -273,6 +252,48 @@ class Importer:
         pcg = self.b.finish()
         pcg.weights = self.weights
         return pcg
+
+    def _visit(self, nodes, j: int, outs, live) -> None:
+        """Convert (or fold) ONNX node ``j`` and record its outputs' values."""
+        from . import convert
+        node = nodes[j]
+        ctx = NodeCtx(node, j, self.opset)
+        if node.domain not in ("", "ai.onnx"):
+            raise UnsupportedOperator(f"unsupported operator {node.domain}::{node.op_type} "
+                                      f"(node {ctx.name!r})")
+        ins = [self.vals[x] if x else None for x in node.input]
+        try:
+            try:
+                if self.old_shapes is not None:
+                    ins = self._rebatch_inputs(ctx, ins)
+                results = convert.convert_node(self, ctx, ins)
+            except UnityError as e:
+                if isinstance(e, ModelImportError):
+                    raise
+                raise InvalidModel(f"{ctx.what}: {e}") from None
+            except (ValueError, TypeError, IndexError, KeyError, ZeroDivisionError, OverflowError,
+                    ArithmeticError) as e:
+                raise InvalidModel(f"{ctx.what}: cannot import ({type(e).__name__}: {e})") from None
+            except MemoryError:
+                raise InvalidModel(f"{ctx.what}: out of memory while folding a constant") from None
+        except InvalidModel as e:
+            if self.old_shapes is None or isinstance(e, BatchOverride):
+                raise
+            # the graph imports at its exported batch, so this failure is the override's
+            raise BatchOverride(f"batch {self.batch}: {ctx.what} holds the exported batch {self.old_batch} "
+                                f"and cannot be rewritten ({e})") from None
+        for k, o in enumerate(node.output):
+            if not o:
+                continue
+            if k >= len(results) or results[k] is None:
+                if o in live_names(self, nodes, live) or o in outs:
+                    raise UnsupportedOperator(f"output {k} of {node.op_type} is not supported "
+                                              f"(node {ctx.name!r})")
+                continue
+            r = results[k]
+            if isinstance(r, Const) and r.origin is None:
+                r.origin = o  # a folded constant is named after the tensor it defines
+            self.vals[o] = r
 
     # --- batch override ----------------------------------------------------------------------------
     def _changed_dims(self, name: str, v) -> list[tuple[int, int, int]]:
@@ -463,7 +484,7 @@ def _exported_shapes(model, base, imp: Importer) -> dict | None:
     imported at its exported batch (the reference the override's rewrites are derived from); else None."""
     if imp.batch is None:
         return None
-    probe = Importer(model, base, None, False)
+    probe = Importer(model, base, None, False, fuse=False)
     g = model.graph
     inits = {t.name for t in g.initializer}
     fixed = [vi for vi in g.input if vi.name not in inits]
@@ -478,7 +499,9 @@ def _exported_shapes(model, base, imp: Importer) -> dict | None:
     return out
 
 
-def load(src: Any, batch: int | None = None, load_weights: bool = True) -> PCG:
+def load(src: Any, batch: int | None = None, load_weights: bool = True, fuse: bool = True) -> PCG:
+    """Import an ONNX model as a PCG (see :func:`unity_pcg.onnx_import.load_onnx`); ``fuse=False`` keeps the
+    exporter's decompositions of GELU, LayerNorm and SiLU as they are (no :mod:`.fuse` patterns)."""
     t0 = time.perf_counter()
     model, base = read_model(src)
     if len(model.functions):
@@ -487,13 +510,13 @@ def load(src: Any, batch: int | None = None, load_weights: bool = True) -> PCG:
             model = inliner.inline_local_functions(model)
         except Exception as e:
             raise InvalidModel(f"cannot inline the model's local functions ({type(e).__name__})") from None
-    imp = Importer(model, base, batch, load_weights)
+    imp = Importer(model, base, batch, load_weights, fuse)
     old_shapes = _exported_shapes(model, base, imp)
     if old_shapes is not None:
-        imp = Importer(model, base, batch, load_weights)
+        imp = Importer(model, base, batch, load_weights, fuse)
         imp.old_shapes = old_shapes
     g = imp.run()
     g.meta.update({"source": "onnx", "opset": imp.opset, "onnx_nodes": len(model.graph.node),
-                   "producer": model.producer_name or "", "batch": batch,
+                   "producer": model.producer_name or "", "batch": batch, "fused": dict(imp.fused),
                    "import_seconds": time.perf_counter() - t0})
     return g
