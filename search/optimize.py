@@ -48,7 +48,7 @@ from .substitution import (Candidate, RuleBook, RuleStep, best_first, data_paral
 INF = math.inf
 SEARCHES = ("unity", "sequential")
 FIXED = ("dp", "megatron", "expert", "none")
-STRATEGIES = SEARCHES + FIXED
+STRATEGIES = SEARCHES + FIXED + ("alpa",)     # alpa: Alpa's planner (search/alpa/), priced in our model
 
 
 class OptimizeError(UnityError, ValueError):
@@ -405,7 +405,20 @@ def optimize(model, machine, budget_s: float | None = None, alpha: float = 1.05,
     stats: dict = {}
     interrupted = False
     pipe_plan = None
-    if strategy in FIXED:
+    if strategy == "alpa":
+        # Alpa's two passes (intra-operator ILP per stage, inter-operator stage DP), priced by our
+        # 1F1B simulation: the plan always has a pipeline field (one stage: gradient accumulation)
+        from .alpa.inter import alpa_plan
+        ar = alpa_plan(g, m, optimizer=optimizer, mapper=ev.mapper, time_limit_s=min(30.0, budget_s))
+        pipe_plan = ar.pipeline
+        if pipe_plan.pcg is None:
+            raise OptimizeError(f"alpa: no plan for {m.name}: {pipe_plan.reason}")
+        pg, rules_json = pipe_plan.pcg, None
+        final = _PipelineMapping(pipe_plan, n_dev)
+        stats = {"chosen": "alpa", "pipeline_stages": pipe_plan.num_stages, "micro_batches": ar.micro_batches,
+                 "alpa": {k: ar.stats.get(k) for k in ("layers", "planner_s", "solves", "micro_batches_tried")},
+                 "alpa_stages": ar.stages}
+    elif strategy in FIXED:
         deg = 1 if strategy == "none" else dp_deg
         try:
             pg = build_strategy(g, strategy, deg)

@@ -376,7 +376,10 @@ class StageCosts:
 
     def __init__(self, gM: PCG, roles, layer_nodes, mapper: MachineMapper, solve: Callable, *, optimizer: str,
                  logical: str = "physical", weight_update_sharding: bool = False, time_limit_s: float = 30.0,
-                 memo: dict | None = None, micro_batches: int = 1):
+                 memo: dict | None = None, micro_batches: int = 1, stage_cost: str = "exact"):
+        if stage_cost not in ("exact", "layer_sum"):
+            raise AlpaError(f"stage_cost must be 'exact' or 'layer_sum', got {stage_cost!r}")
+        self.mode = stage_cost
         self.gM, self.roles, self.layer_nodes = gM, roles, layer_nodes
         self.mapper, self.machine, self.solve = mapper, mapper.machine, solve
         self.optimizer, self.logical, self.wus, self.limit = optimizer, logical, weight_update_sharding, time_limit_s
@@ -414,6 +417,8 @@ class StageCosts:
         cap = self.machine.device.memory_bytes
         if self.lower_bound_bytes(k, i) / size > cap:
             return StageCost(INF, reason="weights and optimizer states exceed the sub-mesh's memory")
+        if self.mode == "layer_sum" and i > k:
+            return self._layer_sum(k, i, shape, start)
         try:
             sg = self.stage_graph(k, i)
         except UnityError as e:
@@ -429,6 +434,26 @@ class StageCosts:
             if best is None or hit.t < best.t:
                 best = hit
         return best
+
+    def _layer_sum(self, k: int, i: int, shape, start: int) -> StageCost:
+        """``stage_cost="layer_sum"``: the stage's cost as the sum of its layers' costs, each layer
+        solved alone on the mesh (its best logical mesh): per-device memory adds (the layers' plans
+        use the same mesh); the resharding between the layers' plans is not counted.  Solves scale
+        with the distinct layers, not the ranges."""
+        parts = [self.get(x, x, shape, start) for x in range(k, i + 1)]
+        if any(not math.isfinite(p.t) for p in parts):
+            bad = next(p for p in parts if not math.isfinite(p.t))
+            return StageCost(INF, reason=bad.reason)
+        w: dict = {}
+        a: dict = {}
+        for p in parts:
+            for d, v in p.w.items():
+                w[d] = w.get(d, 0) + v
+            for d, v in p.a.items():
+                a[d] = a.get(d, 0) + v
+        meshes = {p.mesh for p in parts}
+        return StageCost(sum(p.t for p in parts), sum(p.once for p in parts), w, a, None, {},
+                         parts[0].mesh if len(meshes) == 1 else tuple(shape), "", 0.0, start)
 
     def solve_at(self, sg: PCG, mesh, start: int) -> StageCost:
         """The stage sub-PCG ``sg`` solved on ``mesh`` at device ``start``, not memoized (its plan's node
@@ -509,12 +534,16 @@ def _micro_batch_list(B: int, micro_batches) -> list[int]:
 def alpa_plan(pcg: PCG, machine: MachineSpec, *, optimizer: str = "adam", layers: int = 16, delta: float = 0.5,
               micro_batches: int | Sequence[int] | None = None, max_stages: int | None = None,
               logical: str = "physical", solve: Callable | None = None, weight_update_sharding: bool = False,
-              time_limit_s: float = 30.0, mapper: MachineMapper | None = None, stitch: bool = True) -> AlpaResult:
+              time_limit_s: float = 30.0, mapper: MachineMapper | None = None, stitch: bool = True,
+              stage_cost: str = "exact", imbalance: float = INF) -> AlpaResult:
     """Alpa's plan of the logical PCG ``pcg`` for ``machine`` (module docstring).  ``solve``: the
     intra-operator pass with :func:`unity_pcg.search.alpa.intra.solve_intra`'s interface (default:
     that function).  ``micro_batches``: one count, several (the best is kept), or None (powers of two
     ascending, stopping after the first that does not improve on a feasible plan).  Raises
-    :class:`AlpaError` when no plan covers the cluster."""
+    :class:`AlpaError` when no plan covers the cluster.  ``stage_cost``: ``"exact"`` (every range of
+    layers solved as one stage, Alpa's profiling) or ``"layer_sum"`` (:meth:`StageCosts._layer_sum`).
+    ``imbalance``: stage-mesh pairs whose share of the FLOPs and share of the devices differ by more than
+    this factor are not solved (Alpa's ``stage_imbalance_tolerance``; default: none skipped)."""
     t0 = time.perf_counter()
     mapper = mapper or MachineMapper(CostModel(machine, optimizer))
     solve = solve or _default_solve()
@@ -523,6 +552,7 @@ def alpa_plan(pcg: PCG, machine: MachineSpec, *, optimizer: str = "adam", layers
     cluster_s = time.perf_counter() - t0
     L = len(lay)
     layer_nodes = [[n for u in range(a, b) for n in info.units[u]] for a, b in lay]
+    lflops = np.concatenate([[0.0], np.cumsum([sum(info.flops[a:b]) for a, b in lay])])
     shapes = submesh_shapes(machine)
     sizes = [n * m for n, m in shapes]
     T = machine.num_devices
@@ -542,12 +572,17 @@ def alpa_plan(pcg: PCG, machine: MachineSpec, *, optimizer: str = "adam", layers
             continue
         costs = StageCosts(gM, roles, layer_nodes, mapper, solve, optimizer=optimizer, logical=logical,
                            weight_update_sharding=weight_update_sharding, time_limit_s=time_limit_s, memo=memo,
-                           micro_batches=M)
+                           micro_batches=M, stage_cost=stage_cost)
         t = np.full((L, L, len(shapes)), INF)
         sc: dict = {}
         for k in range(L):
             for i in range(k, L):
                 for j, sh in enumerate(shapes):
+                    share = (lflops[i + 1] - lflops[k]) / lflops[-1] if lflops[-1] > 0 else 1.0
+                    ratio = share / (sizes[j] / T)
+                    if math.isfinite(imbalance) and not 1 / imbalance <= ratio <= imbalance:
+                        sc[(k, i, j)] = StageCost(INF, reason="skipped: FLOP share and device share differ")
+                        continue
                     c = costs.get(k, i, sh)
                     sc[(k, i, j)] = c
                     t[k, i, j] = c.t
@@ -593,8 +628,8 @@ def _price_plan(pcg, gM, info, lay, dp: DPResult, M, machine, mapper, costs: Sta
     for idx, ((k, i, j), d) in enumerate(zip(dp.stages, starts)):
         c = costs.get(k, i - 1, shapes[j])
         sg = costs.stage_graph(k, i - 1)
-        if c.pcg is not None:           # the memo's plan may be of another range of the same structure:
-            c = costs.solve_at(sg, c.mesh, d)   # solved again on this stage's own sub-PCG, at its place
+        if math.isfinite(c.t):          # the memo's plan may be of another range of the same structure
+            c = costs.solve_at(sg, c.mesh, d)   # (or a sum of layers): solved on this stage's own sub-PCG
         priced.append(P._Priced(c.t, c.once, dict(c.w), dict(c.a), dict(c.views), c.pcg,
                                 tuple(tuple(x) for x in sg.outputs), c.reason))
         fwd.append(c.t / (1 + bf))

@@ -253,3 +253,54 @@ def test_bad_micro_batches_are_typed_errors():
     m = machine(1, 2)
     with pytest.raises(AlpaError):
         alpa_plan(g, m, layers=2, solve=mapping_standin(MachineMapper(CostModel(m))), micro_batches=5)
+
+
+# --- --strategy alpa (the stand-in intra pass patched in: these test the plumbing) ---------------------
+
+@pytest.fixture
+def standin(monkeypatch):
+    from unity_pcg.search.alpa import inter
+    from unity_pcg.search.cost import CostModel as CM
+
+    def default_solve():
+        def solve(g, machine_, mesh, **kw):
+            return mapping_standin(MachineMapper(CM(machine_, kw.get("optimizer", "adam"))))(g, machine_, mesh, **kw)
+        return solve
+    monkeypatch.setattr(inter, "_default_solve", default_solve)
+    real = inter.alpa_plan
+
+    def small(*a, **kw):                        # few layers and one micro-batch count: seconds, not minutes
+        return real(*a, **dict(kw, layers=4, micro_batches=2))
+    monkeypatch.setattr(inter, "alpa_plan", small)
+
+
+@pytest.fixture(scope="module")
+def tiny_gpt(tmp_path_factory):
+    pytest.importorskip("torch")
+    from unity_pcg import zoo
+    p = tmp_path_factory.mktemp("g") / "gpt.onnx"
+    zoo.export("gpt_350m", str(p), size="tiny", batch=8)
+    return str(p)
+
+
+def test_optimize_and_simulate_strategy_alpa(standin, tiny_gpt, tmp_path, capsys):
+    import json
+
+    from unity_pcg.cli import main
+    from unity_pcg.plan import load as load_plan
+    from unity_pcg.search.optimize import STRATEGIES, optimize
+    assert "alpa" in STRATEGIES
+    r = optimize(tiny_gpt, "dgx-a100:1x4", strategy="alpa", budget_s=5)
+    assert r.feasible and r.stats["chosen"] == "alpa" and r.plan.pipeline is not None
+    out = tmp_path / "plan.json"
+    r.plan.save(str(out))
+    back = load_plan(str(out))                  # validates the pipeline field against the PCG
+    assert back.pipeline["micro_batches"] == r.stats["micro_batches"]
+    assert main(["simulate", tiny_gpt, "--machine", "dgx-a100:1x4", "--strategy", "alpa", "--json",
+                 "-o", str(tmp_path / "sim.json")]) == 0
+    js = json.loads(capsys.readouterr().out)
+    assert js["strategy"] == "alpa" and js["feasible"]
+    assert js["predicted_iteration_s"] == pytest.approx(r.predicted_iteration_s, rel=1e-9)
+    load_plan(str(tmp_path / "sim.json"))
+    assert main(["simulate", tiny_gpt, "--machine", "dgx-a100:1x4", "--strategy", "alpa"]) == 0
+    assert "alpa (" in capsys.readouterr().out

@@ -12,7 +12,7 @@ from ..errors import UnityError
 
 HELP = "search the fastest parallelization plan that fits memory (Unity's joint search)"
 
-STRATEGY_CHOICES = ("unity", "sequential", "dp", "megatron", "expert", "none")
+STRATEGY_CHOICES = ("unity", "sequential", "dp", "megatron", "expert", "none", "alpa")
 
 
 def add_arguments(p) -> None:
@@ -28,7 +28,8 @@ def add_arguments(p) -> None:
                    help="prune candidates slower than A times the best (default 1.05)")
     p.add_argument("--no-pipeline", action="store_true", help="do not consider pipeline parallelism")
     p.add_argument("--strategy", default="unity", metavar="S",
-                   help=f"one of {', '.join(STRATEGY_CHOICES)} (default unity: the joint search)")
+                   help=f"one of {', '.join(STRATEGY_CHOICES)} (default unity: the joint search; alpa: "
+                        "Alpa's intra-operator ILP and inter-operator stage DP, priced in our cost model)")
     p.add_argument("--optimizer", choices=("sgd", "momentum", "adam"), default="adam",
                    help="optimizer whose states count in memory and update time (default adam)")
     p.add_argument("--batch", type=int, default=None, metavar="N",

@@ -20,11 +20,12 @@ def add_arguments(p) -> None:
     p.add_argument("--machine", default="summit:1x6", metavar="M",
                    help="PRESET[:NODESxDEVICES] (summit, dgx-a100, h100, local) or a machine JSON file "
                         "(from `unity-pcg calibrate`), e.g. summit:32x6 (default summit:1x6)")
-    p.add_argument("--strategy", choices=("none", "dp", "megatron", "expert"), default="dp",
+    p.add_argument("--strategy", choices=("none", "dp", "megatron", "expert", "alpa"), default="dp",
                    help="none: the whole model on one device; dp: data parallel; megatron: Megatron-LM "
                         "tensor parallelism inside a node, data parallel across nodes (Transformers); "
                         "expert: embedding tables (and dense layers whose weights outweigh their "
-                        "activations) model parallel, the rest data parallel (DLRM, XDL, CANDLE-Uno) "
+                        "activations) model parallel, the rest data parallel (DLRM, XDL, CANDLE-Uno); "
+                        "alpa: Alpa's plan (intra-operator ILP per stage, stage DP; --degree ignored) "
                         "(default dp)")
     p.add_argument("--degree", type=int, default=None, metavar="N",
                    help="devices the strategy uses (default: every device of the machine)")
@@ -60,6 +61,8 @@ def simulate(model_path: str, machine: str, strategy: str = "dp", degree: int | 
     if batch is not None and batch < 1:
         raise UnityError(f"--batch must be a positive integer, got {batch}")
     g = load_onnx(model_path, batch=batch, load_weights=False)
+    if strategy == "alpa":
+        return _simulate_alpa(g, model_path, m, optimizer, output)
     pg = build_strategy(g, strategy, deg, devices_per_node=m.devices_per_node)
     from ..machine import Resource
     # "none": the whole model on one device (the DP still picks the best views inside it)
@@ -74,6 +77,38 @@ def simulate(model_path: str, machine: str, strategy: str = "dp", degree: int | 
             out[k] = pg.meta[k]
     if output is not None:
         out["plan"] = write_plan(output, model_path, m, pg, r, out)
+    return out
+
+
+def _simulate_alpa(g, model_path: str, m, optimizer: str, output: str | None) -> dict:
+    """``--strategy alpa``: Alpa's plan (search/alpa/inter.py), priced by our 1F1B simulation."""
+    from unity_pcg.search.alpa.inter import alpa_plan
+
+    from ..plan import Plan, file_sha256
+    ar = alpa_plan(g, m, optimizer=optimizer)
+    p = ar.pipeline
+    used = {d for s in p.stages for d in s.devices}
+    out = {"predicted_iteration_s": p.cost if math.isfinite(p.cost) else None, "feasible": p.feasible,
+           "reason": p.reason, "devices": m.num_devices, "comm_elements": p.comm_elements,
+           "max_memory_bytes": p.max_memory_bytes,
+           "memory_per_device": {str(d): v for d, v in sorted(p.memory.items())},
+           "solve_s": ar.stats.get("planner_s", 0.0), "stats": {"devices_used": len(used)},
+           "model": model_path, "machine": m.describe(), "strategy": "alpa", "degree": m.num_devices,
+           "optimizer": optimizer, "batch": g.shape((g.sources("Input")[0].id, 0)).sizes[0]
+           if g.sources("Input") else None, "fallbacks": [], "alpa": ar.to_json()}
+    if output is not None:
+        if p.pcg is None:
+            raise UnityError(f"strategy 'alpa' has no plan on {m.name} ({p.reason}); no plan written")
+        pred = {k: out[k] for k in ("predicted_iteration_s", "feasible", "reason", "devices", "comm_elements",
+                                    "max_memory_bytes", "memory_per_device", "solve_s")}
+        pred.update(strategy="alpa", optimizer=optimizer)
+        info = {"strategy": "alpa", "optimizer": optimizer, "batch": out["batch"], "alpa_stages": ar.stages}
+        plan = Plan(model_path, file_sha256(model_path), m, p.pcg, p.views, pred, p.to_plan_field(), info)
+        try:
+            plan.save(output)
+        except OSError as e:
+            raise UnityError(f"cannot write plan {output}: {e.strerror or e}") from None
+        out["plan"] = output
     return out
 
 
@@ -104,6 +139,22 @@ def run(args) -> int:
         sys.stdout.write("\n")
         return 0 if out["feasible"] else 1
     t = out["predicted_iteration_s"]
+    if out["strategy"] == "alpa":
+        a = out["alpa"]
+        print(f"model      {out['model']}  (batch {out['batch']})")
+        print(f"machine    {out['machine']}")
+        print(f"strategy   alpa ({len(a['stages'])} stage(s), {a['micro_batches']} micro-batches: "
+              + ", ".join(f"layers {s['layers'][0]}-{s['layers'][1] - 1} on {s['shape'][0]}x{s['shape'][1]}"
+                          for s in a["stages"]) + ")")
+        print(f"feasible   {'yes' if out['feasible'] else 'NO: ' + out['reason']}")
+        if t is not None:
+            print(f"iteration  {t * 1e3:.3f} ms predicted (1F1B simulation)")
+        print(f"comm       {out['comm_elements']:,} elements sent per iteration (all devices)")
+        print(f"memory     {out['max_memory_bytes'] / 2**30:.3f} GiB on the busiest device")
+        print(f"planner    {out['solve_s']:.3f} s")
+        if out.get("plan"):
+            print(f"plan       {out['plan']}")
+        return 0 if out["feasible"] else 1
     b = out["breakdown"]
     print(f"model      {out['model']}  (batch {out['batch']})")
     print(f"machine    {out['machine']}")
