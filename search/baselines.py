@@ -306,7 +306,7 @@ def expert_applies(g: PCG) -> bool:
         if (n.op == "Embedding" and n.inputs[0][0] not in wl and g.node(n.inputs[1][0]).op == "Weight") \
                 or _is_dense(g, n, wl):
             some = True
-        elif n.op in ("Conv2d", "Softmax"):
+        elif n.op in ("Conv2d", "Conv3d", "ConvTranspose", "Softmax"):
             other = True
     return some and not other
 

@@ -90,6 +90,10 @@ def op_class(op: str, in_shapes: Sequence[ParallelTensorShape] | None = None) ->
 ELEMENTWISE_OPS |= {"Where", "Equal", "Less", "Greater", "LessOrEqual", "GreaterOrEqual", "Not", "And", "Or", "Xor",
                     "Tile", "Trilu", "CumSum"}
 MATMUL_OPS |= {"Einsum"}
+# the import-coverage operators of unity_pcg/ops/spatial.py (Resize and Pad: the default class)
+CONV_OPS |= {"Conv3d", "ConvTranspose"}
+NORM_OPS |= {"InstanceNorm", "GroupNorm"}
+POOL_OPS |= {"Pool1d", "Pool3d"}
 
 
 class CostModel:

@@ -75,6 +75,10 @@ SAVES_OUTPUT = {"Relu", "Sigmoid", "Tanh", "Exp", "Softmax", "Sqrt", "Reciprocal
 SAVES_INPUTS.update({"Where": {0}, "GatherElements": {1}, "ScatterND": {1}, "Tile": set(), "Trilu": set(),
                      "CumSum": set(), **{op: set() for op in ("Equal", "Less", "Greater", "LessOrEqual",
                                                               "GreaterOrEqual", "Not", "And", "Or", "Xor")}})
+# the spatial operators of unity_pcg/ops/spatial.py: convolutions and pools save their data input, the
+# normalizations their input (statistics are recomputed), Resize and Pad are fixed linear maps (nothing)
+SAVES_INPUTS.update({"Conv3d": {0}, "ConvTranspose": {0}, "Pool1d": {0}, "Pool3d": {0}, "InstanceNorm": {0},
+                     "GroupNorm": {0}, "Resize": set(), "Pad": set()})
 
 
 def kept_fraction(g, nid: int, k: int) -> float:

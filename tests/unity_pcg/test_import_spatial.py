@@ -515,3 +515,30 @@ def test_fuzzed_spatial_models_fail_typed_or_import():
             out = evaluate(g, feeds)
         assert [o.shape for o in out] == [g.shape(r_).sizes for r_ in g.outputs]
     assert outcomes["refused"] >= 24 and outcomes["imported"] >= 24, outcomes
+
+
+# --- the search prices them ----------------------------------------------------------------------------------
+
+def test_spatial_model_is_priced_data_parallel(tmp_path):
+    """The cost model knows the new operators' classes and what they save for backward, and data parallelism
+    of a spatial model is built without fallbacks: its only communication is the ring all-reduce of the
+    weights, 2 (p - 1) N elements."""
+    from unity_pcg.commands.simulate_cmd import simulate
+    from unity_pcg.search.cost import op_class
+    from unity_pcg.search.memory import SAVES_INPUTS
+    from unity_pcg.ops import spatial  # noqa: F401
+    assert [op_class(o) for o in ("Conv3d", "ConvTranspose", "Pool1d", "Pool3d", "InstanceNorm", "GroupNorm")] == \
+        ["conv", "conv", "pool", "pool", "norm", "norm"]
+    assert {"Conv3d", "ConvTranspose", "Pool1d", "Pool3d", "InstanceNorm", "GroupNorm", "Resize", "Pad"} \
+        <= set(SAVES_INPUTS)
+    nodes = [N("Conv", ["x", "w1"], ["c1"], pads=[1] * 6),
+             N("GroupNormalization", ["c1", "s", "b"], ["n1"], num_groups=2),
+             N("AveragePool", ["n1"], ["p1"], kernel_shape=[2, 2, 2], strides=[2, 2, 2]),
+             N("ConvTranspose", ["p1", "w2"], ["y"], strides=[2, 2, 2])]
+    inits = [W("w1", (4, 2, 3, 3, 3)), W("s", (4,), 1), W("b", (4,), 2), W("w2", (4, 3, 2, 2, 2), 3)]
+    p = tmp_path / "m.onnx"
+    onnx.save(model(nodes, (8, 2, 4, 4, 4), inits, opset=21), str(p))
+    r = simulate(str(p), "summit:1x4", "dp")
+    n_params = 4 * 2 * 27 + 4 + 4 + 4 * 3 * 8
+    assert r["feasible"] and not r["fallbacks"]
+    assert r["comm_elements"] == 2 * 3 * n_params
