@@ -29,6 +29,20 @@ def _gather_elements(a, xs, c):
     return [torch.gather(data, ax, idx)]
 
 
+def _gather_nd(a, xs, c):
+    data, idx = xs
+    b, k = a["batch_dims"], idx.shape[-1]
+    idx = idx.long()
+    sizes = torch.tensor(data.shape[b:b + k], dtype=torch.long, device=idx.device)
+    if idx.numel() and bool((sizes > 0).all()):
+        idx = torch.remainder(idx, sizes)
+    rows = tuple(idx.shape[:-1])
+    grids = [torch.arange(data.shape[j], device=idx.device).reshape([-1 if t == j else 1 for t in range(len(rows))])
+             for j in range(b)]
+    out = data[tuple(grids + [idx[..., j] for j in range(k)])]
+    return [out.reshape(rows + tuple(data.shape[b + k:]))]
+
+
 def _tile(a, xs, c):
     x = xs[0]
     return [x.repeat(tuple(int(r) for r in a["repeats"])) if x.dim() else x.clone()]
@@ -108,6 +122,7 @@ KERNELS.update({
     "Or": lambda a, xs, c: [torch.logical_or(xs[0], xs[1])],
     "Xor": lambda a, xs, c: [torch.logical_xor(xs[0], xs[1])],
     "GatherElements": _gather_elements,
+    "GatherND": _gather_nd,
     "Tile": _tile,
     "Einsum": _einsum,
     "Trilu": _trilu,

@@ -64,6 +64,17 @@ def gen_gather_elements(d: Drawer) -> Case:
                 ["normal", ("signed_index", data[ax % len(data)])])
 
 
+def gen_gather_nd(d: Drawer) -> Case:
+    data = _shape(d, 1, 3, max_numel=48)
+    b = d.int(0, 1) if len(data) > 1 else 0
+    k = d.int(1, len(data) - b)
+    rows = _shape(d, 0, 2, sizes=(1, 2, 3, 4), max_numel=8)
+    idx = data[:b] + rows + [k]
+    n = min(data[b:b + k])
+    return Case("GatherND", {"batch_dims": b}, [data, idx], ["float64", d.choice(["int64", "int32"])],
+                ["normal", ("signed_index", n)])
+
+
 def gen_tile(d: Drawer) -> Case:
     x = _shape(d, 1, 3, max_numel=24)
     reps = tuple(d.choice([1, 1, 2, 3]) for _ in x)
@@ -145,6 +156,6 @@ GENERATORS: dict = {
     "Where": gen_where,
     **{op: gen_compare(op) for op in ("Equal", "Less", "Greater", "LessOrEqual", "GreaterOrEqual")},
     **{op: gen_logic(op) for op in ("Not", "And", "Or", "Xor")},
-    "GatherElements": gen_gather_elements, "Tile": gen_tile, "Einsum": gen_einsum, "Trilu": gen_trilu,
+    "GatherElements": gen_gather_elements, "GatherND": gen_gather_nd, "Tile": gen_tile, "Einsum": gen_einsum, "Trilu": gen_trilu,
     "ScatterND": gen_scatter_nd, "ScatterElements": gen_scatter_elements, "CumSum": gen_cumsum,
 }

@@ -126,6 +126,22 @@ CASES = {
     "gather_elements_const_data": (model([N("GatherElements", ["t", "i"], ["y"], axis=0)], [("i", I64, [2, 3])],
                                          inits=[("t", np.arange(12, dtype=np.float32).reshape(4, 3))]),
                                    ["GatherElements"]),
+    "gather_nd_const_idx": (model([N("GatherND", ["x", "idx"], ["y"])], [("x", F, [3, 4, 2])],
+                                  inits=[("idx", np.array([[[0, 1], [2, -1]], [[-3, 0], [1, 1]]]))]), ["GatherND"]),
+    "gather_nd_act_idx": (model([N("GatherND", ["x", "i"], ["y"])], [("x", F, [3, 3, 2]), ("i", I64, [2, 2, 1])]),
+                          ["GatherND"]),
+    "gather_nd_batch_dims": (model([N("GatherND", ["x", "idx"], ["y"], batch_dims=1)], [("x", F, [2, 4, 3])],
+                                   inits=[("idx", np.array([[[3], [0]], [[1], [1]]]))]), ["GatherND"]),
+    # the dynamo exporter's vmapped attention mask: constant tuples (b, s) broadcasting mask[b, s] to [B,1,1,S]
+    "gather_nd_mask_view": (model([N("GatherND", ["m", "idx"], ["y"])], [("m", B, [2, 5])],
+                                  inits=[("idx", np.stack(np.broadcast_arrays(np.arange(2)[:, None, None, None],
+                                                                              np.arange(5)[None, None, None, :]),
+                                                          -1))]), ["Reshape"]),
+    "gather_nd_view_expand": (model([N("GatherND", ["m", "idx"], ["y"])], [("m", F, [2, 5, 3])],
+                                    inits=[("idx", np.stack(np.broadcast_arrays(np.arange(2)[:, None, None],
+                                                                                np.zeros((1, 4, 1), np.int64),
+                                                                                np.arange(5)[None, None, :]),
+                                                            -1)[..., [0, 2]])]), ["Expand"]),
     "tile": (model([N("Tile", ["x", "r"], ["y"])], [("x", F, [2, 1, 3])], inits=[("r", np.array([1, 4, 2]))]),
              ["Tile"]),
     "tile_ones_is_identity": (model([N("Tile", ["x", "r"], ["t"]), N("Relu", ["t"], ["y"])], [("x", F, [2, 3])],
@@ -178,6 +194,16 @@ CASES = {
 def test_operator_matches_onnxruntime(name):
     m, ops = CASES[name]
     import_and_compare(m, ops=ops)
+
+
+def test_gather_nd_mask_view_follows_a_changed_batch():
+    """The exporter baked the batch (2) into the index tuples; imported at batch 4 the view takes every row."""
+    m, _ = CASES["gather_nd_mask_view"]
+    g = load_onnx(m, batch=4)
+    assert "GatherND" not in {n.op for n in g.nodes()}
+    mask = np.random.default_rng(0).random((4, 5)) < 0.5
+    (y,) = evaluate(g, {"m": mask})
+    np.testing.assert_array_equal(y, mask.reshape(4, 1, 1, 5))
 
 
 def test_einsum_stays_one_operator_with_labels_from_the_equation():
@@ -293,6 +319,15 @@ BAD = [
     ("scatter_elements_index", model([N("ScatterElements", ["x", "i", "u"], ["y"], axis=-1)],
                                      [("x", F, [4, 3]), ("u", F, [1, 3])], inits=[("i", np.full((1, 3), 3))]),
      InvalidModel, "out of range"),
+    ("gather_nd_batch_dims", model([N("GatherND", ["x", "i"], ["y"], batch_dims=2)], X,
+                                   inits=[("i", np.zeros((2, 1), np.int64))]), InvalidModel, "'batch_dims'"),
+    ("gather_nd_tuple_too_long", model([N("GatherND", ["x", "i"], ["y"])], X, inits=[("i", np.zeros((1, 3), np.int64))]),
+     InvalidModel, "index tuples"),
+    ("gather_nd_index", model([N("GatherND", ["x", "i"], ["y"])], X, inits=[("i", np.array([[1, 3]]))]), InvalidModel,
+     "out of range"),
+    ("gather_nd_batch_mismatch", model([N("GatherND", ["x", "i"], ["y"], batch_dims=1)], [("x", F, [2, 3]),
+                                                                                        ("i", I64, [3, 1])]),
+     UnityError, "batch dims"),
     ("scatter_index_range", model([N("ScatterND", ["x", "i", "u"], ["y"])], [("x", F, [4, 3]), ("u", F, [1, 3])],
                                   inits=[("i", np.array([[4]]))]), InvalidModel, "out of range"),
     ("scatter_updates_shape", model([N("ScatterND", ["x", "i", "u"], ["y"])], [("x", F, [4, 3]), ("u", F, [2, 3])],

@@ -14,7 +14,7 @@ import numpy as np
 from ..errors import InvalidParallelization
 from ..ops.indexing import COMPARISONS, LOGIC, parse_einsum
 from .consts import Const, as_ints, broadcast_shape, derive
-from .convert import _axis, _conv, _hint, _in, _R, _unsupported
+from .convert import _axis, _conv, _hint, _in, _name, _R, _unsupported
 from .errors import InvalidModel, UnsupportedOperator
 
 
@@ -95,6 +95,77 @@ def _gather_elements(imp, ctx, ins):
         idx = Const(np.where(iv < 0, iv + n, iv), origin=None)
     refs = [imp.ref(data, _hint(ctx, 0)), imp.ref(idx, _hint(ctx, 1))]
     return [imp.add("GatherElements", {"axis": ax}, refs, ctx.name)]
+
+
+# --- GatherND ----------------------------------------------------------------------------------------
+
+@_conv("GatherND")
+def _gather_nd(imp, ctx, ins):
+    data, idx = _in(ctx, ins, 0), _in(ctx, ins, 1)
+    b = ctx.i("batch_dims", 0) if ctx.opset >= 12 else 0
+    ds, isz = imp.sizes(data), imp.sizes(idx)
+    if np.dtype(imp.dtype(idx)).kind not in "iu":
+        raise InvalidModel(f"{ctx.what}: indices must be integers, got {imp.dtype(idx)}")
+    if not isz or b < 0 or b >= min(len(ds), len(isz)):
+        raise InvalidModel(f"{ctx.what}: attribute 'batch_dims' {b} does not fit data {list(ds)} and "
+                           f"indices {list(isz)}")
+    k = isz[-1]
+    if not 1 <= k <= len(ds) - b:
+        raise InvalidModel(f"{ctx.what}: index tuples of length {k} do not fit data {list(ds)}")
+    if isinstance(idx, Const):
+        iv = np.asarray(idx.value, dtype=np.int64)
+        lim = np.asarray(ds[b:b + k], dtype=np.int64)
+        if iv.size and (np.any(iv < -lim) or np.any(iv >= lim)):
+            raise InvalidModel(f"{ctx.what}: index out of range for data {list(ds)}")
+        iv = np.where(iv < 0, iv + lim, iv)
+        view = _gather_nd_view(imp, ctx, data, iv) if b == 0 else None
+        if view is not None:
+            return [view]
+        idx = Const(iv, origin=None)
+    refs = [imp.ref(data, _hint(ctx, 0)), imp.ref(idx, _hint(ctx, 1))]
+    return [imp.add("GatherND", {"batch_dims": b}, refs, ctx.name)]
+
+
+def _gather_nd_view(imp, ctx, data, iv):
+    """Constant index tuples that only broadcast the data (index component j runs over all of data dim j
+    along one index dim, in order) are a Reshape + Expand: what the dynamo exporter emits for the vmapped
+    attention-mask functions of transformers.  The view follows the data's size, so a changed batch (whose
+    indices the exporter baked in) stays exact.  None when the indices are anything else."""
+    ds = imp.sizes(data)
+    rows, k = iv.shape[:-1], iv.shape[-1]
+    if not rows:
+        return None
+    out = list(rows)
+    pairs, last = [], -1                         # (data dim, index dim it runs along)
+    for j in range(k):
+        comp = iv[..., j]
+        vary = [p for p in range(len(rows)) if rows[p] > 1 and not np.all(comp == np.take(comp, [0], axis=p))]
+        if not vary:                              # one value everywhere: fine only for a size-1 data dim
+            if ds[j] != 1 or np.any(comp != 0):
+                return None
+            continue
+        if len(vary) != 1 or vary[0] <= last:
+            return None
+        p = vary[0]
+        line = comp[tuple(slice(None) if t == p else 0 for t in range(len(rows)))]
+        n = line.shape[0]
+        rebatched = j == 0 and imp.batch_changed and imp.old_batch == n and ds[0] == imp.batch
+        if not np.array_equal(line, np.arange(n)) or (n != ds[j] and not rebatched):
+            return None
+        out[p] = ds[j]
+        pairs.append((j, p))
+        last = p
+    shape = [1] * len(rows)
+    for j, p in pairs:
+        shape[p] = ds[j]
+    target = tuple(shape) + tuple(ds[k:])
+    full = tuple(out) + tuple(ds[k:])
+    y = imp.ref(data, _hint(ctx, 0))
+    if target != tuple(ds):
+        y = imp.add("Reshape", {"shape": target}, [y], ctx.name if target == full else _name(ctx, "view"))
+    if target != full:
+        y = imp.add("Expand", {"shape": full}, [y], ctx.name)
+    return y
 
 
 # --- Tile --------------------------------------------------------------------------------------------

@@ -1,5 +1,5 @@
 """Indexing, comparison and masking operators added for ONNX import coverage (issue 10): Where and the
-comparisons on activations, GatherElements, Tile, Einsum, Trilu, ScatterND, ScatterElements, CumSum.
+comparisons on activations, GatherElements, GatherND, Tile, Einsum, Trilu, ScatterND, ScatterElements, CumSum.
 
 Each is a compute operator in the one registry (DESIGN "Operator spec"): logical shape rule, labels,
 numpy reference, FLOPs.  How they parallelize, in labels:
@@ -11,6 +11,8 @@ numpy reference, FLOPs.  How they parallelize, in labels:
 * GatherElements gathers along ``axis``: the data's axis is unshardable (an index may point anywhere),
   the indices' axis is a task axis (each task looks up its block of indices in the whole data axis);
   the other dims are shared when data and indices have the same size there.  Linear in the data.
+* GatherND: the data dims the index tuples address are unshardable, the index rows are task axes (each
+  task looks up its block of tuples), batch dims and trailing slice dims are shared; linear in the data.
 * Tile: tiled dims are unshardable (a block of the output is not the tile of a block of the input),
   the others shared; linear.
 * Einsum: the equation *is* the label model.  Every subscript is a label, a subscript missing from the
@@ -35,7 +37,7 @@ from .base import REQUIRED, Labels
 from .compute import ATTR_KINDS, _axis, _bad, _broadcast, _broadcast_labels, _dims, compute_op
 
 ATTR_KINDS.update({
-    "GatherElements": {"axis": "int"}, "Tile": {"repeats": "ints"}, "Einsum": {"equation": "str"},
+    "GatherElements": {"axis": "int"}, "GatherND": {"batch_dims": "int"}, "Tile": {"repeats": "ints"}, "Einsum": {"equation": "str"},
     "Trilu": {"upper": "bool", "k": "int"}, "ScatterND": {"reduction": "str"},
     "ScatterElements": {"axis": "int", "reduction": "str"},
     "CumSum": {"axis": "int", "exclusive": "bool", "reverse": "bool"},
@@ -163,6 +165,57 @@ def _gather_elements_fwd(a, xs):
 compute_op("GatherElements", attrs={"axis": 0}, num_inputs=2, logical=_gather_elements_logical,
            labels=_gather_elements_labels, forward=_gather_elements_fwd, flops=lambda a, i, o: 0.0,
            doc="out[i][j][k] = data[idx[i][j][k]][j][k] (axis 0); the output has the indices' shape.")
+
+
+# --- GatherND -----------------------------------------------------------------------------------------
+
+def _gather_nd_logical(a, ins):
+    data, idx = ins
+    b = a["batch_dims"]
+    if not _is_int_dtype(idx.dtype):
+        _bad("GatherND", f"indices must be integers, got {idx.dtype}")
+    if idx.rank < 1 or b < 0 or b >= min(data.rank, idx.rank):
+        _bad("GatherND", f"batch_dims {b} does not fit data {list(data.sizes)} and indices {list(idx.sizes)}")
+    k = idx.sizes[-1]
+    if not 1 <= k <= data.rank - b:
+        _bad("GatherND", f"index tuples of length {k} do not fit data {list(data.sizes)} after {b} batch dims")
+    if data.sizes[:b] != idx.sizes[:b]:
+        _bad("GatherND", f"the {b} batch dims of data {list(data.sizes)} and indices {list(idx.sizes)} differ")
+    if 0 in data.sizes[b:b + k] and idx.numel:
+        _bad("GatherND", f"gathers from an empty dim of data {list(data.sizes)}")
+    return [(idx.sizes[:-1] + data.sizes[b + k:], data.dtype)]
+
+
+def _gather_nd_labels(a, ins, outs):
+    data, idx = ins
+    b, k, q = a["batch_dims"], idx.sizes[-1], idx.rank
+    batch = tuple(f"B{j}" for j in range(b))
+    addr = tuple(f"a{j}" for j in range(b, b + k))
+    tail = tuple(f"s{j}" for j in range(b + k, data.rank))
+    rows = tuple(f"r{j}" for j in range(b, q - 1))
+    un = frozenset(addr + ("q",))
+    why = {**{l: "the index tuples address it (an index may point into any piece)" for l in addr},
+           "q": "it holds the index tuples"}
+    return Labels((batch + addr + tail, batch + rows + ("q",)), (batch + rows + tail,), un, (True, False), why)
+
+
+def _gather_nd_fwd(a, xs):
+    data, idx = xs
+    b, k = a["batch_dims"], idx.shape[-1]
+    idx = idx.astype(np.int64)
+    sizes = np.asarray(data.shape[b:b + k], dtype=np.int64)
+    if idx.size and sizes.all():
+        idx = idx % sizes                    # negative indices count from the end (out-of-range ones wrap)
+    rows = idx.shape[:-1]
+    grids = [np.arange(data.shape[j]).reshape([-1 if t == j else 1 for t in range(len(rows))]) for j in range(b)]
+    out = data[tuple(grids + [idx[..., j] for j in range(k)])]
+    return [np.ascontiguousarray(out).reshape(rows + data.shape[b + k:])]
+
+
+compute_op("GatherND", attrs={"batch_dims": 0}, num_inputs=2, logical=_gather_nd_logical, labels=_gather_nd_labels,
+           forward=_gather_nd_fwd, flops=lambda a, i, o: 0.0,
+           doc="out[i..., :] = data[batch..., idx[i..., :], :] (ONNX GatherND): the index rows are task axes, "
+               "the addressed data dims whole.")
 
 
 # --- Tile ----------------------------------------------------------------------------------------------
