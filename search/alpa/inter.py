@@ -42,8 +42,8 @@ best ``T*`` found (no later bound can do better).  Each plan found is scored by 
 stage times.  The DP is vectorized over (first layer, last layer, devices) with numpy.
 
 **The plan** (:func:`alpa_plan`).  The best plan's stages are placed on the cluster, each stage's
-intra plan is solved again on its own sub-PCG at its place (the memo's plan may belong to another
-range of the same structure; stitching needs this stage's node ids), and the pipeline is
+intra plan is solved on its own sub-PCG at its place (a stage of the same structure and mesh is solved
+once: its plan's sources are renamed and its views moved by whole nodes), and the pipeline is
 priced with our 1F1B event simulation (:func:`unity_pcg.search.pipeline.simulate_1f1b`: per-stage
 forward / backward, activation transfers between the sub-meshes, sync and update once, memory with
 micro-batches in flight) and stitched into one PCG with the plan file's ``pipeline`` field, exactly
@@ -456,9 +456,37 @@ class StageCosts:
                          parts[0].mesh if len(meshes) == 1 else tuple(shape), "", 0.0, start)
 
     def solve_at(self, sg: PCG, mesh, start: int) -> StageCost:
-        """The stage sub-PCG ``sg`` solved on ``mesh`` at device ``start``, not memoized (its plan's node
-        ids are ``sg``'s, as stitching the stages needs)."""
-        return self._solve(sg, mesh, start)
+        """The stage sub-PCG ``sg`` solved on ``mesh`` at device ``start``, as stitching the stages needs
+        it: its sources named as ``sg``'s.  A stage of the same structure solved before on the same mesh
+        at the same offset inside a node is reused: its plan's sources renamed, its views moved by whole
+        nodes."""
+        D = self.machine.devices_per_node
+        key = ("at", P._shape_key(sg), tuple(mesh), start % D, self.optimizer, self.wus)
+        hit = self.memo.get(key)
+        if hit is None:
+            c = self._solve(sg, mesh, start)
+            self.memo[key] = (c, sg)
+            return c
+        c, sg0 = hit
+        if c.pcg is None:
+            return c
+        shift = start - c.start
+        names = {}
+        for a, b in zip(sg0.topo_order(), sg.topo_order()):
+            na, nb = sg0.node(a), sg.node(b)
+            if na.kind == "source" and na.a.get("name") != nb.a.get("name"):
+                names[na.a.get("name")] = nb.a.get("name")
+        b = PCG.builder(sg.weights)
+        for n in c.pcg.nodes():
+            a = n.a
+            if n.kind == "source" and a.get("name") in names:
+                a = {**a, "name": names[a["name"]]}
+            b.add_node(n.op, a, list(n.inputs), names.get(n.name, n.name), nid=n.id)
+        b.set_outputs(c.pcg.outputs)
+        b.meta = dict(c.pcg.meta)
+        views = {nid: replace(v, start=v.start + shift) for nid, v in c.views.items()}
+        return replace(c, pcg=b.finish(), views=views, w={d + shift: v for d, v in c.w.items()},
+                       a={d + shift: v for d, v in c.a.items()}, start=start)
 
     def _solve(self, sg: PCG, mesh, start: int) -> StageCost:
         t0 = time.perf_counter()
