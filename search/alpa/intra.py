@@ -204,9 +204,21 @@ def _labels(g: PCG, nid: int):
     return spec.labels(n.a, [s.logical() for s in lins], [s.sizes for s in g.shapes(nid)])
 
 
+_NODE_KEYS: dict = {}
+
+
 def _node_key(g: PCG, nid: int):
+    """(operator, attributes, input shapes): what an operator's algorithms depend on (memoized per graph)."""
+    k = (id(g), nid)
+    hit = _NODE_KEYS.get(k)
+    if hit is not None and hit[0] is g:
+        return hit[1]
     n = g.node(nid)
-    return (n.op, n.attrs, g.input_shapes(nid))
+    key = (n.op, n.attrs, g.input_shapes(nid))
+    if len(_NODE_KEYS) > 200_000:
+        _NODE_KEYS.clear()
+    _NODE_KEYS[k] = (g, key)
+    return key
 
 
 def _instantiate(g: PCG, nid: int, algo: Algo, mesh: Mesh, lab=None) -> OpInst | None:
@@ -466,6 +478,10 @@ class IntraProblem:
                 self.members[self.anchor[n.id]].append(n.id)
         self._edge_cache: dict = {}
         self._frag_cache: dict = {}
+        self._emat: dict = {}
+        self._emat_struct: dict = {}
+        self._static: dict = {}
+        self._anchor_cache: dict = {}
         self.algos: dict = {}
         self.node_cost: dict = {}
         self.node_mem: dict = {}
@@ -490,51 +506,53 @@ class IntraProblem:
         return chosen, insts
 
     def _build_anchor(self, a: int) -> None:
-        algos = enumerate_algos(self.g, a, self.mesh)
-        if not algos:
-            algos = [Algo((), None)]
-        keep, costs, mems = [], [], []
-        seen = {}
-        for k, al in enumerate(algos):
-            chosen, insts = self._derive(a, al)
-            c, m = self._group_cost(a, insts)
-            if not math.isfinite(c):
-                continue
-            sig = self._signature(a, insts)
-            if sig in seen:        # same layouts at every boundary: keep the cheaper
-                j = seen[sig]
-                if (c, m) < (costs[j], mems[j]):
-                    keep[j], costs[j], mems[j] = (al, chosen, insts), c, m
-                continue
-            seen[sig] = len(keep)
-            keep.append((al, chosen, insts))
-            costs.append(c)
-            mems.append(m)
-        self.algos[a] = [k[0] for k in keep]
-        for i, (_, chosen, insts) in enumerate(keep):
-            self.derived[(a, i)] = chosen
-            self.insts[(a, i)] = insts
-        self.node_cost[a] = costs
-        self.node_mem[a] = mems
+        """The algorithms of anchor ``a`` with their group's derived algorithms, node costs and memory
+        (memoized by the group's structure: the layers of a deep model are priced once)."""
+        mem_ids = self.members[a]
+        key = (self._static_key(a), tuple(_node_key(self.g, m) for m in mem_ids))
+        hit = self._anchor_cache.get(key)
+        if hit is None:
+            algos = enumerate_algos(self.g, a, self.mesh) or [Algo((), None)]
+            entries, seen = [], set()
+            for al in algos:
+                chosen, insts = self._derive(a, al)
+                c, m = self._group_cost(a, insts)
+                if not math.isfinite(c):
+                    continue
+                sig = (self._signature(a, insts), c, m)
+                if sig in seen:        # the same layouts at every boundary at the same price
+                    continue
+                seen.add(sig)
+                entries.append((al, c, m, tuple(chosen[x] for x in mem_ids), tuple(insts[x] for x in mem_ids)))
+            hit = self._anchor_cache[key] = entries
+        self.algos[a] = [e[0] for e in hit]
+        for i, (_, _, _, chosen, insts) in enumerate(hit):
+            self.derived[(a, i)] = dict(zip(mem_ids, chosen))
+            self.insts[(a, i)] = dict(zip(mem_ids, insts))
+        self.node_cost[a] = [e[1] for e in hit]
+        self.node_mem[a] = [e[2] for e in hit]
 
     def _signature(self, a: int, insts: dict):
         g = self.g
         out = []
-        for m in self.members[a]:
+        for x, m in enumerate(self.members[a]):
             n = g.node(m)
             for pos, r in enumerate(n.inputs):
                 if self.anchor.get(r[0]) != a:
-                    out.append(("in", m, pos, insts[m].in_lay[pos]))
+                    out.append(("in", x, pos, insts[m].in_lay[pos]))
             for k, lay in enumerate(insts[m].final_lay):
-                out.append(("out", m, k, lay))
+                out.append(("out", x, k, lay))
         return tuple(out)
 
-    def _group_cost(self, a: int, insts: dict) -> tuple[float, float]:
-        """Node cost and memory of anchor group ``a`` with its members laid out as ``insts``: priced
-        on a fragment PCG by :class:`GraphCost` (cached by structure)."""
+    def _static_key(self, a: int):
+        """What a group's fragment depends on besides its layouts: operators, attributes, where inputs
+        come from (their shapes), what the real graph keeps (identical layers share it)."""
+        hit = self._static.get(a)
+        if hit is not None:
+            return hit
         g = self.g
-        key_parts = []
         local = {m: i for i, m in enumerate(self.members[a])}
+        parts = []
         for m in self.members[a]:
             n = g.node(m)
             ins = []
@@ -547,9 +565,17 @@ class IntraProblem:
                 else:
                     ins.append(("ext", g.shape(r).sizes, g.shape(r).dtype))
             kept = tuple(kept_fraction(g, m, k) for k in range(len(g.shapes(m))))
-            key_parts.append((n.op, n.attrs, tuple(ins), insts[m].in_lay, insts[m].final_lay,
-                              insts[m].view, kept))
-        key = tuple(key_parts)
+            parts.append((n.op, n.attrs, tuple(ins), kept))
+        out = self._static[a] = tuple(parts)
+        return out
+
+    def _group_cost(self, a: int, insts: dict) -> tuple[float, float]:
+        """Node cost and memory of anchor group ``a`` with its members laid out as ``insts``: priced
+        on a fragment PCG by :class:`GraphCost` (cached by structure)."""
+        g = self.g
+        local = {m: i for i, m in enumerate(self.members[a])}
+        static = self._static_key(a)
+        key = (static, tuple((insts[m].in_lay, insts[m].final_lay, insts[m].view) for m in self.members[a]))
         hit = self._frag_cache.get(key)
         if hit is not None:
             return hit
@@ -737,32 +763,57 @@ class IntraProblem:
         return {"anchors": len(self.anchors), "algorithms": sum(len(self.algos[a]) for a in self.anchors),
                 "edges": len(self.edges), "compute_nodes": sum(len(m) for m in self.members.values())}
 
+    def edge_matrices(self, e: int):
+        """Edge ``e``'s producer layouts, consumer layouts (each with the algorithms giving it), and the
+        cost and memory of every pair (numpy arrays; inf where it cannot be resharded)."""
+        hit = self._emat.get(e)
+        if hit is None:
+            import numpy as np
+            u, v, shape, src, dst, saves = self.edges[e]
+            cu, cv = _classes(src), _classes(dst)
+            mkey = (shape.sizes, shape.dtype, saves, tuple(l for l, _ in cu), tuple(l for l, _ in cv))
+            mats = self._emat_struct.get(mkey)
+            if mats is None:
+                C = np.array([[self.edge_cost(shape, lu, lv) for lv, _ in cv] for lu, _ in cu], dtype=float)
+                M = np.array([[self.edge_memory(shape, lu, lv, saves) for lv, _ in cv] for lu, _ in cu],
+                             dtype=float)
+                mats = self._emat_struct[mkey] = (C, M)
+            C, M = mats
+            iu = np.zeros(len(src), dtype=int)
+            for ci, (_, idx) in enumerate(cu):
+                iu[idx] = ci
+            iv = np.zeros(len(dst), dtype=int)
+            for cj, (_, idx) in enumerate(cv):
+                iv[idx] = cj
+            hit = self._emat[e] = (cu, cv, C, M, iu, iv)
+        return hit
+
     def prune(self, use_memory: bool = True) -> dict:
         """Algorithms kept per anchor: an algorithm is dropped when another one of the same anchor costs no
         more on the node, needs no more memory (if ``use_memory``) and costs no more on every incident edge
         against every layout the other end can take (then some optimum avoids it; the optimum is unchanged)."""
         import numpy as np
-        vec: dict = {a: [[c] + ([m] if use_memory else []) for c, m in zip(self.node_cost[a], self.node_mem[a])]
-                     for a in self.anchors}
-        for u, v, shape, src, dst, saves in self.edges:
-            cu, cv = _classes(src), _classes(dst)
-            for i in range(len(src)):
-                vec[u][i].extend(self.edge_cost(shape, src[i], l) for l, _ in cv)
-                if use_memory:
-                    vec[u][i].extend(self.edge_memory(shape, src[i], l, saves) for l, _ in cv)
-            for j in range(len(dst)):
-                vec[v][j].extend(self.edge_cost(shape, l, dst[j]) for l, _ in cu)
-                if use_memory:
-                    vec[v][j].extend(self.edge_memory(shape, l, dst[j], saves) for l, _ in cu)
+        blocks: dict = {a: [np.asarray(self.node_cost[a], dtype=float)[:, None]] for a in self.anchors}
+        if use_memory:
+            for a in self.anchors:
+                blocks[a].append(np.asarray(self.node_mem[a], dtype=float)[:, None])
+        for e, (u, v, *_rest) in enumerate(self.edges):
+            cu, cv, C, M, iu, iv = self.edge_matrices(e)
+            blocks[u].append(C[iu])
+            blocks[v].append(C.T[iv])
+            if use_memory:
+                blocks[u].append(M[iu])
+                blocks[v].append(M.T[iv])
         alive: dict = {}
         for a in self.anchors:
-            M = np.asarray(vec[a], dtype=float)
+            M = np.hstack(blocks[a])
             k = len(M)
+            idx = np.arange(k)
             keep = []
             for i in range(k):
                 le = np.all(M <= M[i], axis=1)           # algorithms at least as good everywhere
                 eq = np.all(M == M[i], axis=1)
-                dom = le & (~eq | (np.arange(k) < i))    # strictly better somewhere, or equal and earlier
+                dom = le & (~eq | (idx < i))             # strictly better somewhere, or equal and earlier
                 if not dom.any():
                     keep.append(i)
             alive[a] = keep
@@ -784,30 +835,34 @@ class IntraProblem:
         emem: dict = {}                     # edge variable -> bytes per device it adds
         for a in self.anchors:
             rows.append(({svar[(a, i)]: 1.0 for i in alive[a]}, 1.0, 1.0))
-        for u, v, shape, src, dst, saves in self.edges:
-            cu = _classes(src, alive[u])
-            cv = _classes(dst, alive[v])
-            evar: dict = {}
-            row_u = {ci: {} for ci in range(len(cu))}
-            row_v = {cj: {} for cj in range(len(cv))}
-            for ci, (lu, _) in enumerate(cu):
-                for cj, (lv, _) in enumerate(cv):
-                    c = self.edge_cost(shape, lu, lv)
+        for e, (u, v, *_rest) in enumerate(self.edges):
+            cu_all, cv_all, C, Mm, iu, iv = self.edge_matrices(e)
+            # the layouts the kept algorithms give (class index in the full matrices -> those algorithms)
+            cu: dict = {}
+            for i in alive[u]:
+                cu.setdefault(int(iu[i]), []).append(i)
+            cv: dict = {}
+            for j in alive[v]:
+                cv.setdefault(int(iv[j]), []).append(j)
+            row_u = {ci: {} for ci in cu}
+            row_v = {cj: {} for cj in cv}
+            for ci in cu:
+                for cj in cv:
+                    c = float(C[ci, cj])
                     if not math.isfinite(c):
                         continue
                     col = len(cols_cost)
                     cols_cost.append(c)
                     col_int.append(False)
-                    evar[(ci, cj)] = col
-                    emem[col] = self.edge_memory(shape, lu, lv, saves)
+                    emem[col] = float(Mm[ci, cj])
                     row_u[ci][col] = 1.0
                     row_v[cj][col] = 1.0
-            for ci, (_, members) in enumerate(cu):
+            for ci, members in cu.items():
                 r = dict(row_u[ci])
                 for i in members:
                     r[svar[(u, i)]] = r.get(svar[(u, i)], 0.0) - 1.0
                 rows.append((r, 0.0, 0.0))
-            for cj, (_, members) in enumerate(cv):
+            for cj, members in cv.items():
                 r = dict(row_v[cj])
                 for j in members:
                     r[svar[(v, j)]] = r.get(svar[(v, j)], 0.0) - 1.0
