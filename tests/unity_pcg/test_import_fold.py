@@ -58,6 +58,10 @@ X = np.arange(6, dtype=np.float32).reshape(2, 3) / 7
 CASES = {
     "GatherElements": (helper.make_node("GatherElements", ["d", "i"], ["v"], axis=1),
                        [_c("d", np.arange(6, dtype=np.int64).reshape(2, 3)), _c("i", np.array([[2, 0, 1], [1, 1, 0]]))]),
+    # BERT's token_type_ids: a [1, max_pos] buffer, indices [1, seq] (onnx.reference's kernel fails on this)
+    "GatherElements_bert_buffer": (helper.make_node("GatherElements", ["d", "i"], ["v"], axis=1),
+                                   [_c("d", np.arange(6, dtype=np.int64).reshape(1, 6) * 3),
+                                    _c("i", np.array([[4, 0, 5]]))]),
     "CumSum_exclusive_reverse": (helper.make_node("CumSum", ["d", "a"], ["v"], exclusive=1, reverse=1),
                                  [_c("d", np.arange(6, dtype=np.int64).reshape(2, 3)), _c("a", np.array(1))]),
     "OneHot": (helper.make_node("OneHot", ["i", "depth", "vals"], ["v"], axis=-1),
