@@ -14,7 +14,8 @@ crosses (the valid cuts of :mod:`unity_pcg.search.pipeline`).  If no clustering 
 (one unit heavier than it), the bound is doubled until one does.
 
 **Sub-mesh shapes** (:func:`submesh_shapes`, Appendix A): ``(1, 1), (1, 2), (1, 4), ..., (1, D)``
-inside a node of ``D`` devices, then ``(n, D)`` for ``n = 2..N`` whole nodes.  Any multiset of them
+inside a node of ``D`` devices (the powers of two dividing ``D``, then ``D``: Appendix A assumes ``D`` a
+power of two; for a node of 6 this keeps the sizes dividing each other, so they always pack), then ``(n, D)`` for ``n = 2..N`` whole nodes.  Any multiset of them
 whose sizes sum to ``N * D`` covers the cluster exactly; :func:`place_submeshes` packs them (whole
 nodes first, then the in-node meshes largest first, first fit), so the DP counts devices only.  Each
 physical sub-mesh is tried under its logical meshes (``logical="physical"``: itself;
@@ -85,8 +86,8 @@ def submesh_shapes(machine: MachineSpec) -> list[tuple[int, int]]:
     D, N = machine.devices_per_node, machine.nodes
     out = []
     k = 1
-    while k < D:
-        out.append((1, k))
+    while k < D and D % k == 0:         # powers of two dividing D (a node of 6: 1, 2), so the sizes divide
+        out.append((1, k))              # each other and always pack (Appendix A assumes D a power of two)
         k *= 2
     out.append((1, D))
     out.extend((n, D) for n in range(2, N + 1))

@@ -97,6 +97,7 @@ def test_submesh_shapes_are_appendix_a():
     m = machine(8, 8)
     assert submesh_shapes(m) == [(1, 1), (1, 2), (1, 4), (1, 8)] + [(n, 8) for n in range(2, 9)]
     assert submesh_shapes(machine(1, 4)) == [(1, 1), (1, 2), (1, 4)]
+    assert submesh_shapes(machine(2, 6)) == [(1, 1), (1, 2), (1, 6), (2, 6)]
     assert logical_meshes((2, 8), 8, "all") == [(1, 16), (2, 8)]
     assert logical_meshes((1, 8), 8, "all") == [(1, 8), (2, 4), (4, 2), (8, 1)]
     with pytest.raises(AlpaError):
@@ -106,7 +107,7 @@ def test_submesh_shapes_are_appendix_a():
 @pytest.mark.parametrize("seed", range(20))
 def test_any_multiset_of_shapes_covering_the_cluster_packs_exactly(seed):
     rng = random.Random(seed)
-    N, D = rng.choice([(1, 8), (2, 8), (4, 8), (3, 4), (8, 8)])
+    N, D = rng.choice([(1, 8), (2, 8), (4, 8), (3, 4), (8, 8), (4, 6), (2, 12)])
     m = machine(N, D)
     shapes = submesh_shapes(m)
     left, chosen = N * D, []

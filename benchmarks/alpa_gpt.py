@@ -1,0 +1,268 @@
+"""Alpa's GPT benchmark (Alpa OSDI'22 section 8.1, Table 6) in our cost model, and Alpa on Unity's seven
+zoo models at 48 GPUs.
+
+For each GPT setting (seq 1024, vocab 51200, global batch 1024, Adam; 350M on 1 GPU ... 39B on 64) on
+``dgx-a100`` nodes of 8 GPUs: Alpa's plan (``search/alpa``: the intra-operator ILP per stage and the
+inter-operator stage DP), Megatron-LM's (tensor parallel inside a node, data parallel across) and data
+parallelism -- both at the full batch and with gradient accumulation over M micro-batches (a one-stage
+1F1B, the best M of ``BASELINE_MS`` that fits), as Megatron-LM and Alpa's baselines run them -- and
+Unity's (``optimize``, the joint search with its pipeline stage, ``--budget``).  Predicted iteration
+time and throughput (samples/s), each planner's wall time.  Then Alpa on the seven zoo models on
+``summit:8x6`` (48 GPUs, Figure 14's machine and per-GPU batches).
+
+    .venv/bin/python benchmarks/alpa_gpt.py --part gpt      # GPT table (rows merged into the JSON)
+    .venv/bin/python benchmarks/alpa_gpt.py --part zoo      # Alpa on the zoo at 48 GPUs
+    .venv/bin/python benchmarks/alpa_gpt.py --report        # benchmarks/results/alpa_gpt.md from the JSON
+
+Models are exported with ``zoo.export_structure`` into benchmarks/.cache/ (no weights materialized).
+Alpa's settings are recorded in every row (layers, micro-batches, stage-cost mode).
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import sys
+import time
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+ROOT = os.path.dirname(HERE)
+sys.path.insert(0, ROOT)
+CACHE = os.path.join(HERE, ".cache")
+RESULTS = os.path.join(HERE, "results")
+JSON_OUT = os.path.join(RESULTS, "alpa_gpt.json")
+MD_OUT = os.path.join(RESULTS, "alpa_gpt.md")
+
+GPT_BATCH = 1024
+BASELINE_MS = (1, 32, 256)                  # gradient accumulation steps tried for dp and Megatron
+ALPA_GPT = {"layers": 8, "micro_batches": 128, "stage_cost": "layer_sum"}
+ALPA_ZOO = {"layers": 8, "micro_batches": 8, "stage_cost": "layer_sum"}
+ZOO_MACHINE = "summit:8x6"
+
+
+def gpt_machine(gpus: int) -> str:
+    return f"dgx-a100:1x{gpus}" if gpus < 8 else f"dgx-a100:{gpus // 8}x8"
+
+
+def model_path(name: str) -> str:
+    from unity_pcg import zoo
+    os.makedirs(CACHE, exist_ok=True)
+    p = os.path.join(CACHE, f"{name}-paper.onnx")
+    if not os.path.exists(p):
+        print(f"exporting {name} (paper size, structure only) ...", file=sys.stderr, flush=True)
+        zoo.export_structure(name, p, size="paper")
+    return p
+
+
+def _num(x):
+    return x if isinstance(x, (int, float)) and math.isfinite(x) else None
+
+
+def run_alpa(g, m, opt, settings) -> dict:
+    from unity_pcg.search.alpa.inter import AlpaError, alpa_plan
+    t = time.perf_counter()
+    try:
+        r = alpa_plan(g, m, optimizer=opt, layers=settings["layers"], micro_batches=settings["micro_batches"],
+                      stage_cost=settings["stage_cost"], time_limit_s=20.0)
+    except AlpaError as e:
+        return {"feasible": False, "reason": str(e), "planner_s": time.perf_counter() - t, "settings": settings}
+    return {"iteration_s": _num(r.cost), "feasible": r.feasible, "reason": r.pipeline.reason,
+            "planner_s": time.perf_counter() - t, "stages": r.stages, "micro_batches": r.micro_batches,
+            "dp_estimate_s": _num(r.dp_cost), "solves": r.stats.get("solves"),
+            "profile_s": sum(v.get("profile_s", 0) for v in r.stats["per_m"].values()),
+            "stage_dp_s": sum(v.get("dp_s", 0) for v in r.stats["per_m"].values()),
+            "max_memory_gib": r.pipeline.max_memory_bytes / 2**30, "settings": settings}
+
+
+def run_fixed(g, m, opt, strategy) -> dict:
+    """``strategy`` at the full batch, and with gradient accumulation (one 1F1B stage of M micro-batches)."""
+    from unity_pcg.search.baselines import StrategyError, build_strategy, megatron
+    from unity_pcg.search.cost import CostModel
+    from unity_pcg.search.mapping import MachineMapper
+    from unity_pcg.search.pipeline import PipelineError, evaluate_pipeline
+    t = time.perf_counter()
+    mapper = MachineMapper(CostModel(m, opt))
+    T, D = m.num_devices, m.devices_per_node
+    best = None
+    tried = []
+    for M in BASELINE_MS:
+        try:
+            if M == 1:
+                pg = build_strategy(g, strategy, T, devices_per_node=D)
+                r = mapper.optimize(pg)
+                cost, feas, why = r.cost, r.feasible, r.reason
+            else:
+                if strategy == "dp":
+                    intra = None
+                else:
+                    def intra(sg, res):
+                        return megatron(sg, res.size, devices_per_node=D)
+                r = evaluate_pipeline(g, mapper, [(0, 1, 0, T)], M, intra=intra, max_layers=1, stitch=False)
+                cost, feas, why = r.cost, r.feasible, r.reason
+        except (StrategyError, PipelineError) as e:
+            cost, feas, why = math.inf, False, str(e)
+        tried.append({"micro_batches": M, "iteration_s": _num(cost), "feasible": feas, "reason": why[:200]})
+        if feas and (best is None or cost < best[0]):
+            best = (cost, M)
+    out = {"planner_s": time.perf_counter() - t, "tried": tried}
+    if best is None:
+        return dict(out, feasible=False, iteration_s=None, reason=tried[-1]["reason"])
+    return dict(out, feasible=True, iteration_s=best[0], micro_batches=best[1], reason="")
+
+
+def run_unity(path, machine, opt, budget, batch=None) -> dict:
+    from unity_pcg.search.optimize import optimize
+    t = time.perf_counter()
+    r = optimize(path, machine, budget_s=budget, strategy="unity", optimizer=opt, batch=batch)
+    js = r.json()
+    return {"iteration_s": js["predicted_iteration_s"], "feasible": js["feasible"], "reason": js["reason"],
+            "planner_s": time.perf_counter() - t, "chosen": r.stats.get("chosen"),
+            "pipeline_stages": r.stats.get("pipeline_stages"), "micro_batches": r.stats.get("micro_batches"),
+            "budget_s": budget}
+
+
+def load_rows() -> list:
+    if os.path.exists(JSON_OUT):
+        with open(JSON_OUT) as f:
+            return json.load(f).get("rows", [])
+    return []
+
+
+def save_row(row: dict) -> None:
+    import fcntl
+    os.makedirs(RESULTS, exist_ok=True)
+    with open(JSON_OUT + ".lock", "w") as lock:         # the two parts may run side by side
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        _save_row(row)
+
+
+def _save_row(row: dict) -> None:
+    rows = [r for r in load_rows() if (r["part"], r["model"]) != (row["part"], row["model"])]
+    rows.append(row)
+    os.makedirs(RESULTS, exist_ok=True)
+    tmp = JSON_OUT + ".tmp"
+    with open(tmp, "w") as f:
+        json.dump({"rows": rows, "settings": {"gpt_batch": GPT_BATCH, "baseline_micro_batches": BASELINE_MS,
+                                              "alpa_gpt": ALPA_GPT, "alpa_zoo": ALPA_ZOO}}, f, indent=1)
+    os.replace(tmp, JSON_OUT)
+
+
+def part_gpt(models, budget) -> None:
+    from unity_pcg import zoo
+    from unity_pcg.machine import parse_machine
+    from unity_pcg.onnx_import import load_onnx
+    for name in models:
+        gpus = zoo.ALPA_GPUS[name]
+        mstr = gpt_machine(gpus)
+        m = parse_machine(mstr)
+        path = model_path(name)
+        g = load_onnx(path, batch=GPT_BATCH, load_weights=False)
+        row = {"part": "gpt", "model": name, "gpus": gpus, "machine": mstr, "batch": GPT_BATCH,
+               "params": g.param_count(), "nodes": len(g)}
+        print(f"{name} on {mstr}: alpa ...", file=sys.stderr, flush=True)
+        row["alpa"] = run_alpa(g, m, "adam", ALPA_GPT)
+        print(f"  alpa {row['alpa'].get('iteration_s')} in {row['alpa']['planner_s']:.1f} s; megatron ...",
+              file=sys.stderr, flush=True)
+        row["megatron"] = run_fixed(g, m, "adam", "megatron")
+        row["dp"] = run_fixed(g, m, "adam", "dp")
+        print("  unity ...", file=sys.stderr, flush=True)
+        row["unity"] = run_unity(path, mstr, "adam", budget, batch=GPT_BATCH)
+        save_row(row)
+        print(f"  done: " + ", ".join(f"{k} {row[k].get('iteration_s')}" for k in ("alpa", "megatron", "dp", "unity")),
+              file=sys.stderr, flush=True)
+
+
+def part_zoo(models) -> None:
+    from unity_pcg import zoo
+    from unity_pcg.machine import parse_machine
+    from unity_pcg.onnx_import import load_onnx
+    sys.path.insert(0, HERE)
+    import fig14
+    m = parse_machine(ZOO_MACHINE)
+    for name in models:
+        path = fig14.model_path(name)
+        batch = zoo.MODELS[name].paper_batch * m.num_devices
+        g = load_onnx(path, batch=batch, load_weights=False)
+        row = {"part": "zoo", "model": name, "gpus": m.num_devices, "machine": ZOO_MACHINE, "batch": batch,
+               "params": g.param_count(), "nodes": len(g)}
+        print(f"{name} on {ZOO_MACHINE}: alpa ...", file=sys.stderr, flush=True)
+        row["alpa"] = run_alpa(g, m, zoo.MODELS[name].paper_optimizer, ALPA_ZOO)
+        save_row(row)
+        print(f"  alpa {row['alpa'].get('iteration_s')} in {row['alpa']['planner_s']:.1f} s", file=sys.stderr,
+              flush=True)
+
+
+def _thr(r, batch):
+    t = r.get("iteration_s") if r else None
+    return f"{batch / t:,.1f}" if t and r.get("feasible") else "OOM" if r and "memory" in str(r.get("reason")) \
+        else "-"
+
+
+def report() -> str:
+    rows = load_rows()
+    o = ["# Alpa's GPT benchmark and Alpa on the zoo, in our cost model", "",
+         "Generated by `benchmarks/alpa_gpt.py --report` from `benchmarks/results/alpa_gpt.json` "
+         "(rerun: `--part gpt`, `--part zoo`).", "",
+         "Predicted throughput in samples/s (global batch / predicted iteration time; our cost model, fp32 "
+         "A100 preset `dgx-a100`, Adam). Megatron and dp: the best of the full batch and gradient accumulation "
+         f"over {', '.join(map(str, BASELINE_MS[1:]))} micro-batches (a one-stage 1F1B). Alpa: "
+         f"{ALPA_GPT['layers']} clustered layers, {ALPA_GPT['micro_batches']} micro-batches, stage costs "
+         f"`{ALPA_GPT['stage_cost']}`. Unity: `optimize` with the budget shown. Planner wall times on this "
+         "2-core machine shared with other jobs.", "",
+         "| model | GPUs | Alpa | Megatron | dp | Unity | Unity / Alpa | Alpa plan | Alpa planner (s) | "
+         "Megatron (s) | dp (s) | Unity (s) |",
+         "|---|---|---|---|---|---|---|---|---|---|---|---|"]
+    gpt = [r for r in rows if r["part"] == "gpt"]
+    from unity_pcg import zoo
+    order = list(zoo.ALPA_MODELS)
+    gpt.sort(key=lambda r: order.index(r["model"]))
+    for r in gpt:
+        a, u = r.get("alpa", {}), r.get("unity", {})
+        ratio = (a["iteration_s"] / u["iteration_s"]) if a.get("feasible") and u.get("feasible") and \
+            a.get("iteration_s") and u.get("iteration_s") else None
+        plan = ", ".join(f"{s['layers'][1] - s['layers'][0]}L@{s['shape'][0]}x{s['shape'][1]}"
+                         for s in a.get("stages", [])) or "-"
+        o.append(f"| {r['model']} | {r['gpus']} | {_thr(a, r['batch'])} | {_thr(r.get('megatron'), r['batch'])} | "
+                 f"{_thr(r.get('dp'), r['batch'])} | {_thr(u, r['batch'])} | "
+                 f"{f'{ratio:.2f}x' if ratio else '-'} | {plan} | {a.get('planner_s', 0):.1f} | "
+                 f"{r.get('megatron', {}).get('planner_s', 0):.1f} | {r.get('dp', {}).get('planner_s', 0):.1f} | "
+                 f"{u.get('planner_s', 0):.1f} |")
+    zr = [r for r in rows if r["part"] == "zoo"]
+    if zr:
+        o += ["", f"## Alpa on Unity's zoo models, {ZOO_MACHINE} (48 GPUs)", "",
+              f"Alpa: {ALPA_ZOO['layers']} layers, {ALPA_ZOO['micro_batches']} micro-batches, "
+              f"`{ALPA_ZOO['stage_cost']}`; batch = Figure 14's per-GPU batch x 48.", "",
+              "| model | batch | Alpa samples/s | stages | planner (s) | ILP solves | note |", "|---|---|---|---|---|---|---|"]
+        for r in zr:
+            a = r["alpa"]
+            plan = ", ".join(f"{s['layers'][1] - s['layers'][0]}L@{s['shape'][0]}x{s['shape'][1]}"
+                             for s in a.get("stages", [])) or "-"
+            o.append(f"| {r['model']} | {r['batch']} | {_thr(a, r['batch'])} | {plan} | {a['planner_s']:.1f} | "
+                     f"{a.get('solves', '-')} | {(a.get('reason') or '')[:120]} |")
+    o.append("")
+    return "\n".join(o)
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--part", choices=("gpt", "zoo"))
+    ap.add_argument("--models", default=None, help="comma-separated subset")
+    ap.add_argument("--budget", type=float, default=30.0, help="Unity's search budget per GPT model (s)")
+    ap.add_argument("--report", action="store_true")
+    args = ap.parse_args(argv)
+    from unity_pcg import zoo
+    if args.part == "gpt":
+        part_gpt(args.models.split(",") if args.models else list(zoo.ALPA_MODELS), args.budget)
+    elif args.part == "zoo":
+        part_zoo(args.models.split(",") if args.models else list(zoo.MODELS))
+    if args.report or args.part:
+        text = report()
+        with open(MD_OUT, "w") as f:
+            f.write(text)
+        print(text)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
