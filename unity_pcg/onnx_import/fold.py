@@ -541,6 +541,8 @@ def reference_fold(ctx, ins: list) -> list[Const]:
         if v is None:
             out.append(None)
             continue
+        if isinstance(v, (list, tuple, dict)):
+            raise UnsupportedOperator(f"{what}: folds to a sequence or map, which a PCG cannot hold")
         v = np.asarray(v)
         if v.dtype.kind in "OUS":
             raise UnsupportedOperator(f"{what}: folds to a {v.dtype} tensor, which a PCG cannot hold")
