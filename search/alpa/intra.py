@@ -19,7 +19,8 @@ onto the sum axes (a reduce-scatter in two steps, which is how our IR expresses 
 
 **Graph simplification** (section 4.2): operators that are not matmuls, convolutions or embeddings
 (element-wise, normalization, reshape/transpose, reductions) are merged into their deepest operand
-produced by a compute operator (BFS depth) and follow its spec: each label of the merged operator
+produced by a compute operator (BFS depth; an operand as large as the output first: a broadcast one,
+such as BERT's position embedding added to every sample, cannot carry the batch split) and follow its spec: each label of the merged operator
 takes the mesh axes of the operand dim it reads, except unshardable ones (the operand is then
 gathered along that dim).  Only the remaining *anchors* are ILP variables; a merged operator's costs
 are part of its anchor's node cost, its other inputs are edges of the ILP.
@@ -447,12 +448,16 @@ def _groups(g: PCG) -> tuple[dict, list]:
             depth[n.id] = 0
             continue
         depth[n.id] = 1 + max((depth[r[0]] for r in n.inputs), default=0)
-        comp = [(depth[r[0]], pos) for pos, r in enumerate(n.inputs) if g.node(r[0]).kind == "compute"]
+        # the operand to follow: one of the output's full size first (a broadcast operand, such as a
+        # position embedding added to every sample, cannot carry the batch split), then the deepest
+        out_numel = max((s.numel for s in g.shapes(n.id)), default=0)
+        comp = [(g.shape(r).numel >= out_numel, depth[r[0]], -pos, pos) for pos, r in enumerate(n.inputs)
+                if g.node(r[0]).kind == "compute"]
         if n.op in HEAVY_OPS or not comp:
             anchor[n.id] = n.id
             anchors.append(n.id)
         else:
-            _, pos = max(comp)
+            pos = max(comp)[3]
             via[n.id] = pos
             anchor[n.id] = anchor[n.inputs[pos][0]]
     return anchor, anchors, via

@@ -225,6 +225,29 @@ def test_attention_on_a_mesh_beats_or_matches_data_parallel():
     assert p.time_s == pytest.approx(p.objective, rel=0.05)
 
 
+def test_broadcast_operand_does_not_capture_the_batch_split():
+    """BERT's embeddings: word embedding (batch, seq, h) + position embedding (1, seq, h).  The Add is
+    merged into the full-size operand, so data parallelism stays reachable (merged into the position
+    lookup, the Add could never split the batch)."""
+    batch, seq, vocab, h = 64, 16, 512, 64
+    b = PCG.builder()
+    ids = b.add("Input", {"name": "ids", "shape": (batch, seq), "dtype": "int64"})
+    pos = b.add("Weight", {"name": "pos_ids", "shape": (1, seq), "dtype": "int64"})
+    word = b.add("Embedding", {}, [ids, b.add("Weight", {"name": "wte", "shape": (vocab, h)})], name="word")
+    where = b.add("Embedding", {}, [pos, b.add("Weight", {"name": "wpe", "shape": (seq, h)})], name="position")
+    x = b.add("Add", {}, [word, where], name="sum")
+    y = b.add("Linear", {}, [x, b.add("Weight", {"name": "w", "shape": (h, h)})], name="fc")
+    b.set_outputs([b.add("Relu", {}, [y], name="relu")])
+    g = b.finish()
+    dgx4 = parse_machine("dgx-a100:1x4")     # the dp baseline on 8 devices would run branches side by side
+    p = solve_intra(g, dgx4, (1, 4))
+    dp, _ = _dp_time(g, dgx4, 4)
+    assert p.time_s <= dp * (1 + 1e-9)
+    prob = IntraProblem(g, dgx4, (1, 4))
+    word = next(n.id for n in g.nodes() if n.name == "word")
+    assert [g.node(m).name for m in prob.members[word]] == ["word", "sum"]
+
+
 # --- memory --------------------------------------------------------------------------------------------------
 
 def test_memory_budget_forces_another_plan_and_an_infeasible_one_is_a_typed_error():
@@ -260,3 +283,26 @@ def test_bad_mesh_and_parallel_graph_are_typed_errors():
         solve_intra(g, DGX, (4, 4))
     with pytest.raises(AlpaError, match="logical PCG"):
         solve_intra(data_parallel(g, 2), DGX, (1, 2))
+
+
+# --- the executor trains an Alpa plan exactly as one process does (slow: 4 gloo processes) ---------------------
+
+@pytest.mark.slow
+def test_executor_trains_alpa_plans_like_one_process():
+    pytest.importorskip("torch")
+    from unity_pcg.machine import local
+
+    from ..executor import dist_helpers as H
+    from ..executor import models
+    cases, refs, names = [], [], []
+    for make in (models.mlp_nobias, models.attention):
+        path = make()
+        g = H.load(path)
+        ref = H.reference(path, 3)
+        for mesh, zero in (((2, 2), False), ((1, 4), False), ((2, 2), True)):
+            p = solve_intra(g, local(1, 4), mesh, weight_update_sharding=zero)
+            cases.append(H.case(H.make_plan(p.pcg, path, 4, views=p.views), path, steps=3))
+            refs.append(ref)
+            names.append(f"{make.__name__} {mesh} zero={zero}")
+    for name, ref, got in zip(names, refs, H.run_cases(4, cases, timeout=600)):
+        H.assert_same(ref, got, what=name)
