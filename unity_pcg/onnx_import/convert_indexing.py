@@ -18,6 +18,17 @@ from .convert import _axis, _conv, _hint, _in, _name, _R, _unsupported
 from .errors import InvalidModel, UnsupportedOperator
 
 
+def _nonempty(imp, ctx, y):
+    """Empty tensors are refused (as the core converters refuse empty slices, splits and expands)."""
+    if 0 in imp.sizes(y):
+        _unsupported(ctx, f"an empty output of shape {list(imp.sizes(y))}")
+    return y
+
+
+def _add(imp, ctx, op, attrs, refs, name):
+    return _nonempty(imp, ctx, imp.add(op, attrs, refs, name))
+
+
 def _refs(imp, ctx, ins, n):
     return [imp.ref(_in(ctx, ins, i), _hint(ctx, i)) for i in range(n)]
 
@@ -52,7 +63,7 @@ def _where(imp, ctx, ins):
         raise InvalidModel(f"{ctx.what}: the condition must be bool, got {imp.dtype(c)}")
     _same_dtype(imp, ctx, [x, y], "inputs 1 and 2")
     broadcast_shape([imp.sizes(v) for v in (c, x, y)], ctx.what)
-    return [imp.add("Where", {}, _refs(imp, ctx, ins, 3), ctx.name)]
+    return [_add(imp, ctx, "Where", {}, _refs(imp, ctx, ins, 3), ctx.name)]
 
 
 @_conv(*COMPARISONS)
@@ -62,7 +73,7 @@ def _compare(imp, ctx, ins):
     if dt == "bool" and ctx.op != "Equal":
         raise InvalidModel(f"{ctx.what}: {ctx.op} of bool inputs")
     broadcast_shape([imp.sizes(a), imp.sizes(b)], ctx.what)
-    return [imp.add(ctx.op, {}, _refs(imp, ctx, ins, 2), ctx.name)]
+    return [_add(imp, ctx, ctx.op, {}, _refs(imp, ctx, ins, 2), ctx.name)]
 
 
 @_conv("Not", *LOGIC)
@@ -73,7 +84,7 @@ def _logic(imp, ctx, ins):
         if imp.dtype(v) != "bool":
             raise InvalidModel(f"{ctx.what}: input {i} must be bool, got {imp.dtype(v)}")
     broadcast_shape([imp.sizes(v) for v in vals], ctx.what)
-    return [imp.add(ctx.op, {}, _refs(imp, ctx, ins, n), ctx.name)]
+    return [_add(imp, ctx, ctx.op, {}, _refs(imp, ctx, ins, n), ctx.name)]
 
 
 # --- GatherElements ----------------------------------------------------------------------------------
@@ -94,7 +105,7 @@ def _gather_elements(imp, ctx, ins):
             raise InvalidModel(f"{ctx.what}: index out of range for axis {ax} of size {n}")
         idx = Const(np.where(iv < 0, iv + n, iv), origin=None)
     refs = [imp.ref(data, _hint(ctx, 0)), imp.ref(idx, _hint(ctx, 1))]
-    return [imp.add("GatherElements", {"axis": ax}, refs, ctx.name)]
+    return [_add(imp, ctx, "GatherElements", {"axis": ax}, refs, ctx.name)]
 
 
 # --- GatherND ----------------------------------------------------------------------------------------
@@ -120,10 +131,10 @@ def _gather_nd(imp, ctx, ins):
         iv = np.where(iv < 0, iv + lim, iv)
         view = _gather_nd_view(imp, ctx, data, iv) if b == 0 else None
         if view is not None:
-            return [view]
+            return [_nonempty(imp, ctx, view)]
         idx = Const(iv, origin=None)
     refs = [imp.ref(data, _hint(ctx, 0)), imp.ref(idx, _hint(ctx, 1))]
-    return [imp.add("GatherND", {"batch_dims": b}, refs, ctx.name)]
+    return [_add(imp, ctx, "GatherND", {"batch_dims": b}, refs, ctx.name)]
 
 
 def _gather_nd_view(imp, ctx, data, iv):
@@ -184,7 +195,7 @@ def _tile(imp, ctx, ins):
         return [x]
     if 0 in reps:
         _unsupported(ctx, f"repeats {reps} give an empty tensor")
-    return [imp.add("Tile", {"repeats": tuple(reps)}, [x], ctx.name)]
+    return [_add(imp, ctx, "Tile", {"repeats": tuple(reps)}, [x], ctx.name)]
 
 
 # --- Einsum ------------------------------------------------------------------------------------------
@@ -202,7 +213,7 @@ def _einsum(imp, ctx, ins):
         cls = UnsupportedOperator if "not supported" in why else InvalidModel
         raise cls(f"{ctx.what}: attribute 'equation': {why}") from None
     _same_dtype(imp, ctx, vals)
-    return [imp.add("Einsum", {"equation": eq}, _refs(imp, ctx, ins, len(vals)), ctx.name)]
+    return [_add(imp, ctx, "Einsum", {"equation": eq}, _refs(imp, ctx, ins, len(vals)), ctx.name)]
 
 
 # --- Trilu -------------------------------------------------------------------------------------------
@@ -221,7 +232,7 @@ def _trilu(imp, ctx, ins):
         if len(kv) != 1:
             raise InvalidModel(f"{ctx.what}: input 'k' must be a scalar, got shape {list(kc.shape)}")
         k = kv[0]
-    return [imp.add("Trilu", {"upper": upper, "k": int(k)}, [x], ctx.name)]
+    return [_add(imp, ctx, "Trilu", {"upper": upper, "k": int(k)}, [x], ctx.name)]
 
 
 # --- ScatterND ---------------------------------------------------------------------------------------
@@ -246,7 +257,7 @@ def _scatter_nd(imp, ctx, ins):
         idx = derive(idx, lambda v: np.where(v < 0, v + lim, v).astype(np.int64), isz, dtype=np.int64,
                      keep_origin=False)
     refs = [imp.ref(data, _hint(ctx, 0)), imp.ref(idx, _hint(ctx, 1)), imp.ref(upd, _hint(ctx, 2))]
-    return [imp.add("ScatterND", {}, refs, ctx.name)]
+    return [_add(imp, ctx, "ScatterND", {}, refs, ctx.name)]
 
 
 # --- ScatterElements (the dynamo exporter's select_scatter / index assignment) -----------------------------
@@ -271,7 +282,7 @@ def _scatter_elements(imp, ctx, ins):
             raise InvalidModel(f"{ctx.what}: index out of range for axis {ax} of size {n}")
         idx = Const(np.where(iv < 0, iv + n, iv), origin=None)
     refs = [imp.ref(data, _hint(ctx, 0)), imp.ref(idx, _hint(ctx, 1)), imp.ref(upd, _hint(ctx, 2))]
-    return [imp.add("ScatterElements", {"axis": ax}, refs, ctx.name)]
+    return [_add(imp, ctx, "ScatterElements", {"axis": ax}, refs, ctx.name)]
 
 
 # --- CumSum ------------------------------------------------------------------------------------------
@@ -288,5 +299,5 @@ def _cumsum(imp, ctx, ins):
         raise InvalidModel(f"{ctx.what}: input 'axis' must be a scalar, got shape {list(axc.shape)}")
     ax = _axis(ctx, av[0], len(xs))
     attrs = {"axis": ax, "exclusive": _flag(ctx, "exclusive"), "reverse": _flag(ctx, "reverse")}
-    return [imp.add("CumSum", attrs, [x], ctx.name)]
+    return [_add(imp, ctx, "CumSum", attrs, [x], ctx.name)]
 

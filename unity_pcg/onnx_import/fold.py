@@ -511,6 +511,8 @@ def reference_fold(ctx, ins: list) -> list[Const]:
         if c is not None and c.numel > MAX_FOLD:
             raise InvalidModel(f"{what}: folding it would read a constant of {c.numel} elements "
                                f"(limit {MAX_FOLD})")
+    if ctx.op == "GatherND" and ctx.i("batch_dims", 0) < 0:   # onnx 1.23's shape inference segfaults on it
+        raise InvalidModel(f"{what}: attribute 'batch_dims' must be >= 0, got {ctx.i('batch_dims', 0)}")
     for name, n in _inferred_numel(ctx, ins):
         if n > MAX_FOLD:
             raise InvalidModel(f"{what}: folding it would make a constant {name!r} of {n} elements "
