@@ -50,6 +50,10 @@ def gen_pool(op: str, n: int):
         if d.bool(0.5):   # paddings up to half the window, as exporters emit
             pad = tuple(d.int(0, sp_ // 2) for sp_ in spans)
         pad = tuple(min(p, sp_ - 1) for p, sp_ in zip(pad, spans))   # a window never holds only padding
+        # a padded dim longer than one window: when a single window covers the whole padded dim, an average
+        # (count_include_pad) of padded pieces adds up to the average of the whole, a coincidence that would
+        # make the (sound) refusal of padded spatial splits look over-conservative
+        sp = [max(s_, spans[j] + 1) if pad[j] or pad[j + n] else s_ for j, s_ in enumerate(sp)]
         attrs = {"kind": kind, "kernel": k, "stride": s, "dilation": dl, "padding": pad,
                  "ceil_mode": d.bool(), "count_include_pad": d.bool()}
         return Case(op, attrs, [[b, c] + sp], ["float64"], ["normal"])

@@ -542,3 +542,72 @@ def test_spatial_model_is_priced_data_parallel(tmp_path):
     n_params = 4 * 2 * 27 + 4 + 4 + 4 * 3 * 8
     assert r["feasible"] and not r["fallbacks"]
     assert r["comm_elements"] == 2 * 3 * n_params
+
+
+# --- hand-picked parallelizations: what must stay shardable, and named refusals -----------------------------
+
+def _S(sizes, degrees=None, s=1, c=1):
+    from unity_pcg.shape import ParallelTensorShape
+    return ParallelTensorShape.of(sizes, degrees, s, c, "float64")
+
+
+ACCEPTED = [
+    # patchify 3-D convolution: spatial pieces map to pieces; channel (contraction) split gives partial sums
+    ("Conv3d", {"stride": (2, 2, 2)}, [_S([1, 2, 4, 4, 4], [1, 1, 2, 2, 1]), _S([3, 2, 2, 2, 2], c=4)]),
+    ("Conv3d", {}, [_S([2, 4, 3, 3, 3], [1, 2, 1, 1, 1]), _S([5, 4, 1, 1, 1], [1, 2, 1, 1, 1])]),
+    ("Conv3d", {"groups": 2}, [_S([2, 4, 3, 3, 3], [2, 2, 1, 1, 1]), _S([6, 2, 1, 1, 1], [2, 1, 1, 1, 1], c=2)]),
+    ("Pool3d", {"kind": "max", "kernel": (2, 2, 2), "stride": (2, 2, 2)}, [_S([1, 2, 4, 4, 6], [1, 2, 2, 1, 3])]),
+    ("Pool1d", {"kind": "avg", "kernel": (3,), "stride": (3,)}, [_S([2, 2, 12], [1, 1, 2], s=2)]),
+    ("Pool1d", {"kind": "avg", "global_pool": True}, [_S([4, 2, 5], [2, 2, 1], s=2)]),
+    # transposed convolution whose spans tile the output: spatial split; C_in split: partial sums
+    ("ConvTranspose", {"stride": (2, 2)}, [_S([1, 2, 4, 6], [1, 1, 2, 3]), _S([2, 3, 2, 2], c=6)]),
+    ("ConvTranspose", {"stride": (2,), "padding": (1, 0)}, [_S([2, 4, 5], [1, 2, 1]), _S([4, 3, 3], [2, 1, 1])]),
+    ("ConvTranspose", {"groups": 2}, [_S([1, 4, 3], [1, 2, 1]), _S([4, 3, 2], [2, 1, 1]), _S([6], [2])]),
+    ("InstanceNorm", {}, [_S([4, 6, 3, 2], [2, 3, 1, 1]), _S([6], [3], c=2), _S([6], [3], c=2)]),
+    ("GroupNorm", {"groups": 4}, [_S([2, 8, 3], [2, 2, 1]), _S([8], [2], c=2), _S([8], [2], c=2)]),
+    # Resize is a fixed linear map: partial sums pass, unresized dims shard
+    ("Resize", {"sizes": (4, 2, 6), "scales": (1.0, 1.0, 2.0), "mode": "linear"}, [_S([4, 2, 3], [2, 2, 1], s=2)]),
+    ("Pad", {"pads": (0, 1, 0, 2), "mode": "reflect"}, [_S([4, 3], [4, 1], s=2)]),
+    ("Pad", {"pads": (0, 0, 1, 0, 0, 1), "value": 0.0}, [_S([2, 4, 3], [2, 2, 1], s=3)]),
+]
+
+
+@pytest.mark.parametrize("op,attrs,shapes", ACCEPTED, ids=[f"{a[0]}-{i}" for i, a in enumerate(ACCEPTED)])
+def test_hand_picked_parallelizations_are_accepted_and_exact(op, attrs, shapes):
+    from .op_cases import Case
+    from .test_ops_pieces import check_piecewise
+    case = Case(op, attrs, [list(s.sizes) for s in shapes], ["float64"] * len(shapes), ["normal"] * len(shapes))
+    check_piecewise(case, shapes, 0)
+
+
+REFUSED = [
+    ("Conv3d", {"padding": (1,) * 6}, [_S([1, 2, 4, 4, 4], [1, 1, 2, 1, 1]), _S([3, 2, 3, 3, 3], c=2)], "window",
+     "cannot-run"),
+    ("Conv3d", {}, [_S([2, 4, 3, 3, 3], [1, 2, 1, 1, 1]), _S([5, 4, 1, 1, 1], [1, 2, 1, 1, 1]), _S([5], c=2)],
+     "bias", "differs"),
+    ("Pool3d", {"kind": "avg", "kernel": (3, 1, 1), "stride": (1, 1, 1)}, [_S([1, 1, 4, 2, 2], [1, 1, 2, 1, 1])],
+     "overlap", "cannot-run"),
+    ("Pool1d", {"kind": "max", "kernel": (2,), "stride": (2,)}, [_S([1, 2, 4], s=2)], "partial sums", "differs"),
+    ("ConvTranspose", {"stride": (1,)}, [_S([1, 2, 4], [1, 1, 2]), _S([2, 3, 2], c=2)], "transposed", "cannot-run"),
+    ("InstanceNorm", {}, [_S([2, 2, 6], [1, 1, 2]), _S([2], c=2), _S([2], c=2)], "instance norm", "differs"),
+    ("GroupNorm", {"groups": 2}, [_S([2, 4, 3], [1, 4, 1]), _S([4], [4]), _S([4], [4])], "groups=2",
+     "cannot-infer"),
+    ("GroupNorm", {"groups": 2}, [_S([2, 4, 6], [1, 1, 2]), _S([4], c=2), _S([4], c=2)], "group norm", "differs"),
+    ("Resize", {"sizes": (2, 8), "scales": (1.0, 2.0)}, [_S([2, 4], [1, 2])], "interpolates", "differs"),
+    ("Pad", {"pads": (1, 0, 0, 0), "mode": "edge"}, [_S([4, 3], [2, 1])], "padded", "cannot-run"),
+    ("Pad", {"pads": (0, 1, 0, 1), "value": 1.5}, [_S([4, 3], s=2)], "partial sums", "differs"),
+]
+
+
+@pytest.mark.parametrize("op,attrs,shapes,words,expect", REFUSED, ids=[f"{r[0]}-{i}" for i, r in enumerate(REFUSED)])
+def test_named_refusals_are_justified(op, attrs, shapes, words, expect):
+    from unity_pcg import ops
+    from unity_pcg.errors import InvalidParallelization
+    from .op_cases import Case
+    from .test_ops_refusals import justified
+    with pytest.raises(InvalidParallelization) as e:
+        ops.infer(op, attrs, shapes)
+    msg = str(e.value)
+    assert "\n" not in msg and msg.startswith(op) and words in msg, msg
+    case = Case(op, attrs, [list(s.sizes) for s in shapes], ["float64"] * len(shapes), ["normal"] * len(shapes))
+    assert justified(case, shapes) == expect

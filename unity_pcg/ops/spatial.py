@@ -428,10 +428,14 @@ def _norm_logical(op, min_rank):
         for i, p in enumerate(ins[1:], 1):
             if p.sizes != (x.sizes[1],):
                 _bad(op, f"input {i} has shape {list(p.sizes)}, expected [{x.sizes[1]}]")
+        per = prod(x.sizes[2:])
         if op == "GroupNorm":
             g = a["groups"]
             if g < 1 or x.sizes[1] % g:
                 _bad(op, f"groups={g} does not divide {x.sizes[1]} channels")
+            per *= x.sizes[1] // g
+        if per == 0:
+            _bad(op, f"normalizes over empty sets: input {list(x.sizes)}")
         if not (isinstance(a["eps"], (int, float)) and a["eps"] >= 0):
             _bad(op, f"eps must be a number >= 0, got {a['eps']!r}")
         return [(x.sizes, x.dtype)]
@@ -475,7 +479,7 @@ def _gn_fwd(a, xs):
     x, scale, bias = xs
     g = a["groups"]
     n, c = x.shape[:2]
-    xr = x.reshape((n, g, -1))
+    xr = x.reshape((n, g, (c // g) * prod(x.shape[2:])))   # explicit: an empty batch has no -1 to infer
     mu = xr.mean(axis=2, keepdims=True)
     var = ((xr - mu) ** 2).mean(axis=2, keepdims=True)
     y = ((xr - mu) / np.sqrt(var + a["eps"])).reshape(x.shape)
