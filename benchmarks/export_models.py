@@ -5,7 +5,9 @@ Two families, each run by the Python that has its library (the package depends o
 * ``transformers`` (pip install transformers into .venv): small configs (2 layers, hidden 64) so that export,
   import and ``--check`` take seconds; batch 2, sequence 16.
 * ``torchvision`` (a separate venv outside the repository: torchvision does not import beside .venv's torch):
-  the real architectures at their real size, batch 8, 224x224 (Inception-v3: 299x299).
+  the real architectures at their real size, batch 8, 224x224 (Inception-v3: 299x299); BatchNorm running
+  statistics from two random batches, zero-initialized weight matrices made random (else outputs do not depend
+  on the input: see ``_calibrate_batchnorm``).
 
 Every model is put in ``.eval()`` with a fixed seed and exported with the legacy exporter
 (``torch.onnx.export(..., dynamo=False)``) and with the dynamo exporter (``dynamo=True``), each where it works.
@@ -135,8 +137,33 @@ def _tv(name: str):
     if name in ("inception_v3", "googlenet"):
         kw.update(aux_logits=False, init_weights=True)
     m = torchvision.models.get_model(name, **kw)
+    with torch.no_grad():   # zero-initialized weight matrices (ViT's head) would make every output 0: a check of nothing
+        for p in m.parameters():
+            if p.dim() >= 2 and not p.any():
+                p.normal_(0.0, 0.02)
+    _calibrate_batchnorm(m, (TV_BATCH, 3, TV_MODELS[name], TV_MODELS[name]))
     return m, {"x": torch.randn(TV_BATCH, 3, TV_MODELS[name], TV_MODELS[name],
                                 generator=torch.Generator().manual_seed(1))}
+
+
+def _calibrate_batchnorm(m, shape, batches: int = 2) -> None:
+    """Running statistics of every BatchNorm from random batches (cumulative average), as training would leave
+    them: with the fresh ones (mean 0, variance 1) activations of randomly initialized deep CNNs shrink layer by
+    layer until the logits are the classifier's bias whatever the image (GoogLeNet, ShuffleNet), so a check
+    would compare nothing but that bias."""
+    import torch
+    bns = [x for x in m.modules() if isinstance(x, torch.nn.modules.batchnorm._BatchNorm)]
+    if not bns:
+        return
+    for bn in bns:
+        bn.reset_running_stats()
+        bn.momentum = None
+    g = torch.Generator().manual_seed(2)
+    m.train()
+    with torch.no_grad():
+        for _ in range(batches):
+            m(torch.randn(*shape, generator=g))
+    m.eval()
 
 
 class _Wrap:

@@ -190,14 +190,18 @@ def test_cli_check_subprocess_one_line_errors(tmp_path):
     bad.write_bytes(b"not a model")
     r = _cli(str(bad), "--check")
     assert r.returncode == 2 and len(r.stderr.strip().splitlines()) == 1 and "Traceback" not in r.stderr
-    m = _chain(2)
-    m.graph.node[1].op_type = "NoSuchOp"
-    onnx.save(m, str(tmp_path / "u.onnx"))
-    r = _cli(str(tmp_path / "u.onnx"), "--check")
-    assert r.returncode == 2 and "NoSuchOp" in r.stderr and len(r.stderr.strip().splitlines()) == 1
     onnx.save(_token_model(), str(tmp_path / "tok.onnx"))
     r = _cli(str(tmp_path / "tok.onnx"), "--check")
     assert r.returncode == 0 and "check: equal" in r.stdout, r.stderr
+
+
+def test_cli_check_unsupported_operator_one_line(tmp_path, capsys):
+    m = _chain(2)
+    m.graph.node[1].op_type = "NoSuchOp"
+    onnx.save(m, str(tmp_path / "u.onnx"))
+    assert main(["import", str(tmp_path / "u.onnx"), "--check"]) == 2
+    err = capsys.readouterr().err
+    assert "NoSuchOp" in err and len(err.strip().splitlines()) == 1
 
 
 # --- fuzz: mutations of a real export (issue 10, point 8) -----------------------------------------------------
@@ -205,7 +209,8 @@ def test_cli_check_subprocess_one_line_errors(tmp_path):
 def _export_seed() -> onnx.ModelProto:
     """A PyTorch (legacy exporter) export that takes the new operator paths: Conv1d/3d, pooling 1-D/3-D,
     ConvTranspose, InstanceNorm/GroupNorm, PRelu and the piecewise activations, LogSoftmax, reflect Pad, Resize,
-    Einsum, a causal mask with Where, Erf GELU, Tile."""
+    Einsum, a causal mask with Where, Erf GELU, Tile (``repeat``: the legacy exporter wraps ``tile`` in If nodes
+    on constants, which the importer does not fold yet)."""
     torch = pytest.importorskip("torch")
     nn = torch.nn
 
@@ -228,7 +233,7 @@ def _export_seed() -> onnx.ModelProto:
             e = s.emb(ids)
             att = torch.einsum("bqd,bkd->bqk", e, e)
             att = att.masked_fill(torch.triu(torch.ones(5, 5, dtype=torch.bool), 1), -1e4).softmax(-1)
-            return a.flatten(1), v.flatten(1), i.tile(1, 1, 1, 2), F.gelu(s.lin(att @ e))
+            return a.flatten(1), v.flatten(1), i.repeat(1, 1, 1, 2), F.gelu(s.lin(att @ e))
 
     torch.manual_seed(0)
     args = (torch.randn(2, 4, 8), torch.randn(2, 2, 4, 4, 4), torch.randn(2, 3, 4, 4), torch.randint(0, 10, (2, 5)))
@@ -265,9 +270,11 @@ BAD_ATTRS = {
     "Transpose": [("perm", [0, 0, 1])],
     "Concat": [("axis", 40)],
 }
-# operators whose first input has a fixed rank: one more leading dim is a rank mismatch
-RANK_FIXED = {"Conv", "ConvTranspose", "MaxPool", "AveragePool", "InstanceNormalization", "Einsum", "Pad", "Resize",
-              "PRelu", "MatMul"}
+# one more leading dim on input 0: a rank mismatch the spec forbids for the first set (kernel, pads, scales or
+# equation fixed by the rank); for the second it may be valid (MatMul and PRelu broadcast, InstanceNormalization
+# of GroupNorm's reshape takes any rank >= 3): there it must import and check equal, or exit 2
+RANK_STRICT = {"Conv", "ConvTranspose", "MaxPool", "AveragePool", "Einsum", "Pad", "Resize"}
+RANK_FIXED = RANK_STRICT | {"InstanceNormalization", "PRelu", "MatMul"}
 
 
 def _set_attr(node, name, value):
@@ -295,7 +302,7 @@ def _mutants(seed: onnx.ModelProto) -> list[tuple[str, onnx.ModelProto]]:
             m.graph.initializer.append(numpy_helper.from_array(np.array([0], np.int64), ax))
             m.graph.node.insert(j, N("Unsqueeze", [x, ax], [f"fuzz_rank_{j}"]))
             m.graph.node[j + 1].input[0] = f"fuzz_rank_{j}"
-            out.append((f"rank {n.op_type} input 0 one dim more", m))
+            out.append((f"rank{'' if n.op_type in RANK_STRICT else '?'} {n.op_type} input 0 one dim more", m))
         ws = [x for x in n.input[1:] if x in inits and len(inits[x].dims) >= 1]
         if ws and n.op_type not in ("Reshape", "Unsqueeze", "Squeeze", "Slice", "Tile", "Expand", "Gather", "Pad",
                                     "Resize", "ConstantOfShape", "Clip"):
@@ -315,25 +322,24 @@ def _mutants(seed: onnx.ModelProto) -> list[tuple[str, onnx.ModelProto]]:
     return out
 
 
-def test_seed_export_imports_or_refuses_in_one_line(seed_model, tmp_path, capsys):
-    """The unmutated export: equal under --check, or (an operator not supported yet) one line and exit 2."""
+def test_seed_export_imports_and_checks_equal(seed_model, tmp_path, capsys):
+    """The unmutated export imports and checks equal, so the mutants below reach the operators they mutate."""
     p = str(tmp_path / "seed.onnx")
     onnx.save(seed_model, p)
     rc = main(["import", p, "--check"])
     cap = capsys.readouterr()
-    assert rc in (0, 2), cap.out[-2000:]
-    if rc == 0:
-        assert "check: equal" in cap.out
-    else:
-        assert len(cap.err.strip().splitlines()) == 1 and "unsupported" in cap.err
+    assert rc == 0 and "check: equal" in cap.out, cap.err
+    for op in ("Conv3d", "ConvTranspose", "PRelu", "LogSoftmax", "Pad", "Resize", "Einsum", "Tile"):
+        assert op in cap.out, op
 
 
 def test_fuzzed_exports_exit_2_with_one_line(seed_model, tmp_path, capsys):
     """Every mutant that the ONNX spec forbids exits 2 with one line (in process: any other exception would
-    escape ``main`` and fail the test); zero-size weights may also import if the check then says equal."""
+    escape ``main`` and fail the test); zero-size weights and rank changes that may be valid may also import if
+    the check then says equal (never exit 1: a wrong PCG)."""
     cases = _mutants(seed_model)
     kinds = {c.split()[0] for c, _ in cases}
-    assert kinds == {"attr", "rank", "zero-size", "dangling"} and len(cases) >= 40
+    assert kinds == {"attr", "rank", "rank?", "zero-size", "dangling"} and len(cases) >= 40
     p = str(tmp_path / "mut.onnx")
     failures = []
     for what, m in cases:
@@ -341,8 +347,8 @@ def test_fuzzed_exports_exit_2_with_one_line(seed_model, tmp_path, capsys):
         rc = main(["import", p, "--check"])
         cap = capsys.readouterr()
         lines = cap.err.strip().splitlines()
-        if what.startswith("zero-size") and rc == 0 and "check: equal" in cap.out:
-            continue
+        if what.startswith(("zero-size", "rank?")) and rc == 0 and "check: equal" in cap.out:
+            continue   # a valid model after all (onnxruntime ran it): imported and equal
         if rc != 2 or len(lines) != 1 or not lines[0].startswith("unity-pcg import: error: "):
             failures.append(f"{what}: exit {rc}, stderr {cap.err.strip()[:200]!r}, stdout {cap.out[-200:]!r}")
         elif what.startswith("dangling"):
@@ -356,9 +362,9 @@ def test_fuzzed_exports_exit_2_with_one_line(seed_model, tmp_path, capsys):
 def test_fuzzed_exports_through_the_real_cli(seed_model, tmp_path):
     """A sample through a fresh process: exit 2, one line on stderr, no traceback."""
     cases = _mutants(seed_model)
-    pick = [c for c in cases if c[0].startswith(("attr Conv.auto_pad", "rank ConvTranspose", "dangling Einsum"))]
-    assert len(pick) >= 3
-    for what, m in pick[:4]:
+    pick = [c for c in cases if c[0].startswith(("rank ConvTranspose", "attr Resize.mode"))]
+    assert len(pick) == 2
+    for what, m in pick:
         p = str(tmp_path / "mut.onnx")
         onnx.save(m, p)
         r = _cli(p, "--check")
