@@ -611,3 +611,84 @@ def test_named_refusals_are_justified(op, attrs, shapes, words, expect):
     assert "\n" not in msg and msg.startswith(op) and words in msg, msg
     case = Case(op, attrs, [list(s.sizes) for s in shapes], ["float64"] * len(shapes), ["normal"] * len(shapes))
     assert justified(case, shapes) == expect
+
+
+# --- PyTorch exports (both exporters) -----------------------------------------------------------------------
+
+def _torch_modules():
+    torch = pytest.importorskip("torch")
+    nn, F = torch.nn, torch.nn.functional
+
+    class Spatial2d(nn.Module):
+        """GroupNorm, InstanceNorm, ConvTranspose, reflect/replicate/constant pads, nearest/bilinear resizes."""
+
+        def __init__(self):
+            super().__init__()
+            self.c = nn.Conv2d(3, 8, 3, padding=1)
+            self.gn = nn.GroupNorm(4, 8)
+            self.inn = nn.InstanceNorm2d(8, affine=True)
+            self.up = nn.ConvTranspose2d(8, 4, 4, stride=2, padding=1)
+            self.pad = nn.ReflectionPad2d((1, 2, 0, 1))
+            self.rep = nn.ReplicationPad2d(1)
+
+        def forward(self, x):
+            y = self.up(F.relu(self.inn(self.gn(self.c(x)))))
+            y = self.rep(self.pad(y))
+            a = F.interpolate(y, scale_factor=2, mode="nearest")
+            b = F.interpolate(y, size=(7, 9), mode="bilinear", align_corners=False)
+            c = F.interpolate(y, scale_factor=1.5, mode="bilinear", align_corners=True)
+            d = F.pad(y, (1, 1, 2, 0), value=0.5)
+            return a.mean(dim=(2, 3)) + b.mean(dim=(2, 3)) + c.mean(dim=(2, 3)) + d.mean(dim=(2, 3)), b
+
+    class Spatial13(nn.Module):
+        """1-D and 3-D convolutions, pools (ceil_mode, padding), transposed convolutions, instance norm,
+        trilinear and linear upsampling, adaptive pools."""
+
+        def __init__(self):
+            super().__init__()
+            self.c1 = nn.Conv1d(2, 4, 3, padding=1)
+            self.p1 = nn.MaxPool1d(3, stride=2, padding=1)
+            self.a1 = nn.AvgPool1d(2, ceil_mode=True)
+            self.c3 = nn.Conv3d(2, 4, 3, padding=(1, 0, 1), stride=(1, 2, 1))
+            self.p3 = nn.MaxPool3d(2, ceil_mode=True)
+            self.a3 = nn.AvgPool3d((1, 2, 2), count_include_pad=False, padding=(0, 1, 1))
+            self.t3 = nn.ConvTranspose3d(4, 2, 2, stride=2)
+            self.t1 = nn.ConvTranspose1d(4, 3, 3, stride=2, padding=1, output_padding=1)
+            self.in3 = nn.InstanceNorm3d(2, affine=True)
+
+        def forward(self, x1, x3):
+            y1 = self.t1(self.a1(self.p1(self.c1(x1))))
+            y3 = self.in3(self.t3(self.a3(self.p3(self.c3(x3)))))
+            z = F.interpolate(y3, scale_factor=2, mode="trilinear")
+            g = F.adaptive_avg_pool3d(z, 1).flatten(1) + F.adaptive_max_pool1d(y1, 1).flatten(1)[:, :2]
+            return g, y1, F.interpolate(y1, scale_factor=2, mode="linear")
+
+    torch.manual_seed(0)
+    return {"spatial2d": (Spatial2d(), (torch.randn(2, 3, 6, 5),), {"ConvTranspose", "InstanceNorm", "Pad", "Resize"}),
+            "spatial1d3d": (Spatial13(), (torch.randn(2, 2, 9), torch.randn(1, 2, 5, 8, 6)),
+                            {"Conv3d", "Pool1d", "Pool3d", "ConvTranspose", "InstanceNorm", "Resize"})}
+
+
+@pytest.mark.parametrize("exporter", ["legacy", pytest.param("dynamo", marks=pytest.mark.slow)])
+@pytest.mark.parametrize("name", ["spatial2d", "spatial1d3d"])
+def test_torch_export_matches_onnxruntime_and_torch(tmp_path, name, exporter):
+    torch = pytest.importorskip("torch")
+    mod, args, want_ops = _torch_modules()[name]
+    mod.eval()
+    path = str(tmp_path / f"{name}.onnx")
+    names = [f"in{i}" for i in range(len(args))]
+    with torch.no_grad(), warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        if exporter == "legacy":
+            torch.onnx.export(mod, args, path, dynamo=False, opset_version=17, input_names=names)
+        else:
+            torch.onnx.export(mod, args, path, dynamo=True, input_names=names, external_data=False)
+    g = load_onnx(path)
+    g.check()
+    assert want_ops <= {n.op for n in g.nodes()}, sorted({n.op for n in g.nodes()})
+    feeds = random_feeds(g, 0)
+    ours = evaluate(g, feeds)
+    assert_close(ours, run_ort(path, feeds), f"{name} {exporter}")
+    with torch.no_grad():
+        ref = mod(*[torch.as_tensor(feeds[n]) for n in names])
+    assert_close(ours, [r.numpy() for r in ref], f"{name} {exporter} vs torch")
