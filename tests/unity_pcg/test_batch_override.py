@@ -137,7 +137,7 @@ def test_batch_inside_a_reshape_target_is_placed_exactly(src, dst):
 def _masked(batch, per_sample: bool, rows: bool):
     """x [B, 4] + a constant [B, 4] (a folded ConstantOfShape/Expand, or per-sample data); with ``rows`` a
     Gather of rows Range(0, B) as the exporters fold ``x[torch.arange(B)]``."""
-    c = np.arange(batch * 4, dtype=np.float32).reshape(batch, 4) if per_sample else \
+    c = np.random.default_rng(batch).standard_normal((batch, 4)).astype(np.float32) if per_sample else \
         np.tile(np.array([[0.5, 1, 2, 3]], np.float32), (batch, 1))
     nodes = [helper.make_node("Add", ["x", "c"], ["a"])]
     inits = {"c": c}
@@ -156,16 +156,31 @@ def test_folded_constant_and_range_rows_follow_the_batch(rows):
     assert g.structural_hash() == load_onnx(_masked(5, False, rows)).structural_hash()
 
 
-def test_per_sample_constant_is_a_one_line_error_naming_the_node(tmp_path):
+def _row_index(batch):
+    """x [B, 4] + Range(0, B) as a column (a folded ``torch.arange(B)[:, None] * 2``): an arithmetic progression
+    along the batch, which extends to any batch."""
+    c = (np.arange(batch, dtype=np.float32)[:, None] * 2).repeat(4, axis=1)
+    return _model([helper.make_node("Add", ["x", "c"], ["y"])], {"c": c}, batch, [4])
+
+
+def test_folded_range_column_follows_the_batch():
+    g = load_onnx(_row_index(3), batch=7)
+    assert g.structural_hash() == load_onnx(_row_index(7)).structural_hash()
+    x = np.zeros((7, 4), np.float32)
+    np.testing.assert_array_equal(evaluate(g, {"x": x})[0], (np.arange(7)[:, None] * 2.0).repeat(4, axis=1))
+
+
+@pytest.mark.parametrize("exported", [2, 3])
+def test_per_sample_constant_is_a_one_line_error_naming_the_node(tmp_path, exported):
     with pytest.raises(BatchOverride) as ei:
-        load_onnx(_masked(2, True, False), batch=5)
+        load_onnx(_masked(exported, True, False), batch=5)
     msg = str(ei.value)
     assert "\n" not in msg and "'c'" in msg and "Add" in msg and "batch 5" in msg
     path = str(tmp_path / "m.onnx")
     import onnx
-    onnx.save(_masked(2, True, False), path)
+    onnx.save(_masked(exported, True, False), path)
     assert main(["import", path, "--batch", "5"]) == 2
-    assert load_onnx(path, batch=2).structural_hash() == load_onnx(path).structural_hash()  # no change: fine
+    assert load_onnx(path, batch=exported).structural_hash() == load_onnx(path).structural_hash()  # no change
 
 
 # --- the zoo -----------------------------------------------------------------------------------------

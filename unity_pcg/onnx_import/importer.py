@@ -401,14 +401,27 @@ class Importer:
                                 f"the exported batch; it is too large to rewrite")
         v = np.asarray(c.materialize())
         first = np.take(v, [0], axis=axis)
-        if not np.array_equal(v, np.broadcast_to(first, v.shape)) and not (v.dtype.kind == "f" and np.allclose(
-                v, np.broadcast_to(first, v.shape), rtol=0, atol=0, equal_nan=True)):
+        # values along the batch dim: constant (a folded Expand/Tile/ConstantOfShape) or an arithmetic
+        # progression (a folded Range(0, B) row index, scaled/shifted): both extend to any batch
+        step = np.take(v, [1], axis=axis) - first if v.shape[axis] > 1 else np.zeros_like(first)
+        idx_shape = [1] * v.ndim
+        idx_shape[axis] = v.shape[axis]
+        ramp = np.arange(v.shape[axis]).reshape(idx_shape)
+        with np.errstate(all="ignore"):
+            same = np.array_equal(v, (first + ramp * step).astype(v.dtype)) if v.dtype.kind in "iub" else \
+                bool(np.allclose(v, first + ramp * step, rtol=1e-6, atol=0, equal_nan=True))
+        if same and v.shape[axis] == 2 and np.any(step != 0) and not (np.all(first == 0) and np.all(step == 1)):
+            same = False  # any two rows are a progression: with an exported batch of 2 only arange(2) counts
+        if not same:
             raise BatchOverride(f"batch {self.batch}: {ctx.what} reads constant {name!r} {list(c.shape)} whose "
                                 f"values differ along dim {axis} (per-sample data for the exported batch "
                                 f"{self.old_batch}); export the model at batch {self.batch}")
-        shape = list(v.shape)
-        shape[axis] = n
-        out = Const(np.ascontiguousarray(np.broadcast_to(first, shape)), origin=c.origin)
+        idx_shape[axis] = n
+        if v.dtype.kind == "b":
+            new = np.broadcast_to(first, [n if k == axis else s for k, s in enumerate(v.shape)])
+        else:
+            new = first + np.arange(n).reshape(idx_shape) * step
+        out = Const(np.ascontiguousarray(new.astype(v.dtype)), origin=c.origin)
         self._rebatched[key] = out
         return out
 
