@@ -85,7 +85,7 @@ from unity_pcg.pcg import PCG
 from unity_pcg.shape import ParallelTensorShape
 
 from ..cost import CONV_OPS, MATMUL_OPS, CostModel, GraphCost
-from ..memory import SAVES_INPUTS, kept_fraction, node_memory
+from ..memory import SAVES_INPUTS, format_bytes, kept_fraction, node_memory
 
 INF = math.inf
 HEAVY_OPS = frozenset(MATMUL_OPS | CONV_OPS)
@@ -908,9 +908,7 @@ _SCALE = 1e6
 
 
 def _gib(b) -> str:
-    if b is None or not math.isfinite(b):
-        return "inf"
-    return f"{b / 2**30:.2f} GiB" if b >= 2**30 / 100 else f"{b / 2**20:.2f} MiB"
+    return "inf" if b is None or not math.isfinite(b) else format_bytes(b)
 
 
 def _classes(lays: list, among=None) -> list:
@@ -1006,8 +1004,7 @@ def _solve_highs(cost, is_int, rows, time_limit_s):
 def _solve_pulp(cost, is_int, rows, time_limit_s):
     import pulp
     prob = pulp.LpProblem("alpa_intra", pulp.LpMinimize)
-    xs = [pulp.LpVariable(f"x{i}", 0, 1, cat=pulp.LpBinary if b else pulp.LpContinuous)
-          for i, b in enumerate(is_int)]
+    xs = [pulp.LpVariable(f"x{i}", 0, 1, cat=pulp.LpContinuous) for i in range(len(is_int))]
     prob += pulp.lpSum(c * x for c, x in zip(cost, xs) if c != 0.0)
     for k, (coef, lo, hi) in enumerate(rows):
         expr = pulp.lpSum(v * xs[c] for c, v in coef.items())
@@ -1018,6 +1015,15 @@ def _solve_pulp(cost, is_int, rows, time_limit_s):
                 prob += (expr <= hi), f"r{k}u"
             if math.isfinite(lo):
                 prob += (expr >= lo), f"r{k}l"
+    # as with HiGHS: the LP relaxation first (CBC's LP solver), the MIP when it is fractional
+    prob.solve(pulp.PULP_CBC_CMD(msg=0, timeLimit=time_limit_s))
+    if pulp.LpStatus[prob.status] == "Optimal":
+        vals = [x.value() or 0.0 for x, b in zip(xs, is_int) if b]
+        if all(v < 1e-7 or v > 1 - 1e-7 for v in vals):
+            return [x.value() or 0.0 for x in xs], pulp.value(prob.objective), "optimal"
+    for x, b in zip(xs, is_int):
+        if b:
+            x.cat = pulp.LpBinary
     prob.solve(pulp.PULP_CBC_CMD(msg=0, timeLimit=time_limit_s))
     st = pulp.LpStatus[prob.status]
     if st != "Optimal":

@@ -127,9 +127,10 @@ def prod_(xs):
 def test_cbc_agrees_with_highs():
     pytest.importorskip("pulp")
     prob = IntraProblem(mlp(batch=8, h=16, layers=3), DGX, (2, 2))
-    _, a, _, _ = prob.solve(None, solver="highs")
-    _, b, _, _ = prob.solve(None, solver="cbc")
-    assert a == pytest.approx(b, rel=1e-6)
+    for budget in (None, 5000.0):         # the LP path, and the MIP (the budget makes the LP fractional)
+        _, a, _, _ = prob.solve(budget, solver="highs")
+        _, b, _, _ = prob.solve(budget, solver="cbc")
+        assert a == pytest.approx(b, rel=1e-6)
 
 
 # --- algorithms come from the registry's labels ------------------------------------------------------------
