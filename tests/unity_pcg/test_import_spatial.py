@@ -692,3 +692,55 @@ def test_torch_export_matches_onnxruntime_and_torch(tmp_path, name, exporter):
     with torch.no_grad():
         ref = mod(*[torch.as_tensor(feeds[n]) for n in names])
     assert_close(ours, [r.numpy() for r in ref], f"{name} {exporter} vs torch")
+
+
+# --- the executor trains them: parallel plans on 2 gloo processes equal one process -------------------------
+
+def _save(tmp_path, name, m):
+    p = str(tmp_path / f"{name}.onnx")
+    onnx.save(m, p)
+    return p
+
+
+def test_executor_trains_spatial_plans_like_one_process(tmp_path):
+    """Spatially split plans (the depth dim partitioned through a pointwise Conv3d, a 2x2x2 Pool3d, a patch
+    ConvTranspose, a Pad and a Resize of other dims), a channel split ConvTranspose that leaves partial sums,
+    and data parallelism over the normalizations and 1-D pools: 5 SGD steps on 2 processes give the losses and
+    weights of one process."""
+    pytest.importorskip("torch")
+    from unity_pcg.search.baselines import data_parallel
+    from ..executor import dist_helpers as H
+    spatial = _save(tmp_path, "spatial", model(
+        [N("Conv", ["x", "w1", "b1"], ["c"]),
+         N("MaxPool", ["c"], ["p"], kernel_shape=[2, 2, 2], strides=[2, 2, 2]),
+         N("ConvTranspose", ["p", "w2"], ["t"], strides=[2, 2, 2]),
+         N("Pad", ["t", "pads"], ["pd"], mode="reflect"),
+         N("Resize", ["pd", "", "scales"], ["y"], mode="linear")],
+        (2, 2, 4, 4, 4), [W("w1", (3, 2, 1, 1, 1)), W("b1", (3,), 1), W("w2", (3, 2, 2, 2, 2), 2),
+                          I64("pads", [0, 0, 0, 1, 0, 0, 0, 0, 2, 0]), F32("scales", [1, 1, 1, 1, 1.5])]))
+    channels = _save(tmp_path, "channels", model(
+        [N("ConvTranspose", ["x", "w"], ["t"], strides=[2, 1], pads=[1, 0, 0, 1]),
+         N("Relu", ["t"], ["y"])], (2, 4, 3, 3), [W("w", (4, 3, 3, 2), 3)]))
+    norms = _save(tmp_path, "norms", model(
+        [N("Conv", ["x", "w"], ["c"], pads=[1, 1]),
+         N("GroupNormalization", ["c", "gs", "gb"], ["g"], num_groups=2),
+         N("InstanceNormalization", ["g", "s", "b"], ["n"]),
+         N("AveragePool", ["n"], ["a"], kernel_shape=[3], strides=[2], pads=[1, 1], count_include_pad=1),
+         N("Upsample", ["a", "us"], ["y"], mode="nearest")],
+        (4, 2, 6), [W("w", (4, 2, 3)), W("gs", (4,), 4, positive=True), W("gb", (4,), 5),
+                    W("s", (4,), 6, positive=True), W("b", (4,), 7), F32("us", [1, 1, 2])], opset=21))
+    gs, gc, gn = H.load(spatial), H.load(channels), H.load(norms)
+    weights = lambda g: {n.a["name"]: [("Replicate", 2)] for n in g.sources("Weight")}   # noqa: E731
+    plans = [
+        ("depth split", H.rebuild(gs, {"x": [("Partition", 2, 2)], **weights(gs)}), spatial),
+        ("input-channel split, partial sums", H.rebuild(gc, {"x": [("Partition", 1, 2)], "w": [("Partition", 0, 2)]},
+                                                        after={2: [("Reduce", 2)]}), channels),
+        ("data parallel over norms and 1-D pools", data_parallel(gn, 2), norms),
+    ]
+    for name, g, _ in plans:
+        assert any(n.op in ("Partition", "Reduce") for n in g.nodes()), name
+    got = H.run_cases(2, [H.case(H.make_plan(g, p, 2), p) for _, g, p in plans])
+    for (name, _, p), o in zip(plans, got):
+        ref = H.reference(p, 5)
+        assert ref[0][0] != ref[0][-1]
+        H.assert_same(ref, o, what=name)
