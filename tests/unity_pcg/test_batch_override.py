@@ -219,3 +219,32 @@ def test_file_is_not_rewritten(vit_legacy):
     load_onnx(vit_legacy[2], batch=8)
     assert load_onnx(vit_legacy[2]).shape(load_onnx(vit_legacy[2]).outputs[0]).sizes == (2, 5)
     assert os.path.getsize(vit_legacy[2]) > 0
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("dynamo", [False, True])
+def test_transformers_vit_exported_at_8_imports_at_48(dynamo, tmp_path):
+    """The issue's report with a real transformers ViT (random weights, local config): exported at batch 8,
+    imported with batch=48, the same PCG as exported at 48."""
+    T = pytest.importorskip("transformers")
+    cfg = T.ViTConfig(hidden_size=32, num_hidden_layers=2, num_attention_heads=2, intermediate_size=64,
+                      image_size=32, patch_size=8)
+    cfg._attn_implementation = "eager"
+
+    class W(nn.Module):
+        def __init__(self):
+            super().__init__()
+            torch.manual_seed(0)
+            self.m = T.ViTModel(cfg, add_pooling_layer=False)
+
+        def forward(self, x):
+            return self.m(pixel_values=x).last_hidden_state
+
+    paths = {}
+    for b in (8, 48):
+        paths[b] = str(tmp_path / f"vit{b}.onnx")
+        with torch.no_grad(), warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            torch.onnx.export(W().eval(), (torch.randn(b, 3, 32, 32),), paths[b], dynamo=dynamo, input_names=["x"],
+                              **({"external_data": False, "verbose": False} if dynamo else {"opset_version": 17}))
+    assert load_onnx(paths[8], batch=48).structural_hash() == load_onnx(paths[48]).structural_hash()

@@ -190,3 +190,54 @@ def test_torch_legacy_export_opset13_fuses_everything(tmp_path):
     assert not {"Erf", "Tanh", "Sigmoid", "Sqrt", "ReduceMean", "Pow"} & set(c), c
     g17 = load_onnx(_torch_export(str(tmp_path / "b17.onnx"), 17))
     assert g17.op_counts() == c
+
+
+def _hf_export(model, args, path, dynamo):
+    model.eval()
+    with torch.no_grad(), warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        if dynamo:
+            torch.onnx.export(model, args, path, dynamo=True, input_names=["ids"], external_data=False, verbose=False)
+        else:
+            torch.onnx.export(model, args, path, dynamo=False, opset_version=14, input_names=["ids"])
+    return path
+
+
+class _Hidden(nn.Module):
+    def __init__(self, m):
+        super().__init__()
+        self.m = m
+
+    def forward(self, ids):
+        return self.m(input_ids=ids).last_hidden_state
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("arch,dynamo", [("bert", False), ("bert", True), ("gpt2", True)])
+def test_transformers_exports_fuse(arch, dynamo, tmp_path):
+    """Real exports from transformers (random weights, local configs): BERT's erf GELU and its opset-14
+    LayerNorm chains, GPT-2's tanh GELU (NewGELU) import fused and equal to onnxruntime."""
+    T = pytest.importorskip("transformers")
+    import onnx
+    torch.manual_seed(0)
+    if arch == "bert":
+        cfg = T.BertConfig(vocab_size=100, hidden_size=32, num_hidden_layers=2, num_attention_heads=2,
+                           intermediate_size=64, max_position_embeddings=64)
+        cfg._attn_implementation = "eager"
+        m = T.BertModel(cfg, add_pooling_layer=False)
+    else:
+        cfg = T.GPT2Config(vocab_size=100, n_embd=32, n_layer=2, n_head=2, n_positions=64)
+        cfg._attn_implementation = "eager"
+        m = T.GPT2Model(cfg)
+    path = _hf_export(_Hidden(m), (torch.randint(0, 100, (2, 8)),), str(tmp_path / "m.onnx"), dynamo)
+    g = load_onnx(path)
+    feeds = {"ids": np.random.default_rng(0).integers(0, 100, (2, 8)).astype(np.int64)}
+    so = ort.SessionOptions()
+    so.log_severity_level = 3
+    ref = ort.InferenceSession(path, so, providers=["CPUExecutionProvider"]).run(None, feeds)
+    np.testing.assert_allclose(evaluate(g, feeds)[0], ref[0], rtol=1e-4, atol=1e-4)
+    c = g.op_counts()
+    assert c["Gelu" if arch == "bert" else "GeluTanh"] == 2 and c["LayerNorm"] == 5, c
+    assert not {"Erf", "Tanh", "Sqrt"} & set(c), c
+    assert c["Softmax"] == 2 and c["BatchMatMul"] == 4, c
+    assert onnx.load(path).graph.node  # the file itself is untouched

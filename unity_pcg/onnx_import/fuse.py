@@ -100,6 +100,9 @@ class _Graph:
         return name in self.inits or self.const(name) is not None
 
     def scalar(self, name):
+        t = self.inits.get(name)
+        if t is not None and int(np.prod(t.dims)) != 1:
+            return None  # not a scalar: do not decode a weight to find out
         v = self.const(name)
         if v is None or np.size(v) != 1 or np.asarray(v).dtype.kind not in "fiu":
             return None
