@@ -72,7 +72,8 @@ def run_alpa(g, m, opt, settings) -> dict:
             "dp_estimate_s": _num(r.dp_cost), "solves": r.stats.get("solves"),
             "profile_s": sum(v.get("profile_s", 0) for v in r.stats["per_m"].values()),
             "stage_dp_s": sum(v.get("dp_s", 0) for v in r.stats["per_m"].values()),
-            "max_memory_gib": r.pipeline.max_memory_bytes / 2**30, "settings": settings}
+            "max_memory_gib": r.pipeline.max_memory_bytes / 2**30, "settings": settings,
+            "stitch_error": r.stats.get("stitch_error")}
 
 
 def run_fixed(g, m, opt, strategy) -> dict:
@@ -148,7 +149,11 @@ def _save_row(row: dict) -> None:
     os.replace(tmp, JSON_OUT)
 
 
-def part_gpt(models, budget) -> None:
+def _old_row(part: str, name: str) -> dict:
+    return next((r for r in load_rows() if (r["part"], r["model"]) == (part, name)), {})
+
+
+def part_gpt(models, budget, only=("alpa", "megatron", "dp", "unity")) -> None:
     from unity_pcg import zoo
     from unity_pcg.machine import parse_machine
     from unity_pcg.onnx_import import load_onnx
@@ -158,16 +163,18 @@ def part_gpt(models, budget) -> None:
         m = parse_machine(mstr)
         path = model_path(name)
         g = load_onnx(path, batch=GPT_BATCH, load_weights=False)
-        row = {"part": "gpt", "model": name, "gpus": gpus, "machine": mstr, "batch": GPT_BATCH,
-               "params": g.param_count(), "nodes": len(g)}
-        print(f"{name} on {mstr}: alpa ...", file=sys.stderr, flush=True)
-        row["alpa"] = run_alpa(g, m, "adam", ALPA_GPT)
-        print(f"  alpa {row['alpa'].get('iteration_s')} in {row['alpa']['planner_s']:.1f} s; megatron ...",
-              file=sys.stderr, flush=True)
-        row["megatron"] = run_fixed(g, m, "adam", "megatron")
-        row["dp"] = run_fixed(g, m, "adam", "dp")
-        print("  unity ...", file=sys.stderr, flush=True)
-        row["unity"] = run_unity(path, mstr, "adam", budget, batch=GPT_BATCH)
+        row = {**_old_row("gpt", name), "part": "gpt", "model": name, "gpus": gpus, "machine": mstr,
+               "batch": GPT_BATCH, "params": g.param_count(), "nodes": len(g)}
+        print(f"{name} on {mstr}: {', '.join(only)} ...", file=sys.stderr, flush=True)
+        if "alpa" in only:
+            row["alpa"] = run_alpa(g, m, "adam", ALPA_GPT)
+            print(f"  alpa {row['alpa'].get('iteration_s')} in {row['alpa']['planner_s']:.1f} s", file=sys.stderr,
+                  flush=True)
+        for s in ("megatron", "dp"):
+            if s in only:
+                row[s] = run_fixed(g, m, "adam", s)
+        if "unity" in only:
+            row["unity"] = run_unity(path, mstr, "adam", budget, batch=GPT_BATCH)
         save_row(row)
         print(f"  done: " + ", ".join(f"{k} {row[k].get('iteration_s')}" for k in ("alpa", "megatron", "dp", "unity")),
               file=sys.stderr, flush=True)
@@ -239,7 +246,7 @@ def report() -> str:
             plan = ", ".join(f"{s['layers'][1] - s['layers'][0]}L@{s['shape'][0]}x{s['shape'][1]}"
                              for s in a.get("stages", [])) or "-"
             o.append(f"| {r['model']} | {r['batch']} | {_thr(a, r['batch'])} | {plan} | {a['planner_s']:.1f} | "
-                     f"{a.get('solves', '-')} | {(a.get('reason') or '')[:120]} |")
+                     f"{a.get('solves', '-')} | {(a.get('reason') or ('priced, not stitched: ' + a['stitch_error'] if a.get('stitch_error') else ''))[:140]} |")
     o.append("")
     return "\n".join(o)
 
@@ -249,11 +256,13 @@ def main(argv=None) -> int:
     ap.add_argument("--part", choices=("gpt", "zoo"))
     ap.add_argument("--models", default=None, help="comma-separated subset")
     ap.add_argument("--budget", type=float, default=30.0, help="Unity's search budget per GPT model (s)")
+    ap.add_argument("--only", default="alpa,megatron,dp,unity", help="GPT columns to (re)run; others are kept")
     ap.add_argument("--report", action="store_true")
     args = ap.parse_args(argv)
     from unity_pcg import zoo
     if args.part == "gpt":
-        part_gpt(args.models.split(",") if args.models else list(zoo.ALPA_MODELS), args.budget)
+        part_gpt(args.models.split(",") if args.models else list(zoo.ALPA_MODELS), args.budget,
+                 tuple(args.only.split(",")))
     elif args.part == "zoo":
         part_zoo(args.models.split(",") if args.models else list(zoo.MODELS))
     if args.report or args.part:

@@ -325,13 +325,14 @@ class _PipelineMapping:
 
 
 def _pipeline(g: PCG, ev: "Evaluator", budget_s: float):
-    """The best 1F1B pipeline of at least two stages (search/pipeline.py), or None."""
+    """The best 1F1B pipeline (search/pipeline.py), or None.  One stage with M micro-batches is
+    gradient accumulation: in the space too (Alpa's GPT plans at batch 1024 are often just that)."""
     try:
         from .pipeline import PipelineError, search_pipeline
     except ImportError:
         return None
     try:
-        return search_pipeline(g, ev.mapper, min_stages=2, budget_s=max(budget_s, 0.01))
+        return search_pipeline(g, ev.mapper, min_stages=1, budget_s=max(budget_s, 0.01))
     except (PipelineError, UnityError, KeyboardInterrupt):      # Ctrl-C: keep the plan found so far
         return None
 
@@ -412,7 +413,8 @@ def optimize(model, machine, budget_s: float | None = None, alpha: float = 1.05,
         ar = alpa_plan(g, m, optimizer=optimizer, mapper=ev.mapper, time_limit_s=min(30.0, budget_s))
         pipe_plan = ar.pipeline
         if pipe_plan.pcg is None:
-            raise OptimizeError(f"alpa: no plan for {m.name}: {pipe_plan.reason}")
+            raise OptimizeError(f"alpa: no plan for {m.name}: "
+                                f"{ar.stats.get('stitch_error') or pipe_plan.reason or 'the stages do not join'}")
         pg, rules_json = pipe_plan.pcg, None
         final = _PipelineMapping(pipe_plan, n_dev)
         stats = {"chosen": "alpa", "pipeline_stages": pipe_plan.num_stages, "micro_batches": ar.micro_batches,
@@ -484,7 +486,7 @@ def optimize(model, machine, budget_s: float | None = None, alpha: float = 1.05,
                     stats = dict(stats, fallback=name)
                     break
         rules_json = tuple(s.to_json() for s in steps) if not stats.get("fallback") else None
-        if pipeline and strategy == "unity" and n_dev > 1 and not interrupted:
+        if pipeline and strategy == "unity" and (n_dev > 1 or not final.feasible) and not interrupted:
             pipe = _pipeline(g, ev, max(deadline - time.perf_counter(), budget_s * 0.25))
             if pipe is not None and pipe.feasible and (not final.feasible or pipe.cost < final.cost):
                 # pipeline stages with data parallelism inside (search/pipeline.py): built by the

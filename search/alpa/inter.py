@@ -642,6 +642,8 @@ def alpa_plan(pcg: PCG, machine: MachineSpec, *, optimizer: str = "adam", layers
     if best is None:
         raise AlpaError(f"no pipeline of the {L} layers covers the {T} devices within memory "
                         f"(micro-batches tried: {tried})")
+    if best.pipeline.stats.get("stitch_error"):
+        stats["stitch_error"] = best.pipeline.stats["stitch_error"]
     best.stats = dict(stats, micro_batches_tried=tried, planner_s=time.perf_counter() - t0,
                       solves=sum(v["solves"] for v in stats["per_m"].values()))
     best.pipeline.search_s = best.stats["planner_s"]
@@ -696,7 +698,15 @@ def _price_plan(pcg, gM, info, lay, dp: DPResult, M, machine, mapper, costs: Sta
                                  f"with {P.in_flight(S, idx, M)} micro-batches in flight, has {cap / 2**30:.2f} GiB")
                 break
     pr = P._assemble(pcg, gM, tuple(plan), M, ev, machine, stitch)
-    pr.stats = {"makespan_s": ev["makespan"], "layers": len(lay)}
+    stats = {"makespan_s": ev["makespan"], "layers": len(lay)}
+    if stitch and ev["feasible"] and not pr.feasible and pr.reason.startswith("cannot join the stages"):
+        # The stages are priced (our 1F1B simulation, transfers as bytes spread over the sub-meshes) but
+        # their PCGs do not join into one: an intra plan left a boundary tensor replicated and the next
+        # stage reads it partitioned differently, and no parallel operator drops copies.  The price is
+        # kept; the plan has no PCG (``stitch_error``), so it cannot be written or run.
+        stats["stitch_error"] = pr.reason
+        pr = P._assemble(pcg, gM, tuple(plan), M, ev, machine, False)
+    pr.stats = stats
     return AlpaResult(pr, M, list(lay), out_stages, dp.cost)
 
 

@@ -98,7 +98,8 @@ def _simulate_alpa(g, model_path: str, m, optimizer: str, output: str | None) ->
            if g.sources("Input") else None, "fallbacks": [], "alpa": ar.to_json()}
     if output is not None:
         if p.pcg is None:
-            raise UnityError(f"strategy 'alpa' has no plan on {m.name} ({p.reason}); no plan written")
+            raise UnityError(f"strategy 'alpa' has no plan on {m.name} "
+                             f"({ar.stats.get('stitch_error') or p.reason}); no plan written")
         pred = {k: out[k] for k in ("predicted_iteration_s", "feasible", "reason", "devices", "comm_elements",
                                     "max_memory_bytes", "memory_per_device", "solve_s")}
         pred.update(strategy="alpa", optimizer=optimizer)
