@@ -364,3 +364,53 @@ def test_gelu_tanh_and_silu_kernels_match_torch():
                                torch.nn.functional.gelu(t, approximate="tanh").numpy(), rtol=1e-12, atol=1e-12)
     np.testing.assert_allclose(ops.run_logical("Silu", {}, [x])[0], torch.nn.functional.silu(t).numpy(),
                                rtol=1e-12, atol=1e-12)
+
+
+# --- the ONNX specification's own node test cases ------------------------------------------------------------
+
+SPEC_OPS = ("LeakyRelu", "PRelu", "Elu", "Selu", "Celu", "Softplus", "Softsign", "Mish", "HardSigmoid", "HardSwish",
+            "Abs", "Log", "LogSoftmax", "ReduceMax", "ReduceMin", "ReduceProd", "ReduceL1", "ReduceL2",
+            "ReduceLogSumExp", "ReduceSumSquare", "Swish", "Gelu", "Neg", "Exp", "Sqrt", "Pow", "Div", "Sub",
+            "Reciprocal", "Clip", "Erf")
+# why the importer may refuse a spec case: element types a PCG cannot hold, bool reductions, empty tensors
+SPEC_REFUSALS = ("cannot hold", "unsupported element type", "reduction of a bool tensor", "zero-size")
+
+
+@pytest.mark.slow
+def test_onnx_spec_node_cases_match_their_expected_outputs():
+    """Every one-node test case the onnx package ships for these operators (its reference outputs): imported
+    with their axes / clip bounds as initializers (a model's constants), evaluated, compared."""
+    import copy
+    import warnings
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        from onnx.backend.test.case.node import collect_testcases
+        cases = collect_testcases(None)
+    checked, refused = 0, 0
+    for tc in cases:
+        if tc.model is None or "expanded" in tc.name:
+            continue
+        kinds = {n.op_type for n in tc.model.graph.node}
+        if len(kinds) != 1 or not kinds <= set(SPEC_OPS):
+            continue
+        model, n_feed = tc.model, len(tc.model.graph.input)
+        if next(iter(kinds)).startswith("Reduce") or "Clip" in kinds:
+            model, n_feed = copy.deepcopy(model), 1
+            for vi, v in zip(list(model.graph.input)[1:], tc.data_sets[0][0][1:]):
+                model.graph.initializer.append(numpy_helper.from_array(np.asarray(v), vi.name))
+            del model.graph.input[1:]
+        try:
+            g = load_onnx(model)
+        except UnityError as e:
+            assert any(w in str(e) for w in SPEC_REFUSALS), (tc.name, str(e))
+            refused += 1
+            continue
+        for inputs, outputs in tc.data_sets:
+            feeds = {vi.name: v for vi, v in zip(model.graph.input, inputs[:n_feed])}
+            with np.errstate(all="ignore"):
+                ours = evaluate(g, feeds)
+            for a, b in zip(ours, outputs):
+                assert np.shape(a) == np.shape(b), tc.name
+                np.testing.assert_allclose(a, b, rtol=1e-4, atol=1e-5, equal_nan=True, err_msg=tc.name)
+            checked += 1
+    assert checked >= 120 and refused <= 40, (checked, refused)
