@@ -42,6 +42,9 @@ _VIEW_OPS = {"Cast", "Reshape", "Unsqueeze", "Squeeze", "Flatten", "Identity", "
 _INDEX_OPS = {"Gather": 0, "GatherElements": 0}
 
 
+_INT_TYPES = (2, 3, 4, 5, 6, 7, 12, 13)   # ONNX integer element types
+
+
 class CheckError(ModelImportError):
     """``--check`` could not run (onnxruntime missing or refusing the model, PCG evaluation failed)."""
 
@@ -126,6 +129,10 @@ def int_bounds(model) -> dict[str, int]:
 
     g = model.graph
     inits = {t.name for t in g.initializer}
+    int_inputs = [vi for vi in g.input if vi.name not in inits and vi.type.HasField("tensor_type")
+                  and vi.type.tensor_type.elem_type in _INT_TYPES]
+    if not int_inputs:
+        return {}
     shapes: dict[str, tuple] = {t.name: tuple(t.dims) for t in g.initializer}
     try:
         inferred = onnx.shape_inference.infer_shapes(model, strict_mode=False)
@@ -146,11 +153,7 @@ def int_bounds(model) -> dict[str, int]:
             if x:
                 users.setdefault(x, []).append((n, k))
     out: dict[str, int] = {}
-    for vi in g.input:
-        if vi.name in inits or not vi.type.HasField("tensor_type"):
-            continue
-        if vi.type.tensor_type.elem_type not in (2, 3, 4, 5, 6, 7, 12, 13):   # integer element types
-            continue
+    for vi in int_inputs:
         bounds = []
         seen, stack = set(), [vi.name]
         while stack:
