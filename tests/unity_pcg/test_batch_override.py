@@ -100,6 +100,20 @@ def test_vit_like_dynamo_override_equals_export_at_that_batch(tmp_path):
     assert load_onnx(p2, batch=8).structural_hash() == load_onnx(p8).structural_hash()
 
 
+def test_exported_at_batch_1(tmp_path):
+    """Batch 1 is ambiguous where a size-1 dim may or may not be the batch: the class-token Concat (sizes must
+    match) is rewritten and the result equals onnxruntime on the file exported at 4; a constant row index along
+    the batch ([0]: arange(1) or the first row?) is a one-line error naming the Gather."""
+    p1 = _export(1, str(tmp_path / "v1.onnx"), "legacy", arange_rows=False)
+    p4 = _export(4, str(tmp_path / "v4.onnx"), "legacy", arange_rows=False)
+    g = load_onnx(p1, batch=4)
+    feeds = {"x": np.random.default_rng(2).standard_normal((4, 3, 8, 8)).astype(np.float32)}
+    np.testing.assert_allclose(evaluate(g, feeds)[0], _ort(p4, feeds)[0], rtol=1e-4, atol=1e-5)
+    with pytest.raises(BatchOverride, match="Gather") as ei:
+        load_onnx(_export(1, str(tmp_path / "r1.onnx"), "legacy", arange_rows=True), batch=4)
+    assert "\n" not in str(ei.value)
+
+
 # --- hand-made graphs ------------------------------------------------------------------------------
 
 F = TensorProto.FLOAT

@@ -344,7 +344,9 @@ class Importer:
                 off = rank - len(c.shape)
                 for p, o, n in changed[k0]:
                     j = p - off
-                    if j < 0 or p == skip_axis or o == 1 or c.shape[j] != o:
+                    # a size-1 dim broadcasts in element-wise operators (ambiguous: left alone); Concat needs
+                    # equal sizes off its axis, so there it is the exported batch 1
+                    if j < 0 or p == skip_axis or (o == 1 and op != "Concat") or c.shape[j] != o:
                         continue
                     c = self._rebroadcast(ctx, names[k], c, j, n)
                 ins[k] = c
@@ -355,6 +357,10 @@ class Importer:
             axis = axis % rank if -rank <= axis < rank else axis
             idx = ins[1]
             for p, o, n in changed[0]:
+                if p == axis and o == 1 and idx.numel == 1:
+                    raise BatchOverride(f"batch {self.batch}: {ctx.what} takes constant index {idx.value.tolist()} "
+                                        f"along the batch dim, exported as 1: arange(batch) or a fixed row cannot "
+                                        f"be told apart; export the model at a batch of 2 or more")
                 if p != axis or o < 2 or idx.numel != o or o not in idx.shape:
                     continue
                 v = np.asarray(idx.value).reshape(-1)
