@@ -366,6 +366,45 @@ def test_gelu_tanh_and_silu_kernels_match_torch():
                                rtol=1e-12, atol=1e-12)
 
 
+# --- the onnx wheel's PyTorch-converted test models (inputs and expected outputs stored as .pb) ------------------
+
+PT_MODELS = [f"pytorch-converted/test_{n}" for n in (
+    "ELU", "LeakyReLU", "LeakyReLU_with_negval", "LogSoftmax", "log_softmax_dim3", "log_softmax_lastdim", "SELU",
+    "Softplus", "Softsign", "PReLU_1d", "PReLU_1d_multiparam", "PReLU_2d", "PReLU_2d_multiparam", "PReLU_3d",
+    "PReLU_3d_multiparam")] + [f"pytorch-operator/test_operator_{n}" for n in ("selu", "clip", "pow", "sqrt", "exp")]
+
+
+def _onnx_data_dir():
+    import os
+    import onnx
+    return os.path.join(os.path.dirname(onnx.__file__), "backend", "test", "data")
+
+
+@pytest.mark.parametrize("name", PT_MODELS)
+def test_onnx_wheel_pytorch_models_match_their_stored_outputs(name):
+    """Opset-6 PRelu included: its slope of C values is one per channel (dim 1), reshaped to [C, 1, ...]."""
+    import glob
+    import os
+    import onnx
+    d = os.path.join(_onnx_data_dir(), name)
+    if not os.path.isdir(d):
+        pytest.skip(f"{name} is not shipped with this onnx wheel")
+    m = onnx.load(os.path.join(d, "model.onnx"))
+    g = load_onnx(os.path.join(d, "model.onnx"))
+    g.check()
+    inits = {t.name for t in m.graph.initializer}
+    real = [i.name for i in m.graph.input if i.name not in inits]
+    sets = sorted(glob.glob(os.path.join(d, "test_data_set_*")))
+    assert sets
+    for ds in sets:
+        load = lambda pat: [numpy_helper.to_array(onnx.load_tensor(f))   # noqa: E731
+                            for f in sorted(glob.glob(os.path.join(ds, pat)))]
+        with np.errstate(invalid="ignore"):
+            ours = evaluate(g, dict(zip(real, load("input_*.pb"))))
+        for a, b in zip(ours, load("output_*.pb")):
+            np.testing.assert_allclose(a, b, rtol=1e-4, atol=1e-5, equal_nan=True, err_msg=name)
+
+
 # --- the ONNX specification's own node test cases ------------------------------------------------------------
 
 SPEC_OPS = ("LeakyRelu", "PRelu", "Elu", "Selu", "Celu", "Softplus", "Softsign", "Mish", "HardSigmoid", "HardSwish",

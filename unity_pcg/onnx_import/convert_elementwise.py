@@ -83,6 +83,12 @@ def _prelu(imp, ctx, ins):
     x, slope = _in(ctx, ins, 0), _in(ctx, ins, 1)
     xs, ss = imp.sizes(x), imp.sizes(slope)
     _float_input(imp, ctx, x)
+    if ctx.opset < 7 and len(ss) == 1 and len(xs) >= 2 and ss[0] == xs[1] != 1:
+        # opset 6 (before numpy broadcasting): a slope of C values is one per channel, dim 1
+        c11 = (ss[0],) + (1,) * (len(xs) - 2)
+        slope = derive(slope, lambda v: v.reshape(c11), c11) if isinstance(slope, Const) else \
+            imp.add("Reshape", {"shape": c11}, [slope], _name(ctx, "slope"))
+        ss = c11
     if len(ss) > len(xs) or any(b not in (1, a) for a, b in zip(xs[len(xs) - len(ss):], ss)):
         raise InvalidModel(f"{ctx.what}: slope {list(ss)} does not broadcast onto the input {list(xs)}")
     if imp.dtype(slope) != imp.dtype(x):
