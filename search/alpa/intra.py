@@ -51,12 +51,15 @@ is where Alpa prototype's per-liveness-step constraint binds, so this total is t
 one row per step).  It matches :func:`search.memory.memory_per_device` of the plan within a few percent on
 GPT and exactly on MLPs; the plan's ``memory_bytes`` is the latter.
 
-**Solver: HiGHS (highspy), presolve off.**  Measured on the same ILPs (benchmarks/alpa_intra_bench.py,
-results/alpa_intra.md): ResNeXt-50 (batch 512) 0.24 s with HiGHS vs 0.66 s with PuLP + CBC on a 1x8 mesh,
-2.2 s vs 5.1 s on 2x4; GPT-1.3B (24 layers, batch 8) 0.4 vs 0.6 s on 1x8 and 2.4 vs 16 s on 2x4; both find the
-same optimum.  CBC's time includes building the model in Python and a process round trip, HiGHS takes numpy
-arrays in process.  HiGHS's presolve, however, spent 16 s on a 2-layer GPT that solves in 0.3 s without it (the
-sum-to-one formulation's LP relaxation is tight), so it is off.  ``solver="cbc"`` keeps PuLP + CBC available
+**Solver: HiGHS (highspy), presolve off, the LP relaxation first.**  Measured on the same ILPs
+(benchmarks/alpa_intra_bench.py -> results/alpa_intra.md, one DGX A100 node, wall seconds on a loaded 2-core
+machine): ResNeXt-50 (batch 512) 0.42 s with HiGHS vs 2.0 s with PuLP + CBC on a 2x4 mesh, BERT-Large (batch
+32) 0.71 vs 3.9 s, GPT-2.6B (batch 32) 0.96 vs 7.5 s; 0.03-0.12 vs 0.15-0.93 s on 1x8; the same optima.  CBC
+pays for building the model in Python and a process round trip; HiGHS takes numpy arrays in process.  The
+sum-to-one formulation's LP relaxation was integral on every model measured without a memory budget (then
+its optimum is the ILP's), so both solvers solve the LP first and run the MIP only when it is fractional:
+HiGHS's MIP spends 5-10x longer around the same root LP (GPT-1.3B on 2x4: 10 s vs 1.1 s), and its presolve
+spent 16 s on a 2-layer GPT that solves in 0.3 s without it.  ``solver="cbc"`` keeps PuLP + CBC available
 (not a dependency).
 
 **Weight-update sharding** (``weight_update_sharding=True``, the post-ILP pass of section 4.2): every
@@ -463,6 +466,9 @@ def _groups(g: PCG) -> tuple[dict, list]:
     return anchor, anchors, via
 
 
+_SHARED: dict = {}      # (machine, mesh, start, optimizer, sharding) -> caches of prices by structure
+
+
 class IntraProblem:
     """The ILP of one (graph, mesh, cost model): anchors, their algorithms, node costs and memory,
     edges with their resharding costs over layouts.  :meth:`objective` prices one choice (the brute
@@ -472,21 +478,32 @@ class IntraProblem:
                  optimizer: str = "adam", weight_update_sharding: bool = False):
         n0, n1 = mesh
         self.g = g
-        self.mesh = Mesh(n0, n1, start)
-        self.model = CostModel(machine, optimizer=optimizer)
         self.machine = machine
         self.zero = weight_update_sharding
+        # prices depend on structure only: problems on the same machine, mesh and settings share them
+        # (the inter-operator pass asks for many stages of the same layers)
+        import json
+        skey = (json.dumps(machine.to_json(), sort_keys=True, default=str), n0, n1, start, optimizer,
+                bool(weight_update_sharding))
+        shared = _SHARED.get(skey)
+        if shared is None:
+            if len(_SHARED) >= 32:
+                _SHARED.clear()
+            shared = _SHARED[skey] = dict(mesh=Mesh(n0, n1, start), model=CostModel(machine, optimizer=optimizer),
+                                          edge={}, frag={}, emat={}, anchor={})
+        self.mesh = shared["mesh"]
+        self.model = shared["model"]
         self.anchor, self.anchors, self.via = _groups(g)
         self.members: dict = {a: [] for a in self.anchors}
         for n in g.nodes():
             if n.kind == "compute":
                 self.members[self.anchor[n.id]].append(n.id)
-        self._edge_cache: dict = {}
-        self._frag_cache: dict = {}
+        self._edge_cache: dict = shared["edge"]
+        self._frag_cache: dict = shared["frag"]
         self._emat: dict = {}
-        self._emat_struct: dict = {}
+        self._emat_struct: dict = shared["emat"]
         self._static: dict = {}
-        self._anchor_cache: dict = {}
+        self._anchor_cache: dict = shared["anchor"]
         self.algos: dict = {}
         self.node_cost: dict = {}
         self.node_mem: dict = {}
@@ -530,6 +547,10 @@ class IntraProblem:
                 seen.add(sig)
                 entries.append((al, c, m, tuple(chosen[x] for x in mem_ids), tuple(insts[x] for x in mem_ids)))
             hit = self._anchor_cache[key] = entries
+        if not hit:
+            n = self.g.node(a)
+            raise AlpaError(f"alpa intra-op: operator {n.label()} ({n.op}) has no parallel algorithm on the "
+                            f"{self.mesh.n[0]}x{self.mesh.n[1]} mesh that our IR can express")
         self.algos[a] = [e[0] for e in hit]
         for i, (_, _, _, chosen, insts) in enumerate(hit):
             self.derived[(a, i)] = dict(zip(mem_ids, chosen))
