@@ -266,7 +266,21 @@ def _resize(imp, ctx, ins):
         for a, v in zip(axes, given):
             full[a] = v
         scales, sizes = (full, None) if scales is not None else (None, full)
+    if sizes is not None:
+        sizes = _rebatch_sizes(imp, ctx, x, sizes)
     return [_resize_common(imp, ctx, x, scales, sizes, mode, coord, nearest)]
+
+
+def _rebatch_sizes(imp, ctx, x, sizes: list[int]) -> list[int]:
+    """Under a batch override, a literal ``sizes`` that kept a dim the override changed (an exporter's
+    constant output shape holding the exported batch) keeps the new size instead."""
+    if getattr(imp, "old_shapes", None) is None or not hasattr(imp, "_changed_dims") or len(sizes) != len(imp.sizes(x)):
+        return sizes
+    sizes = list(sizes)
+    for p, old, new in imp._changed_dims(ctx.node.input[0], x):
+        if sizes[p] == old:
+            sizes[p] = new
+    return sizes
 
 
 @_conv("Upsample")
