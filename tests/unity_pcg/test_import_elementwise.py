@@ -131,6 +131,15 @@ def test_reduction_matches_onnxruntime(op, attrs, opset, axes):
         assert got == [op]
 
 
+def test_opset1_in_place_hint_is_ignored():
+    """Opsets 1-5 carry ``consumed_inputs`` (onnxruntime runs no Elu before opset 6: compare with the formula)."""
+    m = _model("Elu", {"alpha": 0.5, "consumed_inputs": [0]}, (2, 3), opset=1)
+    g = load_onnx(m)
+    x = np.linspace(-3, 3, 6, dtype=np.float32).reshape(2, 3)
+    (y,) = evaluate(g, {"x": x})
+    np.testing.assert_allclose(y, np.where(x > 0, x, 0.5 * (np.exp(x) - 1)), rtol=1e-6)
+
+
 def test_clip_bounds_as_inputs_and_pow_div_sub_on_activations():
     """Clip's min/max inputs (opset 11+), Pow/Div/Sub with a computed second operand."""
     m = _model("Clip", {}, (2, 3, 4), ("x", "lo", "hi"), [("lo", np.float32(-0.3)), ("hi", np.float32(0.8))], 13)
@@ -172,6 +181,7 @@ BAD = [
     ("HardSigmoid", {"beta": 3}, 13, (2, 3), (), "'beta'"),
     ("Softplus", {"beta": 2.0}, 13, (2, 3), (), "'beta'"),
     ("HardSwish", {"alpha": 0.2}, 14, (2, 3), (), "'alpha'"),
+    ("Elu", {"consumed_inputs": [0]}, 6, (2, 3), (), "'consumed_inputs'"),
     ("Gelu", {"approximate": "fast"}, 20, (2, 3), (), "'approximate'"),
     ("LogSoftmax", {"axis": 3}, 13, (2, 3), (), "axis 3"),
     ("LogSoftmax", {"axis": -4}, 11, (2, 3, 4), (), "axis -4"),

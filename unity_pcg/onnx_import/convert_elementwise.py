@@ -26,6 +26,8 @@ _ATTRS = {
 
 def _only_known_attrs(ctx, known) -> None:
     for key in ctx.attrs:
+        if key == "consumed_inputs" and ctx.opset < 6:   # an in-place hint of opsets 1-5, without meaning here
+            continue
         if key not in known:
             _unsupported(ctx, f"attribute {key!r}")
 
