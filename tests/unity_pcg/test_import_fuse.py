@@ -213,7 +213,7 @@ class _Hidden(nn.Module):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("arch,dynamo", [("bert", False), ("bert", True), ("gpt2", True)])
+@pytest.mark.parametrize("arch,dynamo", [("bert", False), ("bert", True), ("gpt2", True), ("llama", True)])
 def test_transformers_exports_fuse(arch, dynamo, tmp_path):
     """Real exports from transformers (random weights, local configs): BERT's erf GELU and its opset-14
     LayerNorm chains, GPT-2's tanh GELU (NewGELU) import fused and equal to onnxruntime."""
@@ -225,10 +225,15 @@ def test_transformers_exports_fuse(arch, dynamo, tmp_path):
                            intermediate_size=64, max_position_embeddings=64)
         cfg._attn_implementation = "eager"
         m = T.BertModel(cfg, add_pooling_layer=False)
-    else:
+    elif arch == "gpt2":
         cfg = T.GPT2Config(vocab_size=100, n_embd=32, n_layer=2, n_head=2, n_positions=64)
         cfg._attn_implementation = "eager"
         m = T.GPT2Model(cfg)
+    else:  # SwiGLU MLP: x * sigmoid(x) -> Silu; RMSNorm is not a LayerNorm and stays as it is
+        cfg = T.LlamaConfig(vocab_size=100, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                            num_attention_heads=2, num_key_value_heads=2, max_position_embeddings=64)
+        cfg._attn_implementation = "eager"
+        m = T.LlamaModel(cfg)
     path = _hf_export(_Hidden(m), (torch.randint(0, 100, (2, 8)),), str(tmp_path / "m.onnx"), dynamo)
     g = load_onnx(path)
     feeds = {"ids": np.random.default_rng(0).integers(0, 100, (2, 8)).astype(np.int64)}
@@ -237,7 +242,10 @@ def test_transformers_exports_fuse(arch, dynamo, tmp_path):
     ref = ort.InferenceSession(path, so, providers=["CPUExecutionProvider"]).run(None, feeds)
     np.testing.assert_allclose(evaluate(g, feeds)[0], ref[0], rtol=1e-4, atol=1e-4)
     c = g.op_counts()
+    assert c["Softmax"] == 2 and c["BatchMatMul"] == 4, c
+    if arch == "llama":
+        assert c["Silu"] == 2 and "Sigmoid" not in c and "LayerNorm" not in c, c
+        return
     assert c["Gelu" if arch == "bert" else "GeluTanh"] == 2 and c["LayerNorm"] == 5, c
     assert not {"Erf", "Tanh", "Sqrt"} & set(c), c
-    assert c["Softmax"] == 2 and c["BatchMatMul"] == 4, c
     assert onnx.load(path).graph.node  # the file itself is untouched
