@@ -463,3 +463,42 @@ def test_onnx_spec_node_cases_match_their_expected_outputs():
                 np.testing.assert_allclose(a, b, rtol=1e-4, atol=1e-5, equal_nan=True, err_msg=tc.name)
             checked += 1
     assert checked >= 120 and refused <= 40, (checked, refused)
+
+
+# --- the executor trains them: parallel plans on 2 gloo processes equal one process --------------------------
+
+@pytest.mark.slow   # two gloo processes: about 20 s on the shared machine
+def test_executor_trains_elementwise_plans_like_one_process(tmp_path):
+    """A chain of the family's operators behind a Linear (PRelu's slope and the Linear's weight trained): data
+    parallel, and channels split with PRelu's slope sharded alongside; 5 SGD steps on 2 processes give the
+    losses and weights of one process."""
+    pytest.importorskip("torch")
+    import onnx
+    from unity_pcg.search.baselines import data_parallel
+    from ..executor import dist_helpers as H
+    rng = np.random.default_rng(0)
+    N = helper.make_node
+    nodes = [N("MatMul", ["x", "w"], ["l"]), N("PRelu", ["l", "s"], ["p"]), N("Elu", ["p"], ["e"], alpha=0.7),
+             N("HardSwish", ["e"], ["h"]), N("Softplus", ["h"], ["sp"]), N("Mish", ["sp"], ["mi"]),
+             N("ReduceMax", ["mi", "ax"], ["mx"], keepdims=1), N("Sub", ["mi", "mx"], ["a"]),
+             N("LogSoftmax", ["a"], ["ls"], axis=-1), N("LeakyRelu", ["ls"], ["y"], alpha=0.2)]
+    inits = [numpy_helper.from_array(rng.standard_normal((5, 3)).astype(np.float32), "w"),
+             numpy_helper.from_array(rng.uniform(-0.5, 0.5, (6, 1)).astype(np.float32), "s"),
+             numpy_helper.from_array(np.array([2], np.int64), "ax")]
+    g = helper.make_graph(nodes, "ew", [helper.make_tensor_value_info("x", F, [4, 6, 5])],
+                          [helper.make_tensor_value_info("y", F, None)], inits)
+    m = helper.make_model(g, opset_imports=[helper.make_opsetid("", 18)])
+    m.ir_version = 9
+    path = str(tmp_path / "ew.onnx")
+    onnx.save(m, path)
+    pcg = H.load(path)
+    plans = [("data parallel", data_parallel(pcg, 2)),
+             ("channels split, slope sharded",
+              H.rebuild(pcg, {"x": [("Partition", 1, 2)], "s": [("Partition", 0, 2)], "w": [("Replicate", 2)]}))]
+    prelu = next(n for n in plans[1][1].nodes() if n.op == "PRelu")
+    assert plans[1][1].shapes(prelu.id)[0].degrees == (1, 2, 1)
+    got = H.run_cases(2, [H.case(H.make_plan(p, path, 2), path) for _, p in plans])
+    ref = H.reference(path, 5)
+    assert ref[0][0] != ref[0][-1]
+    for (name, _), o in zip(plans, got):
+        H.assert_same(ref, o, what=name)
