@@ -507,8 +507,8 @@ def _exported_shapes(model, base, imp: Importer) -> dict | None:
     g = model.graph
     inits = {t.name for t in g.initializer}
     fixed = [vi for vi in g.input if vi.name not in inits]
-    dims0 = {vi.type.tensor_type.shape.dim[0].dim_value if vi.type.tensor_type.shape.dim else 0 for vi in fixed
-             if vi.type.HasField("tensor_type")}
+    dims0 = {vi.type.tensor_type.shape.dim[0].dim_value for vi in fixed
+             if vi.type.HasField("tensor_type") and len(vi.type.tensor_type.shape.dim)}
     if not dims0 or 0 in dims0 or dims0 == {imp.batch}:
         return None  # a dynamic batch (nothing baked in to rewrite) or no change
     probe.run()
