@@ -525,6 +525,10 @@ class IntraProblem:
             al = _follow(g, m, pos, lay, mesh)
             chosen[m] = al
             insts[m] = _instantiate(g, m, al, mesh)
+            if insts[m] is None:            # not even replicated: an operator our labels cannot run
+                n = g.node(m)
+                raise AlpaError(f"alpa intra-op: operator {n.label()} ({n.op}) refuses every layout on the "
+                                f"{mesh.n[0]}x{mesh.n[1]} mesh")
         return chosen, insts
 
     def _build_anchor(self, a: int) -> None:
