@@ -67,7 +67,11 @@ weight copied over k > 1 devices is stored as k shards instead (its gradient, op
 divided by k) and gathered before use; in our IR this is a sharded weight placement, an ``Identity`` task
 per shard and a ``Combine`` + ``Replicate`` to the layout the operator reads, whose backward is the
 reduce-scatter of the gradient (the cost model prices the edges forward and backward).  The ILP is
-solved with it applied, so the choice of algorithms sees the sharded memory and traffic.
+solved with it applied, so the choice of algorithms sees the sharded memory and traffic.  Autograd keeps
+the gathered weight for the backward pass, an operand our memory model does not count (nobody "saves" a
+weight): it is added to the ILP's memory and to ``memory_bytes`` (``pcg.meta["gathered_weight_bytes"]``),
+so per weight byte a device holds 1 (gathered) + (2 + optimizer states) / k (its shard, gradient and
+states) where Alpa counts 1 + (1 + optimizer states) / k.
 
 The predicted iteration time ``time_s`` is :meth:`search.mapping.MachineMapper.evaluate` of the result
 (every node on its view, one after the other), not the ILP objective.
@@ -615,6 +619,7 @@ class IntraProblem:
         srcs: dict = {}
         placed: dict = {}
         ext_nodes: set = set()           # placements of tensors from other groups: no memory here
+        gathered: list = []              # weight-update sharding: gathered weights kept for backward
         kept: dict = {}                  # fragment ref -> fraction kept, from the real graph's consumers
         for m in self.members[a]:
             n = g.node(m)
@@ -650,7 +655,7 @@ class IntraProblem:
                 if ck not in placed:
                     before = set(views)
                     placed[ck] = self._place(b, src, g.shape(r), want, views, p.kind == "source" and p.op == "Weight",
-                                             f"m{m}.{pos}")
+                                             f"m{m}.{pos}", gathered)
                     if p.kind != "source":
                         ext_nodes |= set(views) - before
                 ins.append(placed[ck])
@@ -681,7 +686,7 @@ class IntraProblem:
                             kept_fraction(frag, nid, k) - kept[(nid, k)])
             for d in set(w) | set(act):
                 per_dev[d] = per_dev.get(d, 0.0) + w.get(d, 0) + act.get(d, 0)
-        res = (total, float(max(per_dev.values(), default=0.0)))
+        res = (total, float(max(per_dev.values(), default=0.0)) + sum(gathered))
         self._frag_cache[key] = res
         return res
 
@@ -699,13 +704,17 @@ class IntraProblem:
         views[ref[0]] = mesh.view(final)
         return ref
 
-    def _place(self, b, src, shape, want: Layout, views: dict, weight: bool, name: str):
+    def _place(self, b, src, shape, want: Layout, views: dict, weight: bool, name: str, gathered=None):
         """A source (or a fragment's external input) placed in layout ``want``; with weight-update
-        sharding a copied weight is stored sharded and gathered through an Identity task."""
+        sharding a copied weight is stored sharded and gathered through an Identity task (the gathered
+        piece's bytes per device are appended to ``gathered``: autograd keeps it for the backward pass,
+        which our memory model, seeing an operand nobody saves, does not count)."""
         mesh = self.mesh
         if weight and self.zero:
             z = _zero_shard_layout(shape, want, mesh)
             if z is not None:
+                if gathered is not None:
+                    gathered.append(shape.nbytes / prod(mesh.size(d) for d in want.dims))
                 ref = convert(b, src, Layout.whole(shape.rank), z, mesh, views, name)
                 ref = b.add("Identity", {}, [ref], name=f"{name}/shard")
                 views[ref[0]] = MachineView(mesh.start, tuple(mesh.dim(d) for d in z.dims if d))
@@ -1069,6 +1078,7 @@ def build_plan_pcg(problem: IntraProblem, choice: Mapping[int, int]) -> tuple[PC
     new: dict = {}
     placed: dict = {}
     specs: dict = {}
+    gathered: list = []
     for n in g.nodes():
         if n.kind == "source":
             new[(n.id, 0)] = b.add(n.op, n.a, [], name=n.name)
@@ -1082,7 +1092,7 @@ def build_plan_pcg(problem: IntraProblem, choice: Mapping[int, int]) -> tuple[PC
                 p = g.node(r[0])
                 if p.kind == "source":
                     placed[key] = problem._place(b, new[tuple(r)], g.shape(r), want, views, p.op == "Weight",
-                                                 f"{n.label()}/in{pos}")
+                                                 f"{n.label()}/in{pos}", gathered)
                 else:
                     placed[key] = convert(b, new[tuple(r)], insts[r[0]].final_lay[r[1]], want, mesh, views,
                                           f"{n.label()}/in{pos}")
@@ -1101,6 +1111,8 @@ def build_plan_pcg(problem: IntraProblem, choice: Mapping[int, int]) -> tuple[PC
     b.set_outputs([new[tuple(r)] for r in g.outputs])
     b.remove_dead()
     b.meta = dict(g.meta, strategy="alpa", mesh=list(mesh.n), mesh_start=mesh.start)
+    if gathered:       # weight-update sharding: the gathered weights autograd keeps (see IntraProblem._place)
+        b.meta["gathered_weight_bytes"] = float(sum(gathered))
     out = b.finish()
     views = {k: v for k, v in views.items() if k in out}
     return out, views, specs
@@ -1133,6 +1145,7 @@ def solve_intra(g: PCG, machine: MachineSpec, mesh: tuple[int, int], *, start: i
     from ..mapping import MachineMapper
     r = MachineMapper(prob.model).evaluate(pcg, views)
     mem = float(r.memory.max_bytes) if r.memory is not None else INF
+    mem += pcg.meta.get("gathered_weight_bytes", 0.0)
     return IntraPlan(pcg, views, float(r.cost), mem, float(obj), solve_s, status, specs, (n0, n1), start,
                      t1 - t0, dict(prob.size(), total_s=time.perf_counter() - t0,
                                    ilp_memory_bytes=prob.memory(choice), feasible=r.feasible,
