@@ -331,10 +331,24 @@ def _pipeline(g: PCG, ev: "Evaluator", budget_s: float):
         from .pipeline import PipelineError, search_pipeline
     except ImportError:
         return None
+    t0 = time.perf_counter()
     try:
-        return search_pipeline(g, ev.mapper, min_stages=1, budget_s=max(budget_s, 0.01))
+        r = search_pipeline(g, ev.mapper, min_stages=1, budget_s=max(budget_s / 2, 0.01))
     except (PipelineError, UnityError, KeyboardInterrupt):      # Ctrl-C: keep the plan found so far
         return None
+    # nothing fits with the default micro-batch counts (at most 8 per stage): a large batch (a language
+    # model's 1,024 sequences) may need many more micro-batches before one micro-batch's activations fit
+    b = _batch_of(g)
+    more = [m for m in (64, 128, 256, 512, 1024) if b and b % m == 0]
+    if (r is None or not r.feasible) and more:
+        try:
+            r2 = search_pipeline(g, ev.mapper, min_stages=1, micro_batches=more,
+                                 budget_s=max(budget_s - (time.perf_counter() - t0), 0.01))
+        except (PipelineError, UnityError, KeyboardInterrupt):
+            return r
+        if r2 is not None and (r is None or (r2.feasible, -r2.cost) > (r.feasible, -r.cost)):
+            r = r2
+    return r
 
 
 # --- the entry point -------------------------------------------------------------------------------------
