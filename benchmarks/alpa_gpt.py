@@ -35,7 +35,7 @@ JSON_OUT = os.path.join(RESULTS, "alpa_gpt.json")
 MD_OUT = os.path.join(RESULTS, "alpa_gpt.md")
 
 GPT_BATCH = 1024
-BASELINE_MS = (1, 32, 256)                  # gradient accumulation steps tried for dp and Megatron
+BASELINE_MS = (1, 32, 128, 256)             # gradient accumulation steps tried for dp and Megatron
 ALPA_GPT = {"layers": 8, "micro_batches": 128, "stage_cost": "layer_sum"}
 ALPA_ZOO = {"layers": 8, "micro_batches": 8, "stage_cost": "layer_sum"}
 ZOO_MACHINE = "summit:8x6"
@@ -180,7 +180,7 @@ def part_gpt(models, budget, only=("alpa", "megatron", "dp", "unity")) -> None:
               file=sys.stderr, flush=True)
 
 
-def part_zoo(models) -> None:
+def part_zoo(models, micro_batches=None) -> None:
     from unity_pcg import zoo
     from unity_pcg.machine import parse_machine
     from unity_pcg.onnx_import import load_onnx
@@ -191,10 +191,18 @@ def part_zoo(models) -> None:
         path = fig14.model_path(name)
         batch = zoo.MODELS[name].paper_batch * m.num_devices
         g = load_onnx(path, batch=batch, load_weights=False)
+        old = _old_row("zoo", name)
         row = {"part": "zoo", "model": name, "gpus": m.num_devices, "machine": ZOO_MACHINE, "batch": batch,
                "params": g.param_count(), "nodes": len(g)}
+        settings = dict(ALPA_ZOO, micro_batches=micro_batches or ALPA_ZOO["micro_batches"])
         print(f"{name} on {ZOO_MACHINE}: alpa ...", file=sys.stderr, flush=True)
-        row["alpa"] = run_alpa(g, m, zoo.MODELS[name].paper_optimizer, ALPA_ZOO)
+        new = run_alpa(g, m, zoo.MODELS[name].paper_optimizer, settings)
+        # runs with other micro-batch counts are kept; the row shows the fastest feasible one
+        by_m = dict(old.get("alpa_by_m") or ({str(old["alpa"]["settings"]["micro_batches"]): old["alpa"]}
+                                             if old.get("alpa") else {}))
+        by_m[str(settings["micro_batches"])] = new
+        row["alpa_by_m"] = by_m
+        row["alpa"] = min(by_m.values(), key=lambda a: (not a.get("feasible"), a.get("iteration_s") or math.inf))
         save_row(row)
         print(f"  alpa {row['alpa'].get('iteration_s')} in {row['alpa']['planner_s']:.1f} s", file=sys.stderr,
               flush=True)
@@ -236,17 +244,34 @@ def report() -> str:
                  f"{r.get('megatron', {}).get('planner_s', 0):.1f} | {r.get('dp', {}).get('planner_s', 0):.1f} | "
                  f"{u.get('planner_s', 0):.1f} |")
     zr = [r for r in rows if r["part"] == "zoo"]
+    fig = {}
+    try:
+        with open(os.path.join(RESULTS, "fig14.json")) as f:
+            for x in json.load(f)["rows"]:
+                if x.get("devices") == 48 and x.get("machine") == ZOO_MACHINE and x.get("strategy") == "unity":
+                    fig[x["model"]] = x
+    except (OSError, ValueError, KeyError):
+        pass
     if zr:
         o += ["", f"## Alpa on Unity's zoo models, {ZOO_MACHINE} (48 GPUs)", "",
-              f"Alpa: {ALPA_ZOO['layers']} layers, {ALPA_ZOO['micro_batches']} micro-batches, "
-              f"`{ALPA_ZOO['stage_cost']}`; batch = Figure 14's per-GPU batch x 48.", "",
-              "| model | batch | Alpa samples/s | stages | planner (s) | ILP solves | note |", "|---|---|---|---|---|---|---|"]
+              f"Alpa: {ALPA_ZOO['layers']} layers, stage costs `{ALPA_ZOO['stage_cost']}`, the fastest of the "
+              "micro-batch counts run (M); batch = Figure 14's per-GPU batch x 48. Unity: the `unity` row of "
+              "`fig14.json` at 48 GPUs (same machine, batch and optimizer; its own budget).", "",
+              "| model | batch | Alpa samples/s | M | stages | planner (s) | ILP solves | Unity samples/s (fig14) | "
+              "Unity / Alpa | note |", "|---|---|---|---|---|---|---|---|---|---|"]
         for r in zr:
             a = r["alpa"]
+            u = fig.get(r["model"], {})
+            ut = u.get("predicted_iteration_s") if u.get("batch") == r["batch"] else None
+            ratio = a["iteration_s"] / ut if ut and a.get("feasible") and a.get("iteration_s") else None
             plan = ", ".join(f"{s['layers'][1] - s['layers'][0]}L@{s['shape'][0]}x{s['shape'][1]}"
                              for s in a.get("stages", [])) or "-"
-            o.append(f"| {r['model']} | {r['batch']} | {_thr(a, r['batch'])} | {plan} | {a['planner_s']:.1f} | "
-                     f"{a.get('solves', '-')} | {(a.get('reason') or ('priced, not stitched: ' + a['stitch_error'] if a.get('stitch_error') else ''))[:140]} |")
+            uthr = f"{r['batch'] / ut:,.1f}" if ut else "-"
+            o.append(f"| {r['model']} | {r['batch']} | {_thr(a, r['batch'])} | {a.get('micro_batches', '-')} | "
+                     f"{plan} | {a['planner_s']:.1f} | "
+                     f"{a.get('solves', '-')} | {uthr} | "
+                     f"{f'{ratio:.2f}x' if ratio else '-'} | "
+                     f"{(a.get('reason') or ('priced, not stitched: ' + a['stitch_error'] if a.get('stitch_error') else ''))[:140]} |")
     o.append("")
     return "\n".join(o)
 
@@ -257,6 +282,8 @@ def main(argv=None) -> int:
     ap.add_argument("--models", default=None, help="comma-separated subset")
     ap.add_argument("--budget", type=float, default=30.0, help="Unity's search budget per GPT model (s)")
     ap.add_argument("--only", default="alpa,megatron,dp,unity", help="GPT columns to (re)run; others are kept")
+    ap.add_argument("--zoo-micro-batches", default=None, help="Alpa's micro-batch count for --part zoo "
+                    f"(default {ALPA_ZOO['micro_batches']}; rows keep the fastest over runs)")
     ap.add_argument("--report", action="store_true")
     args = ap.parse_args(argv)
     from unity_pcg import zoo
@@ -264,7 +291,8 @@ def main(argv=None) -> int:
         part_gpt(args.models.split(",") if args.models else list(zoo.ALPA_MODELS), args.budget,
                  tuple(args.only.split(",")))
     elif args.part == "zoo":
-        part_zoo(args.models.split(",") if args.models else list(zoo.MODELS))
+        part_zoo(args.models.split(",") if args.models else list(zoo.MODELS),
+                 int(args.zoo_micro_batches) if args.zoo_micro_batches else None)
     if args.report or args.part:
         text = report()
         with open(MD_OUT, "w") as f:
