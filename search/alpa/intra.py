@@ -53,8 +53,8 @@ GPT and exactly on MLPs; the plan's ``memory_bytes`` is the latter.
 
 **Solver: HiGHS (highspy), presolve off, the LP relaxation first.**  Measured on the same ILPs
 (benchmarks/alpa_intra_bench.py -> results/alpa_intra.md, one DGX A100 node, wall seconds on a loaded 2-core
-machine): ResNeXt-50 (batch 512) 0.42 s with HiGHS vs 2.0 s with PuLP + CBC on a 2x4 mesh, BERT-Large (batch
-32) 0.71 vs 3.9 s, GPT-2.6B (batch 32) 0.96 vs 7.5 s; 0.03-0.12 vs 0.15-0.93 s on 1x8; the same optima.  CBC
+machine): ResNeXt-50 (batch 512) 0.12 s with HiGHS vs 0.47 s with PuLP + CBC on a 2x4 mesh, BERT-Large
+(batch 32) 0.17 vs 2.6 s, GPT-2.6B (batch 32) 0.92 vs 6.0 s; 0.03-0.04 vs 0.10-0.66 s on 1x8; the same optima.  CBC
 pays for building the model in Python and a process round trip; HiGHS takes numpy arrays in process.  The
 sum-to-one formulation's LP relaxation was integral on every model measured without a memory budget (then
 its optimum is the ILP's), so both solvers solve the LP first and run the MIP only when it is fractional:
