@@ -386,6 +386,7 @@ class StageCosts:
         self.optimizer, self.logical, self.wus, self.limit = optimizer, logical, weight_update_sharding, time_limit_s
         self.memo = memo if memo is not None else {}
         self.graphs: dict = {}
+        self.skeys: dict = {}
         self.solves = 0
         self.solve_s = 0.0
         self.M = micro_batches
@@ -425,7 +426,9 @@ class StageCosts:
         except UnityError as e:
             return StageCost(INF, reason=str(e))
         D = self.machine.devices_per_node
-        skey = P._shape_key(sg)
+        skey = self.skeys.get((k, i))
+        if skey is None:
+            skey = self.skeys[(k, i)] = P._shape_key(sg)
         best = None
         for mesh in logical_meshes(shape, D, self.logical):
             key = (skey, tuple(mesh), start % D if n == 1 else 0, self.optimizer, self.wus)
