@@ -20,9 +20,9 @@ onto the sum axes (a reduce-scatter in two steps, which is how our IR expresses 
 **Graph simplification** (section 4.2): operators that are not matmuls, convolutions or embeddings
 (element-wise, normalization, reshape/transpose, reductions) are merged into their deepest operand
 produced by a compute operator (BFS depth; an operand as large as the output first: a broadcast one,
-such as BERT's position embedding added to every sample, cannot carry the batch split) and follow its spec: each label of the merged operator
-takes the mesh axes of the operand dim it reads, except unshardable ones (the operand is then
-gathered along that dim).  Only the remaining *anchors* are ILP variables; a merged operator's costs
+such as BERT's position embedding added to every sample, cannot carry the batch split) and follow its
+spec: each label of the merged operator takes the mesh axes of the operand dim it reads, except
+unshardable ones (the operand is then gathered along that dim).  Only the remaining *anchors* are ILP variables; a merged operator's costs
 are part of its anchor's node cost, its other inputs are edges of the ILP.
 
 **Costs are our cost model's.**  A node cost is the sum of :meth:`GraphCost.leaf_cost` over a fragment
@@ -74,7 +74,17 @@ so per weight byte a device holds 1 (gathered) + (2 + optimizer states) / k (its
 states) where Alpa counts 1 + (1 + optimizer states) / k.
 
 The predicted iteration time ``time_s`` is :meth:`search.mapping.MachineMapper.evaluate` of the result
-(every node on its view, one after the other), not the ILP objective.
+(every node on its view, one after the other), not the ILP objective (they agree within a few percent:
+the plan shares a weight placement or a resharding between consumers that the ILP prices per edge).
+
+Use: ``solve_intra`` for a plan; ``IntraProblem(g, machine, mesh).solve()`` for the ILP's choice and
+objective alone (no PCG built: what a caller pricing many stage/mesh pairs needs).  Prices are memoized by
+structure across problems on the same machine, mesh and settings, so the repeated layers of a model, and
+stages cut from it, are priced once.  Known limits: an ``AllReduce`` after an operator replicated along the
+other mesh axis is priced (by :class:`GraphCost`, as the executor runs it) as one all-reduce over all the
+copies, not one per mesh row; on machines whose devices share cores (``local``) a fragment's inputs from
+other groups are model inputs to :meth:`GraphCost.backward_scale`, so their operators' backward is
+under-priced in the ILP (``time_s`` is exact).
 """
 from __future__ import annotations
 
