@@ -11,7 +11,7 @@ onnxruntime on the same seeded random inputs and compares every output (toleranc
 ``unity_pcg/onnx_import/check.py``).  A failing export, import or check is a row with its one-line reason.
 
     .venv/bin/python benchmarks/import_coverage.py [--export] [--models bert,resnet50] [--no-light]
-                                                   [--tv-python /work/tv-venv/bin/python]
+                                                   [--tv-python /work/tv-venv/bin/python] [--batch-check N]
 
 ``--export`` first runs the exports that are not cached yet (transformers here, torchvision with
 ``--tv-python`` when it exists).  Writes benchmarks/results/import_coverage.json and .md.
@@ -55,13 +55,26 @@ def manifest() -> list[dict]:
                                        r["exporter"]))
 
 
-def check_file(path: str, timeout: float = CASE_TIMEOUT_S) -> dict:
+def batch_check(path: str, batch: int, timeout: float = CASE_TIMEOUT_S) -> dict:
+    """``import --check --batch N``: the batch override checked against onnxruntime running the file at N.
+    ``refused``: the importer says which node holds the batch; ``no_reference``: onnxruntime cannot run the file
+    at N either (its graph fixes the batch), so there is nothing to compare with."""
+    r = check_file(path, timeout, ["--batch", str(batch)])
+    st, why = r["status"], r.get("reason", "")
+    if st == "import_error" and why.startswith("no reference at batch"):
+        st = "no_reference"
+    elif st == "import_error" and f"batch {batch}:" in why:
+        st = "refused"
+    return {"batch": batch, "status": st, "reason": why, "ratio": r.get("ratio"), "reference": r.get("reference")}
+
+
+def check_file(path: str, timeout: float = CASE_TIMEOUT_S, extra: list | None = None) -> dict:
     """``unity-pcg import PATH --check --json`` in a fresh process -> the row's measured fields."""
     env = dict(os.environ, PYTHONPATH=ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""), OMP_NUM_THREADS="1")
     t = time.perf_counter()
     try:
-        r = subprocess.run([sys.executable, "-m", "unity_pcg.cli", "import", path, "--check", "--json"],
-                           capture_output=True, text=True, timeout=timeout, env=env, cwd=ROOT)
+        r = subprocess.run([sys.executable, "-m", "unity_pcg.cli", "import", path, "--check", "--json",
+                            *(extra or [])], capture_output=True, text=True, timeout=timeout, env=env, cwd=ROOT)
     except subprocess.TimeoutExpired:
         return {"status": "timeout", "reason": f"import --check took over {timeout:.0f} s"}
     wall = time.perf_counter() - t
@@ -79,7 +92,8 @@ def check_file(path: str, timeout: float = CASE_TIMEOUT_S) -> dict:
                import_seconds=out["import_seconds"], inputs={i["name"]: i["shape"] for i in out["inputs"]},
                max_abs=c["max_abs"], max_rel=c["max_rel"], ratio=max((o["ratio"] for o in c["outputs"]), default=0),
                depth=c["depth"], factor=c["factor"], int_bounds=c["int_bounds"],
-               eval_seconds=round(c["eval_seconds"], 2), ort_seconds=round(c["ort_seconds"], 2))
+               eval_seconds=round(c["eval_seconds"], 2), ort_seconds=round(c["ort_seconds"], 2),
+               reference=c.get("reference"))
     if row["status"] != "equal":
         row["reason"] = "; ".join(f"{o['name']}: {o['why']}" for o in c["outputs"] if not o["ok"])
     return row
@@ -121,6 +135,24 @@ def markdown(meta: dict, rows: list[dict]) -> str:
         L.append(f"| {r['model']} | {r['family']} | {r['exporter']} | {r.get('onnx_nodes', '')} | "
                  f"{r.get('pcg_ops', '')} | {_fmt(r.get('import_seconds'))} | {_fmt(r.get('max_abs'))} | "
                  f"{_fmt(r.get('max_rel'))} | {_fmt(r.get('ratio'))} | {st} |")
+    bc = [r for r in rows if r.get("batch_check")]
+    if bc:
+        b = bc[0]["batch_check"]["batch"]
+        counts: dict = {}
+        for r in bc:
+            counts[r["batch_check"]["status"]] = counts.get(r["batch_check"]["status"], 0) + 1
+        L += ["", f"## `--check --batch {b}` (the batch override against onnxruntime running the file at batch {b})",
+              "", "equal: imported at the new batch and equal to onnxruntime running the file with its inputs at "
+              "the new batch or, where the file's graph fixes its batch, the file at its own batch on the samples in "
+              "chunks (`(chunks)`); refused: the importer names the node that holds the exported batch (one line, "
+              "exit 2); no_reference: neither reference can be run.", "",
+              "; ".join(f"{k}: {v}" for k, v in sorted(counts.items())), "",
+              "| model | exporter | status | err/tol or reason |", "|---|---|---|---|"]
+        for r in bc:
+            c = r["batch_check"]
+            detail = _fmt(c.get("ratio")) + (" (chunks)" if "chunks" in (c.get("reference") or "") else "") \
+                if c["status"] == "equal" else c.get("reason", "")
+            L.append(f"| {r['model']} | {r['exporter']} | {c['status']} | {detail[:240]} |".replace("\n", " "))
     fails = [r for r in rows if r["status"] != "equal"]
     if fails:
         L += ["", "## What stops the others", ""]
@@ -156,6 +188,8 @@ def main(argv=None) -> int:
     ap.add_argument("--no-light", action="store_true", help="leave out the onnx wheel's light models")
     ap.add_argument("--tv-python", default="/work/tv-venv/bin/python",
                     help="Python with torch + torchvision for the torchvision exports")
+    ap.add_argument("--batch-check", type=int, default=0, metavar="N",
+                    help="also run `import --check --batch N` on each export (the batch override)")
     ap.add_argument("--merge", action="store_true",
                     help="keep the rows of earlier runs for models not measured now")
     a = ap.parse_args(argv)
@@ -178,9 +212,12 @@ def main(argv=None) -> int:
             row.update(status="export_failed", reason=rec.get("error", ""))
         else:
             row.update(check_file(os.path.join(HERE, rec["file"])))
+            if a.batch_check and row["status"] == "equal":
+                row["batch_check"] = batch_check(os.path.join(HERE, rec["file"]), a.batch_check)
         rows.append(row)
         print(f"{row['model']:20s} {row['exporter']:7s} {row['status']:13s} {_fmt(row.get('import_seconds'))} "
-              f"{_fmt(row.get('ratio'))} {row.get('reason', '')}", flush=True)
+              f"{_fmt(row.get('ratio'))} {row.get('reason', '')}"
+              + (f" | batch {row['batch_check']['status']}" if row.get("batch_check") else ""), flush=True)
     if not a.no_light:
         for p in light_models():
             name = os.path.basename(p)[:-5]

@@ -176,6 +176,47 @@ def test_cli_check_with_batch_override_runs_onnxruntime_at_that_batch(tmp_path, 
     assert d["check"]["ok"] and d["check"]["outputs"][0]["shape"] == [5, 5, 8]
 
 
+def _baked_reshape(transpose: bool) -> onnx.ModelProto:
+    """x[2, 4, 2] -> Reshape to the literal [2, 8] (the exported batch baked in) -> Relu (-> Transpose)."""
+    tgt = numpy_helper.from_array(np.array([2, 8], np.int64), "tgt")
+    nodes = [N("Reshape", ["x", "tgt"], ["r"]), N("Relu", ["r"], ["y"])]
+    if transpose:
+        nodes.append(N("Transpose", ["y"], ["yt"], perm=[1, 0]))
+    return _model(nodes, [helper.make_tensor_value_info("x", TensorProto.FLOAT, [2, 4, 2])],
+                  [helper.make_tensor_value_info("yt" if transpose else "y", TensorProto.FLOAT, None)], [tgt])
+
+
+def test_cli_check_batch_override_of_a_file_that_fixes_its_batch(tmp_path, capsys):
+    """The importer rewrites the Reshape target for --batch 3, onnxruntime cannot run the file at batch 3: the
+    reference is the file at batch 2 on the 3 samples in chunks (said in the output); an output that does not
+    lead with the batch leaves no reference: exit 2, one line."""
+    p = str(tmp_path / "r.onnx")
+    onnx.save(_baked_reshape(False), p)
+    assert main(["import", p, "--check", "--batch", "3"]) == 0
+    out = capsys.readouterr().out
+    assert "check: equal" in out and "in chunks of 2" in out and "float32[3, 8]" in out
+    onnx.save(_baked_reshape(True), p)
+    rc = main(["import", p, "--check", "--batch", "3"])
+    err = capsys.readouterr().err
+    assert rc == 2 and len(err.strip().splitlines()) == 1, err
+    assert "no reference at batch 3" in err and "does not lead with the exported batch 2" in err
+
+
+def test_per_sample_reference_equals_running_the_whole_batch():
+    """Chunks of 2 over 5 samples (the last one padded) give what a dynamic-batch file gives at batch 5."""
+    from unity_pcg.onnx_import.check import _per_sample_reference, run_onnxruntime
+    rng = np.random.default_rng(1)
+    w = numpy_helper.from_array(rng.standard_normal((4, 3)).astype(np.float32), "w")
+    m = _model([N("MatMul", ["x", "w"], ["h"]), N("Softmax", ["h"], ["y"], axis=-1)],
+               [helper.make_tensor_value_info("x", TensorProto.FLOAT, ["b", 4])],
+               [helper.make_tensor_value_info("y", TensorProto.FLOAT, None)], [w])
+    x = rng.standard_normal((5, 4)).astype(np.float32)
+    whole = run_onnxruntime(m, {"x": x})
+    chunked = _per_sample_reference(m, {"x": x}, 2, 5, "test")
+    assert chunked[0].shape == (5, 3)
+    np.testing.assert_allclose(chunked[0], whole[0], rtol=1e-6, atol=1e-7)
+
+
 def test_cli_check_needs_onnxruntime(tmp_path, capsys, monkeypatch):
     p = str(tmp_path / "c.onnx")
     onnx.save(_chain(2), p)

@@ -108,7 +108,10 @@ def _write_check(w, chk) -> None:
       f"(atol {chk.atol:g} x max|ort| + rtol {chk.rtol:g} x |ort|)")
     if chk.int_bounds:
         w("; integer inputs below " + ", ".join(f"{k}: {v}" for k, v in chk.int_bounds.items()))
-    w("):\n")
+    w(")")
+    if chk.reference != "onnxruntime":
+        w(f"; reference: {chk.reference}")
+    w(":\n")
     width = max((len(o.name) for o in chk.outputs), default=6)
     for o in chk.outputs:
         w(f"  {o.name:<{width}}  {o.dtype}{list(o.shape)}  max abs err {o.max_abs:.3g}  max rel err {o.max_rel:.3g}"
