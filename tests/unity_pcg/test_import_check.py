@@ -286,9 +286,29 @@ def _export_seed() -> onnx.ModelProto:
     return onnx.load_from_string(f.getvalue())
 
 
+def _export_seed_indexing() -> onnx.ModelProto:
+    """A second export for the indexing and mask paths: GatherElements, Trilu, CumSum, Equal/Where on activations,
+    Expand, ScatterND (index assignment)."""
+    torch = pytest.importorskip("torch")
+
+    class M(torch.nn.Module):
+        def forward(s, x, ids, mask):
+            y = x.clone()
+            y[:, 0] = 0.0
+            return (torch.gather(x, 1, ids) + torch.triu(x) + torch.cumsum(x, dim=1)
+                    + x.masked_fill(mask == 0, -1.0) + x[:, :1].expand(-1, 5) + y)
+
+    args = (torch.randn(5, 5), torch.randint(0, 5, (5, 5)), torch.randint(0, 2, (5, 5)))
+    f = io.BytesIO()
+    with torch.no_grad(), warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        torch.onnx.export(M().eval(), args, f, dynamo=False, opset_version=18, input_names=["x", "ids", "mask"])
+    return onnx.load_from_string(f.getvalue())
+
+
 @pytest.fixture(scope="module")
-def seed_model() -> onnx.ModelProto:
-    return _export_seed()
+def seed_models() -> list[onnx.ModelProto]:
+    return [_export_seed(), _export_seed_indexing()]
 
 
 # attribute values the ONNX spec does not allow (or we do not support) for the operators of the seed
@@ -310,12 +330,16 @@ BAD_ATTRS = {
     "Flatten": [("axis", 12)],
     "Transpose": [("perm", [0, 0, 1])],
     "Concat": [("axis", 40)],
+    "GatherElements": [("axis", 5)],
+    "CumSum": [("exclusive", b"yes")],
+    "ScatterND": [("reduction", b"maximum-ish")],
+    "Trilu": [("upper", 1.5)],
 }
 # one more leading dim on input 0: a rank mismatch the spec forbids for the first set (kernel, pads, scales or
 # equation fixed by the rank); for the second it may be valid (MatMul and PRelu broadcast, InstanceNormalization
 # of GroupNorm's reshape takes any rank >= 3): there it must import and check equal, or exit 2
-RANK_STRICT = {"Conv", "ConvTranspose", "MaxPool", "AveragePool", "Einsum", "Pad", "Resize"}
-RANK_FIXED = RANK_STRICT | {"InstanceNormalization", "PRelu", "MatMul"}
+RANK_STRICT = {"Conv", "ConvTranspose", "MaxPool", "AveragePool", "Einsum", "Pad", "Resize", "GatherElements"}
+RANK_FIXED = RANK_STRICT | {"InstanceNormalization", "PRelu", "MatMul", "Trilu", "CumSum", "ScatterND"}
 
 
 def _set_attr(node, name, value):
@@ -363,22 +387,25 @@ def _mutants(seed: onnx.ModelProto) -> list[tuple[str, onnx.ModelProto]]:
     return out
 
 
-def test_seed_export_imports_and_checks_equal(seed_model, tmp_path, capsys):
-    """The unmutated export imports and checks equal, so the mutants below reach the operators they mutate."""
+def test_seed_exports_import_and_check_equal(seed_models, tmp_path, capsys):
+    """The unmutated exports import and check equal, so the mutants below reach the operators they mutate."""
     p = str(tmp_path / "seed.onnx")
-    onnx.save(seed_model, p)
-    rc = main(["import", p, "--check"])
-    cap = capsys.readouterr()
-    assert rc == 0 and "check: equal" in cap.out, cap.err
-    for op in ("Conv3d", "ConvTranspose", "PRelu", "LogSoftmax", "Pad", "Resize", "Einsum", "Tile"):
-        assert op in cap.out, op
+    ops = [("Conv3d", "ConvTranspose", "PRelu", "LogSoftmax", "Pad", "Resize", "Einsum", "Tile"),
+           ("GatherElements", "Trilu", "CumSum", "Where", "ScatterND")]
+    for m, want in zip(seed_models, ops):
+        onnx.save(m, p)
+        rc = main(["import", p, "--check"])
+        cap = capsys.readouterr()
+        assert rc == 0 and "check: equal" in cap.out, cap.err
+        for op in want:
+            assert op in cap.out, op
 
 
-def test_fuzzed_exports_exit_2_with_one_line(seed_model, tmp_path, capsys):
+def test_fuzzed_exports_exit_2_with_one_line(seed_models, tmp_path, capsys):
     """Every mutant that the ONNX spec forbids exits 2 with one line (in process: any other exception would
     escape ``main`` and fail the test); zero-size weights and rank changes that may be valid may also import if
     the check then says equal (never exit 1: a wrong PCG)."""
-    cases = _mutants(seed_model)
+    cases = [c for m in seed_models for c in _mutants(m)]
     kinds = {c.split()[0] for c, _ in cases}
     assert kinds == {"attr", "rank", "rank?", "zero-size", "dangling"} and len(cases) >= 40
     p = str(tmp_path / "mut.onnx")
@@ -400,9 +427,9 @@ def test_fuzzed_exports_exit_2_with_one_line(seed_model, tmp_path, capsys):
     assert not failures, "\n".join(failures)
 
 
-def test_fuzzed_exports_through_the_real_cli(seed_model, tmp_path):
+def test_fuzzed_exports_through_the_real_cli(seed_models, tmp_path):
     """A sample through a fresh process: exit 2, one line on stderr, no traceback."""
-    cases = _mutants(seed_model)
+    cases = _mutants(seed_models[0])
     pick = [c for c in cases if c[0].startswith(("rank ConvTranspose", "attr Resize.mode"))]
     assert len(pick) == 2
     for what, m in pick:
