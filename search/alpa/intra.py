@@ -1169,13 +1169,16 @@ def build_plan_pcg(problem: IntraProblem, choice: Mapping[int, int]) -> tuple[PC
 
 def solve_intra(g: PCG, machine: MachineSpec, mesh: tuple[int, int], *, start: int = 0, optimizer: str = "adam",
                 memory_budget: float | None = None, weight_update_sharding: bool = False,
-                time_limit_s: float = 30.0, solver: str = "highs", mip_gap: float = 1e-7) -> IntraPlan:
+                time_limit_s: float = 30.0, solver: str = "highs", mip_gap: float = 1e-7,
+                price: bool = True) -> IntraPlan:
     """Alpa's intra-operator plan of the logical PCG ``g`` on the ``mesh`` (n0, n1) of devices
     ``start .. start+n0*n1-1`` of ``machine`` (see module docstring).  ``memory_budget``: bytes per device
     (default: the device's capacity).  ``mip_gap``: relative gap at which the MIP stops when the LP relaxation
     is fractional (default exact up to 1e-7; with 1e-4, GPT-2.6B with weight-update sharding on 2x4, whose LP
-    bound is 0.009% below the optimum, takes its rounded LP solution at once: 1 s instead of 16-20 s).  Raises :class:`AlpaError` for a bad mesh or graph,
-    :class:`IntraInfeasible` when no plan fits the budget."""
+    bound is 0.009% below the optimum, takes its rounded LP solution at once: 1 s instead of 16-20 s).
+    ``price=False`` skips pricing the plan (a third of the time on a GPT stage; for a caller that prices it
+    itself): ``time_s`` is then the ILP objective and ``memory_bytes`` the ILP's memory.  Raises
+    :class:`AlpaError` for a bad mesh or graph, :class:`IntraInfeasible` when no plan fits the budget."""
     t0 = time.perf_counter()
     try:
         n0, n1 = (int(x) for x in mesh)
@@ -1193,14 +1196,18 @@ def solve_intra(g: PCG, machine: MachineSpec, mesh: tuple[int, int], *, start: i
     t1 = time.perf_counter()
     choice, obj, status, solve_s = prob.solve(memory_budget, time_limit_s, solver, mip_gap)
     pcg, views, specs = build_plan_pcg(prob, choice)
+    ilp_mem = prob.memory(choice)
+    if not price:
+        return IntraPlan(pcg, views, float(obj), ilp_mem, float(obj), solve_s, status, specs, (n0, n1), start,
+                         t1 - t0, dict(prob.size(), total_s=time.perf_counter() - t0, ilp_memory_bytes=ilp_mem,
+                                       priced=False))
     from ..mapping import MachineMapper
     r = MachineMapper(prob.model).evaluate(pcg, views)
     mem = float(r.memory.max_bytes) if r.memory is not None else INF
     mem += pcg.meta.get("gathered_weight_bytes", 0.0)
     return IntraPlan(pcg, views, float(r.cost), mem, float(obj), solve_s, status, specs, (n0, n1), start,
-                     t1 - t0, dict(prob.size(), total_s=time.perf_counter() - t0,
-                                   ilp_memory_bytes=prob.memory(choice), feasible=r.feasible,
-                                   reason=r.reason))
+                     t1 - t0, dict(prob.size(), total_s=time.perf_counter() - t0, ilp_memory_bytes=ilp_mem,
+                                   feasible=r.feasible, reason=r.reason, priced=True))
 
 
 __all__ = ["solve_intra", "IntraPlan", "IntraProblem", "AlpaError", "IntraInfeasible", "Layout", "Mesh",

@@ -188,6 +188,8 @@ def test_mlp_big_batch_is_data_parallel():
     dp, _ = _dp_time(g, DGX, 8)
     assert p.time_s <= dp * (1 + 1e-9)
     assert p.time_s == pytest.approx(p.objective, rel=1e-6)
+    q = solve_intra(g, DGX, (1, 8), price=False)       # the same plan, not priced again
+    assert q.specs == p.specs and q.time_s == q.objective and q.memory_bytes == p.stats["ilp_memory_bytes"]
 
 
 def test_mlp_huge_weights_are_tensor_parallel():
