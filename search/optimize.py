@@ -348,6 +348,21 @@ def _pipeline(g: PCG, ev: "Evaluator", budget_s: float):
             return r
         if r2 is not None and (r is None or (r2.feasible, -r2.cost) > (r.feasible, -r.cost)):
             r = r2
+    if (r is None or not r.feasible) and more:
+        # still nothing: stages data parallel inside hold every weight of the stage on each device;
+        # Megatron's tensor parallelism inside the stages (search/baselines.py) divides them
+        from .baselines import megatron
+        D = ev.machine.devices_per_node
+
+        def tensor_parallel(sg, res):
+            return megatron(sg, res.size, devices_per_node=D)
+        try:
+            r3 = search_pipeline(g, ev.mapper, min_stages=1, micro_batches=more, intra=tensor_parallel,
+                                 budget_s=max(budget_s - (time.perf_counter() - t0), 0.01))
+        except (PipelineError, UnityError, KeyboardInterrupt):
+            return r
+        if r3 is not None and (r is None or (r3.feasible, -r3.cost) > (r.feasible, -r.cost)):
+            r = r3
     return r
 
 
