@@ -2,7 +2,9 @@
 like every generated rule (rules_cmd / generate re-prove them; none is shipped unproven).
 
 * ``dp_<Op>``: data (sample-dim) parallelism for every compute operator that allows it: ``op(x, w..)``
-  becomes ``Combine(op(Partition(x), Replicate(w)..))`` (Unity Fig. 9a);
+  becomes ``Combine(op(Partition(x), Replicate(w)..))`` (Unity Fig. 9a); ``dp_<Op>_<variant>`` where
+  the inputs that carry the sample dim differ (``_pr``/``_rp``: the broadcast operand replicated,
+  ``_bias``, ``dp_GatherND_batch``; the specs are ``verifier.axioms.SAMPLE_RULES``);
 * Megatron-LM (Fig. 10): ``megatron_attention_heads`` (BatchMatMul on partitioned heads),
   ``megatron_column_linear``, ``megatron_row_linear`` and ``megatron_mlp_column_row`` (column- then
   row-parallel Linear ending in a Reduce), ``megatron_mlp_column_<gelu|relu>_row`` (the same with the
@@ -26,7 +28,7 @@ import json
 from typing import Any
 
 from unity_pcg.shape import ParallelTensorShape as S
-from unity_pcg.verifier.axioms import BINARY, SAMPLE_OPS, TRANSPOSE_SAMPLE_PERMS, UNARY
+from unity_pcg.verifier.axioms import BINARY, SAMPLE_OPS, SAMPLE_RULES, TRANSPOSE_SAMPLE_PERMS, UNARY
 
 from .rule import Pattern, PatNode, Rule
 from .terms import op, rule_of
@@ -86,6 +88,13 @@ def template_rules() -> list[Rule]:
         args = [_part(names[0], 0)] + [_rep(n) for n in names[1:]]
         r = rule_of(f"dp_{o}", op(o, *names, **pa), _comb(op(o, *args, **pa), 0), V, cons, inputs=names)
         rules.append(_with_example(r, {**ex, "k": 2}, shapes, ints, vk))
+    # the import-coverage operators (issue 10; variants with a broadcast operand replicated)
+    for name, sr in SAMPLE_RULES.items():
+        names = list(sr.shapes)
+        args = [_part(n, 0) if p else _rep(n) for n, p in zip(names, sr.parts)]
+        r = rule_of(name, op(sr.op, *names, **sr.attrs), _comb(op(sr.op, *args, **sr.attrs), 0), dict(sr.vars),
+                    [list(c) for c in sr.cons], inputs=names)
+        rules.append(_with_example(r, {**sr.example, "k": 2}, sr.shapes, sr.ints, sr.values))
     for p in TRANSPOSE_SAMPLE_PERMS:        # a permutation that keeps the sample dim first
         r = rule_of("dp_Transpose_" + "".join(map(str, p)), op("Transpose", "x", perm=p),
                     _comb(op("Transpose", _part("x", 0), perm=p), 0), K)

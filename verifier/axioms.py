@@ -68,11 +68,28 @@ UNARY: dict[str, tuple[dict, dict, str, bool]] = {
     "Scale": ({"factor": "$f"}, {"f": 1.5}, "float", True),
     "Clip": ({"min": "$lo", "max": "$hi"}, {"lo": -0.5, "hi": 0.5}, "float", False),
     "Cast": ({"to": "$t"}, {"t": "float64"}, "float", True),
+    # import-coverage activations (issue 10): element-wise, every dim free, no partial sums
+    "Silu": ({}, {}, "float", False),
+    "GeluTanh": ({}, {}, "float", False),
+    "LeakyRelu": ({"alpha": "$al"}, {"al": 0.01}, "float", False),
+    "Elu": ({"alpha": "$al"}, {"al": 1.0}, "float", False),
+    "Selu": ({"alpha": "$al", "gamma": "$ga"}, {"al": 1.6732632, "ga": 1.0507010}, "float", False),
+    "Celu": ({"alpha": "$al"}, {"al": 1.0}, "float", False),
+    "Softplus": ({}, {}, "float", False),
+    "Softsign": ({}, {}, "float", False),
+    "Mish": ({}, {}, "float", False),
+    "HardSigmoid": ({"alpha": "$al", "beta": "$be"}, {"al": 0.2, "be": 0.5}, "float", False),
+    "HardSwish": ({}, {}, "float", False),
+    "Abs": ({}, {}, "float", False),
+    "Log": ({}, {}, "pos", False),
 }
 BINARY: dict[str, tuple[str, str]] = {
     # op: (linearity: additive | bilinear | linear0 | none, value kind)
     "Add": ("additive", "float"), "Sub": ("additive", "float"), "Mul": ("bilinear", "float"),
     "Div": ("linear0", "pos"), "Pow": ("none", "pos"), "Max": ("none", "float"), "Min": ("none", "float"),
+    # import-coverage operators (issue 10): the slope of PRelu and the comparisons (bool out), no partial sums
+    "PRelu": ("none", "float"), "Equal": ("none", "float"), "Less": ("none", "float"),
+    "Greater": ("none", "float"), "LessOrEqual": ("none", "float"), "GreaterOrEqual": ("none", "float"),
 }
 
 
@@ -413,6 +430,124 @@ _ax("Reshape_partition_merge_last", "reshape_partition_heads", "parallel",
     op("Partition", op("Reshape", "x", shape="$sh"), dim=-1, degree="$k"), {"k": "degree", "sh": "attr"},
     (), bind={"k": 2, "sh": (2, 4)}, shapes={"x": S.of((2, 2, 2))})
 
+
+# --- data parallelism of the import-coverage operators (issue 10) ------------------------------------------
+# One entry per dp template (rule name -> spec) and one ``sample_partition`` axiom that proves it: the
+# operator on its inputs partitioned on dim 0 (the sample dim) or replicated equals its output partitioned
+# on dim 0.  Attribute-dependent cases need no constraint beyond those written (a reduced, scanned, tiled,
+# padded, resized or sliced dim 0; a gather or scatter along dim 0; an operand that does not broadcast along
+# dim 0 but is replicated): the operator's labels make such an input unshardable or its degrees mismatch,
+# so the left side is not a valid parallelization and the equation claims nothing there (DESIGN: "=" holds
+# where both sides are valid; the self-check runs each at its example).  Operators whose output's sample
+# dim depends on an attribute in a way labels cannot refuse get no axiom (DESIGN lists them: Einsum,
+# Expand, ScatterND).  An axis attribute is a plain ``attr`` variable, not a constrained ``fdim``: the
+# matcher normalizes only the dim attributes of ``substitutions.rule.DIM_ATTRS`` (the core operators'), so
+# ``axis=-1`` would not satisfy ``a >= 1``; an axis 0 is refused by the labels instead (LogSoftmax, CumSum,
+# GatherElements and ScatterElements make their axis unshardable).
+
+@dataclass(frozen=True)
+class SampleRule:
+    """A data-parallel template: ``op(inputs)`` -> ``Combine(op(Partition or Replicate of each), 0)``."""
+    op: str
+    attrs: Mapping[str, Any]          # attribute pattern
+    example: Mapping[str, Any]        # example values of the variables (the degree k is added)
+    shapes: Mapping[str, S]           # input name -> example shape (dim 0 the sample dim)
+    parts: tuple[bool, ...]           # per input: True = Partition(dim 0), False = Replicate
+    values: str = "float"
+    ints: tuple[str, ...] = ()
+    cons: tuple = ()
+    vars: Mapping[str, str] = field(default_factory=dict)
+
+
+SAMPLE_RULES: dict[str, SampleRule] = {}
+
+
+def _sample_rule(name: str, o: str, attrs: dict, example: dict, shapes: dict, parts=None, values: str = "float",
+                 ints=(), cons=(), kinds=None) -> None:
+    V = {"k": "degree"}
+    for v in attrs.values():
+        for x in (v if isinstance(v, tuple) else (v,)):
+            if isinstance(x, str) and x.startswith("$"):
+                V[x[1:]] = "attr"
+    V.update(kinds or {})
+    names = list(shapes)
+    parts = tuple(parts) if parts is not None else (True,) + (False,) * (len(names) - 1)
+    SAMPLE_RULES[name] = SampleRule(o, dict(attrs), dict(example), dict(shapes), parts, values, tuple(ints),
+                                    tuple(tuple(c) for c in cons), V)
+    args = [op("Partition", n, dim=0, degree="$k") if p else op("Replicate", n, degree="$k")
+            for n, p in zip(names, parts)]
+    _ax(f"{name[3:]}_partition_sample", "sample_partition", "parallel", op(o, *args, **attrs),
+        op("Partition", op(o, *names, **attrs), dim=0, degree="$k"), V, [list(c) for c in cons],
+        bind={**example, "k": 2}, shapes=shapes, values=values, int_inputs=ints)
+
+
+_B44 = S.of((4, 4), dtype="bool")
+_B14 = S.of((1, 4), dtype="bool")
+# boolean logic (bool inputs): Not, and And/Or/Xor with both operands or one broadcast operand replicated
+_sample_rule("dp_Not", "Not", {}, {}, {"x": _B44})
+for _o in ("And", "Or", "Xor"):
+    _sample_rule(f"dp_{_o}", _o, {}, {}, {"x": _B44, "y": _B44}, (True, True))
+    _sample_rule(f"dp_{_o}_pr", _o, {}, {}, {"x": _B44, "y": _B14}, (True, False))
+    _sample_rule(f"dp_{_o}_rp", _o, {}, {}, {"x": _B14, "y": _B44}, (False, True))
+# the float-input binary operators added above (dp_<Op> partitions both): one operand broadcast along dim 0
+# (a PRelu slope, a comparison with a per-feature threshold) is replicated
+for _o in ("PRelu", "Equal", "Less", "Greater", "LessOrEqual", "GreaterOrEqual"):
+    _sample_rule(f"dp_{_o}_pr", _o, {}, {}, {"x": S.of((4, 4)), "y": S.of((1, 4))}, (True, False))
+    if _o != "PRelu":   # PRelu's output has the input's shape: its input never broadcasts
+        _sample_rule(f"dp_{_o}_rp", _o, {}, {}, {"x": S.of((1, 4)), "y": S.of((4, 4))}, (False, True))
+# Where(cond, x, y): every pattern of partitioned (full) and replicated (broadcast along dim 0) operands
+for _m in range(1, 8):
+    _pp = tuple(bool(_m >> (2 - j) & 1) for j in range(3))
+    _sh = {n: S.of((4, 4) if p else (1, 4), dtype="bool" if n == "c" else "float32")
+           for n, p in zip(("c", "x", "y"), _pp)}
+    _sample_rule("dp_Where" + ("" if all(_pp) else "_" + "".join("p" if p else "r" for p in _pp)), "Where", {}, {},
+                 _sh, _pp)
+_sample_rule("dp_LogSoftmax", "LogSoftmax", {"axis": "$a"}, {"a": -1}, {"x": S.of((2, 3))})
+for _o in ("ReduceMax", "ReduceMin", "ReduceProd", "ReduceL2", "ReduceLogSumExp"):
+    _sample_rule(f"dp_{_o}", _o, {"axes": "$ax", "keepdims": "$kd"}, {"ax": (1,), "kd": False}, {"x": S.of((2, 3))})
+_CONV = {"stride": "$st", "padding": "$pad", "dilation": "$dil", "groups": "$g"}
+_ex3 = {"st": (1, 1, 1), "pad": (0, 1, 0, 0, 1, 0), "dil": (1, 1, 1), "g": 1}
+_sample_rule("dp_Conv3d", "Conv3d", _CONV, _ex3, {"x": S.of((2, 2, 3, 3, 3)), "w": S.of((2, 2, 2, 2, 2))})
+_sample_rule("dp_Conv3d_bias", "Conv3d", _CONV, _ex3,
+             {"x": S.of((2, 2, 3, 3, 3)), "w": S.of((2, 2, 2, 2, 2)), "b": S.of((2,))})
+_POOL = {"kind": "$kind", "kernel": "$ker", "stride": "$st", "padding": "$pad", "dilation": "$dil",
+         "global_pool": "$gp", "count_include_pad": "$cip", "ceil_mode": "$cm"}
+_sample_rule("dp_Pool1d", "Pool1d", _POOL, {"kind": "max", "ker": (2,), "st": (2,), "pad": (0, 0), "dil": (1,),
+                                            "gp": False, "cip": False, "cm": False}, {"x": S.of((2, 2, 4))})
+_sample_rule("dp_Pool3d", "Pool3d", _POOL, {"kind": "avg", "ker": (2, 2, 2), "st": (2, 2, 2), "pad": (0,) * 6,
+                                            "dil": (1, 1, 1), "gp": False, "cip": False, "cm": False},
+             {"x": S.of((2, 2, 2, 2, 4))})
+_CT = {"stride": "$st", "padding": "$pad", "dilation": "$dil", "output_padding": "$op", "groups": "$g"}
+_exct = {"st": (2, 1), "pad": (0, 0, 1, 0), "dil": (1, 1), "op": (0, 0), "g": 1}
+_sample_rule("dp_ConvTranspose", "ConvTranspose", _CT, _exct, {"x": S.of((2, 2, 3, 3)), "w": S.of((2, 2, 2, 2))})
+_sample_rule("dp_ConvTranspose_bias", "ConvTranspose", _CT, _exct,
+             {"x": S.of((2, 2, 3, 3)), "w": S.of((2, 2, 2, 2)), "b": S.of((2,))})
+_sample_rule("dp_InstanceNorm", "InstanceNorm", {"eps": "$e"}, {"e": 1e-5},
+             {"x": S.of((2, 3, 2, 2)), "s": S.of((3,)), "b": S.of((3,))})
+_sample_rule("dp_GroupNorm", "GroupNorm", {"groups": "$gr", "eps": "$e"}, {"gr": 2, "e": 1e-5},
+             {"x": S.of((2, 4, 2, 2)), "s": S.of((4,)), "b": S.of((4,))})
+_sample_rule("dp_Resize", "Resize", {"sizes": "$sz", "scales": "$sc", "mode": "$m", "coordinate_mode": "$cmode",
+                                     "nearest_mode": "$nm"},
+             {"sz": (2, 2, 4, 3), "sc": (1.0, 1.0, 2.0, 1.5), "m": "linear", "cmode": "half_pixel",
+              "nm": "round_prefer_floor"}, {"x": S.of((2, 2, 2, 2))})
+_sample_rule("dp_Pad", "Pad", {"pads": "$p", "mode": "$m", "value": "$v"}, {"p": (0, 1, 0, 2), "m": "reflect", "v": 0.0},
+             {"x": S.of((2, 3))})
+_sample_rule("dp_Tile", "Tile", {"repeats": "$r"}, {"r": (1, 2)}, {"x": S.of((2, 3))})
+_sample_rule("dp_Trilu", "Trilu", {"upper": "$u", "k": "$kk"}, {"u": True, "kk": 0}, {"x": S.of((2, 3, 3))})
+_sample_rule("dp_CumSum", "CumSum", {"axis": "$a", "exclusive": "$ex", "reverse": "$rev"},
+             {"a": -1, "ex": True, "rev": True}, {"x": S.of((2, 3))})
+_sample_rule("dp_Slice", "Slice", {"axes": "$ax", "starts": "$st", "ends": "$en", "steps": "$sp"},
+             {"ax": (1,), "st": (0,), "en": (3,), "sp": (2,)}, {"x": S.of((2, 4))})
+_sample_rule("dp_GatherElements", "GatherElements", {"axis": "$a"}, {"a": 1},
+             {"x": S.of((2, 3)), "i": S.of((2, 2), dtype="int64")}, (True, True), ints=("i",))
+# GatherND: the index rows are the sample dim (batch_dims 0, the data replicated), or a batch dim is
+_sample_rule("dp_GatherND", "GatherND", {"batch_dims": "$b"}, {"b": 0},
+             {"x": S.of((3, 2)), "i": S.of((4, 1), dtype="int64")}, (False, True), ints=("i",))
+_sample_rule("dp_GatherND_batch", "GatherND", {"batch_dims": "$b"}, {"b": 1},
+             {"x": S.of((2, 3, 2)), "i": S.of((2, 2, 1), dtype="int64")}, (True, True), ints=("i",))
+_sample_rule("dp_ScatterElements", "ScatterElements", {"axis": "$a", "reduction": "$red"}, {"a": 1, "red": "none"},
+             {"x": S.of((2, 3)), "i": S.of((2, 2), dtype="int64"), "u": S.of((2, 2))}, (True, True, True),
+             ints=("i",))
 
 AXIOMS: tuple[Axiom, ...] = tuple(_AXIOMS)
 

@@ -36,6 +36,8 @@ def sample_values(shapes: Mapping[str, ParallelTensorShape], kind: str, rng: np.
         if name in ints:
             hi = (int_high or {}).get(name, 2)
             vals[name] = rng.integers(0, hi, size=s.sizes).astype(np.int64)
+        elif s.dtype == "bool":        # conditions and masks (Where, And, Not, ...)
+            vals[name] = rng.random(s.sizes) < 0.5
         elif kind == "int":
             vals[name] = rng.integers(-3, 4, size=s.sizes).astype(np.int64)
         elif kind == "pos":
