@@ -334,3 +334,23 @@ def test_optimize_and_simulate_strategy_alpa(standin, tiny_gpt, tmp_path, capsys
     load_plan(str(tmp_path / "sim.json"))
     assert main(["simulate", tiny_gpt, "--machine", "dgx-a100:1x4", "--strategy", "alpa"]) == 0
     assert "alpa (" in capsys.readouterr().out
+
+
+# --- what the comparison with Alpa added to Unity's search (search/optimize.py) -----------------------
+
+def test_unity_plans_gradient_accumulation_where_the_full_batch_does_not_fit():
+    # Alpa's GPT plans at batch 1,024 are one stage with many micro-batches; Unity's pipeline stage
+    # now includes that plan, on one device too, with micro-batch counts beyond 8 per stage
+    from unity_pcg.search.optimize import optimize
+    from .graphs import mlp
+    g = mlp(batch=256, h=512, layers=4)
+    model = CostModel(machine(1, 1), "adam")
+    full = MachineMapper(model).optimize(g)
+    w = max(full.memory.weights.values())
+    a = max(full.memory.activations.values())
+    cap = int(w + a / 2)                        # the full batch does not fit; 64 micro-batches do
+    m = machine(1, 1, memory=cap)
+    r = optimize(g, m, budget_s=5, optimizer="adam")
+    assert r.feasible and r.stats["chosen"] == "pipeline" and r.stats["pipeline_stages"] == 1
+    assert r.stats["micro_batches"] >= 64 and r.plan.pipeline["micro_batches"] == r.stats["micro_batches"]
+    assert max(r.plan.predicted["memory_per_device"].values()) <= cap
