@@ -1,6 +1,6 @@
 """ONNX import: an ONNX model file -> a :class:`~unity_pcg.pcg.PCG` with every shape known.
 
-``load_onnx(path_or_model, batch=None, *, load_weights=True)``
+``load_onnx(path_or_model, batch=None, *, load_weights=True, fuse=True)``
 
 * Initializers become ``Weight`` nodes named after the initializer; their values stay on disk (or in the
   parsed protobuf) and enter ``PCG.weights`` as zero-arg callables, read only when called.  External
@@ -16,24 +16,37 @@
 * ``batch=N`` replaces the first dim of every graph input; shape computations (Shape chains) follow,
   and literal reshape/expand targets whose leading dim baked in the old batch are rewritten.
 
-Errors are :class:`~unity_pcg.errors.ModelImportError` subclasses with one-line messages.
+Errors are :class:`~unity_pcg.errors.ModelImportError` subclasses with one-line messages, all importable from
+here: ``UnsupportedOperator``, ``InvalidModel``, ``MissingTensor``, ``DynamicDimension``, ``BatchOverride`` (a
+``batch=N`` that cannot be applied exactly) and ``CheckError`` (``--check`` could not run; loaded on first use).
 """
 from __future__ import annotations
 
 from typing import Any
 
-from .errors import DynamicDimension, InvalidModel, MissingTensor, ModelImportError, UnsupportedOperator
+from .errors import (BatchOverride, DynamicDimension, InvalidModel, MissingTensor, ModelImportError,
+                     UnsupportedOperator)
 
 
-def load_onnx(path_or_model: Any, batch: int | None = None, *, load_weights: bool = True):
+def load_onnx(path_or_model: Any, batch: int | None = None, *, load_weights: bool = True, fuse: bool = True):
     """Import an ONNX model (path, bytes or ``onnx.ModelProto``) as a PCG.
 
-    ``batch``: override the first dim of every graph input (needed when it is dynamic).
+    ``batch``: override the first dim of every graph input (needed when it is dynamic; exact when the file
+    fixes another batch, else :class:`BatchOverride`).
     ``load_weights=False``: leave ``PCG.weights`` empty (structure only).
+    ``fuse=False``: keep the exporter's decompositions of GELU, LayerNorm and SiLU (no pattern fusion).
     """
     from .importer import load
-    return load(path_or_model, batch=batch, load_weights=load_weights)
+    return load(path_or_model, batch=batch, load_weights=load_weights, fuse=fuse)
+
+
+def __getattr__(name: str):
+    # CheckError lives with the checker (numpy and onnxruntime plumbing), loaded only when asked for
+    if name == "CheckError":
+        from .check import CheckError
+        return CheckError
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 
 __all__ = ["load_onnx", "ModelImportError", "UnsupportedOperator", "InvalidModel", "MissingTensor",
-           "DynamicDimension"]
+           "DynamicDimension", "BatchOverride", "CheckError"]

@@ -87,6 +87,56 @@ def _logic(imp, ctx, ins):
     return [_add(imp, ctx, ctx.op, {}, _refs(imp, ctx, ins, n), ctx.name)]
 
 
+# --- IsNaN / IsInf: exact rewrites onto the comparisons --------------------------------------------------
+# transformers' sdpa attention, exported by the dynamo exporter, guards the softmax of a fully masked row with
+# Where(IsNaN(p), 0, p).  IsNaN(x) is Not(Equal(x, x)) (NaN is the one value unequal to itself) and IsInf(x) is
+# Equal(|x|, inf) (or Equal(x, +-inf) for one sign), in numpy, torch and IEEE alike; so both import onto operators
+# the search already knows, with their labels (every dim shards, no partial sums: isnan(a + b) is not a function
+# of isnan(a) and isnan(b) when a = inf, b = -inf).
+
+_FLOATS = ("float16", "float32", "float64")
+
+
+def _float_only(imp, ctx, x) -> str:
+    dt = imp.dtype(x)
+    if dt == "bfloat16":
+        _unsupported(ctx, "a bfloat16 input")
+    if dt not in _FLOATS:
+        raise InvalidModel(f"{ctx.what}: input must be a float tensor, got {dt}")
+    return dt
+
+
+def _known_attrs(ctx, known) -> None:
+    for key in ctx.attrs:
+        if key not in known:
+            _unsupported(ctx, f"attribute {key!r}")
+
+
+@_conv("IsNaN")
+def _isnan(imp, ctx, ins):
+    _known_attrs(ctx, ())
+    x = _in(ctx, ins, 0)
+    _float_only(imp, ctx, x)
+    r = imp.ref(x, _hint(ctx, 0))
+    same = _add(imp, ctx, "Equal", {}, [r, r], _name(ctx, "self_equal"))
+    return [_add(imp, ctx, "Not", {}, [same], ctx.name)]
+
+
+@_conv("IsInf")
+def _isinf(imp, ctx, ins):
+    _known_attrs(ctx, ("detect_negative", "detect_positive"))
+    x = _in(ctx, ins, 0)
+    dt = _float_only(imp, ctx, x)
+    neg, pos = _flag(ctx, "detect_negative", 1), _flag(ctx, "detect_positive", 1)
+    r = imp.ref(x, _hint(ctx, 0))
+    if neg and pos:
+        r = _add(imp, ctx, "Abs", {}, [r], _name(ctx, "abs"))
+    # neither sign: nothing is detected, and x == NaN is False everywhere (still an exact, shaped result)
+    target = np.inf if pos else (-np.inf if neg else np.nan)
+    c = imp.ref(Const(np.asarray(target, dtype=dt)), _name(ctx, "target"))
+    return [_add(imp, ctx, "Equal", {}, [r, c], ctx.name)]
+
+
 # --- GatherElements ----------------------------------------------------------------------------------
 
 @_conv("GatherElements")

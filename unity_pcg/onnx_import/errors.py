@@ -16,4 +16,11 @@ class DynamicDimension(ModelImportError):
     """A graph input has a dimension that is not a fixed number and no override was given."""
 
 
-__all__ = ["ModelImportError", "UnsupportedOperator", "InvalidModel", "MissingTensor", "DynamicDimension"]
+class BatchOverride(ModelImportError):
+    """``batch=N`` cannot be applied exactly: a node holds the exported batch in a way the importer cannot
+    rewrite (per-sample constant values, a reshape that moves the batch into a dim it cannot place, indices
+    whose batch an export at batch 1 leaves ambiguous)."""
+
+
+__all__ = ["ModelImportError", "UnsupportedOperator", "InvalidModel", "MissingTensor", "DynamicDimension",
+           "BatchOverride"]

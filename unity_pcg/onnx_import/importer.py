@@ -16,18 +16,14 @@ import numpy as np
 from ..errors import UnityError
 from ..pcg import PCG, kahn_order
 from .consts import Const
-from .errors import DynamicDimension, InvalidModel, MissingTensor, ModelImportError, UnsupportedOperator
+from .errors import (BatchOverride, DynamicDimension, InvalidModel, MissingTensor, ModelImportError,  # noqa: F401
+                     UnsupportedOperator)
 from .loader import PCG_DTYPES, default_opset, initializer_const, np_dtype, read_model
 
 _AT = {1: "float", 2: "int", 3: "string", 4: "tensor", 5: "graph", 6: "floats", 7: "ints", 8: "strings"}
 
 
 _REQ = object()
-
-
-class BatchOverride(ModelImportError):
-    """``batch=N`` cannot be applied exactly: a node holds the exported batch in a way the importer cannot
-    rewrite (per-sample constant values, a reshape that moves the batch into a dim it cannot place)."""
 
 
 #: operators whose operands line up dim by dim (numpy broadcasting or equal ranks): a constant that holds the
@@ -361,6 +357,11 @@ class Importer:
                     raise BatchOverride(f"batch {self.batch}: {ctx.what} takes constant index {idx.value.tolist()} "
                                         f"along the batch dim, exported as 1: arange(batch) or a fixed row cannot "
                                         f"be told apart; export the model at a batch of 2 or more")
+                if p == axis and op == "Gather" and o != self.old_batch:
+                    flat = self._rebatch_flat_index(ctx, idx, o, n)
+                    if flat is not None:
+                        ins[1] = flat
+                        continue
                 if p != axis or o < 2 or idx.numel != o or o not in idx.shape:
                     continue
                 v = np.asarray(idx.value).reshape(-1)
@@ -369,6 +370,47 @@ class Importer:
                     shape[shape.index(o)] = n
                     ins[1] = Const(np.arange(n, dtype=idx.dtype).reshape(shape), origin=idx.origin)
         return ins
+
+    def _rebatch_flat_index(self, ctx, idx: Const, o: int, n: int) -> Const | None:
+        """Constant Gather indices into a dim that flattens the batch with K other elements (size o = B*K, the
+        legacy exporter's vmapped transformers masks: ``mask.flatten()[arange(B)[:, None] * K + cols]``).
+
+        When the indices hold one row block per sample along a dim of size B -- ``idx[b] = idx[0] + b*K`` with
+        ``idx[0]`` inside the first block [0, K) -- the export at batch N holds the same blocks for N samples,
+        so that dim is extended to N.  Indices of another form are left as they are (fixed rows of the flat
+        dim do not follow the batch).  An export at batch 1 cannot tell one sample's block from fixed rows:
+        indices inside [0, K) there are a ``BatchOverride`` naming the node."""
+        b = self.old_batch or 1
+        if o % b or (n * b) % o or idx.numel > (1 << 22) or np.dtype(idx.dtype).kind not in "iu":
+            return None
+        k = o // b
+        v = np.asarray(idx.value).astype(np.int64)
+        v = np.where(v < 0, v + o, v)
+        if b == 1:
+            if v.size and 0 <= v.min() and v.max() < k and k > 1:
+                raise BatchOverride(f"batch {self.batch}: {ctx.what} takes constant indices into a dim of size {o} "
+                                    f"that flattens the batch, exported as 1: one sample's rows or fixed rows cannot "
+                                    f"be told apart; export the model at a batch of 2 or more")
+            return None
+        hits = []
+        for d, size in enumerate(v.shape):
+            if size != b:
+                continue
+            first = np.take(v, [0], axis=d)
+            shape = [1] * v.ndim
+            shape[d] = b
+            if first.min() >= 0 and first.max() < k and np.array_equal(v, first + np.arange(b).reshape(shape) * k):
+                hits.append((d, first, shape))
+        if len(hits) != 1:
+            if len(hits) > 1:
+                raise BatchOverride(f"batch {self.batch}: {ctx.what} takes constant indices {list(v.shape)} whose "
+                                    f"per-sample blocks could run along dims {[h[0] for h in hits]}")
+            return None
+        d, first, shape = hits[0]
+        nb = n // k
+        shape[d] = nb
+        new = first + np.arange(nb).reshape(shape) * k
+        return Const(np.ascontiguousarray(new.astype(idx.dtype)), origin=idx.origin)
 
     def _rebatch_target(self, ctx, diffs) -> list[int] | None:
         xo = self.old_shapes[ctx.node.input[0]]
