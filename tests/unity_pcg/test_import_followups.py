@@ -187,6 +187,36 @@ def test_flattened_gather_exported_at_batch_1_is_a_one_line_error(rows, tmp_path
     assert "mask_gather" in capsys.readouterr().err
 
 
+def token_types(batch, per_sample=False):
+    """BERT without a token_type_ids input, legacy exporter: the buffered zeros expanded to (B, S) are folded into
+    a constant, gathered from the token-type table (an Embedding of constant ids) and added to the word
+    embeddings of the real input.  ``per_sample``: ids that differ between samples (cannot follow the batch)."""
+    tt = np.zeros((batch, S), np.int64)
+    if per_sample:
+        tt[0, 0] = 1
+    rng = np.random.default_rng(3)
+    return model([N("Gather", ["words", "ids"], ["we"]), N("Expand", ["tt0", "tshape"], ["tt"]),
+                  N("Gather", ["types", "tt"], ["te"], name="type_gather"), N("Add", ["we", "te"], ["y"])],
+                 [("ids", I64, [batch, S])],
+                 inits=[("words", rng.standard_normal((11, 4)).astype(np.float32)),
+                        ("types", rng.standard_normal((2, 4)).astype(np.float32)),
+                        ("tt0", tt), ("tshape", np.array([batch, S], np.int64))], opset=17)
+
+
+@pytest.mark.parametrize("src,dst", [(2, 7), (3, 2)])
+def test_embedding_of_folded_constant_ids_follows_the_batch(src, dst):
+    g = load_onnx(token_types(src), batch=dst)
+    assert g.structural_hash() == load_onnx(token_types(dst)).structural_hash()
+    f = {"ids": np.random.default_rng(0).integers(0, 11, (dst, S)).astype(np.int64)}
+    np.testing.assert_allclose(evaluate(g, f)[0], run_ort(token_types(dst), f)[0], rtol=1e-6, atol=1e-6)
+
+
+def test_embedding_of_per_sample_constant_ids_is_a_one_line_error():
+    with pytest.raises(BatchOverride) as e:
+        load_onnx(token_types(2, per_sample=True), batch=6)
+    assert "type_gather" in str(e.value) and "\n" not in str(e.value)
+
+
 # --- public names --------------------------------------------------------------------------------------
 
 def test_public_errors_and_fuse_flag():

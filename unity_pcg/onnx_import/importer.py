@@ -26,6 +26,15 @@ _AT = {1: "float", 2: "int", 3: "string", 4: "tensor", 5: "graph", 6: "floats", 
 _REQ = object()
 
 
+class RegatherNeeded(Exception):
+    """Internal (never leaves :func:`load`): the import at the new batch met an embedding of constant ids that
+    must follow the batch; ``load`` imports again with ``Importer.regather[name] = (dim, new size)``."""
+
+    def __init__(self, name: str, dim: int, n: int):
+        super().__init__(name)
+        self.name, self.dim, self.n = name, dim, n
+
+
 #: operators whose operands line up dim by dim (numpy broadcasting or equal ranks): a constant that holds the
 #: exported batch along a dim where an activation operand changed batch is re-broadcast to the new batch
 _ALIGNED = {"Add", "Sub", "Mul", "Div", "Pow", "Mod", "Where", "Equal", "Less", "Greater", "LessOrEqual",
@@ -133,6 +142,10 @@ class Importer:
         # batch override: the shape of every ONNX tensor when imported at the exported batch (None: no override)
         self.old_shapes: dict[str, tuple[int, ...]] | None = None
         self._rebatched: dict[int, Const] = {}
+        # ONNX outputs of Gathers of constant ids from a constant table (embeddings of a folded id tensor) whose
+        # ids must follow the batch along (output dim, new size): learnt from an aligned consumer, then re-run
+        self.regather: dict[str, tuple[int, int]] = {}
+        self._producer: dict[str, Any] = {}
         self.fuse = fuse  # pattern fusion (:mod:`.fuse`); counts of fused patterns by kind
         self.fused: dict[str, int] = {}
 
@@ -207,6 +220,7 @@ class Importer:
                 if o in producers or o in self.vals:
                     raise InvalidModel(f"tensor {o!r} is defined twice (node {node.name or node.op_type!r})")
                 producers[o] = j
+                self._producer[o] = node
         for j, node in enumerate(nodes):
             for x in node.input:
                 if x and x not in producers and x not in self.vals:
@@ -316,11 +330,13 @@ class Importer:
         * Gather/GatherND indices ``arange(exported batch)`` along a changed dim: ``arange(new batch)``.
         """
         names = list(ctx.node.input) + [""] * (len(ins) - len(ctx.node.input))
+        op = ctx.op
+        if op == "Gather" and ctx.node.output[0] in self.regather:
+            return self._regather(ctx, list(ins))
         changed = {k: self._changed_dims(names[k], v) for k, v in enumerate(ins)}
         changed = {k: d for k, d in changed.items() if d}
         if not changed:
             return ins
-        op = ctx.op
         ins = list(ins)
         if op in ("Reshape", "Expand") and 0 in changed and len(ins) > 1 and isinstance(ins[1], Const):
             new_t = self._rebatch_target(ctx, changed[0])
@@ -335,6 +351,8 @@ class Importer:
                 ax = ctx.i("axis")
                 skip_axis = ax % rank if -rank <= ax < rank else None
             for k, c in enumerate(ins):
+                if k not in changed and c is not None and not isinstance(c, Const) and op != "Concat":
+                    self._check_const_gather(names[k], c, rank, changed[k0])
                 if not isinstance(c, Const) or len(c.shape) > rank:
                     continue
                 off = rank - len(c.shape)
@@ -369,6 +387,39 @@ class Importer:
                     shape = list(idx.shape)
                     shape[shape.index(o)] = n
                     ins[1] = Const(np.arange(n, dtype=idx.dtype).reshape(shape), origin=idx.origin)
+        return ins
+
+    def _check_const_gather(self, name: str, v, rank: int, diffs) -> None:
+        """An activation operand of an aligned operator that still holds the exported batch where another
+        operand changed it: when it is a Gather of constant ids from a constant table (an embedding of ids the
+        legacy exporter folded and expanded to the exported batch, e.g. BERT's buffered token_type_ids), its ids
+        must follow the batch; :class:`RegatherNeeded` asks :func:`load` to import again with that rewrite."""
+        node = self._producer.get(name)
+        if node is None or node.op_type != "Gather" or name in self.regather:
+            return
+        if not all(isinstance(self.vals.get(x), Const) for x in node.input[:2]):
+            return
+        sz = self.sizes(v)
+        off = rank - len(sz)
+        for p, o, n in diffs:
+            j = p - off
+            if 0 <= j < len(sz) and o > 1 and sz[j] == o:
+                raise RegatherNeeded(name, j, n)
+
+    def _regather(self, ctx, ins: list) -> list:
+        """Gather of constant ids whose output dim ``j`` must take the new batch: the ids are re-broadcast along
+        the matching dim (values constant along it, as an Expand leaves them; per-sample ids are refused)."""
+        j, n = self.regather[ctx.node.output[0]]
+        data, idx = ins[0], ins[1]
+        rank = len(self.sizes(data))
+        a = ctx.i("axis", 0)
+        a = a % rank if -rank <= a < rank else a
+        d = j - a
+        if not isinstance(idx, Const) or not 0 <= d < len(idx.shape):
+            raise BatchOverride(f"batch {self.batch}: {ctx.what} gathers constant rows whose dim {j} holds the "
+                                f"exported batch {self.old_batch} outside the indices; export the model at batch "
+                                f"{self.batch}")
+        ins[1] = self._rebroadcast(ctx, ctx.node.input[1], idx, d, n)
         return ins
 
     def _rebatch_flat_index(self, ctx, idx: Const, o: int, n: int) -> Const | None:
@@ -573,10 +624,21 @@ def load(src: Any, batch: int | None = None, load_weights: bool = True, fuse: bo
             raise InvalidModel(f"cannot inline the model's local functions ({type(e).__name__})") from None
     imp = Importer(model, base, batch, load_weights, fuse)
     old_shapes = _exported_shapes(model, base, imp)
-    if old_shapes is not None:
-        imp = Importer(model, base, batch, load_weights, fuse)
-        imp.old_shapes = old_shapes
-    g = imp.run()
+    if old_shapes is None:
+        g = imp.run()
+    else:
+        regather: dict[str, tuple[int, int]] = {}
+        while True:   # each round learns one more embedding whose constant ids follow the batch
+            imp = Importer(model, base, batch, load_weights, fuse)
+            imp.old_shapes, imp.regather = old_shapes, dict(regather)
+            try:
+                g = imp.run()
+                break
+            except RegatherNeeded as r:
+                if r.name in regather or len(regather) >= 64:
+                    raise BatchOverride(f"batch {batch}: constant rows {r.name!r} hold the exported batch "
+                                        f"{imp.old_batch} and cannot be rewritten") from None
+                regather[r.name] = (r.dim, r.n)
     g.meta.update({"source": "onnx", "opset": imp.opset, "onnx_nodes": len(model.graph.node),
                    "producer": model.producer_name or "", "batch": batch, "fused": dict(imp.fused),
                    "import_seconds": time.perf_counter() - t0})
