@@ -47,6 +47,13 @@ def _elu(a, xs, c, gamma=1.0):
     return [y * gamma if gamma != 1.0 else y]
 
 
+def _rms_norm(a, xs, ctx):
+    x = xs[0]
+    dims = list(range(a["axis"] % x.dim(), x.dim()))
+    y = x * torch.rsqrt(torch.mean(x * x, dim=dims, keepdim=True) + float(a["eps"]))
+    return [y * xs[1] if len(xs) > 1 else y]
+
+
 KERNELS.update({
     "Silu": lambda a, xs, c: [F.silu(xs[0])],
     "GeluTanh": lambda a, xs, c: [F.gelu(xs[0], approximate="tanh")],
@@ -62,6 +69,7 @@ KERNELS.update({
     "Abs": lambda a, xs, c: [torch.abs(xs[0])],
     "Log": lambda a, xs, c: [torch.log(xs[0])],
     "PRelu": lambda a, xs, c: [torch.where(xs[0] >= 0, xs[0], xs[0] * xs[1])],
+    "RMSNorm": _rms_norm,
     "LogSoftmax": lambda a, xs, c: [torch.log_softmax(xs[0], dim=a["axis"] % xs[0].dim())],
     "ReduceMax": _reduce(lambda x, ax, k: torch.amax(x, dim=ax, keepdim=k)),
     "ReduceMin": _reduce(lambda x, ax, k: torch.amin(x, dim=ax, keepdim=k)),

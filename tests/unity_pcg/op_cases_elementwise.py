@@ -68,9 +68,19 @@ def gen_reduce(op):
     return g
 
 
+def gen_rms_norm(d: Drawer) -> Case:
+    s = _shape(d, 1, 4)
+    ax = d.int(-len(s), len(s) - 1)
+    k = d.int(0, 1)
+    norm = s[ax % len(s):]
+    dt = _float(d)
+    return Case("RMSNorm", {"axis": ax, "eps": d.choice([1e-6, 1e-5, 0.1])}, [s] + [norm] * k, [dt] * (1 + k),
+                ["normal"] * (1 + k))
+
+
 GENERATORS: dict = {
     **{op: gen_unary(op) for op in UNARY_FILL},
     **{op: gen_unary_attrs(op) for op in UNARY_ATTRS},
-    "PRelu": gen_prelu, "LogSoftmax": gen_log_softmax,
+    "PRelu": gen_prelu, "LogSoftmax": gen_log_softmax, "RMSNorm": gen_rms_norm,
     **{op: gen_reduce(op) for op in REDUCE},
 }

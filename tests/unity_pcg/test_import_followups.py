@@ -239,6 +239,57 @@ def test_public_errors_and_fuse_flag():
                                rtol=1e-5, atol=1e-6)
 
 
+# --- RMSNorm fusion ------------------------------------------------------------------------------------
+
+def rms_chain(square="pow", inv="reciprocal", gamma=True, axes=(-1,), leak=False, eps=1e-6):
+    """T5's / Llama's RMSNorm as exporters write it: x^2 (Pow or Mul), ReduceMean, Add eps, Sqrt, then
+    Reciprocal + Mul x (dynamo), Div(1, .) + Mul x (legacy) or Div(x, .); optionally Mul gamma (weight first, as
+    Llama's ``weight * h``).  ``leak``: the mean is also a graph output (read outside the pattern)."""
+    nodes = [N("Pow", ["x", "two"], ["sq"]) if square == "pow" else N("Mul", ["x", "x"], ["sq"]),
+             N("ReduceMean", ["sq", "axes"], ["ms"], keepdims=1), N("Add", ["ms", "eps"], ["ve"]),
+             N("Sqrt", ["ve"], ["rt"])]
+    if inv == "reciprocal":
+        nodes += [N("Reciprocal", ["rt"], ["iv"]), N("Mul", ["x", "iv"], ["h"])]
+    elif inv == "div1":
+        nodes += [N("Div", ["one", "rt"], ["iv"]), N("Mul", ["iv", "x"], ["h"])]
+    else:
+        nodes += [N("Div", ["x", "rt"], ["h"])]
+    nodes += [N("Mul", ["w", "h"], ["y"])] if gamma else [N("Identity", ["h"], ["y"])]
+    rng = np.random.default_rng(5)
+    return model(nodes, [("x", F, [2, 3, 8])], outputs=("y", "ms") if leak else ("y",),
+                 inits=[("two", np.float32(2)), ("one", np.float32(1)), ("eps", np.float32(eps)),
+                        ("axes", np.array(axes, np.int64)), ("w", rng.standard_normal(8).astype(np.float32))])
+
+
+@pytest.mark.parametrize("square,inv,gamma", [("pow", "reciprocal", True), ("mul", "div1", True),
+                                              ("pow", "div", False), ("pow", "div1", False)])
+def test_rmsnorm_chains_fuse_and_equal_onnxruntime(square, inv, gamma):
+    m = rms_chain(square, inv, gamma)
+    g = load_onnx(m)
+    c = g.op_counts()
+    assert c.get("RMSNorm") == 1 and not {"Sqrt", "Reciprocal", "Div", "Pow", "ReduceMean"} & set(c), c
+    assert "Mul" not in c and g.meta["fused"] == {"RMSNorm": 1}
+    x = np.random.default_rng(1).standard_normal((2, 3, 8)).astype(np.float32) * 3
+    np.testing.assert_allclose(evaluate(g, {"x": x})[0], run_ort(m, {"x": x})[0], rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize("kw", [dict(axes=(1,)), dict(leak=True), dict(eps=-1.0)])
+def test_rmsnorm_lookalikes_stay_unfused_and_equal(kw):
+    """A reduction over a non-trailing dim, a mean read outside the chain, a negative eps: not an RMSNorm, the
+    nodes import one by one (same values)."""
+    m = rms_chain(**kw)
+    g = load_onnx(m)
+    assert "RMSNorm" not in g.op_counts() and "RMSNorm" not in g.meta["fused"]
+    x = np.random.default_rng(1).standard_normal((2, 3, 8)).astype(np.float32)
+    for a, b in zip(evaluate(g, {"x": x}), run_ort(m, {"x": x})):
+        np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-6)
+
+
+def test_rmsnorm_fusion_off_with_fuse_false():
+    c = load_onnx(rms_chain(), fuse=False).op_counts()
+    assert "RMSNorm" not in c and c["Sqrt"] == 1 and c["Reciprocal"] == 1, c
+
+
 # --- real transformers exports (slow) -------------------------------------------------------------------
 
 def _hf(arch, attn):

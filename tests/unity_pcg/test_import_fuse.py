@@ -229,7 +229,7 @@ def test_transformers_exports_fuse(arch, dynamo, tmp_path):
         cfg = T.GPT2Config(vocab_size=100, n_embd=32, n_layer=2, n_head=2, n_positions=64)
         cfg._attn_implementation = "eager"
         m = T.GPT2Model(cfg)
-    else:  # SwiGLU MLP: x * sigmoid(x) -> Silu; RMSNorm is not a LayerNorm and stays as it is
+    else:  # SwiGLU MLP: x * sigmoid(x) -> Silu; RMSNorm's Pow/ReduceMean/Add/Sqrt/Reciprocal/Mul chain -> RMSNorm
         cfg = T.LlamaConfig(vocab_size=100, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
                             num_attention_heads=2, num_key_value_heads=2, max_position_embeddings=64)
         cfg._attn_implementation = "eager"
@@ -245,6 +245,7 @@ def test_transformers_exports_fuse(arch, dynamo, tmp_path):
     assert c["Softmax"] == 2 and c["BatchMatMul"] == 4, c
     if arch == "llama":
         assert c["Silu"] == 2 and "Sigmoid" not in c and "LayerNorm" not in c, c
+        assert c["RMSNorm"] == 5 and not {"Sqrt", "Reciprocal", "Pow"} & set(c), c
         return
     assert c["Gelu" if arch == "bert" else "GeluTanh"] == 2 and c["LayerNorm"] == 5, c
     assert not {"Erf", "Tanh", "Sqrt"} & set(c), c

@@ -5,7 +5,9 @@ the search's rules see the same operators whatever the exporter wrote.
 * ``0.5 * x * (1 + tanh(sqrt(2/pi) * (x + 0.044715 x^3)))`` (``Pow(x, 3)`` or ``x*x*x``) -> ``GeluTanh``;
 * ``ReduceMean``/``Sub``/``Pow 2`` (or ``d*d``)/``ReduceMean``/``Add eps``/``Sqrt``/``Div``, then optionally
   ``Mul gamma`` and ``Add beta`` (LayerNorm of opsets before 17) -> ``LayerNorm``;
-* ``x * Sigmoid(x)`` -> ``Silu``.
+* ``x * Sigmoid(x)`` -> ``Silu``;
+* ``Pow(x, 2)`` (or ``x*x``)/``ReduceMean``/``Add eps``/``Sqrt``, then ``Reciprocal`` + ``Mul x``, ``Div(1, .)`` +
+  ``Mul x`` or ``Div(x, .)``, then optionally ``Mul gamma`` (T5's and Llama's RMSNorm, both exporters) -> ``RMSNorm``.
 Attention (MatMul, Softmax, MatMul) is left alone: it imports as BatchMatMul + Softmax.
 
 Matching runs on the ONNX graph before the import walk (:func:`find`), and only where every intermediate
@@ -29,8 +31,8 @@ K_TANH = sqrt(2.0 / pi)
 
 @dataclass
 class Fusion:
-    """One matched pattern: ``kind`` (Gelu, GeluTanh, LayerNorm, Silu), the activation it reads (ONNX tensor
-    name ``x``), the ONNX node indices it replaces (``nodes``, its last node ``final`` included) and the
+    """One matched pattern: ``kind`` (Gelu, GeluTanh, LayerNorm, Silu, RMSNorm), the activation it reads (ONNX
+    tensor name ``x``), the ONNX node indices it replaces (``nodes``, its last node ``final`` included) and the
     parameters (``eps``, ``axes``, ``gamma``/``beta`` tensor names)."""
     kind: str
     x: str
@@ -319,7 +321,63 @@ def _layernorm(g: _Graph, r1: int):
     return Fusion("LayerNorm", x, last, nodes, params)
 
 
-_STARTS = {"Erf": _gelu_erf, "Tanh": _gelu_tanh, "Sigmoid": _silu, "ReduceMean": _layernorm}
+def _rmsnorm(g: _Graph, p: int):
+    n = g.nodes[p]
+    if n.op_type == "Pow" and len(n.input) == 2 and _near(g.scalar(n.input[1]), 2.0):
+        x = n.input[0]
+    elif n.op_type == "Mul" and len(n.input) == 2 and n.input[0] == n.input[1]:
+        x = n.input[0]
+    else:
+        return None
+    if g.is_const(x):
+        return None
+    r = g.only_use(n.output[0])
+    if not g.op(r, "ReduceMean"):
+        return None
+    axes = _axes(g, r)
+    if axes is None:
+        return None
+    ad = g.only_use(g.nodes[r].output[0])
+    if not g.op(ad, "Add"):
+        return None
+    eps = g.scalar(g.other(ad, g.nodes[r].output[0]) or "")
+    if eps is None or eps < 0:
+        return None
+    sq = g.only_use(g.nodes[ad].output[0])
+    if not g.op(sq, "Sqrt"):
+        return None
+    s_out = g.nodes[sq].output[0]
+    nxt = g.only_use(s_out)
+    nodes = [p, r, ad, sq]
+    if g.op(nxt, "Div") and list(g.nodes[nxt].input) == [x, s_out]:          # x / sqrt(.)
+        last = nxt
+        nodes.append(nxt)
+    else:
+        if g.op(nxt, "Reciprocal"):                                           # x * (1 / sqrt(.))
+            pass
+        elif g.op(nxt, "Div") and g.nodes[nxt].input[1] == s_out and _near(g.scalar(g.nodes[nxt].input[0]), 1.0):
+            pass
+        else:
+            return None
+        inv = g.nodes[nxt].output[0]
+        m = g.only_use(inv)
+        if not g.op(m, "Mul") or g.other(m, inv) != x:
+            return None
+        nodes += [nxt, m]
+        last = m
+    params = {"eps": eps, "axes": axes, "gamma": None, "beta": None}
+    m2 = g.only_use(g.nodes[last].output[0])
+    if g.op(m2, "Mul"):
+        gamma = g.other(m2, g.nodes[last].output[0])
+        if gamma is not None and g.is_const(gamma):
+            params["gamma"] = gamma
+            nodes.append(m2)
+            last = m2
+    return Fusion("RMSNorm", x, last, nodes, params)
+
+
+_STARTS = {"Erf": _gelu_erf, "Tanh": _gelu_tanh, "Sigmoid": _silu, "ReduceMean": _layernorm, "Pow": _rmsnorm,
+           "Mul": _rmsnorm}
 
 
 def find(nodes, inits: dict, outputs) -> dict[int, Fusion]:
@@ -355,7 +413,7 @@ def convert(imp, f: Fusion, name: str):
     x = imp.vals.get(f.x)
     if x is None or isinstance(x, Const) or np.dtype(imp.dtype(x)).kind != "f":
         return None
-    if f.kind != "LayerNorm":
+    if f.kind not in ("LayerNorm", "RMSNorm"):
         return imp.add(f.kind, {}, [x], name)
     xs = imp.sizes(x)
     r = len(xs)
@@ -373,7 +431,8 @@ def convert(imp, f: Fusion, name: str):
         if pname is None:
             break
         p = imp.vals.get(pname)
-        if not isinstance(p, Const) or np.dtype(p.dtype).kind != "f":
+        if not isinstance(p, Const) or np.dtype(p.dtype).kind != "f" or \
+                (f.kind == "RMSNorm" and np.dtype(p.dtype).name != imp.dtype(x)):
             return None
         try:
             if tuple(np.broadcast_shapes(xs, p.shape)) != tuple(xs) or len(p.shape) > r:
@@ -390,4 +449,4 @@ def convert(imp, f: Fusion, name: str):
         refs.append(imp.ref(p, pname))
     if f.params["gamma"] is None and f.params["beta"] is None:
         refs = [x]
-    return imp.add("LayerNorm", {"axis": ax, "eps": float(f.params["eps"])}, refs, name)
+    return imp.add(f.kind, {"axis": ax, "eps": float(f.params["eps"])}, refs, name)

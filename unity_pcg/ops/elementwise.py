@@ -230,3 +230,50 @@ for _n, (_f, _per, _why) in _REDUCTIONS.items():
                flops=(lambda per: lambda a, i, o: per * float(i[0].numel))(_per),
                doc="Empty axes reduce over all dims. The reduced dims are unshardable and the input may not "
                    "carry partial sums.")
+
+
+# --- RMSNorm ----------------------------------------------------------------------------------------------
+# x / sqrt(mean(x^2 over dims axis..end) + eps), times an optional scale of those dims (T5, Llama): LayerNorm's
+# label structure (the normalized dims are unshardable, the others free; linear in the scale only)
+
+ATTR_KINDS["RMSNorm"] = {"axis": "int", "eps": "num"}
+
+
+def _rms_logical(a, ins):
+    x = ins[0]
+    if np.dtype(x.dtype if x.dtype != "bfloat16" else "float32").kind != "f":
+        _bad("RMSNorm", f"input must be a float tensor, got {x.dtype}")
+    ax = _axis("RMSNorm", a["axis"], x.rank)
+    norm = x.sizes[ax:]
+    for i, p in enumerate(ins[1:], 1):
+        if p.sizes != norm:
+            _bad("RMSNorm", f"input {i} has shape {list(p.sizes)}, expected {list(norm)}")
+        if p.dtype != x.dtype:
+            _bad("RMSNorm", f"input {i} has dtype {p.dtype}, expected {x.dtype}")
+    if not math.isfinite(float(a["eps"])) or float(a["eps"]) < 0:
+        _bad("RMSNorm", f"eps must be finite and >= 0, got {a['eps']}")
+    return [(x.sizes, x.dtype)]
+
+
+def _rms_labels(a, ins, outs):
+    x = ins[0]
+    lab = _dims("d", x.rank)
+    norm = lab[a["axis"] % x.rank:]
+    lin = (False, True) if len(ins) == 2 else ()
+    return Labels((lab,) + tuple(norm for _ in ins[1:]), (lab,), frozenset(norm), lin,
+                  {l: "RMS norm normalizes along it" for l in norm})
+
+
+def _rms_fwd(a, xs):
+    x = xs[0]
+    axes = tuple(range(a["axis"] % x.ndim, x.ndim))
+    y = x * (1.0 / np.sqrt(np.mean(x * x, axis=axes, keepdims=True) + a["eps"]))
+    if len(xs) > 1:
+        y = y * xs[1]
+    return [y.astype(x.dtype, copy=False)]
+
+
+compute_op("RMSNorm", attrs={"axis": -1, "eps": 1e-6}, num_inputs=(1, 2), logical=_rms_logical,
+           labels=_rms_labels, forward=_rms_fwd, flops=lambda a, i, o: 5.0 * o[0].numel,
+           doc="x / sqrt(mean(x^2 over dims axis..end) + eps), optionally times a scale of those dims (T5, Llama). "
+               "The normalized dims are unshardable.")
