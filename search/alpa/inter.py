@@ -563,7 +563,7 @@ def _micro_batch_list(B: int, micro_batches) -> list[int]:
     return [m for m in (1 << k for k in range(B.bit_length())) if B % m == 0]
 
 
-def alpa_plan(pcg: PCG, machine: MachineSpec, *, optimizer: str = "adam", layers: int = 16, delta: float = 0.5,
+def alpa_plan(pcg: PCG, machine: MachineSpec, *, optimizer: str = "adam", layers: int = 8, delta: float = 0.5,
               micro_batches: int | Sequence[int] | None = None, max_stages: int | None = None,
               logical: str = "physical", solve: Callable | None = None, weight_update_sharding: bool = False,
               time_limit_s: float = 30.0, mapper: MachineMapper | None = None, stitch: bool = True,
