@@ -67,8 +67,9 @@ from unity_pcg.machine import MachineSpec, Resource
 from unity_pcg.pcg import PCG
 
 from .. import pipeline as P
-from ..cost import CostModel, GraphCost
+from ..cost import CostModel, GraphCost, LeafCost
 from ..mapping import MachineMapper
+from ..memory import memory_per_device
 
 INF = math.inf
 EPS = 1e-6                  # t_max values closer than this are skipped (the paper's epsilon)
@@ -509,21 +510,26 @@ class StageCosts:
             if len(pg.outputs) != len(sg.outputs):
                 raise AlpaError("the intra plan changed the stage's outputs")
             if views:
-                r = self.mapper.evaluate(pg, views)
+                # what MachineMapper.evaluate prices (every leaf one after the other), in one pass
+                gc = GraphCost(pg, self.mapper.model)
+                b = LeafCost()
+                for n in gc.nodes():
+                    b = b.add(gc.leaf_cost(n, views[n], views))
+                mem, views, total = memory_per_device(gc, views), dict(views), b.time
             else:
                 r = self.mapper.optimize(pg, P._resource(self.machine, start, mesh[0] * mesh[1]))
+                b, mem, views = r.breakdown, r.memory, dict(r.views or {})
+                total = r.cost if math.isfinite(r.cost) else b.time    # side by side where the DP runs so
         except UnityError as e:
             self.solve_s += time.perf_counter() - t0
             return StageCost(INF, mesh=tuple(mesh), reason=str(e))
         dt = time.perf_counter() - t0
         self.solve_s += dt
-        if r.memory is None or not r.views:
-            return StageCost(INF, mesh=tuple(mesh), reason=r.reason or "no mapping", solve_s=dt)
-        b = r.breakdown
-        total = r.cost if math.isfinite(r.cost) else b.time          # over memory at one micro-batch: Eq. 5 says
-        once = b.sync + b.update
-        return StageCost(max(total - once, 0.0), once, dict(r.memory.weights), dict(r.memory.activations), pg,
-                         dict(r.views), tuple(mesh), "", dt, start)
+        if mem is None or not views or not math.isfinite(total):
+            return StageCost(INF, mesh=tuple(mesh), reason=b.reason or "no mapping", solve_s=dt)
+        once = b.sync + b.update                 # over memory at one micro-batch: Eq. 5 decides
+        return StageCost(max(total - once, 0.0), once, dict(mem.weights), dict(mem.activations), pg,
+                         views, tuple(mesh), "", dt, start)
 
 
 # --- the whole pass ------------------------------------------------------------------------------------
