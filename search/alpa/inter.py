@@ -339,8 +339,10 @@ class StageCost:
 
 
 def _default_solve():
+    import functools
+
     from .intra import solve_intra          # the intra-operator ILP (its own module)
-    return solve_intra
+    return functools.partial(solve_intra, price=False)   # the plan is priced here (StageCosts._solve)
 
 
 def mapping_standin(mapper_or_model) -> Callable:
