@@ -267,18 +267,24 @@ def data_parallel_steps(g: PCG, degree: int, book: RuleBook) -> tuple[PCG, list[
 
 
 def normalized_hash(g: PCG) -> str:
-    """Structural hash with the dim attributes of parallel operators counted from the front (rules
-    bind dims counted from the end, hand-built baselines count from the front)."""
+    """Structural hash with the dim attributes of parallel operators, and the integer ``axis`` of compute
+    operators (a Concat's, a Softmax's: rules bind it as a dim, counted from the end), counted from the
+    front (rules bind dims counted from the end, hand-built baselines and importers count from the front)."""
     b = g.edit()
     for n in g.nodes():
         if n.kind == "parallel" and "dim" in n.a:
             rank = g.shape(n.inputs[0]).rank
             a = dict(n.a, dim=n.a["dim"] % rank)
-            if a != n.a:
-                from unity_pcg.pcg import Node
-                b._nodes[n.id] = Node(n.id, n.op, tuple(sorted(a.items())), n.inputs, n.name)
-                b._hashes.pop(n.id, None)
-                b._dirty.add(n.id)
+        elif (n.kind == "compute" and n.inputs and type(n.a.get("axis")) is int
+              and -g.shape(n.inputs[0]).rank <= n.a["axis"] < 0):
+            a = dict(n.a, axis=n.a["axis"] % g.shape(n.inputs[0]).rank)
+        else:
+            continue
+        if a != n.a:
+            from unity_pcg.pcg import Node
+            b._nodes[n.id] = Node(n.id, n.op, tuple(sorted(a.items())), n.inputs, n.name)
+            b._hashes.pop(n.id, None)
+            b._dirty.add(n.id)
     return b.finish().structural_hash()
 
 

@@ -28,7 +28,7 @@ import json
 from typing import Any
 
 from unity_pcg.shape import ParallelTensorShape as S
-from unity_pcg.verifier.axioms import BINARY, SAMPLE_OPS, SAMPLE_RULES, TRANSPOSE_SAMPLE_PERMS, UNARY
+from unity_pcg.verifier.axioms import BINARY, CONCAT_ARITIES, SAMPLE_OPS, SAMPLE_RULES, TRANSPOSE_SAMPLE_PERMS, UNARY, concat_names
 
 from .rule import Pattern, PatNode, Rule
 from .terms import op, rule_of
@@ -111,6 +111,12 @@ def template_rules() -> list[Rule]:
                 _comb(op("Concat", _part("x", "$d"), _part("y", "$d"), axis="$a"), "$d"),
                 {**D, "a": "dim"}, [["$d", "!=", "$a"]])
     rules.append(_with_example(r, {"k": 2, "d": -2, "a": -1}, {"x": S.of((4, 2)), "y": S.of((4, 2))}))
+    for n in CONCAT_ARITIES:              # Concats of 3..16 inputs (axioms Concat<n>_partition)
+        xs = concat_names(n)
+        r = rule_of(f"dp_Concat_{n}", op("Concat", *xs, axis="$a"),
+                    _comb(op("Concat", *[_part(x, "$d") for x in xs], axis="$a"), "$d"),
+                    {**D, "a": "dim"}, [["$d", "!=", "$a"]], inputs=xs)
+        rules.append(_with_example(r, {"k": 2, "d": -2, "a": -1}, {x: S.of((4, 1 + i % 3)) for i, x in enumerate(xs)}))
     sp = op("Split", "x", axis="$a", sizes="$s")
     spp = op("Split", _part("x", "$d"), axis="$a", sizes="$s")
     r = rule_of("dp_Split", (sp[0], sp[1]), (_comb(spp[0], "$d"), _comb(spp[1], "$d")),

@@ -297,6 +297,22 @@ _ax("Concat_partition", "concat_parallel", "parallel",
     op("Concat", op("Partition", "x", dim="$d", degree="$k"), op("Partition", "y", dim="$d", degree="$k"), axis="$a"),
     op("Partition", op("Concat", "x", "y", axis="$a"), dim="$d", degree="$k"), {**DK, "a": "dim"},
     [["$d", "!=", "$a"]], bind={"d": -2, "k": 2, "a": -1}, shapes=XY24)
+# the same for Concats of 3..16 inputs (Inception's branch joins, DLRM/XDL/CANDLE-Uno's feature joins); the
+# encoder gives each arity its own function and the verifier selects axioms by (op, arity), so these reach
+# only rules with Concats of that many inputs
+CONCAT_ARITIES = tuple(range(3, 17))
+
+
+def concat_names(n: int) -> list[str]:
+    return [f"x{i}" for i in range(1, n + 1)]
+
+
+for _n in CONCAT_ARITIES:
+    _xs = concat_names(_n)
+    _ax(f"Concat{_n}_partition", "concat_parallel", "parallel",
+        op("Concat", *[op("Partition", x, dim="$d", degree="$k") for x in _xs], axis="$a"),
+        op("Partition", op("Concat", *_xs, axis="$a"), dim="$d", degree="$k"), {**DK, "a": "dim"},
+        [["$d", "!=", "$a"]], bind={"d": -2, "k": 2, "a": -1}, shapes={x: S.of((4, 1 + i % 3)) for i, x in enumerate(_xs)})
 _ax("Concat_combine", "concat_parallel", "parallel",
     op("Concat", op("Combine", "x", dim="$d", degree="$k"), op("Combine", "y", dim="$d", degree="$k"), axis="$a"),
     op("Combine", op("Concat", "x", "y", axis="$a"), dim="$d", degree="$k"), {**DK, "a": "dim"},
