@@ -250,3 +250,21 @@ def test_transformers_exports_fuse(arch, dynamo, tmp_path):
     assert c["Gelu" if arch == "bert" else "GeluTanh"] == 2 and c["LayerNorm"] == 5, c
     assert not {"Erf", "Tanh", "Sqrt"} & set(c), c
     assert onnx.load(path).graph.node  # the file itself is untouched
+
+
+def test_cli_no_fuse_keeps_the_exporters_decomposition(tmp_path, capsys):
+    import json
+
+    import onnx
+
+    from unity_pcg.cli import main
+    nodes, inits = _erf_gelu("torch")
+    p = tmp_path / "gelu.onnx"
+    onnx.save(_model(nodes, inits), str(p))
+    assert main(["import", str(p), "--json"]) == 0
+    fused = json.loads(capsys.readouterr().out)
+    assert main(["import", str(p), "--json", "--no-fuse"]) == 0
+    plain = json.loads(capsys.readouterr().out)
+    text = json.dumps(fused), json.dumps(plain)
+    assert '"Gelu"' in text[0] and '"Erf"' not in text[0]
+    assert '"Erf"' in text[1] and '"Gelu"' not in text[1]

@@ -31,6 +31,9 @@ def add_arguments(p) -> None:
                         "output: equal when |pcg - ort| <= f * (1e-5 * max|ort| + 1e-4 * |ort|) elementwise, "
                         "f = sqrt(depth), depth = compute operators on the longest path; exit 1 if not")
     p.add_argument("--seed", type=int, default=0, metavar="S", help="seed of --check's random inputs (default 0)")
+    p.add_argument("--no-fuse", action="store_true",
+                   help="keep the exporter's decompositions of GELU, LayerNorm, RMSNorm and SiLU as they are "
+                        "(no pattern fusion at import)")
 
 
 def _human(x: float) -> str:
@@ -49,7 +52,7 @@ def run(args) -> int:
         raise RenderError("--png needs Graphviz `dot`, which is not installed (apt-get install graphviz), "
                           "or use --dot FILE")
     t0 = time.perf_counter()
-    g = load_onnx(args.model, batch=args.batch, load_weights=bool(args.check))
+    g = load_onnx(args.model, batch=args.batch, load_weights=bool(args.check), fuse=not args.no_fuse)
     seconds = time.perf_counter() - t0
     chk = None
     if args.check:
