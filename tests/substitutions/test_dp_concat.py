@@ -144,3 +144,24 @@ def test_zoo_model_reaches_data_parallelism_by_rules(book, zoo_dir, name):
     assert normalized_hash(trimmed(pg)) == normalized_hash(data_parallel(g, 2))
     fresh = load_onnx(path, load_weights=False)
     assert replay(fresh, steps, book).structural_hash() == pg.structural_hash()
+
+
+@pytest.mark.parametrize("name", ["dlrm", pytest.param("xdl", marks=pytest.mark.slow), "candle_uno",
+                                  pytest.param("inception_v3", marks=pytest.mark.slow)])
+def test_joint_search_on_zoo_model_reaches_data_parallelism_by_rules(book, zoo_dir, name):
+    """The search's plan is reached by rules (not the hand-built baseline), no slower than data parallelism, and
+    its rule sequence replays on a fresh import. (Tiny Inception-v3 on 2 devices: the search's plan, its branches
+    on different devices with no parallel operator, is predicted faster than data parallelism.)"""
+    from unity_pcg.onnx_import import load_onnx
+    from unity_pcg.search.optimize import optimize
+    path = _export(zoo_dir, name)
+    res = optimize(path, "summit:1x2", budget_s=120, max_candidates=4, pipeline=False)
+    assert res.feasible and res.dp is not None and res.dp.feasible
+    assert "baseline" not in str(res.stats.get("chosen", "")), res.stats.get("chosen")
+    assert res.plan.rules is not None and len(res.plan.rules) == len(res.steps)
+    fresh = load_onnx(path, load_weights=False)
+    assert replay(fresh, res.steps, book, trim_outputs=True).structural_hash() == res.plan.pcg.structural_hash()
+    g = load_onnx(path, load_weights=False)
+    assert (normalized_hash(res.plan.pcg) == normalized_hash(data_parallel(g, 2))
+            or res.predicted_iteration_s < res.dp.cost)
+    assert res.predicted_iteration_s <= res.dp.cost * (1 + 1e-9)
