@@ -366,10 +366,11 @@ def report(path: str = JSON_OUT, md: str = MD_OUT) -> str:
          f"{meta.get('max_candidates', '?')} expanded candidates per segment; {meta.get('cpus', '?')} CPUs shared "
          f"with other work (load average at start {meta.get('loadavg', '?')}); git {meta.get('git', '?')}; "
          f"started {meta.get('started', '?')}.", ""]
+    alpa = _alpa_rows()
     o += ["## Figure 14: Unity against the best baseline (throughput, samples/s)", "",
           "| model | GPUs | dp | megatron | expert | best baseline | Unity | Unity / best | search (s) | "
-          "Unity, no pipeline | no pipeline / best | search (s) | paper |",
-          "|---|---:|---:|---:|---:|---|---:|---:|---:|---:|---:|---:|---:|"]
+          "Unity, no pipeline | no pipeline / best | search (s) | paper | Alpa | Unity / Alpa |",
+          "|---|---:|---:|---:|---:|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
     for x in lines:
         if x["devices"] == 1024 or x["model"] == DENSENET:
             continue
@@ -381,12 +382,15 @@ def report(path: str = JSON_OUT, md: str = MD_OUT) -> str:
                  f"{_cell(s.get('megatron')) if 'megatron' in baselines_for(x['model']) else ''} | "
                  f"{_cell(s.get('expert')) if 'expert' in baselines_for(x['model']) else ''} | "
                  f"{x['best_baseline'] or '-'} | {_cell(s.get('unity'))} | {_x(x['speedup'])} | {st} | "
-                 f"{_cell(s.get(NOPIPE))} | {_x(x['nopipe_speedup'])} | {sn} | {_x(paper) if paper else ''} |")
+                 f"{_cell(s.get(NOPIPE))} | {_x(x['nopipe_speedup'])} | {sn} | {_x(paper) if paper else ''} | "
+                 f"{_alpa_cells(alpa.get((x['model'], x['devices'])), s.get('unity'))} |")
     o += ["", "*Unity*: `optimize(strategy=\"unity\")` as the product runs it, with its 1F1B pipeline stage "
           "(taken when predicted faster). *Unity, no pipeline*: the same with `pipeline=False`: the paper's "
           "Figure 14 disables pipeline parallelism against frameworks without it (all baselines here but "
           "Megatron). Paper column: Unity over the best baseline at the largest scale (Figure 14; BERT-Large "
-          "on par with Megatron, ResNeXt-50 about 1.0x).", ""]
+          "on par with Megatron, ResNeXt-50 about 1.0x). *Alpa*: Alpa's plan (intra-operator ILP + stage DP, "
+          "`--strategy alpa`) in the same cost model, machine, batch and optimizer, from "
+          "`benchmarks/alpa_gpt.py --part zoo` (`alpa_gpt.json`; run at 48 GPUs only, *n/m* elsewhere).", ""]
     o += _breakdown(lines)
     o += _extras(lines)
     o += _fig15b(lines)
@@ -397,6 +401,31 @@ def report(path: str = JSON_OUT, md: str = MD_OUT) -> str:
     with open(md, "w") as f:
         f.write(text)
     return text
+
+
+ALPA_JSON = os.path.join(os.path.dirname(os.path.abspath(__file__)), "results", "alpa_gpt.json")
+
+
+def _alpa_rows(path: str = ALPA_JSON) -> dict:
+    """(model, GPUs) -> Alpa's throughput on the zoo, from alpa_gpt.py's JSON (empty if it was not run)."""
+    try:
+        with open(path) as f:
+            rows = json.load(f).get("rows", [])
+    except (OSError, ValueError):
+        return {}
+    out = {}
+    for r in rows:
+        a = r.get("alpa") or {}
+        if r.get("part") == "zoo" and a.get("feasible") and a.get("iteration_s"):
+            out[(r["model"], r["gpus"])] = r["batch"] / a["iteration_s"]
+    return out
+
+
+def _alpa_cells(alpa_tput, unity_row) -> str:
+    if alpa_tput is None:
+        return "n/m | -"
+    u = (unity_row or {}).get("throughput_samples_s") if (unity_row or {}).get("feasible") else None
+    return f"{_fmt_t(alpa_tput)} | {_x(u / alpa_tput) if u else '-'}"
 
 
 def _breakdown(lines) -> list[str]:
