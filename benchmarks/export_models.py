@@ -16,6 +16,11 @@ records per export the file, input names/shapes, seconds, or the exporter's erro
 
     .venv/bin/python benchmarks/export_models.py transformers [--models bert,gpt2] [--refresh]
     /work/tv-venv/bin/python benchmarks/export_models.py torchvision [--models resnet50] [--refresh]
+
+``--batch N`` exports at batch N instead (``<model>-<exporter>-b<N>.onnx``, manifest ``<family>-b<N>.json``):
+the reference of ``import_coverage.py --batch-hash``, which compares the batch override of the default export
+with these files.  The same weights (seed) and BatchNorm statistics (calibrated at batch 8 whatever N) as the
+default export, so only the batch differs.
 """
 from __future__ import annotations
 
@@ -125,6 +130,7 @@ HF_MODELS = ["bert", "gpt2", "roberta", "t5_encoder", "vit", "distilbert", "llam
 
 # --- torchvision: real size, batch 8 --------------------------------------------------------------------------
 TV_BATCH = 8
+TV_CALIB_BATCH = 8   # BatchNorm calibration batch: fixed, so that an export at another batch has the same weights
 TV_MODELS = {"resnet50": 224, "mobilenet_v3_large": 224, "efficientnet_b0": 224, "convnext_tiny": 224,
              "swin_t": 224, "vit_b_16": 224, "densenet121": 224, "inception_v3": 299, "mobilenet_v2": 224,
              "shufflenet_v2_x1_0": 224, "squeezenet1_1": 224, "regnet_y_400mf": 224, "googlenet": 224}
@@ -141,7 +147,7 @@ def _tv(name: str):
         for p in m.parameters():
             if p.dim() >= 2 and not p.any():
                 p.normal_(0.0, 0.02)
-    _calibrate_batchnorm(m, (TV_BATCH, 3, TV_MODELS[name], TV_MODELS[name]))
+    _calibrate_batchnorm(m, (TV_CALIB_BATCH, 3, TV_MODELS[name], TV_MODELS[name]))
     return m, {"x": torch.randn(TV_BATCH, 3, TV_MODELS[name], TV_MODELS[name],
                                 generator=torch.Generator().manual_seed(1))}
 
@@ -187,11 +193,20 @@ class _Wrap:
         return W()
 
 
-def export_one(family: str, name: str, exporter: str, refresh: bool = False) -> dict:
+def _suffix(batch: int | None) -> str:
+    return f"-b{batch}" if batch else ""
+
+
+def export_one(family: str, name: str, exporter: str, refresh: bool = False, batch: int | None = None) -> dict:
+    """Export one model with one exporter (at its family's batch, or at ``batch``) -> its manifest record."""
     import torch
 
-    path = os.path.join(CACHE, f"{name}-{exporter}.onnx")
-    rec = {"model": name, "family": family, "exporter": exporter, "file": os.path.relpath(path, HERE)}
+    global TBATCH, TV_BATCH
+    if batch:
+        TBATCH = TV_BATCH = batch
+    path = os.path.join(CACHE, f"{name}-{exporter}{_suffix(batch)}.onnx")
+    rec = {"model": name, "family": family, "exporter": exporter, "file": os.path.relpath(path, HERE),
+           **({"batch": batch} if batch else {})}
     if os.path.exists(path) and not refresh:
         rec.update(status="cached")
         return rec
@@ -242,6 +257,8 @@ def main(argv=None) -> int:
     ap.add_argument("--models", default="", help="comma-separated subset")
     ap.add_argument("--exporters", default=",".join(EXPORTERS))
     ap.add_argument("--refresh", action="store_true", help="export again even if the file is cached")
+    ap.add_argument("--batch", type=int, default=0, metavar="N",
+                    help="export at batch N (files *-bN.onnx, manifest <family>-bN.json)")
     a = ap.parse_args(argv)
     import torch
     torch.set_num_threads(1)
@@ -249,14 +266,14 @@ def main(argv=None) -> int:
     if a.models:
         names = [n for n in a.models.split(",") if n]
     os.makedirs(CACHE, exist_ok=True)
-    man_path = os.path.join(CACHE, f"{a.family}.json")
+    man_path = os.path.join(CACHE, f"{a.family}{_suffix(a.batch)}.json")
     man = {}
     if os.path.exists(man_path):
         with open(man_path) as f:
             man = json.load(f)
     for n in names:
         for e in a.exporters.split(","):
-            rec = export_one(a.family, n, e, a.refresh)
+            rec = export_one(a.family, n, e, a.refresh, a.batch or None)
             if rec["status"] == "cached" and f"{n}-{e}" in man:
                 continue
             if rec["status"] == "cached":

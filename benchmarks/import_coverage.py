@@ -13,6 +13,13 @@ onnxruntime on the same seeded random inputs and compares every output (toleranc
     .venv/bin/python benchmarks/import_coverage.py [--export] [--models bert,resnet50] [--no-light]
                                                    [--tv-python /work/tv-venv/bin/python] [--batch-check N]
 
+``--batch-hash N`` (issue 10 point 7): each export is ALSO exported at batch N (``export_models.py --batch N``;
+``--tv-batch M`` sets torchvision's, default N), then the default export imported with ``batch=N`` and the batch-N
+export imported as is are compared by ``PCG.structural_hash``: equal; ``names``: equal once Weight names are left
+out (the dynamo exporter numbers some folded constants ``val_K`` by a counter that the batch shifts); differs (the
+first differing node on each side); refused (the importer's one line naming the node).  The onnx wheel's light
+models ship at one batch: no rows there.
+
 ``--export`` first runs the exports that are not cached yet (transformers here, torchvision with
 ``--tv-python`` when it exists).  Writes benchmarks/results/import_coverage.json and .md.
 """
@@ -99,6 +106,109 @@ def check_file(path: str, timeout: float = CASE_TIMEOUT_S, extra: list | None = 
     return row
 
 
+def _name_free_hash(g) -> str:
+    """``structural_hash`` with Weight names left out (shapes, dtypes, attributes and wiring kept)."""
+    import hashlib
+    from unity_pcg.pcg import _canon
+    hs: dict = {}
+    for i in g.topo_order():
+        n = g.node(i)
+        attrs = [[k, _canon(v)] for k, v in n.attrs if not (n.op == "Weight" and k == "name")]
+        hs[i] = hashlib.blake2b(json.dumps([n.op, attrs, [[hs[r[0]], r[1]] for r in n.inputs]]).encode(),
+                                digest_size=16).hexdigest()
+    outs = [[hs[r[0]], r[1]] for r in g.outputs]
+    return hashlib.blake2b(json.dumps([sorted(hs.values()), outs]).encode(), digest_size=16).hexdigest()
+
+
+def _first_difference(a, b) -> str:
+    """The first node (topological order) of each PCG whose structural node hash the other lacks."""
+    def first(g, other):
+        have = {other.node_hash(i) for i in other.node_ids()}
+        for i in g.topo_order():
+            if g.node_hash(i) not in have:
+                n = g.node(i)
+                return f"{n.label()} {n.op} {[list(s.sizes) for s in g.shapes(i)]}"
+        return "-"
+    return f"override: {first(a, b)}; export: {first(b, a)}"
+
+
+def hash_compare(src: str, ref: str, batch: int) -> dict:
+    """``load_onnx(src, batch=batch)`` against ``load_onnx(ref)`` (the export at that batch) by structural hash."""
+    from unity_pcg.errors import UnityError
+    from unity_pcg.onnx_import import load_onnx
+    from unity_pcg.onnx_import.importer import BatchOverride
+    t = time.perf_counter()
+    try:
+        b = load_onnx(ref, load_weights=False)
+    except UnityError as e:
+        return {"status": "error", "reason": f"export at {batch}: {e}"}
+    try:
+        a = load_onnx(src, batch=batch, load_weights=False)
+    except BatchOverride as e:
+        return {"status": "refused", "reason": str(e)}
+    except UnityError as e:
+        return {"status": "error", "reason": f"{type(e).__name__}: {e}"}
+    row = {"seconds": round(time.perf_counter() - t, 2), "nodes": len(a)}
+    if a.structural_hash() == b.structural_hash():
+        return {**row, "status": "equal"}
+    if _name_free_hash(a) == _name_free_hash(b):
+        wa = sorted(n.a["name"] for n in a.nodes() if n.op == "Weight")
+        wb = sorted(n.a["name"] for n in b.nodes() if n.op == "Weight")
+        da, db = sorted(set(wa) - set(wb)), sorted(set(wb) - set(wa))
+        return {**row, "status": "names", "reason": f"Weight names only: {da[:3]} vs {db[:3]}"
+                + (f" (+{len(da) - 3})" if len(da) > 3 else "")}
+    return {**row, "status": "differs", "reason": _first_difference(a, b)}
+
+
+def batch_hash_rows(batch_tf: int, batch_tv: int, sel: set, tv_python: str) -> list[dict]:
+    """Export every coverage model at its new batch (cached) and compare by structural hash."""
+    script = os.path.join(HERE, "export_models.py")
+    extra = ["--models", ",".join(sorted(sel))] if sel else []
+    subprocess.run([sys.executable, script, "transformers", "--batch", str(batch_tf), *extra], cwd=ROOT)
+    if os.path.exists(tv_python):
+        subprocess.run([tv_python, script, "torchvision", "--batch", str(batch_tv), *extra], cwd=ROOT)
+    ref = {}
+    for fam, n in (("transformers", batch_tf), ("torchvision", batch_tv)):
+        p = os.path.join(CACHE, f"{fam}-b{n}.json")
+        if os.path.exists(p):
+            with open(p) as f:
+                ref.update({(r["model"], r["exporter"]): r for r in json.load(f).values()})
+    rows = []
+    for rec in manifest():
+        if sel and rec["model"] not in sel:
+            continue
+        n = batch_tf if rec["family"] == "transformers" else batch_tv
+        row = {"model": rec["model"], "family": rec["family"], "exporter": rec["exporter"], "batch": n}
+        r2 = ref.get((rec["model"], rec["exporter"]))
+        if rec["status"] != "ok" or r2 is None or r2["status"] != "ok":
+            row.update(status="no_export", reason=(r2 or {}).get("error") or rec.get("error") or "not exported")
+        else:
+            row.update(hash_compare(os.path.join(HERE, rec["file"]), os.path.join(HERE, r2["file"]), n))
+        rows.append(row)
+        print(f"{row['model']:20s} {row['exporter']:7s} -> {n}: {row['status']:8s} {row.get('reason', '')}",
+              flush=True)
+    return rows
+
+
+def batch_hash_markdown(rows: list[dict]) -> list[str]:
+    counts: dict = {}
+    for r in rows:
+        counts[r["status"]] = counts.get(r["status"], 0) + 1
+    bs = sorted({(r["family"], r["batch"]) for r in rows})
+    L = ["", "## `--batch-hash`: the batch override against exporting at that batch (structural hash)", "",
+         "Each export imported with `batch=N` vs the same model exported at batch N ("
+         + ", ".join(f"{f}: {n}" for f, n in bs) + "), both `load_onnx(..., load_weights=False)`, compared by "
+         "`PCG.structural_hash`. equal: same hash; names: same once Weight names are left out (the dynamo "
+         "exporter numbers folded constants `val_K` by a counter); differs: the first node each side lacks; "
+         "refused: the importer's one line naming the node that holds the batch. The onnx wheel's light models "
+         "ship at one batch (no rows).", "", "; ".join(f"{k}: {v}" for k, v in sorted(counts.items())), "",
+         "| model | exporter | N | status | detail |", "|---|---|---:|---|---|"]
+    for r in rows:
+        L.append(f"| {r['model']} | {r['exporter']} | {r['batch']} | {r['status']} | "
+                 f"{r.get('reason', '')[:300]} |".replace("\n", " "))
+    return L
+
+
 def _fmt(x, nd=3):
     return "" if x is None else f"{x:.{nd}g}"
 
@@ -153,6 +263,8 @@ def markdown(meta: dict, rows: list[dict]) -> str:
             detail = _fmt(c.get("ratio")) + (" (chunks)" if "chunks" in (c.get("reference") or "") else "") \
                 if c["status"] == "equal" else c.get("reason", "")
             L.append(f"| {r['model']} | {r['exporter']} | {c['status']} | {detail[:240]} |".replace("\n", " "))
+    if meta.get("batch_hash"):
+        L += batch_hash_markdown(meta["batch_hash"])
     fails = [r for r in rows if r["status"] != "equal"]
     if fails:
         L += ["", "## What stops the others", ""]
@@ -190,11 +302,28 @@ def main(argv=None) -> int:
                     help="Python with torch + torchvision for the torchvision exports")
     ap.add_argument("--batch-check", type=int, default=0, metavar="N",
                     help="also run `import --check --batch N` on each export (the batch override)")
+    ap.add_argument("--batch-hash", type=int, default=0, metavar="N",
+                    help="only compare each export's batch override to N with an export at N (structural hash), "
+                         "keeping the rest of the report")
+    ap.add_argument("--tv-batch", type=int, default=0, metavar="M", help="torchvision's N for --batch-hash")
     ap.add_argument("--merge", action="store_true",
                     help="keep the rows of earlier runs for models not measured now")
     a = ap.parse_args(argv)
     sys.path.insert(0, HERE)
     sel = {m for m in a.models.split(",") if m}
+    if a.batch_hash:
+        bh = batch_hash_rows(a.batch_hash, a.tv_batch or a.batch_hash, sel, a.tv_python)
+        out_json = os.path.join(RESULTS, "import_coverage.json")
+        with open(out_json) as f:
+            d = json.load(f)
+        d["meta"]["batch_hash"] = bh
+        d["meta"]["batch_hash_date"] = time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime())
+        with open(out_json, "w") as f:
+            json.dump(d, f, indent=1)
+        with open(os.path.join(RESULTS, "import_coverage.md"), "w") as f:
+            f.write(markdown(d["meta"], d["results"]))
+        print("; ".join(f"{k}: {sum(r['status'] == k for r in bh)}" for k in sorted({r["status"] for r in bh})))
+        return 0
     if a.export:
         script = os.path.join(HERE, "export_models.py")
         extra = ["--models", a.models] if a.models else []

@@ -148,6 +148,42 @@ def test_batch_inside_a_reshape_target_is_placed_exactly(src, dst):
     np.testing.assert_array_equal(evaluate(g, {"x": x})[0], want)
 
 
+def _seq_first_merged(batch, seq=5, heads=3, hd=4):
+    """torchvision ViT's attention layout (nn.MultiheadAttention, batch_first=False inside): x [B, S, d] made
+    sequence-first, the batch MERGED with the sequence ([S, B, H, D] -> [S*B, H*D]) and split back
+    ([S*B, d] -> [S, B, d])."""
+    d = heads * hd
+    nodes = [helper.make_node("Transpose", ["x"], ["xt"], perm=[1, 0, 2]),
+             helper.make_node("Reshape", ["xt", "t1"], ["r4"]),
+             helper.make_node("Reshape", ["r4", "t2"], ["m"]),
+             helper.make_node("Reshape", ["m", "t3"], ["s"]),
+             helper.make_node("Transpose", ["s"], ["y"], perm=[1, 0, 2])]
+    inits = {"t1": np.array([seq, batch, heads, hd]), "t2": np.array([seq * batch, d]),
+             "t3": np.array([seq, batch, d])}
+    return _model(nodes, inits, batch, [seq, d])
+
+
+@pytest.mark.parametrize("src,dst", [(8, 2), (2, 3), (3, 8)])
+def test_batch_merged_with_the_sequence_is_placed_exactly(src, dst):
+    """[S, B, H, D] -> [S*B, H*D] and back: the merged dim scales with the batch; the split back puts the new
+    batch in the dim that held the exported one (same hash as the export at ``dst``, same values)."""
+    g = load_onnx(_seq_first_merged(src), batch=dst)
+    assert g.structural_hash() == load_onnx(_seq_first_merged(dst)).structural_hash()
+    x = np.random.default_rng(0).standard_normal((dst, 5, 12)).astype(np.float32)
+    np.testing.assert_array_equal(evaluate(g, {"x": x})[0], x)
+
+
+def test_reshape_that_scatters_the_batch_is_refused_naming_it():
+    """A reshape whose groups do not line up with the batch dim ([S, B, d] -> [B, S*d] read row-major: the
+    batch lands inside no output dim) stays a one-line refusal naming the node."""
+    nodes = [helper.make_node("Transpose", ["x"], ["xt"], perm=[1, 0, 2]),
+             helper.make_node("Reshape", ["xt", "t"], ["y"], name="scatter")]
+    m = _model(nodes, {"t": np.array([4, 30])}, 4, [5, 6])
+    with pytest.raises(BatchOverride, match="'scatter'") as ei:
+        load_onnx(m, batch=2)
+    assert "\n" not in str(ei.value)
+
+
 def _masked(batch, per_sample: bool, rows: bool):
     """x [B, 4] + a constant [B, 4] (a folded ConstantOfShape/Expand, or per-sample data); with ``rows`` a
     Gather of rows Range(0, B) as the exporters fold ``x[torch.arange(B)]``."""

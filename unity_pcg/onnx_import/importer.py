@@ -481,6 +481,8 @@ class Importer:
             # (the exported size times n/o); among several (1s in between), the first that holds the batch
             outer = prod(xo[:p])
             cands = [i for i in range(len(yo)) if prod(yo[:i]) == outer and (yo[i] * n) % o == 0]
+            if not cands:
+                cands = _nested_dims(xo, yo, p, n, o)
             if b0 > 1 and any(yo[i] % b0 == 0 for i in cands):
                 cands = [i for i in cands if yo[i] % b0 == 0]
             if not cands:
@@ -585,6 +587,27 @@ class Importer:
                                        "with static shapes")
             self.wnames.add(name)  # weights never take an input's name (feeds are matched by name)
             self.vals[name] = self.add("Input", {"name": name, "shape": tuple(dims), "dtype": dt}, [], name)
+
+
+def _nested_dims(xo, yo, p: int, n: int, o: int) -> list[int]:
+    """Output dims of a Reshape ``xo -> yo`` that hold input dim ``p`` (size ``o``, becoming ``n``) exactly:
+    an output dim that merges whole input dims including ``p`` (the sequence-first attention layout,
+    ``[S, B, H, D] -> [S*B, H*D]``), or one of the output dims that split ``p`` alone (``[S*B, E] -> [S, B, E]``).
+    Dim boundaries are compared by prefix products, so only reshapes whose groups line up qualify."""
+    from itertools import accumulate
+    px = [1, *accumulate(xo, lambda a, b: a * b)]
+    py = [1, *accumulate(yo, lambda a, b: a * b)]
+    sx = set(px[:p + 1]), set(px[p + 1:])
+    out = []
+    for i, size in enumerate(yo):
+        if size < 2 or (size * n) % o:
+            continue
+        merge = py[i] in sx[0] and py[i + 1] in sx[1]
+        split = px[p] <= py[i] and py[i + 1] <= px[p + 1] and any(py[a] == px[p] for a in range(i + 1)) and \
+            any(py[b] == px[p + 1] for b in range(i + 1, len(py)))
+        if merge or split:
+            out.append(i)
+    return out
 
 
 def live_names(imp: Importer, nodes, live) -> set[str]:
