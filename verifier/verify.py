@@ -126,22 +126,32 @@ def signatures(r: Rule) -> set[tuple[str, int]]:
     return {(n.op, len(n.inputs)) for p in (r.source, r.target) for n in p.nodes}
 
 
+_SIGS: dict[int, tuple] = {}
+
+
+def _axiom_sigs(a: Axiom) -> tuple:
+    """(axiom, lhs, rhs, both): its signatures other than the parallel operators' (always allowed),
+    computed once per axiom object."""
+    got = _SIGS.get(id(a))
+    if got is None or got[0] is not a:
+        lhs = frozenset((n.op, len(n.inputs)) for n in a.rule.source.nodes if n.op not in PARALLEL)
+        rhs = frozenset((n.op, len(n.inputs)) for n in a.rule.target.nodes if n.op not in PARALLEL)
+        got = _SIGS[id(a)] = (a, lhs, rhs, lhs | rhs)
+    return got
+
+
 def relevant_axioms(r: Rule, axioms: Sequence[Axiom] = AXIOMS) -> list[Axiom]:
     """Axioms over the rule's operator signatures (name and arity), the parallel operators, and the
     signatures that axioms firing on those can introduce (two steps)."""
-    def ok(sig: set[tuple[str, int]], allowed: set[tuple[str, int]]) -> bool:
-        return all(s in allowed or s[0] in PARALLEL for s in sig)
-
-    sigs = [(a, {(n.op, len(n.inputs)) for n in a.rule.source.nodes},
-             {(n.op, len(n.inputs)) for n in a.rule.target.nodes}) for a in axioms]
+    sigs = [_axiom_sigs(a) for a in axioms]
     allowed = signatures(r)
     for _ in range(2):   # signatures an axiom can introduce when it fires on terms of allowed ones
         grown = set(allowed)
-        for a, lhs, rhs in sigs:
-            if ok(lhs, allowed) or ok(rhs, allowed):
-                grown |= lhs | rhs
+        for _a, lhs, rhs, both in sigs:
+            if lhs <= allowed or rhs <= allowed:
+                grown |= both
         allowed = grown
-    return [a for a, lhs, rhs in sigs if ok(lhs | rhs, allowed)]
+    return [a for a, _l, _r, both in sigs if both <= allowed]
 
 
 def relevant_axioms_by_name(r: Rule, axioms: Sequence[Axiom] = AXIOMS) -> list[Axiom]:
