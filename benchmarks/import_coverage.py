@@ -190,16 +190,17 @@ def batch_hash_rows(batch_tf: int, batch_tv: int, sel: set, tv_python: str) -> l
     return rows
 
 
-def batch_hash_markdown(rows: list[dict]) -> list[str]:
+def batch_hash_markdown(rows: list[dict], date: str = "") -> list[str]:
     counts: dict = {}
     for r in rows:
         counts[r["status"]] = counts.get(r["status"], 0) + 1
     bs = sorted({(r["family"], r["batch"]) for r in rows})
     L = ["", "## `--batch-hash`: the batch override against exporting at that batch (structural hash)", "",
-         "Each export imported with `batch=N` vs the same model exported at batch N ("
+         (f"Measured {date}. " if date else "") + "Each export imported with `batch=N` vs the same model exported at batch N ("
          + ", ".join(f"{f}: {n}" for f, n in bs) + "), both `load_onnx(..., load_weights=False)`, compared by "
          "`PCG.structural_hash`. equal: same hash; names: same once Weight names are left out (the dynamo "
-         "exporter numbers folded constants `val_K` by a counter); differs: the first node each side lacks; "
+         "exporter names its constants, some weights among them, `val_K` by a counter that another batch shifts; "
+         "`structural_hash` keeps Weight names, which bind the weights); differs: the first node each side lacks; "
          "refused: the importer's one line naming the node that holds the batch. The onnx wheel's light models "
          "ship at one batch (no rows).", "", "; ".join(f"{k}: {v}" for k, v in sorted(counts.items())), "",
          "| model | exporter | N | status | detail |", "|---|---|---:|---|---|"]
@@ -264,7 +265,7 @@ def markdown(meta: dict, rows: list[dict]) -> str:
                 if c["status"] == "equal" else c.get("reason", "")
             L.append(f"| {r['model']} | {r['exporter']} | {c['status']} | {detail[:240]} |".replace("\n", " "))
     if meta.get("batch_hash"):
-        L += batch_hash_markdown(meta["batch_hash"])
+        L += batch_hash_markdown(meta["batch_hash"], meta.get("batch_hash_date", ""))
     fails = [r for r in rows if r["status"] != "equal"]
     if fails:
         L += ["", "## What stops the others", ""]

@@ -298,3 +298,39 @@ def test_transformers_vit_exported_at_8_imports_at_48(dynamo, tmp_path):
             torch.onnx.export(W().eval(), (torch.randn(b, 3, 32, 32),), paths[b], dynamo=dynamo, input_names=["x"],
                               **({"external_data": False, "verbose": False} if dynamo else {"opset_version": 17}))
     assert load_onnx(paths[8], batch=48).structural_hash() == load_onnx(paths[48]).structural_hash()
+
+
+# --- the benchmark's comparison (benchmarks/import_coverage.py --batch-hash) ---------------------------------------
+
+def test_batch_hash_compare_tells_equal_names_differs_and_refused(tmp_path):
+    """``hash_compare`` on hand-made files: the override equal to the export at N; the same graph with a
+    renamed initializer (the dynamo exporter's counter names) is ``names``; another target is ``differs`` naming a
+    node; a reshape that scatters the batch is ``refused`` with the importer's line."""
+    import sys
+
+    import onnx
+    sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.dirname(__file__))), "benchmarks"))
+    import import_coverage as ic
+
+    def save(m, name):
+        p = str(tmp_path / name)
+        onnx.save(m, p)
+        return p
+
+    src, ref = save(_seq_first_merged(8), "s8.onnx"), save(_seq_first_merged(2), "s2.onnx")
+    assert ic.hash_compare(src, ref, 2)["status"] == "equal"
+    renamed = _masked(2, False, False)   # x + c, c a folded Expand [B, 4]: a Weight named after its tensor
+    renamed.graph.initializer[0].name = "val_7"
+    renamed.graph.node[0].input[1] = "val_7"
+    r = ic.hash_compare(save(_masked(3, False, False), "m3.onnx"), save(renamed, "r2.onnx"), 2)
+    assert r["status"] == "names" and "val_7" in r["reason"], r
+    assert ic.hash_compare(save(_masked(3, False, False), "m3.onnx"), save(_masked(2, False, False), "m2.onnx"),
+                           2)["status"] == "equal"
+    other = _seq_first_merged(2, heads=2, hd=6)   # same sizes in and out, another head split inside
+    r = ic.hash_compare(src, save(other, "o2.onnx"), 2)
+    assert r["status"] == "differs" and "Reshape" in r["reason"], r
+    nodes = [helper.make_node("Transpose", ["x"], ["xt"], perm=[1, 0, 2]),
+             helper.make_node("Reshape", ["xt", "t"], ["y"], name="scatter")]
+    bad = save(_model(nodes, {"t": np.array([4, 30])}, 4, [5, 6]), "b4.onnx")
+    r = ic.hash_compare(bad, bad, 2)
+    assert r["status"] == "refused" and "'scatter'" in r["reason"], r
