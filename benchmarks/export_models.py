@@ -199,11 +199,20 @@ def _suffix(batch: int | None) -> str:
 
 def export_one(family: str, name: str, exporter: str, refresh: bool = False, batch: int | None = None) -> dict:
     """Export one model with one exporter (at its family's batch, or at ``batch``) -> its manifest record."""
+    global TBATCH, TV_BATCH
+    if not batch:
+        return _export_one(family, name, exporter, refresh, None)
+    saved = TBATCH, TV_BATCH
+    TBATCH = TV_BATCH = batch
+    try:
+        return _export_one(family, name, exporter, refresh, batch)
+    finally:
+        TBATCH, TV_BATCH = saved
+
+
+def _export_one(family: str, name: str, exporter: str, refresh: bool, batch: int | None) -> dict:
     import torch
 
-    global TBATCH, TV_BATCH
-    if batch:
-        TBATCH = TV_BATCH = batch
     path = os.path.join(CACHE, f"{name}-{exporter}{_suffix(batch)}.onnx")
     rec = {"model": name, "family": family, "exporter": exporter, "file": os.path.relpath(path, HERE),
            **({"batch": batch} if batch else {})}

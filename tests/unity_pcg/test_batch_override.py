@@ -334,3 +334,22 @@ def test_batch_hash_compare_tells_equal_names_differs_and_refused(tmp_path):
     bad = save(_model(nodes, {"t": np.array([4, 30])}, 4, [5, 6]), "b4.onnx")
     r = ic.hash_compare(bad, bad, 2)
     assert r["status"] == "refused" and "'scatter'" in r["reason"], r
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("exporter", ["legacy", "dynamo"])
+@pytest.mark.parametrize("name", ["bert", "gpt2", "t5_encoder", "llama", "wav2vec2"])
+def test_coverage_transformers_override_equals_export_at_3(name, exporter):
+    """Real transformers exports of the import-coverage set (benchmarks/export_models.py, cached): exported at
+    2 and imported with batch=3, the PCG of the export at 3; the dynamo exporter's counter-numbered Weight names
+    are the only difference it may leave (``names``)."""
+    import sys
+    pytest.importorskip("transformers")
+    sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.dirname(__file__))), "benchmarks"))
+    import export_models as E
+    import import_coverage as ic
+    recs = [E.export_one("transformers", name, exporter, batch=b) for b in (None, 3)]
+    assert E.TBATCH == 2   # the override export leaves the module's batch as it was
+    assert all(r["status"] in ("ok", "cached") for r in recs), recs
+    r = ic.hash_compare(*(os.path.join(E.HERE, x["file"]) for x in recs), 3)
+    assert r["status"] == "equal" or (exporter == "dynamo" and r["status"] == "names"), r
