@@ -12,6 +12,7 @@ onnxruntime on the same seeded random inputs and compares every output (toleranc
 
     .venv/bin/python benchmarks/import_coverage.py [--export] [--models bert,resnet50] [--no-light]
                                                    [--tv-python /work/tv-venv/bin/python] [--batch-check N]
+    .venv/bin/python benchmarks/import_coverage.py --batch-hash 3 --tv-batch 2      # ~1 min cached, ~8 min not
 
 ``--batch-hash N`` (issue 10 point 7): each export is ALSO exported at batch N (``export_models.py --batch N``;
 ``--tv-batch M`` sets torchvision's, default N), then the default export imported with ``batch=N`` and the batch-N
