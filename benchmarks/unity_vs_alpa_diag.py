@@ -324,13 +324,29 @@ sync 0.0338 s equal Alpa's; the rest is six Reduces before the Concat left unfus
 3. *Budget*: the path is 54 rule steps (22 + 16 + 16), segment 3 alone 48, against 40 expanded candidates per
    segment.
 
-Tried and not adopted (reverted; no change to search/ committed): (a) adding the node count to `search_degrees`:
-CANDLE-Uno at 60 s unchanged (0.5931 s, the pipeline plan); (b) (a) plus a per-segment seed built by rules
-(the dp seed at devices-per-node, every `megatron_mlp_column_*` template at k = nodes, the Relu lift and the
-AllReduce fusion): no-pipeline search 0.6626 s, no better than dp 48 (0.6636 s) although the four seeds together
-are the 0.4001 s graph; one DP solve timed out and the cause (seed pricing limit or the combination of segment
-fronts) was not found in the time. The seed approach is the fix to pursue: the seed of segment 3 is the only way
-past the alpha hill.
+Fixed in the search (commit after 50bdd17): (a) a Megatron seed per segment, built by rules
+(`substitution.tensor_parallel_steps`: on the dp seed at devices-per-node, every `megatron_mlp_column_*` template
+at k = nodes on unsplit weights, the Relu lift and the AllReduce fusion), which jumps the alpha hill of item 2
+and the step count of item 3 (and needs no change to `search_degrees`); (b) `best_first` prices unpriced seeds
+before the neighbours of the best start: before, the dp-48 seed's neighbours (smaller per-task compute estimate)
+were priced first and within 40 expansions the other seeds of every CANDLE-Uno segment were never priced (the
+segment fronts held only the dp-48 family). Adding the node count to `search_degrees` alone changed nothing
+(0.5931 s). Measured with `optimize(..., budget_s=60, max_candidates=40)` on summit:8x6 (2 shared CPUs),
+after -> before (fig14.json):
+
+| model | predicted iteration (s) after | before | search (s) after | before |
+|---|---:|---:|---:|---:|
+| candle_uno | 0.4406 (27,891 samples/s; Unity / Alpa 0.85x) | 0.5931 (0.63x) | 42.9 | 61.8 |
+| candle_uno, no pipeline: (b) only / (a)+(b) | 0.5604 / 0.4405 | 0.6626 | - | - |
+| mlp | 0.3558 | 0.3558 | 24.6 | 28.3 |
+| bert_large | 0.6340 | 0.6673 | 58.5 | 61.0 |
+| resnext50 | 0.3090 | 0.3090 | 60.2 | 60.0 |
+| dlrm | 0.4577 (no Embedding rule: unchanged) | 0.4577 | 41.2 | 41.1 |
+
+What is left on CANDLE-Uno (0.4406 s against Alpa's 0.3726 s; the whole-graph Megatron layout by rules is
+0.4001 s): segment 3 (105 nodes) stops on seconds after ~10 expansions, and the segments' choices are combined
+with boundary costs; the six Reduces before the Concat stay unfused (a rule moving Replicate across Concat's
+inputs into the AllReduce would be needed, or the fusion applied after the Concat's Reduce/Replicate rules).
 
 **DLRM: missing rule, confirmed.** Alpa splits all 24 embedding tables' 64 output features 8 ways (batch 6 inside
 a node) and runs the MLPs data parallel at 48; 0.3568 s against Unity's 0.4577 s. The only rule with an Embedding

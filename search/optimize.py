@@ -43,7 +43,8 @@ from unity_pcg.errors import UnityError
 from unity_pcg.machine import MachineSpec, Resource, parse_machine
 from unity_pcg.pcg import PCG
 
-from .substitution import (Candidate, RuleBook, RuleStep, best_first, data_parallel_steps, neighbours, trimmed)
+from .substitution import (Candidate, RuleBook, RuleStep, best_first, data_parallel_steps, neighbours,
+                           tensor_parallel_steps, trimmed)
 
 INF = math.inf
 SEARCHES = ("unity", "sequential")
@@ -256,6 +257,15 @@ def _segment_search(g: PCG, book: RuleBook, ev: "Evaluator", dp_degrees, dp_deg:
             start.append(c)
             if d == dp_deg:
                 dp_seed = c
+            if d == ev.machine.devices_per_node and ev.machine.nodes > 1:
+                # Megatron pairs across the nodes on data parallelism inside them (Alpa's layout)
+                try:
+                    y, st2 = tensor_parallel_steps(x, ev.machine.nodes, book)
+                except KeyboardInterrupt:
+                    interrupted = True
+                    break
+                if st2:
+                    start.append(Candidate(None, y, tuple(st) + tuple(st2)))
 
         def expand(c: Candidate):
             for m, x in neighbours(c.graph, book.rules, book.degrees):

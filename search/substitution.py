@@ -266,6 +266,57 @@ def data_parallel_steps(g: PCG, degree: int, book: RuleBook) -> tuple[PCG, list[
     return g, steps
 
 
+TP_RULE_PREFIX = "megatron_mlp_column_"      # column -> [activation ->] row Linear pairs ending in a Reduce
+
+
+def _unary_lift_rules(book: "RuleBook") -> list[Rule]:
+    """Rules ``Replicate(u(x)) -> u(Replicate(x))`` for an element-wise unary ``u``, found by their
+    patterns (the generated rules' names carry a hash)."""
+    out = []
+    for r in book.rules:
+        s, t = [n.op for n in r.source.nodes], [n.op for n in r.target.nodes]
+        if len(s) == 2 and s[1] == "Replicate" and t == ["Replicate", s[0]] and s[0] in ("Relu", "Gelu"):
+            out.append(r)
+    return out
+
+
+def _apply_everywhere(g: PCG, rule: Rule, degree: int, steps: list, fresh: Sequence[str] = ()) -> PCG:
+    """Apply ``rule`` (free degrees bound to ``degree``) at its first valid match until none is left;
+    inputs named in ``fresh`` must not be split yet (no template nested in its own result)."""
+    while True:
+        for m in iter_matches(rule, g, GraphIndex(g), None, (degree,)):
+            if any(not all(d.degree == 1 for d in g.shape(r).dims) for k, r in m.inputs if k in fresh):
+                continue
+            g2 = try_apply(g, m)
+            if g2 is not None:
+                steps.append(RuleStep.of(m))
+                g = g2
+                break
+        else:
+            return g
+
+
+def tensor_parallel_steps(g: PCG, degree: int, book: RuleBook) -> tuple[PCG, list[RuleStep]]:
+    """Megatron tensor parallelism of ``degree`` by rules on top of ``g`` (e.g. a data-parallel seed
+    inside each node, as Alpa's CANDLE-Uno plan): every ``megatron_mlp_column_*`` template at every
+    match on unsplit weights, then each Replicate lifted above the activation it follows and every
+    Reduce -> Replicate fused into an AllReduce, then the usual cancellations.  A search seed: the
+    single steps climb a cost hill (one pair alone costs 2-3x the data-parallel seed on CANDLE-Uno,
+    so alpha pruning never lets best-first reach the layout; benchmarks/unity_vs_alpa_diag.py).
+    Returns (g, []) when no template matches."""
+    steps: list[RuleStep] = []
+    for r in book.rules:
+        if r.name.startswith(TP_RULE_PREFIX) and "~" not in r.name:
+            g = _apply_everywhere(g, r, degree, steps, fresh=("w1", "w2"))
+    if not steps:
+        return g, steps
+    fuse = book.by_name.get("reduce_replicate_allreduce")
+    for r in _unary_lift_rules(book) + ([fuse] if fuse is not None else []):
+        g = _apply_everywhere(g, r, degree, steps)
+    g, more = cancel_steps(g, book)
+    return g, steps + more
+
+
 def normalized_hash(g: PCG) -> str:
     """Structural hash with the dim attributes of parallel operators, and the integer ``axis`` of compute
     operators (a Concat's, a Softmax's: rules bind it as a dim, counted from the end), counted from the
@@ -369,7 +420,9 @@ def best_first(start: Sequence[Candidate], expand: Callable[[Candidate], Iterabl
         seen.add(h)
         k = keyf(c.graph)
         if c.cost is None:                  # a seed to price when it reaches the front
-            push(first, est(c.graph), c, False, k)
+            # before any neighbour of the best start (those queue at its cost with sub >= 0): lazily
+            # priced neighbours with a smaller estimate would otherwise starve the seeds
+            push(first, -1.0 / (1.0 + est(c.graph)), c, False, k)
         elif record(c, k):
             push(c.cost, 0.0, c, True, k)
     stats.stopped = "exhausted"
@@ -412,5 +465,5 @@ def best_first(start: Sequence[Candidate], expand: Callable[[Candidate], Iterabl
 
 
 __all__ = ["RuleStep", "RuleBook", "ReplayError", "replay", "apply_step", "match_step", "neighbours",
-           "data_parallel_steps", "cancel_steps", "normalized_hash", "best_first", "Candidate", "SearchResult",
+           "data_parallel_steps", "tensor_parallel_steps", "cancel_steps", "normalized_hash", "best_first", "Candidate", "SearchResult",
            "SearchStats", "new_ids", "trailing", "trimmed"]
