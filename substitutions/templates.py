@@ -111,7 +111,7 @@ def template_rules() -> list[Rule]:
                 _comb(op("Concat", _part("x", "$d"), _part("y", "$d"), axis="$a"), "$d"),
                 {**D, "a": "dim"}, [["$d", "!=", "$a"]])
     rules.append(_with_example(r, {"k": 2, "d": -2, "a": -1}, {"x": S.of((4, 2)), "y": S.of((4, 2))}))
-    for n in CONCAT_ARITIES:              # Concats of 3..16 inputs (axioms Concat<n>_partition)
+    for n in CONCAT_ARITIES:              # Concats of 3..32 inputs (axioms Concat<n>_partition)
         xs = concat_names(n)
         r = rule_of(f"dp_Concat_{n}", op("Concat", *xs, axis="$a"),
                     _comb(op("Concat", *[_part(x, "$d") for x in xs], axis="$a"), "$d"),

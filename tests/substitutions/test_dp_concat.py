@@ -1,4 +1,4 @@
-"""Data parallelism by proven rules through Concats of 3..16 inputs (issue 7 point 1).
+"""Data parallelism by proven rules through Concats of 3..32 inputs (issue 7 point 1).
 
 Inception-v3's branch joins (4 to 6 inputs), DLRM's (1 + tables), XDL's (16 features) and CANDLE-Uno's (7 towers)
 feature joins are n-input Concats; ``dp_Concat`` covers 2. The ``dp_Concat_<n>`` templates are proven on one
@@ -39,7 +39,7 @@ def _nary_axiom_names(axs):
 
 
 def test_nary_concat_rules_are_shipped_proven_on_their_own_axiom(shipped):
-    assert tuple(range(3, 17)) == CONCAT_ARITIES
+    assert tuple(range(3, 33)) == CONCAT_ARITIES
     by = shipped.by_name()
     for n, name in zip(CONCAT_ARITIES, NARY):
         r = by[name]
@@ -51,7 +51,7 @@ def test_nary_concat_rules_are_shipped_proven_on_their_own_axiom(shipped):
     assert not shipped.stale
 
 
-@pytest.mark.parametrize("name", ["dp_Concat_3", "dp_Concat_7", "dp_Concat_16"])
+@pytest.mark.parametrize("name", ["dp_Concat_3", "dp_Concat_7", "dp_Concat_16", "dp_Concat_25"])
 def test_nary_concat_rule_applies_to_its_example_and_evaluates_equal(shipped, name):
     assert check_instance(shipped.get(name), seed=3, degree=None)
 
@@ -91,7 +91,7 @@ def _concat_graph(n, axis, batch=4, same=False):
     return b.finish()
 
 
-@pytest.mark.parametrize("n", [3, 5, 16])
+@pytest.mark.parametrize("n", [3, 5, 16, 25, 32])
 def test_data_parallel_through_an_nary_concat_equals_the_baseline(book, n):
     g = _concat_graph(n, 1)
     pg, steps = data_parallel_steps(g, 2, book)
