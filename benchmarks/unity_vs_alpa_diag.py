@@ -324,7 +324,7 @@ sync 0.0338 s equal Alpa's; the rest is six Reduces before the Concat left unfus
 3. *Budget*: the path is 54 rule steps (22 + 16 + 16), segment 3 alone 48, against 40 expanded candidates per
    segment.
 
-Fixed in the search (commit after 50bdd17): (a) a Megatron seed per segment, built by rules
+Fixed in the search (343b5a6): (a) a Megatron seed per segment, built by rules
 (`substitution.tensor_parallel_steps`: on the dp seed at devices-per-node, every `megatron_mlp_column_*` template
 at k = nodes on unsplit weights, the Relu lift and the AllReduce fusion), which jumps the alpha hill of item 2
 and the step count of item 3 (and needs no change to `search_degrees`); (b) `best_first` prices unpriced seeds
@@ -342,6 +342,9 @@ after -> before (fig14.json):
 | bert_large | 0.6340 | 0.6673 | 58.5 | 61.0 |
 | resnext50 | 0.3090 | 0.3090 | 60.2 | 60.0 |
 | dlrm | 0.4577 (no Embedding rule: unchanged) | 0.4577 | 41.2 | 41.1 |
+
+The CANDLE-Uno plan without pipeline (0.4405 s) records 233 rule steps (21 Megatron pairs, 14 AllReduce fusions)
+and replays on a fresh import to the same structural hash.
 
 What is left on CANDLE-Uno (0.4406 s against Alpa's 0.3726 s; the whole-graph Megatron layout by rules is
 0.4001 s): segment 3 (105 nodes) stops on seconds after ~10 expansions, and the segments' choices are combined
