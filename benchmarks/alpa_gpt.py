@@ -64,8 +64,11 @@ Inception-v3 and BERT-Large as fast as Unity's. Alpa is faster on two models, wi
 pipeline): DLRM, where its ILP splits every embedding table's 64 columns 8 ways across the nodes and the batch 6
 ways inside them (Unity's rule set has no rule partitioning an Embedding's output features, only `dp_Embedding`:
 the rules are missing), and CANDLE-Uno, where it runs the dense layers as Megatron column -> row pairs across the
-8 nodes and the batch 6 ways inside a node (whether Unity's rules, which ship Megatron column -> row templates,
-cannot reach this layout or fig14's budget ran out first was not determined). Alpa's 8-micro-batch plans for DLRM
+8 nodes and the batch 6 ways inside a node: Unity's shipped rules reach that layout (within 7% of Alpa's time
+when built by hand), but its search did not (degree 8 not searched on summit:8x6, alpha pruning, 40 expansions
+per segment against a 54-step path, and unpriced seeds queued late; `unity_vs_alpa_diag.md`). With the Megatron
+seed per segment and the seed ordering fixed (commit 343b5a6, fig14 row rerun) Unity went 0.63x -> 0.85x; one
+segment still stops on its budget and six Reduces before the Concat stay unfused. Alpa's 8-micro-batch plans for DLRM
 and CANDLE-Uno are priced faster still but cannot be built as one PCG: an intra plan leaves a tensor replicated at
 a stage boundary and the next stage partitions it differently, which no parallel operator of our IR does (none
 drops copies). Planner times grow with the distinct layers: ResNeXt-50 and Inception-v3 have no repeated layer
