@@ -139,6 +139,19 @@ def _isinf(imp, ctx, ins):
 
 # --- GatherElements ----------------------------------------------------------------------------------
 
+def _axis_indices(imp, ctx, idx, n: int, ax: int):
+    """Element indices along axis ``ax`` (size ``n``) of GatherElements/ScatterElements: integers; constant
+    ones range-checked and made non-negative (the kernels then need no wrap-around)."""
+    if np.dtype(imp.dtype(idx)).kind not in "iu":
+        raise InvalidModel(f"{ctx.what}: indices must be integers, got {imp.dtype(idx)}")
+    if isinstance(idx, Const):
+        iv = np.asarray(idx.value, dtype=np.int64)
+        if iv.size and (iv.min() < -n or iv.max() >= n):
+            raise InvalidModel(f"{ctx.what}: index out of range for axis {ax} of size {n}")
+        idx = Const(np.where(iv < 0, iv + n, iv), origin=None)
+    return idx
+
+
 @_conv("GatherElements")
 def _gather_elements(imp, ctx, ins):
     data, idx = _in(ctx, ins, 0), _in(ctx, ins, 1)
@@ -146,14 +159,7 @@ def _gather_elements(imp, ctx, ins):
     if not ds or len(isz) != len(ds):
         raise InvalidModel(f"{ctx.what}: data {list(ds)} and indices {list(isz)} must have the same rank >= 1")
     ax = _axis(ctx, ctx.i("axis", 0), len(ds))
-    if np.dtype(imp.dtype(idx)).kind not in "iu":
-        raise InvalidModel(f"{ctx.what}: indices must be integers, got {imp.dtype(idx)}")
-    if isinstance(idx, Const):
-        n = ds[ax]
-        iv = np.asarray(idx.value, dtype=np.int64)
-        if iv.size and (iv.min() < -n or iv.max() >= n):
-            raise InvalidModel(f"{ctx.what}: index out of range for axis {ax} of size {n}")
-        idx = Const(np.where(iv < 0, iv + n, iv), origin=None)
+    idx = _axis_indices(imp, ctx, idx, ds[ax], ax)
     refs = [imp.ref(data, _hint(ctx, 0)), imp.ref(idx, _hint(ctx, 1))]
     return [_add(imp, ctx, "GatherElements", {"axis": ax}, refs, ctx.name)]
 
@@ -323,14 +329,7 @@ def _scatter_elements(imp, ctx, ins):
         raise InvalidModel(f"{ctx.what}: data {list(ds)}, indices {list(isz)} and updates {list(imp.sizes(upd))} "
                            f"must have one rank >= 1, indices and updates one shape")
     ax = _axis(ctx, ctx.i("axis", 0), len(ds))
-    if np.dtype(imp.dtype(idx)).kind not in "iu":
-        raise InvalidModel(f"{ctx.what}: indices must be integers, got {imp.dtype(idx)}")
-    if isinstance(idx, Const):
-        n = ds[ax]
-        iv = np.asarray(idx.value, dtype=np.int64)
-        if iv.size and (iv.min() < -n or iv.max() >= n):
-            raise InvalidModel(f"{ctx.what}: index out of range for axis {ax} of size {n}")
-        idx = Const(np.where(iv < 0, iv + n, iv), origin=None)
+    idx = _axis_indices(imp, ctx, idx, ds[ax], ax)
     refs = [imp.ref(data, _hint(ctx, 0)), imp.ref(idx, _hint(ctx, 1)), imp.ref(upd, _hint(ctx, 2))]
     return [_add(imp, ctx, "ScatterElements", {"axis": ax}, refs, ctx.name)]
 
