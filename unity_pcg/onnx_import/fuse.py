@@ -180,15 +180,23 @@ def _outer(g: _Graph, a: int, x: str):
     return None
 
 
-def _gelu_erf(g: _Graph, e: int):
-    u = g.nodes[e].input[0]
+def _scaled_input(g: _Graph, j: int, k: float):
+    """(producer node, x) when node ``j``'s first input is ``x * k`` read only by ``j``, else None."""
+    u = g.nodes[j].input[0]
     ju = g.prod.get(u)
-    if ju is None or g.only_use(u) != e:
+    if ju is None or g.only_use(u) != j:
         return None
     s = _scaled_by(g, ju)
-    if s is None or not _near(s[1], 1.0 / SQRT2):
+    if s is None or not _near(s[1], k):
         return None
-    x = s[0]
+    return ju, s[0]
+
+
+def _gelu_erf(g: _Graph, e: int):
+    got = _scaled_input(g, e, 1.0 / SQRT2)
+    if got is None:
+        return None
+    ju, x = got
     a = _plus_one(g, g.nodes[e].output[0])
     if a is None:
         return None
@@ -216,14 +224,10 @@ def _cube(g: _Graph, c: str, x: str):
 
 
 def _gelu_tanh(g: _Graph, t: int):
-    u = g.nodes[t].input[0]
-    ju = g.prod.get(u)
-    if ju is None or g.only_use(u) != t:
+    got = _scaled_input(g, t, K_TANH)
+    if got is None:
         return None
-    s = _scaled_by(g, ju)
-    if s is None or not _near(s[1], K_TANH):
-        return None
-    inner = s[0]
+    ju, inner = got
     ji = g.prod.get(inner)
     if not g.op(ji, "Add") or g.only_use(inner) != ju or len(g.nodes[ji].input) != 2:
         return None
