@@ -154,19 +154,11 @@ def segment_part(g, m, opt, tp: int = 8, dp: int = 6) -> list:
     costs and the Megatron path's costs on the segment (as ``_segment_search`` prices it: trimmed), and
     whether each path step keeps the dp seed's boundary key (alpha prunes within a key)."""
     from unity_pcg.search.optimize import Evaluator, machine_degrees
-    from unity_pcg.search.split import blocking_pairs, boundary_keys, canonicalize, segments
+    from unity_pcg.search.split import blocking_pairs, boundary_keys, canonical_segments
     from unity_pcg.search.substitution import RuleBook, data_parallel_steps, trimmed
     ev = Evaluator(m, opt, limit_s=None)
     book = RuleBook(None, machine_degrees(m))
-    segs = segments(g, 10, blocking_pairs(book))
-    later, reads = [], set()
-    for seg in reversed(segs):
-        later.append(set(reads))
-        for nid in seg.nodes:
-            reads |= {tuple(r) for r in g.node(nid).inputs}
-    later.reverse()
-    for seg, nr in zip(segs, later):
-        canonicalize(g, seg, nr)
+    segs, _ = canonical_segments(g, 10, blocking_pairs(book))
     meg = book.by_name["megatron_mlp_column_relu_row"]
     out = []
     for key in dict.fromkeys(s.key for s in segs):

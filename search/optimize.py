@@ -208,17 +208,8 @@ def _segment_search(g: PCG, book: RuleBook, ev: "Evaluator", dp_degrees, dp_deg:
                     max_candidates: int, alpha: float, progress, deadline: float):
     """The split search (module docstring).  Returns (searched graph, its steps, data parallelism
     by rules at ``dp_deg`` assembled from the segments' seeds, its steps, stats, interrupted)."""
-    from .split import SegmentChoice, assemble, blocking_pairs, boundary_keys, canonicalize, combine, segments
-    segs = segments(g, k, blocking_pairs(book))
-    later: list = []
-    reads_after: set = set()
-    for seg in reversed(segs):
-        later.append(set(reads_after))
-        for nid in seg.nodes:
-            reads_after |= {tuple(r) for r in g.node(nid).inputs}
-    later.reverse()
-    for seg, nr in zip(segs, later):
-        canonicalize(g, seg, nr)
+    from .split import SegmentChoice, assemble, blocking_pairs, boundary_keys, canonical_segments, combine
+    segs, later = canonical_segments(g, k, blocking_pairs(book))
     uniq = list(dict.fromkeys(s.key for s in segs))
     memo: dict = {}
     dp_memo: dict = {}

@@ -159,6 +159,22 @@ def canonicalize(g: PCG, seg: Segment, next_reads: set) -> Segment:
     return seg
 
 
+def canonical_segments(g: PCG, k: int = 10, pairs: Mapping[tuple[str, str], int] | None = None
+                       ) -> tuple[list[Segment], list[set]]:
+    """:func:`segments`, each canonicalized with the values read after it (what the search prices); also
+    returns those read-after sets, one per segment."""
+    segs = segments(g, k, pairs)
+    later: list = []
+    reads_after: set = set()
+    for seg in reversed(segs):
+        later.append(set(reads_after))
+        for nid in seg.nodes:
+            reads_after |= {tuple(r) for r in g.node(nid).inputs}
+    later.reverse()
+    for seg, nr in zip(segs, later):
+        canonicalize(g, seg, nr)
+    return segs, later
+
 def boundary_keys(seg: Segment, g: PCG) -> tuple:
     """(shapes the entering tensor is read with, shapes of the leaving tensors before the parallel
     operators that bring them back to one piece) of a candidate of ``seg``."""
@@ -448,5 +464,5 @@ def synthetic_transformer(layers: int, batch: int = 8, seq: int = 128, hidden: i
     return b.finish()
 
 
-__all__ = ["synthetic_chain", "synthetic_transformer", "Segment", "segments", "canonicalize", "boundary_keys", "trimmed", "trailing", "combine", "assemble", "assemble_by_replay", "cancel_rounds", "apply_disjoint",
+__all__ = ["synthetic_chain", "synthetic_transformer", "Segment", "segments", "canonicalize", "canonical_segments", "boundary_keys", "trimmed", "trailing", "combine", "assemble", "assemble_by_replay", "cancel_rounds", "apply_disjoint",
            "blocking_pairs", "SegmentChoice"]
