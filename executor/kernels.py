@@ -85,12 +85,16 @@ def _batchnorm(a, xs, ctx: TaskContext):
     if not ctx.training:
         y = (x - mean.reshape(sh)) / torch.sqrt(var.reshape(sh) + eps) * scale.reshape(sh) + bias.reshape(sh)
         return [y]
+    dims = [0] + list(range(2, x.dim()))
     if ctx.stat_gather is None:         # statistics of this piece alone: torch's fused kernel
+        if ctx.extra.get("want_stats"):
+            with torch.no_grad():       # for the running statistics: mean and unbiased variance
+                n = x.numel() // x.shape[1]
+                ctx.extra["bn_stats"] = (x.mean(dims), x.var(dims, correction=1 if n > 1 else 0))
         return [F.batch_norm(x, None, None, scale, bias, training=True, eps=eps)]
     # statistics over the tasks that split the batch or spatial dims (SyncBatchNorm): every task's
     # (mean, squared deviations, count) per channel in one all-gather, combined as Chan et al.'s
     # parallel variance (numerically stable; E[x^2] - E[x]^2 would lose the variance to cancellation)
-    dims = [0] + list(range(2, x.dim()))
     c = x.shape[1]
     m = x.mean(dims)
     d0 = x - m.reshape(sh)
@@ -101,6 +105,9 @@ def _batchnorm(a, xs, ctx: TaskContext):
     total = ns.sum()
     mu = (ns * ms).sum(0) / total
     var_b = (allv[:, c:2 * c] + ns * (ms - mu) ** 2).sum(0) / total
+    if ctx.extra.get("want_stats"):     # running statistics: torch's unbiased variance of the whole batch
+        t = float(total)
+        ctx.extra["bn_stats"] = (mu.detach(), var_b.detach() * (t / (t - 1) if t > 1 else 1.0))
     y = (x - mu.reshape(sh)) * torch.rsqrt(var_b.reshape(sh) + eps) * scale.reshape(sh) + bias.reshape(sh)
     return [y]
 

@@ -38,7 +38,7 @@ from unity_pcg import plan as plan_mod
 from unity_pcg.errors import PlanError
 
 from .kernels import TORCH_DTYPES, ExecutorError, kernel
-from .lower import Lowered, block, lower, unravel
+from .lower import Lowered, block, lower, task_pieces, unravel
 
 FIRST_BUCKET_BYTES = 1 << 20
 OVERLAP_MIN_BYTES = 8 << 20      # CPU: overlap the gradient all-reduces with backward from this many bytes
@@ -290,6 +290,7 @@ class Trainer:
         if first_bucket_bytes is None:
             first_bucket_bytes = FIRST_BUCKET_BYTES if self.overlap else bucket_bytes
         self._plan_sync(bucket_bytes, first_bucket_bytes)
+        self._plan_bn()
         for grp in sorted(self.low.groups | {b["devs"] for b in self._buckets}):
             self._group(grp)
         self._bucket_pgs = {}
@@ -347,7 +348,7 @@ class Trainer:
             if name in trained:
                 self.params[name] = torch.nn.Parameter(t.clone())
             else:
-                self.buffers[name] = t
+                self.buffers[name] = t.clone()     # BatchNorm's running statistics change in place
 
     def _plan_sync(self, bucket_bytes: int, first_bucket_bytes: int) -> None:
         """Atoms of every trained weight (regions read by the same set of devices) and the buckets of
@@ -392,6 +393,55 @@ class Trainer:
         for i in self._my_buckets:
             for name, _ in buckets[i]["items"]:
                 self._bucket_of.setdefault(name, []).append(i)
+
+    def _plan_bn(self) -> None:
+        """BatchNorm running statistics: node -> (momentum, mean buffer, var buffer), and the regions of
+        those buffers each device updates (its tasks' channels), so model_state assembles them from
+        their owners as it does parameters.  A channel region held by several devices (the batch or
+        spatial dims split) gets the same update on each of them with synchronized statistics; with
+        per-device statistics each keeps its own and the lowest rank's are the model's (as DDP, which
+        broadcasts rank 0's buffers)."""
+        self._bn: dict[int, tuple] = {}
+        uses: dict[str, list] = {}
+        for n in self.g.nodes():
+            if n.op != "BatchNorm" or self.low.role.get(n.id) != "compute":
+                continue
+            names = []
+            for pos in (3, 4):
+                o = self.low.origin.get(n.inputs[pos][0])
+                nm = self.g.node(o).a.get("name") if o is not None and self.low.role[o] == "weight" else None
+                names.append(nm if nm in self.buffers else None)
+            if None in names:      # statistics computed in the graph (not the model's buffers): nothing to keep
+                continue
+            self._bn[n.id] = (float(n.a.get("momentum", 0.9)), names[0], names[1])
+            pm = self.low.pm[n.id]
+            devs = self.low.views[n.id].devices()
+            shapes = self.g.input_shapes(n.id)
+            for pos, nm in zip((3, 4), names):
+                for t, piece in enumerate(task_pieces(pm, pm.inputs[pos], shapes[pos])):
+                    uses.setdefault(nm, []).append((block(shapes[pos], piece), devs[t]))
+        for nm, u in uses.items():
+            self._atoms[nm] = _atoms(tuple(self.buffers[nm].shape), u)
+        for st in self.low.steps:
+            if st.node in self._bn and st.ctx is not None:
+                st.ctx.extra["want_stats"] = True
+
+    def _update_running_stats(self, st, x, done: set) -> None:
+        """ONNX BatchNormalization's update (momentum m: running = m * running + (1 - m) * batch; the
+        torch exporter writes m = 1 - torch's momentum), on this task's channels, once per step."""
+        stats = st.ctx.extra.pop("bn_stats", None)
+        if stats is None:
+            return
+        mom, mean_name, var_name = self._bn[st.node]
+        c0 = st.ctx.out_offset[0][1] if len(st.ctx.out_offset[0]) > 1 else 0
+        key = (st.node, c0)
+        if key in done:
+            return
+        done.add(key)
+        with torch.no_grad():
+            for name, v in ((mean_name, stats[0]), (var_name, stats[1])):
+                buf = self.buffers[name].narrow(0, c0, v.shape[0])
+                buf.mul_(mom).add_(v.to(buf.dtype), alpha=1.0 - mom)
 
     def _hooks(self) -> None:
         if self.world == 1 or not self._my_buckets or not self.overlap:
@@ -626,6 +676,7 @@ class Trainer:
         anchor = torch.zeros((), device=self.device, requires_grad=True)
         vals: dict = {}
         sinks: list = []
+        bn_done: set = set()
         for st in self.low.steps:
             if st.node not in need:
                 continue
@@ -650,6 +701,8 @@ class Trainer:
                 outs = kernel(st.op)(st.attrs, xs, st.ctx)
                 if st.bn_group is not None:
                     st.ctx.stat_gather = None
+                if st.node in self._bn:
+                    self._update_running_stats(st, xs[0], bn_done)
                 for r, y in zip(st.outputs, outs):
                     vals[r] = y
             else:
@@ -745,7 +798,8 @@ class Trainer:
     def model_state(self) -> dict[str, torch.Tensor]:
         """The model's own parameters and buffers, logical and full (collective: call on every rank)."""
         out = {name: self._assemble(name, p) for name, p in sorted(self.params.items())}
-        out.update({name: b.detach().clone() for name, b in self.buffers.items()})
+        out.update({name: self._assemble(name, b) if name in self._atoms else b.detach().clone()
+                    for name, b in sorted(self.buffers.items())})
         return out
 
     def load_model_state(self, d: Mapping[str, Any]) -> None:

@@ -126,3 +126,26 @@ def dropout_mlp() -> str:
     model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)])
     onnx.save(model, path)
     return path
+
+
+def bn_net() -> str:
+    """Convolution, BatchNorm (momentum 0.1), ReLU, convolution: no dropout, so torch's own training of
+    the module is a reference for the running statistics."""
+    torch = _torch()
+
+    class C(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.conv = torch.nn.Conv2d(3, 4, 1)
+            self.bn = torch.nn.BatchNorm2d(4, momentum=0.2)
+            self.conv2 = torch.nn.Conv2d(4, 2, 1, bias=False)
+
+        def forward(self, x):
+            return self.conv2(torch.relu(self.bn(self.conv(x))))
+    torch.manual_seed(6)
+    m = C()
+    with torch.no_grad():                    # non-trivial starting statistics
+        m.bn.running_mean.uniform_(-0.5, 0.5)
+        m.bn.running_var.uniform_(0.5, 1.5)
+    m.train()
+    return H.export(m, (torch.randn(4, 3, 4, 4),), "bn_net", ["x"])
