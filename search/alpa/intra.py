@@ -102,7 +102,7 @@ from unity_pcg.pcg import PCG
 from unity_pcg.shape import ParallelTensorShape
 
 from ..cost import CONV_OPS, MATMUL_OPS, CostModel, GraphCost
-from ..memory import SAVES_INPUTS, format_bytes, kept_fraction, node_memory
+from ..memory import SAVES_INPUTS, SAVES_OUTPUT, format_bytes, kept_fraction, node_memory
 
 INF = math.inf
 HEAVY_OPS = frozenset(MATMUL_OPS | CONV_OPS)
@@ -520,12 +520,14 @@ class IntraProblem:
         self._anchor_cache: dict = shared["anchor"]
         self.algos: dict = {}
         self.node_cost: dict = {}
-        self.node_mem: dict = {}
+        self.node_mem: dict = {}         # anchor -> per algorithm: bytes at the end of the forward pass
+        self.node_parts: dict = {}       # anchor -> per algorithm: (static, rest, per output (kept, not kept, grad))
         self.derived: dict = {}          # (anchor, k) -> {member: Algo}
         self.insts: dict = {}            # (anchor, k) -> {member: OpInst}
         for a in self.anchors:
             self._build_anchor(a)
         self._build_edges()
+        self._build_liveness()
 
     # --- per anchor ----------------------------------------------------------------------------------
     def _derive(self, a: int, algo: Algo):
@@ -556,25 +558,27 @@ class IntraProblem:
             entries, seen = [], set()
             for al in algos:
                 chosen, insts = self._derive(a, al)
-                c, m = self._group_cost(a, insts)
+                c, m, parts = self._group_cost(a, insts)
                 if not math.isfinite(c):
                     continue
-                sig = (self._signature(a, insts), c, m)
+                sig = (self._signature(a, insts), c, m, parts)
                 if sig in seen:        # the same layouts at every boundary at the same price
                     continue
                 seen.add(sig)
-                entries.append((al, c, m, tuple(chosen[x] for x in mem_ids), tuple(insts[x] for x in mem_ids)))
+                entries.append((al, c, m, tuple(chosen[x] for x in mem_ids), tuple(insts[x] for x in mem_ids),
+                                parts))
             hit = self._anchor_cache[key] = entries
         if not hit:
             n = self.g.node(a)
             raise AlpaError(f"alpa intra-op: operator {n.label()} ({n.op}) has no parallel algorithm on the "
                             f"{self.mesh.n[0]}x{self.mesh.n[1]} mesh that our IR can express")
         self.algos[a] = [e[0] for e in hit]
-        for i, (_, _, _, chosen, insts) in enumerate(hit):
+        for i, (_, _, _, chosen, insts, _) in enumerate(hit):
             self.derived[(a, i)] = dict(zip(mem_ids, chosen))
             self.insts[(a, i)] = dict(zip(mem_ids, insts))
         self.node_cost[a] = [e[1] for e in hit]
         self.node_mem[a] = [e[2] for e in hit]
+        self.node_parts[a] = [e[5] for e in hit]
 
     def _signature(self, a: int, insts: dict):
         g = self.g
@@ -613,9 +617,12 @@ class IntraProblem:
         out = self._static[a] = tuple(parts)
         return out
 
-    def _group_cost(self, a: int, insts: dict) -> tuple[float, float]:
-        """Node cost and memory of anchor group ``a`` with its members laid out as ``insts``: priced
-        on a fragment PCG by :class:`GraphCost` (cached by structure)."""
+    def _group_cost(self, a: int, insts: dict) -> tuple[float, float, tuple]:
+        """Node cost, memory and its parts of anchor group ``a`` with its members laid out as ``insts``:
+        priced on a fragment PCG by :class:`GraphCost` (cached by structure).  The memory is the busiest
+        device's bytes; its parts, on that device: (weights + gradients + optimizer states, activations
+        kept that are no member's output, per member output in order (bytes kept for backward, bytes
+        not kept, bytes of its gradient)), which :meth:`_build_liveness` puts on liveness intervals."""
         g = self.g
         local = {m: i for i, m in enumerate(self.members[a])}
         static = self._static_key(a)
@@ -645,8 +652,8 @@ class IntraProblem:
                         try:
                             placed[ck] = convert(b, new[r], have, want, self.mesh, views, f"m{m}.{pos}")
                         except _Infeasible:
-                            self._frag_cache[key] = (INF, INF)
-                            return INF, INF
+                            self._frag_cache[key] = (INF, INF, ())
+                            return INF, INF, ()
                     ins.append(placed[ck])
                     continue
                 if p.kind == "source":
@@ -685,6 +692,7 @@ class IntraProblem:
         for nid in gc.nodes():
             total += gc.leaf_cost(nid, views[nid], views).time
         per_dev: dict = {}
+        w_dev: dict = {}
         for nid in gc.nodes():
             if nid in ext_nodes:
                 continue
@@ -696,7 +704,18 @@ class IntraProblem:
                             kept_fraction(frag, nid, k) - kept[(nid, k)])
             for d in set(w) | set(act):
                 per_dev[d] = per_dev.get(d, 0.0) + w.get(d, 0) + act.get(d, 0)
-        res = (total, float(max(per_dev.values(), default=0.0)) + sum(gathered))
+                w_dev[d] = w_dev.get(d, 0.0) + w.get(d, 0)
+        peak = max(per_dev.values(), default=0.0)
+        busiest = max(per_dev, key=lambda d: (per_dev[d], -d)) if per_dev else None
+        static = float(w_dev.get(busiest, 0.0)) + sum(gathered)
+        outs_parts = []
+        for r in outs:
+            s = frag.shape(r)
+            kb = float(s.piece_nbytes * kept[r])
+            outs_parts.append((kb, float(s.piece_nbytes) - kb,
+                               float(s.piece_nbytes) if s.dtype.startswith(("float", "bfloat")) else 0.0))
+        rest = max(0.0, float(peak) - (static - sum(gathered)) - sum(p[0] for p in outs_parts))
+        res = (total, float(peak) + sum(gathered), (static, rest, tuple(outs_parts)))
         self._frag_cache[key] = res
         return res
 
@@ -801,12 +820,174 @@ class IntraProblem:
             return 0.0
         return shape.nbytes / prod(self.mesh.size(d) for d in dst.dims)
 
+    def _build_liveness(self) -> None:
+        """Liveness intervals of the simplified graph's tensors over the steps of the training step
+        (Alpa prototype's memory constraint per liveness step).  Steps: the forward pass of every anchor
+        group in topological order (step p for the p-th), then their backward passes in reverse (step
+        2K-1-p).  Weights, gradients and optimizer states live at every step; an output kept for the
+        backward pass lives from its producer's forward step to the backward step of its last backward
+        use (the earliest anchor saving it; its producer when the producer saves it, it is a graph
+        output or nobody reads it); an output not kept lives until the forward step of its last
+        consumer; its gradient from the backward step of its last consumer (the first to run
+        backward) to its producer's; a group's other kept bytes (resharded inside it) from its
+        forward to its backward step; a resharded tensor an edge's consumer keeps, likewise for the
+        consumer.  The intervals depend on the graph only; the bytes on the algorithm."""
+        import numpy as np
+        g = self.g
+        K = len(self.anchors)
+        self.steps = 2 * K
+        pos = {a: p for p, a in enumerate(self.anchors)}
+        fwd = lambda p: p                       # noqa: E731
+        bwd = lambda p: 2 * K - 1 - p           # noqa: E731
+        outputs = set(map(tuple, g.outputs))
+        self.live_iv: dict = {}                 # anchor -> list of (t0, t1), t1 inclusive
+        self.live_bytes: dict = {}              # anchor -> array (algorithms x intervals)
+        self.live_static: dict = {}             # anchor -> array (algorithms,)
+        for a in self.anchors:
+            p = pos[a]
+            ivs = [(fwd(p), bwd(p))]            # the group's other kept bytes
+            for m in self.members[a]:
+                node = g.node(m)
+                for k in range(len(g.shapes(m))):
+                    uses = g.consumers((m, k))
+                    ext = [pos[self.anchor[u]] for u, _ in uses if self.anchor.get(u, a) != a]
+                    last = max(ext, default=p)
+                    savers = []
+                    for u, q in uses:
+                        saved = SAVES_INPUTS.get(g.node(u).op)
+                        if saved is None or q in saved:
+                            savers.append(pos[self.anchor[u]])
+                    if node.op in SAVES_OUTPUT or (m, k) in outputs or not uses:
+                        savers.append(p)
+                    keep_until = min(savers, default=p)
+                    ivs.append((fwd(p), bwd(keep_until)))           # kept for backward
+                    ivs.append((fwd(p), fwd(last)))                 # not kept: until its last forward use
+                    ivs.append((bwd(last), bwd(p)))                 # its gradient
+            parts = self.node_parts[a]
+            B = np.zeros((len(parts), len(ivs)))
+            for i, (static, rest, outs) in enumerate(parts):
+                B[i, 0] = rest
+                for x, (kb, nk, gb) in enumerate(outs):
+                    B[i, 1 + 3 * x: 4 + 3 * x] = (kb, nk, gb)
+            self.live_iv[a] = ivs
+            self.live_bytes[a] = B
+            self.live_static[a] = np.asarray([pt[0] for pt in parts], dtype=float)
+        self.edge_iv = [(fwd(pos[v]), bwd(pos[v])) for u, v, *_r in self.edges]
+
+    def memory_steps(self, choice: Mapping[int, int]):
+        """Bytes per device at every liveness step of a choice (numpy array of ``self.steps``): the
+        ILP's memory, step by step (see :meth:`_build_liveness`)."""
+        import numpy as np
+        diff = np.zeros(self.steps + 1)
+        static = 0.0
+        for a in self.anchors:
+            i = choice[a]
+            static += self.live_static[a][i]
+            for (t0, t1), b in zip(self.live_iv[a], self.live_bytes[a][i]):
+                if b:
+                    diff[t0] += b
+                    diff[t1 + 1] -= b
+        for (u, v, shape, src, dst, saves), (t0, t1) in zip(self.edges, self.edge_iv):
+            b = self.edge_memory(shape, src[choice[u]], dst[choice[v]], saves)
+            if b:
+                diff[t0] += b
+                diff[t1 + 1] -= b
+        return static + np.cumsum(diff)[:-1]
+
     def memory(self, choice: Mapping[int, int]) -> float:
-        """The ILP's memory per device of a choice (see module docstring)."""
+        """The ILP's memory per device of a choice: the largest over the liveness steps."""
+        return float(self.memory_steps(choice).max(initial=0.0))
+
+    def memory_end_of_forward(self, choice: Mapping[int, int]) -> float:
+        """The single row this pass used before the liveness steps: every group's busiest device at the
+        end of the forward pass plus the resharded tensors consumers keep (a lower bound of
+        :meth:`memory`: the comparison of the tests and of ``stats``)."""
         tot = sum(self.node_mem[a][choice[a]] for a in self.anchors)
         for u, v, shape, src, dst, saves in self.edges:
             tot += self.edge_memory(shape, src[choice[u]], dst[choice[v]], saves)
         return tot
+
+    def liveness_rows(self, alive: Mapping[int, list] | None = None, budget: float | None = None) -> list:
+        """The liveness steps whose constraint can bind: steps where some interval ends (at any other
+        step the live set only grows into the next one), identical live sets once, none whose live set
+        is inside another's (its row is dominated: every coefficient is at most the other's), and, given
+        a ``budget``, none whose largest possible value (each anchor's largest coefficient among the
+        ``alive`` algorithms, each edge's largest) fits it.  Returns the kept steps, ascending."""
+        import numpy as np
+        ivs: list = []
+        owners: list = []                   # (anchor or None, index) per interval
+        for a in self.anchors:
+            B = self.live_bytes[a]
+            for j, iv in enumerate(self.live_iv[a]):
+                if B[:, j].any():
+                    ivs.append(iv)
+                    owners.append((a, j))
+        for e, iv in enumerate(self.edge_iv):
+            M = self.edge_matrices(e)[3]
+            if M.any():
+                ivs.append(iv)
+                owners.append((None, e))
+        if not ivs:
+            return [0] if self.steps else []
+        t0 = np.asarray([iv[0] for iv in ivs])
+        t1 = np.asarray([iv[1] for iv in ivs])
+        cand = np.unique(t1)
+        L = (t0[None, :] <= cand[:, None]) & (cand[:, None] <= t1[None, :])
+        # identical live sets once; then drop the sets inside another one
+        _, first = np.unique(L, axis=0, return_index=True)
+        first = np.sort(first)
+        cand, L = cand[first], L[first]
+        Lf = L.astype(np.float32)
+        inter = Lf @ Lf.T
+        size = Lf.sum(axis=1)
+        sub = (inter >= size[:, None] - 0.5)            # row i's set inside row j's
+        np.fill_diagonal(sub, False)
+        keep = ~sub.any(axis=1)
+        cand, L = cand[keep], L[keep]
+        # a row below another one for every choice is dropped: row t never exceeds row t' when the sum over
+        # anchors (and edges) of the largest coefficient difference c(t) - c(t') is <= 0 (differences can
+        # cancel across anchors, which coefficient-wise comparison misses: the transient of one forward step
+        # against the next layer's kept activations); compared with nearby steps and the largest rows
+        cols = [(C[alive[a]] if alive else C) for a in self.anchors for C in (self.step_coefs(a, cand),)]
+        emax = []
+        for e, (lo, hi) in enumerate(self.edge_iv):
+            M = self.edge_matrices(e)[3]
+            if M.any():
+                emax.append((lo, hi, float(M.max()), float(M.min())))
+        seg = np.cumsum([0] + [len(C) for C in cols])[:-1]
+        A = np.vstack(cols) if cols else np.zeros((0, len(cand)))
+        n = len(cand)
+        dropped = np.zeros(n, dtype=bool)
+        largest = np.maximum.reduceat(A, seg, axis=0).sum(axis=0) if len(A) else np.zeros(n)
+        biggest = [int(j) for j in np.argsort(-largest, kind="stable")[:4]]
+
+        def below(i, j):
+            d = np.maximum.reduceat(A[:, i] - A[:, j], seg).sum() if len(A) else 0.0
+            for lo, hi, mx, mn in emax:
+                li, lj = lo <= cand[i] <= hi, lo <= cand[j] <= hi
+                d += (mx if li and not lj else 0.0) - (mn if lj and not li else 0.0)
+            return d <= 0.0
+        for i in range(n):
+            for j in sorted(set(range(max(0, i - 3), min(n, i + 4))) | set(biggest)):
+                if j != i and not dropped[j] and below(i, j):
+                    dropped[i] = True
+                    break
+        cand = cand[~dropped]
+        A = A[:, ~dropped]
+        if budget is None or not math.isfinite(budget):
+            return [int(t) for t in cand]
+        tot = np.maximum.reduceat(A, seg, axis=0).sum(axis=0) if len(A) else np.zeros(len(cand))
+        for lo, hi, mx, _ in emax:
+            tot += np.where((lo <= cand) & (cand <= hi), mx, 0.0)
+        return [int(t) for t, v in zip(cand, tot) if v > budget * (1 - 1e-9)]
+
+    def step_coefs(self, a: int, steps):
+        """Bytes per device anchor ``a``'s algorithms hold at each of ``steps``: (algorithms x steps)."""
+        import numpy as np
+        steps = np.asarray(steps)
+        iv = np.asarray(self.live_iv[a]).reshape(-1, 2)
+        live = (iv[:, 0][:, None] <= steps[None, :]) & (steps[None, :] <= iv[:, 1][:, None])
+        return self.live_static[a][:, None] + self.live_bytes[a] @ live.astype(float)
 
     def size(self) -> dict:
         return {"anchors": len(self.anchors), "algorithms": sum(len(self.algos[a]) for a in self.anchors),
@@ -843,9 +1024,10 @@ class IntraProblem:
         against every layout the other end can take (then some optimum avoids it; the optimum is unchanged)."""
         import numpy as np
         blocks: dict = {a: [np.asarray(self.node_cost[a], dtype=float)[:, None]] for a in self.anchors}
-        if use_memory:
+        if use_memory:          # no more bytes in any liveness interval: no larger coefficient in any row
             for a in self.anchors:
-                blocks[a].append(np.asarray(self.node_mem[a], dtype=float)[:, None])
+                blocks[a].append(self.live_static[a][:, None])
+                blocks[a].append(self.live_bytes[a])
         for e, (u, v, *_rest) in enumerate(self.edges):
             cu, cv, C, M, iu, iv = self.edge_matrices(e)
             blocks[u].append(C[iu])
@@ -922,12 +1104,36 @@ class IntraProblem:
                 for j in members:
                     r[svar[(v, j)]] = r.get(svar[(v, j)], 0.0) - 1.0
                 rows.append((r, 0.0, 0.0))
+        mem_rows: list = []
+        steps: list = []
         if use_mem:
-            # relative to the budget: coefficients of order one keep the solver's tolerances meaningful
+            # one row per liveness step that can bind (see liveness_rows), relative to the budget:
+            # coefficients of order one keep the solver's tolerances meaningful
+            import numpy as np
             scale = 1.0 / max(float(memory_budget), 1.0)
-            coef = {svar[(a, i)]: self.node_mem[a][i] * scale for a in self.anchors for i in alive[a]}
-            coef.update({c: b * scale for c, b in emem.items() if b > 0})
-            rows.append((coef, -INF, 1.0))
+            steps = self.liveness_rows(alive, memory_budget)
+            st = np.asarray(steps)
+            coefs = [dict() for _ in steps]
+            for a in self.anchors:
+                if not steps:
+                    break
+                C = self.step_coefs(a, st) * scale
+                for i in alive[a]:
+                    col = svar[(a, i)]
+                    for r, v in enumerate(C[i]):
+                        if v > 0:
+                            coefs[r][col] = float(v)
+            for (e, ecols), (lo, hi) in zip(enumerate(edge_cols), self.edge_iv):
+                for col in ecols[4].values():
+                    b = emem.get(col, 0.0)
+                    if b <= 0:
+                        continue
+                    for r, t in enumerate(steps):
+                        if lo <= t <= hi:
+                            coefs[r][col] = b * scale
+            for c in coefs:
+                mem_rows.append(len(rows))
+                rows.append((c, -INF, 1.0))
         t0 = time.perf_counter()
         cols_cost = [c * _SCALE for c in cols_cost]      # microseconds: keeps the solver's tolerances meaningful
         if solver not in ("highs", "cbc"):
@@ -959,14 +1165,18 @@ class IntraProblem:
             over = self.memory(choice) / memory_budget - 1.0 if use_mem else 0.0
             if over <= 1e-9:
                 break
-            # within the solver's feasibility tolerance but over the budget: tighten the row by as much
-            rows[-1] = (rows[-1][0], -INF, rows[-1][2] - 2 * over)
+            if not mem_rows:        # pragma: no cover - a step over the budget has a row (liveness_rows)
+                break
+            # within the solver's feasibility tolerance but over the budget: tighten the rows by as much
+            for r in mem_rows:
+                rows[r] = (rows[r][0], -INF, rows[r][2] - 2 * over)
         dt = time.perf_counter() - t0
         if x is None or over > 1e-9:
             lb = sum(min(self.node_mem[a]) for a in self.anchors)
             raise IntraInfeasible(f"alpa intra-op: no parallel plan on the {self.mesh.n[0]}x{self.mesh.n[1]} mesh "
                                   f"fits the memory budget of {_gib(memory_budget)} per device (the smallest needs "
                                   f"{_gib(lb)}){'' if status == 'infeasible' else f'; solver status: {status}'}")
+        self.last_rows = len(mem_rows)
         return choice, self.objective(choice), status, dt
 
 
@@ -1197,17 +1407,19 @@ def solve_intra(g: PCG, machine: MachineSpec, mesh: tuple[int, int], *, start: i
     choice, obj, status, solve_s = prob.solve(memory_budget, time_limit_s, solver, mip_gap)
     pcg, views, specs = build_plan_pcg(prob, choice)
     ilp_mem = prob.memory(choice)
+    live = dict(memory_rows=getattr(prob, "last_rows", 0), liveness_steps=prob.steps,
+                ilp_memory_end_of_forward_bytes=prob.memory_end_of_forward(choice))
     if not price:
         return IntraPlan(pcg, views, float(obj), ilp_mem, float(obj), solve_s, status, specs, (n0, n1), start,
                          t1 - t0, dict(prob.size(), total_s=time.perf_counter() - t0, ilp_memory_bytes=ilp_mem,
-                                       priced=False))
+                                       priced=False, **live))
     from ..mapping import MachineMapper
     r = MachineMapper(prob.model).evaluate(pcg, views)
     mem = float(r.memory.max_bytes) if r.memory is not None else INF
     mem += pcg.meta.get("gathered_weight_bytes", 0.0)
     return IntraPlan(pcg, views, float(r.cost), mem, float(obj), solve_s, status, specs, (n0, n1), start,
                      t1 - t0, dict(prob.size(), total_s=time.perf_counter() - t0, ilp_memory_bytes=ilp_mem,
-                                   feasible=r.feasible, reason=r.reason, priced=True))
+                                   feasible=r.feasible, reason=r.reason, priced=True, **live))
 
 
 __all__ = ["solve_intra", "IntraPlan", "IntraProblem", "AlpaError", "IntraInfeasible", "Layout", "Mesh",
