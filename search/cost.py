@@ -36,13 +36,13 @@ Communication volume (``comm_elements``): tensor elements sent by all devices in
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from functools import lru_cache
 from math import prod
 from typing import Any, Mapping, Sequence
 
 from unity_pcg import ops
-from unity_pcg.machine import MachineSpec, MachineView, Resource, enumerate_views
+from unity_pcg.machine import MODES, MachineSpec, MachineView, Resource, enumerate_views, interpolate_table
 from unity_pcg.pcg import PCG
 from unity_pcg.shape import ParallelTensorShape
 
@@ -58,31 +58,124 @@ NON_DIFFERENTIABLE = {("BatchNorm", 3), ("BatchNorm", 4)}      # running mean / 
 FLOAT_DTYPES = {"float32", "float16", "bfloat16", "float64"}
 
 
-NORM_OPS = {"BatchNorm", "LayerNorm", "LRN", "Softmax"}
+NORM_OPS = {"BatchNorm", "LayerNorm", "LRN", "RMSNorm"}
+SOFTMAX_OPS = {"Softmax", "LogSoftmax"}
+BMM_OPS = {"BatchMatMul"}
+EMBEDDING_OPS = {"Embedding"}
+REDUCE_OPS = {"ReduceSum", "ReduceMean", "ReduceMax", "ReduceMin", "ReduceProd", "ReduceL2", "ReduceLogSumExp"}
 # the import-coverage operators of unity_pcg/ops/elementwise.py
 ELEMENTWISE_OPS |= {"Silu", "GeluTanh", "LeakyRelu", "Elu", "Selu", "Celu", "Softplus", "Softsign", "Mish",
                     "HardSigmoid", "HardSwish", "Abs", "Log", "PRelu"}
-NORM_OPS |= {"LogSoftmax"}
 POOL_OPS = {"Pool2d"}
+
+# Operator classes (DESIGN "Cost model"): the unit of per-class efficiency, launch overhead and measured
+# kernel tables.  Compute-bound classes run at the math mode's peak (DeviceSpec.peak); the others are
+# memory bound and see the bytes of their tensors' dtypes.  A class a machine file does not describe
+# (no efficiency / overhead key) falls back along CLASS_FALLBACK, so calibrations written before a class
+# existed price it as before (bmm and embedding as matmul, softmax as norm, reduce as default).
+COMPUTE_CLASSES = frozenset({"matmul", "bmm", "conv", "conv1x1"})
+OP_CLASSES = ("matmul", "bmm", "conv", "conv1x1", "embedding", "elementwise", "norm", "softmax", "reduce", "pool",
+              "optimizer", "default")
+CLASS_FALLBACK = {"bmm": "matmul", "embedding": "matmul", "conv1x1": "conv", "softmax": "norm", "reduce": "default",
+                  "optimizer": "default"}
+PRECISIONS = MODES                      # "fp32", "tf32", "bf16"
 
 
 def op_class(op: str, in_shapes: Sequence[ParallelTensorShape] | None = None) -> str:
-    """Operator class for per-class efficiency and launch overhead (calibrated on local machines).
-    With the input shapes, a convolution whose kernel is 1x1 is ``"conv1x1"`` (CPU libraries run
-    pointwise convolutions through a much cheaper path than spatial ones)."""
+    """Operator class of ``op`` (one of :data:`OP_CLASSES`): for per-class efficiency, launch overhead
+    and measured tables.  With the input shapes, a convolution whose kernel is 1x1 is ``"conv1x1"``
+    (CPU libraries run pointwise convolutions through a much cheaper path than spatial ones) and a
+    MatMul of two operands of rank >= 3 is ``"bmm"``."""
     if op in CONV_OPS and in_shapes is not None and len(in_shapes) > 1 and prod(in_shapes[1].sizes[2:]) == 1:
         return "conv1x1"
+    if op in BMM_OPS or (op == "MatMul" and in_shapes is not None and len(in_shapes) > 1
+                         and in_shapes[0].rank >= 3 and in_shapes[1].rank >= 3):
+        return "bmm"
+    if op in EMBEDDING_OPS:
+        return "embedding"
     if op in MATMUL_OPS:
         return "matmul"
     if op in CONV_OPS:
         return "conv"
     if op in ELEMENTWISE_OPS:
         return "elementwise"
+    if op in SOFTMAX_OPS:
+        return "softmax"
     if op in NORM_OPS:
         return "norm"
+    if op in REDUCE_OPS:
+        return "reduce"
     if op in POOL_OPS:
         return "pool"
     return "default"
+
+
+def class_chain(kind: str) -> list[str]:
+    """``kind`` then its fallbacks (:data:`CLASS_FALLBACK`)."""
+    out = [kind]
+    while out[-1] in CLASS_FALLBACK:
+        out.append(CLASS_FALLBACK[out[-1]])
+    return out
+
+
+def table_keys(kind: str) -> tuple[str, str]:
+    """Names of the measured tables of class ``kind`` (without the ``/<mode>`` suffix): forward and
+    backward.  The embedding's forward (a gather) and backward (a scatter-add into the table's
+    gradient) are different kernels measured separately (``embedding_fwd``, ``embedding_bwd``); other
+    classes have one table whose backward is ``backward_factor`` kernels of the same work, unless a
+    ``<class>_bwd`` table exists."""
+    if kind == "embedding":
+        return "embedding_fwd", "embedding_bwd"
+    return kind, f"{kind}_bwd"
+
+
+def kernel_work(op: str, in_shapes: Sequence[ParallelTensorShape], out_shapes: Sequence[ParallelTensorShape],
+                kind: str | None = None, flops: float | None = None) -> tuple[float, float]:
+    """(forward, backward) work of one task, the x axis of the measured tables: FLOPs of the forward
+    (:func:`unity_pcg.ops.task_flops`) for compute classes (backward: the same, per kernel); bytes for
+    memory-bound ones -- the embedding's forward reads the indices and writes the gathered rows
+    (indices + output piece bytes), its backward reads the output gradient and writes the table's
+    gradient (output + table piece bytes); other classes the forward's bytes moved
+    (:func:`unity_pcg.ops.bytes_moved`, per task).  Byte counts use the tensors' dtypes, so shapes
+    carrying bfloat16 give the bf16 work.  Calibration calls this to label what it measured."""
+    kind = kind or op_class(op, in_shapes)
+    if kind in COMPUTE_CLASSES:
+        f = float(ops.task_flops(op, {}, in_shapes, out_shapes)) if flops is None else float(flops)
+        return f, f
+    if kind == "embedding" and len(in_shapes) >= 2 and out_shapes:
+        o = out_shapes[0].piece_nbytes
+        return float(o + in_shapes[0].piece_nbytes), float(o + in_shapes[1].piece_nbytes)
+    b = float(ops.bytes_moved(op, in_shapes, out_shapes, per_task=True))
+    return b, b
+
+
+# torch.autocast (bf16 mixed precision): operators it runs in bf16 (its lower-precision list:
+# matmul, linear, bmm, einsum, convolutions, prelu) and in fp32 (its fp32 list: softmax, norms, exp,
+# log, pow, reductions by sum, ...); the rest run in the widest float dtype of their inputs (type
+# promotion; a 0-d operand does not widen a tensor).  AUTOCAST_FUSED_CAST: fp32-list operators that take
+# a dtype argument and read a bf16 input directly (no separate cast kernel).
+AUTOCAST_LOW = {"Linear", "MatMul", "BatchMatMul", "Einsum", "Conv2d", "Conv3d", "ConvTranspose", "PRelu"}
+AUTOCAST_FP32 = {"Softmax", "LogSoftmax", "LayerNorm", "GroupNorm", "Exp", "Log", "Pow", "Reciprocal", "Softplus",
+                 "ReduceSum", "ReduceProd", "CumSum", "ReduceL2", "ReduceLogSumExp"}
+AUTOCAST_FUSED_CAST = {"Softmax", "LogSoftmax", "ReduceSum", "ReduceProd", "CumSum"}
+_ITEMSIZE = {"float32": 4, "float16": 2, "bfloat16": 2, "float64": 8, "int64": 8, "int32": 4, "bool": 1}
+
+
+def autocast_dtype(op: str, declared: str, in_dtypes: Sequence[str], in_ranks: Sequence[int]) -> str:
+    """Dtype of an operator's output under bf16 autocast, from its inputs' dtypes (module constants)."""
+    if declared not in FLOAT_DTYPES or declared == "float64" or op == "Cast":
+        return declared
+    if op in AUTOCAST_LOW:
+        return "bfloat16"
+    if op in AUTOCAST_FP32:
+        return "float32"
+    fl = [(d, r) for d, r in zip(in_dtypes, in_ranks) if d in FLOAT_DTYPES]
+    if op == "BatchNorm" and fl:
+        return fl[0][0]
+    ranked = [d for d, r in fl if r > 0] or [d for d, _ in fl]
+    if not ranked:
+        return declared
+    return max(ranked, key=lambda d: _ITEMSIZE[d])
 
 
 # the import-coverage operators of unity_pcg/ops/indexing.py: masks, comparisons and scans are element-wise
@@ -100,11 +193,17 @@ class CostModel:
     """Costs of tasks, collectives and the optimizer step on one machine."""
 
     def __init__(self, machine: MachineSpec, optimizer: str = "adam", backward_factor: float = 2.0,
-                 grad_bucket_bytes: float = 25 * 2**20):
+                 grad_bucket_bytes: float = 25 * 2**20, precision: str = "fp32"):
         if optimizer not in OPTIMIZER_STATES:
             raise ValueError(f"unknown optimizer {optimizer!r} (known: {', '.join(OPTIMIZER_STATES)})")
+        check_precision(precision)
         self.machine = machine
         self.optimizer = optimizer
+        # math mode of the training step (DESIGN "Cost model"): fp32; tf32 (fp32 storage, matmul and
+        # convolution at the TF32 peak); bf16 (torch.autocast: bf16 matmul / convolution and
+        # activations, fp32 master weights, gradients of weights and optimizer states).  GraphCost
+        # decides every tensor's dtype from it (GraphCost.dtype)
+        self.precision = precision
         self.backward_factor = float(backward_factor)
         self.grad_bucket_bytes = float(grad_bucket_bytes)
         self._op_cache: dict = {}
@@ -137,34 +236,102 @@ class CostModel:
     def op_time(self, op: str, attrs: Mapping[str, Any], in_shapes: Sequence[ParallelTensorShape],
                 out_shapes: Sequence[ParallelTensorShape], bwd_scale: float = 1.0) -> tuple[float, float]:
         """(forward, backward) seconds of one task.  ``bwd_scale``: the part of the backward that
-        runs (1: every operand needs a gradient; 0: none does, no backward at all)."""
+        runs (1: every operand needs a gradient; 0: none does, no backward at all).  The shapes' dtypes
+        are the ones the kernel reads and writes (GraphCost passes its precision's dtypes); compute
+        classes run in the cost model's math mode, memory-bound ones in their output's dtype."""
         key = (op, tuple(sorted(dict(attrs).items())), tuple(in_shapes), tuple(out_shapes), bwd_scale)
         r = self._op_cache.get(key)
         if r is None:
             f = ops.task_flops(op, attrs, in_shapes, out_shapes)
             b = ops.bytes_moved(op, in_shapes, out_shapes, per_task=True)
-            r = self.roofline(op, f, b, op_class(op, in_shapes), bwd_scale)
+            kind = op_class(op, in_shapes)
+            work = None
+            if self.machine.device.kernel_tables:
+                work = kernel_work(op, in_shapes, out_shapes, kind, f)
+            mode = self.mode_of(kind, out_shapes[0].dtype if out_shapes else "float32")
+            r = self.roofline(op, f, b, kind, bwd_scale, mode=mode, work=work)
             self._op_cache[key] = r
         return r
 
+    def mode_of(self, kind: str, out_dtype: str = "float32") -> str:
+        """Math mode a kernel of class ``kind`` runs in: the precision for compute classes; for
+        memory-bound ones the dtype it streams (bf16 for 2-byte floats, else fp32)."""
+        if kind in COMPUTE_CLASSES:
+            return self.precision
+        return "bf16" if out_dtype in ("bfloat16", "float16") else "fp32"
+
+    def _key(self, table: Mapping, kind: str, mode: str) -> str | None:
+        """The first key of ``table`` along the class chain, mode-specific keys first."""
+        chain = class_chain(kind)
+        for k in [f"{c}/{mode}" for c in chain] + chain:
+            if k in table:
+                return k
+        return None
+
+    def efficiency(self, kind: str, mode: str = "fp32") -> float:
+        dev = self.machine.device
+        k = self._key(dev.efficiency, kind, mode)
+        return dev.eff(k) if k is not None else dev.eff("default")
+
+    def overhead(self, kind: str, backward: bool = False) -> float:
+        """Launch overhead of a kernel of class ``kind`` (per class and direction where calibrated)."""
+        dev = self.machine.device
+        o = dict(dev.overheads)
+        for c in class_chain(kind):
+            key = f"{c}:bwd" if backward else c
+            if key in o:
+                return float(o[key])
+        return float(dev.op_overhead)
+
+    def table_time(self, name: str, mode: str, work: float) -> float | None:
+        """Seconds of a kernel from the machine's measured table ``name/mode`` (memory-bound classes
+        fall back to the fp32 table: their work is bytes either way), or None without a table."""
+        dev = self.machine.device
+        t = dev.table(f"{name}/{mode}")
+        if t is None and mode != "fp32" and name.split("_")[0] not in COMPUTE_CLASSES:
+            t = dev.table(f"{name}/fp32")
+        if t is None and name == "conv1x1":
+            return self.table_time("conv", mode, work)
+        if t is None:
+            return None
+        return interpolate_table(t, work) / self.machine.share
+
     def roofline(self, op: str, flops: float, nbytes: float, kind: str | None = None,
-                 bwd_scale: float = 1.0) -> tuple[float, float]:
+                 bwd_scale: float = 1.0, mode: str | None = None,
+                 work: tuple[float, float] | None = None) -> tuple[float, float]:
+        """(forward, backward) seconds: a measured table of the class and mode where the machine has
+        one (``work``: :func:`kernel_work`), else ``max(FLOPs / (peak(mode) * efficiency), bytes /
+        bandwidth)`` plus the class's launch overhead.  Compute classes use the math mode's peak."""
         m = self.machine
         kind = kind or op_class(op)
-        base = op_class(op)
-        dev = m.device
-        if kind != base and kind not in dev.overheads:   # a calibration without the subclass
-            kind = base
-        eff = dev.eff(kind) if kind in dev.efficiency else dev.eff(base)
-        t = max(flops / (m.flops * eff), nbytes / m.mem_bandwidth)
-        # launch / dispatch overhead per class (calibrated), on the (shared) cores too
-        fwd = t + dev.overhead(kind) / m.share
-        bwd = self.backward_factor * t + dev.overhead(kind, backward=True) / m.share
-        if bwd_scale != 1.0:
-            bwd = bwd_scale * self.backward_factor * t + (dev.overhead(kind, backward=True) / m.share
-                                                          if bwd_scale > 0 else 0.0)
+        mode = mode or self.mode_of(kind)
         k = 1.0 + self.sync_per_compute
+        if work is not None and m.device.kernel_tables:
+            fk, bk = table_keys(kind)
+            tf = self.table_time(fk, mode, work[0])
+            if tf is not None:
+                tb = self.table_time(bk, mode, work[1])
+                bwd = bwd_scale * (tb if tb is not None else self.backward_factor * tf)
+                return tf * k, bwd * k
+        peak = m.flops_for(mode) if kind in COMPUTE_CLASSES else m.flops
+        t = max(flops / (peak * self.efficiency(kind, mode)), nbytes / m.mem_bandwidth)
+        # launch / dispatch overhead per class (calibrated), on the (shared) cores too
+        fwd = t + self.overhead(kind) / m.share
+        bwd = self.backward_factor * t + self.overhead(kind, backward=True) / m.share
+        if bwd_scale != 1.0:
+            bwd = bwd_scale * self.backward_factor * t + (self.overhead(kind, backward=True) / m.share
+                                                          if bwd_scale > 0 else 0.0)
         return fwd * k, bwd * k
+
+    def cast_time(self, nbytes: float) -> float:
+        """One dtype conversion kernel moving ``nbytes`` (read + write): autocast's casts."""
+        if nbytes <= 0:
+            return 0.0
+        t = self.table_time("elementwise", "fp32", nbytes)
+        if t is not None:
+            return t * (1.0 + self.sync_per_compute)
+        m = self.machine
+        return (nbytes / m.mem_bandwidth + self.overhead("elementwise") / m.share) * (1.0 + self.sync_per_compute)
 
     # --- gradient synchronization --------------------------------------------------------------
     def grad_allreduce_time(self, devs, nbytes: float) -> float:
@@ -180,17 +347,29 @@ class CostModel:
 
     # --- optimizer -----------------------------------------------------------------------------
     def update_time(self, weight_bytes: float) -> float:
-        """Memory-bound update: read weight, grad, states; write weight, states."""
+        """Memory-bound update: read weight, grad, states; write weight, states (fp32 master weights
+        in every precision).  A measured ``optimizer/fp32`` table takes the bytes moved as work."""
         if weight_bytes <= 0:
             return 0.0
         k = OPTIMIZER_STATES[self.optimizer]
+        moved = (3 + 2 * k) * weight_bytes
+        t = self.table_time("optimizer", "fp32", moved)
+        if t is not None:
+            return t
         dev = self.machine.device
         over = dev.update_overhead if dev.update_overhead > 0 else dev.op_overhead
-        return (3 + 2 * k) * weight_bytes / self.machine.mem_bandwidth + over / self.machine.share
+        return moved / self.machine.mem_bandwidth + over / self.machine.share
 
     def weight_memory_factor(self) -> int:
         """Bytes per weight byte held on a device: weight + gradient + optimizer states."""
         return 2 + OPTIMIZER_STATES[self.optimizer]
+
+
+def check_precision(precision: Any) -> str:
+    """``precision`` if it is one of :data:`PRECISIONS`, else ValueError (one line)."""
+    if precision not in PRECISIONS:
+        raise ValueError(f"unknown precision {precision!r} (known: {', '.join(PRECISIONS)})")
+    return precision
 
 
 def _bw_part(machine: MachineSpec, devs, nbytes: float) -> float:
@@ -357,6 +536,95 @@ class GraphCost:
                 self._sync_bytes += sh.piece_nbytes
             elif sh.dtype in FLOAT_DTYPES:
                 self._buffer_bytes += sh.piece_nbytes
+        # the dtype of every tensor under the model's precision (the one place that decides it):
+        # the declared dtypes in fp32 and tf32; torch.autocast's in bf16 (autocast_dtype)
+        self.precision = model.precision
+        self._dtype: dict = {}
+        self._kshapes: dict = {}
+        if self.precision == "bf16":
+            for nid in g.topo_order():
+                n = g.node(nid)
+                outs = g.shapes(nid)
+                if n.kind == "source":
+                    continue
+                ins = [self.dtype(r) for r in n.inputs]
+                if n.kind == "parallel":
+                    self._dtype[(nid, 0)] = ins[0]
+                    continue
+                ranks = [g.shape(r).rank for r in n.inputs]
+                for k, sh in enumerate(outs):
+                    d = autocast_dtype(n.op, sh.dtype, ins, ranks)
+                    if d != sh.dtype:
+                        self._dtype[(nid, k)] = d
+
+    # --- dtypes under the precision -------------------------------------------------------------
+    def dtype(self, ref) -> str:
+        """The dtype tensor ``ref`` has in the training step under the model's precision."""
+        ref = tuple(ref)
+        return self._dtype.get(ref) or self.g.shape(ref).dtype
+
+    def itemsize(self, ref) -> int:
+        return _ITEMSIZE[self.dtype(ref)]
+
+    @staticmethod
+    def kernel_itemsize(dtype: str) -> int:
+        return _ITEMSIZE[dtype]
+
+    def kernel_dtype(self, nid: int, pos: int) -> str:
+        """The dtype in which compute node ``nid`` reads input ``pos``: autocast casts the float inputs
+        of its bf16 operators to bf16 and those of its fp32 operators to fp32 (a cast kernel and a copy,
+        unless the operator reads the input directly, AUTOCAST_FUSED_CAST)."""
+        n = self.g.node(nid)
+        d = self.dtype(n.inputs[pos])
+        if self.precision != "bf16" or d not in FLOAT_DTYPES or d == "float64":
+            return d
+        if n.op in AUTOCAST_LOW:
+            return "bfloat16"
+        if n.op in AUTOCAST_FP32 and n.op not in AUTOCAST_FUSED_CAST:
+            return "float32"
+        return d
+
+    def casts(self, nid: int) -> list[tuple[int, str, str]]:
+        """Inputs that autocast converts before compute node ``nid`` runs: (position, from, to)."""
+        if self.precision != "bf16" or self.role[nid] != "compute":
+            return []
+        n = self.g.node(nid)
+        out = []
+        for pos, r in enumerate(n.inputs):
+            a, b = self.dtype(r), self.kernel_dtype(nid, pos)
+            if a != b:
+                out.append((pos, a, b))
+        return out
+
+    def kernel_shapes(self, nid: int) -> tuple[tuple, tuple]:
+        """Input and output shapes of compute node ``nid`` with the dtypes its kernel reads and writes."""
+        hit = self._kshapes.get(nid)
+        if hit is not None:
+            return hit
+        ins, outs = self.g.input_shapes(nid), self.g.shapes(nid)
+        if self.precision == "bf16":
+            ins = tuple(sh if sh.dtype == self.kernel_dtype(nid, pos) else replace(sh, dtype=self.kernel_dtype(nid, pos))
+                        for pos, sh in enumerate(ins))
+            outs = tuple(sh if self.dtype((nid, k)) == sh.dtype else replace(sh, dtype=self.dtype((nid, k)))
+                         for k, sh in enumerate(outs))
+        r = self._kshapes[nid] = (tuple(ins), tuple(outs))
+        return r
+
+    def task_time(self, nid: int) -> tuple[float, float]:
+        """(forward, backward) seconds of one task of compute node ``nid`` in the model's precision:
+        the kernel (CostModel.op_time on :meth:`kernel_shapes`) plus autocast's casts of its inputs
+        (forward; and the gradient's cast back in the backward when that input needs a gradient)."""
+        node = self.g.node(nid)
+        ins, outs = self.kernel_shapes(nid)
+        bs = self.backward_scale(nid)
+        f, b = self.model.op_time(node.op, node.a, ins, outs, bs)
+        for pos, a, c in self.casts(nid):
+            sh = self.g.shape(node.inputs[pos])
+            t = self.model.cast_time(sh.piece_numel * (_ITEMSIZE[a] + _ITEMSIZE[c]))
+            f += t
+            if bs > 0 and self._operand_needs_grad(node, pos):
+                b += t
+        return f, b
 
     def _operand_needs_grad(self, n, pos: int) -> bool:
         r = n.inputs[pos]
@@ -375,7 +643,7 @@ class GraphCost:
         need = [self._operand_needs_grad(n, pos) for pos in range(len(n.inputs))]
         if not any(need):
             return 0.0
-        if op_class(n.op) in ("matmul", "conv") and n.op != "Embedding" and len(need) >= 2:
+        if op_class(n.op) in COMPUTE_CLASSES and len(need) >= 2:
             return 0.5 * need[0] + 0.5 * any(need[1:])
         return 1.0
 
@@ -444,8 +712,9 @@ class GraphCost:
         m = self.machine
         shape = self.g.shape(ref)
         hold = self._holders(shape, self.placement(ref[0], prod_view, ref[1]))
-        pbytes = shape.piece_nbytes
+        isz = self.itemsize(ref)           # the precision's dtype (bf16 activations move half the bytes)
         pnum = shape.piece_numel
+        pbytes = pnum * isz
         rest = len(hold)
         node = self.g.node(nid)
         moves: list = []
@@ -489,7 +758,7 @@ class GraphCost:
                     src[0] = 0
                     h = hold[key_of(src)]
                     if dev not in h:
-                        moves.append((near(h, dev), dev, out.piece_nbytes))
+                        moves.append((near(h, dev), dev, out.piece_numel * isz))
                         elements += out.piece_numel
                 elif op in ("Combine", "Batch"):
                     dim = 2 + a["dim"] % shape.rank
@@ -543,11 +812,11 @@ class GraphCost:
                 elif kind == "a":
                     devs = sorted(grp[0] | set(grp[1]))
                     if len(devs) > 1:
-                        t = max(t, C.allreduce_time(m, devs, out.piece_nbytes))
+                        t = max(t, C.allreduce_time(m, devs, out.piece_numel * isz))
                         elements += C.allreduce_elements(len(devs), out.piece_numel)
                 else:
                     devs = list(grp[0]) + grp[1]
-                    t = max(t, C.reduce_time(m, devs, out.piece_nbytes))
+                    t = max(t, C.reduce_time(m, devs, out.piece_numel * isz))
         factor = 1 if prole == "input-placement" else 2   # no gradient flows back to the data
         res = LeafCost(time=factor * t, comm=factor * t, comm_elements=factor * elements)
         self._edge_cache[key] = res
@@ -576,8 +845,7 @@ class GraphCost:
                 if sh.copy_degree > 1 and sh.dtype in FLOAT_DTYPES:
                     c.sync = self.model.sync_buffers * sh.piece_nbytes / self._buffer_bytes
         elif role == "compute":
-            f, b = self.model.op_time(node.op, node.a, self.g.input_shapes(nid), self.g.shapes(nid),
-                                      self.backward_scale(nid))
+            f, b = self.task_time(nid)
             # on shared cores a node on fewer devices runs faster (the idle devices' cores)
             c.compute = (f + b) * self.model.busy_factor(view.degree)
             c.update = sum(self.model.update_time(self.g.shape(r).piece_nbytes)
@@ -613,9 +881,7 @@ class GraphCost:
         every view unless cores are shared)."""
         if self.role[nid] != "compute":
             return 0.0
-        node = self.g.node(nid)
-        f, b = self.model.op_time(node.op, node.a, self.g.input_shapes(nid), self.g.shapes(nid),
-                                  self.backward_scale(nid))
+        f, b = self.task_time(nid)
         return (f + b) * self.model.busy_factor(1)
 
     def leaf_cost(self, nid: int, view: MachineView, prod_views: Mapping[int, MachineView]) -> LeafCost:
@@ -672,4 +938,5 @@ class GraphCost:
         return t, el
 
 
-__all__ = ["CostModel", "GraphCost", "LeafCost", "OPTIMIZER_STATES", "op_class", "INF"]
+__all__ = ["CostModel", "GraphCost", "LeafCost", "OPTIMIZER_STATES", "op_class", "INF", "PRECISIONS", "OP_CLASSES",
+           "COMPUTE_CLASSES", "kernel_work", "table_keys", "check_precision", "autocast_dtype"]

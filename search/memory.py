@@ -81,10 +81,12 @@ SAVES_INPUTS.update({"Conv3d": {0}, "ConvTranspose": {0}, "Pool1d": {0}, "Pool3d
                      "GroupNorm": {0}, "Resize": set(), "Pad": set()})
 
 
-def kept_fraction(g, nid: int, k: int) -> float:
+def kept_fraction(g, nid: int, k: int, saves_copy=None) -> float:
     """Fraction of output ``k`` of node ``nid`` held until the backward pass: 1 when its producer or
     a consumer saves it or it is a graph output; a Dropout output that nobody saves keeps only its
-    one-byte-per-element mask; else 0."""
+    one-byte-per-element mask; else 0.  ``saves_copy(u, pos)``: true when consumer ``u`` saves a
+    converted copy of its input ``pos`` rather than the tensor itself (autocast's casts; the copy is
+    counted at the consumer, :func:`node_memory`)."""
     node = g.node(nid)
     if node.op in SAVES_OUTPUT or (nid, k) in set(map(tuple, g.outputs)):
         return 1.0
@@ -93,7 +95,7 @@ def kept_fraction(g, nid: int, k: int) -> float:
         return 1.0
     for u, pos in uses:
         saved = SAVES_INPUTS.get(g.node(u).op)
-        if saved is None or pos in saved:
+        if (saved is None or pos in saved) and not (saves_copy is not None and saves_copy(u, pos)):
             return 1.0
     if node.op == "Dropout":
         return 1.0 / g.shapes(nid)[k].itemsize
@@ -122,16 +124,50 @@ def node_memory(gc: GraphCost, nid: int, view: MachineView) -> tuple[dict, dict]
             f = factor if gc.trainable(r[0]) else 1
             for d in set(view.devices()):
                 w[d] = w.get(d, 0) + g.shape(r).piece_nbytes * f
+        _cast_copies(gc, nid, view, w, a)
     if role == "input-placement" and any(gc.role[x[0]] != "input" for x in node.inputs):
         return w, a   # only the first placement of an input holds data; later ones re-describe it
+    copy = _saves_copy(gc)
     for k, s in enumerate(g.shapes(nid)):
-        frac = 1.0 if role == "input-placement" else kept_fraction(g, nid, k)
+        frac = 1.0 if role == "input-placement" else kept_fraction(g, nid, k, copy)
         if frac == 0.0:
             continue
-        pb = int(s.piece_nbytes * frac)
+        if frac < 1.0:          # a Dropout's one-byte mask
+            pb = int(s.piece_nbytes * frac)
+        else:                   # the tensor in the precision's dtype (bf16 activations: 2 bytes)
+            pb = s.piece_numel * gc.itemsize((nid, k))
         for d in gc.placement(nid, view, k):
             a[d] = a.get(d, 0) + pb
     return w, a
+
+
+def _saves_copy(gc: GraphCost):
+    """Under bf16 autocast: consumer ``u`` saves a converted copy of input ``pos`` (not the tensor)."""
+    if gc.precision != "bf16":
+        return None
+    return lambda u, pos: gc.role[u] == "compute" and gc.kernel_dtype(u, pos) != gc.dtype(gc.g.node(u).inputs[pos])
+
+
+def _cast_copies(gc: GraphCost, nid: int, view: MachineView, w: dict, a: dict) -> None:
+    """Autocast's converted copies held by compute node ``nid`` until the backward pass (bf16 only): a
+    bf16 copy of every fp32 weight a bf16 operator reads (autocast's weight cast cache; counted with the
+    weights), and the converted copy of every input the operator saves for its gradient (activations)."""
+    casts = gc.casts(nid)
+    if not casts:
+        return
+    g = gc.g
+    node = g.node(nid)
+    saved = SAVES_INPUTS.get(node.op)
+    devs = set(view.devices())
+    for pos, _, to in casts:
+        r = node.inputs[pos]
+        b = g.shape(r).piece_numel * gc.kernel_itemsize(to)
+        if gc.role[r[0]] in ("weight", "weight-placement"):
+            for d in devs:
+                w[d] = w.get(d, 0) + b
+        elif saved is None or pos in saved:
+            for d in devs:
+                a[d] = a.get(d, 0) + b
 
 
 def memory_per_device(gc: GraphCost, views: Mapping[int, MachineView]) -> MemoryReport:

@@ -50,6 +50,12 @@ class DeviceSpec:
     op_overhead: float = 0.0          # seconds per operator launch (kernel launch / dispatch)
     update_overhead: float = 0.0      # seconds of optimizer-step overhead per weight tensor (0: op_overhead)
     overheads: Mapping[str, float] = field(default_factory=dict)  # per op class: "conv", "conv:bwd", ...
+    # peak FLOP/s per math mode ("tf32", "bf16"; "fp32" is ``peak_flops``); a mode left out runs at
+    # ``peak_flops`` (a CPU, or a device without that mode's units)
+    peaks: Mapping[str, float] = field(default_factory=dict)
+    # measured kernel times per operator class and math mode: "<class>/<mode>" -> ((work, seconds), ...)
+    # sorted by work (FLOPs for compute classes, bytes for memory-bound ones; search.cost.kernel_work)
+    kernel_tables: Mapping[str, tuple] = field(default_factory=dict)
 
     def overhead(self, kind: str, backward: bool = False) -> float:
         o = dict(self.overheads)
@@ -59,6 +65,47 @@ class DeviceSpec:
     def eff(self, kind: str) -> float:
         e = dict(self.efficiency)
         return float(e.get(kind, e.get("default", 1.0)))
+
+    def peak(self, mode: str = "fp32") -> float:
+        """Peak FLOP/s of math mode ``mode`` (``fp32``, ``tf32``, ``bf16``): ``peaks[mode]``, else ``peak_flops``."""
+        if mode == "fp32":
+            return float(self.peak_flops)
+        return float(dict(self.peaks).get(mode, self.peak_flops))
+
+    def table(self, key: str) -> tuple | None:
+        """The measured table ``"<class>/<mode>"`` (((work, seconds), ...), sorted), or None."""
+        t = dict(self.kernel_tables).get(key)
+        return t if t else None
+
+
+MODES = ("fp32", "tf32", "bf16")
+
+
+def interpolate_table(points: Sequence[Sequence[float]], work: float) -> float:
+    """Seconds of a kernel of ``work`` from a measured table of (work, seconds) points sorted by work:
+    piecewise linear in log(work) -> log(seconds) between points; below the first point its time (the
+    fixed per-kernel cost dominates small kernels); beyond the last point linear in work at the last
+    segment's throughput (its marginal seconds per unit of work; the last point's average throughput
+    when the table has one point or the last segment does not rise)."""
+    if work <= 0:
+        return 0.0
+    pts = [(float(w), float(t)) for w, t in points]
+    w0, t0 = pts[0]
+    if work <= w0:
+        return t0
+    for (wa, ta), (wb, tb) in zip(pts, pts[1:]):
+        if work <= wb:
+            if ta <= 0 or tb <= 0:
+                return ta + (tb - ta) * (work - wa) / (wb - wa)
+            f = math.log(work / wa) / math.log(wb / wa)
+            return math.exp(math.log(ta) + f * math.log(tb / ta))
+    wl, tl = pts[-1]
+    if len(pts) >= 2:
+        wp, tp = pts[-2]
+        slope = (tl - tp) / (wl - wp)
+        if slope > 0:
+            return tl + (work - wl) * slope
+    return tl * work / wl
 
 
 @dataclass(frozen=True)
@@ -97,12 +144,16 @@ class MachineSpec:
                 d = dict(rec["device"])
                 device = DeviceSpec(float(d["peak_flops"]), float(d["mem_bandwidth"]), int(d["memory_bytes"]),
                                     dict(d.get("efficiency", {"default": 1.0})), float(d.get("op_overhead", 0.0)),
-                                    float(d.get("update_overhead", 0.0)), dict(d.get("overheads", {})))
+                                    float(d.get("update_overhead", 0.0)), dict(d.get("overheads", {})),
+                                    _peaks(d.get("peaks", {}), f"machine {self.name!r} meta.worlds"),
+                                    _tables(d.get("kernel_tables", {}), f"machine {self.name!r} meta.worlds"))
                 meta.update(device_world=int(k), sync=dict(rec.get("sync", {})))
                 if rec.get("solo_speedup") is not None:     # measured with this world (calibrate)
                     meta["solo_speedup"] = float(rec["solo_speedup"])
                 else:
                     meta.pop("solo_speedup", None)
+            except MachineError:
+                raise
             except (KeyError, TypeError, ValueError, AttributeError):
                 raise MachineError(f"machine {self.name!r}: malformed meta.worlds") from None
             return replace(self, nodes=nodes, devices_per_node=devices_per_node, group_size=g, links=links,
@@ -164,6 +215,10 @@ class MachineSpec:
     def flops(self) -> float:
         return self.device.peak_flops * self.share
 
+    def flops_for(self, mode: str = "fp32") -> float:
+        """Per-device peak FLOP/s in math mode ``mode``, shared cores included (:attr:`flops` for fp32)."""
+        return self.device.peak(mode) * self.share
+
     @property
     def mem_bandwidth(self) -> float:
         return self.device.mem_bandwidth * self.share
@@ -208,6 +263,8 @@ class MachineSpec:
              "meta": dict(self.meta)}
         d["device"]["efficiency"] = dict(self.device.efficiency)
         d["device"]["overheads"] = dict(self.device.overheads)
+        d["device"]["peaks"] = dict(self.device.peaks)
+        d["device"]["kernel_tables"] = {k: [list(p) for p in v] for k, v in dict(self.device.kernel_tables).items()}
         return d
 
     @staticmethod
@@ -225,7 +282,7 @@ class MachineSpec:
             if not isinstance(dev, dict):
                 raise MachineError(f"{source}: field 'device' must be an object")
             bad = set(dev) - {"peak_flops", "mem_bandwidth", "memory_bytes", "efficiency", "op_overhead",
-                              "update_overhead", "overheads"}
+                              "update_overhead", "overheads", "peaks", "kernel_tables"}
             if bad:
                 raise MachineError(f"{source}: unknown device field(s) {', '.join(sorted(bad))}")
             eff = dev.get("efficiency", {"default": 1.0})
@@ -235,7 +292,8 @@ class MachineSpec:
                                 int(_num(dev, "memory_bytes", source)),
                                 {str(k): _num(eff, k, source) for k in eff},
                                 _num(dev, "op_overhead", source, 0.0), _num(dev, "update_overhead", source, 0.0),
-                                _overheads(dev.get("overheads", {}), source))
+                                _overheads(dev.get("overheads", {}), source),
+                                _peaks(dev.get("peaks", {}), source), _tables(dev.get("kernel_tables", {}), source))
             links_obj = obj["links"]
             if not isinstance(links_obj, dict):
                 raise MachineError(f"{source}: field 'links' must be an object")
@@ -291,6 +349,46 @@ def _overheads(obj: Any, source: str) -> dict:
     return {str(k): _num(obj, k, source) for k in obj}
 
 
+def _peaks(obj: Any, source: str) -> dict:
+    """``device.peaks``: math mode -> FLOP/s, modes from :data:`MODES`."""
+    if not isinstance(obj, Mapping):
+        raise MachineError(f"{source}: field 'device.peaks' must be an object")
+    bad = [k for k in obj if k not in MODES]
+    if bad:
+        raise MachineError(f"{source}: device.peaks: unknown math mode {bad[0]!r} (known: {', '.join(MODES)})")
+    out = {str(k): _num(obj, k, source) for k in obj}
+    if any(v <= 0 for v in out.values()):
+        raise MachineError(f"{source}: device.peaks must be positive")
+    return out
+
+
+def _tables(obj: Any, source: str) -> dict:
+    """``device.kernel_tables``: "<class>/<mode>" -> [[work, seconds], ...] sorted by strictly increasing
+    work, work > 0, seconds >= 0; stored as tuples."""
+    if not isinstance(obj, Mapping):
+        raise MachineError(f"{source}: field 'device.kernel_tables' must be an object")
+    out = {}
+    for k, pts in obj.items():
+        cls, sep, mode = str(k).partition("/")
+        if not sep or not cls or mode not in MODES:
+            raise MachineError(f"{source}: device.kernel_tables key {k!r} must be '<op class>/<mode>' "
+                               f"with mode one of {', '.join(MODES)}")
+        if not isinstance(pts, (list, tuple)) or not pts:
+            raise MachineError(f"{source}: device.kernel_tables[{k!r}] must be a non-empty list of [work, seconds]")
+        rows = []
+        for p in pts:
+            if (not isinstance(p, (list, tuple)) or len(p) != 2
+                    or not all(isinstance(x, (int, float)) and not isinstance(x, bool) and math.isfinite(x) for x in p)
+                    or p[0] <= 0 or p[1] < 0):
+                raise MachineError(f"{source}: device.kernel_tables[{k!r}]: bad point {p!r} "
+                                   "(want [work > 0, seconds >= 0])")
+            rows.append((float(p[0]), float(p[1])))
+        if any(b[0] <= a[0] for a, b in zip(rows, rows[1:])):
+            raise MachineError(f"{source}: device.kernel_tables[{k!r}] must be sorted by strictly increasing work")
+        out[str(k)] = tuple(rows)
+    return out
+
+
 def _int(obj: Mapping, key: str, source: str, default: Any = None) -> int:
     v = obj.get(key, default)
     if v is None:
@@ -316,6 +414,10 @@ def validate(m: MachineSpec) -> None:
     for k, v in dict(d.efficiency).items():
         if not isinstance(v, (int, float)) or not 0 < v <= 1.0:
             raise MachineError(f"machine {m.name!r}: device.efficiency[{k!r}] must be in (0, 1], got {v!r}")
+    _peaks(d.peaks, f"machine {m.name!r}")
+    if dict(d.peaks).get("fp32", d.peak_flops) != d.peak_flops:
+        raise MachineError(f"machine {m.name!r}: device.peaks['fp32'] differs from device.peak_flops")
+    _tables({k: [list(p) for p in v] for k, v in dict(d.kernel_tables).items()}, f"machine {m.name!r}")
     if d.op_overhead < 0 or d.update_overhead < 0:
         raise MachineError(f"machine {m.name!r}: device.op_overhead and update_overhead must be >= 0")
     for lv in ("group", "node", "network"):
@@ -338,33 +440,64 @@ GiB = 2 ** 30
 def summit(nodes: int = 1, devices_per_node: int = 6) -> MachineSpec:
     """Summit (the Unity evaluation): 6 x V100-SXM2 16 GB per node in two NVLink-2 groups of 3
     (50 GB/s per direction between GPUs of a group), X-Bus (64 GB/s, shared by the 3 GPUs of a socket,
-    ~21 GB/s each) between the two groups, EDR InfiniBand 100 Gb/s (12.5 GB/s) per node."""
+    ~21 GB/s each) between the two groups, EDR InfiniBand 100 Gb/s (12.5 GB/s) per node.
+
+    Datasheets: https://images.nvidia.com/content/technologies/volta/pdf/volta-v100-datasheet-update-us-1165301-r5.pdf
+    (V100 SXM2: 15.7 TFLOP/s fp32, 125 TFLOP/s fp16 tensor cores, 900 GB/s HBM2) and
+    https://www.olcf.ornl.gov/olcf-resources/compute-systems/summit/ (node layout, links).
+    Measured: nothing (no V100 was at hand).  Taken from the datasheets: the peaks, memory bandwidth and
+    capacity, link bandwidths.  Assumed: the per-class efficiencies (matmul 0.7, conv 0.6, default 0.6 of
+    the peak), the 5 us launch overhead per kernel and the link latencies.  Math modes: V100 has no TF32
+    (``tf32`` runs at the fp32 peak) and no bf16 units: ``bf16`` is priced as what V100 runs for mixed
+    precision, fp16 autocast on its tensor cores (125 TFLOP/s, the same 2-byte activations; the loss
+    scaler's cost is left out)."""
     dev = DeviceSpec(15.7e12, 900e9, 16 * GiB, {"default": 0.6, "matmul": 0.7, "conv": 0.6,
-                                                  "elementwise": 1.0}, 5e-6)
+                                                  "elementwise": 1.0}, 5e-6,
+                     peaks={"tf32": 15.7e12, "bf16": 125e12})
     links = {"group": LinkSpec(50e9, 5e-6), "node": LinkSpec(21e9, 8e-6), "network": LinkSpec(12.5e9, 5e-6)}
-    return MachineSpec("summit", nodes, devices_per_node, min(3, devices_per_node), dev, links).resized(
-        nodes, devices_per_node)
+    return MachineSpec("summit", nodes, devices_per_node, min(3, devices_per_node), dev, links,
+                       meta={"bf16_as": "fp16 tensor cores (V100 has no bf16)"}).resized(nodes, devices_per_node)
 
 
 def dgx_a100(nodes: int = 1, devices_per_node: int = 8) -> MachineSpec:
-    """DGX A100: 8 x A100-SXM4 80 GB on NVSwitch (300 GB/s per direction), 8 x HDR 200 Gb/s per node."""
+    """DGX A100: 8 x A100-SXM4 80 GB on NVSwitch (300 GB/s per direction), 8 x HDR 200 Gb/s per node.
+
+    Datasheet: https://www.nvidia.com/content/dam/en-zz/Solutions/Data-Center/a100/pdf/nvidia-a100-datasheet-us-nvidia-1758950-r4-web.pdf
+    (A100 SXM4 80 GB: 19.5 TFLOP/s fp32, 156 TF32, 312 bf16 tensor cores (dense; the datasheet's larger
+    figures are with 2:4 sparsity), 2,039 GB/s HBM2e).  Measured: nothing (no A100 was at hand).  Taken
+    from the datasheet: the peaks per math mode, memory bandwidth (rounded to 2.0 TB/s) and capacity,
+    NVLink 3 / NVSwitch and HDR bandwidths.  Assumed: the per-class efficiencies (matmul 0.75, conv 0.6,
+    default 0.6 of the mode's peak, the same in every mode), the 4 us launch overhead and the latencies."""
     dev = DeviceSpec(19.5e12, 2.0e12, 80 * GiB, {"default": 0.6, "matmul": 0.75, "conv": 0.6,
-                                                  "elementwise": 1.0}, 4e-6)
+                                                  "elementwise": 1.0}, 4e-6,
+                     peaks={"tf32": 156e12, "bf16": 312e12})
     links = {"group": LinkSpec(300e9, 3e-6), "node": LinkSpec(300e9, 3e-6), "network": LinkSpec(200e9, 5e-6)}
     return MachineSpec("dgx-a100", nodes, devices_per_node, devices_per_node, dev, links)
 
 
 def h100(nodes: int = 1, devices_per_node: int = 8) -> MachineSpec:
-    """HGX H100: 8 x H100-SXM5 80 GB on NVSwitch (NVLink 4, 450 GB/s per direction), 8 x NDR 400 Gb/s."""
+    """HGX H100: 8 x H100-SXM5 80 GB on NVSwitch (NVLink 4, 450 GB/s per direction), 8 x NDR 400 Gb/s.
+
+    Datasheet: https://resources.nvidia.com/en-us-tensor-core/nvidia-tensor-core-gpu-datasheet
+    (H100 SXM: 67 TFLOP/s fp32, 495 TF32 and 989 bf16 tensor-core TFLOP/s dense -- the datasheet prints
+    989 / 1,979 with 2:4 sparsity -- 3.35 TB/s HBM3).  Measured: not by this preset; issue 9's
+    measurements on an H100 80 GB (predicted / measured step time 0.29-0.98 in fp32) say these
+    uncalibrated numbers predict small and launch-bound models 2-3x too fast; a fitted H100 machine file
+    from ``unity-pcg calibrate --device cuda`` (per-class tables, ``DeviceSpec.kernel_tables``) replaces
+    them where one is at hand.  Taken from the datasheet: peaks per math mode, memory bandwidth and
+    capacity, NVLink 4 and NDR bandwidths.  Assumed: the per-class efficiencies (matmul 0.75, conv 0.6,
+    default 0.6 of the mode's peak, the same in every mode), the 3 us launch overhead and the latencies."""
     dev = DeviceSpec(67e12, 3.35e12, 80 * GiB, {"default": 0.6, "matmul": 0.75, "conv": 0.6,
-                                                 "elementwise": 1.0}, 3e-6)
+                                                 "elementwise": 1.0}, 3e-6,
+                     peaks={"tf32": 495e12, "bf16": 989e12})
     links = {"group": LinkSpec(450e9, 2.5e-6), "node": LinkSpec(450e9, 2.5e-6), "network": LinkSpec(400e9, 5e-6)}
     return MachineSpec("h100", nodes, devices_per_node, devices_per_node, dev, links)
 
 
 def local(nodes: int = 1, devices_per_node: int = 2) -> MachineSpec:
     """This computer's CPU processes (uncalibrated guesses; run `unity-pcg calibrate` for real numbers).
-    Devices are processes sharing the cores; links are loopback TCP (gloo)."""
+    Devices are processes sharing the cores; links are loopback TCP (gloo).  Measured: nothing (these
+    are guesses); every math mode runs at the fp32 peak (no ``peaks``) unless a calibration measured one."""
     cores = os.cpu_count() or 1
     try:
         mem = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
@@ -555,5 +688,6 @@ def _starts(tag, D: int, span: int, degs, res: Resource, k: int) -> list[int]:
     return [blk + o for blk in range(0, size - span + 1, D * s) for o in range(s) if blk + o + span <= size]
 
 
-__all__ = ["MachineSpec", "DeviceSpec", "LinkSpec", "MachineView", "Resource", "MachineError", "PRESETS",
+__all__ = ["MachineSpec", "DeviceSpec", "LinkSpec", "MachineView", "Resource", "MachineError", "PRESETS", "MODES",
+           "interpolate_table",
            "parse_machine", "enumerate_views", "summit", "dgx_a100", "h100", "local", "LEVELS", "SCHEMA"]
