@@ -386,11 +386,22 @@ def _device_json(dev: DeviceSpec) -> dict:
     return d
 
 
-def calibrate(quick: bool = False, worlds: tuple | None = None, quiet: bool = False) -> MachineSpec:
+def calibrate(quick: bool = False, worlds: tuple | None = None, quiet: bool = False, device: str | None = None,
+              precision: str | None = None, size: str | None = None, base: str | None = None) -> MachineSpec:
     """Measure this computer once per world size (``worlds``: numbers of concurrent processes) and
     describe it as a ``local`` machine.  ``meta["worlds"][str(w)]`` holds, for ``w`` processes, the
     device (compute measured while all ``w`` ranks compute), the link (ring fit of the all-reduce
-    sweep) and DDP's own costs (``sync``); :meth:`MachineSpec.resized` picks the nearest world size."""
+    sweep) and DDP's own costs (``sync``); :meth:`MachineSpec.resized` picks the nearest world size.
+
+    ``device="cuda"`` (or ``"cpu"``: one process, the same code) measures one accelerator's kernels per
+    operator class and math mode instead (:func:`search.calibrate_gpu.calibrate_device`; ``precision``:
+    one math mode, default all; ``size``: ``tiny``, ``quick`` (default with ``quick``) or ``full``;
+    ``base``: the preset whose topology and network link are kept)."""
+    if device is not None and device != "local":
+        from .calibrate_gpu import calibrate_device
+        obj = calibrate_device(device, precision=precision, size=size or ("quick" if quick else "full"),
+                               base=base, quiet=quiet)
+        return MachineSpec.from_json(obj, source=f"calibration of {device}")
     t_start = time.perf_counter()
     cores = os.cpu_count() or 1
     worlds = tuple(sorted(worlds or ((2, 4) if quick else (2, 3, 4))))
