@@ -170,7 +170,8 @@ def explain(plan, optimizer: str | None = None) -> Explanation:
     opt = optimizer or _recorded(plan, "optimizer") or "adam"
     if opt not in OPTIMIZER_STATES:
         raise PlanError(f"plan: unknown optimizer {opt!r} (known: {', '.join(OPTIMIZER_STATES)})")
-    model = CostModel(plan.machine, optimizer=opt)
+    precision = getattr(plan, "precision", "fp32")
+    model = CostModel(plan.machine, optimizer=opt, precision=precision)
     gc = GraphCost(g, model)
     views = dict(plan.views)
     for nid in gc.nodes():
@@ -193,7 +194,7 @@ def explain(plan, optimizer: str | None = None) -> Explanation:
               "grad_sync_elements": sum(r.elements for r in grads),
               "max_memory_bytes": res.memory.max_bytes if res.memory else None,
               "feasible": res.feasible, "reason": res.reason, "devices_used": res.stats.get("devices_used", 0),
-              "optimizer": opt,
+              "optimizer": opt, "precision": precision,
               "parallel_ops": {k: v for k, v in sorted(g.op_counts().items()) if ops.get_op(k).kind == "parallel"}}
     return Explanation(plan.model_path, plan.machine.describe(), plan.machine.num_devices, operators, rules,
                        steps is not None, comm, grads, pipe, stages, totals, dict(plan.predicted),
@@ -449,7 +450,7 @@ def format_text(e: Explanation, limit: int | None = None, sections: Sequence[str
     out: list[str] = []
     if "summary" in want:
         pred = e.predicted.get("predicted_iteration_s")
-        out.append(f"plan for {e.model} on {e.machine}")
+        out.append(f"plan for {e.model} on {e.machine}, precision {t.get('precision', 'fp32')}")
         out.append(f"predicted iteration: {_ms(pred)} (the plan's); re-priced with every operator one after "
                    f"the other: {_ms(t['sum_of_leaves_s'])}")
         out.append(f"  compute {_ms(t['compute_s'])}, transfers {_ms(t['comm_s'])}, gradient sync "

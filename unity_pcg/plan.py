@@ -2,7 +2,8 @@
 
 A plan holds the model's identity (path and sha256), the machine, the parallelized PCG, the machine
 view of every operator, the pipeline schedule if any, and the predicted iteration time, memory per
-device and communication volume, and (optional, ``rules``) the rule sequence that produced the PCG
+device and communication volume, the precision it was priced in (``precision``: fp32, tf32 or bf16;
+missing in older plans = fp32), and (optional, ``rules``) the rule sequence that produced the PCG
 from the imported model: one ``{"rule", "nodes", "inputs", "bind"}`` object per step (see
 ``search.substitution.RuleStep``; ``search.substitution.replay`` re-applies it).  Loading re-infers every shape of the PCG and checks every view
 against its operator's task grid and the machine, so a plan from a stranger is checked data.
@@ -18,6 +19,7 @@ from typing import Any, Mapping
 
 from . import ops
 from .errors import PlanError, UnityError
+from .machine import MODES as PRECISIONS
 from .machine import MachineSpec, MachineView
 from .pcg import PCG
 
@@ -44,6 +46,7 @@ class Plan:
     pipeline: Mapping[str, Any] | None = None
     info: Mapping[str, Any] = field(default_factory=dict)
     rules: tuple | None = None          # the rule sequence (JSON objects), None when not recorded
+    precision: str = "fp32"             # math mode the plan was priced in (fp32, tf32, bf16: DESIGN "Cost model")
 
     def to_json(self) -> dict:
         return {"schema": SCHEMA,
@@ -55,6 +58,7 @@ class Plan:
                 "predicted": {k: (None if isinstance(v, float) and not math.isfinite(v) else v)
                               for k, v in self.predicted.items()},
                 "info": dict(self.info),
+                "precision": self.precision,
                 **({"rules": [dict(x) for x in self.rules]} if self.rules is not None else {})}
 
     def save(self, path: str) -> None:
@@ -128,7 +132,10 @@ def from_json(obj: Any) -> Plan:
     rules = obj.get("rules")
     if rules is not None:
         rules = tuple(_check_step(k, st) for k, st in enumerate(_list(rules, "rules")))
-    return Plan(path, sha, machine, pcg, views, predicted, pipeline, obj.get("info") or {}, rules)
+    precision = obj.get("precision", "fp32")     # plans written before precision existed: fp32
+    if precision not in PRECISIONS:
+        raise PlanError(f"plan: field precision must be one of {', '.join(PRECISIONS)}, got {precision!r}")
+    return Plan(path, sha, machine, pcg, views, predicted, pipeline, obj.get("info") or {}, rules, precision)
 
 
 def _list(v: Any, where: str) -> list:

@@ -1,5 +1,5 @@
 """`unity-pcg optimize MODEL.onnx --machine M [--budget S] [--alpha A] [--no-pipeline] [--strategy S]
-[--optimizer O] [--batch N] [--seed S] -o plan.json [--json]`: search a plan (search/optimize.py),
+[--optimizer O] [--precision fp32|tf32|bf16] [--batch N] [--seed S] -o plan.json [--json]`: search a plan (search/optimize.py),
 show progress on stderr, write the plan and print a summary (or one JSON object)."""
 from __future__ import annotations
 
@@ -32,6 +32,8 @@ def add_arguments(p) -> None:
                         "Alpa's intra-operator ILP and inter-operator stage DP, priced in our cost model)")
     p.add_argument("--optimizer", choices=("sgd", "momentum", "adam"), default="adam",
                    help="optimizer whose states count in memory and update time (default adam)")
+    from .simulate_cmd import add_precision_argument
+    add_precision_argument(p)
     p.add_argument("--batch", type=int, default=None, metavar="N",
                    help="global batch size: replaces the first dim of every model input")
     p.add_argument("--seed", type=int, default=0, help="recorded in the plan; the search is deterministic")
@@ -66,6 +68,8 @@ class _Progress:
 
 def run(args) -> int:
     from unity_pcg.search.optimize import STRATEGIES, optimize
+    from .simulate_cmd import check_precision_arg
+    check_precision_arg(getattr(args, "precision", "fp32"))
     if args.strategy not in STRATEGIES:
         raise UnityError(f"unknown strategy {args.strategy!r} (known: {', '.join(STRATEGIES)})")
     if not args.budget > 0:
@@ -74,7 +78,8 @@ def run(args) -> int:
     try:
         res = optimize(args.model, args.machine, budget_s=args.budget, alpha=args.alpha,
                        pipeline=not args.no_pipeline, strategy=args.strategy, optimizer=args.optimizer,
-                       batch=args.batch, seed=args.seed, progress=prog, max_candidates=args.candidates)
+                       batch=args.batch, seed=args.seed, progress=prog, max_candidates=args.candidates,
+                       precision=getattr(args, "precision", "fp32"))
     finally:
         if prog is not None:
             prog.done()
@@ -89,6 +94,7 @@ def run(args) -> int:
     print(f"plan        {args.output}  ({out['strategy']}, {out['rule_steps']} rule steps"
           + (", interrupted: best so far" if out["interrupted"] else "") + ")")
     print(f"machine     {res.plan.machine.describe()}  ({out['devices']} devices, {out['devices_used']} used)")
+    print(f"precision   {res.plan.precision}")
     print(f"feasible    {'yes' if out['feasible'] else 'NO: ' + out['reason']}")
     if t is not None:
         thr = out["throughput_samples_s"]

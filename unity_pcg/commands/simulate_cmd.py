@@ -1,5 +1,5 @@
 """`unity-pcg simulate MODEL.onnx --machine M --strategy none|dp|megatron|expert [--degree N] [--batch N]
-[--optimizer O] [--json] [-o plan.json]`: predicted iteration time, communication and memory per device of
+[--optimizer O] [--precision fp32|tf32|bf16] [--json] [-o plan.json]`: predicted iteration time, communication and memory per device of
 a fixed parallelization (search/baselines.py), and with ``-o`` its plan (``unity-pcg/plan/v1``: the model's
 path and sha256, the machine, the parallel PCG, the DP's machine views, the predicted figures) for
 ``unity-pcg run`` / ``explain``."""
@@ -33,15 +33,34 @@ def add_arguments(p) -> None:
                    help="global batch size: replaces the first dim of every model input")
     p.add_argument("--optimizer", choices=("sgd", "momentum", "adam"), default="adam",
                    help="optimizer whose states count in memory and update time (default adam)")
+    add_precision_argument(p)
     p.add_argument("--json", action="store_true", help="print one JSON object")
     p.add_argument("-o", "--output", default=None, metavar="PLAN.json",
                    help="write the priced strategy's plan (unity-pcg/plan/v1) for `unity-pcg run`")
 
 
+def add_precision_argument(p) -> None:
+    """``--precision fp32|tf32|bf16`` (simulate, optimize, calibrate); a bad value: one line, exit 2."""
+    p.add_argument("--precision", default="fp32", metavar="{fp32,tf32,bf16}",
+                   help="math mode of the training step: fp32; tf32 (fp32 storage, matmul and convolution at "
+                        "the TF32 peak); bf16 (mixed precision as torch.autocast: bf16 matmul, convolution and "
+                        "activations, fp32 master weights, weight gradients and optimizer states) (default fp32)")
+
+
+PRECISIONS = ("fp32", "tf32", "bf16")
+
+
+def check_precision_arg(value, flag: str = "--precision") -> None:
+    """A bad ``--precision`` is one line on stderr and exit status 2 (UnityError), not argparse's usage."""
+    if value is not None and value not in PRECISIONS:
+        raise UnityError(f"{flag} must be one of {', '.join(PRECISIONS)}, got {value!r}")
+
+
 def simulate(model_path: str, machine: str, strategy: str = "dp", degree: int | None = None,
-             batch: int | None = None, optimizer: str = "adam", output: str | None = None) -> dict:
-    """Price fixed strategy ``strategy`` of ``model_path`` on ``machine``; with ``output``, write its
-    plan there.  Returns the JSON summary (``plan`` holds the written path)."""
+             batch: int | None = None, optimizer: str = "adam", output: str | None = None,
+             precision: str = "fp32") -> dict:
+    """Price fixed strategy ``strategy`` of ``model_path`` on ``machine`` in ``precision``; with
+    ``output``, write its plan there.  Returns the JSON summary (``plan`` holds the written path)."""
     from unity_pcg.search.baselines import build_strategy
     from unity_pcg.search.cost import CostModel
     from unity_pcg.search.mapping import MachineMapper
@@ -49,6 +68,7 @@ def simulate(model_path: str, machine: str, strategy: str = "dp", degree: int | 
     from ..machine import parse_machine
     from ..onnx_import import load_onnx
 
+    check_precision_arg(precision)
     m = parse_machine(machine)
     if strategy == "none":
         deg = 1
@@ -62,15 +82,15 @@ def simulate(model_path: str, machine: str, strategy: str = "dp", degree: int | 
         raise UnityError(f"--batch must be a positive integer, got {batch}")
     g = load_onnx(model_path, batch=batch, load_weights=False)
     if strategy == "alpa":
-        return _simulate_alpa(g, model_path, m, optimizer, output)
+        return _simulate_alpa(g, model_path, m, optimizer, output, precision)
     pg = build_strategy(g, strategy, deg, devices_per_node=m.devices_per_node)
     from ..machine import Resource
     # "none": the whole model on one device (the DP still picks the best views inside it)
     res = Resource(0, 1, 1) if deg == 1 else None
-    r = MachineMapper(CostModel(m, optimizer=optimizer)).optimize(pg, resource=res)
+    r = MachineMapper(CostModel(m, optimizer=optimizer, precision=precision)).optimize(pg, resource=res)
     out = r.to_json()
     out.update({"model": model_path, "machine": m.describe(), "strategy": strategy, "degree": deg,
-                "optimizer": optimizer, "batch": g.shape((g.sources("Input")[0].id, 0)).sizes[0]
+                "optimizer": optimizer, "precision": precision, "batch": g.shape((g.sources("Input")[0].id, 0)).sizes[0]
                 if g.sources("Input") else None, "fallbacks": list(pg.meta.get("fallbacks", []))})
     for k in ("tp", "dp", "model_parallel"):
         if k in pg.meta:
@@ -80,12 +100,16 @@ def simulate(model_path: str, machine: str, strategy: str = "dp", degree: int | 
     return out
 
 
-def _simulate_alpa(g, model_path: str, m, optimizer: str, output: str | None) -> dict:
-    """``--strategy alpa``: Alpa's plan (search/alpa/inter.py), priced by our 1F1B simulation."""
+def _simulate_alpa(g, model_path: str, m, optimizer: str, output: str | None, precision: str = "fp32") -> dict:
+    """``--strategy alpa``: Alpa's plan (search/alpa/inter.py), priced by our 1F1B simulation (the
+    mapper's cost model carries the precision)."""
     from unity_pcg.search.alpa.inter import alpa_plan
+    from unity_pcg.search.cost import CostModel
+    from unity_pcg.search.mapping import MachineMapper
 
     from ..plan import Plan, file_sha256
-    ar = alpa_plan(g, m, optimizer=optimizer)
+    ar = alpa_plan(g, m, optimizer=optimizer,
+                   mapper=MachineMapper(CostModel(m, optimizer=optimizer, precision=precision)))
     p = ar.pipeline
     used = {d for s in p.stages for d in s.devices}
     out = {"predicted_iteration_s": p.cost if math.isfinite(p.cost) else None, "feasible": p.feasible,
@@ -94,7 +118,7 @@ def _simulate_alpa(g, model_path: str, m, optimizer: str, output: str | None) ->
            "memory_per_device": {str(d): v for d, v in sorted(p.memory.items())},
            "solve_s": ar.stats.get("planner_s", 0.0), "stats": {"devices_used": len(used)},
            "model": model_path, "machine": m.describe(), "strategy": "alpa", "degree": m.num_devices,
-           "optimizer": optimizer, "batch": g.shape((g.sources("Input")[0].id, 0)).sizes[0]
+           "optimizer": optimizer, "precision": precision, "batch": g.shape((g.sources("Input")[0].id, 0)).sizes[0]
            if g.sources("Input") else None, "fallbacks": [], "alpa": ar.to_json()}
     if output is not None:
         if p.pcg is None:
@@ -104,7 +128,8 @@ def _simulate_alpa(g, model_path: str, m, optimizer: str, output: str | None) ->
                                     "max_memory_bytes", "memory_per_device", "solve_s")}
         pred.update(strategy="alpa", optimizer=optimizer)
         info = {"strategy": "alpa", "optimizer": optimizer, "batch": out["batch"], "alpa_stages": ar.stages}
-        plan = Plan(model_path, file_sha256(model_path), m, p.pcg, p.views, pred, p.to_plan_field(), info)
+        plan = Plan(model_path, file_sha256(model_path), m, p.pcg, p.views, pred, p.to_plan_field(), info,
+                    precision=precision)
         try:
             plan.save(output)
         except OSError as e:
@@ -125,7 +150,8 @@ def write_plan(path: str, model_path: str, machine, pg, result, summary: dict) -
     pred.update(strategy=summary["strategy"], optimizer=summary["optimizer"])
     info = {k: summary[k] for k in ("strategy", "degree", "optimizer", "batch", "fallbacks") if k in summary}
     info.update({k: summary[k] for k in ("tp", "dp", "model_parallel") if k in summary})
-    plan = Plan(model_path, file_sha256(model_path), machine, pg, result.views, pred, None, info)
+    plan = Plan(model_path, file_sha256(model_path), machine, pg, result.views, pred, None, info,
+                precision=summary.get("precision", "fp32"))
     try:
         plan.save(path)
     except OSError as e:
@@ -134,7 +160,9 @@ def write_plan(path: str, model_path: str, machine, pg, result, summary: dict) -
 
 
 def run(args) -> int:
-    out = simulate(args.model, args.machine, args.strategy, args.degree, args.batch, args.optimizer, args.output)
+    check_precision_arg(getattr(args, "precision", "fp32"))
+    out = simulate(args.model, args.machine, args.strategy, args.degree, args.batch, args.optimizer, args.output,
+                   getattr(args, "precision", "fp32"))
     if args.json:
         json.dump(out, sys.stdout, indent=2)
         sys.stdout.write("\n")
@@ -144,6 +172,7 @@ def run(args) -> int:
         a = out["alpa"]
         print(f"model      {out['model']}  (batch {out['batch']})")
         print(f"machine    {out['machine']}")
+        print(f"precision  {out['precision']}")
         print(f"strategy   alpa ({len(a['stages'])} stage(s), {a['micro_batches']} micro-batches: "
               + ", ".join(f"layers {s['layers'][0]}-{s['layers'][1] - 1} on {s['shape'][0]}x{s['shape'][1]}"
                           for s in a["stages"]) + ")")
@@ -159,6 +188,7 @@ def run(args) -> int:
     b = out["breakdown"]
     print(f"model      {out['model']}  (batch {out['batch']})")
     print(f"machine    {out['machine']}")
+    print(f"precision  {out['precision']}")
     extra = f", tensor parallel {out['tp']} x data parallel {out['dp']}" if "tp" in out else ""
     print(f"strategy   {out['strategy']} (degree {out['degree']}{extra}, "
           f"{out['stats'].get('devices_used', 0)} devices used)")
