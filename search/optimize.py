@@ -43,8 +43,8 @@ from unity_pcg.errors import UnityError
 from unity_pcg.machine import MachineSpec, Resource, parse_machine
 from unity_pcg.pcg import PCG
 
-from .substitution import (Candidate, RuleBook, RuleStep, best_first, data_parallel_steps, neighbours,
-                           tensor_parallel_steps, trimmed)
+from .substitution import (Candidate, RuleBook, RuleStep, best_first, data_parallel_steps, dp_rule_missing,
+                           expert_whole, neighbours, normalized_hash, tensor_parallel_steps, trimmed)
 
 INF = math.inf
 SEARCHES = ("unity", "sequential")
@@ -156,11 +156,11 @@ class _time_limit:
 class Evaluator:
     """Prices candidate PCGs with one MachineMapper (its memo is shared by every candidate)."""
 
-    def __init__(self, machine: MachineSpec, optimizer: str, limit_s: float | None = None):
+    def __init__(self, machine: MachineSpec, optimizer: str, limit_s: float | None = None, precision: str = "fp32"):
         from .cost import CostModel
         from .mapping import MachineMapper
         self.machine = machine
-        self.mapper = MachineMapper(CostModel(machine, optimizer=optimizer))
+        self.mapper = MachineMapper(CostModel(machine, optimizer=optimizer, precision=precision))
         self.calls = 0
         self.timeouts = 0
         self.limit_s = limit_s
@@ -248,6 +248,17 @@ def _segment_search(g: PCG, book: RuleBook, ev: "Evaluator", dp_degrees, dp_deg:
             start.append(c)
             if d == dp_deg:
                 dp_seed = c
+                whole = expert_whole(cg)
+                if whole:
+                    # the expert layout by rules: embedding tables (and their pooling) whole, the
+                    # rest data parallel; the DP places the tables on disjoint devices
+                    try:
+                        y, st2 = data_parallel_steps(cg, d, book, keep_whole=lambda gg, n, w=whole: n.id in w)
+                    except KeyboardInterrupt:
+                        interrupted = True
+                        break
+                    start.append(Candidate(None, y, tuple(st2)))
+                    totals["expert_seeds"] = totals.get("expert_seeds", 0) + 1
             if d == ev.machine.devices_per_node and ev.machine.nodes > 1:
                 # Megatron pairs across the nodes on data parallelism inside them (Alpa's layout)
                 try:
@@ -304,6 +315,24 @@ def _whole_search(g: PCG, rules, book: RuleBook, cost: Callable[[PCG], float], b
     return res.best.graph, list(res.best.steps), res.stats
 
 
+def _price_dp_by_rules(ev: "Evaluator", g: PCG, book: RuleBook, dpg: PCG, steps, dp_pg: PCG | None,
+                       left: Callable[[], float], stats: dict) -> tuple:
+    """(cost, 0, graph, steps) of data parallelism by rules, the search's floor.  When it is exactly the
+    hand-built dp PCG (normalized structural hash) it is priced without a time limit (a data-parallel
+    graph at full degree solves as fast as the baseline did); otherwise (an operator without a dp
+    rule stays whole) within the time left, and ``stats["dp_by_rules"]`` says how it differs."""
+    t = trimmed(dpg)
+    same = dp_pg is not None and normalized_hash(t) == normalized_hash(dp_pg)
+    info: dict = {"equal_to_baseline": same, "steps": len(steps)}
+    if not same:
+        miss = dp_rule_missing(g, book)
+        info["missing_dp_rules"] = miss
+        info["differs"] = (f"operators without a dp rule: {', '.join(miss)}" if miss
+                           else "a dp rule did not apply (the batch dim does not survive an operator)")
+    stats["dp_by_rules"] = info
+    return (ev.cost(t, limited=False if same else left()), 0, dpg, steps)
+
+
 class _PipelineMapping:
     """A pipeline result seen through the MappingResult fields the optimizer reports."""
 
@@ -333,14 +362,14 @@ def _pipeline(g: PCG, ev: "Evaluator", budget_s: float):
     except ImportError:
         return None
     t0 = time.perf_counter()
-    try:
-        r = search_pipeline(g, ev.mapper, min_stages=1, budget_s=max(budget_s / 2, 0.01))
-    except (PipelineError, UnityError, KeyboardInterrupt):      # Ctrl-C: keep the plan found so far
-        return None
-    # nothing fits with the default micro-batch counts (at most 8 per stage): a large batch (a language
+    # nothing may fit with the default micro-batch counts (at most 8 per stage): a large batch (a language
     # model's 1,024 sequences) may need many more micro-batches before one micro-batch's activations fit
     b = _batch_of(g)
     more = [m for m in (64, 128, 256, 512, 1024) if b and b % m == 0]
+    try:       # the whole share, unless the fallbacks below may need time
+        r = search_pipeline(g, ev.mapper, min_stages=1, budget_s=max(budget_s / 2 if more else budget_s, 0.01))
+    except (PipelineError, UnityError, KeyboardInterrupt):      # Ctrl-C: keep the plan found so far
+        return None
     if (r is None or not r.feasible) and more:
         try:
             r2 = search_pipeline(g, ev.mapper, min_stages=1, micro_batches=more,
@@ -395,7 +424,8 @@ def _batch_of(g: PCG) -> int | None:
 def optimize(model, machine, budget_s: float | None = None, alpha: float = 1.05, pipeline: bool = True,
              strategy: str = "unity", optimizer: str = "adam", batch: int | None = None, seed: int = 0,
              progress: Callable[[dict], None] | None = None, max_candidates: int = 40, k: int = 10,
-             budget: float | None = None, rules=None, price_limit_s: float | None = None) -> OptimizeResult:
+             budget: float | None = None, rules=None, price_limit_s: float | None = None,
+             precision: str = "fp32") -> OptimizeResult:
     """Optimize ``model`` (an ONNX path or a PCG) for ``machine`` (a MachineSpec or a preset string
     such as ``"summit:2x6"``); see the module docstring.  ``budget`` is an alias of ``budget_s``
     (default 60 s).  ``seed`` is recorded; the search itself is deterministic."""
@@ -413,6 +443,8 @@ def optimize(model, machine, budget_s: float | None = None, alpha: float = 1.05,
         raise OptimizeError(f"batch must be a positive integer, got {batch}")
     if max_candidates < 0:
         raise OptimizeError(f"max_candidates must be >= 0, got {max_candidates}")
+    if precision not in ("fp32", "tf32", "bf16"):
+        raise OptimizeError(f"precision must be fp32, tf32 or bf16, got {precision!r}")
     m = machine if isinstance(machine, MachineSpec) else parse_machine(str(machine))
     g, model_path, sha = _load(model, batch)
     b = _batch_of(g)
@@ -421,7 +453,8 @@ def optimize(model, machine, budget_s: float | None = None, alpha: float = 1.05,
     if n_dev > 1 and b is not None and not any(b % d == 0 for d in degrees):
         raise OptimizeError(f"batch {b} is not divisible by any parallel degree of machine {m.name} "
                             f"({', '.join(map(str, degrees[:8]))}{' ...' if len(degrees) > 8 else ''})")
-    ev = Evaluator(m, optimizer, limit_s=price_limit_s if price_limit_s is not None else max(1.0, budget_s / 30))
+    ev = Evaluator(m, optimizer, limit_s=price_limit_s if price_limit_s is not None else max(1.0, budget_s / 30),
+                   precision=precision)
     from .baselines import StrategyError, build_strategy
     dp_res = dp_pg = None
     dp_deg = max((d for d in degrees if b is None or b % d == 0), default=1)
@@ -461,8 +494,15 @@ def optimize(model, machine, budget_s: float | None = None, alpha: float = 1.05,
         rules_json = None
     else:
         book = RuleBook(rules, search_degrees(m))
-        whole_limit = max(10.0, budget_s / 3)        # pricing a whole graph (result, dp floor)
-        deadline = t0 + (budget_s * 0.75 if pipeline and strategy == "unity" and n_dev > 1 else budget_s)
+        # The budget is the wall time of the whole call: the substitution search stops early enough
+        # for the whole-graph pricing of its result (finish) and the pipeline stage search (pipe)
+        end = t0 + budget_s
+        pipe_share = budget_s * 0.25 if pipeline and strategy == "unity" and n_dev > 1 else 0.0
+        finish = budget_s * 0.1
+        deadline = max(end - pipe_share - finish, time.perf_counter())
+
+        def left_for_pricing() -> float:      # a whole-graph solve of the search's result, time-limited
+            return max(0.5, min(max(10.0, budget_s / 3), end - pipe_share - time.perf_counter()))
         floor: list = []
         cands: list = []
         try:
@@ -470,27 +510,31 @@ def optimize(model, machine, budget_s: float | None = None, alpha: float = 1.05,
                 dps = [d for d in degrees if b is None or b % d == 0]
                 out, st, dpg, dpst, stats, interrupted = _segment_search(
                     g, book, ev, dps, dp_deg, k, max_candidates, alpha, progress, deadline)
-                # data parallelism by rules (assembled from the segments' seeds): the floor
-                floor.append((ev.cost(trimmed(dpg), limited=whole_limit), 0, dpg, dpst))
+                # data parallelism by rules (assembled from the segments' seeds): the floor.  A fixed
+                # sequence (one dp rule per operator, then cancellations), never cut by the budget;
+                # when it is the hand-built dp PCG its solve costs what dp_res cost (cheap), so it is
+                # priced without a time limit: a plan reached by rules always exists
+                floor.append(_price_dp_by_rules(ev, g, book, dpg, dpst, dp_pg, left_for_pricing, stats))
                 if out is not None:
-                    cands.append((ev.cost(trimmed(out), limited=whole_limit), 1, out, st))
+                    cands.append((ev.cost(trimmed(out), limited=left_for_pricing()), 1, out, st))
             else:
                 one = Resource(0, 1, 1)
                 alg = [r for r in book.rules if not r.is_parallel]
                 par = [r for r in book.rules if r.is_parallel]
-                half = budget_s / 2
+                half = (deadline - t0) / 2
                 g1, st1, s1 = _whole_search(g, alg, book, lambda x: ev.cost(trimmed(x), one), half, 10 ** 9, alpha, progress)
-                left = max(deadline - time.perf_counter(), 0.01)
                 # parallelization from the algebraic optimum: its data-parallel version seeds the search
                 g2, st2 = (g1, [])
                 if n_dev > 1 and dp_deg > 1:
                     g2, st2 = data_parallel_steps(g1, dp_deg, book)
                     dg, dst = data_parallel_steps(g, dp_deg, book)
-                    floor.append((ev.cost(trimmed(dg), limited=whole_limit), 0, dg, dst))
+                    stats = {}
+                    floor.append(_price_dp_by_rules(ev, g, book, dg, dst, dp_pg, left_for_pricing, stats))
+                left = max(deadline - time.perf_counter(), 0.01)
                 g3, st3, s2 = _whole_search(g2, par, book, lambda x: ev.cost(trimmed(x)), left, max_candidates, alpha, progress,
                                             start_steps=st1 + st2)
-                cands.append((ev.cost(trimmed(g3), limited=whole_limit), 1, g3, st3))
-                stats = {"algebraic": s1.to_json(), "parallel": s2.to_json()}
+                cands.append((ev.cost(trimmed(g3), limited=left_for_pricing()), 1, g3, st3))
+                stats = dict(stats, algebraic=s1.to_json(), parallel=s2.to_json())
                 interrupted = "interrupted" in (s1.stopped, s2.stopped)
         except KeyboardInterrupt:
             interrupted = True
@@ -517,7 +561,7 @@ def optimize(model, machine, budget_s: float | None = None, alpha: float = 1.05,
                     break
         rules_json = tuple(s.to_json() for s in steps) if not stats.get("fallback") else None
         if pipeline and strategy == "unity" and (n_dev > 1 or not final.feasible) and not interrupted:
-            pipe = _pipeline(g, ev, max(deadline - time.perf_counter(), budget_s * 0.25))
+            pipe = _pipeline(g, ev, max(end - time.perf_counter(), budget_s * 0.05))
             if pipe is not None and pipe.feasible and (not final.feasible or pipe.cost < final.cost):
                 # pipeline stages with data parallelism inside (search/pipeline.py): built by the
                 # stage DP, not by rules, so the plan records no rule sequence
@@ -534,16 +578,17 @@ def optimize(model, machine, budget_s: float | None = None, alpha: float = 1.05,
             # such (no rule sequence), exactly as a pipeline plan is.
             pipe_plan = None
             pg, steps, rules_json, final = dp_pg, [], None, dp_res
-            stats = dict(stats, chosen="data parallel baseline (not reached by rules within the budget)")
+            why = stats.get("dp_by_rules", {}).get("differs") or "not priced within the budget"
+            stats = dict(stats, chosen=f"data parallel baseline (dp by rules: {why})")
         stats = dict(stats, chosen=stats.get("chosen") or ("data parallel by rules" if best[1] == 0 else "search"),
                      mapper_calls=ev.calls, mapper_timeouts=ev.timeouts)
     search_s = time.perf_counter() - t0
-    pred = dict(final.to_json(), strategy=strategy, optimizer=optimizer, search_s=search_s)
+    pred = dict(final.to_json(), strategy=strategy, optimizer=optimizer, precision=precision, search_s=search_s)
     plan = Plan(model_path, sha, m, pg, final.views, pred,
                 pipe_plan.to_plan_field() if pipe_plan is not None else None,
                 {"strategy": strategy, "seed": seed, "alpha": alpha, "budget_s": budget_s, "optimizer": optimizer,
                  "batch": b, "search": stats,
-                 **({"outputs_trimmed": True} if rules_json is not None else {})}, rules_json)
+                 **({"outputs_trimmed": True} if rules_json is not None else {})}, rules_json, precision)
     return OptimizeResult(plan, strategy, final, dp_res, steps, search_s, stats, interrupted, b)
 
 
