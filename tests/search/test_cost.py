@@ -109,3 +109,28 @@ def test_batchnorm_running_stats_are_not_trained():
     assert r.breakdown.comm_elements == 2 * trained + 2 * gather
     per_dev = 4 * (4 * trained + 2 * 6)                       # adam: w, g, m, v; running stats once
     assert max(r.memory.weights.values()) == per_dev
+
+
+def test_op_classes_fall_back_to_the_classes_older_calibrations_know():
+    """bmm and embedding price like matmul, softmax like norm, reduce like default unless the machine
+    describes the finer class; a "<class>/<mode>" efficiency is preferred in that mode."""
+    from dataclasses import replace
+    from unity_pcg.search.cost import op_class
+    from unity_pcg.shape import ParallelTensorShape as S
+    base = parse_machine("h100:1x1")
+    a, b, y = S.of((8, 2048, 2048)), S.of((8, 2048, 2048)), S.of((8, 2048, 2048))
+    assert op_class("BatchMatMul") == "bmm" and op_class("MatMul", [a, b]) == "bmm"
+    assert op_class("Softmax") == "softmax" and op_class("ReduceSum") == "reduce"
+    flops = 2 * 8 * 2048 ** 3
+
+    def fwd(eff, precision="fp32", overheads=None):
+        dev = replace(base.device, efficiency=eff, overheads=overheads or {})
+        m = replace(base, device=dev)
+        return CostModel(m, precision=precision).op_time("BatchMatMul", {}, [a, b], [y])[0]
+    ov = base.device.op_overhead
+    assert fwd({"default": 0.5, "matmul": 0.8}) == pytest.approx(flops / (base.device.peak_flops * 0.8) + ov)
+    assert fwd({"default": 0.5, "matmul": 0.8, "bmm": 0.4}) == pytest.approx(flops / (base.device.peak_flops * 0.4) + ov)
+    assert fwd({"default": 0.5, "matmul": 0.8, "matmul/bf16": 0.6}, "bf16") == pytest.approx(
+        flops / (base.device.peak("bf16") * 0.6) + ov)
+    assert fwd({"default": 0.5}, overheads={"matmul": 1e-3}) == pytest.approx(
+        flops / (base.device.peak_flops * 0.5) + 1e-3)
