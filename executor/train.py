@@ -252,7 +252,7 @@ class Trainer:
     def __init__(self, plan, model_path: str | None = None, rank: int = 0, world: int = 1,
                  optimizer: str = "sgd", lr: float = 0.01, seed: int = 0, device: str = "cpu",
                  sync_batchnorm: bool = True, bucket_bytes: int = 25 * 2 ** 20, weights: Mapping | None = None,
-                 first_bucket_bytes: int | None = None, overlap: bool | None = None):
+                 first_bucket_bytes: int | None = None, overlap: bool | None = None, grad_views: bool = True):
         if isinstance(plan, str):
             plan = plan_mod.load(plan)
         self.plan = plan
@@ -290,6 +290,7 @@ class Trainer:
         if first_bucket_bytes is None:
             first_bucket_bytes = FIRST_BUCKET_BYTES if self.overlap else bucket_bytes
         self._plan_sync(bucket_bytes, first_bucket_bytes)
+        self._bucket_views(grad_views)
         self._plan_bn()
         for grp in sorted(self.low.groups | {b["devs"] for b in self._buckets}):
             self._group(grp)
@@ -378,15 +379,18 @@ class Trainer:
         for devs, name, sl in entries:
             nbytes = _numel(sl) * self.params[name].element_size()
             b = open_.get(devs)
-            # the first bucket of a device set is small (1 MiB, as DDP's) so communication starts early
-            cap = min(bucket_bytes, first_bucket_bytes) if count.get(devs, 0) <= 1 else bucket_bytes
-            if b is None or (b["bytes"] + nbytes > cap and b["items"]):
+            if b is None:
                 b = {"devs": devs, "items": [], "bytes": 0}
                 buckets.append(b)
                 open_[devs] = b
                 count[devs] = count.get(devs, 0) + 1
             b["items"].append((name, sl))
             b["bytes"] += nbytes
+            # as DDP: a bucket closes once it holds cap bytes; the first bucket of a device set is small
+            # (1 MiB, DDP's) so communication starts early
+            cap = min(bucket_bytes, first_bucket_bytes) if count[devs] <= 1 else bucket_bytes
+            if b["bytes"] >= cap:
+                del open_[devs]
         self._buckets = buckets
         self._my_buckets = [i for i, b in enumerate(buckets) if self.rank in b["devs"]]
         self._bucket_of: dict[str, list[int]] = {}
@@ -443,6 +447,50 @@ class Trainer:
                 buf = self.buffers[name].narrow(0, c0, v.shape[0])
                 buf.mul_(mom).add_(v.to(buf.dtype), alpha=1.0 - mom)
 
+    def _bucket_views(self, enabled: bool) -> None:
+        """One flat buffer per bucket of this rank (plus the loss's slot in the first all-rank bucket), and
+        gradients as views into it where a parameter's whole gradient is one bucket item (as DDP's
+        gradient_as_bucket_view): backward accumulates into the buffer, so nothing is copied into the
+        bucket before the all-reduce nor back after it; the buffers are zeroed after the update instead
+        of the gradients being freed.  Other items (a region of a parameter) are copied in and out."""
+        self._flat: dict[int, torch.Tensor] = {}
+        self._viewed: dict[int, set] = {}
+        self._view_params: set = set()
+        self._loss_bucket = next((i for i in self._my_buckets if len(self._buckets[i]["devs"]) == self.world), None)
+        if self.world == 1:
+            return
+        nitems = {}
+        for i in self._my_buckets:
+            for nm, _ in self._buckets[i]["items"]:
+                nitems[nm] = nitems.get(nm, 0) + 1
+        for i in self._my_buckets:
+            b = self._buckets[i]
+            n = sum(_numel(sl) for _, sl in b["items"]) + (1 if i == self._loss_bucket else 0)
+            dt = self.params[b["items"][0][0]].dtype
+            flat = torch.zeros(n, dtype=dt, device=self.device)
+            self._flat[i] = flat
+            self._viewed[i] = set()
+            off = 0
+            for nm, sl in b["items"]:
+                p = self.params[nm]
+                k = _numel(sl)
+                whole = tuple(sl) == tuple((0, d) for d in p.shape)
+                if enabled and whole and nitems[nm] == 1 and p.dtype == dt:
+                    p.grad = flat[off:off + k].view(p.shape)
+                    self._viewed[i].add(nm)
+                    self._view_params.add(nm)
+                off += k
+        self._free_grads = [p for nm, p in self.params.items() if nm not in self._view_params]
+
+    def _zero_grads(self) -> None:
+        if not self._view_params:
+            self.opt.zero_grad(set_to_none=True)
+            return
+        for p in self._free_grads:
+            p.grad = None
+        for flat in self._flat.values():
+            flat.zero_()
+
     def _hooks(self) -> None:
         if self.world == 1 or not self._my_buckets or not self.overlap:
             return
@@ -456,7 +504,6 @@ class Trainer:
         self._next = 0
         self._works: dict[int, tuple] = {}
         self._loss_part = loss_part        # rides in the first bucket over all ranks (one collective less)
-        self._loss_bucket = None
 
     def _grad_ready(self, name: str) -> None:
         for i in self._bucket_of.get(name, ()):
@@ -470,17 +517,20 @@ class Trainer:
             need = {nm for nm, _ in b["items"]}
             if not final and not need <= self._ready[i]:
                 return
-            parts = []
+            flat = self._flat[i]
+            viewed = self._viewed[i]
+            off = 0
             for nm, sl in b["items"]:
-                p = self.params[nm]
-                g = p.grad
-                if g is None:
-                    p.grad = g = torch.zeros_like(p)
-                parts.append(g[_slices(sl)].reshape(-1))
-            if self._loss_bucket is None and len(b["devs"]) == self.world:
-                self._loss_bucket = i
-                parts.append(self._loss_part.to(parts[0].dtype).reshape(1))
-            flat = torch.cat(parts) if len(parts) > 1 else parts[0].clone()
+                k = _numel(sl)
+                if nm not in viewed:
+                    p = self.params[nm]
+                    if p.grad is None:
+                        flat[off:off + k].zero_()
+                    else:
+                        flat[off:off + k].view([e - a for a, e in sl]).copy_(p.grad[_slices(sl)])
+                off += k
+            if i == self._loss_bucket:
+                flat[-1] = self._loss_part.to(flat.dtype).reshape(())
             work = dist.all_reduce(flat, group=self._bucket_pgs[b["devs"]], async_op=True)
             self._works[i] = (work, flat)
             self._next += 1
@@ -492,12 +542,16 @@ class Trainer:
         for i in self._my_buckets:
             work, flat = self._works[i]
             work.wait()
+            viewed = self._viewed[i]
             off = 0
             for nm, sl in self._buckets[i]["items"]:
-                g = self.params[nm].grad
-                view = g[_slices(sl)]
-                n = view.numel()
-                view.copy_(flat[off:off + n].view_as(view))
+                n = _numel(sl)
+                if nm not in viewed:
+                    p = self.params[nm]
+                    if p.grad is None:
+                        p.grad = torch.zeros_like(p)
+                    view = p.grad[_slices(sl)]
+                    view.copy_(flat[off:off + n].view_as(view))
                 off += n
 
     # --- one step ---------------------------------------------------------------------------------------
@@ -717,6 +771,10 @@ class Trainer:
                     else:
                         y = x.clone()
                         dist.all_reduce(y, group=self._group(c[1]))
+                elif c[0] == "dtensor":       # a DTensor redistribution on a DeviceMesh (executor.dtensor)
+                    x = self._resolve(st.inputs[0], vals, recv, fv)
+                    k = split[1] if split is not None and split[0] == st.node else 1
+                    y = c[1].run(x, self.rank, self._group, anchor, sinks, self.low.diff[st.outputs[0]], k)
                 elif c[0] in ("reduce", "broadcast", "gather", "scatter"):
                     y = self._collective(st, c, vals, recv, fv, anchor, sinks)
                     if not st.outputs:
@@ -769,13 +827,13 @@ class Trainer:
             total.backward()
         self._finish_sync()
         self.opt.step()
-        self.opt.zero_grad(set_to_none=True)
         if self.world > 1 and self._loss_bucket is not None:
-            lv = self._works[self._loss_bucket][1][-1:]
+            lv = self._works[self._loss_bucket][1][-1:].to(torch.float64, copy=True)   # before the zeroing
         else:
             lv = part.double()
             if self.world > 1:
                 dist.all_reduce(lv)
+        self._zero_grads()
         self.step_no += 1
         loss = float(lv.item())
         if not math.isfinite(loss):
