@@ -130,17 +130,19 @@ def table_keys(kind: str) -> tuple[str, str]:
 
 
 def kernel_work(op: str, in_shapes: Sequence[ParallelTensorShape], out_shapes: Sequence[ParallelTensorShape],
-                kind: str | None = None, flops: float | None = None) -> tuple[float, float]:
+                kind: str | None = None, flops: float | None = None,
+                attrs: Mapping[str, Any] | None = None) -> tuple[float, float]:
     """(forward, backward) work of one task, the x axis of the measured tables: FLOPs of the forward
     (:func:`unity_pcg.ops.task_flops`) for compute classes (backward: the same, per kernel); bytes for
     memory-bound ones -- the embedding's forward reads the indices and writes the gathered rows
     (indices + output piece bytes), its backward reads the output gradient and writes the table's
     gradient (output + table piece bytes); other classes the forward's bytes moved
     (:func:`unity_pcg.ops.bytes_moved`, per task).  Byte counts use the tensors' dtypes, so shapes
-    carrying bfloat16 give the bf16 work.  Calibration calls this to label what it measured."""
+    carrying bfloat16 give the bf16 work.  Calibration calls this to label what it measured.  ``flops``
+    (else computed from ``attrs``: a convolution needs its stride and groups) saves recomputing them."""
     kind = kind or op_class(op, in_shapes)
     if kind in COMPUTE_CLASSES:
-        f = float(ops.task_flops(op, {}, in_shapes, out_shapes)) if flops is None else float(flops)
+        f = float(ops.task_flops(op, attrs or {}, in_shapes, out_shapes)) if flops is None else float(flops)
         return f, f
     if kind == "embedding" and len(in_shapes) >= 2 and out_shapes:
         o = out_shapes[0].piece_nbytes
