@@ -197,7 +197,9 @@ def rebuild(settings, out_dir: str | Path | None = None, timeout: float = 2.0, w
     names = {r.name for r in shipped}
     for r, v in zip(templ, verdicts):
         if v.proven:
-            shipped.append(r.with_proof(status="proven", axioms=list(v.axioms), seconds=round(v.seconds, 4)))
+            sub = dict(r.proof).get("axiom_subset")     # a template's named axiom subset (templates.AXIOM_SUBSETS)
+            extra = {"axiom_subset": list(sub), "axiom_set": v.axiom_set} if sub else {}
+            shipped.append(r.with_proof(status="proven", axioms=list(v.axioms), seconds=round(v.seconds, 4), **extra))
             names.add(r.name)
         else:
             unproven.append((r, f"{v.status}: {v.detail}"))

@@ -447,6 +447,22 @@ _ax("Reshape_partition_merge_last", "reshape_partition_heads", "parallel",
     (), bind={"k": 2, "sh": (2, 4)}, shapes={"x": S.of((2, 2, 2))})
 
 
+# Megatron embedding (issue 7 point 1, DLRM): a table split by columns (its feature dim) over k devices, the
+# indices replicated: each device looks up every index in its columns, so the output is partitioned on its
+# last (feature) dim.  Rows (dim 0 of the table) cannot be split: the labels make the vocabulary unshardable
+# (a row-sharded lookup would need masking and partial sums the registry's Embedding does not define).
+_ax("Embedding_partition_table_cols", "embedding_partition_cols", "parallel",
+    op("Embedding", op("Replicate", "i", degree="$k"), op("Partition", "t", dim=-1, degree="$k")),
+    op("Partition", op("Embedding", "i", "t"), dim=-1, degree="$k"), {"k": "degree"},
+    bind={"k": 2}, shapes={"i": S.of((4, 2), dtype="int64"), "t": S.of((5, 4))}, int_inputs=("i",))
+# a sum over a dim before the partitioned one (counted from the end) keeps the partition where it is, with or
+# without keepdims (the bag sum of an embedding bag: ReduceSum over the bag dim -2 of (batch, bag, features))
+_ax("ReduceSum_partition_after", "reducesum_partition", "parallel",
+    op("ReduceSum", op("Partition", "x", dim="$d", degree="$k"), axes=("$a",), keepdims="$kd"),
+    op("Partition", op("ReduceSum", "x", axes=("$a",), keepdims="$kd"), dim="$d", degree="$k"),
+    {**DK, "a": "dim", "kd": "attr"}, [["$a", "<", "$d"]], bind={"a": -2, "d": -1, "k": 2, "kd": False},
+    shapes={"x": S.of((2, 3, 4))})
+
 # --- data parallelism of the import-coverage operators (issue 10) ------------------------------------------
 # One entry per dp template (rule name -> spec) and one ``sample_partition`` axiom that proves it: the
 # operator on its inputs partitioned on dim 0 (the sample dim) or replicated equals its output partitioned
@@ -454,9 +470,9 @@ _ax("Reshape_partition_merge_last", "reshape_partition_heads", "parallel",
 # padded, resized or sliced dim 0; a gather or scatter along dim 0; an operand that does not broadcast along
 # dim 0 but is replicated): the operator's labels make such an input unshardable or its degrees mismatch,
 # so the left side is not a valid parallelization and the equation claims nothing there (DESIGN: "=" holds
-# where both sides are valid; the self-check runs each at its example).  Operators whose output's sample
-# dim depends on an attribute in a way labels cannot refuse get no axiom (DESIGN lists them: Einsum,
-# Expand, ScatterND).  An axis attribute is a plain ``attr`` variable, not a constrained ``fdim``: the
+# where both sides are valid; the self-check runs each at its example).  Einsum and Expand, whose output's
+# sample dim depends on an attribute, are stated in the Combine form (below).  An axis attribute is a plain
+# ``attr`` variable, not a constrained ``fdim``: the
 # matcher normalizes only the dim attributes of ``substitutions.rule.DIM_ATTRS`` (the core operators'), so
 # ``axis=-1`` would not satisfy ``a >= 1``; an axis 0 is refused by the labels instead (LogSoftmax, CumSum,
 # GatherElements and ScatterElements make their axis unshardable).
@@ -584,6 +600,22 @@ _sample_rule("dp_GatherND_batch", "GatherND", {"batch_dims": "$b"}, {"b": 1},
 _sample_rule("dp_ScatterElements", "ScatterElements", {"axis": "$a", "reduction": "$red"}, {"a": 1, "red": "none"},
              {"x": S.of((2, 3)), "i": S.of((2, 2), dtype="int64"), "u": S.of((2, 2))}, (True, True, True),
              ints=("i",))
+# Einsum and Expand: where the input's dim 0 lands in the output depends on the equation or on a rank raise,
+# which a constraint cannot read.  So they are stated in the Combine form, ``Combine(op(parts..), 0) =
+# op(inputs)``, which claims something only where its left side is valid: the output's dim 0 must carry
+# exactly the degree the Combine removes, i.e. the partitioned input dim 0 went to output dim 0.  A subscript
+# summed over (partial sums), moved elsewhere (a transposing equation, a rank-raising Expand), shared with a
+# replicated operand or two partitioned operands' subscripts landing on two output dims leave the output with
+# another parallel shape, and the Combine (or the Einsum itself) is refused.  ScatterND gets no rule: its
+# index tuples always address dim 0 of the data (the labels make it unshardable).
+_sample_rule("dp_Einsum", "Einsum", {"equation": "$eq"}, {"eq": "bij->bji"}, {"x": S.of((4, 2, 3))}, combine=True)
+_sample_rule("dp_Einsum_pr", "Einsum", {"equation": "$eq"}, {"eq": "bij,jk->bik"},
+             {"x": S.of((4, 2, 3)), "y": S.of((3, 2))}, (True, False), combine=True)
+_sample_rule("dp_Einsum_rp", "Einsum", {"equation": "$eq"}, {"eq": "jk,bij->bik"},
+             {"x": S.of((3, 2)), "y": S.of((4, 2, 3))}, (False, True), combine=True)
+_sample_rule("dp_Einsum_pp", "Einsum", {"equation": "$eq"}, {"eq": "bij,bjk->bik"},
+             {"x": S.of((4, 2, 3)), "y": S.of((4, 3, 2))}, (True, True), combine=True)
+_sample_rule("dp_Expand", "Expand", {"shape": "$sh"}, {"sh": (4, 3)}, {"x": S.of((4, 1))}, combine=True)
 
 AXIOMS: tuple[Axiom, ...] = tuple(_AXIOMS)
 

@@ -32,7 +32,9 @@ BINARY_NEW = ["PRelu", "Equal", "Less", "Greater", "LessOrEqual", "GreaterOrEqua
 OTHER_NEW = ["Where", "LogSoftmax", "ReduceMax", "ReduceMin", "ReduceProd", "ReduceL2", "ReduceLogSumExp", "Conv3d",
              "Conv3d_bias", "Pool1d", "Pool3d", "ConvTranspose", "ConvTranspose_bias", "InstanceNorm", "GroupNorm",
              "Resize", "Pad", "Tile", "Trilu", "CumSum", "Slice", "GatherElements", "GatherND", "GatherND_batch",
-             "ScatterElements", "RMSNorm", "RMSNorm_scale"]
+             "ScatterElements", "RMSNorm", "RMSNorm_scale",
+             # Combine-form axioms (the sample dim's place in the output depends on an attribute)
+             "Einsum", "Einsum_pr", "Einsum_rp", "Einsum_pp", "Expand"]
 VARIANTS = ([f"{b}_pr" for b in BINARY_NEW] + [f"{b}_rp" for b in BINARY_NEW if b != "PRelu"]
             + [f"Where_{m}" for m in ("ppr", "prp", "prr", "rpp", "rpr", "rrp")]
             # the core binary operators with a broadcast operand (GroupNorm as exported: InstanceNorm, then Mul and
@@ -40,9 +42,7 @@ VARIANTS = ([f"{b}_pr" for b in BINARY_NEW] + [f"{b}_rp" for b in BINARY_NEW if 
             + [f"{b}_{v}" for b in ("Add", "Sub", "Mul", "Div", "Pow", "Max", "Min") for v in ("pr", "rp")])
 DP_NEW = [f"dp_{o}" for o in UNARY_NEW + BINARY_NEW + OTHER_NEW + VARIANTS]
 # compute operators with no dp rule, and why (DESIGN.md lists them too)
-NO_DP = {"Einsum": "the sample dim of the output depends on the equation",
-         "Expand": "a rank-raising Expand moves dim 0 of its input off dim 0 of its output",
-         "ScatterND": "the index tuples address dim 0 of the data (an update may land in any piece)",
+NO_DP = {"ScatterND": "the index tuples address dim 0 of the data (an update may land in any piece)",
          "Transpose": "only permutations that keep dim 0 first have a rule (dp_Transpose_<perm>)"}
 
 
@@ -76,7 +76,15 @@ def test_every_import_coverage_operator_has_a_dp_rule_or_a_reason(shipped):
     listed = {o.split("_")[0] for o in UNARY_NEW + BINARY_NEW + OTHER_NEW} | set(NO_DP)
     assert listed <= set(ops.REGISTRY), listed - set(ops.REGISTRY)
     without = {n for n in listed if f"dp_{n}" not in names and not any(r.startswith(f"dp_{n}_") for r in names)}
-    assert without == {"Einsum", "Expand", "ScatterND"}, without    # Transpose: dp_Transpose_<perm>
+    assert without == {"ScatterND"}, without    # Transpose: dp_Transpose_<perm>
+
+
+def test_every_compute_operator_has_a_dp_rule_but_scatternd(shipped):
+    """Issue 7 / H6 point 3: the op registry's compute operators all have a ``dp_<Op>`` rule (or variants)
+    except ScatterND, whose index tuples always address dim 0 of the data."""
+    covered = {n.op for r in shipped.rules if r.name.startswith("dp_") for n in r.source.nodes}
+    compute = {n for n, s in ops.REGISTRY.items() if s.kind == "compute"}
+    assert compute - covered == {"ScatterND"}, compute - covered
 
 
 @pytest.mark.parametrize("name", DP_NEW)
@@ -119,10 +127,25 @@ REFUSED = [
     ("dp_Mul_pr", "Mul", {}, [((4, 3), F), ((4, 3), F)]),
     ("dp_Add_rp", "Add", {}, [((4, 3), F), ((4, 3), F)]),
     ("dp_Pool1d", "Pool1d", dict(POOL, global_pool=True), [((4, 2, 6), F)]),   # dim 0 stays: a control
+    # Einsum: the partitioned subscript summed over, moved off dim 0, shared with a replicated operand, a diagonal,
+    # two partitioned operands' subscripts on two output dims
+    ("dp_Einsum", "Einsum", {"equation": "ij->j"}, [((4, 3), F)]),
+    ("dp_Einsum", "Einsum", {"equation": "ij->ji"}, [((4, 4), F)]),
+    ("dp_Einsum", "Einsum", {"equation": "ii->i"}, [((4, 4), F)]),
+    ("dp_Einsum_pr", "Einsum", {"equation": "bij,jk->ibk"}, [((4, 2, 3), F), ((3, 2), F)]),
+    ("dp_Einsum_pr", "Einsum", {"equation": "bij,bk->bik"}, [((4, 2, 3), F), ((4, 2), F)]),
+    ("dp_Einsum_pp", "Einsum", {"equation": "ij,kj->ik"}, [((4, 3), F), ((4, 3), F)]),
+    ("dp_Einsum_pp", "Einsum", {"equation": "bij,bjk->ik"}, [((4, 2, 3), F), ((4, 3, 2), F)]),
+    # Expand: a rank raise moves dim 0; a broadcast dim 0 (size 1) cannot be split
+    ("dp_Expand", "Expand", {"shape": (2, 4, 3)}, [((4, 3), F)]),
+    ("dp_Expand", "Expand", {"shape": (4, 3)}, [((1, 3), F)]),
+    ("dp_Einsum_pp", "Einsum", {"equation": "bij,bjk->bik"}, [((4, 2, 3), F), ((4, 3, 2), F)]),   # controls
+    ("dp_Expand", "Expand", {"shape": (4, 3)}, [((4, 1), F)]),
 ]
+CONTROLS = {("dp_Pool1d", "Pool1d"), ("dp_Einsum_pp", "bij,bjk->bik"), ("dp_Expand", (4, 1))}
 
 
-@pytest.mark.parametrize("case", REFUSED, ids=lambda c: f"{c[0]}-{c[1]}")
+@pytest.mark.parametrize("case", REFUSED, ids=lambda c: f"{c[0]}-{c[1]}-{list(c[2].values())[:1]}")
 def test_dp_rule_is_refused_where_dim0_is_not_the_sample_dim(shipped, case):
     name, opname, attrs, inputs = case
     g = _graph(opname, attrs, inputs)
@@ -134,7 +157,8 @@ def test_dp_rule_is_refused_where_dim0_is_not_the_sample_dim(shipped, case):
             applied.append(apply_match(g, m))
         except InvalidParallelization:
             pass
-    if name == "dp_Pool1d":            # the control: a global pool keeps its batch dim
+    control = {(name, opname), (name, attrs.get("equation")), (name, inputs[0][0])} & CONTROLS
+    if control:                        # the controls: a global pool keeps its batch dim, a batched einsum, ...
         assert applied
     else:
         assert not applied, f"{name} applied to {opname}{attrs}"

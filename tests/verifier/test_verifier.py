@@ -124,3 +124,46 @@ def test_reprove_shipped_cache_and_digest():
     bad = [v for v in vs if not v.proven]
     assert not bad, bad
     assert len(vs) == rs.manifest["counts"]["rules"]
+
+
+# --- rules proved from a named axiom subset (megatron_attention_block) -----------------------------------------
+
+def _attention_block():
+    from unity_pcg.substitutions.templates import template_rules
+    return next(r for r in template_rules() if r.name == "megatron_attention_block")
+
+
+def test_attention_block_is_proven_from_its_named_subset_and_the_cache_records_it():
+    from unity_pcg.substitutions.templates import AXIOM_SUBSETS
+    r = _attention_block()
+    v = verify_rule(r, timeout=10)
+    assert v.proven and v.axiom_set == "subset"
+    assert set(v.axioms) <= set(AXIOM_SUBSETS[r.name])
+    shipped = dict(cache.load().get(r.name).proof)
+    assert shipped["status"] == "proven" and shipped["axiom_set"] == "subset"
+    assert set(shipped["axioms"]) <= set(shipped["axiom_subset"]) == set(AXIOM_SUBSETS[r.name])
+    names = {a.name for a in AXIOMS}
+    assert set(shipped["axiom_subset"]) <= names      # every axiom of the subset is a self-checked one
+
+
+def test_named_subset_is_restricted_to_the_given_axioms():
+    """An axiom missing from the verifier's set is not used even if the subset names it: without
+    Softmax_partition the block has no proof (the subset fails, the relevant set times out)."""
+    r = _attention_block()
+    without = [a for a in AXIOMS if a.name != "Softmax_partition"]
+    assert not verify_rule(r, timeout=1.0, axioms=without).proven
+
+
+def test_a_wrong_attention_block_is_not_proven_from_the_subset():
+    """The output projection split on its columns instead of its rows (with the same Reduce) is wrong; the
+    named subset does not prove it, nor does the relevant set."""
+    from unity_pcg.substitutions.rule import PatNode, Pattern, Rule
+    r = _attention_block()
+    nodes = list(r.target.nodes)
+    i = next(k for k, n in enumerate(nodes) if n.op == "Partition" and n.inputs == ("wo",))
+    a = dict(nodes[i].attrs)
+    nodes[i] = PatNode("Partition", tuple(sorted({**a, "dim": -1}.items())), nodes[i].inputs)
+    bad = Rule(r.name + "_wrong", r.inputs, r.source, Pattern(tuple(nodes), r.target.outputs), r.vars,
+               r.constraints, r.origin, r.proof, r.example)
+    v = verify_rule(bad, timeout=1.0)
+    assert not v.proven, v
