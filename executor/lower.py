@@ -9,10 +9,20 @@ From that picture each rank keeps what concerns it:
   parameter on every rank, so any piece of a tensor reached from a source through parallel operators
   only (a *placement*: Partition / Replicate chains, the data loader's and the weight's layout) is a
   local slice of the logical value -- no communication.  Gradients of those slices land in the
-  logical parameter's gradient (see :mod:`executor.train` for their synchronization);
+  logical parameter's gradient (see :mod:`executor.train` for their synchronization).  These stay
+  plain slices rather than DTensor Replicate -> Shard redistributions: a copy's gradient here is its own
+  contribution (summed later by the gradient all-reduce), while DTensor's backward of Replicate -> Shard
+  all-gathers the shards' gradients into every copy -- a message per weight per step, and a sum the
+  gradient all-reduce would count again;
 * **compute operators**: the rank runs the torch kernel (:mod:`executor.kernels`) of the task the
   view puts on it, on plain local tensors, with the operator's piece attributes;
-* **parallel operators on activations** and **inputs of a compute task held by another device**:
+* **parallel operators on activations** whose input and output sit one piece per device on one device
+  set that forms a DeviceMesh (a chain of them, when the intermediate tensors are read by nobody else):
+  one DTensor redistribution (:mod:`executor.dtensor`: ``from_local`` with the input's placements,
+  ``redistribute`` to the output's, ``to_local``; Partial -> Replicate an all-reduce, Shard -> Replicate
+  an all-gather, Partial -> Shard a reduce-scatter, Shard -> Shard an all-to-all, all differentiated by
+  DTensor).  ``dtensor=False`` (or ``UNITY_PCG_DTENSOR=0``) keeps the collectives below for them too;
+* **other parallel operators on activations** and **inputs of a compute task held by another device**:
   communication, with torch.distributed's own collectives where the pieces sit as a collective expects
   (one per output group; each with its autograd backward): ``AllReduce`` whose copies sit on the devices
   holding its partial sums -> ``all_reduce``; ``Reduce`` onto one of the devices holding the partial sums
@@ -31,6 +41,7 @@ from __future__ import annotations
 
 import hashlib
 import itertools
+import os
 from dataclasses import dataclass, field
 from math import prod
 from typing import Any, Mapping, Sequence
@@ -43,6 +54,7 @@ from unity_pcg.ops.base import PieceMap, TensorMap
 from unity_pcg.pcg import PCG
 from unity_pcg.shape import ParallelTensorShape
 
+from .dtensor import Redistribution, plan_redistribution
 from .kernels import ExecutorError, TaskContext, kernel
 
 NON_DIFFERENTIABLE = {("BatchNorm", 3), ("BatchNorm", 4)}
@@ -152,8 +164,14 @@ class Lowered:
     """The plan as one rank sees it (see module docstring)."""
 
     def __init__(self, g: PCG, views: Mapping[int, MachineView], rank: int, world: int, machine=None,
-                 seed: int = 0, sync_batchnorm: bool = True, frozen: frozenset = frozenset()):
+                 seed: int = 0, sync_batchnorm: bool = True, frozen: frozenset = frozenset(),
+                 dtensor: bool | None = None):
         self.g = g
+        if dtensor is None:           # UNITY_PCG_DTENSOR=0: the torch.distributed path only (benchmarks)
+            dtensor = os.environ.get("UNITY_PCG_DTENSOR", "1") != "0"
+        self.use_dtensor = bool(dtensor)
+        self.redist: dict[int, tuple[tuple, Redistribution]] = {}   # chain end -> (chain input, redistribution)
+        self.fused: set[int] = set()                # parallel nodes inside a redistribution (run by its end)
         self.frozen = frozenset(frozen)             # weight names that are model constants, not parameters
         self._views_in = dict(views)
         self.rank = rank
@@ -174,6 +192,8 @@ class Lowered:
         for n in g.nodes():
             if self.role[n.id] in ("compute", "parallel"):
                 self._place(n)
+        if self.use_dtensor:
+            self._plan_redistributions()
         for n in g.nodes():
             r = self.role[n.id]
             if r == "compute":
@@ -360,11 +380,82 @@ class Lowered:
                 grp.append(devs[t])
         return tuple(sorted(grp)) if len(grp) > 1 else None
 
+    # --- DTensor redistributions ------------------------------------------------------------------------
+    def _plan_redistributions(self) -> None:
+        """Chains of parallel operators on activations (each intermediate tensor read by the next
+        operator only) whose input and output sit one piece per device on one device set that forms a
+        DeviceMesh become one DTensor redistribution each (:mod:`executor.dtensor`), run by the chain's
+        last operator; the others keep the collectives below.  Greedy: from the start of a chain, the
+        longest run of operators that fits.  The operators the loss walks back through from the model's
+        output (see ``Trainer._loss_ref``) stay one per step, so every tensor the loss may pick exists."""
+        g = self.g
+        consumers: dict[tuple, list[int]] = {}
+        for n in g.nodes():
+            for r in n.inputs:
+                consumers.setdefault(tuple(r), []).append(n.id)
+        outputs = {tuple(r) for r in g.outputs}
+        tail: set[int] = set()
+        for r in outputs:
+            i = r[0]
+            while self.role.get(i) == "parallel" and i not in tail:
+                tail.add(i)
+                i = g.node(i).inputs[0][0]
+
+        def chainable(i):
+            return self.role[i] == "parallel" and g.node(i).op not in ("Pipeline", "Batch")
+
+        def link(i):
+            """The operator that continues a chain after ``i`` (None where the chain ends)."""
+            if i in tail or (i, 0) in outputs:
+                return None
+            c = consumers.get((i, 0), [])
+            if len(c) != 1 or not chainable(c[0]) or c[0] in tail:
+                return None
+            return c[0]
+        has_prev = {link(i) for i in self.role if chainable(i)} - {None}
+        for start in sorted(i for i in self.role if chainable(i) and i not in has_prev):
+            chain = [start]
+            while (nxt := link(chain[-1])) is not None:
+                chain.append(nxt)
+            i = 0
+            while i < len(chain):
+                head = tuple(g.node(chain[i]).inputs[0])
+                hit = None
+                if head in self.place:
+                    for j in range(len(chain) - 1, i - 1, -1):
+                        end = (chain[j], 0)
+                        rd = plan_redistribution(g.shape(head), self.place[head], g.shape(end), self.place[end])
+                        if rd is not None and rd.kind != "none":
+                            hit = (j, rd)
+                            break
+                if hit is None:
+                    i += 1
+                    continue
+                j, rd = hit
+                self.redist[chain[j]] = (head, rd)
+                self.fused.update(chain[i:j])
+                for sl in rd.mesh.slices():
+                    self.groups.add(sl)
+                i = j + 1
+
+    def redistributions(self) -> list[tuple[int, Redistribution]]:
+        """(last operator, redistribution) of every DTensor movement of the plan (all ranks alike)."""
+        return sorted((i, rd) for i, (_, rd) in self.redist.items())
+
     # --- parallel operators on activations ---------------------------------------------------------------
     def _lower_parallel(self, n) -> Step:
         g = self.g
         a = n.a
         ref = tuple(n.inputs[0])
+        if n.id in self.fused:            # moved by the redistribution of its chain's last operator
+            return Step(n.id, n.op, "parallel", [], attrs=dict(a), combine=("fused",))
+        if n.id in self.redist:
+            head, rd = self.redist[n.id]
+            st = Step(n.id, n.op, "parallel", [], attrs=dict(a), combine=("dtensor", rd))
+            if self.rank in rd.mesh.devices:
+                st.inputs = [Source("local", head)]
+                st.outputs = [(n.id, 0)]
+            return st
         s_in = g.shape(ref)
         s_out = g.shapes(n.id)[0]
         devs = self.views[n.id].devices()
@@ -582,8 +673,8 @@ def dropout_key(g: PCG, nid: int) -> int:
 
 
 def lower(g: PCG, views: Mapping[int, MachineView], rank: int, world: int, machine=None,
-          sync_batchnorm: bool = True, frozen: frozenset = frozenset()) -> Lowered:
-    return Lowered(g, views, rank, world, machine, sync_batchnorm=sync_batchnorm, frozen=frozen)
+          sync_batchnorm: bool = True, frozen: frozenset = frozenset(), dtensor: bool | None = None) -> Lowered:
+    return Lowered(g, views, rank, world, machine, sync_batchnorm=sync_batchnorm, frozen=frozen, dtensor=dtensor)
 
 
 __all__ = ["Lowered", "lower", "Step", "Source", "Exchange", "Transfer", "block", "task_pieces", "unravel",

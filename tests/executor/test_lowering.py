@@ -84,13 +84,19 @@ def test_allreduce_lowers_to_one_collective_when_copies_sit_with_partial_sums():
     g0 = H.load(path)
     g = H.rebuild(g0, {"x": [("Replicate", 2)], "a.weight": [("Partition", 1, 2)], "b.weight": [("Partition", 0, 2)],
                        "c.weight": [("Replicate", 2)]}, after={5: [("AllReduce", 2)]})
-    views = {}
     plan = H.make_plan(g, path, 2)
+    ar_node = next(n.id for n in g.nodes() if n.op == "AllReduce")
+    assert set(plan.views[ar_node].devices()) == {0, 1}
+    # a DTensor redistribution Partial -> Replicate on the mesh of devices 0, 1 (one all-reduce)
     low = lower(plan.pcg, plan.views, 1, 2, plan.machine)
-    ar = [s for s in low.steps if s.op == "AllReduce"][0]
-    if set(plan.views[ar.node].devices()) == {0, 1}:
-        assert ar.combine == ("allreduce", (0, 1)) and not ar.exchanges
-    assert views == {}
+    ar = next(s for s in low.steps if s.node == ar_node)
+    assert ar.combine[0] == "dtensor" and not ar.exchanges
+    rd = ar.combine[1]
+    assert (rd.kind, rd.mesh.devices, rd.src, rd.dst) == ("all_reduce", (0, 1), (("P",),), (("R",),))
+    # without DTensor: one torch.distributed all_reduce
+    low = lower(plan.pcg, plan.views, 1, 2, plan.machine, dtensor=False)
+    ar = next(s for s in low.steps if s.node == ar_node)
+    assert ar.combine == ("allreduce", (0, 1)) and not ar.exchanges
 
 
 def test_cost_model_prices_synchronized_batchnorm_statistics():
