@@ -58,6 +58,7 @@ from .dtensor import Redistribution, plan_redistribution
 from .kernels import ExecutorError, TaskContext, kernel
 
 NON_DIFFERENTIABLE = {("BatchNorm", 3), ("BatchNorm", 4)}
+LOSS_WALK = ("Combine", "Batch", "Replicate", "Reduce", "AllReduce")   # what Trainer._loss_ref walks back through
 FLOAT = ("float32", "float16", "bfloat16", "float64")
 
 
@@ -386,30 +387,32 @@ class Lowered:
         operator only) whose input and output sit one piece per device on one device set that forms a
         DeviceMesh become one DTensor redistribution each (:mod:`executor.dtensor`), run by the chain's
         last operator; the others keep the collectives below.  Greedy: from the start of a chain, the
-        longest run of operators that fits.  The operators the loss walks back through from the model's
-        output (see ``Trainer._loss_ref``) stay one per step, so every tensor the loss may pick exists."""
+        longest run of operators that fits.  A tensor the loss may be computed on (back from the model's
+        output through ``LOSS_WALK`` operators, see ``Trainer._loss_ref``) ends a chain, so it exists."""
         g = self.g
         consumers: dict[tuple, list[int]] = {}
         for n in g.nodes():
             for r in n.inputs:
                 consumers.setdefault(tuple(r), []).append(n.id)
         outputs = {tuple(r) for r in g.outputs}
-        tail: set[int] = set()
+        # tensors the loss may be computed on: back from an output through the operators the loss
+        # walks through (Trainer._loss_ref); they must exist, so they never sit inside a chain
+        loss_refs: set[tuple] = set()
         for r in outputs:
-            i = r[0]
-            while self.role.get(i) == "parallel" and i not in tail:
-                tail.add(i)
-                i = g.node(i).inputs[0][0]
+            loss_refs.add(r)
+            while self.role.get(r[0]) == "parallel" and g.node(r[0]).op in LOSS_WALK:
+                r = tuple(g.node(r[0]).inputs[0])
+                loss_refs.add(r)
 
         def chainable(i):
             return self.role[i] == "parallel" and g.node(i).op not in ("Pipeline", "Batch")
 
         def link(i):
             """The operator that continues a chain after ``i`` (None where the chain ends)."""
-            if i in tail or (i, 0) in outputs:
+            if (i, 0) in outputs or (i, 0) in loss_refs:
                 return None
             c = consumers.get((i, 0), [])
-            if len(c) != 1 or not chainable(c[0]) or c[0] in tail:
+            if len(c) != 1 or not chainable(c[0]):
                 return None
             return c[0]
         has_prev = {link(i) for i in self.role if chainable(i)} - {None}

@@ -34,6 +34,10 @@ def _plans():
         # partial sums reduced into batch shards: a reduce-scatter
         "reduce+partition": (H.rebuild(gm, {**megatron_pair, "c.weight": R2}, after={5: [("Reduce", 2), ("Partition", 0, 2)]}),
                              mlp, 2),
+        # the same at the model's output (the loss is computed on the batch shards)
+        "reduce+partition at the output": (H.rebuild(gm, {"x": R2, "a.weight": R2, "b.weight": [("Partition", 1, 2)],
+                                                          "c.weight": [("Partition", 0, 2)]},
+                                                     after={7: [("Reduce", 2), ("Partition", 0, 2)]}), mlp, 2),
         # column-split activations re-split on the batch: an all-to-all
         "combine+partition": (H.rebuild(gm, {"x": R2, "a.weight": [("Partition", 1, 2)], "b.weight": R2, "c.weight": R2},
                                         after={2: [("Combine", 1, 2), ("Partition", 0, 2)]}), mlp, 2),
@@ -57,6 +61,7 @@ EXPECT = {
     "combine+replicate": ("all_gather", (2,), (("S", 0),), (("R",),), 1),
     "reduce+partition": ("reduce_scatter", (2,), (("P",),), (("S", 0),), 1),
     "combine+partition": ("all_to_all", (2,), (("S", 1),), (("S", 0),), 1),
+    "reduce+partition at the output": ("reduce_scatter", (2,), (("P",),), (("S", 0),), 1),
     "2d reduce+partition": ("reduce_scatter", (2, 2), (("P",), ("S", 0)), (("S", 0), ("S", 0)), 1),
     "2d all_reduce": ("all_reduce", (2, 2), (("P",), ("S", 0)), (("R",), ("S", 0)), 0),
 }
@@ -189,11 +194,13 @@ def _check(plans, names, world, targets=None):
 
 
 def test_two_processes_train_through_dtensor_redistributions(plans):
-    _check(plans, ["all_reduce", "reduce+replicate", "combine+replicate", "reduce+partition", "combine+partition"], 2)
+    _check(plans, ["all_reduce", "reduce+replicate", "combine+replicate", "reduce+partition", "combine+partition",
+                   "reduce+partition at the output"], 2)
 
 
-def test_loss_on_allreduce_copies_through_dtensor(plans):
-    """A non-linear loss on an AllReduce's copies (each copy adds 1/k; the gradient scaled by k)."""
+def test_nonlinear_loss_on_redistributed_outputs(plans):
+    """Mean-square loss on an AllReduce's copies (each copy adds 1/k; the gradient scaled by k) and on
+    the batch shards a reduce-scatter leaves at the output."""
     import numpy as np
     rng = np.random.default_rng(3)
     mse = [rng.standard_normal((8, 4)).astype(np.float32) for _ in range(5)]
@@ -204,9 +211,12 @@ def test_loss_on_allreduce_copies_through_dtensor(plans):
     low = lower(plan.pcg, plan.views, 0, 2, plan.machine)
     assert [rd.kind for _, rd in low.redistributions()] == ["all_reduce"]
     ref = H.reference(models.mlp_nobias(), 5, targets=mse)
-    got = H.run_dist(2, _count_worker, [H.case(plan, models.mlp_nobias(), targets=mse)])
+    rs, _, _ = plans["reduce+partition at the output"]
+    got = H.run_dist(2, _count_worker, [H.case(plan, models.mlp_nobias(), targets=mse),
+                                        H.case(rs, models.mlp_nobias(), targets=mse)])
     H.assert_same(ref, got[0][0][:2], what="AllReduce at the output, mse")
-    assert sum(got[0][0][2].values()) == 5
+    H.assert_same(ref, got[0][1][:2], what="reduce-scatter at the output, mse")
+    assert sum(got[0][0][2].values()) == 5 and sum(got[0][1][2].values()) == 5
 
 
 @pytest.mark.slow
