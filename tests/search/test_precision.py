@@ -327,3 +327,11 @@ def test_optimize_precision_is_recorded(tmp_path):
     assert res.plan.precision == "bf16" and res.plan.predicted["precision"] == "bf16"
     with pytest.raises(OptimizeError, match="precision"):
         optimize(g, "h100:1x2", budget_s=5, precision="fp16")
+
+
+def test_optimize_cli_precision(tiny_onnx, tmp_path, capsys):
+    plan = tmp_path / "p.json"
+    assert main(["optimize", tiny_onnx, "--machine", "h100:1x2", "--budget", "5", "--candidates", "2",
+                 "--no-pipeline", "--precision", "tf32", "-o", str(plan), "--json"]) == 0
+    out = json.loads(capsys.readouterr().out)
+    assert out["precision"] == "tf32" and P.load(str(plan)).precision == "tf32"

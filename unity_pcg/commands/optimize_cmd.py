@@ -86,6 +86,7 @@ def run(args) -> int:
     res.plan.save(args.output)
     out = res.json()
     out["plan"] = args.output
+    out["precision"] = res.plan.precision
     if args.json:
         json.dump(out, sys.stdout, indent=2)
         sys.stdout.write("\n")
