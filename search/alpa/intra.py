@@ -1051,10 +1051,13 @@ class IntraProblem:
         return alive
 
     def solve(self, memory_budget: float | None = None, time_limit_s: float = 30.0, solver: str = "highs",
-              mip_gap: float = 1e-7):
+              mip_gap: float = 1e-7, liveness: bool = True):
         """(choice, objective, status, solve seconds); raises IntraInfeasible if nothing fits.  ``mip_gap``:
-        the relative optimality gap at which the MIP stops (only when the LP relaxation is fractional)."""
+        the relative optimality gap at which the MIP stops (only when the LP relaxation is fractional).
+        ``liveness=False``: the single end-of-forward row this pass used before (:meth:`memory_end_of_forward`;
+        for comparisons: the result may then exceed the budget at another step)."""
         use_mem = memory_budget is not None and math.isfinite(memory_budget)
+        mem_of = self.memory if liveness else self.memory_end_of_forward
         alive = self.prune(use_mem)
         cols_cost: list = []
         col_int: list = []
@@ -1105,18 +1108,18 @@ class IntraProblem:
                     r[svar[(v, j)]] = r.get(svar[(v, j)], 0.0) - 1.0
                 rows.append((r, 0.0, 0.0))
         mem_rows: list = []
-        steps: list = []
-        if use_mem:
-            # one row per liveness step that can bind (see liveness_rows), relative to the budget:
-            # coefficients of order one keep the solver's tolerances meaningful
+        cand: list = []
+        row_of: dict = {}                   # liveness step -> its row
+        # memory rows relative to the budget: coefficients of order one keep the solver's tolerances meaningful
+        scale = 1.0 / max(float(memory_budget), 1.0) if use_mem else 1.0
+
+        def add_rows(steps):
+            """One row per liveness step of ``steps``: every kept algorithm's bytes at that step, every
+            edge variable's resharded tensor when the step is inside its consumer's interval."""
             import numpy as np
-            scale = 1.0 / max(float(memory_budget), 1.0)
-            steps = self.liveness_rows(alive, memory_budget)
             st = np.asarray(steps)
             coefs = [dict() for _ in steps]
             for a in self.anchors:
-                if not steps:
-                    break
                 C = self.step_coefs(a, st) * scale
                 for i in alive[a]:
                     col = svar[(a, i)]
@@ -1131,9 +1134,21 @@ class IntraProblem:
                     for r, t in enumerate(steps):
                         if lo <= t <= hi:
                             coefs[r][col] = b * scale
-            for c in coefs:
+            for t, c in zip(steps, coefs):
+                row_of[t] = len(rows)
                 mem_rows.append(len(rows))
                 rows.append((c, -INF, 1.0))
+
+        if use_mem and liveness:
+            # the steps that can bind (liveness_rows); their rows are added lazily, each when a solution
+            # exceeds the budget at that step (a row is a valid cut: the final choice fits at every step
+            # and is optimal for a relaxation of the full problem, hence for it)
+            cand = self.liveness_rows(alive, memory_budget)
+        elif use_mem:
+            c = {svar[(a, i)]: self.node_mem[a][i] * scale for a in self.anchors for i in alive[a]}
+            c.update({col: b * scale for col, b in emem.items() if b > 0})
+            mem_rows.append(len(rows))
+            rows.append((c, -INF, 1.0))
         t0 = time.perf_counter()
         cols_cost = [c * _SCALE for c in cols_cost]      # microseconds: keeps the solver's tolerances meaningful
         if solver not in ("highs", "cbc"):
@@ -1142,7 +1157,7 @@ class IntraProblem:
             """The columns of the choice that rounds a fractional LP solution (each anchor's largest), or None
             when that choice is infeasible (a pair that cannot be resharded, over the budget)."""
             ch = {a: max(alive[a], key=lambda i: x[svar[(a, i)]]) for a in self.anchors}
-            if use_mem and self.memory(ch) > memory_budget:
+            if use_mem and mem_of(ch) > memory_budget:
                 return None
             vec = [0.0] * len(cols_cost)
             for a, i in ch.items():
@@ -1154,7 +1169,10 @@ class IntraProblem:
                 vec[c] = 1.0
             return vec
 
-        for _ in range(4):
+        tightened = 0
+        self.solves = 0
+        while True:
+            self.solves += 1
             if solver == "highs":
                 x, obj, status = _solve_highs(cols_cost, col_int, rows, time_limit_s, rounded, mip_gap)
             else:
@@ -1162,12 +1180,26 @@ class IntraProblem:
             if x is None:
                 break
             choice = {a: max(alive[a], key=lambda i: x[svar[(a, i)]]) for a in self.anchors}
-            over = self.memory(choice) / memory_budget - 1.0 if use_mem else 0.0
-            if over <= 1e-9:
+            if not use_mem:
+                over = 0.0
                 break
-            if not mem_rows:        # pragma: no cover - a step over the budget has a row (liveness_rows)
+            if liveness:
+                vals = self.memory_steps(choice)
+                new = sorted((t for t in cand if t not in row_of and vals[t] > memory_budget * (1 + 1e-9)),
+                             key=lambda t: -vals[t])[:4]
+                if new:                     # the most violated steps get their rows; solve again
+                    add_rows(new)
+                    continue
+                over = float(vals.max(initial=0.0)) / memory_budget - 1.0
+                if over > 1e-9 and not mem_rows:     # pragma: no cover - numerically at a dropped step
+                    add_rows([t for t in cand if t not in row_of])
+                    continue
+            else:
+                over = mem_of(choice) / memory_budget - 1.0
+            if over <= 1e-9 or tightened >= 4 or not mem_rows:
                 break
             # within the solver's feasibility tolerance but over the budget: tighten the rows by as much
+            tightened += 1
             for r in mem_rows:
                 rows[r] = (rows[r][0], -INF, rows[r][2] - 2 * over)
         dt = time.perf_counter() - t0

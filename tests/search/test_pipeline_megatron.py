@@ -1,0 +1,92 @@
+"""optimize's pipeline with Megatron tensor parallelism inside the stages (search/pipeline.py megatron_intra),
+on a small GPT from the zoo and a machine where nothing with data parallelism inside the stages fits."""
+import numpy as np
+import pytest
+
+from unity_pcg.evaluate import evaluate, random_feeds
+from unity_pcg.machine import DeviceSpec, LinkSpec, MachineSpec
+from unity_pcg.search.cost import CostModel, GraphCost
+from unity_pcg.search.mapping import MachineMapper
+from unity_pcg.search.pipeline import (evaluate_pipeline, megatron_intra, search_pipeline, sequential_layers,
+                                       stage_graph)
+
+# 8 devices of one node, 150 kB each: the tiny GPT's weights with Adam take 490 kB; data parallel inside any
+# pipeline of at most 4 stages needs >= 196 kB on some device, Megatron inside the stages 130 kB
+CAP = 150_000
+
+
+def machine(memory=CAP):
+    dev = DeviceSpec(100e12, 1e12, memory, {"default": 0.5}, 5e-6)
+    links = {"group": LinkSpec(100e9, 2e-6), "node": LinkSpec(100e9, 2e-6), "network": LinkSpec(10e9, 5e-6)}
+    return MachineSpec("test", 1, 8, 8, dev, links)
+
+
+@pytest.fixture(scope="module")
+def gpt(tmp_path_factory):
+    from unity_pcg import zoo
+    from unity_pcg.onnx_import import load_onnx
+    p = tmp_path_factory.mktemp("g") / "gpt.onnx"
+    zoo.export("gpt_350m", str(p), size="tiny", batch=64)
+    return load_onnx(str(p), load_weights=False)
+
+
+def _same_function(g, pg, seed=0):
+    feeds = random_feeds(g, seed=seed, int_high=8)
+    rng = np.random.default_rng(seed + 1)
+    for n in g.sources("Weight"):
+        if n.a["name"] not in g.weights and n.a["name"] not in feeds:
+            feeds[n.a["name"]] = rng.standard_normal(n.a["shape"]).astype("float32")
+    a = evaluate(g, feeds)
+    b = evaluate(pg, feeds, mode="pieces", rng=np.random.default_rng(seed))
+    return all(np.allclose(x, y, rtol=1e-4, atol=1e-4) for x, y in zip(a, b))
+
+
+def test_optimize_takes_megatron_inside_the_stages_where_nothing_else_fits(gpt):
+    from unity_pcg.search.optimize import optimize
+    m = machine()
+    mapper = MachineMapper(CostModel(m, "adam"))
+    # data parallel inside the stages fits nowhere, with the default micro-batch counts or with 64
+    for ms in (None, [64]):
+        r = search_pipeline(gpt, mapper, min_stages=1, micro_batches=ms)
+        assert r is None or not r.feasible
+    res = optimize(gpt, m, budget_s=10, max_candidates=5)
+    assert not res.dp.feasible
+    assert res.feasible and res.stats["chosen"] == "pipeline" and res.plan.pipeline is not None
+    assert res.json()["max_memory_bytes"] <= CAP
+    pg = res.plan.pcg
+    # Megatron inside: row-parallel Linears all-reduce their partial sums; column-parallel weights split on
+    # their output features
+    assert sum(n.op == "AllReduce" for n in pg.nodes()) >= 2
+    col = [n for n in pg.nodes() if n.op == "Linear" and pg.shape(n.inputs[1]).degrees[-1] > 1]
+    row = [n for n in pg.nodes() if n.op == "Linear" and pg.shape(n.inputs[1]).degrees[0] > 1]
+    assert col and row
+    assert _same_function(gpt, pg)
+
+
+def test_a_stage_without_attention_still_splits_its_mlp_and_the_head_is_vocabulary_parallel(gpt):
+    m = machine(memory=10**9)
+    mapper = MachineMapper(CostModel(m, "adam"))
+    roles = GraphCost(gpt, mapper.model).role
+    layers, info = sequential_layers(gpt, roles, 12)
+    units = [n for a, b in layers for u in range(a, b) for n in info.units[u]]
+    ops_of = {}
+    for k, (a, b) in enumerate(layers):
+        ops_of[k] = {gpt.node(n).op for u in range(a, b) for n in info.units[u]}
+    # a layer holding an MLP (Gelu) and no attention (no BatchMatMul): Megatron refuses it as a strategy,
+    # the hook splits its column -> row pair
+    mlp_only = [k for k, o in ops_of.items() if "Gelu" in o and "BatchMatMul" not in o]
+    assert mlp_only and units
+    a, b = layers[mlp_only[0]]
+    sg = stage_graph(gpt, roles, [n for u in range(a, b) for n in info.units[u]])
+    from unity_pcg.machine import Resource
+    P = megatron_intra(8)(sg, Resource(0, 1, 4))
+    assert P.meta["tp"] == 4 and P.meta["column"] and P.meta["row"]
+    assert _same_function(sg, P)
+    # the last layer (the LM head): column-parallel with its output left split, faster and lighter than
+    # running it on every tensor-parallel copy
+    one = [(0, len(layers), 0, 8)]
+    with_head = evaluate_pipeline(gpt, mapper, one, 8, intra=megatron_intra(8))
+    without = evaluate_pipeline(gpt, mapper, one, 8, intra=megatron_intra(8, head=False))
+    assert with_head.max_memory_bytes < without.max_memory_bytes
+    assert with_head.cost <= without.cost
+    assert _same_function(gpt, with_head.pcg)
