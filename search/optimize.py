@@ -380,15 +380,13 @@ def _pipeline(g: PCG, ev: "Evaluator", budget_s: float):
             r = r2
     if (r is None or not r.feasible) and more:
         # still nothing: stages data parallel inside hold every weight of the stage on each device;
-        # Megatron's tensor parallelism inside the stages (search/baselines.py) divides them
-        from .baselines import megatron
-        D = ev.machine.devices_per_node
-
-        def tensor_parallel(sg, res):
-            return megatron(sg, res.size, devices_per_node=D)
+        # Megatron's tensor parallelism inside the stages divides them (with the vocabulary-parallel
+        # head: search/pipeline.py megatron_intra)
+        from .pipeline import megatron_intra
+        tensor_parallel = megatron_intra(ev.machine.devices_per_node)
         try:
             r3 = search_pipeline(g, ev.mapper, min_stages=1, micro_batches=more, intra=tensor_parallel,
-                                 budget_s=max(budget_s - (time.perf_counter() - t0), 0.01))
+                                 budget_s=max(budget_s - (time.perf_counter() - t0), budget_s / 2, 0.01))
         except (PipelineError, UnityError, KeyboardInterrupt):
             return r
         if r3 is not None and (r is None or (r3.feasible, -r3.cost) > (r.feasible, -r.cost)):
