@@ -9,10 +9,10 @@ Stage ``i`` becomes one :class:`StageModule` per device (rank == device id), wra
 ``PipelineStage`` and driven by ``Schedule1F1B`` with ``M`` micro-batches (the batch, dim 0 of every
 model input, split in M equal parts).  A stage may run on K devices when it is data parallel inside
 (every operator's tensors split K ways on the batch dim, weights copied K ways -- what the pipeline
-search's default intra-stage parallelization builds) and every stage has K devices: then K pipelines
-run side by side, replica r made of the device of task r of every stage's operators; replica r takes
-block r of each micro-batch (rows ``m*B/M + r*B/(MK)`` onwards, as the plan's pieces say) and the K
-replicas of a stage average their gradients with one flat all-reduce per step.  A stage module runs its nodes' torch kernels
+search's default intra-stage parallelization builds).  With degrees K_i per stage, R = lcm(K_i) pipelines
+run; pipeline r takes block r of each micro-batch (rows ``m*B/M + r*B/(MR)`` onwards, inside the piece the
+plan gives the device of task r // (R/K_i) of stage i's operators), and a stage's devices sum their
+gradients with one flat all-reduce per step.  A stage module runs its nodes' torch kernels
 (:mod:`executor.kernels`) on whole micro-batch tensors; its parameters are the ONNX initializers its
 nodes read (a Weight belongs to the stage of its first consumer).  Tensors cross stages as a tuple:
 stage ``i`` sends every tensor produced at or before it (model inputs included) that a later stage reads,
@@ -31,10 +31,11 @@ against the targets' part), gradients accumulated over micro-batches and divided
 micro-batch losses, broadcast from the last stage.  BatchNorm over micro-batches computes each
 micro-batch's statistics, which is not one device's training: refused unless ``--per-device-bn``.
 
-Limits (refused by :func:`check_pipeline` with a one-line error before any process starts): stages of
-different sizes, parallelism inside a stage other than data parallelism (a stage's sub-plan lowered on a
-sub-group is not built), a schedule other than 1F1B, a batch that M (times K) does not divide, non-floating
-tensors crossing stages.
+Stages of different sizes (data-parallel degrees K_i) run as R = lcm(K_i) virtual pipelines (see
+:class:`PipelineTrainer`).  Limits (refused by :func:`check_pipeline` with a one-line error before any process
+starts): parallelism inside a stage other than data parallelism (tensor/Megatron parallelism: a stage's sub-plan
+lowered on a sub-group is not built), a schedule other than 1F1B, a batch that M R does not divide,
+non-floating tensors crossing stages.
 """
 from __future__ import annotations
 
@@ -64,10 +65,21 @@ class StagePlan:
     nodes: tuple[int, ...]
     recv: tuple[tuple[int, int], ...]
     send: tuple[tuple[int, int], ...]
+    idle: tuple[int, ...] = ()       # devices of the stage's field that no operator of the stage uses
 
     @property
     def device(self) -> int:
         return self.devices[0]
+
+    def device_of(self, replica: int, R: int) -> int:
+        """The device running virtual replica ``replica`` of ``R`` (block ``replica`` of each micro-batch)."""
+        return self.devices[replica // (R // len(self.devices))]
+
+
+def replicas(stages) -> int:
+    """Virtual pipelines: the least common multiple of the stages' data-parallel degrees."""
+    import math
+    return math.lcm(*(len(st.devices) for st in stages))
 
 
 def _stage_of_nodes(plan) -> list[list[int]]:
@@ -106,15 +118,12 @@ def resolve(plan) -> tuple[int, list[StagePlan]]:
         devs = tuple(st["devices"])
         if not devs or len(set(devs)) != len(devs):
             raise PipelineError(f"plan: pipeline stage {i} has devices {list(devs)}")
-        if len(devs) != len(pf["stages"][0]["devices"]):
-            raise PipelineError(f"plan: pipeline stages run on {[len(x['devices']) for x in pf['stages']]} devices; "
-                                "the executor runs stages of equal size (one pipeline per data-parallel replica)")
         devices.append(devs)
     flat = [d for devs in devices for d in devs]
     if len(set(flat)) != len(flat):
         raise PipelineError(f"plan: pipeline stages share devices {[list(x) for x in devices]}")
-    K = len(devices[0])
     order_of: dict[int, tuple] = {}   # stage -> device of task r of its operators (replica order)
+    degree_of: dict[int, int] = {}    # stage -> the data-parallel degree of its operators
     stage_of: dict[int, int] = {}
     for i, nodes in enumerate(node_lists):
         for nid in nodes:
@@ -143,19 +152,21 @@ def resolve(plan) -> tuple[int, list[StagePlan]]:
         if n.kind == "compute":
             pm = ops.infer(n.op, n.a, g.input_shapes(nid)).piece_map
             deg = pm.degree if pm is not None else 1
-            if deg != K:
-                what = "a single-device" if K == 1 else f"a {K}-device"
+            K = degree_of.setdefault(i, deg)
+            if deg != K or deg > len(devices[i]):
+                what = "a single-device" if len(devices[i]) == 1 else f"a {len(devices[i])}-device"
                 raise PipelineError(f"plan: node {n.label()} ({n.op}) runs {deg} task(s) inside {what} pipeline "
-                                    f"stage; the executor runs stages of {K} data-parallel task(s) per operator")
+                                    f"stage whose operators run {K}; the executor runs stages whose operators are "
+                                    f"data parallel on the same devices")
+            devs = tuple(v.devices()) if v is not None else (devices[i][:1] if K == 1 else None)
             if K > 1:
                 _check_batch_split(g, n, K)
-                devs = tuple(v.devices()) if v is not None else None
-                if devs is None or set(devs) != set(devices[i]):
-                    raise PipelineError(f"plan: node {n.label()} of pipeline stage {i} has no view on all of the "
-                                        f"stage's devices {list(devices[i])}")
-                if order_of.setdefault(i, devs) != devs:
-                    raise PipelineError(f"plan: operators of pipeline stage {i} place their batch blocks on the "
-                                        f"devices in different orders ({list(order_of[i])}, {list(devs)})")
+            if devs is None or len(devs) != K or len(set(devs)) != K or not set(devs) <= set(devices[i]):
+                raise PipelineError(f"plan: node {n.label()} of pipeline stage {i} has no view on {K} of the "
+                                    f"stage's devices {list(devices[i])}")
+            if order_of.setdefault(i, devs) != devs:
+                raise PipelineError(f"plan: operators of pipeline stage {i} place their batch blocks on the "
+                                    f"devices in different orders ({list(order_of[i])}, {list(devs)})")
     # sources join the stage of their first consumer (in topological order)
     for nid in order:
         n = g.node(nid)
@@ -163,15 +174,19 @@ def resolve(plan) -> tuple[int, list[StagePlan]]:
             users = [u for u, _ in g.consumers((nid, 0))]
             if users:
                 stage_of[nid] = min(stage_of[u] for u in users)
-    # micro-batches: every model input's dim 0 must split M ways (and each micro-batch K ways)
+    # micro-batches: every model input's dim 0 must split M ways (and each micro-batch R ways: the virtual
+    # replicas, R the least common multiple of the stages' degrees)
+    import math
+    R = math.lcm(*(degree_of.get(i, 1) for i in range(len(node_lists))))
     for n in g.sources("Input"):
         b = n.a["shape"][0] if n.a["shape"] else None
         if b is None or b % M:
             raise PipelineError(f"plan: pipeline.micro_batches {M} does not divide the batch (dim 0 = {b}) "
                                 f"of input {n.label()}")
-        if b % (M * K):
+        if b % (M * R):
             raise PipelineError(f"plan: the micro-batches of input {n.label()} ({b // M} samples) do not split "
-                                f"over the {K} devices of a stage")
+                                f"into the {R} blocks the stages' data-parallel degrees "
+                                f"{[degree_of.get(i, 1) for i in range(len(node_lists))]} need")
     S = len(node_lists)
     first_out = tuple(g.outputs[0])
     # what each stage needs from earlier stages: tensors produced in stages < i (model inputs count as
@@ -204,7 +219,9 @@ def resolve(plan) -> tuple[int, list[StagePlan]]:
             if not send:
                 raise PipelineError(f"plan: pipeline stage {i} sends nothing to stage {i + 1}")
         nodes = tuple(nid for nid in order if stage_of.get(nid) == i)
-        stages.append(StagePlan(i, order_of.get(i, devices[i]), nodes, carried_in, send))
+        active = order_of.get(i, devices[i][:1])
+        stages.append(StagePlan(i, active, nodes, carried_in, send,
+                                tuple(d for d in devices[i] if d not in active)))
         carried_in = send
     if stage_of.get(first_out[0], -1) not in range(S) and g.node(first_out[0]).op != "Input":
         raise PipelineError("plan: the model's first output is produced by no pipeline stage")
@@ -226,17 +243,18 @@ def _check_batch_split(g: PCG, n, K: int) -> None:
         copied = all(d.degree == 1 for d in s.dims) and s.copy_degree == K
         if s.sum_degree != 1 or not (split or copied):
             raise PipelineError(f"plan: node {n.label()} ({n.op}) in a {K}-device pipeline stage is not data "
-                                f"parallel (shape {s}); the executor runs data parallelism inside stages only")
+                                f"parallel (shape {s}); the executor runs data parallelism inside stages only "
+                                f"(tensor/Megatron parallelism inside a stage is not supported)")
 
 
 def check_pipeline(plan, per_device_bn: bool = True) -> None:
     """Everything about a pipelined plan that can fail before a process starts."""
     M, stages = resolve(plan)
-    devs = sorted(d for st in stages for d in st.devices)
+    devs = sorted(d for st in stages for d in st.devices + st.idle)
     if devs != list(range(len(devs))):
-        raise PipelineError(f"plan: pipeline stages run on devices {[list(st.devices) for st in stages]}; the "
-                            f"executor needs the ranks 0..{len(devs) - 1}, each in one stage")
-    micro_graph(plan.pcg, M * len(stages[0].devices))
+        raise PipelineError(f"plan: pipeline stages run on devices {[list(st.devices + st.idle) for st in stages]}; "
+                            f"the executor needs the ranks 0..{len(devs) - 1}, each in one stage")
+    micro_graph(plan.pcg, M * replicas(stages))
     if not per_device_bn and any(n.op == "BatchNorm" for n in plan.pcg.nodes()):
         raise PipelineError("plan: BatchNorm in a pipelined plan computes statistics per micro-batch, which "
                             "is not one device's training; run with --per-device-bn to accept that")
@@ -291,15 +309,17 @@ def _torch_modules():
     return torch, nn
 
 
-def build_stage_module(plan, st: StagePlan, M: int, weights: Mapping[str, Any], seed: int, replica: int = 0):
-    """The ``nn.Module`` of one stage's replica (see module docstring)."""
+def build_stage_module(plan, st: StagePlan, M: int, weights: Mapping[str, Any], seed: int, replica: int = 0,
+                       R: int | None = None, share=None):
+    """The ``nn.Module`` of one stage's (virtual) replica ``replica`` of ``R`` (see module docstring); with
+    ``share`` (another replica's module on the same device) its parameters and constants are that module's."""
     torch, nn = _torch_modules()
     from .kernels import TORCH_DTYPES, TaskContext, kernel
     from .lower import dropout_key
 
     g: PCG = plan.pcg
     lg, alias = logical_graph(g)
-    K = len(st.devices)
+    K = R or len(st.devices)
     mg = micro_graph(g, M * K)
 
     class StageModule(nn.Module):
@@ -309,6 +329,8 @@ def build_stage_module(plan, st: StagePlan, M: int, weights: Mapping[str, Any], 
             self.consts: dict[int, torch.Tensor] = {}
             self.pname: dict[int, str] = {}
             self.names: dict[str, str] = {}        # ONNX name -> parameter key
+            self.const_names: dict[str, int] = {}  # ONNX name -> node of a constant (BatchNorm statistics)
+            self.bn: dict[int, tuple] = {}         # BatchNorm node -> (momentum, mean node, var node)
             self.steps_done = 0
             self.micro = 0
             self.recv = [alias.get(r, r) for r in st.recv]
@@ -325,11 +347,12 @@ def build_stage_module(plan, st: StagePlan, M: int, weights: Mapping[str, Any], 
                     t = torch.from_numpy(np.array(v, copy=True)).to(TORCH_DTYPES.get(n.a["dtype"], torch.float32)).clone()
                     if g.is_trainable(nid):
                         key = f"p{len(self.params)}"
-                        self.params[key] = nn.Parameter(t)
+                        self.params[key] = share.params[key] if share is not None else nn.Parameter(t)
                         self.pname[nid] = key
                         self.names[name] = key
                     else:
-                        self.consts[nid] = t
+                        self.consts[nid] = share.consts[nid] if share is not None else t
+                        self.const_names[name] = nid
                 elif n.kind == "compute":
                     ins = mg.input_shapes(nid)
                     outs = mg.shapes(nid)
@@ -342,6 +365,10 @@ def build_stage_module(plan, st: StagePlan, M: int, weights: Mapping[str, Any], 
                                for s, b in zip(outs, batched))
                     self.prog.append((nid, kernel(n.op), dict(pa), tuple(tuple(r) for r in lg.node(nid).inputs),
                                       logical, mb, dropout_key(g, nid)))
+                    if n.op == "BatchNorm":
+                        ins_ = [tuple(r) for r in lg.node(nid).inputs]
+                        if all(lg.node(r[0]).op == "Weight" for r in ins_[3:5]):
+                            self.bn[nid] = (float(n.a.get("momentum", 0.9)), ins_[3][0], ins_[4][0])
             self.seed = seed
 
         def forward(self, *xs):
@@ -357,7 +384,16 @@ def build_stage_module(plan, st: StagePlan, M: int, weights: Mapping[str, Any], 
                                   out_logical=logical,
                                   out_offset=tuple((k * m[0] + m[1],) + (0,) * (len(s) - 1) if s else ()
                                                    for m, s in zip(mb, logical)))
+                if nid in self.bn:
+                    ctx.extra["want_stats"] = True
                 ys = fn(pa, [vals[r] for r in inputs], ctx)
+                if nid in self.bn and "bn_stats" in ctx.extra:
+                    # running statistics, per micro-batch (as torch's module called once per micro-batch)
+                    mom, mean_id, var_id = self.bn[nid]
+                    with torch.no_grad():
+                        for cid, v in zip((mean_id, var_id), ctx.extra["bn_stats"]):
+                            if cid in self.consts:
+                                self.consts[cid].mul_(mom).add_(v.to(self.consts[cid].dtype), alpha=1.0 - mom)
                 for j, y in enumerate(ys):
                     vals[(nid, j)] = y
             out = tuple(vals[r] for r in self.send)
@@ -389,7 +425,16 @@ def loss_of(out, target):
 
 
 class PipelineTrainer:
-    """The Trainer API (executor.train.Trainer) for plans with pipeline stages; rank == stage device."""
+    """The Trainer API (executor.train.Trainer) for plans with pipeline stages; rank == stage device.
+
+    Stages may differ in size: with data-parallel degrees K_i, R = lcm(K_i) virtual pipelines run, pipeline
+    r taking block r of every micro-batch; the device of pipeline r in stage i is its stage's device
+    r // (R / K_i), so a device runs R / K_i pipelines (one ``PipelineStage`` and schedule each, sharing
+    the stage's parameters, run one after another in pipeline order: no cycle of waits).  Gradients are
+    summed over a device's pipelines, then over the stage's devices (one flat all-reduce), and divided
+    by M R: the gradient of the whole batch's mean loss.  A device of a stage's field that no operator
+    uses (the search may give a stage more devices than its degree) runs nothing but the loss's
+    all-reduce."""
 
     def __init__(self, plan, model_path: str, rank: int = 0, world: int = 1, optimizer: str = "sgd",
                  lr: float = 0.01, seed: int = 0, device: str = "cpu", sync_batchnorm: bool = True):
@@ -403,33 +448,41 @@ class PipelineTrainer:
 
         check_pipeline(plan, per_device_bn=not sync_batchnorm)
         self.M, stages = resolve(plan)
-        mine = [st for st in stages if rank in st.devices]
+        mine = [st for st in stages if rank in st.devices + st.idle]
         if len(mine) != 1:
             raise PipelineError(f"rank {rank} runs no pipeline stage")
         self.st = mine[0]
         self.S = len(stages)
+        self.R = R = replicas(stages)
         self.K = K = len(self.st.devices)
-        self.replica = r = self.st.devices.index(rank)
         self.rank, self.world = rank, world
-        # one pipeline per replica (the r-th device of every stage); one data-parallel group per stage.
-        # Every rank creates every group, in the same order (a collective).
-        self.pp_group, self.dp_group = None, None
-        pp_ranks = [s.devices[r] for s in stages]
-        if K > 1:
-            for rr in range(K):
-                grp = dist.new_group([s.devices[rr] for s in stages])
-                if rr == r:
-                    self.pp_group = grp
-            for s in stages:
+        self._dist = dist
+        # this device's virtual pipelines (none for an idle device)
+        self.hosted = [r for r in range(R) if rank in self.st.devices and self.st.device_of(r, R) == rank]
+        # one process group per pipeline (the default group when there is one pipeline), one per stage of
+        # several devices.  Every rank creates every group, in the same order (a collective).
+        pp_groups, pos = {}, {}
+        for r in range(R):
+            members = [s.device_of(r, R) for s in stages]
+            pos[r] = {d: j for j, d in enumerate(sorted(members))}   # group ranks follow the sorted ranks
+            pp_groups[r] = dist.new_group(members) if R > 1 else None
+            if R == 1:
+                pos[r] = {d: d for d in members}
+        self.dp_group = None
+        for s in stages:
+            if len(s.devices) > 1:
                 grp = dist.new_group(list(s.devices))
                 if s is self.st:
                     self.dp_group = grp
-            pos = {d: j for j, d in enumerate(sorted(pp_ranks))}   # group ranks follow the sorted ranks
-        else:
-            pos = {d: d for d in pp_ranks}
         self.dev = torch.device(device if device == "cpu" else f"cuda:{torch.cuda.current_device()}")
         weights = load_onnx(model_path).weights
-        self.mod = build_stage_module(plan, self.st, self.M, weights, seed, replica=r).to(self.dev)
+        self.mods = {}
+        first = None
+        for r in self.hosted or [0]:
+            m = build_stage_module(plan, self.st, self.M, weights, seed, replica=r, R=R, share=first).to(self.dev)
+            first = first or m
+            self.mods[r] = m
+        self.mod = first
         self.order = {k: name for name, k in self.mod.names.items()}
         params = list(self.mod.params.values())
         if optimizer == "sgd":
@@ -440,86 +493,111 @@ class PipelineTrainer:
             raise UnityError(f"unknown optimizer {optimizer!r} (sgd, adam)")
         # the tensors a stage receives and sends, per micro-batch, are known from the plan: passing them
         # makes the schedule skip its metadata inference (a forward run that would count as a micro-batch)
-        mg = micro_graph(plan.pcg, self.M * K)
+        mg = micro_graph(plan.pcg, self.M * R)
         dts = TORCH_DTYPES
 
         def example(refs):   # a model input needs no gradient; every activation (floating) does
-            return tuple(torch.empty(_piece_sizes(plan.pcg, mg, x, self.M * K), dtype=dts[mg.shape(x).dtype],
+            return tuple(torch.empty(_piece_sizes(plan.pcg, mg, x, self.M * R), dtype=dts[mg.shape(x).dtype],
                                      device="meta").requires_grad_(plan.pcg.node(x[0]).op != "Input"
                                                                    and dts[mg.shape(x).dtype].is_floating_point)
                          for x in refs)
-        self.stage = PipelineStage(self.mod, self.st.index, self.S, self.dev, group=self.pp_group,
-                                   input_args=example(self.mod.recv), output_args=example(self.mod.send))
-        self.stage.stage_index_to_group_rank = {s.index: pos[s.devices[r]] for s in stages}
         self._targets = False   # the schedule wants a target on the last stage; without one, a dummy
         # with fewer micro-batches than stages, 1F1B has no steady state: every forward runs before the
         # first backward, which is GPipe's order (torch's Schedule1F1B refuses M < S, ScheduleGPipe runs it)
         kind = Schedule1F1B if self.M >= self.S else ScheduleGPipe
-        self.sched = kind(self.stage, self.M, scale_grads=True,
-                          loss_fn=lambda out, t: loss_of(out, t if self._targets else None))
+        self.scheds = {}
+        for r in self.hosted:
+            stage = PipelineStage(self.mods[r], self.st.index, self.S, self.dev, group=pp_groups[r],
+                                  input_args=example(self.mods[r].recv), output_args=example(self.mods[r].send))
+            stage.stage_index_to_group_rank = {s.index: pos[r][s.device_of(r, R)] for s in stages}
+            # gradients are scaled once, after the stage's pipelines and devices are summed (step)
+            self.scheds[r] = kind(stage, self.M, scale_grads=False,
+                                  loss_fn=lambda out, t: loss_of(out, t if self._targets else None))
         self.input_names = [plan.pcg.node(r[0]).a["name"] for r in self.st.recv] if self.st.index == 0 else []
         self.steps_done = 0
-        self._dist = dist
         ins = plan.pcg.sources("Input")
-        self.batch = ins[0].a["shape"][0] if ins and ins[0].a["shape"] else self.M * K
-        # this replica's rows of the whole batch: block r of every micro-batch, micro-batches in order
-        B, b = self.batch, self.batch // (self.M * K)
-        self.rows = torch.cat([torch.arange(m * (B // self.M) + r * b, m * (B // self.M) + (r + 1) * b)
-                               for m in range(self.M)]) if K > 1 else None
+        self.batch = ins[0].a["shape"][0] if ins and ins[0].a["shape"] else self.M * R
+        # pipeline r's rows of the whole batch: block r of every micro-batch, micro-batches in order
+        B, b = self.batch, self.batch // (self.M * R)
+        self.rows = {r: torch.cat([torch.arange(m * (B // self.M) + r * b, m * (B // self.M) + (r + 1) * b)
+                                   for m in range(self.M)]) for r in self.hosted} if R > 1 else None
 
     def step(self, feeds=None, targets=None) -> float:
         torch = _torch_modules()[0]
-        self.mod.steps_done = self.steps_done
-        self.mod.micro = 0
         self.opt.zero_grad(set_to_none=True)
-        args = []
-        if self.st.index == 0:
-            if feeds is None:
-                raise UnityError("the first pipeline stage needs the model inputs")
-            args = [self._mine(torch.as_tensor(feeds[n])).to(self.dev) for n in self.input_names]
-        kw = {}
         losses: list = []
-        if self.st.index == self.S - 1:
-            self._targets = targets is not None
-            kw["target"] = (self._mine(torch.as_tensor(targets)).to(self.dev) if targets is not None
-                            else torch.zeros(self.batch // self.K, device=self.dev))
-            kw["losses"] = losses
-        self.sched.step(*args, **kw)
-        if self.K > 1:   # the stage's replicas average their gradients (one flat all-reduce)
-            ps = [p for p in self.mod.params.values() if p.grad is not None]
-            if ps:
+        for r in self.hosted:           # in pipeline order on every device (see class docstring)
+            mod = self.mods[r]
+            mod.steps_done = self.steps_done
+            mod.micro = 0
+            args = []
+            if self.st.index == 0:
+                if feeds is None:
+                    raise UnityError("the first pipeline stage needs the model inputs")
+                args = [self._mine(torch.as_tensor(feeds[n]), r).to(self.dev) for n in self.input_names]
+            kw = {}
+            if self.st.index == self.S - 1:
+                self._targets = targets is not None
+                kw["target"] = (self._mine(torch.as_tensor(targets), r).to(self.dev) if targets is not None
+                                else torch.zeros(self.batch // self.R, device=self.dev))
+                kw["losses"] = losses
+            self.scheds[r].step(*args, **kw)
+        ps = [p for p in self.mod.params.values() if p.grad is not None]
+        if ps:
+            if self.K > 1:   # the stage's devices sum their gradients (one flat all-reduce)
                 flat = torch.cat([p.grad.reshape(-1) for p in ps])
                 self._dist.all_reduce(flat, group=self.dp_group)
-                flat /= self.K
+                flat /= self.M * self.R
                 off = 0
                 for p in ps:
                     p.grad.copy_(flat[off:off + p.numel()].view_as(p.grad))
                     off += p.numel()
-        self.opt.step()
+            else:
+                for p in ps:
+                    p.grad.div_(self.M * self.R)
+        if self.hosted:
+            self.opt.step()
         self.steps_done += 1
-        # the step's loss: mean over micro-batches (last stage) and replicas, the same float on every rank
+        # the step's loss: mean over micro-batches and pipelines (last stage), the same float on every rank
         loss = torch.zeros(1, dtype=torch.float64, device=self.dev)
         if self.st.index == self.S - 1:
-            loss[0] = sum(float(x.detach()) for x in losses) / len(losses) / self.K
+            loss[0] = sum(float(x.detach()) for x in losses) / (self.M * self.R)
         if self.world > 1:
             self._dist.all_reduce(loss)
         return float(loss[0])
 
-    def _mine(self, t):
-        """This replica's rows of a whole-batch tensor."""
-        return t if self.rows is None else t.index_select(0, self.rows)
+    def _mine(self, t, r: int):
+        """Pipeline ``r``'s rows of a whole-batch tensor."""
+        return t if self.rows is None else t.index_select(0, self.rows[r])
 
     # --- state (the model's own parameter names; a stage holds its own) ---------------------------------
+    def _bn_consts(self) -> dict:
+        stats = {i for _, a, b in self.mod.bn.values() for i in (a, b)}
+        return {name: nid for name, nid in self.mod.const_names.items() if nid in stats}
+
     def model_state(self) -> dict:
-        return {name: self.mod.params[k].detach().clone() for name, k in self.mod.names.items()}
+        """The stage's parameters and BatchNorm running statistics (per-device statistics: the stage's
+        first device's, as DDP's broadcast from rank 0); an idle device holds none (collective)."""
+        out = {name: self.mod.params[k].detach().clone() for name, k in self.mod.names.items()}
+        for name, nid in self._bn_consts().items():
+            t = self.mod.consts[nid].detach().clone()
+            if self.K > 1 and self.hosted:
+                self._dist.broadcast(t, self.st.devices[0], group=self.dp_group)
+            out[name] = t
+        return out if self.hosted else {}
 
     def load_model_state(self, d: Mapping) -> None:
         torch = _torch_modules()[0]
+        if not self.hosted:
+            return
         with torch.no_grad():
             for name, k in self.mod.names.items():
                 if name not in d:
                     raise UnityError(f"checkpoint has no parameter {name!r}")
                 self.mod.params[k].copy_(torch.as_tensor(d[name]))
+            for name, nid in self._bn_consts().items():
+                if name in d:
+                    self.mod.consts[nid].copy_(torch.as_tensor(d[name]))
 
     def optimizer_state(self) -> dict:
         sd = self.opt.state_dict()

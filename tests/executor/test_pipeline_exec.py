@@ -134,7 +134,7 @@ def test_pipelined_data_parallel_dropout_draws_the_masks_of_one_device(work, cap
 
     model = dropout_mlp()
     # on an H100 preset (independent devices) the stage search splits 4 devices 2 + 2; on `local` (processes
-    # sharing this host's cores) it prefers 1 + 3, which the executor does not run (stages of equal size)
+    # sharing this host's cores) it prefers 1 + 3 (test_unequal_stages_train_like_one_process)
     pp = searched_pipeline_plan(model, str(work["dir"] / "drop_pp.json"), stages=2, micro_batches=2, devices=4,
                                 preset="h100")
     stages = P.load(pp).pipeline["stages"]
@@ -204,3 +204,75 @@ def test_one_micro_batch_through_two_stages_trains_like_one_process(work, tmp_pa
     assert rc == 0, err
     ref, _ = reference_losses(work["model"], 3, "sgd", lr=0.05, data=str(data))
     np.testing.assert_allclose(json.loads(out)["losses"], ref, rtol=1e-4, atol=1e-7)
+
+
+def _unequal_run(work, capfd, devices: int, sizes: list, degrees: list):
+    from unity_pcg.executor.data import open_data
+    from unity_pcg.executor.pipeline import resolve
+    from unity_pcg.executor.train import Trainer
+    from tests.executor.models import dropout_mlp
+    from tests.executor.runtime_plans import one_device_plan, searched_pipeline_plan
+    from unity_pcg.cli import main
+
+    model = dropout_mlp()
+    pp = searched_pipeline_plan(model, str(work["dir"] / f"uneq{devices}.json"), stages=2, micro_batches=2,
+                                devices=devices, preset="local")
+    pl = P.load(pp)
+    assert [len(st["devices"]) for st in pl.pipeline["stages"]] == sizes
+    assert [len(st.devices) for st in resolve(pl)[1]] == degrees
+    capfd.readouterr()
+    rc = main(["run", pp, "--model", model, "--steps", "3", "--seed", "5", "--optimizer", "adam", "--lr", "0.05",
+               "--json"])
+    out, err = capfd.readouterr()
+    assert rc == 0, err
+    assert json.loads(out)["nproc"] == devices
+    one = P.load(one_device_plan(model, str(work["dir"] / "uneq_one.json")))
+    t = Trainer(one, model, rank=0, world=1, seed=5, optimizer="adam", lr=0.05)
+    src = open_data(one.pcg, None, seed=5)
+    ref = [t.step(src.feeds(s)[0]) for s in range(3)]
+    np.testing.assert_allclose(json.loads(out)["losses"], ref, rtol=1e-4, atol=1e-7)
+
+
+def test_unequal_stages_train_like_one_process(work, capfd):
+    """The pipeline search's plan on local:1x3: stage 0 on 1 device, stage 1 data parallel on 2.  Two virtual
+    pipelines (one per block of each micro-batch) share stage 0's device, which runs both one after the
+    other; stage 1's devices each run one.  Losses (Adam, dropout active) equal the one-process Trainer's."""
+    _unequal_run(work, capfd, 3, [1, 2], [1, 2])
+
+
+@pytest.mark.slow
+def test_stage_with_an_idle_device_trains_like_one_process(work, capfd):
+    """On local:1x4 the search gives stage 1 three devices and its operators two tasks: the third device is
+    idle (it only joins the loss's all-reduce)."""
+    _unequal_run(work, capfd, 4, [1, 3], [1, 2])
+
+
+def test_pipelined_batchnorm_running_statistics_per_micro_batch(work, capfd):
+    """--per-device-bn through 2 single-device stages, 2 micro-batches: the running statistics are updated
+    once per micro-batch, as torch's module called on each micro-batch (checked after one step, before
+    the first update changes the convolution), and the checkpoint holds them under the ONNX names."""
+    import torch
+    import torch.nn.functional as F
+
+    from unity_pcg.cli import main
+    from unity_pcg.executor.data import open_data
+    from unity_pcg.onnx_import import load_onnx
+    from tests.executor.models import bn_net
+    model = bn_net()
+    pp = pipeline_plan(model, str(work["dir"] / "bn_pp.json"), stages=2, micro_batches=2)
+    ck = work["dir"] / "bn_ck"
+    capfd.readouterr()
+    rc = main(["run", pp, "--model", model, "--steps", "1", "--per-device-bn", "--checkpoint", str(ck), "--json"])
+    out, err = capfd.readouterr()
+    assert rc == 0, err
+    g = load_onnx(model)
+    w = {k: torch.tensor(np.array(v() if callable(v) else v)) for k, v in g.weights.items()}
+    x = torch.tensor(open_data(g, None, seed=0).feeds(0)[0]["x"])
+    rm, rv = w["bn.running_mean"].clone(), w["bn.running_var"].clone()
+    for part in x.chunk(2):
+        y = F.conv2d(part, w["conv.weight"], w["conv.bias"])
+        F.batch_norm(y, rm, rv, w["bn.weight"], w["bn.bias"], training=True, momentum=0.2)
+    saved = C.read_model(str(ck))
+    np.testing.assert_allclose(saved["bn.running_mean"].numpy(), rm.numpy(), rtol=1e-5, atol=1e-7)
+    np.testing.assert_allclose(saved["bn.running_var"].numpy(), rv.numpy(), rtol=1e-5, atol=1e-7)
+    assert not np.allclose(rm.numpy(), w["bn.running_mean"].numpy())
