@@ -238,3 +238,17 @@ def test_base_preset_from_device_name():
     assert G.base_preset("NVIDIA A100-SXM4-80GB") == "dgx-a100"
     assert G.base_preset("Tesla V100-SXM2-16GB") == "summit"
     assert G.base_preset("NVIDIA L4") == "h100"
+
+
+def test_cli_device_cpu_precision_writes_machine_file(monkeypatch, tmp_path, capsys):
+    timer, _ = counting_timer(3e-5)
+    monkeypatch.setattr(G, "make_timer", lambda device, min_sample_s=1e-3: timer)
+    out = tmp_path / "cpu.json"
+    rc = cli.main(["calibrate", "--device", "cpu", "--size", "tiny", "--precision", "bf16", "-o", str(out)])
+    cap = capsys.readouterr()
+    assert rc == 0 and "[calibrate]" in cap.err and "wrote" in cap.out
+    m = MachineSpec.load(str(out))
+    assert m.meta["gpu_calibration"]["modes"] == ["fp32", "bf16"]          # fp32 always, then the precision
+    assert {k.rsplit("/", 1)[1] for k in m.device.kernel_tables} == {"fp32", "bf16"}
+    assert set(m.device.peaks) == {"fp32", "bf16"}
+    assert cli.main(["calibrate", "--device", "cpu", "--worlds", "2", "-o", str(out)]) == 2
