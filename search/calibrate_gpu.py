@@ -6,7 +6,7 @@ Math modes (:data:`MODES`): ``fp32`` (TF32 off for cuBLAS and cuDNN), ``tf32`` (
 ``torch.autocast(bfloat16)`` step runs).  Each kernel is measured in the dtypes it reads and writes in
 such a step, so the tables are keyed as ``search.cost`` looks them up and the casts autocast inserts stay
 with the cost model's own cast pricing: matmul and convolution operands (weights included) in bf16;
-element-wise kernels and BatchNorm on bf16 activations; softmax and sum reading bf16 and writing fp32;
+element-wise kernels, BatchNorm and pooling on bf16 activations; softmax and sum reading bf16 and writing fp32;
 LayerNorm, the embedding (fp32 tables) and the optimizer (fp32 master weights and states) only in fp32.
 
 * Classes (:func:`cases`, sizes up to the zoo's paper-size layers): ``matmul`` (``F.linear`` with
@@ -14,8 +14,9 @@ LayerNorm, the embedding (fp32 tables) and the optimizer (fp32 master weights an
   ``bmm`` (attention-like batched matmuls, DLRM's interaction), ``embedding`` (``F.embedding``: the
   gather forward and the dense backward, the table gradient zeroed and the rows scatter-added),
   ``elementwise`` (ReLU, Add), ``norm`` (LayerNorm, training-mode BatchNorm2d), ``softmax`` and
-  ``reduce`` (sum) over the last dim, the optimizer step (``optimizer_sgd``, ``optimizer_adam``:
-  ``torch.optim`` defaults, foreach on CUDA, over equal fp32 tensors; per tensor).  Forward and backward
+  ``reduce`` (sum) over the last dim, ``pool`` (3x3 max and average pooling, stride 1), the optimizer
+  step (``optimizer_sgd``, ``optimizer_adam``: ``torch.optim`` defaults, foreach on CUDA, over equal
+  fp32 tensors; per tensor).  Forward and backward
   (``torch.autograd.grad`` of the forward's output with respect to every operand that needs a
   gradient, the graph kept).
 * Timing (:func:`make_timer`): a sample is a loop of calls between two CUDA events (``perf_counter`` on
@@ -60,7 +61,7 @@ from unity_pcg.errors import UnityError
 
 MODES = ("fp32", "tf32", "bf16")
 COMPUTE_CLASSES = ("matmul", "conv", "conv1x1", "conv_grouped", "bmm")
-MEMORY_CLASSES = ("embedding", "elementwise", "norm", "softmax", "reduce")
+MEMORY_CLASSES = ("embedding", "elementwise", "norm", "softmax", "reduce", "pool")
 OPTIMIZER_CLASSES = ("optimizer_sgd", "optimizer_adam")
 CLASSES = COMPUTE_CLASSES + MEMORY_CLASSES + OPTIMIZER_CLASSES
 SIZES = ("tiny", "quick", "full")
@@ -150,7 +151,7 @@ def case_modes(cls: str, modes: Sequence[str]) -> list[str]:
     only.  TF32 changes nothing but matmul and convolution kernels."""
     if cls in COMPUTE_CLASSES:
         return list(modes)
-    if cls in ("elementwise", "norm", "softmax", "reduce"):
+    if cls in ("elementwise", "norm", "softmax", "reduce", "pool"):
         return [m for m in modes if m in ("fp32", "bf16")]
     return [m for m in modes if m == "fp32"]
 
@@ -222,6 +223,8 @@ def cases(size: str = "full") -> list[Case]:
         ch = 4 if tiny else 64
         hw = max(int(math.isqrt(max(n // (ch * 8), 1))), 1)
         add("norm", f"batchnorm{n}", 8, ch, hw)
+        add("pool", f"maxpool{n}", "max", 8, ch, hw)
+        add("pool", f"avgpool{n}", "avg", 8, ch, hw)
     # optimizer: (tensors, elements each)
     opt_sizes = [2 ** 6, 2 ** 10] if tiny else [2 ** k for k in range(10, 22 if quick else 25, 2)]
     k = 4 if tiny else 16
@@ -330,6 +333,11 @@ def build_case(c: Case, device: str, mode: str) -> dict | None:
         rm, rv = torch.zeros(ch, device=dev), torch.ones(ch, device=dev)
         return with_grad(lambda: F.batch_norm(x, rm, rv, w, b, training=True), [x, w, b], "BatchNorm",
                          [x, w, b, rm, rv], ("norm", "norm_bwd"))
+    if c.cls == "pool":
+        kind, n, ch, hw = p
+        x = act(n, ch, hw, hw)
+        f = (lambda: F.max_pool2d(x, 3, 1, 1)) if kind == "max" else (lambda: F.avg_pool2d(x, 3, 1, 1))
+        return with_grad(f, [x], "Pool2d", [x], ("pool", "pool_bwd"))
     if c.cls.startswith("optimizer_"):
         k, s = p
         ps = [torch.nn.Parameter(torch.randn(s, device=dev)) for _ in range(k)]
