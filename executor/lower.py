@@ -386,7 +386,8 @@ class Lowered:
         """Chains of parallel operators on activations (each intermediate tensor read by the next
         operator only) whose input and output sit one piece per device on one device set that forms a
         DeviceMesh become one DTensor redistribution each (:mod:`executor.dtensor`), run by the chain's
-        last operator; the others keep the collectives below.  Greedy: from the start of a chain, the
+        last operator -- or nothing, when every device already holds its output piece (kind "none": a
+        Combine undone by a Partition); the others keep the collectives below.  Greedy: from the start of a chain, the
         longest run of operators that fits.  A tensor the loss may be computed on (back from the model's
         output through ``LOSS_WALK`` operators, see ``Trainer._loss_ref``) ends a chain, so it exists."""
         g = self.g
@@ -428,7 +429,7 @@ class Lowered:
                     for j in range(len(chain) - 1, i - 1, -1):
                         end = (chain[j], 0)
                         rd = plan_redistribution(g.shape(head), self.place[head], g.shape(end), self.place[end])
-                        if rd is not None and rd.kind != "none":
+                        if rd is not None:
                             hit = (j, rd)
                             break
                 if hit is None:
@@ -437,13 +438,15 @@ class Lowered:
                 j, rd = hit
                 self.redist[chain[j]] = (head, rd)
                 self.fused.update(chain[i:j])
-                for sl in rd.mesh.slices():
-                    self.groups.add(sl)
+                if rd.kind != "none":
+                    for sl in rd.mesh.slices():
+                        self.groups.add(sl)
                 i = j + 1
 
     def redistributions(self) -> list[tuple[int, Redistribution]]:
-        """(last operator, redistribution) of every DTensor movement of the plan (all ranks alike)."""
-        return sorted((i, rd) for i, (_, rd) in self.redist.items())
+        """(last operator, redistribution) of every DTensor movement of the plan (all ranks alike; not
+        the chains that move nothing)."""
+        return sorted((i, rd) for i, (_, rd) in self.redist.items() if rd.kind != "none")
 
     # --- parallel operators on activations ---------------------------------------------------------------
     def _lower_parallel(self, n) -> Step:
@@ -454,7 +457,10 @@ class Lowered:
             return Step(n.id, n.op, "parallel", [], attrs=dict(a), combine=("fused",))
         if n.id in self.redist:
             head, rd = self.redist[n.id]
-            st = Step(n.id, n.op, "parallel", [], attrs=dict(a), combine=("dtensor", rd))
+            # kind "none": every device already holds its output piece (e.g. Combine then Partition
+            # back on the same devices): the piece itself, no message
+            st = Step(n.id, n.op, "parallel", [], attrs=dict(a),
+                      combine=("one",) if rd.kind == "none" else ("dtensor", rd))
             if self.rank in rd.mesh.devices:
                 st.inputs = [Source("local", head)]
                 st.outputs = [(n.id, 0)]

@@ -41,6 +41,10 @@ def _plans():
         # column-split activations re-split on the batch: an all-to-all
         "combine+partition": (H.rebuild(gm, {"x": R2, "a.weight": [("Partition", 1, 2)], "b.weight": R2, "c.weight": R2},
                                         after={2: [("Combine", 1, 2), ("Partition", 0, 2)]}), mlp, 2),
+        # a Combine undone by a Partition on the same devices: nothing moves
+        "combine+partition back": (H.rebuild(gm, {"x": R2, "a.weight": [("Partition", 1, 2)], "b.weight": [("Partition", 0, 2)],
+                                                  "c.weight": R2}, after={2: [("Combine", 1, 2), ("Partition", 1, 2)]}),
+                                   mlp, 2),
         # 2-D mesh: batch x2 times Megatron x2, partial sums reduced into finer batch shards
         "2d reduce+partition": (H.rebuild(gm, {"x": [("Partition", 0, 2), ("Replicate", 2)],
                                                "a.weight": [("Partition", 1, 2), ("Replicate", 2)],
@@ -62,6 +66,7 @@ EXPECT = {
     "reduce+partition": ("reduce_scatter", (2,), (("P",),), (("S", 0),), 1),
     "combine+partition": ("all_to_all", (2,), (("S", 1),), (("S", 0),), 1),
     "reduce+partition at the output": ("reduce_scatter", (2,), (("P",),), (("S", 0),), 1),
+    "combine+partition back": ("none", (2,), (("S", 1),), (("S", 1),), 1),
     "2d reduce+partition": ("reduce_scatter", (2, 2), (("P",), ("S", 0)), (("S", 0), ("S", 0)), 1),
     "2d all_reduce": ("all_reduce", (2, 2), (("P",), ("S", 0)), (("R",), ("S", 0)), 0),
 }
@@ -75,7 +80,20 @@ def plans():
     return out
 
 
-@pytest.mark.parametrize("name", sorted(EXPECT))
+def test_combine_undone_by_partition_moves_nothing(plans):
+    plan, _, world = plans["combine+partition back"]
+    for r in range(world):
+        low = lower(plan.pcg, plan.views, r, world, plan.machine)
+        assert not low.redistributions() and len(low.fused) == 1
+        part = next(s for s in low.steps if s.op == "Partition" and s.kind == "parallel")
+        comb = next(s for s in low.steps if s.op == "Combine" and s.node in low.fused)
+        assert part.combine == ("one",) and part.inputs[0].kind == "local" and not part.exchanges
+        assert tuple(part.inputs[0].ref) == tuple(plan.pcg.node(comb.node).inputs[0])   # the Combine's input piece
+    old = lower(plan.pcg, plan.views, 0, world, plan.machine, dtensor=False)
+    assert {s.combine[0] for s in old.steps if s.kind == "parallel"} >= {"gather", "scatter"}
+
+
+@pytest.mark.parametrize("name", sorted(k for k in EXPECT if EXPECT[k][0] != "none"))
 def test_chain_of_parallel_operators_lowers_to_one_redistribution(plans, name):
     plan, _, world = plans[name]
     kind, mesh_shape, src, dst, fused = EXPECT[name]
@@ -187,15 +205,17 @@ def _check(plans, names, world, targets=None):
         H.assert_same(refs[path], (losses, state), what=name)
         kind, mesh_shape, src, dst, _ = EXPECT[name]
         # one redistribution per step, on every rank (5 steps), with the planned placements
+        per_step = 0 if kind == "none" else 1
         for r in range(world):
-            assert sum(got[r][i][2].values()) == 5, (name, r, got[r][i][2])
-        (key, n), = calls.items()
-        assert n == 5 and len(key[0]) == len(mesh_shape), (name, calls)
+            assert sum(got[r][i][2].values()) == 5 * per_step, (name, r, got[r][i][2])
+        if per_step:
+            (key, n), = calls.items()
+            assert n == 5 and len(key[0]) == len(mesh_shape), (name, calls)
 
 
 def test_two_processes_train_through_dtensor_redistributions(plans):
     _check(plans, ["all_reduce", "reduce+replicate", "combine+replicate", "reduce+partition", "combine+partition",
-                   "reduce+partition at the output"], 2)
+                   "reduce+partition at the output", "combine+partition back"], 2)
 
 
 def test_nonlinear_loss_on_redistributed_outputs(plans):
