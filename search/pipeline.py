@@ -66,7 +66,7 @@ from __future__ import annotations
 
 import math
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from fractions import Fraction
 from math import gcd
 from typing import Any, Callable, Iterable, Mapping, Sequence
@@ -505,6 +505,8 @@ class PipelineResult:
     search_s: float = 0.0
     stats: dict = field(default_factory=dict)
     comm_elements: int = 0            # elements sent by all devices per iteration
+    rules: tuple | None = None        # RuleSteps reaching ``pcg`` from the logical model (see by_rules)
+    origin: dict | None = field(default=None, repr=False)   # what by_rules needs: stages' nodes of the model
 
     @property
     def num_stages(self) -> int:
@@ -759,6 +761,7 @@ def search_pipeline(pcg: PCG, mapper_or_cost_model: MachineMapper | CostModel, *
         return None
     _, M, plan, ev = best
     result = _assemble(pcg, graphs[M], plan, M, ev, machine)
+    result.origin = _origin(layers, info, plan, ev, intra is default_intra)
     result.search_s = time.perf_counter() - t0
     result.stats = dict(stats, estimate_s=ev["estimate"], makespan_s=ev["makespan"])
     return result
@@ -794,6 +797,7 @@ def evaluate_pipeline(pcg: PCG, mapper_or_cost_model: MachineMapper | CostModel,
     gM = rebatch(pcg, B, B // micro_batches)
     ev = _evaluate(gM, roles, info, layers, plan, micro_batches, mapper, intra or default_intra, machine)
     out = _assemble(pcg, gM, plan, micro_batches, ev, machine, stitch)
+    out.origin = _origin(layers, info, plan, ev, (intra or default_intra) is default_intra)
     out.search_s = time.perf_counter() - t0
     out.stats = {"layers": len(layers), "makespan_s": ev["makespan"]}
     return out
@@ -1041,6 +1045,13 @@ def _evaluate(gM, roles, info, layers, plan, M, mapper, intra, machine, memo=Non
 
 # --- stitching the stages into one PCG ----------------------------------------------------------
 
+def _origin(layers, info: "_Cuts", plan, ev: dict, dp_inside: bool) -> dict:
+    """The model's node ids of every stage and the data-parallel degree inside it (for :func:`by_rules`)."""
+    nodes = [[n for u in range(layers[k][0], layers[i - 1][1]) for n in info.units[u]] for k, i, _, _ in plan]
+    degrees = [_max_degree(p.pcg) if p.pcg is not None else 1 for p in ev["priced"]]
+    return {"stage_nodes": nodes, "degrees": degrees, "dp_inside": dp_inside}
+
+
 def _assemble(pcg: PCG, gM: PCG, plan, M: int, ev: dict, machine: MachineSpec, stitch: bool = True
               ) -> PipelineResult:
     S = len(plan)
@@ -1156,6 +1167,141 @@ def _stitch(pcg: PCG, gM: PCG, priced: Sequence[_Priced], plan, machine: Machine
     return g, views, [sorted(ms, key=pos.__getitem__) for ms in members]
 
 
+# --- the plan by rules --------------------------------------------------------------------------------
+
+def by_rules(pcg: PCG, result: PipelineResult, machine: MachineSpec, book=None) -> PipelineResult | None:
+    """The same plan reached by the shipped rules from the logical ``pcg`` (issue 7 point 1), or None.
+
+    The stages are a mapping decision (which devices run which nodes, the 1F1B schedule); the PCG
+    inside them is data parallelism by rules: each stage's compute operators get their ``dp_<Op>``
+    rule at the stage's degree, in topological order with the cancellations after each
+    (:func:`search.substitution.data_parallel_steps`, restricted to the stage), then the
+    cancellations over the whole graph; the outputs are trimmed of their gathers as every plan.  The
+    result is the rule-reached PCG, the stitched plan's views and stage nodes carried over node by node
+    (matched by structural hash with parallel dims counted from the front: the hand-built stages and
+    the rules write them differently), and ``rules`` the sequence (replayed on a fresh import it gives
+    the plan's structural hash).  None when the stages are not data parallel inside (Megatron's stages
+    have no rule sequence yet), the plan was not stitched, or the rules do not reach the stitched PCG
+    (or its stages would not be contiguous in the rule-reached PCG's topological order)."""
+    info = result.origin
+    if result.pcg is None or not result.feasible or info is None or not info.get("dp_inside"):
+        return None
+    if any(n.kind == "parallel" for n in pcg.nodes()):
+        return None
+    from .substitution import RuleBook, cancel_steps, trimmed
+    book = book or RuleBook()
+    g, steps = pcg, []
+    for nodes, d in zip(info["stage_nodes"], info["degrees"]):
+        if d > 1:
+            g, st = _dp_steps_on(g, set(nodes), d, book)
+            steps.extend(st)
+    g, more = cancel_steps(g, book)
+    steps.extend(more)
+    g = trimmed(g)
+    ids = _match_nodes(g, result.pcg, result.views)
+    if ids is None:
+        return None
+    views = {ids[k]: v for k, v in result.views.items() if k in ids}
+    pos = {nid: i for i, nid in enumerate(g.topo_order())}
+    # sources left out (they belong to the stage of their first consumer): the rules keep the model's
+    # source ids, which the topological order puts first
+    stages = tuple(replace(st, nodes=tuple(sorted((ids[n] for n in st.nodes if n in ids
+                                                   and g.node(ids[n]).kind != "source"), key=pos.__getitem__)))
+                   for st in result.stages)
+    from unity_pcg.plan import validate_pipeline_field as _valid
+    try:
+        _valid({"schedule": SCHEDULE, "micro_batches": result.micro_batches,
+                "stages": [{"nodes": list(st.nodes), "devices": list(st.devices)} for st in stages]},
+               g, views, machine)
+    except UnityError:
+        return None
+    g.meta.update(result.pcg.meta)
+    out = replace(result, pcg=g, views=views, stages=stages, rules=tuple(steps))
+    return out
+
+
+def _dp_steps_on(g: PCG, nodes: set, degree: int, book):
+    """:func:`search.substitution.data_parallel_steps` on the compute operators ``nodes`` of ``g`` only."""
+    from unity_pcg.substitutions import iter_matches, try_apply
+    from .substitution import RuleStep, _dp_rule_names, _window_index, cancel_steps, new_ids
+    steps: list = []
+    for nid in [i for i in g.topo_order() if i in nodes]:
+        if nid not in g:
+            continue
+        n = g.node(nid)
+        if n.kind != "compute":
+            continue
+        rank = g.shape(n.inputs[0]).rank if n.inputs else 0
+        done = False
+        for name in _dp_rule_names(n.op, book):
+            r = book.by_name.get(name)
+            if r is None or done:
+                continue
+            for m in iter_matches(r, g, _window_index(g, [nid]), None, (degree,)):
+                b = m.binding
+                if "d" in b and b["d"] != -rank:        # the sample dim
+                    continue
+                g2 = try_apply(g, m)
+                if g2 is None:
+                    continue
+                steps.append(RuleStep.of(m))
+                window = set(new_ids(g, g2))
+                g = g2
+                for k in list(window):
+                    window |= {r[0] for r in g.node(k).inputs}
+                    window |= {c for c, _ in g.consumers((k, 0))}
+                g, more = cancel_steps(g, book, window)
+                steps.extend(more)
+                done = True
+                break
+    return g, steps
+
+
+def _normal_hashes(g: PCG) -> dict:
+    """Node id -> structural hash with parallel operators' dims and compute operators' integer axes
+    counted from the front (as :func:`search.substitution.normalized_hash`)."""
+    from unity_pcg.pcg import Node
+    b = g.edit()
+    for n in g.nodes():
+        a = n.a
+        if n.kind == "parallel" and "dim" in n.a:
+            a = dict(n.a, dim=n.a["dim"] % g.shape(n.inputs[0]).rank)
+        elif (n.kind == "compute" and n.inputs and type(n.a.get("axis")) is int
+              and -g.shape(n.inputs[0]).rank <= n.a["axis"] < 0):     # rules bind an axis from the end
+            a = dict(n.a, axis=n.a["axis"] % g.shape(n.inputs[0]).rank)
+        if a != n.a:
+            b._nodes[n.id] = Node(n.id, n.op, tuple(sorted(a.items())), n.inputs, n.name)
+            b._hashes.pop(n.id, None)
+            b._dirty.add(n.id)
+    h = b.finish()
+    return {i: h.node_hash(i) for i in h.node_ids()}
+
+
+def _match_nodes(new: PCG, old: PCG, views: dict) -> dict | None:
+    """Old node id -> new node id for two PCGs equal up to ids and parallel dims' sign (None if they
+    differ, or if structurally identical nodes of ``old`` run on different views)."""
+    hn, ho = _normal_hashes(new), _normal_hashes(old)
+    by_new: dict = {}
+    for i in new.topo_order():
+        by_new.setdefault(hn[i], []).append(i)
+    by_old: dict = {}
+    for i in old.topo_order():
+        by_old.setdefault(ho[i], []).append(i)
+    if {k: len(v) for k, v in by_new.items()} != {k: len(v) for k, v in by_old.items()}:
+        return None
+    outs_n = [(hn[r[0]], r[1]) for r in new.outputs]
+    outs_o = [(ho[r[0]], r[1]) for r in old.outputs]
+    if outs_n != outs_o:
+        return None
+    ids: dict = {}
+    for k, olds in by_old.items():
+        if len(olds) > 1 and len({views.get(i) for i in olds}) > 1:
+            return None
+        ids.update(zip(olds, by_new[k]))
+    return ids
+
+
+
 def _to_logical(b, src, devs: Sequence[int], views: dict, mine: list):
     """Reduce and Combine ``src`` to one piece on the receiving stage's devices (contiguous views)."""
     s = b.shape(src)
@@ -1234,7 +1380,7 @@ def main(argv: Sequence[str] | None = None) -> int:
 
 __all__ = ["search_pipeline", "evaluate_pipeline", "simulate_1f1b", "schedule_1f1b", "in_flight", "PipelineResult",
            "PipelineStage", "PipelineError", "Timeline", "rebatch", "stage_graph", "sequential_layers", "default_intra",
-           "megatron_intra",
+           "megatron_intra", "by_rules",
            "validate_pipeline_field", "batch_size", "SCHEDULE"]
 
 
