@@ -561,10 +561,14 @@ def optimize(model, machine, budget_s: float | None = None, alpha: float = 1.05,
         if pipeline and strategy == "unity" and (n_dev > 1 or not final.feasible) and not interrupted:
             pipe = _pipeline(g, ev, max(end - time.perf_counter(), budget_s * 0.05))
             if pipe is not None and pipe.feasible and (not final.feasible or pipe.cost < final.cost):
-                # pipeline stages with data parallelism inside (search/pipeline.py): built by the
-                # stage DP, not by rules, so the plan records no rule sequence
+                # pipeline stages (search/pipeline.py): a mapping decision of the stage DP; the PCG
+                # inside them, data parallelism, reached by rules where it can be (pipeline.by_rules:
+                # the sequence is recorded); Megatron's stages record none
+                from .pipeline import by_rules
+                pipe = by_rules(g, pipe, ev.machine) or pipe
                 pipe_plan = pipe
-                pg, steps, rules_json = pipe.pcg, [], None
+                steps = list(pipe.rules or ())
+                pg, rules_json = pipe.pcg, (tuple(s.to_json() for s in steps) if pipe.rules is not None else None)
                 final = _PipelineMapping(pipe, n_dev)
                 stats = dict(stats, chosen="pipeline", pipeline_stages=pipe.num_stages,
                              micro_batches=pipe.micro_batches)
