@@ -157,7 +157,8 @@ def resolve(plan) -> tuple[int, list[StagePlan]]:
                 what = "a single-device" if len(devices[i]) == 1 else f"a {len(devices[i])}-device"
                 raise PipelineError(f"plan: node {n.label()} ({n.op}) runs {deg} task(s) inside {what} pipeline "
                                     f"stage whose operators run {K}; the executor runs stages whose operators are "
-                                    f"data parallel on the same devices")
+                                    f"all data parallel on the same devices (no tensor/Megatron parallelism inside "
+                                    f"a stage)")
             devs = tuple(v.devices()) if v is not None else (devices[i][:1] if K == 1 else None)
             if K > 1:
                 _check_batch_split(g, n, K)

@@ -276,3 +276,20 @@ def test_pipelined_batchnorm_running_statistics_per_micro_batch(work, capfd):
     np.testing.assert_allclose(saved["bn.running_mean"].numpy(), rm.numpy(), rtol=1e-5, atol=1e-7)
     np.testing.assert_allclose(saved["bn.running_var"].numpy(), rv.numpy(), rtol=1e-5, atol=1e-7)
     assert not np.allclose(rm.numpy(), w["bn.running_mean"].numpy())
+
+
+def test_megatron_inside_a_stage_is_refused_in_one_line(work, tmp_path):
+    """Tensor parallelism inside a stage (the column->row pair of proven rule megatron_mlp_column_row) is
+    not run: refused before start, naming it."""
+    from tests.executor import dist_helpers as H
+    from tests.executor.models import mlp_nobias
+    from tests.executor.runtime_plans import _save
+    model = mlp_nobias()
+    g = H.apply_rule(H.load(model), "megatron_mlp_column_row")
+    plan = H.make_plan(g, model, 2)
+    field = {"schedule": "1F1B", "micro_batches": 2,
+             "stages": [{"nodes": [n.id for n in g.nodes() if n.kind != "source"], "devices": [0, 1]}]}
+    pl = P.load(_save(g, plan.views, model, str(tmp_path / "meg.json"), plan.machine, pipeline=field))
+    with pytest.raises(PipelineError, match="Megatron") as e:
+        check_pipeline(pl)
+    assert "\n" not in str(e.value)
