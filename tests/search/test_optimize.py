@@ -95,7 +95,11 @@ def test_pipeline_is_taken_only_when_faster(tmp_path):
     assert off.plan.pipeline is None
     assert on.predicted_iteration_s <= off.predicted_iteration_s * (1 + 1e-9)
     if on.plan.pipeline is not None:
-        assert on.stats["chosen"] == "pipeline" and on.plan.rules is None
+        assert on.stats["chosen"] == "pipeline"
+        # the PCG inside data-parallel stages is reached by rules (pipeline.by_rules) and replays
+        assert on.plan.rules is not None
+        assert replay(g, [RuleStep.from_json(s) for s in on.plan.rules],
+                      trim_outputs=True).structural_hash() == on.plan.pcg.structural_hash()
         assert len(on.plan.pipeline["stages"]) >= 2
         on.plan.save(str(tmp_path / "p.json"))
         assert P.load(str(tmp_path / "p.json")).pipeline == on.plan.pipeline
