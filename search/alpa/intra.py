@@ -43,13 +43,26 @@ sum-to-one formulation of Alpa's prototype: edge variables e_uv over pairs of *l
 that give the producer the same output layout, or the consumer the same input layout, share their
 rows / columns, which keeps e_uv small and the formulation exact), with sum_j e_ij = (sum of s_u over
 algorithms of layout i) and sum_i e_ij likewise for v; pairs that cannot be resharded get no variable.
-Memory (``memory_budget``, default the device capacity): the sum over anchors of the busiest device's
-bytes of their fragments (weights + gradients + optimizer states + the group's activations, kept as the
-real graph keeps them), plus, per edge variable, the resharded tensor when the consumer keeps it for its
-backward pass, must fit.  In training every kept activation is live at the end of the forward pass, which
-is where Alpa prototype's per-liveness-step constraint binds, so this total is that step's constraint (not
-one row per step).  It matches :func:`search.memory.memory_per_device` of the plan within a few percent on
-GPT and exactly on MLPs; the plan's ``memory_bytes`` is the latter.
+Memory (``memory_budget``, default the device capacity): one constraint per liveness step, as Alpa's
+prototype.  The steps are the training step's: every anchor group's forward pass in topological order,
+then their backward passes in reverse.  Each group's bytes on its fragment's busiest device are split
+into weights + gradients + optimizer states (live at every step) and activations: an output kept for the
+backward pass lives from its producer's forward step to its last backward use (the earliest anchor that
+saves it), one nobody keeps until its last consumer's forward step, the gradient of an output from its
+last consumer's backward step to its producer's, the group's other kept bytes (resharding inside it)
+from its forward to its backward step; a resharded tensor an edge's consumer keeps lives from the
+consumer's forward to its backward step (:meth:`IntraProblem.memory_steps`).  Only steps that can bind
+get a row (:meth:`IntraProblem.liveness_rows`): steps where some interval ends (elsewhere the live set
+grows into the next step), identical live sets once, none whose live set is inside another's, none
+below a nearby or a largest row for every choice (the sum over anchors of the largest coefficient
+difference is <= 0), none whose largest possible value fits the budget; and those rows are added
+lazily: the ILP is solved, the steps where the choice exceeds the budget get their rows (the four most
+violated), and it is solved again (each row is valid, so the final choice, fitting at every step, is
+optimal).  The end-of-forward total, the single row this pass had before (:meth:`memory_end_of_forward`,
+``solve(..., liveness=False)``), is a lower bound of the peak: the gradients of the last operators'
+outputs (a GPT's logits) live on top of every kept activation at the first backward step.  The peak
+counts what our memory model (:func:`search.memory.memory_per_device`, kept activations only) does not,
+so it is at least the plan's ``memory_bytes`` up to a few percent.
 
 **Solver: HiGHS (highspy), presolve off, the LP relaxation first.**  Measured on the same ILPs
 (benchmarks/alpa_intra_bench.py -> results/alpa_intra.md, one DGX A100 node, wall seconds on a loaded 2-core
