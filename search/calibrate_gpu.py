@@ -18,7 +18,8 @@ LayerNorm, the embedding (fp32 tables) and the optimizer (fp32 master weights an
   step (``optimizer_sgd``, ``optimizer_adam``: ``torch.optim`` defaults, foreach on CUDA, over equal
   fp32 tensors; per tensor).  Forward and backward
   (``torch.autograd.grad`` of the forward's output with respect to every operand that needs a
-  gradient, the graph kept).
+  gradient, the graph kept; short kernels: one call over up to 16 independent copies, divided by the
+  copies, so the engine's start is shared as in a whole backward pass, :func:`joint_backward`).
 * Timing (:func:`make_timer`): a sample is a loop of calls between two CUDA events (``perf_counter`` on
   a CPU) lasting about a millisecond, so a kernel shorter than its launch is priced at the rate the host
   issues it, as in a training step; the median of the samples after warm-up.
@@ -281,7 +282,8 @@ def build_case(c: Case, device: str, mode: str) -> dict | None:
         def bwd():
             torch.autograd.grad(holder["y"], operands, holder["g"], retain_graph=True)
         work = kernel_work(op, [_shape(t) for t in ins], [_shape(t) for t in outs], kind=kind, flops=flops)
-        return {"fwd": f, "bwd": bwd, "work": work, "names": names, "key_mode": _mode_key(c.cls, mode, y.dtype)}
+        return {"fwd": f, "bwd": bwd, "work": work, "names": names, "key_mode": _mode_key(c.cls, mode, y.dtype),
+                "graph": (holder["y"], list(operands), holder["g"])}
 
     if c.cls == "matmul":
         m, k, n = p
@@ -411,6 +413,26 @@ def make_table(points: Iterable[tuple[float, float]]) -> list[list[float]]:
 
 # --- measuring ------------------------------------------------------------------------------------------
 
+def backward_copies(forward_s: float) -> int:
+    """Independent copies of a kernel whose backwards run in one ``autograd.grad`` call (see
+    :func:`joint_backward`): many for short kernels, whose time one call's engine start would dominate."""
+    return 16 if forward_s < 5e-5 else 4 if forward_s < 5e-4 else 1
+
+
+def joint_backward(built: list[dict]) -> Callable[[], Any]:
+    """One ``torch.autograd.grad`` call over the kept graphs of several independent copies of a case
+    (``build_case`` results): as in a training step's backward pass, the engine starts once for many
+    nodes, so a short kernel is not charged a whole call's start; the time is divided by the copies."""
+    import torch
+    ys = [b["graph"][0] for b in built]
+    ins = [t for b in built for t in b["graph"][1]]
+    gs = [b["graph"][2] for b in built]
+
+    def bwd():
+        torch.autograd.grad(ys, ins, gs, retain_graph=True)
+    return bwd
+
+
 def measure_cases(device: str, modes: Sequence[str], size: str = "full", timer: Timer | None = None,
                   classes: Sequence[str] | None = None, warmup: int = 3, reps: int = 7,
                   quiet: bool = False) -> list[dict]:
@@ -436,7 +458,14 @@ def measure_cases(device: str, modes: Sequence[str], size: str = "full", timer: 
                     if b is None:
                         continue
                     tf = timer(b["fwd"], warmup, reps) / b.get("per_call", 1)
-                    tb = timer(b["bwd"], warmup, reps) if b["bwd"] is not None else None
+                    tb = None
+                    if b["bwd"] is not None:
+                        k = backward_copies(tf)
+                        if k > 1 and "graph" in b:
+                            tb = timer(joint_backward([b] + [build_case(c, device, mode) for _ in range(k - 1)]),
+                                       warmup, reps) / k
+                        else:
+                            tb = timer(b["bwd"], warmup, reps)
                 except oom:
                     _say(f"  {mode} {c.cls} {c.label}: out of memory, skipped", quiet)
                     b = None
@@ -716,6 +745,6 @@ def calibrate_device(device: str = "cuda", precision: str | None = None, size: s
 
 
 __all__ = ["MODES", "CLASSES", "COMPUTE_CLASSES", "MEMORY_CLASSES", "OPTIMIZER_CLASSES", "Case", "cases",
-           "case_modes", "build_case", "make_timer", "math_mode", "fit_affine", "fit_predict",
+           "case_modes", "build_case", "backward_copies", "joint_backward", "make_timer", "math_mode", "fit_affine", "fit_predict",
            "make_table", "measure_cases", "fit_rows", "measure_collectives", "fit_collective", "machine_json",
            "calibrate_device", "base_preset", "CalibrationError"]
