@@ -367,9 +367,31 @@ def pinned_views(g: PCG, machine=None) -> dict:
     embedding tables, round-robin), for :meth:`search.mapping.MachineMapper.optimize`.  Pins of nodes
     that are not one-task operators of ``g``, or that name a device outside ``machine``, are ignored
     (a PCG rewritten by the search keeps its meta but not necessarily those nodes)."""
+    return _views_of(g, dict(g.meta.get("pinned") or {}), machine)
+
+
+def table_pins(g: PCG, machine) -> dict:
+    """Machine views placing the one-task table lookups of ``g`` (an Embedding of a trainable table
+    kept whole, as the search's expert seed leaves them) round-robin on the devices, with the
+    one-task operators that only feed or pool them (as :func:`expert` pins its tables); {} when
+    ``g`` has fewer than two.  A hint for the machine-mapping DP: it finds such a placement by itself
+    (on DLRM at 96 GPUs the unpinned optimum equals the pinned cost), but with dozens of single-device
+    branches of ~100 views each its solve takes ~20 s per segment, over the search's per-candidate
+    limit."""
+    from .substitution import is_table_lookup
+    look = [n.id for n in (g.node(i) for i in g.topo_order()) if n.kind == "compute" and is_table_lookup(g, n)
+            and all(s.piece_count == 1 for s in g.shapes(n.id))
+            and all(g.shape(r).piece_count == 1 for r in n.inputs)]
+    if len(look) < 2 or machine.num_devices < 2:
+        return {}
+    pins = _chain_pins(g, {nid: k % machine.num_devices for k, nid in enumerate(look)})
+    return _views_of(g, pins, machine)
+
+
+def _views_of(g: PCG, pins: dict, machine) -> dict:
     from unity_pcg.machine import MachineView
     out = {}
-    for k, dev in dict(g.meta.get("pinned") or {}).items():
+    for k, dev in pins.items():
         try:
             nid, dev = int(k), int(dev)
         except (TypeError, ValueError):

@@ -180,7 +180,7 @@ class Evaluator:
             self.calls += 1
             try:
                 with _time_limit(self.limit_s if limited is True else (limited or None)):
-                    r = self.mapper.optimize(g, resource=resource)
+                    r = self.mapper.optimize(g, resource=resource, fixed=self.pins(g, resource))
                 c = self._memo[key] = r.cost if r.feasible else INF
             except _Timeout:            # remembered for limited calls only
                 self.timeouts += 1
@@ -198,11 +198,33 @@ class Evaluator:
                 t += f + b
         return t
 
+    def pins(self, g: PCG, resource: Resource | None = None):
+        """Views fixed for the DP: a fixed strategy's pins (``meta["pinned"]``), else the round-robin
+        placement of one-task embedding tables (:func:`search.baselines.table_pins`) on the whole
+        machine; None: the DP's default (the meta pins)."""
+        if g.meta.get("pinned") or (resource is not None and resource != Resource.whole(self.machine)):
+            return None
+        from .baselines import table_pins
+        return table_pins(g, self.machine) or None
+
     def full(self, g: PCG, resource: Resource | None = None):
-        return self.mapper.optimize(g, resource=resource)
+        return self.mapper.optimize(g, resource=resource, fixed=self.pins(g, resource))
 
 
 # --- the searches ----------------------------------------------------------------------------------------
+
+def megatron_seed_degrees(m: MachineSpec, dp_degrees) -> dict[int, int]:
+    """{data-parallel degree d: tensor-parallel degree k} of the Megatron seeds, d * k = the machine:
+    k = nodes on data parallelism inside each node (Alpa's CANDLE-Uno layout), k = devices per node
+    on data parallelism across nodes (Megatron-LM's), and k = 2 (the smallest split of the weights,
+    CANDLE-Uno's 4,192-wide layers on one node: 6 = 3 x 2)."""
+    n = m.num_devices
+    out: dict = {}
+    for k in (m.nodes, m.devices_per_node, 2):
+        if k > 1 and n % k == 0 and n // k in dp_degrees and n // k not in out:
+            out[n // k] = k
+    return out
+
 
 def _segment_search(g: PCG, book: RuleBook, ev: "Evaluator", dp_degrees, dp_deg: int, k: int,
                     max_candidates: int, alpha: float, progress, deadline: float):
@@ -216,6 +238,12 @@ def _segment_search(g: PCG, book: RuleBook, ev: "Evaluator", dp_degrees, dp_deg:
     totals = {"segments": len(segs), "distinct_segments": len(uniq), "explored": 0, "evaluated": 0,
               "stopped": []}
     interrupted = False
+    tp_seeds = megatron_seed_degrees(ev.machine, dp_degrees)
+    # data-parallel seeds: the full degree, the Megatron seeds' data-parallel degrees and one node (each
+    # seed is a rule sequence over the segment and a DP solve: every machine degree cost ~10 s per
+    # segment at 96 GPUs, most of them never competitive)
+    seed_degrees = {dp_deg, *tp_seeds} | ({ev.machine.devices_per_node} & set(dp_degrees))
+    totals["seed_degrees"] = sorted(seed_degrees)
     for i, key in enumerate(uniq):
         seg = next(s for s in segs if s.key == key)
         cg = seg.canon
@@ -234,9 +262,11 @@ def _segment_search(g: PCG, book: RuleBook, ev: "Evaluator", dp_degrees, dp_deg:
 
         start = [Candidate(evaluate(cg)[0], cg, ())]
         dp_seed = None
-        for d in sorted(dp_degrees, key=lambda d: (d != dp_deg, -d)):
+        for d in sorted(seed_degrees, key=lambda d: (d != dp_deg, -d)):
             if interrupted:
                 break
+            if d != dp_deg and time.perf_counter() > deadline:
+                break               # past the deadline: only the full-degree seed (the floor needs it)
             try:
                 x, st = data_parallel_steps(cg, d, book)
             except KeyboardInterrupt:
@@ -244,7 +274,9 @@ def _segment_search(g: PCG, book: RuleBook, ev: "Evaluator", dp_degrees, dp_deg:
                 break
             if not st:
                 continue
-            c = Candidate(evaluate(x)[0] if d == dp_deg else None, x, tuple(st))
+            # the full-degree dp seed is priced without a time limit (a data-parallel graph solves fast,
+            # and the segment's floor and the dp-by-rules floor need it)
+            c = Candidate(ev.cost(trimmed(x), limited=False) if d == dp_deg else None, x, tuple(st))
             start.append(c)
             if d == dp_deg:
                 dp_seed = c
@@ -257,17 +289,23 @@ def _segment_search(g: PCG, book: RuleBook, ev: "Evaluator", dp_degrees, dp_deg:
                     except KeyboardInterrupt:
                         interrupted = True
                         break
-                    start.append(Candidate(None, y, tuple(st2)))
+                    # priced now, with a longer limit than a candidate's: many single-device
+                    # tables side by side have many machine views and solve slowly
+                    ce = ev.cost(trimmed(y), limited=max(ev.limit_s or 0.0, share / 3, 1.0))
+                    start.append(Candidate(ce, y, tuple(st2)))
                     totals["expert_seeds"] = totals.get("expert_seeds", 0) + 1
-            if d == ev.machine.devices_per_node and ev.machine.nodes > 1:
-                # Megatron pairs across the nodes on data parallelism inside them (Alpa's layout)
+                    totals.setdefault("expert_seed_s", []).append(ce if math.isfinite(ce) else None)
+            tp = tp_seeds.get(d)
+            if tp:
+                # Megatron pairs (and column-split tables) of degree tp on data parallelism of degree d
                 try:
-                    y, st2 = tensor_parallel_steps(x, ev.machine.nodes, book)
+                    y, st2 = tensor_parallel_steps(x, tp, book)
                 except KeyboardInterrupt:
                     interrupted = True
                     break
                 if st2:
                     start.append(Candidate(None, y, tuple(st) + tuple(st2)))
+                    totals["tp_seeds"] = totals.get("tp_seeds", 0) + 1
 
         def expand(c: Candidate):
             for m, x in neighbours(c.graph, book.rules, book.degrees):
@@ -500,7 +538,7 @@ def optimize(model, machine, budget_s: float | None = None, alpha: float = 1.05,
         deadline = max(end - pipe_share - finish, time.perf_counter())
 
         def left_for_pricing() -> float:      # a whole-graph solve of the search's result, time-limited
-            return max(0.5, min(max(10.0, budget_s / 3), end - pipe_share - time.perf_counter()))
+            return max(finish, min(max(10.0, budget_s / 3), end - pipe_share - time.perf_counter()))
         floor: list = []
         cands: list = []
         try:
@@ -513,8 +551,11 @@ def optimize(model, machine, budget_s: float | None = None, alpha: float = 1.05,
                 # when it is the hand-built dp PCG its solve costs what dp_res cost (cheap), so it is
                 # priced without a time limit: a plan reached by rules always exists
                 floor.append(_price_dp_by_rules(ev, g, book, dpg, dpst, dp_pg, left_for_pricing, stats))
+                stats["phase_s"] = {"segments": time.perf_counter() - t0}
                 if out is not None:
                     cands.append((ev.cost(trimmed(out), limited=left_for_pricing()), 1, out, st))
+                stats["phase_s"]["whole_graph_pricing"] = time.perf_counter() - t0 - stats["phase_s"]["segments"]
+                stats["search_result_s"] = cands[0][0] if cands and math.isfinite(cands[0][0]) else None
             else:
                 one = Resource(0, 1, 1)
                 alg = [r for r in book.rules if not r.is_parallel]
@@ -559,7 +600,10 @@ def optimize(model, machine, budget_s: float | None = None, alpha: float = 1.05,
                     break
         rules_json = tuple(s.to_json() for s in steps) if not stats.get("fallback") else None
         if pipeline and strategy == "unity" and (n_dev > 1 or not final.feasible) and not interrupted:
+            tp0 = time.perf_counter()
             pipe = _pipeline(g, ev, max(end - time.perf_counter(), budget_s * 0.05))
+            stats = dict(stats, pipeline_s=time.perf_counter() - tp0,
+                         pipeline_iteration_s=pipe.cost if pipe is not None and pipe.feasible else None)
             if pipe is not None and pipe.feasible and (not final.feasible or pipe.cost < final.cost):
                 # pipeline stages (search/pipeline.py): a mapping decision of the stage DP; the PCG
                 # inside them, data parallelism, reached by rules where it can be (pipeline.by_rules:
@@ -594,4 +638,5 @@ def optimize(model, machine, budget_s: float | None = None, alpha: float = 1.05,
     return OptimizeResult(plan, strategy, final, dp_res, steps, search_s, stats, interrupted, b)
 
 
-__all__ = ["optimize", "OptimizeResult", "OptimizeError", "STRATEGIES", "machine_degrees", "search_degrees"]
+__all__ = ["optimize", "OptimizeResult", "OptimizeError", "STRATEGIES", "machine_degrees", "search_degrees",
+           "megatron_seed_degrees"]

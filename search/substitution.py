@@ -225,17 +225,22 @@ def cancel_steps(g: PCG, book: RuleBook, window: Iterable[int] | None = None,
     return g, steps
 
 
-def data_parallel_steps(g: PCG, degree: int, book: RuleBook) -> tuple[PCG, list[RuleStep]]:
+def data_parallel_steps(g: PCG, degree: int, book: RuleBook,
+                        keep_whole: Callable[[PCG, Any], bool] | None = None) -> tuple[PCG, list[RuleStep]]:
     """Data parallelism of ``degree`` built by rules: each compute operator in topological order gets
     its ``dp_<Op>`` rule (sample dim = dim 0), then shared Partitions are merged and Combine/Partition
     pairs cancelled.  Operators whose rule does not apply (the batch dim does not survive them) stay
-    whole, with Combine before and Partition after them."""
+    whole, with Combine before and Partition after them; so do those ``keep_whole(g, node)`` names
+    (the expert seed: embedding tables whole, :func:`is_table_lookup`).  A fixed sequence of one
+    rule per operator plus its cancellations: never cut by a candidate budget."""
     steps: list[RuleStep] = []
     for nid in list(g.topo_order()):
         if nid not in g:
             continue
         n = g.node(nid)
         if n.kind != "compute":
+            continue
+        if keep_whole is not None and keep_whole(g, n):
             continue
         rank = g.shape(n.inputs[0]).rank if n.inputs else 0
         done = False
@@ -266,7 +271,59 @@ def data_parallel_steps(g: PCG, degree: int, book: RuleBook) -> tuple[PCG, list[
     return g, steps
 
 
-TP_RULE_PREFIX = "megatron_mlp_column_"      # column -> [activation ->] row Linear pairs ending in a Reduce
+def dp_rule_missing(g: PCG, book: "RuleBook") -> list[str]:
+    """Compute operators of ``g`` (sorted op names) without any data-parallel rule in ``book``: data
+    parallelism by rules leaves them whole (a gather before, a scatter after)."""
+    return sorted({n.op for n in g.nodes() if n.kind == "compute" and not _dp_rule_names(n.op, book)})
+
+
+def _from_weight(g: PCG, ref) -> bool:
+    """Whether ``ref`` is a Weight source, possibly behind parallel operators."""
+    n = g.node(ref[0])
+    while n.kind == "parallel":
+        n = g.node(n.inputs[0][0])
+    return n.op == "Weight"
+
+
+def is_table_lookup(g: PCG, n) -> bool:
+    """An Embedding whose table is a trainable Weight (what the expert strategy keeps whole on one
+    device: its gradient never crosses devices)."""
+    return n.op == "Embedding" and len(n.inputs) >= 2 and g.node(n.inputs[1][0]).op == "Weight" \
+        and g.shape(n.inputs[1]).dtype in ("float32", "float16", "bfloat16", "float64")
+
+
+def expert_whole(g: PCG) -> set:
+    """Operators the expert seed keeps whole on one device: every table lookup
+    (:func:`is_table_lookup`), the operators after it that read nothing else (DLRM's bag pooling:
+    the pooled vectors, not the looked-up ones, are scattered to the data-parallel layout) and those
+    before it that feed only such operators (XDL's index slicing)."""
+    out: set = set()
+    for nid in g.topo_order():
+        n = g.node(nid)
+        if n.kind != "compute":
+            continue
+        acts = [r for r in n.inputs if g.node(r[0]).kind != "source"]
+        if is_table_lookup(g, n) or (len(acts) == 1 and acts[0][0] in out
+                                     and all(g.node(r[0]).op != "Weight" for r in n.inputs)):
+            out.add(nid)
+    if not out:
+        return out
+    for nid in reversed(g.topo_order()):
+        n = g.node(nid)
+        if n.kind != "compute" or nid in out or any(g.node(r[0]).op == "Weight" for r in n.inputs):
+            continue
+        users = [c for k in range(len(g.shapes(nid))) for c, _ in g.consumers((nid, k))]
+        outs = {tuple(r) for r in g.outputs}
+        if users and all(c in out for c in users) and not any((nid, k) in outs for k in range(len(g.shapes(nid)))):
+            out.add(nid)
+    return out
+
+
+#: templates of the Megatron seed: column -> [activation ->] row Linear pairs ending in a Reduce, and
+#: embedding tables split by columns (``megatron_embedding_column``, ``..._bag_column``: a Combine of the
+#: features at the end), each applied at k = nodes on weights not split yet
+TP_RULE_PREFIXES = ("megatron_mlp_column_", "megatron_embedding_column", "megatron_embedding_bag_column")
+TP_RULE_PREFIX = TP_RULE_PREFIXES[0]
 
 
 def _unary_lift_rules(book: "RuleBook") -> list[Rule]:
@@ -280,12 +337,14 @@ def _unary_lift_rules(book: "RuleBook") -> list[Rule]:
     return out
 
 
-def _apply_everywhere(g: PCG, rule: Rule, degree: int, steps: list, fresh: Sequence[str] = ()) -> PCG:
+def _apply_everywhere(g: PCG, rule: Rule, degree: int, steps: list, fresh: Sequence[str] | bool = ()) -> PCG:
     """Apply ``rule`` (free degrees bound to ``degree``) at its first valid match until none is left;
-    inputs named in ``fresh`` must not be split yet (no template nested in its own result)."""
+    inputs named in ``fresh`` (``True``: every input bound to a weight) must not be split yet (no
+    template nested in its own result)."""
     while True:
         for m in iter_matches(rule, g, GraphIndex(g), None, (degree,)):
-            if any(not all(d.degree == 1 for d in g.shape(r).dims) for k, r in m.inputs if k in fresh):
+            if any(not all(d.degree == 1 for d in g.shape(r).dims) for k, r in m.inputs
+                   if (_from_weight(g, r) if fresh is True else k in fresh)):
                 continue
             g2 = try_apply(g, m)
             if g2 is not None:
@@ -298,16 +357,16 @@ def _apply_everywhere(g: PCG, rule: Rule, degree: int, steps: list, fresh: Seque
 
 def tensor_parallel_steps(g: PCG, degree: int, book: RuleBook) -> tuple[PCG, list[RuleStep]]:
     """Megatron tensor parallelism of ``degree`` by rules on top of ``g`` (e.g. a data-parallel seed
-    inside each node, as Alpa's CANDLE-Uno plan): every ``megatron_mlp_column_*`` template at every
-    match on unsplit weights, then each Replicate lifted above the activation it follows and every
+    inside each node, as Alpa's CANDLE-Uno plan): every template of :data:`TP_RULE_PREFIXES`
+    (``megatron_mlp_column_*``, the column-split embedding tables) at every match on unsplit weights, then each Replicate lifted above the activation it follows and every
     Reduce -> Replicate fused into an AllReduce, then the usual cancellations.  A search seed: the
     single steps climb a cost hill (one pair alone costs 2-3x the data-parallel seed on CANDLE-Uno,
     so alpha pruning never lets best-first reach the layout; benchmarks/unity_vs_alpa_diag.py).
     Returns (g, []) when no template matches."""
     steps: list[RuleStep] = []
     for r in book.rules:
-        if r.name.startswith(TP_RULE_PREFIX) and "~" not in r.name:
-            g = _apply_everywhere(g, r, degree, steps, fresh=("w1", "w2"))
+        if r.name.startswith(TP_RULE_PREFIXES) and "~" not in r.name:
+            g = _apply_everywhere(g, r, degree, steps, fresh=True)
     if not steps:
         return g, steps
     fuse = book.by_name.get("reduce_replicate_allreduce")
@@ -465,5 +524,5 @@ def best_first(start: Sequence[Candidate], expand: Callable[[Candidate], Iterabl
 
 
 __all__ = ["RuleStep", "RuleBook", "ReplayError", "replay", "apply_step", "match_step", "neighbours",
-           "data_parallel_steps", "tensor_parallel_steps", "cancel_steps", "normalized_hash", "best_first", "Candidate", "SearchResult",
+           "data_parallel_steps", "tensor_parallel_steps", "dp_rule_missing", "is_table_lookup", "expert_whole", "cancel_steps", "normalized_hash", "best_first", "Candidate", "SearchResult",
            "SearchStats", "new_ids", "trailing", "trimmed"]

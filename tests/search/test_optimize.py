@@ -90,8 +90,9 @@ def test_cli_json_plan_and_errors(tiny_onnx, tmp_path, capsys):
 def test_pipeline_is_taken_only_when_faster(tmp_path):
     from unity_pcg.search.split import synthetic_chain
     g = synthetic_chain(16, batch=8, h=4096)
-    off = optimize(g, "summit:2x6", budget_s=60, max_candidates=1, pipeline=False)
-    on = optimize(g, "summit:2x6", budget_s=60, max_candidates=1, pipeline=True)
+    # no per-solve time limit: on a loaded machine a timed-out solve would make the two searches differ
+    off = optimize(g, "summit:2x6", budget_s=60, max_candidates=1, pipeline=False, price_limit_s=600)
+    on = optimize(g, "summit:2x6", budget_s=60, max_candidates=1, pipeline=True, price_limit_s=600)
     assert off.plan.pipeline is None
     assert on.predicted_iteration_s <= off.predicted_iteration_s * (1 + 1e-9)
     if on.plan.pipeline is not None:
