@@ -94,7 +94,7 @@ def measure(name: str, size: str, batch: int, optimizer: str, precision: str, de
     """Median seconds of one training step and peak allocated bytes (CUDA only)."""
     import torch
 
-    from unity_pcg.search.calibrate_gpu import math_mode
+    from unity_pcg.search.calibrate_gpu import math_mode, tf32_enabled
     from unity_pcg.zoo import CONFIGS, models
     cuda = device.startswith("cuda")
     dev = torch.device(device)
@@ -118,6 +118,7 @@ def measure(name: str, size: str, batch: int, optimizer: str, precision: str, de
 
     times = []
     with math_mode(precision, device):
+        tf32 = tf32_enabled()
         for _ in range(warmup):
             step()
         if cuda:
@@ -136,10 +137,11 @@ def measure(name: str, size: str, batch: int, optimizer: str, precision: str, de
                 step()
                 times.append(time.perf_counter() - t)
         peak = torch.cuda.max_memory_allocated() if cuda else None
-    del model, opt, inputs, params
+    model = opt = inputs = params = None          # free the step's tensors before the next case
     if cuda:
         torch.cuda.empty_cache()
-    return {"measured_s": statistics.median(times), "measured_all_s": times, "peak_memory_bytes": peak}
+    return {"measured_s": statistics.median(times), "measured_all_s": times, "peak_memory_bytes": peak,
+            "tf32_matmul_conv": list(tf32)}
 
 
 def summarize(rows: list[dict]) -> dict:

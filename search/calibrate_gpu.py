@@ -115,24 +115,42 @@ def make_timer(device: str, min_sample_s: float = 1e-3) -> Timer:
 
 @contextlib.contextmanager
 def math_mode(mode: str, device: str):
-    """TF32 off (``fp32``) or on (``tf32``, ``bf16``) for cuBLAS and cuDNN while inside; restored on exit.
-    The bf16 autocast itself is entered around each forward (:func:`autocast`), as a training step
-    enters it around its forward pass."""
+    """TF32 off (``fp32``) or on (``tf32``, ``bf16``) for cuBLAS matmuls and cuDNN convolutions while
+    inside; restored on exit.  Uses torch's ``fp32_precision`` flags where torch has them (2.9+: reading
+    the legacy ``allow_tf32`` after the new flags were set is an error), else ``allow_tf32``.  bf16
+    kernels get their dtypes from the tensors (:func:`build_case`) or from ``torch.autocast``."""
     import torch
     if mode not in MODES:
         raise CalibrationError(f"unknown math mode {mode!r} (known: {', '.join(MODES)})")
-    old = (torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32)
     on = mode != "fp32"
+    mm, conv = torch.backends.cuda.matmul, getattr(torch.backends.cudnn, "conv", None)
+    new_api = hasattr(mm, "fp32_precision") and conv is not None and hasattr(conv, "fp32_precision")
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
-        torch.backends.cuda.matmul.allow_tf32 = on
-        torch.backends.cudnn.allow_tf32 = on
+        if new_api:
+            old = (mm.fp32_precision, conv.fp32_precision)
+            mm.fp32_precision = conv.fp32_precision = "tf32" if on else "ieee"
+        else:
+            old = (mm.allow_tf32, torch.backends.cudnn.allow_tf32)
+            mm.allow_tf32 = torch.backends.cudnn.allow_tf32 = on
     try:
         yield
     finally:
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")
-            torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32 = old
+            if new_api:
+                mm.fp32_precision, conv.fp32_precision = old
+            else:
+                mm.allow_tf32, torch.backends.cudnn.allow_tf32 = old
+
+
+def tf32_enabled() -> tuple[bool, bool]:
+    """(cuBLAS matmul, cuDNN convolution) TF32 flags as torch reports them."""
+    import torch
+    mm, conv = torch.backends.cuda.matmul, getattr(torch.backends.cudnn, "conv", None)
+    if hasattr(mm, "fp32_precision") and conv is not None and hasattr(conv, "fp32_precision"):
+        return mm.fp32_precision == "tf32", conv.fp32_precision == "tf32"
+    return bool(mm.allow_tf32), bool(torch.backends.cudnn.allow_tf32)
 
 
 # --- the benchmark cases --------------------------------------------------------------------------------
@@ -745,6 +763,6 @@ def calibrate_device(device: str = "cuda", precision: str | None = None, size: s
 
 
 __all__ = ["MODES", "CLASSES", "COMPUTE_CLASSES", "MEMORY_CLASSES", "OPTIMIZER_CLASSES", "Case", "cases",
-           "case_modes", "build_case", "backward_copies", "joint_backward", "make_timer", "math_mode", "fit_affine", "fit_predict",
-           "make_table", "measure_cases", "fit_rows", "measure_collectives", "fit_collective", "machine_json",
+           "case_modes", "build_case", "backward_copies", "joint_backward", "make_timer", "math_mode", "tf32_enabled",
+           "fit_affine", "fit_predict", "make_table", "measure_cases", "fit_rows", "measure_collectives", "fit_collective", "machine_json",
            "calibrate_device", "base_preset", "CalibrationError"]

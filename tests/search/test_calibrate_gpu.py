@@ -2,7 +2,6 @@
 with tiny sizes (a fake timer, and real timing of a few kernels), the fits against synthetic data with
 known throughput and overhead, the machine file it writes, and the cost model pricing from its tables."""
 import json
-import math
 import random
 
 import pytest
@@ -138,13 +137,15 @@ def test_joint_backward_over_copies():
 
 
 def test_math_mode_restores_tf32_flags():
-    import torch
-    before = (torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32)
+    before = G.tf32_enabled()
     with G.math_mode("tf32", "cpu"):
-        assert torch.backends.cuda.matmul.allow_tf32 and torch.backends.cudnn.allow_tf32
-    with G.math_mode("fp32", "cpu"):
-        assert not torch.backends.cuda.matmul.allow_tf32 and not torch.backends.cudnn.allow_tf32
-    assert (torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32) == before
+        assert G.tf32_enabled() == (True, True)
+        with G.math_mode("fp32", "cpu"):
+            assert G.tf32_enabled() == (False, False)
+        assert G.tf32_enabled() == (True, True)
+    with G.math_mode("bf16", "cpu"):
+        assert G.tf32_enabled() == (True, True)
+    assert G.tf32_enabled() == before
     with pytest.raises(G.CalibrationError):
         with G.math_mode("fp8", "cpu"):
             pass
