@@ -1153,10 +1153,10 @@ class IntraProblem:
                 rows.append((c, -INF, 1.0))
 
         if use_mem and liveness:
-            # the steps that can bind (liveness_rows); their rows are added lazily, each when a solution
-            # exceeds the budget at that step (a row is a valid cut: the final choice fits at every step
-            # and is optimal for a relaxation of the full problem, hence for it)
-            cand = self.liveness_rows(alive, memory_budget)
+            # rows are added lazily, each when a solution exceeds the budget at its step, among the steps
+            # that can bind (liveness_rows, computed at the first violation: most solves never need it);
+            # a row is a valid cut, so the final choice, fitting at every step, is optimal
+            cand = None
         elif use_mem:
             c = {svar[(a, i)]: self.node_mem[a][i] * scale for a in self.anchors for i in alive[a]}
             c.update({col: b * scale for col, b in emem.items() if b > 0})
@@ -1198,14 +1198,17 @@ class IntraProblem:
                 break
             if liveness:
                 vals = self.memory_steps(choice)
-                new = sorted((t for t in cand if t not in row_of and vals[t] > memory_budget * (1 + 1e-9)),
+                if cand is None and float(vals.max(initial=0.0)) > memory_budget * (1 + 1e-9):
+                    cand = self.liveness_rows(alive, memory_budget)
+                new = sorted((t for t in (cand or ()) if t not in row_of and vals[t] > memory_budget * (1 + 1e-9)),
                              key=lambda t: -vals[t])[:4]
                 if new:                     # the most violated steps get their rows; solve again
                     add_rows(new)
                     continue
                 over = float(vals.max(initial=0.0)) / memory_budget - 1.0
-                if over > 1e-9 and not mem_rows:     # pragma: no cover - numerically at a dropped step
-                    add_rows([t for t in cand if t not in row_of])
+                rest = [t for t in (cand or ()) if t not in row_of]
+                if over > 1e-9 and not mem_rows and rest:     # pragma: no cover - numerically at a dropped step
+                    add_rows(rest)
                     continue
             else:
                 over = mem_of(choice) / memory_budget - 1.0
