@@ -227,14 +227,19 @@ def megatron_seed_degrees(m: MachineSpec, dp_degrees) -> dict[int, int]:
 
 
 def _segment_search(g: PCG, book: RuleBook, ev: "Evaluator", dp_degrees, dp_deg: int, k: int,
-                    max_candidates: int, alpha: float, progress, deadline: float):
+                    max_candidates: int, alpha: float, progress, deadline: float, families: dict | None = None):
     """The split search (module docstring).  Returns (searched graph, its steps, data parallelism
-    by rules at ``dp_deg`` assembled from the segments' seeds, its steps, stats, interrupted)."""
+    by rules at ``dp_deg`` assembled from the segments' seeds, its steps, stats, interrupted).
+    ``families``, when given, receives {name: (graph, steps)}: the whole graph assembled from every
+    segment's seed of one family (``expert``, ``tp<k>x<d>``; data parallelism where a segment has
+    none), so a seed layout is priced as a whole too (the segments' DP can prefer other choices on
+    segment-local prices that the whole graph does not confirm)."""
     from .split import SegmentChoice, assemble, blocking_pairs, boundary_keys, canonical_segments, combine
     segs, later = canonical_segments(g, k, blocking_pairs(book))
     uniq = list(dict.fromkeys(s.key for s in segs))
     memo: dict = {}
     dp_memo: dict = {}
+    fam_memo: dict = {}
     totals = {"segments": len(segs), "distinct_segments": len(uniq), "explored": 0, "evaluated": 0,
               "stopped": []}
     interrupted = False
@@ -262,6 +267,7 @@ def _segment_search(g: PCG, book: RuleBook, ev: "Evaluator", dp_degrees, dp_deg:
 
         start = [Candidate(evaluate(cg)[0], cg, ())]
         dp_seed = None
+        fam_seed: dict = {}
         for d in sorted(seed_degrees, key=lambda d: (d != dp_deg, -d)):
             if interrupted:
                 break
@@ -293,6 +299,7 @@ def _segment_search(g: PCG, book: RuleBook, ev: "Evaluator", dp_degrees, dp_deg:
                     # tables side by side have many machine views and solve slowly
                     ce = ev.cost(trimmed(y), limited=max(ev.limit_s or 0.0, share / 3, 1.0))
                     start.append(Candidate(ce, y, tuple(st2)))
+                    fam_seed["expert"] = start[-1]
                     totals["expert_seeds"] = totals.get("expert_seeds", 0) + 1
                     totals.setdefault("expert_seed_s", []).append(ce if math.isfinite(ce) else None)
             tp = tp_seeds.get(d)
@@ -305,6 +312,7 @@ def _segment_search(g: PCG, book: RuleBook, ev: "Evaluator", dp_degrees, dp_deg:
                     break
                 if st2:
                     start.append(Candidate(None, y, tuple(st) + tuple(st2)))
+                    fam_seed[f"tp{tp}x{d}"] = start[-1]
                     totals["tp_seeds"] = totals.get("tp_seeds", 0) + 1
 
         def expand(c: Candidate):
@@ -326,7 +334,13 @@ def _segment_search(g: PCG, book: RuleBook, ev: "Evaluator", dp_degrees, dp_deg:
         memo[key] = {kk: choice(c, kk) for kk, c in res.front.items() if math.isfinite(c.cost)}
         dp_memo[key] = choice(dp_seed, keyf(dp_seed.graph)) if dp_seed is not None and dp_seed.cost is not None \
             else SegmentChoice(start[0].cost, start[0].cost, (), keyf(cg))
+        for name, c in fam_seed.items():
+            if c.cost is None or math.isfinite(c.cost):       # unpriced (budget) or priced feasible
+                fam_memo.setdefault(name, {})[key] = SegmentChoice(c.cost or 0.0, 0.0, c.steps, ())
     dp_graph, dp_steps = assemble(g, segs, [dp_memo[s.key] for s in segs], book)
+    if families is not None:
+        for name, fm in fam_memo.items():
+            families[name] = assemble(g, segs, [fm.get(s.key) or dp_memo[s.key] for s in segs], book)
     choices = combine([memo[s.key] for s in segs])
     if not choices:
         return None, [], dp_graph, dp_steps, totals, interrupted
@@ -541,11 +555,13 @@ def optimize(model, machine, budget_s: float | None = None, alpha: float = 1.05,
             return max(finish, min(max(10.0, budget_s / 3), end - pipe_share - time.perf_counter()))
         floor: list = []
         cands: list = []
+        labels: dict = {}
         try:
             if strategy == "unity":
                 dps = [d for d in degrees if b is None or b % d == 0]
+                fams: dict = {}
                 out, st, dpg, dpst, stats, interrupted = _segment_search(
-                    g, book, ev, dps, dp_deg, k, max_candidates, alpha, progress, deadline)
+                    g, book, ev, dps, dp_deg, k, max_candidates, alpha, progress, deadline, fams)
                 # data parallelism by rules (assembled from the segments' seeds): the floor.  A fixed
                 # sequence (one dp rule per operator, then cancellations), never cut by the budget;
                 # when it is the hand-built dp PCG its solve costs what dp_res cost (cheap), so it is
@@ -554,8 +570,18 @@ def optimize(model, machine, budget_s: float | None = None, alpha: float = 1.05,
                 stats["phase_s"] = {"segments": time.perf_counter() - t0}
                 if out is not None:
                     cands.append((ev.cost(trimmed(out), limited=left_for_pricing()), 1, out, st))
-                stats["phase_s"]["whole_graph_pricing"] = time.perf_counter() - t0 - stats["phase_s"]["segments"]
                 stats["search_result_s"] = cands[0][0] if cands and math.isfinite(cands[0][0]) else None
+                # every seed family assembled over the whole graph (expert, Megatron), priced as a whole
+                fam_cost: dict = {}
+                for name, (fg, fst) in sorted(fams.items()):
+                    if time.perf_counter() > end - pipe_share:
+                        break
+                    c = ev.cost(trimmed(fg), limited=left_for_pricing())
+                    fam_cost[name] = c if math.isfinite(c) else None
+                    cands.append((c, 2, fg, fst))
+                    labels[id(fg)] = f"seed family {name} by rules"
+                stats["seed_families_s"] = fam_cost
+                stats["phase_s"]["whole_graph_pricing"] = time.perf_counter() - t0 - stats["phase_s"]["segments"]
             else:
                 one = Resource(0, 1, 1)
                 alg = [r for r in book.rules if not r.is_parallel]
@@ -626,7 +652,7 @@ def optimize(model, machine, budget_s: float | None = None, alpha: float = 1.05,
             pg, steps, rules_json, final = dp_pg, [], None, dp_res
             why = stats.get("dp_by_rules", {}).get("differs") or "not priced within the budget"
             stats = dict(stats, chosen=f"data parallel baseline (dp by rules: {why})")
-        stats = dict(stats, chosen=stats.get("chosen") or ("data parallel by rules" if best[1] == 0 else "search"),
+        stats = dict(stats, chosen=stats.get("chosen") or labels.get(id(best[2]), "data parallel by rules" if best[1] == 0 else "search"),
                      mapper_calls=ev.calls, mapper_timeouts=ev.timeouts)
     search_s = time.perf_counter() - t0
     pred = dict(final.to_json(), strategy=strategy, optimizer=optimizer, precision=precision, search_s=search_s)

@@ -69,3 +69,66 @@ def test_seeds_are_priced_before_the_neighbours_of_the_best_start():
                      max_candidates=2, estimate=lambda x: est.get(x.structural_hash(), 0.0))
     assert priced[0] == seed.structural_hash()
     assert res.best.cost == 0.5
+
+
+def _tables(n: int = 2, batch: int = 8, rows: int = 16, dim: int = 8) -> PCG:
+    """n embedding bags (lookups pooled by ReduceSum) concatenated into a Linear."""
+    b = PCG.builder()
+    outs = []
+    for i in range(n):
+        ix = b.add_node("Input", {"name": f"i{i}", "shape": (batch, 3), "dtype": "int64"})
+        t = b.add_node("Weight", {"name": f"t{i}", "shape": (rows, dim), "dtype": "float32"})
+        e = b.add_node("Embedding", {}, [(ix, 0), (t, 0)])
+        outs.append((b.add_node("ReduceSum", {"axes": (1,), "keepdims": False}, [(e, 0)]), 0))
+    c = (b.add_node("Concat", {"axis": 1}, outs), 0) if n > 1 else outs[0]
+    w = b.add_node("Weight", {"name": "w", "shape": (n * dim, 4), "dtype": "float32"})
+    y = b.add_node("Linear", {"activation": "none"}, [c, (w, 0)])
+    b.set_outputs([(y, 0)])
+    return b.finish()
+
+
+def test_tensor_parallel_seed_splits_embedding_tables_by_columns():
+    """The Megatron seed applies the column-split embedding templates (megatron_embedding_column /
+    _bag_column) too, once per table, and the result replays."""
+    book = RuleBook(None, (2,))
+    assert any(r.name.startswith(("megatron_embedding_column", "megatron_embedding_bag_column")) for r in book.rules)
+    g = _tables(2)
+    x, st = data_parallel_steps(g, 2, book)
+    y, st2 = tensor_parallel_steps(x, 2, book)
+    assert sum(1 for s in st2 if s.rule.startswith("megatron_embedding")) == 2
+    for n in y.nodes():
+        if n.op == "Embedding":
+            assert [d.degree for d in y.shape(tuple(n.inputs[1])).dims] == [1, 2]   # columns, not nested
+    z = replay(g, list(st) + list(st2), book)
+    assert z.structural_hash() == y.structural_hash()
+
+
+def test_megatron_seed_degrees():
+    from unity_pcg.machine import parse_machine
+    from unity_pcg.search.optimize import machine_degrees, megatron_seed_degrees
+    m = parse_machine("summit:2x6")
+    # k = nodes on dp inside a node, k = devices per node on dp across nodes (k = 2 is the first already)
+    assert megatron_seed_degrees(m, machine_degrees(m)) == {6: 2, 2: 6}
+    m = parse_machine("summit:1x6")
+    assert megatron_seed_degrees(m, machine_degrees(m)) == {3: 2}      # one node: 3 x 2 (CANDLE-Uno)
+    m = parse_machine("summit:4x6")
+    assert megatron_seed_degrees(m, machine_degrees(m)) == {6: 4, 4: 6, 12: 2}
+
+
+def test_expert_whole_keeps_tables_their_pooling_and_index_slicing():
+    from unity_pcg.search.substitution import expert_whole
+    b = PCG.builder()
+    ix = b.add_node("Input", {"name": "i", "shape": (8, 2, 3), "dtype": "int64"})
+    outs = []
+    for k in range(2):
+        s = b.add_node("Slice", {"axes": (1,), "starts": (k,), "ends": (k + 1,), "steps": (1,)}, [(ix, 0)])
+        r = b.add_node("Reshape", {"shape": (8, 3)}, [(s, 0)])
+        t = b.add_node("Weight", {"name": f"t{k}", "shape": (16, 8), "dtype": "float32"})
+        e = b.add_node("Embedding", {}, [(r, 0), (t, 0)])
+        outs.append((b.add_node("ReduceSum", {"axes": (1,), "keepdims": False}, [(e, 0)]), 0))
+    c = b.add_node("Concat", {"axis": 1}, outs)
+    b.set_outputs([(c, 0)])
+    g = b.finish()
+    whole = {g.node(n).op for n in expert_whole(g)}
+    assert whole == {"Slice", "Reshape", "Embedding", "ReduceSum"}
+    assert len(expert_whole(g)) == 8 and c not in expert_whole(g)        # the Concat meets the rest
