@@ -139,6 +139,7 @@ def main() -> int:
     ap.add_argument("--md", default=os.path.join(RESULTS, "ddp_predict.md"))
     a = ap.parse_args()
     os.makedirs(RESULTS, exist_ok=True)
+    t_start = time.time()
     if a.fixed_machine and (a.calibrate or not os.path.exists(a.machine)):
         from unity_pcg.search.calibrate import calibrate
         calibrate(quick=False).save(a.machine)
@@ -171,20 +172,37 @@ def main() -> int:
         with open(a.machine) as f:
             machines = json.load(f)
     command = "python benchmarks/ddp_predict.py " + " ".join(sys.argv[1:])
+    loads = [r["loadavg_1min_before"] for r in rows] + [r["loadavg_1min_after"] for r in rows]
+    meta = {"date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime(t_start)), "seconds": time.time() - t_start,
+            "cores": os.cpu_count(), "commit": _commit(), "loadavg_1min_min": min(loads), "loadavg_1min_max": max(loads),
+            "host": socket.gethostname()}
     with open(a.out, "w") as f:
         json.dump({"summary": summary, "rows": rows, "machines": machines, "args": vars(a),
-                   "command": command}, f, indent=2)
+                   "command": command, "meta": meta}, f, indent=2)
     if a.md:
-        write_markdown(a.md, rows, summary, command)
+        write_markdown(a.md, rows, summary, command, meta)
     print(json.dumps(summary))
     return 0
 
 
-def write_markdown(path: str, rows: list, summary: dict, command: str) -> None:
+def _commit() -> str | None:
+    import subprocess
+    try:
+        return subprocess.run(["git", "-C", ROOT, "rev-parse", "--short", "HEAD"], capture_output=True, text=True,
+                              timeout=10).stdout.strip() or None
+    except (OSError, subprocess.SubprocessError):
+        return None
+
+
+def write_markdown(path: str, rows: list, summary: dict, command: str, meta: dict | None = None) -> None:
     lines = ["# DDP iteration time: predicted vs measured (tiny zoo models, torch DDP, gloo, CPU)", "",
-             f"Command: `.venv/bin/{command}`", "",
-             "| model | P | measured ms | predicted ms | error | compute | grad sync | update | load before |",
-             "|---|---|---|---|---|---|---|---|---|"]
+             f"Command: `.venv/bin/{command}`", ""]
+    if meta:
+        lines += [f"Run {meta['date']} at commit {meta['commit']}, {meta['seconds'] / 60:.0f} min, {meta['cores']} "
+                  f"cores; 1-min load average {meta['loadavg_1min_min']:.1f}-{meta['loadavg_1min_max']:.1f} "
+                  "(before/after each row; other programs included).", ""]
+    lines += ["| model | P | measured ms | predicted ms | error | compute | grad sync | update | load before |",
+              "|---|---|---|---|---|---|---|---|---|"]
     for r in rows:
         b = r["breakdown"]
         lines.append(f"| {r['model']} | {r['procs']} | {r['measured_s'] * 1e3:.2f} | {r['predicted_s'] * 1e3:.2f} | "
