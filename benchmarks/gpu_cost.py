@@ -21,7 +21,10 @@ Writes JSON and a markdown report (the table, the error summary per precision ag
 targets -- median absolute time error <= 15%, none off by more than 35%, memory median error <= 10% --
 and a predicted-vs-measured plot when matplotlib is installed).
 
-Without CUDA it says so in one line and exits 2, unless ``--device cpu``: the same flow on this CPU with
+``--from RUN.json`` predicts the measurements of an earlier run again (with another ``--machine``, or
+after a cost-model change) without measuring: no GPU needed.
+
+Without CUDA it says so in one line and exits 2, unless ``--from`` or ``--device cpu``: the same flow on this CPU with
 ``--size small`` (the zoo's ``small`` configuration where a model has one, else ``tiny``; tiny batches)
 or ``--size tiny``; CPU runs record no peak memory.
 
@@ -207,7 +210,9 @@ def markdown(data: dict) -> str:
     ratio = lambda x: "-" if x is None else f"{x:.2f}"              # noqa: E731
     cpu = meta["device"].startswith("cpu")
     out = [f"# Single-device training step: predicted vs measured ({meta['device_name']})", "",
-           f"Command: `{meta['command']}`", "",
+           f"Command: `{meta['command']}`", ""] + (
+              [f"Measurements from `{meta['measured_in']['file']}` (`{meta['measured_in']['command']}`), "
+               "predicted again here.", ""] if meta.get("measured_in") else []) + [
            f"Device `{meta['device']}` ({meta['device_name']}), torch {meta['torch']}, CUDA {meta['cuda']}; "
            f"predicted on machine `{meta['machine']}` (`simulate --strategy none`); zoo size `{meta['size']}`, "
            f"{'the paper per-device batch' if meta['size'] == 'paper' else 'the tiny batch'}; one step = forward, "
@@ -273,21 +278,36 @@ def main(argv=None) -> int:
     ap.add_argument("--models", default=",".join(zoo.MODELS))
     ap.add_argument("--iters", type=int, default=20)
     ap.add_argument("--warmup", type=int, default=5)
+    ap.add_argument("--from", dest="source", default=None, metavar="JSON",
+                    help="re-predict the measurements of an earlier run (its JSON) with --machine; measures nothing, "
+                         "needs no GPU (e.g. after a cost-model change or with a calibrated machine file)")
     ap.add_argument("--out", default=None, help="JSON (default benchmarks/results/gpu_cost.json; "
                                                 "gpu_cost_cpu.json for --device cpu)")
     ap.add_argument("--md", default=None, help="markdown report (default: the JSON's name with .md)")
     ap.add_argument("--plot", default=None, help="plot PNG (default: the JSON's name with .png)")
     a = ap.parse_args(argv)
     import torch
+    prior = None
+    if a.source:
+        try:
+            with open(a.source) as f:
+                prior = json.load(f)
+            prior_meta = prior["meta"]
+            prior_rows = prior["rows"]
+        except (OSError, ValueError, KeyError, TypeError) as e:
+            print(f"gpu_cost: --from {a.source}: not a gpu_cost result ({e})", file=sys.stderr)
+            return 2
+        a.device = prior_meta["device"]
     cuda = a.device.startswith("cuda")
-    if cuda and not torch.cuda.is_available():
+    if cuda and prior is None and not torch.cuda.is_available():
         print(f"gpu_cost: no CUDA device available (torch {torch.__version__}); nothing measured "
-              "(use --device cpu --size small for the CPU smoke flow)", file=sys.stderr)
+              "(use --device cpu --size small for the CPU smoke flow, or --from an earlier run's JSON)",
+              file=sys.stderr)
         return 2
     if not cuda and a.device != "cpu":
         print(f"gpu_cost: --device must be cuda or cpu, got {a.device!r}", file=sys.stderr)
         return 2
-    size = a.size or ("paper" if cuda else "small")
+    size = prior_meta["size"] if prior else (a.size or ("paper" if cuda else "small"))
     a.machine = a.machine or ("h100:1x1" if cuda else "local:1x1")
     if a.iters < 1 or a.warmup < 0:
         print("gpu_cost: --iters must be >= 1 and --warmup >= 0", file=sys.stderr)
@@ -303,10 +323,21 @@ def main(argv=None) -> int:
         print(f"gpu_cost: unknown precision(s) {bad} or model(s) {unknown}", file=sys.stderr)
         return 2
     out = a.out or os.path.join(RESULTS, "gpu_cost.json" if cuda else "gpu_cost_cpu.json")
+    if prior and os.path.abspath(out) == os.path.abspath(a.source):
+        print("gpu_cost: --from and --out name the same file (the measurements would be overwritten)",
+              file=sys.stderr)
+        return 2
     md = a.md or os.path.splitext(out)[0] + ".md"
     png = a.plot or os.path.splitext(out)[0] + ".png"
-    name = torch.cuda.get_device_name(0) if cuda else f"CPU ({platform.processor() or platform.machine()}, " \
-                                                        f"{torch.get_num_threads()} threads)"
+    if prior:
+        name = prior_meta["device_name"]
+        measured = {(r["model"], r["precision"]): r for r in prior_rows}
+        models = [m for m in models if m in prior_meta["models"]]
+        precs = [p for p in precs if p in prior_meta["precisions"]]
+    else:
+        name = torch.cuda.get_device_name(0) if cuda else f"CPU ({platform.processor() or platform.machine()}, " \
+                                                            f"{torch.get_num_threads()} threads)"
+    keep = ("measured_s", "measured_all_s", "peak_memory_bytes", "tf32_matmul_conv", "error")
     rows = []
     for m in models:
         zs = zoo_size(m, size)
@@ -314,11 +345,17 @@ def main(argv=None) -> int:
         optimizer = zoo.MODELS[m].paper_optimizer
         for prec in precs:
             row = {"model": m, "zoo_size": zs, "batch": batch, "optimizer": optimizer, "precision": prec}
-            try:
-                row.update(measure(m, zs, batch, optimizer, prec, a.device, a.warmup, a.iters))
-            except torch.cuda.OutOfMemoryError as e:          # reported, not hidden
-                row["error"] = f"out of memory: {str(e).splitlines()[0]}"
-                torch.cuda.empty_cache()
+            if prior:
+                old = measured.get((m, prec))
+                if old is None:
+                    continue
+                row.update({k: old[k] for k in keep if k in old})
+            else:
+                try:
+                    row.update(measure(m, zs, batch, optimizer, prec, a.device, a.warmup, a.iters))
+                except torch.cuda.OutOfMemoryError as e:          # reported, not hidden
+                    row["error"] = f"out of memory: {str(e).splitlines()[0]}"
+                    torch.cuda.empty_cache()
             row.update(predict(m, zs, batch, a.machine, optimizer, prec))
             if row.get("measured_s") and row.get("predicted_s"):
                 row["time_ratio"] = row["predicted_s"] / row["measured_s"]
@@ -329,10 +366,15 @@ def main(argv=None) -> int:
                   f"{(row['predicted_s'] or float('nan')) * 1e3:9.2f} ms  ratio {row.get('time_ratio', float('nan')):.2f}"
                   + (f"  memory ratio {row['memory_ratio']:.2f}" if row.get("memory_ratio") else ""), flush=True)
     meta = {"command": "python benchmarks/gpu_cost.py " + " ".join(sys.argv[1:] if argv is None else argv),
-            "device": a.device, "device_name": name, "torch": torch.__version__, "cuda": torch.version.cuda,
-            "machine": a.machine, "size": size, "precisions": precs, "models": models, "iters": a.iters,
-            "warmup": a.warmup, "host": platform.node(), "targets": TARGETS,
-            "loadavg": os.getloadavg()[0] if hasattr(os, "getloadavg") else None}
+            "device": a.device, "device_name": name, "torch": prior_meta["torch"] if prior else torch.__version__,
+            "cuda": prior_meta["cuda"] if prior else torch.version.cuda, "machine": a.machine, "size": size,
+            "precisions": precs, "models": models,
+            "iters": prior_meta["iters"] if prior else a.iters, "warmup": prior_meta["warmup"] if prior else a.warmup,
+            "host": prior_meta.get("host") if prior else platform.node(), "targets": TARGETS,
+            "loadavg": prior_meta.get("loadavg") if prior else (os.getloadavg()[0] if hasattr(os, "getloadavg")
+                                                                 else None)}
+    if prior:
+        meta["measured_in"] = {"file": a.source, "command": prior_meta.get("command")}
     data = {"meta": meta, "rows": rows, "summary": summarize(rows)}
     os.makedirs(os.path.dirname(os.path.abspath(out)), exist_ok=True)
     got = plot(rows, png)

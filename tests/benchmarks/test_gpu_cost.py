@@ -60,3 +60,21 @@ def test_summary_against_targets():
     assert s["median_abs_memory_error"] == pytest.approx(0.05) and s["meets_targets"]
     rows.append({"precision": "fp32", "time_ratio": 0.5, "memory_ratio": 1.0})
     assert not B.summarize(rows)["fp32"]["meets_targets"]      # one model 50% off
+
+
+def test_from_an_earlier_run_predicts_again_without_measuring(tmp_path, monkeypatch):
+    B = _bench()
+    first = tmp_path / "first.json"
+    assert B.main(["--device", "cpu", "--size", "tiny", "--models", "mlp", "--precisions", "fp32",
+                   "--iters", "1", "--warmup", "0", "--out", str(first)]) == 0
+    monkeypatch.setattr(B, "measure", lambda *a, **k: pytest.fail("--from must not measure"))
+    again = tmp_path / "again.json"
+    assert B.main(["--from", str(first), "--machine", "h100:1x1", "--out", str(again)]) == 0
+    old, new = json.loads(first.read_text()), json.loads(again.read_text())
+    (r0,), (r1,) = old["rows"], new["rows"]
+    assert r1["measured_s"] == r0["measured_s"] and new["meta"]["machine"] == "h100:1x1"
+    assert r1["predicted_s"] < r0["predicted_s"]          # an H100 is faster than this CPU's model
+    assert new["meta"]["measured_in"]["file"] == str(first)
+    assert "predicted again here" in (tmp_path / "again.md").read_text()
+    assert B.main(["--from", str(first), "--out", str(first)]) == 2       # never overwrite the measurements
+    assert B.main(["--from", str(tmp_path / "missing.json"), "--out", str(again)]) == 2
