@@ -174,7 +174,8 @@ def main() -> int:
     command = "python benchmarks/ddp_predict.py " + " ".join(sys.argv[1:])
     loads = [r["loadavg_1min_before"] for r in rows] + [r["loadavg_1min_after"] for r in rows]
     meta = {"date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime(t_start)), "seconds": time.time() - t_start,
-            "cores": os.cpu_count(), "commit": _commit(), "loadavg_1min_min": min(loads), "loadavg_1min_max": max(loads),
+            "cores": os.cpu_count(), "commit": _commit(), "loadavg_1min_min": min(loads),
+            "loadavg_1min_max": max(loads),
             "host": socket.gethostname()}
     with open(a.out, "w") as f:
         json.dump({"summary": summary, "rows": rows, "machines": machines, "args": vars(a),

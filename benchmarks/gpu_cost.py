@@ -363,7 +363,8 @@ def main(argv=None) -> int:
                 row["memory_ratio"] = row["predicted_memory_bytes"] / row["peak_memory_bytes"]
             rows.append(row)
             print(f"{m:13s} {prec:5s} measured {row.get('measured_s', float('nan')) * 1e3:9.2f} ms  predicted "
-                  f"{(row['predicted_s'] or float('nan')) * 1e3:9.2f} ms  ratio {row.get('time_ratio', float('nan')):.2f}"
+                  f"{(row['predicted_s'] or float('nan')) * 1e3:9.2f} ms  "
+                  f"ratio {row.get('time_ratio', float('nan')):.2f}"
                   + (f"  memory ratio {row['memory_ratio']:.2f}" if row.get("memory_ratio") else ""), flush=True)
     meta = {"command": "python benchmarks/gpu_cost.py " + " ".join(sys.argv[1:] if argv is None else argv),
             "device": a.device, "device_name": name, "torch": prior_meta["torch"] if prior else torch.__version__,

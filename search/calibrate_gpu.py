@@ -690,7 +690,8 @@ def calibrate_device(device: str = "cuda", precision: str | None = None, size: s
                      base: str | None = None, timer: Timer | None = None, collectives: bool | None = None,
                      quiet: bool = False) -> dict:
     """Measure ``device`` (``cuda`` or ``cpu``) and return its machine JSON (a dict; ``MachineSpec.from_json``
-    loads it).  ``precision``: measure that math mode only (default: every mode of :data:`MODES`).
+    loads it).  ``precision``: measure fp32 and that math mode (default: every mode of :data:`MODES`); a mode
+    not measured keeps the base preset's peak.
     ``collectives``: measure NCCL collectives (default: when more than one GPU is present)."""
     import torch
 
@@ -764,5 +765,5 @@ def calibrate_device(device: str = "cuda", precision: str | None = None, size: s
 
 __all__ = ["MODES", "CLASSES", "COMPUTE_CLASSES", "MEMORY_CLASSES", "OPTIMIZER_CLASSES", "Case", "cases",
            "case_modes", "build_case", "backward_copies", "joint_backward", "make_timer", "math_mode", "tf32_enabled",
-           "fit_affine", "fit_predict", "make_table", "measure_cases", "fit_rows", "measure_collectives", "fit_collective", "machine_json",
-           "calibrate_device", "base_preset", "CalibrationError"]
+           "fit_affine", "fit_predict", "make_table", "measure_cases", "fit_rows", "measure_collectives",
+           "fit_collective", "machine_json", "calibrate_device", "base_preset", "CalibrationError"]
