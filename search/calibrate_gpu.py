@@ -245,9 +245,10 @@ def cases(size: str = "full") -> list[Case]:
         add("pool", f"maxpool{n}", "max", 8, ch, hw)
         add("pool", f"avgpool{n}", "avg", 8, ch, hw)
     # optimizer: (tensors, elements each)
-    opt_sizes = [2 ** 6, 2 ** 10] if tiny else [2 ** k for k in range(10, 22 if quick else 25, 2)]
-    k = 4 if tiny else 16
-    for s in opt_sizes:
+    opt_sizes = [(4, 2 ** 6), (4, 2 ** 10)] if tiny else [(16, 2 ** k) for k in range(10, 22 if quick else 25, 2)]
+    if size == "full":          # the zoo's largest weights (DLRM's 1M x 64 tables, MLP's 8192 x 8192): 64M elements
+        opt_sizes += [(4, 2 ** 25), (4, 2 ** 26)]
+    for k, s in opt_sizes:
         add("optimizer_sgd", f"{k}x{s}", k, s)
         add("optimizer_adam", f"{k}x{s}", k, s)
     return out
