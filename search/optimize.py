@@ -265,7 +265,10 @@ def _segment_search(g: PCG, book: RuleBook, ev: "Evaluator", dp_degrees, dp_deg:
             cross = kk[1][cross_idx[0]] if cross_idx else None
             return SegmentChoice(c.cost, ev.cost(c.graph), c.steps, kk, cross)
 
-        start = [Candidate(evaluate(cg)[0], cg, ())]
+        # the segment as imported is a seed priced when it reaches the front (after the parallel seeds:
+        # its estimate is the largest); on a large machine its solve (most views per operator) is the
+        # slowest of all and, priced eagerly, cost a per-solve limit per segment past the deadline
+        start = [Candidate(None, cg, ())]
         dp_seed = None
         fam_seed: dict = {}
         for d in sorted(seed_degrees, key=lambda d: (d != dp_deg, -d)):
@@ -333,7 +336,7 @@ def _segment_search(g: PCG, book: RuleBook, ev: "Evaluator", dp_degrees, dp_deg:
             interrupted = True
         memo[key] = {kk: choice(c, kk) for kk, c in res.front.items() if math.isfinite(c.cost)}
         dp_memo[key] = choice(dp_seed, keyf(dp_seed.graph)) if dp_seed is not None and dp_seed.cost is not None \
-            else SegmentChoice(start[0].cost, start[0].cost, (), keyf(cg))
+            else SegmentChoice(INF if start[0].cost is None else start[0].cost, INF, (), keyf(cg))
         for name, c in fam_seed.items():
             if c.cost is None or math.isfinite(c.cost):       # unpriced (budget) or priced feasible
                 fam_memo.setdefault(name, {})[key] = SegmentChoice(c.cost or 0.0, 0.0, c.steps, ())
