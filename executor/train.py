@@ -280,8 +280,9 @@ class Trainer:
         # overlap (DDP-style: a 1 MiB first bucket, buckets launched from gradient hooks during the
         # backward pass) pays on GPUs; on CPU processes (gloo) the collectives compete with the backward
         # for the same cores and each costs milliseconds, so below OVERLAP_MIN_BYTES of gradients to
-        # synchronize, fewer buckets launched after the backward are faster (measured:
-        # benchmarks/executor_dp_vs_ddp.py, 4-layer MLPs of width 256, 512 and 1024 on 2 processes)
+        # synchronize, fewer buckets launched after the backward are faster (measured on 4-layer MLPs of
+        # width 256, 512 and 1024 on 2 processes; with DDP's bucket assignment the 8 MiB MLP and the tiny
+        # BERT measure overlap and no overlap within the noise: benchmarks/results/executor_dp_vs_ddp.md)
         self._plan_sync(bucket_bytes, bucket_bytes)
         if overlap is None:
             # decided from the global bucket list, so every rank lays out the same buckets
