@@ -263,7 +263,10 @@ def _segment_search(g: PCG, book: RuleBook, ev: "Evaluator", dp_degrees, dp_deg:
 
         def choice(c: Candidate, kk, cross_idx=cross_idx) -> SegmentChoice:
             cross = kk[1][cross_idx[0]] if cross_idx else None
-            return SegmentChoice(c.cost, ev.cost(c.graph), c.steps, kk, cross)
+            # with its trailing gathers (what a mismatch at the next boundary pays); past the deadline
+            # not priced: such a choice must then match its neighbour
+            full = ev.cost(c.graph) if time.perf_counter() < deadline else INF
+            return SegmentChoice(c.cost, full, c.steps, kk, cross)
 
         # the segment as imported is a seed priced when it reaches the front (after the parallel seeds:
         # its estimate is the largest); on a large machine its solve (most views per operator) is the
@@ -338,8 +341,9 @@ def _segment_search(g: PCG, book: RuleBook, ev: "Evaluator", dp_degrees, dp_deg:
         dp_memo[key] = choice(dp_seed, keyf(dp_seed.graph)) if dp_seed is not None and dp_seed.cost is not None \
             else SegmentChoice(INF if start[0].cost is None else start[0].cost, INF, (), keyf(cg))
         for name, c in fam_seed.items():
-            if c.cost is None or math.isfinite(c.cost):       # unpriced (budget) or priced feasible
-                fam_memo.setdefault(name, {})[key] = SegmentChoice(c.cost or 0.0, 0.0, c.steps, ())
+            # every segment's seed, priced or not (a segment solve cut by its time limit reads inf; a
+            # family with dp in that segment instead reshards at both its ends): the whole decides
+            fam_memo.setdefault(name, {})[key] = SegmentChoice(c.cost or 0.0, 0.0, c.steps, ())
     dp_graph, dp_steps = assemble(g, segs, [dp_memo[s.key] for s in segs], book)
     if families is not None:
         for name, fm in fam_memo.items():
@@ -500,6 +504,7 @@ def optimize(model, machine, budget_s: float | None = None, alpha: float = 1.05,
         raise OptimizeError(f"precision must be fp32, tf32 or bf16, got {precision!r}")
     m = machine if isinstance(machine, MachineSpec) else parse_machine(str(machine))
     g, model_path, sha = _load(model, batch)
+    marks = {"import": time.perf_counter() - t0}
     b = _batch_of(g)
     degrees = machine_degrees(m)
     n_dev = m.num_devices
@@ -515,6 +520,7 @@ def optimize(model, machine, budget_s: float | None = None, alpha: float = 1.05,
         if n_dev > 1:
             dp_pg = build_strategy(g, "dp", dp_deg)
             dp_res = ev.full(dp_pg)
+        marks["dp_baseline"] = time.perf_counter() - t0
     except StrategyError:
         dp_res = dp_pg = None
 
@@ -571,6 +577,7 @@ def optimize(model, machine, budget_s: float | None = None, alpha: float = 1.05,
                 # priced without a time limit: a plan reached by rules always exists
                 floor.append(_price_dp_by_rules(ev, g, book, dpg, dpst, dp_pg, left_for_pricing, stats))
                 stats["phase_s"] = {"segments": time.perf_counter() - t0}
+                marks["segments"] = time.perf_counter() - t0
                 if out is not None:
                     cands.append((ev.cost(trimmed(out), limited=left_for_pricing()), 1, out, st))
                 stats["search_result_s"] = cands[0][0] if cands and math.isfinite(cands[0][0]) else None
@@ -608,6 +615,7 @@ def optimize(model, machine, budget_s: float | None = None, alpha: float = 1.05,
             interrupted = True
         if not floor and not cands:
             floor.append((ev.cost(g), 0, g, []))
+        marks["whole_graph_pricing"] = time.perf_counter() - t0
         best = min(floor + cands, key=lambda c: (c[0], c[1]))
         pg, steps = trimmed(best[2]), list(best[3])
         if math.isfinite(best[0]):
@@ -628,9 +636,11 @@ def optimize(model, machine, budget_s: float | None = None, alpha: float = 1.05,
                     stats = dict(stats, fallback=name)
                     break
         rules_json = tuple(s.to_json() for s in steps) if not stats.get("fallback") else None
+        marks["final_mapping"] = time.perf_counter() - t0
         if pipeline and strategy == "unity" and (n_dev > 1 or not final.feasible) and not interrupted:
             tp0 = time.perf_counter()
             pipe = _pipeline(g, ev, max(end - time.perf_counter(), budget_s * 0.05))
+            marks["pipeline"] = time.perf_counter() - t0
             stats = dict(stats, pipeline_s=time.perf_counter() - tp0,
                          pipeline_iteration_s=pipe.cost if pipe is not None and pipe.feasible else None)
             if pipe is not None and pipe.feasible and (not final.feasible or pipe.cost < final.cost):
@@ -658,6 +668,9 @@ def optimize(model, machine, budget_s: float | None = None, alpha: float = 1.05,
         stats = dict(stats, chosen=stats.get("chosen") or labels.get(id(best[2]), "data parallel by rules" if best[1] == 0 else "search"),
                      mapper_calls=ev.calls, mapper_timeouts=ev.timeouts)
     search_s = time.perf_counter() - t0
+    if strategy in SEARCHES:       # seconds since the start at the end of each phase
+        marks["end"] = search_s
+        stats["timeline_s"] = {k: round(v, 2) for k, v in marks.items()}
     pred = dict(final.to_json(), strategy=strategy, optimizer=optimizer, precision=precision, search_s=search_s)
     plan = Plan(model_path, sha, m, pg, final.views, pred,
                 pipe_plan.to_plan_field() if pipe_plan is not None else None,
