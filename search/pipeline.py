@@ -81,11 +81,13 @@ from . import collectives as C
 from .baselines import StrategyError, data_parallel
 from .cost import CostModel, GraphCost
 from .mapping import MachineMapper
+from .memory import node_memory
 from .sp import build_units
 
 INF = math.inf
 SCHEDULE = PIPELINE_SCHEDULE
 MAX_BOUNDS = 48                         # stage-time bounds the DP tries per number of micro-batches
+TIE = 1e-3                              # stage DP: relative cost difference below which the smaller max wins
 
 
 class PipelineError(UnityError, ValueError):
@@ -540,6 +542,7 @@ class _Priced:
     pcg: PCG | None                   # the stage's parallel sub-PCG (micro-batch size)
     outputs: tuple = ()               # the original refs its outputs stand for, in order
     reason: str = ""
+    a_in: dict = field(default_factory=dict)   # device -> bytes of ``a`` that are the stage's received inputs
 
 
 def _failed(reason: str) -> _Priced:
@@ -580,8 +583,14 @@ def _price(mapper: MachineMapper, sg: PCG, intra, res: Resource, memo: dict | No
         b = r.breakdown
         total = r.cost if math.isfinite(r.cost) else b.time   # out of memory at one micro-batch: priced anyway
         once = b.sync + b.update
+        gc = GraphCost(P, mapper.model)
+        a_in: dict = {}
+        for nid in gc.nodes():
+            if gc.role[nid] == "input-placement" and nid in r.views:
+                for d, v in node_memory(gc, nid, r.views[nid])[1].items():
+                    a_in[d] = a_in.get(d, 0) + v
         out = _Priced(max(total - once, 0.0), once, dict(r.memory.weights), dict(r.memory.activations),
-                      dict(r.views), P, tuple(tuple(x) for x in sg.outputs))
+                      dict(r.views), P, tuple(tuple(x) for x in sg.outputs), a_in=a_in)
     if key is not None:
         memo[key] = out
     return out
@@ -888,7 +897,8 @@ def _stage_dp(lay: _LayerPrices, info: _Cuts, layers, gM, machine, sizes, T, M, 
                     for d, v in p.w.items():
                         w[d] = w.get(d, 0) + v
                     for d, v in p.a.items():
-                        a[d] = a.get(d, 0) + v
+                        # a later layer's received input is the earlier layer's output, counted there
+                        a[d] = a.get(d, 0) + (max(v - p.a_in.get(d, 0), 0) if i > k else v)
                     t[k][i], o[k][i], wa[k][i] = tk, ok, (w, a)
             hit = tab[s] = (t, o, wa, {})
         return hit
@@ -953,11 +963,14 @@ def _stage_dp(lay: _LayerPrices, info: _Cuts, layers, gM, machine, sizes, T, M, 
             memo: dict = {}
 
             def G(k, d, r):
+                # (cost, plan, largest stage time); costs within TIE of each other are ties, broken by
+                # the smaller largest stage time: with bounds merged the DP runs at a cluster's top,
+                # where plans of about equal sums differ in the makespan through their maximum
                 key = (k, d, r)
                 hit = memo.get(key)
                 if hit is not None:
                     return hit
-                best = (INF, ())
+                best = (INF, (), INF)
                 infl = min(r, M)
                 if r == 1:
                     s = T - d
@@ -965,7 +978,7 @@ def _stage_dp(lay: _LayerPrices, info: _Cuts, layers, gM, machine, sizes, T, M, 
                         tb = table(s)
                         t = tb[0][k][L - 1]
                         if t <= t_max and fits(s, k, L - 1, infl):
-                            best = (t + lam * tb[1][k][L - 1] + xfer(k, d, s), ((k, L, d, s),))
+                            best = (t + lam * tb[1][k][L - 1] + xfer(k, d, s), ((k, L, d, s),), t)
                 else:
                     for s in steps[d]:
                         tb = table(s)
@@ -976,16 +989,17 @@ def _stage_dp(lay: _LayerPrices, info: _Cuts, layers, gM, machine, sizes, T, M, 
                             if t > t_max:
                                 break
                             c0 = t + lam * ok[i] + x
-                            if c0 >= best[0] or not fits(s, k, i, infl):
+                            if c0 >= best[0] * (1 + TIE) or not fits(s, k, i, infl):
                                 continue
                             rest = G(i + 1, d + s, r - 1)
-                            if c0 + rest[0] < best[0]:
-                                best = (c0 + rest[0], ((k, i + 1, d, s),) + rest[1])
+                            c, mx = c0 + rest[0], max(t, rest[2])
+                            if c < best[0] * (1 - TIE) or (c <= best[0] * (1 + TIE) and (mx, c) < (best[2], best[0])):
+                                best = (c, ((k, i + 1, d, s),) + rest[1], mx)
                 memo[key] = best
                 return best
 
             for S in range(min_stages, max_stages + 1):
-                tot, plan = G(0, 0, S)
+                tot, plan, _ = G(0, 0, S)
                 if tot == INF:
                     continue
                 plans = found.setdefault(S, {})
