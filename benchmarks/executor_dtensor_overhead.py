@@ -1,6 +1,8 @@
 """What the DTensor lowering costs: step time of the same plan with its redistributions on DTensor /
-DeviceMesh (the default) and with the lowering's torch.distributed collectives (``UNITY_PCG_DTENSOR=0``),
-local gloo processes.
+DeviceMesh and with the lowering's torch.distributed collectives (``UNITY_PCG_DTENSOR=0``), local gloo
+processes.  Two DTensor paths: the default (DTensor's ``redistribute_local_tensor`` -- its transform
+planner and collectives -- in one autograd node, the DTensorSpecs built once) and ``UNITY_PCG_DTENSOR=api``
+(``DTensor.from_local(...).redistribute(...).to_local(...)`` per movement).
 
 Cases (models of ``benchmarks/executor_bench.py``; SGD, MSE against zero targets):
 
@@ -10,11 +12,11 @@ Cases (models of ``benchmarks/executor_bench.py``; SGD, MSE against zero targets
 * ``ffn`` with the reduction into batch shards instead (Reduce + Partition of the partial sums, a
   reduce-scatter; the all-gather back in the backward);
 * ``block`` (Transformer block: 4 heads, h 256, FFN 1024, batch 8 x seq 32):
-  ``search.baselines.build_strategy(g, "megatron", P)`` (Megatron attention and FFN pairs: AllReduce of
-  the attention output, Reduce + Partition / Combine of the FFN's ...; whatever the strategy puts).
+  ``search.baselines.build_strategy(g, "megatron", P)`` (Megatron attention and FFN pairs: two AllReduces
+  of partial sums, the last one read by the loss).
 
-Both variants of a case are built in the same processes (two Trainers), and timed interleaved: ``--rounds``
-rounds, each timing ``--iters`` steps of every (case, variant) after a barrier, the order reversed every
+The three variants of a case are built in the same processes (three Trainers) and timed interleaved:
+``--rounds`` rounds, each timing ``--iters`` steps of every (case, variant) after a barrier, the order reversed every
 other round; a variant's time is the median over rounds of rank 0's mean step time, the overhead ratio is
 the median over rounds of (DTensor time / c10d time) of the adjacent pair.  A micro-benchmark of one
 redistribution (the FFN's all-reduce, forward + backward) against the same torch.distributed all-reduce
@@ -96,7 +98,7 @@ def _measure(rank: int, world: int, spec: dict) -> dict:
         name = next(n.a["name"] for n in plan.pcg.sources("Input"))
         feeds = {name: example[0]}
         zeros = torch.zeros(plan.pcg.shape(tuple(plan.pcg.outputs[0])).sizes)
-        for variant, env in (("dtensor", "1"), ("c10d", "0")):
+        for variant, env in (("dtensor", "1"), ("dtensor-api", "api"), ("c10d", "0")):
             os.environ["UNITY_PCG_DTENSOR"] = env
             t = Trainer(plan, plan.model_path, rank=rank, world=world, optimizer="sgd", lr=LR, seed=0)
             key = f"{c['name']}|{c['model']}|{variant}"
@@ -110,15 +112,17 @@ def _measure(rank: int, world: int, spec: dict) -> dict:
                 steps[key]()
     os.environ.pop("UNITY_PCG_DTENSOR", None)
     times = {k: [] for k in steps}
+    cpu = {k: [] for k in steps}          # CPU seconds of the rank's process (all its threads) per step
     order = list(steps)
     for r in range(spec["rounds"]):
         for k in (order if r % 2 == 0 else order[::-1]):
             dist.barrier()
-            t0 = time.perf_counter()
+            c0, t0 = time.process_time(), time.perf_counter()
             for _ in range(spec["iters"]):
                 steps[k]()
             times[k].append((time.perf_counter() - t0) / spec["iters"])
-    return {"times": times, "info": info, "micro": _micro(rank, world, spec)}
+            cpu[k].append((time.process_time() - c0) / spec["iters"])
+    return {"times": times, "cpu": cpu, "info": info, "micro": _micro(rank, world, spec)}
 
 
 def _micro(rank: int, world: int, spec: dict) -> dict:
@@ -144,6 +148,11 @@ def _micro(rank: int, world: int, spec: dict) -> dict:
     def f_c10d():
         _AllReduce.apply(pg, anchor, x).sum().backward()
 
+    rd_api = Redistribution(MeshSpec((world,), devs), (("P",),), (("R",),), (64, 512), "all_reduce", api=True)
+
+    def f_api():
+        rd_api.run(x, rank, group_of, anchor, None, True, 1).sum().backward()
+
     def f_dt_fwd():
         rd.run(x.detach(), rank, group_of, None, None, False, 1)
 
@@ -165,7 +174,8 @@ def _micro(rank: int, world: int, spec: dict) -> dict:
         DTensor.from_local(w, mesh, (Replicate(),), run_check=False, shape=(512, 512), stride=(512, 1)) \
             .redistribute(mesh, (Shard(1),)).to_local().sum().backward()
 
-    fns = {"dtensor fwd+bwd": f_dt, "c10d fwd+bwd": f_c10d, "dtensor fwd": f_dt_fwd, "c10d fwd": f_c10d_fwd,
+    fns = {"dtensor fwd+bwd": f_dt, "dtensor-api fwd+bwd": f_api, "c10d fwd+bwd": f_c10d, "dtensor fwd": f_dt_fwd,
+           "c10d fwd": f_c10d_fwd,
            "weight slice fwd+bwd": f_slice, "dtensor Replicate->Shard fwd+bwd": f_dt_slice}
     res = {k: [] for k in fns}
     for r in range(spec["rounds"]):
@@ -208,15 +218,18 @@ def run(procs: int, spec: dict) -> dict:
     keys = list(r0["times"])
     for k in keys:
         name, model, variant = k.split("|")
-        if variant != "dtensor":
+        if variant == "c10d":
             continue
         other = f"{name}|{model}|c10d"
         ratios = [a / b for a, b in zip(r0["times"][k], r0["times"][other])]
-        rows.append({"case": name, "model": model, "procs": procs,
+        cpu_ratios = [a / b for a, b in zip(r0["cpu"][k], r0["cpu"][other])]
+        rows.append({"case": name, "model": model, "procs": procs, "variant": variant,
                      "dtensor_step_s": statistics.median(r0["times"][k]),
                      "c10d_step_s": statistics.median(r0["times"][other]),
                      "ratio_dtensor_over_c10d": statistics.median(ratios),
                      "ratio_quartiles": statistics.quantiles(ratios, n=4) if len(ratios) > 1 else ratios,
+                     "dtensor_cpu_s": statistics.median(r0["cpu"][k]), "c10d_cpu_s": statistics.median(r0["cpu"][other]),
+                     "cpu_ratio_dtensor_over_c10d": statistics.median(cpu_ratios),
                      "redistribution_kinds": r0["info"][k]["kinds"],
                      "redistributions_per_step": r0["info"][k]["redistributions_per_step"],
                      "fused_operators": r0["info"][k]["fused_operators"],
@@ -228,24 +241,31 @@ def write_markdown(path: str, res: dict) -> None:
     lines = ["# DTensor lowering overhead (executor_dtensor_overhead.py)", "",
              f"Command: `{res['command']}`; torch {res['torch']}, {res['threads']} torch thread(s) per rank, "
              f"{res['rounds']} rounds x {res['iters']} steps, host with {res['cpus']} cores (shared).", "",
-             "Step time of the same plan with its movements as DTensor redistributions (default) and with the "
+             "Step time of the same plan with its movements as DTensor redistributions -- `dtensor` (the default: "
+             "DTensor's `redistribute_local_tensor` in one autograd node, specs cached) and `dtensor-api` "
+             "(`UNITY_PCG_DTENSOR=api`: `DTensor.from_local(...).redistribute(...).to_local(...)`) -- and with the "
              "lowering's torch.distributed collectives (`UNITY_PCG_DTENSOR=0`); ratio = DTensor / c10d, the "
              "median over rounds of adjacent pairs (1.00 = no overhead).", "",
-             "| procs | model | plan | redistributions (kinds) | DTensor step | c10d step | ratio (quartiles) |",
-             "|---|---|---|---|---|---|---|"]
+             "| procs | model | plan | redistributions (kinds) | DTensor path | DTensor step | c10d step | "
+             "ratio (quartiles) | CPU per step DTensor / c10d | CPU ratio |",
+             "|---|---|---|---|---|---|---|---|---|---|"]
     for r in res["runs"]:
         for row in r["rows"]:
             q = row["ratio_quartiles"]
             qs = f" ({q[0]:.2f}-{q[-1]:.2f})" if len(q) > 1 else ""
             lines.append(f"| {row['procs']} | {row['model']} | {row['case']} | {row['redistributions_per_step']} "
-                         f"({', '.join(row['redistribution_kinds']) or '-'}) | {row['dtensor_step_s'] * 1e3:.2f} ms | "
-                         f"{row['c10d_step_s'] * 1e3:.2f} ms | {row['ratio_dtensor_over_c10d']:.2f}{qs} |")
+                         f"({', '.join(row['redistribution_kinds']) or '-'}) | {row['variant']} | "
+                         f"{row['dtensor_step_s'] * 1e3:.2f} ms | "
+                         f"{row['c10d_step_s'] * 1e3:.2f} ms | {row['ratio_dtensor_over_c10d']:.2f}{qs} | "
+                         f"{row['dtensor_cpu_s'] * 1e3:.2f} / {row['c10d_cpu_s'] * 1e3:.2f} ms | "
+                         f"{row['cpu_ratio_dtensor_over_c10d']:.2f} |")
     lines += ["", "One all-reduce of a 64 x 512 float32 piece (rank 0, median of rounds of 20 calls):", "",
-              "| procs | DTensor fwd+bwd | c10d fwd+bwd | DTensor fwd | c10d fwd | weight slice fwd+bwd | "
-              "DTensor Replicate->Shard fwd+bwd |", "|---|---|---|---|---|---|---|"]
+              "| procs | DTensor fwd+bwd | DTensor API fwd+bwd | c10d fwd+bwd | DTensor fwd | c10d fwd | "
+              "weight slice fwd+bwd | DTensor Replicate->Shard fwd+bwd |", "|---|---|---|---|---|---|---|---|"]
     for r in res["runs"]:
         m = r["micro_s"]
-        lines.append(f"| {r['procs']} | {m['dtensor fwd+bwd'] * 1e3:.3f} ms | {m['c10d fwd+bwd'] * 1e3:.3f} ms | "
+        lines.append(f"| {r['procs']} | {m['dtensor fwd+bwd'] * 1e3:.3f} ms | {m['dtensor-api fwd+bwd'] * 1e3:.3f} ms | "
+                     f"{m['c10d fwd+bwd'] * 1e3:.3f} ms | "
                      f"{m['dtensor fwd'] * 1e3:.3f} ms | {m['c10d fwd'] * 1e3:.3f} ms | "
                      f"{m['weight slice fwd+bwd'] * 1e3:.3f} ms | {m['dtensor Replicate->Shard fwd+bwd'] * 1e3:.3f} ms |")
     lines += ["", "(weight slice: the lowering's placement of a 512 x 512 weight column-split over the ranks, a "
@@ -276,8 +296,9 @@ def main(argv=None) -> int:
         r = run(p, spec)
         res["runs"].append(r)
         for row in r["rows"]:
-            print(f"P={p} {row['model']:6s} {row['case']:34s} dtensor {row['dtensor_step_s'] * 1e3:7.2f} ms  "
+            print(f"P={p} {row['model']:6s} {row['case']:34s} {row['variant']:12s} {row['dtensor_step_s'] * 1e3:7.2f} ms  "
                   f"c10d {row['c10d_step_s'] * 1e3:7.2f} ms  ratio {row['ratio_dtensor_over_c10d']:.3f}  "
+                  f"cpu ratio {row['cpu_ratio_dtensor_over_c10d']:.3f}  "
                   f"{row['redistributions_per_step']} x {row['redistribution_kinds']}", flush=True)
         print(f"P={p} micro {r['micro_s']}", flush=True)
     os.makedirs(os.path.dirname(a.out), exist_ok=True)

@@ -151,6 +151,7 @@ class Redistribution:
     dst: tuple
     sizes: tuple                      # logical shape (both sides)
     kind: str                         # "all_reduce" | "all_gather" | "reduce_scatter" | "all_to_all" | "mixed"
+    api: bool = False                 # through DTensor objects (from_local / redistribute / to_local)
     _meshes: dict = field(default_factory=dict, repr=False, compare=False)
 
     # --- torch objects (built lazily on the members from the process groups the Trainer made) -----------
@@ -196,28 +197,86 @@ class Redistribution:
         """How many copies of each piece the redistribution makes (product of the new Replicate dims)."""
         return prod(s for s, p, q in zip(self.mesh.shape, self.src, self.dst) if q == R and p != R)
 
+    def specs(self, mesh, dtype, split: bool) -> tuple:
+        """DTensorSpecs of the input, the output, the output's gradient and the input's gradient (cached
+        per mesh, dtype and loss split)."""
+        key = ("specs", id(mesh), dtype, split)
+        hit = self._meshes.get(key)
+        if hit is None:
+            from torch.distributed.tensor import Replicate
+            from torch.distributed.tensor._dtensor_spec import DTensorSpec, TensorMeta
+            src, dst, grad, grad_loss, stride = self.placements()
+            meta = TensorMeta(torch.Size(self.sizes), stride, dtype)
+            gsrc = tuple(Replicate() if p.is_partial() else p for p in src)   # a partial sum's gradient is whole
+            hit = self._meshes[key] = tuple(DTensorSpec(mesh, pl, tensor_meta=meta)
+                                            for pl in (src, dst, grad_loss if split else grad, gsrc))
+        return hit
+
     def run(self, x: torch.Tensor, rank: int, group_of: Callable, anchor: torch.Tensor | None = None,
             sinks: list | None = None, diff: bool = True, loss_k: int = 1) -> torch.Tensor:
         """The output's local piece from the input's local piece ``x`` (collective over the mesh).
         ``loss_k``: the result is an AllReduce's copies each adding 1/k of the loss (the gradient of a
-        copy is then 1/k of the whole: scaled by k, no backward message)."""
-        from torch.distributed.tensor import DTensor
+        copy is then 1/k of the whole: scaled by k, no backward message).
+
+        By default the local piece goes through DTensor's own redistribution
+        (``redistribute_local_tensor``: DTensor's transform planner and collectives) in one autograd
+        node, with the DTensorSpecs built once; ``api=True`` (``UNITY_PCG_DTENSOR=api``) goes through
+        ``DTensor.from_local(...).redistribute(...).to_local(...)``, which builds DTensor objects,
+        specs and three autograd nodes per call: the same collectives, about twice the CPU time around
+        them (``benchmarks/executor_dtensor_overhead.py``)."""
         CALLS[self.kind] += 1
         mesh = self.device_mesh(rank, group_of, x.device.type)
-        src, dst, grad, grad_loss, stride = self.placements()
         if not diff:
             x = x.detach()
         elif not x.requires_grad and anchor is not None:
             x = x + anchor            # the backward must run here too (peers wait on its collective)
-        d = DTensor.from_local(x.contiguous(), mesh, src, run_check=False, shape=torch.Size(self.sizes),
-                               stride=stride)
         split = loss_k > 1 and diff and self.new_copies() == loss_k
-        y = d.redistribute(mesh, dst).to_local(grad_placements=grad_loss if split else grad)
-        if split:
-            y = _ScaleGrad.apply(y, loss_k)
+        if self.api or _redistribute_local is None:
+            from torch.distributed.tensor import DTensor
+            src, dst, grad, grad_loss, stride = self.placements()
+            d = DTensor.from_local(x.contiguous(), mesh, src, run_check=False, shape=torch.Size(self.sizes),
+                                   stride=stride)
+            y = d.redistribute(mesh, dst).to_local(grad_placements=grad_loss if split else grad)
+            if split:
+                y = _ScaleGrad.apply(y, loss_k)
+        elif diff:
+            y = _Redistribute.apply(x, self.specs(mesh, x.dtype, split), loss_k if split else 1)
+        else:
+            sp = self.specs(mesh, x.dtype, False)
+            y = _redistribute_local(x.contiguous(), sp[0], sp[1])
         if diff and sinks is not None:
             sinks.append(y)
         return y
+
+
+try:
+    from torch.distributed.tensor._redistribute import redistribute_local_tensor as _redistribute_local
+except ImportError:                   # another torch: the public DTensor API path
+    _redistribute_local = None
+
+
+class _Redistribute(torch.autograd.Function):
+    """DTensor's redistribution of a local piece; the backward redistributes the gradient from the
+    output's gradient placements to the input's (what DTensor's from_local / redistribute / to_local
+    nodes do together, in one node)."""
+
+    @staticmethod
+    def forward(ctx, x, specs, scale):
+        ctx.specs, ctx.scale = specs, scale
+        y = _redistribute_local(x.contiguous(), specs[0], specs[1])
+        if y.untyped_storage().data_ptr() == x.untyped_storage().data_ptr():
+            y = y.clone()             # a local chunk of the input: an output of its own
+        return y
+
+    @staticmethod
+    def backward(ctx, g):
+        _, _, gout, gin = ctx.specs
+        g = g.contiguous()
+        if ctx.scale != 1:
+            g = g * ctx.scale
+        if gout.placements != gin.placements:
+            g = _redistribute_local(g, gout, gin)
+        return g, None, None
 
 
 class _ScaleGrad(torch.autograd.Function):

@@ -168,9 +168,11 @@ class Lowered:
                  seed: int = 0, sync_batchnorm: bool = True, frozen: frozenset = frozenset(),
                  dtensor: bool | None = None):
         self.g = g
+        mode = os.environ.get("UNITY_PCG_DTENSOR", "1")
         if dtensor is None:           # UNITY_PCG_DTENSOR=0: the torch.distributed path only (benchmarks)
-            dtensor = os.environ.get("UNITY_PCG_DTENSOR", "1") != "0"
+            dtensor = mode != "0"
         self.use_dtensor = bool(dtensor)
+        self.dtensor_api = mode == "api"            # through DTensor objects (see Redistribution.run)
         self.redist: dict[int, tuple[tuple, Redistribution]] = {}   # chain end -> (chain input, redistribution)
         self.fused: set[int] = set()                # parallel nodes inside a redistribution (run by its end)
         self.frozen = frozenset(frozen)             # weight names that are model constants, not parameters
@@ -436,6 +438,7 @@ class Lowered:
                     i += 1
                     continue
                 j, rd = hit
+                rd.api = self.dtensor_api
                 self.redist[chain[j]] = (head, rd)
                 self.fused.update(chain[i:j])
                 if rd.kind != "none":

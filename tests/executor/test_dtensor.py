@@ -4,6 +4,8 @@ them on 2 and 4 gloo processes equals single-process training, with torch's ``DT
 counted in the ranks (the path is DTensor's, not a hand-written collective)."""
 from __future__ import annotations
 
+from collections import Counter
+
 import pytest
 
 from unity_pcg.executor.dtensor import MeshSpec, plan_redistribution
@@ -164,58 +166,100 @@ def test_megatron_transformer_block_all_reduces_through_dtensor():
 
 # --- training through the redistributions -------------------------------------------------------------------
 
+FUNCOL = {"all_reduce": "all_reduce", "all_gather": "all_gather_single", "reduce_scatter": "reduce_scatter_single",
+          "all_to_all": "shard_dim_alltoall"}
+
+
 def _count_worker(rank: int, world: int, cases: list) -> list:
-    """Train every case; per case (losses, state on rank 0, DTensor.redistribute calls by placements)."""
+    """Train every case; per case (losses, state on rank 0, calls): the collectives DTensor's placements
+    issued (torch's functional collectives, by name), DTensor's ``redistribute_local_tensor`` calls of
+    the lowering's redistributions and ``DTensor.redistribute`` calls (the ``api`` mode)."""
+    import os
     from collections import Counter
 
+    import torch.distributed._functional_collectives as funcol
+    import torch.distributed.tensor.placement_types as pt
     from torch.distributed.tensor import DTensor
 
     from unity_pcg import plan as plan_mod
+    from unity_pcg.executor import dtensor as dt
     calls: Counter = Counter()
-    orig = DTensor.redistribute
+    patched = []
 
-    def counting(self, device_mesh=None, placements=None, **kw):
-        calls[(tuple(str(p) for p in self.placements), tuple(str(p) for p in placements))] += 1
-        return orig(self, device_mesh, placements, **kw)
-    DTensor.redistribute = counting
+    def wrap(mod, name, label):
+        orig = getattr(mod, name)
+
+        def counting(*a, **kw):
+            calls[label] += 1
+            return orig(*a, **kw)
+        setattr(mod, name, counting)
+        patched.append((mod, name, orig))
+    for fn in ("all_reduce", "all_gather_single", "reduce_scatter_single"):
+        wrap(funcol, fn, fn)
+    wrap(pt, "shard_dim_alltoall", "shard_dim_alltoall")
+    wrap(dt, "_redistribute_local", "redistribute_local_tensor")
+    wrap(DTensor, "redistribute", "DTensor.redistribute")
     out = []
     try:
         for c in cases:
             c = dict(c)
             calls.clear()
+            os.environ["UNITY_PCG_DTENSOR"] = c.pop("mode", "1")
             p = plan_mod.from_json(c.pop("plan"))
             losses, state = H.train(p, c.pop("model"), c.pop("steps"), rank=rank, world=world, **c)
             out.append((losses, state if rank == 0 else None, dict(calls)))
     finally:
-        DTensor.redistribute = orig
+        os.environ.pop("UNITY_PCG_DTENSOR", None)
+        for mod, name, orig in reversed(patched):
+            setattr(mod, name, orig)
     return out
 
 
-def _check(plans, names, world, targets=None):
+def _check(plans, names, world, targets=None, mode="1"):
     cases, refs = [], {}
     for name in names:
         plan, path, _ = plans[name]
-        cases.append(H.case(plan, path, targets=targets))
+        cases.append(dict(H.case(plan, path, targets=targets), mode=mode))
         if path not in refs:
             refs[path] = H.reference(path, 5, targets=targets)
     got = H.run_dist(world, _count_worker, cases)
     for i, name in enumerate(names):
         plan, path, _ = plans[name]
-        losses, state, calls = got[0][i]
+        losses, state, _ = got[0][i]
         H.assert_same(refs[path], (losses, state), what=name)
-        kind, mesh_shape, src, dst, _ = EXPECT[name]
-        # one redistribution per step, on every rank (5 steps), with the planned placements
-        per_step = 0 if kind == "none" else 1
+        kind = EXPECT[name][0]
         for r in range(world):
-            assert sum(got[r][i][2].values()) == 5 * per_step, (name, r, got[r][i][2])
-        if per_step:
-            (key, n), = calls.items()
-            assert n == 5 and len(key[0]) == len(mesh_shape), (name, calls)
+            calls = got[r][i][2]
+            if kind == "none":           # nothing moves
+                assert not calls, (name, r, calls)
+                continue
+            # 5 steps, one redistribution each, forward and backward: DTensor's collectives ran (an
+            # all-reduce's backward is an all-reduce, an all-gather's a reduce-scatter, ...)
+            back = {"all_reduce": "all_reduce", "all_gather": "reduce_scatter", "reduce_scatter": "all_gather",
+                    "all_to_all": "all_to_all"}[kind]
+            want = Counter({FUNCOL[kind]: 5})
+            want[FUNCOL[back]] += 5
+            got_coll = Counter({k: v for k, v in calls.items() if k in FUNCOL.values()})
+            if kind == "all_to_all":     # gloo has no all-to-all: torch runs it as an all-gather + chunk
+                got_coll.pop("all_gather_single", None)
+            if len(EXPECT[name][1]) == 1:
+                assert got_coll == want, (name, r, calls)
+            else:                        # 2-D: DTensor may add steps (e.g. to change the shard order)
+                assert all(got_coll[k] >= n for k, n in want.items()), (name, r, calls)
+            if mode == "api":
+                assert calls["DTensor.redistribute"] == 5, (name, r, calls)
+            else:                        # one node: forward and backward through redistribute_local_tensor
+                assert calls["redistribute_local_tensor"] == 10 and "DTensor.redistribute" not in calls, (name, calls)
 
 
 def test_two_processes_train_through_dtensor_redistributions(plans):
     _check(plans, ["all_reduce", "reduce+replicate", "combine+replicate", "reduce+partition", "combine+partition",
-                   "reduce+partition at the output", "combine+partition back"], 2)
+                   "combine+partition back"], 2)
+
+
+def test_two_processes_through_the_public_dtensor_api(plans):
+    """UNITY_PCG_DTENSOR=api: DTensor.from_local(...).redistribute(...).to_local(...) per movement."""
+    _check(plans, ["all_reduce", "combine+replicate", "reduce+partition", "combine+partition"], 2, mode="api")
 
 
 def test_nonlinear_loss_on_redistributed_outputs(plans):
@@ -236,7 +280,9 @@ def test_nonlinear_loss_on_redistributed_outputs(plans):
                                         H.case(rs, models.mlp_nobias(), targets=mse)])
     H.assert_same(ref, got[0][0][:2], what="AllReduce at the output, mse")
     H.assert_same(ref, got[0][1][:2], what="reduce-scatter at the output, mse")
-    assert sum(got[0][0][2].values()) == 5 and sum(got[0][1][2].values()) == 5
+    # the AllReduce whose copies the loss reads: 5 all-reduces forward, none backward (scaled by k)
+    assert {k: v for k, v in got[0][0][2].items() if k in FUNCOL.values()} == {"all_reduce": 5}
+    assert got[0][1][2]["reduce_scatter_single"] == 5 and got[0][1][2]["all_gather_single"] == 5
 
 
 @pytest.mark.slow
