@@ -202,7 +202,7 @@ def worker(arg: str) -> int:
 # --- the run ------------------------------------------------------------------------------------------------
 
 def tasks_for(models, devices, budget, max_candidates, extras: bool, seq_devices,
-              searches=("unity", NOPIPE)) -> list[dict]:
+              searches=("unity", NOPIPE), extras_only: bool = False) -> list[dict]:
     """Tasks in the order they run, so that a run cut short still has the headline numbers: Unity and
     the baselines at the largest scale (the paper's anchors); at each GPU count of ``seq_devices``
     (Figure 15b: 96 GPUs in the paper) the same, then the sequential search; DenseNet-121 and 1,024
@@ -214,6 +214,10 @@ def tasks_for(models, devices, budget, max_candidates, extras: bool, seq_devices
 
     def block(name, D, machine=None):
         return [t(name, D, s, machine) for s in baselines_for(name)] + [t(name, D, s, machine) for s in searches]
+    big = [x for x in BIG_MODELS if x in models]
+    if extras_only:                              # DenseNet-121 and 1,024 GPUs only
+        return ([t(DENSENET, 192, s) for s in ("dp",) + tuple(searches)]
+                + [x for name in big for x in block(name, 1024, BIG_MACHINE)])
     top = max(devices)
     first = [top] + sorted((d for d in seq_devices if d in devices and d != top), reverse=True)
     rest = sorted(d for d in devices if d not in first)
@@ -639,6 +643,7 @@ def main(argv=None) -> int:
     ap.add_argument("--max-candidates", type=int, default=40, help="expanded candidates per segment")
     ap.add_argument("--quick", action="store_true", help="mlp and dlrm at 6 and 12 GPUs, 10 s budget, no extras")
     ap.add_argument("--no-extras", action="store_true", help="skip DenseNet-121 and 1,024 GPUs")
+    ap.add_argument("--extras-only", action="store_true", help="only DenseNet-121 and 1,024 GPUs")
     ap.add_argument("--searches", default=f"unity,{NOPIPE}",
                     help=f"joint searches per (model, GPUs): unity (with pipelines) and {NOPIPE}")
     ap.add_argument("--sequential-devices", default="96",
@@ -697,7 +702,7 @@ def main(argv=None) -> int:
     searches = tuple(x for x in a.searches.split(",") if x)
     if any(x not in ("unity", NOPIPE) for x in searches):
         ap.error(f"--searches: unity and/or {NOPIPE}")
-    tasks = tasks_for(models, devices, a.budget, a.max_candidates, not a.no_extras, seq, searches)
+    tasks = tasks_for(models, devices, a.budget, a.max_candidates, not a.no_extras, seq, searches, a.extras_only)
     run(tasks, a.out, a.fresh, a.task_timeout, _meta(a, argv))
     report(a.out, md)
     print(f"wrote {os.path.relpath(a.out, ROOT)} and {os.path.relpath(md, ROOT)}")
