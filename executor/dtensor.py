@@ -6,10 +6,15 @@ dim -- ``Replicate()`` for a mesh dim that indexes copies, ``Partial()`` for one
 sums, ``Shard(d)`` for one that indexes the pieces of logical dim d (several mesh dims sharding one
 dim nest left to right, as DTensor does).  A movement between two such tensors on the same device
 set (a parallel operator, or a chain of them whose intermediate tensors nobody else reads) is one
-``DTensor.redistribute``: Partial -> Replicate is an all-reduce (Reduce + Replicate, the fused
+DTensor redistribution: Partial -> Replicate is an all-reduce (Reduce + Replicate, the fused
 AllReduce), Shard -> Replicate an all-gather (Combine + Replicate), Partial -> Shard a
-reduce-scatter (Reduce + Partition), Shard(i) -> Shard(j) an all-to-all; torch picks and runs the
-collectives and differentiates them.
+reduce-scatter (Reduce + Partition), Shard(i) -> Shard(j) an all-to-all; DTensor plans the steps and
+runs its collectives (torch's functional collectives) forward and, on the gradient, backward.  By
+default the local piece goes through DTensor's ``redistribute_local_tensor`` (the function
+``DTensor.redistribute`` runs) inside one autograd node with the DTensorSpecs built once; with
+``UNITY_PCG_DTENSOR=api`` through ``DTensor.from_local(...).redistribute(...).to_local(...)``, which
+costs about twice the CPU time around the collective (DTensor objects, specs and three autograd
+nodes per call; see ``Redistribution.run``).
 
 :func:`plan_redistribution` finds the mesh.  Every tensor gives each device a grid index (copy, sum,
 one per shard dim; :mod:`executor.lower`'s piece maps), so the device set is first written in the

@@ -18,10 +18,10 @@ From that picture each rank keeps what concerns it:
   view puts on it, on plain local tensors, with the operator's piece attributes;
 * **parallel operators on activations** whose input and output sit one piece per device on one device
   set that forms a DeviceMesh (a chain of them, when the intermediate tensors are read by nobody else):
-  one DTensor redistribution (:mod:`executor.dtensor`: ``from_local`` with the input's placements,
-  ``redistribute`` to the output's, ``to_local``; Partial -> Replicate an all-reduce, Shard -> Replicate
-  an all-gather, Partial -> Shard a reduce-scatter, Shard -> Shard an all-to-all, all differentiated by
-  DTensor).  ``dtensor=False`` (or ``UNITY_PCG_DTENSOR=0``) keeps the collectives below for them too;
+  one DTensor redistribution (:mod:`executor.dtensor`: the piece with the input's placements
+  redistributed to the output's by DTensor; Partial -> Replicate an all-reduce, Shard -> Replicate an
+  all-gather, Partial -> Shard a reduce-scatter, Shard -> Shard an all-to-all, the gradient redistributed
+  back).  ``dtensor=False`` (or ``UNITY_PCG_DTENSOR=0``) keeps the collectives below for them too;
 * **other parallel operators on activations** and **inputs of a compute task held by another device**:
   communication, with torch.distributed's own collectives where the pieces sit as a collective expects
   (one per output group; each with its autograd backward): ``AllReduce`` whose copies sit on the devices
