@@ -58,13 +58,21 @@ def _with_example(r: Rule, bind: dict, shapes: dict, ints: tuple = (), values: s
     return r.with_example(json.dumps(ex, sort_keys=True))
 
 
-def _attention(x, wq, wk, wv, wo):
-    """One multi-head attention block as the exporters write it (no biases, no mask)."""
-    def heads(w, perm):
-        return op("Transpose", op("Reshape", op("Linear", x, w), shape="$sh"), perm=perm)
-    q, k, v = heads(wq, (0, 2, 1, 3)), heads(wk, (0, 2, 3, 1)), heads(wv, (0, 2, 1, 3))
+def _attention(x, wq, wk, wv, wo, biases=None):
+    """One multi-head attention block as the exporters write it (no mask); ``biases`` (bq, bk, bv, bo) as BERT
+    exports them, ``Add(bias, Linear(x, w))`` (bo None: the output bias is left to the caller)."""
+    def proj(w, b):
+        y = op("Linear", x, w)
+        return y if b is None else op("Add", b, y)
+
+    bq, bk, bv, bo = biases or (None,) * 4
+
+    def heads(w, b, perm):
+        return op("Transpose", op("Reshape", proj(w, b), shape="$sh"), perm=perm)
+    q, k, v = heads(wq, bq, (0, 2, 1, 3)), heads(wk, bk, (0, 2, 3, 1)), heads(wv, bv, (0, 2, 1, 3))
     a = op("BatchMatMul", op("Softmax", op("Scale", op("BatchMatMul", q, k), factor="$f"), axis=-1), v)
-    return op("Linear", op("Reshape", op("Transpose", a, perm=(0, 2, 1, 3)), shape="$sm"), wo)
+    out = op("Linear", op("Reshape", op("Transpose", a, perm=(0, 2, 1, 3)), shape="$sm"), wo)
+    return out if bo is None else op("Add", bo, out)
 
 
 # Templates proved from a named subset of the (self-checked, hence sound) axioms: with every relevant axiom
@@ -77,6 +85,10 @@ AXIOM_SUBSETS: dict[str, tuple[str, ...]] = {
         "Transpose_partition_0231_d-2", "BatchMatMul_partition_batch", "Scale_partition", "Softmax_partition",
         "Reshape_Transpose_partition_merge_heads", "Linear_is_MatMul", "MatMul_partition_inner"),
 }
+AXIOM_SUBSETS["megatron_attention_block_bias"] = AXIOM_SUBSETS["megatron_attention_block"] + ("Add_partition",)
+for _u in ("Gelu", "Relu"):
+    AXIOM_SUBSETS[f"megatron_mlp_column_{_u.lower()}_row_bias"] = (
+        "Linear_partition_cols", "Add_partition", f"{_u}_partition", "Linear_is_MatMul", "MatMul_partition_inner")
 
 
 def _with_subset(r: Rule) -> Rule:
@@ -186,22 +198,41 @@ def template_rules() -> list[Rule]:
                                {"x": S.of((2, 3, 8)), **{w: S.of((8, 8)) for w in ("wq", "wk", "wv", "wo")}}))
     # Embedding tables split by columns (the feature dim; DLRM's tables, issue 7): the indices replicated,
     # each device looks up its columns, the Combine gathers the features.  The bag variant sums the bag
-    # first (ReduceSum over a dim before the features), so only the pooled vectors are gathered
-    r = rule_of("megatron_embedding_column", op("Embedding", "i", "t"),
-                _comb(op("Embedding", _rep("i"), _part("t", -1)), -1), K)
-    rules.append(_with_example(r, {"k": 2}, {"i": S.of((4, 3), dtype="int64"), "t": S.of((6, 4))}, ints=("i",)))
+    # first (ReduceSum over a dim before the features), so only the pooled vectors are gathered; it comes
+    # first (a seed applying templates in cache order must split a bag's table with it, not the plain one)
     bag = lambda i, t: op("ReduceSum", op("Embedding", i, t), axes=("$a",), keepdims="$kd")  # noqa: E731
     r = rule_of("megatron_embedding_bag_column", bag("i", "t"), _comb(bag(_rep("i"), _part("t", -1)), -1),
                 {**K, "a": "dim", "kd": "attr"}, [["$a", "<=", -2]])
     rules.append(_with_example(r, {"k": 2, "a": -2, "kd": False},
                                {"i": S.of((4, 3), dtype="int64"), "t": S.of((6, 4))}, ints=("i",)))
-
+    r = rule_of("megatron_embedding_column", op("Embedding", "i", "t"),
+                _comb(op("Embedding", _rep("i"), _part("t", -1)), -1), K)
+    rules.append(_with_example(r, {"k": 2}, {"i": S.of((4, 3), dtype="int64"), "t": S.of((6, 4))}, ints=("i",)))
     # the MLP with an element-wise activation between the two Linears (as exported: Linear -> Gelu -> Linear)
     for u in ("Gelu", "Relu"):
         r = rule_of(f"megatron_mlp_column_{u.lower()}_row", op("Linear", op(u, op("Linear", "x", "w1")), "w2"),
                     op("Reduce", op("Linear", op(u, op("Linear", _rep("x"), _part("w1", -1))), _part("w2", -2)),
                        degree="$k"), K)
         rules.append(_with_example(r, {"k": 2}, {"x": S.of((4, 4)), "w1": S.of((4, 8)), "w2": S.of((8, 4))}))
+    # the same with biases as BERT exports them (Add(bias, Linear(x, w))): the column-parallel bias split with its
+    # columns, the row-parallel one added after the Reduce
+    for u in ("Gelu", "Relu"):
+        src = op("Add", "b2", op("Linear", op(u, op("Add", "b1", op("Linear", "x", "w1"))), "w2"))
+        tgt = op("Add", "b2", op("Reduce", op("Linear", op(u, op("Add", _part("b1", -1), op("Linear", _rep("x"),
+                                                                                               _part("w1", -1)))),
+                                                       _part("w2", -2)), degree="$k"))
+        r = rule_of(f"megatron_mlp_column_{u.lower()}_row_bias", src, tgt, K)
+        rules.append(_with_example(_with_subset(r), {"k": 2},
+                                   {"x": S.of((2, 4)), "w1": S.of((4, 8)), "b1": S.of((8,)), "w2": S.of((8, 4)),
+                                    "b2": S.of((4,))}))
+    r = rule_of("megatron_attention_block_bias", _attention("x", "wq", "wk", "wv", "wo", ("bq", "bk", "bv", "bo")),
+                op("Add", "bo", op("Reduce", _attention(_rep("x"), _part("wq", -1), _part("wk", -1), _part("wv", -1),
+                                                        _part("wo", -2), (_part("bq", -1), _part("bk", -1),
+                                                                          _part("bv", -1), None)), degree="$k")),
+                {**K, "sh": "attr", "sm": "attr", "f": "attr"})
+    rules.append(_with_example(_with_subset(r), {"k": 2, "sh": (2, 3, 4, 2), "sm": (2, 3, 8), "f": 0.5},
+                               {"x": S.of((2, 3, 8)), **{w: S.of((8, 8)) for w in ("wq", "wk", "wv", "wo")},
+                                **{b: S.of((8,)) for b in ("bq", "bk", "bv", "bo")}}))
     # --- Figure 11 -------------------------------------------------------------------------------------------
     r = rule_of("fig11a_relu_spatial", op("Relu", "x"), _comb(op("Relu", _part("x", "$d")), "$d"), D)
     rules.append(_with_example(r, {"k": 2, "d": -1}, {"x": S.of((2, 2, 4, 4))}))

@@ -48,8 +48,9 @@ class Verdict:
 class Encoder:
     """Maps patterns to Z3 terms (one instance per solver context)."""
 
-    def __init__(self) -> None:
-        self.T = z3.DeclareSort("T")
+    def __init__(self, ctx: "z3.Context | None" = None) -> None:
+        self.ctx = ctx
+        self.T = z3.DeclareSort("T", ctx)
         self._funcs: dict[tuple, z3.FuncDeclRef] = {}
         self._tups: dict[int, z3.FuncDeclRef] = {}
         self._intern: dict[Any, int] = {}
@@ -59,7 +60,7 @@ class Encoder:
         names = sorted(spec.attrs)
         key = (opname, n_in, out)
         if key not in self._funcs:
-            sig = [z3.IntSort()] * len(names) + [self.T] * n_in + [self.T]
+            sig = [z3.IntSort(self.ctx)] * len(names) + [self.T] * n_in + [self.T]
             self._funcs[key] = z3.Function(f"{opname}_{n_in}_{out}", *sig)
         return self._funcs[key], names
 
@@ -67,18 +68,18 @@ class Encoder:
         if is_var(v):
             return env[v[1:]]
         if isinstance(v, bool):
-            return z3.IntVal(int(v))
+            return z3.IntVal(int(v), self.ctx)
         if isinstance(v, int):
-            return z3.IntVal(v)
+            return z3.IntVal(v, self.ctx)
         if isinstance(v, (tuple, list)):
             n = len(v)
             if n not in self._tups:
-                self._tups[n] = z3.Function(f"tup{n}", *([z3.IntSort()] * n + [z3.IntSort()]))
+                self._tups[n] = z3.Function(f"tup{n}", *([z3.IntSort(self.ctx)] * n + [z3.IntSort(self.ctx)]))
             return self._tups[n](*[self.value(x, env) for x in v])
         key = (type(v).__name__, repr(v))
         if key not in self._intern:
             self._intern[key] = 1_000_000 + len(self._intern)
-        return z3.IntVal(self._intern[key])
+        return z3.IntVal(self._intern[key], self.ctx)
 
     def pattern(self, p: Pattern, inputs: Mapping[str, z3.ExprRef], env: Mapping[str, z3.ExprRef]
                 ) -> list[z3.ExprRef]:
@@ -106,12 +107,15 @@ class Encoder:
 
     def rule_vars(self, r: Rule, prefix: str) -> tuple[dict, dict, list]:
         ins = {n: z3.Const(f"{prefix}{n}", self.T) for n in r.inputs}
-        env = {v: z3.Int(f"{prefix}v_{v}") for v, _ in r.vars}
+        env = {v: z3.Int(f"{prefix}v_{v}", self.ctx) for v, _ in r.vars}
         side = [self.constraint(c, env) for c in r.constraints]
         side += [env[v] >= 2 for v, k in r.vars if k == "degree"]
         return ins, env, side
 
-    def axiom(self, ax: Axiom) -> z3.BoolRef:
+    def axiom(self, ax: Axiom, directed: bool = False) -> z3.BoolRef:
+        """The axiom as a quantified formula.  ``directed``: its left side is the only trigger (e-matching
+        instantiates it on terms shaped like its left side, never on its right side), where the left side
+        mentions every bound variable; triggers only steer instantiation, the formula is the same."""
         r = ax.rule
         ins, env, side = self.rule_vars(r, f"A_{ax.name}_")
         lhs = self.pattern(r.source, ins, env)
@@ -119,7 +123,19 @@ class Encoder:
         eq = z3.And([a == b for a, b in zip(lhs, rhs)]) if len(lhs) > 1 else lhs[0] == rhs[0]
         body = z3.Implies(z3.And(side), eq) if side else eq
         bound = list(ins.values()) + list(env.values())
+        if directed and lhs and all(z3.is_app(t) and t.num_args() > 0 for t in lhs):
+            names = {str(v) for v in bound}
+            seen = {str(x) for t in lhs for x in _subterms(t)}
+            if names <= seen:
+                pat = z3.MultiPattern(*lhs) if len(lhs) > 1 else lhs[0]
+                return z3.ForAll(bound, body, patterns=[pat])
         return z3.ForAll(bound, body)
+
+
+def _subterms(t: z3.ExprRef):
+    yield t
+    for c in t.children():
+        yield from _subterms(c)
 
 
 def rule_ops(r: Rule) -> set[str]:
@@ -189,28 +205,36 @@ def verify_rule(r: Rule, timeout: float = 10.0, axioms: Sequence[Axiom] = AXIOMS
     if subset and select is None:
         want = set(subset)
         chosen = [a for a in axioms if a.name in want]
-        v = _prove(r, timeout, chosen)
+        v = _prove(r, timeout, chosen, directed=True)
         if v.proven:
             return Verdict(v.name, v.status, v.seconds, v.axioms, v.detail, "subset")
-        t_sub = v.seconds
+        t_sub, why = v.seconds, f"named subset: {v.status} ({v.detail}); relevant set: "
     else:
-        t_sub = 0.0
+        t_sub, why = 0.0, ""
     v = _prove(r, timeout, (select or relevant_axioms)(r, axioms))
-    return Verdict(v.name, v.status, v.seconds + t_sub, v.axioms, v.detail, "relevant")
+    return Verdict(v.name, v.status, v.seconds + t_sub, v.axioms, why + v.detail, "relevant")
 
 
-def _prove(r: Rule, timeout: float, used: Sequence[Axiom]) -> Verdict:
+def _prove(r: Rule, timeout: float, used: Sequence[Axiom], directed: bool = False) -> Verdict:
     t0 = time.perf_counter()
-    enc = Encoder()
-    s = z3.Solver()
+    # a named subset is proved in a fresh Z3 context: e-matching then sees the same term order in every
+    # process (in the shared context, terms made by earlier proofs changed it: a subset proof failed with
+    # "incomplete quantifiers" in some verify_rules workers and not in others)
+    ctx = z3.Context() if directed else None
+    enc = Encoder(ctx)
+    s = z3.Solver(ctx=ctx)
     # the budget is Z3's deterministic resource count (about 1e6 per second of an unloaded core), so
     # verdicts do not depend on machine load; the wall-clock timeout is only a safety net
     s.set("rlimit", int(timeout * RLIMIT_PER_SECOND))
     s.set("timeout", int(timeout * 1000 * 10))
     s.set("unsat_core", True)
     s.set("smt.mbqi", False)
+    if directed:
+        # every instance eagerly: with left-side triggers e-matching saturates, and a delayed instance could
+        # leave the check "unknown (incomplete quantifiers)" depending on term order (seen in worker processes)
+        s.set("smt.qi.eager_threshold", 1000.0)
     for a in used:
-        s.assert_and_track(enc.axiom(a), z3.Bool(f"ax:{a.name}"))
+        s.assert_and_track(enc.axiom(a, directed), z3.Bool(f"ax:{a.name}", ctx))
     ins, env, side = enc.rule_vars(r, "")
     for c in side:
         s.add(c)
