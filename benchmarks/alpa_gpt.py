@@ -48,12 +48,24 @@ no plan at all wherever the full batch does not fit (350M, 6.7B, 15B, 39B) and l
 stage required two stages, ran only on several devices, tried at most 8 micro-batches per stage and put only data
 parallelism inside a stage. The comparison added to `optimize` (search/optimize.py): one stage with M
 micro-batches, on one device when nothing else fits, 64..1,024 micro-batches when the default counts fit nothing,
-then Megatron tensor parallelism inside the stages. Where Unity is still slower than Alpa the reason is the
-search space: Unity's stages are data parallel or Megatron inside, whole; Alpa's ILP chooses every operator's
-layout on the 2-D mesh. Megatron here is tensor parallelism inside a node and data parallelism across, with
-gradient accumulation, without Megatron-LM's pipeline stages. Alpa's planner time is the intra-operator ILP
-solves (see `solves`; the stage DP itself takes under a second, the paper's 1.65 s for 39B), on this 2-core
-machine shared with other jobs. The main table's Alpa uses `layer_sum` stage costs (each clustered layer solved
+then Megatron tensor parallelism inside the stages. GPT-15B and 39B were 0.91x and 0.78x with Megatron stages
+as the `megatron` strategy builds them: the LM head (51,200 x hidden) ran on every one of the 8 tensor-parallel
+copies with its weight copied 8 times, where Alpa's ILP splits it. `pipeline.megatron_intra` adds Megatron-LM's
+vocabulary-parallel head (the head column-parallel, its output left split) and splits stages without attention;
+with it GPT-15B's one 4x8 stage at 64 micro-batches takes 229.9 s, Alpa 231.2 s (1.01x). GPT-39B: the stage DP
+ran its merged stage-time bounds at a cluster's top and took a 4/8-layer split (379.8 s at 64 micro-batches)
+over the 5/7 one (330.1 s) of nearly equal sum; sums within 0.1% are now ties broken by the smaller largest stage
+(0.87x). With 128 micro-batches, as Alpa's setting, the same stages take 288.6 s, Alpa 286.9 s (0.99x), but
+`optimize` searches 64 first and, within its budget on this loaded machine, no other count (Unity's planner time
+is about one micro-batch count's stage search, not its budget). Still missing for parity there: Alpa's embedding
+and the rest of its per-operator layouts inside the stage (Unity's stages are Megatron or data parallel, whole),
+and a micro-batch order for Megatron stages. Megatron here is tensor parallelism inside a node and data
+parallelism across, with gradient accumulation, without Megatron-LM's pipeline stages or vocabulary-parallel
+head. Alpa's planner time is the intra-operator ILP solves (see `solves`; the stage DP itself takes under a
+second, the paper's 1.65 s for 39B), on this 2-core machine shared with other jobs: the 39B row's 84.8 s ran at
+a load average of 8-12 (the stage DP 0.94 s against 0.33 s when the table showed 35.3 s); with the memory rows
+per liveness step and with the old single row, run alternately, 75.0 s against 116.5 s, the same plan
+(`alpa_liveness_planner.md`). The main table's Alpa uses `layer_sum` stage costs (each clustered layer solved
 alone, the costs of a range summed, the stage's own plan solved once chosen); `exact` stage costs (every range
 solved as one stage, as Alpa profiles) found the same plans and times wherever both were run (the table above),
 at several times the planner time."""
@@ -267,7 +279,7 @@ def report() -> str:
          f"`{ALPA_GPT['stage_cost']}`. Unity: `optimize` with the budget shown. Planner wall times on this "
          "2-core machine shared with other jobs.", "",
          "| model | GPUs | Alpa | Megatron | dp | Unity | Unity / Alpa | Alpa plan | Alpa planner (s) | "
-         "Megatron (s) | dp (s) | Unity (s) |",
+         "Megatron (s) | dp (s) | Unity (s) / budget |",
          "|---|---|---|---|---|---|---|---|---|---|---|---|"]
     gpt = [r for r in rows if r["part"] == "gpt"]
     from unity_pcg import zoo
@@ -283,7 +295,7 @@ def report() -> str:
                  f"{_thr(r.get('dp'), r['batch'])} | {_thr(u, r['batch'])} | "
                  f"{f'{ratio:.2f}x' if ratio else '-'} | {plan} | {a.get('planner_s', 0):.1f} | "
                  f"{r.get('megatron', {}).get('planner_s', 0):.1f} | {r.get('dp', {}).get('planner_s', 0):.1f} | "
-                 f"{u.get('planner_s', 0):.1f} |")
+                 f"{u.get('planner_s', 0):.1f} / {u.get('budget_s', '-')} |")
     ex = [r for r in gpt if r.get("alpa_exact")]
     if ex:
         o += ["", "Alpa with `exact` stage costs (every range of layers solved as one stage, as Alpa profiles "
