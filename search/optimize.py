@@ -386,13 +386,13 @@ def _price_dp_by_rules(ev: "Evaluator", g: PCG, book: RuleBook, dpg: PCG, steps,
     if not same:
         miss = dp_rule_missing(g, book)
         info["missing_dp_rules"] = miss
-        left = {}
+        lw = {}
         for n in t.nodes():          # compute operators the rules left whole (one task)
             if n.kind == "compute" and all(s.piece_count == 1 for s in t.shapes(n.id)):
-                left[n.op] = left.get(n.op, 0) + 1
-        info["left_whole"] = dict(sorted(left.items()))
+                lw[n.op] = lw.get(n.op, 0) + 1
+        info["left_whole"] = dict(sorted(lw.items()))
         info["differs"] = (f"operators without a dp rule: {', '.join(miss)}" if miss
-                           else "no dp rule applies to " + (", ".join(f"{k} x{v}" for k, v in sorted(left.items()))
+                           else "no dp rule applies to " + (", ".join(f"{k} x{v}" for k, v in sorted(lw.items()))
                                                             or "an operator"))
     stats["dp_by_rules"] = info
     return (ev.cost(t, limited=False if same else left()), 0, dpg, steps)
