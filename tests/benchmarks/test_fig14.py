@@ -46,6 +46,10 @@ def test_tasks_cover_matrix_once_largest_scale_first(fig14):
     tasks = fig14.tasks_for(("mlp",), (6, 12, 48), 5.0, 3, False, {12}, searches=("unity",))
     assert [(t["devices"], t["strategy"]) for t in tasks][:4] == [(48, "dp"), (48, "unity"), (12, "dp"), (12, "unity")]
     assert tasks[4]["strategy"] == "sequential" and tasks[4]["devices"] == 12
+    # --extras-only: DenseNet-121 at 192 GPUs and the models at 1,024 GPUs, nothing else
+    tasks = fig14.tasks_for(("mlp", "dlrm"), (), 5.0, 3, True, set(), searches=("unity",), extras_only=True)
+    assert {(t["model"], t["devices"]) for t in tasks} == {("densenet121", 192), ("mlp", 1024), ("dlrm", 1024)}
+    assert {t["strategy"] for t in tasks if t["model"] == "dlrm"} == {"dp", "expert", "unity"}
 
 
 def _row(model, D, strategy, t, feasible=True, **kw):
