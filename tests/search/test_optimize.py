@@ -190,3 +190,24 @@ def test_data_parallel_by_rules_is_complete_under_a_tiny_budget():
     assert r.predicted_iteration_s <= r.dp.cost * (1 + 1e-9)
     steps = [RuleStep.from_json(s) for s in r.plan.rules]
     assert replay(g, steps, trim_outputs=True).structural_hash() == r.plan.pcg.structural_hash()
+
+
+@pytest.mark.parametrize("machine", ["summit:1x2", "summit:2x6"])
+@pytest.mark.parametrize("budget", [0.05, 5.0])
+@pytest.mark.parametrize("model", ["mlp", "diamond", "two_branches", "tables"])
+def test_never_predicted_slower_than_data_parallel(model, budget, machine):
+    """Issue 7 point 5 on small models, machines and budgets (one too small to search): where dp fits,
+    the plan is never predicted slower, and it records a rule sequence that replays to it unless it is
+    a pipeline or the hand-built dp (recorded as such)."""
+    from . import graphs
+    g = _tables_model(n=2, batch=96, rows=20_000, h=64, layers=2) if model == "tables" \
+        else getattr(graphs, model)(batch=48)
+    r = optimize(g, machine, budget_s=budget, max_candidates=4)
+    assert r.dp.feasible and r.feasible
+    assert r.predicted_iteration_s <= r.dp.cost * (1 + 1e-9)
+    if r.plan.rules is not None:
+        steps = [RuleStep.from_json(s) for s in r.plan.rules]
+        if r.plan.pipeline is None:
+            assert replay(g, steps, trim_outputs=True).structural_hash() == r.plan.pcg.structural_hash()
+    else:
+        assert r.plan.pipeline is not None or r.stats["chosen"].startswith("data parallel baseline")
