@@ -100,3 +100,18 @@ def test_optimize_records_and_replays_a_pipeline_plans_rules(tmp_path):
     r.plan.save(str(path))
     back = plan_mod.load(str(path))
     assert back.rules == r.plan.rules and back.pipeline == r.plan.pipeline
+
+
+def test_rule_reached_pipeline_plans_pass_the_executors_checks():
+    ex = pytest.importorskip("unity_pcg.executor.pipeline")
+    g = mlp(batch=8, h=2048, layers=4)
+    m = machine(2, 2, network_bw=1e9)
+    res = search_pipeline(g, CostModel(m, "adam"), min_stages=2, max_stages=2)
+    assert [len(s.devices) for s in res.stages] == [2, 2]
+    ruled = by_rules(mlp(batch=8, h=2048, layers=4), res, m)
+    assert ruled is not None and ruled.rules          # data parallel of degree 2 inside each stage
+    p = plan_mod.Plan("model.onnx", "0" * 64, m, ruled.pcg, ruled.views, {}, pipeline=ruled.to_plan_field(),
+                      rules=tuple(s.to_json() for s in ruled.rules))
+    ex.check_pipeline(p)
+    M, stages = ex.resolve(p)
+    assert M == res.micro_batches and len(stages) == 2
