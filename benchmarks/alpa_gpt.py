@@ -62,10 +62,10 @@ and the rest of its per-operator layouts inside the stage (Unity's stages are Me
 and a micro-batch order for Megatron stages. Megatron here is tensor parallelism inside a node and data
 parallelism across, with gradient accumulation, without Megatron-LM's pipeline stages or vocabulary-parallel
 head. Alpa's planner time is the intra-operator ILP solves (see `solves`; the stage DP itself takes under a
-second, the paper's 1.65 s for 39B), on this 2-core machine shared with other jobs: the 39B row's 84.8 s ran at
-a load average of 8-12 (the stage DP 0.94 s against 0.33 s when the table showed 35.3 s); with the memory rows
-per liveness step and with the old single row, run alternately, 75.0 s against 116.5 s, the same plan
-(`alpa_liveness_planner.md`). The main table's Alpa uses `layer_sum` stage costs (each clustered layer solved
+second, the paper's 1.65 s for 39B), on this 2-core machine shared with other jobs: with the memory rows per
+liveness step the 39B row took 43.4 s at a load average of 4-6 (84.8 s in an earlier run at 8-12; 35.3 s before
+the rows, on another day's load); run alternately in one process with the old single row, 75.0 s against 116.5 s,
+the same plan (`alpa_liveness_planner.md`). The main table's Alpa uses `layer_sum` stage costs (each clustered layer solved
 alone, the costs of a range summed, the stage's own plan solved once chosen); `exact` stage costs (every range
 solved as one stage, as Alpa profiles) found the same plans and times wherever both were run (the table above),
 at several times the planner time."""
