@@ -319,10 +319,12 @@ def expert_whole(g: PCG) -> set:
     return out
 
 
-#: templates of the Megatron seed: column -> [activation ->] row Linear pairs ending in a Reduce, and
+#: templates of the Megatron seed: column -> [activation ->] row Linear pairs ending in a Reduce, the
+#: attention block (Q/K/V column-parallel, heads split, output projection row-parallel), and
 #: embedding tables split by columns (``megatron_embedding_column``, ``..._bag_column``: a Combine of the
 #: features at the end), each applied at k = nodes on weights not split yet
-TP_RULE_PREFIXES = ("megatron_mlp_column_", "megatron_embedding_column", "megatron_embedding_bag_column")
+TP_RULE_PREFIXES = ("megatron_mlp_column_", "megatron_attention_block", "megatron_embedding_column",
+                    "megatron_embedding_bag_column")
 TP_RULE_PREFIX = TP_RULE_PREFIXES[0]
 
 
