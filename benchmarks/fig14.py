@@ -25,6 +25,7 @@ benchmarks/.cache/ (``zoo.export_structure`` where the zoo supports it: no weigh
 
     .venv/bin/python benchmarks/fig14.py                       # the whole matrix (hours on 2 busy cores)
     .venv/bin/python benchmarks/fig14.py --models mlp,dlrm --devices 6,192 --budget 30
+    .venv/bin/python benchmarks/fig14.py --extras-only --budget-large 100   # DenseNet-121, 1,024 GPUs
     .venv/bin/python benchmarks/fig14.py --quick               # mlp and dlrm at 6 and 12 GPUs, 10 s budget
     .venv/bin/python benchmarks/fig14.py --report              # fig14.md from fig14.json (no measurement)
 """
@@ -202,15 +203,17 @@ def worker(arg: str) -> int:
 # --- the run ------------------------------------------------------------------------------------------------
 
 def tasks_for(models, devices, budget, max_candidates, extras: bool, seq_devices,
-              searches=("unity", NOPIPE), extras_only: bool = False) -> list[dict]:
+              searches=("unity", NOPIPE), extras_only: bool = False, budget_large: float | None = None) -> list[dict]:
     """Tasks in the order they run, so that a run cut short still has the headline numbers: Unity and
     the baselines at the largest scale (the paper's anchors); at each GPU count of ``seq_devices``
     (Figure 15b: 96 GPUs in the paper) the same, then the sequential search; DenseNet-121 and 1,024
     GPUs for the four models of the paper's anchors with the largest speedups; then the other GPU
     counts (spread: smallest, middle, ...) and the other models at 1,024 GPUs."""
     def t(model, D, strategy, machine=None):
+        # DenseNet-121 and 1,024 GPUs have a 120 s target (60 s for the paper models): their own budget
+        big_row = model == DENSENET or D == 1024
         return {"model": model, "devices": D, "machine": machine or machine_for(D), "strategy": strategy,
-                "budget": budget, "max_candidates": max_candidates}
+                "budget": budget_large if big_row and budget_large else budget, "max_candidates": max_candidates}
 
     def block(name, D, machine=None):
         return [t(name, D, s, machine) for s in baselines_for(name)] + [t(name, D, s, machine) for s in searches]
@@ -366,7 +369,8 @@ def report(path: str = JSON_OUT, md: str = MD_OUT) -> str:
          "XDL, CANDLE-Uno. *OOM*: the strategy's best mapping does not fit a device; *n/m*: not measured "
          "(run cut short); *error*: see the JSON; a star: the search ran past the task's time limit and was "
          "stopped with Ctrl-C (its best plan so far).", "",
-         f"Run: {meta.get('command', '?')}; search budget {meta.get('budget_s', '?')} s, at most "
+         f"Run: {meta.get('command', '?')}; search budget {meta.get('budget_s', '?')} s "
+         f"({meta.get('budget_large_s', meta.get('budget_s', '?'))} s for DenseNet-121 and 1,024 GPUs), at most "
          f"{meta.get('max_candidates', '?')} expanded candidates per segment; {meta.get('cpus', '?')} CPUs shared "
          f"with other work (load average at start {meta.get('loadavg', '?')}); git {meta.get('git', '?')}; "
          f"started {meta.get('started', '?')}.", ""]
@@ -628,6 +632,7 @@ def _meta(a, argv) -> dict:
     except OSError:
         git = "?"
     return {"command": "python benchmarks/fig14.py " + " ".join(argv), "budget_s": a.budget,
+            "budget_large_s": a.budget_large,
             "max_candidates": a.max_candidates, "cpus": os.cpu_count(), "python": platform.python_version(),
             "loadavg": " ".join(f"{x:.1f}" for x in os.getloadavg()), "git": git,
             "started": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())}
@@ -639,7 +644,11 @@ def main(argv=None) -> int:
     ap.add_argument("--models", default=",".join(PAPER_MODELS))
     ap.add_argument("--devices", default=",".join(map(str, DEVICES)),
                     help="GPU counts on Summit (multiples of 6), 1024 = h100:128x8")
-    ap.add_argument("--budget", type=float, default=60.0, help="search budget in seconds (unity and sequential)")
+    ap.add_argument("--budget", type=float, default=50.0,
+                    help="search budget in seconds (unity and sequential): the wall time of optimize(), import "
+                         "included; 50 s keeps the 60 s target at 192 GPUs with a margin for a loaded machine")
+    ap.add_argument("--budget-large", type=float, default=100.0,
+                    help="budget of the DenseNet-121 and 1,024-GPU rows (target 120 s)")
     ap.add_argument("--max-candidates", type=int, default=40, help="expanded candidates per segment")
     ap.add_argument("--quick", action="store_true", help="mlp and dlrm at 6 and 12 GPUs, 10 s budget, no extras")
     ap.add_argument("--no-extras", action="store_true", help="skip DenseNet-121 and 1,024 GPUs")
@@ -702,7 +711,8 @@ def main(argv=None) -> int:
     searches = tuple(x for x in a.searches.split(",") if x)
     if any(x not in ("unity", NOPIPE) for x in searches):
         ap.error(f"--searches: unity and/or {NOPIPE}")
-    tasks = tasks_for(models, devices, a.budget, a.max_candidates, not a.no_extras, seq, searches, a.extras_only)
+    tasks = tasks_for(models, devices, a.budget, a.max_candidates, not a.no_extras, seq, searches, a.extras_only,
+                      a.budget_large)
     run(tasks, a.out, a.fresh, a.task_timeout, _meta(a, argv))
     report(a.out, md)
     print(f"wrote {os.path.relpath(a.out, ROOT)} and {os.path.relpath(md, ROOT)}")
