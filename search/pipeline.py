@@ -1262,8 +1262,12 @@ def _dp_steps_on(g: PCG, nodes: set, degree: int, book):
                 window = set(new_ids(g, g2))
                 g = g2
                 for k in list(window):
-                    window |= {r[0] for r in g.node(k).inputs}
+                    ins = {r[0] for r in g.node(k).inputs}
+                    window |= ins
                     window |= {c for c, _ in g.consumers((k, 0))}
+                    # the siblings (other readers of the same tensors): their duplicate Partitions and
+                    # Replicates merge here, not in a whole-graph pass at the end
+                    window |= {c for i in ins for kk in range(len(g.shapes(i))) for c, _ in g.consumers((i, kk))}
                 g, more = cancel_steps(g, book, window)
                 steps.extend(more)
                 done = True
