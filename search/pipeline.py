@@ -61,6 +61,11 @@ parallel shapes agree, else through Reduce / Combine to one piece and the receiv
 Partition / Replicate chain, all placed on the receiving stage's devices).  Node ids grow stage by
 stage, so each stage is contiguous in the PCG's topological order.  :meth:`PipelineResult.to_plan_field`
 is the plan file's ``pipeline`` field (schedule, micro_batches, stages with nodes and devices).
+:func:`by_rules` reaches the same plan by the shipped rules where the stages are data parallel inside
+(the stages are a mapping decision; the PCG inside them is rules), with the sequence to record and replay.
+
+**Intra-stage hooks.**  :func:`default_intra` (data parallel) and :func:`megatron_intra` (Megatron-LM's
+tensor parallelism inside the stage with the vocabulary-parallel head, data parallel across).
 """
 from __future__ import annotations
 
