@@ -347,7 +347,10 @@ def _segment_search(g: PCG, book: RuleBook, ev: "Evaluator", dp_degrees, dp_deg:
     dp_graph, dp_steps = assemble(g, segs, [dp_memo[s.key] for s in segs], book)
     if families is not None:
         for name, fm in fam_memo.items():
-            families[name] = assemble(g, segs, [fm.get(s.key) or dp_memo[s.key] for s in segs], book)
+            chosen = [fm.get(s.key) or dp_memo[s.key] for s in segs]
+            # the sum of the segments' prices (inf where a seed was not priced): the pricing order
+            est = sum(c.cost if c.cost else INF for c in chosen)
+            families[name] = assemble(g, segs, chosen, book) + (est,)
     choices = combine([memo[s.key] for s in segs])
     if not choices:
         return None, [], dp_graph, dp_steps, totals, interrupted
@@ -589,7 +592,7 @@ def optimize(model, machine, budget_s: float | None = None, alpha: float = 1.05,
                 stats["search_result_s"] = cands[0][0] if cands and math.isfinite(cands[0][0]) else None
                 # every seed family assembled over the whole graph (expert, Megatron), priced as a whole
                 fam_cost: dict = {}
-                for name, (fg, fst) in sorted(fams.items()):
+                for name, (fg, fst, _) in sorted(fams.items(), key=lambda kv: (kv[1][2], kv[0])):
                     if time.perf_counter() > end - pipe_share:
                         break
                     c = ev.cost(trimmed(fg), limited=left_for_pricing())
