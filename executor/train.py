@@ -18,10 +18,11 @@ The caller initializes ``torch.distributed`` (gloo on CPU, nccl on GPU) before b
   backward pass runs, as soon as every gradient of a bucket is ready (in a fixed bucket order, as DDP);
 * the optimizer (SGD or Adam) updates the logical parameters.
 
-Parameters are the ONNX model's own initializers (logical, full tensors, on every rank); the pieces
-a task reads are slices of them, so operators that substitutions put on weights (a Concat of two
-weights, Partition / Replicate chains) run inside the step and gradients reach the original weights.
-A rank updates only the regions it reads (its other regions get no gradient and stay as they are);
+Parameters are the ONNX model's own initializers; of each trained weight a rank holds the bounding box
+of the regions its steps read (a Megatron shard; the whole tensor under data parallelism; a weight it
+never reads, whole and untouched), and the pieces a task reads are slices of it, so operators that
+substitutions put on weights (a Concat of two weights, Partition / Replicate chains) run inside the step
+and gradients reach the original weights, and a shard costs no full-size gradient or update.
 :meth:`Trainer.model_state` assembles the current full tensors from the ranks that own each region.
 """
 from __future__ import annotations
@@ -333,6 +334,9 @@ class Trainer:
         trained = {self.g.node(o).a["name"] for o in self.low.trainable_weights()}
         self.params: dict[str, torch.nn.Parameter] = {}
         self.buffers: dict[str, torch.Tensor] = {}
+        self._full: dict[str, tuple] = {}       # parameter name -> the logical (full) shape
+        self._region: dict[str, tuple] = {}     # parameter name -> the region this rank holds
+        reads = self._read_regions()
         for n in self.g.sources("Weight"):
             name = n.a["name"]
             if name in self.params or name in self.buffers:
@@ -348,9 +352,37 @@ class Trainer:
                                 f"{list(n.a['shape'])}")
             t = torch.as_tensor(np.ascontiguousarray(v).reshape(v.shape)).to(self.device, TORCH_DTYPES[n.a["dtype"]])
             if name in trained:
-                self.params[name] = torch.nn.Parameter(t.clone())
+                # a rank holds the bounding box of the regions it reads (a Megatron shard, not the whole
+                # matrix: no full-size gradient, no full-size update); a weight it never reads, whole
+                full = tuple((0, d) for d in t.shape)
+                region = reads.get(name, full)
+                self._full[name] = tuple(t.shape)
+                self._region[name] = region
+                self.params[name] = torch.nn.Parameter(t[_slices(region)].clone())
             else:
                 self.buffers[name] = t.clone()     # BatchNorm's running statistics change in place
+
+    def _read_regions(self) -> dict[str, tuple]:
+        """Weight name -> bounding box of the logical regions this rank's steps read of it."""
+        box: dict[str, tuple] = {}
+        for st in self.low.steps:
+            for src in st.inputs:
+                if src.kind != "source":
+                    continue
+                n = self.g.node(self.low.origin[src.ref[0]])
+                if n.op != "Weight":
+                    continue
+                b = box.get(n.a["name"])
+                box[n.a["name"]] = tuple(src.slices) if b is None else tuple(
+                    (min(a0, b0), max(a1, b1)) for (a0, a1), (b0, b1) in zip(b, src.slices))
+        return box
+
+    def _rel(self, name: str, sl) -> tuple:
+        """Slices of the tensor this rank holds for ``name`` that are the logical region ``sl``."""
+        off = self._region.get(name)
+        if off is None:
+            return _slices(sl)
+        return tuple(slice(a - o, b - o) for (a, b), (o, _) in zip(sl, off))
 
     def _plan_sync(self, bucket_bytes: int, first_bucket_bytes: int) -> None:
         """Atoms of every trained weight (regions read by the same set of devices) and the buckets of
@@ -368,8 +400,7 @@ class Trainer:
         order = sorted(self.params, key=lambda nm: (-last.get(nm, -1), nm))
         entries = []
         for name in order:
-            p = self.params[name]
-            atoms = _atoms(tuple(p.shape), uses.get(name, []))
+            atoms = _atoms(self._full[name], uses.get(name, []))
             self._atoms[name] = atoms
             for sl, devs in atoms:
                 if len(devs) > 1:
@@ -475,7 +506,7 @@ class Trainer:
             for nm, sl in b["items"]:
                 p = self.params[nm]
                 k = _numel(sl)
-                whole = tuple(sl) == tuple((0, d) for d in p.shape)
+                whole = tuple(sl) == tuple(self._region[nm])
                 if enabled and whole and nitems[nm] == 1 and p.dtype == dt:
                     p.grad = flat[off:off + k].view(p.shape)
                     self._viewed[i].add(nm)
@@ -528,7 +559,7 @@ class Trainer:
                     if p.grad is None:
                         flat[off:off + k].zero_()
                     else:
-                        flat[off:off + k].view([e - a for a, e in sl]).copy_(p.grad[_slices(sl)])
+                        flat[off:off + k].view([e - a for a, e in sl]).copy_(p.grad[self._rel(nm, sl)])
                 off += k
             if i == self._loss_bucket:
                 flat[-1] = self._loss_part.to(flat.dtype).reshape(())
@@ -551,7 +582,7 @@ class Trainer:
                     p = self.params[nm]
                     if p.grad is None:
                         p.grad = torch.zeros_like(p)
-                    view = p.grad[_slices(sl)]
+                    view = p.grad[self._rel(nm, sl)]
                     view.copy_(flat[off:off + n].view_as(view))
                 off += n
 
@@ -582,13 +613,19 @@ class Trainer:
             return feeds[name]
         return self.params[name] if name in self.params else self.buffers[name]
 
+    def _source_name(self, nid: int) -> str | None:
+        n = self.g.node(self.low.origin[nid])
+        return n.a["name"] if n.op == "Weight" else None
+
     def _resolve(self, src, vals, recv, feeds) -> torch.Tensor:
         if src.kind == "source":
             v = self._source_value(src.ref[0], feeds)
             cut = self._cut_cache.get(id(src))
             if cut is None:
-                whole = all(a == 0 and b == s for (a, b), s in zip(src.slices, v.shape))
-                cut = self._cut_cache[id(src)] = () if whole else _slices(src.slices)
+                name = self._source_name(src.ref[0])
+                rel = self._rel(name, src.slices) if name in self.params else _slices(src.slices)
+                whole = all(r.start == 0 and r.stop == d for r, d in zip(rel, v.shape))
+                cut = self._cut_cache[id(src)] = () if whole else rel
             return v[cut] if cut else v
         if src.kind == "local":
             return _narrow(vals[src.ref], src.narrow)
@@ -843,15 +880,18 @@ class Trainer:
 
     # --- state ------------------------------------------------------------------------------------------
     def _assemble(self, name: str, t: torch.Tensor) -> torch.Tensor:
-        """The full tensor, each region from the rank that owns it (collective when world > 1)."""
-        if self.world == 1:
+        """The full tensor, each region from the rank that owns it (collective when world > 1); ``t`` is
+        what this rank holds (a parameter's region, or a full buffer)."""
+        full = self._full.get(name, tuple(t.shape))
+        if self.world == 1 and tuple(t.shape) == full:
             return t.detach().clone()
-        buf = torch.zeros_like(t.detach())
-        for sl, devs in self._atoms.get(name, [((tuple((0, s) for s in t.shape)), (0,))]):
+        buf = t.detach().new_zeros(full)
+        for sl, devs in self._atoms.get(name, [((tuple((0, s) for s in full)), (0,))]):
             owner = min(devs) if devs else 0
             if owner == self.rank:
-                buf[_slices(sl)] = t.detach()[_slices(sl)]
-        dist.all_reduce(buf)
+                buf[_slices(sl)] = t.detach()[self._rel(name, sl)]
+        if self.world > 1:
+            dist.all_reduce(buf)
         return buf
 
     def model_state(self) -> dict[str, torch.Tensor]:
@@ -865,7 +905,8 @@ class Trainer:
         with torch.no_grad():
             for name, p in self.params.items():
                 if name in d:
-                    p.copy_(torch.as_tensor(np.asarray(d[name]) if not isinstance(d[name], torch.Tensor) else d[name]))
+                    v = torch.as_tensor(np.asarray(d[name]) if not isinstance(d[name], torch.Tensor) else d[name])
+                    p.copy_(v[_slices(self._region[name])])
             for name, b in self.buffers.items():
                 if name in d:
                     b.copy_(torch.as_tensor(d[name]))
@@ -905,7 +946,9 @@ class Trainer:
         state = {}
         for idx, name in enumerate(names):
             if name in d.get("state", {}):
-                state[idx] = {k: (v.to(self.device).clone() if isinstance(v, torch.Tensor) else v)
+                full, region = self._full[name], _slices(self._region[name])
+                state[idx] = {k: ((v[region] if tuple(v.shape) == full and v.dim() else v).to(self.device).clone()
+                                  if isinstance(v, torch.Tensor) else v)
                               for k, v in d["state"][name].items()}
         cur["state"] = state
         for grp, saved in zip(cur["param_groups"], d.get("param_groups", [])):
@@ -920,7 +963,7 @@ class Trainer:
             for sl, devs in self._atoms.get(name, []):
                 if devs and min(devs) == self.rank:
                     key = name if len(self._atoms[name]) == 1 else f"{name}@" + ",".join(f"{a}:{b}" for a, b in sl)
-                    out[key] = (p.detach()[_slices(sl)], {"name": name, "region": sl, "devices": devs})
+                    out[key] = (p.detach()[self._rel(name, sl)], {"name": name, "region": sl, "devices": devs})
         return out
 
 
