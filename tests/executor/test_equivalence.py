@@ -151,3 +151,36 @@ def test_model_and_optimizer_state_round_trip_continues_identically():
     ref = H.reference(path, 5, optimizer="adam", lr=0.01)
     got = H.run_dist(2, H._resume_worker, plan.to_json(), path, 3, 2, "adam", 0.01)[0]
     H.assert_same(ref, got, what="resumed adam")
+
+
+def _layout_worker(rank: int, world: int, megatron_json: dict, dp_json: dict, model: str):
+    from unity_pcg import plan as plan_mod
+    from unity_pcg.executor.train import Trainer
+    meg = Trainer(plan_mod.from_json(megatron_json), model, rank=rank, world=world)
+    dp = Trainer(plan_mod.from_json(dp_json), model, rank=rank, world=world)
+    meg.step()
+    dp.step()
+    flats = [f.data_ptr() for f in dp._flat.values()]
+    sizes = [f.numel() * f.element_size() for f in dp._flat.values()]
+    in_bucket = {n: any(a <= p.grad.data_ptr() < a + s for a, s in zip(flats, sizes)) for n, p in dp.params.items()}
+    return ({n: tuple(p.shape) for n, p in meg.params.items()}, in_bucket,
+            {n: tuple(t.shape) for n, t in meg.model_state().items()})
+
+
+def test_ranks_hold_their_shards_and_data_parallel_grads_live_in_the_buckets():
+    """What makes the executor as fast as torch's own parallelism: under the Megatron pair a rank holds only
+    its column / row block of the two weights (no full-size gradient or update), while model_state still
+    gives the full tensors; under data parallelism every gradient is a view of a bucket buffer (nothing is
+    copied into the bucket or back)."""
+    path = models.mlp_nobias()
+    g = H.load(path)
+    meg = H.make_plan(H.apply_rule(g, "megatron_mlp_column_row"), path, 2)
+    dp = H.make_plan(data_parallel(g, 2), path, 2)
+    shapes, in_bucket, full = H.run_dist(2, _layout_worker, meg.to_json(), dp.to_json(), path)[0]
+    whole = {n.a["name"]: tuple(n.a["shape"]) for n in g.sources("Weight")}
+    halved = [n for n, s in shapes.items() if s != whole[n]]
+    assert len(halved) == 2, shapes                       # the column- and the row-parallel weight
+    for n in halved:
+        assert sorted(a * 2 if a != b else a for a, b in zip(shapes[n], whole[n])) == sorted(whole[n])
+    assert full == {n: whole[n] for n in full}
+    assert in_bucket and all(in_bucket.values()), in_bucket
