@@ -537,12 +537,14 @@ class PipelineTrainer:
                     raise UnityError("the first pipeline stage needs the model inputs")
                 args = [self._mine(torch.as_tensor(feeds[n]), r).to(self.dev) for n in self.input_names]
             kw = {}
+            mine: list = []     # the schedule clears the list it is given: one per pipeline
             if self.st.index == self.S - 1:
                 self._targets = targets is not None
                 kw["target"] = (self._mine(torch.as_tensor(targets), r).to(self.dev) if targets is not None
                                 else torch.zeros(self.batch // self.R, device=self.dev))
-                kw["losses"] = losses
+                kw["losses"] = mine
             self.scheds[r].step(*args, **kw)
+            losses.extend(mine)
         ps = [p for p in self.mod.params.values() if p.grad is not None]
         if ps:
             if self.K > 1:   # the stage's devices sum their gradients (one flat all-reduce)
