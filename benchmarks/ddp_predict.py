@@ -118,7 +118,7 @@ def predict(name: str, procs: int, batch: int, machine_path: str) -> dict:
     g = load_onnx(path, load_weights=False)
     pg = data_parallel(g, procs, combine_outputs=False)   # DDP computes each loss on its own shard
     m = parse_machine(f"{machine_path}:1x{procs}")
-    r = MachineMapper(CostModel(m, optimizer="adam")).optimize(pg)
+    r = MachineMapper(CostModel(m, optimizer="adam", sync_model="ddp")).optimize(pg)   # prices torch DDP itself
     return {"predicted_s": r.cost, "breakdown": r.to_json()["breakdown"], "fallbacks": pg.meta.get("fallbacks", [])}
 
 

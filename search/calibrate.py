@@ -266,22 +266,25 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def _allreduce_sweep(sizes: list, reps: int) -> dict:
+def _allreduce_sweep(sizes: list, reps: int, rounds: int = 3) -> dict:
+    """Median seconds of one all-reduce per size: ``rounds`` interleaved sweeps over the sizes of
+    ``reps`` timed calls each (after a barrier), the median over all of them, so that a burst of load
+    on a shared host hits every size alike and a few slow calls do not set a size's time."""
     import torch
     import torch.distributed as dist
-    res = {}
-    for n in sizes:
-        x = torch.ones(n)
+    bufs = {n: torch.ones(n) for n in sizes}
+    for x in bufs.values():
         for _ in range(2):
             dist.all_reduce(x)
-        ts = []
-        for _ in range(reps):
-            dist.barrier()
-            t = time.perf_counter()
-            dist.all_reduce(x)
-            ts.append(time.perf_counter() - t)
-        res[n] = statistics.median(ts)
-    return res
+    ts: dict = {n: [] for n in sizes}
+    for _ in range(max(1, rounds)):
+        for n, x in bufs.items():
+            for _ in range(reps):
+                dist.barrier()
+                t = time.perf_counter()
+                dist.all_reduce(x)
+                ts[n].append(time.perf_counter() - t)
+    return {n: statistics.median(v) for n, v in ts.items()}
 
 
 def _world_worker(rank: int, world: int, port: int, quick: bool, threads: int, window: float, q) -> None:
@@ -300,7 +303,7 @@ def _world_worker(rank: int, world: int, port: int, quick: bool, threads: int, w
             warnings.simplefilter("ignore")
             ddp = measure_ddp(quick)
         sizes = [1, 2 ** 12, 2 ** 16, 2 ** 18, 2 ** 20] + ([] if quick else [2 ** 22])
-        ar = _allreduce_sweep(sizes, 5 if quick else 10)
+        ar = _allreduce_sweep(sizes, 5 if quick else 10, rounds=2 if quick else 3)
         q.put((rank, {"compute": comp, "ddp": ddp, "allreduce": ar}))
     finally:
         dist.destroy_process_group()

@@ -160,6 +160,7 @@ AUTOCAST_LOW = {"Linear", "MatMul", "BatchMatMul", "Einsum", "Conv2d", "Conv3d",
 AUTOCAST_FP32 = {"Softmax", "LogSoftmax", "LayerNorm", "GroupNorm", "Exp", "Log", "Pow", "Reciprocal", "Softplus",
                  "ReduceSum", "ReduceProd", "CumSum", "ReduceL2", "ReduceLogSumExp"}
 AUTOCAST_FUSED_CAST = {"Softmax", "LogSoftmax", "ReduceSum", "ReduceProd", "CumSum"}
+SYNC_MODELS = ("executor", "ddp")
 _ITEMSIZE = {"float32": 4, "float16": 2, "bfloat16": 2, "float64": 8, "int64": 8, "int32": 4, "bool": 1}
 
 
@@ -195,10 +196,25 @@ class CostModel:
     """Costs of tasks, collectives and the optimizer step on one machine."""
 
     def __init__(self, machine: MachineSpec, optimizer: str = "adam", backward_factor: float = 2.0,
-                 grad_bucket_bytes: float = 25 * 2**20, precision: str = "fp32"):
+                 grad_bucket_bytes: float = 25 * 2**20, precision: str = "fp32", sync_model: str | None = None,
+                 first_bucket_bytes: float = 2**20, overlap_min_bytes: float = 8 * 2**20):
         if optimizer not in OPTIMIZER_STATES:
             raise ValueError(f"unknown optimizer {optimizer!r} (known: {', '.join(OPTIMIZER_STATES)})")
         check_precision(precision)
+        # who synchronizes the gradients (DESIGN "Cost model", gradient synchronization): "executor"
+        # (default: our executor's bucketed all-reduce, gradients as bucket views; a bucket costs the
+        # all-reduce fit's latency + bytes / bandwidth) or "ddp" (torch DDP, whose own costs the
+        # calibration measures: ``sync`` iteration / per_tensor / buffers / per_compute); the
+        # machine's ``meta["sync_model"]`` where the argument is not given
+        sync_model = sync_model or dict(machine.meta).get("sync_model") or "executor"
+        if sync_model not in SYNC_MODELS:
+            raise ValueError(f"unknown sync model {sync_model!r} (known: {', '.join(SYNC_MODELS)})")
+        self.sync_model = sync_model
+        # the executor's buckets (unity_pcg/executor/train.py): a bucket closes once it holds
+        # grad_bucket_bytes; where it overlaps the all-reduces with the backward (GPUs; CPU processes
+        # from overlap_min_bytes of gradients on) the first bucket closes at first_bucket_bytes, as DDP's
+        self.first_bucket_bytes = float(first_bucket_bytes)
+        self.overlap_min_bytes = float(overlap_min_bytes)
         self.machine = machine
         self.optimizer = optimizer
         # math mode of the training step (DESIGN "Cost model"): fp32; tf32 (fp32 storage, matmul and
@@ -212,7 +228,10 @@ class CostModel:
         # data-parallel framework costs measured by calibration (local machines; 0 elsewhere):
         # per iteration (bucket all-reduce latency, waiting for the slowest replica), per gradient
         # tensor (hooks, bucket copies), and per iteration for synchronizing replicated buffers
-        sync = dict(machine.meta).get("sync") or {}
+        # (torch DDP's micro-benchmarks: they price DDP only, sync_model "ddp"; the executor pays none
+        # of them: no per-gradient hooks or copies, no buffer broadcast, its bucket latency is priced
+        # from the all-reduce fit, grad_allreduce_time)
+        sync = (dict(machine.meta).get("sync") or {}) if sync_model == "ddp" else {}
         self.sync_iteration = max(float(sync.get("iteration", 0.0)), 0.0)
         self.sync_per_tensor = max(float(sync.get("per_tensor", 0.0)), 0.0)
         self.sync_buffers = max(float(sync.get("buffers", 0.0)), 0.0)
@@ -336,15 +355,38 @@ class CostModel:
         return (nbytes / m.mem_bandwidth + self.overhead("elementwise") / m.share) * (1.0 + self.sync_per_compute)
 
     # --- gradient synchronization --------------------------------------------------------------
-    def grad_allreduce_time(self, devs, nbytes: float) -> float:
+    def bucket_count(self, total_bytes: float) -> int:
+        """Buckets the executor all-reduces for ``total_bytes`` of gradients: the first closes at
+        ``first_bucket_bytes`` where it overlaps the all-reduces with the backward (GPUs, or from
+        ``overlap_min_bytes`` on), the others at ``grad_bucket_bytes``."""
+        if total_bytes <= 0:
+            return 0
+        cap = self.grad_bucket_bytes
+        if cap <= 0:
+            return 1
+        first = cap
+        if self.machine.shared_cores <= 0 or total_bytes >= self.overlap_min_bytes:
+            first = min(cap, self.first_bucket_bytes)
+        if total_bytes <= first:
+            return 1
+        return 1 + math.ceil((total_bytes - first) / cap)
+
+    def grad_allreduce_time(self, devs, nbytes: float, total_bytes: float | None = None) -> float:
         """All-reduce of one weight's gradient.  Frameworks fuse gradients into buckets
         (``grad_bucket_bytes``, 25 MiB as in torch DDP; 0 = one all-reduce per weight): a weight then
-        pays the bandwidth term for its bytes and its share of a bucket's latency term."""
+        pays the bandwidth term for its bytes and its share of the buckets' latency terms.  With
+        ``total_bytes`` (all gradients synchronized per step) under the executor's sync model, the
+        :meth:`bucket_count` buckets' latencies are spread over the weights by bytes (the step pays
+        every bucket's latency once, a 0.4 MiB model one whole bucket); else a weight pays
+        ``nbytes / grad_bucket_bytes`` of one latency (torch DDP, whose per-iteration cost
+        ``sync.iteration`` is calibrated apart)."""
         full = C.allreduce_time(self.machine, devs, nbytes)
         if self.grad_bucket_bytes <= 0 or full == 0.0:
             return full
         bw_only = _bw_part(self.machine, devs, nbytes)
         lat = full - bw_only
+        if self.sync_model == "executor" and total_bytes:
+            return bw_only + lat * self.bucket_count(total_bytes) * nbytes / total_bytes
         return bw_only + lat * min(1.0, nbytes / self.grad_bucket_bytes)
 
     # --- optimizer -----------------------------------------------------------------------------
@@ -933,7 +975,7 @@ class GraphCost:
         t = 0.0
         el = 0
         for g in groups.values():
-            t = max(t, self.model.grad_allreduce_time(sorted(g), out.piece_nbytes))
+            t = max(t, self.model.grad_allreduce_time(sorted(g), out.piece_nbytes, self._sync_bytes))
             el += C.allreduce_elements(len(g), out.piece_numel)
         if t > 0 and self._sync_bytes > 0:
             t += self.model.sync_per_tensor + self.model.sync_iteration * out.piece_nbytes / self._sync_bytes
@@ -941,4 +983,4 @@ class GraphCost:
 
 
 __all__ = ["CostModel", "GraphCost", "LeafCost", "OPTIMIZER_STATES", "op_class", "INF", "PRECISIONS", "OP_CLASSES",
-           "COMPUTE_CLASSES", "kernel_work", "table_keys", "check_precision", "autocast_dtype"]
+           "COMPUTE_CLASSES", "kernel_work", "table_keys", "check_precision", "autocast_dtype", "SYNC_MODELS"]

@@ -60,17 +60,56 @@ def test_ddp_sync_overheads_sum_once_per_iteration():
     g = data_parallel(mlp(batch=8, h=16, layers=layers), d)
     base = calibrated(sync2={"iteration": 0.0, "per_tensor": 0.0, "buffers": 0.0})
     with_sync = calibrated()
-    r0 = MachineMapper(CostModel(base)).optimize(g)
-    r1 = MachineMapper(CostModel(with_sync)).optimize(g)
-    gc = GraphCost(g, CostModel(with_sync))
+    r0 = MachineMapper(CostModel(base, sync_model="ddp")).optimize(g)
+    r1 = MachineMapper(CostModel(with_sync, sync_model="ddp")).optimize(g)
+    gc = GraphCost(g, CostModel(with_sync, sync_model="ddp"))
     n_tensors = sum(1 for nid in gc._chain_end if gc.trainable(nid) and g.shapes(nid)[0].copy_degree > 1)
     assert n_tensors == layers
     extra = 1e-3 + 2e-5 * n_tensors
     assert r1.breakdown.sync - r0.breakdown.sync == pytest.approx(extra, rel=1e-6)
     assert r1.cost - r0.cost == pytest.approx(extra, rel=1e-6)
     # one device: no replicas, no synchronization at all
-    one = MachineMapper(CostModel(with_sync.resized(1, 1))).optimize(mlp(batch=8, h=16, layers=layers))
+    one = MachineMapper(CostModel(with_sync.resized(1, 1), sync_model="ddp")).optimize(mlp(batch=8, h=16, layers=layers))
     assert one.breakdown.sync == 0.0
+
+
+def test_executor_sync_model_ignores_ddp_terms_and_pays_each_bucket_latency_once():
+    """The executor's own gradient sync (the default): DDP's calibrated terms play no part; a
+    model whose gradients fit one bucket pays one all-reduce latency plus its bytes / bandwidth."""
+    from unity_pcg.search import collectives as C
+    from unity_pcg.search.cost import _bw_part
+    layers = 3
+    g = data_parallel(mlp(batch=8, h=16, layers=layers), 2)
+    base = calibrated(sync2={"iteration": 0.0, "per_tensor": 0.0, "buffers": 0.0, "per_compute": 0.0})
+    with_sync = calibrated(sync2={"iteration": 1e-3, "per_tensor": 2e-5, "buffers": 5e-4, "per_compute": 0.5})
+    r0 = MachineMapper(CostModel(base)).optimize(g)
+    r1 = MachineMapper(CostModel(with_sync)).optimize(g)
+    assert CostModel(with_sync).sync_model == "executor"
+    assert r1.cost == pytest.approx(r0.cost, rel=1e-12)
+    gc = GraphCost(g, CostModel(base))
+    ws = [g.shapes(nid)[0].piece_nbytes for nid in gc._chain_end
+          if gc.trainable(nid) and g.shapes(nid)[0].copy_degree > 1]
+    assert len(ws) == layers
+    m = base
+    lat = C.allreduce_time(m, [0, 1], ws[0]) - _bw_part(m, [0, 1], ws[0])
+    assert lat > 0
+    expected = lat + sum(_bw_part(m, [0, 1], n) for n in ws)
+    assert r0.breakdown.sync == pytest.approx(expected, rel=1e-9)
+    # the machine may name the sync model; the argument wins; unknown names are refused
+    named = dataclasses.replace(with_sync, meta={**with_sync.meta, "sync_model": "ddp"})
+    assert CostModel(named).sync_model == "ddp" and CostModel(named).sync_iteration == pytest.approx(1e-3)
+    assert CostModel(named, sync_model="executor").sync_iteration == 0.0
+    with pytest.raises(ValueError, match="sync model"):
+        CostModel(base, sync_model="horovod")
+
+
+def test_bucket_count_follows_the_executor():
+    mib = 2 ** 20
+    cpu = CostModel(calibrated())                      # shared cores: overlap from 8 MiB of gradients on
+    assert [cpu.bucket_count(b * mib) for b in (0, 0.5, 2, 7.9, 25)] == [0, 1, 1, 1, 2]
+    assert cpu.bucket_count(30 * mib) == 3             # 1 MiB first bucket, then 25 + 4 MiB
+    gpu = CostModel(parse_machine("dgx-a100:1x2"))         # GPUs always overlap: first bucket 1 MiB
+    assert [gpu.bucket_count(b * mib) for b in (0.5, 1, 2, 26, 27)] == [1, 1, 2, 2, 3]
 
 
 def _bn_net(batch=8, c=4):
@@ -88,9 +127,11 @@ def test_buffers_synchronized_once_per_iteration():
     g = data_parallel(_bn_net(), 2)
     no_buf = calibrated(sync2={"iteration": 0.0, "per_tensor": 0.0, "buffers": 0.0})
     buf = calibrated(sync2={"iteration": 0.0, "per_tensor": 0.0, "buffers": 7e-4})
-    r0 = MachineMapper(CostModel(no_buf)).optimize(g)
-    r1 = MachineMapper(CostModel(buf)).optimize(g)
+    r0 = MachineMapper(CostModel(no_buf, sync_model="ddp")).optimize(g)
+    r1 = MachineMapper(CostModel(buf, sync_model="ddp")).optimize(g)
     assert r1.cost - r0.cost == pytest.approx(7e-4, rel=1e-6)
+    # the executor broadcasts no buffers
+    assert MachineMapper(CostModel(buf)).optimize(g).cost == pytest.approx(MachineMapper(CostModel(no_buf)).optimize(g).cost)
 
 
 def test_pointwise_conv_class():
@@ -135,9 +176,9 @@ def test_sync_wait_grows_with_compute_only_with_replicas():
     g = mlp(batch=8, h=16, layers=2)
     s0 = {"iteration": 0.0, "per_tensor": 0.0, "buffers": 0.0, "per_compute": 0.0}
     s1 = dict(s0, per_compute=0.25)
-    r0 = MachineMapper(CostModel(calibrated(sync2=s0))).optimize(data_parallel(g, 2))
-    r1 = MachineMapper(CostModel(calibrated(sync2=s1))).optimize(data_parallel(g, 2))
+    r0 = MachineMapper(CostModel(calibrated(sync2=s0), sync_model="ddp")).optimize(data_parallel(g, 2))
+    r1 = MachineMapper(CostModel(calibrated(sync2=s1), sync_model="ddp")).optimize(data_parallel(g, 2))
     assert r1.breakdown.compute == pytest.approx(1.25 * r0.breakdown.compute, rel=1e-9)
     one = calibrated(sync2=s1)
     one = dataclasses.replace(one, devices_per_node=1, group_size=1)
-    assert CostModel(one).sync_per_compute == 0.0          # a single process waits for nobody
+    assert CostModel(one, sync_model="ddp").sync_per_compute == 0.0   # a single process waits for nobody
