@@ -250,6 +250,9 @@ def _check_batch_split(g: PCG, n, K: int) -> None:
 
 def check_pipeline(plan, per_device_bn: bool = True) -> None:
     """Everything about a pipelined plan that can fail before a process starts."""
+    if getattr(plan, "precision", "fp32") == "bf16":
+        raise PipelineError("plan: bf16 (mixed precision) with pipeline stages is not supported by the executor "
+                            "(stage boundaries exchange float32 buffers); optimize it with --precision fp32 or tf32")
     M, stages = resolve(plan)
     devs = sorted(d for st in stages for d in st.devices + st.idle)
     if devs != list(range(len(devs))):
@@ -448,6 +451,9 @@ class PipelineTrainer:
         from .kernels import TORCH_DTYPES
 
         check_pipeline(plan, per_device_bn=not sync_batchnorm)
+        from .precision import set_math_mode
+        set_math_mode(getattr(plan, "precision", "fp32"),
+                      torch.device("cuda") if device == "cuda" else torch.device(device))
         self.M, stages = resolve(plan)
         mine = [st for st in stages if rank in st.devices + st.idle]
         if len(mine) != 1:

@@ -40,6 +40,7 @@ from unity_pcg.errors import PlanError
 
 from .kernels import TORCH_DTYPES, ExecutorError, kernel
 from .lower import Lowered, block, lower, task_pieces, unravel
+from .precision import forward_context, set_math_mode
 
 FIRST_BUCKET_BYTES = 1 << 20
 OVERLAP_MIN_BYTES = 8 << 20      # CPU: overlap the gradient all-reduces with backward from this many bytes
@@ -270,6 +271,8 @@ class Trainer:
             self.device = torch.device(device)
         self.seed = int(seed)
         self.step_no = 0
+        self.precision = getattr(plan, "precision", "fp32")
+        set_math_mode(self.precision, self.device)
         self.keep_values = False          # debugging: keep every local piece of the last step
         path = model_path or plan.model_path
         frozen = model_constants(self.g, path) if weights is None and path else frozenset()
@@ -765,6 +768,29 @@ class Trainer:
             tt = tt.to(self.device)
         ref, need, split = self._loss_ref(kind)
         fv = self._feeds(feeds)
+        with forward_context(self.precision, self.device):
+            total, part = self._forward(fv, kind, tt if targets is not None else None, ref, need, split)
+        self._start_step_sync(part)
+        if total.requires_grad:
+            total.backward()
+        self._finish_sync()
+        self.opt.step()
+        if self.world > 1 and self._loss_bucket is not None:
+            lv = self._works[self._loss_bucket][1][-1:].to(torch.float64, copy=True)   # before the zeroing
+        else:
+            lv = part.double()
+            if self.world > 1:
+                dist.all_reduce(lv)
+        self._zero_grads()
+        self.step_no += 1
+        loss = float(lv.item())
+        if not math.isfinite(loss):
+            raise ExecutorError(f"step {self.step_no - 1}: the loss is {loss}")
+        return loss
+
+    def _forward(self, fv, kind, tt, ref, need, split):
+        """The forward pass and the loss of this rank's pieces: ``(total, part)`` -- what backward starts
+        from (the loss contribution tied to every communication output) and the detached contribution."""
         anchor = torch.zeros((), device=self.device, requires_grad=True)
         vals: dict = {}
         sinks: list = []
@@ -841,6 +867,8 @@ class Trainer:
             weight = 1.0 / split[1]
         if flat is not None and unravel(flat, s.grid)[0] == 0 or (split is not None and flat is not None):
             y = vals[ref]
+            if y.dtype in (torch.bfloat16, torch.float16):
+                y = y.float()         # the loss in float32 (under bf16 autocast the output is bf16)
             region = _slices(block(s, flat))
             if kind == "mean":
                 contrib = y.sum() / s.numel
@@ -860,23 +888,8 @@ class Trainer:
         for t in sinks:
             total = total + t.sum() * 0.0
         part = (contrib.detach() if contrib is not None else torch.zeros((), device=self.device)).reshape(1)
-        self._start_step_sync(part)
-        if total.requires_grad:
-            total.backward()
-        self._finish_sync()
-        self.opt.step()
-        if self.world > 1 and self._loss_bucket is not None:
-            lv = self._works[self._loss_bucket][1][-1:].to(torch.float64, copy=True)   # before the zeroing
-        else:
-            lv = part.double()
-            if self.world > 1:
-                dist.all_reduce(lv)
-        self._zero_grads()
-        self.step_no += 1
-        loss = float(lv.item())
-        if not math.isfinite(loss):
-            raise ExecutorError(f"step {self.step_no - 1}: the loss is {loss}")
-        return loss
+        return total, part
+
 
     # --- state ------------------------------------------------------------------------------------------
     def _assemble(self, name: str, t: torch.Tensor) -> torch.Tensor:
