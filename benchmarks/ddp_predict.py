@@ -15,6 +15,8 @@ For every zoo model and P in (2, 4) local processes:
 
 Usage:  .venv/bin/python benchmarks/ddp_predict.py [--fixed-machine [--machine F] [--calibrate]]
         [--models a,b] [--procs 2,4] [--batch 8] [--iters 20] [--runs 3]
+        .venv/bin/python benchmarks/ddp_predict.py --reprice RUN.json --out R.json --md R.md   (no measuring:
+        an earlier run's rows priced again with their own calibrations and today's cost model)
 Writes benchmarks/results/ddp_predict.json and ddp_predict.md.
 """
 from __future__ import annotations
@@ -122,6 +124,54 @@ def predict(name: str, procs: int, batch: int, machine_path: str) -> dict:
     return {"predicted_s": r.cost, "breakdown": r.to_json()["breakdown"], "fallbacks": pg.meta.get("fallbacks", [])}
 
 
+def reprice(path: str, out: str, md: str | None) -> int:
+    """Price the rows of an earlier run again with today's cost model and that run's own calibrations (its
+    ``machines``: the world record each row was calibrated with), measuring nothing: tells a change of the
+    cost model from a change of the calibration or of the host."""
+    with open(path) as f:
+        old = json.load(f)
+    rows = []
+    for r in old["rows"]:
+        name, p = r["model"], r["procs"]
+        base = calibrated_base(old["machines"][f"{name}:{p}"], p)
+        mpath = os.path.join(CACHE, f"reprice-{name}-{p}.json")
+        with open(mpath, "w") as f:
+            json.dump(base, f)
+        pred = predict(name, p, r["batch_per_proc"], mpath)
+        rows.append({"model": name, "procs": p, "measured_s": r["measured_s"], "then_predicted_s": r["predicted_s"],
+                     "then_breakdown": r["breakdown"], "now_predicted_s": pred["predicted_s"],
+                     "now_breakdown": pred["breakdown"]})
+        print(f"{name:13s} P={p}  then {r['predicted_s'] * 1e3:8.2f} ms  now {pred['predicted_s'] * 1e3:8.2f} ms  "
+              f"measured {r['measured_s'] * 1e3:8.2f} ms", flush=True)
+    command = "python benchmarks/ddp_predict.py " + " ".join(sys.argv[1:])
+    with open(out, "w") as f:
+        json.dump({"rows": rows, "source": path, "command": command, "commit": _commit()}, f, indent=2)
+    if md:
+        ms = lambda b, k: b.get(k, 0.0) * 1e3          # noqa: E731
+        lines = [f"# DDP prediction re-priced: `{path}` with the cost model at commit {_commit()}", "",
+                 f"Command: `.venv/bin/{command}`", "",
+                 "| model | P | measured ms | predicted then | now | now compute | comm | grad sync | update |",
+                 "|---|---|---|---|---|---|---|---|---|"]
+        for r in rows:
+            b = r["now_breakdown"]
+            lines.append(f"| {r['model']} | {r['procs']} | {r['measured_s'] * 1e3:.2f} | "
+                         f"{r['then_predicted_s'] * 1e3:.2f} | {r['now_predicted_s'] * 1e3:.2f} | "
+                         f"{ms(b, 'compute_s'):.2f} | {ms(b, 'comm_s'):.2f} | {ms(b, 'grad_sync_s'):.2f} | "
+                         f"{ms(b, 'update_s'):.2f} |")
+        with open(md, "w") as f:
+            f.write("\n".join(lines) + "\n")
+    return 0
+
+
+def calibrated_base(world_record: dict, procs: int) -> dict:
+    """A local machine JSON holding one calibrated world record (``meta.worlds``), as ``calibrate`` writes."""
+    from unity_pcg.machine import local
+    m = local(1, procs).to_json()
+    m["meta"] = {"calibrated": True, "worlds": {str(procs): world_record}, "device_world": procs,
+                 "sync": world_record.get("sync", {})}
+    return m
+
+
 def main() -> int:
     from unity_pcg import zoo
     ap = argparse.ArgumentParser()
@@ -137,7 +187,12 @@ def main() -> int:
                     help="price with --machine as is instead of calibrating for P processes right before "
                          "every (model, P) measurement")
     ap.add_argument("--md", default=os.path.join(RESULTS, "ddp_predict.md"))
+    ap.add_argument("--reprice", default=None, metavar="RUN.json",
+                    help="measure nothing: price an earlier run's rows again with its own calibrations (--out/--md: "
+                         "where to write)")
     a = ap.parse_args()
+    if a.reprice:
+        return reprice(a.reprice, a.out, a.md)
     os.makedirs(RESULTS, exist_ok=True)
     t_start = time.time()
     if a.fixed_machine and (a.calibrate or not os.path.exists(a.machine)):
