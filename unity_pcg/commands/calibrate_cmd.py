@@ -16,6 +16,15 @@ def add_arguments(p) -> None:
                    help="comma-separated numbers of concurrent processes to calibrate for: compute, DDP overheads and "
                         "gloo collectives are measured with that many processes running (default 2,3,4; quick 2,4)")
     p.add_argument("--quiet", action="store_true", help="no progress on stderr")
+    p.add_argument("--device", choices=("local", "cuda", "cpu"), default="local",
+                   help="local: this computer's CPU processes (default); cuda: one GPU's kernels per operator class "
+                        "and math mode, NCCL collectives with several GPUs (search/calibrate_gpu.py); cpu: the same "
+                        "kernel measurements on this CPU, one process")
+    p.add_argument("--size", choices=("tiny", "quick", "full"), default=None,
+                   help="--device cuda/cpu: kernel sizes measured (default full; quick with --quick)")
+    p.add_argument("--base", default=None, metavar="PRESET",
+                   help="--device cuda/cpu: preset whose topology and network link the machine keeps "
+                        "(default: from the GPU's name, h100 / dgx-a100 / summit; local on a CPU)")
 
 
 def run(args) -> int:
@@ -33,7 +42,14 @@ def run(args) -> int:
             raise UnityError(f"--worlds must be comma-separated integers, got {args.worlds!r}") from None
         if any(w < 2 or w > 64 for w in worlds):
             raise UnityError(f"--worlds: process counts must be between 2 and 64, got {args.worlds!r}")
-    m = calibrate(quick=args.quick, worlds=worlds, quiet=args.quiet)
+    device = getattr(args, "device", "local")
+    if device != "local":
+        if args.worlds:
+            raise UnityError("--worlds applies to --device local only")
+        m = calibrate(quick=args.quick, quiet=args.quiet, device=device,
+                      precision=getattr(args, "precision", None), size=args.size, base=args.base)
+    else:
+        m = calibrate(quick=args.quick, worlds=worlds, quiet=args.quiet)
     try:
         m.save(args.output)
     except OSError as e:
