@@ -16,6 +16,8 @@ def add_arguments(p) -> None:
                    help="comma-separated numbers of concurrent processes to calibrate for: compute, DDP overheads and "
                         "gloo collectives are measured with that many processes running (default 2,3,4; quick 2,4)")
     p.add_argument("--quiet", action="store_true", help="no progress on stderr")
+    p.add_argument("--precision", default=None, metavar="{fp32,tf32,bf16}",
+                   help="math mode whose kernels are measured and recorded (default: every mode the device has)")
     p.add_argument("--device", choices=("local", "cuda", "cpu"), default="local",
                    help="local: this computer's CPU processes (default); cuda: one GPU's kernels per operator class "
                         "and math mode, NCCL collectives with several GPUs (search/calibrate_gpu.py); cpu: the same "
@@ -28,6 +30,8 @@ def add_arguments(p) -> None:
 
 
 def run(args) -> int:
+    from .simulate_cmd import check_precision_arg
+    check_precision_arg(getattr(args, "precision", None))
     try:
         import torch  # noqa: F401
     except ImportError:
