@@ -295,15 +295,27 @@ def _world_worker(rank: int, world: int, port: int, quick: bool, threads: int, w
     torch.set_num_threads(threads)
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
     try:
+        # the compute benchmarks in rounds spread over the calibration (start, after DDP's, after the
+        # all-reduce sweep), the median of each number over the rounds: a burst of load from other
+        # jobs on a shared host then sets no number alone
+        comps = []
         dist.barrier()
-        comp = measure_compute(quick, quiet=True, threads=threads, window=window)
+        comps.append(measure_compute(quick, quiet=True, threads=threads, window=window))
         dist.barrier()
-        comp["solo_speedup"] = measure_solo(world, rank, quick, window=window)
+        solo = measure_solo(world, rank, quick, window=window)
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")
             ddp = measure_ddp(quick)
+        if not quick:
+            dist.barrier()
+            comps.append(measure_compute(quick, quiet=True, threads=threads, window=window))
         sizes = [1, 2 ** 12, 2 ** 16, 2 ** 18, 2 ** 20] + ([] if quick else [2 ** 22])
         ar = _allreduce_sweep(sizes, 5 if quick else 10, rounds=2 if quick else 3)
+        if not quick:
+            dist.barrier()
+            comps.append(measure_compute(quick, quiet=True, threads=threads, window=window))
+        comp = _median_tree(comps)
+        comp["solo_speedup"] = solo
         q.put((rank, {"compute": comp, "ddp": ddp, "allreduce": ar}))
     finally:
         dist.destroy_process_group()
