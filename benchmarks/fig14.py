@@ -537,17 +537,18 @@ def _notes(lines, rows) -> list[str]:
 
 #: What the committed run shows and why it falls short of the paper (written from fig14.json of 2026-11-23;
 #: rerun the matrix and this text may no longer match the tables above it)
-ANALYSIS = """## Reading the results (6, 192 and 1,024 GPUs and DenseNet-121 rerun 18:12-18:40 UTC; other rows older)
+ANALYSIS = """## Reading the results (6, 192 and 1,024 GPUs and DenseNet-121 rerun 18:12-18:40 UTC, Inception-v3 at 12 and 24 GPUs at 18:40; other rows older)
 
 - **Rerun rows** (6 and 192 GPUs for the seven models, DenseNet-121, 1,024 GPUs): search code of 18:12 (expert and
   Megatron seeds, seed families, budget covering the whole call) and the cost model of commit 7f2a746 (the
   executor's bucketed gradient sync, which changed the dp baselines: e.g. MLP at 192 GPUs 880 -> 1,165 ms). Run as
   three processes side by side on the 2-core box (load 6-11), `--budget 50` (`--budget-large 100` for DenseNet and
   1,024 GPUs). Rows at 12-96 GPUs, Figure 15b and the Alpa column are from earlier runs (older code; the checks list
-  the mixed comparisons, and Inception-v3 at 12/24 GPUs there predates the dp guard).
-- **Never slower than data parallelism**: every rerun Unity row is >= dp. The rows reported below dp in the earlier
-  run (Inception-v3 6/12/24 GPUs) were produced before `optimize` compared its result with the dp baseline
-  (commit 72bbcf7, 13:02; the run started 12:16); on current code they are data parallelism by rules (652 rule steps).
+  the mixed comparisons).
+- **Never slower than data parallelism**: every rerun Unity row is >= dp (the checks below: none). The rows reported
+  below dp in the earlier run (Inception-v3 6/12/24 GPUs) were produced before `optimize` compared its result with
+  the dp baseline (commit 72bbcf7, 13:02; the run started 12:16); rerun, they are data parallelism by rules (652
+  rule steps), 1.00x.
 - **Expert by rules**: the search seeds every segment with the expert layout built by rules (dp everywhere but the
   tables, their pooling and index slicing) and prices each seed family over the whole graph: DLRM and XDL now reach
   the expert plan or better (DLRM 6 GPUs 1.16x, 192 GPUs 1.00x with pipelines / 1.61x without: the column-split
