@@ -44,7 +44,8 @@ from unity_pcg.machine import MachineSpec, Resource, parse_machine
 from unity_pcg.pcg import PCG
 
 from .substitution import (Candidate, RuleBook, RuleStep, best_first, data_parallel_steps, dp_rule_missing,
-                           expert_whole, neighbours, normalized_hash, tensor_parallel_steps, trimmed)
+                           expert_whole, neighbours, normalized_hash, table_columns_steps, tensor_parallel_steps,
+                           trimmed)
 
 INF = math.inf
 SEARCHES = ("unity", "sequential")
@@ -590,6 +591,15 @@ def optimize(model, machine, budget_s: float | None = None, alpha: float = 1.05,
                 if out is not None:
                     cands.append((ev.cost(trimmed(out), limited=left_for_pricing()), 1, out, st))
                 stats["search_result_s"] = cands[0][0] if cands and math.isfinite(cands[0][0]) else None
+                # the tables-by-columns layout built on the whole graph too: assembled from segment
+                # seeds it loses the dense layers' data parallelism on top (DLRM at summit:8x6: 0.86 s
+                # assembled, 0.28 s whole); a fixed rule sequence, only for models with embedding tables
+                if any(n.op == "Embedding" for n in g.nodes()) and time.perf_counter() < deadline:
+                    for d, tp in sorted(megatron_seed_degrees(m, dps).items()):
+                        wx, wst = data_parallel_steps(g, d, book) if d > 1 else (g, [])
+                        wy, wst2 = table_columns_steps(wx, tp, book)
+                        if wst2:
+                            fams[f"cols{tp}x{d} whole"] = (wy, list(wst) + list(wst2), 0.0)
                 # every seed family assembled over the whole graph (expert, Megatron), priced as a whole
                 fam_cost: dict = {}
                 for name, (fg, fst, _) in sorted(fams.items(), key=lambda kv: (kv[1][2], kv[0])):

@@ -378,6 +378,32 @@ def tensor_parallel_steps(g: PCG, degree: int, book: RuleBook) -> tuple[PCG, lis
     return g, steps + more
 
 
+#: templates splitting an embedding table's columns (the bag form first: it sums before the gather)
+TABLE_COLUMN_RULES = ("megatron_embedding_bag_column", "megatron_embedding_column")
+
+
+def table_columns_steps(g: PCG, degree: int, book: RuleBook) -> tuple[PCG, list[RuleStep]]:
+    """Embedding tables split ``degree`` ways by columns on top of ``g`` (every
+    :data:`TABLE_COLUMN_RULES` match on an unsplit table), then everything else that is not a table
+    lookup or its pooling data parallel ``degree`` ways on top (``data_parallel_steps`` with the
+    lookups kept whole): Alpa's DLRM layout on a multi-node machine (tables by columns across
+    nodes, the dense layers at the full data-parallel degree).  Returns (g, []) when no table matches."""
+    steps: list[RuleStep] = []
+    for name in TABLE_COLUMN_RULES:
+        rule = book.by_name.get(name)
+        if rule is not None:
+            g = _apply_everywhere(g, rule, degree, steps, fresh=("t",))
+    if not steps:
+        return g, steps
+    g, more = cancel_steps(g, book)
+    steps += more
+
+    def lookup_or_pooling(gg: PCG, n) -> bool:
+        return n.op == "Embedding" or (n.op == "ReduceSum" and gg.node(n.inputs[0][0]).op == "Embedding")
+    g, more = data_parallel_steps(g, degree, book, keep_whole=lookup_or_pooling)
+    return g, steps + list(more)
+
+
 def normalized_hash(g: PCG) -> str:
     """Structural hash with the dim attributes of parallel operators, and the integer ``axis`` of compute
     operators (a Concat's, a Softmax's: rules bind it as a dim, counted from the end), counted from the

@@ -132,3 +132,31 @@ def test_expert_whole_keeps_tables_their_pooling_and_index_slicing():
     whole = {g.node(n).op for n in expert_whole(g)}
     assert whole == {"Slice", "Reshape", "Embedding", "ReduceSum"}
     assert len(expert_whole(g)) == 8 and c not in expert_whole(g)        # the Concat meets the rest
+
+
+def test_table_columns_seed_splits_tables_and_puts_the_rest_data_parallel_on_top():
+    """table_columns_steps: tables split by columns (the bag form), their pooling kept with them, and the
+    dense layers data parallel on top of the existing data parallelism (Alpa's DLRM layout); it replays."""
+    from unity_pcg.search.substitution import table_columns_steps
+    book = RuleBook(None, (2,))
+    g = _tables(2)
+    x, st = data_parallel_steps(g, 2, book)
+    y, st2 = table_columns_steps(x, 2, book)
+    assert sum(1 for s in st2 if s.rule.startswith("megatron_embedding")) == 2
+    for n in y.nodes():
+        if n.op == "Embedding":
+            assert [d.degree for d in y.shape(tuple(n.inputs[1])).dims] == [1, 2]
+        if n.op == "Linear":                   # the dense layer: batch split 2 x 2 ways
+            assert y.shape(tuple(n.inputs[0])).dims[0].degree == 4
+    z = replay(g, list(st) + list(st2), book)
+    assert z.structural_hash() == y.structural_hash()
+    assert table_columns_steps(data_parallel_steps(_no_tables(), 2, book)[0], 2, book)[1] == []
+
+
+def _no_tables() -> PCG:
+    b = PCG.builder()
+    x = b.add_node("Input", {"name": "x", "shape": (8, 4), "dtype": "float32"})
+    w = b.add_node("Weight", {"name": "w", "shape": (4, 4), "dtype": "float32"})
+    y = b.add_node("Linear", {"activation": "none"}, [(x, 0), (w, 0)])
+    b.set_outputs([(y, 0)])
+    return b.finish()
