@@ -210,6 +210,9 @@ class CostModel:
         if sync_model not in SYNC_MODELS:
             raise ValueError(f"unknown sync model {sync_model!r} (known: {', '.join(SYNC_MODELS)})")
         self.sync_model = sync_model
+        # the gradient bytes a step synchronizes, where a caller prices fragments of a graph apart (Alpa's
+        # ILP): the executor's bucket latencies are spread over the whole step's bytes, not a fragment's
+        self.sync_total_bytes: float | None = None
         # the executor's buckets (unity_pcg/executor/train.py): a bucket closes once it holds
         # grad_bucket_bytes; where it overlaps the all-reduces with the backward (GPUs; CPU processes
         # from overlap_min_bytes of gradients on) the first bucket closes at first_bucket_bytes, as DDP's
@@ -975,7 +978,8 @@ class GraphCost:
         t = 0.0
         el = 0
         for g in groups.values():
-            t = max(t, self.model.grad_allreduce_time(sorted(g), out.piece_nbytes, self._sync_bytes))
+            t = max(t, self.model.grad_allreduce_time(sorted(g), out.piece_nbytes,
+                                                      self.model.sync_total_bytes or self._sync_bytes))
             el += C.allreduce_elements(len(g), out.piece_numel)
         if t > 0 and self._sync_bytes > 0:
             t += self.model.sync_per_tensor + self.model.sync_iteration * out.piece_nbytes / self._sync_bytes

@@ -510,14 +510,20 @@ class IntraProblem:
         # prices depend on structure only: problems on the same machine, mesh and settings share them
         # (the inter-operator pass asks for many stages of the same layers)
         import json
+        # the executor's gradient buckets are priced over the whole step's gradient bytes (every trained
+        # weight replicated: the data-parallel step), so a fragment's sync is its share of the whole's
+        sync_total = float(sum(g.shapes(n.id)[0].nbytes for n in g.nodes() if n.op == "Weight"
+                               and g.shapes(n.id)[0].dtype in ("float32", "float16", "bfloat16", "float64")))
         skey = (json.dumps(machine.to_json(), sort_keys=True, default=str), n0, n1, start, optimizer,
-                bool(weight_update_sharding))
+                bool(weight_update_sharding), sync_total)
         shared = _SHARED.get(skey)
         if shared is None:
             if len(_SHARED) >= 32:
                 _SHARED.clear()
-            shared = _SHARED[skey] = dict(mesh=Mesh(n0, n1, start), model=CostModel(machine, optimizer=optimizer),
-                                          edge={}, frag={}, emat={}, anchor={})
+            model = CostModel(machine, optimizer=optimizer)
+            model.sync_total_bytes = sync_total or None
+            shared = _SHARED[skey] = dict(mesh=Mesh(n0, n1, start), model=model, edge={}, frag={}, emat={},
+                                          anchor={})
         self.mesh = shared["mesh"]
         self.model = shared["model"]
         self.anchor, self.anchors, self.via = _groups(g)
@@ -1462,7 +1468,8 @@ def solve_intra(g: PCG, machine: MachineSpec, mesh: tuple[int, int], *, start: i
                          t1 - t0, dict(prob.size(), total_s=time.perf_counter() - t0, ilp_memory_bytes=ilp_mem,
                                        priced=False, **live))
     from ..mapping import MachineMapper
-    r = MachineMapper(prob.model).evaluate(pcg, views)
+    # the plan as the rest of the project prices it (its own gradient bytes, not the ILP's whole-step share)
+    r = MachineMapper(CostModel(machine, optimizer=optimizer)).evaluate(pcg, views)
     mem = float(r.memory.max_bytes) if r.memory is not None else INF
     mem += pcg.meta.get("gathered_weight_bytes", 0.0)
     return IntraPlan(pcg, views, float(r.cost), mem, float(obj), solve_s, status, specs, (n0, n1), start,
