@@ -72,15 +72,20 @@ at several times the planner time."""
 
 FINDINGS_ZOO = """**Reading the zoo table.** A row shows Alpa's fastest plan over the micro-batch counts run (1 and 8) that
 joins into one PCG. With one micro-batch Alpa's plan is one stage on the whole cluster: for ResNeXt-50,
-Inception-v3 and BERT-Large as fast as Unity's. Alpa is faster on two models, with one-stage plans (no
-pipeline): DLRM, where its ILP splits every embedding table's 64 columns 8 ways across the nodes and the batch 6
-ways inside them (Unity's rule set has no rule partitioning an Embedding's output features, only `dp_Embedding`:
-the rules are missing), and CANDLE-Uno, where it runs the dense layers as Megatron column -> row pairs across the
+Inception-v3 and BERT-Large as fast as Unity's. DLRM: Alpa's ILP splits every embedding table's 64 columns 8
+ways across the nodes and the batch 6 ways inside them; Unity was 0.78x until the rules could do that
+(`megatron_embedding_bag_column` / `megatron_embedding_column`) and the search seeded the layout on the whole graph
+(tables by columns 8 ways on dp 6, the dense layers data parallel 8 ways on top, i.e. at 48: `table_columns_steps`),
+now 1.26x (`fig14.py --models dlrm --devices 48`: 0.2839 s against Alpa's 0.3568 s in the same cost model). Alpa is faster
+on CANDLE-Uno, where it runs the dense layers as Megatron column -> row pairs across the
 8 nodes and the batch 6 ways inside a node: Unity's shipped rules reach that layout (within 7% of Alpa's time
 when built by hand), but its search did not (degree 8 not searched on summit:8x6, alpha pruning, 40 expansions
 per segment against a 54-step path, and unpriced seeds queued late; `unity_vs_alpa_diag.md`). With the Megatron
 seed per segment and the seed ordering fixed (commit 343b5a6, fig14 row rerun) Unity went 0.63x -> 0.85x; one
-segment still stops on its budget and six Reduces before the Concat stay unfused. Alpa's 8-micro-batch plans for DLRM
+segment still stops on its budget and six Reduces before the Concat stay unfused (rerun at 18:46 with the
+executor's sync pricing: 0.85x). The Alpa rows were priced before the cost model's executor gradient-sync model
+(commit 7f2a746); the Unity rows of DLRM and CANDLE-Uno after it (DLRM's Alpa plan, re-priced under it, is
+not rerun here). Alpa's 8-micro-batch plans for DLRM
 and CANDLE-Uno are priced faster still but cannot be built as one PCG: an intra plan leaves a tensor replicated at
 a stage boundary and the next stage partitions it differently, which no parallel operator of our IR does (none
 drops copies). Planner times grow with the distinct layers: ResNeXt-50 and Inception-v3 have no repeated layer
