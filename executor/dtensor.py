@@ -45,27 +45,14 @@ from typing import Callable, Sequence
 
 import torch
 
+from unity_pcg.pieces import ravel, unravel
+
 # placements as plain data: ("R",) copy, ("P",) partial sum, ("S", dim) shard of a logical dim
 R = ("R",)
 P = ("P",)
 
 #: redistributions run in this process, by kind (tests and benchmarks read it)
 CALLS: Counter = Counter()
-
-
-def _unravel(flat: int, grid: Sequence[int]) -> tuple[int, ...]:
-    out = []
-    for g in reversed(grid):
-        out.append(flat % g)
-        flat //= g
-    return tuple(reversed(out))
-
-
-def _rowmajor(idx: Sequence[int], sizes: Sequence[int]) -> int:
-    f = 0
-    for i, s in zip(idx, sizes):
-        f = f * s + i
-    return f
 
 
 def _primes(n: int) -> list[int]:
@@ -90,7 +77,7 @@ class MeshSpec:
     devices: tuple[int, ...]
 
     def coord(self, dev: int) -> tuple[int, ...]:
-        return _unravel(self.devices.index(dev), self.shape)
+        return unravel(self.devices.index(dev), self.shape)
 
     def slices(self) -> list[tuple[int, ...]]:
         """Every 1-D slice of the mesh (the process groups of its mesh dims)."""
@@ -102,7 +89,7 @@ class MeshSpec:
                 devs = []
                 for k in range(self.shape[j]):
                     c[j] = k
-                    devs.append(self.devices[_rowmajor(c, self.shape)])
+                    devs.append(self.devices[ravel(c, self.shape)])
                 out.append(tuple(devs))
         return out
 
@@ -111,7 +98,7 @@ class MeshSpec:
         devs = []
         for k in range(self.shape[j]):
             c[j] = k
-            devs.append(self.devices[_rowmajor(c, self.shape)])
+            devs.append(self.devices[ravel(c, self.shape)])
         return tuple(devs)
 
 
@@ -138,7 +125,7 @@ def _express(idx_of: dict, n_axes: int, shape: tuple, dev_at: dict) -> list[int]
             if a < 2:                 # copy / sum index: any numbering, a function of its mesh dims only
                 if seen.setdefault((a, sub), idx_of[x][a]) != idx_of[x][a]:
                     return None
-            elif idx_of[x][a] != _rowmajor(sub, [shape[j] for j in dims]):
+            elif idx_of[x][a] != ravel(sub, [shape[j] for j in dims]):
                 return None
     return assign
 
@@ -317,8 +304,8 @@ def plan_redistribution(shape_a, place_a: Sequence[int], shape_b, place_b: Seque
         if any(d.size % d.degree for d in s.dims):
             return None
     grid_a, grid_b = tuple(shape_a.grid), tuple(shape_b.grid)
-    idx_a = {d: _unravel(f, grid_a) for f, d in enumerate(place_a)}
-    idx_b = {d: _unravel(f, grid_b) for f, d in enumerate(place_b)}
+    idx_a = {d: unravel(f, grid_a) for f, d in enumerate(place_a)}
+    idx_b = {d: unravel(f, grid_b) for f, d in enumerate(place_b)}
     digits = []                       # (axis of A, radix) in A's grid order, each axis major digit first
     for a, deg in enumerate(grid_a):
         digits.extend((a, p) for p in _primes(deg))
@@ -327,7 +314,7 @@ def plan_redistribution(shape_a, place_a: Sequence[int], shape_b, place_b: Seque
         c = []
         for a, deg in enumerate(grid_a):
             radices = _primes(deg)
-            c.extend(_unravel(idx[a], radices))
+            c.extend(unravel(idx[a], radices))
         base[d] = tuple(c)
     best = None
     for perm in itertools.islice(itertools.permutations(range(len(digits))), 720):

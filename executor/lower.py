@@ -52,6 +52,7 @@ from unity_pcg import ops
 from unity_pcg.machine import MachineView
 from unity_pcg.ops.base import PieceMap, TensorMap
 from unity_pcg.pcg import PCG
+from unity_pcg.pieces import ravel, unravel
 from unity_pcg.shape import ParallelTensorShape
 
 from .dtensor import Redistribution, plan_redistribution
@@ -63,21 +64,6 @@ FLOAT = ("float32", "float16", "bfloat16", "float64")
 
 
 # --- piece geometry ----------------------------------------------------------------------------------
-
-def unravel(flat: int, grid: Sequence[int]) -> tuple[int, ...]:
-    out = []
-    for g in reversed(grid):
-        out.append(flat % g)
-        flat //= g
-    return tuple(reversed(out))
-
-
-def ravel(idx: Sequence[int], grid: Sequence[int]) -> int:
-    f = 0
-    for i, g in zip(idx, grid):
-        f = f * g + i
-    return f
-
 
 def piece_key(flat: int, shape: ParallelTensorShape) -> int:
     """A piece up to its copy index (copy is the most major grid axis)."""

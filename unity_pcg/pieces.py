@@ -16,6 +16,23 @@ from .ops.base import PieceMap, TensorMap
 from .shape import ParallelTensorShape
 
 
+def unravel(flat: int, grid: Sequence[int]) -> tuple[int, ...]:
+    """Row-major flat index -> grid index (the last axis fastest)."""
+    out = []
+    for g in reversed(grid):
+        out.append(flat % g)
+        flat //= g
+    return tuple(reversed(out))
+
+
+def ravel(idx: Sequence[int], grid: Sequence[int]) -> int:
+    """Grid index -> row-major flat index (the inverse of :func:`unravel`)."""
+    f = 0
+    for i, g in zip(idx, grid):
+        f = f * g + i
+    return f
+
+
 def split(x: np.ndarray, shape: ParallelTensorShape, rng: np.random.Generator | None = None) -> np.ndarray:
     """Logical value -> pieces.  Partial sums are a random split when ``rng`` is given (else the
     whole value sits in sum piece 0); copies are identical."""
