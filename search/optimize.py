@@ -214,6 +214,10 @@ class Evaluator:
 
 # --- the searches ----------------------------------------------------------------------------------------
 
+#: the largest model (compute operators) whose Megatron seeds are also built on the whole graph
+WHOLE_TP_MAX_OPS = 60
+
+
 def megatron_seed_degrees(m: MachineSpec, dp_degrees) -> dict[int, int]:
     """{data-parallel degree d: tensor-parallel degree k} of the Megatron seeds, d * k = the machine:
     k = nodes on data parallelism inside each node (Alpa's CANDLE-Uno layout), k = devices per node
@@ -600,6 +604,15 @@ def optimize(model, machine, budget_s: float | None = None, alpha: float = 1.05,
                         wy, wst2 = table_columns_steps(wx, tp, book)
                         if wst2:
                             fams[f"cols{tp}x{d} whole"] = (wy, list(wst) + list(wst2), 0.0)
+                # the Megatron seeds on the whole graph of a small model: a template that spans a
+                # segment cut (the attention block of one Transformer layer: ~20 operators, two
+                # segments) applies only there
+                if sum(n.kind == "compute" for n in g.nodes()) <= WHOLE_TP_MAX_OPS and time.perf_counter() < deadline:
+                    for d, tp in sorted(megatron_seed_degrees(m, dps).items()):
+                        wx, wst = data_parallel_steps(g, d, book) if d > 1 else (g, [])
+                        wy, wst2 = tensor_parallel_steps(wx, tp, book)
+                        if wst2:
+                            fams[f"tp{tp}x{d} whole"] = (wy, list(wst) + list(wst2), 0.0)
                 # every seed family assembled over the whole graph (expert, Megatron), priced as a whole
                 fam_cost: dict = {}
                 for name, (fg, fst, _) in sorted(fams.items(), key=lambda kv: (kv[1][2], kv[0])):

@@ -84,12 +84,6 @@ class Layer(torch.nn.Module):
 
 
 @pytest.mark.slow
-@pytest.mark.xfail(strict=True, reason="the search, not the rules: megatron_attention_block is shipped (proved from its "
-                   "named axiom subset) and by rules the layout is predicted 0.0241 s at tensor degree 8 (dp 2 x 4: "
-                   "0.0244, dp 4 x 2: 0.0261) against dp 0.0468 (benchmarks/results/megatron_rules.md), but "
-                   "optimize() returns dp 4 + the MLP split 2 ways (0.0289 s; Q/K/V/O whole): one node has no "
-                   "Megatron seed and the block, one step from the imported graph, waits behind the dp seeds' "
-                   "neighbours (tests/substitutions/test_megatron_rules.py checks the rules reach the layout)")
 def test_figure10_transformer_layer_on_dgx_a100(tmp_path):
     path = _export(Layer(), (torch.zeros(4, 512, 4096),), tmp_path / "layer.onnx")
     res = optimize(path, "dgx-a100:1x8", budget_s=300, max_candidates=20)
