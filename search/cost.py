@@ -897,7 +897,8 @@ class GraphCost:
             c.compute = (f + b) * self.model.busy_factor(view.degree)
             c.update = sum(self.model.update_time(self.g.shape(r).piece_nbytes)
                            for r in self._update_owner.get(nid, ()))
-            if node.op == "BatchNorm":
+            if node.op == "BatchNorm" and self.model.sync_model != "ddp":
+                # SyncBatchNorm semantics (the executor's); torch DDP keeps per-device statistics
                 c.comm += self._stat_sync(nid, view)
         c.time = c.compute + c.comm + c.sync + c.update
         self._leaf_cache[key] = c

@@ -182,3 +182,29 @@ def test_sync_wait_grows_with_compute_only_with_replicas():
     one = calibrated(sync2=s1)
     one = dataclasses.replace(one, devices_per_node=1, group_size=1)
     assert CostModel(one, sync_model="ddp").sync_per_compute == 0.0   # a single process waits for nobody
+
+
+def test_ddp_sync_model_leaves_out_the_batchnorm_statistics_all_reduce():
+    """torch DDP keeps per-device BatchNorm statistics; the executor synchronizes them (SyncBatchNorm): only the
+    executor's sync model prices that all-reduce on a batch-split BatchNorm."""
+    from unity_pcg.machine import local
+    from unity_pcg.pcg import PCG
+    from unity_pcg.search.baselines import data_parallel
+    from unity_pcg.search.cost import CostModel
+    from unity_pcg.search.mapping import MachineMapper
+    b = PCG.builder()
+    x = b.add_node("Input", {"name": "x", "shape": (8, 4, 6, 6), "dtype": "float32"})
+    ws = [b.add_node("Weight", {"name": n, "shape": (4,), "dtype": "float32"}) for n in ("g", "b", "m", "v")]
+    y = b.add_node("BatchNorm", {"eps": 1e-5, "momentum": 0.9}, [(x, 0)] + [(w, 0) for w in ws])
+    b.set_outputs([(y, 0)])
+    g = data_parallel(b.finish(), 2)
+    m = local(1, 2)
+    ex = MachineMapper(CostModel(m, sync_model="executor")).optimize(g)
+    ddp = MachineMapper(CostModel(m, sync_model="ddp")).optimize(g)
+    assert ex.feasible and ddp.feasible
+    bn = next(n.id for n in g.nodes() if n.op == "BatchNorm")
+    from unity_pcg.search.cost import GraphCost
+    view = ex.views[bn]
+    assert view.degree == 2                    # the batch-split BatchNorm runs on both devices
+    assert GraphCost(g, CostModel(m, sync_model="executor")).leaf_cost(bn, view, ex.views).comm > 0
+    assert GraphCost(g, CostModel(m, sync_model="ddp")).leaf_cost(bn, view, ex.views).comm == 0
