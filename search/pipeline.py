@@ -1240,44 +1240,10 @@ def by_rules(pcg: PCG, result: PipelineResult, machine: MachineSpec, book=None) 
 
 
 def _dp_steps_on(g: PCG, nodes: set, degree: int, book):
-    """:func:`search.substitution.data_parallel_steps` on the compute operators ``nodes`` of ``g`` only."""
-    from unity_pcg.substitutions import iter_matches, try_apply
-    from .substitution import RuleStep, _dp_rule_names, _window_index, cancel_steps, new_ids
-    steps: list = []
-    for nid in [i for i in g.topo_order() if i in nodes]:
-        if nid not in g:
-            continue
-        n = g.node(nid)
-        if n.kind != "compute":
-            continue
-        rank = g.shape(n.inputs[0]).rank if n.inputs else 0
-        done = False
-        for name in _dp_rule_names(n.op, book):
-            r = book.by_name.get(name)
-            if r is None or done:
-                continue
-            for m in iter_matches(r, g, _window_index(g, [nid]), None, (degree,)):
-                b = m.binding
-                if "d" in b and b["d"] != -rank:        # the sample dim
-                    continue
-                g2 = try_apply(g, m)
-                if g2 is None:
-                    continue
-                steps.append(RuleStep.of(m))
-                window = set(new_ids(g, g2))
-                g = g2
-                for k in list(window):
-                    ins = {r[0] for r in g.node(k).inputs}
-                    window |= ins
-                    window |= {c for c, _ in g.consumers((k, 0))}
-                    # the siblings (other readers of the same tensors): their duplicate Partitions and
-                    # Replicates merge here, not in a whole-graph pass at the end
-                    window |= {c for i in ins for kk in range(len(g.shapes(i))) for c, _ in g.consumers((i, kk))}
-                g, more = cancel_steps(g, book, window)
-                steps.extend(more)
-                done = True
-                break
-    return g, steps
+    """:func:`search.substitution.data_parallel_steps` on the compute operators ``nodes`` of ``g`` only, the
+    duplicate placements of shared tensors merged step by step (no whole-graph pass)."""
+    from .substitution import data_parallel_steps
+    return data_parallel_steps(g, degree, book, only=set(nodes), siblings=True, final_cancel=False)
 
 
 def _normal_hashes(g: PCG) -> dict:

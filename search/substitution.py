@@ -226,15 +226,20 @@ def cancel_steps(g: PCG, book: RuleBook, window: Iterable[int] | None = None,
 
 
 def data_parallel_steps(g: PCG, degree: int, book: RuleBook,
-                        keep_whole: Callable[[PCG, Any], bool] | None = None) -> tuple[PCG, list[RuleStep]]:
+                        keep_whole: Callable[[PCG, Any], bool] | None = None, only: set | None = None,
+                        siblings: bool = False, final_cancel: bool = True) -> tuple[PCG, list[RuleStep]]:
     """Data parallelism of ``degree`` built by rules: each compute operator in topological order gets
     its ``dp_<Op>`` rule (sample dim = dim 0), then shared Partitions are merged and Combine/Partition
     pairs cancelled.  Operators whose rule does not apply (the batch dim does not survive them) stay
     whole, with Combine before and Partition after them; so do those ``keep_whole(g, node)`` names
     (the expert seed: embedding tables whole, :func:`is_table_lookup`).  A fixed sequence of one
-    rule per operator plus its cancellations: never cut by a candidate budget."""
+    rule per operator plus its cancellations: never cut by a candidate budget.  ``only``: the compute
+    operators to parallelize (a pipeline stage's, :func:`search.pipeline.by_rules`); ``siblings``: each
+    step's cancellations also look at the other readers of the tensors it touched (duplicate Partitions
+    and Replicates merge there, not in the whole-graph pass at the end, which ``final_cancel=False``
+    leaves out)."""
     steps: list[RuleStep] = []
-    for nid in list(g.topo_order()):
+    for nid in [i for i in g.topo_order() if only is None or i in only]:
         if nid not in g:
             continue
         n = g.node(nid)
@@ -260,14 +265,18 @@ def data_parallel_steps(g: PCG, degree: int, book: RuleBook,
                 window = set(new_ids(g, g2))
                 g = g2
                 for k in list(window):
-                    window |= {r[0] for r in g.node(k).inputs}
+                    ins = {r[0] for r in g.node(k).inputs}
+                    window |= ins
                     window |= {c for c, _ in g.consumers((k, 0))}
+                    if siblings:
+                        window |= {c for i in ins for kk in range(len(g.shapes(i))) for c, _ in g.consumers((i, kk))}
                 g, more = cancel_steps(g, book, window)
                 steps.extend(more)
                 done = True
                 break
-    g, more = cancel_steps(g, book)
-    steps.extend(more)
+    if final_cancel:
+        g, more = cancel_steps(g, book)
+        steps.extend(more)
     return g, steps
 
 
