@@ -69,3 +69,17 @@ def shared_weight(batch=8, h=16):
     y = b.add("Linear", {}, [y, w], name="fc1")
     b.set_outputs([y])
     return b.finish()
+
+
+def same_function(g: PCG, pg: PCG, seed: int = 0, int_high: int = 8) -> bool:
+    """``pg`` (evaluated piecewise) computes what ``g`` computes on seeded inputs; weights without values
+    get random ones."""
+    from unity_pcg.evaluate import evaluate, random_feeds
+    feeds = random_feeds(g, seed=seed, int_high=int_high)
+    rng = np.random.default_rng(seed + 1)
+    for n in g.sources("Weight"):
+        if n.a["name"] not in g.weights and n.a["name"] not in feeds:
+            feeds[n.a["name"]] = rng.standard_normal(n.a["shape"]).astype("float32")
+    a = evaluate(g, feeds)
+    b = evaluate(pg, feeds, mode="pieces", rng=np.random.default_rng(seed))
+    return all(np.allclose(x, y, rtol=1e-4, atol=1e-4) for x, y in zip(a, b))

@@ -1,14 +1,14 @@
 """optimize's pipeline with Megatron tensor parallelism inside the stages (search/pipeline.py megatron_intra),
 on a small GPT from the zoo and a machine where nothing with data parallelism inside the stages fits."""
-import numpy as np
 import pytest
 
-from unity_pcg.evaluate import evaluate, random_feeds
 from unity_pcg.machine import DeviceSpec, LinkSpec, MachineSpec
 from unity_pcg.search.cost import CostModel, GraphCost
 from unity_pcg.search.mapping import MachineMapper
 from unity_pcg.search.pipeline import (evaluate_pipeline, megatron_intra, search_pipeline, sequential_layers,
                                        stage_graph)
+
+from .graphs import same_function
 
 # 8 devices of one node, 150 kB each: the tiny GPT's weights with Adam take 490 kB; data parallel inside any
 # pipeline of at most 4 stages needs >= 196 kB on some device, Megatron inside the stages 130 kB
@@ -30,17 +30,6 @@ def gpt(tmp_path_factory):
     return load_onnx(str(p), load_weights=False)
 
 
-def _same_function(g, pg, seed=0):
-    feeds = random_feeds(g, seed=seed, int_high=8)
-    rng = np.random.default_rng(seed + 1)
-    for n in g.sources("Weight"):
-        if n.a["name"] not in g.weights and n.a["name"] not in feeds:
-            feeds[n.a["name"]] = rng.standard_normal(n.a["shape"]).astype("float32")
-    a = evaluate(g, feeds)
-    b = evaluate(pg, feeds, mode="pieces", rng=np.random.default_rng(seed))
-    return all(np.allclose(x, y, rtol=1e-4, atol=1e-4) for x, y in zip(a, b))
-
-
 def test_optimize_takes_megatron_inside_the_stages_where_nothing_else_fits(gpt):
     from unity_pcg.search.optimize import optimize
     m = machine()
@@ -60,7 +49,7 @@ def test_optimize_takes_megatron_inside_the_stages_where_nothing_else_fits(gpt):
     col = [n for n in pg.nodes() if n.op == "Linear" and pg.shape(n.inputs[1]).degrees[-1] > 1]
     row = [n for n in pg.nodes() if n.op == "Linear" and pg.shape(n.inputs[1]).degrees[0] > 1]
     assert col and row
-    assert _same_function(gpt, pg)
+    assert same_function(gpt, pg)
 
 
 def test_a_stage_without_attention_still_splits_its_mlp_and_the_head_is_vocabulary_parallel(gpt):
@@ -81,7 +70,7 @@ def test_a_stage_without_attention_still_splits_its_mlp_and_the_head_is_vocabula
     from unity_pcg.machine import Resource
     P = megatron_intra(8)(sg, Resource(0, 1, 4))
     assert P.meta["tp"] == 4 and P.meta["column"] and P.meta["row"]
-    assert _same_function(sg, P)
+    assert same_function(sg, P)
     # the last layer (the LM head): column-parallel with its output left split, faster and lighter than
     # running it on every tensor-parallel copy
     one = [(0, len(layers), 0, 8)]
@@ -89,4 +78,4 @@ def test_a_stage_without_attention_still_splits_its_mlp_and_the_head_is_vocabula
     without = evaluate_pipeline(gpt, mapper, one, 8, intra=megatron_intra(8, head=False))
     assert with_head.max_memory_bytes < without.max_memory_bytes
     assert with_head.cost <= without.cost
-    assert _same_function(gpt, with_head.pcg)
+    assert same_function(gpt, with_head.pcg)

@@ -3,28 +3,15 @@ them (data parallelism at each stage's degree) is reached by the shipped rules, 
 fresh import to the plan's structural hash (issue 7 point 1)."""
 import json
 
-import numpy as np
 import pytest
 
 from unity_pcg import plan as plan_mod
-from unity_pcg.evaluate import evaluate, random_feeds
 from unity_pcg.search.cost import CostModel
 from unity_pcg.search.pipeline import by_rules, evaluate_pipeline, megatron_intra, search_pipeline
 from unity_pcg.search.substitution import RuleStep, replay
 
-from .graphs import mlp
+from .graphs import mlp, same_function
 from .test_pipeline import machine
-
-
-def _same_function(g, pg, seed=0):
-    feeds = random_feeds(g, seed=seed, int_high=8)
-    rng = np.random.default_rng(seed + 1)
-    for n in g.sources("Weight"):
-        if n.a["name"] not in g.weights and n.a["name"] not in feeds:
-            feeds[n.a["name"]] = rng.standard_normal(n.a["shape"]).astype("float32")
-    a = evaluate(g, feeds)
-    b = evaluate(pg, feeds, mode="pieces", rng=np.random.default_rng(seed))
-    return all(np.allclose(x, y, rtol=1e-4, atol=1e-4) for x, y in zip(a, b))
 
 
 def _check(fresh, res, ruled, m):
@@ -43,7 +30,7 @@ def _check(fresh, res, ruled, m):
         return sorted((k, r.pcg.node(n).op, r.views[n].degree) for k, st in enumerate(r.stages) for n in st.nodes
                       if r.pcg.node(n).kind == "compute")
     assert degrees(ruled) == degrees(res)
-    assert _same_function(fresh(), ruled.pcg)
+    assert same_function(fresh(), ruled.pcg)
 
 
 def test_mlp_stages_of_unequal_degrees_by_rules():
