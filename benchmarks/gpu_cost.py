@@ -93,7 +93,7 @@ def predict(name: str, size: str, batch: int, machine: str, optimizer: str, prec
 
 
 def measure(name: str, size: str, batch: int, optimizer: str, precision: str, device: str, warmup: int,
-            iters: int) -> dict:
+            iters: int, profile: str | None = None) -> dict:
     """Median seconds of one training step and peak allocated bytes (CUDA only)."""
     import torch
 
@@ -140,6 +140,19 @@ def measure(name: str, size: str, batch: int, optimizer: str, precision: str, de
                 step()
                 times.append(time.perf_counter() - t)
         peak = torch.cuda.max_memory_allocated() if cuda else None
+        if profile:           # where the step's time goes, per torch op (for fitting the cost model offline)
+            from torch.profiler import ProfilerActivity, profile as torch_profile
+            acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else [])
+            with torch_profile(activities=acts) as prof:
+                for _ in range(3):
+                    step()
+                if cuda:
+                    torch.cuda.synchronize()
+            os.makedirs(profile, exist_ok=True)
+            key = "self_cuda_time_total" if cuda else "self_cpu_time_total"
+            with open(os.path.join(profile, f"{name}-{precision}.txt"), "w") as f:
+                f.write(f"# {name} {precision}: 3 steps, sorted by {key}\n")
+                f.write(prof.key_averages().table(sort_by=key, row_limit=60, max_name_column_width=60))
     model = opt = inputs = params = None          # free the step's tensors before the next case
     if cuda:
         torch.cuda.empty_cache()
@@ -281,6 +294,11 @@ def main(argv=None) -> int:
     ap.add_argument("--from", dest="source", default=None, metavar="JSON",
                     help="re-predict the measurements of an earlier run (its JSON) with --machine; measures nothing, "
                          "needs no GPU (e.g. after a cost-model change or with a calibrated machine file)")
+    ap.add_argument("--profile", default=None, metavar="DIR",
+                    help="also profile 3 steps of every case (torch.profiler, per-op table) into DIR")
+    ap.add_argument("--measure-only", action="store_true",
+                    help="measure, predict nothing (on a GPU machine without the ONNX exports; predict later with "
+                         "--from)")
     ap.add_argument("--out", default=None, help="JSON (default benchmarks/results/gpu_cost.json; "
                                                 "gpu_cost_cpu.json for --device cpu)")
     ap.add_argument("--md", default=None, help="markdown report (default: the JSON's name with .md)")
@@ -339,6 +357,36 @@ def main(argv=None) -> int:
                                                             f"{torch.get_num_threads()} threads)"
     keep = ("measured_s", "measured_all_s", "peak_memory_bytes", "tf32_matmul_conv", "error")
     rows = []
+    os.makedirs(os.path.dirname(os.path.abspath(out)), exist_ok=True)
+
+    def write(rows: list, final: bool) -> dict:
+        """The JSON and the report of the rows so far (after every case: a run cut short keeps them)."""
+        meta = {"command": "python benchmarks/gpu_cost.py " + " ".join(sys.argv[1:] if argv is None else argv),
+                "device": a.device, "device_name": name,
+                "torch": prior_meta["torch"] if prior else torch.__version__,
+                "cuda": prior_meta["cuda"] if prior else torch.version.cuda, "machine": a.machine, "size": size,
+                "precisions": precs, "models": models,
+                "iters": prior_meta["iters"] if prior else a.iters,
+                "warmup": prior_meta["warmup"] if prior else a.warmup,
+                "host": prior_meta.get("host") if prior else platform.node(), "targets": TARGETS,
+                "loadavg": prior_meta.get("loadavg") if prior else (os.getloadavg()[0] if hasattr(os, "getloadavg")
+                                                                     else None),
+                "complete": final, "measure_only": bool(a.measure_only)}
+        if prior:
+            meta["measured_in"] = {"file": a.source, "command": prior_meta.get("command")}
+        data = {"meta": meta, "rows": rows, "summary": summarize(rows)}
+        got = plot(rows, png) if final else None
+        if got:
+            meta["plot"] = got
+        else:
+            meta["plot_note"] = ("matplotlib is not installed in this environment" if final
+                                 else "the run was cut short")
+        with open(out, "w") as f:
+            json.dump(data, f, indent=2)
+            f.write("\n")
+        with open(md, "w") as f:
+            f.write(markdown(data))
+        return data
     for m in models:
         zs = zoo_size(m, size)
         batch = zoo_batch(m, zs)
@@ -352,42 +400,27 @@ def main(argv=None) -> int:
                 row.update({k: old[k] for k in keep if k in old})
             else:
                 try:
-                    row.update(measure(m, zs, batch, optimizer, prec, a.device, a.warmup, a.iters))
+                    row.update(measure(m, zs, batch, optimizer, prec, a.device, a.warmup, a.iters, a.profile))
                 except torch.cuda.OutOfMemoryError as e:          # reported, not hidden
                     row["error"] = f"out of memory: {str(e).splitlines()[0]}"
                     torch.cuda.empty_cache()
-            row.update(predict(m, zs, batch, a.machine, optimizer, prec))
+                except Exception as e:                              # reported; the next case still runs
+                    row["error"] = f"{type(e).__name__}: {str(e).splitlines()[0][:300] if str(e) else ''}"
+                    if cuda:
+                        torch.cuda.empty_cache()
+            if not a.measure_only:
+                row.update(predict(m, zs, batch, a.machine, optimizer, prec))
             if row.get("measured_s") and row.get("predicted_s"):
                 row["time_ratio"] = row["predicted_s"] / row["measured_s"]
             if row.get("peak_memory_bytes") and row.get("predicted_memory_bytes"):
                 row["memory_ratio"] = row["predicted_memory_bytes"] / row["peak_memory_bytes"]
             rows.append(row)
+            write(rows, final=False)
             print(f"{m:13s} {prec:5s} measured {row.get('measured_s', float('nan')) * 1e3:9.2f} ms  predicted "
-                  f"{(row['predicted_s'] or float('nan')) * 1e3:9.2f} ms  "
+                  f"{(row.get('predicted_s') or float('nan')) * 1e3:9.2f} ms  "
                   f"ratio {row.get('time_ratio', float('nan')):.2f}"
                   + (f"  memory ratio {row['memory_ratio']:.2f}" if row.get("memory_ratio") else ""), flush=True)
-    meta = {"command": "python benchmarks/gpu_cost.py " + " ".join(sys.argv[1:] if argv is None else argv),
-            "device": a.device, "device_name": name, "torch": prior_meta["torch"] if prior else torch.__version__,
-            "cuda": prior_meta["cuda"] if prior else torch.version.cuda, "machine": a.machine, "size": size,
-            "precisions": precs, "models": models,
-            "iters": prior_meta["iters"] if prior else a.iters, "warmup": prior_meta["warmup"] if prior else a.warmup,
-            "host": prior_meta.get("host") if prior else platform.node(), "targets": TARGETS,
-            "loadavg": prior_meta.get("loadavg") if prior else (os.getloadavg()[0] if hasattr(os, "getloadavg")
-                                                                 else None)}
-    if prior:
-        meta["measured_in"] = {"file": a.source, "command": prior_meta.get("command")}
-    data = {"meta": meta, "rows": rows, "summary": summarize(rows)}
-    os.makedirs(os.path.dirname(os.path.abspath(out)), exist_ok=True)
-    got = plot(rows, png)
-    if got:
-        meta["plot"] = got
-    else:
-        meta["plot_note"] = "matplotlib is not installed in this environment"
-    with open(out, "w") as f:
-        json.dump(data, f, indent=2)
-        f.write("\n")
-    with open(md, "w") as f:
-        f.write(markdown(data))
+    data = write(rows, final=True)
     print(json.dumps(data["summary"]))
     return 0
 
