@@ -152,8 +152,10 @@ class Lowered:
 
     def __init__(self, g: PCG, views: Mapping[int, MachineView], rank: int, world: int, machine=None,
                  seed: int = 0, sync_batchnorm: bool = True, frozen: frozenset = frozenset(),
-                 dtensor: bool | None = None):
+                 dtensor: bool | None = None, grad_inputs: frozenset = frozenset()):
         self.g = g
+        # Inputs whose gradient is wanted (a pipeline stage's activations from the previous stage)
+        self.grad_inputs = frozenset(grad_inputs)
         mode = os.environ.get("UNITY_PCG_DTENSOR", "1")
         if dtensor is None:           # UNITY_PCG_DTENSOR=0: the torch.distributed path only (benchmarks)
             dtensor = mode != "0"
@@ -239,7 +241,7 @@ class Lowered:
             if role == "weight" or role == "weight-placement":
                 d = self.origin[n.id] in tw
             elif role in ("input", "input-placement"):
-                d = False
+                d = g.node(self.origin[n.id]).a.get("name") in self.grad_inputs
             else:
                 d = any(diff[tuple(r)] for pos, r in enumerate(n.inputs)
                         if (n.op, pos) not in NON_DIFFERENTIABLE)
@@ -671,8 +673,10 @@ def dropout_key(g: PCG, nid: int) -> int:
 
 
 def lower(g: PCG, views: Mapping[int, MachineView], rank: int, world: int, machine=None,
-          sync_batchnorm: bool = True, frozen: frozenset = frozenset(), dtensor: bool | None = None) -> Lowered:
-    return Lowered(g, views, rank, world, machine, sync_batchnorm=sync_batchnorm, frozen=frozen, dtensor=dtensor)
+          sync_batchnorm: bool = True, frozen: frozenset = frozenset(), dtensor: bool | None = None,
+          grad_inputs: frozenset = frozenset()) -> Lowered:
+    return Lowered(g, views, rank, world, machine, sync_batchnorm=sync_batchnorm, frozen=frozen, dtensor=dtensor,
+                   grad_inputs=grad_inputs)
 
 
 __all__ = ["Lowered", "lower", "Step", "Source", "Exchange", "Transfer", "block", "task_pieces", "unravel",

@@ -66,6 +66,7 @@ class StagePlan:
     recv: tuple[tuple[int, int], ...]
     send: tuple[tuple[int, int], ...]
     idle: tuple[int, ...] = ()       # devices of the stage's field that no operator of the stage uses
+    lowered: bool = False            # the stage's sub-plan runs lowered on its devices (see LoweredStage)
 
     @property
     def device(self) -> int:
@@ -125,6 +126,7 @@ def resolve(plan) -> tuple[int, list[StagePlan]]:
     order_of: dict[int, tuple] = {}   # stage -> device of task r of its operators (replica order)
     degree_of: dict[int, int] = {}    # stage -> the data-parallel degree of its operators
     stage_of: dict[int, int] = {}
+    dp_error = None                   # why the stages are not all data parallel inside (None: they are)
     for i, nodes in enumerate(node_lists):
         for nid in nodes:
             if nid not in g:
@@ -149,25 +151,11 @@ def resolve(plan) -> tuple[int, list[StagePlan]]:
         if v is not None and not set(v.devices()) <= set(devices[i]):
             raise PipelineError(f"plan: view {v} of node {n.label()} lies outside its pipeline stage's "
                                 f"devices {list(devices[i])}")
-        if n.kind == "compute":
-            pm = ops.infer(n.op, n.a, g.input_shapes(nid)).piece_map
-            deg = pm.degree if pm is not None else 1
-            K = degree_of.setdefault(i, deg)
-            if deg != K or deg > len(devices[i]):
-                what = "a single-device" if len(devices[i]) == 1 else f"a {len(devices[i])}-device"
-                raise PipelineError(f"plan: node {n.label()} ({n.op}) runs {deg} task(s) inside {what} pipeline "
-                                    f"stage whose operators run {K}; the executor runs stages whose operators are "
-                                    f"all data parallel on the same devices (no tensor/Megatron parallelism inside "
-                                    f"a stage)")
-            devs = tuple(v.devices()) if v is not None else (devices[i][:1] if K == 1 else None)
-            if K > 1:
-                _check_batch_split(g, n, K)
-            if devs is None or len(devs) != K or len(set(devs)) != K or not set(devs) <= set(devices[i]):
-                raise PipelineError(f"plan: node {n.label()} of pipeline stage {i} has no view on {K} of the "
-                                    f"stage's devices {list(devices[i])}")
-            if order_of.setdefault(i, devs) != devs:
-                raise PipelineError(f"plan: operators of pipeline stage {i} place their batch blocks on the "
-                                    f"devices in different orders ({list(order_of[i])}, {list(devs)})")
+        if n.kind == "compute" and dp_error is None:
+            try:
+                _dp_node(g, plan, n, i, devices, degree_of, order_of)
+            except PipelineError as e:     # not data parallel inside: the stages run lowered (see below)
+                dp_error = str(e)
     # sources join the stage of their first consumer (in topological order)
     for nid in order:
         n = g.node(nid)
@@ -175,8 +163,13 @@ def resolve(plan) -> tuple[int, list[StagePlan]]:
             users = [u for u, _ in g.consumers((nid, 0))]
             if users:
                 stage_of[nid] = min(stage_of[u] for u in users)
-    # micro-batches: every model input's dim 0 must split M ways (and each micro-batch R ways: the virtual
-    # replicas, R the least common multiple of the stages' degrees)
+    lowered = dp_error is not None
+    if lowered:
+        _check_lowered(g, devices, dp_error)
+        degree_of = {i: 1 for i in range(len(node_lists))}
+        order_of = {i: devices[i] for i in range(len(node_lists))}
+    # micro-batches: every model input's dim 0 must split M ways (and, stages data parallel inside, each
+    # micro-batch R ways: the virtual replicas, R the least common multiple of the stages' degrees)
     import math
     R = math.lcm(*(degree_of.get(i, 1) for i in range(len(node_lists))))
     for n in g.sources("Input"):
@@ -188,6 +181,48 @@ def resolve(plan) -> tuple[int, list[StagePlan]]:
             raise PipelineError(f"plan: the micro-batches of input {n.label()} ({b // M} samples) do not split "
                                 f"into the {R} blocks the stages' data-parallel degrees "
                                 f"{[degree_of.get(i, 1) for i in range(len(node_lists))]} need")
+    return _stage_plans(g, node_lists, stage_of, order, devices, order_of, M, lowered)
+
+
+def _dp_node(g: PCG, plan, n, i: int, devices, degree_of: dict, order_of: dict) -> None:
+    """Compute node ``n`` of stage ``i`` is data parallel on the same devices, in the same order, as the
+    stage's other operators (records its degree and device order); raises PipelineError if not."""
+    nid = n.id
+    v = plan.views.get(nid)
+    pm = ops.infer(n.op, n.a, g.input_shapes(nid)).piece_map
+    deg = pm.degree if pm is not None else 1
+    K = degree_of.setdefault(i, deg)
+    if deg != K or deg > len(devices[i]):
+        what = "a single-device" if len(devices[i]) == 1 else f"a {len(devices[i])}-device"
+        raise PipelineError(f"plan: node {n.label()} ({n.op}) runs {deg} task(s) inside {what} pipeline "
+                            f"stage whose operators run {K}; the executor runs stages whose operators are "
+                            f"all data parallel on the same devices (no tensor/Megatron parallelism inside "
+                            f"a stage)")
+    devs = tuple(v.devices()) if v is not None else (devices[i][:1] if K == 1 else None)
+    if K > 1:
+        _check_batch_split(g, n, K)
+    if devs is None or len(devs) != K or len(set(devs)) != K or not set(devs) <= set(devices[i]):
+        raise PipelineError(f"plan: node {n.label()} of pipeline stage {i} has no view on {K} of the "
+                            f"stage's devices {list(devices[i])}")
+    if order_of.setdefault(i, devs) != devs:
+        raise PipelineError(f"plan: operators of pipeline stage {i} place their batch blocks on the "
+                            f"devices in different orders ({list(order_of[i])}, {list(devs)})")
+
+
+def _check_lowered(g: PCG, devices, why: str) -> None:
+    """A plan whose stages are not all data parallel inside runs every stage lowered on its devices
+    (tensor/Megatron parallelism inside): what that mode needs of the stages."""
+    sizes = [len(d) for d in devices]
+    if len(set(sizes)) != 1:
+        raise PipelineError(f"plan: pipeline stages with tensor/Megatron parallelism inside must have equal "
+                            f"device counts, got {sizes} ({why})")
+    bn = next((n for n in g.nodes() if n.op == "BatchNorm"), None)
+    if bn is not None:
+        raise PipelineError(f"plan: BatchNorm ({bn.label()}) in pipeline stages with tensor/Megatron "
+                            f"parallelism inside is not supported by the executor")
+
+
+def _stage_plans(g: PCG, node_lists, stage_of, order, devices, order_of, M: int, lowered: bool):
     S = len(node_lists)
     first_out = tuple(g.outputs[0])
     # what each stage needs from earlier stages: tensors produced in stages < i (model inputs count as
@@ -222,7 +257,7 @@ def resolve(plan) -> tuple[int, list[StagePlan]]:
         nodes = tuple(nid for nid in order if stage_of.get(nid) == i)
         active = order_of.get(i, devices[i][:1])
         stages.append(StagePlan(i, active, nodes, carried_in, send,
-                                tuple(d for d in devices[i] if d not in active)))
+                                tuple(d for d in devices[i] if d not in active), lowered))
         carried_in = send
     if stage_of.get(first_out[0], -1) not in range(S) and g.node(first_out[0]).op != "Input":
         raise PipelineError("plan: the model's first output is produced by no pipeline stage")
@@ -258,7 +293,10 @@ def check_pipeline(plan, per_device_bn: bool = True) -> None:
     if devs != list(range(len(devs))):
         raise PipelineError(f"plan: pipeline stages run on devices {[list(st.devices + st.idle) for st in stages]}; "
                             f"the executor needs the ranks 0..{len(devs) - 1}, each in one stage")
-    micro_graph(plan.pcg, M * replicas(stages))
+    if stages[0].lowered:
+        stage_graphs(plan, M, stages)
+    else:
+        micro_graph(plan.pcg, M * replicas(stages))
     if not per_device_bn and any(n.op == "BatchNorm" for n in plan.pcg.nodes()):
         raise PipelineError("plan: BatchNorm in a pipelined plan computes statistics per micro-batch, which "
                             "is not one device's training; run with --per-device-bn to accept that")
@@ -303,6 +341,237 @@ def micro_graph(g: PCG, M: int) -> PCG:
         return b.finish()
     except (InvalidParallelization, UnityError) as e:
         raise PipelineError(f"plan: the pipeline's micro-batches cannot run through the model: {e}") from None
+
+
+# --- stages lowered on their devices (tensor/Megatron parallelism inside) ------------------------------
+
+class _DeviceList:
+    """A machine view given by its devices (tasks in row-major order), for devices that no (start,
+    stride) view lists in that order."""
+
+    def __init__(self, devs):
+        self._devs = tuple(devs)
+        self.degree = len(self._devs)
+        self.dims = ((self.degree, 1),)
+
+    def devices(self) -> tuple[int, ...]:
+        return self._devs
+
+    def __str__(self) -> str:
+        return "@" + ",".join(map(str, self._devs))
+
+
+def _view_on(devs) -> Any:
+    """A view whose task t runs on ``devs[t]``."""
+    from unity_pcg.machine import MachineView
+    devs = tuple(devs)
+    if len(devs) == 1:
+        return MachineView(devs[0], ((1, 1),))
+    step = devs[1] - devs[0]
+    if step > 0 and all(b - a == step for a, b in zip(devs, devs[1:])):
+        return MachineView(devs[0], ((len(devs), step),))
+    return _DeviceList(devs)
+
+
+def _roles(g: PCG) -> dict[int, str]:
+    """input | weight | input-placement | weight-placement | parallel | compute (as the lowering's)."""
+    role: dict[int, str] = {}
+    for nid in g.topo_order():
+        n = g.node(nid)
+        if n.kind == "source":
+            role[nid] = n.op.lower()
+        elif n.kind == "parallel":
+            src = role[n.inputs[0][0]]
+            role[nid] = src.split("-")[0] + "-placement" if src != "parallel" and src != "compute" else "parallel"
+        else:
+            role[nid] = "compute"
+    return role
+
+
+@dataclass
+class StageGraph:
+    """One stage as a plan of its own at the micro-batch size, run by a :class:`executor.train.Trainer` on
+    the stage's devices: ``pcg`` holds the stage's nodes (the plan's ids), the Weights they read, and an
+    Input per tensor received from an earlier stage (``pipe:<node>:<output>``, the logical micro-batch
+    tensor, every device of the stage holding all of it) followed by the Partition / Replicate chain that
+    gives it the parallel shape the plan gives it (a local slice, no communication).  ``feeds``: received
+    position -> Input name; ``sends``: per sent tensor, ``("recv", j)`` (passed on), ``("feed", name)`` (an
+    Input's value) or ``("out", ref)`` (a tensor of ``pcg`` whose chain of Reduce / Combine / Replicate
+    leaves a whole copy on every device of the stage, in ``devices`` order); ``loss``: the last stage's
+    output ref.  ``dropout``: Dropout node -> (logical sizes at the whole batch, the micro-batch's dim 0 when
+    dim 0 follows the batch, else 0)."""
+    pcg: PCG
+    views: dict
+    devices: tuple
+    feeds: dict
+    sends: tuple
+    loss: tuple | None
+    dropout: dict
+    grad_inputs: frozenset
+    recv_shapes: tuple = ()          # (sizes, dtype) of each received tensor at the micro-batch
+    send_shapes: tuple = ()
+
+
+def stage_graphs(plan, M: int, stages) -> list[StageGraph]:
+    """The :class:`StageGraph` of every stage of a lowered pipeline (PipelineError, one line, when a stage
+    cannot run that way)."""
+    from unity_pcg.search.pipeline import PipelineError as SearchPipelineError
+    from unity_pcg.search.pipeline import batch_size, rebatch
+    g: PCG = plan.pcg
+    B = batch_size(g)
+    try:
+        gm = rebatch(g, B, B // M)
+    except (SearchPipelineError, UnityError) as e:
+        raise PipelineError(f"plan: the pipeline's micro-batches cannot run through the model: {e}") from None
+    role = _roles(gm)
+    owner: dict[str, int] = {}
+    out = []
+    for st in stages:
+        out.append(_stage_graph(plan, g, gm, role, st, len(stages), owner))
+    return out
+
+
+def _stage_graph(plan, g: PCG, gm: PCG, role: dict, st: StagePlan, S: int, owner: dict) -> StageGraph:
+    inside = {nid for nid in st.nodes if gm.node(nid).kind != "source"}
+    devs = tuple(st.devices)
+    K = len(devs)
+    b = PCG.builder(gm.weights)
+    nxt = [max(gm.node_ids(), default=-1) + 1]
+    m: dict = {}
+    views: dict = {}
+    recv_pos = {tuple(r): j for j, r in enumerate(st.recv)}
+    feeds: dict = {}
+    grad_inputs = set()
+
+    def fresh(op, attrs, ins, name=""):
+        nid = b.add_node(op, attrs, ins, name, nid=nxt[0])
+        nxt[0] = nid + 1
+        return (nid, 0)
+
+    def ensure(r):
+        r = tuple(r)
+        if r in m:
+            return m[r]
+        nid = r[0]
+        n = gm.node(nid)
+        rl = role[nid]
+        if rl == "input" or rl == "weight" or (nid in inside and rl != "weight-placement") or \
+                (rl == "weight-placement" and r not in recv_pos):
+            if rl == "input" and r not in recv_pos:
+                raise PipelineError(f"plan: pipeline stage {st.index} reads model input {n.label()}, which it "
+                                    f"does not receive")
+            if rl == "weight":
+                name = n.a["name"]
+                if owner.setdefault(name, st.index) != st.index:
+                    raise PipelineError(f"plan: weight {name!r} is read in pipeline stages {owner[name]} and "
+                                        f"{st.index}; the executor trains a weight in one stage")
+            ins = [ensure(x) for x in n.inputs]
+            b.add_node(n.op, n.a, ins, n.name, nid=nid)
+            for k in range(len(gm.shapes(nid))):
+                m[(nid, k)] = (nid, k)
+            if rl == "input":
+                feeds[recv_pos[r]] = n.a["name"]
+            elif n.kind != "source":
+                v = plan.views.get(nid)
+                if v is None and rl in ("compute", "parallel"):
+                    raise PipelineError(f"plan: node {n.label()} ({n.op}) of pipeline stage {st.index} has no "
+                                        f"machine view")
+                if v is not None:
+                    views[nid] = v
+            return m[r]
+        if r not in recv_pos or rl.startswith("weight"):
+            raise PipelineError(f"plan: pipeline stage {st.index} reads {n.label()}:{r[1]} ({rl}) of another "
+                                f"stage, which it does not receive")
+        sh = gm.shape(r)
+        if sh.sum_degree > 1:
+            raise PipelineError(f"plan: tensor {n.label()}:{r[1]} crosses into pipeline stage {st.index} as "
+                                f"partial sums")
+        name = f"pipe:{nid}:{r[1]}"
+        x = fresh("Input", {"name": name, "shape": sh.sizes, "dtype": sh.dtype}, [], name=name)
+        feeds[recv_pos[r]] = name
+        grad_inputs.add(name)
+        for dim, deg in enumerate(sh.degrees):
+            if deg > 1:
+                x = fresh("Partition", {"dim": dim, "degree": deg}, [x])
+        if sh.copy_degree > 1:
+            x = fresh("Replicate", {"degree": sh.copy_degree}, [x])
+        m[r] = x
+        return x
+
+    def origin(ref):
+        """The Input a tensor of the stage graph is a placement of (None: an activation)."""
+        while True:
+            n = b.node(ref[0])
+            if n.op == "Input":
+                return n.a["name"]
+            if n.kind != "parallel":
+                return None
+            ref = n.inputs[0]
+
+    def assemble(x):
+        """Reduce / Combine / Replicate ``x`` into one whole copy per device of the stage."""
+        if b.shape(x).sum_degree > 1:
+            x = fresh("Reduce", {"degree": b.shape(x).sum_degree}, [x])
+        for dim, deg in enumerate(b.shape(x).degrees):
+            if deg > 1:
+                x = fresh("Combine", {"dim": dim, "degree": deg}, [x])
+        c = b.shape(x).copy_degree
+        if c != K:
+            if K % c:
+                raise PipelineError(f"plan: pipeline stage {st.index} holds a tensor it sends in {c} copies, which "
+                                    f"do not spread over its {K} devices")
+            x = fresh("Replicate", {"degree": K // c}, [x])
+        return x
+
+    for nid in gm.topo_order():
+        if nid in inside:
+            for k in range(len(gm.shapes(nid))):
+                ensure((nid, k))
+    sends = []
+    loss = None
+    outs = []
+    for j, r in enumerate(st.send):
+        r = tuple(r)
+        if st.index == S - 1:
+            if gm.node(r[0]).kind == "source":
+                raise PipelineError("plan: the model's first output is a source")
+        if st.index < S - 1 and r in recv_pos:
+            sends.append(("recv", recv_pos[r]))
+        else:
+            x = ensure(r)
+            name = origin(x) if st.index < S - 1 else None
+            if name is not None:
+                sends.append(("feed", name))
+                continue
+            # the model's output, too, ends in the chain: the loss reads the pieces where it can (the
+            # mean, MSE) and the whole class rows for cross-entropy (Trainer._loss_ref walks back)
+            first = nxt[0]
+            y = assemble(x)
+            # the chain's views: its intermediate pieces on the stage's first devices, the copies on all
+            for nid in range(first, nxt[0]):
+                grid = b.shape((nid, 0)).piece_count
+                views[nid] = _view_on(devs[:grid])
+            outs.append(y)
+            sends.append(("out", y))
+            if st.index == S - 1:
+                loss = y
+    if not outs:
+        raise PipelineError(f"plan: pipeline stage {st.index} computes nothing it sends")
+    b.set_outputs(outs)
+    try:
+        sg = b.finish()
+    except UnityError as e:
+        raise PipelineError(f"plan: pipeline stage {st.index} cannot run on its own: {e}") from None
+    dropout = {}
+    for nid in inside:
+        if gm.node(nid).op == "Dropout":
+            full, micro = g.shapes(nid)[0].sizes, gm.shapes(nid)[0].sizes
+            dropout[nid] = (tuple(full), micro[0] if full and full[0] != micro[0] else 0)
+
+    def shapes(refs):
+        return tuple((tuple(gm.shape(r).sizes), gm.shape(r).dtype) for r in refs)
+    return StageGraph(sg, views, devs, feeds, tuple(sends), loss, dropout, frozenset(grad_inputs),
+                      shapes(st.recv), shapes(st.send))
 
 
 # --- torch side ----------------------------------------------------------------------------------------
@@ -439,6 +708,12 @@ class PipelineTrainer:
     by M R: the gradient of the whole batch's mean loss.  A device of a stage's field that no operator
     uses (the search may give a stage more devices than its degree) runs nothing but the loss's
     all-reduce."""
+
+    def __new__(cls, plan, *args, **kw):
+        # stages that are not all data parallel inside run lowered on their devices
+        if cls is PipelineTrainer and resolve(plan)[1][0].lowered:
+            return LoweredPipelineTrainer(plan, *args, **kw)
+        return super().__new__(cls)
 
     def __init__(self, plan, model_path: str, rank: int = 0, world: int = 1, optimizer: str = "sgd",
                  lr: float = 0.01, seed: int = 0, device: str = "cpu", sync_batchnorm: bool = True):
@@ -621,6 +896,245 @@ class PipelineTrainer:
         state = {pos[name]: v for name, v in d.get("state", {}).items() if name in pos}
         groups = [dict(grp, params=list(range(len(keys)))) for grp in d.get("param_groups", [])]
         self.opt.load_state_dict({"state": state, "param_groups": groups})
+
+    def local_shards(self) -> dict:
+        return {name: (t, "stage") for name, t in self.model_state().items()}
+
+
+class LoweredPipelineTrainer:
+    """The Trainer API for pipelines whose stages are not all data parallel inside (tensor/Megatron
+    parallelism, hybrids): every stage runs its :class:`StageGraph` -- its sub-plan at the micro-batch --
+    with the lowering of :class:`executor.train.Trainer` (DTensor redistributions and torch.distributed
+    collectives on process groups of the stage's devices), and ``torch.distributed.pipelining`` drives
+    the stages with 1F1B.  Stages have K devices each; K pipelines run, pipeline j made of device j of
+    every stage, each carrying whole micro-batches: every device of a stage receives every tensor it
+    reads from the previous stage whole (its pieces are local slices) and sends every tensor it passes on
+    whole (the stage graph's Reduce / Combine / Replicate chain, an all-gather or all-reduce inside the
+    stage).  The gradient a device receives for a tensor is that device's share; the chain's backward
+    (reduce-scatter, ...) sums the shares of the stage's devices, so the pieces get the whole gradient.
+    The loss of a micro-batch is the sum over the last stage's devices of the Trainer's per-piece loss;
+    gradients are accumulated over the micro-batches, replicated weight regions all-reduced over the
+    devices that read them (sharded ones not: the Trainer's buckets), and divided by M."""
+
+    def __init__(self, plan, model_path: str, rank: int = 0, world: int = 1, optimizer: str = "sgd",
+                 lr: float = 0.01, seed: int = 0, device: str = "cpu", sync_batchnorm: bool = True):
+        torch, nn = _torch_modules()
+        import torch.distributed as dist
+
+        from unity_pcg import plan as plan_mod
+
+        from .lower import dropout_key
+        from .train import Trainer
+
+        check_pipeline(plan, per_device_bn=not sync_batchnorm)
+        self.M, stages = resolve(plan)
+        graphs = stage_graphs(plan, self.M, stages)
+        mine = [i for i, st in enumerate(stages) if rank in st.devices]
+        if len(mine) != 1:
+            raise PipelineError(f"rank {rank} runs no pipeline stage")
+        self.st, self.sg = stages[mine[0]], graphs[mine[0]]
+        self.S = len(stages)
+        self.K = K = len(self.st.devices)
+        self.rank, self.world = rank, world
+        self._dist = dist
+        self.j = self.st.devices.index(rank)              # this device's pipeline
+        # one process group per pipeline (every rank creates every one, in the same order); the stage's
+        # own groups are created by its devices only
+        pp_groups, pos = {}, {}
+        for j in range(K):
+            members = [s.devices[j] for s in stages]
+            pp_groups[j] = dist.new_group(sorted(members)) if K > 1 else None
+            pos[j] = {d: k for k, d in enumerate(sorted(members))} if K > 1 else {d: d for d in members}
+
+        def new_group(devs):
+            if rank not in devs:
+                return None
+            return dist.new_group(list(devs), use_local_synchronization=True)
+        stage_pg = new_group(tuple(sorted(self.st.devices))) if world > 1 else None
+        sub = plan_mod.Plan(plan.model_path, plan.model_sha256, plan.machine, self.sg.pcg, self.sg.views,
+                            plan.predicted, None, precision=getattr(plan, "precision", "fp32"))
+        self.tr = tr = Trainer(sub, model_path, rank=rank, world=world, optimizer=optimizer, lr=lr, seed=seed,
+                               device=device, sync_batchnorm=sync_batchnorm, overlap=False, grad_views=False,
+                               new_group=new_group, world_group=stage_pg, grad_inputs=self.sg.grad_inputs)
+        self.dev = tr.device
+        self.opt = tr.opt
+        # Dropout draws its mask at the element's index in the whole batch: micro-batch k's rows start at
+        # k times the micro-batch's dim 0
+        self._dropout = []
+        for step in tr.low.steps:
+            if step.op == "Dropout" and step.ctx is not None:
+                full, micro0 = self.sg.dropout[step.node]
+                step.ctx.node_id = dropout_key(plan.pcg, step.node)
+                step.ctx.out_logical = (full,)
+                self._dropout.append((step, tuple(step.ctx.out_offset[0]), micro0))
+        outs = [ref for kind, ref in self.sg.sends if kind == "out"]
+        self._need_send = self._ancestors(outs)
+        self._plan_g = plan.pcg
+        self.steps_done = 0
+        self.micro = 0
+        self._kind = "mean"
+        self._targets = False
+        self._pp = (pp_groups[self.j], {s.index: pos[self.j][s.devices[self.j]] for s in stages})
+        self._scheds: dict = {}
+        ins = plan.pcg.sources("Input")
+        self.batch = ins[0].a["shape"][0] if ins and ins[0].a["shape"] else self.M
+        self.input_names = [plan.pcg.node(r[0]).a["name"] for r in self.st.recv] if self.st.index == 0 else []
+
+        owner = self
+
+        class StageModule(nn.Module):
+            def __init__(self):
+                super().__init__()
+                self.params = nn.ParameterList(list(tr.params.values()))
+
+            def forward(self, *xs):
+                return owner._forward(xs)
+        self.mod = StageModule()
+
+    def _ancestors(self, refs) -> set:
+        g = self.tr.g
+        need, stack = set(), [r[0] for r in refs]
+        while stack:
+            i = stack.pop()
+            if i not in need:
+                need.add(i)
+                stack.extend(r[0] for r in g.node(i).inputs)
+        return need
+
+    def _sched(self):
+        """The schedule of this device's pipeline (built once per loss kind: the last stage's output is
+        the piece the loss reads, which depends on it)."""
+        torch = _torch_modules()[0]
+        from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGPipe
+
+        from .kernels import TORCH_DTYPES
+        if self._kind in self._scheds:
+            return self._scheds[self._kind]
+        last = self.st.index == self.S - 1
+
+        def meta(shape, dtype, grad):
+            dt = TORCH_DTYPES[dtype]
+            return torch.empty(shape, dtype=dt, device="meta").requires_grad_(grad and dt.is_floating_point)
+        pcg_in = {j: self.sg.recv_shapes[j] for j in range(len(self.st.recv))}
+        inputs = tuple(meta(sz, dt, self._is_activation(self.st.recv[j])) for j, (sz, dt) in pcg_in.items())
+        if last:
+            pick, _, _ = self.tr._loss_ref(self._kind)
+            flat = self.tr.low.mine.get(pick)
+            s = self.tr.g.shape(pick)
+            shape = tuple(s.piece_shape) if flat is not None else (1,)
+            outputs = (meta(shape, s.dtype, True),)
+        else:
+            outputs = tuple(meta(sz, dt, self._is_activation(r))
+                            for (sz, dt), r in zip(self.sg.send_shapes, self.st.send))
+        group, to_rank = self._pp
+        stage = PipelineStage(self.mod, self.st.index, self.S, self.dev, group=group, input_args=inputs,
+                              output_args=outputs)
+        stage.stage_index_to_group_rank = to_rank
+        kind = Schedule1F1B if self.M >= self.S else ScheduleGPipe
+        sched = kind(stage, self.M, scale_grads=False, loss_fn=lambda out, t: self._loss(out, t))
+        self._scheds[self._kind] = sched
+        return sched
+
+    def _is_activation(self, ref) -> bool:
+        """A tensor whose gradient crosses back (a model input's does not)."""
+        return self._plan_g.node(ref[0]).op != "Input"
+
+    def _forward(self, xs):
+        torch = _torch_modules()[0]
+        tr = self.tr
+        k = self.micro
+        self.micro += 1
+        fv = tr._feeds({name: xs[j] for j, name in self.sg.feeds.items()})
+        for step, base, micro0 in self._dropout:
+            step.ctx.out_offset = ((base[0] + k * micro0,) + tuple(base[1:]),) if micro0 else (base,)
+        tr.step_no = self.steps_done
+        anchor = torch.zeros((), device=self.dev, requires_grad=True)
+        sinks: list = []
+        last = self.st.index == self.S - 1
+        if last:
+            pick, need, split = tr._loss_ref(self._kind)
+        else:
+            pick, need, split = None, self._need_send, None
+        vals = tr._run(fv, need, anchor, sinks, split)
+        tie = anchor * 0.0
+        for t in sinks:
+            tie = tie + t.sum() * 0.0
+        if last:
+            y = vals.get(pick) if tr.low.mine.get(pick) is not None else None
+            # a device holding no piece of it returns a 1-element zero tied to its communication (the
+            # schedule concatenates the micro-batches' outputs)
+            return tie.reshape(1) if y is None else y + tie.to(y.dtype)
+        outs = []
+        for kind, v in self.sg.sends:
+            if kind == "recv":
+                x = xs[v]
+                outs.append(x.view_as(x) if x.requires_grad else x)
+            elif kind == "feed":
+                outs.append(fv[v])
+            else:
+                y = vals[v]
+                outs.append(y + tie.to(y.dtype) if y.is_floating_point() else y)
+        return tuple(outs) if len(outs) > 1 else outs[0]
+
+    def _loss(self, out, target):
+        tr = self.tr
+        pick, _, split = tr._loss_ref(self._kind)
+        c = tr._piece_loss({pick: out}, pick, self._kind, target if self._targets else None, split) \
+            if tr.low.mine.get(pick) is not None else None
+        return out.sum() * 0.0 if c is None else c + out.sum() * 0.0
+
+    def step(self, feeds=None, targets=None) -> float:
+        torch = _torch_modules()[0]
+        import numpy as _np
+        tr = self.tr
+        tr._zero_grads()
+        self._targets = targets is not None
+        if targets is not None:
+            tt = targets if isinstance(targets, torch.Tensor) else torch.as_tensor(_np.asarray(targets))
+            self._kind = "mse" if tt.is_floating_point() else "ce"
+        else:
+            self._kind = "mean"
+        sched = self._sched()
+        self.micro = 0
+        args = []
+        if self.st.index == 0:
+            if feeds is None:
+                raise UnityError("the first pipeline stage needs the model inputs")
+            args = [torch.as_tensor(feeds[n]).to(self.dev) for n in self.input_names]
+        kw = {}
+        losses: list = []
+        if self.st.index == self.S - 1:
+            kw["target"] = tt.to(self.dev) if targets is not None else torch.zeros(self.batch, device=self.dev)
+            kw["losses"] = losses
+        sched.step(*args, **kw)
+        # replicated weight regions: all-reduced over the devices that read them (the Trainer's buckets)
+        tr._start_step_sync(torch.zeros(1, device=self.dev))
+        tr._finish_sync()
+        for p in tr.params.values():
+            if p.grad is not None:
+                p.grad.div_(self.M)
+        tr.opt.step()
+        self.steps_done += 1
+        tr.step_no = self.steps_done
+        loss = torch.zeros(1, dtype=torch.float64, device=self.dev)
+        if self.st.index == self.S - 1:
+            loss[0] = sum(float(x.detach()) for x in losses) / self.M
+        if self.world > 1:
+            self._dist.all_reduce(loss)
+        return float(loss[0])
+
+    # --- state: the stage's parameters, whole (collective over the stage's devices) ----------------------
+    def model_state(self) -> dict:
+        return self.tr.model_state()
+
+    def load_model_state(self, d: Mapping) -> None:
+        self.tr.load_model_state({k: v for k, v in d.items() if k in self.tr.params or k in self.tr.buffers})
+
+    def optimizer_state(self) -> dict:
+        return self.tr.optimizer_state()
+
+    def load_optimizer_state(self, d: Mapping) -> None:
+        self.tr.load_optimizer_state(d)
 
     def local_shards(self) -> dict:
         return {name: (t, "stage") for name, t in self.model_state().items()}

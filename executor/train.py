@@ -254,7 +254,13 @@ class Trainer:
     def __init__(self, plan, model_path: str | None = None, rank: int = 0, world: int = 1,
                  optimizer: str = "sgd", lr: float = 0.01, seed: int = 0, device: str = "cpu",
                  sync_batchnorm: bool = True, bucket_bytes: int = 25 * 2 ** 20, weights: Mapping | None = None,
-                 first_bucket_bytes: int | None = None, overlap: bool | None = None, grad_views: bool = True):
+                 first_bucket_bytes: int | None = None, overlap: bool | None = None, grad_views: bool = True,
+                 new_group=None, world_group=None, grad_inputs: frozenset = frozenset()):
+        # new_group(devices) -> process group (default: torch.distributed.new_group, called by every rank
+        # for every group); world_group: the group of the whole-model collectives (assembling state), the
+        # default group unless this Trainer runs one pipeline stage (executor.pipeline)
+        self._new_group = new_group or (lambda devs: dist.new_group(list(devs)))
+        self._world_pg = world_group
         if isinstance(plan, str):
             plan = plan_mod.load(plan)
         self.plan = plan
@@ -277,7 +283,7 @@ class Trainer:
         path = model_path or plan.model_path
         frozen = model_constants(self.g, path) if weights is None and path else frozenset()
         self.low: Lowered = lower(self.g, plan.views, self.rank, self.world, plan.machine, sync_batchnorm,
-                                  frozen=frozen)
+                                  frozen=frozen, grad_inputs=grad_inputs)
         self._load_weights(model_path or plan.model_path, weights)
         self._loss_refs = {}
         self._pgs: dict[tuple, Any] = {}
@@ -301,7 +307,7 @@ class Trainer:
             self._group(grp)
         self._bucket_pgs = {}
         for grp in sorted({b["devs"] for b in self._buckets}):   # gradient buckets get their own groups
-            self._bucket_pgs[grp] = dist.new_group(list(grp)) if self.world > 1 else None
+            self._bucket_pgs[grp] = self._new_group(grp) if self.world > 1 else None
         self._opt_kind = optimizer
         if optimizer == "sgd":
             self.opt = torch.optim.SGD(list(self.params.values()), lr=lr)
@@ -319,7 +325,7 @@ class Trainer:
     # --- setup --------------------------------------------------------------------------------------
     def _group(self, devs: tuple):
         if devs not in self._pgs:
-            self._pgs[devs] = dist.new_group(list(devs)) if self.world > 1 else None
+            self._pgs[devs] = self._new_group(devs) if self.world > 1 else None
         return self._pgs[devs]
 
     def _load_weights(self, model_path: str | None, weights: Mapping | None) -> None:
@@ -792,8 +798,20 @@ class Trainer:
         """The forward pass and the loss of this rank's pieces: ``(total, part)`` -- what backward starts
         from (the loss contribution tied to every communication output) and the detached contribution."""
         anchor = torch.zeros((), device=self.device, requires_grad=True)
-        vals: dict = {}
         sinks: list = []
+        vals = self._run(fv, need, anchor, sinks, split)
+        contrib = self._piece_loss(vals, ref, kind, tt, split)
+        total = contrib if contrib is not None else torch.zeros((), device=self.device)
+        for t in sinks:
+            total = total + t.sum() * 0.0
+        part = (contrib.detach() if contrib is not None else torch.zeros((), device=self.device)).reshape(1)
+        return total, part
+
+    def _run(self, fv, need, anchor, sinks: list, split=None) -> dict:
+        """This rank's steps of the nodes in ``need`` on the feeds ``fv``: the local piece of every tensor
+        it holds (ref -> tensor); communication outputs are appended to ``sinks`` (tie them to what the
+        backward starts from)."""
+        vals: dict = {}
         bn_done: set = set()
         for st in self.low.steps:
             if st.node not in need:
@@ -856,7 +874,11 @@ class Trainer:
                 vals[st.outputs[0]] = y
         if self.keep_values:
             self.last_values = {r: v.detach().clone() for r, v in vals.items() if isinstance(v, torch.Tensor)}
-        # loss on the pieces this rank holds (copy 0 only)
+        return vals
+
+    def _piece_loss(self, vals, ref, kind, tt, split):
+        """This rank's share of the loss on the pieces of ``ref`` it holds (copy 0 only; each AllReduce copy
+        1/k with ``split``), or None when it holds none."""
         s = self.g.shape(ref)
         contrib = None
         flat = self.low.mine.get(ref)
@@ -884,11 +906,7 @@ class Trainer:
                 contrib = F.cross_entropy(y, tt[treg].long(), reduction="sum") / (s.numel // s.sizes[1])
         if contrib is not None and weight != 1.0:
             contrib = contrib * weight
-        total = contrib if contrib is not None else torch.zeros((), device=self.device)
-        for t in sinks:
-            total = total + t.sum() * 0.0
-        part = (contrib.detach() if contrib is not None else torch.zeros((), device=self.device)).reshape(1)
-        return total, part
+        return contrib
 
 
     # --- state ------------------------------------------------------------------------------------------
@@ -904,7 +922,7 @@ class Trainer:
             if owner == self.rank:
                 buf[_slices(sl)] = t.detach()[self._rel(name, sl)]
         if self.world > 1:
-            dist.all_reduce(buf)
+            dist.all_reduce(buf, group=self._world_pg)
         return buf
 
     def model_state(self) -> dict[str, torch.Tensor]:
@@ -945,7 +963,7 @@ class Trainer:
                 if k == "step":
                     t = torch.as_tensor(float(v) if v is not None else 0.0, dtype=torch.float64)
                     if self.world > 1:
-                        dist.all_reduce(t, op=dist.ReduceOp.MAX)
+                        dist.all_reduce(t, op=dist.ReduceOp.MAX, group=self._world_pg)
                     ent[k] = t.to(torch.float32)
                 else:
                     v = v if isinstance(v, torch.Tensor) else torch.zeros_like(p)

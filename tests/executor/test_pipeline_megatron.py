@@ -1,0 +1,173 @@
+"""Pipelines with tensor (Megatron) parallelism inside the stages: plans of the pipeline search with its
+``megatron_intra`` hook (search/pipeline.py), run by the executor with every stage lowered on its devices
+(executor/pipeline.py LoweredPipelineTrainer), train as one process does: losses of 5 steps and final weights
+(rtol 1e-4) against the one-process Trainer of the same ONNX model."""
+from __future__ import annotations
+
+import json
+
+import numpy as np
+import pytest
+
+from unity_pcg import plan as P
+from unity_pcg.executor import checkpoint as C
+from unity_pcg.executor.pipeline import PipelineError, check_pipeline, resolve, stage_graphs
+
+
+def megatron_pipeline_plan(model: str, out: str, cut: int | None, devices: int = 4, size: int = 2,
+                           micro_batches: int = 2) -> str:
+    """The pipeline search's plan for ``devices // size`` stages of ``size`` devices (local:1xDEVICES),
+    the first ``cut`` layers in stage 0, Megatron inside the stages (search.pipeline.megatron_intra)."""
+    from unity_pcg.machine import parse_machine
+    from unity_pcg.onnx_import import load_onnx
+    from unity_pcg.search.cost import CostModel, GraphCost
+    from unity_pcg.search.pipeline import evaluate_pipeline, megatron_intra, sequential_layers
+    from tests.executor.runtime_plans import _save
+    g = load_onnx(model, load_weights=False)
+    m = parse_machine(f"local:1x{devices}")
+    cm = CostModel(m)
+    layers, _ = sequential_layers(g, GraphCost(g, cm).role, 12)
+    L = len(layers)
+    stages = [(0, L, 0, size)] if cut is None else [(0, cut, 0, size), (cut, L, size, size)]
+    res = evaluate_pipeline(g, cm, stages, micro_batches, intra=megatron_intra(size))
+    assert res.feasible
+    return _save(res.pcg, res.views, model, out, m, pipeline=res.to_plan_field(), predicted=res.to_json())
+
+
+def two_pair_mlp() -> str:
+    """Two Megatron MLP pairs (bias-free Linear -> ReLU -> bias-free Linear), one per pipeline stage."""
+    import torch
+
+    from tests.executor import dist_helpers as H
+
+    class M(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.a = torch.nn.Linear(8, 16, bias=False)
+            self.b = torch.nn.Linear(16, 8, bias=False)
+            self.c = torch.nn.Linear(8, 16, bias=False)
+            self.d = torch.nn.Linear(16, 8, bias=False)
+
+        def forward(self, x):
+            return self.d(torch.relu(self.c(self.b(torch.relu(self.a(x))))))
+    torch.manual_seed(1)
+    return H.export(M(), (torch.randn(8, 8),), "two_pair_mlp", ["x"])
+
+
+def _train(plan: str, model: str, tmp, capfd, optimizer: str, data: str | None = None, seed: int = 3):
+    """5 steps with ``unity-pcg run`` (checkpointing) and with the one-process Trainer: both results."""
+    from unity_pcg.cli import main
+    from unity_pcg.executor.data import open_data
+    from unity_pcg.executor.train import Trainer
+    from tests.executor.runtime_plans import one_device_plan
+    ck = tmp / "ck"
+    capfd.readouterr()
+    rc = main(["run", plan, "--model", model, "--steps", "5", "--optimizer", optimizer, "--lr", "0.02",
+               "--seed", str(seed), "--checkpoint", str(ck), "--json"] + (["--data", data] if data else []))
+    out, err = capfd.readouterr()
+    assert rc == 0, err
+    got = json.loads(out)
+    one = P.load(one_device_plan(model, str(tmp / "one.json")))
+    t = Trainer(one, model, rank=0, world=1, seed=seed, optimizer=optimizer, lr=0.02)
+    src = open_data(one.pcg, data, seed=seed)
+    ref = [t.step(*src.feeds(s)) for s in range(5)]
+    return got, ref, C.read_model(str(ck)), t.model_state()
+
+
+def _assert_same(got, ref, saved, ref_w):
+    np.testing.assert_allclose(got["losses"], ref, rtol=1e-4, atol=1e-7)
+    assert sorted(saved) == sorted(ref_w)
+    for k, v in ref_w.items():
+        np.testing.assert_allclose(saved[k].numpy(), v.numpy(), rtol=1e-4, atol=1e-6, err_msg=k)
+
+
+def test_two_megatron_stages_train_like_one_process(tmp_path, capfd):
+    """2 stages x 2-way Megatron (a column -> row pair per stage, its partial sums all-reduced inside the
+    stage) on 4 processes, 2 micro-batches, MSE against targets (the loss is computed on the last stage's
+    all-reduced copies), Adam: 4 pipelines, each carrying whole micro-batches."""
+    model = two_pair_mlp()
+    pp = megatron_pipeline_plan(model, str(tmp_path / "pp.json"), cut=3)
+    pl = P.load(pp)
+    M, stages = resolve(pl)
+    assert [st.devices for st in stages] == [(0, 1), (2, 3)] and all(st.lowered for st in stages)
+    for st in stages:     # each stage holds a Megatron pair: a row-parallel Linear whose sums are all-reduced
+        assert any(pl.pcg.node(n).op == "AllReduce" for n in st.nodes)
+    rng = np.random.default_rng(1)
+    data = tmp_path / "d.npz"
+    np.savez(data, x=rng.standard_normal((8, 8)).astype(np.float32),
+             targets=rng.standard_normal((8, 8)).astype(np.float32))
+    got, ref, saved, ref_w = _train(pp, model, tmp_path, capfd, "adam", str(data))
+    assert got["nproc"] == 4 and got["pipeline"]
+    _assert_same(got, ref, saved, ref_w)
+
+
+def test_vocabulary_parallel_head_and_split_boundary(tmp_path, capfd):
+    """A Linear MLP whose stage outputs are column-parallel (Megatron's vocabulary-parallel head, output
+    split on the features): stage 0 sends its split output whole (an all-gather inside the stage, whose
+    backward reduce-scatters the two devices' gradient shares), stage 1 ends split and cross-entropy reads
+    whole class rows (gathered for the loss).  Losses and weights equal one process (Adam)."""
+    from tests.executor.runtime_plans import tiny_mlp_onnx
+    model = tiny_mlp_onnx(str(tmp_path / "mlp.onnx"), batch=8, dims=(16, 32, 32, 32, 8))
+    pp = megatron_pipeline_plan(model, str(tmp_path / "pp.json"), cut=3)
+    pl = P.load(pp)
+    M, stages = resolve(pl)
+    sg = stage_graphs(pl, M, stages)
+    kinds = [k for k, _ in sg[0].sends]
+    assert kinds == ["out"] and sg[0].pcg.shape(sg[0].sends[0][1]).copy_degree == 2
+    split = [n for n in pl.pcg.nodes() if n.op == "Linear" and pl.pcg.shapes(n.id)[0].degrees[-1] == 2]
+    assert len(split) == 2        # both heads column-parallel, output left split
+    rng = np.random.default_rng(2)
+    data = tmp_path / "d.npz"
+    np.savez(data, x=rng.standard_normal((8, 16)).astype(np.float32), targets=rng.integers(0, 8, 8))
+    got, ref, saved, ref_w = _train(pp, model, tmp_path, capfd, "adam", str(data))
+    _assert_same(got, ref, saved, ref_w)
+
+
+def test_one_megatron_stage_with_micro_batches_and_dropout(tmp_path, capfd):
+    """One stage of 2 devices (Megatron pair with Dropout between its Linears) and 2 micro-batches (gradient
+    accumulation with tensor parallelism): each micro-batch's Dropout mask is that of its rows in the whole
+    batch, so losses and weights equal one process's."""
+    from tests.executor.models import dropout_mlp
+    from unity_pcg.evaluate import evaluate
+    from unity_pcg.executor.data import open_data
+    from unity_pcg.onnx_import import load_onnx
+    model = dropout_mlp()
+    pp = megatron_pipeline_plan(model, str(tmp_path / "pp.json"), cut=None, devices=2, size=2)
+    pl = P.load(pp)
+    drop = next(n for n in pl.pcg.nodes() if n.op == "Dropout")
+    assert pl.pcg.shapes(drop.id)[0].degrees[-1] == 2      # inside the tensor-parallel region
+    got, ref, saved, ref_w = _train(pp, model, tmp_path, capfd, "sgd", seed=5)
+    _assert_same(got, ref, saved, ref_w)
+    # dropout is active: inference semantics (Dropout = identity) give another first loss
+    src = open_data(load_onnx(model), None, seed=5)
+    assert abs(float(np.mean(evaluate(load_onnx(model), src.feeds(0)[0])[0])) - got["losses"][0]) > 1e-4
+
+
+@pytest.mark.slow
+def test_megatron_transformer_stages_train_like_one_process(tmp_path, capfd):
+    """The zoo's tiny GPT (2 Transformer blocks) in 2 stages x 2-way Megatron: attention heads, the MLP pair
+    and the vocabulary-parallel head split inside the stages.  SGD: the key projection's bias has a zero
+    gradient in exact arithmetic (softmax is shift-invariant), which Adam turns into lr-sized steps of
+    rounding noise, in one process too."""
+    from unity_pcg import zoo
+    model = str(tmp_path / "gpt.onnx")
+    zoo.export("gpt_350m", model, size="tiny", batch=4)
+    pp = megatron_pipeline_plan(model, str(tmp_path / "pp.json"), cut=3)
+    pl = P.load(pp)
+    assert sum(n.op == "AllReduce" for n in pl.pcg.nodes()) == 4
+    got, ref, saved, ref_w = _train(pp, model, tmp_path, capfd, "sgd")
+    _assert_same(got, ref, saved, ref_w)
+
+
+def test_megatron_stages_of_different_sizes_are_refused(tmp_path):
+    """Tensor parallelism inside stages of 2 and 1 devices: one line before any process starts."""
+    model = two_pair_mlp()
+    pp = megatron_pipeline_plan(model, str(tmp_path / "pp.json"), cut=3)
+    obj = json.loads(open(pp).read())
+    obj["machine"].update(devices_per_node=5, group_size=5)
+    obj["pipeline"]["stages"][1]["devices"] = [2, 3, 4]
+    p = tmp_path / "bad.json"
+    p.write_text(json.dumps(obj))
+    with pytest.raises(PipelineError, match="equal device counts") as e:
+        check_pipeline(P.load(str(p)))
+    assert "\n" not in str(e.value)
