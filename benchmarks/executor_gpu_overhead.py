@@ -15,7 +15,7 @@ steps of each), the order reversed every other round, each step timed with CUDA 
 eager median - 1, with the per-round ratios' spread.
 
 Usage: python benchmarks/executor_gpu_overhead.py [--device cuda|cpu] [--models mlp,bert_large,...]
-       [--size paper|tiny|small] [--batch N] [--rounds 5] [--iters 10] [--warmup 5] [--precision fp32|tf32|bf16]
+       [--size paper|tiny|small] (a model may name its own: dlrm:small) [--batch N] [--rounds 5] [--iters 10] [--warmup 5] [--precision fp32|tf32|bf16]
        [--out benchmarks/results/executor_gpu_overhead.json]
 Writes the JSON after every model (a cut-short run keeps what it measured) and a markdown report beside it.
 """
@@ -178,7 +178,8 @@ def markdown(data: dict) -> str:
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--device", default="cuda")
-    ap.add_argument("--models", default="mlp,bert_large,resnext50,candle_uno")
+    ap.add_argument("--models", default="resnext50,inception_v3,bert_large",
+                    help="comma-separated zoo models, each optionally MODEL:SIZE (default size: --size)")
     ap.add_argument("--size", default=None, help="zoo size (default paper on cuda, tiny on cpu)")
     ap.add_argument("--batch", type=int, default=None)
     ap.add_argument("--precision", default="fp32", choices=("fp32", "tf32", "bf16"))
@@ -208,14 +209,15 @@ def main(argv=None) -> int:
     workdir = a.workdir or tempfile.mkdtemp(prefix="unity-pcg-overhead-")
     os.makedirs(workdir, exist_ok=True)
     os.makedirs(os.path.dirname(os.path.abspath(out)), exist_ok=True)
-    for name in [m for m in a.models.split(",") if m]:
+    for item in [m for m in a.models.split(",") if m]:
+        name, _, msize = item.partition(":")          # "model" or "model:size"
         try:
-            row = measure_model(name, size, a.batch, a.device, a.precision, a.rounds, a.iters, a.warmup,
+            row = measure_model(name, msize or size, a.batch, a.device, a.precision, a.rounds, a.iters, a.warmup,
                                 a.eager_no_sync, workdir)
             print(f"{name:13s} executor {row['executor_s'] * 1e3:9.3f} ms  eager {row['eager_s'] * 1e3:9.3f} ms  "
                   f"overhead {row['overhead'] * 100:+.1f}%", flush=True)
         except Exception as e:          # reported in the results, the next model still runs
-            row = {"model": name, "size": size, "error": f"{type(e).__name__}: {str(e).splitlines()[0][:300]}"}
+            row = {"model": name, "size": msize or size, "error": f"{type(e).__name__}: {str(e).splitlines()[0][:300]}"}
             print(f"{name:13s} error {row['error']}", flush=True)
             if cuda:
                 torch.cuda.empty_cache()

@@ -62,7 +62,7 @@ from unity_pcg.errors import UnityError
 
 MODES = ("fp32", "tf32", "bf16")
 COMPUTE_CLASSES = ("matmul", "conv", "conv1x1", "conv_grouped", "bmm")
-MEMORY_CLASSES = ("embedding", "elementwise", "norm", "softmax", "reduce", "pool")
+MEMORY_CLASSES = ("embedding", "elementwise", "batchnorm", "norm", "softmax", "reduce", "pool")
 OPTIMIZER_CLASSES = ("optimizer_sgd", "optimizer_adam")
 CLASSES = COMPUTE_CLASSES + MEMORY_CLASSES + OPTIMIZER_CLASSES
 SIZES = ("tiny", "quick", "full")
@@ -166,11 +166,11 @@ class Case:
 def case_modes(cls: str, modes: Sequence[str]) -> list[str]:
     """The math modes a class is measured in: compute classes in every mode; the memory-bound ones with
     a bf16 kernel (element-wise, BatchNorm, softmax and sum reading bf16) in fp32 and bf16; the
-    embedding (fp32 tables in every precision) and the optimizer (fp32 master weights and states) in fp32
-    only.  TF32 changes nothing but matmul and convolution kernels."""
+    embedding (fp32 tables in every precision), LayerNorm (autocast runs it in fp32) and the optimizer
+    (fp32 master weights and states) in fp32 only.  TF32 changes nothing but matmul and convolution kernels."""
     if cls in COMPUTE_CLASSES:
         return list(modes)
-    if cls in ("elementwise", "norm", "softmax", "reduce", "pool"):
+    if cls in ("elementwise", "batchnorm", "softmax", "reduce", "pool"):
         return [m for m in modes if m in ("fp32", "bf16")]
     return [m for m in modes if m == "fp32"]
 
@@ -214,6 +214,9 @@ def cases(size: str = "full") -> list[Case]:
     if not tiny:
         b = 8 if quick else 64
         add("conv", f"n{b}c3h224k7s2", b, 3, 224, 64, 7, 2, 1)
+        # Inception-v3's large 3x3 convolutions (up to 1e11 FLOPs: beyond the square sweep above)
+        for ci, h, co, s in ((32, 147, 64, 1), (80, 73, 192, 1), (288, 35, 384, 2), (64, 56, 64, 1)):
+            add("conv", f"n{b}c{ci}h{h}o{co}s{s}", b, ci, h, co, 3, s, 1)
     # batched matmul: (B, M, K, N): attention scores / context, DLRM's interaction
     if tiny:
         bm = [(2, 8, 4, 8), (4, 16, 8, 16)]
@@ -241,9 +244,18 @@ def cases(size: str = "full") -> list[Case]:
         add("norm", f"layernorm{n}", max(n // 1024, 1), min(n, 1024))
         ch = 4 if tiny else 64
         hw = max(int(math.isqrt(max(n // (ch * 8), 1))), 1)
-        add("norm", f"batchnorm{n}", 8, ch, hw)
         add("pool", f"maxpool{n}", "max", 8, ch, hw)
         add("pool", f"avgpool{n}", "avg", 8, ch, hw)
+    # BatchNorm: (N, C, H) with the zoo's CNN shapes (channels x spatial as ResNe(X)t / Inception have
+    # them: a per-channel reduction's speed depends on the channel count, not on the bytes alone)
+    if tiny:
+        bn = [(2, 4, 8), (2, 8, 4), (4, 16, 8)]
+    else:
+        bn = [(n, c, h) for n in ((8, 64) if quick else (1, 8, 32, 64))
+              for c, h in ((64, 112), (256, 56), (512, 28), (1024, 14), (2048, 7))]
+        bn += [] if quick else [(64, 32, 147), (64, 192, 71), (64, 288, 35), (64, 768, 17), (64, 2048, 8)]
+    for n, c, h in bn:
+        add("batchnorm", f"n{n}c{c}h{h}", n, c, h)
     # optimizer: (tensors, elements each)
     opt_sizes = [(4, 2 ** 6), (4, 2 ** 10)] if tiny else [(16, 2 ** k) for k in range(10, 22 if quick else 25, 2)]
     if size == "full":          # the zoo's largest weights (DLRM's 1M x 64 tables, MLP's 8192 x 8192): 64M elements
@@ -349,11 +361,13 @@ def build_case(c: Case, device: str, mode: str) -> dict | None:
             x, w, b = act(rows, cols), param(cols), param(cols)
             return with_grad(lambda: F.layer_norm(x, (cols,), w, b), [x, w, b], "LayerNorm", [x, w, b],
                              ("norm", "norm_bwd"))
+        raise CalibrationError(f"norm case {c.label}: (rows, cols) expected")
+    if c.cls == "batchnorm":
         n, ch, hw = p
         x, w, b = act(n, ch, hw, hw), param(ch), param(ch)
         rm, rv = torch.zeros(ch, device=dev), torch.ones(ch, device=dev)
         return with_grad(lambda: F.batch_norm(x, rm, rv, w, b, training=True), [x, w, b], "BatchNorm",
-                         [x, w, b, rm, rv], ("norm", "norm_bwd"))
+                         [x, w, b, rm, rv], ("batchnorm", "batchnorm_bwd"))
     if c.cls == "pool":
         kind, n, ch, hw = p
         x = act(n, ch, hw, hw)
@@ -406,13 +420,25 @@ def fit_predict(fit: dict, x: float) -> float:
     return fit["overhead"] + (x / thr if thr else 0.0)
 
 
+MERGE_WORK = 1.1      # make_table: points whose work is within this factor of a group's first are one point
+
+
 def make_table(points: Iterable[tuple[float, float]]) -> list[list[float]]:
-    """``[[work, seconds], ...]`` sorted by work: points of equal work averaged, then made non-decreasing
-    by pool-adjacent-violators (least squares), so more work never costs less."""
+    """``[[work, seconds], ...]`` sorted by work: points of nearly equal work (within :data:`MERGE_WORK`)
+    merged into one (mean work, mean time: kernels of one class and one size but different shapes, e.g. a
+    7x7 stem convolution beside a 3x3 one, would otherwise make a near-vertical segment that the
+    interpolation extrapolates from), then made non-decreasing by pool-adjacent-violators (least
+    squares), so more work never costs less."""
+    pts = sorted((float(x), float(t)) for x, t in points if t > 0 and math.isfinite(t) and x > 0)
+    groups: list[list[tuple[float, float]]] = []
+    for x, t in pts:
+        if groups and x <= groups[-1][0][0] * MERGE_WORK:
+            groups[-1].append((x, t))
+        else:
+            groups.append([(x, t)])
     by: dict[float, list[float]] = {}
-    for x, t in points:
-        if t > 0 and math.isfinite(t) and x > 0:
-            by.setdefault(float(x), []).append(float(t))
+    for grp in groups:
+        by[sum(x for x, _ in grp) / len(grp)] = [t for _, t in grp]
     xs = sorted(by)
     blocks: list[list[float]] = []          # [sum of t, count, first index, last index]
     for i, x in enumerate(xs):
@@ -632,7 +658,7 @@ def _overhead_key(table: str) -> str | None:
 
 
 def machine_json(base: dict, fits: dict, tables: dict, modes: Sequence[str], memory_bytes: int | None,
-                 links: dict | None, meta: dict) -> dict:
+                 links: dict | None, meta: dict, rows: Sequence[dict] | None = None) -> dict:
     """The machine JSON: ``base`` (a preset's ``to_json()``) with the measured device fields: peaks per
     mode (the fastest rate a compute class's forward reached), efficiencies per class
     (``"<class>"`` in fp32, ``"<class>/<mode>"`` for the others: fitted throughput / the mode's peak),
@@ -644,8 +670,13 @@ def machine_json(base: dict, fits: dict, tables: dict, modes: Sequence[str], mem
     peaks.setdefault("fp32", dev["peak_flops"])
     eff = dict(dev.get("efficiency") or {})
     for mode in modes:
-        # the peak: the best rate any compute kernel reached (measured, never a fit's extrapolation)
-        rates = [w / t for c in COMPUTE_CLASSES for w, t in tables.get(f"{c}/{mode}", ()) if t > 0]
+        # the peak: the best rate any compute kernel reached (measured, never a fit's extrapolation): from
+        # the measured rows where given (a table merges kernels of nearly equal work)
+        if rows is not None:
+            rates = [r["work"][0] / r["fwd"] for r in rows
+                     if r["class"] in COMPUTE_CLASSES and r["key_mode"] == mode and r["fwd"] > 0]
+        else:
+            rates = [w / t for c in COMPUTE_CLASSES for w, t in tables.get(f"{c}/{mode}", ()) if t > 0]
         thr = {c: fits[f"{c}/{mode}"]["throughput"] for c in COMPUTE_CLASSES
                if f"{c}/{mode}" in fits and fits[f"{c}/{mode}"]["throughput"]}
         if not rates:
@@ -758,7 +789,7 @@ def calibrate_device(device: str = "cuda", precision: str | None = None, size: s
         "torch": torch.__version__, "host": socket.gethostname(), "fits": fits, "measured": rows,
         "collectives": coll, "seconds": time.perf_counter() - t_start,
         "network_link": "from the base preset (not measured)"}}
-    out = machine_json(bm.to_json(), fits, tables, modes, total, links, meta)
+    out = machine_json(bm.to_json(), fits, tables, modes, total, links, meta, rows=rows)
     out["name"] = f"{base}-calibrated" if cuda else "cpu-calibrated"
     _say(f"done in {time.perf_counter() - t_start:.1f} s", quiet)
     return out

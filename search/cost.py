@@ -73,12 +73,15 @@ POOL_OPS = {"Pool2d"}
 # memory bound and see the bytes of their tensors' dtypes.  A class a machine file does not describe
 # (no efficiency / overhead key) falls back along CLASS_FALLBACK, so calibrations written before a class
 # existed price it as before (bmm and embedding as matmul, softmax as norm, reduce as default).
-COMPUTE_CLASSES = frozenset({"matmul", "bmm", "conv", "conv1x1"})
-OP_CLASSES = ("matmul", "bmm", "conv", "conv1x1", "embedding", "elementwise", "norm", "softmax", "reduce", "pool",
-              "optimizer", "default")
-CLASS_FALLBACK = {"bmm": "matmul", "embedding": "matmul", "conv1x1": "conv", "softmax": "norm", "reduce": "default",
-                  "optimizer": "default"}
+COMPUTE_CLASSES = frozenset({"matmul", "bmm", "conv", "conv1x1", "conv_grouped"})
+OP_CLASSES = ("matmul", "bmm", "conv", "conv1x1", "conv_grouped", "embedding", "elementwise", "batchnorm", "norm",
+              "softmax", "reduce", "pool", "optimizer", "default")
+CLASS_FALLBACK = {"bmm": "matmul", "embedding": "matmul", "conv1x1": "conv", "conv_grouped": "conv",
+                  "batchnorm": "norm", "softmax": "norm", "reduce": "default", "optimizer": "default"}
 PRECISIONS = MODES                      # "fp32", "tf32", "bf16"
+# classes priced from another class's measured table when the machine has none of their own (calibrations
+# made before the class existed); the other fallbacks (bmm, embedding, ...) go to the roofline instead
+TABLE_FALLBACK = {"conv1x1": "conv", "conv_grouped": "conv", "batchnorm": "norm"}
 
 
 def op_class(op: str, in_shapes: Sequence[ParallelTensorShape] | None = None) -> str:
@@ -88,6 +91,9 @@ def op_class(op: str, in_shapes: Sequence[ParallelTensorShape] | None = None) ->
     MatMul of two operands of rank >= 3 is ``"bmm"``."""
     if op in CONV_OPS and in_shapes is not None and len(in_shapes) > 1 and prod(in_shapes[1].sizes[2:]) == 1:
         return "conv1x1"
+    if (op in CONV_OPS and in_shapes is not None and len(in_shapes) > 1 and in_shapes[0].rank >= 2
+            and in_shapes[1].sizes[1] < in_shapes[0].sizes[1]):
+        return "conv_grouped"          # weight's input channels < the input's: groups > 1 (ResNeXt's 3x3)
     if op in BMM_OPS or (op == "MatMul" and in_shapes is not None and len(in_shapes) > 1
                          and in_shapes[0].rank >= 3 and in_shapes[1].rank >= 3):
         return "bmm"
@@ -101,6 +107,8 @@ def op_class(op: str, in_shapes: Sequence[ParallelTensorShape] | None = None) ->
         return "elementwise"
     if op in SOFTMAX_OPS:
         return "softmax"
+    if op == "BatchNorm":
+        return "batchnorm"             # NCHW statistics per channel: another kernel than a row-wise LayerNorm
     if op in NORM_OPS:
         return "norm"
     if op in REDUCE_OPS:
@@ -314,8 +322,9 @@ class CostModel:
         t = dev.table(f"{name}/{mode}")
         if t is None and mode != "fp32" and name.split("_")[0] not in COMPUTE_CLASSES:
             t = dev.table(f"{name}/fp32")
-        if t is None and name == "conv1x1":
-            return self.table_time("conv", mode, work)
+        base = name[:-4] if name.endswith("_bwd") else name
+        if t is None and base in TABLE_FALLBACK:        # the table of the class it falls back to
+            return self.table_time(TABLE_FALLBACK[base] + name[len(base):], mode, work)
         if t is None:
             return None
         return interpolate_table(t, work) / self.machine.share

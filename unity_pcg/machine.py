@@ -83,10 +83,14 @@ MODES = ("fp32", "tf32", "bf16")
 
 def interpolate_table(points: Sequence[Sequence[float]], work: float) -> float:
     """Seconds of a kernel of ``work`` from a measured table of (work, seconds) points sorted by work:
-    piecewise linear in log(work) -> log(seconds) between points; below the first point its time (the
-    fixed per-kernel cost dominates small kernels); beyond the last point linear in work at the last
-    segment's throughput (its marginal seconds per unit of work; the last point's average throughput
-    when the table has one point or the last segment does not rise)."""
+    piecewise linear in work between points (a kernel's time is a fixed cost plus work at a throughput,
+    which is linear: interpolating log-log would lie above it between points); below the first point its time (the
+    fixed per-kernel cost dominates small kernels); beyond the last point linear in work at the marginal
+    throughput of the table's upper half (seconds per unit of work between the last point and the first
+    point with at most half its work: one short segment between two kernels of nearly the same work
+    would extrapolate its noise), at most the last point's average seconds per unit of work (a fixed
+    cost plus a throughput never has a steeper marginal cost), which is also the slope when the table has
+    one point or does not rise."""
     if work <= 0:
         return 0.0
     pts = [(float(w), float(t)) for w, t in points]
@@ -95,16 +99,15 @@ def interpolate_table(points: Sequence[Sequence[float]], work: float) -> float:
         return t0
     for (wa, ta), (wb, tb) in zip(pts, pts[1:]):
         if work <= wb:
-            if ta <= 0 or tb <= 0:
-                return ta + (tb - ta) * (work - wa) / (wb - wa)
-            f = math.log(work / wa) / math.log(wb / wa)
-            return math.exp(math.log(ta) + f * math.log(tb / ta))
+            return ta + (tb - ta) * (work - wa) / (wb - wa)
     wl, tl = pts[-1]
-    if len(pts) >= 2:
-        wp, tp = pts[-2]
+    avg = tl / wl
+    base = [(w, t) for w, t in pts[:-1] if w <= wl / 2]
+    if base:
+        wp, tp = base[-1]
         slope = (tl - tp) / (wl - wp)
         if slope > 0:
-            return tl + (work - wl) * slope
+            return tl + (work - wl) * min(slope, avg)
     return tl * work / wl
 
 

@@ -274,3 +274,14 @@ def test_cli_device_cpu_precision_writes_machine_file(monkeypatch, tmp_path, cap
     assert {k.rsplit("/", 1)[1] for k in m.device.kernel_tables} == {"fp32", "bf16"}
     assert set(m.device.peaks) == {"fp32", "bf16"}
     assert cli.main(["calibrate", "--device", "cpu", "--worlds", "2", "-o", str(out)]) == 2
+
+
+def test_make_table_merges_kernels_of_nearly_equal_work():
+    # a 7x7 stem convolution (slow) beside 3x3 ones of nearly the same FLOPs: one point, their mean
+    pts = [(1e9, 1e-4), (1.48e10, 0.37e-3), (1.51e10, 0.75e-3), (4e10, 1.2e-3)]
+    t = G.make_table(pts)
+    assert len(t) == 3
+    assert t[1][0] == pytest.approx((1.48e10 + 1.51e10) / 2) and t[1][1] == pytest.approx((0.37e-3 + 0.75e-3) / 2)
+    # still non-decreasing (pool-adjacent-violators) after merging
+    t2 = G.make_table([(1e6, 2e-5), (2e6, 1e-5), (1e9, 1e-3)])
+    assert [p[1] for p in t2] == sorted(p[1] for p in t2)

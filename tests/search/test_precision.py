@@ -175,11 +175,23 @@ def test_interpolate_table():
     assert interpolate_table(pts, 1e3) == pytest.approx(2e-6)
     assert interpolate_table(pts, 1e6) == pytest.approx(2e-5)
     assert interpolate_table(pts, 10.0) == pytest.approx(2e-6)           # below: the first point's time
-    # log-log: halfway in log(work) gives the geometric mean of the times
-    assert interpolate_table(pts, math.sqrt(1e3 * 1e6)) == pytest.approx(math.sqrt(2e-6 * 2e-5))
-    # beyond the last point: linear at the last segment's marginal throughput
+    # linear in work between points: exact for a fixed cost plus work at a throughput
+    affine = [(w, 5e-6 + w / 1e12) for w in (1e3, 1e6, 1e9)]
+    for w in (3e3, 5e5, 2e8):
+        assert interpolate_table(affine, w) == pytest.approx(5e-6 + w / 1e12)
+    assert interpolate_table(pts, (1e3 + 1e6) / 2) == pytest.approx((2e-6 + 2e-5) / 2)
+    # beyond the last point: linear at the marginal throughput of the upper half
     slope = (1e-2 - 2e-5) / (1e9 - 1e6)
     assert interpolate_table(pts, 3e9) == pytest.approx(1e-2 + 2e9 * slope)
+    # two kernels of nearly the same work with very different times (a 7x7 stem convolution beside a
+    # 3x3 one) do not set the slope: the secant from the upper half's base, at most the last point's average
+    steep = [(1e9, 0.1e-3), (1.48e10, 0.37e-3), (1.51e10, 0.75e-3)]
+    secant = (0.75e-3 - 0.1e-3) / (1.51e10 - 1e9)
+    assert interpolate_table(steep, 1.1e11) == pytest.approx(0.75e-3 + (1.1e11 - 1.51e10) * secant)
+    # (the last segment's slope would have given 0.75 ms + 95e9 * 1.27e-12 = 121 ms, 22x more)
+    # a secant steeper than the last point's average time per work is capped at that average
+    capped = [(1e3, 1e-9), (1e6, 1e-3)]
+    assert interpolate_table(capped, 2e6) == pytest.approx(2e-3)
     assert interpolate_table([(100.0, 1.0)], 300.0) == pytest.approx(3.0)
     assert interpolate_table(pts, 0) == 0.0
 
