@@ -937,6 +937,7 @@ class LoweredPipelineTrainer:
         self.K = K = len(self.st.devices)
         self.rank, self.world = rank, world
         self._dist = dist
+        self._stage_devices = [st.devices for st in stages]
         self.j = self.st.devices.index(rank)              # this device's pipeline
         # one process group per pipeline (every rank creates every one, in the same order); the stage's
         # own groups are created by its devices only
@@ -946,16 +947,16 @@ class LoweredPipelineTrainer:
             pp_groups[j] = dist.new_group(sorted(members)) if K > 1 else None
             pos[j] = {d: k for k, d in enumerate(sorted(members))} if K > 1 else {d: d for d in members}
 
-        def new_group(devs):
-            if rank not in devs:
-                return None
-            return dist.new_group(list(devs), use_local_synchronization=True)
-        stage_pg = new_group(tuple(sorted(self.st.devices))) if world > 1 else None
         sub = plan_mod.Plan(plan.model_path, plan.model_sha256, plan.machine, self.sg.pcg, self.sg.views,
                             plan.predicted, None, precision=getattr(plan, "precision", "fp32"))
+        # the stage's Trainer creates no process group itself (torch.distributed.new_group is a collective
+        # of every rank, and each rank builds its own stage only): it lists the groups it needs, then every
+        # rank creates every stage's groups in one agreed order
         self.tr = tr = Trainer(sub, model_path, rank=rank, world=world, optimizer=optimizer, lr=lr, seed=seed,
                                device=device, sync_batchnorm=sync_batchnorm, overlap=False, grad_views=False,
-                               new_group=new_group, world_group=stage_pg, grad_inputs=self.sg.grad_inputs)
+                               new_group=lambda devs: None, grad_inputs=self.sg.grad_inputs)
+        if world > 1:
+            self._make_groups(len(stages))
         self.dev = tr.device
         self.opt = tr.opt
         # Dropout draws its mask at the element's index in the whole batch: micro-batch k's rows start at
@@ -990,6 +991,32 @@ class LoweredPipelineTrainer:
             def forward(self, *xs):
                 return owner._forward(xs)
         self.mod = StageModule()
+
+    def _make_groups(self, S: int) -> None:
+        """Every stage's process groups (its Trainer's communication and gradient-bucket groups, and the
+        stage's devices for assembling state), created by every rank in stage order."""
+        dist = self._dist
+        tr = self.tr
+        mine = (self.st.index, sorted(tr._pgs), sorted(tr._bucket_pgs))
+        lists: list = [None] * self.world
+        dist.all_gather_object(lists, mine)
+        per_stage = {}
+        for x in lists:
+            per_stage.setdefault(x[0], x)
+        for i in range(S):
+            _, pgs, buckets = per_stage[i]
+            for devs in pgs:
+                grp = dist.new_group(list(devs))
+                if i == self.st.index:
+                    tr._pgs[tuple(devs)] = grp
+            for devs in buckets:
+                grp = dist.new_group(list(devs))
+                if i == self.st.index:
+                    tr._bucket_pgs[tuple(devs)] = grp
+        for i in range(S):
+            grp = dist.new_group(sorted(self._stage_devices[i]))
+            if i == self.st.index:
+                tr._world_pg = grp
 
     def _ancestors(self, refs) -> set:
         g = self.tr.g

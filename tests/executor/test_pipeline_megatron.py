@@ -171,3 +171,58 @@ def test_megatron_stages_of_different_sizes_are_refused(tmp_path):
     with pytest.raises(PipelineError, match="equal device counts") as e:
         check_pipeline(P.load(str(p)))
     assert "\n" not in str(e.value)
+
+
+@pytest.mark.slow
+def test_hybrid_stage_and_data_parallel_stage_train_like_one_process(tmp_path, capfd):
+    """Hybrids: one 4-device stage with tensor degree 2 and data parallel 2 across (megatron_intra(2): the
+    batch split, Megatron pairs inside each half, replicated weight shards all-reduced over the copies),
+    and the tiny GPT cut after its embedding, whose stage 0 has no Megatron group and is data parallel
+    (its batch pieces gathered whole for the Megatron stage).  SGD, as one process."""
+    from unity_pcg import zoo
+    from unity_pcg.machine import parse_machine
+    from unity_pcg.onnx_import import load_onnx
+    from unity_pcg.search.cost import CostModel, GraphCost
+    from unity_pcg.search.pipeline import evaluate_pipeline, megatron_intra, sequential_layers
+    from tests.executor.runtime_plans import _save
+    model = two_pair_mlp()
+    g = load_onnx(model, load_weights=False)
+    m = parse_machine("local:1x4")
+    L = len(sequential_layers(g, GraphCost(g, CostModel(m)).role, 12)[0])
+    res = evaluate_pipeline(g, CostModel(m), [(0, L, 0, 4)], 2, intra=megatron_intra(2))
+    pp = _save(res.pcg, res.views, model, str(tmp_path / "hyb.json"), m, pipeline=res.to_plan_field(),
+               predicted=res.to_json())
+    assert res.pcg.meta.get("tp", 2) == 2
+    rng = np.random.default_rng(1)
+    data = tmp_path / "d.npz"
+    np.savez(data, x=rng.standard_normal((8, 8)).astype(np.float32),
+             targets=rng.standard_normal((8, 8)).astype(np.float32))
+    _assert_same(*_train(pp, model, tmp_path, capfd, "sgd", str(data)))
+    gpt = str(tmp_path / "gpt.onnx")
+    zoo.export("gpt_350m", gpt, size="tiny", batch=4)
+    pp = megatron_pipeline_plan(gpt, str(tmp_path / "mixed.json"), cut=1)
+    pl = P.load(pp)
+    emb = next(n for n in pl.pcg.nodes() if n.op == "Embedding")
+    assert pl.pcg.shapes(emb.id)[0].degrees[0] == 2         # stage 0: data parallel
+    (tmp_path / "m").mkdir()
+    _assert_same(*_train(pp, gpt, tmp_path / "m", capfd, "sgd"))
+
+
+@pytest.mark.slow
+def test_megatron_pipeline_resume_continues_exactly(tmp_path, capfd):
+    """3 steps + checkpoint, then 2 resumed steps (Adam: its moments are restored whole per stage) equal
+    5 uninterrupted steps exactly."""
+    from unity_pcg.cli import main
+    model = two_pair_mlp()
+    pp = megatron_pipeline_plan(model, str(tmp_path / "pp.json"), cut=3)
+
+    def run(*extra):
+        capfd.readouterr()
+        rc = main(["run", pp, "--model", model, "--optimizer", "adam", "--json", *map(str, extra)])
+        out, err = capfd.readouterr()
+        assert rc == 0, err
+        return json.loads(out)["losses"]
+    full = run("--steps", 5)
+    ck = tmp_path / "ck"
+    assert run("--steps", 3, "--checkpoint", ck) == full[:3]
+    assert run("--steps", 2, "--checkpoint", ck, "--resume") == full[3:]
