@@ -282,6 +282,12 @@ class CostModel:
                 work = kernel_work(op, in_shapes, out_shapes, kind, f)
             mode = self.mode_of(kind, out_shapes[0].dtype if out_shapes else "float32")
             r = self.roofline(op, f, b, kind, bwd_scale, mode=mode, work=work)
+            if work is not None and kind == "matmul" and len(in_shapes) >= 3 and bwd_scale > 0 and out_shapes:
+                # the measured matmul tables are bias-free GEMMs (cuBLAS adds a forward bias in its epilogue);
+                # the bias gradient is one more kernel: a column sum of the output gradient
+                tb = self.table_time("reduce", "fp32", float(out_shapes[0].piece_nbytes))
+                if tb is not None:
+                    r = (r[0], r[1] + tb * (1.0 + self.sync_per_compute))
             self._op_cache[key] = r
         return r
 
@@ -395,6 +401,13 @@ class CostModel:
         full = C.allreduce_time(self.machine, devs, nbytes)
         if self.grad_bucket_bytes <= 0 or full == 0.0:
             return full
+        if self.sync_model == "executor" and total_bytes:
+            # a calibrated local machine's measured all-reduce table: every bucket's measured time, spread
+            # over the weights by bytes
+            nb = self.bucket_count(total_bytes)
+            tb = C.measured_time(self.machine, "all_reduce", len(set(devs)), total_bytes / nb)
+            if tb is not None:
+                return tb * nb * nbytes / total_bytes
         bw_only = _bw_part(self.machine, devs, nbytes)
         lat = full - bw_only
         if self.sync_model == "executor" and total_bytes:
@@ -409,7 +422,10 @@ class CostModel:
             return 0.0
         k = OPTIMIZER_STATES[self.optimizer]
         moved = (3 + 2 * k) * weight_bytes
-        t = self.table_time("optimizer", "fp32", moved)
+        # this optimizer's own table where measured (a CPU's SGD and Adam differ more than in bytes), else both's
+        t = self.table_time(f"optimizer_{self.optimizer}", "fp32", moved)
+        if t is None:
+            t = self.table_time("optimizer", "fp32", moved)
         if t is not None:
             return t
         dev = self.machine.device
