@@ -37,6 +37,7 @@ import json
 import math
 import time
 from dataclasses import dataclass, field
+from functools import partial
 from typing import Any, Callable
 
 from unity_pcg.errors import UnityError
@@ -165,27 +166,41 @@ class Evaluator:
         self.calls = 0
         self.timeouts = 0
         self.limit_s = limit_s
+        #: perf_counter time past which a limited solve is cut (not started once it has passed): the
+        #: budget's wall for the substitution phase (None: no wall)
+        self.wall: float | None = None
         self._memo: dict = {}
         self._timed_out: dict = {}
 
-    def cost(self, g: PCG, resource: Resource | None = None, limited: bool | float = True) -> float:
+    def cost(self, g: PCG, resource: Resource | None = None, limited: bool | float = True,
+             wall: bool = True) -> float:
         """The DP's predicted iteration time (inf when infeasible).  With ``limit_s``, a candidate
         whose DP solve takes longer is priced inf (pruned): on large machines, graphs that leave
         most operators on a few devices have many machine views per operator and solve slowly, and
-        are never competitive."""
+        are never competitive.  ``limited``: True (``limit_s``), a number of seconds, or False (no
+        limit); a limited solve also stops at :attr:`wall` (unless ``wall=False``)."""
         key = (g.structural_hash(), resource)
         c = self._memo.get(key)
         if c is None and (limited or key not in self._timed_out):
             c = self._timed_out.get(key) if limited else None
         if c is None:
+            lim = own = self.limit_s if limited is True else (limited or None)
+            if limited is not False and wall and self.wall is not None:
+                left = self.wall - time.perf_counter()
+                lim = left if lim is None else min(lim, left)
+                if lim <= 0.01:             # past the wall: not started (and not remembered)
+                    self.timeouts += 1
+                    return INF
             self.calls += 1
             try:
-                with _time_limit(self.limit_s if limited is True else (limited or None)):
+                with _time_limit(lim):
                     r = self.mapper.optimize(g, resource=resource, fixed=self.pins(g, resource))
                 c = self._memo[key] = r.cost if r.feasible else INF
-            except _Timeout:            # remembered for limited calls only
+            except _Timeout:            # remembered for limited calls only (not when the wall cut it)
                 self.timeouts += 1
-                c = self._timed_out[key] = INF
+                c = INF
+                if lim == own:
+                    self._timed_out[key] = INF
         return c
 
     def estimate(self, g: PCG) -> float:
@@ -235,8 +250,8 @@ def _segment_search(g: PCG, book: RuleBook, ev: "Evaluator", dp_degrees, dp_deg:
                     max_candidates: int, alpha: float, progress, deadline: float, families: dict | None = None):
     """The split search (module docstring).  Returns (searched graph, its steps, data parallelism
     by rules at ``dp_deg`` assembled from the segments' seeds, its steps, stats, interrupted).
-    ``families``, when given, receives {name: (graph, steps)}: the whole graph assembled from every
-    segment's seed of one family (``expert``, ``tp<k>x<d>``; data parallelism where a segment has
+    ``families``, when given, receives {name: (build, estimate)}: ``build()`` assembles the whole graph
+    from every segment's seed of one family and returns (graph, steps) (``expert``, ``tp<k>x<d>``; data parallelism where a segment has
     none), so a seed layout is priced as a whole too (the segments' DP can prefer other choices on
     segment-local prices that the whole graph does not confirm)."""
     from .split import SegmentChoice, assemble, blocking_pairs, boundary_keys, canonical_segments, combine
@@ -292,8 +307,10 @@ def _segment_search(g: PCG, book: RuleBook, ev: "Evaluator", dp_degrees, dp_deg:
             if not st:
                 continue
             # the full-degree dp seed is priced without a time limit (a data-parallel graph solves fast,
-            # and the segment's floor and the dp-by-rules floor need it)
-            c = Candidate(ev.cost(trimmed(x), limited=False) if d == dp_deg else None, x, tuple(st))
+            # and the segment's floor needs it); past the deadline it is only built (data parallelism by
+            # rules over the whole graph is assembled from it, and priced as a whole)
+            c = Candidate(ev.cost(trimmed(x), limited=False) if d == dp_deg and time.perf_counter() < deadline
+                          else None, x, tuple(st))
             start.append(c)
             if d == dp_deg:
                 dp_seed = c
@@ -308,11 +325,12 @@ def _segment_search(g: PCG, book: RuleBook, ev: "Evaluator", dp_degrees, dp_deg:
                         break
                     # priced now, with a longer limit than a candidate's: many single-device
                     # tables side by side have many machine views and solve slowly
-                    ce = ev.cost(trimmed(y), limited=max(ev.limit_s or 0.0, share / 3, 1.0))
+                    ce = ev.cost(trimmed(y), limited=max(ev.limit_s or 0.0, share / 3, 1.0)) \
+                        if time.perf_counter() < deadline else None
                     start.append(Candidate(ce, y, tuple(st2)))
                     fam_seed["expert"] = start[-1]
                     totals["expert_seeds"] = totals.get("expert_seeds", 0) + 1
-                    totals.setdefault("expert_seed_s", []).append(ce if math.isfinite(ce) else None)
+                    totals.setdefault("expert_seed_s", []).append(ce if ce is not None and math.isfinite(ce) else None)
             tp = tp_seeds.get(d)
             if tp:
                 # Megatron pairs (and column-split tables) of degree tp on data parallelism of degree d
@@ -343,8 +361,12 @@ def _segment_search(g: PCG, book: RuleBook, ev: "Evaluator", dp_degrees, dp_deg:
         if res.stats.stopped == "interrupted":
             interrupted = True
         memo[key] = {kk: choice(c, kk) for kk, c in res.front.items() if math.isfinite(c.cost)}
-        dp_memo[key] = choice(dp_seed, keyf(dp_seed.graph)) if dp_seed is not None and dp_seed.cost is not None \
-            else SegmentChoice(INF if start[0].cost is None else start[0].cost, INF, (), keyf(cg))
+        if dp_seed is not None and dp_seed.cost is not None:
+            dp_memo[key] = choice(dp_seed, keyf(dp_seed.graph))
+        elif dp_seed is not None:           # built past the deadline, not priced
+            dp_memo[key] = SegmentChoice(INF, INF, dp_seed.steps, keyf(dp_seed.graph))
+        else:
+            dp_memo[key] = SegmentChoice(INF if start[0].cost is None else start[0].cost, INF, (), keyf(cg))
         for name, c in fam_seed.items():
             # every segment's seed, priced or not (a segment solve cut by its time limit reads inf; a
             # family with dp in that segment instead reshards at both its ends): the whole decides
@@ -353,14 +375,55 @@ def _segment_search(g: PCG, book: RuleBook, ev: "Evaluator", dp_degrees, dp_deg:
     if families is not None:
         for name, fm in fam_memo.items():
             chosen = [fm.get(s.key) or dp_memo[s.key] for s in segs]
-            # the sum of the segments' prices (inf where a seed was not priced): the pricing order
+            # the sum of the segments' prices (inf where a seed was not priced): the pricing order.
+            # Assembled when it is priced (past the budget it is not: ~1 s each on BERT-Large)
             est = sum(c.cost if c.cost else INF for c in chosen)
-            families[name] = assemble(g, segs, chosen, book) + (est,)
+            families[name] = ((lambda chosen=chosen: assemble(g, segs, chosen, book)), est)
     choices = combine([memo[s.key] for s in segs])
     if not choices:
         return None, [], dp_graph, dp_steps, totals, interrupted
     out, steps = assemble(g, segs, choices, book)
     return out, steps, dp_graph, dp_steps, totals, interrupted
+
+
+def _whole_family(g: PCG, book: RuleBook, d: int, tp: int, steps_fn) -> tuple | None:
+    """A seed family built on the whole graph: data parallelism of degree ``d`` by rules, then ``steps_fn``
+    (:func:`table_columns_steps`, :func:`tensor_parallel_steps`) of degree ``tp`` on top; None when the
+    latter does not apply."""
+    wx, wst = data_parallel_steps(g, d, book) if d > 1 else (g, [])
+    wy, wst2 = steps_fn(wx, tp, book)
+    return (wy, list(wst) + list(wst2)) if wst2 else None
+
+
+#: the share of the budget (from the start of the call) within which the fixed strategies besides dp are
+#: priced by the joint search (Megatron on BERT-Large at 192 GPUs: ~9 s of a 50 s budget)
+BASELINE_SHARE = 0.35
+#: the fixed strategies (besides dp) the joint search prices as floors, where they apply
+FLOOR_STRATEGIES = ("megatron", "expert")
+
+
+def _fixed_baselines(g: PCG, ev: "Evaluator", degree: int, m: MachineSpec, until: float) -> dict:
+    """{name: (PCG, predicted cost or inf, note)} of the fixed strategies of :data:`FLOOR_STRATEGIES` that
+    apply to ``g`` (built as ``--strategy NAME`` builds them: Megatron's tensor parallelism inside a node),
+    each solve limited to the time left before ``until``.  Their layouts are not all reachable by the
+    shipped rules (Megatron runs the operators between its groups on the tensor-parallel copies; the
+    expert strategy splits a communication-intensive Linear on top of data parallelism), so the search
+    cannot be relied on to find them; where one is faster than every plan reached by rules, it is
+    returned, recorded as a fixed strategy (as the dp baseline is)."""
+    from .baselines import StrategyError, build_strategy
+    out: dict = {}
+    for name in FLOOR_STRATEGIES:
+        if until - time.perf_counter() <= 0.05:
+            out[name] = (None, INF, "not priced within the budget")
+            continue
+        try:
+            pg = build_strategy(g, name, degree, devices_per_node=m.devices_per_node)
+        except StrategyError:
+            continue                    # does not apply to this model
+        left = until - time.perf_counter()
+        c = ev.cost(pg, limited=max(left, 0.05), wall=False) if left > 0.05 else INF
+        out[name] = (pg, c, "" if math.isfinite(c) else "infeasible or not priced within the budget")
+    return out
 
 
 def _whole_search(g: PCG, rules, book: RuleBook, cost: Callable[[PCG], float], budget_s: float,
@@ -559,7 +622,8 @@ def optimize(model, machine, budget_s: float | None = None, alpha: float = 1.05,
     elif strategy in FIXED:
         deg = 1 if strategy == "none" else dp_deg
         try:
-            pg = build_strategy(g, strategy, deg)
+            # as `simulate --strategy` builds it (Megatron's tensor parallelism inside a node)
+            pg = build_strategy(g, strategy, deg, devices_per_node=m.devices_per_node)
         except StrategyError as e:
             raise OptimizeError(str(e)) from None
         res_ = Resource(0, 1, 1) if strategy == "none" else None
@@ -573,14 +637,26 @@ def optimize(model, machine, budget_s: float | None = None, alpha: float = 1.05,
         pipe_share = budget_s * 0.25 if pipeline and strategy == "unity" and n_dev > 1 else 0.0
         finish = budget_s * 0.1
         deadline = max(end - pipe_share - finish, time.perf_counter())
+        # the end of the substitution phase: no limited solve past it (the final whole-graph mapping of
+        # the chosen plan, unlimited, has the last 4% of its share)
+        sub_end = end - pipe_share - budget_s * 0.04
 
         def left_for_pricing() -> float:      # a whole-graph solve of the search's result, time-limited
-            return max(finish, min(max(10.0, budget_s / 3), end - pipe_share - time.perf_counter()))
+            return max(finish, min(max(10.0, budget_s / 3), sub_end - time.perf_counter()))
         floor: list = []
         cands: list = []
         labels: dict = {}
+        others: dict = {}
         try:
             if strategy == "unity":
+                if n_dev > 1 and dp_deg > 1:
+                    # the other fixed strategies that apply (Megatron, expert), priced first like dp: the
+                    # result is never predicted slower than one of them (they are the floor where the
+                    # rules do not reach their layout); within BASELINE_SHARE of the budget
+                    others = _fixed_baselines(g, ev, dp_deg, m, t0 + budget_s * BASELINE_SHARE)
+                    marks["baselines"] = time.perf_counter() - t0
+                    deadline = max(end - pipe_share - finish, time.perf_counter())
+                ev.wall = sub_end                   # no limited solve past the substitution phase
                 dps = [d for d in degrees if b is None or b % d == 0]
                 fams: dict = {}
                 out, st, dpg, dpst, stats, interrupted = _segment_search(
@@ -593,31 +669,41 @@ def optimize(model, machine, budget_s: float | None = None, alpha: float = 1.05,
                 stats["phase_s"] = {"segments": time.perf_counter() - t0}
                 marks["segments"] = time.perf_counter() - t0
                 if out is not None:
-                    cands.append((ev.cost(trimmed(out), limited=left_for_pricing()), 1, out, st))
+                    # the search's result is priced even when the segments ran to the wall (then for
+                    # at most 5% of the budget): it is what the search found
+                    c = ev.cost(trimmed(out), limited=max(min(left_for_pricing(), sub_end - time.perf_counter()),
+                                                          min(finish / 2, 5.0)), wall=False)
+                    cands.append((c, 1, out, st))
                 stats["search_result_s"] = cands[0][0] if cands and math.isfinite(cands[0][0]) else None
                 # the tables-by-columns layout built on the whole graph too: assembled from segment
                 # seeds it loses the dense layers' data parallelism on top (DLRM at summit:8x6: 0.86 s
                 # assembled, 0.28 s whole); a fixed rule sequence, only for models with embedding tables
-                if any(n.op == "Embedding" for n in g.nodes()) and time.perf_counter() < deadline:
+                # (each family is built when it is priced, within the time left: data parallelism by
+                # rules over the whole of BERT-Large takes ~2 minutes)
+                if any(n.op == "Embedding" for n in g.nodes()):
                     for d, tp in sorted(megatron_seed_degrees(m, dps).items()):
-                        wx, wst = data_parallel_steps(g, d, book) if d > 1 else (g, [])
-                        wy, wst2 = table_columns_steps(wx, tp, book)
-                        if wst2:
-                            fams[f"cols{tp}x{d} whole"] = (wy, list(wst) + list(wst2), 0.0)
+                        fams[f"cols{tp}x{d} whole"] = (partial(_whole_family, g, book, d, tp, table_columns_steps), 0.0)
                 # the Megatron seeds on the whole graph of a small model: a template that spans a
                 # segment cut (the attention block of one Transformer layer: ~20 operators, two
                 # segments) applies only there
-                if sum(n.kind == "compute" for n in g.nodes()) <= WHOLE_TP_MAX_OPS and time.perf_counter() < deadline:
+                if sum(n.kind == "compute" for n in g.nodes()) <= WHOLE_TP_MAX_OPS:
                     for d, tp in sorted(megatron_seed_degrees(m, dps).items()):
-                        wx, wst = data_parallel_steps(g, d, book) if d > 1 else (g, [])
-                        wy, wst2 = tensor_parallel_steps(wx, tp, book)
-                        if wst2:
-                            fams[f"tp{tp}x{d} whole"] = (wy, list(wst) + list(wst2), 0.0)
+                        fams[f"tp{tp}x{d} whole"] = (partial(_whole_family, g, book, d, tp, tensor_parallel_steps), 0.0)
                 # every seed family assembled over the whole graph (expert, Megatron), priced as a whole
                 fam_cost: dict = {}
-                for name, (fg, fst, _) in sorted(fams.items(), key=lambda kv: (kv[1][2], kv[0])):
-                    if time.perf_counter() > end - pipe_share:
-                        break
+                for name, (build, _) in sorted(fams.items(), key=lambda kv: (kv[1][1], kv[0])):
+                    if time.perf_counter() > sub_end:
+                        fam_cost.setdefault(name, "not built within the budget")
+                        continue
+                    try:
+                        with _time_limit(max(sub_end - time.perf_counter(), 0.01)):
+                            built = build()
+                    except _Timeout:
+                        fam_cost[name] = "not built within the budget"
+                        continue
+                    if built is None:
+                        continue
+                    fg, fst = built
                     c = ev.cost(trimmed(fg), limited=left_for_pricing())
                     fam_cost[name] = c if math.isfinite(c) else None
                     cands.append((c, 2, fg, fst))
@@ -645,6 +731,7 @@ def optimize(model, machine, budget_s: float | None = None, alpha: float = 1.05,
                 interrupted = "interrupted" in (s1.stopped, s2.stopped)
         except KeyboardInterrupt:
             interrupted = True
+        ev.wall = None
         if not floor and not cands:
             floor.append((ev.cost(g), 0, g, []))
         marks["whole_graph_pricing"] = time.perf_counter() - t0
@@ -659,7 +746,7 @@ def optimize(model, machine, budget_s: float | None = None, alpha: float = 1.05,
             # nothing reachable fits: fall back to a feasible fixed strategy (recorded as such)
             for name in FIXED:
                 try:
-                    alt = build_strategy(g, name, 1 if name == "none" else dp_deg)
+                    alt = build_strategy(g, name, 1 if name == "none" else dp_deg, devices_per_node=m.devices_per_node)
                 except StrategyError:
                     continue
                 r = ev.full(alt, Resource(0, 1, 1) if name == "none" else None)
@@ -673,10 +760,10 @@ def optimize(model, machine, budget_s: float | None = None, alpha: float = 1.05,
             tp0 = time.perf_counter()
             # the stage search overshoots the budget it is given (DenseNet-121 at 192 GPUs: 16.7 s for
             # 9 s; one number of micro-batches always runs): it gets 60% of the time left, and a hard
-            # stop 5% of the budget past the end (then no pipeline plan)
+            # stop 3% of the budget past the end (then no pipeline plan)
             room = max(end - tp0, budget_s * 0.05)
             try:
-                with _time_limit(room + budget_s * 0.05):
+                with _time_limit(room + budget_s * 0.03):
                     pipe = _pipeline(g, ev, room * 0.6)
             except _Timeout:
                 pipe = None
@@ -691,8 +778,8 @@ def optimize(model, machine, budget_s: float | None = None, alpha: float = 1.05,
                 from .pipeline import by_rules
                 tr = time.perf_counter()
                 try:        # within the budget: on BERT-Large at 192 GPUs it took 118 s (whole-graph rules)
-                    with _time_limit(max(end - tr, budget_s * 0.05)):
-                        pipe = by_rules(g, pipe, ev.machine, book) or pipe
+                    with _time_limit(max(end - tr, budget_s * 0.03)):
+                        pipe = by_rules(g, pipe, ev.machine, book, mapper=ev.mapper) or pipe
                     stats = dict(stats, pipeline_by_rules="reached" if pipe.rules is not None else "not reached")
                 except _Timeout:
                     stats = dict(stats, pipeline_by_rules="cut by the budget")
@@ -703,16 +790,35 @@ def optimize(model, machine, budget_s: float | None = None, alpha: float = 1.05,
                 final = _PipelineMapping(pipe, n_dev)
                 stats = dict(stats, chosen="pipeline", pipeline_stages=pipe.num_stages,
                              micro_batches=pipe.micro_batches)
-        if (strategy == "unity" and dp_res is not None and dp_res.feasible
-                and (not final.feasible or dp_res.cost < final.cost)):
-            # The promise "never predicted slower than data parallel where it fits" outranks rule
-            # reachability: where the rules cannot build the whole dp PCG (an operator without a dp
-            # rule) or the budget ran out first, the hand-built dp baseline is returned, recorded as
-            # such (no rule sequence), exactly as a pipeline plan is.
-            pipe_plan = None
-            pg, steps, rules_json, final = dp_pg, [], None, dp_res
-            why = stats.get("dp_by_rules", {}).get("differs") or "not priced within the budget"
-            stats = dict(stats, chosen=f"data parallel baseline (dp by rules: {why})")
+        if strategy == "unity":
+            # The promise "never predicted slower than data parallel where it fits" (and than the other
+            # fixed strategies that apply: Megatron, expert) outranks rule reachability: where the rules
+            # cannot build the baseline's PCG (an operator without a dp rule; Megatron's operators between
+            # its groups on the tensor-parallel copies) or the budget ran out first, the fastest
+            # hand-built baseline is returned, recorded as such (no rule sequence), as a pipeline plan is.
+            alts = [(dp_res.cost, "dp", dp_pg, dp_res)] if dp_res is not None and dp_res.feasible else []
+            alts += [(oc, name, opg, None) for name, (opg, oc, _) in others.items()
+                     if opg is not None and math.isfinite(oc)]
+            # (faster by more than rounding: the rules' version of a baseline prices the same up to the
+            # last bits, and then the plan reached by rules is kept)
+            for oc, name, opg, ores in sorted(alts, key=lambda a: a[0]):
+                if final.feasible and not oc < final.cost * (1 - 1e-9):
+                    break
+                ores = ores if ores is not None else ev.full(opg)
+                if not ores.feasible or (final.feasible and not ores.cost < final.cost * (1 - 1e-9)):
+                    continue
+                pipe_plan = None
+                pg, steps, rules_json, final = opg, [], None, ores
+                if name == "dp":
+                    why = stats.get("dp_by_rules", {}).get("differs") or "not priced within the budget"
+                    stats = dict(stats, chosen=f"data parallel baseline (dp by rules: {why})")
+                else:
+                    stats = dict(stats, chosen=f"{name} baseline (faster than every plan reached by rules within "
+                                               f"the budget)")
+                break
+            stats = dict(stats, baselines_s={"dp": dp_res.cost if dp_res is not None and dp_res.feasible else None,
+                                             **{name: (oc if math.isfinite(oc) else note or None)
+                                                for name, (_, oc, note) in others.items()}})
         stats = dict(stats, chosen=stats.get("chosen") or labels.get(id(best[2]), "data parallel by rules" if best[1] == 0 else "search"),
                      mapper_calls=ev.calls, mapper_timeouts=ev.timeouts)
     search_s = time.perf_counter() - t0
