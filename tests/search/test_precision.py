@@ -225,6 +225,25 @@ def test_cost_model_uses_a_table_where_the_class_and_mode_have_one():
         interpolate_table([[1e3, 4e-6], [1e10, 4e-3]], 7 * 4e6))
 
 
+def test_linear_bias_gradient_is_a_reduction_over_the_output_gradient():
+    mm = [[1e6, 1e-5], [1e12, 1.5]]
+    red = [[1e3, 7e-6], [1e9, 5e-4]]
+    m = _with_tables({"matmul/fp32": mm, "reduce/fp32": red})
+    x, w, bias, y = S.of((1024, 512)), S.of((512, 256)), S.of((256,)), S.of((1024, 256))
+    cm = CostModel(m)
+    f0, b0 = cm.op_time("Linear", {}, [x, w], [y])
+    f1, b1 = cm.op_time("Linear", {}, [x, w, bias], [y])
+    # the forward bias add is in the GEMM's epilogue; the backward adds one column sum of dY
+    assert f1 == pytest.approx(interpolate_table(mm, kernel_work("Linear", [x, w, bias], [y])[0]))
+    assert b1 - 2 * interpolate_table(mm, kernel_work("Linear", [x, w, bias], [y])[1]) == pytest.approx(
+        interpolate_table(red, y.nbytes))
+    assert b1 > b0
+    # no reduce table (an older calibration): nothing added
+    m2 = _with_tables({"matmul/fp32": mm})
+    _, b2 = CostModel(m2).op_time("Linear", {}, [x, w, bias], [y])
+    assert b2 == pytest.approx(2 * interpolate_table(mm, kernel_work("Linear", [x, w, bias], [y])[1]))
+
+
 def test_embedding_tables_forward_and_backward():
     fwd, bwd = [[1e3, 5e-6], [1e9, 1e-3]], [[1e3, 9e-6], [1e10, 2e-2]]
     m = _with_tables({"embedding_fwd/fp32": fwd, "embedding_bwd/fp32": bwd})
