@@ -32,10 +32,26 @@ micro-batch losses, broadcast from the last stage.  BatchNorm over micro-batches
 micro-batch's statistics, which is not one device's training: refused unless ``--per-device-bn``.
 
 Stages of different sizes (data-parallel degrees K_i) run as R = lcm(K_i) virtual pipelines (see
-:class:`PipelineTrainer`).  Limits (refused by :func:`check_pipeline` with a one-line error before any process
-starts): parallelism inside a stage other than data parallelism (tensor/Megatron parallelism: a stage's sub-plan
-lowered on a sub-group is not built), a schedule other than 1F1B, a batch that M R does not divide,
-non-floating tensors crossing stages.
+:class:`PipelineTrainer`).
+
+**Lowered stages** (tensor/Megatron parallelism inside, hybrids).  When some stage is not data parallel
+inside, every stage runs lowered (:class:`LoweredPipelineTrainer`): its :class:`StageGraph` -- the stage's
+own sub-plan at the micro-batch (the plan's PCG rebatched to B/M, the stage's nodes with their views, an
+Input per tensor received, a Reduce / Combine / Replicate chain leaving each tensor it sends whole on every
+one of its devices) -- is run by :class:`executor.train.Trainer`'s lowering on the stage's devices (DTensor
+redistributions and torch.distributed collectives on process groups of those devices; every rank creates
+every stage's groups in one agreed order).  Stages have K devices each and K pipelines run, pipeline j made
+of device j of every stage, every pipeline carrying whole micro-batches: a received tensor is read as local
+slices (no communication), a sent one is assembled in the stage (the all-gather or all-reduce the plan's
+layout needs; its backward sums the gradient shares the next stage's devices send back).  The loss is the
+Trainer's per-piece loss on the last stage's devices (pieces where they lie; the whole class rows for
+cross-entropy), gradients are accumulated over the micro-batches, replicated weight regions all-reduced
+over the devices that read them (the Trainer's buckets; shards are not), then divided by M.
+
+Limits (refused by :func:`check_pipeline` with a one-line error before any process starts): lowered
+stages of different device counts, BatchNorm in lowered stages, a weight read in two stages, partial sums
+crossing stages, a schedule other than 1F1B, a batch that M R does not divide, non-floating tensors
+crossing stages.
 """
 from __future__ import annotations
 
@@ -195,9 +211,7 @@ def _dp_node(g: PCG, plan, n, i: int, devices, degree_of: dict, order_of: dict) 
     if deg != K or deg > len(devices[i]):
         what = "a single-device" if len(devices[i]) == 1 else f"a {len(devices[i])}-device"
         raise PipelineError(f"plan: node {n.label()} ({n.op}) runs {deg} task(s) inside {what} pipeline "
-                            f"stage whose operators run {K}; the executor runs stages whose operators are "
-                            f"all data parallel on the same devices (no tensor/Megatron parallelism inside "
-                            f"a stage)")
+                            f"stage whose operators run {K}")
     devs = tuple(v.devices()) if v is not None else (devices[i][:1] if K == 1 else None)
     if K > 1:
         _check_batch_split(g, n, K)
@@ -279,8 +293,7 @@ def _check_batch_split(g: PCG, n, K: int) -> None:
         copied = all(d.degree == 1 for d in s.dims) and s.copy_degree == K
         if s.sum_degree != 1 or not (split or copied):
             raise PipelineError(f"plan: node {n.label()} ({n.op}) in a {K}-device pipeline stage is not data "
-                                f"parallel (shape {s}); the executor runs data parallelism inside stages only "
-                                f"(tensor/Megatron parallelism inside a stage is not supported)")
+                                f"parallel (shape {s})")
 
 
 def check_pipeline(plan, per_device_bn: bool = True) -> None:

@@ -226,3 +226,41 @@ def test_megatron_pipeline_resume_continues_exactly(tmp_path, capfd):
     ck = tmp_path / "ck"
     assert run("--steps", 3, "--checkpoint", ck) == full[:3]
     assert run("--steps", 2, "--checkpoint", ck, "--resume") == full[3:]
+
+
+@pytest.mark.slow
+def test_optimize_megatron_pipeline_plan_trains_like_one_process(tmp_path, capfd):
+    """The joint search's own plan where only Megatron inside the stages fits (tests/search/
+    test_pipeline_megatron.py's 8-device machine, tiny GPT at batch 64): 4 stages x 2-way tensor
+    parallelism, 64 micro-batches, on 8 processes, trains as one process (3 steps, SGD)."""
+    import dataclasses
+
+    from unity_pcg import zoo
+    from unity_pcg.onnx_import import load_onnx
+    from unity_pcg.search.optimize import optimize
+    from tests.search.test_pipeline_megatron import machine
+    model = str(tmp_path / "gpt.onnx")
+    zoo.export("gpt_350m", model, size="tiny", batch=64)
+    res = optimize(load_onnx(model, load_weights=False), machine(), budget_s=10, max_candidates=5)
+    assert res.stats["chosen"] == "pipeline"
+    pl = dataclasses.replace(res.plan, model_path=model, model_sha256=P.file_sha256(model))
+    pp = str(tmp_path / "opt.json")
+    pl.save(pp)
+    M, stages = resolve(P.load(pp))
+    assert all(st.lowered for st in stages) and len(stages) > 1 and len(stages[0].devices) == 2
+    from unity_pcg.cli import main
+    from unity_pcg.executor.data import open_data
+    from unity_pcg.executor.train import Trainer
+    from tests.executor.runtime_plans import one_device_plan
+    capfd.readouterr()
+    rc = main(["run", pp, "--model", model, "--steps", "3", "--optimizer", "sgd", "--lr", "0.02", "--seed", "3",
+               "--checkpoint", str(tmp_path / "ck"), "--json"])
+    out, err = capfd.readouterr()
+    assert rc == 0, err
+    one = P.load(one_device_plan(model, str(tmp_path / "one.json")))
+    t = Trainer(one, model, rank=0, world=1, seed=3, optimizer="sgd", lr=0.02)
+    src = open_data(one.pcg, None, seed=3)
+    ref = [t.step(*src.feeds(s)) for s in range(3)]
+    got = json.loads(out)
+    assert got["nproc"] == 8
+    _assert_same(got, ref, C.read_model(str(tmp_path / "ck")), t.model_state())
