@@ -36,7 +36,7 @@ import statistics
 import sys
 import time
 import warnings
-from dataclasses import asdict
+from dataclasses import asdict, replace
 from typing import Callable
 
 from unity_pcg.machine import DeviceSpec, LinkSpec, MachineSpec
@@ -153,6 +153,191 @@ def measure_compute(quick: bool = False, quiet: bool = False, threads: int = 1, 
     t = _median_time(opt.step, reps * 3, warmup=2, window=w)
     out["update_overhead"] = t / len(ps)
     _say(f"optimizer step overhead: {out['update_overhead'] * 1e6:.1f} us per weight tensor", quiet)
+    return out
+
+
+def local_cases(quick: bool = False) -> list:
+    """The kernels of the per-class tables of CPU processes (:func:`measure_kernels`): the sizes small models'
+    steps run on one process (a piece of a 512-2048 wide layer at batch 8 to 128, attention of a few
+    heads over 32 to 128 positions), from a few hundred FLOPs or bytes, where the per-kernel cost
+    dominates, to tens of MB or hundreds of MFLOPs.  ``search.calibrate_gpu.Case`` objects of its classes,
+    plus ``default`` (a transpose, a view as the executor's reshapes, transposes and slices are)."""
+    from .calibrate_gpu import Case
+    out: list = []
+
+    def add(cls, label, *params):
+        out.append(Case(cls, label, tuple(params)))
+    mm = ([(8, 32, 32), (32, 128, 128), (64, 512, 512), (128, 1024, 1024)] if quick else
+          [(8, 32, 32), (16, 64, 64), (32, 128, 128), (64, 256, 256), (64, 512, 512), (64, 512, 1024),
+           (128, 1024, 1024)])
+    for m, k, n in mm:
+        add("matmul", f"{m}x{k}x{n}", m, k, n)
+    bm = [(4, 16, 16, 16), (32, 32, 64, 32)] if quick else [(4, 16, 16, 16), (8, 32, 64, 32), (32, 32, 64, 32),
+                                                             (32, 128, 64, 128)]
+    for b, m, k, n in bm:
+        add("bmm", f"{b}x{m}x{k}x{n}", b, m, k, n)
+    counts = [2 ** 8, 2 ** 14, 2 ** 20] if quick else [2 ** 8, 2 ** 11, 2 ** 14, 2 ** 17, 2 ** 20]
+    for n in counts:
+        add("elementwise", f"relu{n}", "relu", n)
+        add("elementwise", f"add{n}", "add", n)
+        add("default", f"transpose{n}", n)
+        cols = 256 if n >= 256 else n
+        add("norm", f"layernorm{n}", max(n // cols, 1), cols)
+        sc = 32 if n <= 2 ** 14 else 128
+        add("softmax", f"softmax{n}", max(n // sc, 1), sc)
+    if not quick:
+        for n in (2 ** 10, 2 ** 16):
+            add("reduce", f"sum{n}", max(n // 256, 1), min(n, 256))
+        for ch, hw in ((8, 8), (32, 16)):
+            add("norm", f"batchnorm{ch}x{hw}", 8, ch, hw)
+            add("pool", f"maxpool{ch}x{hw}", "max", 8, ch, hw)
+        for b, c, h in ((2, 8, 8), (8, 32, 16)):
+            add("conv", f"n{b}c{c}h{h}k3", b, c, h, c, 3, 1, 1)
+            add("conv1x1", f"n{b}c{c}h{h}", b, c, h, c, 1, 1, 1)
+    emb = [(1000, 64, 64), (30_000, 128, 1024)]
+    for r, d, n in emb:
+        add("embedding", f"r{r}d{d}n{n}", r, d, n)
+    opt = [(8, 2 ** 6), (8, 2 ** 12), (4, 2 ** 18)] if quick else [(8, 2 ** 6), (8, 2 ** 10), (8, 2 ** 14),
+                                                                  (4, 2 ** 18), (2, 2 ** 20)]
+    for k, s in opt:
+        add("optimizer_sgd", f"{k}x{s}", k, s)
+        add("optimizer_adam", f"{k}x{s}", k, s)
+    return out
+
+
+def _build_kernel(c) -> dict | None:
+    """``search.calibrate_gpu.build_case`` of ``c`` on this CPU in fp32 (and the ``default`` class's transpose)."""
+    from .calibrate_gpu import _shape, build_case
+    if c.cls != "default":
+        return build_case(c, "cpu", "fp32")
+    import torch
+
+    from .cost import kernel_work
+    n = c.params[0]
+    cols = 64 if n >= 64 else n
+    x = torch.randn(n // cols, cols).requires_grad_(True)
+    f = (lambda: x.transpose(0, 1))       # a view, as the executor runs Reshape, Transpose and Slice
+    y = f()
+    g = torch.ones_like(y)
+    work = kernel_work("Transpose", [_shape(x)], [_shape(y)], kind="default")
+
+    def bwd():
+        torch.autograd.grad(y, [x], g, retain_graph=True)
+    return {"fwd": f, "bwd": bwd, "work": work, "names": ("default", "default_bwd"), "key_mode": "fp32",
+            "graph": (y, [x], g)}
+
+
+def prepare_kernels(quick: bool = False) -> list:
+    """Build every :func:`local_cases` kernel once: ``[(case, built, backward callable, copies)]``; a short
+    kernel's backward is one ``autograd.grad`` call over up to 16 independent copies
+    (``search.calibrate_gpu.joint_backward``), as a training step's backward pass shares the engine's start."""
+    from .calibrate_gpu import backward_copies, joint_backward
+    out = []
+    for c in local_cases(quick):
+        b = _build_kernel(c)
+        if b is None:
+            continue
+        per = b.get("per_call", 1)
+        tf = _median_time(b["fwd"], 3, warmup=1) / per
+        bwd, k = None, 1
+        if b["bwd"] is not None:
+            k = backward_copies(tf)
+            if k > 1 and "graph" in b:
+                bwd = joint_backward([b] + [_build_kernel(c) for _ in range(k - 1)])
+            else:
+                bwd, k = b["bwd"], 1
+        out.append((c, b, bwd, k))
+    return out
+
+
+def measure_kernels(prepared: list, window: float = 0.0, samples: int = 1) -> dict:
+    """One round over every prepared kernel, interleaved (each kernel's forward then backward, all kernels
+    in turn, ``samples`` times): ``{"<class>:<label>": {"fwd": [s, ...], "bwd": [s, ...]}}`` (seconds per
+    kernel; the optimizer's per tensor).  Rounds spread over a calibration share the host's load with
+    the other benchmarks, and a kernel's number is the median over all its samples."""
+    out: dict = {}
+    for _ in range(max(1, samples)):
+        for c, b, bwd, k in prepared:
+            rec = out.setdefault(f"{c.cls}:{c.label}", {"fwd": [], "bwd": []})
+            rec["fwd"].append(_median_time(b["fwd"], 1, warmup=1, window=window) / b.get("per_call", 1))
+            if bwd is not None:
+                rec["bwd"].append(_median_time(bwd, 1, warmup=1, window=window) / k)
+    return out
+
+
+def kernel_rows(prepared: list, samples: dict) -> list:
+    """Rows as ``search.calibrate_gpu.measure_cases`` gives them (``fit_rows`` makes the tables) from the
+    measured ``{"<class>:<label>": {"fwd": s, "bwd": s or absent}}``."""
+    rows = []
+    for c, b, _, _ in prepared:
+        rec = samples.get(f"{c.cls}:{c.label}")
+        if not rec or not rec.get("fwd"):
+            continue
+        rows.append({"class": c.cls, "label": c.label, "mode": "fp32", "key_mode": b["key_mode"],
+                     "names": list(b["names"]), "work": list(b["work"]), "fwd": rec["fwd"],
+                     "bwd": rec.get("bwd") or None})
+    return rows
+
+
+COLLECTIVE_KINDS = ("all_reduce", "all_gather", "broadcast")
+
+
+def measure_collective_tables(world: int, rank: int, quick: bool = False) -> dict:
+    """Seconds of gloo collectives per group size and tensor size in a running process group of
+    ``world`` (every rank calls this at the same time): for each group size ``g`` dividing ``world``,
+    the ranks split into ``world / g`` groups of consecutive ranks that all run the collective at once
+    (as the groups of a hybrid plan do), over float32 tensors of 64 to 1M elements (``all_gather``:
+    each member's piece is ``1/g`` of the size).  ``rounds`` interleaved sweeps of ``reps`` calls each,
+    a barrier over all ranks before every call, the median of each rank's calls:
+    ``{kind: {str(g): {str(bytes): seconds}}}`` (bytes: the full tensor; for all-gather the gathered one)."""
+    import torch
+    import torch.distributed as dist
+    sizes = [2 ** k for k in ((6, 10, 14, 18) if quick else (6, 8, 10, 12, 14, 16, 18, 20))]
+    reps, rounds = (3, 2) if quick else (5, 3)
+    gsizes = [g for g in range(2, world + 1) if world % g == 0]
+    mine = {}
+    for g in gsizes:
+        for start in range(0, world, g):
+            pg = None if g == world else dist.new_group(list(range(start, start + g)))
+            if start <= rank < start + g:
+                mine[g] = (pg, start)
+    ops = []
+    for g in gsizes:
+        pg, root = mine[g]
+        for n in sizes:
+            full = torch.ones(n)
+            piece = torch.ones(max(n // g, 1))
+            parts = [torch.empty_like(piece) for _ in range(g)]
+            ops.append(("all_reduce", g, 4 * n, lambda full=full, pg=pg: dist.all_reduce(full, group=pg)))
+            ops.append(("all_gather", g, 4 * g * piece.numel(),
+                        lambda parts=parts, piece=piece, pg=pg: dist.all_gather(parts, piece, group=pg)))
+            ops.append(("broadcast", g, 4 * n, lambda full=full, pg=pg, root=root: dist.broadcast(full, root, group=pg)))
+    for _, _, _, fn in ops:
+        fn()
+    ts: dict = {}
+    for _ in range(rounds):
+        for kind, g, nb, fn in ops:
+            for _ in range(reps):
+                dist.barrier()
+                t = time.perf_counter()
+                fn()
+                ts.setdefault((kind, g, nb), []).append(time.perf_counter() - t)
+    out: dict = {k: {} for k in COLLECTIVE_KINDS}
+    for (kind, g, nb), v in ts.items():
+        out[kind].setdefault(str(g), {})[str(nb)] = statistics.median(v)
+    return out
+
+
+def collective_tables(per_rank: list) -> dict:
+    """``{kind: {str(g): [[bytes, seconds], ...]}}`` from every rank's :func:`measure_collective_tables`:
+    the slowest rank per size (a collective ends for the group when its last member has it), points made
+    non-decreasing (``search.calibrate_gpu.make_table``)."""
+    from .calibrate_gpu import make_table
+    out: dict = {}
+    for kind in per_rank[0]:
+        for g, pts in per_rank[0][kind].items():
+            worst = [(float(nb), max(r[kind][g][nb] for r in per_rank)) for nb in pts]
+            out.setdefault(kind, {})[g] = make_table(worst)
     return out
 
 
@@ -295,12 +480,22 @@ def _world_worker(rank: int, world: int, port: int, quick: bool, threads: int, w
     torch.set_num_threads(threads)
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
     try:
-        # the compute benchmarks in rounds spread over the calibration (start, after DDP's, after the
-        # all-reduce sweep), the median of each number over the rounds: a burst of load from other
-        # jobs on a shared host then sets no number alone
+        # the compute benchmarks and the kernel tables in rounds spread over the calibration (start, after
+        # DDP's, after the all-reduce sweep, after the collective tables), the median of each number over
+        # the rounds: a burst of load from other jobs on a shared host then sets no number alone
+        prepared = prepare_kernels(quick)
+        kern: dict = {}
+
+        def kernel_round(samples: int = 1) -> None:
+            dist.barrier()
+            for key, rec in measure_kernels(prepared, window=window, samples=samples).items():
+                mine = kern.setdefault(key, {"fwd": [], "bwd": []})
+                mine["fwd"] += rec["fwd"]
+                mine["bwd"] += rec["bwd"]
         comps = []
         dist.barrier()
         comps.append(measure_compute(quick, quiet=True, threads=threads, window=window))
+        kernel_round(2 if quick else 1)
         dist.barrier()
         solo = measure_solo(world, rank, quick, window=window)
         with warnings.catch_warnings():
@@ -309,14 +504,19 @@ def _world_worker(rank: int, world: int, port: int, quick: bool, threads: int, w
         if not quick:
             dist.barrier()
             comps.append(measure_compute(quick, quiet=True, threads=threads, window=window))
+            kernel_round()
         sizes = [1, 2 ** 12, 2 ** 16, 2 ** 18, 2 ** 20] + ([] if quick else [2 ** 22])
         ar = _allreduce_sweep(sizes, 5 if quick else 10, rounds=2 if quick else 3)
         if not quick:
             dist.barrier()
             comps.append(measure_compute(quick, quiet=True, threads=threads, window=window))
+            kernel_round()
+        coll = measure_collective_tables(world, rank, quick)
+        kernel_round()
         comp = _median_tree(comps)
         comp["solo_speedup"] = solo
-        q.put((rank, {"compute": comp, "ddp": ddp, "allreduce": ar}))
+        kernels = {k: {d: statistics.median(v[d]) for d in ("fwd", "bwd") if v[d]} for k, v in kern.items()}
+        q.put((rank, {"compute": comp, "ddp": ddp, "allreduce": ar, "kernels": kernels, "collectives": coll}))
     finally:
         dist.destroy_process_group()
 
@@ -346,13 +546,24 @@ def measure_world(world: int, quick: bool = False, threads: int | None = None, w
     for p in procs:
         p.start()
     try:
-        got = [q.get(timeout=600)[1] for _ in range(world)]
+        got = []
+        deadline = time.monotonic() + 900
+        while len(got) < world:
+            try:
+                got.append(q.get(timeout=2)[1])
+            except Exception:     # queue.Empty: a rank that died (an error, killed) sends nothing
+                dead = [p.exitcode for p in procs if p.exitcode not in (None, 0)]
+                if dead or time.monotonic() > deadline:
+                    raise RuntimeError(f"calibration of {world} processes failed: "
+                                       + (f"a rank exited with code {dead[0]}" if dead else "timed out")) from None
     finally:
         for p in procs:
             p.join(timeout=60)
             if p.is_alive():
                 p.terminate()
+    coll = [g.pop("collectives") for g in got]
     out = _median_tree(got)
+    out["collectives"] = collective_tables(coll)
     out["threads"] = threads
     out["allreduce"] = {int(k): v for k, v in out["allreduce"].items()}
     return out
@@ -398,7 +609,17 @@ def _device_json(dev: DeviceSpec) -> dict:
     d = asdict(dev)
     d["efficiency"] = dict(dev.efficiency)
     d["overheads"] = dict(dev.overheads)
+    d["kernel_tables"] = {k: [list(p) for p in v] for k, v in dict(dev.kernel_tables).items()}
     return d
+
+
+def kernel_tables(quick: bool, measured: dict) -> tuple[dict, dict]:
+    """(fits, tables) of the per-class kernel tables (``search.calibrate_gpu.fit_rows``) from the medians
+    ``measured`` (``{"<class>:<label>": {"fwd": s, "bwd": s}}``); the work of each kernel is labelled
+    here, in the calling process, from the same cases (``search.cost.kernel_work``)."""
+    from .calibrate_gpu import fit_rows
+    built = [(c, _build_kernel(c)) for c in local_cases(quick)]
+    return fit_rows(kernel_rows([(c, b, None, 1) for c, b in built if b is not None], measured))
 
 
 def calibrate(quick: bool = False, worlds: tuple | None = None, quiet: bool = False, device: str | None = None,
@@ -432,11 +653,13 @@ def calibrate(quick: bool = False, worlds: tuple | None = None, quiet: bool = Fa
         res = measure_world(w, quick)
         comp = res["compute"]
         fits[w] = fit_ring(w, res["allreduce"])
-        dev = _device(comp, mem)
+        kfits, tables = kernel_tables(quick, res["kernels"])
+        dev = replace(_device(comp, mem), kernel_tables=tables)
         per_world[str(w)] = {"device": _device_json(dev),
                              "link": {"bandwidth": fits[w]["bandwidth"], "latency": fits[w]["latency"]},
                              "sync": res["ddp"], "threads": res["threads"], "measured": comp,
-                             "solo_speedup": comp["solo_speedup"]}
+                             "solo_speedup": comp["solo_speedup"], "kernels": res["kernels"],
+                             "kernel_fits": kfits, "collectives": res["collectives"]}
         o = comp["overheads"]
         _say(f"  world {w}: matmul {comp['matmul_flops'] / 1e9:.1f} GFLOP/s, conv {comp['conv_flops'] / 1e9:.1f}"
              f" GFLOP/s, one busy alone {comp['solo_speedup']:.2f}x faster, op {comp['op_overhead'] * 1e6:.1f} us, Adam {comp['update_overhead'] * 1e6:.1f} us/tensor;"
@@ -447,7 +670,8 @@ def calibrate(quick: bool = False, worlds: tuple | None = None, quiet: bool = Fa
              f"{fits[w]['bandwidth'] / 1e9:.2f} GB/s; DDP {res['ddp']['iteration'] * 1e6:.0f} us/iteration + "
              f"{res['ddp']['per_tensor'] * 1e6:.1f} us/tensor, buffers {res['ddp']['buffers'] * 1e6:.0f} us", quiet)
     first = min(worlds)
-    dev = _device(per_world[str(first)]["measured"], mem)
+    dev = replace(_device(per_world[str(first)]["measured"], mem),
+                  kernel_tables=per_world[str(first)]["device"]["kernel_tables"])
     link = LinkSpec(fits[first]["bandwidth"], fits[first]["latency"])
     meta = {"calibrated": True, "quick": bool(quick), "cores": cores,
             "threads_per_process": {str(w): per_world[str(w)]["threads"] for w in worlds},

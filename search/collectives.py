@@ -15,7 +15,7 @@ import math
 from collections import defaultdict
 from typing import Iterable, Sequence
 
-from unity_pcg.machine import LinkSpec, MachineSpec
+from unity_pcg.machine import LinkSpec, MachineSpec, interpolate_table
 
 
 def _link(machine: MachineSpec, devs: Sequence[int]) -> LinkSpec | None:
@@ -23,21 +23,43 @@ def _link(machine: MachineSpec, devs: Sequence[int]) -> LinkSpec | None:
     return None if lv == "local" else machine.link(lv)
 
 
+def measured_time(machine: MachineSpec, kind: str, p: int, nbytes: float) -> float | None:
+    """Seconds of collective ``kind`` (``all_reduce``, ``all_gather``, ``broadcast``) over groups of ``p``
+    devices moving ``nbytes`` (the full tensor; all-gather: the gathered one) from a calibrated local
+    machine's measured table (``meta["worlds"][device_world]["collectives"]``, written by
+    ``search.calibrate``: P processes on shared cores wait for descheduled peers, which latency + bytes /
+    bandwidth does not describe), interpolated as kernel tables are; None where the machine has none."""
+    meta = machine.meta
+    w = meta.get("device_world")
+    worlds = meta.get("worlds")
+    if w is None or not worlds:
+        return None
+    tab = ((worlds.get(str(w)) or {}).get("collectives") or {}).get(kind, {}).get(str(p))
+    return interpolate_table(tab, nbytes) if tab else None
+
+
 def allreduce_time(machine: MachineSpec, devs: Sequence[int], nbytes: float) -> float:
-    """Ring all-reduce: 2(p-1) steps of n/p bytes."""
+    """Ring all-reduce: 2(p-1) steps of n/p bytes (a calibrated local machine: its measured table)."""
     p = len(set(devs))
     link = _link(machine, devs)
     if p <= 1 or link is None or nbytes <= 0:
         return 0.0
+    t = measured_time(machine, "all_reduce", p, nbytes)
+    if t is not None:
+        return t
     return 2 * (p - 1) * link.latency + 2 * (p - 1) / p * nbytes / link.bandwidth
 
 
 def allgather_time(machine: MachineSpec, devs: Sequence[int], nbytes: float) -> float:
-    """Ring all-gather of a tensor of ``nbytes`` (gathered size): p-1 steps of n/p bytes."""
+    """Ring all-gather of a tensor of ``nbytes`` (gathered size): p-1 steps of n/p bytes (a calibrated
+    local machine: its measured table)."""
     p = len(set(devs))
     link = _link(machine, devs)
     if p <= 1 or link is None or nbytes <= 0:
         return 0.0
+    t = measured_time(machine, "all_gather", p, nbytes)
+    if t is not None:
+        return t
     return (p - 1) * link.latency + (p - 1) / p * nbytes / link.bandwidth
 
 
@@ -54,11 +76,15 @@ def alltoall_time(machine: MachineSpec, devs: Sequence[int], nbytes: float) -> f
 
 
 def broadcast_time(machine: MachineSpec, devs: Sequence[int], nbytes: float) -> float:
-    """Pipelined (chunked ring) broadcast of ``nbytes`` from one of ``devs`` to the others."""
+    """Pipelined (chunked ring) broadcast of ``nbytes`` from one of ``devs`` to the others (a calibrated
+    local machine: its measured table)."""
     p = len(set(devs))
     link = _link(machine, devs)
     if p <= 1 or link is None or nbytes <= 0:
         return 0.0
+    t = measured_time(machine, "broadcast", p, nbytes)
+    if t is not None:
+        return t
     return math.ceil(math.log2(p)) * link.latency + nbytes / link.bandwidth
 
 
@@ -108,5 +134,5 @@ def allreduce_elements(p: int, numel: int) -> int:
     return 2 * (p - 1) * numel if p > 1 else 0
 
 
-__all__ = ["allreduce_time", "allgather_time", "reduce_scatter_time", "alltoall_time", "broadcast_time",
+__all__ = ["measured_time", "allreduce_time", "allgather_time", "reduce_scatter_time", "alltoall_time", "broadcast_time",
            "reduce_time", "p2p_time", "transfer_time", "allreduce_elements"]

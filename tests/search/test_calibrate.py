@@ -6,6 +6,7 @@ import dataclasses
 import pytest
 
 from unity_pcg.search import calibrate as cal
+from unity_pcg.search import collectives as C
 from unity_pcg.search.baselines import data_parallel
 from unity_pcg.search.cost import CostModel, GraphCost, op_class
 from unity_pcg.search.mapping import MachineMapper
@@ -168,7 +169,10 @@ def test_calibrate_quick_world_two():
     rec = m.meta["worlds"]["2"]
     assert set(rec["sync"]) >= {"iteration", "per_tensor", "buffers"}
     assert "conv1x1" in rec["device"]["overheads"]
+    assert {"matmul/fp32", "matmul_bwd/fp32", "elementwise/fp32", "optimizer_sgd/fp32"} <= set(rec["device"]["kernel_tables"])
+    assert {"all_reduce", "all_gather", "broadcast"} <= set(rec["collectives"]) and "2" in rec["collectives"]["all_reduce"]
     m2 = MachineSpec.from_json(m.to_json()).resized(1, 2)
+    assert m2.device.table("matmul/fp32") and C.measured_time(m2, "all_reduce", 2, 1e4) > 0
     assert m2.share == 1.0 and m2.meta["device_world"] == 2
 
 
