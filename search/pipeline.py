@@ -64,8 +64,10 @@ is the plan file's ``pipeline`` field (schedule, micro_batches, stages with node
 :func:`by_rules` reaches the same plan by the shipped rules where the stages are data parallel inside
 (the stages are a mapping decision; the PCG inside them is rules), with the sequence to record and replay.
 
-**Intra-stage hooks.**  :func:`default_intra` (data parallel) and :func:`megatron_intra` (Megatron-LM's
-tensor parallelism inside the stage with the vocabulary-parallel head, data parallel across).
+**Intra-stage hooks.**  :func:`default_intra` (data parallel), :func:`megatron_intra` (Megatron-LM's
+tensor parallelism inside the stage with the vocabulary-parallel head, data parallel across, built by hand)
+and :func:`megatron_rules_intra` (the same layout built by the shipped rules: its plans record a rule
+sequence through :func:`by_rules`).
 """
 from __future__ import annotations
 
@@ -462,7 +464,88 @@ def megatron_intra(devices_per_node: int, head: bool = True) -> Callable[[PCG, R
                 chosen, extra = keep, ok
         return default_intra(stage, resource)
     hook.__name__ = f"megatron_intra_{devices_per_node}{'_head' if head else ''}"
+    hook.megatron = {"devices_per_node": devices_per_node, "head": head}   # by_rules: its rule-built twin
     return hook
+
+
+_BOOK: list = []
+
+
+def _rule_book():
+    """The shipped rules (loaded once per process, for :func:`megatron_rules_intra`)."""
+    if not _BOOK:
+        from .substitution import RuleBook
+        _BOOK.append(RuleBook())
+    return _BOOK[0]
+
+
+def megatron_rules_intra(devices_per_node: int, head: bool = True, book=None) -> Callable[[PCG, Resource], PCG]:
+    """An ``intra`` hook: Megatron-LM inside the stage built by the shipped rules, so that the plan
+    records a rule sequence (:func:`by_rules`): data parallelism of degree d by rules
+    (``substitution.data_parallel_steps``), then tensor parallelism of degree t = |stage| / d on top
+    (``substitution.tensor_parallel_steps``: the column -> row MLP and attention templates, GPT's masked
+    attention included, and with ``head`` the vocabulary-parallel head), for the largest t dividing
+    ``devices_per_node`` and the stage's devices at which a template applies and the micro-batch
+    divides by d.  Its layout differs from :func:`megatron_intra`'s hand-built one (the operators
+    between the groups run data parallel, not on t copies; the rules keep weights as a dp Replicate
+    under the tensor split), so it is priced on its own.  A stage no template applies to is data
+    parallel (:func:`default_intra`).  The recipe ({"dp": d, "tp": t}) is kept in the stage PCG's
+    ``meta["intra_rules"]`` for :func:`by_rules`."""
+    from .baselines import _divisors_desc
+    from .substitution import data_parallel_steps, tensor_parallel_steps
+
+    def hook(stage: PCG, resource: Resource) -> PCG:
+        if resource.size > 1 and not any(n.kind == "parallel" for n in stage.nodes()):
+            bk = book or _rule_book()
+            b0 = 0
+            for n in stage.sources("Input"):
+                sh = stage.shapes(n.id)[0]
+                if sh.rank:
+                    b0 = gcd(b0, sh.sizes[0])
+            for tp in _divisors_desc(gcd(devices_per_node, resource.size)):
+                dp = resource.size // tp
+                if dp > 1 and (not b0 or b0 % dp):
+                    continue
+                g, _ = data_parallel_steps(stage, dp, bk) if dp > 1 else (stage, [])
+                g, st = tensor_parallel_steps(g, tp, bk, head=head, copies=True)
+                if any(x.rule.startswith("megatron_") for x in st):
+                    out = _copies_out(g, tp, bk)
+                    out.meta = dict(out.meta, intra_rules={"dp": dp, "tp": tp, "head": head, "copies": True})
+                    return out
+        out = default_intra(stage, resource)
+        if out is stage:
+            out = stage.edit().finish()
+        return _with_meta(out, {"dp": _max_degree(out), "tp": 1, "head": False})
+    hook.__name__ = f"megatron_rules_intra_{devices_per_node}{'_head' if head else ''}"
+    return hook
+
+
+def _copies_out(g: PCG, tp: int, book) -> PCG:
+    """The stage's outputs on the ``tp`` copies, as the next Megatron stage reads them: each output taken
+    before its trailing gathers (``substitution.trimmed``) and, where it is one piece per data-parallel
+    group (not split on features, no partial sums), given the Replicate that the next stage's rules lift
+    up to its input, lifted in turn up this stage's residual stream (``substitution._lift_all``: the
+    Adds run on the copies and the last Reduce meets it as one AllReduce, as Megatron-LM does).
+    :func:`by_rules` reaches the same by lifting the next stage's Replicate across the cut; a model
+    output gets no Replicate (the head's is split on its features)."""
+    from .substitution import _lift_all, trailing
+    e = g.edit()
+    outs = []
+    for r in g.outputs:
+        t = trailing(g, r)
+        sh = g.shape(t)
+        if (g.node(t[0]).kind == "compute" and sh.sum_degree == 1 and sh.copy_degree == 1
+                and all(d == 1 for d in sh.degrees[1:])):
+            t = e.add("Replicate", {"degree": tp}, [t])
+        outs.append(tuple(t))
+    e.set_outputs(outs)
+    e.remove_dead()
+    return _lift_all(e.finish(), book, tp, [], None)
+
+
+def _with_meta(g: PCG, recipe: dict) -> PCG:
+    g.meta = dict(g.meta, intra_rules=recipe)
+    return g
 
 
 def _dp_degree(stage: PCG, size: int) -> int:
@@ -776,6 +859,7 @@ def search_pipeline(pcg: PCG, mapper_or_cost_model: MachineMapper | CostModel, *
     _, M, plan, ev = best
     result = _assemble(pcg, graphs[M], plan, M, ev, machine)
     result.origin = _origin(layers, info, plan, ev, intra is default_intra)
+    result.origin.update(max_layers=max_layers, megatron=getattr(intra, "megatron", None))
     result.search_s = time.perf_counter() - t0
     result.stats = dict(stats, estimate_s=ev["estimate"], makespan_s=ev["makespan"])
     return result
@@ -812,6 +896,7 @@ def evaluate_pipeline(pcg: PCG, mapper_or_cost_model: MachineMapper | CostModel,
     ev = _evaluate(gM, roles, info, layers, plan, micro_batches, mapper, intra or default_intra, machine)
     out = _assemble(pcg, gM, plan, micro_batches, ev, machine, stitch)
     out.origin = _origin(layers, info, plan, ev, (intra or default_intra) is default_intra)
+    out.origin.update(max_layers=max_layers, megatron=getattr(intra, "megatron", None))
     out.search_s = time.perf_counter() - t0
     out.stats = {"layers": len(layers), "makespan_s": ev["makespan"]}
     return out
@@ -1068,7 +1153,8 @@ def _origin(layers, info: "_Cuts", plan, ev: dict, dp_inside: bool) -> dict:
     """The model's node ids of every stage and the data-parallel degree inside it (for :func:`by_rules`)."""
     nodes = [[n for u in range(layers[k][0], layers[i - 1][1]) for n in info.units[u]] for k, i, _, _ in plan]
     degrees = [_max_degree(p.pcg) if p.pcg is not None else 1 for p in ev["priced"]]
-    return {"stage_nodes": nodes, "degrees": degrees, "dp_inside": dp_inside}
+    recipes = [p.pcg.meta.get("intra_rules") if p.pcg is not None else None for p in ev["priced"]]
+    return {"stage_nodes": nodes, "degrees": degrees, "dp_inside": dp_inside, "recipes": recipes}
 
 
 def _assemble(pcg: PCG, gM: PCG, plan, M: int, ev: dict, machine: MachineSpec, stitch: bool = True
@@ -1188,7 +1274,8 @@ def _stitch(pcg: PCG, gM: PCG, priced: Sequence[_Priced], plan, machine: Machine
 
 # --- the plan by rules --------------------------------------------------------------------------------
 
-def by_rules(pcg: PCG, result: PipelineResult, machine: MachineSpec, book=None) -> PipelineResult | None:
+def by_rules(pcg: PCG, result: PipelineResult, machine: MachineSpec, book=None, mapper=None
+             ) -> PipelineResult | None:
     """The same plan reached by the shipped rules from the logical ``pcg`` (issue 7 point 1), or None.
 
     The stages are a mapping decision (which devices run which nodes, the 1F1B schedule); the PCG
@@ -1199,21 +1286,47 @@ def by_rules(pcg: PCG, result: PipelineResult, machine: MachineSpec, book=None) 
     result is the rule-reached PCG, the stitched plan's views and stage nodes carried over node by node
     (matched by structural hash with parallel dims counted from the front: the hand-built stages and
     the rules write them differently), and ``rules`` the sequence (replayed on a fresh import it gives
-    the plan's structural hash).  None when the stages are not data parallel inside (Megatron's stages
-    have no rule sequence yet), the plan was not stitched, or the rules do not reach the stitched PCG
+    the plan's structural hash).  Stages built by :func:`megatron_rules_intra` repeat their recipe
+    (``origin["recipes"]``: data parallelism of degree d by rules, then
+    ``substitution.tensor_parallel_steps(copies=True)`` at degree t, restricted to the stage's nodes and the
+    nodes those steps add).  None when the stages were built by hand and are not data parallel inside
+    (:func:`megatron_intra`), the plan was not stitched, or the rules do not reach the stitched PCG
     (or its stages would not be contiguous in the rule-reached PCG's topological order)."""
     info = result.origin
-    if result.pcg is None or not result.feasible or info is None or not info.get("dp_inside"):
+    if result.pcg is None or not result.feasible or info is None:
+        return None
+    if info.get("megatron") and mapper is not None:
+        return _megatron_by_rules(pcg, result, machine, book, mapper)
+    recipes = info.get("recipes") or []
+    if not info.get("dp_inside") and (not recipes or any(r is None for r in recipes)):
         return None
     if any(n.kind == "parallel" for n in pcg.nodes()):
         return None
-    from .substitution import RuleBook, cancel_steps, trimmed
+    from .substitution import RuleBook, cancel_steps, tensor_parallel_steps, trimmed
     book = book or RuleBook()
     g, steps = pcg, []
-    for nodes, d in zip(info["stage_nodes"], info["degrees"]):
-        if d > 1:
+    tp_nodes: set = set()            # the nodes of the Megatron stages (and those their steps add)
+    for k, (nodes, d) in enumerate(zip(info["stage_nodes"], info["degrees"])):
+        rec = recipes[k] if not info.get("dp_inside") else None
+        if rec is not None:          # Megatron by rules inside the stage (megatron_rules_intra)
+            before = set(g.node_ids())
+            if rec["dp"] > 1:
+                g, st = _dp_steps_on(g, set(nodes), rec["dp"], book)
+                steps.extend(st)
+            if rec["tp"] > 1:
+                within = set(nodes) | (set(g.node_ids()) - before)
+                g, st = tensor_parallel_steps(g, rec["tp"], book, within=within, head=rec.get("head", False),
+                                              copies=rec.get("copies", False))
+                steps.extend(st)
+                tp_nodes |= within
+        elif d > 1:
             g, st = _dp_steps_on(g, set(nodes), d, book)
             steps.extend(st)
+    if any(r is not None and r["tp"] > 1 for r in recipes) and not info.get("dp_inside"):
+        # a Megatron stage's Replicate at its input lifted across the cut into the stage before (its
+        # outputs on the copies, see _copies_out)
+        from .substitution import _lift_all
+        g = _lift_all(g, book, 2, steps, tp_nodes)
     g, more = cancel_steps(g, book)
     steps.extend(more)
     g = trimmed(g)
@@ -1228,14 +1341,65 @@ def by_rules(pcg: PCG, result: PipelineResult, machine: MachineSpec, book=None) 
                                                    and g.node(ids[n]).kind != "source"), key=pos.__getitem__)))
                    for st in result.stages)
     from unity_pcg.plan import validate_pipeline_field as _valid
-    try:
-        _valid({"schedule": SCHEDULE, "micro_batches": result.micro_batches,
-                "stages": [{"nodes": list(st.nodes), "devices": list(st.devices)} for st in stages]},
-               g, views, machine)
-    except UnityError:
-        return None
+
+    def valid(g, views, stages) -> bool:
+        try:
+            _valid({"schedule": SCHEDULE, "micro_batches": result.micro_batches,
+                    "stages": [{"nodes": list(st.nodes), "devices": list(st.devices)} for st in stages]},
+                   g, views, machine)
+        except UnityError:
+            return False
+        return True
+    if not valid(g, views, stages):
+        # a Replicate lifted across a cut (Megatron stages) adds nodes to a stage after the next stage's:
+        # the same PCG with its ids in stage order (the structural hash, which a replay is checked
+        # against, does not depend on ids)
+        g, views, stages = _in_stage_order(g, views, stages)
+        if not valid(g, views, stages):
+            return None
     g.meta.update(result.pcg.meta)
     out = replace(result, pcg=g, views=views, stages=stages, rules=tuple(steps))
+    return out
+
+
+def _in_stage_order(g: PCG, views: dict, stages: tuple):
+    """``g`` rebuilt with fresh ids: the nodes in no stage list first (sources), then each stage's nodes
+    in the order of its list; ``views`` and the stage lists carried over."""
+    where = {n: k for k, st in enumerate(stages) for n in st.nodes}
+    first = [n for n in g.topo_order() if n not in where]
+    b = PCG.builder(g.weights)
+    new: dict = {}
+    for nid in first + [n for st in stages for n in st.nodes]:
+        n = g.node(nid)
+        if any(r[0] not in new for r in n.inputs):      # a stage reads a later one: no such order
+            return g, views, stages
+        new[nid] = b.add_node(n.op, n.a, [(new[r[0]], r[1]) for r in n.inputs], n.name)
+    b.set_outputs([(new[r[0]], r[1]) for r in g.outputs])
+    b.meta = dict(g.meta)
+    h = b.finish()
+    return (h, {new[k]: v for k, v in views.items() if k in new},
+            tuple(replace(st, nodes=tuple(new[n] for n in st.nodes)) for st in stages))
+
+
+def _megatron_by_rules(pcg: PCG, result: PipelineResult, machine: MachineSpec, book, mapper
+                       ) -> PipelineResult | None:
+    """A plan whose stages the hand-built :func:`megatron_intra` parallelized, reached by rules: the same
+    stages, devices and micro-batches priced with :func:`megatron_rules_intra` (Megatron-LM's layout built
+    by rules) and taken, with its rule sequence, when it is feasible and predicted no slower (on tiny GPT
+    they cost the same); else None (the hand-built plan, no rule sequence)."""
+    meg = result.origin["megatron"]
+    plan = [(st.layers[0], st.layers[1], st.devices[0], len(st.devices)) for st in result.stages]
+    try:
+        twin = evaluate_pipeline(pcg, mapper, plan, result.micro_batches,
+                                 intra=megatron_rules_intra(meg["devices_per_node"], meg["head"], book),
+                                 max_layers=result.origin.get("max_layers", 12))
+    except UnityError:
+        return None
+    if not twin.feasible or twin.cost > result.cost * (1 + 1e-9):
+        return None
+    out = by_rules(pcg, twin, machine, book)
+    if out is not None:
+        out = replace(out, search_s=result.search_s, stats=dict(result.stats, rules_twin_cost_s=twin.cost))
     return out
 
 

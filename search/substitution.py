@@ -207,6 +207,63 @@ def _dp_rule_names(op: str, book: "RuleBook") -> list[str]:
     return got
 
 
+#: rules ``Replicate(op(a, b..)) -> op(Replicate(a), Replicate(b)..)``: an operator over constants that data
+#: parallelism cannot partition (BERT's position Embedding over a [1, S] index) computed on every device
+LIFT_PREFIX = "replicate_lift_"
+
+
+def _on_constants(g: PCG, n) -> bool:
+    """Whether every input of ``n`` is a non-Input source (a Weight, a constant), possibly behind parallel operators."""
+    for r in n.inputs:
+        m = g.node(r[0])
+        while m.kind == "parallel":
+            m = g.node(m.inputs[0][0])
+        if m.kind != "source" or m.op == "Input":
+            return False
+    return bool(n.inputs)
+
+
+def _lift_rules(book: RuleBook) -> list[Rule]:
+    got = book.__dict__.get("_lift_rules")
+    if got is None:
+        got = book._lift_rules = [r for n, r in book.by_name.items() if n.startswith(LIFT_PREFIX) and "~" not in n]
+    return got
+
+
+def lift_steps(g: PCG, book: RuleBook, window: Iterable[int] | None = None) -> tuple[PCG, list[RuleStep]]:
+    """Lift every Replicate in ``window`` (all if None) above an operator over constants that has a
+    ``replicate_lift_<Op>`` rule (the operator then runs on copies of its operands: what the hand-built
+    data-parallel baseline does with weight-derived operators), merging the placements that duplicates."""
+    rules = _lift_rules(book)
+    steps: list[RuleStep] = []
+    if not rules:
+        return g, steps
+    w = set(window) if window is not None else None
+    while True:
+        for r in rules:
+            done = False
+            for m in iter_matches(r, g, _window_index(g, w), None, (2,)):
+                if not all(_on_constants(g, g.node(i)) for i in m.nodes if g.node(i).kind == "compute"):
+                    continue
+                g2 = try_apply(g, m)
+                if g2 is None:
+                    continue
+                steps.append(RuleStep.of(m))
+                fresh = set(new_ids(g, g2))
+                if w is not None:
+                    w |= fresh
+                cw = fresh | {i[0] for k in fresh for i in g2.node(k).inputs}
+                cw |= {c for i in list(cw) for kk in range(len(g2.shapes(i))) for c, _ in g2.consumers((i, kk))}
+                g, more = cancel_steps(g2, book, cw)
+                steps.extend(more)
+                done = True
+                break
+            if done:
+                break
+        else:
+            return g, steps
+
+
 def cancel_steps(g: PCG, book: RuleBook, window: Iterable[int] | None = None,
                  max_steps: int = 10_000) -> tuple[PCG, list[RuleStep]]:
     """Merge duplicate Partition/Replicate nodes and cancel Combine->Partition pairs until none is left."""
@@ -271,6 +328,8 @@ def data_parallel_steps(g: PCG, degree: int, book: RuleBook,
                     if siblings:
                         window |= {c for i in ins for kk in range(len(g.shapes(i))) for c, _ in g.consumers((i, kk))}
                 g, more = cancel_steps(g, book, window)
+                steps.extend(more)
+                g, more = lift_steps(g, book, {k for k in window if k in g})
                 steps.extend(more)
                 done = True
                 break
@@ -340,7 +399,10 @@ TP_RULE_PREFIX = TP_RULE_PREFIXES[0]
 def _unary_lift_rules(book: "RuleBook") -> list[Rule]:
     """Rules ``Replicate(u(x)) -> u(Replicate(x))`` for an element-wise unary ``u``, found by their
     patterns (the generated rules' names carry a hash)."""
-    out = []
+    got = book.__dict__.get("_unary_lifts")
+    if got is not None:
+        return got
+    out = book._unary_lifts = []
     for r in book.rules:
         s, t = [n.op for n in r.source.nodes], [n.op for n in r.target.nodes]
         if len(s) == 2 and s[1] == "Replicate" and t == ["Replicate", s[0]] and s[0] in ("Relu", "Gelu"):
@@ -348,42 +410,96 @@ def _unary_lift_rules(book: "RuleBook") -> list[Rule]:
     return out
 
 
-def _apply_everywhere(g: PCG, rule: Rule, degree: int, steps: list, fresh: Sequence[str] | bool = ()) -> PCG:
+def _apply_everywhere(g: PCG, rule: Rule, degree: int, steps: list, fresh: Sequence[str] | bool = (),
+                      within: set | None = None, where: Callable[[PCG, Match], bool] | None = None) -> PCG:
     """Apply ``rule`` (free degrees bound to ``degree``) at its first valid match until none is left;
     inputs named in ``fresh`` (``True``: every input bound to a weight) must not be split yet (no
-    template nested in its own result)."""
+    template nested in its own result).  ``within``: only matches whose nodes all lie in it (a pipeline
+    stage's nodes), grown by the nodes each step adds; ``where(g, match)``: a further condition."""
     while True:
-        for m in iter_matches(rule, g, GraphIndex(g), None, (degree,)):
+        idx = _window_index(g, within)
+        for m in iter_matches(rule, g, idx, None, (degree,)):
+            if within is not None and not all(n in within for n in m.nodes):
+                continue
             if any(not all(d.degree == 1 for d in g.shape(r).dims) for k, r in m.inputs
                    if (_from_weight(g, r) if fresh is True else k in fresh)):
+                continue
+            if where is not None and not where(g, m):
                 continue
             g2 = try_apply(g, m)
             if g2 is not None:
                 steps.append(RuleStep.of(m))
+                if within is not None:
+                    within |= set(new_ids(g, g2))
                 g = g2
                 break
         else:
             return g
 
 
-def tensor_parallel_steps(g: PCG, degree: int, book: RuleBook) -> tuple[PCG, list[RuleStep]]:
+def _feeds_output(g: PCG, nid: int) -> bool:
+    """Whether ``nid``'s first output reaches a graph output through parallel operators only."""
+    outs = {trailing(g, r) for r in g.outputs}
+    return (nid, 0) in outs
+
+
+#: the vocabulary-parallel head of Megatron-LM: a Linear whose output is a model output, split on its output
+#: features (the Combine it ends in is trimmed with the outputs: the loss is computed where each piece lives)
+HEAD_RULE = "megatron_column_linear"
+
+
+def _lift_all(g: PCG, book: RuleBook, degree: int, steps: list, within: set | None) -> PCG:
+    """Lift every Replicate as far up as a ``replicate_lift_<Op>`` rule (or an element-wise unary lift)
+    takes it, merging the copies of a tensor as they meet (``replicate_cse``) and fusing a Reduce met
+    by its Replicate into an AllReduce, until nothing changes: Megatron-LM's layout, where the operators
+    between the tensor-parallel groups run on the copies and each group ends in one AllReduce."""
+    lifts = _lift_rules(book) + _unary_lift_rules(book)
+    fuse = book.by_name.get("reduce_replicate_allreduce")
+    while True:
+        n0 = len(steps)
+        for r in lifts + ([fuse] if fuse is not None else []):
+            g = _apply_everywhere(g, r, degree, steps, within=within)
+        g2, more = cancel_steps(g, book, within)
+        if within is not None:
+            within |= set(new_ids(g, g2))
+        g = g2
+        steps.extend(more)
+        if len(steps) == n0:
+            return g
+
+
+def tensor_parallel_steps(g: PCG, degree: int, book: RuleBook, within: set | None = None,
+                          head: bool = False, copies: bool = False) -> tuple[PCG, list[RuleStep]]:
     """Megatron tensor parallelism of ``degree`` by rules on top of ``g`` (e.g. a data-parallel seed
     inside each node, as Alpa's CANDLE-Uno plan): every template of :data:`TP_RULE_PREFIXES`
     (``megatron_mlp_column_*``, the column-split embedding tables) at every match on unsplit weights, then each Replicate lifted above the activation it follows and every
     Reduce -> Replicate fused into an AllReduce, then the usual cancellations.  A search seed: the
     single steps climb a cost hill (one pair alone costs 2-3x the data-parallel seed on CANDLE-Uno,
     so alpha pruning never lets best-first reach the layout; benchmarks/unity_vs_alpa_diag.py).
-    Returns (g, []) when no template matches."""
+    ``within``: only on these nodes (a pipeline stage's, grown by the nodes the steps add; the
+    cancellations then end in it too); ``head``: also the vocabulary-parallel head (:data:`HEAD_RULE` on
+    every Linear with an unsplit weight whose output is a model output; ``search.pipeline.megatron_rules_intra``);
+    ``copies``: Megatron-LM's layout (``megatron_rules_intra``): the embedding tables are not split, and
+    every Replicate is then lifted up the graph (:func:`_lift_all`) so the operators between the groups run
+    on the copies and each group ends in one AllReduce.  Returns (g, []) when no template matches."""
     steps: list[RuleStep] = []
+    prefixes = tuple(p for p in TP_RULE_PREFIXES if not copies or "embedding" not in p)
     for r in book.rules:
-        if r.name.startswith(TP_RULE_PREFIXES) and "~" not in r.name:
-            g = _apply_everywhere(g, r, degree, steps, fresh=True)
+        if r.name.startswith(prefixes) and "~" not in r.name:
+            g = _apply_everywhere(g, r, degree, steps, fresh=True, within=within)
+    hr = book.by_name.get(HEAD_RULE) if head else None
+    if hr is not None:
+        g = _apply_everywhere(g, hr, degree, steps, fresh=True, within=within,
+                              where=lambda gg, m: all(gg.node(n).op != "Linear" or _feeds_output(gg, n)
+                                                      for n in m.nodes))
     if not steps:
         return g, steps
+    if copies:
+        return _lift_all(g, book, degree, steps, within), steps
     fuse = book.by_name.get("reduce_replicate_allreduce")
     for r in _unary_lift_rules(book) + ([fuse] if fuse is not None else []):
-        g = _apply_everywhere(g, r, degree, steps)
-    g, more = cancel_steps(g, book)
+        g = _apply_everywhere(g, r, degree, steps, within=within)
+    g, more = cancel_steps(g, book, within)
     return g, steps + more
 
 
@@ -561,5 +677,5 @@ def best_first(start: Sequence[Candidate], expand: Callable[[Candidate], Iterabl
 
 
 __all__ = ["RuleStep", "RuleBook", "ReplayError", "replay", "apply_step", "match_step", "neighbours",
-           "data_parallel_steps", "tensor_parallel_steps", "dp_rule_missing", "is_table_lookup", "expert_whole", "cancel_steps", "normalized_hash", "best_first", "Candidate", "SearchResult",
+           "data_parallel_steps", "tensor_parallel_steps", "lift_steps", "dp_rule_missing", "is_table_lookup", "expert_whole", "cancel_steps", "normalized_hash", "best_first", "Candidate", "SearchResult",
            "SearchStats", "new_ids", "trailing", "trimmed"]

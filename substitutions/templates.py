@@ -17,7 +17,11 @@ like every generated rule (rules_cmd / generate re-prove them; none is shipped u
   Concat, a local ReduceSum over the partitioned concat dim, then Reduce, see below);
 * ``fig2_matmul_reduction`` (split the contraction dim of MatMul on both inputs -> partial sums -> Reduce);
 * ``linear_relu_fusion`` / ``linear_relu_unfusion`` (and with bias);
-* ``reduce_replicate_allreduce`` / ``allreduce_split``.
+* ``reduce_replicate_allreduce`` / ``allreduce_split``;
+* ``replicate_lift_Embedding`` (``Replicate(Embedding(i, t)) -> Embedding(Replicate(i), Replicate(t))``: an
+  operator over constants computed on every device, where data parallelism cannot partition it),
+  ``replicate_lift_Add`` and ``replicate_lift_LayerNorm`` (the operators between Megatron's groups on the
+  tensor-parallel copies).
 
 Figure 11b under our piece semantics: partial sums only arise from a contraction over a partitioned
 dim, so "Add == Concat then Reduce" is stated for tensors summed along a dim ``a``:
@@ -58,9 +62,10 @@ def _with_example(r: Rule, bind: dict, shapes: dict, ints: tuple = (), values: s
     return r.with_example(json.dumps(ex, sort_keys=True))
 
 
-def _attention(x, wq, wk, wv, wo, biases=None):
-    """One multi-head attention block as the exporters write it (no mask); ``biases`` (bq, bk, bv, bo) as BERT
-    exports them, ``Add(bias, Linear(x, w))`` (bo None: the output bias is left to the caller)."""
+def _attention(x, wq, wk, wv, wo, biases=None, mask=None):
+    """One multi-head attention block as the exporters write it; ``biases`` (bq, bk, bv, bo) as BERT
+    exports them, ``Add(bias, Linear(x, w))`` (bo None: the output bias is left to the caller); ``mask``: an
+    additive mask added to the scaled scores (GPT's causal mask, ``Add(Scale(scores), mask)``)."""
     def proj(w, b):
         y = op("Linear", x, w)
         return y if b is None else op("Add", b, y)
@@ -70,7 +75,10 @@ def _attention(x, wq, wk, wv, wo, biases=None):
     def heads(w, b, perm):
         return op("Transpose", op("Reshape", proj(w, b), shape="$sh"), perm=perm)
     q, k, v = heads(wq, bq, (0, 2, 1, 3)), heads(wk, bk, (0, 2, 3, 1)), heads(wv, bv, (0, 2, 1, 3))
-    a = op("BatchMatMul", op("Softmax", op("Scale", op("BatchMatMul", q, k), factor="$f"), axis=-1), v)
+    s = op("Scale", op("BatchMatMul", q, k), factor="$f")
+    if mask is not None:
+        s = op("Add", s, mask)
+    a = op("BatchMatMul", op("Softmax", s, axis=-1), v)
     out = op("Linear", op("Reshape", op("Transpose", a, perm=(0, 2, 1, 3)), shape="$sm"), wo)
     return out if bo is None else op("Add", bo, out)
 
@@ -86,6 +94,8 @@ AXIOM_SUBSETS: dict[str, tuple[str, ...]] = {
         "Reshape_Transpose_partition_merge_heads", "Linear_is_MatMul", "MatMul_partition_inner"),
 }
 AXIOM_SUBSETS["megatron_attention_block_bias"] = AXIOM_SUBSETS["megatron_attention_block"] + ("Add_partition",)
+AXIOM_SUBSETS["megatron_attention_block_bias_mask"] = AXIOM_SUBSETS["megatron_attention_block_bias"] + (
+    "Add_partition_broadcast",)
 for _u in ("Gelu", "Relu"):
     AXIOM_SUBSETS[f"megatron_mlp_column_{_u.lower()}_row_bias"] = (
         "Linear_partition_cols", "Add_partition", f"{_u}_partition", "Linear_is_MatMul", "MatMul_partition_inner")
@@ -208,6 +218,21 @@ def template_rules() -> list[Rule]:
     r = rule_of("megatron_embedding_column", op("Embedding", "i", "t"),
                 _comb(op("Embedding", _rep("i"), _part("t", -1)), -1), K)
     rules.append(_with_example(r, {"k": 2}, {"i": S.of((4, 3), dtype="int64"), "t": S.of((6, 4))}, ints=("i",)))
+    # computing on copies: a Replicate lifted above a lookup whose operands are copied too (BERT's position and
+    # token-type Embeddings over a constant [1, S] index have no batch dim to partition: data parallelism runs
+    # them on every device, as the hand-built baseline does; proven from the Embedding_replicate axiom)
+    r = rule_of("replicate_lift_Embedding", _rep(op("Embedding", "i", "t")), op("Embedding", _rep("i"), _rep("t")), K)
+    rules.append(_with_example(r, {"k": 2}, {"i": S.of((1, 3), dtype="int64"), "t": S.of((5, 4))}, ints=("i",)))
+    # the same for the operators between Megatron's groups (search.pipeline.megatron_rules_intra lifts the
+    # Replicate of a group's input up the residual stream, so they run on the tensor-parallel copies as in
+    # Megatron-LM, and a Reduce meets its Replicate: one AllReduce)
+    r = rule_of("replicate_lift_Add", _rep(op("Add", "x", "y")), op("Add", _rep("x"), _rep("y")), K)
+    rules.append(_with_example(r, {"k": 2}, {"x": S.of((4, 4)), "y": S.of((4, 4))}))
+    r = rule_of("replicate_lift_LayerNorm", _rep(op("LayerNorm", "x", "g", "b", axis="$a", eps="$e")),
+                op("LayerNorm", _rep("x"), _rep("g"), _rep("b"), axis="$a", eps="$e"),
+                {**K, "a": "dim", "e": "attr"})
+    rules.append(_with_example(r, {"k": 2, "a": -1, "e": 1e-5},
+                               {"x": S.of((4, 4)), "g": S.of((4,)), "b": S.of((4,))}))
     # the MLP with an element-wise activation between the two Linears (as exported: Linear -> Gelu -> Linear)
     for u in ("Gelu", "Relu"):
         r = rule_of(f"megatron_mlp_column_{u.lower()}_row", op("Linear", op(u, op("Linear", "x", "w1")), "w2"),
@@ -233,6 +258,18 @@ def template_rules() -> list[Rule]:
     rules.append(_with_example(_with_subset(r), {"k": 2, "sh": (2, 3, 4, 2), "sm": (2, 3, 8), "f": 0.5},
                                {"x": S.of((2, 3, 8)), **{w: S.of((8, 8)) for w in ("wq", "wk", "wv", "wo")},
                                 **{b: S.of((8,)) for b in ("bq", "bk", "bv", "bo")}}))
+    # GPT's attention (issue 7 point 1: Megatron inside pipeline stages): the same with the causal mask added to the
+    # scores, the mask replicated to every head's device
+    r = rule_of("megatron_attention_block_bias_mask",
+                _attention("x", "wq", "wk", "wv", "wo", ("bq", "bk", "bv", "bo"), "m"),
+                op("Add", "bo", op("Reduce", _attention(_rep("x"), _part("wq", -1), _part("wk", -1), _part("wv", -1),
+                                                        _part("wo", -2), (_part("bq", -1), _part("bk", -1),
+                                                                          _part("bv", -1), None), _rep("m")),
+                                   degree="$k")),
+                {**K, "sh": "attr", "sm": "attr", "f": "attr"})
+    rules.append(_with_example(_with_subset(r), {"k": 2, "sh": (2, 3, 4, 2), "sm": (2, 3, 8), "f": 0.5},
+                               {"x": S.of((2, 3, 8)), **{w: S.of((8, 8)) for w in ("wq", "wk", "wv", "wo")},
+                                **{b: S.of((8,)) for b in ("bq", "bk", "bv", "bo")}, "m": S.of((3, 3))}))
     # --- Figure 11 -------------------------------------------------------------------------------------------
     r = rule_of("fig11a_relu_spatial", op("Relu", "x"), _comb(op("Relu", _part("x", "$d")), "$d"), D)
     rules.append(_with_example(r, {"k": 2, "d": -1}, {"x": S.of((2, 2, 4, 4))}))

@@ -366,6 +366,12 @@ _ax("LayerNorm_partition", "layernorm_partition", "parallel",
     op("Partition", op("LayerNorm", "x", "g", "b", axis="$a", eps="$e"), dim="$d", degree="$k"),
     {**DK, "a": "dim", "e": "attr"}, [["$d", "<", "$a"]], bind={"d": -2, "k": 2, "a": -1, "e": 1e-5},
     shapes={"x": S.of((4, 4)), "g": S.of((4,)), "b": S.of((4,))})
+_ax("LayerNorm_replicate", "layernorm_replicate", "parallel",
+    op("LayerNorm", op("Replicate", "x", degree="$k"), op("Replicate", "g", degree="$k"),
+       op("Replicate", "b", degree="$k"), axis="$a", eps="$e"),
+    op("Replicate", op("LayerNorm", "x", "g", "b", axis="$a", eps="$e"), degree="$k"),
+    {"k": "degree", "a": "dim", "e": "attr"}, bind={"k": 2, "a": -1, "e": 1e-5},
+    shapes={"x": S.of((4, 4)), "g": S.of((4,)), "b": S.of((4,))})
 
 # --- sample-dim (data) parallelism of the remaining compute operators (dim 0 counted from the front) ---------
 _SAMPLE: list[tuple[str, dict, dict, dict, str, tuple]] = [
@@ -455,6 +461,20 @@ _ax("Embedding_partition_table_cols", "embedding_partition_cols", "parallel",
     op("Embedding", op("Replicate", "i", degree="$k"), op("Partition", "t", dim=-1, degree="$k")),
     op("Partition", op("Embedding", "i", "t"), dim=-1, degree="$k"), {"k": "degree"},
     bind={"k": 2}, shapes={"i": S.of((4, 2), dtype="int64"), "t": S.of((5, 4))}, int_inputs=("i",))
+# an additive mask broadcast along a partitioned dim (GPT's causal mask [S, S] added to the scores [B, heads, S, S]
+# split by heads): each piece adds the whole mask.  Where the replicated operand does not broadcast along d the
+# labels refuse the left side (its dim d has degree 1 against k), so the equation claims nothing there
+_ax("Add_partition_broadcast", "binary_partition_broadcast", "parallel",
+    op("Add", op("Partition", "x", dim="$d", degree="$k"), op("Replicate", "y", degree="$k")),
+    op("Partition", op("Add", "x", "y"), dim="$d", degree="$k"), DK,
+    bind={"d": -3, "k": 2}, shapes={"x": S.of((2, 2, 3, 3)), "y": S.of((3, 3))})
+# computing on copies (BERT's position / token-type Embeddings over a constant [1, S] index: no batch dim to
+# partition, so data parallelism runs them on every device): the lookup of replicated indices in a replicated
+# table is the replicated lookup
+_ax("Embedding_replicate", "embedding_replicate", "parallel",
+    op("Embedding", op("Replicate", "i", degree="$k"), op("Replicate", "t", degree="$k")),
+    op("Replicate", op("Embedding", "i", "t"), degree="$k"), {"k": "degree"},
+    bind={"k": 2}, shapes={"i": S.of((1, 3), dtype="int64"), "t": S.of((5, 4))}, int_inputs=("i",))
 # a sum over a dim before the partitioned one (counted from the end) keeps the partition where it is, with or
 # without keepdims (the bag sum of an embedding bag: ReduceSum over the bag dim -2 of (batch, bag, features))
 _ax("ReduceSum_partition_after", "reducesum_partition", "parallel",
@@ -556,6 +576,9 @@ for _o in ("ReduceMax", "ReduceMin", "ReduceProd", "ReduceL2", "ReduceLogSumExp"
     _sample_rule(f"dp_{_o}", _o, {"axes": "$ax", "keepdims": "$kd"}, {"ax": (1,), "kd": False}, {"x": S.of((2, 3))})
 _CONV = {"stride": "$st", "padding": "$pad", "dilation": "$dil", "groups": "$g"}
 _ex3 = {"st": (1, 1, 1), "pad": (0, 1, 0, 0, 1, 0), "dil": (1, 1, 1), "g": 1}
+# a 2-D convolution with its bias (DenseNet-121's classifier, a 1x1 Conv with bias, as the onnx wheel exports it)
+_sample_rule("dp_Conv2d_bias", "Conv2d", _CONV, {"st": (1, 1), "pad": (1, 1, 1, 1), "dil": (1, 1), "g": 1},
+             {"x": S.of((2, 2, 3, 3)), "w": S.of((2, 2, 3, 3)), "b": S.of((2,))})
 _sample_rule("dp_Conv3d", "Conv3d", _CONV, _ex3, {"x": S.of((2, 2, 3, 3, 3)), "w": S.of((2, 2, 2, 2, 2))})
 _sample_rule("dp_Conv3d_bias", "Conv3d", _CONV, _ex3,
              {"x": S.of((2, 2, 3, 3, 3)), "w": S.of((2, 2, 2, 2, 2)), "b": S.of((2,))})

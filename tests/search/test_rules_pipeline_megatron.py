@@ -1,0 +1,124 @@
+"""Pipelines with Megatron-LM inside their stages, reached by proven rules (issue 7 point 1).
+
+``pipeline.megatron_rules_intra`` builds each stage's tensor parallelism by rules (data parallelism of degree d,
+then the Megatron templates at t = |stage| / d: GPT's masked attention block, the MLP, the vocabulary-parallel
+head, and every Replicate lifted up the residual stream so the operators between the groups run on the copies);
+``pipeline.by_rules`` repeats each stage's recipe on the whole model restricted to the stage's nodes, and the
+recorded sequence replays on a fresh import to the plan's structural hash.  The hand-built ``megatron_intra``
+layout records no rules (tests/search/test_pipeline_rules.py)."""
+import json
+
+import pytest
+
+from unity_pcg.search.cost import CostModel
+from unity_pcg.search.mapping import MachineMapper
+from unity_pcg.search.pipeline import by_rules, evaluate_pipeline, megatron_intra, megatron_rules_intra
+from unity_pcg.search.substitution import RuleStep, replay
+
+from .test_pipeline import machine
+from .test_pipeline_rules import _check
+
+
+@pytest.fixture(scope="module")
+def gpt_path(tmp_path_factory):
+    pytest.importorskip("torch")
+    from unity_pcg import zoo
+    p = tmp_path_factory.mktemp("g") / "gpt.onnx"
+    zoo.export("gpt_350m", str(p), size="tiny", batch=8)
+    return str(p)
+
+
+ATTN = "megatron_attention_block_bias_mask"
+# (mesh, stages, (dp, tp) per stage, whether a tensor-parallel stage holds an attention block)
+PLANS = [((1, 4), [(0, 7, 0, 4)], [(1, 4)], True),
+         ((1, 4), [(0, 3, 0, 2), (3, 7, 2, 2)], [(1, 2), (1, 2)], True),
+         ((2, 2), [(0, 7, 0, 4)], [(2, 2)], True),
+         ((1, 4), [(0, 2, 0, 1), (2, 4, 1, 1), (4, 7, 2, 2)], [(1, 1), (1, 1), (1, 2)], False)]
+
+
+@pytest.mark.parametrize("mesh,stages,recipes,attention", PLANS)
+def test_megatron_stages_by_rules_replay_on_a_fresh_import(gpt_path, mesh, stages, recipes, attention):
+    from unity_pcg.onnx_import import load_onnx
+
+    def fresh():
+        return load_onnx(gpt_path, load_weights=False)
+    m = machine(*mesh)
+    g = fresh()
+    res = evaluate_pipeline(g, CostModel(m, "adam"), stages, 2, intra=megatron_rules_intra(m.devices_per_node))
+    assert res.feasible
+    assert [(r["dp"], r["tp"]) for r in res.origin["recipes"]] == recipes
+    ruled = by_rules(g, res, m)
+    _check(fresh, res, ruled, m)
+    used = {s.rule for s in ruled.rules}
+    if any(t > 1 for _, t in recipes):
+        assert {"megatron_mlp_column_gelu_row_bias", "megatron_column_linear", "reduce_replicate_allreduce",
+                "replicate_lift_LayerNorm", "replicate_lift_Add"} <= used, used
+        assert (ATTN in used) == attention
+        # the attention and MLP weights are split, not copied, on the tensor-parallel stages
+        pg = ruled.pcg
+
+        def weight_below(n):
+            while n.kind == "parallel":
+                n = pg.node(n.inputs[0][0])
+            return n.op == "Weight"
+        split = [n for n in pg.nodes() if n.op == "Partition" and weight_below(n)]
+        assert len(split) >= (8 if attention else 4)          # Q/K/V/O + biases, MLP, head
+
+
+@pytest.mark.parametrize("mesh,stages", [((1, 4), [(0, 7, 0, 4)]), ((2, 2), [(0, 7, 0, 4)]),
+                                         ((1, 4), [(0, 3, 0, 2), (3, 7, 2, 2)])])
+def test_rules_layout_costs_what_the_hand_built_one_does(gpt_path, mesh, stages):
+    """Megatron-LM's layout by rules is priced as the hand-built megatron_intra: a stage's outputs are left on
+    the copies (the next stage's Replicate lifted across the cut, the last Reduce fused into an AllReduce)."""
+    from unity_pcg.onnx_import import load_onnx
+    g = load_onnx(gpt_path, load_weights=False)
+    m = machine(*mesh)
+    hand = evaluate_pipeline(g, CostModel(m, "adam"), stages, 2, intra=megatron_intra(m.devices_per_node))
+    rules = evaluate_pipeline(g, CostModel(m, "adam"), stages, 2, intra=megatron_rules_intra(m.devices_per_node))
+    assert hand.feasible and rules.feasible
+    assert rules.cost == pytest.approx(hand.cost, rel=1e-9)
+    assert rules.max_memory_bytes == hand.max_memory_bytes
+    assert by_rules(g, hand, m) is None and by_rules(g, rules, m) is not None
+    # given the mapper, by_rules re-prices a hand-built Megatron plan with the rules' hook and takes it
+    twin = by_rules(g, hand, m, mapper=MachineMapper(CostModel(m, "adam")))
+    assert twin is not None and twin.rules and twin.cost == pytest.approx(hand.cost, rel=1e-9)
+    assert [s.devices for s in twin.stages] == [s.devices for s in hand.stages]
+
+
+def test_recorded_sequence_survives_the_plan_file(gpt_path, tmp_path):
+    from unity_pcg import plan as plan_mod
+    from unity_pcg.onnx_import import load_onnx
+    m = machine(2, 2)
+    g = load_onnx(gpt_path, load_weights=False)
+    res = by_rules(g, evaluate_pipeline(g, CostModel(m, "adam"), [(0, 7, 0, 4)], 2,
+                                        intra=megatron_rules_intra(2)), m)
+    p = plan_mod.Plan("gpt.onnx", "0" * 64, m, res.pcg, res.views, {}, pipeline=res.to_plan_field(),
+                      rules=tuple(s.to_json() for s in res.rules))
+    path = tmp_path / "p.json"
+    p.save(str(path))
+    back = plan_mod.load(str(path))
+    steps = [RuleStep.from_json(json.loads(json.dumps(s))) for s in back.rules]
+    assert replay(load_onnx(gpt_path, load_weights=False), steps, trim_outputs=True).structural_hash() == \
+        back.pcg.structural_hash()
+
+
+def test_optimize_records_rules_for_its_megatron_pipeline(tmp_path_factory):
+    """Where only Megatron inside the stages fits (tests/search/test_pipeline_megatron.py's machine), the plan
+    optimize returns is reached by rules: the sequence replays on a fresh import to the plan's PCG."""
+    pytest.importorskip("torch")
+    from unity_pcg import zoo
+    from unity_pcg.onnx_import import load_onnx
+    from unity_pcg.search.optimize import optimize
+
+    from .graphs import same_function
+    from .test_pipeline_megatron import machine as tight
+    p = str(tmp_path_factory.mktemp("g64") / "gpt.onnx")
+    zoo.export("gpt_350m", p, size="tiny", batch=64)
+    res = optimize(load_onnx(p, load_weights=False), tight(), budget_s=30, max_candidates=5)
+    assert res.feasible and res.stats["chosen"] == "pipeline" and not res.dp.feasible
+    assert res.stats["pipeline_by_rules"] == "reached", res.stats.get("pipeline_by_rules")
+    steps = [RuleStep.from_json(s) for s in res.plan.rules]
+    assert "megatron_attention_block_bias_mask" in {s.rule for s in steps}
+    fresh = load_onnx(p, load_weights=False)
+    assert replay(fresh, steps, trim_outputs=True).structural_hash() == res.plan.pcg.structural_hash()
+    assert same_function(load_onnx(p, load_weights=False), res.plan.pcg)
