@@ -189,7 +189,7 @@ def local_cases(quick: bool = False) -> list:
         for n in (2 ** 10, 2 ** 16):
             add("reduce", f"sum{n}", max(n // 256, 1), min(n, 256))
         for ch, hw in ((8, 8), (32, 16)):
-            add("norm", f"batchnorm{ch}x{hw}", 8, ch, hw)
+            add("batchnorm", f"n8c{ch}h{hw}", 8, ch, hw)
             add("pool", f"maxpool{ch}x{hw}", "max", 8, ch, hw)
         for b, c, h in ((2, 8, 8), (8, 32, 16)):
             add("conv", f"n{b}c{c}h{h}k3", b, c, h, c, 3, 1, 1)

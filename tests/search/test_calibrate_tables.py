@@ -34,6 +34,7 @@ def test_local_cases_cover_the_classes_small_steps_run():
     assert {"matmul", "bmm", "elementwise", "norm", "softmax", "embedding", "default", "optimizer_sgd",
             "optimizer_adam"} <= classes
     assert len({(c.cls, c.label) for c in full}) == len(full)          # labels are unique per class
+    assert all(cal._build_kernel(c) is not None for c in full)        # every case builds on this CPU
     quick = cal.local_cases(True)
     assert len(quick) < len(full) and {c.cls for c in quick} <= classes
 
