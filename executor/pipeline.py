@@ -1076,8 +1076,11 @@ class LoweredPipelineTrainer:
         return sched
 
     def _is_activation(self, ref) -> bool:
-        """A tensor whose gradient crosses back (a model input's does not)."""
-        return self._plan_g.node(ref[0]).op != "Input"
+        """A tensor whose gradient crosses back (a model input's, or its placement's, does not)."""
+        n = self._plan_g.node(ref[0])
+        while n.kind == "parallel":
+            n = self._plan_g.node(n.inputs[0][0])
+        return n.op != "Input"
 
     def _forward(self, xs):
         torch = _torch_modules()[0]
