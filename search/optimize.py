@@ -386,6 +386,27 @@ def _segment_search(g: PCG, book: RuleBook, ev: "Evaluator", dp_degrees, dp_deg:
     return out, steps, dp_graph, dp_steps, totals, interrupted
 
 
+def _build_and_price(ev: "Evaluator", name: str, build, until: float, limit: float, fam_cost: dict):
+    """Build a seed family (``build()`` -> (graph, steps) or None) and price it, both before ``until``
+    (the solve also within ``limit`` seconds); (cost, 2, graph, steps) or None.  ``fam_cost[name]``
+    records its price (None: infeasible or cut) or why it was not priced."""
+    if time.perf_counter() > until:
+        fam_cost.setdefault(name, "not built within the budget")
+        return None
+    try:
+        with _time_limit(max(until - time.perf_counter(), 0.01)):
+            built = build()
+    except _Timeout:
+        fam_cost[name] = "not built within the budget"
+        return None
+    if built is None:
+        return None
+    fg, fst = built
+    c = ev.cost(trimmed(fg), limited=limit)
+    fam_cost[name] = c if math.isfinite(c) else None
+    return (c, 2, fg, fst)
+
+
 def _whole_family(g: PCG, book: RuleBook, d: int, tp: int, steps_fn) -> tuple | None:
     """A seed family built on the whole graph: data parallelism of degree ``d`` by rules, then ``steps_fn``
     (:func:`table_columns_steps`, :func:`tensor_parallel_steps`) of degree ``tp`` on top; None when the
@@ -397,7 +418,11 @@ def _whole_family(g: PCG, book: RuleBook, d: int, tp: int, steps_fn) -> tuple | 
 
 #: the share of the budget (from the start of the call) within which the fixed strategies besides dp are
 #: priced by the joint search (Megatron on BERT-Large at 192 GPUs: ~9 s of a 50 s budget)
-BASELINE_SHARE = 0.35
+BASELINE_SHARE = 0.45
+#: the share of the budget (from the start) by which the seed families built on the whole graph are priced
+WHOLE_FAMILY_SHARE = 0.55
+#: the largest model (compute operators) whose tables-by-columns family is built on the whole graph
+WHOLE_COLS_MAX_OPS = 200
 #: the fixed strategies (besides dp) the joint search prices as floors, where they apply
 FLOOR_STRATEGIES = ("megatron", "expert")
 
@@ -652,13 +677,38 @@ def optimize(model, machine, budget_s: float | None = None, alpha: float = 1.05,
                 if n_dev > 1 and dp_deg > 1:
                     # the other fixed strategies that apply (Megatron, expert), priced first like dp: the
                     # result is never predicted slower than one of them (they are the floor where the
-                    # rules do not reach their layout); within BASELINE_SHARE of the budget
+                    # rules do not reach their layout); by BASELINE_SHARE of the budget
                     others = _fixed_baselines(g, ev, dp_deg, m, t0 + budget_s * BASELINE_SHARE)
                     marks["baselines"] = time.perf_counter() - t0
-                    deadline = max(end - pipe_share - finish, time.perf_counter())
-                ev.wall = sub_end                   # no limited solve past the substitution phase
                 dps = [d for d in degrees if b is None or b % d == 0]
                 fams: dict = {}
+                fam_cost: dict = {}
+                # the seed families built on the whole graph (not from segments), priced before the
+                # segment search (each is a fixed rule sequence; DLRM's best plan at 96 GPUs is one),
+                # within WHOLE_FAMILY_SHARE of the budget. The tables-by-columns layout: assembled from
+                # segment seeds it loses the dense layers' data parallelism on top (DLRM at summit:8x6:
+                # 0.86 s assembled, 0.28 s whole); only for models with embedding tables and at most
+                # WHOLE_COLS_MAX_OPS operators (data parallelism by rules over the whole of BERT-Large
+                # takes ~2 minutes).  The Megatron seeds on the whole graph of a small model: a template
+                # that spans a segment cut (the attention block of one Transformer layer: ~20 operators,
+                # two segments) applies only there
+                n_ops = sum(n.kind == "compute" for n in g.nodes())
+                whole: dict = {}
+                if any(n.op == "Embedding" for n in g.nodes()) and n_ops <= WHOLE_COLS_MAX_OPS:
+                    for d, tp in sorted(megatron_seed_degrees(m, dps).items()):
+                        whole[f"cols{tp}x{d} whole"] = partial(_whole_family, g, book, d, tp, table_columns_steps)
+                if n_ops <= WHOLE_TP_MAX_OPS:
+                    for d, tp in sorted(megatron_seed_degrees(m, dps).items()):
+                        whole[f"tp{tp}x{d} whole"] = partial(_whole_family, g, book, d, tp, tensor_parallel_steps)
+                ev.wall = max(t0 + budget_s * WHOLE_FAMILY_SHARE, time.perf_counter())
+                for name, build in whole.items():
+                    got = _build_and_price(ev, name, build, ev.wall, left_for_pricing(), fam_cost)
+                    if got is not None:
+                        cands.append(got)
+                        labels[id(got[2])] = f"seed family {name} by rules"
+                marks["whole_families"] = time.perf_counter() - t0
+                deadline = max(end - pipe_share - finish, time.perf_counter())
+                ev.wall = sub_end                   # no limited solve past the substitution phase
                 out, st, dpg, dpst, stats, interrupted = _segment_search(
                     g, book, ev, dps, dp_deg, k, max_candidates, alpha, progress, deadline, fams)
                 # data parallelism by rules (assembled from the segments' seeds): the floor.  A fixed
@@ -674,40 +724,16 @@ def optimize(model, machine, budget_s: float | None = None, alpha: float = 1.05,
                     c = ev.cost(trimmed(out), limited=max(min(left_for_pricing(), sub_end - time.perf_counter()),
                                                           min(finish / 2, 5.0)), wall=False)
                     cands.append((c, 1, out, st))
-                stats["search_result_s"] = cands[0][0] if cands and math.isfinite(cands[0][0]) else None
-                # the tables-by-columns layout built on the whole graph too: assembled from segment
-                # seeds it loses the dense layers' data parallelism on top (DLRM at summit:8x6: 0.86 s
-                # assembled, 0.28 s whole); a fixed rule sequence, only for models with embedding tables
-                # (each family is built when it is priced, within the time left: data parallelism by
-                # rules over the whole of BERT-Large takes ~2 minutes)
-                if any(n.op == "Embedding" for n in g.nodes()):
-                    for d, tp in sorted(megatron_seed_degrees(m, dps).items()):
-                        fams[f"cols{tp}x{d} whole"] = (partial(_whole_family, g, book, d, tp, table_columns_steps), 0.0)
-                # the Megatron seeds on the whole graph of a small model: a template that spans a
-                # segment cut (the attention block of one Transformer layer: ~20 operators, two
-                # segments) applies only there
-                if sum(n.kind == "compute" for n in g.nodes()) <= WHOLE_TP_MAX_OPS:
-                    for d, tp in sorted(megatron_seed_degrees(m, dps).items()):
-                        fams[f"tp{tp}x{d} whole"] = (partial(_whole_family, g, book, d, tp, tensor_parallel_steps), 0.0)
-                # every seed family assembled over the whole graph (expert, Megatron), priced as a whole
-                fam_cost: dict = {}
+                    stats["search_result_s"] = c if math.isfinite(c) else None
+                else:
+                    stats["search_result_s"] = None
+                # every seed family assembled over the whole graph from the segments' seeds (expert,
+                # Megatron), priced as a whole
                 for name, (build, _) in sorted(fams.items(), key=lambda kv: (kv[1][1], kv[0])):
-                    if time.perf_counter() > sub_end:
-                        fam_cost.setdefault(name, "not built within the budget")
-                        continue
-                    try:
-                        with _time_limit(max(sub_end - time.perf_counter(), 0.01)):
-                            built = build()
-                    except _Timeout:
-                        fam_cost[name] = "not built within the budget"
-                        continue
-                    if built is None:
-                        continue
-                    fg, fst = built
-                    c = ev.cost(trimmed(fg), limited=left_for_pricing())
-                    fam_cost[name] = c if math.isfinite(c) else None
-                    cands.append((c, 2, fg, fst))
-                    labels[id(fg)] = f"seed family {name} by rules"
+                    got = _build_and_price(ev, name, build, sub_end, left_for_pricing(), fam_cost)
+                    if got is not None:
+                        cands.append(got)
+                        labels[id(got[2])] = f"seed family {name} by rules"
                 stats["seed_families_s"] = fam_cost
                 stats["phase_s"]["whole_graph_pricing"] = time.perf_counter() - t0 - stats["phase_s"]["segments"]
             else:
