@@ -594,6 +594,25 @@ def _checks(lines, rows) -> list[str]:
     o.append(f"- Unity predicted slower than hand-built data parallelism (which fits): {len(slow)} of {n_u} searches"
              + (":" if slow else "."))
     o += slow
+    # every baseline the benchmark prices (dp, Megatron, expert): the search prices them too (issue 7 point 5)
+    below, n_b = [], 0
+    for x in lines:
+        best = x["rows"].get(x["best_baseline"]) if x["best_baseline"] else None
+        for strat in ("unity", NOPIPE):
+            u = x["rows"].get(strat)
+            if not best or not u or not u.get("feasible") or not u.get("throughput_samples_s"):
+                continue
+            n_b += 1
+            if u["throughput_samples_s"] < best["throughput_samples_s"] * 0.99:
+                below.append(f"  - {x['model']} {x['machine']} {strat}: {u['throughput_samples_s'] / best['throughput_samples_s']:.2f}x "
+                             f"of {x['best_baseline']} ({(u.get('search') or {}).get('chosen', '?')})")
+    o.append(f"- Unity predicted more than 1% slower than the best baseline: {len(below)} of {n_b} searches"
+             + (":" if below else "."))
+    o += below
+    late = [f"{r['model']} {r['machine']} {r['strategy']} {r['search_s']:.1f} s of {r['budget_s']:.0f} s"
+            for r in rows if r["strategy"] in ("unity", NOPIPE) and r.get("search_s") is not None
+            and r.get("budget_s") and r["search_s"] > 1.1 * r["budget_s"]]
+    o.append(f"- Searches more than 10% over their budget: {len(late)}" + (": " + "; ".join(late) if late else "."))
     over = []
     for r in rows:
         if r["strategy"] not in ("unity", NOPIPE) or r.get("search_s") is None:
