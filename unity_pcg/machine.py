@@ -478,23 +478,60 @@ def dgx_a100(nodes: int = 1, devices_per_node: int = 8) -> MachineSpec:
     return MachineSpec("dgx-a100", nodes, devices_per_node, devices_per_node, dev, links)
 
 
-def h100(nodes: int = 1, devices_per_node: int = 8) -> MachineSpec:
-    """HGX H100: 8 x H100-SXM5 80 GB on NVSwitch (NVLink 4, 450 GB/s per direction), 8 x NDR 400 Gb/s.
+def h100_datasheet(nodes: int = 1, devices_per_node: int = 8) -> MachineSpec:
+    """HGX H100 from its datasheet alone (the base :func:`h100` fits its device on): 8 x H100-SXM5 80 GB
+    on NVSwitch (NVLink 4, 450 GB/s per direction), 8 x NDR 400 Gb/s.
 
     Datasheet: https://resources.nvidia.com/en-us-tensor-core/nvidia-tensor-core-gpu-datasheet
     (H100 SXM: 67 TFLOP/s fp32, 495 TF32 and 989 bf16 tensor-core TFLOP/s dense -- the datasheet prints
-    989 / 1,979 with 2:4 sparsity -- 3.35 TB/s HBM3).  Measured: not by this preset; issue 9's
-    measurements on an H100 80 GB (predicted / measured step time 0.29-0.98 in fp32) say these
-    uncalibrated numbers predict small and launch-bound models 2-3x too fast; a fitted H100 machine file
-    from ``unity-pcg calibrate --device cuda`` (per-class tables, ``DeviceSpec.kernel_tables``) replaces
-    them where one is at hand.  Taken from the datasheet: peaks per math mode, memory bandwidth and
-    capacity, NVLink 4 and NDR bandwidths.  Assumed: the per-class efficiencies (matmul 0.75, conv 0.6,
+    989 / 1,979 with 2:4 sparsity -- 3.35 TB/s HBM3).  Measured: nothing (issue 9's measurements on an
+    H100 80 GB, predicted / measured step time 0.29-0.98 in fp32, showed these numbers predict small and
+    launch-bound models 2-3x too fast).  Assumed: the per-class efficiencies (matmul 0.75, conv 0.6,
     default 0.6 of the mode's peak, the same in every mode), the 3 us launch overhead and the latencies."""
     dev = DeviceSpec(67e12, 3.35e12, 80 * GiB, {"default": 0.6, "matmul": 0.75, "conv": 0.6,
                                                  "elementwise": 1.0}, 3e-6,
                      peaks={"tf32": 495e12, "bf16": 989e12})
     links = {"group": LinkSpec(450e9, 2.5e-6), "node": LinkSpec(450e9, 2.5e-6), "network": LinkSpec(400e9, 5e-6)}
     return MachineSpec("h100", nodes, devices_per_node, devices_per_node, dev, links)
+
+
+PRESET_DIR = os.path.join(os.path.dirname(os.path.abspath(__file__)), "presets")
+
+
+@lru_cache(maxsize=None)
+def fitted_device(name: str) -> tuple[DeviceSpec, dict] | None:
+    """The device a preset fitted from measurements ships (``unity_pcg/presets/<name>.json``, written by
+    ``benchmarks/fit_<name>.py``) and its provenance, or None when the file is missing."""
+    path = os.path.join(PRESET_DIR, f"{name}.json")
+    if not os.path.exists(path):
+        return None
+    with open(path) as f:
+        obj = json.load(f)
+    base = h100_datasheet(1, 1).to_json()
+    base["device"] = obj["device"]
+    return MachineSpec.from_json(base, source=path).device, dict(obj.get("meta") or {})
+
+
+def h100(nodes: int = 1, devices_per_node: int = 8) -> MachineSpec:
+    """HGX H100: 8 x H100-SXM5 80 GB on NVSwitch (NVLink 4, 450 GB/s per direction), 8 x NDR 400 Gb/s,
+    with the device FITTED FROM MEASUREMENTS on a real H100 80 GB HBM3 (torch 2.11, CUDA 13):
+    ``unity_pcg/presets/h100.json``, written by ``benchmarks/fit_h100.py`` from
+    ``benchmarks/results/h100_calibrated.json`` (``unity-pcg calibrate --device cuda`` on the H100).
+
+    Measured: per-class kernel tables (work -> seconds) and fixed-cost + throughput fits for fp32, TF32
+    and bf16 (matmul, convolutions, batched matmul, embedding forward/backward, element-wise,
+    normalizations, softmax, reductions, pooling, SGD/Adam updates), the peak rate reached per math mode,
+    the usable memory.  Against measured single-GPU training steps of the zoo at paper size
+    (``benchmarks/gpu_cost.py``) the median error is 6-12% per precision.  Assumed: (one GPU measures no
+    interconnect) NVLink 4 and NDR bandwidths from the datasheet (:func:`h100_datasheet`) and the link
+    latencies.  Without the fitted file (a trimmed install) the datasheet device is used."""
+    m = h100_datasheet(nodes, devices_per_node)
+    fitted = fitted_device("h100")
+    if fitted is None:
+        return m
+    dev, meta = fitted
+    return MachineSpec("h100", nodes, devices_per_node, devices_per_node, dev, m.links,
+                       meta={"fitted": meta.get("fitted_from", "unity_pcg/presets/h100.json")})
 
 
 def local(nodes: int = 1, devices_per_node: int = 2) -> MachineSpec:
@@ -693,4 +730,5 @@ def _starts(tag, D: int, span: int, degs, res: Resource, k: int) -> list[int]:
 
 __all__ = ["MachineSpec", "DeviceSpec", "LinkSpec", "MachineView", "Resource", "MachineError", "PRESETS", "MODES",
            "interpolate_table",
-           "parse_machine", "enumerate_views", "summit", "dgx_a100", "h100", "local", "LEVELS", "SCHEMA"]
+           "parse_machine", "enumerate_views", "summit", "dgx_a100", "h100", "h100_datasheet", "fitted_device", "local",
+           "LEVELS", "SCHEMA"]

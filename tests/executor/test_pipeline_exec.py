@@ -133,10 +133,10 @@ def test_pipelined_data_parallel_dropout_draws_the_masks_of_one_device(work, cap
     from unity_pcg.onnx_import import load_onnx
 
     model = dropout_mlp()
-    # on an H100 preset (independent devices) the stage search splits 4 devices 2 + 2; on `local` (processes
-    # sharing this host's cores) it prefers 1 + 3 (test_unequal_stages_train_like_one_process)
+    # on a datasheet GPU preset (independent devices, roofline costs) the stage search splits 4 devices 2 + 2;
+    # on `local` (processes sharing this host's cores) it prefers 1 + 3 (test_unequal_stages_train_like_one_process)
     pp = searched_pipeline_plan(model, str(work["dir"] / "drop_pp.json"), stages=2, micro_batches=2, devices=4,
-                                preset="h100")
+                                preset="dgx-a100")
     stages = P.load(pp).pipeline["stages"]
     assert [len(st["devices"]) for st in stages] == [2, 2]
     one = P.load(one_device_plan(model, str(work["dir"] / "drop_one.json")))

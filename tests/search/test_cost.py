@@ -117,7 +117,8 @@ def test_op_classes_fall_back_to_the_classes_older_calibrations_know():
     from dataclasses import replace
     from unity_pcg.search.cost import op_class
     from unity_pcg.shape import ParallelTensorShape as S
-    base = parse_machine("h100:1x1")
+    from unity_pcg.machine import h100_datasheet
+    base = h100_datasheet(1, 1)          # the roofline device (the h100 preset prices from measured tables)
     a, b, y = S.of((8, 2048, 2048)), S.of((8, 2048, 2048)), S.of((8, 2048, 2048))
     assert op_class("BatchMatMul") == "bmm" and op_class("MatMul", [a, b]) == "bmm"
     assert op_class("Softmax") == "softmax" and op_class("ReduceSum") == "reduce"

@@ -11,7 +11,7 @@ import pytest
 from unity_pcg import plan as P
 from unity_pcg.cli import main
 from unity_pcg.errors import PlanError
-from unity_pcg.machine import (DeviceSpec, LinkSpec, MachineError, MachineSpec, interpolate_table,
+from unity_pcg.machine import (DeviceSpec, LinkSpec, MachineError, MachineSpec, h100_datasheet, interpolate_table,
                                parse_machine)
 from unity_pcg.pcg import PCG
 from unity_pcg.search.baselines import data_parallel
@@ -35,9 +35,19 @@ def test_matmul_heavy_model_bf16_faster_than_tf32_faster_than_fp32(machine):
     g = mlp(batch=2048, h=2048, layers=4)
     t = {p: _price(g, machine, p).cost for p in MODES}
     assert t["bf16"] < t["tf32"] < t["fp32"]
-    # compute-bound: fp32 / tf32 close to the ratio of the peaks (launch overheads and element-wise work aside)
+    # compute-bound: fp32 / tf32 close to the ratio of the peaks (launch overheads and element-wise work
+    # aside), or, on a preset fitted from measurements, of the measured matmul tables at the layers' work
     m = parse_machine(machine)
-    assert t["fp32"] / t["tf32"] == pytest.approx(m.device.peak("tf32") / m.device.peak_flops, rel=0.35)
+    if m.device.kernel_tables:          # forward and backward kernels of the layers' work
+        work = 2.0 * 2048 ** 3
+        expected = (sum(interpolate_table(m.device.table(f"{k}/fp32"), work) for k in ("matmul", "matmul_bwd"))
+                    / sum(interpolate_table(m.device.table(f"{k}/tf32"), work) for k in ("matmul", "matmul_bwd")))
+    else:
+        expected = m.device.peak("tf32") / m.device.peak_flops
+    if m.device.kernel_tables:          # the update, casts and bias gradients run alike in both: a lower ratio
+        assert 0.6 * expected <= t["fp32"] / t["tf32"] <= 1.05 * expected
+    else:
+        assert t["fp32"] / t["tf32"] == pytest.approx(expected, rel=0.35)
 
 
 def test_modes_without_units_run_at_the_fp32_peak():
@@ -55,7 +65,7 @@ def test_modes_without_units_run_at_the_fp32_peak():
 
 
 def test_compute_classes_use_the_mode_peak_memory_bound_the_dtype_bytes():
-    m = parse_machine("h100:1x1")
+    m = h100_datasheet(1, 1)         # the roofline device (the h100 preset prices from measured tables)
     x, w, y = S.of((4096, 4096)), S.of((4096, 4096)), S.of((4096, 4096))
     flops = 2 * 4096 ** 3
     for p in MODES:
@@ -74,7 +84,7 @@ def test_compute_classes_use_the_mode_peak_memory_bound_the_dtype_bytes():
 def test_bf16_prices_autocast_casts():
     """Under bf16 the first Linear reads the fp32 input and weight through cast kernels (read 4 + write 2
     bytes an element each); its output and everything after are bf16."""
-    m = parse_machine("h100:1x1")
+    m = h100_datasheet(1, 1)
     g = mlp(batch=64, h=64, layers=2)
     cm = CostModel(m, precision="bf16")
     gc = GraphCost(g, cm)
@@ -196,9 +206,8 @@ def test_interpolate_table():
     assert interpolate_table(pts, 0) == 0.0
 
 
-def _with_tables(tables, base="h100:1x1"):
-    m = parse_machine(base)
-    obj = m.to_json()
+def _with_tables(tables):
+    obj = h100_datasheet(1, 1).to_json()          # the datasheet device: no fitted tables or overheads
     obj["device"]["kernel_tables"] = tables
     return MachineSpec.from_json(obj)
 
@@ -281,9 +290,14 @@ def test_machine_json_peaks_and_tables_round_trip_and_validation(tmp_path):
 
 def test_preset_docstrings_name_datasheets_and_what_was_measured():
     from unity_pcg import machine as M
-    for fn in (M.summit, M.dgx_a100, M.h100):
+    for fn in (M.summit, M.dgx_a100, M.h100_datasheet, M.h100):
         doc = fn.__doc__
-        assert "https://" in doc and "Measured:" in doc and "Assumed:" in doc
+        assert ("https://" in doc or fn is M.h100) and "Measured:" in doc and "Assumed:" in doc
+    # the h100 preset is the one fitted from measurements, and its file names where it came from
+    dev, meta = M.fitted_device("h100")
+    assert M.h100(1, 1).device == dev and dev.kernel_tables and set(dev.peaks) >= {"tf32", "bf16"}
+    assert meta["measured_on"].startswith("NVIDIA H100") and meta["fitted_by"] == "python benchmarks/fit_h100.py"
+    assert M.h100(2, 8).links == M.h100_datasheet(2, 8).links       # the interconnect stays the datasheet's
 
 
 # --- plan file and CLI -----------------------------------------------------------------------------------
