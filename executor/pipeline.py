@@ -952,8 +952,8 @@ class LoweredPipelineTrainer:
         self._dist = dist
         self._stage_devices = [st.devices for st in stages]
         self.j = self.st.devices.index(rank)              # this device's pipeline
-        # one process group per pipeline (every rank creates every one, in the same order); the stage's
-        # own groups are created by its devices only
+        # one process group per pipeline (every rank creates every one, in the same order; the stages'
+        # own groups follow, see _make_groups)
         pp_groups, pos = {}, {}
         for j in range(K):
             members = [s.devices[j] for s in stages]
