@@ -30,6 +30,7 @@ BATCH = 8
 
 
 def model_path(name: str) -> str:
+    """The ONNX file of ``name`` (zoo models at tiny size and batch :data:`BATCH`, cached)."""
     if name == "densenet121":
         import onnx
         return os.path.join(os.path.dirname(onnx.__file__), "backend", "test", "data", "light",
@@ -96,6 +97,7 @@ def report(rows: list, meta: dict) -> str:
 
 
 def main(argv=None) -> int:
+    global BATCH
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--models", default=",".join(MODELS))
     ap.add_argument("--machines", default="summit:1x2,summit:1x4")
@@ -103,8 +105,10 @@ def main(argv=None) -> int:
     ap.add_argument("--candidates", type=int, default=4)
     ap.add_argument("--densenet", action="store_true", help="also DenseNet-121 of the onnx wheel (slow)")
     ap.add_argument("--variants", default="before,after")
+    ap.add_argument("--batch", type=int, default=BATCH, help="the zoo models' batch (default %(default)s)")
     ap.add_argument("-o", "--output", default=os.path.join(RESULTS, "rules_coverage"))
     args = ap.parse_args(argv)
+    BATCH = args.batch
     models = [m for m in args.models.split(",") if m] + (["densenet121"] if args.densenet else [])
     rows = []
     for name in models:

@@ -486,11 +486,13 @@ def megatron_rules_intra(devices_per_node: int, head: bool = True, book=None) ->
     (``substitution.tensor_parallel_steps``: the column -> row MLP and attention templates, GPT's masked
     attention included, and with ``head`` the vocabulary-parallel head), for the largest t dividing
     ``devices_per_node`` and the stage's devices at which a template applies and the micro-batch
-    divides by d.  Its layout differs from :func:`megatron_intra`'s hand-built one (the operators
-    between the groups run data parallel, not on t copies; the rules keep weights as a dp Replicate
-    under the tensor split), so it is priced on its own.  A stage no template applies to is data
-    parallel (:func:`default_intra`).  The recipe ({"dp": d, "tp": t}) is kept in the stage PCG's
-    ``meta["intra_rules"]`` for :func:`by_rules`."""
+    divides by d; with ``copies=True`` every Replicate is then lifted up the stage, so the operators
+    between the groups run on the t copies and each group ends in one AllReduce, and the stage's outputs
+    are left on the copies (:func:`_copies_out`): Megatron-LM's layout, priced exactly as
+    :func:`megatron_intra`'s hand-built one on tiny GPT (tests/search/test_rules_pipeline_megatron.py).  10x slower to build than the hand-built hook, so the stage
+    search uses that one and :func:`by_rules` re-prices the chosen plan with this.  A stage no template
+    applies to is data parallel (:func:`default_intra`).  The recipe ({"dp": d, "tp": t, ...}) is kept in
+    the stage PCG's ``meta["intra_rules"]`` for :func:`by_rules`."""
     from .baselines import _divisors_desc
     from .substitution import data_parallel_steps, tensor_parallel_steps
 
@@ -526,8 +528,9 @@ def _copies_out(g: PCG, tp: int, book) -> PCG:
     group (not split on features, no partial sums), given the Replicate that the next stage's rules lift
     up to its input, lifted in turn up this stage's residual stream (``substitution._lift_all``: the
     Adds run on the copies and the last Reduce meets it as one AllReduce, as Megatron-LM does).
-    :func:`by_rules` reaches the same by lifting the next stage's Replicate across the cut; a model
-    output gets no Replicate (the head's is split on its features)."""
+    :func:`by_rules` reaches the same by lifting the next stage's Replicate across the cut.  An output
+    split on its features (the vocabulary-parallel head's) gets none; a model output in one piece would
+    get one that no next stage lifts, and then :func:`by_rules` does not reach the plan (None)."""
     from .substitution import _lift_all, trailing
     e = g.edit()
     outs = []
