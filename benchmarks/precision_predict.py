@@ -1,8 +1,8 @@
 """Predicted effect of the precision (issue 9 point 1) on the zoo models at paper size: one training step
 on one GPU (``unity-pcg simulate MODEL --machine M:1x1 --strategy none --precision P``, the paper's
 per-device batch) and data parallel over 8 GPUs (``--strategy dp``, batch x 8), fp32 / tf32 / bf16, on
-the uncalibrated dgx-a100 and h100 presets.  Predictions only: no GPU measured here (benchmarks/gpu_cost.py
-compares with measurements).
+the dgx-a100 preset (datasheet) and the h100 preset (fitted from measurements on an H100).  Predictions
+only: no GPU measured here (benchmarks/gpu_cost.py compares with measurements).
 
 Writes benchmarks/results/precision_predict.json and .md.
 
@@ -58,7 +58,9 @@ def main(argv=None) -> int:
         json.dump({"meta": meta, "rows": rows}, f, indent=1)
     by = {(r["model"], r["machine"], r["precision"]): r for r in rows}
     md = ["# Predicted effect of the precision (no measurement)", "",
-          "`unity-pcg simulate` on the uncalibrated presets, Adam, paper-size zoo models; one GPU at the paper's "
+          "`unity-pcg simulate` on the presets (dgx-a100: datasheet; h100: fitted from measurements on an H100, "
+          "`benchmarks/fit_h100.py`; measured steps against these predictions: `gpu_cost.md`), Adam, paper-size "
+          "zoo models; one GPU at the paper's "
           "per-device batch (`none`) and 8 GPUs data parallel (`dp`, 8x the batch). Time in ms; memory of the "
           "busiest device in GiB; grad sync (fp32 in every precision) and activation transfer time in ms.", "",
           "| model | machine | fp32 ms | tf32 ms | bf16 ms | fp32 / bf16 | memory fp32 GiB | memory bf16 GiB | "
