@@ -33,25 +33,11 @@ import time
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 if ROOT not in sys.path:
     sys.path.insert(0, ROOT)
+HERE = os.path.dirname(os.path.abspath(__file__))
+if HERE not in sys.path:
+    sys.path.insert(0, HERE)
 RESULTS = os.path.join(ROOT, "benchmarks", "results")
 TARGET = 0.05
-
-
-def _timer(cuda: bool):
-    import torch
-
-    def timed(fn) -> float:
-        if cuda:
-            s, e = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            s.record()
-            fn()
-            e.record()
-            e.synchronize()
-            return s.elapsed_time(e) / 1e3
-        t = time.perf_counter()
-        fn()
-        return time.perf_counter() - t
-    return timed
 
 
 def measure_model(name: str, size: str, batch: int | None, device: str, precision: str, rounds: int, iters: int,
@@ -109,7 +95,8 @@ def measure_model(name: str, size: str, batch: int | None, device: str, precisio
     def executor():
         trainer.step(feeds)
 
-    timed = _timer(cuda)
+    from gpu_cost import step_timer            # benchmarks/gpu_cost.py: one step between CUDA events
+    timed = step_timer(cuda)
     for _ in range(warmup):
         executor()
         eager()

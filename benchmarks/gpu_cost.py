@@ -92,6 +92,25 @@ def predict(name: str, size: str, batch: int, machine: str, optimizer: str, prec
             "feasible": r["feasible"], "breakdown": r.get("breakdown", {}), "machine": r["machine"]}
 
 
+def step_timer(cuda: bool):
+    """``timed(fn)``: seconds of one call of ``fn`` -- between two CUDA events on a GPU (the kernels it
+    queued included), by ``perf_counter`` on a CPU."""
+    import torch
+
+    def timed(fn) -> float:
+        if cuda:
+            s, e = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            s.record()
+            fn()
+            e.record()
+            e.synchronize()
+            return s.elapsed_time(e) / 1e3
+        t = time.perf_counter()
+        fn()
+        return time.perf_counter() - t
+    return timed
+
+
 def measure(name: str, size: str, batch: int, optimizer: str, precision: str, device: str, warmup: int,
             iters: int, profile: str | None = None) -> dict:
     """Median seconds of one training step and peak allocated bytes (CUDA only)."""
@@ -127,18 +146,9 @@ def measure(name: str, size: str, batch: int, optimizer: str, precision: str, de
         if cuda:
             torch.cuda.synchronize()
             torch.cuda.reset_peak_memory_stats()
+        timed = step_timer(cuda)
         for _ in range(iters):
-            if cuda:
-                s, e = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-                s.record()
-                step()
-                e.record()
-                e.synchronize()
-                times.append(s.elapsed_time(e) / 1e3)
-            else:
-                t = time.perf_counter()
-                step()
-                times.append(time.perf_counter() - t)
+            times.append(timed(step))
         peak = torch.cuda.max_memory_allocated() if cuda else None
         if profile:           # where the step's time goes, per torch op (for fitting the cost model offline)
             from torch.profiler import ProfilerActivity, profile as torch_profile
