@@ -219,8 +219,58 @@ def make_plans(procs: int, machine_path: str, models: dict) -> list[dict]:
                       "breakdown": r.to_json().get("breakdown"), "devices_used": len(devs),
                       "predicted_independent_s": indep.optimize(c["pcg"]).cost,
                       # the same views re-priced (the plan measured), not re-mapped
-                      "predicted_ddp_sync_s": ddp_sync.evaluate(c["pcg"], r.views).cost})
+                      "predicted_ddp_sync_s": ddp_sync.evaluate(c["pcg"], r.views).cost,
+                      "_pcg": c["pcg"], "_views": dict(r.views)})
     return cases
+
+
+def insitu_machine(machine_path: str, procs: int, runs: list, out_path: str) -> str:
+    """The calibration of ``machine_path`` with world ``procs``'s kernel and collective tables replaced by
+    those measured inside the launches, interleaved with the step rounds (``--insitu``): per kernel and
+    collective point the median over the launches of each launch's median.  Only the generic
+    micro-benchmarks of ``search.calibrate`` (never the models) are measured there."""
+    from unity_pcg.search import calibrate as cal
+    with open(machine_path) as f:
+        obj = json.load(f)
+    kern = {}
+    for r in runs:
+        for k, rec in r["insitu"]["kernels"].items():
+            for d, v in rec.items():
+                kern.setdefault(k, {}).setdefault(d, []).append(v)
+    kern = {k: {d: statistics.median(v) for d, v in rec.items()} for k, rec in kern.items()}
+    _, tables = cal.kernel_tables(False, kern)
+    coll: dict = {}
+    for r in runs:
+        for kind, d in r["insitu"]["collectives"].items():
+            for g, pts in d.items():
+                for x, t in pts:
+                    coll.setdefault(kind, {}).setdefault(g, {}).setdefault(x, []).append(t)
+    from unity_pcg.search.calibrate_gpu import make_table
+    coll = {kind: {g: make_table([(x, statistics.median(v)) for x, v in pts.items()]) for g, pts in d.items()}
+            for kind, d in coll.items()}
+    wait = {k: statistics.median(r["insitu"]["wait"][k] for r in runs) for k in ("free", "synced", "alone")}
+    w = obj["meta"]["worlds"][str(procs)]
+    w["device"]["kernel_tables"] = tables
+    w["collectives"] = coll
+    w["sync"] = dict(w.get("sync") or {}, executor_wait=wait,
+                     executor_slowdown=cal.sync_slowdown(wait["free"], wait["synced"], wait["alone"]))
+    w["insitu"] = {"kernels": kern}
+    if obj["meta"].get("device_world") == procs:
+        obj["device"]["kernel_tables"] = tables
+        obj["meta"]["sync"] = w["sync"]
+    with open(out_path, "w") as f:
+        json.dump(obj, f)
+    return out_path
+
+
+def reprice(cases: list, machine_path: str, procs: int) -> dict:
+    """Each case's measured views priced on ``machine_path`` (``MachineMapper.evaluate``): {id: seconds}."""
+    from unity_pcg.machine import parse_machine
+    from unity_pcg.search.cost import CostModel
+    from unity_pcg.search.mapping import MachineMapper
+    m = parse_machine(f"{machine_path}:1x{procs}")
+    mm = MachineMapper(CostModel(m, optimizer="sgd"))
+    return {c["id"]: mm.evaluate(c["_pcg"], c["_views"]).cost for c in cases}
 
 
 # --- one rank of a launch ------------------------------------------------------------------------------------
@@ -317,7 +367,23 @@ def rank_main(spec: dict) -> dict:
         times = {cid: [] for cid in steps}
         cpu = {cid: [] for cid in steps}       # CPU seconds of the rank's process (all its threads) per step
         order = list(steps)
+        insitu = spec.get("insitu")
+        if insitu:       # the calibration's generic kernel and collective tables, measured between the rounds
+            from unity_pcg.search import calibrate as cal
+            prepared = cal.prepare_kernels(False)
+            cops = cal.prepare_collectives(world, rank, False)
+            kern: dict = {}
+            cts: dict = {}
+            sw: dict = {}
         for r in range(spec["rounds"]):
+            if insitu:
+                dist.barrier()
+                for key, rec in cal.measure_kernels(prepared, window=insitu["window"]).items():
+                    mine = kern.setdefault(key, {"fwd": [], "bwd": []})
+                    mine["fwd"] += rec["fwd"]
+                    mine["bwd"] += rec["bwd"]
+                cal.measure_collectives_round(cops, insitu["reps"], cts)
+                cal.measure_sync_wait(1, sw)
             for cid in (order if r % 2 == 0 else order[::-1]):
                 dist.barrier()
                 c0, t0 = time.process_time(), time.perf_counter()
@@ -325,7 +391,13 @@ def rank_main(spec: dict) -> dict:
                     steps[cid]()
                 times[cid].append((time.perf_counter() - t0) / spec["iters"])
                 cpu[cid].append((time.process_time() - c0) / spec["iters"])
-        return {"rank": rank, "times": times, "cpu": cpu, "first_loss": first}
+        out = {"rank": rank, "times": times, "cpu": cpu, "first_loss": first}
+        if insitu:
+            out["insitu"] = {"kernels": {k: {d: statistics.median(v[d]) for d in ("fwd", "bwd") if v[d]}
+                                         for k, v in kern.items()},
+                             "collectives": cal.collective_medians(cts),
+                             "wait": {k: statistics.median(v) for k, v in sw.items()}}
+        return out
     finally:
         dist.barrier()
         dist.destroy_process_group()
@@ -345,6 +417,11 @@ def launch(spec: dict, procs: int) -> dict:
                        logs_specs=DefaultLogsSpecs(log_dir=os.path.join(CACHE, "elastic")))
     res = elastic_launch(cfg, rank_main)(spec)
     out = dict(res[0])
+    if "insitu" in out:     # kernels: the median over ranks; collectives: the slowest rank (search.calibrate)
+        from unity_pcg.search import calibrate as cal
+        out["insitu"] = {"kernels": cal._median_tree([res[r]["insitu"]["kernels"] for r in res]),
+                         "collectives": cal.collective_tables([res[r]["insitu"]["collectives"] for r in res]),
+                         "wait": cal._median_tree([res[r]["insitu"]["wait"] for r in res])}
     # CPU seconds per step summed over the ranks (the host's total work for one step), per round
     out["cpu_all"] = {cid: [sum(res[r]["cpu"][cid][i] for r in res) for i in range(len(v))]
                       for cid, v in res[0]["cpu"].items()}
@@ -398,7 +475,7 @@ def run_procs(procs: int, a, models: dict) -> dict:
             cases.append({"id": f"{c['vs']}:{c['model']}", "kind": c["vs"], "model": c["model"]})
     spec = {"cases": [{k: v for k, v in c.items() if k in ("id", "kind", "model", "plan", "name")} for c in cases],
             "threads": max(1, (os.cpu_count() or 1) // procs), "rounds": a.rounds, "iters": a.iters,
-            "warmup": 2}
+            "warmup": 2, "insitu": {"window": 0.01, "reps": 2} if a.insitu else None}
     runs = []
     for i in range(a.runs):
         l0 = os.getloadavg()[0]
@@ -408,8 +485,14 @@ def run_procs(procs: int, a, models: dict) -> dict:
                      "rounds": res["times"], "cpu_rounds": res["cpu"], "cpu_all_rounds": res["cpu_all"],
                      "loadavg_before": l0, "loadavg_after": os.getloadavg()[0],
                      "seconds": time.perf_counter() - t, "first_loss": res["first_loss"]})
+        if "insitu" in res:
+            runs[-1]["insitu"] = res["insitu"]
         print(f"  P={procs} run {i + 1}/{a.runs}: " + ", ".join(f"{cid} {v * 1e3:.1f}"
               for cid, v in runs[-1]["times"].items()) + f" ms (load {l0:.1f})", flush=True)
+    priced = {}
+    if a.insitu:
+        ipath = insitu_machine(mpath, procs, runs, os.path.join(CACHE, f"local-{procs}-insitu.json"))
+        priced = {"before": reprice(plans, mpath, procs), "insitu": reprice(plans, ipath, procs)}
     rows = []
     torch_of = {c["model"]: f"{c['vs']}:{c['model']}" for c in plans if c["vs"]}
     for c in plans:
@@ -421,6 +504,10 @@ def run_procs(procs: int, a, models: dict) -> dict:
                "devices_used": c["devices_used"],
                "cpu_all_ranks_s": statistics.median(x for r in runs for x in r["cpu_all_rounds"][c["id"]])}
         row["rel_error"] = (row["predicted_s"] - row["measured_s"]) / row["measured_s"]
+        if priced:      # the measured views priced on the calibration before (evaluate) and on the in-situ tables
+            row["predicted_eval_s"] = priced["before"][c["id"]]
+            row["predicted_insitu_s"] = priced["insitu"][c["id"]]
+            row["rel_error_insitu"] = (row["predicted_insitu_s"] - row["measured_s"]) / row["measured_s"]
         ref = torch_of.get(c["model"])      # the same model trained by torch in the same run: same first loss?
         if ref is not None:
             la, lb = runs[0]["first_loss"][c["id"]], runs[0]["first_loss"][ref]
@@ -441,6 +528,8 @@ def run_procs(procs: int, a, models: dict) -> dict:
         rows.append(row)
     with open(mpath) as f:
         machine = json.load(f)
+    for r in runs:
+        r.pop("insitu", None)         # kept in the in-situ machine file (benchmarks/.cache), not the results
     return {"procs": procs, "rows": rows, "runs": runs, "calibration_s": cal_s, "loadavg_calibration": load_cal,
             "machine": machine.get("meta", {}).get("worlds", {}).get(str(procs), machine.get("meta"))}
 
@@ -469,6 +558,10 @@ def main(argv=None) -> int:
     ap.add_argument("--iters", type=int, default=3, help="steps per case per round (default 3)")
     ap.add_argument("--machine", default=None,
                     help="price on this machine file instead of calibrating for each P right before measuring")
+    ap.add_argument("--insitu", action=argparse.BooleanOptionalAction, default=True,
+                    help="also measure the calibration's generic kernel and collective tables inside each launch, "
+                         "one round before every round of steps, and re-price the measured views on them "
+                         "(default on; --no-insitu: the calibration before each P only)")
     ap.add_argument("--out", default=os.path.join(RESULTS, "executor_bench.json"))
     ap.add_argument("--md", default=os.path.join(RESULTS, "executor_bench.md"))
     a = ap.parse_args(argv)
@@ -504,6 +597,10 @@ def main(argv=None) -> int:
         sub = [r for r in rows if r["procs"] == p]
         summary[f"median_abs_rel_error_p{p}"] = statistics.median(abs(r["rel_error"]) for r in sub)
         summary[f"spearman_p{p}"] = spearman([r["predicted_s"] for r in sub], [r["measured_s"] for r in sub])
+        if all("predicted_insitu_s" in r for r in sub):
+            summary[f"median_abs_rel_error_insitu_p{p}"] = statistics.median(abs(r["rel_error_insitu"]) for r in sub)
+            summary[f"spearman_insitu_p{p}"] = spearman([r["predicted_insitu_s"] for r in sub],
+                                                        [r["measured_s"] for r in sub])
     for r in rows:
         if "ratio" in r:
             summary[f"ratio_{r['vs']}_{r['model']}_p{r['procs']}"] = r["ratio"]
@@ -523,7 +620,8 @@ def independent_summary(rows: list) -> dict:
     """Median error and Spearman of the predictions that price the devices as independent (the
     same calibration with ``shared_cores=0``), and of the same views priced with torch DDP's sync terms."""
     out = {}
-    for key, suffix in (("predicted_independent_s", "independent"), ("predicted_ddp_sync_s", "ddp_sync")):
+    for key, suffix in (("predicted_independent_s", "independent"), ("predicted_ddp_sync_s", "ddp_sync"),
+                        ("predicted_eval_s", "eval"), ("predicted_insitu_s", "insitu")):
         if not rows or any(r.get(key) is None for r in rows):
             continue
         out[f"median_abs_rel_error_{suffix}"] = statistics.median(
@@ -583,6 +681,25 @@ def write_markdown(path: str, res: dict) -> None:
              if "spearman_ddp_sync" in s else ""), "",
           "Compute, grad sync and transfers: the cost model's breakdown of the prediction. CPU ms, all ranks: the "
           "measured CPU time of one step summed over the ranks (median over rounds).", ""]
+    if "spearman_insitu" in s:
+        L += ["### Priced on the tables measured inside the launches (`--insitu`)", "",
+              "The calibration's generic kernel and collective tables (`search.calibrate.prepare_kernels`, "
+              "`prepare_collectives`: never the models) measured again in the launches' processes, one round before "
+              "each round of steps, so that they see the host's load of the same seconds; the measured views "
+              "re-priced on them (`MachineMapper.evaluate`) and, for comparison, on the calibration before "
+              "(evaluate: the same views).", "",
+              "| model | P | plan | measured ms | in-situ tables: predicted ms | error | calibration before, "
+              "evaluate: predicted ms | error |", "|---|---|---|---|---|---|---|---|"]
+        for r in rows:
+            L.append(f"| {names[r['model']]} | {r['procs']} | {r['plan']} | {r['measured_s'] * 1e3:.2f} | "
+                     f"{r['predicted_insitu_s'] * 1e3:.2f} | {r['rel_error_insitu'] * 100:+.1f}% | "
+                     f"{r['predicted_eval_s'] * 1e3:.2f} | "
+                     f"{(r['predicted_eval_s'] - r['measured_s']) / r['measured_s'] * 100:+.1f}% |")
+        L += ["", f"In-situ tables: median absolute error {s['median_abs_rel_error_insitu'] * 100:.1f}%, Spearman "
+              f"{s['spearman_insitu']:.3f}; " + "; ".join(
+                  f"P={p}: {s[f'median_abs_rel_error_insitu_p{p}'] * 100:.1f}% / {s[f'spearman_insitu_p{p}']:.3f}"
+                  for p in sorted({r['procs'] for r in rows})) + ". Calibration before, the same views (evaluate): "
+              f"{s['median_abs_rel_error_eval'] * 100:.1f}% / {s['spearman_eval']:.3f}.", ""]
     L += ["Per process count: " + "; ".join(
         f"P={p}: median absolute error {s[f'median_abs_rel_error_p{p}'] * 100:.1f}%, Spearman "
         f"{s[f'spearman_p{p}']:.3f}" for p in sorted({r['procs'] for r in rows})) + ".", ""]

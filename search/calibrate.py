@@ -279,21 +279,53 @@ def kernel_rows(prepared: list, samples: dict) -> list:
     return rows
 
 
+def measure_sync_wait(reps: int = 5, ts: dict | None = None) -> dict:
+    """What synchronizing costs the computing processes of a running group (every rank calls this at the
+    same time): a segment of kernels (8 matmuls 64x256x256, a few ms: the work between two collectives of
+    a step) timed in a loop ``free`` (each rank on its own), ``synced`` (a 1-element all-reduce after every
+    segment, as a step's collectives make every rank wait for the slowest) and the all-reduce alone
+    (``alone``).  On cores shared with other programs a rank that loses its core stalls the others at the
+    next collective: ``synced - alone`` exceeds ``free``.  Seconds per iteration appended to ``ts`` (returned)."""
+    import torch
+    import torch.distributed as dist
+    torch.manual_seed(0)
+    a, w = torch.randn(64, 256), torch.randn(256, 256)
+    tiny = torch.zeros(1)
+
+    def seg():
+        for _ in range(8):
+            torch.mm(a, w)
+    ts = {} if ts is None else ts
+    for k in ("free", "synced", "alone"):
+        ts.setdefault(k, [])
+    n = 8
+    for _ in range(reps):
+        for kind in ("free", "synced", "alone"):
+            dist.barrier()
+            t = time.perf_counter()
+            for _ in range(n):
+                if kind != "alone":
+                    seg()
+                if kind != "free":
+                    dist.all_reduce(tiny)
+            ts[kind].append((time.perf_counter() - t) / n)
+    return ts
+
+
+def sync_slowdown(free: float, synced: float, alone: float) -> float:
+    """Compute time of synchronized processes relative to free ones: ``(synced - alone) / free``, >= 1."""
+    return max((synced - alone) / free, 1.0) if free > 0 else 1.0
+
+
 COLLECTIVE_KINDS = ("all_reduce", "all_gather", "broadcast")
 
 
-def measure_collective_tables(world: int, rank: int, quick: bool = False) -> dict:
-    """Seconds of gloo collectives per group size and tensor size in a running process group of
-    ``world`` (every rank calls this at the same time): for each group size ``g`` dividing ``world``,
-    the ranks split into ``world / g`` groups of consecutive ranks that all run the collective at once
-    (as the groups of a hybrid plan do), over float32 tensors of 64 to 1M elements (``all_gather``:
-    each member's piece is ``1/g`` of the size).  ``rounds`` interleaved sweeps of ``reps`` calls each,
-    a barrier over all ranks before every call, the median of each rank's calls:
-    ``{kind: {str(g): {str(bytes): seconds}}}`` (bytes: the full tensor; for all-gather the gathered one)."""
+def prepare_collectives(world: int, rank: int, quick: bool = False) -> list:
+    """The collectives of :func:`measure_collective_tables` in a running process group (every rank calls
+    this at the same time: it creates the groups): ``[(kind, g, bytes, callable)]``, each called once."""
     import torch
     import torch.distributed as dist
     sizes = [2 ** k for k in ((6, 10, 14, 18) if quick else (6, 8, 10, 12, 14, 16, 18, 20))]
-    reps, rounds = (3, 2) if quick else (5, 3)
     gsizes = [g for g in range(2, world + 1) if world % g == 0]
     mine = {}
     for g in gsizes:
@@ -314,18 +346,45 @@ def measure_collective_tables(world: int, rank: int, quick: bool = False) -> dic
             ops.append(("broadcast", g, 4 * n, lambda full=full, pg=pg, root=root: dist.broadcast(full, root, group=pg)))
     for _, _, _, fn in ops:
         fn()
-    ts: dict = {}
-    for _ in range(rounds):
-        for kind, g, nb, fn in ops:
-            for _ in range(reps):
-                dist.barrier()
-                t = time.perf_counter()
-                fn()
-                ts.setdefault((kind, g, nb), []).append(time.perf_counter() - t)
+    return ops
+
+
+def measure_collectives_round(ops: list, reps: int, ts: dict | None = None) -> dict:
+    """One sweep over :func:`prepare_collectives`' ops, ``reps`` calls each after a barrier over all ranks:
+    the seconds of every call appended to ``ts[(kind, g, bytes)]`` (returned)."""
+    import torch.distributed as dist
+    ts = {} if ts is None else ts
+    for kind, g, nb, fn in ops:
+        for _ in range(reps):
+            dist.barrier()
+            t = time.perf_counter()
+            fn()
+            ts.setdefault((kind, g, nb), []).append(time.perf_counter() - t)
+    return ts
+
+
+def collective_medians(ts: dict) -> dict:
+    """``{kind: {str(g): {str(bytes): median seconds}}}`` of :func:`measure_collectives_round`'s samples."""
     out: dict = {k: {} for k in COLLECTIVE_KINDS}
     for (kind, g, nb), v in ts.items():
         out[kind].setdefault(str(g), {})[str(nb)] = statistics.median(v)
     return out
+
+
+def measure_collective_tables(world: int, rank: int, quick: bool = False) -> dict:
+    """Seconds of gloo collectives per group size and tensor size in a running process group of
+    ``world`` (every rank calls this at the same time): for each group size ``g`` dividing ``world``,
+    the ranks split into ``world / g`` groups of consecutive ranks that all run the collective at once
+    (as the groups of a hybrid plan do), over float32 tensors of 64 to 1M elements (``all_gather``:
+    each member's piece is ``1/g`` of the size).  Interleaved sweeps (rounds) of a few calls each, a
+    barrier over all ranks before every call, the median of each rank's calls:
+    ``{kind: {str(g): {str(bytes): seconds}}}`` (bytes: the full tensor; for all-gather the gathered one)."""
+    ops = prepare_collectives(world, rank, quick)
+    reps, rounds = (3, 2) if quick else (5, 3)
+    ts: dict = {}
+    for _ in range(rounds):
+        measure_collectives_round(ops, reps, ts)
+    return collective_medians(ts)
 
 
 def collective_tables(per_rank: list) -> dict:
@@ -513,6 +572,8 @@ def _world_worker(rank: int, world: int, port: int, quick: bool, threads: int, w
             kernel_round()
         coll = measure_collective_tables(world, rank, quick)
         kernel_round()
+        sw = measure_sync_wait(3 if quick else 5)
+        ddp["executor_wait"] = {k: statistics.median(v) for k, v in sw.items()}
         comp = _median_tree(comps)
         comp["solo_speedup"] = solo
         kernels = {k: {d: statistics.median(v[d]) for d in ("fwd", "bwd") if v[d]} for k, v in kern.items()}
@@ -563,6 +624,10 @@ def measure_world(world: int, quick: bool = False, threads: int | None = None, w
                 p.terminate()
     coll = [g.pop("collectives") for g in got]
     out = _median_tree(got)
+    ew = out["ddp"].pop("executor_wait")
+    # the executor's processes wait for each other at its collectives: compute slowed by this factor
+    out["ddp"]["executor_slowdown"] = sync_slowdown(ew["free"], ew["synced"], ew["alone"])
+    out["ddp"]["executor_wait"] = ew
     out["collectives"] = collective_tables(coll)
     out["threads"] = threads
     out["allreduce"] = {int(k): v for k, v in out["allreduce"].items()}
@@ -667,7 +732,8 @@ def calibrate(quick: bool = False, worlds: tuple | None = None, quiet: bool = Fa
                                          for k in ("conv", "conv1x1", "matmul", "elementwise", "norm",
                                                    "pool")), quiet)
         _say(f"  world {w}: all-reduce latency {fits[w]['latency'] * 1e6:.0f} us, bandwidth "
-             f"{fits[w]['bandwidth'] / 1e9:.2f} GB/s; DDP {res['ddp']['iteration'] * 1e6:.0f} us/iteration + "
+             f"{fits[w]['bandwidth'] / 1e9:.2f} GB/s; executor slowdown {res['ddp']['executor_slowdown']:.2f}; "
+             f"DDP {res['ddp']['iteration'] * 1e6:.0f} us/iteration + "
              f"{res['ddp']['per_tensor'] * 1e6:.1f} us/tensor, buffers {res['ddp']['buffers'] * 1e6:.0f} us", quiet)
     first = min(worlds)
     dev = replace(_device(per_world[str(first)]["measured"], mem),

@@ -248,6 +248,11 @@ class CostModel:
         self.sync_buffers = max(float(sync.get("buffers", 0.0)), 0.0)
         # waiting for the other replicas grows with the compute between synchronizations
         self.sync_per_compute = max(float(sync.get("per_compute", 0.0)), 0.0) if machine.num_devices > 1 else 0.0
+        if sync_model == "executor" and machine.num_devices > 1 and machine.shared_cores > 0:
+            # the executor's processes on shared cores wait for each other at its collectives: calibrate's
+            # measured slowdown of synchronized against free computing processes (``sync.executor_slowdown``)
+            slow = (dict(machine.meta).get("sync") or {}).get("executor_slowdown")
+            self.sync_per_compute = max(float(slow) - 1.0, 0.0) if slow is not None else 0.0
         # devices that share cores (local processes): see busy_factor, side_by_side and
         # GraphCost.backward_scale; machines without shared cores (GPU presets) are priced as before
         self.shared = machine.shared_cores > 0

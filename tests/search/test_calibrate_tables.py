@@ -121,3 +121,25 @@ def test_kernel_and_optimizer_tables_change_the_prediction():
     assert cm.update_time(4096.0) == pytest.approx(interpolate_table(base["optimizer_sgd/fp32"], 3 * 4096.0))
     cm = CostModel(one(base), optimizer="momentum")
     assert cm.update_time(4096.0) == pytest.approx(interpolate_table(base["optimizer/fp32"], 5 * 4096.0))
+
+
+def test_sync_slowdown_of_waiting_processes():
+    assert cal.sync_slowdown(1e-3, 2.5e-3, 0.5e-3) == pytest.approx(2.0)
+    assert cal.sync_slowdown(1e-3, 1.2e-3, 0.5e-3) == 1.0          # never below free processes
+    assert cal.sync_slowdown(0.0, 1e-3, 0.0) == 1.0
+
+
+def test_executor_slowdown_scales_compute_of_several_processes_only():
+    g = data_parallel(mlp(batch=8, h=16, layers=2), 2)
+    tabs = {"matmul/fp32": [[1.0, 1e-4], [1e9, 1e-1]], "elementwise/fp32": [[1.0, 1e-5], [1e9, 1e-2]]}
+
+    def machine(slow):
+        m = _machine(tables=tabs)
+        meta = dict(m.meta, sync={"executor_slowdown": slow} if slow else {})
+        return dataclasses.replace(m, meta=meta)
+    r1 = MachineMapper(CostModel(machine(None))).optimize(g)
+    r2 = MachineMapper(CostModel(machine(1.5))).optimize(g)
+    assert r2.breakdown.compute == pytest.approx(1.5 * r1.breakdown.compute, rel=1e-9)
+    assert CostModel(machine(1.5), sync_model="ddp").sync_per_compute == 0.0     # DDP: its own measured terms
+    one = dataclasses.replace(machine(1.5), devices_per_node=1, group_size=1)
+    assert CostModel(one).sync_per_compute == 0.0                                # nobody to wait for
