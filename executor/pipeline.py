@@ -40,18 +40,20 @@ own sub-plan at the micro-batch (the plan's PCG rebatched to B/M, the stage's no
 Input per tensor received, a Reduce / Combine / Replicate chain leaving each tensor it sends whole on every
 one of its devices) -- is run by :class:`executor.train.Trainer`'s lowering on the stage's devices (DTensor
 redistributions and torch.distributed collectives on process groups of those devices; every rank creates
-every stage's groups in one agreed order).  Stages have K devices each and K pipelines run, pipeline j made
-of device j of every stage, every pipeline carrying whole micro-batches: a received tensor is read as local
+every stage's groups in one agreed order).  Stages of K devices each: K pipelines run, pipeline j made of
+device j of every stage, every pipeline carrying whole micro-batches: a received tensor is read as local
 slices (no communication), a sent one is assembled in the stage (the all-gather or all-reduce the plan's
-layout needs; its backward sums the gradient shares the next stage's devices send back).  The loss is the
+layout needs; its backward sums the gradient shares the next stage's devices send back).  Stages of
+different sizes: one pipeline through the stages' first devices (leaders); a leader broadcasts to its stage
+what it receives (the broadcast's backward sums the devices' gradient shares onto it) and tells the other
+devices which micro-batch to run forward or backward next (their copies of what it sends get no share).  The loss is the
 Trainer's per-piece loss on the last stage's devices (pieces where they lie; the whole class rows for
 cross-entropy), gradients are accumulated over the micro-batches, replicated weight regions all-reduced
 over the devices that read them (the Trainer's buckets; shards are not), then divided by M.
 
-Limits (refused by :func:`check_pipeline` with a one-line error before any process starts): lowered
-stages of different device counts, BatchNorm in lowered stages, a weight read in two stages, partial sums
-crossing stages, a schedule other than 1F1B, a batch that M R does not divide, non-floating tensors
-crossing stages.
+Limits (refused by :func:`check_pipeline` with a one-line error before any process starts): BatchNorm in
+lowered stages, a weight read in two stages, partial sums crossing into a lowered stage, a schedule other
+than 1F1B, a batch that M R does not divide, non-floating tensors crossing stages.
 """
 from __future__ import annotations
 
@@ -226,10 +228,6 @@ def _dp_node(g: PCG, plan, n, i: int, devices, degree_of: dict, order_of: dict) 
 def _check_lowered(g: PCG, devices, why: str) -> None:
     """A plan whose stages are not all data parallel inside runs every stage lowered on its devices
     (tensor/Megatron parallelism inside): what that mode needs of the stages."""
-    sizes = [len(d) for d in devices]
-    if len(set(sizes)) != 1:
-        raise PipelineError(f"plan: pipeline stages with tensor/Megatron parallelism inside must have equal "
-                            f"device counts, got {sizes} ({why})")
     bn = next((n for n in g.nodes() if n.op == "BatchNorm"), None)
     if bn is not None:
         raise PipelineError(f"plan: BatchNorm ({bn.label()}) in pipeline stages with tensor/Megatron "
@@ -914,13 +912,48 @@ class PipelineTrainer:
         return {name: (t, "stage") for name, t in self.model_state().items()}
 
 
+_FORWARD, _BACKWARD, _STOP = 1, 2, 3
+
+
+def _on_backward_fn():
+    torch = _torch_modules()[0]
+
+    class OnBackward(torch.autograd.Function):
+        """Identity whose backward first calls ``fn``."""
+
+        @staticmethod
+        def forward(ctx, x, fn):
+            ctx.fn = fn
+            return x.clone()
+
+        @staticmethod
+        def backward(ctx, g):
+            ctx.fn()
+            return g, None
+    return OnBackward
+
+
+class _OnBackwardProxy:
+    _cls = None
+
+    @classmethod
+    def apply(cls, x, fn):
+        if cls._cls is None:
+            cls._cls = _on_backward_fn()
+        return cls._cls.apply(x, fn)
+
+
+_OnBackward = _OnBackwardProxy
+
+
 class LoweredPipelineTrainer:
     """The Trainer API for pipelines whose stages are not all data parallel inside (tensor/Megatron
     parallelism, hybrids): every stage runs its :class:`StageGraph` -- its sub-plan at the micro-batch --
     with the lowering of :class:`executor.train.Trainer` (DTensor redistributions and torch.distributed
     collectives on process groups of the stage's devices), and ``torch.distributed.pipelining`` drives
-    the stages with 1F1B.  Stages have K devices each; K pipelines run, pipeline j made of device j of
-    every stage, each carrying whole micro-batches: every device of a stage receives every tensor it
+    the stages with 1F1B.  Stages of different sizes run one pipeline through their first devices, which
+    drive the others (see the module docstring).  Stages of K devices each: K pipelines run, pipeline j
+    made of device j of every stage, each carrying whole micro-batches: every device of a stage receives every tensor it
     reads from the previous stage whole (its pieces are local slices) and sends every tensor it passes on
     whole (the stage graph's Reduce / Combine / Replicate chain, an all-gather or all-reduce inside the
     stage).  The gradient a device receives for a tensor is that device's share; the chain's backward
@@ -954,11 +987,16 @@ class LoweredPipelineTrainer:
         self.j = self.st.devices.index(rank)              # this device's pipeline
         # one process group per pipeline (every rank creates every one, in the same order; the stages'
         # own groups follow, see _make_groups)
+        # stages of different sizes: one pipeline through the stages' first devices (leaders), which
+        # share what they receive with their stage's other devices and tell them what to run
+        self.lead = len({len(s.devices) for s in stages}) > 1
+        self.leader = self.st.devices[0]
         pp_groups, pos = {}, {}
-        for j in range(K):
+        for j in range(1 if self.lead else K):
             members = [s.devices[j] for s in stages]
-            pp_groups[j] = dist.new_group(sorted(members)) if K > 1 else None
-            pos[j] = {d: k for k, d in enumerate(sorted(members))} if K > 1 else {d: d for d in members}
+            some = len(members) < world
+            pp_groups[j] = dist.new_group(sorted(members)) if some else None
+            pos[j] = {d: k for k, d in enumerate(sorted(members))} if some else {d: d for d in members}
 
         sub = plan_mod.Plan(plan.model_path, plan.model_sha256, plan.machine, self.sg.pcg, self.sg.views,
                             plan.predicted, None, precision=getattr(plan, "precision", "fp32"))
@@ -988,7 +1026,8 @@ class LoweredPipelineTrainer:
         self.micro = 0
         self._kind = "mean"
         self._targets = False
-        self._pp = (pp_groups[self.j], {s.index: pos[self.j][s.devices[self.j]] for s in stages})
+        pj = 0 if self.lead else self.j
+        self._pp = (pp_groups[pj], {s.index: pos[pj][s.devices[pj]] for s in stages})
         self._scheds: dict = {}
         ins = plan.pcg.sources("Input")
         self.batch = ins[0].a["shape"][0] if ins and ins[0].a["shape"] else self.M
@@ -1083,11 +1122,21 @@ class LoweredPipelineTrainer:
         return n.op != "Input"
 
     def _forward(self, xs):
-        torch = _torch_modules()[0]
-        tr = self.tr
+        """The stage module's forward (every device with equal stages; the leader with different ones)."""
         k = self.micro
         self.micro += 1
-        fv = tr._feeds({name: xs[j] for j, name in self.sg.feeds.items()})
+        shared = xs
+        if self.lead and self.K > 1:
+            self._command(_FORWARD, k)
+            shared = self._share_inputs(xs)
+        return self._compute(xs, shared, k)
+
+    def _compute(self, xs, shared, k: int):
+        """Micro-batch ``k`` through the stage graph: ``shared`` holds what the stage reads (received
+        position -> tensor), ``xs`` what the leader received (passed on)."""
+        torch = _torch_modules()[0]
+        tr = self.tr
+        fv = tr._feeds({name: shared[j] for j, name in self.sg.feeds.items()})
         for step, base, micro0 in self._dropout:
             step.ctx.out_offset = ((base[0] + k * micro0,) + tuple(base[1:]),) if micro0 else (base,)
         tr.step_no = self.steps_done
@@ -1102,6 +1151,9 @@ class LoweredPipelineTrainer:
         tie = anchor * 0.0
         for t in sinks:
             tie = tie + t.sum() * 0.0
+        if self.lead and self.K > 1 and self.rank == self.leader:
+            # the backward starts here (created last, run first): the followers start theirs
+            tie = _OnBackward.apply(tie, lambda: self._command(_BACKWARD, k))
         if last:
             y = vals.get(pick) if tr.low.mine.get(pick) is not None else None
             # a device holding no piece of it returns a 1-element zero tied to its communication (the
@@ -1109,7 +1161,9 @@ class LoweredPipelineTrainer:
             return tie.reshape(1) if y is None else y + tie.to(y.dtype)
         outs = []
         for kind, v in self.sg.sends:
-            if kind == "recv":
+            if xs is None and kind != "out":    # a follower: the leader passes these on
+                outs.append(None)
+            elif kind == "recv":
                 x = xs[v]
                 outs.append(x.view_as(x) if x.requires_grad else x)
             elif kind == "feed":
@@ -1118,6 +1172,57 @@ class LoweredPipelineTrainer:
                 y = vals[v]
                 outs.append(y + tie.to(y.dtype) if y.is_floating_point() else y)
         return tuple(outs) if len(outs) > 1 else outs[0]
+
+    # --- stages of different sizes: the leader drives its stage's other devices ------------------------
+    def _command(self, kind: int, k: int = 0) -> tuple[int, int]:
+        """What the leader runs next (forward or backward of micro-batch k, or stop), sent to the stage's
+        other devices (they call this to receive it)."""
+        torch = _torch_modules()[0]
+        t = torch.tensor([kind, k], dtype=torch.int64, device=self.dev)
+        self._dist.broadcast(t, self.leader, group=self.tr._world_pg)
+        return int(t[0]), int(t[1])
+
+    def _share_inputs(self, xs) -> dict:
+        """What the stage reads of the received tensors, from the leader to every device of the stage
+        (``xs`` None on the others); a differentiable one through the Trainer's broadcast, whose backward
+        sums the devices' gradient shares onto the leader."""
+        torch = _torch_modules()[0]
+        from .kernels import TORCH_DTYPES
+        from .train import _Broadcast
+        out = {}
+        anchor = torch.zeros((), device=self.dev, requires_grad=True)
+        pg = self.tr._world_pg
+        for j in sorted(self.sg.feeds):
+            sizes, dtype = self.sg.recv_shapes[j]
+            x = xs[j] if xs is not None else torch.empty(sizes, dtype=TORCH_DTYPES[dtype], device=self.dev)
+            if x.is_floating_point() and self._is_activation(self.st.recv[j]):
+                out[j] = _Broadcast.apply(pg, self.leader, anchor, x)
+            else:
+                y = x.detach().clone()
+                self._dist.broadcast(y, self.leader, group=pg)
+                out[j] = y
+        return out
+
+    def _follow(self, targets, losses: list) -> None:
+        """A device of a stage other than its leader: run what the leader runs until it stops."""
+        torch = _torch_modules()[0]
+        last = self.st.index == self.S - 1
+        saved: dict = {}
+        while True:
+            kind, k = self._command(0, 0)
+            if kind == _STOP:
+                break
+            if kind == _FORWARD:
+                out = self._compute(None, self._share_inputs(None), k)
+                if last:
+                    out = self._loss(out, targets[k] if targets is not None else None)
+                    losses.append(out.detach())
+                saved[k] = out
+                continue
+            out = saved.pop(k)
+            outs = [o for o in (out if isinstance(out, tuple) else (out,)) if o is not None and o.requires_grad]
+            if outs:     # this device's copy of what the stage sends gets no gradient share
+                torch.autograd.backward(outs, [torch.zeros_like(o) for o in outs] if not last else None)
 
     def _loss(self, out, target):
         tr = self.tr
@@ -1137,19 +1242,25 @@ class LoweredPipelineTrainer:
             self._kind = "mse" if tt.is_floating_point() else "ce"
         else:
             self._kind = "mean"
-        sched = self._sched()
         self.micro = 0
-        args = []
-        if self.st.index == 0:
-            if feeds is None:
-                raise UnityError("the first pipeline stage needs the model inputs")
-            args = [torch.as_tensor(feeds[n]).to(self.dev) for n in self.input_names]
-        kw = {}
         losses: list = []
-        if self.st.index == self.S - 1:
-            kw["target"] = tt.to(self.dev) if targets is not None else torch.zeros(self.batch, device=self.dev)
-            kw["losses"] = losses
-        sched.step(*args, **kw)
+        if self.rank == self.leader or not self.lead:
+            sched = self._sched()
+            args = []
+            if self.st.index == 0:
+                if feeds is None:
+                    raise UnityError("the first pipeline stage needs the model inputs")
+                args = [torch.as_tensor(feeds[n]).to(self.dev) for n in self.input_names]
+            kw = {}
+            if self.st.index == self.S - 1:
+                kw["target"] = tt.to(self.dev) if targets is not None else torch.zeros(self.batch, device=self.dev)
+                kw["losses"] = losses
+            sched.step(*args, **kw)
+            if self.lead and self.K > 1:
+                self._command(_STOP, 0)
+        else:
+            chunks = list(torch.tensor_split(tt.to(self.dev), self.M)) if targets is not None else None
+            self._follow(chunks, losses)
         # replicated weight regions: all-reduced over the devices that read them (the Trainer's buckets)
         tr._start_step_sync(torch.zeros(1, device=self.dev))
         tr._finish_sync()
