@@ -169,6 +169,8 @@ class Evaluator:
         #: perf_counter time past which a limited solve is cut (not started once it has passed): the
         #: budget's wall for the substitution phase (None: no wall)
         self.wall: float | None = None
+        #: perf_counter time at which the last solve under :attr:`wall` ended (ended or was cut)
+        self.last_walled_end = 0.0
         self._memo: dict = {}
         self._timed_out: dict = {}
 
@@ -185,7 +187,8 @@ class Evaluator:
             c = self._timed_out.get(key) if limited else None
         if c is None:
             lim = own = self.limit_s if limited is True else (limited or None)
-            if limited is not False and wall and self.wall is not None:
+            walled = limited is not False and wall and self.wall is not None
+            if walled:
                 left = self.wall - time.perf_counter()
                 lim = left if lim is None else min(lim, left)
                 if lim <= 0.01:             # past the wall: not started (and not remembered)
@@ -201,12 +204,9 @@ class Evaluator:
                 c = INF
                 if lim == own:
                     self._timed_out[key] = INF
+            if walled:
+                self.last_walled_end = time.perf_counter()
         return c
-
-    def forget_timeout(self, g: PCG, resource: Resource | None = None) -> None:
-        """Let a limited solve of ``g`` that was cut run again (it resumes from the subproblems the
-        mapper solved before the cut)."""
-        self._timed_out.pop((g.structural_hash(), resource), None)
 
     def estimate(self, g: PCG) -> float:
         """Forward + backward compute of one task of every compute operator (no DP): the order in
@@ -433,7 +433,7 @@ FLOOR_STRATEGIES = ("megatron", "expert")
 
 
 def _fixed_baselines(g: PCG, ev: "Evaluator", degree: int, m: MachineSpec, until: float) -> dict:
-    """{name: (PCG, predicted cost or inf, note)} of the fixed strategies of :data:`FLOOR_STRATEGIES` that
+    """{name: (PCG, predicted cost or inf, note, MappingResult or None)} of the fixed strategies of :data:`FLOOR_STRATEGIES` that
     apply to ``g`` (built as ``--strategy NAME`` builds them: Megatron's tensor parallelism inside a node),
     each solve limited to the time left before ``until``.  Their layouts are not all reachable by the
     shipped rules (Megatron runs the operators between its groups on the tensor-parallel copies; the
@@ -447,10 +447,21 @@ def _fixed_baselines(g: PCG, ev: "Evaluator", degree: int, m: MachineSpec, until
             pg = build_strategy(g, name, degree, devices_per_node=m.devices_per_node)
         except StrategyError:
             continue                    # does not apply to this model
-        left = until - time.perf_counter()
-        c = ev.cost(pg, limited=left, wall=False) if left > 0.05 else INF
-        out[name] = (pg, c, "" if math.isfinite(c) else "infeasible or not priced within the budget")
+        out[name] = _price_baseline(ev, pg, until - time.perf_counter())
     return out
+
+
+def _price_baseline(ev: "Evaluator", pg: PCG, left: float) -> tuple:
+    """(PCG, cost or inf, note, MappingResult or None) of a fixed strategy's PCG mapped within ``left``
+    seconds (its mapping is kept: the plan needs it when the baseline is returned)."""
+    if left <= 0.05:
+        return (pg, INF, "not priced within the budget", None)
+    try:
+        with _time_limit(left):
+            r = ev.full(pg)
+    except _Timeout:
+        return (pg, INF, "not priced within the budget", None)
+    return (pg, r.cost if r.feasible else INF, "" if r.feasible else (r.reason or "infeasible"), r)
 
 
 def _whole_search(g: PCG, rules, book: RuleBook, cost: Callable[[PCG], float], budget_s: float,
@@ -722,9 +733,9 @@ def optimize(model, machine, budget_s: float | None = None, alpha: float = 1.05,
                 marks["segments"] = time.perf_counter() - t0
                 if out is not None:
                     # the search's result is priced even when the segments ran to the wall (then for
-                    # at most 5% of the budget): it is what the search found
+                    # at most 3% of the budget): it is what the search found
                     c = ev.cost(trimmed(out), limited=max(min(left_for_pricing(), sub_end - time.perf_counter()),
-                                                          min(finish / 2, 5.0)), wall=False)
+                                                          min(budget_s * 0.03, 3.0)), wall=False)
                     cands.append((c, 1, out, st))
                     stats["search_result_s"] = c if math.isfinite(c) else None
                 else:
@@ -741,12 +752,9 @@ def optimize(model, machine, budget_s: float | None = None, alpha: float = 1.05,
                 # a baseline whose solve was cut resumes (the mapper keeps the subproblems it solved) with
                 # what is left of the substitution phase: on a loaded machine Megatron's solve on
                 # BERT-Large outlasts its share
-                for name, (opg, oc, note) in list(others.items()):
-                    left = end - pipe_share - time.perf_counter()
-                    if opg is not None and not math.isfinite(oc) and left > 0.05:
-                        ev.forget_timeout(opg)
-                        oc = ev.cost(opg, limited=left, wall=False)
-                        others[name] = (opg, oc, "" if math.isfinite(oc) else note)
+                for name, (opg, oc, note, ores) in list(others.items()):
+                    if ores is None:
+                        others[name] = _price_baseline(ev, opg, end - pipe_share - time.perf_counter())
             else:
                 one = Resource(0, 1, 1)
                 alg = [r for r in book.rules if not r.is_parallel]
@@ -834,8 +842,8 @@ def optimize(model, machine, budget_s: float | None = None, alpha: float = 1.05,
             # its groups on the tensor-parallel copies) or the budget ran out first, the fastest
             # hand-built baseline is returned, recorded as such (no rule sequence), as a pipeline plan is.
             alts = [(dp_res.cost, "dp", dp_pg, dp_res)] if dp_res is not None and dp_res.feasible else []
-            alts += [(oc, name, opg, None) for name, (opg, oc, _) in others.items()
-                     if opg is not None and math.isfinite(oc)]
+            alts += [(oc, name, opg, ores) for name, (opg, oc, _, ores) in others.items()
+                     if ores is not None and math.isfinite(oc)]
             # (faster by more than rounding: the rules' version of a baseline prices the same up to the
             # last bits, and then the plan reached by rules is kept)
             for oc, name, opg, ores in sorted(alts, key=lambda a: a[0]):
@@ -855,9 +863,12 @@ def optimize(model, machine, budget_s: float | None = None, alpha: float = 1.05,
                 break
             stats = dict(stats, baselines_s={"dp": dp_res.cost if dp_res is not None and dp_res.feasible else None,
                                              **{name: (oc if math.isfinite(oc) else note or None)
-                                                for name, (_, oc, note) in others.items()}})
+                                                for name, (_, oc, note, _) in others.items()}})
         stats = dict(stats, chosen=stats.get("chosen") or labels.get(id(best[2]), "data parallel by rules" if best[1] == 0 else "search"),
                      mapper_calls=ev.calls, mapper_timeouts=ev.timeouts)
+        if strategy == "unity":        # the substitution phase's wall and the end of the last solve under it
+            stats["wall_s"] = {"wall": round(sub_end - t0, 3),
+                               "last_walled_solve_end": round(max(ev.last_walled_end - t0, 0.0), 3)}
     search_s = time.perf_counter() - t0
     if strategy in SEARCHES:       # seconds since the start at the end of each phase
         marks["end"] = search_s

@@ -69,13 +69,16 @@ def _chain(n=40, batch=96, base=512):
 
 def test_the_budget_is_a_wall():
     """80 operators in 8 distinct segments on four 6-GPU nodes with a 3 s budget: the segments' seeds,
-    the expert baseline and the whole-graph pricing used to run past the budget (4.6 s, 1.55x); the
-    call now stops its limited solves at the end of the substitution phase and returns within 30% of
-    the budget (3.2 s measured; what is left past it: data parallelism by rules, never cut, and the
-    final mapping of the chosen plan), with or without pipelines, still no slower than dp."""
+    the expert baseline and the whole-graph pricing used to run past the budget (4.6 s, 1.55x, on an
+    idle host); now no time-limited DP solve runs past the substitution phase's wall (each is cut there
+    and none starts after it), so what is left past the budget is what is never cut: data parallelism
+    by rules and the final mapping of the chosen plan (3.2 s on an idle host; the wall-clock bound here is
+    loose: the host's load stretches that part).  With or without pipelines, still no slower than dp."""
     g = _chain()
     for pipeline in (False, True):
         r = optimize(g, "summit:4x6", budget_s=3.0, optimizer="adam", pipeline=pipeline)
-        assert r.search_s <= 3.0 * 1.3, (pipeline, r.stats.get("timeline_s"))
+        w = r.stats["wall_s"]
+        assert w["wall"] <= 3.0 * 0.96 and w["last_walled_solve_end"] <= w["wall"] + 0.5, w
+        assert r.search_s <= 3.0 * 2, (pipeline, r.stats.get("timeline_s"))
         assert r.feasible and r.predicted_iteration_s <= r.dp.cost * (1 + 1e-9)
         _check_replays(g, r)
