@@ -915,35 +915,26 @@ class PipelineTrainer:
 _FORWARD, _BACKWARD, _STOP = 1, 2, 3
 
 
-def _on_backward_fn():
-    torch = _torch_modules()[0]
-
-    class OnBackward(torch.autograd.Function):
-        """Identity whose backward first calls ``fn``."""
-
-        @staticmethod
-        def forward(ctx, x, fn):
-            ctx.fn = fn
-            return x.clone()
-
-        @staticmethod
-        def backward(ctx, g):
-            ctx.fn()
-            return g, None
-    return OnBackward
+_ON_BACKWARD: list = []
 
 
-class _OnBackwardProxy:
-    _cls = None
+def _on_backward(x, fn):
+    """``x`` (a copy), with ``fn()`` called when the backward pass reaches it."""
+    if not _ON_BACKWARD:
+        torch = _torch_modules()[0]
 
-    @classmethod
-    def apply(cls, x, fn):
-        if cls._cls is None:
-            cls._cls = _on_backward_fn()
-        return cls._cls.apply(x, fn)
+        class OnBackward(torch.autograd.Function):
+            @staticmethod
+            def forward(ctx, x, fn):
+                ctx.fn = fn
+                return x.clone()
 
-
-_OnBackward = _OnBackwardProxy
+            @staticmethod
+            def backward(ctx, g):
+                ctx.fn()
+                return g, None
+        _ON_BACKWARD.append(OnBackward)
+    return _ON_BACKWARD[0].apply(x, fn)
 
 
 class LoweredPipelineTrainer:
@@ -1153,7 +1144,7 @@ class LoweredPipelineTrainer:
             tie = tie + t.sum() * 0.0
         if self.lead and self.K > 1 and self.rank == self.leader:
             # the backward starts here (created last, run first): the followers start theirs
-            tie = _OnBackward.apply(tie, lambda: self._command(_BACKWARD, k))
+            tie = _on_backward(tie, lambda: self._command(_BACKWARD, k))
         if last:
             y = vals.get(pick) if tr.low.mine.get(pick) is not None else None
             # a device holding no piece of it returns a 1-element zero tied to its communication (the
