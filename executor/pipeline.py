@@ -438,7 +438,12 @@ def stage_graphs(plan, M: int, stages) -> list[StageGraph]:
     owner: dict[str, int] = {}
     out = []
     for st in stages:
-        out.append(_stage_graph(plan, g, gm, role, st, len(stages), owner))
+        try:
+            out.append(_stage_graph(plan, g, gm, role, st, len(stages), owner))
+        except PipelineError:
+            raise
+        except UnityError as e:     # a chain that the parallel shapes do not allow
+            raise PipelineError(f"plan: pipeline stage {st.index} cannot run on its devices: {e}") from None
     return out
 
 
