@@ -316,3 +316,31 @@ def test_searched_megatron_pipeline_plan_trains_like_one_process(tmp_path, capfd
     got = json.loads(out)
     assert got["nproc"] == 8
     _assert_same(got, ref, C.read_model(str(tmp_path / "ck")), t.model_state())
+
+
+@pytest.mark.slow
+def test_stage_with_an_idle_device_before_a_megatron_stage(tmp_path, capfd):
+    """local:1x5, 3 devices then 2: the first stage's operators use 2 of its 3 devices (the third only holds
+    a copy of what the stage sends), the second is 2-way Megatron; stages of different sizes (leaders)."""
+    from unity_pcg.machine import parse_machine
+    from unity_pcg.onnx_import import load_onnx
+    from unity_pcg.search.cost import CostModel
+    from unity_pcg.search.pipeline import evaluate_pipeline, megatron_intra
+    from tests.executor.runtime_plans import _save
+    model = two_pair_mlp()
+    m = parse_machine("local:1x5")
+    res = evaluate_pipeline(load_onnx(model, load_weights=False), CostModel(m), [(0, 3, 0, 3), (3, 6, 3, 2)], 2,
+                            intra=megatron_intra(2))
+    pp = _save(res.pcg, res.views, model, str(tmp_path / "pp.json"), m, pipeline=res.to_plan_field(),
+               predicted=res.to_json())
+    pl = P.load(pp)
+    M, stages = resolve(pl)
+    used = {d for n in stages[0].nodes if n in pl.views for d in pl.views[n].devices()}
+    assert stages[0].devices == (0, 1, 2) and used == {0, 1} and stages[1].lowered
+    rng = np.random.default_rng(6)
+    data = tmp_path / "d.npz"
+    np.savez(data, x=rng.standard_normal((8, 8)).astype(np.float32),
+             targets=rng.standard_normal((8, 8)).astype(np.float32))
+    got, ref, saved, ref_w = _train(pp, model, tmp_path, capfd, "adam", str(data))
+    assert got["nproc"] == 5
+    _assert_same(got, ref, saved, ref_w)
