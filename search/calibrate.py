@@ -21,7 +21,19 @@ process waits for a core is counted):
   for buffer synchronization and per second of compute, from generic Linear chains with and
   without DDP;
 * gloo all-reduce over a sweep of sizes (1 to 4M floats), fitted to the ring model
-  ``2(p-1) alpha + 2(p-1)/p n / beta`` by least squares on relative error.
+  ``2(p-1) alpha + 2(p-1)/p n / beta`` by least squares on relative error;
+* per-class kernel tables (:func:`local_cases`: matmul, bmm, element-wise, LayerNorm, BatchNorm, softmax,
+  sum, pooling, small convolutions, embedding, views (``default``), SGD and Adam steps, at the small sizes
+  such steps run), forward and backward, timed as ``search.calibrate_gpu`` builds them, in rounds spread
+  over the calibration (one sample each per round, the median): ``device.kernel_tables`` per world,
+  which the cost model prefers to peak x efficiency + overhead;
+* gloo all-reduce, all-gather and broadcast tables per group size dividing the world (all groups at
+  once) and tensor size, the slowest rank's median (:func:`measure_collective_tables`):
+  ``worlds[w]["collectives"]``, which ``search.collectives`` prices from (a small collective among
+  processes on shared cores costs what the waits for descheduled peers cost, not a ring's latencies);
+* the executor slowdown (:func:`measure_sync_wait`): a few ms of kernels timed with a tiny all-reduce
+  after each segment against the same kernels free: ``sync.executor_slowdown``, by which the cost model
+  scales the compute of the executor's synchronized processes.
 
 ``meta["worlds"][str(w)]`` keeps each world's device, link and ``sync`` costs;
 :meth:`MachineSpec.resized` picks the nearest world (and ``meta["allreduce_fits"]`` keeps the
@@ -544,6 +556,7 @@ def _world_worker(rank: int, world: int, port: int, quick: bool, threads: int, w
         # the rounds: a burst of load from other jobs on a shared host then sets no number alone
         prepared = prepare_kernels(quick)
         kern: dict = {}
+        sw: dict = {}
 
         def kernel_round(samples: int = 1) -> None:
             dist.barrier()
@@ -551,6 +564,7 @@ def _world_worker(rank: int, world: int, port: int, quick: bool, threads: int, w
                 mine = kern.setdefault(key, {"fwd": [], "bwd": []})
                 mine["fwd"] += rec["fwd"]
                 mine["bwd"] += rec["bwd"]
+            measure_sync_wait(2 * samples, sw)
         comps = []
         dist.barrier()
         comps.append(measure_compute(quick, quiet=True, threads=threads, window=window))
@@ -572,7 +586,6 @@ def _world_worker(rank: int, world: int, port: int, quick: bool, threads: int, w
             kernel_round()
         coll = measure_collective_tables(world, rank, quick)
         kernel_round()
-        sw = measure_sync_wait(3 if quick else 5)
         ddp["executor_wait"] = {k: statistics.median(v) for k, v in sw.items()}
         comp = _median_tree(comps)
         comp["solo_speedup"] = solo
