@@ -404,7 +404,11 @@ def report(path: str = JSON_OUT, md: str = MD_OUT) -> str:
     o += _fig15b(lines)
     o += _search_times(lines, meta)
     o += _notes(lines, rows)
-    o += ["", ANALYSIS]
+    # the hand-written reading is about the committed full run (fig14.json); a partial run written elsewhere
+    # (--out) gets its own (READINGS, keyed by the file name) or none
+    reading = ANALYSIS if os.path.abspath(path) == os.path.abspath(JSON_OUT) else READINGS.get(os.path.basename(path))
+    if reading:
+        o += ["", reading]
     text = "\n".join(o) + "\n"
     with open(md, "w") as f:
         f.write(text)
@@ -537,6 +541,9 @@ def _notes(lines, rows) -> list[str]:
 
 #: What the committed run shows and why it falls short of the paper (written from fig14.json of 2026-11-23;
 #: rerun the matrix and this text may no longer match the tables above it)
+#: readings of partial runs written with --out (file name -> markdown)
+READINGS: dict = {}
+
 ANALYSIS = """## Reading the results (6, 192 and 1,024 GPUs and DenseNet-121 rerun 18:12-18:40 UTC, Inception-v3 at 12 and 24 GPUs at 18:40; other rows older)
 
 - **Rerun rows** (6 and 192 GPUs for the seven models, DenseNet-121, 1,024 GPUs): search code of 18:12 (expert and

@@ -715,7 +715,9 @@ def optimize(model, machine, budget_s: float | None = None, alpha: float = 1.05,
                         whole[f"tp{tp}x{d} whole"] = partial(_whole_family, g, book, d, tp, tensor_parallel_steps)
                 ev.wall = max(t0 + budget_s * WHOLE_FAMILY_SHARE, time.perf_counter())
                 for name, build in whole.items():
-                    got = _build_and_price(ev, name, build, ev.wall, left_for_pricing(), fam_cost)
+                    # each may use the time left to the wall (DLRM's tables split 32 ways by columns at
+                    # 192 GPUs solve in ~10 s, ~20 s on a loaded host)
+                    got = _build_and_price(ev, name, build, ev.wall, max(ev.wall - time.perf_counter(), 0.05), fam_cost)
                     if got is not None:
                         cands.append(got)
                         labels[id(got[2])] = f"seed family {name} by rules"
