@@ -114,7 +114,7 @@ def test_optimize_records_rules_for_its_megatron_pipeline(tmp_path_factory):
     from .test_pipeline_megatron import machine as tight
     p = str(tmp_path_factory.mktemp("g64") / "gpt.onnx")
     zoo.export("gpt_350m", p, size="tiny", batch=64)
-    res = optimize(load_onnx(p, load_weights=False), tight(), budget_s=30, max_candidates=5)
+    res = optimize(load_onnx(p, load_weights=False), tight(), budget_s=90, max_candidates=5)   # slack for load
     assert res.feasible and res.stats["chosen"] == "pipeline" and not res.dp.feasible
     assert res.stats["pipeline_by_rules"] == "reached", res.stats.get("pipeline_by_rules")
     steps = [RuleStep.from_json(s) for s in res.plan.rules]
