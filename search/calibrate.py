@@ -25,7 +25,7 @@ process waits for a core is counted):
 * per-class kernel tables (:func:`local_cases`: matmul, bmm, element-wise, LayerNorm, BatchNorm, softmax,
   sum, pooling, small convolutions, embedding, views (``default``), SGD and Adam steps, at the small sizes
   such steps run), forward and backward, timed as ``search.calibrate_gpu`` builds them, in rounds spread
-  over the calibration (one sample each per round, the median): ``device.kernel_tables`` per world,
+  over the calibration (one sample of ``KERNEL_WINDOW`` = 10 ms each per round, the median): ``device.kernel_tables`` per world,
   which the cost model prefers to peak x efficiency + overhead;
 * gloo all-reduce, all-gather and broadcast tables per group size dividing the world (all groups at
   once) and tensor size, the slowest rank's median (:func:`measure_collective_tables`):
@@ -166,6 +166,9 @@ def measure_compute(quick: bool = False, quiet: bool = False, threads: int = 1, 
     out["update_overhead"] = t / len(ps)
     _say(f"optimizer step overhead: {out['update_overhead'] * 1e6:.1f} us per weight tensor", quiet)
     return out
+
+
+KERNEL_WINDOW = 0.01     # seconds per kernel-table sample (as executor_bench's in-situ rounds)
 
 
 def local_cases(quick: bool = False) -> list:
@@ -560,7 +563,7 @@ def _world_worker(rank: int, world: int, port: int, quick: bool, threads: int, w
 
         def kernel_round(samples: int = 1) -> None:
             dist.barrier()
-            for key, rec in measure_kernels(prepared, window=window, samples=samples).items():
+            for key, rec in measure_kernels(prepared, window=KERNEL_WINDOW, samples=samples).items():
                 mine = kern.setdefault(key, {"fwd": [], "bwd": []})
                 mine["fwd"] += rec["fwd"]
                 mine["bwd"] += rec["bwd"]
