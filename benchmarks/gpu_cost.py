@@ -6,7 +6,8 @@ fp32 parameters and optimizer states):
 
 * measured: the plain torch module of the zoo (``unity_pcg.zoo.models``, built on the device, training
   mode) trains with the paper's optimizer (``zoo.MODELS[m].paper_optimizer``: Adam for BERT-Large, SGD
-  for the others; torch's default implementation, lr 1e-3): one step = ``zero_grad(set_to_none)``,
+  for the others; torch's default implementation, lr 1e-3): one step = ``zero_grad(set_to_none)`` (with
+  ``--keep-grads`` zeroed in place: they persist, as in our executor's and DDP's gradient buckets),
   forward, loss (the mean of the output, in fp32), backward, ``opt.step()``.  Timed with CUDA events,
   the median of ``--iters`` (20) steps after ``--warmup`` (5); peak memory is
   ``torch.cuda.max_memory_allocated`` over the timed steps (weights, gradients, optimizer states,
@@ -112,7 +113,7 @@ def step_timer(cuda: bool):
 
 
 def measure(name: str, size: str, batch: int, optimizer: str, precision: str, device: str, warmup: int,
-            iters: int, profile: str | None = None) -> dict:
+            iters: int, profile: str | None = None, keep_grads: bool = False) -> dict:
     """Median seconds of one training step and peak allocated bytes (CUDA only)."""
     import torch
 
@@ -130,7 +131,7 @@ def measure(name: str, size: str, batch: int, optimizer: str, precision: str, de
     amp = precision == "bf16"
 
     def step():
-        opt.zero_grad(set_to_none=True)
+        opt.zero_grad(set_to_none=not keep_grads)
         with torch.autocast(device_type="cuda" if cuda else "cpu", dtype=torch.bfloat16, enabled=amp):
             out = model(*inputs)
         outs = out if isinstance(out, (tuple, list)) else (out,)
@@ -239,7 +240,8 @@ def markdown(data: dict) -> str:
            f"Device `{meta['device']}` ({meta['device_name']}), torch {meta['torch']}, CUDA {meta['cuda']}; "
            f"predicted on machine `{meta['machine']}` (`simulate --strategy none`); zoo size `{meta['size']}`, "
            f"{'the paper per-device batch' if meta['size'] == 'paper' else 'the tiny batch'}; one step = forward, "
-           f"loss, backward, the paper's optimizer; median of {meta['iters']} steps after {meta['warmup']} warm-ups "
+           f"loss, backward, the paper's optimizer (gradients between steps: {meta.get('grads', 'set to None')}); "
+           f"median of {meta['iters']} steps after {meta['warmup']} warm-ups "
            + ("(perf_counter); no peak memory on a CPU." if cpu else
               "(CUDA events); peak memory = `torch.cuda.max_memory_allocated`.")
            + (f" 1-min load average at the end: {meta['loadavg']:.1f}." if meta.get("loadavg") is not None else ""),
@@ -306,6 +308,9 @@ def main(argv=None) -> int:
                          "needs no GPU (e.g. after a cost-model change or with a calibrated machine file)")
     ap.add_argument("--profile", default=None, metavar="DIR",
                     help="also profile 3 steps of every case (torch.profiler, per-op table) into DIR")
+    ap.add_argument("--keep-grads", action="store_true",
+                    help="zero the gradients in place (zero_grad(set_to_none=False)): they persist between steps, as "
+                         "in the executor's and DDP's gradient buckets (default: set to None, torch's default)")
     ap.add_argument("--measure-only", action="store_true",
                     help="measure, predict nothing (on a GPU machine without the ONNX exports; predict later with "
                          "--from)")
@@ -366,6 +371,7 @@ def main(argv=None) -> int:
         name = torch.cuda.get_device_name(0) if cuda else f"CPU ({platform.processor() or platform.machine()}, " \
                                                             f"{torch.get_num_threads()} threads)"
     keep = ("measured_s", "measured_all_s", "peak_memory_bytes", "tf32_matmul_conv", "error")
+    prior_meta = prior_meta if prior else {}
     rows = []
     os.makedirs(os.path.dirname(os.path.abspath(out)), exist_ok=True)
 
@@ -381,7 +387,9 @@ def main(argv=None) -> int:
                 "host": prior_meta.get("host") if prior else platform.node(), "targets": TARGETS,
                 "loadavg": prior_meta.get("loadavg") if prior else (os.getloadavg()[0] if hasattr(os, "getloadavg")
                                                                      else None),
-                "complete": final, "measure_only": bool(a.measure_only)}
+                "complete": final, "measure_only": bool(a.measure_only),
+                "grads": prior_meta.get("grads", "set to None") if prior else
+                ("kept (zeroed in place)" if a.keep_grads else "set to None")}
         if prior:
             meta["measured_in"] = {"file": a.source, "command": prior_meta.get("command")}
         data = {"meta": meta, "rows": rows, "summary": summarize(rows)}
@@ -410,7 +418,8 @@ def main(argv=None) -> int:
                 row.update({k: old[k] for k in keep if k in old})
             else:
                 try:
-                    row.update(measure(m, zs, batch, optimizer, prec, a.device, a.warmup, a.iters, a.profile))
+                    row.update(measure(m, zs, batch, optimizer, prec, a.device, a.warmup, a.iters, a.profile,
+                                       a.keep_grads))
                 except torch.cuda.OutOfMemoryError as e:          # reported, not hidden
                     row["error"] = f"out of memory: {str(e).splitlines()[0]}"
                     torch.cuda.empty_cache()
