@@ -44,8 +44,10 @@ def add_arguments(p) -> None:
 class _Progress:
     """One line on stderr, rewritten in place (at most every 0.2 s)."""
 
-    def __init__(self, stream=sys.stderr):
-        self.stream, self.last, self.t0, self.shown = stream, 0.0, time.perf_counter(), False
+    def __init__(self, stream=None):
+        # the stream of the moment (a default bound at import would keep a replaced, since closed, stderr)
+        self.stream = stream if stream is not None else sys.stderr
+        self.last, self.t0, self.shown = 0.0, time.perf_counter(), False
 
     def __call__(self, info: dict) -> None:
         now = time.perf_counter()
