@@ -287,7 +287,7 @@ class CostModel:
                 work = kernel_work(op, in_shapes, out_shapes, kind, f)
             mode = self.mode_of(kind, out_shapes[0].dtype if out_shapes else "float32")
             r = self.roofline(op, f, b, kind, bwd_scale, mode=mode, work=work)
-            if work is not None and kind == "matmul" and len(in_shapes) >= 3 and bwd_scale > 0 and out_shapes:
+            if work is not None and op == "Linear" and len(in_shapes) >= 3 and bwd_scale > 0 and out_shapes:
                 # the measured matmul tables are bias-free GEMMs (cuBLAS adds a forward bias in its epilogue);
                 # the bias gradient is one more kernel: a column sum of the output gradient
                 tb = self.table_time("reduce", "fp32", float(out_shapes[0].piece_nbytes))

@@ -851,7 +851,6 @@ def optimize(model, machine, budget_s: float | None = None, alpha: float = 1.05,
             for oc, name, opg, ores in sorted(alts, key=lambda a: a[0]):
                 if final.feasible and not oc < final.cost * (1 - 1e-9):
                     break
-                ores = ores if ores is not None else ev.full(opg)
                 if not ores.feasible or (final.feasible and not ores.cost < final.cost * (1 - 1e-9)):
                     continue
                 pipe_plan = None
