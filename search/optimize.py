@@ -256,16 +256,19 @@ def megatron_seed_degrees(m: MachineSpec, dp_degrees) -> dict[int, int]:
 WHOLE_DENSE_TP_MAX_OPS = 120
 
 
-def whole_tp_degrees(m: MachineSpec, dp_degrees) -> dict[int, int]:
+def whole_tp_degrees(m: MachineSpec, dp_degrees, widths=None) -> dict[int, int]:
     """{data-parallel degree d: tensor-parallel degree k} of the Megatron families built on the whole graph
     of a small dense model: every machine degree k < n with d = n / k a data-parallel degree, smallest k
     first.  :func:`megatron_seed_degrees`' three (nodes, devices per node, 2) miss the balance of activation
     all-reduces (growing with k) against gradient all-reduces (shrinking with it): CANDLE-Uno at summit:8x6
     is fastest at k = 4 on dp 12 (0.352 s; k = 8, Alpa's 8 x 6 mesh: 0.400 s; k = 2: 0.422 s), at summit:32x6
     at k = 4 on dp 48 (0.372 s; k = 2: 0.476 s; k = 32: 1.211 s).  Each family costs a rule sequence and
-    one DP solve on the whole graph (1-5 s on CANDLE-Uno at 192 GPUs)."""
+    one DP solve on the whole graph (1-5 s on CANDLE-Uno at 192 GPUs).  ``widths``: the Linear weights' output
+    features; a k that divides none of them is left out (every Megatron template splits a weight's output
+    features: the column-parallel Linear, the heads)."""
     n = m.num_devices
-    return {n // k: k for k in machine_degrees(m) if k < n and n % k == 0 and n // k in dp_degrees}
+    return {n // k: k for k in machine_degrees(m) if k < n and n % k == 0 and n // k in dp_degrees
+            and (widths is None or any(w % k == 0 for w in widths))}
 
 
 def _segment_search(g: PCG, book: RuleBook, ev: "Evaluator", dp_degrees, dp_deg: int, k: int,
@@ -730,7 +733,8 @@ def optimize(model, machine, budget_s: float | None = None, alpha: float = 1.05,
                 # a small dense model (no embedding table) gets every tensor-parallel degree of the machine,
                 # smallest first (whole_tp_degrees: CANDLE-Uno's best is k = 4, neither nodes nor 2)
                 dense = n_ops <= WHOLE_DENSE_TP_MAX_OPS and not any(n.op == "Embedding" for n in g.nodes())
-                tp_whole = (whole_tp_degrees(m, dps) if dense else
+                widths = {g.shape(tuple(n.inputs[1])).sizes[-1] for n in g.nodes() if n.op == "Linear"}
+                tp_whole = (whole_tp_degrees(m, dps, widths) if dense else
                             dict(sorted(megatron_seed_degrees(m, dps).items())) if n_ops <= WHOLE_TP_MAX_OPS else {})
                 for d, tp in tp_whole.items():
                     whole[f"tp{tp}x{d} whole"] = partial(_whole_family, g, book, d, tp, tensor_parallel_steps)

@@ -31,6 +31,8 @@ def test_whole_tp_degrees_cover_the_machine_smallest_first():
     assert all(d * k == 48 for d, k in got.items())
     seeds = megatron_seed_degrees(m, machine_degrees(m))
     assert seeds.items() <= got.items() and 4 not in seeds.values()
+    # a degree that divides no Linear weight's output features is left out (CANDLE-Uno: 4192 = 2^5 x 131, 1)
+    assert list(whole_tp_degrees(m, machine_degrees(m), widths={4192, 1}).values()) == [2, 4, 8, 16]
     # only data-parallel degrees the batch allows
     m = parse_machine("summit:2x6")
     assert whole_tp_degrees(m, [2, 4, 6, 12]) == {6: 2, 4: 3, 2: 6}
