@@ -114,11 +114,7 @@ class RuleBook:
 # --- matching and replay ---------------------------------------------------------------------------
 
 def _window_index(g: PCG, window: Iterable[int] | None) -> GraphIndex:
-    idx = GraphIndex(g)
-    if window is not None:
-        w = set(window)
-        idx.by_op = {op: [n for n in ids if n in w] for op, ids in idx.by_op.items()}
-    return idx
+    return GraphIndex(g, window)
 
 
 def neighbours(g: PCG, rules: Iterable[Rule], degrees: Sequence[int], window: Iterable[int] | None = None,

@@ -49,8 +49,7 @@ def apply_match(g: PCG, m: Match) -> PCG:
                     f"rule {rule.name}: target output {e.shape(new)} differs from source output {g.shape(old)}")
             e.replace_uses(old, new)
         # remove the matched source nodes (interior tensors have no outside consumers by construction)
-        order = {nid: k for k, nid in enumerate(g.topo_order())}
-        for nid in sorted(set(m.nodes), key=lambda i: -order[i]):
+        for nid in set(m.nodes):        # (the order of removals does not matter)
             e.remove(nid)
         return e.finish()
     except InvalidParallelization as err:

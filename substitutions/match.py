@@ -14,7 +14,7 @@ from __future__ import annotations
 from collections import defaultdict
 from dataclasses import dataclass
 import itertools
-from typing import Any, Iterator, Mapping, Sequence
+from typing import Any, Iterable, Iterator, Mapping, Sequence
 
 from unity_pcg import ops
 from unity_pcg.ops.base import REQUIRED
@@ -41,17 +41,37 @@ class Match:
         return dict(self.bindings)
 
 
-class GraphIndex:
-    """Per-graph lookups used by matching (op -> node ids, consumers, output set)."""
+class _Users:
+    """Consumer counts of a graph's tensors, from the PCG's own consumer index (built once per graph)."""
+
+    __slots__ = ("g",)
 
     def __init__(self, g: PCG):
         self.g = g
+
+    def get(self, ref: Ref, default: int = 0) -> int:
+        return len(self.g.consumers(ref)) or default
+
+    def __getitem__(self, ref: Ref) -> int:
+        return len(self.g.consumers(ref))
+
+
+class GraphIndex:
+    """Per-graph lookups used by matching (op -> node ids, consumers, output set).  ``window``: index
+    only those nodes as places a match may end (``by_op``; consumer counts and outputs stay the whole
+    graph's) -- what a windowed search asks for, without a pass over the whole graph in Python."""
+
+    def __init__(self, g: PCG, window: Iterable[int] | None = None):
+        self.g = g
         self.by_op: dict[str, list[int]] = defaultdict(list)
-        self.users: dict[Ref, int] = defaultdict(int)
-        for n in g.nodes():
-            self.by_op[n.op].append(n.id)
-            for r in n.inputs:
-                self.users[tuple(r)] += 1
+        if window is None:
+            ids: Iterable[int] = g.topo_order()
+        else:
+            w = window if isinstance(window, (set, frozenset)) else set(window)
+            ids = [n for n in g.topo_order() if n in w]
+        for nid in ids:
+            self.by_op[g.node(nid).op].append(nid)
+        self.users = _Users(g)
         self.graph_outputs = {tuple(r) for r in g.outputs}
         self._attrs: dict[int, tuple[dict, int]] = {}
 
@@ -228,7 +248,21 @@ def iter_matches(rule: Rule, g: PCG, index: GraphIndex | None = None, limit: int
             yield
             return
         si = sinks[k]
-        for nid in idx.by_op.get(p.nodes[si].op, ()):
+        cands = idx.by_op.get(p.nodes[si].op, ())
+        if k and cands:
+            # a later sink reading a tensor the earlier sinks bound (the duplicate-merging rules: two
+            # Partitions of one tensor) can only be one of its readers: the same candidates, in the same
+            # order, without trying every node of the op (quadratic on a whole graph)
+            for j, pr in enumerate(p.nodes[si].inputs):
+                if isinstance(pr, str):
+                    bound = inputs.get(pr)
+                else:
+                    bound = (assign[pr[0]], pr[1]) if pr[0] in assign else None
+                if bound is not None:
+                    readers = {c for c, pos in g.consumers(bound) if pos == j}
+                    cands = [n for n in cands if n in readers]
+                    break
+        for nid in cands:
             for _ in match_node(si, nid):
                 yield from match_sinks(k + 1)
 
