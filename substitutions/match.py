@@ -23,6 +23,9 @@ from unity_pcg.pcg import PCG
 from .rule import DIM_ATTRS, Pattern, Rule, is_var
 
 Ref = tuple
+#: a later sink of a multi-sink pattern is tried only among the readers of a tensor the earlier sinks bound
+#: (off: every node of its op, the reference the tests compare with)
+PRUNE_SINKS = True
 
 
 @dataclass(frozen=True)
@@ -249,7 +252,7 @@ def iter_matches(rule: Rule, g: PCG, index: GraphIndex | None = None, limit: int
             return
         si = sinks[k]
         cands = idx.by_op.get(p.nodes[si].op, ())
-        if k and cands:
+        if k and cands and PRUNE_SINKS:
             # a later sink reading a tensor the earlier sinks bound (the duplicate-merging rules: two
             # Partitions of one tensor) can only be one of its readers: the same candidates, in the same
             # order, without trying every node of the op (quadratic on a whole graph)

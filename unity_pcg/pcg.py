@@ -303,11 +303,44 @@ def kahn_order(keys: Iterable, deps) -> tuple[list, object]:
 
 
 def topo_sort(nodes: Mapping[int, Node]) -> tuple[int, ...]:
-    order, stuck = kahn_order(nodes, lambda i: [r[0] for r in nodes[i].inputs if r[0] in nodes])
-    if stuck is not None:
-        n = nodes[stuck]
+    """:func:`kahn_order` of the nodes (smallest ready id first), inlined: every rule application sorts
+    its result, so this is on the rule machinery's hot path."""
+    import heapq
+    indeg: dict = {}
+    users: dict = {}
+    ready = []
+    for i, n in nodes.items():
+        c = 0
+        for r in n.inputs:
+            p = r[0]
+            if p in nodes:
+                c += 1
+                u = users.get(p)
+                if u is None:
+                    users[p] = [i]
+                else:
+                    u.append(i)
+        if c:
+            indeg[i] = c
+        else:
+            ready.append(i)
+    heapq.heapify(ready)
+    out = []
+    pop, push, none = heapq.heappop, heapq.heappush, ()
+    while ready:
+        k = pop(ready)
+        out.append(k)
+        for u in users.get(k, none):
+            d = indeg[u] - 1
+            if d:
+                indeg[u] = d
+            else:
+                del indeg[u]
+                push(ready, u)
+    if indeg:
+        n = nodes[min(indeg)]
         raise GraphError(f"the graph has a cycle through node {n.label()} ({n.op})")
-    return tuple(order)
+    return tuple(out)
 
 
 class GraphBuilder:
