@@ -248,12 +248,25 @@ def insitu_machine(machine_path: str, procs: int, runs: list, out_path: str) -> 
     from unity_pcg.search.calibrate_gpu import make_table
     coll = {kind: {g: make_table([(x, statistics.median(v)) for x, v in pts.items()]) for g, pts in d.items()}
             for kind, d in coll.items()}
+    ccpu: dict = {}
+    for r in runs:
+        for kind, d in r["insitu"]["collectives_cpu"].items():
+            for g, pts in d.items():
+                for x, t in pts:
+                    ccpu.setdefault(kind, {}).setdefault(g, {}).setdefault(x, []).append(t)
+    ccpu = {kind: {g: make_table([(x, statistics.mean(v)) for x, v in pts.items()]) for g, pts in d.items()}
+            for kind, d in ccpu.items()}
     wait = {k: statistics.median(r["insitu"]["wait"][k] for r in runs) for k in ("free", "synced", "alone")}
+    cont = statistics.median(r["insitu"]["contention"] for r in runs)
     w = obj["meta"]["worlds"][str(procs)]
     w["device"]["kernel_tables"] = tables
     w["collectives"] = coll
+    w["collectives_cpu"] = ccpu
+    w["contention"] = cont
     w["sync"] = dict(w.get("sync") or {}, executor_wait=wait,
                      executor_slowdown=cal.sync_slowdown(wait["free"], wait["synced"], wait["alone"]))
+    if procs > (obj.get("shared_cores") or os.cpu_count() or 1):
+        w["sync"]["executor_slowdown_cpu"] = cal.sync_slowdown_cpu(wait, ccpu, procs, cont)
     w["insitu"] = {"kernels": kern}
     if obj["meta"].get("device_world") == procs:
         obj["device"]["kernel_tables"] = tables
@@ -263,12 +276,28 @@ def insitu_machine(machine_path: str, procs: int, runs: list, out_path: str) -> 
     return out_path
 
 
-def reprice(cases: list, machine_path: str, procs: int) -> dict:
-    """Each case's measured views priced on ``machine_path`` (``MachineMapper.evaluate``): {id: seconds}."""
+def wall_collectives(m):
+    """``m`` without its collectives' CPU tables: processes that outnumber the cores then price collectives
+    by their measured wall time and compute by ``sync.executor_slowdown`` (the cost model before
+    ``MachineSpec.collective_cpu_time``), for comparison in the report."""
+    import dataclasses
+    meta = dict(m.meta)
+    worlds = {k: {kk: vv for kk, vv in dict(v).items() if kk != "collectives_cpu"}
+              for k, v in dict(meta.get("worlds") or {}).items()}
+    if worlds:
+        meta["worlds"] = worlds
+    return dataclasses.replace(m, meta=meta)
+
+
+def reprice(cases: list, machine_path: str, procs: int, wall: bool = False) -> dict:
+    """Each case's measured views priced on ``machine_path`` (``MachineMapper.evaluate``): {id: seconds};
+    ``wall``: with collectives priced by their wall time (:func:`wall_collectives`)."""
     from unity_pcg.machine import parse_machine
     from unity_pcg.search.cost import CostModel
     from unity_pcg.search.mapping import MachineMapper
     m = parse_machine(f"{machine_path}:1x{procs}")
+    if wall:
+        m = wall_collectives(m)
     mm = MachineMapper(CostModel(m, optimizer="sgd"))
     return {c["id"]: mm.evaluate(c["_pcg"], c["_views"]).cost for c in cases}
 
@@ -374,7 +403,9 @@ def rank_main(spec: dict) -> dict:
             cops = cal.prepare_collectives(world, rank, False)
             kern: dict = {}
             cts: dict = {}
+            ccpu: dict = {}
             sw: dict = {}
+            cont: list = []
         for r in range(spec["rounds"]):
             if insitu:
                 dist.barrier()
@@ -382,8 +413,10 @@ def rank_main(spec: dict) -> dict:
                     mine = kern.setdefault(key, {"fwd": [], "bwd": []})
                     mine["fwd"] += rec["fwd"]
                     mine["bwd"] += rec["bwd"]
-                cal.measure_collectives_round(cops, insitu["reps"], cts)
+                cal.measure_collectives_round(cops, insitu["reps"], cts, ccpu)
                 cal.measure_sync_wait(1, sw)
+                dist.barrier()
+                cal.measure_contention(1, ts=cont)
             for cid in (order if r % 2 == 0 else order[::-1]):
                 dist.barrier()
                 c0, t0 = time.process_time(), time.perf_counter()
@@ -396,6 +429,8 @@ def rank_main(spec: dict) -> dict:
             out["insitu"] = {"kernels": {k: {d: statistics.median(v[d]) for d in ("fwd", "bwd") if v[d]}
                                          for k, v in kern.items()},
                              "collectives": cal.collective_medians(cts),
+                             "collectives_cpu": cal.collective_medians(ccpu, statistics.mean),
+                             "contention": cal.contention_ratio(cont),
                              "wait": {k: statistics.median(v) for k, v in sw.items()}}
         return out
     finally:
@@ -421,6 +456,9 @@ def launch(spec: dict, procs: int) -> dict:
         from unity_pcg.search import calibrate as cal
         out["insitu"] = {"kernels": cal._median_tree([res[r]["insitu"]["kernels"] for r in res]),
                          "collectives": cal.collective_tables([res[r]["insitu"]["collectives"] for r in res]),
+                         "collectives_cpu": cal.collective_cpu_tables([res[r]["insitu"]["collectives_cpu"]
+                                                                      for r in res]),
+                         "contention": statistics.median(res[r]["insitu"]["contention"] for r in res),
                          "wait": cal._median_tree([res[r]["insitu"]["wait"] for r in res])}
     # CPU seconds per step summed over the ranks (the host's total work for one step), per round
     out["cpu_all"] = {cid: [sum(res[r]["cpu"][cid][i] for r in res) for i in range(len(v))]
@@ -492,7 +530,9 @@ def run_procs(procs: int, a, models: dict) -> dict:
     priced = {}
     if a.insitu:
         ipath = insitu_machine(mpath, procs, runs, os.path.join(CACHE, f"local-{procs}-insitu.json"))
-        priced = {"before": reprice(plans, mpath, procs), "insitu": reprice(plans, ipath, procs)}
+        priced = {"before": reprice(plans, mpath, procs), "insitu": reprice(plans, ipath, procs),
+                  "insitu_wall": reprice(plans, ipath, procs, wall=True)}
+    priced["before_wall"] = reprice(plans, mpath, procs, wall=True)
     rows = []
     torch_of = {c["model"]: f"{c['vs']}:{c['model']}" for c in plans if c["vs"]}
     for c in plans:
@@ -504,7 +544,10 @@ def run_procs(procs: int, a, models: dict) -> dict:
                "devices_used": c["devices_used"],
                "cpu_all_ranks_s": statistics.median(x for r in runs for x in r["cpu_all_rounds"][c["id"]])}
         row["rel_error"] = (row["predicted_s"] - row["measured_s"]) / row["measured_s"]
-        if priced:      # the measured views priced on the calibration before (evaluate) and on the in-situ tables
+        row["predicted_wall_s"] = priced["before_wall"][c["id"]]
+        if "insitu_wall" in priced:
+            row["predicted_insitu_wall_s"] = priced["insitu_wall"][c["id"]]
+        if "insitu" in priced:      # the measured views priced on the calibration before (evaluate) and on the in-situ tables
             row["predicted_eval_s"] = priced["before"][c["id"]]
             row["predicted_insitu_s"] = priced["insitu"][c["id"]]
             row["rel_error_insitu"] = (row["predicted_insitu_s"] - row["measured_s"]) / row["measured_s"]
@@ -601,6 +644,11 @@ def main(argv=None) -> int:
             summary[f"median_abs_rel_error_insitu_p{p}"] = statistics.median(abs(r["rel_error_insitu"]) for r in sub)
             summary[f"spearman_insitu_p{p}"] = spearman([r["predicted_insitu_s"] for r in sub],
                                                         [r["measured_s"] for r in sub])
+        for key, suffix in (("predicted_wall_s", "wall"), ("predicted_insitu_wall_s", "insitu_wall")):
+            if all(r.get(key) is not None for r in sub):
+                summary[f"median_abs_rel_error_{suffix}_p{p}"] = statistics.median(
+                    abs(r[key] - r["measured_s"]) / r["measured_s"] for r in sub)
+                summary[f"spearman_{suffix}_p{p}"] = spearman([r[key] for r in sub], [r["measured_s"] for r in sub])
     for r in rows:
         if "ratio" in r:
             summary[f"ratio_{r['vs']}_{r['model']}_p{r['procs']}"] = r["ratio"]
@@ -621,7 +669,8 @@ def independent_summary(rows: list) -> dict:
     same calibration with ``shared_cores=0``), and of the same views priced with torch DDP's sync terms."""
     out = {}
     for key, suffix in (("predicted_independent_s", "independent"), ("predicted_ddp_sync_s", "ddp_sync"),
-                        ("predicted_eval_s", "eval"), ("predicted_insitu_s", "insitu")):
+                        ("predicted_eval_s", "eval"), ("predicted_insitu_s", "insitu"),
+                        ("predicted_wall_s", "wall"), ("predicted_insitu_wall_s", "insitu_wall")):
         if not rows or any(r.get(key) is None for r in rows):
             continue
         out[f"median_abs_rel_error_{suffix}"] = statistics.median(
@@ -703,9 +752,38 @@ def write_markdown(path: str, res: dict) -> None:
     L += ["Per process count: " + "; ".join(
         f"P={p}: median absolute error {s[f'median_abs_rel_error_p{p}'] * 100:.1f}%, Spearman "
         f"{s[f'spearman_p{p}']:.3f}" for p in sorted({r['procs'] for r in rows})) + ".", ""]
+    if "spearman_wall" in s:
+        ps = sorted({r['procs'] for r in rows})
+
+        def line(label, suffix):
+            return (f"{label}: {s[f'median_abs_rel_error_{suffix}'] * 100:.1f}% / {s[f'spearman_{suffix}']:.3f} ("
+                    + "; ".join(f"P={p}: {s[f'median_abs_rel_error_{suffix}_p{p}'] * 100:.1f}% / "
+                                f"{s[f'spearman_{suffix}_p{p}']:.3f}" for p in ps) + ")")
+        L += ["### Processes that outnumber the cores: collectives priced by their CPU work", "",
+              "Where the processes outnumber the cores (P > cores), a collective is priced by the CPU time it costs "
+              "each process (calibrated per kind, group size and bytes, all ranks in it at once, the mean) times the "
+              "measured contention (wall over CPU time of compute while all ranks compute), "
+              "`MachineSpec.collective_cpu_time`, and compute by the slowdown left once the synchronized "
+              "micro-benchmark's collective is priced so (`sync.executor_slowdown_cpu`): a rank blocked in a "
+              "collective gives its core to the others, so the iteration costs the CPU work of all ranks over the "
+              "cores. For comparison, the same views priced with the collectives' measured wall time and "
+              "`sync.executor_slowdown` (the cost model before; where P <= cores both are the same):", "",
+              "| model | P | plan | measured ms | CPU-priced ms | wall-priced ms |"
+              + (" in-situ CPU-priced ms | in-situ wall-priced ms |" if "spearman_insitu_wall" in s else ""),
+              "|---|---|---|---|---|---|" + ("---|---|" if "spearman_insitu_wall" in s else "")]
+        for r in rows:
+            cpu_p = r.get("predicted_eval_s", r["predicted_s"])
+            L.append(f"| {names[r['model']]} | {r['procs']} | {r['plan']} | {r['measured_s'] * 1e3:.2f} | "
+                     f"{cpu_p * 1e3:.2f} | {r['predicted_wall_s'] * 1e3:.2f} |"
+                     + (f" {r['predicted_insitu_s'] * 1e3:.2f} | {r['predicted_insitu_wall_s'] * 1e3:.2f} |"
+                        if "spearman_insitu_wall" in s else ""))
+        L += ["", "Median absolute error / Spearman. " + line("Calibration before, wall-priced", "wall")
+              + (". " + line("In-situ tables, wall-priced", "insitu_wall") if "spearman_insitu_wall" in s else "")
+              + ".", ""]
     L += ["## The calibrations (right before each P's runs)", "",
           "| P | seconds | load (1 min) | matmul GFLOP/s | memory GB/s | op overhead us | all-reduce latency us | "
-          "all-reduce GB/s | per_compute | solo speedup |", "|---|---|---|---|---|---|---|---|---|---|"]
+          "all-reduce GB/s | per_compute | solo speedup | contention | executor slowdown (wall / CPU-priced) |",
+          "|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for x in res["per_procs"]:
         m = x.get("machine") or {}
         meas, link, sync = m.get("measured", {}), m.get("link", {}), m.get("sync", {})
@@ -713,10 +791,15 @@ def write_markdown(path: str, res: dict) -> None:
                  f"{meas.get('matmul_flops', 0) / 1e9:.1f} | {meas.get('mem_bandwidth', 0) / 1e9:.2f} | "
                  f"{meas.get('op_overhead', 0) * 1e6:.0f} | {link.get('latency', 0) * 1e6:.0f} | "
                  f"{link.get('bandwidth', 0) / 1e9:.2f} | {sync.get('per_compute', 0):.2f} | "
-                 + (f"{m['solo_speedup']:.2f} |" if m.get("solo_speedup") is not None else "- |"))
+                 + (f"{m['solo_speedup']:.2f} |" if m.get("solo_speedup") is not None else "- |")
+                 + (f" {m['contention']:.2f} |" if m.get("contention") is not None else " - |")
+                 + f" {sync.get('executor_slowdown', 0):.2f} / "
+                 + (f"{sync['executor_slowdown_cpu']:.2f} |" if sync.get("executor_slowdown_cpu") is not None
+                    else "- |"))
     L += ["", "Solo speedup: how much faster one process multiplies matrices while the others wait than while "
           "all compute (`search.calibrate.measure_solo`); the cost model prices a node on fewer devices with it "
-          "(`MachineSpec.concurrency_factor`).", ""]
+          "(`MachineSpec.concurrency_factor`). Contention: wall over CPU time of compute while all ranks compute "
+          "(`search.calibrate.measure_contention`).", ""]
     L += ["Load average (1 min) per launch: " + "; ".join(
         f"P={x['procs']}: calibration {x['loadavg_calibration']:.1f}, runs "
         + ", ".join(f"{r['loadavg_before']:.1f}" for r in x["runs"]) for x in res["per_procs"]), ""]

@@ -332,6 +332,17 @@ def sync_slowdown(free: float, synced: float, alone: float) -> float:
     return max((synced - alone) / free, 1.0) if free > 0 else 1.0
 
 
+def sync_slowdown_cpu(wait: dict, cpu_tables: dict, world: int, contention: float) -> float:
+    """:func:`sync_slowdown` where processes outnumber the cores and a collective is priced by its CPU work
+    at the contended throughput (``MachineSpec.collective_cpu_time``): ``(synced - price) / free``, >= 1,
+    with ``price`` the 1-float all-reduce of :func:`measure_sync_wait` priced so (``cpu_tables``:
+    :func:`collective_cpu_tables`), so that the cost model prices the synchronized loop as measured."""
+    from unity_pcg.machine import interpolate_table
+    tab = (cpu_tables.get("all_reduce") or {}).get(str(world))
+    price = interpolate_table(tab, 4.0) * contention if tab else wait["alone"]
+    return sync_slowdown(wait["free"], wait["synced"], price)
+
+
 COLLECTIVE_KINDS = ("all_reduce", "all_gather", "broadcast")
 
 
@@ -364,41 +375,50 @@ def prepare_collectives(world: int, rank: int, quick: bool = False) -> list:
     return ops
 
 
-def measure_collectives_round(ops: list, reps: int, ts: dict | None = None) -> dict:
+def measure_collectives_round(ops: list, reps: int, ts: dict | None = None, cpu: dict | None = None) -> dict:
     """One sweep over :func:`prepare_collectives`' ops, ``reps`` calls each after a barrier over all ranks:
-    the seconds of every call appended to ``ts[(kind, g, bytes)]`` (returned)."""
+    the seconds of every call appended to ``ts[(kind, g, bytes)]`` (returned); with ``cpu``, the CPU
+    seconds of this process (all its threads: gloo's too) during the call to ``cpu[(kind, g, bytes)]``."""
     import torch.distributed as dist
     ts = {} if ts is None else ts
     for kind, g, nb, fn in ops:
         for _ in range(reps):
             dist.barrier()
+            c = time.process_time()
             t = time.perf_counter()
             fn()
             ts.setdefault((kind, g, nb), []).append(time.perf_counter() - t)
+            if cpu is not None:
+                cpu.setdefault((kind, g, nb), []).append(time.process_time() - c)
     return ts
 
 
-def collective_medians(ts: dict) -> dict:
-    """``{kind: {str(g): {str(bytes): median seconds}}}`` of :func:`measure_collectives_round`'s samples."""
+def collective_medians(ts: dict, stat: Callable = statistics.median) -> dict:
+    """``{kind: {str(g): {str(bytes): median seconds}}}`` of :func:`measure_collectives_round`'s samples
+    (``stat``: another statistic, e.g. the mean for CPU seconds, whose total is what the cores lose)."""
     out: dict = {k: {} for k in COLLECTIVE_KINDS}
     for (kind, g, nb), v in ts.items():
-        out[kind].setdefault(str(g), {})[str(nb)] = statistics.median(v)
+        out[kind].setdefault(str(g), {})[str(nb)] = stat(v)
     return out
 
 
-def measure_collective_tables(world: int, rank: int, quick: bool = False) -> dict:
+def measure_collective_tables(world: int, rank: int, quick: bool = False, cpu: dict | None = None) -> dict:
     """Seconds of gloo collectives per group size and tensor size in a running process group of
     ``world`` (every rank calls this at the same time): for each group size ``g`` dividing ``world``,
     the ranks split into ``world / g`` groups of consecutive ranks that all run the collective at once
     (as the groups of a hybrid plan do), over float32 tensors of 64 to 1M elements (``all_gather``:
     each member's piece is ``1/g`` of the size).  Interleaved sweeps (rounds) of a few calls each, a
     barrier over all ranks before every call, the median of each rank's calls:
-    ``{kind: {str(g): {str(bytes): seconds}}}`` (bytes: the full tensor; for all-gather the gathered one)."""
+    ``{kind: {str(g): {str(bytes): seconds}}}`` (bytes: the full tensor; for all-gather the gathered one).
+    With ``cpu`` (a dict), it is filled with the means of the process's CPU seconds per call."""
     ops = prepare_collectives(world, rank, quick)
     reps, rounds = (3, 2) if quick else (5, 3)
     ts: dict = {}
+    cs: dict | None = {} if cpu is not None else None
     for _ in range(rounds):
-        measure_collectives_round(ops, reps, ts)
+        measure_collectives_round(ops, reps, ts, cs)
+    if cpu is not None:
+        cpu.update(collective_medians(cs, statistics.mean))
     return collective_medians(ts)
 
 
@@ -413,6 +433,46 @@ def collective_tables(per_rank: list) -> dict:
             worst = [(float(nb), max(r[kind][g][nb] for r in per_rank)) for nb in pts]
             out.setdefault(kind, {})[g] = make_table(worst)
     return out
+
+
+def collective_cpu_tables(per_rank: list) -> dict:
+    """``{kind: {str(g): [[bytes, CPU seconds], ...]}}`` from every rank's CPU medians of
+    :func:`measure_collective_tables` (its ``cpu`` argument): the mean over the ranks per size (the host's
+    CPU work of one call, all ranks together, divided by the ranks), made non-decreasing.  A rank blocked
+    in a collective waiting for its peers takes no CPU time, so this is the work a collective adds to the
+    shared cores, not its latency (``MachineSpec.oversubscribed`` machines price it so)."""
+    from .calibrate_gpu import make_table
+    out: dict = {}
+    for kind in per_rank[0]:
+        for g, pts in per_rank[0][kind].items():
+            mean = [(float(nb), sum(r[kind][g][nb] for r in per_rank) / len(per_rank)) for nb in pts]
+            out.setdefault(kind, {})[g] = make_table(mean)
+    return out
+
+
+def measure_contention(reps: int = 2, window: float = 0.03, ts: list | None = None) -> list:
+    """Wall and CPU seconds of this process for ``reps`` loops of matmuls lasting ``window`` each (every rank
+    calls this at the same time, so all compute): ``[(wall, cpu), ...]`` appended to ``ts`` (returned).
+    Their ratio (:func:`contention_ratio`) is how much longer a piece of CPU work takes in wall time while
+    all ranks compute: ~1 with a core per process, ~P / cores when the processes outnumber the cores
+    (more with other programs' load)."""
+    import torch
+    a, b = torch.randn(128, 256), torch.randn(256, 256)
+    ts = [] if ts is None else ts
+    torch.mm(a, b)
+    for _ in range(reps):
+        c, t = time.process_time(), time.perf_counter()
+        while time.perf_counter() - t < window:
+            torch.mm(a, b)
+        ts.append((time.perf_counter() - t, time.process_time() - c))
+    return ts
+
+
+def contention_ratio(samples: list) -> float:
+    """Wall over CPU seconds of :func:`measure_contention`'s samples (total over them), >= 1."""
+    wall = sum(w for w, _ in samples)
+    cpu = sum(c for _, c in samples)
+    return max(wall / cpu, 1.0) if cpu > 0 else 1.0
 
 
 def measure_solo(world: int, rank: int, quick: bool = False, window: float = 0.0) -> float:
@@ -560,6 +620,7 @@ def _world_worker(rank: int, world: int, port: int, quick: bool, threads: int, w
         prepared = prepare_kernels(quick)
         kern: dict = {}
         sw: dict = {}
+        cont: list = []
 
         def kernel_round(samples: int = 1) -> None:
             dist.barrier()
@@ -568,6 +629,8 @@ def _world_worker(rank: int, world: int, port: int, quick: bool, threads: int, w
                 mine["fwd"] += rec["fwd"]
                 mine["bwd"] += rec["bwd"]
             measure_sync_wait(2 * samples, sw)
+            dist.barrier()
+            measure_contention(2 * samples, ts=cont)
         comps = []
         dist.barrier()
         comps.append(measure_compute(quick, quiet=True, threads=threads, window=window))
@@ -587,13 +650,16 @@ def _world_worker(rank: int, world: int, port: int, quick: bool, threads: int, w
             dist.barrier()
             comps.append(measure_compute(quick, quiet=True, threads=threads, window=window))
             kernel_round()
-        coll = measure_collective_tables(world, rank, quick)
+        coll_cpu: dict = {}
+        coll = measure_collective_tables(world, rank, quick, cpu=coll_cpu)
         kernel_round()
         ddp["executor_wait"] = {k: statistics.median(v) for k, v in sw.items()}
         comp = _median_tree(comps)
         comp["solo_speedup"] = solo
+        comp["contention"] = contention_ratio(cont)
         kernels = {k: {d: statistics.median(v[d]) for d in ("fwd", "bwd") if v[d]} for k, v in kern.items()}
-        q.put((rank, {"compute": comp, "ddp": ddp, "allreduce": ar, "kernels": kernels, "collectives": coll}))
+        q.put((rank, {"compute": comp, "ddp": ddp, "allreduce": ar, "kernels": kernels, "collectives": coll,
+                      "collectives_cpu": coll_cpu}))
     finally:
         dist.destroy_process_group()
 
@@ -639,10 +705,15 @@ def measure_world(world: int, quick: bool = False, threads: int | None = None, w
             if p.is_alive():
                 p.terminate()
     coll = [g.pop("collectives") for g in got]
+    coll_cpu = [g.pop("collectives_cpu") for g in got]
     out = _median_tree(got)
+    out["collectives_cpu"] = collective_cpu_tables(coll_cpu)
     ew = out["ddp"].pop("executor_wait")
     # the executor's processes wait for each other at its collectives: compute slowed by this factor
     out["ddp"]["executor_slowdown"] = sync_slowdown(ew["free"], ew["synced"], ew["alone"])
+    if world > cores:       # collectives priced by their CPU work (MachineSpec.collective_cpu_time)
+        out["ddp"]["executor_slowdown_cpu"] = sync_slowdown_cpu(ew, out["collectives_cpu"], world,
+                                                                out["compute"]["contention"])
     out["ddp"]["executor_wait"] = ew
     out["collectives"] = collective_tables(coll)
     out["threads"] = threads
@@ -740,10 +811,11 @@ def calibrate(quick: bool = False, worlds: tuple | None = None, quiet: bool = Fa
                              "link": {"bandwidth": fits[w]["bandwidth"], "latency": fits[w]["latency"]},
                              "sync": res["ddp"], "threads": res["threads"], "measured": comp,
                              "solo_speedup": comp["solo_speedup"], "kernels": res["kernels"],
-                             "kernel_fits": kfits, "collectives": res["collectives"]}
+                             "kernel_fits": kfits, "collectives": res["collectives"],
+                             "collectives_cpu": res["collectives_cpu"], "contention": comp["contention"]}
         o = comp["overheads"]
         _say(f"  world {w}: matmul {comp['matmul_flops'] / 1e9:.1f} GFLOP/s, conv {comp['conv_flops'] / 1e9:.1f}"
-             f" GFLOP/s, one busy alone {comp['solo_speedup']:.2f}x faster, op {comp['op_overhead'] * 1e6:.1f} us, Adam {comp['update_overhead'] * 1e6:.1f} us/tensor;"
+             f" GFLOP/s, one busy alone {comp['solo_speedup']:.2f}x faster, contention {comp['contention']:.2f}, op {comp['op_overhead'] * 1e6:.1f} us, Adam {comp['update_overhead'] * 1e6:.1f} us/tensor;"
              " fwd/bwd us " + ", ".join(f"{k} {o[k] * 1e6:.0f}/{o[k + ':bwd'] * 1e6:.0f}"
                                          for k in ("conv", "conv1x1", "matmul", "elementwise", "norm",
                                                    "pool")), quiet)

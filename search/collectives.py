@@ -28,7 +28,12 @@ def measured_time(machine: MachineSpec, kind: str, p: int, nbytes: float) -> flo
     devices moving ``nbytes`` (the full tensor; all-gather: the gathered one) from a calibrated local
     machine's measured table (``meta["worlds"][device_world]["collectives"]``, written by
     ``search.calibrate``: P processes on shared cores wait for descheduled peers, which latency + bytes /
-    bandwidth does not describe), interpolated as kernel tables are; None where the machine has none."""
+    bandwidth does not describe), interpolated as kernel tables are; None where the machine has none.
+    Processes that outnumber the cores: the CPU work of the collective instead
+    (:meth:`MachineSpec.collective_cpu_time`), where calibrated."""
+    cpu = machine.collective_cpu_time(kind, p, nbytes)
+    if cpu is not None:
+        return cpu
     meta = machine.meta
     w = meta.get("device_world")
     worlds = meta.get("worlds")

@@ -151,10 +151,11 @@ class MachineSpec:
                                     _peaks(d.get("peaks", {}), f"machine {self.name!r} meta.worlds"),
                                     _tables(d.get("kernel_tables", {}), f"machine {self.name!r} meta.worlds"))
                 meta.update(device_world=int(k), sync=dict(rec.get("sync", {})))
-                if rec.get("solo_speedup") is not None:     # measured with this world (calibrate)
-                    meta["solo_speedup"] = float(rec["solo_speedup"])
-                else:
-                    meta.pop("solo_speedup", None)
+                for key in ("solo_speedup", "contention"):     # measured with this world (calibrate)
+                    if rec.get(key) is not None:
+                        meta[key] = float(rec[key])
+                    else:
+                        meta.pop(key, None)
             except MachineError:
                 raise
             except (KeyError, TypeError, ValueError, AttributeError):
@@ -213,6 +214,51 @@ class MachineSpec:
             return 1.0
         b = min(max(int(busy), 1), p)
         return max(1.0 / self.solo_speedup(), b / p)
+
+    @property
+    def oversubscribed(self) -> bool:
+        """Devices that share cores and outnumber them (P processes on fewer cores)."""
+        return 0 < self.shared_cores < self.num_devices
+
+    def contention(self) -> float:
+        """How much longer a piece of CPU work takes in wall time while all devices compute than its CPU
+        time (1 unless the devices outnumber the shared cores): measured by calibration
+        (``meta["contention"]``, ``search.calibrate.measure_contention``), otherwise
+        ``(P + background_load) / cores``; at least 1."""
+        if not self.oversubscribed:
+            return 1.0
+        c = dict(self.meta).get("contention")
+        if c is None:
+            c = (self.num_devices + self.background_load) / self.shared_cores
+        return max(float(c), 1.0)
+
+    def collective_cpu_time(self, kind: str, p: int, nbytes: float) -> float | None:
+        """Seconds a collective ``kind`` over groups of ``p`` devices moving ``nbytes`` adds to an
+        iteration of processes that outnumber their cores (:attr:`oversubscribed`): the CPU work it
+        costs each process (calibrated ``worlds[w]["collectives_cpu"]``, all ranks in it at once) at the
+        throughput each process gets while all compute (:meth:`contention`).  A process blocked in a
+        collective waiting for a descheduled peer gives its core to the others, so what the shared
+        cores lose to a collective is its CPU work, not the latency measured with idle peers; the
+        compute priced from tables measured with all processes busy is that work over the cores too, so
+        an iteration costs the total CPU work of all processes over the cores.  None where not
+        oversubscribed or without the table (the wall-time table then prices it)."""
+        tab = (self._collectives_cpu() or {}).get(kind, {}).get(str(p))
+        return interpolate_table(tab, nbytes) * self.contention() if tab else None
+
+    def _collectives_cpu(self) -> Mapping | None:
+        if not self.oversubscribed:
+            return None
+        w = self.meta.get("device_world")
+        worlds = self.meta.get("worlds")
+        if w is None or not worlds:
+            return None
+        return (worlds.get(str(w)) or {}).get("collectives_cpu") or None
+
+    @property
+    def collectives_by_cpu(self) -> bool:
+        """Collectives are priced by their CPU work (:meth:`collective_cpu_time`): oversubscribed and
+        calibrated with the CPU tables."""
+        return self._collectives_cpu() is not None
 
     @property
     def flops(self) -> float:

@@ -171,6 +171,9 @@ def test_calibrate_quick_world_two():
     assert "conv1x1" in rec["device"]["overheads"]
     assert {"matmul/fp32", "matmul_bwd/fp32", "elementwise/fp32", "optimizer_sgd/fp32"} <= set(rec["device"]["kernel_tables"])
     assert {"all_reduce", "all_gather", "broadcast"} <= set(rec["collectives"]) and "2" in rec["collectives"]["all_reduce"]
+    # the CPU seconds per collective call (mean over ranks) and the contention, for processes that outnumber the cores
+    assert set(rec["collectives_cpu"]) == set(rec["collectives"]) and "2" in rec["collectives_cpu"]["all_reduce"]
+    assert all(t > 0 for _, t in rec["collectives_cpu"]["all_reduce"]["2"]) and rec["contention"] >= 1.0
     m2 = MachineSpec.from_json(m.to_json()).resized(1, 2)
     assert m2.device.table("matmul/fp32") and C.measured_time(m2, "all_reduce", 2, 1e4) > 0
     assert m2.share == 1.0 and m2.meta["device_world"] == 2
