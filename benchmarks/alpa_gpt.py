@@ -8,10 +8,14 @@ parallelism -- both at the full batch and with gradient accumulation over M micr
 1F1B, the best M of ``BASELINE_MS`` that fits), as Megatron-LM and Alpa's baselines run them -- and
 Unity's (``optimize``, the joint search with its pipeline stage, ``--budget``).  Predicted iteration
 time and throughput (samples/s), each planner's wall time.  Then Alpa on the seven zoo models on
-``summit:8x6`` (48 GPUs, Figure 14's machine and per-GPU batches).
+``summit:8x6`` (48 GPUs, Figure 14's machine and per-GPU batches; ``--zoo-gpus`` for other Summit sizes), and with
+``--zoo-intra`` Alpa's intra-operator ILP on the whole model under every logical mesh of the whole machine
+(one stage, one micro-batch; the logical meshes Alpa enumerates for a physical mesh, ``logical_meshes(.., "all")``),
+each plan priced by our cost model.
 
     .venv/bin/python benchmarks/alpa_gpt.py --part gpt      # GPT table (rows merged into the JSON)
     .venv/bin/python benchmarks/alpa_gpt.py --part zoo      # Alpa on the zoo at 48 GPUs
+    .venv/bin/python benchmarks/alpa_gpt.py --part zoo --models candle_uno,mlp --zoo-gpus 48,192 --zoo-intra
     .venv/bin/python benchmarks/alpa_gpt.py --report        # benchmarks/results/alpa_gpt.md from the JSON
 
 Models are exported with ``zoo.export_structure`` into benchmarks/.cache/ (no weights materialized).
@@ -39,6 +43,11 @@ BASELINE_MS = (1, 32, 128, 256)             # gradient accumulation steps tried 
 ALPA_GPT = {"layers": 8, "micro_batches": 128, "stage_cost": "layer_sum"}
 ALPA_ZOO = {"layers": 8, "micro_batches": 8, "stage_cost": "layer_sum"}
 ZOO_MACHINE = "summit:8x6"
+
+
+def zoo_machine(gpus: int) -> str:
+    """The Summit machine of Figure 14 with ``gpus`` GPUs (6 per node)."""
+    return ZOO_MACHINE if gpus == 48 else f"summit:{gpus // 6}x6"
 
 
 #: what the tables show and why (the numbers are in the tables above them)
@@ -76,14 +85,17 @@ Inception-v3 and BERT-Large as fast as Unity's. DLRM: Alpa's ILP splits every em
 ways across the nodes and the batch 6 ways inside them; Unity was 0.78x until the rules could do that
 (`megatron_embedding_bag_column` / `megatron_embedding_column`) and the search seeded the layout on the whole graph
 (tables by columns 8 ways on dp 6, the dense layers data parallel 8 ways on top, i.e. at 48: `table_columns_steps`),
-now 1.26x (`fig14.py --models dlrm --devices 48`: 0.2839 s against Alpa's 0.3568 s in the same cost model). Alpa is faster
-on CANDLE-Uno, where it runs the dense layers as Megatron column -> row pairs across the
-8 nodes and the batch 6 ways inside a node: Unity's shipped rules reach that layout (within 7% of Alpa's time
-when built by hand), but its search did not (degree 8 not searched on summit:8x6, alpha pruning, 40 expansions
-per segment against a 54-step path, and unpriced seeds queued late; `unity_vs_alpa_diag.md`). With the Megatron
-seed per segment and the seed ordering fixed (commit 343b5a6, fig14 row rerun) Unity went 0.63x -> 0.85x; one
-segment still stops on its budget and six Reduces before the Concat stay unfused (rerun at 18:46 with the
-executor's sync pricing: 0.85x). The Alpa rows were priced before the cost model's executor gradient-sync model
+now 1.26x (`fig14.py --models dlrm --devices 48`: 0.2839 s against Alpa's 0.3568 s in the same cost model). CANDLE-Uno: Alpa runs the dense
+layers as Megatron column -> row pairs across the 8 nodes and the batch 6 ways inside a node (0.373 s); Unity was
+0.85x of it until its search built Megatron layouts at every tensor-parallel degree of the machine
+(`optimize.whole_tp_degrees`, small dense models): tensor parallel 4 on dp 12 is 0.352 s, 1.06x Alpa's plan
+(`fig14_dense.json`). At 192 GPUs Alpa's plan on the physical 32 x 6 mesh is data parallelism (0.894 s; Unity
+tp 4 on dp 48, 0.372 s: 2.40x). Alpa's intra-operator ILP on the logical 4 x 12 (4 x 48) mesh, which its stage DP
+does not pick, is 0.338 s (0.358 s): Unity's layout but for the tower outputs, which it reduces, concatenates and
+broadcasts where Alpa all-reduces them (0.96x at both sizes); the rule that moves a Replicate above a 7-input
+Concat is missing, and with it, built in memory, Unity's family prices as Alpa's ILP plan
+(`dense_tp_diag.md`; history: `unity_vs_alpa_diag.md`). The Alpa rows of CANDLE-Uno and MLP (48 and 192 GPUs)
+are current; the others were priced before the cost model's executor gradient-sync model
 (commit 7f2a746); the Unity rows of DLRM and CANDLE-Uno after it (DLRM's Alpa plan, re-priced under it, is
 not rerun here). Alpa's 8-micro-batch plans for DLRM
 and CANDLE-Uno are priced faster still but cannot be built as one PCG: an intra plan leaves a tensor replicated at
@@ -192,7 +204,7 @@ def save_row(row: dict) -> None:
 
 
 def _save_row(row: dict) -> None:
-    rows = [r for r in load_rows() if (r["part"], r["model"]) != (row["part"], row["model"])]
+    rows = [r for r in load_rows() if _key(r) != _key(row)]
     rows.append(row)
     os.makedirs(RESULTS, exist_ok=True)
     tmp = JSON_OUT + ".tmp"
@@ -202,8 +214,14 @@ def _save_row(row: dict) -> None:
     os.replace(tmp, JSON_OUT)
 
 
-def _old_row(part: str, name: str) -> dict:
-    return next((r for r in load_rows() if (r["part"], r["model"]) == (part, name)), {})
+def _key(r: dict) -> tuple:
+    """A row's identity: part, model and machine (zoo rows at several GPU counts)."""
+    return r["part"], r["model"], r.get("machine")
+
+
+def _old_row(part: str, name: str, machine: str | None = None) -> dict:
+    return next((r for r in load_rows() if (r["part"], r["model"]) == (part, name)
+                 and (machine is None or r.get("machine") == machine)), {})
 
 
 def part_gpt(models, budget, only=("alpa", "megatron", "dp", "unity")) -> None:
@@ -237,33 +255,75 @@ def part_gpt(models, budget, only=("alpa", "megatron", "dp", "unity")) -> None:
               file=sys.stderr, flush=True)
 
 
-def part_zoo(models, micro_batches=None) -> None:
+def run_intra_meshes(g, m, opt, time_limit_s: float = 60.0) -> dict:
+    """Alpa's intra-operator ILP on the whole model (one stage, one micro-batch) under every logical mesh of
+    the whole machine (``logical_meshes(.., "all")``), each plan priced by our cost model; the fastest is
+    ``best``.  The stage DP of ``run_alpa`` picks a logical mesh by the stage's micro-batch time without the
+    gradient all-reduce (with ``logical="all"`` it takes the 1 x N mesh, data parallelism, on CANDLE-Uno);
+    this is the ILP's best plan over the meshes by the whole iteration."""
+    from unity_pcg.search.alpa.inter import logical_meshes
+    from unity_pcg.search.alpa.intra import AlpaError, IntraInfeasible, solve_intra
+    D = m.devices_per_node
+    out: dict = {"meshes": {}}
+    t0 = time.perf_counter()
+    for mesh in logical_meshes((m.nodes, D), D, "all"):
+        t = time.perf_counter()
+        try:
+            p = solve_intra(g, m, mesh, optimizer=opt, time_limit_s=time_limit_s)
+            r = {"iteration_s": _num(p.time_s), "feasible": bool(p.stats.get("feasible", True)),
+                 "status": p.status}
+        except (AlpaError, IntraInfeasible) as e:
+            r = {"iteration_s": None, "feasible": False, "reason": str(e)[:200]}
+        r["planner_s"] = time.perf_counter() - t
+        out["meshes"][f"{mesh[0]}x{mesh[1]}"] = r
+        print(f"  intra {mesh}: {r.get('iteration_s')} ({r['planner_s']:.1f} s)", file=sys.stderr, flush=True)
+    ok = {k: v for k, v in out["meshes"].items() if v.get("feasible") and v.get("iteration_s")}
+    if ok:
+        k = min(ok, key=lambda x: ok[x]["iteration_s"])
+        out.update(best_mesh=k, iteration_s=ok[k]["iteration_s"], feasible=True)
+    else:
+        out.update(feasible=False, iteration_s=None)
+    out["planner_s"] = time.perf_counter() - t0
+    return out
+
+
+def part_zoo(models, micro_batches=None, gpus=(48,), intra: bool = False) -> None:
+    for n_gpus in gpus:
+        for name in models:
+            _zoo_row(name, zoo_machine(n_gpus), micro_batches, intra)
+
+
+def _zoo_row(name: str, mstr: str, micro_batches, intra: bool) -> None:
     from unity_pcg import zoo
     from unity_pcg.machine import parse_machine
     from unity_pcg.onnx_import import load_onnx
     sys.path.insert(0, HERE)
     import fig14
-    m = parse_machine(ZOO_MACHINE)
-    for name in models:
-        path = fig14.model_path(name)
-        batch = zoo.MODELS[name].paper_batch * m.num_devices
-        g = load_onnx(path, batch=batch, load_weights=False)
-        old = _old_row("zoo", name)
-        row = {"part": "zoo", "model": name, "gpus": m.num_devices, "machine": ZOO_MACHINE, "batch": batch,
-               "params": g.param_count(), "nodes": len(g)}
-        settings = dict(ALPA_ZOO, micro_batches=micro_batches or ALPA_ZOO["micro_batches"])
-        print(f"{name} on {ZOO_MACHINE}: alpa ...", file=sys.stderr, flush=True)
-        new = run_alpa(g, m, zoo.MODELS[name].paper_optimizer, settings)
-        # runs with other micro-batch counts are kept; the row shows the fastest feasible one
-        by_m = dict(old.get("alpa_by_m") or ({str(old["alpa"]["settings"]["micro_batches"]): old["alpa"]}
-                                             if old.get("alpa") else {}))
-        by_m[str(settings["micro_batches"])] = new
-        row["alpa_by_m"] = by_m
-        row["alpa"] = min(by_m.values(), key=lambda a: (not a.get("feasible"), bool(a.get("stitch_error")),
-                                                        a.get("iteration_s") or math.inf))
-        save_row(row)
-        print(f"  alpa {row['alpa'].get('iteration_s')} in {row['alpa']['planner_s']:.1f} s", file=sys.stderr,
-              flush=True)
+    m = parse_machine(mstr)
+    path = fig14.model_path(name)
+    batch = zoo.MODELS[name].paper_batch * m.num_devices
+    g = load_onnx(path, batch=batch, load_weights=False)
+    old = _old_row("zoo", name, mstr)
+    row = {"part": "zoo", "model": name, "gpus": m.num_devices, "machine": mstr, "batch": batch,
+           "params": g.param_count(), "nodes": len(g)}
+    if old.get("alpa_intra") and not intra:
+        row["alpa_intra"] = old["alpa_intra"]
+    if intra:
+        print(f"{name} on {mstr}: alpa intra-op ILP per logical mesh ...", file=sys.stderr, flush=True)
+        row["alpa_intra"] = run_intra_meshes(g, m, zoo.MODELS[name].paper_optimizer)
+    settings = dict(ALPA_ZOO, micro_batches=micro_batches or ALPA_ZOO["micro_batches"])
+    print(f"{name} on {mstr}: alpa ...", file=sys.stderr, flush=True)
+    new = run_alpa(g, m, zoo.MODELS[name].paper_optimizer, settings)
+    # runs with other micro-batch counts are kept; the row shows the fastest feasible one
+    by_m = dict(old.get("alpa_by_m") or ({str(old["alpa"]["settings"]["micro_batches"]): old["alpa"]}
+                                         if old.get("alpa") else {}))
+    by_m[str(settings["micro_batches"])] = new
+    row["alpa_by_m"] = by_m
+    row["alpa"] = min(by_m.values(), key=lambda a: (not a.get("feasible"), bool(a.get("stitch_error")),
+                                                    a.get("iteration_s") or math.inf))
+    save_row(row)
+    print(f"  alpa {row['alpa'].get('iteration_s')} in {row['alpa']['planner_s']:.1f} s", file=sys.stderr,
+          flush=True)
 
 
 def _thr(r, batch):
@@ -315,33 +375,58 @@ def report() -> str:
     o += ["", FINDINGS_GPT]
     zr = [r for r in rows if r["part"] == "zoo"]
     fig = {}
-    try:
-        with open(os.path.join(RESULTS, "fig14.json")) as f:
-            for x in json.load(f)["rows"]:
-                if x.get("devices") == 48 and x.get("machine") == ZOO_MACHINE and x.get("strategy") == "unity":
-                    fig[x["model"]] = x
-    except (OSError, ValueError, KeyError):
-        pass
-    if zr:
-        o += ["", f"## Alpa on Unity's zoo models, {ZOO_MACHINE} (48 GPUs)", "",
+    # Unity's rows: fig14.json, then the partial reruns that supersede them (fig14_dense.json: CANDLE-Uno and
+    # MLP after the dense Megatron families) until they are merged into it
+    for fn in ("fig14.json", "fig14_dense.json"):
+        try:
+            with open(os.path.join(RESULTS, fn)) as f:
+                for x in json.load(f)["rows"]:
+                    if x.get("strategy") == "unity" and x.get("machine") == zoo_machine(x.get("devices") or 0):
+                        fig[(x["model"], x["devices"])] = dict(x, source=fn)
+        except (OSError, ValueError, KeyError, TypeError):
+            pass
+    for gpus in sorted({r["gpus"] for r in zr}):
+        at = [r for r in zr if r["gpus"] == gpus]
+        o += ["", f"## Alpa on Unity's zoo models, {zoo_machine(gpus)} ({gpus} GPUs)", "",
               f"Alpa: {ALPA_ZOO['layers']} layers, stage costs `{ALPA_ZOO['stage_cost']}`, the fastest of the "
-              "micro-batch counts run (M); batch = Figure 14's per-GPU batch x 48. Unity: the `unity` row of "
-              "`fig14.json` at 48 GPUs (same machine, batch and optimizer; its own budget).", "",
+              f"micro-batch counts run (M); batch = Figure 14's per-GPU batch x {gpus}. Unity: the `unity` row of "
+              f"`fig14.json` at {gpus} GPUs, or of `fig14_dense.json` where that has it (same machine, batch and "
+              "optimizer; its own budget).", "",
               "| model | batch | Alpa samples/s | M | stages | planner (s) | ILP solves | Unity samples/s (fig14) | "
               "Unity / Alpa | note |", "|---|---|---|---|---|---|---|---|---|---|"]
-        for r in zr:
+        for r in at:
             a = r["alpa"]
-            u = fig.get(r["model"], {})
+            u = fig.get((r["model"], r["gpus"]), {})
             ut = u.get("predicted_iteration_s") if u.get("batch") == r["batch"] else None
             ratio = a["iteration_s"] / ut if ut and a.get("feasible") and a.get("iteration_s") else None
             plan = ", ".join(f"{s['layers'][1] - s['layers'][0]}L@{s['shape'][0]}x{s['shape'][1]}"
                              for s in a.get("stages", [])) or "-"
-            uthr = f"{r['batch'] / ut:,.1f}" if ut else "-"
+            uthr = f"{r['batch'] / ut:,.1f}" + (" (dense)" if u.get("source") == "fig14_dense.json" else "") \
+                if ut else "-"
             o.append(f"| {r['model']} | {r['batch']} | {_thr(a, r['batch'])} | {a.get('micro_batches', '-')} | "
                      f"{plan} | {a['planner_s']:.1f} | "
                      f"{a.get('solves', '-')} | {uthr} | "
                      f"{f'{ratio:.2f}x' if ratio else '-'} | "
                      f"{(a.get('reason') or ('priced, not stitched: ' + a['stitch_error'] if a.get('stitch_error') else ''))[:140]} |")
+    xr = [r for r in zr if r.get("alpa_intra")]
+    if xr:
+        o += ["", "## Alpa's intra-operator ILP on the whole model under every logical mesh", "",
+              "One stage, one micro-batch: `solve_intra` on the whole model for each logical mesh Alpa enumerates "
+              "for the physical mesh (`logical_meshes(.., \"all\")`: across nodes, the second axis a multiple of the "
+              "6 devices of a node), each plan priced by our cost model (`--part zoo --zoo-intra`). Samples/s per "
+              "mesh (rows x columns of the logical mesh); *best* is the fastest.", "",
+              "| model | GPUs | per logical mesh (samples/s) | best | best samples/s | Unity samples/s | "
+              "Unity / best |", "|---|---|---|---|---|---|---|"]
+        for r in sorted(xr, key=lambda r: (r["gpus"], r["model"])):
+            a = r["alpa_intra"]
+            per = ", ".join(f"{k}: {r['batch'] / v['iteration_s']:,.0f}" if v.get("feasible") and v.get("iteration_s")
+                            else f"{k}: -" for k, v in a.get("meshes", {}).items())
+            u = fig.get((r["model"], r["gpus"]), {})
+            ut = u.get("predicted_iteration_s") if u.get("batch") == r["batch"] else None
+            ratio = a["iteration_s"] / ut if ut and a.get("iteration_s") else None
+            uthr = f"{r['batch'] / ut:,.1f}" if ut else "-"
+            o.append(f"| {r['model']} | {r['gpus']} | {per} | {a.get('best_mesh', '-')} | {_thr(a, r['batch'])} | "
+                     f"{uthr} | {f'{ratio:.2f}x' if ratio else '-'} |")
     if zr:
         o += ["", FINDINGS_ZOO]
     o.append("")
@@ -356,6 +441,10 @@ def main(argv=None) -> int:
     ap.add_argument("--only", default="alpa,megatron,dp,unity", help="GPT columns to (re)run; others are kept")
     ap.add_argument("--zoo-micro-batches", default=None, help="Alpa's micro-batch count for --part zoo "
                     f"(default {ALPA_ZOO['micro_batches']}; rows keep the fastest over runs)")
+    ap.add_argument("--zoo-gpus", default="48", help="comma-separated Summit GPU counts for --part zoo "
+                    "(multiples of 6; default 48)")
+    ap.add_argument("--zoo-intra", action="store_true", help="--part zoo: also Alpa's intra-operator ILP on "
+                    "the whole model under every logical mesh of the machine (one stage, one micro-batch)")
     ap.add_argument("--report", action="store_true")
     args = ap.parse_args(argv)
     from unity_pcg import zoo
@@ -363,8 +452,11 @@ def main(argv=None) -> int:
         part_gpt(args.models.split(",") if args.models else list(zoo.ALPA_MODELS), args.budget,
                  tuple(args.only.split(",")))
     elif args.part == "zoo":
+        gpus = [int(x) for x in args.zoo_gpus.split(",") if x.strip()]
+        if not gpus or any(x < 6 or x % 6 for x in gpus):
+            ap.error(f"--zoo-gpus: multiples of 6, got {args.zoo_gpus!r}")
         part_zoo(args.models.split(",") if args.models else list(zoo.MODELS),
-                 int(args.zoo_micro_batches) if args.zoo_micro_batches else None)
+                 int(args.zoo_micro_batches) if args.zoo_micro_batches else None, gpus, args.zoo_intra)
     if args.report or args.part:
         text = report()
         with open(MD_OUT, "w") as f:
