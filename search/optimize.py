@@ -44,9 +44,9 @@ from unity_pcg.errors import UnityError
 from unity_pcg.machine import MachineSpec, Resource, parse_machine
 from unity_pcg.pcg import PCG
 
-from .substitution import (Candidate, RuleBook, RuleStep, best_first, data_parallel_steps, dp_rule_missing,
-                           expert_whole, neighbours, normalized_hash, table_columns_steps, tensor_parallel_steps,
-                           trimmed)
+from .substitution import (Candidate, RuleBook, RuleStep, best_first, copies_steps, data_parallel_steps,
+                           dp_rule_missing, expert_whole, neighbours, normalized_hash, TABLE_COLUMN_RULES,
+                           table_columns_steps, tensor_parallel_steps, trimmed)
 
 INF = math.inf
 SEARCHES = ("unity", "sequential")
@@ -272,13 +272,17 @@ def whole_tp_degrees(m: MachineSpec, dp_degrees, widths=None) -> dict[int, int]:
 
 
 def _segment_search(g: PCG, book: RuleBook, ev: "Evaluator", dp_degrees, dp_deg: int, k: int,
-                    max_candidates: int, alpha: float, progress, deadline: float, families: dict | None = None):
+                    max_candidates: int, alpha: float, progress, deadline: float, families: dict | None = None,
+                    early: Callable[[dict], None] | None = None):
     """The split search (module docstring).  Returns (searched graph, its steps, data parallelism
     by rules at ``dp_deg`` assembled from the segments' seeds, its steps, stats, interrupted).
     ``families``, when given, receives {name: (build, estimate)}: ``build()`` assembles the whole graph
     from every segment's seed of one family and returns (graph, steps) (``expert``, ``tp<k>x<d>``; data parallelism where a segment has
     none), so a seed layout is priced as a whole too (the segments' DP can prefer other choices on
-    segment-local prices that the whole graph does not confirm)."""
+    segment-local prices that the whole graph does not confirm).  Two passes: every segment's seeds first,
+    then the best-first search of each; ``early(families)``, when given, is called between them (the
+    families can be built then: Megatron-LM's layout on BERT-Large at 192 GPUs is the copies family, which
+    the segments' search never beats, and their search would use the budget first)."""
     from .split import SegmentChoice, assemble, blocking_pairs, boundary_keys, canonical_segments, combine
     segs, later = canonical_segments(g, k, blocking_pairs(book))
     uniq = list(dict.fromkeys(s.key for s in segs))
@@ -294,24 +298,42 @@ def _segment_search(g: PCG, book: RuleBook, ev: "Evaluator", dp_degrees, dp_deg:
     # segment at 96 GPUs, most of them never competitive)
     seed_degrees = {dp_deg, *tp_seeds} | ({ev.machine.devices_per_node} & set(dp_degrees))
     totals["seed_degrees"] = sorted(seed_degrees)
-    for i, key in enumerate(uniq):
+    def evaluate(x: PCG):
+        return ev.cost(trimmed(x)), None
+
+    def choice(c: Candidate, kk, cross_idx) -> SegmentChoice:
+        cross = kk[1][cross_idx[0]] if cross_idx else None
+        # with its trailing gathers (what a mismatch at the next boundary pays); past the deadline
+        # not priced: such a choice must then match its neighbour
+        full = ev.cost(c.graph) if time.perf_counter() < deadline else INF
+        return SegmentChoice(c.cost, full, c.steps, kk, cross)
+
+    def build_families() -> dict:
+        out: dict = {}
+        for name, fm in fam_memo.items():
+            if name.endswith(" copies"):
+                continue
+            chosen = [fm.get(s.key) or dp_memo[s.key] for s in segs]
+            # the sum of the segments' prices (inf where a seed was not priced): the pricing order.
+            # Assembled when it is priced (past the budget it is not: ~1 s each on BERT-Large)
+            est = sum(c.cost if c.cost else INF for c in chosen)
+            out[name] = ((lambda chosen=chosen: assemble(g, segs, chosen, book)), est)
+            if name.startswith("tp"):
+                # Megatron-LM's layout on the assembled family (the tables whole where the family split them
+                # by columns): the heads column-parallel and every Replicate lifted up the residual stream
+                # across the cuts (substitution.copies_steps); priced first
+                cm = fam_memo.get(f"{name} copies", {})
+                chosen = [cm.get(s.key) or fm.get(s.key) or dp_memo[s.key] for s in segs]
+                out[f"{name} copies"] = ((lambda chosen=chosen, k=int(name[2:].split("x")[0]):
+                                          _with_copies(assemble(g, segs, chosen, book), k, book)), est * (1 - 1e-6))
+        return out
+
+    starts: list = []
+    for i, key in enumerate(uniq):                  # pass 1: every segment's seeds
         seg = next(s for s in segs if s.key == key)
         cg = seg.canon
         cross_idx = [j for j, r in enumerate(seg.outputs) if r in later[segs.index(seg)]]
         share = max(deadline - time.perf_counter(), 0.0) / (len(uniq) - i)
-
-        def evaluate(x: PCG):
-            return ev.cost(trimmed(x)), None
-
-        def keyf(x: PCG, seg=seg):
-            return boundary_keys(seg, x)
-
-        def choice(c: Candidate, kk, cross_idx=cross_idx) -> SegmentChoice:
-            cross = kk[1][cross_idx[0]] if cross_idx else None
-            # with its trailing gathers (what a mismatch at the next boundary pays); past the deadline
-            # not priced: such a choice must then match its neighbour
-            full = ev.cost(c.graph) if time.perf_counter() < deadline else INF
-            return SegmentChoice(c.cost, full, c.steps, kk, cross)
 
         # the segment as imported is a seed priced when it reaches the front (after the parallel seeds:
         # its estimate is the largest); on a large machine its solve (most views per operator) is the
@@ -368,6 +390,30 @@ def _segment_search(g: PCG, book: RuleBook, ev: "Evaluator", dp_degrees, dp_deg:
                     start.append(Candidate(None, y, tuple(st) + tuple(st2)))
                     fam_seed[f"tp{tp}x{d}"] = start[-1]
                     totals["tp_seeds"] = totals.get("tp_seeds", 0) + 1
+                    if any(s.rule in TABLE_COLUMN_RULES for s in st2):
+                        # Megatron-LM keeps the tables whole (on the copies): the segment's seed of the
+                        # copies family (not a start of the segment search; assembled, see below); data
+                        # parallel where only tables were split
+                        y2, st3 = tensor_parallel_steps(x, tp, book, tables=False)
+                        fam_seed[f"tp{tp}x{d} copies"] = Candidate(None, y2, tuple(st) + tuple(st3))
+
+        def keyf(x: PCG, seg=seg):
+            return boundary_keys(seg, x)
+        if dp_seed is not None and dp_seed.cost is not None:
+            dp_memo[key] = choice(dp_seed, keyf(dp_seed.graph), cross_idx)
+        elif dp_seed is not None:           # built past the deadline, not priced
+            dp_memo[key] = SegmentChoice(INF, INF, dp_seed.steps, keyf(dp_seed.graph))
+        else:
+            dp_memo[key] = SegmentChoice(INF if start[0].cost is None else start[0].cost, INF, (), keyf(cg))
+        for name, c in fam_seed.items():
+            # every segment's seed, priced or not (a segment solve cut by its time limit reads inf; a
+            # family with dp in that segment instead reshards at both its ends): the whole decides
+            fam_memo.setdefault(name, {})[key] = SegmentChoice(c.cost or 0.0, 0.0, c.steps, ())
+        starts.append((key, start, keyf, cross_idx))
+    if early is not None and families is not None and not interrupted:
+        early(build_families())
+    for i, (key, start, keyf, cross_idx) in enumerate(starts):     # pass 2: the search of each segment
+        share = max(deadline - time.perf_counter(), 0.0) / (len(uniq) - i)
 
         def expand(c: Candidate):
             for m, x in neighbours(c.graph, book.rules, book.degrees):
@@ -385,30 +431,25 @@ def _segment_search(g: PCG, book: RuleBook, ev: "Evaluator", dp_degrees, dp_deg:
         totals["stopped"].append(res.stats.stopped)
         if res.stats.stopped == "interrupted":
             interrupted = True
-        memo[key] = {kk: choice(c, kk) for kk, c in res.front.items() if math.isfinite(c.cost)}
-        if dp_seed is not None and dp_seed.cost is not None:
-            dp_memo[key] = choice(dp_seed, keyf(dp_seed.graph))
-        elif dp_seed is not None:           # built past the deadline, not priced
-            dp_memo[key] = SegmentChoice(INF, INF, dp_seed.steps, keyf(dp_seed.graph))
-        else:
-            dp_memo[key] = SegmentChoice(INF if start[0].cost is None else start[0].cost, INF, (), keyf(cg))
-        for name, c in fam_seed.items():
-            # every segment's seed, priced or not (a segment solve cut by its time limit reads inf; a
-            # family with dp in that segment instead reshards at both its ends): the whole decides
-            fam_memo.setdefault(name, {})[key] = SegmentChoice(c.cost or 0.0, 0.0, c.steps, ())
+        memo[key] = {kk: choice(c, kk, cross_idx) for kk, c in res.front.items() if math.isfinite(c.cost)}
+    for key in uniq:
+        memo.setdefault(key, {})
     dp_graph, dp_steps = assemble(g, segs, [dp_memo[s.key] for s in segs], book)
     if families is not None:
-        for name, fm in fam_memo.items():
-            chosen = [fm.get(s.key) or dp_memo[s.key] for s in segs]
-            # the sum of the segments' prices (inf where a seed was not priced): the pricing order.
-            # Assembled when it is priced (past the budget it is not: ~1 s each on BERT-Large)
-            est = sum(c.cost if c.cost else INF for c in chosen)
-            families[name] = ((lambda chosen=chosen: assemble(g, segs, chosen, book)), est)
+        families.update(build_families())
     choices = combine([memo[s.key] for s in segs])
     if not choices:
         return None, [], dp_graph, dp_steps, totals, interrupted
     out, steps = assemble(g, segs, choices, book)
     return out, steps, dp_graph, dp_steps, totals, interrupted
+
+
+def _with_copies(built: tuple, k: int, book: RuleBook) -> tuple | None:
+    """(graph, steps) of a tensor-parallel family with :func:`copies_steps` of degree ``k`` on top; None
+    when nothing lifts (the family itself is priced as it is)."""
+    fg, fst = built
+    cg, more = copies_steps(fg, k, book)
+    return (cg, list(fst) + list(more)) if more else None
 
 
 def _build_and_price(ev: "Evaluator", name: str, build, until: float, limit: float, fam_cost: dict):
@@ -749,8 +790,23 @@ def optimize(model, machine, budget_s: float | None = None, alpha: float = 1.05,
                 marks["whole_families"] = time.perf_counter() - t0
                 deadline = max(end - pipe_share - finish, time.perf_counter())
                 ev.wall = sub_end                   # no limited solve past the substitution phase
+                attention = any(n.op == "Softmax" for n in g.nodes())
+
+                def early(fs: dict):
+                    # Megatron-LM's layout (the copies families) of a model with attention, built and priced
+                    # between the segments' seeds and their search: on BERT-Large it is the best plan
+                    # (192 GPUs: 0.668 s, hand-built Megatron 0.676 s, the segments' search 0.846 s) and
+                    # takes ~15-30 s to build and solve, which the segments' search would use first
+                    for name, (build, _) in sorted(fs.items(), key=lambda kv: (kv[1][1], kv[0])):
+                        if attention and name.endswith(" copies"):
+                            got = _build_and_price(ev, name, build, sub_end, max(sub_end - time.perf_counter(), 0.05),
+                                                   fam_cost)
+                            if got is not None:
+                                cands.append(got)
+                                labels[id(got[2])] = f"seed family {name} by rules"
+                    marks["early_families"] = time.perf_counter() - t0
                 out, st, dpg, dpst, stats, interrupted = _segment_search(
-                    g, book, ev, dps, dp_deg, k, max_candidates, alpha, progress, deadline, fams)
+                    g, book, ev, dps, dp_deg, k, max_candidates, alpha, progress, deadline, fams, early)
                 # data parallelism by rules (assembled from the segments' seeds): the floor.  A fixed
                 # sequence (one dp rule per operator, then cancellations), never cut by the budget;
                 # when it is the hand-built dp PCG its solve costs what dp_res cost (cheap), so it is
@@ -770,6 +826,8 @@ def optimize(model, machine, budget_s: float | None = None, alpha: float = 1.05,
                 # every seed family assembled over the whole graph from the segments' seeds (expert,
                 # Megatron), priced as a whole
                 for name, (build, _) in sorted(fams.items(), key=lambda kv: (kv[1][1], kv[0])):
+                    if name in fam_cost:        # priced (or tried) between the segments' seeds and search
+                        continue
                     got = _build_and_price(ev, name, build, sub_end, left_for_pricing(), fam_cost)
                     if got is not None:
                         cands.append(got)

@@ -21,7 +21,9 @@ like every generated rule (rules_cmd / generate re-prove them; none is shipped u
 * ``replicate_lift_Embedding`` (``Replicate(Embedding(i, t)) -> Embedding(Replicate(i), Replicate(t))``: an
   operator over constants computed on every device, where data parallelism cannot partition it),
   ``replicate_lift_Add`` and ``replicate_lift_LayerNorm`` (the operators between Megatron's groups on the
-  tensor-parallel copies).
+  tensor-parallel copies), ``replicate_lift_<Reshape|Slice|Flatten|Transpose>`` (the views a head reads);
+* ``megatron_column_linear_bias`` (a head Linear with its bias, column-parallel) and ``combine_sink_<U>`` for every
+  element-wise unary ``U`` (``U(Combine(x)) -> Combine(U(x))``: the head's activation on the column pieces).
 
 Figure 11b under our piece semantics: partial sums only arise from a contraction over a partitioned
 dim, so "Add == Concat then Reduce" is stated for tensors summed along a dim ``a``:
@@ -36,7 +38,8 @@ import json
 from typing import Any
 
 from unity_pcg.shape import ParallelTensorShape as S
-from unity_pcg.verifier.axioms import BINARY, CONCAT_ARITIES, SAMPLE_OPS, SAMPLE_RULES, TRANSPOSE_SAMPLE_PERMS, UNARY, concat_names
+from unity_pcg.verifier.axioms import (BINARY, CONCAT_ARITIES, SAMPLE_OPS, SAMPLE_RULES, TRANSPOSE_SAMPLE_PERMS, UNARY,
+                                       VIEW_REPLICATE, concat_names)
 
 from .rule import Pattern, PatNode, Rule
 from .terms import op, rule_of
@@ -233,6 +236,23 @@ def template_rules() -> list[Rule]:
                 {**K, "a": "dim", "e": "attr"})
     rules.append(_with_example(r, {"k": 2, "a": -1, "e": 1e-5},
                                {"x": S.of((4, 4)), "g": S.of((4,)), "b": S.of((4,))}))
+    # the views a head reads the residual stream through (BERT's pooler: Slice of the first token, Reshape), so
+    # that a column-parallel head's Replicate lifts up to the residual stream (proven from <View>_replicate)
+    for v, (pa, ex, shapes) in VIEW_REPLICATE.items():
+        V = {**K, **{x[1:]: "attr" for x in pa.values()}}
+        r = rule_of(f"replicate_lift_{v}", _rep(op(v, "x", **pa)), op(v, _rep("x"), **pa), V)
+        rules.append(_with_example(r, {**ex, "k": 2}, shapes))
+    # a model head whose Linear carries its bias (BERT's pooler): column-parallel, the bias split with its columns
+    r = rule_of("megatron_column_linear_bias", op("Linear", "x", "w", "b", activation="$act"),
+                _comb(op("Linear", _rep("x"), _part("w", -1), _part("b", -1), activation="$act"), -1),
+                {**K, "act": "attr"})
+    rules.append(_with_example(r, {"k": 2, "act": "none"}, {"x": S.of((4, 4)), "w": S.of((4, 4)), "b": S.of((4,))}))
+    # an element-wise activation after a column-parallel head runs on the column pieces: the Combine moves to
+    # the model output, where it is trimmed (proven from <U>_combine)
+    for u, (pa, ex, vk, _) in UNARY.items():
+        V = {**K, "d": "dim", **{x[1:]: "attr" for x in pa.values()}}
+        r = rule_of(f"combine_sink_{u}", op(u, _comb("x", "$d"), **pa), _comb(op(u, "x", **pa), "$d"), V)
+        rules.append(_with_example(r, {**ex, "k": 2, "d": -1}, {"x": S.of((4, 4), (1, 2))}, values=vk))
     # the MLP with an element-wise activation between the two Linears (as exported: Linear -> Gelu -> Linear)
     for u in ("Gelu", "Relu"):
         r = rule_of(f"megatron_mlp_column_{u.lower()}_row", op("Linear", op(u, op("Linear", "x", "w1")), "w2"),

@@ -475,6 +475,21 @@ _ax("Embedding_replicate", "embedding_replicate", "parallel",
     op("Embedding", op("Replicate", "i", degree="$k"), op("Replicate", "t", degree="$k")),
     op("Replicate", op("Embedding", "i", "t"), degree="$k"), {"k": "degree"},
     bind={"k": 2}, shapes={"i": S.of((1, 3), dtype="int64"), "t": S.of((5, 4))}, int_inputs=("i",))
+# the view operators on copies (Megatron-LM's layout by rules: a head that reads one token of the residual stream,
+# as BERT's pooler does with Slice then Reshape, runs its view on the tensor-parallel copies, so the Replicate of a
+# column-parallel head lifts up to the residual stream): a view of a copied tensor is the copied view
+VIEW_REPLICATE: dict[str, tuple[dict, dict, dict]] = {
+    # op: (attr pattern, example attrs, example shapes)
+    "Reshape": ({"shape": "$sh"}, {"sh": (2, 6)}, {"x": S.of((2, 3, 2))}),
+    "Slice": ({"axes": "$ax", "starts": "$st", "ends": "$en", "steps": "$sp"},
+              {"ax": (1,), "st": (0,), "en": (3,), "sp": (2,)}, {"x": S.of((2, 4))}),
+    "Flatten": ({"axis": "$a"}, {"a": 1}, {"x": S.of((2, 3, 2))}),
+    "Transpose": ({"perm": "$p"}, {"p": (1, 0)}, {"x": S.of((2, 3))}),
+}
+for _o, (_pa, _ex, _shapes) in VIEW_REPLICATE.items():
+    _ax(f"{_o}_replicate", "view_replicate", "parallel", op(_o, op("Replicate", "x", degree="$k"), **_pa),
+        op("Replicate", op(_o, "x", **_pa), degree="$k"), {"k": "degree", **_uvars(_pa)},
+        bind={**_ex, "k": 2}, shapes=_shapes)
 # a sum over a dim before the partitioned one (counted from the end) keeps the partition where it is, with or
 # without keepdims (the bag sum of an embedding bag: ReduceSum over the bag dim -2 of (batch, bag, features))
 _ax("ReduceSum_partition_after", "reducesum_partition", "parallel",
