@@ -763,11 +763,10 @@ def write_markdown(path: str, res: dict) -> None:
               "Where the processes outnumber the cores (P > cores), a collective is priced by the CPU time it costs "
               "each process (calibrated per kind, group size and bytes, all ranks in it at once, the mean) times the "
               "measured contention (wall over CPU time of compute while all ranks compute), "
-              "`MachineSpec.collective_cpu_time`, and compute by the slowdown left once the synchronized "
-              "micro-benchmark's collective is priced so (`sync.executor_slowdown_cpu`): a rank blocked in a "
-              "collective gives its core to the others, so the iteration costs the CPU work of all ranks over the "
-              "cores. For comparison, the same views priced with the collectives' measured wall time and "
-              "`sync.executor_slowdown` (the cost model before; where P <= cores both are the same):", "",
+              "`MachineSpec.collective_cpu_time`: a rank blocked in a collective gives its core to the others, so "
+              "the iteration costs the CPU work of all ranks over the cores. For comparison, the same views priced "
+              "with the collectives' measured wall time (the cost model before; where P <= cores both are the "
+              "same):", "",
               "| model | P | plan | measured ms | CPU-priced ms | wall-priced ms |"
               + (" in-situ CPU-priced ms | in-situ wall-priced ms |" if "spearman_insitu_wall" in s else ""),
               "|---|---|---|---|---|---|" + ("---|---|" if "spearman_insitu_wall" in s else "")]
@@ -782,7 +781,7 @@ def write_markdown(path: str, res: dict) -> None:
               + ".", ""]
     L += ["## The calibrations (right before each P's runs)", "",
           "| P | seconds | load (1 min) | matmul GFLOP/s | memory GB/s | op overhead us | all-reduce latency us | "
-          "all-reduce GB/s | per_compute | solo speedup | contention | executor slowdown (wall / CPU-priced) |",
+          "all-reduce GB/s | per_compute | solo speedup | contention | executor slowdown (priced / diagnostic) |",
           "|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for x in res["per_procs"]:
         m = x.get("machine") or {}
@@ -799,7 +798,9 @@ def write_markdown(path: str, res: dict) -> None:
     L += ["", "Solo speedup: how much faster one process multiplies matrices while the others wait than while "
           "all compute (`search.calibrate.measure_solo`); the cost model prices a node on fewer devices with it "
           "(`MachineSpec.concurrency_factor`). Contention: wall over CPU time of compute while all ranks compute "
-          "(`search.calibrate.measure_contention`).", ""]
+          "(`search.calibrate.measure_contention`). Executor slowdown: `sync.executor_slowdown`, which scales the "
+          "executor's compute; diagnostic: `sync.executor_slowdown_cpu`, the same synchronized loop with its "
+          "all-reduce priced by its CPU work (P > cores; ~1 where the collective's CPU work explains the loop).", ""]
     L += ["Load average (1 min) per launch: " + "; ".join(
         f"P={x['procs']}: calibration {x['loadavg_calibration']:.1f}, runs "
         + ", ".join(f"{r['loadavg_before']:.1f}" for r in x["runs"]) for x in res["per_procs"]), ""]

@@ -251,12 +251,11 @@ class CostModel:
         if sync_model == "executor" and machine.num_devices > 1 and machine.shared_cores > 0:
             # the executor's processes on shared cores wait for each other at its collectives: calibrate's
             # measured slowdown of synchronized against free computing processes (``sync.executor_slowdown``)
-            sync = dict(machine.meta).get("sync") or {}
-            slow = sync.get("executor_slowdown")
-            if machine.collectives_by_cpu and sync.get("executor_slowdown_cpu") is not None:
-                # processes that outnumber the cores, collectives priced by their CPU work: the slowdown
-                # left once the synchronized loop's collective is priced so (calibrate.sync_slowdown_cpu)
-                slow = sync["executor_slowdown_cpu"]
+            # (also where the processes outnumber the cores and collectives are priced by their CPU work: the
+            # slowdown left once the loop's all-reduce is priced so, ``sync.executor_slowdown_cpu``, is ~1 --
+            # the collectives' CPU explains that loop -- and the executor's compute beyond the kernel tables,
+            # which this factor carries, would go unpriced)
+            slow = (dict(machine.meta).get("sync") or {}).get("executor_slowdown")
             self.sync_per_compute = max(float(slow) - 1.0, 0.0) if slow is not None else 0.0
         # devices that share cores (local processes): see busy_factor, side_by_side and
         # GraphCost.backward_scale; machines without shared cores (GPU presets) are priced as before
