@@ -101,3 +101,20 @@ def test_pipeline_dp_by_segments_is_the_whole_graph_sequences_pcg(inception_tiny
     assert sorted(map(str, fast.views.values())) == sorted(map(str, slow.views.values()))
     steps = [RuleStep.from_json(json.loads(json.dumps(s.to_json()))) for s in fast.rules]
     assert replay(fresh(), steps, trim_outputs=True).structural_hash() == fast.pcg.structural_hash()
+
+
+@pytest.mark.parametrize("degree", [1, 2, 4])
+def test_edges_priced_once_per_node_renumbering_give_the_same_mapping(degree, monkeypatch):
+    """search/mapping.py prices an edge once per renumbering of the nodes its two views touch: on a
+    machine of several nodes the DP's optimum and its views are those of the plain per-view pricing."""
+    from unity_pcg.search import mapping as MP
+    from unity_pcg.search.baselines import data_parallel
+    m = machine(4, 2)
+    g = mlp(batch=8, h=32, layers=3)
+    pg = data_parallel(g, degree) if degree > 1 else g
+    got = {}
+    for flag in (False, True):
+        monkeypatch.setattr(MP, "CANON_EDGES", flag)
+        r = MP.MachineMapper(CostModel(m, "sgd")).optimize(pg)
+        got[flag] = (r.cost, sorted((k, str(v)) for k, v in r.views.items()))
+    assert got[True] == got[False]
