@@ -298,8 +298,22 @@ def _segment_search(g: PCG, book: RuleBook, ev: "Evaluator", dp_degrees, dp_deg:
     # segment at 96 GPUs, most of them never competitive)
     seed_degrees = {dp_deg, *tp_seeds} | ({ev.machine.devices_per_node} & set(dp_degrees))
     totals["seed_degrees"] = sorted(seed_degrees)
+    # a data-parallel seed of a lower degree whose solve hit the per-solve limit (priced inf) on a segment
+    # is not solved again on segments at least as large (compute operators): on Inception-v3 at 192 GPUs
+    # the degree-6 and -32 seeds each spent the whole limit on every segment, the segments' whole share
+    seed_deg: dict = {}                 # id(seed graph) -> (degree, compute operators of its segment)
+    slow: dict = {}                     # degree -> fewest compute operators of a segment that hit the limit
+
     def evaluate(x: PCG):
-        return ev.cost(trimmed(x)), None
+        sd = seed_deg.get(id(x))
+        if sd is not None and slow.get(sd[0], INF) <= sd[1]:
+            totals["seeds_not_solved"] = totals.get("seeds_not_solved", 0) + 1
+            return INF, None
+        n0 = ev.timeouts
+        c = ev.cost(trimmed(x))
+        if sd is not None and ev.timeouts > n0:
+            slow[sd[0]] = min(slow.get(sd[0], INF), sd[1])
+        return c, None
 
     def choice(c: Candidate, kk, cross_idx) -> SegmentChoice:
         cross = kk[1][cross_idx[0]] if cross_idx else None
@@ -359,6 +373,8 @@ def _segment_search(g: PCG, book: RuleBook, ev: "Evaluator", dp_degrees, dp_deg:
             c = Candidate(ev.cost(trimmed(x), limited=False) if d == dp_deg and time.perf_counter() < deadline
                           else None, x, tuple(st))
             start.append(c)
+            if d != dp_deg:
+                seed_deg[id(x)] = (d, sum(n.kind == "compute" for n in cg.nodes()))
             if d == dp_deg:
                 dp_seed = c
                 whole = expert_whole(cg)
