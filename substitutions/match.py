@@ -6,8 +6,12 @@ pattern tensors (not pattern outputs) must have no consumer outside the match an
 outputs, so applying the rule can remove them.  Dimension attributes are compared counted from the end
 (-1 = last dim of the operator's first input), so one rule serves every rank.
 
-Speed: graph nodes are indexed by op type once per graph (:class:`GraphIndex`), matching starts at the
-pattern's last output node and walks backwards along inputs, so most attempts fail at the first node.
+Speed: graph nodes are indexed by op type once per graph (:class:`GraphIndex`; a windowed index holds only
+the window's nodes, consumer counts come from the PCG's own consumer index), matching starts at the
+pattern's last output node and walks backwards along inputs, so most attempts fail at the first node; a
+later output node of a multi-output pattern (``partition_cse``: two Partitions of one tensor) is tried only
+among the readers of a tensor already bound (the same matches in the same order; on a whole graph the
+merging rules were quadratic in its Partitions).
 """
 from __future__ import annotations
 
