@@ -298,9 +298,10 @@ def _segment_search(g: PCG, book: RuleBook, ev: "Evaluator", dp_degrees, dp_deg:
     # segment at 96 GPUs, most of them never competitive)
     seed_degrees = {dp_deg, *tp_seeds} | ({ev.machine.devices_per_node} & set(dp_degrees))
     totals["seed_degrees"] = sorted(seed_degrees)
-    # a data-parallel seed of a lower degree whose solve hit the per-solve limit (priced inf) on a segment
-    # is not solved again on segments at least as large (compute operators): on Inception-v3 at 192 GPUs
-    # the degree-6 and -32 seeds each spent the whole limit on every segment, the segments' whole share
+    # a data-parallel seed of a lower degree (or the segment as imported) whose solve hit the per-solve limit
+    # (priced inf) on a segment is not solved again on segments at least as large (compute operators): on
+    # Inception-v3 at 192 GPUs the degree-6 and -32 seeds each spent the whole limit on every segment, the
+    # segments' whole share
     seed_deg: dict = {}                 # id(seed graph) -> (degree, compute operators of its segment)
     slow: dict = {}                     # degree -> fewest compute operators of a segment that hit the limit
 
@@ -353,6 +354,7 @@ def _segment_search(g: PCG, book: RuleBook, ev: "Evaluator", dp_degrees, dp_deg:
         # its estimate is the largest); on a large machine its solve (most views per operator) is the
         # slowest of all and, priced eagerly, cost a per-solve limit per segment past the deadline
         start = [Candidate(None, cg, ())]
+        seed_deg[id(cg)] = (1, sum(n.kind == "compute" for n in cg.nodes()))   # as imported: degree 1
         dp_seed = None
         fam_seed: dict = {}
         for d in sorted(seed_degrees, key=lambda d: (d != dp_deg, -d)):
