@@ -398,7 +398,7 @@ def report(path: str = JSON_OUT, md: str = MD_OUT) -> str:
           "Megatron). Paper column: Unity over the best baseline at the largest scale (Figure 14; BERT-Large "
           "on par with Megatron, ResNeXt-50 about 1.0x). *Alpa*: Alpa's plan (intra-operator ILP + stage DP, "
           "`--strategy alpa`) in the same cost model, machine, batch and optimizer, from "
-          "`benchmarks/alpa_gpt.py --part zoo` (`alpa_gpt.json`; run at 48 GPUs only, *n/m* elsewhere).", ""]
+          "`benchmarks/alpa_gpt.py --part zoo` (`alpa_gpt.json`; *n/m* where it has no row: by default it runs at 48 GPUs, `--zoo-gpus` adds other sizes).", ""]
     o += _breakdown(lines)
     o += _extras(lines)
     o += _fig15b(lines)

@@ -392,6 +392,15 @@ TP_RULE_PREFIXES = ("megatron_mlp_column_", "megatron_attention_block", "megatro
 TP_RULE_PREFIX = TP_RULE_PREFIXES[0]
 
 
+def _concat_lift_rules(book: "RuleBook") -> list[Rule]:
+    """``replicate_lift_Concat`` and ``replicate_lift_Concat_<n>`` (a Replicate lifted into every input of a join)."""
+    got = book.__dict__.get("_concat_lifts")
+    if got is None:
+        got = book._concat_lifts = [r for n, r in book.by_name.items()
+                                    if n.startswith("replicate_lift_Concat") and "~" not in n]
+    return got
+
+
 def _unary_lift_rules(book: "RuleBook") -> list[Rule]:
     """Rules ``Replicate(u(x)) -> u(Replicate(x))`` for an element-wise unary ``u``, found by their
     patterns (the generated rules' names carry a hash)."""
@@ -571,7 +580,9 @@ def tensor_parallel_steps(g: PCG, degree: int, book: RuleBook, within: set | Non
     if copies:
         return _lift_all(g, book, degree, steps, within), steps
     fuse = book.by_name.get("reduce_replicate_allreduce")
-    for r in _unary_lift_rules(book) + ([fuse] if fuse is not None else []):
+    # a Replicate before the layers after a join lifted into the branches (CANDLE-Uno's towers: each then ends
+    # in one AllReduce, not a Reduce each and one broadcast of the join, as Alpa's plan), then above activations
+    for r in _concat_lift_rules(book) + _unary_lift_rules(book) + ([fuse] if fuse is not None else []):
         g = _apply_everywhere(g, r, degree, steps, within=within)
     g, more = cancel_steps(g, book, within)
     return g, steps + more

@@ -21,7 +21,8 @@ like every generated rule (rules_cmd / generate re-prove them; none is shipped u
 * ``replicate_lift_Embedding`` (``Replicate(Embedding(i, t)) -> Embedding(Replicate(i), Replicate(t))``: an
   operator over constants computed on every device, where data parallelism cannot partition it),
   ``replicate_lift_Add`` and ``replicate_lift_LayerNorm`` (the operators between Megatron's groups on the
-  tensor-parallel copies), ``replicate_lift_<Reshape|Slice|Flatten|Transpose>`` (the views a head reads);
+  tensor-parallel copies), ``replicate_lift_<Reshape|Slice|Flatten|Transpose>`` (the views a head reads) and
+  ``replicate_lift_Concat[_<n>]`` (a join of branches on the copies, every arity);
 * ``megatron_column_linear_bias`` (a head Linear with its bias, column-parallel) and ``combine_sink_<U>`` for every
   element-wise unary ``U`` (``U(Combine(x)) -> Combine(U(x))``: the head's activation on the column pieces).
 
@@ -242,6 +243,14 @@ def template_rules() -> list[Rule]:
         V = {**K, **{x[1:]: "attr" for x in pa.values()}}
         r = rule_of(f"replicate_lift_{v}", _rep(op(v, "x", **pa)), op(v, _rep("x"), **pa), V)
         rules.append(_with_example(r, {**ex, "k": 2}, shapes))
+    # a join of branches on the copies (proven from Concat_replicate / Concat<n>_replicate): the Replicate before the
+    # layers after a join lifts into every branch (CANDLE-Uno's feature towers on the tensor-parallel copies)
+    for n in (2,) + tuple(CONCAT_ARITIES):
+        xs = concat_names(n)
+        name = "replicate_lift_Concat" if n == 2 else f"replicate_lift_Concat_{n}"
+        r = rule_of(name, _rep(op("Concat", *xs, axis="$a")), op("Concat", *[_rep(x) for x in xs], axis="$a"),
+                    {**K, "a": "dim"})
+        rules.append(_with_example(r, {"k": 2, "a": -1}, {x: S.of((4, 1 + i % 3)) for i, x in enumerate(xs)}))
     # a model head whose Linear carries its bias (BERT's pooler): column-parallel, the bias split with its columns
     r = rule_of("megatron_column_linear_bias", op("Linear", "x", "w", "b", activation="$act"),
                 _comb(op("Linear", _rep("x"), _part("w", -1), _part("b", -1), activation="$act"), -1),

@@ -322,6 +322,14 @@ _ax("Concat_replicate", "concat_parallel", "parallel",
     op("Concat", op("Replicate", "x", degree="$k"), op("Replicate", "y", degree="$k"), axis="$a"),
     op("Replicate", op("Concat", "x", "y", axis="$a"), degree="$k"), {"k": "degree", "a": "dim"},
     bind={"k": 2, "a": -1}, shapes=XY24)
+# a Concat of copies is the copied Concat, for every arity (a Replicate lifted above a join of branches: CANDLE-Uno's
+# feature towers on the tensor-parallel copies, as Alpa's plan keeps them)
+for _n in CONCAT_ARITIES:
+    _xs = concat_names(_n)
+    _ax(f"Concat{_n}_replicate", "concat_parallel", "parallel",
+        op("Concat", *[op("Replicate", x, degree="$k") for x in _xs], axis="$a"),
+        op("Replicate", op("Concat", *_xs, axis="$a"), degree="$k"), {"k": "degree", "a": "dim"},
+        bind={"k": 2, "a": -1}, shapes={x: S.of((4, 1 + i % 3)) for i, x in enumerate(_xs)})
 _ax("Concat_reduce", "concat_parallel", "parallel",
     op("Concat", op("Reduce", "x", degree="$k"), op("Reduce", "y", degree="$k"), axis="$a"),
     op("Reduce", op("Concat", "x", "y", axis="$a"), degree="$k"), {"k": "degree", "a": "dim"},

@@ -61,11 +61,11 @@ def test_axioms_are_selected_by_arity():
     two = relevant_axioms(rules["dp_Concat"])
     assert not _nary_axiom_names(two)
     # selected by name only, every n-ary Concat axiom reached the 2-input rule (the cost measured today)
-    assert _nary_axiom_names(relevant_axioms_by_name(rules["dp_Concat"])) == {f"Concat{n}_partition"
-                                                                               for n in CONCAT_ARITIES}
+    assert _nary_axiom_names(relevant_axioms_by_name(rules["dp_Concat"])) == {
+        f"Concat{n}_{kind}" for n in CONCAT_ARITIES for kind in ("partition", "replicate")}
     for n in (3, 9, 16):
         got = relevant_axioms(rules[f"dp_Concat_{n}"])
-        assert _nary_axiom_names(got) == {f"Concat{n}_partition"}
+        assert _nary_axiom_names(got) == {f"Concat{n}_partition", f"Concat{n}_replicate"}
         assert not any(a.name == "Concat_partition" for a in got)     # the 2-input one cannot fire on it
     # the arity filter only drops: it keeps a subset of the by-name selection, for every kind of rule
     for r in list(rules.values())[::7]:
