@@ -815,7 +815,12 @@ def optimize(model, machine, budget_s: float | None = None, alpha: float = 1.05,
                     # between the segments' seeds and their search: on BERT-Large it is the best plan
                     # (192 GPUs: 0.668 s, hand-built Megatron 0.676 s, the segments' search 0.846 s) and
                     # takes ~15-30 s to build and solve, which the segments' search would use first
-                    for name, (build, _) in sorted(fs.items(), key=lambda kv: (kv[1][1], kv[0])):
+                    # Megatron-LM's degrees first: tensor parallel inside a node, the largest first (the
+                    # families' estimates are unpriced seeds: inf; at h100:128x8 tp128x8 came first by name)
+                    def order(kv):
+                        k = int(kv[0][2:].split("x")[0]) if kv[0].startswith("tp") else 0
+                        return (k > m.devices_per_node, -k, kv[1][1], kv[0])
+                    for name, (build, _) in sorted(fs.items(), key=order):
                         if attention and name.endswith(" copies"):
                             got = _build_and_price(ev, name, build, sub_end, max(sub_end - time.perf_counter(), 0.05),
                                                    fam_cost)
