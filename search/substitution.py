@@ -226,6 +226,13 @@ def _lift_rules(book: RuleBook) -> list[Rule]:
     return got
 
 
+def _around(g: PCG, ids: set) -> set:
+    """``ids``, the producers of their inputs and every reader of those: the window in which a step's
+    cancellations (duplicate Partitions / Replicates, Combine -> Partition pairs) can appear."""
+    out = ids | {i[0] for k in ids for i in g.node(k).inputs}
+    return out | {c for i in list(out) for kk in range(len(g.shapes(i))) for c, _ in g.consumers((i, kk))}
+
+
 def lift_steps(g: PCG, book: RuleBook, window: Iterable[int] | None = None) -> tuple[PCG, list[RuleStep]]:
     """Lift every Replicate in ``window`` (all if None) above an operator over constants that has a
     ``replicate_lift_<Op>`` rule (the operator then runs on copies of its operands: what the hand-built
@@ -248,9 +255,7 @@ def lift_steps(g: PCG, book: RuleBook, window: Iterable[int] | None = None) -> t
                 fresh = set(new_ids(g, g2))
                 if w is not None:
                     w |= fresh
-                cw = fresh | {i[0] for k in fresh for i in g2.node(k).inputs}
-                cw |= {c for i in list(cw) for kk in range(len(g2.shapes(i))) for c, _ in g2.consumers((i, kk))}
-                g, more = cancel_steps(g2, book, cw)
+                g, more = cancel_steps(g2, book, _around(g2, fresh))
                 steps.extend(more)
                 done = True
                 break
@@ -530,9 +535,7 @@ def _lift_all(g: PCG, book: RuleBook, degree: int, steps: list, within: set | No
                 fresh = set(new_ids(g, g2))
                 if within is not None:
                     within |= fresh
-                cw = fresh | {i[0] for k in fresh for i in g2.node(k).inputs}
-                cw |= {c for i in list(cw) for kk in range(len(g2.shapes(i))) for c, _ in g2.consumers((i, kk))}
-                g3, more = cancel_steps(g2, book, cw)
+                g3, more = cancel_steps(g2, book, _around(g2, fresh))
                 steps.extend(more)
                 merged = set(new_ids(g2, g3))
                 if within is not None:

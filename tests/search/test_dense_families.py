@@ -11,17 +11,12 @@ from unity_pcg.search import optimize as opt
 from unity_pcg.search.optimize import machine_degrees, megatron_seed_degrees, optimize, whole_tp_degrees
 from unity_pcg.search.substitution import RuleBook, replay, trimmed
 
+from .test_tp_seed import _chain as _small_chain
+
 
 def _chain(pairs: int = 2, batch: int = 768, h: int = 4096) -> PCG:
-    """Linear (no bias) -> Relu, 2 * pairs times: CANDLE-Uno's dense layers."""
-    b = PCG.builder()
-    t = (b.add_node("Input", {"name": "x", "shape": (batch, h), "dtype": "float32"}), 0)
-    for i in range(2 * pairs):
-        w = b.add_node("Weight", {"name": f"w{i}", "shape": (h, h), "dtype": "float32"})
-        t = (b.add_node("Linear", {"activation": "none"}, [t, (w, 0)]), 0)
-        t = (b.add_node("Relu", {}, [t]), 0)
-    b.set_outputs([t])
-    return b.finish()
+    """Linear (no bias) -> Relu, 2 * pairs times: CANDLE-Uno's dense layers (at its width)."""
+    return _small_chain(pairs, batch, h)
 
 
 def test_whole_tp_degrees_cover_the_machine_smallest_first():
