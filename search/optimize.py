@@ -507,6 +507,8 @@ BASELINE_SHARE = 0.5
 WHOLE_FAMILY_SHARE = 0.6
 #: the largest model (compute operators) whose tables-by-columns family is built on the whole graph
 WHOLE_COLS_MAX_OPS = 200
+#: machines larger than this price a Transformer's Megatron floor after the copies families (see optimize)
+LATE_FLOOR_DEVICES = 256
 #: the fixed strategies (besides dp) the joint search prices as floors, where they apply
 FLOOR_STRATEGIES = ("megatron", "expert")
 
@@ -764,13 +766,18 @@ def optimize(model, machine, budget_s: float | None = None, alpha: float = 1.05,
         cands: list = []
         labels: dict = {}
         others: dict = {}
+        late = False
         try:
             if strategy == "unity":
                 if n_dev > 1 and dp_deg > 1:
                     # the other fixed strategies that apply (Megatron, expert), priced first like dp: the
                     # result is never predicted slower than one of them (they are the floor where the
                     # rules do not reach their layout); by BASELINE_SHARE of the budget
-                    others = _fixed_baselines(g, ev, dp_deg, m, t0 + budget_s * BASELINE_SHARE)
+                    # on a large machine one solve of a Transformer takes a large share of the budget (BERT-Large at
+                    # 1,024 GPUs: ~40 s of 100): Megatron's floor is then priced after the rules' Megatron-LM layout
+                    # (the copies families, below; the floor's cut solve resumes with what is left)
+                    late = n_dev > LATE_FLOOR_DEVICES and any(n.op == "Softmax" for n in g.nodes())
+                    others = _fixed_baselines(g, ev, dp_deg, m, t0 + (0.0 if late else budget_s * BASELINE_SHARE))
                     marks["baselines"] = time.perf_counter() - t0
                 dps = [d for d in degrees if b is None or b % d == 0]
                 fams: dict = {}
@@ -836,6 +843,7 @@ def optimize(model, machine, budget_s: float | None = None, alpha: float = 1.05,
                 # priced without a time limit: a plan reached by rules always exists
                 floor.append(_price_dp_by_rules(ev, g, book, dpg, dpst, dp_pg, left_for_pricing, stats))
                 stats["phase_s"] = {"segments": time.perf_counter() - t0}
+                stats["late_floors"] = late
                 marks["segments"] = time.perf_counter() - t0
                 if out is not None:
                     # the search's result is priced even when the segments ran to the wall (then for

@@ -101,3 +101,19 @@ def test_the_assembled_family_reaches_megatron(bert_path):
     assert c < ev.full(trimmed(plain_g)).cost
     assert replays(bert_path, cg, steps)
 
+
+
+def test_late_floor_is_priced_after_the_copies_families(bert_path, monkeypatch):
+    """On a large machine (``LATE_FLOOR_DEVICES``) Megatron's floor of a Transformer is priced after the copies
+    families (its solve takes a large share of the budget there: BERT-Large at 1,024 GPUs); it still resumes and
+    bounds the result."""
+    from unity_pcg.search import optimize as opt
+    monkeypatch.setattr(opt, "LATE_FLOOR_DEVICES", 1)
+    m = parse_machine("summit:1x6")
+    r = opt.optimize(bert_path, m, budget_s=30, pipeline=False, optimizer="adam", batch=BATCH, max_candidates=4)
+    s = r.stats
+    assert s["late_floors"] is True                              # not priced up front
+    mega = s["baselines_s"]["megatron"]
+    assert isinstance(mega, float)                               # resumed after the families
+    assert r.predicted_iteration_s <= min(mega, s["baselines_s"]["dp"]) * (1 + 1e-9)
+    assert s["seed_families_s"].get("tp2x3 copies") is not None
