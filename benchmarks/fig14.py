@@ -578,8 +578,10 @@ ANALYSIS = """## Reading the results (the whole matrix rerun 2026-11-26 14:02-14
   1,024 GPUs); Unity without pipelines at 6, 96 and 192 GPUs, Figure 15b at 96 (the checks: no mixed code).
 - **Never below a baseline**: 0 of 71 searches below dp or more than 1% below the best baseline.
 - **Plans reached by rules**: every plan records its rule sequence (pipeline plans through `pipeline.by_rules`, built
-  by segments), except BERT-Large at 1,024 GPUs, the hand-built Megatron floor: its solve alone takes ~40 s there,
-  and the rules' Megatron-LM layout (`tp8x128 copies`) was built but its solve cut at the substitution phase's wall.
+  by segments). BERT-Large at 1,024 GPUs and DenseNet-121 were rerun at 3c5ebaf (14:52-14:57): in the whole run
+  BERT-Large there was the hand-built Megatron floor (one solve of its whole graph takes ~40 s at 1,024 GPUs, and
+  the rules' Megatron-LM layout `tp8x128 copies` was built but its solve cut at the wall); with the floor priced
+  after the copies families on machines of more than 256 devices it is that layout, by rules (1,803 steps), 1.00x.
   BERT-Large without pipelines is now Megatron-LM's layout by rules (`tp<k>x<d> copies`: the pooler column-parallel,
   the residual stream on the tensor-parallel copies, one AllReduce per group): 1.00x of the hand-built Megatron at
   96 and 192 GPUs (0.674 s against 0.676 s at 192), 1,803 rule steps.
@@ -593,7 +595,7 @@ ANALYSIS = """## Reading the results (the whole matrix rerun 2026-11-26 14:02-14
   degrees (a degree change between segments is a full gather): `cnn_why.md`. The paper's baseline presumably kept
   per-device BatchNorm statistics.
 - **1,024 GPUs (h100:128x8)**: ResNeXt-50 1.62x, Inception-v3 1.81x (pipelines), DLRM 11.1x, XDL 11.7x, CANDLE-Uno
-  21.5x, MLP 9.35x over the best baseline, BERT-Large 1.00x (the Megatron floor, above).
+  21.5x, MLP 9.35x over the best baseline, BERT-Large 1.00x (Megatron-LM's layout by rules, above).
 - **Figure 15b** (96 GPUs, no pipelines on either side): joint over sequential 1.00x on the CNNs and MLP, BERT-Large
   1.07x, CANDLE-Uno 2.21x, DLRM 5.11x, XDL 8.81x (paper: up to 1.6x); the sequential search's parallel phase starts
   from data parallelism and single steps, without the seed families.
