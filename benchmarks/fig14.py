@@ -599,8 +599,8 @@ ANALYSIS = """## Reading the results (the whole matrix rerun 2026-11-26 14:02-14
 - **Figure 15b** (96 GPUs, no pipelines on either side): joint over sequential 1.00x on the CNNs and MLP, BERT-Large
   1.07x, CANDLE-Uno 2.21x, DLRM 5.11x, XDL 8.81x (paper: up to 1.6x); the sequential search's parallel phase starts
   from data parallelism and single steps, without the seed families.
-- **Search time**: 21.2-51.7 s per paper model at 6-192 GPUs (at 192: 36.2-48.9 s, target 60 s), DenseNet-121 82.0 s,
-  1,024 GPUs 79.8-95.9 s (target 120 s); the sequential search took 82.6 s on BERT-Large (its algebraic phase is not
+- **Search time**: 21.2-51.7 s per paper model at 6-192 GPUs (at 192: 36.2-48.9 s, target 60 s), DenseNet-121 81.6 s,
+  1,024 GPUs 79.8-95.2 s (target 120 s); the sequential search took 82.6 s on BERT-Large (its algebraic phase is not
   walled). `info.search.timeline_s` in the JSON says where the time went.
 """
 
