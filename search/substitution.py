@@ -485,17 +485,22 @@ def _head_steps(g: PCG, degree: int, book: RuleBook, steps: list, within: set | 
     activation): :data:`HEAD_RULES` on every head Linear (:func:`_head_nodes`) with an unsplit weight, then
     its activations moved before the Combine (``combine_sink_<U>``) so that the Combine trails the output
     (trimmed) and the head's input is a Replicate that ``_lift_all`` can lift up the residual stream."""
-    sinks = [r for n, r in book.by_name.items() if n.startswith(SINK_PREFIX) and "~" not in n]
-    unary = frozenset(n[len(SINK_PREFIX):] for n in book.by_name if n.startswith(SINK_PREFIX) and "~" not in n)
+    sinks = {n[len(SINK_PREFIX):]: r for n, r in book.by_name.items() if n.startswith(SINK_PREFIX) and "~" not in n}
+    unary = frozenset(sinks)
     for name in HEAD_RULES:
         hr = book.by_name.get(name)
         if hr is not None:
             g = _apply_everywhere(g, hr, degree, steps, fresh=True, within=within,
                                   where=lambda gg, m: any(n in _head_nodes(gg, unary)[0] for n in m.nodes))
-    for r in sinks:
-        g = _apply_everywhere(g, r, degree, steps, within=within,
-                              where=lambda gg, m: any(n in _head_nodes(gg, unary)[1] for n in m.nodes))
-    return g
+    # only the sinks of the activations the heads have (each rule applied scans the graph), until the Combines
+    # trail every chain (a chain of two activations needs the one next to the Combine first)
+    while True:
+        n0 = len(steps)
+        for op in sorted({g.node(n).op for n in _head_nodes(g, unary)[1]}):
+            g = _apply_everywhere(g, sinks[op], degree, steps, within=within,
+                                  where=lambda gg, m: any(n in _head_nodes(gg, unary)[1] for n in m.nodes))
+        if len(steps) == n0:
+            return g
 
 
 def _lift_all(g: PCG, book: RuleBook, degree: int, steps: list, within: set | None) -> PCG:
