@@ -40,7 +40,7 @@ def _machine(gpus: int) -> str:
 
 def _comm(pg, views, model) -> dict:
     """Activation communication by (parallel operator, shape): [count, seconds]."""
-    from unity_pcg.explain import _comm_rows
+    from unity_pcg.explanation import _comm_rows
     from unity_pcg.search.cost import GraphCost
     gc = GraphCost(pg, model)
     agg: dict = defaultdict(lambda: [0, 0.0])

@@ -192,6 +192,16 @@ def make_trainer(plan, args, rank: int, world: int, device: str):
     return Trainer(plan, args.model, **kw)
 
 
+def _step_bar(R: Rank):
+    """Rank 0's progress bar over the run's steps where its progress stream is a terminal (else the
+    bar draws nothing and each step prints one line)."""
+    from unity_pcg.progress import _Silent, bar
+    if R.rank != 0 or R.args.progress == "none":
+        return _Silent()
+    return bar(R.args.steps, "train", unit="step",
+               stream=sys.stdout if R.args.progress == "stdout" else sys.stderr)
+
+
 def _fault_step(kind: str = "KILL") -> int | None:
     v = os.environ.get(f"UNITY_PCG_FAULT_{kind}")
     if not v:
@@ -285,6 +295,7 @@ def train(R: Rank, plan) -> dict:
     R.out(f"training {args.model} on {R.world} rank(s) ({device}), {args.optimizer} lr {args.lr}, "
           f"{data.describe()}")
     kill_at, hang_at = _fault_step("KILL"), _fault_step("HANG")
+    bar = _step_bar(R)
     losses, times = [], []
     first = R.step
     for i in range(args.steps):
@@ -310,10 +321,15 @@ def train(R: Rank, plan) -> dict:
             raise Diverged(f"step {R.step}: loss is {loss}; stopped; {_kept(R)}")
         losses.append(float(loss))
         times.append(dt)
-        R.out(f"step {R.step:>5}  loss {loss:.6g}  {dt * 1e3:.2f} ms")
+        if bar.drawn:
+            bar.set_postfix_str(f"loss {loss:.6g}  {dt * 1e3:.2f} ms", refresh=False)
+            bar.update(1)
+        else:
+            R.out(f"step {R.step:>5}  loss {loss:.6g}  {dt * 1e3:.2f} ms")
         if args.checkpoint and args.checkpoint_every and R.step % args.checkpoint_every == 0 \
                 and i + 1 < args.steps:
             save_checkpoint(R, trainer)
+    bar.close()
     if args.checkpoint and args.steps > 0:
         save_checkpoint(R, trainer)
     warm = times[1:] if len(times) > 1 else times

@@ -623,15 +623,26 @@ def rule_name(r: Rule) -> str:
 # --- driver ----------------------------------------------------------------------------------------------
 
 class Progress:
-    def __init__(self, label: str, total: int, stream=sys.stderr, enabled: bool = True):
+    """Progress of a generation phase on stderr: a tqdm bar where stderr is a terminal
+    (:mod:`unity_pcg.progress`), else one line rewritten in place (at most every 0.2 s)."""
+
+    def __init__(self, label: str, total: int, stream=None, enabled: bool = True):
+        from unity_pcg.progress import bar, enabled as tty
+        stream = sys.stderr if stream is None else stream
         self.label, self.total, self.n, self.stream, self.enabled = label, max(total, 1), 0, stream, enabled
         self.t0 = time.perf_counter()
         self._last = 0.0
+        self._bar = bar(self.total, label, unit="item", stream=stream) if enabled and tty(stream) else None
 
     def update(self, n: int | None = None, total: int | None = None) -> None:
         self.n = self.n + 1 if n is None else n
         if total:
             self.total = total
+        if self._bar is not None:
+            if total:
+                self._bar.total = total
+            self._bar.advance_to(min(self.n, self.total))
+            return
         now = time.perf_counter()
         if not self.enabled or (now - self._last < 0.2 and self.n < self.total):
             return
@@ -642,7 +653,10 @@ class Progress:
         self.stream.flush()
 
     def done(self) -> None:
-        if self.enabled:
+        if self._bar is not None:
+            self._bar.advance_to(self.total)
+            self._bar.close()
+        elif self.enabled:
             self.update(self.total)
             self.stream.write("\n")
 

@@ -219,7 +219,7 @@ def _optimize(model_path: str, machine, optimizer: str, budget: float, fallback)
 
 def _explain(pl, plan_path: str) -> None:
     from .commands.explain_cmd import write_drawings
-    from .explain import explain, format_text
+    from .explanation import explain, format_text
     e = explain(pl)
     full = os.path.splitext(plan_path)[0] + "_explain.txt"
     with open(full, "w") as f:

@@ -327,7 +327,7 @@ def test_plan_records_precision(tmp_path, precision):
 
 
 def test_explain_reprices_in_the_plans_precision(tmp_path):
-    from unity_pcg.explain import explain, format_text
+    from unity_pcg.explanation import explain, format_text
     pl = _plan(tmp_path, "bf16")
     e = explain(pl)
     assert e.totals["precision"] == "bf16"

@@ -16,7 +16,7 @@ from unity_pcg.search.mapping import MachineMapper
 from unity_pcg import plan as P
 from unity_pcg.cli import main as cli
 from unity_pcg.errors import PlanError
-from unity_pcg.explain import describe_steps, device_ranges, explain, format_text, to_dot
+from unity_pcg.explanation import describe_steps, device_ranges, explain, format_text, to_dot
 from unity_pcg.machine import parse_machine
 from unity_pcg.pcg import PCG
 

@@ -42,7 +42,7 @@ def _stem(path: str) -> str:
 
 def write_drawings(plan, e, dot_path: str | None, png_path: str | None) -> dict:
     """Write the DOT (always, when a path is given) and the PNG (when asked and graphviz exists)."""
-    from ..explain import to_dot
+    from ..explanation import to_dot
     text = to_dot(plan, e)
     out = {"dot": None, "png": None}
     if dot_path:
@@ -69,7 +69,7 @@ def write_drawings(plan, e, dot_path: str | None, png_path: str | None) -> dict:
 
 def run(args) -> int:
     from .. import plan as P
-    from ..explain import explain, format_text
+    from ..explanation import explain, format_text
 
     if args.limit is not None and args.limit < 1:
         raise UnityError(f"--limit must be a positive integer, got {args.limit}")

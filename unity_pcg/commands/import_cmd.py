@@ -43,14 +43,13 @@ def _human(x: float) -> str:
     return f"{x:g}"
 
 
-def run(args) -> int:
+def load(args):
+    """The checks, the import and the optional numerical check of `unity-pcg import` (also
+    `unity_pcg.import_model`): ``(pcg, check result or None, import seconds)``."""
     from ..onnx_import import load_onnx
 
-    if args.batch is not None and args.batch < 1:
+    if args.batch is not None and not (isinstance(args.batch, int) and args.batch >= 1):
         raise UnityError(f"--batch must be a positive integer, got {args.batch}")
-    if args.png and shutil.which("dot") is None:
-        raise RenderError("--png needs Graphviz `dot`, which is not installed (apt-get install graphviz), "
-                          "or use --dot FILE")
     t0 = time.perf_counter()
     g = load_onnx(args.model, batch=args.batch, load_weights=bool(args.check), fuse=not args.no_fuse)
     seconds = time.perf_counter() - t0
@@ -58,6 +57,14 @@ def run(args) -> int:
     if args.check:
         from ..onnx_import.check import check_model
         chk = check_model(args.model, batch=args.batch, seed=args.seed, graph=g)
+    return g, chk, seconds
+
+
+def run(args) -> int:
+    if args.png and shutil.which("dot") is None:
+        raise RenderError("--png needs Graphviz `dot`, which is not installed (apt-get install graphviz), "
+                          "or use --dot FILE")
+    g, chk, seconds = load(args)
     s = g.summary()
     if args.dot or args.png:
         dot = g.to_dot()

@@ -42,12 +42,16 @@ def add_arguments(p) -> None:
 
 
 class _Progress:
-    """One line on stderr, rewritten in place (at most every 0.2 s)."""
+    """The search's progress on stderr: a progress bar over the budget's seconds where stderr is a terminal
+    (unity_pcg.progress), else one line rewritten in place (at most every 0.2 s)."""
 
-    def __init__(self, stream=None):
+    def __init__(self, stream=None, total_s: float | None = None, show: bool | None = None):
+        from ..progress import time_bar
         # the stream of the moment (a default bound at import would keep a replaced, since closed, stderr)
         self.stream = stream if stream is not None else sys.stderr
         self.last, self.t0, self.shown = 0.0, time.perf_counter(), False
+        bar = time_bar("search", total_s, stream=self.stream, show=show) if total_s else None
+        self.bar = bar if getattr(bar, "drawn", False) else None
 
     def __call__(self, info: dict) -> None:
         now = time.perf_counter()
@@ -57,31 +61,43 @@ class _Progress:
         best = info.get("best_segment_s", info.get("best_s"))
         seg = f"subgraph {info['segment']}/{info['segments']}  " if "segment" in info else ""
         b = f"{best * 1e3:.3f} ms" if isinstance(best, float) and math.isfinite(best) else "-"
+        if self.bar is not None:
+            self.bar.advance_to(now - self.t0, f"{seg}explored {info.get('explored', 0)}  best {b}")
+            return
         self.stream.write(f"\r[{now - self.t0:6.1f} s] {seg}candidates explored {info.get('explored', 0):5d}  "
                           f"best so far {b}   ")
         self.stream.flush()
         self.shown = True
 
     def done(self) -> None:
+        if self.bar is not None:
+            self.bar.close()
         if self.shown:
             self.stream.write("\n")
             self.stream.flush()
 
 
-def run(args) -> int:
+def search(args, progress=None):
+    """The checks and the search of `unity-pcg optimize` (also `unity_pcg.optimize`): an OptimizeResult."""
     from unity_pcg.search.optimize import STRATEGIES, optimize
     from .simulate_cmd import check_precision_arg
     check_precision_arg(getattr(args, "precision", "fp32"))
     if args.strategy not in STRATEGIES:
         raise UnityError(f"unknown strategy {args.strategy!r} (known: {', '.join(STRATEGIES)})")
-    if not args.budget > 0:
-        raise UnityError(f"--budget must be a positive number of seconds, got {args.budget:g}")
-    prog = None if args.json else _Progress()
+    if not (isinstance(args.budget, (int, float)) and args.budget > 0):
+        raise UnityError(f"--budget must be a positive number of seconds, got {args.budget}")
+    if args.batch is not None and not (isinstance(args.batch, int) and args.batch >= 1):
+        raise UnityError(f"--batch must be a positive integer, got {args.batch}")
+    return optimize(args.model, args.machine, budget_s=args.budget, alpha=args.alpha,
+                    pipeline=not args.no_pipeline, strategy=args.strategy, optimizer=args.optimizer,
+                    batch=args.batch, seed=args.seed, progress=progress, max_candidates=args.candidates,
+                    precision=getattr(args, "precision", "fp32"))
+
+
+def run(args) -> int:
+    prog = None if args.json else _Progress(total_s=args.budget)
     try:
-        res = optimize(args.model, args.machine, budget_s=args.budget, alpha=args.alpha,
-                       pipeline=not args.no_pipeline, strategy=args.strategy, optimizer=args.optimizer,
-                       batch=args.batch, seed=args.seed, progress=prog, max_candidates=args.candidates,
-                       precision=getattr(args, "precision", "fp32"))
+        res = search(args, prog)
     finally:
         if prog is not None:
             prog.done()

@@ -66,18 +66,24 @@ def precheck(args):
     return plan, world
 
 
-def run(args) -> int:
+def train(args) -> dict:
+    """The checks and the run of `unity-pcg run` (also `unity_pcg.train`): rank 0's result dict, or
+    ``executor.launch.RunFailed`` (a UnityError with the exit ``code``) naming why the run failed."""
     plan, world = precheck(args)
-    from unity_pcg.executor.launch import RunFailed, launch
+    from unity_pcg.executor.launch import launch
     threads = args.threads or max(1, (os.cpu_count() or 1) // world)
     if threads < 1:
         raise UnityError(f"--threads must be a positive integer, got {threads}")
+    return launch(_rank_args(args) + ["--threads", str(threads)], world).result
+
+
+def run(args) -> int:
+    from unity_pcg.executor.launch import RunFailed
     try:
-        out = launch(_rank_args(args) + ["--threads", str(threads)], world)
+        res = train(args)
     except RunFailed as e:
         print(f"unity-pcg run: error: {e}", file=sys.stderr)
         return e.code
-    res = out.result
     if args.json:
         json.dump(res, sys.stdout, indent=2)
         sys.stdout.write("\n")

@@ -143,6 +143,10 @@ class Explanation:
     predicted: Mapping[str, Any] = field(default_factory=dict)
     steps: tuple = ()                       # the recorded rule steps as the plan holds them
 
+    def __str__(self) -> str:
+        """What `unity-pcg explain` prints."""
+        return format_text(self)
+
     def to_json(self) -> dict:
         return {"model": self.model, "machine": self.machine, "devices": self.devices,
                 "operators": [r.to_json() for r in self.operators],
