@@ -145,14 +145,14 @@ def _float_dtype(t) -> np.dtype | None:
 
 
 def _import(model, batch: int | None):
+    """The model as a PCG at the file's batch; at ``batch`` (else 1) when the file's batch is dynamic (the
+    weights do not depend on it)."""
     from unity_pcg.onnx_import import load_onnx
     from unity_pcg.onnx_import.errors import DynamicDimension
     try:
-        return load_onnx(model, batch=batch)
+        return load_onnx(model)
     except DynamicDimension:
-        if batch is not None:
-            raise
-        return load_onnx(model, batch=1)
+        return load_onnx(model, batch=batch or 1)
 
 
 def weight_layout(model, batch: int | None = None) -> dict[str, tuple[str, np.ndarray]]:
@@ -446,4 +446,26 @@ def torch_state_dict(path: str) -> dict:
         if onnx_name in transposed:
             a = a.T
         out[torch_name] = torch.from_numpy(np.ascontiguousarray(a).copy())
+    return out
+
+
+def trained_state(trainer, pipeline: bool) -> dict | None:
+    """The whole trained state on rank 0 (None on the other ranks): a collective, every rank calls it.
+    A ``Trainer`` assembles every weight on every rank (``model_state``); a pipeline stage holds its own
+    weights only, so the stages' states are gathered to rank 0 (each rank's part on the CPU)."""
+    import torch.distributed as dist
+    state = trainer.model_state()
+    on = dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1
+    rank = dist.get_rank() if on else 0
+    if not pipeline or not on:
+        return {k: _np(v) for k, v in state.items()} if rank == 0 else None
+    mine = {k: _np(v) for k, v in state.items()}
+    parts = [None] * dist.get_world_size() if rank == 0 else None
+    dist.gather_object(mine, parts, dst=0)
+    if rank != 0:
+        return None
+    out: dict = {}
+    for p in parts:
+        for k, v in p.items():
+            out.setdefault(k, v)
     return out
