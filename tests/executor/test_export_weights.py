@@ -138,26 +138,30 @@ def _model(work, key):
     return work[key]
 
 
-def test_one_process_save_model(work, tmp_path, monkeypatch):
-    """One rank, in this process (python -m unity_pcg.executor): the written model is the trained one."""
+def rank_run(tmp, monkeypatch, plan: str, model: str, out: str) -> None:
+    """``python -m unity_pcg.executor PLAN --save-model OUT`` as a world of one, in this process."""
     from unity_pcg.executor.__main__ import main
     for k in ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT"):
         monkeypatch.delenv(k, raising=False)
-    model = work["gemm"]
-    plan = one_device_plan(model, str(tmp_path / "one.json"))
-    out = str(tmp_path / "one.onnx")
-    rep = tmp_path / "rep"
-    rep.mkdir()
+    rep = tmp / "rep"
+    rep.mkdir(exist_ok=True)
     rc = main([plan, "--model", model, "--steps", str(STEPS), "--optimizer", OPT, "--lr", str(LR),
                "--save-model", out, "--report-dir", str(rep), "--progress", "none"])
-    assert rc == 0, list(rep.iterdir())
+    assert rc == 0, [p.read_text() for p in rep.iterdir()]
     assert json.loads((rep / "result.json").read_text())["saved_model"] == out
+
+
+def test_one_process_save_model(work, tmp_path, monkeypatch):
+    """One rank, in this process (python -m unity_pcg.executor): the written model is the trained one."""
+    model = work["gemm"]
+    out = str(tmp_path / "one.onnx")
+    rank_run(tmp_path, monkeypatch, one_device_plan(model, str(tmp_path / "one.json")), model, out)
     assert_exported(out, model, reference_state(model, tmp_path))
     assert_safetensors(out)
 
 
 @pytest.mark.parametrize("name", [
-    "dp2", "tp2", "pp2",
+    "tp2", "pp2",   # dp2: the run of the ``ckrun`` fixture (test_export_weights_writes_what_save_model_wrote)
     pytest.param("dp4", marks=pytest.mark.slow), pytest.param("tp4", marks=pytest.mark.slow),
     pytest.param("pp2xtp2", marks=pytest.mark.slow)])
 def test_save_model_equals_one_process_training(work, tmp_path, capfd, name):
@@ -193,15 +197,14 @@ def _net_onnx(path: str, dynamo: bool = False) -> tuple[str, _Net]:
     return path, net
 
 
-def test_trained_torch_module_loads_the_state_dict_back(work, tmp_path, capfd):
+def test_trained_torch_module_loads_the_state_dict_back(work, tmp_path, monkeypatch):
     """Embedding, Linear with bias (MatMul+Add on 3-D input: folded onnx::MatMul_N), LayerNorm and a bias-free
-    Linear, exported legacy, trained on 2 processes: torch_state_dict(...) loads strictly into the module and
-    its forward equals onnxruntime on the written file."""
+    Linear, exported legacy, trained (one rank, in this process): torch_state_dict(...) loads strictly into the
+    module and its forward equals onnxruntime on the written file."""
     model, net = _net_onnx(str(tmp_path / "net.onnx"))
     init = {k: v.clone() for k, v in net.state_dict().items()}
-    plan = dp_plan(model, str(tmp_path / "net-dp2.json"), 2)
     out = str(tmp_path / "net-trained.onnx")
-    train_run(capfd, plan, model, out)
+    rank_run(tmp_path, monkeypatch, one_device_plan(model, str(tmp_path / "net-one.json")), model, out)
     for src in (E.safetensors_path(out), out):   # from the safetensors file and from the ONNX file alone
         if src == out:
             os.remove(E.safetensors_path(out))
@@ -322,6 +325,10 @@ def ckrun(work, tmp_path_factory):
 
 
 def test_export_weights_writes_what_save_model_wrote(work, ckrun, capfd):
+    """The data-parallel run on 2 processes: its --save-model is the trained model, and export-weights of its
+    checkpoint writes the same bytes."""
+    assert_exported(str(ckrun["saved"]), work["gemm"], reference_state(work["gemm"], ckrun["dir"]))
+    assert_safetensors(str(ckrun["saved"]))
     out = ckrun["dir"] / "exported.onnx"
     rc, o, err = cli(capfd, "export-weights", ckrun["ck"], "-o", out)
     assert rc == 0, err
