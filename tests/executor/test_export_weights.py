@@ -393,3 +393,28 @@ def test_run_refuses_an_output_in_a_missing_folder_before_start(work, tmp_path, 
     plan = dp_plan(work["gemm"], str(tmp_path / "dp2.json"), 2)
     _one_error(*cli(capfd, "run", plan, "--model", work["gemm"], "--save-model", tmp_path / "no" / "x.onnx"),
                ["--save-model", "does not exist"])
+
+
+def test_float16_initializers_keep_their_dtype_and_multi_digit_probe(tmp_path):
+    """A float16 model (MatMul by a transposed fp16 initializer of 64x48 = 3,072 elements: more than fp16's
+    2,048 exact integers, so the layout probe needs two digits); a float32 state (as bf16/fp32 master weights
+    are) is written in float16, through the Transpose the importer folded."""
+    from onnx import TensorProto, helper
+    rng = np.random.default_rng(5)
+    w = rng.standard_normal((48, 64)).astype(np.float16)
+    g = helper.make_graph(
+        [helper.make_node("Transpose", ["w"], ["wt"], perm=[1, 0]), helper.make_node("MatMul", ["x", "wt"], ["y"])],
+        "fp16", [helper.make_tensor_value_info("x", TensorProto.FLOAT16, [2, 64])],
+        [helper.make_tensor_value_info("y", TensorProto.FLOAT16, [2, 48])],
+        initializer=[numpy_helper.from_array(w, "w")])
+    model = str(tmp_path / "fp16.onnx")
+    onnx.save_model(helper.make_model(g, opset_imports=[helper.make_opsetid("", 17)]), model)
+    pg = load_onnx(model)
+    (wn,) = list(pg.sources("Weight"))
+    assert wn.a["name"] == "w" and tuple(wn.a["shape"]) == (64, 48)
+    trained = rng.standard_normal((64, 48)).astype(np.float32)
+    res = E.save_model(model, {"w": trained}, str(tmp_path / "out.onnx"))
+    assert res["written"] == ["w"]
+    (t,) = onnx.load(res["onnx"]).graph.initializer
+    assert t.data_type == TensorProto.FLOAT16
+    np.testing.assert_array_equal(numpy_helper.to_array(t), trained.T.astype(np.float16))
