@@ -265,6 +265,8 @@ def torch_names(model) -> tuple[dict[str, str], list[str]]:
                 and "/" not in name and re.fullmatch(r"[A-Za-z_][\w.]*", name):
             out[name] = name
     transposed: list[str] = []
+    if not dynamo and model.producer_name != "pytorch":   # node names of other producers mean nothing here
+        return out, transposed
     taken = set(out.values())
     for node in g.node:
         if node.op_type != "MatMul" or len(node.input) < 2:
