@@ -418,3 +418,28 @@ def test_float16_initializers_keep_their_dtype_and_multi_digit_probe(tmp_path):
     (t,) = onnx.load(res["onnx"]).graph.initializer
     assert t.data_type == TensorProto.FLOAT16
     np.testing.assert_array_equal(numpy_helper.to_array(t), trained.T.astype(np.float16))
+
+
+def test_weights_derived_by_arithmetic_are_reported_not_written(tmp_path):
+    """A weight the importer folded from an initializer by arithmetic (W * 2) cannot be written back into W:
+    it is reported in "skipped" and W is copied unchanged; the bias beside it is written."""
+    from onnx import TensorProto, helper
+    w = np.arange(12, dtype=np.float32).reshape(4, 3)
+    g = helper.make_graph(
+        [helper.make_node("Mul", ["w", "two"], ["w2"]), helper.make_node("MatMul", ["x", "w2"], ["h"]),
+         helper.make_node("Add", ["h", "b"], ["y"])],
+        "derived", [helper.make_tensor_value_info("x", TensorProto.FLOAT, [2, 4])],
+        [helper.make_tensor_value_info("y", TensorProto.FLOAT, [2, 3])],
+        initializer=[numpy_helper.from_array(w, "w"), numpy_helper.from_array(np.array(2.0, np.float32), "two"),
+                     numpy_helper.from_array(np.zeros(3, np.float32), "b")])
+    model = str(tmp_path / "derived.onnx")
+    onnx.save_model(helper.make_model(g, opset_imports=[helper.make_opsetid("", 17)]), model)
+    pg = load_onnx(model)
+    names = sorted(n.a["name"] for n in pg.sources("Weight"))
+    assert "w" not in names and "b" in names
+    state = {n: np.ones(pg.weights[n]().shape, np.float32) for n in names}
+    res = E.save_model(model, state, str(tmp_path / "out.onnx"))
+    assert res["written"] == ["b"] and res["skipped"] == [n for n in names if n != "b"]
+    out = {t.name: numpy_helper.to_array(t) for t in onnx.load(res["onnx"]).graph.initializer}
+    np.testing.assert_array_equal(out["w"], w)
+    np.testing.assert_array_equal(out["b"], np.ones(3, np.float32))
