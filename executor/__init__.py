@@ -6,6 +6,8 @@
 * ``executor.__main__``: one rank (``python -m unity_pcg.executor plan.json --model M``; what torchrun runs);
 * ``executor.launch``: checks before launch and the local launch of the ranks (`unity-pcg run`);
 * ``executor.checkpoint``: ``torch.distributed.checkpoint`` save / resume;
+* ``executor.export``: trained weights out (the ONNX model with trained initializers + safetensors;
+  ``save_model`` needs no torch);
 * ``executor.data``: the feeds of each step (an .npz file or seeded random feeds).
 
 Importing the package imports no torch; its modules do.

@@ -79,6 +79,9 @@ def add_training_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--checkpoint-every", type=int, default=0, metavar="N",
                    help="also checkpoint every N steps (default 0: only at the end)")
     p.add_argument("--resume", action="store_true", help="continue from the latest checkpoint in --checkpoint")
+    p.add_argument("--save-model", default=None, metavar="OUT.onnx",
+                   help="at the end, write the trained model: MODEL.onnx with the trained initializers "
+                        "(+ OUT.safetensors by initializer name; external data past 2 GiB)")
     p.add_argument("--per-device-bn", action="store_true",
                    help="BatchNorm statistics per device (as DDP without SyncBatchNorm; such runs are not "
                         "claimed equal to one device)")
@@ -251,7 +254,30 @@ def save_checkpoint(R: Rank, trainer) -> None:
                        + _kept(R))
     R.last_ckpt = C.save(R.args.checkpoint, R.step, model, trainer.optimizer_state(),
                          {"seed": R.args.seed, "optimizer": R.args.optimizer, "world": R.world,
-                          "plan_sha256": _plan_hash(R.args.plan)})
+                          "plan_sha256": _plan_hash(R.args.plan), **_model_meta(R)})
+
+
+def _model_meta(R: Rank) -> dict:
+    """The model of the run (path, sha256) for `unity-pcg export-weights` (hashed once per run)."""
+    if getattr(R, "_model_meta", None) is None:
+        from unity_pcg.plan import file_sha256
+        R._model_meta = {"model": os.path.abspath(R.args.model), "model_sha256": file_sha256(R.args.model)}
+    return R._model_meta
+
+
+def save_model(R: Rank, plan, trainer) -> str | None:
+    """--save-model: every rank contributes its state (a collective), rank 0 writes the files."""
+    from .export import save_model as write, trained_state
+    state = trained_state(trainer, plan.pipeline is not None)
+    if R.rank != 0:
+        return None
+    batch = next((n.a["shape"][0] for n in plan.pcg.sources("Input") if n.a.get("shape")), None)
+    res = write(R.args.model, state, R.args.save_model, batch=batch)
+    if res["skipped"]:
+        print(f"executor: warning: trained weights not written back to {R.args.save_model} (not a layout of "
+              f"one initializer): {', '.join(res['skipped'][:8])}", file=sys.stderr, flush=True)
+    R.out(f"saved the trained model to {res['onnx']} and {res['safetensors']}")
+    return res["onnx"]
 
 
 def _kept(R: Rank) -> str:
@@ -332,6 +358,7 @@ def train(R: Rank, plan) -> dict:
     bar.close()
     if args.checkpoint and args.steps > 0:
         save_checkpoint(R, trainer)
+    saved = save_model(R, plan, trainer) if args.save_model else None
     warm = times[1:] if len(times) > 1 else times
     pred = plan.predicted.get("predicted_iteration_s")
     return {"losses": losses, "step_times_s": times,
@@ -339,7 +366,7 @@ def train(R: Rank, plan) -> dict:
             "predicted_iteration_s": pred if isinstance(pred, (int, float)) else None,
             "nproc": R.world, "first_step": first, "steps": len(losses), "device": device,
             "optimizer": args.optimizer, "lr": args.lr, "checkpoint": R.last_ckpt,
-            "pipeline": plan.pipeline is not None}
+            "pipeline": plan.pipeline is not None, "saved_model": saved}
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -355,6 +382,9 @@ def main(argv: list[str] | None = None) -> int:
             raise UnityError(f"--steps must be >= 0, got {args.steps}")
         if args.resume and not args.checkpoint:
             raise UnityError("--resume needs --checkpoint DIR")
+        if args.save_model:
+            from .export import check_output
+            check_output(args.save_model)
         from .launch import check
         plan, need = check(args.plan, args.model, None, args.per_device_bn)
         if need != world:

@@ -11,7 +11,8 @@ What a checkpoint holds: the model's own parameters (the ONNX initializers' name
 as ``Trainer.model_state()`` returns them), the optimizer state (``Trainer.optimizer_state()``, nested
 dicts/lists whose tensor leaves go to DCP and whose other leaves go to ``state-R.json``), the number of
 steps done (the dropout generator and the data are functions of the step, so this is all the random
-state a run has), the run's seed and the torch CPU RNG state.  A tensor's DCP key is its path in the
+state a run has), the run's seed and the torch CPU RNG state; meta.json also names the run's model and
+its sha256 (``model``, ``model_sha256``: what `unity-pcg export-weights` writes the weights into).  A tensor's DCP key is its path in the
 state ("model/fc1.weight", "optim/state/fc1.weight/exp_avg"): ranks that hold the same key hold the same
 tensor (DCP writes it once and every rank reads it); a pipeline stage's tensors have keys of their own.
 

@@ -22,6 +22,7 @@ COMMANDS: dict[str, str] = {
     "optimize": "unity_pcg.commands.optimize_cmd",
     "explain": "unity_pcg.commands.explain_cmd",
     "run": "unity_pcg.commands.run_cmd",
+    "export-weights": "unity_pcg.commands.export_weights_cmd",
 }
 
 # one-line help per command, kept here so `unity-pcg --help` imports nothing heavy
@@ -34,6 +35,7 @@ HELP: dict[str, str] = {
     "optimize": "search the fastest parallelization plan that fits memory (Unity's joint search)",
     "explain": "show a plan: parallel degrees, machine views, rules applied, communication, stages",
     "run": "train an ONNX model with a plan on torch.distributed (local processes or torchrun)",
+    "export-weights": "write the trained model (ONNX + safetensors) of a run's checkpoint",
 }
 
 

@@ -1,5 +1,5 @@
 """`unity-pcg run plan.json --model MODEL.onnx [--steps N] [--nproc K] [--data FILE.npz] [--optimizer sgd|adam]
-[--lr X] [--checkpoint DIR] [--resume] [--json] [--seed S] [--per-device-bn]`: train with a plan on local ranks.
+[--lr X] [--checkpoint DIR] [--resume] [--save-model OUT.onnx] [--json] [--seed S] [--per-device-bn]`: train with a plan on local ranks.
 
 Everything that can be checked is checked before a process starts (executor/launch.py ``check``): the plan
 loads and validates, the model's sha256 is the plan's, ``--nproc`` (default: the plan's device count) is
@@ -37,6 +37,8 @@ def _rank_args(args) -> list[str]:
         out += ["--checkpoint", os.path.abspath(args.checkpoint), "--checkpoint-every", str(args.checkpoint_every)]
     if args.resume:
         out.append("--resume")
+    if args.save_model:
+        out += ["--save-model", os.path.abspath(args.save_model)]
     if args.per_device_bn:
         out.append("--per-device-bn")
     return out
@@ -51,6 +53,9 @@ def precheck(args):
         raise UnityError(f"--checkpoint-every must be >= 0, got {args.checkpoint_every}")
     if args.resume and not args.checkpoint:
         raise UnityError("--resume needs --checkpoint DIR")
+    if args.save_model:
+        from unity_pcg.executor.export import check_output
+        check_output(args.save_model)
     plan, world = check(args.plan, args.model, args.nproc, args.per_device_bn)
     import torch
     if torch.cuda.is_available() and world > torch.cuda.device_count():
