@@ -167,3 +167,17 @@ def test_readme_example_runs(tmp_path):
     assert last < 0.8 * first
     assert (tmp_path / "mlp_trained.onnx").exists() and (tmp_path / "plan.json").exists()
     assert "predicted iteration" in r.stdout
+
+
+def test_export_weights_writes_what_train_saved(work, tmp_path):
+    """train(save_model=...) and export_weights(checkpoint) of the same run write the same model; a
+    missing checkpoint is the command's one-line error."""
+    ck = tmp_path / "ck"
+    res = up.train(work["dp2"], work["model"], steps=2, lr=0.1, checkpoint=ck, save_model=tmp_path / "a.onnx")
+    assert res["saved_model"]
+    out = up.export_weights(ck, tmp_path / "b.onnx")
+    assert out["step"] == 2 and out["written"]
+    assert (tmp_path / "a.onnx").read_bytes() == (tmp_path / "b.onnx").read_bytes()
+    assert (tmp_path / "a.safetensors").read_bytes() == (tmp_path / "b.safetensors").read_bytes()
+    with pytest.raises(UnityError, match="does not exist"):
+        up.export_weights(tmp_path / "nothing", tmp_path / "c.onnx")

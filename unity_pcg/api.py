@@ -197,3 +197,27 @@ def _data_path(data, tmp: str) -> str:
             raise UnityError(f"data: cannot store the arrays as .npz: {e}") from None
         return path
     raise UnityError(f"data must be a path or a dict of arrays by input name, got {type(data).__name__}")
+
+
+# --- trained weights out ------------------------------------------------------------------------------
+
+def export_weights(checkpoint, output, *, model=None, external_threshold: int | None = None) -> dict:
+    """`unity-pcg export-weights CHECKPOINT -o OUTPUT [--model MODEL]`: the trained model of a run's latest
+    checkpoint as OUTPUT (ONNX, the trained initializers) and OUTPUT's ``.safetensors`` beside it.  Returns
+    the paths written, the initializers written and skipped, the checkpoint's step."""
+    from .commands.export_weights_cmd import export
+    kw = {"output": _path(output, "output"), "external_threshold": external_threshold}
+    if model is not None:
+        kw["model"] = _path(model, "model")
+    ns = _options("export-weights", [_path(checkpoint, "checkpoint"), "-o", kw["output"]], kw, "export_weights")
+    return export(ns)
+
+
+def save_model(model, state, output, *, external_threshold: int | None = None) -> dict:
+    """Write ``state`` (initializer name -> array or tensor, e.g. a checkpoint's ``read_model``) into a copy
+    of the ONNX file ``model`` as OUTPUT (+ OUTPUT's ``.safetensors``): ``executor.export.save_model``."""
+    from .executor.export import EXTERNAL_THRESHOLD, check_output
+    from .executor.export import save_model as _save
+    out = check_output(_path(output, "output"), "output")
+    thr = EXTERNAL_THRESHOLD if external_threshold is None else external_threshold
+    return _save(_path(model, "model"), state, out, external_threshold=thr)

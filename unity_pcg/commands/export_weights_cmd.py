@@ -67,7 +67,9 @@ def resolve_model(meta: dict, model: str | None) -> str:
     return path
 
 
-def run(args) -> int:
+def export(args) -> dict:
+    """The checks and the writing of `unity-pcg export-weights` (also `unity_pcg.export_weights`): what
+    ``executor.export.save_model`` returns, plus the checkpoint's step and folder and the model."""
     from unity_pcg.executor.export import EXTERNAL_THRESHOLD, check_output
     root = os.path.abspath(args.checkpoint)
     meta = latest_checkpoint(root)
@@ -89,14 +91,19 @@ def run(args) -> int:
         raise UnityError(f"checkpoint {meta['dir']} is incomplete or unreadable ({type(e).__name__})") from None
     thr = EXTERNAL_THRESHOLD if args.external_threshold is None else args.external_threshold
     res = save_model(model, state, out, external_threshold=thr)
+    return {**res, "step": meta["step"], "checkpoint": meta["dir"], "model": model}
+
+
+def run(args) -> int:
+    res = export(args)
     if res["skipped"]:
         print(f"unity-pcg export-weights: warning: trained weights not written back (not a layout of one "
               f"initializer): {', '.join(res['skipped'][:8])}", file=sys.stderr)
     if args.json:
-        json.dump({**res, "step": meta["step"], "checkpoint": meta["dir"], "model": model}, sys.stdout, indent=2)
+        json.dump(res, sys.stdout, indent=2)
         sys.stdout.write("\n")
     else:
         print(f"wrote {res['onnx']}" + (f" (+ {res['external_data']})" if res["external_data"] else "")
-              + f" and {res['safetensors']}: {len(res['written'])} trained initializers of step {meta['step']} "
-              f"({meta['dir']})")
+              + f" and {res['safetensors']}: {len(res['written'])} trained initializers of step {res['step']} "
+              f"({res['checkpoint']})")
     return 0
