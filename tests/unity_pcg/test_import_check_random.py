@@ -148,13 +148,17 @@ def test_random_generators_give_their_stand_ins_under_onnxruntime():
          N("RandomNormalLike", ["x"], ["rnl"], mean=-0.25, scale=2.0),
          N("RandomUniform", [], ["ru"], shape=[5], low=2.0, high=3.0, dtype=TensorProto.DOUBLE),
          N("RandomUniformLike", ["xd"], ["rul"]),
-         N("Add", ["x", "rnl"], ["y"])],
+         N("Add", ["x", "rnl"], ["y"]),
+         N("Cast", ["x"], ["xc"], to=TensorProto.DOUBLE),             # an activation's type: by inference
+         N("RandomNormalLike", ["xc"], ["rc"], mean=3.0)],
         [helper.make_tensor_value_info("x", F, [3, 4]), helper.make_tensor_value_info("xd", TensorProto.DOUBLE, [3, 4])],
         [helper.make_tensor_value_info(n, t, None) for n, t in
-         (("rn", F), ("rnl", F), ("ru", TensorProto.DOUBLE), ("rul", TensorProto.DOUBLE), ("y", F))],
+         (("rn", F), ("rnl", F), ("ru", TensorProto.DOUBLE), ("rul", TensorProto.DOUBLE), ("y", F),
+          ("rc", TensorProto.DOUBLE))],
         {"x": x, "xd": xd})
-    rn, rnl, ru, rul, y = outs
-    assert counts == {"RandomNormal": 1, "RandomNormalLike": 1, "RandomUniform": 1, "RandomUniformLike": 1}
+    rn, rnl, ru, rul, y, rc = outs
+    assert counts == {"RandomNormal": 1, "RandomNormalLike": 2, "RandomUniform": 1, "RandomUniformLike": 1}
+    assert rc.dtype == np.float64 and rc.shape == (3, 4) and (rc == 3.0).all()
     assert rn.dtype == np.float32 and rn.shape == (2, 3) and (rn == 1.5).all()
     assert rnl.dtype == np.float32 and rnl.shape == (3, 4) and (rnl == -0.25).all()
     assert ru.dtype == np.float64 and ru.shape == (5,) and (ru == 2.5).all()

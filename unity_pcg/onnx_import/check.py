@@ -295,9 +295,11 @@ def derandomize(model):
                 if vi.type.HasField("tensor_type"):
                     elem[vi.name] = vi.type.tensor_type.elem_type
             try:
-                shallow = onnx.ModelProto()
-                shallow.CopyFrom(model)
-                del shallow.graph.initializer[:]           # types only: no weights copied into inference
+                shallow = onnx.ModelProto()                # types only: the graph without its weights
+                shallow.ir_version = model.ir_version
+                shallow.opset_import.extend(model.opset_import)
+                for part in ("node", "input", "output", "value_info"):
+                    getattr(shallow.graph, part).extend(getattr(model.graph, part))
                 for t in model.graph.initializer:
                     shallow.graph.input.append(helper.make_tensor_value_info(t.name, t.data_type, list(t.dims)))
                 inf = onnx.shape_inference.infer_shapes(shallow, strict_mode=False)
