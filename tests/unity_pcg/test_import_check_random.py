@@ -151,7 +151,8 @@ def test_random_generators_give_their_stand_ins_under_onnxruntime():
          N("Add", ["x", "rnl"], ["y"]),
          N("Cast", ["x"], ["xc"], to=TensorProto.DOUBLE),             # an activation's type: by inference
          N("RandomNormalLike", ["xc"], ["rc"], mean=3.0)],
-        [helper.make_tensor_value_info("x", F, [3, 4]), helper.make_tensor_value_info("xd", TensorProto.DOUBLE, [3, 4])],
+        [helper.make_tensor_value_info("x", F, [3, 4]),
+         helper.make_tensor_value_info("xd", TensorProto.DOUBLE, [3, 4])],
         [helper.make_tensor_value_info(n, t, None) for n, t in
          (("rn", F), ("rnl", F), ("ru", TensorProto.DOUBLE), ("rul", TensorProto.DOUBLE), ("y", F),
           ("rc", TensorProto.DOUBLE))],
