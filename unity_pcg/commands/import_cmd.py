@@ -31,7 +31,8 @@ def add_arguments(p) -> None:
                         "output: equal when |pcg - ort| <= f * (1e-5 * max|ort| + 1e-4 * |ort|) elementwise, "
                         "f = sqrt(depth), depth = compute operators on the longest path; exit 1 if not. "
                         "Random operators are switched off on both sides (Dropout in training mode as in "
-                        "inference, random generators by their mean) and the output says so")
+                        "inference, random generators by their mean or, for Bernoulli/Multinomial, their most likely "
+                        "value) and the output says so")
     p.add_argument("--seed", type=int, default=0, metavar="S", help="seed of --check's random inputs (default 0)")
     p.add_argument("--no-fuse", action="store_true",
                    help="keep the exporter's decompositions of GELU, LayerNorm, RMSNorm and SiLU as they are "
