@@ -14,7 +14,9 @@ plans with them.  Rank 0 prints one progress line per step (loss, step time).
 
 Failures end every rank with one line and a non-zero status: 2 for a user error (plan, model, data,
 checkpoint), 3 when a collective fails because a peer died or stopped answering, 4 when the loss or the
-parameters turn NaN/inf (the last good checkpoint is left as it is), 1 for anything else.  With
+parameters turn NaN/inf (the last good checkpoint is left as it is), 5 when a checkpoint cannot be written
+(no space, no permission: the line says so, ``latest`` still names the previous checkpoint and ``--resume``
+continues from it; `unity-pcg run` exits 1 for it), 1 for anything else.  With
 ``--report-dir`` each failing rank also writes ``rank-R.json`` (kind, message) and rank 0 writes
 ``result.json`` for the launcher.
 
@@ -23,7 +25,9 @@ when a collective fails, the ranks whose counters stand still are named in the f
 
 Test hooks: ``UNITY_PCG_FAULT_KILL=R:S`` makes rank R kill itself with SIGKILL when it reaches step S
 (0-based, counted over resumes), the way a crashed or OOM-killed worker dies; ``UNITY_PCG_FAULT_HANG=R:S``
-wedges it there (its heartbeat stops, it never returns), the way a stuck worker stops answering.
+wedges it there (its heartbeat stops, it never returns), the way a stuck worker stops answering;
+``UNITY_PCG_FAULT_CKPT=R:S[:WHERE]`` makes rank R's checkpoint write of step S fail with no space left
+(``executor/checkpoint.py``).
 """
 from __future__ import annotations
 
@@ -40,7 +44,8 @@ import time
 
 from unity_pcg.errors import UnityError
 
-from .launch import EXIT_DIVERGED, EXIT_ERROR, EXIT_PEER
+from .checkpoint import CheckpointWriteError
+from .launch import EXIT_CHECKPOINT, EXIT_DIVERGED, EXIT_ERROR, EXIT_PEER
 
 
 class Diverged(Exception):
@@ -419,6 +424,8 @@ def main(argv: list[str] | None = None) -> int:
                 R.out(f"done: {res['steps']} steps, median step {res['step_time_s'] * 1e3:.2f} ms"
                       + (f" (predicted {pred * 1e3:.2f} ms)" if pred else ""))
         code = 0
+    except CheckpointWriteError as e:   # the same line on every rank
+        code = _fail(R, "checkpoint", str(e), EXIT_CHECKPOINT)
     except UnityError as e:
         code = _fail(R, "error", str(e), EXIT_ERROR)
     except Diverged as e:

@@ -18,10 +18,20 @@ tensor (DCP writes it once and every rank reads it); a pipeline stage's tensors 
 
 ``latest`` is rewritten (atomically, by rank 0, after every rank has finished writing) only when a
 checkpoint is complete, so a run that dies or diverges mid-save leaves the previous checkpoint as the
-one ``--resume`` reads.  The two newest checkpoints are kept.
+one ``--resume`` reads.  The two newest checkpoints are kept; the one ``latest`` names is never removed
+or overwritten (a save of the step it names goes to ``step-0000000S.1``).
+
+A save that fails to write (no space, no permission: any ``OSError`` on any rank, in DCP's data, a rank's
+state, the meta or ``latest``) raises :class:`CheckpointWriteError` on every rank with the same one line
+(every rank learns every rank's outcome: a gather after each write phase, so no rank waits on a peer
+that gave up); the half-written folder is removed (best effort: it is never the latest) and ``latest``
+still names the previous checkpoint.  Test hook: ``UNITY_PCG_FAULT_CKPT=R:S[:WHERE]`` makes rank R's
+save of step S fail with ``OSError(ENOSPC)`` after writing part of its file, WHERE one of ``data`` (DCP's
+tensor data, the default), ``state`` (``state-R.json``), ``latest`` (rank 0's ``latest``).
 """
 from __future__ import annotations
 
+import errno
 import json
 import os
 import shutil
@@ -37,6 +47,11 @@ KEEP = 2
 
 class CheckpointError(UnityError, ValueError):
     """A checkpoint folder that cannot be resumed from (missing, incomplete, for another model)."""
+
+
+class CheckpointWriteError(CheckpointError):
+    """A checkpoint could not be written (no space, no permission); the previous one is still the latest.
+    Raised on every rank with the same message."""
 
 
 def step_dir(root: str, step: int) -> str:
@@ -86,55 +101,171 @@ def _rank() -> int:
     return dist.get_rank() if _dist() else 0
 
 
-def _barrier() -> None:
+def _fault(step: int) -> str | None:
+    """Test hook ``UNITY_PCG_FAULT_CKPT=R:S[:WHERE]``: WHERE when this rank's save of step S is to fail."""
+    v = os.environ.get("UNITY_PCG_FAULT_CKPT")
+    if not v:
+        return None
+    parts = v.split(":")
+    if int(parts[0]) != _rank() or int(parts[1]) != step:
+        return None
+    return parts[2] if len(parts) > 2 else "data"
+
+
+def _no_space(path: str) -> OSError:
+    return OSError(errno.ENOSPC, os.strerror(errno.ENOSPC), path)
+
+
+def _writer(d: str, fault: bool):
+    """DCP's file writer for folder ``d``; with ``fault`` one whose data write fails half-way (test hook)."""
+    from torch.distributed.checkpoint import FileSystemWriter
+
+    if not fault:
+        return FileSystemWriter(d)
+
+    class _Full(FileSystemWriter):
+        def write_data(self, plan, planner):
+            p = os.path.join(d, f"__{_rank()}_fault.distcp")
+            with open(p, "wb") as f:
+                f.write(b"\0" * 64)
+            raise _no_space(p)
+
+    return _Full(d)
+
+
+def _reason(e: BaseException) -> str:
+    """One line for a failed write: the OSError's text (DCP wraps each rank's exception)."""
+    failures = getattr(e, "failures", None)
+    if isinstance(failures, dict) and failures:
+        return "; ".join(f"rank {r}: {_reason(x[0] if isinstance(x, tuple) else x)}"
+                         for r, x in sorted(failures.items()))
+    if isinstance(e, OSError) and e.strerror:
+        return f"{e.strerror}" + (f": {e.filename}" if e.filename else "")
+    s = " ".join(str(e).split()) or type(e).__name__
+    return s if len(s) <= 200 else s[:197] + "..."
+
+
+def _gather_errors(err: str | None) -> list[tuple[int, str]]:
+    """Every rank's error of a write phase (None: it succeeded), as (rank, message) of those that failed:
+    the same list on every rank (a collective)."""
     import torch.distributed as dist
-    if _dist():
-        dist.barrier()
+    if not _dist():
+        return [(0, err)] if err else []
+    out: list = [None] * dist.get_world_size()
+    dist.all_gather_object(out, err)
+    return [(r, m) for r, m in enumerate(out) if m]
+
+
+def _target(root: str, step: int, latest: str | None) -> str:
+    """The folder for the checkpoint of ``step``: ``step-S``, or ``step-S.1`` when ``latest`` names
+    ``step-S`` (the latest is never overwritten)."""
+    d = step_dir(root, step)
+    if latest is not None and os.path.basename(d) == os.path.basename(latest):
+        d += ".1"
+    return d
 
 
 def save(root: str, step: int, model: dict, optim: Any, extra: dict | None = None) -> str:
     """Write the checkpoint of ``step`` steps done under ``root`` (a collective: every rank calls it with
-    its own state) and make it the latest.  Returns its folder."""
+    its own state) and make it the latest.  Returns its folder.  A write that fails on any rank raises
+    :class:`CheckpointWriteError` on every rank and leaves the previous latest as it was."""
     import torch
     import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.api import CheckpointException
 
-    d = step_dir(root, step)
     tensors: dict = {}
     skel = {"model": flatten(dict(model), "model", tensors), "optim": flatten(optim, "optim", tensors)}
+    try:
+        prev = latest_dir(root)      # every rank reads it: rank 0 rewrites it only after the last gather
+    except OSError:
+        prev = None
+    d = _target(root, step, prev)
+    fault = _fault(step)
+
+    def failed(errors: list[tuple[int, str]]) -> CheckpointWriteError:
+        if _rank() == 0 and os.path.isdir(d):  # half-written (never the latest): free its space
+            shutil.rmtree(d, ignore_errors=True)
+        why = "; ".join(m if m.startswith("rank ") else f"rank {r}: {m}" for r, m in errors)
+        kept = (f"the latest is still {os.path.basename(prev)} (--resume continues from it)" if prev
+                else "no earlier checkpoint")
+        return CheckpointWriteError(f"the checkpoint of step {step} could not be written to {d} ({why}); {kept}")
+
+    err = None
     if _rank() == 0:
-        os.makedirs(root, exist_ok=True)
-        if os.path.exists(d):  # a half-written one from a run that died: replace it
-            shutil.rmtree(d)
-    _barrier()
-    with warnings.catch_warnings():   # "assuming the intent is to save in a single process": it is
-        warnings.simplefilter("ignore", UserWarning)
-        dcp.save(tensors, checkpoint_id=d, no_dist=not _dist())
-    _write_atomic(os.path.join(d, f"state-{_rank()}.json"), json.dumps(skel))
+        try:
+            os.makedirs(root, exist_ok=True)
+            if os.path.exists(d):   # a half-written or an older one, never the latest: replace it
+                shutil.rmtree(d)
+        except OSError as e:
+            err = _reason(e)
+    errors = _gather_errors(err)
+    if errors:
+        raise failed(errors)
+    try:
+        with warnings.catch_warnings():   # "assuming the intent is to save in a single process": it is
+            warnings.simplefilter("ignore", UserWarning)
+            dcp.save(tensors, storage_writer=_writer(d, fault == "data"), no_dist=not _dist())
+    except (OSError, CheckpointException) as e:   # DCP raises it on every rank alike
+        raise failed([(_rank(), _reason(e))]) from None
+    err = None
+    try:
+        _write_atomic(os.path.join(d, f"state-{_rank()}.json"), json.dumps(skel), fault == "state")
+        if _rank() == 0:
+            meta = {"step": step, "torch_rng": torch.get_rng_state().tolist(), **(extra or {})}
+            _write_atomic(os.path.join(d, META), json.dumps(meta))
+    except OSError as e:
+        err = _reason(e)
+    errors = _gather_errors(err)
+    if errors:
+        raise failed(errors)
+    err = None
     if _rank() == 0:
-        meta = {"step": step, "torch_rng": torch.get_rng_state().tolist(), **(extra or {})}
-        _write_atomic(os.path.join(d, META), json.dumps(meta))
-    _barrier()
-    if _rank() == 0:
-        _write_atomic(os.path.join(root, LATEST), os.path.basename(d) + "\n")
-        _prune(root, keep=KEEP)
-    _barrier()
+        try:
+            _write_atomic(os.path.join(root, LATEST), os.path.basename(d) + "\n", fault == "latest")
+        except OSError as e:
+            err = _reason(e)
+        else:
+            _prune(root, keep=KEEP)
+    errors = _gather_errors(err)
+    if errors:
+        raise failed(errors)
     return d
 
 
-def _write_atomic(path: str, text: str) -> None:
+def _write_atomic(path: str, text: str, fault: bool = False) -> None:
+    """Write ``text`` to ``path`` through ``path.tmp`` and a rename: ``path`` is the old text or the new,
+    never a part.  A failed write removes the temporary file.  ``fault``: fail half-way (test hook)."""
     tmp = f"{path}.tmp"
-    with open(tmp, "w") as f:
-        f.write(text)
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, path)
+    try:
+        with open(tmp, "w") as f:
+            if fault:
+                f.write(text[: len(text) // 2])
+                f.flush()
+                raise _no_space(path)
+            f.write(text)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    except OSError:
+        try:
+            os.remove(tmp)
+        except OSError:
+            pass
+        raise
 
 
 def _prune(root: str, keep: int) -> None:
-    dirs = sorted(x for x in os.listdir(root) if x.startswith("step-") and os.path.isdir(os.path.join(root, x)))
-    latest = latest_dir(root)
+    """Remove all but the ``keep`` newest ``step-*`` folders, never the one ``latest`` names (nothing is
+    removed when ``latest`` cannot be read)."""
+    try:
+        latest = latest_dir(root)
+        dirs = sorted(x for x in os.listdir(root) if x.startswith("step-") and os.path.isdir(os.path.join(root, x)))
+    except OSError:
+        return
+    if latest is None:
+        return
     for x in dirs[:-keep]:
-        if os.path.join(root, x) != latest:
+        if x != os.path.basename(latest):
             shutil.rmtree(os.path.join(root, x), ignore_errors=True)
 
 

@@ -36,6 +36,7 @@ from unity_pcg.errors import PlanError, UnityError
 EXIT_ERROR = 2      # a user error (plan, model, data, checkpoint): one line, every rank says the same
 EXIT_PEER = 3       # a collective failed because another rank died or stopped answering
 EXIT_DIVERGED = 4   # the loss or the parameters became NaN/inf
+EXIT_CHECKPOINT = 5  # a checkpoint could not be written (no space, no permission); the previous one is kept
 
 
 class RunFailed(UnityError):
@@ -179,7 +180,7 @@ def diagnose(exitcodes: dict, reports: dict) -> tuple[str, int]:
         if c is not None and c < 0 and -c != signal.SIGTERM and not (reports.get(r) or {}).get("kind"):
             others = ", ".join(f"rank {q}: {_exit_word(exitcodes[q])}" for q in ranks if q != r)
             return f"rank {r} died (killed by {_signame(c)}); the other ranks stopped ({others})", 1
-    for kind, code in (("error", 2), ("diverged", 1), ("internal", 1)):
+    for kind, code in (("error", 2), ("checkpoint", 1), ("diverged", 1), ("internal", 1)):
         for r in ranks:
             rep = reports.get(r) or {}
             if rep.get("kind") == kind:

@@ -12,6 +12,23 @@ from .pcg import PCG, Ref
 from .shape import numpy_dtype
 
 
+#: PCG operators that draw random numbers when the executor trains, and the deterministic value their numpy
+#: reference computes instead (``evaluate`` is always deterministic).  ``import --check`` gives onnxruntime the
+#: same stand-ins (:data:`unity_pcg.onnx_import.check.RANDOM_STANDINS`); an operator added here must compute
+#: the stand-in its ONNX operator has there.
+RANDOM_OPS = {"Dropout": "identity (inference mode)"}
+
+
+def random_ops(g: PCG) -> dict[str, int]:
+    """How many operators of each :data:`RANDOM_OPS` kind ``g`` has (the ones ``evaluate`` runs as their
+    deterministic stand-in)."""
+    out: dict[str, int] = {}
+    for n in g.nodes():
+        if n.op in RANDOM_OPS:
+            out[n.op] = out.get(n.op, 0) + 1
+    return out
+
+
 def _source_value(g: PCG, n, feeds: Mapping[str, Any]) -> np.ndarray:
     a = n.a
     name = a["name"]

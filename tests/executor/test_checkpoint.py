@@ -3,6 +3,7 @@ uninterrupted one; the checkpoint holds the model's own parameters by their ONNX
 from __future__ import annotations
 
 import json
+import time
 
 import numpy as np
 import pytest
@@ -89,3 +90,131 @@ def test_resume_refuses_a_foreign_checkpoint_before_start(work, capfd, monkeypat
     rc = main(["run", work["dp2"], "--model", work["model"], "--checkpoint", str(work["dir"] / "empty"), "--resume"])
     err = capfd.readouterr().err.strip().splitlines()
     assert rc == 2 and len(err) == 1 and "no checkpoint" in err[0], err
+
+
+# --- a checkpoint that cannot be written (issue 20, point 5b) ---------------------------------------------
+
+def _one_rank(monkeypatch, capfd, *args):
+    """The executor's rank main in this process (rank 0 of 1): (exit status, losses printed, stderr lines)."""
+    from unity_pcg.executor.__main__ import main
+    for k in ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT"):
+        monkeypatch.delenv(k, raising=False)
+    capfd.readouterr()
+    rc = main([*map(str, args)])
+    out, err = capfd.readouterr()
+    losses = [float(ln.split()[3]) for ln in out.splitlines() if ln.startswith("step ")]
+    return rc, losses, [ln for ln in err.splitlines() if ln.strip()]
+
+
+@pytest.fixture(scope="module")
+def one(work):
+    from tests.executor.runtime_plans import one_device_plan
+    p = str(work["dir"] / "one.json")
+    one_device_plan(work["model"], p)
+    return p
+
+
+@pytest.mark.parametrize("where", ["data", "state", "latest"])
+def test_failed_checkpoint_write_keeps_the_previous_one_and_resume_continues_exactly(
+        work, one, tmp_path, monkeypatch, capfd, where):
+    """5 steps checkpointing every 2: the save after step 4 fails (no space left, in DCP's data, the rank's
+    state file or `latest`): the run ends with status 5 and one line naming the failure and the checkpoint
+    kept; `latest` still names step 2, nothing of step 4 is left, and resuming from step 2 gives the
+    uninterrupted run's losses exactly."""
+    common = [one, "--model", work["model"], "--optimizer", "adam", "--lr", "0.02", "--progress", "stdout"]
+    rc, full, err = _one_rank(monkeypatch, capfd, *common, "--steps", 5, "--checkpoint", tmp_path / "full",
+                              "--checkpoint-every", 2)
+    assert rc == 0 and len(full) == 5, err
+    ck = tmp_path / "ck"
+    monkeypatch.setenv("UNITY_PCG_FAULT_CKPT", "0:4" + ("" if where == "data" else f":{where}"))
+    rc, losses, err = _one_rank(monkeypatch, capfd, *common, "--steps", 5, "--checkpoint", ck,
+                                "--checkpoint-every", 2)
+    assert rc == 5 and losses == full[:4], err
+    assert len(err) == 1 and "Traceback" not in err[0], err
+    assert err[0].startswith("executor: error: the checkpoint of step 4 could not be written to "), err[0]
+    assert "No space left on device" in err[0] and "the latest is still step-00000002" in err[0], err[0]
+    assert (ck / "latest").read_text() == "step-00000002\n"
+    assert sorted(p.name for p in ck.iterdir()) == ["latest", "step-00000002"]
+    monkeypatch.delenv("UNITY_PCG_FAULT_CKPT")
+    rc, resumed, err = _one_rank(monkeypatch, capfd, *common, "--steps", 3, "--checkpoint", ck, "--resume")
+    assert rc == 0 and resumed == full[2:], err
+    m1, o1, meta1 = C.load(str(tmp_path / "full"))
+    m2, o2, meta2 = C.load(str(ck))
+    assert meta1["step"] == meta2["step"] == 5
+    for k in m1:
+        assert torch.equal(m1[k], m2[k]), k
+        assert torch.equal(o1["state"][k]["exp_avg"], o2["state"][k]["exp_avg"]), k
+
+
+def test_failed_checkpoint_write_on_one_of_two_ranks_ends_the_run_with_one_line(work, tmp_path, capfd,
+                                                                                 monkeypatch):
+    """Rank 1's part of the final checkpoint (step 4) fails: every rank stops with the same line (status 1
+    from `unity-pcg run`), step 2 stays the latest and a run resumes from it (exactness of a resume after a
+    failed write: the one-rank test above; of a two-rank resume: test_resume_continues_exactly...)."""
+    from unity_pcg.cli import main
+    common = [work["dp2"], "--model", work["model"], "--lr", "0.05"]
+    ck = tmp_path / "ck"
+    monkeypatch.setenv("UNITY_PCG_FAULT_CKPT", "1:4")
+    capfd.readouterr()
+    t = time.monotonic()
+    rc = main(["run", *map(str, common), "--steps", "4", "--checkpoint", str(ck), "--checkpoint-every", "2"])
+    took = time.monotonic() - t
+    err = [ln for ln in capfd.readouterr().err.splitlines() if ln.strip()]
+    assert rc == 1 and took < 60, err
+    assert len(err) == 1 and err[0].startswith("unity-pcg run: error: the checkpoint of step 4 could not be "
+                                               "written"), err
+    assert "rank 1: No space left on device" in err[0] and "the latest is still step-00000002" in err[0], err[0]
+    assert (ck / "latest").read_text() == "step-00000002\n"
+    assert sorted(p.name for p in ck.iterdir()) == ["latest", "step-00000002"]
+    monkeypatch.delenv("UNITY_PCG_FAULT_CKPT")
+    resumed = run(capfd, *common, "--steps", 2, "--checkpoint", ck, "--resume")
+    assert resumed["first_step"] == 2 and len(resumed["losses"]) == 2
+    assert C.read_meta(str(ck))["step"] == 4
+
+
+def test_saving_the_step_latest_names_never_overwrites_it(tmp_path, monkeypatch):
+    """A second save of the step `latest` names goes to step-S.1; when it fails, the first stays whole."""
+    root = str(tmp_path / "ck")
+    a, b = torch.arange(6.0).reshape(2, 3), -torch.arange(6.0).reshape(2, 3)
+    assert C.save(root, 3, {"w": a}, {}) == C.step_dir(root, 3)
+    monkeypatch.setenv("UNITY_PCG_FAULT_CKPT", "0:3")
+    with pytest.raises(C.CheckpointWriteError, match="the latest is still step-00000003"):
+        C.save(root, 3, {"w": b}, {})
+    model, _, meta = C.load(root)
+    assert torch.equal(model["w"], a) and meta["dir"] == C.step_dir(root, 3)
+    monkeypatch.delenv("UNITY_PCG_FAULT_CKPT")
+    assert C.save(root, 3, {"w": b}, {}) == C.step_dir(root, 3) + ".1"
+    model, _, _ = C.load(root)
+    assert torch.equal(model["w"], b)
+    assert C.save(root, 3, {"w": a}, {}) == C.step_dir(root, 3)    # .1 is the latest now: the plain name
+    assert torch.equal(C.load(root)[0]["w"], a)
+
+
+def test_prune_never_removes_the_latest(tmp_path):
+    for s in (1, 2, 3, 4):
+        (tmp_path / f"step-{s:08d}").mkdir()
+    (tmp_path / "latest").write_text("step-00000001\n")
+    C._prune(str(tmp_path), keep=2)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["latest", "step-00000001", "step-00000003",
+                                                          "step-00000004"]
+    (tmp_path / "latest").write_text("")      # unreadable name: nothing is removed
+    C._prune(str(tmp_path), keep=1)
+    assert len(list(tmp_path.iterdir())) == 4
+
+
+def test_read_only_checkpoint_folder_is_one_line(tmp_path):
+    """A folder the process may not write to (not effective as root, where chmod does not stop writes)."""
+    import os
+    root = tmp_path / "ro"
+    root.mkdir()
+    C.save(str(root), 1, {"w": torch.ones(2)}, {})
+    os.chmod(root, 0o555)
+    try:
+        if os.access(root, os.W_OK):
+            pytest.skip("running as root: a read-only mode does not stop writes (the injected faults cover it)")
+        with pytest.raises(C.CheckpointWriteError, match="Permission denied.*the latest is still step-00000001"):
+            C.save(str(root), 2, {"w": torch.zeros(2)}, {})
+        assert (root / "latest").read_text() == "step-00000001\n"
+        assert torch.equal(C.load(str(root))[0]["w"], torch.ones(2))
+    finally:
+        os.chmod(root, 0o755)

@@ -29,7 +29,10 @@ def add_arguments(p) -> None:
                    help="evaluate the PCG with numpy and onnxruntime on the same seeded random inputs (integer "
                         "inputs: indices below the size of the table they index, else 0/1) and compare every "
                         "output: equal when |pcg - ort| <= f * (1e-5 * max|ort| + 1e-4 * |ort|) elementwise, "
-                        "f = sqrt(depth), depth = compute operators on the longest path; exit 1 if not")
+                        "f = sqrt(depth), depth = compute operators on the longest path; exit 1 if not. "
+                        "Random operators are switched off on both sides (Dropout in training mode as in "
+                        "inference, random generators by their mean or, for Bernoulli/Multinomial, their most likely "
+                        "value) and the output says so")
     p.add_argument("--seed", type=int, default=0, metavar="S", help="seed of --check's random inputs (default 0)")
     p.add_argument("--no-fuse", action="store_true",
                    help="keep the exporter's decompositions of GELU, LayerNorm, RMSNorm and SiLU as they are "
@@ -122,6 +125,8 @@ def _write_check(w, chk) -> None:
     if chk.reference != "onnxruntime":
         w(f"; reference: {chk.reference}")
     w(":\n")
+    if chk.randomness:
+        w(f"  {chk.randomness}\n")
     width = max((len(o.name) for o in chk.outputs), default=6)
     for o in chk.outputs:
         w(f"  {o.name:<{width}}  {o.dtype}{list(o.shape)}  max abs err {o.max_abs:.3g}  max rel err {o.max_rel:.3g}"

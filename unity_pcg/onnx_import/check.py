@@ -23,6 +23,16 @@ where ``depth`` is the number of compute operators on the longest input-to-outpu
 onnxruntime; rounding errors grow like the square root of the number of rounded steps, and elements that
 cancel to ~0 need an absolute floor in the unit of the tensor).  Integer and boolean outputs must be equal.
 
+Random operators are compared with their randomness switched off on both sides (never by a looser
+tolerance): onnxruntime runs a copy of the file rewritten by :func:`derandomize`, the PCG's numpy reference
+already computes the same stand-ins (:data:`unity_pcg.evaluate.RANDOM_OPS`).  The stand-ins
+(:data:`RANDOM_STANDINS`): Dropout in training mode (a ``training_mode`` input that is true or not a constant;
+``is_test=0`` before opset 7) runs as in inference (the data unchanged, the mask all true); RandomNormal(Like)
+gives its ``mean``; RandomUniform(Like) gives ``(low + high) / 2``; Bernoulli gives its most likely value,
+1 where ``p >= 0.5`` else 0; Multinomial gives its most likely class, the row's argmax (first on ties), in every
+sample.  The result says what was switched off (:attr:`CheckResult.randomness`); a model without random
+operators is run as it is.
+
 Errors (no onnxruntime, a model onnxruntime refuses, a PCG whose evaluation fails) are one-line
 :class:`CheckError` s.
 """
@@ -48,6 +58,7 @@ _INDEX_OPS = {"Gather": 0, "GatherElements": 0}
 
 
 _INT_TYPES = (2, 3, 4, 5, 6, 7, 12, 13)   # ONNX integer element types
+_PROTO_LIMIT = 2**31 - 2**24                # a ModelProto larger than this cannot be serialized in one piece
 
 
 class CheckError(ModelImportError):
@@ -90,6 +101,12 @@ class CheckResult:
     eval_seconds: float = 0.0
     ort_seconds: float = 0.0
     reference: str = "onnxruntime"   # what was compared with (see check_model's batch handling)
+    # random operators switched off (see the module docstring): ONNX operator (label) -> count rewritten in
+    # onnxruntime's copy of the file, PCG operator -> count whose numpy reference is the stand-in, and the line
+    # that says so ("" when the file has no random operator)
+    derandomized: dict = field(default_factory=dict)
+    pcg_random: dict = field(default_factory=dict)
+    randomness: str = ""
 
     @property
     def max_abs(self) -> float:
@@ -195,6 +212,185 @@ def random_inputs(g, bounds: dict[str, int], seed: int) -> dict[str, np.ndarray]
     return feeds
 
 
+#: random ONNX operators -> the deterministic stand-in ``--check`` computes instead, on both sides
+RANDOM_STANDINS = {
+    "Dropout": "identity",
+    "RandomNormal": "its mean",
+    "RandomNormalLike": "its mean",
+    "RandomUniform": "(low + high) / 2",
+    "RandomUniformLike": "(low + high) / 2",
+    "Bernoulli": "1 where p >= 0.5 else 0",
+    "Multinomial": "the argmax class",
+}
+_DROPOUT_TRAINING = "Dropout (training mode)"
+
+
+def _const_values(g) -> dict:
+    """Tensor name -> numpy value of the graph's initializers and Constant nodes (``value`` only)."""
+    from onnx import numpy_helper
+    vals = {t.name: t for t in g.initializer}
+    for n in g.node:
+        if n.op_type == "Constant" and n.output:
+            for a in n.attribute:
+                if a.name == "value":
+                    vals[n.output[0]] = a.t
+    out = {}
+    for k, t in vals.items():
+        if len(t.dims) <= 1 and all(d <= 1 for d in t.dims):   # scalars only: never read a big external tensor
+            try:
+                out[k] = numpy_helper.to_array(t)
+            except Exception:  # noqa: BLE001 -- unreadable: treated as not constant
+                pass
+    return out
+
+
+def _dropout_in_training(n, opset: int, consts: dict) -> bool:
+    """Whether Dropout ``n`` drops at random under onnxruntime: its ``training_mode`` input is true or not a
+    constant (opset >= 12), or ``is_test`` is 0 (opsets before 7)."""
+    if opset >= 12:
+        if len(n.input) < 3 or not n.input[2]:
+            return False
+        v = consts.get(n.input[2])
+        return v is None or bool(np.asarray(v).reshape(-1)[:1].any())
+    if opset < 7:
+        return not any(a.name == "is_test" and a.i for a in n.attribute)
+    return False
+
+
+def derandomize(model):
+    """``(copy, counts)``: a copy of ``model`` whose random operators compute :data:`RANDOM_STANDINS` instead
+    (outputs keep their names), and how many of each were replaced (label -> count); ``(model, {})`` itself when
+    it has none.  Only the main graph is rewritten (the importer refuses control flow on activations)."""
+    import onnx
+    from onnx import helper, numpy_helper
+
+    g = model.graph
+    opset = next((int(o.version) for o in model.opset_import if o.domain in ("", "ai.onnx")), 1)
+    consts = _const_values(g)
+    todo = [k for k, n in enumerate(g.node) if n.domain in ("", "ai.onnx") and (
+        n.op_type in RANDOM_STANDINS and n.op_type != "Dropout"
+        or n.op_type == "Dropout" and _dropout_in_training(n, opset, consts))]
+    if not todo:
+        return model, {}
+    m = onnx.ModelProto()
+    m.CopyFrom(model)
+    g = m.graph
+    taken = {x for n in g.node for x in list(n.input) + list(n.output)} | {t.name for t in g.initializer} \
+        | {v.name for v in g.input}
+    elem: dict | None = None
+
+    def fresh(base: str) -> str:
+        k = 0
+        while f"{base}__derandomized{k}" in taken:
+            k += 1
+        name = f"{base}__derandomized{k}"
+        taken.add(name)
+        return name
+
+    def elem_type(x: str) -> int:
+        nonlocal elem
+        if elem is None:
+            elem = {t.name: t.data_type for t in g.initializer}
+            for vi in list(g.input) + list(g.output) + list(g.value_info):
+                if vi.type.HasField("tensor_type"):
+                    elem[vi.name] = vi.type.tensor_type.elem_type
+            try:
+                shallow = onnx.ModelProto()                # types only: the graph without its weights
+                shallow.ir_version = model.ir_version
+                shallow.opset_import.extend(model.opset_import)
+                for part in ("node", "input", "output", "value_info"):
+                    getattr(shallow.graph, part).extend(getattr(model.graph, part))
+                for t in model.graph.initializer:
+                    shallow.graph.input.append(helper.make_tensor_value_info(t.name, t.data_type, list(t.dims)))
+                inf = onnx.shape_inference.infer_shapes(shallow, strict_mode=False)
+                for vi in list(inf.graph.value_info) + list(inf.graph.output) + list(inf.graph.input):
+                    if vi.type.HasField("tensor_type") and vi.type.tensor_type.elem_type:
+                        elem.setdefault(vi.name, vi.type.tensor_type.elem_type)
+            except Exception:  # noqa: BLE001 -- inference is a help only: float below
+                pass
+        return int(elem.get(x) or onnx.TensorProto.FLOAT)
+
+    def attr(n, key, default):
+        for a in n.attribute:
+            if a.name == key:
+                return helper.get_attribute_value(a)
+        return default
+
+    def scalar(v: float, dt: int, name: str):
+        return numpy_helper.from_array(np.array([v], dtype=onnx.helper.tensor_dtype_to_np_dtype(dt)), name)
+
+    counts: dict[str, int] = {}
+    new_nodes = []
+    todo_set = set(todo)
+    for k, n in enumerate(g.node):
+        if k not in todo_set:
+            new_nodes.append(n)
+            continue
+        op, nm = n.op_type, n.name or n.output[0]
+        if op == "Dropout":
+            d = onnx.NodeProto()
+            d.CopyFrom(n)
+            if opset >= 12:
+                del d.input[2:]          # no training_mode: inference (the data as it is, the mask all true)
+            else:
+                for a in d.attribute:
+                    if a.name == "is_test":
+                        a.i = 1
+                if not any(a.name == "is_test" for a in d.attribute):
+                    d.attribute.append(helper.make_attribute("is_test", 1))
+            new_nodes.append(d)
+            counts[_DROPOUT_TRAINING] = counts.get(_DROPOUT_TRAINING, 0) + 1
+            continue
+        y = n.output[0]
+        if op in ("RandomNormal", "RandomNormalLike", "RandomUniform", "RandomUniformLike"):
+            if op.startswith("RandomNormal"):
+                v = float(attr(n, "mean", 0.0))
+            else:
+                v = (float(attr(n, "low", 0.0)) + float(attr(n, "high", 1.0))) / 2
+            if op.endswith("Like"):
+                dt = int(attr(n, "dtype", 0)) or elem_type(n.input[0])
+                shape = fresh(y)
+                new_nodes.append(helper.make_node("Shape", [n.input[0]], [shape], name=fresh(nm)))
+            else:
+                dt = int(attr(n, "dtype", onnx.TensorProto.FLOAT))
+                shape = fresh(y)
+                dims = np.asarray(list(attr(n, "shape", [])), dtype=np.int64)
+                new_nodes.append(helper.make_node("Constant", [], [shape], name=fresh(nm),
+                                                  value=numpy_helper.from_array(dims, shape)))
+            new_nodes.append(helper.make_node("ConstantOfShape", [shape], [y], name=fresh(nm),
+                                              value=scalar(v, dt, "value")))
+        elif op == "Bernoulli":
+            p = n.input[0]
+            pt = elem_type(p)
+            half, ge = fresh(y), fresh(y)
+            new_nodes += [helper.make_node("Constant", [], [half], name=fresh(nm), value=scalar(0.5, pt, half)),
+                          helper.make_node("GreaterOrEqual", [p, half], [ge], name=fresh(nm)),
+                          helper.make_node("Cast", [ge], [y], name=fresh(nm), to=int(attr(n, "dtype", 0)) or pt)]
+        else:   # Multinomial: [batch, classes] -> [batch, sample_size] of the argmax class
+            am, reps, tiled = fresh(y), fresh(y), fresh(y)
+            size = int(attr(n, "sample_size", 1))
+            new_nodes += [helper.make_node("ArgMax", [n.input[0]], [am], name=fresh(nm), axis=1, keepdims=1),
+                          helper.make_node("Constant", [], [reps], name=fresh(nm),
+                                           value=numpy_helper.from_array(np.array([1, size], np.int64), reps)),
+                          helper.make_node("Tile", [am, reps], [tiled], name=fresh(nm)),
+                          helper.make_node("Cast", [tiled], [y], name=fresh(nm),
+                                           to=int(attr(n, "dtype", onnx.TensorProto.INT32)))]
+        counts[op] = counts.get(op, 0) + 1
+    del g.node[:]
+    g.node.extend(new_nodes)
+    return m, counts
+
+
+def randomness_line(onnx_counts: dict, pcg_counts: dict) -> str:
+    """The one line saying what was switched off ("" when nothing was)."""
+    if not onnx_counts:
+        return ""
+    what = ", ".join(f"{n} {k} as {RANDOM_STANDINS[k.split()[0]]}" for k, n in onnx_counts.items())
+    pcg = ", ".join(f"{n} {k}" for k, n in pcg_counts.items()) or "no random operator"
+    return (f"randomness switched off on both sides: onnxruntime runs {what}; the PCG ({pcg}) is evaluated "
+            f"with the same stand-ins")
+
+
 def _with_batch(model, batch: int):
     """A copy of ``model`` whose graph inputs have first dim ``batch`` (output/value_info shapes cleared,
     so onnxruntime infers them again)."""
@@ -226,11 +422,26 @@ def run_onnxruntime(src, feeds: dict[str, np.ndarray]) -> list[np.ndarray]:
     so = ort.SessionOptions()
     so.log_severity_level = 3
     so.graph_optimization_level = ort.GraphOptimizationLevel.ORT_DISABLE_ALL
-    data = os.fspath(src) if isinstance(src, (str, os.PathLike)) else src.SerializeToString()
-    try:
-        s = ort.InferenceSession(data, so, providers=["CPUExecutionProvider"])
-    except Exception as e:
-        raise CheckError(f"onnxruntime cannot load the model: {_first_line(e)}") from None
+    import tempfile
+    with tempfile.TemporaryDirectory(prefix="unity-pcg-check-") as tmp:
+        if isinstance(src, (str, os.PathLike)):
+            data: Any = os.fspath(src)
+        elif src.ByteSize() < _PROTO_LIMIT:
+            data = src.SerializeToString()
+        else:   # a rewritten copy of a model beyond protobuf's 2 GiB: through a file with external data
+            import onnx
+            data = os.path.join(tmp, "model.onnx")
+            big = onnx.ModelProto()
+            big.CopyFrom(src)      # onnx.save moves the tensors out of the proto it is given: keep src whole
+            try:
+                onnx.save(big, data, save_as_external_data=True, location="model.data")
+            except OSError as e:
+                raise CheckError(f"cannot write a temporary copy of the model for onnxruntime: {e.strerror}") \
+                    from None
+        try:
+            s = ort.InferenceSession(data, so, providers=["CPUExecutionProvider"])
+        except Exception as e:
+            raise CheckError(f"onnxruntime cannot load the model: {_first_line(e)}") from None
     names = {i.name for i in s.get_inputs()}
     try:
         return [np.asarray(v) for v in s.run(None, {k: v for k, v in feeds.items() if k in names})]
@@ -291,7 +502,7 @@ def check_model(src: Any, batch: int | None = None, seed: int = 0, rtol: float =
 
     import onnx
 
-    from ..evaluate import evaluate
+    from ..evaluate import evaluate, random_ops
     from . import load_onnx
     from .loader import read_model
 
@@ -315,12 +526,15 @@ def check_model(src: Any, batch: int | None = None, seed: int = 0, rtol: float =
     except (ValueError, TypeError, IndexError, KeyError, ArithmeticError, MemoryError) as e:
         raise CheckError(f"evaluating the imported PCG failed ({type(e).__name__}: {_first_line(e)})") from None
     t1 = time.perf_counter()
-    ort_src: Any = model
+    # random operators: onnxruntime runs a copy of the file with their stand-ins (the PCG's numpy reference
+    # computes the same ones), else the file itself
+    ort_model, derandomized = derandomize(model)
+    pcg_random = random_ops(g) if derandomized else {}
+    base: Any = ort_model if derandomized or path is None else path
+    ort_src: Any = base
     rebatched = batch is not None and _needs_batch_change(model, batch)
     if rebatched:
-        ort_src = _with_batch(model, batch)
-    elif path is not None:
-        ort_src = path
+        ort_src = _with_batch(ort_model, batch)
     reference = "onnxruntime"
     try:
         ref = run_onnxruntime(ort_src, feeds)
@@ -330,7 +544,7 @@ def check_model(src: Any, batch: int | None = None, seed: int = 0, rtol: float =
         if not rebatched:
             raise
         old_b = _file_batch(model)
-        ref = _per_sample_reference(path if path is not None else model, feeds, old_b, batch, str(e))
+        ref = _per_sample_reference(base, feeds, old_b, batch, str(e))
         reference = f"onnxruntime on the file at its batch {old_b}, {batch} samples in chunks of {old_b}"
     t2 = time.perf_counter()
     names = [o.name for o in model.graph.output]
@@ -339,7 +553,8 @@ def check_model(src: Any, batch: int | None = None, seed: int = 0, rtol: float =
     outs = tuple(compare(names[k] if k < len(names) else f"output{k}", ours[k], ref[k], f, rtol, atol)
                  for k in range(len(ref)))
     return CheckResult(all(o.ok for o in outs), outs, d, f, rtol, atol, seed,
-                       {k: v for k, v in bounds.items() if k in feeds}, t1 - t0, t2 - t1, reference)
+                       {k: v for k, v in bounds.items() if k in feeds}, t1 - t0, t2 - t1, reference,
+                       derandomized, pcg_random, randomness_line(derandomized, pcg_random))
 
 
 def _file_batch(model) -> int:

@@ -1,0 +1,198 @@
+"""`import --check` on models with random operators (issue 20, point 4): the randomness is switched off on both
+sides (Dropout in training mode runs as in inference, random generators give a deterministic stand-in), the output
+says so in one line, and any other difference still reads DIFFERENT."""
+from __future__ import annotations
+
+import json
+import warnings
+
+import numpy as np
+import onnx
+import pytest
+from onnx import TensorProto, helper, numpy_helper
+
+from unity_pcg.cli import main
+from unity_pcg.evaluate import random_ops
+from unity_pcg.onnx_import import load_onnx
+from unity_pcg.onnx_import.check import check_model, derandomize, run_onnxruntime
+
+pytest.importorskip("onnxruntime")
+
+N = helper.make_node
+F = TensorProto.FLOAT
+
+
+def _model(nodes, inputs, outputs, inits=(), opset=18):
+    m = helper.make_model(helper.make_graph(nodes, "t", inputs, outputs, list(inits)),
+                          opset_imports=[helper.make_opsetid("", opset)])
+    m.ir_version = 9
+    return m
+
+
+@pytest.fixture(scope="module")
+def dropout_onnx(tmp_path_factory):
+    """A torch MLP with two Dropouts exported in training mode (training_mode inputs constant true)."""
+    torch = pytest.importorskip("torch")
+    path = str(tmp_path_factory.mktemp("rand") / "dropout_train.onnx")
+    torch.manual_seed(0)
+    m = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.ReLU(), torch.nn.Dropout(0.3),
+                            torch.nn.Linear(16, 4), torch.nn.Dropout(0.5)).train()
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        torch.onnx.export(m, (torch.randn(3, 8),), path, training=torch.onnx.TrainingMode.TRAINING, dynamo=False,
+                          input_names=["x"], output_names=["y"])
+    model = onnx.load(path)
+    assert sum(n.op_type == "Dropout" and len(n.input) == 3 for n in model.graph.node) == 2
+    return path
+
+
+def _cli(capsys, *args):
+    capsys.readouterr()
+    rc = main(["import", *map(str, args)])
+    out, err = capsys.readouterr()
+    return rc, out, err
+
+
+def test_dropout_in_training_mode_checks_equal_with_the_note(dropout_onnx, capsys):
+    r = check_model(dropout_onnx)
+    assert r.ok and r.max_abs == 0.0
+    assert r.derandomized == {"Dropout (training mode)": 2} and r.pcg_random == {"Dropout": 2}
+    assert r.randomness.startswith("randomness switched off on both sides: onnxruntime runs 2 Dropout "
+                                   "(training mode) as identity")
+    rc, out, _ = _cli(capsys, dropout_onnx, "--check")
+    assert rc == 0 and "check: equal" in out
+    notes = [ln for ln in out.splitlines() if "randomness switched off" in ln]
+    assert len(notes) == 1 and "2 Dropout (training mode) as identity" in notes[0]
+    rc, out, _ = _cli(capsys, dropout_onnx, "--check", "--json")
+    chk = json.loads(out)["check"]
+    assert rc == 0 and chk["ok"] and chk["derandomized"] == {"Dropout (training mode)": 2}
+    assert chk["pcg_random"] == {"Dropout": 2} and chk["randomness"] == notes[0].strip()
+
+
+def test_onnxruntime_really_drops_on_the_file_as_it_is(dropout_onnx):
+    """What the rewrite is for: the file itself gives random outputs under onnxruntime (so comparing with it
+    would say DIFFERENT on a correct import), the rewritten copy gives the inference values."""
+    x = {"x": np.random.default_rng(0).standard_normal((3, 8)).astype(np.float32)}
+    model = onnx.load(dropout_onnx)
+    raw = run_onnxruntime(model, x)[0]
+    fixed, counts = derandomize(model)
+    assert counts == {"Dropout (training mode)": 2}
+    assert fixed is not model and sum(len(n.input) == 3 for n in model.graph.node if n.op_type == "Dropout") == 2
+    a, b = run_onnxruntime(fixed, x)[0], run_onnxruntime(fixed, x)[0]
+    assert np.array_equal(a, b) and not np.allclose(raw, a)
+
+
+def test_a_wrong_weight_still_reads_different_with_dropout_in_training_mode(dropout_onnx):
+    g = load_onnx(dropout_onnx)
+    name = next(k for k, v in g.weights.items() if np.asarray(v() if callable(v) else v).ndim == 2)
+    w = np.array(g.weights[name]() if callable(g.weights[name]) else g.weights[name], copy=True)
+    w.flat[0] += 0.5
+    g.weights[name] = w
+    r = check_model(dropout_onnx, graph=g)
+    assert not r.ok and r.max_abs > 1e-3 and r.randomness
+
+
+def test_no_note_without_random_operators(tmp_path, capsys):
+    """Dropout whose training_mode is constant false, and Dropout before opset 12, are not random."""
+    rng = np.random.default_rng(0)
+    w = numpy_helper.from_array(rng.standard_normal((4, 4)).astype(np.float32), "W")
+    off = numpy_helper.from_array(np.array(False), "off")
+    ratio = numpy_helper.from_array(np.array(0.5, np.float32), "ratio")
+    x = helper.make_tensor_value_info("x", F, [2, 4])
+    y = helper.make_tensor_value_info("y", F, None)
+    cases = {
+        "off.onnx": _model([N("MatMul", ["x", "W"], ["h"]), N("Dropout", ["h", "ratio", "off"], ["y"])],
+                           [x], [y], [w, off, ratio]),
+        "op10.onnx": _model([N("MatMul", ["x", "W"], ["h"]), N("Dropout", ["h"], ["y"], ratio=0.5)],
+                            [x], [y], [w], opset=10),
+        "plain.onnx": _model([N("MatMul", ["x", "W"], ["h"]), N("Relu", ["h"], ["y"])], [x], [y], [w]),
+    }
+    for fname, m in cases.items():
+        p = tmp_path / fname
+        onnx.save(m, str(p))
+        assert derandomize(m) == (m, {})
+        r = check_model(str(p))
+        assert r.ok and r.randomness == "" and r.derandomized == {} and r.pcg_random == {}, fname
+        rc, out, _ = _cli(capsys, p, "--check")
+        assert rc == 0 and "randomness" not in out, (fname, out)
+
+
+def test_training_mode_from_a_constant_node_and_an_initializer(tmp_path):
+    """The exporter's Constant node and an initializer both count as training mode when true."""
+    x = helper.make_tensor_value_info("x", F, [2, 5])
+    y = helper.make_tensor_value_info("y", F, None)
+    z = helper.make_tensor_value_info("z", F, None)
+    on = numpy_helper.from_array(np.array(True), "on")
+    m = _model([N("Constant", [], ["t"], value=numpy_helper.from_array(np.array(True), "t")),
+                N("Dropout", ["x", "", "t"], ["a"]), N("Relu", ["a"], ["y"]),
+                N("Dropout", ["x", "", "on"], ["b", "mask"]), N("Sigmoid", ["b"], ["z"])], [x], [y, z], [on])
+    p = tmp_path / "two.onnx"
+    onnx.save(m, str(p))
+    r = check_model(str(p))
+    assert r.ok and r.derandomized == {"Dropout (training mode)": 2} and r.pcg_random == {"Dropout": 2}
+
+
+# --- random generators: the stand-ins under onnxruntime ----------------------------------------------------
+
+def _run_rewritten(nodes, inputs, outputs, feeds, opset=18):
+    m = _model(nodes, inputs, outputs, opset=opset)
+    fixed, counts = derandomize(m)
+    return run_onnxruntime(fixed, feeds), counts
+
+
+def test_random_generators_give_their_stand_ins_under_onnxruntime():
+    x = np.random.default_rng(1).standard_normal((3, 4)).astype(np.float32)
+    xd = x.astype(np.float64)
+    outs, counts = _run_rewritten(
+        [N("RandomNormal", [], ["rn"], shape=[2, 3], mean=1.5, scale=4.0),
+         N("RandomNormalLike", ["x"], ["rnl"], mean=-0.25, scale=2.0),
+         N("RandomUniform", [], ["ru"], shape=[5], low=2.0, high=3.0, dtype=TensorProto.DOUBLE),
+         N("RandomUniformLike", ["xd"], ["rul"]),
+         N("Add", ["x", "rnl"], ["y"]),
+         N("Cast", ["x"], ["xc"], to=TensorProto.DOUBLE),             # an activation's type: by inference
+         N("RandomNormalLike", ["xc"], ["rc"], mean=3.0)],
+        [helper.make_tensor_value_info("x", F, [3, 4]),
+         helper.make_tensor_value_info("xd", TensorProto.DOUBLE, [3, 4])],
+        [helper.make_tensor_value_info(n, t, None) for n, t in
+         (("rn", F), ("rnl", F), ("ru", TensorProto.DOUBLE), ("rul", TensorProto.DOUBLE), ("y", F),
+          ("rc", TensorProto.DOUBLE))],
+        {"x": x, "xd": xd})
+    rn, rnl, ru, rul, y, rc = outs
+    assert counts == {"RandomNormal": 1, "RandomNormalLike": 2, "RandomUniform": 1, "RandomUniformLike": 1}
+    assert rc.dtype == np.float64 and rc.shape == (3, 4) and (rc == 3.0).all()
+    assert rn.dtype == np.float32 and rn.shape == (2, 3) and (rn == 1.5).all()
+    assert rnl.dtype == np.float32 and rnl.shape == (3, 4) and (rnl == -0.25).all()
+    assert ru.dtype == np.float64 and ru.shape == (5,) and (ru == 2.5).all()
+    assert rul.dtype == np.float64 and rul.shape == (3, 4) and (rul == 0.5).all()
+    np.testing.assert_array_equal(y, x + np.float32(-0.25))
+
+
+def test_bernoulli_and_multinomial_give_their_most_likely_values():
+    p = np.array([[0.1, 0.5, 0.9], [0.49, 0.51, 0.0]], np.float32)
+    logits = np.array([[0.0, 2.0, 1.0], [3.0, 3.0, -1.0]], np.float32)
+    outs, counts = _run_rewritten(
+        [N("Bernoulli", ["p"], ["b"]), N("Bernoulli", ["p"], ["bb"], dtype=TensorProto.BOOL),
+         N("Multinomial", ["logits"], ["m"], sample_size=4)],
+        [helper.make_tensor_value_info("p", F, [2, 3]), helper.make_tensor_value_info("logits", F, [2, 3])],
+        [helper.make_tensor_value_info("b", F, None), helper.make_tensor_value_info("bb", TensorProto.BOOL, None),
+         helper.make_tensor_value_info("m", TensorProto.INT32, None)],
+        {"p": p, "logits": logits})
+    b, bb, m = outs
+    assert counts == {"Bernoulli": 2, "Multinomial": 1}
+    np.testing.assert_array_equal(b, (p >= 0.5).astype(np.float32))
+    assert bb.dtype == np.bool_ and (bb == (p >= 0.5)).all()
+    assert m.dtype == np.int32 and m.tolist() == [[1] * 4, [0] * 4]
+
+
+def test_random_generators_are_refused_by_the_importer_with_one_line(tmp_path, capsys):
+    """The importer has no random generator operator (only Dropout): such a file is refused before the check."""
+    m = _model([N("RandomNormalLike", ["x"], ["r"], mean=1.0), N("Add", ["x", "r"], ["y"])],
+               [helper.make_tensor_value_info("x", F, [2, 3])], [helper.make_tensor_value_info("y", F, None)])
+    p = tmp_path / "rnl.onnx"
+    onnx.save(m, str(p))
+    rc, out, err = _cli(capsys, p, "--check")
+    assert rc == 2 and len(err.strip().splitlines()) == 1 and "RandomNormalLike" in err
+
+
+def test_pcg_random_ops_count_dropout(dropout_onnx):
+    assert random_ops(load_onnx(dropout_onnx)) == {"Dropout": 2}
