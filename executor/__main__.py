@@ -304,6 +304,7 @@ def train(R: Rank, plan) -> dict:
     kill_at, hang_at = _fault_step("KILL"), _fault_step("HANG")
     losses, times = [], []
     fed: dict = {}
+    rss0 = _peak_rss()      # the peak before any step (model, trainer, process group)
     first = R.step
     for i in range(args.steps):
         s = R.step
@@ -340,7 +341,7 @@ def train(R: Rank, plan) -> dict:
         save_checkpoint(R, trainer)
     warm = times[1:] if len(times) > 1 else times
     pred = plan.predicted.get("predicted_iteration_s")
-    ranks = _per_rank({"peak_rss_bytes": _peak_rss(), "fed_rows": fed})
+    ranks = _per_rank({"peak_rss_bytes": _peak_rss(), "before": rss0, "fed_rows": fed})
     return {"losses": losses, "step_times_s": times,
             "step_time_s": statistics.median(warm) if warm else None,
             "predicted_iteration_s": pred if isinstance(pred, (int, float)) else None,
@@ -349,6 +350,7 @@ def train(R: Rank, plan) -> dict:
             "pipeline": plan.pipeline is not None,
             # per rank: peak resident set (ru_maxrss) and the rows of each array fed at the first step
             "rank_peak_rss_bytes": [r["peak_rss_bytes"] for r in ranks],
+            "rank_peak_rss_before_steps_bytes": [r["before"] for r in ranks],
             "rank_fed_rows": [r["fed_rows"] for r in ranks]}
 
 

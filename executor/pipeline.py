@@ -25,8 +25,8 @@ the micro-batch.  Dropout draws its mask from the element's index in the whole b
 number, counted per step, gives the offset), so pipelined dropout equals one device's.  An operator that
 cannot run on a batch part (e.g. a Reshape that merges the batch dim) makes the plan refused.
 
-Training semantics: loss per micro-batch (mean of the model's first output, or MSE / cross-entropy
-against the targets' part), gradients accumulated over micro-batches and divided by M (the schedule's
+Training semantics: loss per micro-batch (the run's ``--loss``: mean of the model's first output, or MSE /
+binary / class cross-entropy against the targets' part), gradients accumulated over micro-batches and divided by M (the schedule's
 ``scale_grads``): the same gradient as the whole batch's mean loss; the step's loss is the mean of the
 micro-batch losses, broadcast from the last stage.  BatchNorm over micro-batches computes each
 micro-batch's statistics, which is not one device's training: refused unless ``--per-device-bn``.

@@ -8,9 +8,12 @@ The caller initializes ``torch.distributed`` (gloo on CPU, nccl on GPU) before b
 
 * forward: every rank runs the steps of the lowered plan that reach the loss, on plain local tensors,
   with communication only where the plan moves pieces between devices;
-* loss: the mean of the model's first output (MSE against float targets, cross-entropy against integer
-  class targets), computed on the pieces where they are (each rank adds its pieces' share; copies count
-  once) -- the global value one device would compute, whatever the partitioning;
+* loss (``loss=``, :mod:`executor.loss`; None: derived from each step's targets): the mean of the model's
+  first output (``mean``, and ``output`` for a graph that computes its own loss), MSE or binary
+  cross-entropy with logits against float targets, cross-entropy against integer class targets,
+  computed on the pieces where they are (each rank adds its pieces' share; copies count once) -- the
+  global value one device would compute, whatever the partitioning.  Feeds and targets may hold just the
+  rows this rank reads (:meth:`Trainer.feed_rows`, :meth:`Trainer.target_rows`) or whole batches;
 * backward, then gradient synchronization exactly where the plan's PCG puts it: a weight region read
   on several devices (a weight with copy degree > 1) has its gradient all-reduced over those devices; a
   region read on one device (a sharded weight's piece) is not.  All-reduces are bucketed (one flat
