@@ -74,7 +74,7 @@ def make_plan(model: str, out: str, procs: int, micro_batches: int, intra: str) 
 
 def run(plan: str, model: str, steps: int) -> dict:
     cmd = [os.path.join(ROOT, ".venv", "bin", "unity-pcg"), "run", plan, "--model", model, "--steps", str(steps),
-           "--optimizer", "sgd", "--lr", "0.01", "--json"]
+           "--optimizer", "sgd", "--lr", "0.01", "--json", "--loss", "mean"]
     r = subprocess.run(cmd, capture_output=True, text=True, cwd=ROOT)
     if r.returncode != 0:
         raise SystemExit(f"run failed: {r.stderr.strip().splitlines()[-1:]}")

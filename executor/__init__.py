@@ -8,7 +8,10 @@
 * ``executor.checkpoint``: ``torch.distributed.checkpoint`` save / resume;
 * ``executor.export``: trained weights out (the ONNX model with trained initializers + safetensors;
   ``save_model`` needs no torch);
-* ``executor.data``: the feeds of each step (an .npz file or seeded random feeds).
+* ``executor.data``: the feeds of each step (an .npz file, a folder of memory-mapped .npy files or shards,
+  or seeded random feeds), each rank reading the rows its pieces need; bad data refused before start;
+* ``executor.loss``: ``--loss`` (mean, mse, ce, bce, output), derived from the data when not given, and
+  checked against the targets before start.
 
 Importing the package imports no torch; its modules do.
 """

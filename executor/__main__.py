@@ -42,6 +42,8 @@ import statistics
 import sys
 import time
 
+import numpy as np
+
 from unity_pcg.errors import UnityError
 
 from .checkpoint import CheckpointWriteError
@@ -73,8 +75,13 @@ def add_training_arguments(p: argparse.ArgumentParser) -> None:
                    help="the ONNX model the plan was made for (its sha256 must match the plan)")
     p.add_argument("--steps", type=int, default=10, metavar="N",
                    help="training steps to run (with --resume: steps after the checkpoint; default 10)")
-    p.add_argument("--data", default=None, metavar="FILE.npz",
-                   help="inputs by ONNX input name (+ optional 'targets'); default: seeded random feeds")
+    p.add_argument("--data", default=None, metavar="FILE.npz|DIR",
+                   help="inputs by ONNX input name (+ optional 'targets'): an .npz file, or a folder of NAME.npy "
+                        "(memory-mapped) or NAME/*.npy shards; default: seeded random feeds")
+    p.add_argument("--loss", default=None, choices=("mean", "mse", "ce", "bce", "output"),
+                   help="mean: of the first output; mse / bce: against float targets; ce: integer class "
+                        "targets; output: the graph's first output is its own loss (default: mse for float "
+                        "targets, ce for integer ones, output for a one-element output without targets)")
     p.add_argument("--optimizer", choices=("sgd", "adam"), default="sgd", help="default sgd")
     p.add_argument("--lr", type=float, default=0.01, metavar="X", help="learning rate (default 0.01)")
     p.add_argument("--seed", type=int, default=0, metavar="S", help="seed of random feeds and dropout (default 0)")
@@ -192,7 +199,7 @@ def _write_json(path: str, obj) -> None:
 def make_trainer(plan, args, rank: int, world: int, device: str):
     """The trainer of a plan: pipeline stages -> PipelineTrainer, else the lowering's Trainer."""
     kw = dict(rank=rank, world=world, optimizer=args.optimizer, lr=args.lr, seed=args.seed, device=device,
-              sync_batchnorm=not args.per_device_bn)
+              sync_batchnorm=not args.per_device_bn, loss=args.loss)
     if plan.pipeline is not None:
         from .pipeline import PipelineTrainer
         return PipelineTrainer(plan, args.model, **kw)
@@ -259,7 +266,7 @@ def save_checkpoint(R: Rank, trainer) -> None:
                        + _kept(R))
     R.last_ckpt = C.save(R.args.checkpoint, R.step, model, trainer.optimizer_state(),
                          {"seed": R.args.seed, "optimizer": R.args.optimizer, "world": R.world,
-                          "plan_sha256": _plan_hash(R.args.plan), **_model_meta(R)})
+                          "plan_sha256": _plan_hash(R.args.plan), "loss": R.args.loss, **_model_meta(R)})
 
 
 def _model_meta(R: Rank) -> dict:
@@ -318,8 +325,18 @@ def train(R: Rank, plan) -> dict:
     device = "cuda" if torch.cuda.is_available() else "cpu"
     if device == "cuda":
         torch.cuda.set_device(_env_int("LOCAL_RANK", 0))
-    data = open_data(plan.pcg, args.data, seed=args.seed)
+    from .loss import check_loss, check_resume_loss, resolve_loss
+    # under `unity-pcg run` (a report folder) the launcher has scanned the data's values already
+    data = open_data(plan.pcg, args.data, seed=args.seed, check=not args.report_dir)
+    args.loss, note = resolve_loss(plan.pcg, args.loss, data)
+    check_loss(plan.pcg, args.loss, data, scan=not args.report_dir)
+    if note:
+        R.out(f"loss: {note}")
+    if args.resume:
+        check_resume_loss(args.checkpoint, args.loss)
     trainer = make_trainer(plan, args, R.rank, R.world, device)
+    rows = trainer.feed_rows() if hasattr(trainer, "feed_rows") else None
+    trows = trainer.target_rows() if hasattr(trainer, "target_rows") and data.targets is not None else None
     if args.resume:
         resume(R, trainer)
         R.out(f"resumed from {R.last_ckpt} (step {R.step})")
@@ -328,6 +345,8 @@ def train(R: Rank, plan) -> dict:
     kill_at, hang_at = _fault_step("KILL"), _fault_step("HANG")
     bar = _step_bar(R)
     losses, times = [], []
+    fed: dict = {}
+    rss0 = _peak_rss()      # the peak before any step (model, trainer, process group)
     first = R.step
     for i in range(args.steps):
         s = R.step
@@ -335,7 +354,11 @@ def train(R: Rank, plan) -> dict:
             os.kill(os.getpid(), signal.SIGKILL)
         if hang_at is not None and s == hang_at:
             _hang(R)
-        feeds, targets = data.feeds(s)
+        feeds, targets = data.feeds(s, rows, trows)
+        if i == 0:
+            fed = {k: int(np.shape(v)[0]) if np.ndim(v) else 1 for k, v in feeds.items()}
+            if targets is not None:
+                fed["targets"] = int(np.shape(targets)[0]) if np.ndim(targets) else 1
         t0 = time.perf_counter()
         try:
             loss = trainer.step(feeds, targets)
@@ -366,12 +389,34 @@ def train(R: Rank, plan) -> dict:
     saved = save_model(R, plan, trainer) if args.save_model else None
     warm = times[1:] if len(times) > 1 else times
     pred = plan.predicted.get("predicted_iteration_s")
+    ranks = _per_rank({"peak_rss_bytes": _peak_rss(), "before": rss0, "fed_rows": fed})
     return {"losses": losses, "step_times_s": times,
             "step_time_s": statistics.median(warm) if warm else None,
             "predicted_iteration_s": pred if isinstance(pred, (int, float)) else None,
             "nproc": R.world, "first_step": first, "steps": len(losses), "device": device,
-            "optimizer": args.optimizer, "lr": args.lr, "checkpoint": R.last_ckpt,
-            "pipeline": plan.pipeline is not None, "saved_model": saved}
+            "optimizer": args.optimizer, "lr": args.lr, "loss": args.loss, "checkpoint": R.last_ckpt,
+            "pipeline": plan.pipeline is not None, "saved_model": saved,
+            # per rank: peak resident set (ru_maxrss) and the rows of each array fed at the first step
+            "rank_peak_rss_bytes": [r["peak_rss_bytes"] for r in ranks],
+            "rank_peak_rss_before_steps_bytes": [r["before"] for r in ranks],
+            "rank_fed_rows": [r["fed_rows"] for r in ranks]}
+
+
+def _peak_rss() -> int:
+    """This process's peak resident set in bytes (ru_maxrss: KiB on Linux, bytes on macOS)."""
+    import resource
+    v = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    return int(v) if sys.platform == "darwin" else int(v) * 1024
+
+
+def _per_rank(obj) -> list:
+    """``obj`` of every rank, in rank order (an all_gather_object when a process group is up)."""
+    import torch.distributed as dist
+    if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() == 1:
+        return [obj]
+    out: list = [None] * dist.get_world_size()
+    dist.all_gather_object(out, obj)
+    return out
 
 
 def main(argv: list[str] | None = None) -> int:

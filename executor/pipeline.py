@@ -25,8 +25,8 @@ the micro-batch.  Dropout draws its mask from the element's index in the whole b
 number, counted per step, gives the offset), so pipelined dropout equals one device's.  An operator that
 cannot run on a batch part (e.g. a Reshape that merges the batch dim) makes the plan refused.
 
-Training semantics: loss per micro-batch (mean of the model's first output, or MSE / cross-entropy
-against the targets' part), gradients accumulated over micro-batches and divided by M (the schedule's
+Training semantics: loss per micro-batch (the run's ``--loss``: mean of the model's first output, or MSE /
+binary / class cross-entropy against the targets' part), gradients accumulated over micro-batches and divided by M (the schedule's
 ``scale_grads``): the same gradient as the whole batch's mean loss; the step's loss is the mean of the
 micro-batch losses, broadcast from the last stage.  BatchNorm over micro-batches computes each
 micro-batch's statistics, which is not one device's training: refused unless ``--per-device-bn``.
@@ -702,15 +702,42 @@ def _piece_sizes(g: PCG, mg: PCG, ref, M: int) -> tuple[int, ...]:
     return tuple(d.size // d.degree for d in mg.shape(ref).dims)
 
 
-def loss_of(out, target):
-    """Loss of one output (and its targets): mean of the output, MSE for float targets, cross-entropy for
-    integer targets (classes along dim 1, as torch and executor.train take them)."""
+def loss_of(out, target, kind: str | None = None):
+    """Loss of one output (and its targets) of kind ``kind`` (executor.loss; None: derived from the
+    targets): mean of the output (``mean``, ``output``), MSE, binary cross-entropy with logits, or
+    cross-entropy (classes along dim 1, as torch and executor.train take them)."""
     import torch.nn.functional as F
-    if target is None:
+    if kind is None:
+        kind = "mean" if target is None else ("mse" if target.is_floating_point() else "ce")
+    if kind in ("mean", "output"):
         return out.float().mean()
-    if not target.is_floating_point():
+    if kind == "ce":
         return F.cross_entropy(out.float(), target.long())
+    if kind == "bce":
+        return F.binary_cross_entropy_with_logits(out.float(), target.float().reshape(out.shape))
     return F.mse_loss(out.float(), target.float().reshape(out.shape))
+
+
+def _step_kind(loss: str | None, targets) -> str:
+    """The Trainer's loss kind of a step: the run's loss (output -> mean), or derived from the targets."""
+    if loss is not None:
+        return "mean" if loss == "output" else loss
+    if targets is None:
+        return "mean"
+    import torch
+    t = targets if isinstance(targets, torch.Tensor) else torch.as_tensor(np.asarray(targets))
+    return "mse" if t.is_floating_point() else "ce"
+
+
+def _stage_rows(plan, first: bool, last: bool):
+    """(feed_rows, target_rows) of a pipeline stage's device: the first stage reads every input's whole
+    batch, the last stage the whole targets; other stages read none."""
+    g = plan.pcg
+    feeds = {n.a["name"]: (0, (n.a["shape"][0] if n.a["shape"] else 0) if first else 0)
+             for n in g.sources("Input")}
+    out = g.shape(tuple(g.outputs[0]))
+    rows = out.sizes[0] if out.rank else 1
+    return feeds, ((0, rows) if last else (0, 0))
 
 
 class PipelineTrainer:
@@ -732,7 +759,8 @@ class PipelineTrainer:
         return super().__new__(cls)
 
     def __init__(self, plan, model_path: str, rank: int = 0, world: int = 1, optimizer: str = "sgd",
-                 lr: float = 0.01, seed: int = 0, device: str = "cpu", sync_batchnorm: bool = True):
+                 lr: float = 0.01, seed: int = 0, device: str = "cpu", sync_batchnorm: bool = True,
+                 loss: str | None = None):
         torch, nn = _torch_modules()
         import torch.distributed as dist
         from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGPipe
@@ -800,6 +828,8 @@ class PipelineTrainer:
                                                                    and dts[mg.shape(x).dtype].is_floating_point)
                          for x in refs)
         self._targets = False   # the schedule wants a target on the last stage; without one, a dummy
+        self.loss = loss        # executor.loss kind (None: derived from the targets)
+        self._rows = _stage_rows(plan, self.st.index == 0, self.st.index == self.S - 1)
         # with fewer micro-batches than stages, 1F1B has no steady state: every forward runs before the
         # first backward, which is GPipe's order (torch's Schedule1F1B refuses M < S, ScheduleGPipe runs it)
         kind = Schedule1F1B if self.M >= self.S else ScheduleGPipe
@@ -810,7 +840,7 @@ class PipelineTrainer:
             stage.stage_index_to_group_rank = {s.index: pos[r][s.device_of(r, R)] for s in stages}
             # gradients are scaled once, after the stage's pipelines and devices are summed (step)
             self.scheds[r] = kind(stage, self.M, scale_grads=False,
-                                  loss_fn=lambda out, t: loss_of(out, t if self._targets else None))
+                                  loss_fn=lambda out, t: loss_of(out, t if self._targets else None, self.loss))
         self.input_names = [plan.pcg.node(r[0]).a["name"] for r in self.st.recv] if self.st.index == 0 else []
         self.steps_done = 0
         ins = plan.pcg.sources("Input")
@@ -865,6 +895,13 @@ class PipelineTrainer:
         if self.world > 1:
             self._dist.all_reduce(loss)
         return float(loss[0])
+
+    def feed_rows(self) -> dict:
+        """Input name -> rows of the batch this device reads: the first stage all, the others none."""
+        return dict(self._rows[0])
+
+    def target_rows(self, kind: str | None = None) -> tuple[int, int]:
+        return self._rows[1]
 
     def _mine(self, t, r: int):
         """Pipeline ``r``'s rows of a whole-batch tensor."""
@@ -959,7 +996,8 @@ class LoweredPipelineTrainer:
     devices that read them (sharded ones not: the Trainer's buckets), and divided by M."""
 
     def __init__(self, plan, model_path: str, rank: int = 0, world: int = 1, optimizer: str = "sgd",
-                 lr: float = 0.01, seed: int = 0, device: str = "cpu", sync_batchnorm: bool = True):
+                 lr: float = 0.01, seed: int = 0, device: str = "cpu", sync_batchnorm: bool = True,
+                 loss: str | None = None):
         torch, nn = _torch_modules()
         import torch.distributed as dist
 
@@ -1022,6 +1060,8 @@ class LoweredPipelineTrainer:
         self.micro = 0
         self._kind = "mean"
         self._targets = False
+        self.loss = loss        # executor.loss kind (None: derived from the targets)
+        self._rows = _stage_rows(plan, self.st.index == 0, self.st.index == self.S - 1)
         pj = 0 if self.lead else self.j
         self._pp = (pp_groups[pj], {s.index: pos[pj][s.devices[pj]] for s in stages})
         self._scheds: dict = {}
@@ -1235,9 +1275,7 @@ class LoweredPipelineTrainer:
         self._targets = targets is not None
         if targets is not None:
             tt = targets if isinstance(targets, torch.Tensor) else torch.as_tensor(_np.asarray(targets))
-            self._kind = "mse" if tt.is_floating_point() else "ce"
-        else:
-            self._kind = "mean"
+        self._kind = _step_kind(self.loss, targets)
         self.micro = 0
         losses: list = []
         if self.rank == self.leader or not self.lead:
@@ -1272,6 +1310,13 @@ class LoweredPipelineTrainer:
         if self.world > 1:
             self._dist.all_reduce(loss)
         return float(loss[0])
+
+    def feed_rows(self) -> dict:
+        """Input name -> rows of the batch this device reads: the first stage all, the others none."""
+        return dict(self._rows[0])
+
+    def target_rows(self, kind: str | None = None) -> tuple[int, int]:
+        return self._rows[1]
 
     # --- state: the stage's parameters, whole (collective over the stage's devices) ----------------------
     def model_state(self) -> dict:

@@ -8,9 +8,12 @@ The caller initializes ``torch.distributed`` (gloo on CPU, nccl on GPU) before b
 
 * forward: every rank runs the steps of the lowered plan that reach the loss, on plain local tensors,
   with communication only where the plan moves pieces between devices;
-* loss: the mean of the model's first output (MSE against float targets, cross-entropy against integer
-  class targets), computed on the pieces where they are (each rank adds its pieces' share; copies count
-  once) -- the global value one device would compute, whatever the partitioning;
+* loss (``loss=``, :mod:`executor.loss`; None: derived from each step's targets): the mean of the model's
+  first output (``mean``, and ``output`` for a graph that computes its own loss), MSE or binary
+  cross-entropy with logits against float targets, cross-entropy against integer class targets,
+  computed on the pieces where they are (each rank adds its pieces' share; copies count once) -- the
+  global value one device would compute, whatever the partitioning.  Feeds and targets may hold just the
+  rows this rank reads (:meth:`Trainer.feed_rows`, :meth:`Trainer.target_rows`) or whole batches;
 * backward, then gradient synchronization exactly where the plan's PCG puts it: a weight region read
   on several devices (a weight with copy degree > 1) has its gradient all-reduced over those devices; a
   region read on one device (a sharded weight's piece) is not.  All-reduces are bucketed (one flat
@@ -43,6 +46,7 @@ from .lower import Lowered, block, lower, task_pieces, unravel
 from .precision import forward_context, set_math_mode
 
 FIRST_BUCKET_BYTES = 1 << 20
+LOSS_KINDS = ("mean", "mse", "ce", "bce", "output")
 OVERLAP_MIN_BYTES = 8 << 20      # CPU: overlap the gradient all-reduces with backward from this many bytes
 GRAD_TAG = 1 << 30     # backward messages of an exchange: its forward tags + GRAD_TAG
 
@@ -255,7 +259,8 @@ class Trainer:
                  optimizer: str = "sgd", lr: float = 0.01, seed: int = 0, device: str = "cpu",
                  sync_batchnorm: bool = True, bucket_bytes: int = 25 * 2 ** 20, weights: Mapping | None = None,
                  first_bucket_bytes: int | None = None, overlap: bool | None = None, grad_views: bool = True,
-                 new_group=None, world_group=None, grad_inputs: frozenset = frozenset()):
+                 new_group=None, world_group=None, grad_inputs: frozenset = frozenset(),
+                 loss: str | None = None):
         # new_group(devices) -> process group (default: torch.distributed.new_group, called by every rank
         # for every group); world_group: the group of the whole-model collectives (assembling state), the
         # default group unless this Trainer runs one pipeline stage (executor.pipeline)
@@ -268,6 +273,11 @@ class Trainer:
         self._inputs = self.g.sources("Input")     # read every step: scanning the graph costs ~1 ms
         self._src_cache: dict = {}                 # per-step lookups, computed once
         self._cut_cache: dict = {}
+        self._feed_off: dict[str, int] = {}        # input name -> first batch row of the fed array
+        self._tgt_off = 0                          # first batch row of the fed targets
+        if loss is not None and loss not in LOSS_KINDS:
+            raise ExecutorError(f"unknown loss {loss!r} (known: {', '.join(LOSS_KINDS)})")
+        self.loss = loss                           # None: derived from the targets of each step
         self.rank, self.world = int(rank), int(world)
         if world > 1 and not (dist.is_available() and dist.is_initialized()):
             raise ExecutorError("torch.distributed must be initialized before a Trainer with world > 1")
@@ -607,8 +617,15 @@ class Trainer:
                 raise ExecutorError(f"no value fed for input {name!r}")
             v = feeds[name]
             t = v if isinstance(v, torch.Tensor) else torch.as_tensor(np.ascontiguousarray(v))
-            if tuple(t.shape) != tuple(n.a["shape"]):
-                raise ExecutorError(f"input {name!r} has shape {list(t.shape)}, the plan expects {list(n.a['shape'])}")
+            full = tuple(n.a["shape"])
+            off = 0
+            if tuple(t.shape) != full:
+                lo, hi = self.feed_rows()[name]
+                if not (full and t.dim() == len(full) and t.shape[0] == hi - lo and tuple(t.shape[1:]) == full[1:]):
+                    raise ExecutorError(f"input {name!r} has shape {list(t.shape)}, the plan expects {list(full)}"
+                                        + (f" (or this rank's rows {lo}:{hi} of it)" if full else ""))
+                off = lo
+            self._feed_off[name] = off
             out[name] = t.to(self.device, TORCH_DTYPES[n.a["dtype"]])
         return out
 
@@ -629,12 +646,21 @@ class Trainer:
     def _resolve(self, src, vals, recv, feeds) -> torch.Tensor:
         if src.kind == "source":
             v = self._source_value(src.ref[0], feeds)
-            cut = self._cut_cache.get(id(src))
+            is_input, iname = self._src_cache[src.ref[0]]
+            off = self._feed_off.get(iname, 0) if is_input else 0
+            key = (id(src), off)
+            cut = self._cut_cache.get(key)
             if cut is None:
                 name = self._source_name(src.ref[0])
-                rel = self._rel(name, src.slices) if name in self.params else _slices(src.slices)
+                if name in self.params:
+                    rel = self._rel(name, src.slices)
+                else:       # an Input fed from row ``off`` of its batch on
+                    sl = src.slices
+                    if off and sl:
+                        sl = ((sl[0][0] - off, sl[0][1] - off),) + tuple(sl[1:])
+                    rel = _slices(sl)
                 whole = all(r.start == 0 and r.stop == d for r, d in zip(rel, v.shape))
-                cut = self._cut_cache[id(src)] = () if whole else rel
+                cut = self._cut_cache[key] = () if whole else rel
             return v[cut] if cut else v
         if src.kind == "local":
             return _narrow(vals[src.ref], src.narrow)
@@ -767,15 +793,13 @@ class Trainer:
 
     def step(self, feeds=None, targets=None) -> float:
         """One training step; returns the loss (the same float on every rank)."""
-        kind = "mean"
-        if targets is not None:
-            tt = targets if isinstance(targets, torch.Tensor) else torch.as_tensor(np.asarray(targets))
-            kind = "mse" if tt.is_floating_point() else "ce"
-            tt = tt.to(self.device)
+        kind, tt = self._loss_kind(targets)
         ref, need, split = self._loss_ref(kind)
         fv = self._feeds(feeds)
+        if tt is not None:
+            self._tgt_off = self._target_offset(tt, kind, ref)
         with forward_context(self.precision, self.device):
-            total, part = self._forward(fv, kind, tt if targets is not None else None, ref, need, split)
+            total, part = self._forward(fv, kind, tt, ref, need, split)
         self._start_step_sync(part)
         if total.requires_grad:
             total.backward()
@@ -793,6 +817,73 @@ class Trainer:
         if not math.isfinite(loss):
             raise ExecutorError(f"step {self.step_no - 1}: the loss is {loss}")
         return loss
+
+    def _loss_kind(self, targets):
+        """The loss kind of a step (``output`` runs as ``mean``: the graph's output is the loss) and the
+        targets as a tensor on the device (None for mean / output)."""
+        kind = self.loss
+        if kind is None:
+            kind = "mean" if targets is None else None
+        if kind == "output":
+            kind = "mean"
+        if targets is None:
+            if kind != "mean":
+                raise ExecutorError(f"loss {kind} needs targets")
+            return kind, None
+        tt = targets if isinstance(targets, torch.Tensor) else torch.as_tensor(np.asarray(targets))
+        if kind is None:
+            kind = "mse" if tt.is_floating_point() else "ce"
+        if kind == "mean":
+            raise ExecutorError(f"loss {self.loss} takes no targets")
+        return kind, tt.to(self.device)
+
+    def _target_offset(self, tt, kind, ref) -> int:
+        """First batch row of the fed targets: 0 for whole targets, else this rank's target_rows()."""
+        rows = self.g.shape(ref).sizes[0] if self.g.shape(ref).rank else 0
+        if tt.dim() == 0 or tt.shape[0] == rows:
+            return 0
+        lo, hi = self.target_rows(kind)
+        if tt.shape[0] != hi - lo:
+            raise ExecutorError(f"targets have {tt.shape[0]} rows: neither the batch's {rows} nor this rank's "
+                                f"rows {lo}:{hi}")
+        return lo
+
+    def feed_rows(self) -> dict[str, tuple[int, int]]:
+        """Input name -> the rows ``(lo, hi)`` of its batch (dim 0) that this rank's steps read: the bounding
+        range of the Input pieces its tasks take ((0, 0): none).  ``step`` takes feeds of exactly these rows
+        (or whole batches)."""
+        if getattr(self, "_rows", None) is None:
+            rows: dict[str, tuple[int, int]] = {}
+            for st in self.low.steps:
+                for src in st.inputs:
+                    if src is None or src.kind != "source":
+                        continue
+                    n = self.g.node(self.low.origin[src.ref[0]])
+                    if n.op != "Input":
+                        continue
+                    full = tuple(n.a["shape"])
+                    lo, hi = src.slices[0] if src.slices else (0, full[0] if full else 0)
+                    r = rows.get(n.a["name"])
+                    rows[n.a["name"]] = (lo, hi) if r is None else (min(r[0], lo), max(r[1], hi))
+            for n in self._inputs:
+                rows.setdefault(n.a["name"], (0, 0))
+            self._rows = rows
+        return dict(self._rows)
+
+    def target_rows(self, kind: str | None = None) -> tuple[int, int]:
+        """The rows ``(lo, hi)`` of the targets (dim 0 of the loss's output) this rank's loss pieces read
+        ((0, 0): none)."""
+        kind = kind or self.loss or "mse"
+        if kind in ("output", "mean"):
+            return (0, 0)
+        ref, _, _ = self._loss_ref(kind)
+        s = self.g.shape(ref)
+        flat = self.low.mine.get(ref)
+        if flat is None:
+            return (0, 0)
+        if not s.rank:
+            return (0, 1)
+        return tuple(block(s, flat)[0])
 
     def _forward(self, fv, kind, tt, ref, need, split):
         """The forward pass and the loss of this rank's pieces: ``(total, part)`` -- what backward starts
@@ -891,18 +982,28 @@ class Trainer:
             y = vals[ref]
             if y.dtype in (torch.bfloat16, torch.float16):
                 y = y.float()         # the loss in float32 (under bf16 autocast the output is bf16)
-            region = _slices(block(s, flat))
+            blk = block(s, flat)
+            region = _slices(blk)
+            off = self._tgt_off if kind != "mean" and s.rank else 0
+            treg = _slices(((blk[0][0] - off, blk[0][1] - off),) + tuple(blk[1:])) if off else region
+            if kind != "mean" and tt.dim() and s.rank and tt.shape[0] != s.sizes[0]:
+                tshape = (s.sizes[0],) + tuple(tt.shape[1:])     # this rank's rows of the targets
+            else:
+                tshape = tuple(tt.shape) if tt is not None else None
             if kind == "mean":
                 contrib = y.sum() / s.numel
-            elif kind == "mse":
-                if tuple(tt.shape) != s.sizes:
+            elif kind in ("mse", "bce"):
+                if tshape != s.sizes:
                     raise ExecutorError(f"targets have shape {list(tt.shape)}, the output has {list(s.sizes)}")
-                contrib = ((y - tt[region].to(y.dtype)) ** 2).sum() / s.numel
+                if kind == "mse":
+                    contrib = ((y - tt[treg].to(y.dtype)) ** 2).sum() / s.numel
+                else:
+                    contrib = F.binary_cross_entropy_with_logits(y, tt[treg].to(y.dtype), reduction="sum") / s.numel
             else:
                 want = s.sizes[:1] + s.sizes[2:]
-                if tuple(tt.shape) != want:
+                if tshape != want:
                     raise ExecutorError(f"class targets have shape {list(tt.shape)}, expected {list(want)}")
-                treg = region[:1] + region[2:]
+                treg = treg[:1] + treg[2:]
                 contrib = F.cross_entropy(y, tt[treg].long(), reduction="sum") / (s.numel // s.sizes[1])
         if contrib is not None and weight != 1.0:
             contrib = contrib * weight

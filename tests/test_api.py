@@ -110,12 +110,14 @@ def test_train_with_arrays_equals_the_command_with_a_file(work, tmp_path, capfd)
 
 def test_train_takes_an_optimize_result_and_refuses_bad_input(work):
     res = up.optimize(work["model"], machine="local:1x1", budget=2, strategy="none")
-    out = up.train(res, steps=2)         # the model is the one the plan records
+    out = up.train(res, steps=2, loss="mean")    # the model is the one the plan records
     assert out["nproc"] == 1 and len(out["losses"]) == 2
     with pytest.raises(UnityError, match="--steps must be >= 0"):
-        up.train(res, steps=-1)
+        up.train(res, steps=-1, loss="mean")
     with pytest.raises(UnityError, match="--nproc"):
-        up.train(work["dp2"], work["model"], nproc=3, steps=1)
+        up.train(work["dp2"], work["model"], nproc=3, steps=1, loss="mean")
+    with pytest.raises(UnityError, match="--loss"):
+        up.train(work["dp2"], work["model"], steps=1)      # no targets: the loss must be stated
     with pytest.raises(UnityError, match="data"):
         up.train(work["dp2"], work["model"], data=[1, 2, 3], steps=1)
 
@@ -173,7 +175,8 @@ def test_export_weights_writes_what_train_saved(work, tmp_path):
     """train(save_model=...) and export_weights(checkpoint) of the same run write the same model; a
     missing checkpoint is the command's one-line error."""
     ck = tmp_path / "ck"
-    res = up.train(work["dp2"], work["model"], steps=2, lr=0.1, checkpoint=ck, save_model=tmp_path / "a.onnx")
+    res = up.train(work["dp2"], work["model"], steps=2, lr=0.1, loss="mean", checkpoint=ck,
+                   save_model=tmp_path / "a.onnx")
     assert res["saved_model"]
     out = up.export_weights(ck, tmp_path / "b.onnx")
     assert out["step"] == 2 and out["written"]

@@ -68,6 +68,39 @@ def test_whole_job(tmp_path):
     assert "== 6. train on local processes" in r.stdout
     m = re.search(r"step time: predicted ([\d.]+) ms, measured ([\d.]+) ms", r.stdout)
     assert m and float(m.group(2)) > 0
+    # the synthetic teacher task is learned: the loss falls
+    assert "--loss mse --data" in r.stdout
+    m = re.search(r"mse loss ([\d.e+-]+) -> ([\d.e+-]+) \(first -> last", r.stdout)
+    assert m and float(m.group(2)) < 0.7 * float(m.group(1)), r.stdout[-1500:]
+
+
+def test_synthetic_task_is_learned(tmp_path, monkeypatch):
+    """The demo's data (a fixed random teacher) trains the tiny MLP with the demo's loss and learning rate
+    (sgd 0.5): the loss falls (one process, in this process: no process start)."""
+    import json
+
+    import numpy as np
+
+    from tests.executor.runtime_plans import one_device_plan
+    from unity_pcg import zoo
+    from unity_pcg.demo import teacher_data
+    from unity_pcg.executor.__main__ import main as rank_main
+    from unity_pcg.onnx_import import load_onnx
+    model = str(tmp_path / "mlp.onnx")
+    zoo.export("mlp", model, size="tiny", batch=8)
+    data, loss = teacher_data(load_onnx(model, load_weights=False), str(tmp_path / "data"))
+    assert loss == "mse" and sorted(os.listdir(data)) == ["targets.npy", "x.npy"]
+    t = np.load(os.path.join(data, "targets.npy"))
+    assert t.shape == (32, 64) and np.isfinite(t).all()
+    plan = one_device_plan(model, str(tmp_path / "one.json"))
+    for k in ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT"):
+        monkeypatch.delenv(k, raising=False)
+    rep = tmp_path / "rep"
+    rep.mkdir()
+    assert rank_main([plan, "--model", model, "--steps", "12", "--lr", "0.5", "--data", data, "--loss", loss,
+                      "--report-dir", str(rep), "--progress", "none"]) == 0
+    losses = json.loads((rep / "result.json").read_text())["losses"]
+    assert losses[-1] < 0.7 * losses[0], losses
 
 
 def test_a_search_plan_slower_than_data_parallel_is_not_run(tmp_path, capsys, monkeypatch):

@@ -6,7 +6,10 @@
 4. plan: Unity's joint search (`search.optimize`) when it is available, data parallelism otherwise,
    and the data-parallel baseline in the same cost model (predicted speedup),
 5. explain the plan (degrees, views, transfers, gradient all-reduces; full text and DOT in --out),
-6. run it on local processes with the executor and print predicted against measured step time.
+6. run it on local processes with the executor on a synthetic task with a learnable signal (a fixed random
+   teacher network: targets = teacher(inputs) + noise, written as a data folder of .npy files, trained
+   with ``--loss mse``), and print the loss falling (first -> last) and predicted against measured step
+   time.
 
 Every stage prints a few lines; a failing stage prints one line and exits 2.
 """
@@ -42,6 +45,8 @@ def build_parser() -> argparse.ArgumentParser:
                         "--nproc processes (quick, ~15 s)")
     p.add_argument("--budget", type=float, default=15.0, help="search budget in seconds (default 15)")
     p.add_argument("--steps", type=int, default=20, help="training steps of the run (default 20)")
+    p.add_argument("--lr", type=float, default=None, help="learning rate of the run (default on the synthetic "
+                   "task: 0.5 with sgd, 0.01 with adam; on random feeds the run's own default)")
     p.add_argument("--no-run", action="store_true", help="stop after planning and explaining")
     p.add_argument("--measure-dp", action="store_true",
                    help="also train with the data-parallel plan and print the measured speedup over it")
@@ -115,12 +120,15 @@ def _run(args) -> int:
         print("\n(run skipped: --no-run)")
     else:
         _stage("6. train on local processes with the plan")
-        measured = _train(plan_path, path, args.steps, optimizer)
+        data, loss = teacher_data(g, os.path.join(args.out, "teacher_data"))
+        lr = args.lr if args.lr is not None else (None if not data else 0.01 if optimizer == "adam" else 0.5)
+        extra = (["--lr", repr(lr)] if lr is not None else []) + ["--loss", loss] + (["--data", data] if data else [])
+        measured = _train(plan_path, path, args.steps, optimizer, extra)
         if args.measure_dp and measured:
             dp_path = os.path.join(args.out, "dp_plan.json")
             dp_plan.save(dp_path)
             print("the data-parallel plan, for comparison:")
-            t_dp_run = _train(dp_path, path, args.steps, optimizer)
+            t_dp_run = _train(dp_path, path, args.steps, optimizer, extra)
             if t_dp_run:
                 measured_speedup = t_dp_run / measured
                 print(f"measured speedup over data parallel: {measured_speedup:.2f}x")
@@ -235,7 +243,52 @@ def _explain(pl, plan_path: str) -> None:
     print(f"full explanation: {full}; PCG drawn to {files['png'] or files['dot']}")
 
 
-def _train(plan_path: str, model_path: str, steps: int, optimizer: str) -> float | None:
+TEACHER_BATCHES = 4          # batches in the synthetic data set (step s trains on batch s mod 4)
+TEACHER_MAX_BYTES = 256 << 20
+
+
+def teacher_data(g, out_dir: str, batches: int = TEACHER_BATCHES, seed: int = 0,
+                 noise: float = 0.05) -> tuple[str | None, str]:
+    """A synthetic regression task for the model of ``g``: every float input drawn N(0, 1), targets of the
+    first output's shape computed by a fixed random teacher (per output element a fixed N(0, 1) offset
+    plus a tanh layer of width 32 over the inputs' features mapped linearly to standard deviation 0.5)
+    plus ``noise``.  Written to ``out_dir`` as NAME.npy per
+    input and targets.npy (`unity-pcg run --data` reads the folder memory-mapped); returns
+    ``(out_dir, "mse")``.  Models with integer inputs (token ids, embedding indices), or whose data would
+    exceed 256 MiB, get no task: ``(None, loss)`` with the loss of random feeds (mean, or the graph's own
+    one-element output)."""
+    import numpy as np
+    ins = g.sources("Input")
+    out = tuple(g.shape(tuple(g.outputs[0])).sizes)
+    rows = [n.a["shape"][0] for n in ins if n.a["shape"]]
+    per_row = sum(math.prod(n.a["shape"][1:]) for n in ins) + math.prod(out[1:])
+    if (not ins or any(not n.a["dtype"].startswith(("float", "bfloat")) for n in ins) or not out
+            or len(set(rows)) != 1 or rows[0] != out[0] or per_row * out[0] * batches * 4 > TEACHER_MAX_BYTES):
+        print("no synthetic task for this model (integer inputs, or too large): random feeds")
+        return None, "output" if math.prod(out) == 1 else "mean"
+    rng = np.random.default_rng(seed)
+    n = out[0] * batches
+    xs = {a.a["name"]: rng.standard_normal((n, *a.a["shape"][1:])).astype(np.float32) for a in ins}
+    feat = np.concatenate([v.reshape(n, -1) for v in xs.values()], axis=1)
+    w1 = rng.standard_normal((feat.shape[1], 32)) / math.sqrt(feat.shape[1])
+    w2 = rng.standard_normal((32, math.prod(out[1:]))) / math.sqrt(32)
+    offset = rng.standard_normal((1, w2.shape[1]))
+    y = np.tanh(feat @ w1 * 2.0) @ w2
+    y = offset + 0.5 * y / y.std()
+    t = (y + noise * rng.standard_normal(y.shape)).reshape(n, *out[1:]).astype(np.float32)
+    os.makedirs(out_dir, exist_ok=True)
+    for name in os.listdir(out_dir):              # a folder of an earlier run (another model)
+        if name.endswith(".npy"):
+            os.remove(os.path.join(out_dir, name))
+    for name, v in xs.items():
+        np.save(os.path.join(out_dir, f"{name}.npy"), v)
+    np.save(os.path.join(out_dir, "targets.npy"), t)
+    print(f"synthetic task: targets = teacher(inputs) + noise (a fixed random tanh layer with offsets), "
+          f"{batches} batches of {out[0]} -> {out_dir}")
+    return out_dir, "mse"
+
+
+def _train(plan_path: str, model_path: str, steps: int, optimizer: str, extra=()) -> float | None:
     """`unity-pcg run PLAN --model MODEL --json`: returns the measured step time (None when the
     executor is not available yet)."""
     import importlib.util
@@ -243,7 +296,7 @@ def _train(plan_path: str, model_path: str, steps: int, optimizer: str) -> float
         print("executor (`unity-pcg run`) not available yet: run skipped")
         return None
     cmd = [sys.executable, "-m", "unity_pcg.cli", "run", plan_path, "--model", model_path, "--steps", str(steps),
-           "--optimizer", optimizer, "--json"]
+           "--optimizer", optimizer, *extra, "--json"]
     print("$ unity-pcg " + " ".join(cmd[3:]), flush=True)
     t = time.perf_counter()
     r = subprocess.run(cmd, capture_output=True, text=True)
@@ -258,8 +311,10 @@ def _train(plan_path: str, model_path: str, steps: int, optimizer: str) -> float
     losses = out.get("losses") or []
     step = out.get("step_time_s")
     pred = out.get("predicted_iteration_s")
-    print(f"{out.get('nproc', '?')} processes, {len(losses)} steps in {wall:.0f} s; loss "
-          + (f"{losses[0]:.4g} -> {losses[-1]:.4g}" if losses else "-"))
+    print(f"{out.get('nproc', '?')} processes, {len(losses)} steps in {wall:.0f} s; {out.get('loss', '?')} loss "
+          + (f"{losses[0]:.4g} -> {losses[-1]:.4g}" if losses else "-")
+          + (f" (first -> last; {100 * (1 - losses[-1] / losses[0]):.0f}% lower)"
+             if len(losses) > 1 and losses[0] > 0 and losses[-1] < losses[0] else ""))
     times = [t for t in (out.get("step_times_s") or [])[1:] if isinstance(t, (int, float))]
     print(f"step time: predicted {_ms(pred)}, measured {_ms(step)} (median after warm-up"
           + (f"; fastest {_ms(min(times))}" if times else "") + ")"

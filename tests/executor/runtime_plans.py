@@ -38,7 +38,7 @@ def tiny_mlp_onnx(path: str, batch: int = 8, dims=DIMS, seed: int = 0) -> str:
 
 
 def reference_losses(model_path: str, steps: int, optimizer: str = "sgd", lr: float = 0.01, seed: int = 0,
-                     data: str | None = None, dims=DIMS, first_step: int = 0):
+                     data: str | None = None, dims=DIMS, first_step: int = 0, loss: str | None = None):
     """Plain PyTorch training of :func:`tiny_mlp` on the executor's feeds (executor.data): the losses
     and the final parameters (by ONNX initializer name: "0.weight", ...)."""
     import torch
@@ -53,16 +53,19 @@ def reference_losses(model_path: str, steps: int, optimizer: str = "sgd", lr: fl
     for s in range(first_step, first_step + steps):
         feeds, t = src.feeds(s)
         y = m(torch.as_tensor(feeds["x"]))
-        if t is None:
-            loss = y.mean()
-        elif t.dtype.kind in "iu":
-            loss = F.cross_entropy(y, torch.as_tensor(t).long())
+        kind = loss or ("mean" if t is None else "ce" if t.dtype.kind in "iu" else "mse")
+        if kind == "mean":
+            lv = y.mean()
+        elif kind == "ce":
+            lv = F.cross_entropy(y, torch.as_tensor(t).long())
+        elif kind == "bce":
+            lv = F.binary_cross_entropy_with_logits(y, torch.as_tensor(t))
         else:
-            loss = F.mse_loss(y, torch.as_tensor(t))
+            lv = F.mse_loss(y, torch.as_tensor(t))
         opt.zero_grad()
-        loss.backward()
+        lv.backward()
         opt.step()
-        losses.append(float(loss.detach()))
+        losses.append(float(lv.detach()))
     return losses, {k: v.detach().clone() for k, v in m.state_dict().items()}
 
 

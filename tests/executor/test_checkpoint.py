@@ -23,7 +23,7 @@ def work(tmp_path_factory):
 def run(capfd, *args):
     from unity_pcg.cli import main
     capfd.readouterr()
-    rc = main(["run", *map(str, args), "--json"])
+    rc = main(["run", *map(str, args), "--json", "--loss", "mean"])
     out, err = capfd.readouterr()
     assert rc == 0, err
     return json.loads(out)
@@ -84,10 +84,12 @@ def test_resume_refuses_a_foreign_checkpoint_before_start(work, capfd, monkeypat
     (step / "meta.json").write_text(json.dumps({"step": 2, "optimizer": "sgd", "world": 2, "plan_sha256": None}))
     (ck / "latest").write_text("step-00000002\n")
     capfd.readouterr()
-    rc = main(["run", work["dp2"], "--model", work["model"], "--checkpoint", str(ck), "--resume", "--optimizer", "adam"])
+    rc = main(["run", work["dp2"], "--model", work["model"], "--checkpoint", str(ck), "--resume", "--optimizer", "adam",
+               "--loss", "mean"])
     err = capfd.readouterr().err.strip().splitlines()
     assert rc == 2 and len(err) == 1 and "holds sgd state" in err[0], err
-    rc = main(["run", work["dp2"], "--model", work["model"], "--checkpoint", str(work["dir"] / "empty"), "--resume"])
+    rc = main(["run", work["dp2"], "--model", work["model"], "--checkpoint", str(work["dir"] / "empty"), "--resume",
+               "--loss", "mean"])
     err = capfd.readouterr().err.strip().splitlines()
     assert rc == 2 and len(err) == 1 and "no checkpoint" in err[0], err
 

@@ -142,7 +142,7 @@ def test_pipelined_data_parallel_dropout_draws_the_masks_of_one_device(work, cap
     one = P.load(one_device_plan(model, str(work["dir"] / "drop_one.json")))
     assert any(n.op == "Dropout" for n in one.pcg.nodes())
     capfd.readouterr()
-    rc = main(["run", pp, "--model", model, "--steps", "3", "--seed", "5", "--json"])
+    rc = main(["run", pp, "--model", model, "--steps", "3", "--seed", "5", "--json", "--loss", "mean"])
     out, err = capfd.readouterr()
     assert rc == 0, err
     got = json.loads(out)["losses"]
@@ -177,7 +177,8 @@ def test_pipeline_resume_continues_exactly(work, capfd):
 
     def run(*extra):
         capfd.readouterr()
-        rc = main(["run", pp, "--model", work["model"], "--optimizer", "adam", "--json", *map(str, extra)])
+        rc = main(["run", pp, "--model", work["model"], "--optimizer", "adam", "--json", "--loss", "mean",
+                   *map(str, extra)])
         out, err = capfd.readouterr()
         assert rc == 0, err
         return json.loads(out)["losses"]
@@ -231,7 +232,7 @@ def _unequal_run(work, capfd, devices: int, sizes: list, degrees: list, idle: bo
     assert sorted(got_degrees) == sorted(degrees), got_degrees
     capfd.readouterr()
     rc = main(["run", pp, "--model", model, "--steps", "3", "--seed", "5", "--optimizer", "adam", "--lr", "0.05",
-               "--json"])
+               "--json", "--loss", "mean"])
     out, err = capfd.readouterr()
     assert rc == 0, err
     assert json.loads(out)["nproc"] == devices
@@ -272,7 +273,8 @@ def test_pipelined_batchnorm_running_statistics_per_micro_batch(work, capfd):
     pp = pipeline_plan(model, str(work["dir"] / "bn_pp.json"), stages=2, micro_batches=2)
     ck = work["dir"] / "bn_ck"
     capfd.readouterr()
-    rc = main(["run", pp, "--model", model, "--steps", "1", "--per-device-bn", "--checkpoint", str(ck), "--json"])
+    rc = main(["run", pp, "--model", model, "--steps", "1", "--per-device-bn", "--checkpoint", str(ck), "--json",
+               "--loss", "mean"])
     out, err = capfd.readouterr()
     assert rc == 0, err
     g = load_onnx(model)

@@ -63,7 +63,7 @@ def _train(plan: str, model: str, tmp, capfd, optimizer: str, data: str | None =
     ck = tmp / "ck"
     capfd.readouterr()
     rc = main(["run", plan, "--model", model, "--steps", "5", "--optimizer", optimizer, "--lr", "0.02",
-               "--seed", str(seed), "--checkpoint", str(ck), "--json"] + (["--data", data] if data else []))
+               "--seed", str(seed), "--checkpoint", str(ck), "--json"] + (["--data", data] if data else ["--loss", "mean"]))
     out, err = capfd.readouterr()
     assert rc == 0, err
     got = json.loads(out)
@@ -267,7 +267,8 @@ def test_megatron_pipeline_resume_continues_exactly(tmp_path, capfd):
 
     def run(*extra):
         capfd.readouterr()
-        rc = main(["run", pp, "--model", model, "--optimizer", "adam", "--json", *map(str, extra)])
+        rc = main(["run", pp, "--model", model, "--optimizer", "adam", "--json", "--loss", "mean",
+                   *map(str, extra)])
         out, err = capfd.readouterr()
         assert rc == 0, err
         return json.loads(out)["losses"]
@@ -306,7 +307,7 @@ def test_searched_megatron_pipeline_plan_trains_like_one_process(tmp_path, capfd
     from tests.executor.runtime_plans import one_device_plan
     capfd.readouterr()
     rc = main(["run", pp, "--model", model, "--steps", "3", "--optimizer", "sgd", "--lr", "0.02", "--seed", "3",
-               "--checkpoint", str(tmp_path / "ck"), "--json"])
+               "--checkpoint", str(tmp_path / "ck"), "--json", "--loss", "mean"])
     out, err = capfd.readouterr()
     assert rc == 0, err
     one = P.load(one_device_plan(model, str(tmp_path / "one.json")))

@@ -25,7 +25,7 @@ def work(tmp_path_factory):
 def cli(capfd, *args):
     from unity_pcg.cli import main
     capfd.readouterr()
-    rc = main(["run", *map(str, args)])
+    rc = main(["run", *map(str, args), "--loss", "mean"])
     out, err = capfd.readouterr()
     return rc, out, [ln for ln in err.splitlines() if ln.strip()]
 
@@ -74,7 +74,7 @@ def test_diverging_rank_stops_at_the_step_and_keeps_the_last_good_checkpoint(wor
     from tests.executor.runtime_plans import one_device_plan
     one_device_plan(work["model"], str(one))
     rc = main([str(one), "--model", work["model"], "--steps", "20", "--lr", "1e30", "--checkpoint", str(ck),
-               "--checkpoint-every", "1", "--report-dir", str(rep), "--progress", "none"])
+               "--checkpoint-every", "1", "--report-dir", str(rep), "--progress", "none", "--loss", "mean"])
     assert rc == 4
     report = json.loads((rep / "rank-0.json").read_text())
     good = (ck / "latest").read_text().strip()

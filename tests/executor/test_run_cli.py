@@ -39,7 +39,8 @@ def cli(capfd, *args) -> Result:
 
 
 def test_dp_run_on_two_ranks_prints_json_and_trains_as_pytorch(work, capfd):
-    r = cli(capfd, work["dp2"], "--model", work["model"], "--steps", 4, "--optimizer", "adam", "--json")
+    r = cli(capfd, work["dp2"], "--model", work["model"], "--steps", 4, "--optimizer", "adam", "--json",
+            "--loss", "mean")
     assert r.returncode == 0, r.stderr
     out = json.loads(r.stdout)
     assert out["nproc"] == 2 and out["steps"] == 4 and len(out["losses"]) == 4
@@ -98,7 +99,8 @@ def test_data_files_that_do_not_fit_are_refused_before_start(work, capfd, monkey
 @pytest.mark.slow
 def test_same_rank_code_under_torchrun(work):
     r = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
-                        "-m", "unity_pcg.executor", work["dp2"], "--model", work["model"], "--steps", "2"],
+                        "-m", "unity_pcg.executor", work["dp2"], "--model", work["model"], "--steps", "2",
+                        "--loss", "mean"],
                        cwd=ROOT, capture_output=True, text=True, timeout=120, env=dict(os.environ, OMP_NUM_THREADS="1"))
     assert r.returncode == 0, r.stderr
     steps = [ln for ln in r.stdout.splitlines() if ln.startswith("step ")]

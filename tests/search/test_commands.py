@@ -127,6 +127,7 @@ def test_simulated_plans_train_as_one_device(name, strategy, batch, tmp_path, ca
         assert main(["simulate", model, "--machine", machine, "--strategy", strat, "-o", plan]) == 0
         capsys.readouterr()
         nproc = "2" if strat != "none" else "1"
-        assert main(["run", plan, "--model", model, "--steps", "3", "--nproc", nproc, "--json"]) == 0
+        assert main(["run", plan, "--model", model, "--steps", "3", "--nproc", nproc, "--json",
+                     "--loss", "mean"]) == 0
         losses[strat] = json.loads(capsys.readouterr().out)["losses"]
     assert losses[strategy] == pytest.approx(losses["none"], rel=1e-4, abs=1e-6)

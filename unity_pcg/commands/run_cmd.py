@@ -1,9 +1,12 @@
-"""`unity-pcg run plan.json --model MODEL.onnx [--steps N] [--nproc K] [--data FILE.npz] [--optimizer sgd|adam]
-[--lr X] [--checkpoint DIR] [--resume] [--save-model OUT.onnx] [--json] [--seed S] [--per-device-bn]`: train with a plan on local ranks.
+"""`unity-pcg run plan.json --model MODEL.onnx [--steps N] [--nproc K] [--data FILE.npz|DIR]
+[--loss mean|mse|ce|bce|output] [--optimizer sgd|adam] [--lr X] [--checkpoint DIR] [--resume] [--save-model OUT.onnx]
+[--json] [--seed S] [--per-device-bn]`: train with a plan on local ranks.
 
 Everything that can be checked is checked before a process starts (executor/launch.py ``check``): the plan
 loads and validates, the model's sha256 is the plan's, ``--nproc`` (default: the plan's device count) is
-the plan's device count, a --data file fits the model, --resume finds a checkpoint.  Then K local ranks
+the plan's device count, the --data file or folder fits the model (shapes, dtypes, and its values scanned in
+bounded chunks: no NaN/inf, embedding indices in range), the loss (--loss, or derived from the targets and
+printed) fits the targets, --resume finds a checkpoint of the same loss.  Then K local ranks
 run ``python -m unity_pcg.executor`` under torch's elastic launch API; rank 0 prints one line per step.  ``--json``
 prints one JSON object at the end (losses, step_time_s, predicted_iteration_s, nproc, ...) and sends the
 progress lines to stderr.  torch is imported only here, when the command runs.
@@ -30,7 +33,7 @@ def add_arguments(p) -> None:
 def _rank_args(args) -> list[str]:
     out = [os.path.abspath(args.plan), "--model", os.path.abspath(args.model), "--steps", str(args.steps),
            "--optimizer", args.optimizer, "--lr", repr(args.lr), "--seed", str(args.seed),
-           "--timeout", repr(args.timeout), "--progress", "stderr" if args.json else "stdout"]
+           "--timeout", repr(args.timeout), "--progress", "stderr" if args.json else "stdout", "--loss", args.loss]
     if args.data:
         out += ["--data", os.path.abspath(args.data)]
     if args.checkpoint:
@@ -62,12 +65,16 @@ def precheck(args):
         raise UnityError(f"plan {args.plan} runs on {world} ranks, one per GPU, but this machine has "
                          f"{torch.cuda.device_count()} GPU(s); run it with torchrun across machines")
     from unity_pcg.executor.data import open_data
-    open_data(plan.pcg, args.data, seed=args.seed)
+    from unity_pcg.executor.loss import check_loss, check_resume_loss, resolve_loss
+    data = open_data(plan.pcg, args.data, seed=args.seed)
+    args.loss, args.loss_note = resolve_loss(plan.pcg, args.loss, data)
+    check_loss(plan.pcg, args.loss, data)
     if args.resume:
         from unity_pcg.executor.checkpoint import check_resume
 
         from ..plan import file_sha256
         check_resume(args.checkpoint, file_sha256(args.plan), args.optimizer, world)
+        check_resume_loss(args.checkpoint, args.loss)
     return plan, world
 
 
@@ -76,6 +83,8 @@ def train(args) -> dict:
     ``executor.launch.RunFailed`` (a UnityError with the exit ``code``) naming why the run failed."""
     plan, world = precheck(args)
     from unity_pcg.executor.launch import launch
+    if getattr(args, "loss_note", None):
+        print(f"loss: {args.loss_note}", file=sys.stderr if args.json else sys.stdout, flush=True)
     threads = args.threads or max(1, (os.cpu_count() or 1) // world)
     if threads < 1:
         raise UnityError(f"--threads must be a positive integer, got {threads}")
