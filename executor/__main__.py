@@ -82,7 +82,8 @@ def add_training_arguments(p: argparse.ArgumentParser) -> None:
                    help="mean: of the first output; mse / bce: against float targets; ce: integer class "
                         "targets; output: the graph's first output is its own loss (default: mse for float "
                         "targets, ce for integer ones, output for a one-element output without targets)")
-    p.add_argument("--optimizer", choices=("sgd", "adam"), default="sgd", help="default sgd")
+    p.add_argument("--optimizer", choices=("sgd", "momentum", "adam"), default=None,
+                   help="sgd, momentum (SGD, 0.9) or adam (default: the optimizer the plan was priced for, else sgd)")
     p.add_argument("--lr", type=float, default=0.01, metavar="X", help="learning rate (default 0.01)")
     p.add_argument("--seed", type=int, default=0, metavar="S", help="seed of random feeds and dropout (default 0)")
     p.add_argument("--checkpoint", default=None, metavar="DIR",
@@ -435,8 +436,9 @@ def main(argv: list[str] | None = None) -> int:
         if args.save_model:
             from .export import check_output
             check_output(args.save_model)
-        from .launch import check
+        from .launch import check, plan_optimizer
         plan, need = check(args.plan, args.model, None, args.per_device_bn)
+        args.optimizer = args.optimizer or plan_optimizer(plan)
         if need != world:
             raise UnityError(f"plan {args.plan} runs on {need} rank(s) (a rank is a device), this run has "
                              f"{world}" + ("" if world > 1 else ": start it with `unity-pcg run` or torchrun"))

@@ -68,6 +68,13 @@ def plan_world(plan) -> int:
     return devs[-1] + 1
 
 
+def plan_optimizer(plan) -> str:
+    """The optimizer a run uses when --optimizer is not given: the one the plan was priced for (its memory and
+    update time assume it), else plain SGD."""
+    rec = (plan.predicted or {}).get("optimizer") or (plan.info or {}).get("optimizer")
+    return rec if rec in ("sgd", "momentum", "adam") else "sgd"
+
+
 def check(plan_path: str, model_path: str | None, nproc: int | None = None, per_device_bn: bool = False):
     """Load and validate the plan, check the model against it and the process count; returns
     ``(plan, world)``.  Raises a one-line UnityError; starts nothing."""

@@ -51,6 +51,21 @@ OVERLAP_MIN_BYTES = 8 << 20      # CPU: overlap the gradient all-reduces with ba
 GRAD_TAG = 1 << 30     # backward messages of an exchange: its forward tags + GRAD_TAG
 
 
+OPTIMIZERS = ("sgd", "momentum", "adam")   # what the cost model prices (search.cost.OPTIMIZER_STATES) and we run
+MOMENTUM = 0.9
+
+
+def make_optimizer(kind: str, params: list, lr: float):
+    """The torch optimizer of ``--optimizer``: plain SGD, SGD with momentum 0.9, or Adam (torch defaults)."""
+    if kind == "sgd":
+        return torch.optim.SGD(params, lr=lr)
+    if kind == "momentum":
+        return torch.optim.SGD(params, lr=lr, momentum=MOMENTUM)
+    if kind == "adam":
+        return torch.optim.Adam(params, lr=lr)
+    raise ExecutorError(f"unknown optimizer {kind!r} (known: {', '.join(OPTIMIZERS)})")
+
+
 # --- communication with autograd ----------------------------------------------------------------------
 
 def _p2p(sends, recvs) -> None:
@@ -319,12 +334,7 @@ class Trainer:
         for grp in sorted({b["devs"] for b in self._buckets}):   # gradient buckets get their own groups
             self._bucket_pgs[grp] = self._new_group(grp) if self.world > 1 else None
         self._opt_kind = optimizer
-        if optimizer == "sgd":
-            self.opt = torch.optim.SGD(list(self.params.values()), lr=lr)
-        elif optimizer == "adam":
-            self.opt = torch.optim.Adam(list(self.params.values()), lr=lr)
-        else:
-            raise ExecutorError(f"unknown optimizer {optimizer!r} (known: sgd, adam)")
+        self.opt = make_optimizer(optimizer, list(self.params.values()), lr)
         self._hooks()
         # message tags: every exchange of the plan gets its own range (same numbers on every rank)
         self._tags = {}
@@ -1050,7 +1060,7 @@ class Trainer:
         entries such as Adam's step count from the rank that stepped most)."""
         st = self.opt.state_dict()
         names = list(self.params)
-        keys = {"adam": ("step", "exp_avg", "exp_avg_sq")}.get(self._opt_kind, ())
+        keys = {"adam": ("step", "exp_avg", "exp_avg_sq"), "momentum": ("momentum_buffer",)}.get(self._opt_kind, ())
         out: dict = {"step": self.step_no, "param_groups": [{k: v for k, v in grp.items() if k != "params"}
                                                             for grp in st["param_groups"]], "state": {}}
         for idx, name in enumerate(names):

@@ -102,7 +102,7 @@ def _one_rank(monkeypatch, capfd, *args):
     for k in ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT"):
         monkeypatch.delenv(k, raising=False)
     capfd.readouterr()
-    rc = main([*map(str, args)])
+    rc = main([*map(str, args), "--loss", "mean"])
     out, err = capfd.readouterr()
     losses = [float(ln.split()[3]) for ln in out.splitlines() if ln.startswith("step ")]
     return rc, losses, [ln for ln in err.splitlines() if ln.strip()]
@@ -154,7 +154,7 @@ def test_failed_checkpoint_write_on_one_of_two_ranks_ends_the_run_with_one_line(
     from `unity-pcg run`), step 2 stays the latest and a run resumes from it (exactness of a resume after a
     failed write: the one-rank test above; of a two-rank resume: test_resume_continues_exactly...)."""
     from unity_pcg.cli import main
-    common = [work["dp2"], "--model", work["model"], "--lr", "0.05"]
+    common = [work["dp2"], "--model", work["model"], "--lr", "0.05", "--loss", "mean"]
     ck = tmp_path / "ck"
     monkeypatch.setenv("UNITY_PCG_FAULT_CKPT", "1:4")
     capfd.readouterr()

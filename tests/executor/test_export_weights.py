@@ -34,7 +34,7 @@ def cli(capfd, *args):
 
 
 def train_run(capfd, plan, model, out, *extra):
-    rc, o, err = cli(capfd, "run", plan, "--model", model, "--steps", STEPS, "--optimizer", OPT, "--lr", LR,
+    rc, o, err = cli(capfd, "run", plan, "--model", model, "--steps", STEPS, "--loss", "mean", "--optimizer", OPT, "--lr", LR,
                      "--seed", SEED, "--save-model", out, "--json", *extra)
     assert rc == 0, err
     res = json.loads(o)
@@ -145,7 +145,7 @@ def rank_run(tmp, monkeypatch, plan: str, model: str, out: str) -> None:
         monkeypatch.delenv(k, raising=False)
     rep = tmp / "rep"
     rep.mkdir(exist_ok=True)
-    rc = main([plan, "--model", model, "--steps", str(STEPS), "--optimizer", OPT, "--lr", str(LR),
+    rc = main([plan, "--model", model, "--steps", str(STEPS), "--loss", "mean", "--optimizer", OPT, "--lr", str(LR),
                "--save-model", out, "--report-dir", str(rep), "--progress", "none"])
     assert rc == 0, [p.read_text() for p in rep.iterdir()]
     assert json.loads((rep / "result.json").read_text())["saved_model"] == out
@@ -318,7 +318,7 @@ def ckrun(work, tmp_path_factory):
     d = tmp_path_factory.mktemp("ckrun")
     plan = dp_plan(work["gemm"], str(d / "dp2.json"), 2)
     out = d / "saved.onnx"
-    rc = main(["run", plan, "--model", work["gemm"], "--steps", str(STEPS), "--optimizer", OPT, "--lr", str(LR),
+    rc = main(["run", plan, "--model", work["gemm"], "--steps", str(STEPS), "--loss", "mean", "--optimizer", OPT, "--lr", str(LR),
                "--checkpoint", str(d / "ck"), "--save-model", str(out), "--seed", "0"])
     assert rc == 0
     return {"dir": d, "ck": d / "ck", "saved": out, "plan": plan}

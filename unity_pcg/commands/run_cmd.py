@@ -1,5 +1,5 @@
 """`unity-pcg run plan.json --model MODEL.onnx [--steps N] [--nproc K] [--data FILE.npz|DIR]
-[--loss mean|mse|ce|bce|output] [--optimizer sgd|adam] [--lr X] [--checkpoint DIR] [--resume] [--save-model OUT.onnx]
+[--loss mean|mse|ce|bce|output] [--optimizer sgd|momentum|adam] [--lr X] [--checkpoint DIR] [--resume] [--save-model OUT.onnx]
 [--json] [--seed S] [--per-device-bn]`: train with a plan on local ranks.
 
 Everything that can be checked is checked before a process starts (executor/launch.py ``check``): the plan
@@ -60,6 +60,8 @@ def precheck(args):
         from unity_pcg.executor.export import check_output
         check_output(args.save_model)
     plan, world = check(args.plan, args.model, args.nproc, args.per_device_bn)
+    from unity_pcg.executor.launch import plan_optimizer
+    args.optimizer = args.optimizer or plan_optimizer(plan)
     import torch
     if torch.cuda.is_available() and world > torch.cuda.device_count():
         raise UnityError(f"plan {args.plan} runs on {world} ranks, one per GPU, but this machine has "
