@@ -184,3 +184,16 @@ def test_export_weights_writes_what_train_saved(work, tmp_path):
     assert (tmp_path / "a.safetensors").read_bytes() == (tmp_path / "b.safetensors").read_bytes()
     with pytest.raises(UnityError, match="does not exist"):
         up.export_weights(tmp_path / "nothing", tmp_path / "c.onnx")
+
+
+def test_train_uses_the_optimizer_the_plan_was_priced_for(work):
+    """A plan priced for SGD with momentum trains with it unless told otherwise; two data-parallel ranks equal
+    one device (rtol 1e-4), and plain SGD gives other losses (the momentum is really applied)."""
+    dp = up.optimize(work["model"], machine="local:1x2", budget=2, strategy="dp", optimizer="momentum")
+    one = up.optimize(work["model"], machine="local:1x1", budget=2, strategy="none", optimizer="momentum")
+    out = up.train(dp, steps=3, loss="mean", lr=0.05)
+    ref = up.train(one, steps=3, loss="mean", lr=0.05)
+    assert out["optimizer"] == ref["optimizer"] == "momentum" and out["nproc"] == 2
+    np.testing.assert_allclose(out["losses"], ref["losses"], rtol=1e-4)
+    sgd = up.train(one, steps=3, loss="mean", lr=0.05, optimizer="sgd")
+    assert sgd["optimizer"] == "sgd" and abs(sgd["losses"][2] - ref["losses"][2]) > 1e-6
