@@ -279,20 +279,21 @@ def latest_dir(root: str) -> str | None:
     return os.path.join(root, name) if name else None
 
 
-def read_meta(root: str) -> dict:
-    """The meta.json of the latest checkpoint; refuses a folder without a complete one (no collective)."""
+def read_meta(root: str, context: str = "--resume: ") -> dict:
+    """The meta.json of the latest checkpoint; refuses a folder without a complete one (no collective).
+    ``context`` starts each error line (who asked)."""
     d = latest_dir(root)
     if d is None:
-        raise CheckpointError(f"--resume: no checkpoint in {root} (no {LATEST} file)")
+        raise CheckpointError(f"{context}no checkpoint in {root} (no {LATEST} file names a complete one)")
     try:
         with open(os.path.join(d, META)) as f:
             meta = json.load(f)
     except FileNotFoundError:
-        raise CheckpointError(f"--resume: checkpoint {d} is incomplete (no {META})") from None
-    except json.JSONDecodeError as e:
-        raise CheckpointError(f"--resume: {d}/{META} is not JSON: {e}") from None
+        raise CheckpointError(f"{context}checkpoint {d} is incomplete (no {META})") from None
+    except (OSError, ValueError) as e:
+        raise CheckpointError(f"{context}cannot read {d}/{META} ({type(e).__name__}: {e})") from None
     if not isinstance(meta, dict) or not isinstance(meta.get("step"), int):
-        raise CheckpointError(f"--resume: {d}/{META} is not a checkpoint description")
+        raise CheckpointError(f"{context}{d}/{META} is not a checkpoint description")
     meta["dir"] = d
     return meta
 

@@ -31,24 +31,12 @@ def add_arguments(p) -> None:
 
 def latest_checkpoint(root: str) -> dict:
     """meta.json of the latest complete checkpoint under ``root`` (with "dir"); one-line errors."""
-    from unity_pcg.executor.checkpoint import LATEST, META, latest_dir
+    from unity_pcg.executor.checkpoint import read_meta
     if not os.path.isdir(root):
         raise UnityError(f"checkpoint folder {root} does not exist")
-    d = latest_dir(root)
-    if d is None:
-        raise UnityError(f"{root} holds no complete checkpoint (no {LATEST} file)")
-    try:
-        with open(os.path.join(d, META)) as f:
-            meta = json.load(f)
-    except FileNotFoundError:
-        raise UnityError(f"checkpoint {d} is incomplete (no {META})") from None
-    except (OSError, ValueError) as e:
-        raise UnityError(f"checkpoint {d}: cannot read {META} ({type(e).__name__})") from None
-    if not isinstance(meta, dict) or not isinstance(meta.get("step"), int):
-        raise UnityError(f"checkpoint {d}: {META} is not a checkpoint description")
-    if not os.path.exists(os.path.join(d, ".metadata")):
-        raise UnityError(f"checkpoint {d} is incomplete (no .metadata)")
-    meta["dir"] = d
+    meta = read_meta(root, context="")
+    if not os.path.exists(os.path.join(meta["dir"], ".metadata")):
+        raise UnityError(f"checkpoint {meta['dir']} is incomplete (no .metadata)")
     return meta
 
 
