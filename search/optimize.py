@@ -218,6 +218,14 @@ class Evaluator:
         with within(dl):
             return self.mapper.optimize(g, resource=resource, fixed=self.pins(g, resource))
 
+    def cost_without_dp(self, g: PCG) -> float:
+        """The price of :meth:`cheap`'s mapping of ``g`` (kept, as ``cost(keep=True)`` keeps a solve's)."""
+        r = self.cheap(g)
+        if r is None:
+            return INF
+        self._kept[(g.structural_hash(), None)] = r
+        return r.cost if r.feasible else INF
+
     def cheap(self, g: PCG, resource: Resource | None = None):
         """A mapping of ``g`` without the DP (linear in the graph): every node on the first view of its
         degree, the data-parallel layout of a data-parallel graph; the last resort when even data
@@ -226,12 +234,19 @@ class Evaluator:
         gc = GraphCost(g, self.mapper.model)
         res = resource or Resource.whole(self.machine)
         fixed = self.pins(g, resource) or {}
+        first: dict = {}                    # task grid -> its first view (nodes share a few grids)
         views = {}
         for n in gc.nodes():
-            vs = [fixed[n]] if n in fixed else gc.views(n, res)
-            if not vs:
+            if n in fixed:
+                views[n] = fixed[n]
+                continue
+            grid = gc.grid[n]
+            if grid not in first:
+                vs = gc.views(n, res)
+                first[grid] = min(vs, key=lambda v: (v.start, v.devices())) if vs else None
+            if first[grid] is None:
                 return None
-            views[n] = min(vs, key=lambda v: (v.start, v.devices()))
+            views[n] = first[grid]
         return self.mapper.evaluate(g, views)
 
 
@@ -276,7 +291,8 @@ def whole_tp_degrees(m: MachineSpec, dp_degrees, widths=None) -> dict[int, int]:
 
 def _segment_search(g: PCG, book: RuleBook, ev: "Evaluator", dp_degrees, dp_deg: int, k: int,
                     max_candidates: int, alpha: float, progress, deadline: "Deadline | float",
-                    families: dict | None = None, early: Callable[[dict], None] | None = None):
+                    families: dict | None = None, early: Callable[[dict], None] | None = None,
+                    price_dp_seeds: bool = True):
     """The split search (module docstring), until ``deadline`` (a :class:`search.budget.Deadline`; a
     number is a ``time.perf_counter`` instant).  Returns (searched graph, its steps, data parallelism
     by rules at ``dp_deg`` assembled from the segments' seeds, its steps, stats, interrupted).
@@ -380,8 +396,9 @@ def _segment_search(g: PCG, book: RuleBook, ev: "Evaluator", dp_degrees, dp_deg:
             # large machine: BERT-Large at batch 4 on 192 GPUs, degree 4, has thousands of views per operator);
             # past the deadline it is only built (data parallelism by rules over the whole graph is assembled
             # from it, and priced as a whole)
-            c = Candidate(ev.cost(trimmed(x), limited=False) if d == dp_deg and not deadline.passed()
-                          else None, x, tuple(st))
+            # (not priced when data parallelism's own solve did not finish: ``price_dp_seeds``)
+            c = Candidate(ev.cost(trimmed(x), limited=False) if d == dp_deg and price_dp_seeds
+                          and not deadline.passed() else None, x, tuple(st))
             start.append(c)
             if d != dp_deg:
                 seed_deg[id(x)] = (d, sum(n.kind == "compute" for n in cg.nodes()))
@@ -603,11 +620,13 @@ def _whole_search(g: PCG, rules, book: RuleBook, cost: Callable[[PCG], float], u
 
 
 def _price_dp_by_rules(ev: "Evaluator", g: PCG, book: RuleBook, dpg: PCG, steps, dp_pg: PCG | None,
-                       left: Callable[[], float], stats: dict) -> PlanCandidate:
+                       left: Callable[[], float], stats: dict, dp_cut: bool = False) -> PlanCandidate:
     """Data parallelism by rules, the search's floor.  When it is exactly the hand-built dp PCG (normalized
     structural hash) it is priced with no limit of its own (a data-parallel graph at full degree solves as
-    fast as the baseline did; the budget's hard end still bounds it); otherwise (an operator without a dp
-    rule stays whole) within the time left, and ``stats["dp_by_rules"]`` says how it differs."""
+    fast as the baseline did, from the mapper's memo; the budget's hard end still bounds it), or, when the
+    baseline's solve was cut (``dp_cut``), mapped as the baseline then was, without the DP; otherwise (an
+    operator without a dp rule stays whole) within the time left, and ``stats["dp_by_rules"]`` says how it
+    differs."""
     t = trimmed(dpg)
     same = dp_pg is not None and normalized_hash(t) == normalized_hash(dp_pg)
     info: dict = {"equal_to_baseline": same, "steps": len(steps)}
@@ -623,7 +642,13 @@ def _price_dp_by_rules(ev: "Evaluator", g: PCG, book: RuleBook, dpg: PCG, steps,
                            else "no dp rule applies to " + (", ".join(f"{k} x{v}" for k, v in sorted(lw.items()))
                                                             or "an operator"))
     stats["dp_by_rules"] = info
-    c = ev.cost(t, limited=False, wall=False, keep=True) if same else ev.cost(t, limited=left(), keep=True)
+    if same and dp_cut:
+        c = ev.cost_without_dp(t)
+        info["mapping"] = "without the DP (as data parallelism's)"
+    elif same:
+        c = ev.cost(t, limited=False, wall=False, keep=True)
+    else:
+        c = ev.cost(t, limited=left(), keep=True)
     return PlanCandidate("data parallel by rules", t, c, tuple(steps), FLOOR)
 
 
@@ -731,6 +756,7 @@ class _Run:
         self.dps = [d for d in self.degrees if self.b is None or self.b % d == 0]
         self.dp_deg = max(self.dps, default=1)
         self.dp_pg = self.dp_res = None
+        self.dp_cut = False                           # data parallelism's DP solve did not finish in its phase
         self.book: RuleBook | None = None
         self.stats: dict = {}
         self.marks: dict = {}
@@ -786,10 +812,11 @@ def optimize(model, machine, budget_s: "float | Budget | None" = None, alpha: fl
     else:
         run.book = RuleBook(rules, search_degrees(m))
         try:
-            if strategy == "unity":
-                _unity_candidates(run)
-            else:
-                _sequential_candidates(run)
+            with within(bud.hard_end()):        # every rule sequence and solve stops there at the latest
+                if strategy == "unity":
+                    _unity_candidates(run)
+                else:
+                    _sequential_candidates(run)
         except KeyboardInterrupt:
             run.interrupted = True
         except Expired:             # the hard end: what was priced so far competes
@@ -856,6 +883,7 @@ def _price_data_parallel(run: _Run) -> None:
         run.dp_res = run.ev.full(run.dp_pg, deadline=run.later("floors"))
     except Expired:
         run.dp_res = run.ev.cheap(run.dp_pg)
+        run.dp_cut = True
         run.stats["dp_mapping"] = "without the DP (its solve did not finish within the floors' phase)"
     run.mark("dp_baseline")
 
@@ -997,14 +1025,14 @@ def _search_segments(run: _Run, fam_cost: dict) -> tuple:
 
     out, st, dpg, dpst, stats, interrupted = _segment_search(
         g, run.book, ev, run.dps, run.dp_deg, run.k, run.max_candidates, run.alpha, run.progress, deadline,
-        fams, early)
+        fams, early, price_dp_seeds=not run.dp_cut)
     run.stats.update(stats)
     run.interrupted = run.interrupted or interrupted
     # data parallelism by rules (assembled from the segments' seeds): the floor.  A fixed sequence (one dp
     # rule per operator, then cancellations); when it is the hand-built dp PCG its solve costs what
     # dp_res cost (in the memo), so it is priced with no limit of its own: a plan reached by rules exists
     run.floor.append(_price_dp_by_rules(ev, g, run.book, dpg, dpst, run.dp_pg, lambda: _pricing_left(run),
-                                        run.stats))
+                                        run.stats, run.dp_cut))
     run.stats["phase_s"] = {"segments": bud.elapsed()}
     run.mark("segments")
     return (out, st) if out is not None else None, fams
@@ -1074,7 +1102,7 @@ def _sequential_candidates(run: _Run) -> None:
                 g2, st2 = data_parallel_steps(g1, run.dp_deg, book)
                 dg, dst = data_parallel_steps(g, run.dp_deg, book)
             run.floor.append(_price_dp_by_rules(ev, g, book, dg, dst, run.dp_pg, lambda: _pricing_left(run),
-                                                run.stats))
+                                                run.stats, run.dp_cut))
         g3, st3, s2 = _whole_search(g2, par, book, lambda x: ev.cost(trimmed(x)), end, run.max_candidates,
                                     run.alpha, run.progress, start_steps=st1 + st2)
     with bud.phase("pricing"):
