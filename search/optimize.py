@@ -23,12 +23,16 @@ Pipelines: with ``pipeline=True`` (unity), the last quarter of the budget runs t
 predicted faster, and then records its stages (``Plan.pipeline``) and no rule sequence (the stages are
 built by the stage DP, not by rules).
 
-Budgets: ``budget_s`` seconds in all (split evenly over the distinct segments) and ``max_candidates``
-expanded candidates per segment; with a candidate budget that is reached first the result does not
-depend on the machine's speed, so the same seed gives the same plan.  A KeyboardInterrupt during
-the search stops it and the best plan so far is returned (``result.interrupted``).  One DP solve
-of a candidate is limited to ``price_limit_s`` (default max(1 s, budget / 30)); a slower one prices
-the candidate inf.
+Budgets: ``budget_s`` seconds of wall time for the whole call, import included, split into the named
+phases of :data:`search.budget.PHASES` (floors, whole-graph families, segments, pricing, final, pipeline),
+each with a deadline the solvers check at their loop heads (the mapping DP at every subproblem, rule
+application at every match round, the best-first search and the stage search at every step; no signals,
+so any thread); when time is up the best plan priced so far is returned, and nothing runs past the hard
+end (the budget plus 5%, at least 2 s).  ``max_candidates`` expanded candidates per segment; with a
+candidate budget that is reached first the result does not depend on the machine's speed, so the same
+seed gives the same plan.  A KeyboardInterrupt during the search stops it and the best plan so far is
+returned (``result.interrupted``).  One DP solve of a candidate is limited to ``price_limit_s`` (default
+max(1 s, budget / 30)); a slower one prices the candidate inf.
 """
 from __future__ import annotations
 
@@ -574,18 +578,24 @@ def _fixed_baselines(g: PCG, ev: "Evaluator", degree: int, m: MachineSpec, until
     expert strategy splits a communication-intensive Linear on top of data parallelism), so the search
     cannot be relied on to find them; where one is faster than every plan reached by rules, it is
     returned, recorded as a fixed strategy (as the dp baseline is)."""
-    from .baselines import StrategyError, build_strategy
     out: dict = {}
     for name in FLOOR_STRATEGIES:
-        try:
-            with within(until):
-                pg = build_strategy(g, name, degree, devices_per_node=m.devices_per_node)
-        except StrategyError:
-            continue                    # does not apply to this model
-        except Expired:
+        if until.passed():              # built and priced when the floors resume (_resume_cut_floors)
+            out[name] = (None, INF, "not built within the budget", None)
             continue
-        out[name] = _price_baseline(ev, pg, until)
+        pg = _build_floor(g, name, degree, m)
+        if pg is not None:
+            out[name] = _price_baseline(ev, pg, until)
     return out
+
+
+def _build_floor(g: PCG, name: str, degree: int, m: MachineSpec) -> PCG | None:
+    """The fixed strategy ``name``'s PCG as ``--strategy NAME`` builds it; None where it does not apply."""
+    from .baselines import StrategyError, build_strategy
+    try:
+        return build_strategy(g, name, degree, devices_per_node=m.devices_per_node)
+    except StrategyError:
+        return None
 
 
 def _price_baseline(ev: "Evaluator", pg: PCG, until: Deadline) -> tuple:
@@ -1078,6 +1088,13 @@ def _resume_cut_floors(run: _Run) -> None:
     """A floor whose solve was cut resumes (the mapper keeps the subproblems it solved) with what is left of
     the final phase: on a loaded machine Megatron's solve on BERT-Large outlasts its share."""
     for name, (opg, oc, note, ores) in list(run.others.items()):
+        if ores is None and run.budget.expired("final"):
+            break
+        if opg is None:
+            opg = _build_floor(run.g, name, run.dp_deg, run.m)
+            if opg is None:             # does not apply to this model
+                del run.others[name]
+                continue
         if ores is None:
             run.others[name] = _price_baseline(run.ev, opg, run.budget.deadline("final"))
 
@@ -1117,7 +1134,8 @@ def _choose(run: _Run) -> PlanCandidate:
     """The fastest candidate (ties: the floor, then the search, then the families, then the order found)
     with its mapping (kept from its pricing; else solved within the hard end).  When nothing reachable was
     priced feasible, a feasible fixed strategy (recorded as such, ``info.search.fallback``)."""
-    ev, g, bud = run.ev, run.g, run.budget
+    ev = run.ev
+    run.mark("whole_graph_pricing")
     pool = run.floor + run.cands
     best = min(pool, key=lambda c: (c.cost, c.rank)) if pool else None
     chosen = None
@@ -1134,7 +1152,6 @@ def _choose(run: _Run) -> PlanCandidate:
         if best is None or not math.isfinite(best.cost):
             run.stats["unpriced"] = True
         chosen = _fallback(run)
-    run.mark("whole_graph_pricing")
     run.mark("final_mapping")
     return chosen
 
