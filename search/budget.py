@@ -65,8 +65,11 @@ SOLVE_MIN_S = 1.0
 #: when the search ran to the end of its phase (it is what the search found)
 RESULT_SHARE = 0.03
 RESULT_MAX_S = 3.0
-#: a whole-graph solve of the pricing phase may use min(max(10 s, a third of the budget), time to the mark),
-#: and at least PRICING_MIN_SHARE of the budget
+#: a whole-graph solve of the pricing phase may use min(max(PRICING_SOLVE_S, PRICING_SOLVE_SHARE x budget), the
+#: time to the phase's mark), and at least PRICING_MIN_SHARE of the budget (the wall at the mark still cuts it,
+#: but for the search's own result)
+PRICING_SOLVE_S = 10.0
+PRICING_SOLVE_SHARE = 1 / 3
 PRICING_MIN_SHARE = 0.10
 #: the pipeline stage search gets this share of the time left when it starts (it finishes the number of
 #: micro-batches it is pricing, then stops) and is cut at the end of the budget plus PIPELINE_OVER

@@ -692,7 +692,8 @@ def _pipeline(g: PCG, ev: "Evaluator", budget_s: float, hard: Deadline | None = 
         from .pipeline import PipelineError, search_pipeline
     except ImportError:
         return None
-    t0 = time.perf_counter()
+    clock = hard.clock if hard is not None else time.perf_counter
+    t0 = clock()
     # nothing may fit with the default micro-batch counts (at most 8 per stage): a large batch (a language
     # model's 1,024 sequences) may need many more micro-batches before one micro-batch's activations fit
     b = _batch_of(g)
@@ -705,7 +706,7 @@ def _pipeline(g: PCG, ev: "Evaluator", budget_s: float, hard: Deadline | None = 
     if (r is None or not r.feasible) and more and not (hard is not None and hard.passed()):
         try:
             r2 = search_pipeline(g, ev.mapper, min_stages=1, micro_batches=more,
-                                 budget_s=max(budget_s - (time.perf_counter() - t0), 0.01), deadline=hard)
+                                 budget_s=max(budget_s - (clock() - t0), 0.01), deadline=hard)
         except (PipelineError, UnityError, KeyboardInterrupt, Expired):
             return r
         if r2 is not None and (r is None or (r2.feasible, -r2.cost) > (r.feasible, -r.cost)):
@@ -718,7 +719,7 @@ def _pipeline(g: PCG, ev: "Evaluator", budget_s: float, hard: Deadline | None = 
         tensor_parallel = megatron_intra(ev.machine.devices_per_node)
         try:
             r3 = search_pipeline(g, ev.mapper, min_stages=1, micro_batches=more, intra=tensor_parallel,
-                                 budget_s=max(budget_s - (time.perf_counter() - t0), budget_s / 2, 0.01),
+                                 budget_s=max(budget_s - (clock() - t0), budget_s / 2, 0.01),
                                  deadline=hard)
         except (PipelineError, UnityError, KeyboardInterrupt, Expired):
             return r
@@ -1051,7 +1052,8 @@ def _search_segments(run: _Run, fam_cost: dict) -> tuple:
 def _pricing_left(run: _Run) -> float:
     """Seconds a whole-graph solve of the pricing phase may take (the wall at the phase's end still cuts it)."""
     bud = run.budget
-    return max(bud.share(B.PRICING_MIN_SHARE), min(max(10.0, bud.seconds / 3), bud.left("pricing")))
+    return max(bud.share(B.PRICING_MIN_SHARE),
+               min(max(B.PRICING_SOLVE_S, bud.share(B.PRICING_SOLVE_SHARE)), bud.left("pricing")))
 
 
 def _price_search_result(run: _Run, out) -> None:
