@@ -821,31 +821,39 @@ def optimize(model, machine, budget_s: "float | Budget | None" = None, alpha: fl
     elif strategy in FIXED:
         chosen = _fixed(run)
     else:
-        run.book = RuleBook(rules, search_degrees(m))
-        try:
-            with within(bud.hard_end()):        # every rule sequence and solve stops there at the latest
-                if strategy == "unity":
-                    _unity_candidates(run)
-                else:
-                    _sequential_candidates(run)
-        except KeyboardInterrupt:
-            run.interrupted = True
-        except Expired:             # the hard end: what was priced so far competes
-            run.stats["cut_by_budget"] = True
-        run.ev.wall = None
-        chosen = _choose(run)
-        if strategy == "unity" and run.pipeline and (run.n_dev > 1 or not chosen.mapping.feasible) \
-                and not run.interrupted:
-            with bud.phase("pipeline"):
-                chosen = _pipeline_step(run, chosen)
-        if strategy == "unity":
-            chosen = _never_slower_than_a_floor(run, chosen)
-        run.stats = dict(run.stats, chosen=run.stats.get("chosen") or chosen.mechanism,
-                         mapper_calls=ev.calls, mapper_timeouts=ev.timeouts)
-        if strategy == "unity":        # the substitution phase's wall and the end of the last solve under it
-            run.stats["wall_s"] = {"wall": round(bud.deadline("pricing").at - bud.start, 3),
-                                   "last_walled_solve_end": round(max(ev.last_walled_end - bud.start, 0.0), 3)}
+        chosen = _search(run)
     return _result(run, chosen, model_path, sha, seed, precision)
+
+
+def _search(run: _Run) -> PlanCandidate:
+    """The joint (or sequential) search: its candidates phase by phase, the fastest of them mapped, then
+    the pipeline stage search, and never a plan predicted slower than a floor it priced."""
+    bud, ev, strategy = run.budget, run.ev, run.strategy
+    run.book = RuleBook(run.rules, search_degrees(run.m))
+    try:
+        with within(bud.hard_end()):        # every rule sequence and solve stops there at the latest
+            if strategy == "unity":
+                _unity_candidates(run)
+            else:
+                _sequential_candidates(run)
+    except KeyboardInterrupt:
+        run.interrupted = True
+    except Expired:                         # the hard end: what was priced so far competes
+        run.stats["cut_by_budget"] = True
+    ev.wall = None
+    chosen = _choose(run)
+    if strategy == "unity" and run.pipeline and (run.n_dev > 1 or not chosen.mapping.feasible) \
+            and not run.interrupted:
+        with bud.phase("pipeline"):
+            chosen = _pipeline_step(run, chosen)
+    if strategy == "unity":
+        chosen = _never_slower_than_a_floor(run, chosen)
+    run.stats = dict(run.stats, chosen=run.stats.get("chosen") or chosen.mechanism,
+                     mapper_calls=ev.calls, mapper_timeouts=ev.timeouts)
+    if strategy == "unity":        # the substitution phase's wall and the end of the last solve under it
+        run.stats["wall_s"] = {"wall": round(bud.deadline("pricing").at - bud.start, 3),
+                               "last_walled_solve_end": round(max(ev.last_walled_end - bud.start, 0.0), 3)}
+    return chosen
 
 
 def _make_budget(b) -> Budget:
