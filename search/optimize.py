@@ -1146,20 +1146,23 @@ def _choose(run: _Run) -> PlanCandidate:
     priced feasible, a feasible fixed strategy (recorded as such, ``info.search.fallback``)."""
     ev = run.ev
     run.mark("whole_graph_pricing")
-    pool = run.floor + run.cands
-    best = min(pool, key=lambda c: (c.cost, c.rank)) if pool else None
+    # sorted is stable: among equal (cost, rank) the first found comes first
+    pool = sorted(run.floor + run.cands, key=lambda c: (c.cost, c.rank))
     chosen = None
-    if best is not None and math.isfinite(best.cost):
-        best.mapping = ev.kept(best.pcg)
-        if best.mapping is None:
+    for c in pool:
+        if not math.isfinite(c.cost):
+            break
+        c.mapping = ev.kept(c.pcg)
+        if c.mapping is None:           # priced from the memo (a segment's graph): solved again, from the mapper's memo
             try:
-                best.mapping = ev.full(best.pcg)
-            except Expired:
-                best.mapping = None
-        if best.mapping is not None and best.mapping.feasible:
-            chosen = best
+                c.mapping = ev.full(c.pcg)
+            except Expired:             # past the hard end: the next one
+                continue
+        if c.mapping.feasible:
+            chosen = c
+            break
     if chosen is None:
-        if best is None or not math.isfinite(best.cost):
+        if not pool or not math.isfinite(pool[0].cost):
             run.stats["unpriced"] = True
         chosen = _fallback(run)
     run.mark("final_mapping")
