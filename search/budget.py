@@ -8,9 +8,11 @@
 One table, :data:`PHASES`, gives every phase its share of the budget.  The phases run in that order and
 each ends at a fixed mark, the start plus the budget times the shares up to and including it, so time a
 phase leaves unused flows to the phases after it.  A phase that does not run (the pipeline phases when
-pipelines are off) gives its share to the phase its row names.  Past the end of the budget only the work
-that makes the plan whole runs, up to :data:`GRACE` of the budget (:meth:`Budget.hard_end`): the final
-mapping when it is not in the memo, the pipeline's rule sequence, the cheap fallbacks.  Nothing waits
+pipeline is off) gives its share to the phase its row names.  Work a phase must finish (data parallelism
+by rules, the search's own result) may run past its mark, but nothing runs past the hard end, the end
+plus :data:`GRACE` of the budget, at least :data:`GRACE_MIN_S` (:meth:`Budget.hard_end`), except linear
+work: assembling the plan, a mapping without the DP (``Evaluator.cheap``).  One Budget serves one
+``optimize`` call (its clock starts when it is made).  Nothing waits
 for a signal: a solver checks the deadline it was given (or the one of the innermost :func:`within`
 scope of its thread) at its loop heads, so a budget works in any thread.
 
