@@ -78,6 +78,7 @@ import numpy as np
 from unity_pcg.machine import MachineSpec, MachineView, Resource
 from unity_pcg.pcg import PCG
 
+from .budget import check as _check_deadline
 from .cost import CostModel, GraphCost, LeafCost
 from .memory import MemoryReport, format_bytes, memory_lower_bound, memory_per_device, node_memory
 from .sp import Decomposition, Leaf, Parallel, Series, decompose, tree_units
@@ -381,6 +382,7 @@ class MachineMapper:
             cost, assign, at = hit
             return (cost, _Shift(off - at, assign) if off != at and assign else assign)
         self.misses += 1
+        _check_deadline()           # the deadline of the caller's scope (search.budget.within): Expired
         if ctx.need[id(t)] > res.size:
             out = (INF, ())
         elif isinstance(t, Leaf):
@@ -433,6 +435,7 @@ class MachineMapper:
         inputs = ctx.priced_inputs(main)
         best_total, best_choice = INF, None
         for vm in main_cands:
+            _check_deadline()
             tot = base + gc.own_cost(main, vm).time
             ch = [(ctx.h[main], vm)]
             for pos, p in inputs:
@@ -790,6 +793,7 @@ class _MemoryDP:
                 k = off - at
                 f = _Front(f.keys, np.roll(f.mem, k, axis=1), [_Shift(k, a) if a else a for a in f.a])
             return f
+        _check_deadline()
         if ctx.need[id(t)] > res.size:
             out = self.cat([])
         elif isinstance(t, Leaf):
@@ -819,6 +823,7 @@ class _MemoryDP:
         feed_cands = {p: mp._cands(ctx, p, res, fixed) for p in sorted(feeders)}
         out: list = []
         for vm in mp._cands(ctx, main, res, fixed):
+            _check_deadline()
             t0 = gc.own_cost(main, vm).time
             for pos, p in inputs:
                 if p not in feeders and p not in skip:

@@ -23,12 +23,16 @@ Pipelines: with ``pipeline=True`` (unity), the last quarter of the budget runs t
 predicted faster, and then records its stages (``Plan.pipeline``) and no rule sequence (the stages are
 built by the stage DP, not by rules).
 
-Budgets: ``budget_s`` seconds in all (split evenly over the distinct segments) and ``max_candidates``
-expanded candidates per segment; with a candidate budget that is reached first the result does not
-depend on the machine's speed, so the same seed gives the same plan.  A KeyboardInterrupt during
-the search stops it and the best plan so far is returned (``result.interrupted``).  One DP solve
-of a candidate is limited to ``price_limit_s`` (default max(1 s, budget / 30)); a slower one prices
-the candidate inf.
+Budgets: ``budget_s`` seconds of wall time for the whole call, import included, split into the named
+phases of :data:`search.budget.PHASES` (floors, whole-graph families, segments, pricing, final, pipeline),
+each with a deadline the solvers check at their loop heads (the mapping DP at every subproblem, rule
+application at every match round, the best-first search and the stage search at every step; no signals,
+so any thread); when time is up the best plan priced so far is returned, and nothing runs past the hard
+end (the budget plus 5%, at least 2 s).  ``max_candidates`` expanded candidates per segment; with a
+candidate budget that is reached first the result does not depend on the machine's speed, so the same
+seed gives the same plan.  A KeyboardInterrupt during the search stops it and the best plan so far is
+returned (``result.interrupted``).  One DP solve of a candidate is limited to ``price_limit_s`` (default
+max(1 s, budget / 30)); a slower one prices the candidate inf.
 """
 from __future__ import annotations
 
@@ -44,6 +48,8 @@ from unity_pcg.errors import UnityError
 from unity_pcg.machine import MachineSpec, Resource, parse_machine
 from unity_pcg.pcg import PCG
 
+from .budget import Budget, Deadline, Expired, within
+from . import budget as B
 from .substitution import (Candidate, RuleBook, RuleStep, best_first, copies_steps, data_parallel_steps,
                            dp_rule_missing, expert_whole, neighbours, normalized_hash, TABLE_COLUMN_RULES,
                            table_columns_steps, tensor_parallel_steps, trimmed)
@@ -123,42 +129,14 @@ class OptimizeResult:
 
 # --- evaluation ----------------------------------------------------------------------------------------
 
-class _Timeout(Exception):
-    pass
-
-
-class _time_limit:
-    """Raise _Timeout in the main thread after ``seconds`` (no limit elsewhere or when None).  The
-    mapper writes a memo entry only once a subproblem is solved, so an interrupted solve leaves it
-    consistent."""
-
-    def __init__(self, seconds: float | None):
-        import threading
-        self.on = bool(seconds) and threading.current_thread() is threading.main_thread()
-        self.seconds = seconds
-
-    def __enter__(self):
-        if self.on:
-            import signal
-
-            def fire(signum, frame):
-                raise _Timeout()
-            self.old = signal.signal(signal.SIGALRM, fire)
-            signal.setitimer(signal.ITIMER_REAL, self.seconds)
-        return self
-
-    def __exit__(self, *exc):
-        if self.on:
-            import signal
-            signal.setitimer(signal.ITIMER_REAL, 0)
-            signal.signal(signal.SIGALRM, self.old)
-        return False
-
-
 class Evaluator:
-    """Prices candidate PCGs with one MachineMapper (its memo is shared by every candidate)."""
+    """Prices candidate PCGs with one MachineMapper (its memo is shared by every candidate).  Every solve
+    runs under a deadline (:mod:`search.budget`): the candidate's own limit, the phase's :attr:`wall`
+    and the :attr:`hard` end, the soonest; the mapper checks it at every subproblem and a cut solve is
+    priced inf (the mapper writes a memo entry only once a subproblem is solved, so it stays consistent)."""
 
-    def __init__(self, machine: MachineSpec, optimizer: str, limit_s: float | None = None, precision: str = "fp32"):
+    def __init__(self, machine: MachineSpec, optimizer: str, limit_s: float | None = None, precision: str = "fp32",
+                 clock: Callable[[], float] | None = None):
         from .cost import CostModel
         from .mapping import MachineMapper
         self.machine = machine
@@ -166,52 +144,62 @@ class Evaluator:
         self.calls = 0
         self.timeouts = 0
         self.limit_s = limit_s
-        #: perf_counter time past which a limited solve is cut (not started once it has passed): the
-        #: budget's wall for the substitution phase (None: no wall)
-        self.wall: float | None = None
-        #: perf_counter time at which the last solve under :attr:`wall` ended (ended or was cut)
+        self.clock = clock or time.monotonic
+        #: the phase's wall: a solve is cut there (not started once it has passed), unless ``wall=False``
+        self.wall: Deadline | None = None
+        #: no solve at all runs past it (the budget's hard end; None: none)
+        self.hard: Deadline | None = None
+        #: clock time at which the last solve under :attr:`wall` ended (ended or was cut)
         self.last_walled_end = 0.0
         self._memo: dict = {}
         self._timed_out: dict = {}
+        self._kept: dict = {}
 
     def cost(self, g: PCG, resource: Resource | None = None, limited: bool | float = True,
-             wall: bool = True) -> float:
-        """The DP's predicted iteration time (inf when infeasible).  With ``limit_s``, a candidate
+             wall: bool = True, keep: bool = False) -> float:
+        """The DP's predicted iteration time (inf when infeasible or cut).  With ``limit_s``, a candidate
         whose DP solve takes longer is priced inf (pruned): on large machines, graphs that leave
         most operators on a few devices have many machine views per operator and solve slowly, and
         are never competitive.  ``limited``: True (``limit_s``), a number of seconds, or False (no
-        limit); a limited solve also stops at :attr:`wall` (unless ``wall=False``)."""
+        limit of its own); a solve also stops at :attr:`wall` (unless ``wall=False``) and at :attr:`hard`.
+        ``keep``: remember the mapping (:meth:`kept`), for a whole-graph candidate that may be the plan."""
         key = (g.structural_hash(), resource)
         c = self._memo.get(key)
-        if c is None and (limited or key not in self._timed_out):
-            c = self._timed_out.get(key) if limited else None
+        if c is None and limited:
+            c = self._timed_out.get(key)
         if c is None:
-            lim = own = self.limit_s if limited is True else (limited or None)
-            walled = limited is not False and wall and self.wall is not None
-            if walled:
-                left = self.wall - time.perf_counter()
-                lim = left if lim is None else min(lim, left)
-                if lim <= 0.01:             # past the wall: not started (and not remembered)
-                    self.timeouts += 1
-                    return INF
+            own_s = self.limit_s if limited is True else (limited or None)
+            own = Deadline.after(own_s, self.clock) if own_s else None
+            walled = wall and self.wall is not None
+            dl = self.wall.sooner(own) if walled else own
+            if self.hard is not None:
+                dl = self.hard.sooner(dl)
+            if dl is not None and dl.left() <= 0.01:        # past the wall: not started (and not remembered)
+                self.timeouts += 1
+                return INF
             self.calls += 1
             try:
-                with _time_limit(lim):
+                with within(dl):
                     r = self.mapper.optimize(g, resource=resource, fixed=self.pins(g, resource))
                 c = self._memo[key] = r.cost if r.feasible else INF
-            except _Timeout:            # remembered for limited calls only (not when the wall cut it)
+                if keep:
+                    self._kept[key] = r
+            except Expired:             # remembered for limited calls only (not when a wall cut it)
                 self.timeouts += 1
                 c = INF
-                if lim == own:
+                if own is not None and dl is own:
                     self._timed_out[key] = INF
             if walled:
-                self.last_walled_end = time.perf_counter()
+                self.last_walled_end = self.clock()
         return c
+
+    def kept(self, g: PCG, resource: Resource | None = None):
+        """The mapping of ``g`` a ``cost(..., keep=True)`` call solved (None: none)."""
+        return self._kept.get((g.structural_hash(), resource))
 
     def estimate(self, g: PCG) -> float:
         """Forward + backward compute of one task of every compute operator (no DP): the order in
         which the search prices sibling candidates."""
-        from unity_pcg import ops
         t = 0.0
         for n in g.nodes():
             if n.kind == "compute":
@@ -228,8 +216,42 @@ class Evaluator:
         from .baselines import table_pins
         return table_pins(g, self.machine) or None
 
-    def full(self, g: PCG, resource: Resource | None = None):
-        return self.mapper.optimize(g, resource=resource, fixed=self.pins(g, resource))
+    def full(self, g: PCG, resource: Resource | None = None, deadline: Deadline | None = None):
+        """The mapping of ``g`` (raises :class:`search.budget.Expired` past ``deadline`` or :attr:`hard`)."""
+        dl = self.hard.sooner(deadline) if self.hard is not None else deadline
+        with within(dl):
+            return self.mapper.optimize(g, resource=resource, fixed=self.pins(g, resource))
+
+    def cost_without_dp(self, g: PCG) -> float:
+        """The price of :meth:`cheap`'s mapping of ``g`` (kept, as ``cost(keep=True)`` keeps a solve's)."""
+        r = self.cheap(g)
+        if r is None:
+            return INF
+        self._kept[(g.structural_hash(), None)] = r
+        return r.cost if r.feasible else INF
+
+    def cheap(self, g: PCG, resource: Resource | None = None):
+        """A mapping of ``g`` without the DP (linear in the graph): every node on the first view of its
+        degree, the data-parallel layout of a data-parallel graph; the last resort when even data
+        parallelism's DP solve does not finish within the budget (a small batch on a large machine)."""
+        from .cost import GraphCost
+        gc = GraphCost(g, self.mapper.model)
+        res = resource or Resource.whole(self.machine)
+        fixed = self.pins(g, resource) or {}
+        first: dict = {}                    # task grid -> its first view (nodes share a few grids)
+        views = {}
+        for n in gc.nodes():
+            if n in fixed:
+                views[n] = fixed[n]
+                continue
+            grid = gc.grid[n]
+            if grid not in first:
+                vs = gc.views(n, res)
+                first[grid] = min(vs, key=lambda v: (v.start, v.devices())) if vs else None
+            if first[grid] is None:
+                return None
+            views[n] = first[grid]
+        return self.mapper.evaluate(g, views)
 
 
 # --- the searches ----------------------------------------------------------------------------------------
@@ -272,9 +294,11 @@ def whole_tp_degrees(m: MachineSpec, dp_degrees, widths=None) -> dict[int, int]:
 
 
 def _segment_search(g: PCG, book: RuleBook, ev: "Evaluator", dp_degrees, dp_deg: int, k: int,
-                    max_candidates: int, alpha: float, progress, deadline: float, families: dict | None = None,
-                    early: Callable[[dict], None] | None = None):
-    """The split search (module docstring).  Returns (searched graph, its steps, data parallelism
+                    max_candidates: int, alpha: float, progress, deadline: "Deadline | float",
+                    families: dict | None = None, early: Callable[[dict], None] | None = None,
+                    price_dp_seeds: bool = True):
+    """The split search (module docstring), until ``deadline`` (a :class:`search.budget.Deadline`; a
+    number is a ``time.perf_counter`` instant).  Returns (searched graph, its steps, data parallelism
     by rules at ``dp_deg`` assembled from the segments' seeds, its steps, stats, interrupted).
     ``families``, when given, receives {name: (build, estimate)}: ``build()`` assembles the whole graph
     from every segment's seed of one family and returns (graph, steps) (``expert``, ``tp<k>x<d>``; data parallelism where a segment has
@@ -284,6 +308,8 @@ def _segment_search(g: PCG, book: RuleBook, ev: "Evaluator", dp_degrees, dp_deg:
     families can be built then: Megatron-LM's layout on BERT-Large at 192 GPUs is the copies family, which
     the segments' search never beats, and their search would use the budget first)."""
     from .split import SegmentChoice, assemble, blocking_pairs, boundary_keys, canonical_segments, combine
+    if not isinstance(deadline, Deadline):
+        deadline = Deadline(deadline, time.perf_counter)
     segs, later = canonical_segments(g, k, blocking_pairs(book))
     uniq = list(dict.fromkeys(s.key for s in segs))
     memo: dict = {}
@@ -320,7 +346,7 @@ def _segment_search(g: PCG, book: RuleBook, ev: "Evaluator", dp_degrees, dp_deg:
         cross = kk[1][cross_idx[0]] if cross_idx else None
         # with its trailing gathers (what a mismatch at the next boundary pays); past the deadline
         # not priced: such a choice must then match its neighbour
-        full = ev.cost(c.graph) if time.perf_counter() < deadline else INF
+        full = ev.cost(c.graph) if not deadline.passed() else INF
         return SegmentChoice(c.cost, full, c.steps, kk, cross)
 
     def build_families() -> dict:
@@ -348,7 +374,7 @@ def _segment_search(g: PCG, book: RuleBook, ev: "Evaluator", dp_degrees, dp_deg:
         seg = next(s for s in segs if s.key == key)
         cg = seg.canon
         cross_idx = [j for j, r in enumerate(seg.outputs) if r in later[segs.index(seg)]]
-        share = max(deadline - time.perf_counter(), 0.0) / (len(uniq) - i)
+        share = max(deadline.left(), 0.0) / (len(uniq) - i)
 
         # the segment as imported is a seed priced when it reaches the front (after the parallel seeds:
         # its estimate is the largest); on a large machine its solve (most views per operator) is the
@@ -360,7 +386,7 @@ def _segment_search(g: PCG, book: RuleBook, ev: "Evaluator", dp_degrees, dp_deg:
         for d in sorted(seed_degrees, key=lambda d: (d != dp_deg, -d)):
             if interrupted:
                 break
-            if d != dp_deg and time.perf_counter() > deadline:
+            if d != dp_deg and deadline.passed():
                 break               # past the deadline: only the full-degree seed (the floor needs it)
             try:
                 x, st = data_parallel_steps(cg, d, book)
@@ -369,11 +395,14 @@ def _segment_search(g: PCG, book: RuleBook, ev: "Evaluator", dp_degrees, dp_deg:
                 break
             if not st:
                 continue
-            # the full-degree dp seed is priced without a time limit (a data-parallel graph solves fast,
-            # and the segment's floor needs it); past the deadline it is only built (data parallelism by
-            # rules over the whole graph is assembled from it, and priced as a whole)
-            c = Candidate(ev.cost(trimmed(x), limited=False) if d == dp_deg and time.perf_counter() < deadline
-                          else None, x, tuple(st))
+            # the full-degree dp seed is priced without a per-solve limit (a data-parallel graph solves fast,
+            # and the segment's floor needs it), up to the wall of the substitution phase (a small batch on a
+            # large machine: BERT-Large at batch 4 on 192 GPUs, degree 4, has thousands of views per operator);
+            # past the deadline it is only built (data parallelism by rules over the whole graph is assembled
+            # from it, and priced as a whole)
+            # (not priced when data parallelism's own solve did not finish: ``price_dp_seeds``)
+            c = Candidate(ev.cost(trimmed(x), limited=False) if d == dp_deg and price_dp_seeds
+                          and not deadline.passed() else None, x, tuple(st))
             start.append(c)
             if d != dp_deg:
                 seed_deg[id(x)] = (d, sum(n.kind == "compute" for n in cg.nodes()))
@@ -391,7 +420,7 @@ def _segment_search(g: PCG, book: RuleBook, ev: "Evaluator", dp_degrees, dp_deg:
                     # priced now, with a longer limit than a candidate's: many single-device
                     # tables side by side have many machine views and solve slowly
                     ce = ev.cost(trimmed(y), limited=max(ev.limit_s or 0.0, share / 3, 1.0)) \
-                        if time.perf_counter() < deadline else None
+                        if not deadline.passed() else None
                     start.append(Candidate(ce, y, tuple(st2)))
                     fam_seed["expert"] = start[-1]
                     totals["expert_seeds"] = totals.get("expert_seeds", 0) + 1
@@ -431,7 +460,7 @@ def _segment_search(g: PCG, book: RuleBook, ev: "Evaluator", dp_degrees, dp_deg:
     if early is not None and families is not None and not interrupted:
         early(build_families())
     for i, (key, start, keyf, cross_idx) in enumerate(starts):     # pass 2: the search of each segment
-        share = max(deadline - time.perf_counter(), 0.0) / (len(uniq) - i)
+        share = max(deadline.left(), 0.0) / (len(uniq) - i)
 
         def expand(c: Candidate):
             for m, x in neighbours(c.graph, book.rules, book.degrees):
@@ -442,8 +471,10 @@ def _segment_search(g: PCG, book: RuleBook, ev: "Evaluator", dp_degrees, dp_deg:
                 progress({"segment": i + 1, "segments": len(uniq),
                           "explored": totals["explored"] + stats.explored, "best_segment_s": best})
 
-        res = best_first(start, expand, evaluate, alpha, 0 if interrupted else max_candidates, share,
-                         key=keyf, estimate=ev.estimate, progress=prog)
+        # this segment's share of the time left (on the deadline's clock)
+        res = best_first(start, expand, evaluate, alpha, 0 if interrupted else max_candidates, INF,
+                         key=keyf, estimate=ev.estimate, progress=prog,
+                         deadline=deadline.sooner(Deadline(deadline.clock() + share, deadline.clock)))
         totals["explored"] += res.stats.explored
         totals["evaluated"] += res.stats.evaluated
         totals["stopped"].append(res.stats.stopped)
@@ -470,27 +501,6 @@ def _with_copies(built: tuple, k: int, book: RuleBook) -> tuple | None:
     return (cg, list(fst) + list(more)) if more else None
 
 
-def _build_and_price(ev: "Evaluator", name: str, build, until: float, limit: float, fam_cost: dict):
-    """Build a seed family (``build()`` -> (graph, steps) or None) and price it, both before ``until``
-    (the solve also within ``limit`` seconds); (cost, 2, graph, steps) or None.  ``fam_cost[name]``
-    records its price (None: infeasible or cut) or why it was not priced."""
-    if time.perf_counter() > until:
-        fam_cost.setdefault(name, "not built within the budget")
-        return None
-    try:
-        with _time_limit(max(until - time.perf_counter(), 0.01)):
-            built = build()
-    except _Timeout:
-        fam_cost[name] = "not built within the budget"
-        return None
-    if built is None:
-        return None
-    fg, fst = built
-    c = ev.cost(trimmed(fg), limited=limit)
-    fam_cost[name] = c if math.isfinite(c) else None
-    return (c, 2, fg, fst)
-
-
 def _whole_family(g: PCG, book: RuleBook, d: int, tp: int, steps_fn) -> tuple | None:
     """A seed family built on the whole graph: data parallelism of degree ``d`` by rules, then ``steps_fn``
     (:func:`table_columns_steps`, :func:`tensor_parallel_steps`) of degree ``tp`` on top; None when the
@@ -500,11 +510,6 @@ def _whole_family(g: PCG, book: RuleBook, d: int, tp: int, steps_fn) -> tuple | 
     return (wy, list(wst) + list(wst2)) if wst2 else None
 
 
-#: the share of the budget (from the start of the call) within which the fixed strategies besides dp are
-#: priced by the joint search (Megatron on BERT-Large at 192 GPUs: ~9 s of a 50 s budget)
-BASELINE_SHARE = 0.5
-#: the share of the budget (from the start) by which the seed families built on the whole graph are priced
-WHOLE_FAMILY_SHARE = 0.6
 #: the largest model (compute operators) whose tables-by-columns family is built on the whole graph
 WHOLE_COLS_MAX_OPS = 200
 #: machines larger than this price a Transformer's Megatron floor after the copies families (see optimize)
@@ -513,41 +518,101 @@ LATE_FLOOR_DEVICES = 256
 FLOOR_STRATEGIES = ("megatron", "expert")
 
 
-def _fixed_baselines(g: PCG, ev: "Evaluator", degree: int, m: MachineSpec, until: float) -> dict:
+# --- candidates -----------------------------------------------------------------------------------------
+
+#: the order in which equally fast candidates are preferred: data parallelism by rules (the floor), the
+#: search's result, then the seed families (then the order they were found in)
+FLOOR, SEARCH, FAMILY = 0, 1, 2
+
+
+@dataclass
+class PlanCandidate:
+    """One plan the policy compares: the mechanism that produced it (``info.search.chosen`` names the one
+    returned), its PCG, its predicted iteration time and the rule steps that reach it."""
+    mechanism: str                  # "search", "data parallel by rules", "seed family tp8x4 copies by rules", ...
+    pcg: PCG                        # the plan's PCG (a rule-reached one without its output gathers)
+    cost: float                     # predicted iteration time (inf: infeasible, or not priced within the budget)
+    steps: tuple = ()               # RuleStep sequence from the imported graph
+    rank: int = FAMILY              # tie-break among equal costs (FLOOR, SEARCH, FAMILY)
+    by_rules: bool = True           # the plan records ``steps`` (False: a hand-built baseline, a fallback)
+    mapping: Any = None             # its MappingResult (or a pipeline's) once known
+    pipeline: Any = None            # the PipelineResult of a pipeline plan
+
+    @property
+    def rules_json(self) -> tuple | None:
+        return tuple(s.to_json() for s in self.steps) if self.by_rules else None
+
+
+def _family(name: str) -> str:
+    return f"seed family {name} by rules"
+
+
+def _build_and_price(ev: "Evaluator", name: str, build, until: Deadline, limit: float,
+                     fam_cost: dict) -> PlanCandidate | None:
+    """Build a seed family (``build()`` -> (graph, steps) or None) and price it, both before ``until``
+    (the solve also within ``limit`` seconds).  ``fam_cost[name]`` records its price (None: infeasible or
+    cut) or why it was not priced."""
+    if until.passed():
+        fam_cost.setdefault(name, "not built within the budget")
+        return None
+    try:
+        with within(until):
+            built = build()
+    except Expired:
+        fam_cost[name] = "not built within the budget"
+        return None
+    if built is None:
+        return None
+    fg, fst = built
+    pg = trimmed(fg)
+    c = ev.cost(pg, limited=limit, keep=True)
+    fam_cost[name] = c if math.isfinite(c) else None
+    return PlanCandidate(_family(name), pg, c, tuple(fst), FAMILY)
+
+
+def _fixed_baselines(g: PCG, ev: "Evaluator", degree: int, m: MachineSpec, until: Deadline) -> dict:
     """{name: (PCG, predicted cost or inf, note, MappingResult or None)} of the fixed strategies of :data:`FLOOR_STRATEGIES` that
     apply to ``g`` (built as ``--strategy NAME`` builds them: Megatron's tensor parallelism inside a node),
-    each solve limited to the time left before ``until``.  Their layouts are not all reachable by the
+    each solve cut at ``until``.  Their layouts are not all reachable by the
     shipped rules (Megatron runs the operators between its groups on the tensor-parallel copies; the
     expert strategy splits a communication-intensive Linear on top of data parallelism), so the search
     cannot be relied on to find them; where one is faster than every plan reached by rules, it is
     returned, recorded as a fixed strategy (as the dp baseline is)."""
-    from .baselines import StrategyError, build_strategy
     out: dict = {}
     for name in FLOOR_STRATEGIES:
-        try:
-            pg = build_strategy(g, name, degree, devices_per_node=m.devices_per_node)
-        except StrategyError:
-            continue                    # does not apply to this model
-        out[name] = _price_baseline(ev, pg, until - time.perf_counter())
+        if until.passed():              # built and priced when the floors resume (_resume_cut_floors)
+            out[name] = (None, INF, "not built within the budget", None)
+            continue
+        pg = _build_floor(g, name, degree, m)
+        if pg is not None:
+            out[name] = _price_baseline(ev, pg, until)
     return out
 
 
-def _price_baseline(ev: "Evaluator", pg: PCG, left: float) -> tuple:
-    """(PCG, cost or inf, note, MappingResult or None) of a fixed strategy's PCG mapped within ``left``
-    seconds (its mapping is kept: the plan needs it when the baseline is returned)."""
-    if left <= 0.05:
+def _build_floor(g: PCG, name: str, degree: int, m: MachineSpec) -> PCG | None:
+    """The fixed strategy ``name``'s PCG as ``--strategy NAME`` builds it; None where it does not apply."""
+    from .baselines import StrategyError, build_strategy
+    try:
+        return build_strategy(g, name, degree, devices_per_node=m.devices_per_node)
+    except StrategyError:
+        return None
+
+
+def _price_baseline(ev: "Evaluator", pg: PCG, until: Deadline) -> tuple:
+    """(PCG, cost or inf, note, MappingResult or None) of a fixed strategy's PCG mapped before ``until``
+    (its mapping is kept: the plan needs it when the baseline is returned)."""
+    if until.left() <= 0.05:
         return (pg, INF, "not priced within the budget", None)
     try:
-        with _time_limit(left):
-            r = ev.full(pg)
-    except _Timeout:
+        r = ev.full(pg, deadline=until)
+    except Expired:
         return (pg, INF, "not priced within the budget", None)
     return (pg, r.cost if r.feasible else INF, "" if r.feasible else (r.reason or "infeasible"), r)
 
 
-def _whole_search(g: PCG, rules, book: RuleBook, cost: Callable[[PCG], float], budget_s: float,
+def _whole_search(g: PCG, rules, book: RuleBook, cost: Callable[[PCG], float], until: Deadline,
                   max_candidates: int, alpha: float, progress, start_steps=()) -> tuple:
-    """Best-first search over the whole graph with ``rules`` (used by the sequential strategy)."""
+    """Best-first search over the whole graph with ``rules`` until ``until`` (the sequential strategy)."""
     def evaluate(x):
         return cost(x), None
 
@@ -560,16 +625,18 @@ def _whole_search(g: PCG, rules, book: RuleBook, cost: Callable[[PCG], float], b
             progress({"explored": stats.explored, "best_s": best})
 
     res = best_first([Candidate(cost(g), g, tuple(start_steps))], expand, evaluate, alpha, max_candidates,
-                     budget_s, progress=prog)
+                     INF, progress=prog, deadline=until)
     return res.best.graph, list(res.best.steps), res.stats
 
 
 def _price_dp_by_rules(ev: "Evaluator", g: PCG, book: RuleBook, dpg: PCG, steps, dp_pg: PCG | None,
-                       left: Callable[[], float], stats: dict) -> tuple:
-    """(cost, 0, graph, steps) of data parallelism by rules, the search's floor.  When it is exactly the
-    hand-built dp PCG (normalized structural hash) it is priced without a time limit (a data-parallel
-    graph at full degree solves as fast as the baseline did); otherwise (an operator without a dp
-    rule stays whole) within the time left, and ``stats["dp_by_rules"]`` says how it differs."""
+                       left: Callable[[], float], stats: dict, dp_cut: bool = False) -> PlanCandidate:
+    """Data parallelism by rules, the search's floor.  When it is exactly the hand-built dp PCG (normalized
+    structural hash) it is priced with no limit of its own (a data-parallel graph at full degree solves as
+    fast as the baseline did, from the mapper's memo; the budget's hard end still bounds it), or, when the
+    baseline's solve was cut (``dp_cut``), mapped as the baseline then was, without the DP; otherwise (an
+    operator without a dp rule stays whole) within the time left, and ``stats["dp_by_rules"]`` says how it
+    differs."""
     t = trimmed(dpg)
     same = dp_pg is not None and normalized_hash(t) == normalized_hash(dp_pg)
     info: dict = {"equal_to_baseline": same, "steps": len(steps)}
@@ -585,7 +652,14 @@ def _price_dp_by_rules(ev: "Evaluator", g: PCG, book: RuleBook, dpg: PCG, steps,
                            else "no dp rule applies to " + (", ".join(f"{k} x{v}" for k, v in sorted(lw.items()))
                                                             or "an operator"))
     stats["dp_by_rules"] = info
-    return (ev.cost(t, limited=False if same else left()), 0, dpg, steps)
+    if same and dp_cut:
+        c = ev.cost_without_dp(t)
+        info["mapping"] = "without the DP (as data parallelism's)"
+    elif same:
+        c = ev.cost(t, limited=False, wall=False, keep=True)
+    else:
+        c = ev.cost(t, limited=left(), keep=True)
+    return PlanCandidate("data parallel by rules", t, c, tuple(steps), FLOOR)
 
 
 class _PipelineMapping:
@@ -609,31 +683,35 @@ class _PipelineMapping:
                 "stats": dict(self.stats)}
 
 
-def _pipeline(g: PCG, ev: "Evaluator", budget_s: float):
-    """The best 1F1B pipeline (search/pipeline.py), or None.  One stage with M micro-batches is
-    gradient accumulation: in the space too (Alpa's GPT plans at batch 1024 are often just that)."""
+def _pipeline(g: PCG, ev: "Evaluator", budget_s: float, hard: Deadline | None = None):
+    """The best 1F1B pipeline (search/pipeline.py), or None: the stage search gets ``budget_s`` seconds
+    (it finishes the number of micro-batches it is pricing) and is cut at ``hard``.  One stage with M
+    micro-batches is gradient accumulation: in the space too (Alpa's GPT plans at batch 1024 are often
+    just that)."""
     try:
         from .pipeline import PipelineError, search_pipeline
     except ImportError:
         return None
-    t0 = time.perf_counter()
+    clock = hard.clock if hard is not None else time.perf_counter
+    t0 = clock()
     # nothing may fit with the default micro-batch counts (at most 8 per stage): a large batch (a language
     # model's 1,024 sequences) may need many more micro-batches before one micro-batch's activations fit
     b = _batch_of(g)
     more = [m for m in (64, 128, 256, 512, 1024) if b and b % m == 0]
     try:       # the whole share, unless the fallbacks below may need time
-        r = search_pipeline(g, ev.mapper, min_stages=1, budget_s=max(budget_s / 2 if more else budget_s, 0.01))
-    except (PipelineError, UnityError, KeyboardInterrupt):      # Ctrl-C: keep the plan found so far
+        r = search_pipeline(g, ev.mapper, min_stages=1, budget_s=max(budget_s / 2 if more else budget_s, 0.01),
+                            deadline=hard)
+    except (PipelineError, UnityError, KeyboardInterrupt, Expired):      # Ctrl-C: keep the plan found so far
         return None
-    if (r is None or not r.feasible) and more:
+    if (r is None or not r.feasible) and more and not (hard is not None and hard.passed()):
         try:
             r2 = search_pipeline(g, ev.mapper, min_stages=1, micro_batches=more,
-                                 budget_s=max(budget_s - (time.perf_counter() - t0), 0.01))
-        except (PipelineError, UnityError, KeyboardInterrupt):
+                                 budget_s=max(budget_s - (clock() - t0), 0.01), deadline=hard)
+        except (PipelineError, UnityError, KeyboardInterrupt, Expired):
             return r
         if r2 is not None and (r is None or (r2.feasible, -r2.cost) > (r.feasible, -r.cost)):
             r = r2
-    if (r is None or not r.feasible) and more:
+    if (r is None or not r.feasible) and more and not (hard is not None and hard.passed()):
         # still nothing: stages data parallel inside hold every weight of the stage on each device;
         # Megatron's tensor parallelism inside the stages divides them (with the vocabulary-parallel
         # head: search/pipeline.py megatron_intra)
@@ -641,8 +719,9 @@ def _pipeline(g: PCG, ev: "Evaluator", budget_s: float):
         tensor_parallel = megatron_intra(ev.machine.devices_per_node)
         try:
             r3 = search_pipeline(g, ev.mapper, min_stages=1, micro_batches=more, intra=tensor_parallel,
-                                 budget_s=max(budget_s - (time.perf_counter() - t0), budget_s / 2, 0.01))
-        except (PipelineError, UnityError, KeyboardInterrupt):
+                                 budget_s=max(budget_s - (clock() - t0), budget_s / 2, 0.01),
+                                 deadline=hard)
+        except (PipelineError, UnityError, KeyboardInterrupt, Expired):
             return r
         if r3 is not None and (r is None or (r3.feasible, -r3.cost) > (r.feasible, -r.cost)):
             r = r3
@@ -674,22 +753,122 @@ def _batch_of(g: PCG) -> int | None:
     return s.sizes[0] if s.rank else None
 
 
-def optimize(model, machine, budget_s: float | None = None, alpha: float = 1.05, pipeline: bool = True,
+class _Run:
+    """The state of one ``optimize`` call: its inputs, its budget, the evaluator, and what each step found."""
+
+    def __init__(self, g: PCG, m: MachineSpec, strategy: str, budget: Budget, ev: Evaluator, *, alpha: float,
+                 pipeline: bool, progress, max_candidates: int, k: int, rules, optimizer: str):
+        self.g, self.m, self.strategy, self.budget, self.ev = g, m, strategy, budget, ev
+        self.alpha, self.pipeline, self.progress = alpha, pipeline, progress
+        self.max_candidates, self.k, self.rules, self.optimizer = max_candidates, k, rules, optimizer
+        self.b = _batch_of(g)
+        self.degrees = machine_degrees(m)
+        self.n_dev = m.num_devices
+        self.dps = [d for d in self.degrees if self.b is None or self.b % d == 0]
+        self.dp_deg = max(self.dps, default=1)
+        self.dp_pg = self.dp_res = None
+        self.dp_cut = False                           # data parallelism's DP solve did not finish in its phase
+        self.book: RuleBook | None = None
+        self.stats: dict = {}
+        self.marks: dict = {}
+        self.interrupted = False
+        self.floor: list[PlanCandidate] = []          # data parallelism by rules (or the imported graph)
+        self.cands: list[PlanCandidate] = []          # the search's result and the seed families
+        self.others: dict = {}                        # the fixed strategies' floors (_fixed_baselines)
+
+    def mark(self, name: str) -> None:
+        """The seconds since the start at the end of a step (``info.search.timeline_s``)."""
+        self.marks[name] = self.budget.elapsed()
+
+    def later(self, phase: str) -> Deadline:
+        """The end of ``phase``, or now when it has passed (a step that starts late still gets to start)."""
+        d = self.budget.deadline(phase)
+        return Deadline(max(d.at, d.clock()), d.clock)
+
+
+def optimize(model, machine, budget_s: "float | Budget | None" = None, alpha: float = 1.05, pipeline: bool = True,
              strategy: str = "unity", optimizer: str = "adam", batch: int | None = None, seed: int = 0,
              progress: Callable[[dict], None] | None = None, max_candidates: int = 40, k: int = 10,
-             budget: float | None = None, rules=None, price_limit_s: float | None = None,
+             budget: "float | Budget | None" = None, rules=None, price_limit_s: float | None = None,
              precision: str = "fp32") -> OptimizeResult:
     """Optimize ``model`` (an ONNX path or a PCG) for ``machine`` (a MachineSpec or a preset string
     such as ``"summit:2x6"``); see the module docstring.  ``budget`` is an alias of ``budget_s``
-    (default 60 s).  ``seed`` is recorded; the search itself is deterministic."""
-    from unity_pcg.plan import Plan
-    t0 = time.perf_counter()
-    if budget_s is None:
-        budget_s = budget if budget is not None else 60.0
+    (default 60 s); either may be a :class:`search.budget.Budget` (its clock, e.g. a test's).  ``seed``
+    is recorded; the search itself is deterministic.
+
+    The policy: price the floors (data parallelism, the fixed strategies), collect the candidates of the
+    strategy (the joint search's: seed families on the whole graph, the segments' search, data
+    parallelism by rules, the families assembled from the segments), take the fastest and map it, then
+    the pipeline stage search, and never return a plan predicted slower than a floor that was priced."""
+    bud = _make_budget(budget_s if budget_s is not None else budget)
+    _check_arguments(strategy, alpha, batch, max_candidates, precision)
+    m = machine if isinstance(machine, MachineSpec) else parse_machine(str(machine))
+    if not (pipeline and strategy == "unity" and m.num_devices > 1):
+        bud.skip("pipeline")
+    with bud.phase("floors"):
+        g, model_path, sha = _load(model, batch)
+    ev = Evaluator(m, optimizer, limit_s=price_limit_s if price_limit_s is not None else bud.solve_limit(),
+                   precision=precision, clock=bud.clock)
+    ev.hard = bud.hard_end()
+    run = _Run(g, m, strategy, bud, ev, alpha=alpha, pipeline=pipeline, progress=progress,
+               max_candidates=max_candidates, k=k, rules=rules, optimizer=optimizer)
+    run.mark("import")
+    _check_batch(run)
+    with bud.phase("floors"):
+        _price_data_parallel(run)
+    if strategy == "alpa":
+        chosen = _alpa(run)
+    elif strategy in FIXED:
+        chosen = _fixed(run)
+    else:
+        chosen = _search(run)
+    return _result(run, chosen, model_path, sha, seed, precision)
+
+
+def _search(run: _Run) -> PlanCandidate:
+    """The joint (or sequential) search: its candidates phase by phase, the fastest of them mapped, then
+    the pipeline stage search, and never a plan predicted slower than a floor it priced."""
+    bud, ev, strategy = run.budget, run.ev, run.strategy
+    run.book = RuleBook(run.rules, search_degrees(run.m))
+    try:
+        with within(bud.hard_end()):        # every rule sequence and solve stops there at the latest
+            if strategy == "unity":
+                _unity_candidates(run)
+            else:
+                _sequential_candidates(run)
+    except KeyboardInterrupt:
+        run.interrupted = True
+    except Expired:                         # the hard end: what was priced so far competes
+        run.stats["cut_by_budget"] = True
+    ev.wall = None
+    chosen = _choose(run)
+    if strategy == "unity" and run.pipeline and (run.n_dev > 1 or not chosen.mapping.feasible) \
+            and not run.interrupted:
+        with bud.phase("pipeline"):
+            chosen = _pipeline_step(run, chosen)
+    if strategy == "unity":
+        chosen = _never_slower_than_a_floor(run, chosen)
+    run.stats = dict(run.stats, chosen=run.stats.get("chosen") or chosen.mechanism,
+                     mapper_calls=ev.calls, mapper_timeouts=ev.timeouts)
+    if strategy == "unity":        # the substitution phase's wall and the end of the last solve under it
+        run.stats["wall_s"] = {"wall": round(bud.deadline("pricing").at - bud.start, 3),
+                               "last_walled_solve_end": round(max(ev.last_walled_end - bud.start, 0.0), 3)}
+    return chosen
+
+
+def _make_budget(b) -> Budget:
+    if b is None:
+        return Budget(60.0)
+    if isinstance(b, Budget):
+        return b
+    if isinstance(b, bool) or not isinstance(b, (int, float)) or not b > 0:
+        raise OptimizeError(f"budget must be a positive number of seconds, got {b!r}")
+    return Budget(b)
+
+
+def _check_arguments(strategy, alpha, batch, max_candidates, precision) -> None:
     if strategy not in STRATEGIES:
         raise OptimizeError(f"unknown strategy {strategy!r} (known: {', '.join(STRATEGIES)})")
-    if not isinstance(budget_s, (int, float)) or not budget_s > 0:
-        raise OptimizeError(f"budget must be a positive number of seconds, got {budget_s!r}")
     if not alpha >= 1.0:
         raise OptimizeError(f"alpha must be at least 1, got {alpha!r}")
     if batch is not None and batch < 1:
@@ -698,309 +877,425 @@ def optimize(model, machine, budget_s: float | None = None, alpha: float = 1.05,
         raise OptimizeError(f"max_candidates must be >= 0, got {max_candidates}")
     if precision not in ("fp32", "tf32", "bf16"):
         raise OptimizeError(f"precision must be fp32, tf32 or bf16, got {precision!r}")
-    m = machine if isinstance(machine, MachineSpec) else parse_machine(str(machine))
-    g, model_path, sha = _load(model, batch)
-    marks = {"import": time.perf_counter() - t0}
-    b = _batch_of(g)
-    degrees = machine_degrees(m)
-    n_dev = m.num_devices
-    if n_dev > 1 and b is not None and not any(b % d == 0 for d in degrees):
-        raise OptimizeError(f"batch {b} is not divisible by any parallel degree of machine {m.name} "
-                            f"({', '.join(map(str, degrees[:8]))}{' ...' if len(degrees) > 8 else ''})")
-    ev = Evaluator(m, optimizer, limit_s=price_limit_s if price_limit_s is not None else max(1.0, budget_s / 30),
-                   precision=precision)
-    from .baselines import StrategyError, build_strategy
-    dp_res = dp_pg = None
-    dp_deg = max((d for d in degrees if b is None or b % d == 0), default=1)
-    try:
-        if n_dev > 1:
-            dp_pg = build_strategy(g, "dp", dp_deg)
-            dp_res = ev.full(dp_pg)
-        marks["dp_baseline"] = time.perf_counter() - t0
-    except StrategyError:
-        dp_res = dp_pg = None
 
-    steps: list = []
-    stats: dict = {}
-    interrupted = False
-    pipe_plan = None
-    if strategy == "alpa":
-        # Alpa's two passes (intra-operator ILP per stage, inter-operator stage DP), priced by our
-        # 1F1B simulation: the plan always has a pipeline field (one stage: gradient accumulation)
-        from .alpa.inter import alpa_plan
-        ar = alpa_plan(g, m, optimizer=optimizer, mapper=ev.mapper, time_limit_s=min(30.0, budget_s))
-        pipe_plan = ar.pipeline
-        if pipe_plan.pcg is None:
-            raise OptimizeError(f"alpa: no plan for {m.name}: "
-                                f"{ar.stats.get('stitch_error') or pipe_plan.reason or 'the stages do not join'}")
-        pg, rules_json = pipe_plan.pcg, None
-        final = _PipelineMapping(pipe_plan, n_dev)
-        stats = {"chosen": "alpa", "pipeline_stages": pipe_plan.num_stages, "micro_batches": ar.micro_batches,
+
+def _check_batch(run: _Run) -> None:
+    if run.n_dev > 1 and run.b is not None and not any(run.b % d == 0 for d in run.degrees):
+        d = run.degrees
+        raise OptimizeError(f"batch {run.b} is not divisible by any parallel degree of machine {run.m.name} "
+                            f"({', '.join(map(str, d[:8]))}{' ...' if len(d) > 8 else ''})")
+
+
+def _price_data_parallel(run: _Run) -> None:
+    """The hand-built data-parallel plan and its mapping (``run.dp_res``: the floor of every strategy), by
+    the end of the floors phase; when its DP does not finish by then (a small batch on a large machine:
+    BERT-Large at batch 4 on 192 GPUs, degree 4, has thousands of views per operator) it is mapped without
+    the DP (:meth:`Evaluator.cheap`), which is linear."""
+    from .baselines import StrategyError, build_strategy
+    if run.n_dev <= 1:
+        return
+    try:
+        run.dp_pg = build_strategy(run.g, "dp", run.dp_deg)
+    except StrategyError:
+        return
+    try:
+        run.dp_res = run.ev.full(run.dp_pg, deadline=run.later("floors"))
+    except Expired:
+        run.dp_res = run.ev.cheap(run.dp_pg)
+        run.dp_cut = True
+        run.stats["dp_mapping"] = "without the DP (its solve did not finish within the floors' phase)"
+    run.mark("dp_baseline")
+
+
+def _alpa(run: _Run) -> PlanCandidate:
+    """Alpa's two passes (intra-operator ILP per stage, inter-operator stage DP), priced by our 1F1B
+    simulation: the plan always has a pipeline field (one stage: gradient accumulation)."""
+    import inspect
+
+    from .alpa.inter import alpa_plan
+    bud = run.budget
+    kw = {}
+    if "deadline" in inspect.signature(alpa_plan).parameters and bud.clock is time.monotonic:
+        kw["deadline"] = bud.hard_end().at          # the planner checks it (time.monotonic based)
+    ar = alpa_plan(run.g, run.m, optimizer=run.optimizer, mapper=run.ev.mapper,
+                   time_limit_s=max(0.1, min(30.0, bud.left())), **kw)
+    pipe = ar.pipeline
+    if pipe.pcg is None:
+        raise OptimizeError(f"alpa: no plan for {run.m.name}: "
+                            f"{ar.stats.get('stitch_error') or pipe.reason or 'the stages do not join'}")
+    run.stats = {"chosen": "alpa", "pipeline_stages": pipe.num_stages, "micro_batches": ar.micro_batches,
                  "alpa": {k: ar.stats.get(k) for k in ("layers", "planner_s", "solves", "micro_batches_tried")},
                  "alpa_stages": ar.stages}
-    elif strategy in FIXED:
-        deg = 1 if strategy == "none" else dp_deg
-        try:
-            # as `simulate --strategy` builds it (Megatron's tensor parallelism inside a node)
-            pg = build_strategy(g, strategy, deg, devices_per_node=m.devices_per_node)
-        except StrategyError as e:
-            raise OptimizeError(str(e)) from None
-        res_ = Resource(0, 1, 1) if strategy == "none" else None
-        final = ev.full(pg, res_)
-        rules_json = None
-    else:
-        book = RuleBook(rules, search_degrees(m))
-        # The budget is the wall time of the whole call: the substitution search stops early enough
-        # for the whole-graph pricing of its result (finish) and the pipeline stage search (pipe)
-        end = t0 + budget_s
-        pipe_share = budget_s * 0.25 if pipeline and strategy == "unity" and n_dev > 1 else 0.0
-        finish = budget_s * 0.1
-        deadline = max(end - pipe_share - finish, time.perf_counter())
-        # the end of the substitution phase: no limited solve past it (the final whole-graph mapping of
-        # the chosen plan, unlimited, has the last 4% of its share)
-        sub_end = end - pipe_share - budget_s * 0.04
+    return PlanCandidate("alpa", pipe.pcg, pipe.cost, (), by_rules=False, mapping=_PipelineMapping(pipe, run.n_dev),
+                         pipeline=pipe)
 
-        def left_for_pricing() -> float:      # a whole-graph solve of the search's result, time-limited
-            return max(finish, min(max(10.0, budget_s / 3), sub_end - time.perf_counter()))
-        floor: list = []
-        cands: list = []
-        labels: dict = {}
-        others: dict = {}
-        late = False
-        try:
-            if strategy == "unity":
-                if n_dev > 1 and dp_deg > 1:
-                    # the other fixed strategies that apply (Megatron, expert), priced first like dp: the
-                    # result is never predicted slower than one of them (they are the floor where the
-                    # rules do not reach their layout); by BASELINE_SHARE of the budget
-                    # on a large machine one solve of a Transformer takes a large share of the budget (BERT-Large at
-                    # 1,024 GPUs: ~40 s of 100): Megatron's floor is then priced after the rules' Megatron-LM layout
-                    # (the copies families, below; the floor's cut solve resumes with what is left)
-                    late = n_dev > LATE_FLOOR_DEVICES and any(n.op == "Softmax" for n in g.nodes())
-                    others = _fixed_baselines(g, ev, dp_deg, m, t0 + (0.0 if late else budget_s * BASELINE_SHARE))
-                    marks["baselines"] = time.perf_counter() - t0
-                dps = [d for d in degrees if b is None or b % d == 0]
-                fams: dict = {}
-                fam_cost: dict = {}
-                # the seed families built on the whole graph (not from segments), priced before the
-                # segment search (each is a fixed rule sequence; DLRM's best plan at 96 GPUs is one),
-                # within WHOLE_FAMILY_SHARE of the budget. The tables-by-columns layout: assembled from
-                # segment seeds it loses the dense layers' data parallelism on top (DLRM at summit:8x6:
-                # 0.86 s assembled, 0.28 s whole); only for models with embedding tables and at most
-                # WHOLE_COLS_MAX_OPS operators (data parallelism by rules over the whole of BERT-Large
-                # takes ~2 minutes).  The Megatron seeds on the whole graph of a small model: a template
-                # that spans a segment cut (the attention block of one Transformer layer: ~20 operators,
-                # two segments) applies only there
-                n_ops = sum(n.kind == "compute" for n in g.nodes())
-                whole: dict = {}
-                if any(n.op == "Embedding" for n in g.nodes()) and n_ops <= WHOLE_COLS_MAX_OPS:
-                    for d, tp in sorted(megatron_seed_degrees(m, dps).items()):
-                        whole[f"cols{tp}x{d} whole"] = partial(_whole_family, g, book, d, tp, table_columns_steps)
-                # a small dense model (no embedding table) gets every tensor-parallel degree of the machine,
-                # smallest first (whole_tp_degrees: CANDLE-Uno's best is k = 4, neither nodes nor 2)
-                dense = n_ops <= WHOLE_DENSE_TP_MAX_OPS and not any(n.op == "Embedding" for n in g.nodes())
-                widths = {g.shape(tuple(n.inputs[1])).sizes[-1] for n in g.nodes() if n.op == "Linear"}
-                tp_whole = (whole_tp_degrees(m, dps, widths) if dense else
-                            dict(sorted(megatron_seed_degrees(m, dps).items())) if n_ops <= WHOLE_TP_MAX_OPS else {})
-                for d, tp in tp_whole.items():
-                    whole[f"tp{tp}x{d} whole"] = partial(_whole_family, g, book, d, tp, tensor_parallel_steps)
-                ev.wall = max(t0 + budget_s * WHOLE_FAMILY_SHARE, time.perf_counter())
-                for name, build in whole.items():
-                    # each may use the time left to the wall (DLRM's tables split 32 ways by columns at
-                    # 192 GPUs solve in ~10 s, ~20 s on a loaded host)
-                    got = _build_and_price(ev, name, build, ev.wall, max(ev.wall - time.perf_counter(), 0.05), fam_cost)
-                    if got is not None:
-                        cands.append(got)
-                        labels[id(got[2])] = f"seed family {name} by rules"
-                marks["whole_families"] = time.perf_counter() - t0
-                deadline = max(end - pipe_share - finish, time.perf_counter())
-                ev.wall = sub_end                   # no limited solve past the substitution phase
-                attention = any(n.op == "Softmax" for n in g.nodes())
 
-                def early(fs: dict):
-                    # Megatron-LM's layout (the copies families) of a model with attention, built and priced
-                    # between the segments' seeds and their search: on BERT-Large it is the best plan
-                    # (192 GPUs: 0.668 s, hand-built Megatron 0.676 s, the segments' search 0.846 s) and
-                    # takes ~15-30 s to build and solve, which the segments' search would use first
-                    # Megatron-LM's degrees first: tensor parallel inside a node, the largest first (the
-                    # families' estimates are unpriced seeds: inf; at h100:128x8 tp128x8 came first by name)
-                    def order(kv):
-                        k = int(kv[0][2:].split("x")[0]) if kv[0].startswith("tp") else 0
-                        return (k > m.devices_per_node, -k, kv[1][1], kv[0])
-                    for name, (build, _) in sorted(fs.items(), key=order):
-                        if attention and name.endswith(" copies"):
-                            got = _build_and_price(ev, name, build, sub_end, max(sub_end - time.perf_counter(), 0.05),
-                                                   fam_cost)
-                            if got is not None:
-                                cands.append(got)
-                                labels[id(got[2])] = f"seed family {name} by rules"
-                    marks["early_families"] = time.perf_counter() - t0
-                out, st, dpg, dpst, stats, interrupted = _segment_search(
-                    g, book, ev, dps, dp_deg, k, max_candidates, alpha, progress, deadline, fams, early)
-                # data parallelism by rules (assembled from the segments' seeds): the floor.  A fixed
-                # sequence (one dp rule per operator, then cancellations), never cut by the budget;
-                # when it is the hand-built dp PCG its solve costs what dp_res cost (cheap), so it is
-                # priced without a time limit: a plan reached by rules always exists
-                floor.append(_price_dp_by_rules(ev, g, book, dpg, dpst, dp_pg, left_for_pricing, stats))
-                stats["phase_s"] = {"segments": time.perf_counter() - t0}
-                stats["late_floors"] = late
-                marks["segments"] = time.perf_counter() - t0
-                if out is not None:
-                    # the search's result is priced even when the segments ran to the wall (then for
-                    # at most 3% of the budget): it is what the search found
-                    c = ev.cost(trimmed(out), limited=max(min(left_for_pricing(), sub_end - time.perf_counter()),
-                                                          min(budget_s * 0.03, 3.0)), wall=False)
-                    cands.append((c, 1, out, st))
-                    stats["search_result_s"] = c if math.isfinite(c) else None
-                else:
-                    stats["search_result_s"] = None
-                # every seed family assembled over the whole graph from the segments' seeds (expert,
-                # Megatron), priced as a whole
-                for name, (build, _) in sorted(fams.items(), key=lambda kv: (kv[1][1], kv[0])):
-                    if name in fam_cost:        # priced (or tried) between the segments' seeds and search
-                        continue
-                    got = _build_and_price(ev, name, build, sub_end, left_for_pricing(), fam_cost)
-                    if got is not None:
-                        cands.append(got)
-                        labels[id(got[2])] = f"seed family {name} by rules"
-                stats["seed_families_s"] = fam_cost
-                stats["phase_s"]["whole_graph_pricing"] = time.perf_counter() - t0 - stats["phase_s"]["segments"]
-                # a baseline whose solve was cut resumes (the mapper keeps the subproblems it solved) with
-                # what is left of the substitution phase: on a loaded machine Megatron's solve on
-                # BERT-Large outlasts its share
-                for name, (opg, oc, note, ores) in list(others.items()):
-                    if ores is None:
-                        others[name] = _price_baseline(ev, opg, end - pipe_share - time.perf_counter())
-            else:
-                one = Resource(0, 1, 1)
-                alg = [r for r in book.rules if not r.is_parallel]
-                par = [r for r in book.rules if r.is_parallel]
-                half = (deadline - t0) / 2
-                g1, st1, s1 = _whole_search(g, alg, book, lambda x: ev.cost(trimmed(x), one), half, 10 ** 9, alpha, progress)
-                # parallelization from the algebraic optimum: its data-parallel version seeds the search
-                g2, st2 = (g1, [])
-                if n_dev > 1 and dp_deg > 1:
-                    g2, st2 = data_parallel_steps(g1, dp_deg, book)
-                    dg, dst = data_parallel_steps(g, dp_deg, book)
-                    stats = {}
-                    floor.append(_price_dp_by_rules(ev, g, book, dg, dst, dp_pg, left_for_pricing, stats))
-                left = max(deadline - time.perf_counter(), 0.01)
-                g3, st3, s2 = _whole_search(g2, par, book, lambda x: ev.cost(trimmed(x)), left, max_candidates, alpha, progress,
-                                            start_steps=st1 + st2)
-                cands.append((ev.cost(trimmed(g3), limited=left_for_pricing()), 1, g3, st3))
-                stats = dict(stats, algebraic=s1.to_json(), parallel=s2.to_json())
-                interrupted = "interrupted" in (s1.stopped, s2.stopped)
-        except KeyboardInterrupt:
-            interrupted = True
-        ev.wall = None
-        if not floor and not cands:
-            floor.append((ev.cost(g), 0, g, []))
-        marks["whole_graph_pricing"] = time.perf_counter() - t0
-        best = min(floor + cands, key=lambda c: (c[0], c[1]))
-        pg, steps = trimmed(best[2]), list(best[3])
-        if math.isfinite(best[0]):
-            final = ev.full(pg)
-        else:           # nothing reachable was priced feasible within the limits: no whole-graph solve
-            final = ev.full(g, Resource(0, 1, 1))
-            stats = dict(stats, unpriced=True)
-        if not final.feasible or not math.isfinite(best[0]):
-            # nothing reachable fits: fall back to a feasible fixed strategy (recorded as such)
-            for name in FIXED:
-                try:
-                    alt = build_strategy(g, name, 1 if name == "none" else dp_deg, devices_per_node=m.devices_per_node)
-                except StrategyError:
-                    continue
-                r = ev.full(alt, Resource(0, 1, 1) if name == "none" else None)
-                if r.feasible:
-                    pg, final, steps = alt, r, []
-                    stats = dict(stats, fallback=name)
-                    break
-        rules_json = tuple(s.to_json() for s in steps) if not stats.get("fallback") else None
-        marks["final_mapping"] = time.perf_counter() - t0
-        if pipeline and strategy == "unity" and (n_dev > 1 or not final.feasible) and not interrupted:
-            tp0 = time.perf_counter()
-            # the stage search overshoots the budget it is given (DenseNet-121 at 192 GPUs: 16.7 s for
-            # 9 s; one number of micro-batches always runs): it gets 60% of the time left, and a hard
-            # stop 3% of the budget past the end (then no pipeline plan)
-            room = max(end - tp0, budget_s * 0.05)
+def _fixed(run: _Run) -> PlanCandidate:
+    """A fixed strategy as ``simulate --strategy`` builds it (Megatron's tensor parallelism inside a node),
+    mapped by the DP within the budget (without it when the DP does not finish: :meth:`Evaluator.cheap`)."""
+    from .baselines import StrategyError, build_strategy
+    name = run.strategy
+    try:
+        pg = build_strategy(run.g, name, 1 if name == "none" else run.dp_deg, devices_per_node=run.m.devices_per_node)
+    except StrategyError as e:
+        raise OptimizeError(str(e)) from None
+    res = Resource(0, 1, 1) if name == "none" else None
+    try:
+        final = run.ev.full(pg, res)
+    except Expired:
+        final = run.ev.cheap(pg, res)
+        run.stats["mapping"] = "without the DP (its solve did not finish within the budget)"
+    return PlanCandidate(name, pg, final.cost, (), by_rules=False, mapping=final)
+
+
+def _unity_candidates(run: _Run) -> None:
+    """The joint search's candidates, phase by phase (:data:`search.budget.PHASES`); each step appends to
+    ``run.floor`` / ``run.cands`` as it goes, so when time runs out what was priced competes."""
+    g, bud = run.g, run.budget
+    if run.n_dev > 1 and run.dp_deg > 1:
+        with bud.phase("floors"):
+            _price_floors(run)
+    fam_cost: dict = {}
+    with bud.phase("whole_families"):
+        _whole_graph_families(run, fam_cost)
+    with bud.phase("segments"):
+        out, fams = _search_segments(run, fam_cost)
+    with bud.phase("pricing"):
+        _price_search_result(run, out)
+        _price_assembled_families(run, fams, fam_cost)
+    with bud.phase("final"):
+        _resume_cut_floors(run)
+
+
+def _price_floors(run: _Run) -> None:
+    """The other fixed strategies that apply (Megatron, expert), priced first like dp, by the end of the
+    floors phase: the result is never predicted slower than one of them (they are the floor where the rules
+    do not reach their layout).  On a large machine one solve of a Transformer takes a large share of the
+    budget (BERT-Large at 1,024 GPUs: ~40 s of 100): Megatron's floor is then priced after the rules'
+    Megatron-LM layout (the copies families; :func:`_resume_cut_floors`)."""
+    late = run.n_dev > LATE_FLOOR_DEVICES and any(n.op == "Softmax" for n in run.g.nodes())
+    run.stats["late_floors"] = late
+    until = Deadline(run.budget.start, run.budget.clock) if late else run.budget.deadline("floors")
+    run.others = _fixed_baselines(run.g, run.ev, run.dp_deg, run.m, until)
+    run.mark("baselines")
+
+
+def _whole_graph_families(run: _Run, fam_cost: dict) -> None:
+    """The seed families built on the whole graph (not from segments), priced before the segment search
+    (each is a fixed rule sequence; DLRM's best plan at 96 GPUs is one), by the end of their phase.  The
+    tables-by-columns layout: assembled from segment seeds it loses the dense layers' data parallelism on
+    top (DLRM at summit:8x6: 0.86 s assembled, 0.28 s whole); only for models with embedding tables and at
+    most WHOLE_COLS_MAX_OPS operators (data parallelism by rules over the whole of BERT-Large takes ~2
+    minutes).  The Megatron seeds on the whole graph of a small model: a template that spans a segment cut
+    (the attention block of one Transformer layer: ~20 operators, two segments) applies only there."""
+    g, m, book, ev, dps = run.g, run.m, run.book, run.ev, run.dps
+    n_ops = sum(n.kind == "compute" for n in g.nodes())
+    tables = any(n.op == "Embedding" for n in g.nodes())
+    whole: dict = {}
+    if tables and n_ops <= WHOLE_COLS_MAX_OPS:
+        for d, tp in sorted(megatron_seed_degrees(m, dps).items()):
+            whole[f"cols{tp}x{d} whole"] = partial(_whole_family, g, book, d, tp, table_columns_steps)
+    # a small dense model (no embedding table) gets every tensor-parallel degree of the machine, smallest
+    # first (whole_tp_degrees: CANDLE-Uno's best is k = 4, neither nodes nor 2)
+    dense = n_ops <= WHOLE_DENSE_TP_MAX_OPS and not tables
+    widths = {g.shape(tuple(n.inputs[1])).sizes[-1] for n in g.nodes() if n.op == "Linear"}
+    tp_whole = (whole_tp_degrees(m, dps, widths) if dense else
+                dict(sorted(megatron_seed_degrees(m, dps).items())) if n_ops <= WHOLE_TP_MAX_OPS else {})
+    for d, tp in tp_whole.items():
+        whole[f"tp{tp}x{d} whole"] = partial(_whole_family, g, book, d, tp, tensor_parallel_steps)
+    ev.wall = run.later("whole_families")
+    for name, build in whole.items():
+        # each may use the time left to the wall (DLRM's tables split 32 ways by columns at 192 GPUs solve
+        # in ~10 s, ~20 s on a loaded host)
+        got = _build_and_price(ev, name, build, ev.wall, max(ev.wall.left(), 0.05), fam_cost)
+        if got is not None:
+            run.cands.append(got)
+    run.mark("whole_families")
+
+
+def _search_segments(run: _Run, fam_cost: dict) -> tuple:
+    """The segments' seeds and best-first search (:func:`_segment_search`) until the end of the segments
+    phase, with the copies families priced between the seeds and the search (until the end of the pricing
+    phase), then data parallelism by rules assembled from the segments' seeds: the floor.  Returns (the
+    search's graph and steps or None, the families to assemble from the segments)."""
+    g, m, ev, bud = run.g, run.m, run.ev, run.budget
+    deadline = run.later("segments")
+    ev.wall = bud.deadline("pricing")                   # no limited solve past the substitution phase
+    attention = any(n.op == "Softmax" for n in g.nodes())
+    fams: dict = {}
+
+    def early(fs: dict):
+        # Megatron-LM's layout (the copies families) of a model with attention, built and priced between the
+        # segments' seeds and their search: on BERT-Large it is the best plan (192 GPUs: 0.668 s, hand-built
+        # Megatron 0.676 s, the segments' search 0.846 s) and takes ~15-30 s to build and solve, which the
+        # segments' search would use first.  Megatron-LM's degrees first: tensor parallel inside a node, the
+        # largest first (the families' estimates are unpriced seeds: inf; at h100:128x8 tp128x8 came first
+        # by name)
+        def order(kv):
+            k = int(kv[0][2:].split("x")[0]) if kv[0].startswith("tp") else 0
+            return (k > m.devices_per_node, -k, kv[1][1], kv[0])
+        for name, (build, _) in sorted(fs.items(), key=order):
+            if attention and name.endswith(" copies"):
+                sub_end = bud.deadline("pricing")
+                got = _build_and_price(ev, name, build, sub_end, max(sub_end.left(), 0.05), fam_cost)
+                if got is not None:
+                    run.cands.append(got)
+        run.mark("early_families")
+
+    out, st, dpg, dpst, stats, interrupted = _segment_search(
+        g, run.book, ev, run.dps, run.dp_deg, run.k, run.max_candidates, run.alpha, run.progress, deadline,
+        fams, early, price_dp_seeds=not run.dp_cut)
+    run.stats.update(stats)
+    run.interrupted = run.interrupted or interrupted
+    # data parallelism by rules (assembled from the segments' seeds): the floor.  A fixed sequence (one dp
+    # rule per operator, then cancellations); when it is the hand-built dp PCG its solve costs what
+    # dp_res cost (in the memo), so it is priced with no limit of its own: a plan reached by rules exists
+    run.floor.append(_price_dp_by_rules(ev, g, run.book, dpg, dpst, run.dp_pg, lambda: _pricing_left(run),
+                                        run.stats, run.dp_cut))
+    run.stats["phase_s"] = {"segments": bud.elapsed()}
+    run.mark("segments")
+    return (out, st) if out is not None else None, fams
+
+
+def _pricing_left(run: _Run) -> float:
+    """Seconds a whole-graph solve of the pricing phase may take (the wall at the phase's end still cuts it)."""
+    bud = run.budget
+    return max(bud.share(B.PRICING_MIN_SHARE),
+               min(max(B.PRICING_SOLVE_S, bud.share(B.PRICING_SOLVE_SHARE)), bud.left("pricing")))
+
+
+def _price_search_result(run: _Run, out) -> None:
+    """The search's result, priced on the whole graph even when the segments ran to their deadline (then
+    for at least min(3% of the budget, 3 s)): it is what the search found."""
+    if out is None:
+        run.stats["search_result_s"] = None
+        return
+    bud = run.budget
+    graph, steps = out
+    pg = trimmed(graph)
+    floor_s = min(bud.share(B.RESULT_SHARE), B.RESULT_MAX_S)
+    c = run.ev.cost(pg, limited=max(min(_pricing_left(run), bud.left("pricing")), floor_s), wall=False, keep=True)
+    run.cands.append(PlanCandidate("search", pg, c, tuple(steps), SEARCH))
+    run.stats["search_result_s"] = c if math.isfinite(c) else None
+
+
+def _price_assembled_families(run: _Run, fams: dict, fam_cost: dict) -> None:
+    """Every seed family assembled over the whole graph from the segments' seeds (expert, Megatron), priced
+    as a whole, in the order of their segments' prices, until the end of the pricing phase."""
+    sub_end = run.budget.deadline("pricing")
+    for name, (build, _) in sorted(fams.items(), key=lambda kv: (kv[1][1], kv[0])):
+        if name in fam_cost:        # priced (or tried) between the segments' seeds and search
+            continue
+        got = _build_and_price(run.ev, name, build, sub_end, _pricing_left(run), fam_cost)
+        if got is not None:
+            run.cands.append(got)
+    run.stats["seed_families_s"] = fam_cost
+    run.stats.setdefault("phase_s", {})["whole_graph_pricing"] = \
+        run.budget.elapsed() - run.stats["phase_s"].get("segments", 0.0)
+
+
+def _resume_cut_floors(run: _Run) -> None:
+    """A floor whose solve was cut resumes (the mapper keeps the subproblems it solved) with what is left of
+    the final phase: on a loaded machine Megatron's solve on BERT-Large outlasts its share."""
+    for name, (opg, oc, note, ores) in list(run.others.items()):
+        if ores is None and run.budget.expired("final"):
+            break
+        if opg is None:
+            opg = _build_floor(run.g, name, run.dp_deg, run.m)
+            if opg is None:             # does not apply to this model
+                del run.others[name]
+                continue
+        if ores is None:
+            run.others[name] = _price_baseline(run.ev, opg, run.budget.deadline("final"))
+
+
+def _sequential_candidates(run: _Run) -> None:
+    """TASO then FlexFlow (Unity Fig. 15b): algebraic rules only on one device, to convergence or half of
+    the time to the end of the segments phase; then parallel rules only, from its data-parallel version,
+    until that end."""
+    g, ev, book, bud = run.g, run.ev, run.book, run.budget
+    with bud.phase("segments"):
+        one = Resource(0, 1, 1)
+        alg = [r for r in book.rules if not r.is_parallel]
+        par = [r for r in book.rules if r.is_parallel]
+        end = run.later("segments")
+        half = Deadline(bud.now() + (end.at - bud.start) / 2, bud.clock)
+        g1, st1, s1 = _whole_search(g, alg, book, lambda x: ev.cost(trimmed(x), one), half, 10 ** 9, run.alpha,
+                                    run.progress)
+        # parallelization from the algebraic optimum: its data-parallel version seeds the search
+        g2, st2 = (g1, [])
+        if run.n_dev > 1 and run.dp_deg > 1:
+            with within(bud.hard_end()):
+                g2, st2 = data_parallel_steps(g1, run.dp_deg, book)
+                dg, dst = data_parallel_steps(g, run.dp_deg, book)
+            run.floor.append(_price_dp_by_rules(ev, g, book, dg, dst, run.dp_pg, lambda: _pricing_left(run),
+                                                run.stats, run.dp_cut))
+        g3, st3, s2 = _whole_search(g2, par, book, lambda x: ev.cost(trimmed(x)), end, run.max_candidates,
+                                    run.alpha, run.progress, start_steps=st1 + st2)
+    with bud.phase("pricing"):
+        pg = trimmed(g3)
+        run.cands.append(PlanCandidate("search", pg, ev.cost(pg, limited=_pricing_left(run), keep=True),
+                                       tuple(st3), SEARCH))
+    run.stats = dict(run.stats, algebraic=s1.to_json(), parallel=s2.to_json())
+    run.interrupted = run.interrupted or "interrupted" in (s1.stopped, s2.stopped)
+
+
+def _choose(run: _Run) -> PlanCandidate:
+    """The fastest candidate (ties: the floor, then the search, then the families, then the order found)
+    with its mapping (kept from its pricing; else solved within the hard end).  When nothing reachable was
+    priced feasible, a feasible fixed strategy (recorded as such, ``info.search.fallback``)."""
+    ev = run.ev
+    run.mark("whole_graph_pricing")
+    # sorted is stable: among equal (cost, rank) the first found comes first
+    pool = sorted(run.floor + run.cands, key=lambda c: (c.cost, c.rank))
+    chosen = None
+    for c in pool:
+        if not math.isfinite(c.cost):
+            break
+        c.mapping = ev.kept(c.pcg)
+        if c.mapping is None:           # priced from the memo (a segment's graph): solved again, from the mapper's memo
             try:
-                with _time_limit(room + budget_s * 0.03):
-                    pipe = _pipeline(g, ev, room * 0.6)
-            except _Timeout:
-                pipe = None
-                stats = dict(stats, pipeline_cut=True)
-            marks["pipeline"] = time.perf_counter() - t0
-            stats = dict(stats, pipeline_s=time.perf_counter() - tp0,
-                         pipeline_iteration_s=pipe.cost if pipe is not None and pipe.feasible else None)
-            if pipe is not None and pipe.feasible and (not final.feasible or pipe.cost < final.cost):
-                # pipeline stages (search/pipeline.py): a mapping decision of the stage DP; the PCG
-                # inside them, data parallelism, reached by rules where it can be (pipeline.by_rules:
-                # the sequence is recorded); Megatron's stages record none
-                from .pipeline import by_rules
-                tr = time.perf_counter()
-                # within the budget: on BERT-Large at 192 GPUs it took 118 s (whole-graph rules); stages data
-                # parallel inside are built by segments (linear, 2-4 s CPU on Inception-v3): like data
-                # parallelism by rules they may run up to 10% of the budget past its end (at 1,024 GPUs on a
-                # loaded host the stage search's overshoot left them the 3% floor, and the plan had no rules)
-                floor = 0.10 if (pipe.origin or {}).get("dp_inside") else 0.03
-                try:
-                    with _time_limit(max(end - tr, budget_s * floor)):
-                        pipe = by_rules(g, pipe, ev.machine, book, mapper=ev.mapper) or pipe
-                    stats = dict(stats, pipeline_by_rules="reached" if pipe.rules is not None else "not reached")
-                except _Timeout:
-                    stats = dict(stats, pipeline_by_rules="cut by the budget")
-                marks["pipeline_by_rules"] = time.perf_counter() - t0
-                pipe_plan = pipe
-                steps = list(pipe.rules or ())
-                pg, rules_json = pipe.pcg, (tuple(s.to_json() for s in steps) if pipe.rules is not None else None)
-                final = _PipelineMapping(pipe, n_dev)
-                stats = dict(stats, chosen="pipeline", pipeline_stages=pipe.num_stages,
-                             micro_batches=pipe.micro_batches)
-        if strategy == "unity":
-            # The promise "never predicted slower than data parallel where it fits" (and than the other
-            # fixed strategies that apply: Megatron, expert) outranks rule reachability: where the rules
-            # cannot build the baseline's PCG (an operator without a dp rule; Megatron's operators between
-            # its groups on the tensor-parallel copies) or the budget ran out first, the fastest
-            # hand-built baseline is returned, recorded as such (no rule sequence), as a pipeline plan is.
-            alts = [(dp_res.cost, "dp", dp_pg, dp_res)] if dp_res is not None and dp_res.feasible else []
-            alts += [(oc, name, opg, ores) for name, (opg, oc, _, ores) in others.items()
-                     if ores is not None and math.isfinite(oc)]
-            # (faster by more than rounding: the rules' version of a baseline prices the same up to the
-            # last bits, and then the plan reached by rules is kept)
-            for oc, name, opg, ores in sorted(alts, key=lambda a: a[0]):
-                if final.feasible and not oc < final.cost * (1 - 1e-9):
-                    break
-                if not ores.feasible or (final.feasible and not ores.cost < final.cost * (1 - 1e-9)):
-                    continue
-                pipe_plan = None
-                pg, steps, rules_json, final = opg, [], None, ores
-                if name == "dp":
-                    why = stats.get("dp_by_rules", {}).get("differs") or "not priced within the budget"
-                    stats = dict(stats, chosen=f"data parallel baseline (dp by rules: {why})")
-                else:
-                    stats = dict(stats, chosen=f"{name} baseline (faster than every plan reached by rules within "
-                                               f"the budget)")
-                break
-            stats = dict(stats, baselines_s={"dp": dp_res.cost if dp_res is not None and dp_res.feasible else None,
+                c.mapping = ev.full(c.pcg)
+            except Expired:             # past the hard end: the next one
+                continue
+        if c.mapping.feasible:
+            chosen = c
+            break
+    if chosen is None:
+        if not pool or not math.isfinite(pool[0].cost):
+            run.stats["unpriced"] = True
+        chosen = _fallback(run)
+    run.mark("final_mapping")
+    return chosen
+
+
+def _fallback(run: _Run) -> PlanCandidate:
+    """Nothing reachable fits (or nothing was priced within the budget): the first fixed strategy whose
+    mapping is feasible (data parallelism's from the floors first, else each solved within the hard end),
+    else the imported graph on one device.  Cheap: at worst a mapping without the DP (:meth:`Evaluator.cheap`)."""
+    from .baselines import StrategyError, build_strategy
+    ev, g = run.ev, run.g
+    for name in FIXED:
+        if name == "dp" and run.dp_res is not None:
+            alt, r = run.dp_pg, run.dp_res
+        else:
+            try:
+                alt = build_strategy(g, name, 1 if name == "none" else run.dp_deg, devices_per_node=run.m.devices_per_node)
+            except StrategyError:
+                continue
+            res = Resource(0, 1, 1) if name == "none" else None
+            try:
+                r = ev.full(alt, res)
+            except Expired:
+                r = ev.cheap(alt, res)
+        if r is not None and r.feasible:
+            run.stats = dict(run.stats, fallback=name)
+            return PlanCandidate(f"{name} (fallback: nothing reachable by rules fits)", alt, r.cost, (),
+                                 by_rules=False, mapping=r)
+    one = Resource(0, 1, 1)
+    try:
+        r = ev.full(g, one)
+    except Expired:
+        r = ev.cheap(g, one)
+    return PlanCandidate("imported graph (nothing fits)", g, r.cost if r is not None else INF, (), FLOOR, mapping=r)
+
+
+def _pipeline_step(run: _Run, chosen: PlanCandidate) -> PlanCandidate:
+    """The 1F1B stage search in the pipeline phase, taken when faster (such a plan records its stages, and
+    the rule sequence of the PCG inside them where it is data parallel: ``pipeline.by_rules``).  The stage
+    search gets a share of the time left (it finishes the number of micro-batches it is pricing) and is cut
+    shortly past the end; the rule sequence gets what is then left (at least a small share; bounded by the
+    hard end)."""
+    from .budget import run_within
+    bud, ev, n_dev = run.budget, run.ev, run.n_dev
+    hard = bud.hard_end()
+    tp0 = time.perf_counter()
+    room = max(bud.left(), bud.share(B.PIPELINE_MIN_SHARE))
+    cut = Deadline(bud.now() + room + bud.share(B.PIPELINE_OVER), bud.clock).sooner(hard)
+    pipe = _pipeline(run.g, ev, room * B.PIPELINE_SEARCH_SHARE, cut)
+    if pipe is None and cut.passed():
+        run.stats["pipeline_cut"] = True
+    run.mark("pipeline")
+    run.stats = dict(run.stats, pipeline_s=time.perf_counter() - tp0,
+                     pipeline_iteration_s=pipe.cost if pipe is not None and pipe.feasible else None)
+    final = chosen.mapping
+    if pipe is None or not pipe.feasible or (final.feasible and not pipe.cost < final.cost):
+        return chosen
+    # pipeline stages (search/pipeline.py): a mapping decision of the stage DP; the PCG inside them, data
+    # parallelism, reached by rules where it can be (pipeline.by_rules: the sequence is recorded);
+    # Megatron's stages record none.  Within the budget: on BERT-Large at 192 GPUs it took 118 s (whole-graph
+    # rules); stages data parallel inside are built by segments (linear, 2-4 s CPU on Inception-v3)
+    from .pipeline import by_rules
+    least = B.BY_RULES_DP_MIN_SHARE if (pipe.origin or {}).get("dp_inside") else B.BY_RULES_MIN_SHARE
+    until = Deadline(max(bud.end, bud.now() + bud.share(least)), bud.clock).sooner(hard)
+    try:
+        got, done = run_within(until, by_rules, run.g, pipe, ev.machine, run.book, mapper=ev.mapper)
+    except (UnityError, KeyboardInterrupt):
+        got, done = None, True
+    if done:
+        pipe = got or pipe
+        run.stats = dict(run.stats, pipeline_by_rules="reached" if pipe.rules is not None else "not reached")
+    else:
+        run.stats = dict(run.stats, pipeline_by_rules="cut by the budget")
+    run.mark("pipeline_by_rules")
+    run.stats = dict(run.stats, chosen="pipeline", pipeline_stages=pipe.num_stages, micro_batches=pipe.micro_batches)
+    return PlanCandidate("pipeline", pipe.pcg, pipe.cost, tuple(pipe.rules or ()), by_rules=pipe.rules is not None,
+                         mapping=_PipelineMapping(pipe, n_dev), pipeline=pipe)
+
+
+def _never_slower_than_a_floor(run: _Run, chosen: PlanCandidate) -> PlanCandidate:
+    """The promise "never predicted slower than data parallel where it fits" (and than the other fixed
+    strategies that apply: Megatron, expert) outranks rule reachability: where the rules cannot build the
+    baseline's PCG (an operator without a dp rule; Megatron's operators between its groups on the
+    tensor-parallel copies) or the budget ran out first, the fastest hand-built baseline is returned,
+    recorded as such (no rule sequence), as a pipeline plan is."""
+    dp_res = run.dp_res
+    alts = [(dp_res.cost, "dp", run.dp_pg, dp_res)] if dp_res is not None and dp_res.feasible else []
+    alts += [(oc, name, opg, ores) for name, (opg, oc, _, ores) in run.others.items()
+             if ores is not None and math.isfinite(oc)]
+    final = chosen.mapping
+    # (faster by more than rounding: the rules' version of a baseline prices the same up to the last bits,
+    # and then the plan reached by rules is kept)
+    for oc, name, opg, ores in sorted(alts, key=lambda a: a[0]):
+        if final.feasible and not oc < final.cost * (1 - 1e-9):
+            break
+        if not ores.feasible or (final.feasible and not ores.cost < final.cost * (1 - 1e-9)):
+            continue
+        if name == "dp":
+            why = run.stats.get("dp_by_rules", {}).get("differs") or "not priced within the budget"
+            mech = f"data parallel baseline (dp by rules: {why})"
+        else:
+            mech = f"{name} baseline (faster than every plan reached by rules within the budget)"
+        run.stats = dict(run.stats, chosen=mech)
+        chosen = PlanCandidate(mech, opg, ores.cost, (), by_rules=False, mapping=ores)
+        break
+    run.stats = dict(run.stats, baselines_s={"dp": dp_res.cost if dp_res is not None and dp_res.feasible else None,
                                              **{name: (oc if math.isfinite(oc) else note or None)
-                                                for name, (_, oc, note, _) in others.items()}})
-        stats = dict(stats, chosen=stats.get("chosen") or labels.get(id(best[2]), "data parallel by rules" if best[1] == 0 else "search"),
-                     mapper_calls=ev.calls, mapper_timeouts=ev.timeouts)
-        if strategy == "unity":        # the substitution phase's wall and the end of the last solve under it
-            stats["wall_s"] = {"wall": round(sub_end - t0, 3),
-                               "last_walled_solve_end": round(max(ev.last_walled_end - t0, 0.0), 3)}
-    search_s = time.perf_counter() - t0
-    if strategy in SEARCHES:       # seconds since the start at the end of each phase
-        marks["end"] = search_s
-        stats["timeline_s"] = {k: round(v, 2) for k, v in marks.items()}
-    pred = dict(final.to_json(), strategy=strategy, optimizer=optimizer, precision=precision, search_s=search_s)
-    plan = Plan(model_path, sha, m, pg, final.views, pred,
-                pipe_plan.to_plan_field() if pipe_plan is not None else None,
-                {"strategy": strategy, "seed": seed, "alpha": alpha, "budget_s": budget_s, "optimizer": optimizer,
-                 "batch": b, "search": stats,
+                                                for name, (_, oc, note, _) in run.others.items()}})
+    return chosen
+
+
+def _result(run: _Run, chosen: PlanCandidate, model_path: str, sha: str, seed: int, precision: str) -> OptimizeResult:
+    """The plan file and the result of the call."""
+    from unity_pcg.plan import Plan
+    bud, stats, final = run.budget, run.stats, chosen.mapping
+    search_s = bud.elapsed()
+    if run.strategy in SEARCHES:       # seconds since the start at the end of each step, and each phase
+        run.marks["end"] = search_s
+        stats["timeline_s"] = {k: round(v, 2) for k, v in run.marks.items()}
+        stats["budget"] = {"seconds": bud.seconds, "phases": bud.timeline()}
+    rules_json = chosen.rules_json
+    pipe = chosen.pipeline
+    pred = dict(final.to_json(), strategy=run.strategy, optimizer=run.optimizer, precision=precision,
+                search_s=search_s)
+    plan = Plan(model_path, sha, run.m, chosen.pcg, final.views, pred,
+                pipe.to_plan_field() if pipe is not None else None,
+                {"strategy": run.strategy, "seed": seed, "alpha": run.alpha, "budget_s": bud.seconds,
+                 "optimizer": run.optimizer, "batch": run.b, "search": stats,
                  **({"outputs_trimmed": True} if rules_json is not None else {})}, rules_json, precision)
-    return OptimizeResult(plan, strategy, final, dp_res, steps, search_s, stats, interrupted, b)
+    return OptimizeResult(plan, run.strategy, final, run.dp_res, list(chosen.steps), search_s, stats,
+                          run.interrupted, run.b)
 
 
-__all__ = ["optimize", "OptimizeResult", "OptimizeError", "STRATEGIES", "machine_degrees", "search_degrees",
-           "megatron_seed_degrees", "whole_tp_degrees"]
+__all__ = ["optimize", "OptimizeResult", "OptimizeError", "PlanCandidate", "STRATEGIES", "machine_degrees",
+           "search_degrees", "megatron_seed_degrees", "whole_tp_degrees"]

@@ -85,6 +85,7 @@ from unity_pcg.pcg import PCG
 from unity_pcg.plan import PIPELINE_SCHEDULE, validate_pipeline_field  # noqa: F401 (re-exported)
 
 from . import collectives as C
+from .budget import Deadline, Expired, current, within
 from .baselines import StrategyError, data_parallel
 from .cost import CostModel, GraphCost
 from .mapping import MachineMapper
@@ -781,7 +782,8 @@ def _micro_batch_candidates(B: int, micro_batches, max_stages: int) -> list[int]
 def search_pipeline(pcg: PCG, mapper_or_cost_model: MachineMapper | CostModel, *, max_stages: int = 4,
                     min_stages: int = 1, micro_batches: int | Sequence[int] | None = None,
                     budget_s: float | None = None, intra: Callable[[PCG, Resource], PCG] | None = None,
-                    max_layers: int = 12, candidates: int = 2, max_exact: int = 8) -> PipelineResult | None:
+                    max_layers: int = 12, candidates: int = 2, max_exact: int = 8,
+                    deadline: Deadline | None = None) -> PipelineResult | None:
     """The fastest 1F1B pipeline plan of ``pcg`` found by the stage DP (see module docstring).
 
     ``pcg`` is logical or parallel (a parallel one keeps its parallelization inside each stage under
@@ -796,8 +798,17 @@ def search_pipeline(pcg: PCG, mapper_or_cost_model: MachineMapper | CostModel, *
     ``budget_s`` bounds the search (at least one number of micro-batches is searched; the best plan
     found so far is returned).  ``candidates``: DP plans kept per stage count and number of
     micro-batches; the best estimate of every stage count and up to ``max_exact`` in all are priced
-    exactly.  Returns the fastest feasible plan, else the fastest infeasible one (``feasible`` False,
-    with the reason), or None when the graph has no split into ``min_stages`` stages."""
+    exactly.  ``deadline`` (:class:`search.budget.Deadline`) is a hard stop, checked by every solve (the
+    stage DP's layer prices, the exact prices): past it the best plan priced exactly so far is returned
+    (None if none; ``stats["cut"]``).  Returns the fastest feasible plan, else the fastest infeasible one
+    (``feasible`` False, with the reason), or None when the graph has no split into ``min_stages`` stages."""
+    with within(deadline):
+        return _search_pipeline(pcg, mapper_or_cost_model, max_stages, min_stages, micro_batches, budget_s, intra,
+                                max_layers, candidates, max_exact)
+
+
+def _search_pipeline(pcg, mapper_or_cost_model, max_stages, min_stages, micro_batches, budget_s, intra,
+                     max_layers, candidates, max_exact) -> PipelineResult | None:
     t0 = time.perf_counter()
     if budget_s is not None and budget_s <= 0:
         raise PipelineError(f"pipeline search budget must be positive, got {budget_s}")
@@ -805,7 +816,9 @@ def search_pipeline(pcg: PCG, mapper_or_cost_model: MachineMapper | CostModel, *
         else MachineMapper(mapper_or_cost_model)
     machine = mapper.machine
     intra = intra or default_intra
-    deadline = t0 + budget_s if budget_s is not None else INF
+    # the soft budget is read on the clock of the hard deadline when there is one (a test's clock)
+    clock = (current() or Deadline.never(time.perf_counter)).clock
+    deadline = clock() + budget_s if budget_s is not None else INF
     roles = GraphCost(pcg, mapper.model).role
     layers, info = sequential_layers(pcg, roles, max_layers)
     L = len(layers)
@@ -825,7 +838,7 @@ def search_pipeline(pcg: PCG, mapper_or_cost_model: MachineMapper | CostModel, *
     ms = sorted(_micro_batch_candidates(B, micro_batches, max_stages),
                 key=lambda m: (abs(math.log2(m) - math.log2(2 * max_stages)), m))
     for M in ms:
-        if cands and time.perf_counter() > deadline:
+        if cands and clock() > deadline:
             stats["budget_exhausted"] = True
             break
         try:
@@ -834,8 +847,13 @@ def search_pipeline(pcg: PCG, mapper_or_cost_model: MachineMapper | CostModel, *
             continue
         stats["micro_batches_tried"].append(M)
         lay = _LayerPrices(graphs[M], roles, layer_nodes, mapper, intra, machine, memo)
-        for est, plan in _stage_dp(lay, info, layers, graphs[M], machine, sizes, T, M, min_stages, max_stages,
-                                   deadline if cands else INF, candidates):
+        try:
+            found = _stage_dp(lay, info, layers, graphs[M], machine, sizes, T, M, min_stages, max_stages,
+                              deadline if cands else INF, candidates, clock)
+        except Expired:                 # the hard deadline: the plans found so far are priced (if time is left)
+            stats["cut"] = True
+            break
+        for est, plan in found:
             cands.append((est, len(plan), M, plan))
     stats["dp_s"] = time.perf_counter() - t0
     stats["priced"] = len(memo)
@@ -848,10 +866,14 @@ def search_pipeline(pcg: PCG, mapper_or_cost_model: MachineMapper | CostModel, *
     for est, S, M, plan in cands:
         must = S not in seen or (S == 1 and M == 1 and (1, 1) not in seen)
         if best is not None and not must and (stats["exact"] >= max_exact or est > 1.25 * best[0][1]
-                                              or time.perf_counter() > deadline):
+                                              or clock() > deadline):
             continue
         seen.update({S, (S, M)})
-        ev = _evaluate(graphs[M], roles, info, layers, plan, M, mapper, intra, machine, memo)
+        try:
+            ev = _evaluate(graphs[M], roles, info, layers, plan, M, mapper, intra, machine, memo)
+        except Expired:
+            stats["cut"] = True
+            break
         ev["estimate"] = est
         stats["exact"] += 1
         rank = (not ev["feasible"], ev["makespan"], S, M)
@@ -962,7 +984,7 @@ class _LayerPrices:
 
 
 def _stage_dp(lay: _LayerPrices, info: _Cuts, layers, gM, machine, sizes, T, M, min_stages, max_stages,
-              deadline, candidates) -> list:
+              deadline, candidates, clock=time.perf_counter) -> list:
     """Alpa's stage DP over layers and devices (module docstring).  Returns up to ``candidates``
     plans per stage count, best first, each ``(estimate, plan)``; a plan is a tuple of stages
     ``(first layer, last layer + 1, first device, number of devices)``.  Bounds ``t_max`` closer than
@@ -1050,7 +1072,7 @@ def _stage_dp(lay: _LayerPrices, info: _Cuts, layers, gM, machine, sizes, T, M, 
     found: dict = {}                    # S -> {plan: estimate}
     best_T = INF
     for t_max in merged:
-        if M * t_max >= best_T or time.perf_counter() > deadline:
+        if M * t_max >= best_T or clock() > deadline:
             break
         for lam in (1.0, 0.0):          # updates summed over stages, or left to the estimate
             memo: dict = {}

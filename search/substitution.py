@@ -32,6 +32,8 @@ from unity_pcg import ops
 from unity_pcg.errors import UnityError
 from unity_pcg.pcg import PCG
 
+from .budget import Deadline, Expired, check as _check_deadline
+
 INF = math.inf
 CANCEL_RULES = ("partition_cse", "replicate_cse", "partition_combine_cancel")
 
@@ -114,6 +116,9 @@ class RuleBook:
 # --- matching and replay ---------------------------------------------------------------------------
 
 def _window_index(g: PCG, window: Iterable[int] | None) -> GraphIndex:
+    # every rule application starts here (a search's neighbours, the fixed sequences' rounds): the head of
+    # their loops, where the deadline of the caller's scope is checked (search.budget.within: Expired)
+    _check_deadline()
     return GraphIndex(g, window)
 
 
@@ -693,7 +698,7 @@ def best_first(start: Sequence[Candidate], expand: Callable[[Candidate], Iterabl
                key: Callable[[PCG], Any] | None = None,
                estimate: Callable[[PCG], float] | None = None,
                progress: Callable[[SearchStats, float], None] | None = None,
-               seen: set | None = None) -> SearchResult:
+               seen: set | None = None, deadline: "Deadline | None" = None) -> SearchResult:
     """Best-first search.  ``start``: candidates (the imported graph, seeds; cost None: priced when reached); ``expand(c)``
     yields (graph, steps) of its neighbours; ``evaluate(graph)`` -> (cost, info) is the DP.
 
@@ -703,7 +708,9 @@ def best_first(start: Sequence[Candidate], expand: Callable[[Candidate], Iterabl
     expansion order is by DP-predicted cost and a budget cut costs no unneeded DP solves.  A
     candidate costing more than ``alpha`` times the best of its ``key`` (one key if None) is neither
     re-queued nor expanded.  Stops when the queue is empty, after ``max_candidates`` expansions or
-    ``max_seconds``; a KeyboardInterrupt stops it too (``stats.stopped == "interrupted"``) with the
+    ``max_seconds`` or at ``deadline`` (:class:`search.budget.Deadline`, checked at the loop head; a
+    solve or an expansion it cuts, :class:`search.budget.Expired`, ends the search too: ``stats.stopped
+    == "seconds"``); a KeyboardInterrupt stops it too (``stats.stopped == "interrupted"``) with the
     best so far.  Ties are broken by insertion order: with a candidate budget the result is the same
     every time."""
     t0 = time.perf_counter()
@@ -749,7 +756,7 @@ def best_first(start: Sequence[Candidate], expand: Callable[[Candidate], Iterabl
             if stats.explored >= max_candidates:
                 stats.stopped = "candidates"
                 break
-            if time.perf_counter() - t0 > max_seconds:
+            if time.perf_counter() - t0 > max_seconds or (deadline is not None and deadline.passed()):
                 stats.stopped = "seconds"
                 break
             prio, sub, _, priced, k, c = heapq.heappop(queue)
@@ -775,6 +782,8 @@ def best_first(start: Sequence[Candidate], expand: Callable[[Candidate], Iterabl
                 progress(stats, min((x.cost for x in front.values()), default=INF))
     except KeyboardInterrupt:
         stats.stopped = "interrupted"
+    except Expired:
+        stats.stopped = "seconds"
     stats.seconds = time.perf_counter() - t0
     best = min(front.values(), key=lambda x: x.cost) if front else start[0]
     if best.cost is None:

@@ -1,0 +1,272 @@
+"""The time budget of one ``optimize`` call: named phases, their deadlines, and the checks solvers make.
+
+    b = Budget(60.0)                          # --budget 60, the clock starts now
+    b.deadline("segments")                    # a Deadline: when the segment search must stop
+    with within(b.deadline("pricing")):       # every solver below checks it at its loop heads
+        mapper.optimize(g)                    # raises Expired once the deadline has passed
+
+One table, :data:`PHASES`, gives every phase its share of the budget.  The phases run in that order and
+each ends at a fixed mark, the start plus the budget times the shares up to and including it, so time a
+phase leaves unused flows to the phases after it.  A phase that does not run (the pipeline phases when
+pipeline is off) gives its share to the phase its row names.  Work a phase must finish (data parallelism
+by rules, the search's own result) may run past its mark, but nothing runs past the hard end, the end
+plus :data:`GRACE` of the budget, at least :data:`GRACE_MIN_S` (:meth:`Budget.hard_end`), except linear
+work: assembling the plan, a mapping without the DP (``Evaluator.cheap``).  One Budget serves one
+``optimize`` call (its clock starts when it is made).  Nothing waits
+for a signal: a solver checks the deadline it was given (or the one of the innermost :func:`within`
+scope of its thread) at its loop heads, so a budget works in any thread.
+
+Deadlines are read on the budget's clock (``time.monotonic`` unless one is injected: the tests give a
+clock that advances on every reading, so which phase stops where does not depend on the host's speed).
+"""
+from __future__ import annotations
+
+import math
+import threading
+import time
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+from typing import Callable, Iterator
+
+INF = math.inf
+
+
+@dataclass(frozen=True)
+class Phase:
+    name: str
+    share: float            # of the budget
+    does: str               # what runs in it
+    spare_to: str | None = None     # where its share goes when it does not run (None: the next phase)
+
+
+#: The phases of the joint search, in order, and their shares of ``--budget`` (they sum to 1).  A phase
+#: ends at the start plus the budget times the shares up to it (the marks: 50%, 60%, 65%, 71%, 75%, 100%
+#: with pipelines; 50%, 60%, 90%, 96%, 100% without)
+PHASES: tuple[Phase, ...] = (
+    Phase("floors", 0.50, "import; data parallelism's mapping; the fixed strategies' floors (Megatron, expert)"),
+    Phase("whole_families", 0.10, "seed families built by rules on the whole graph and priced"),
+    Phase("segments", 0.05, "the segments' seeds and their best-first search (the sequential strategy's "
+                            "two searches)"),
+    Phase("pricing", 0.06, "the whole-graph pricing of the search's result and of the families assembled "
+                           "from the segments (and the copies families priced between the segments' seeds "
+                           "and their search)"),
+    Phase("final", 0.04, "floors whose solve was cut resume; the final mapping of the chosen plan"),
+    Phase("pipeline", 0.25, "the 1F1B stage search, then the rule sequence of the stages' PCG",
+          spare_to="segments"),
+)
+
+#: past the end of the budget, the work that completes a plan may run this share of the budget more, at
+#: least GRACE_MIN_S seconds (the hard end; with process noise a call stays within 1.1 x the budget plus a
+#: few seconds: data parallelism by rules on a small model must complete even under a 0.05 s budget)
+GRACE = 0.05
+GRACE_MIN_S = 2.0
+#: one limited DP solve of a candidate: this share of the budget, at least SOLVE_MIN_S seconds
+SOLVE_SHARE = 1 / 30
+SOLVE_MIN_S = 1.0
+#: the search's own result is priced for at least min(RESULT_SHARE x budget, RESULT_MAX_S) seconds, even
+#: when the search ran to the end of its phase (it is what the search found)
+RESULT_SHARE = 0.03
+RESULT_MAX_S = 3.0
+#: a whole-graph solve of the pricing phase may use min(max(PRICING_SOLVE_S, PRICING_SOLVE_SHARE x budget), the
+#: time to the phase's mark), and at least PRICING_MIN_SHARE of the budget (the wall at the mark still cuts it,
+#: but for the search's own result)
+PRICING_SOLVE_S = 10.0
+PRICING_SOLVE_SHARE = 1 / 3
+PRICING_MIN_SHARE = 0.10
+#: the pipeline stage search gets this share of the time left when it starts (it finishes the number of
+#: micro-batches it is pricing, then stops) and is cut at the end of the budget plus PIPELINE_OVER
+PIPELINE_SEARCH_SHARE = 0.6
+PIPELINE_MIN_SHARE = 0.05
+PIPELINE_OVER = 0.03
+#: the pipeline's rule sequence (pipeline.by_rules) gets the time to the end, at least this share (stages
+#: data parallel inside, built by segments: the larger one); both bounded by the hard end
+BY_RULES_MIN_SHARE = 0.03
+BY_RULES_DP_MIN_SHARE = 0.10
+
+
+class Expired(Exception):
+    """A deadline passed: the solver that checked it stops (the caller keeps what it had)."""
+
+
+@dataclass(frozen=True, order=True)
+class Deadline:
+    """An instant on ``clock`` (``time.monotonic`` by default) past which a solver stops."""
+    at: float
+    clock: Callable[[], float] = field(default=time.monotonic, compare=False)
+
+    @staticmethod
+    def never(clock: Callable[[], float] = time.monotonic) -> "Deadline":
+        return Deadline(INF, clock)
+
+    @staticmethod
+    def after(seconds: float | None, clock: Callable[[], float] = time.monotonic) -> "Deadline":
+        """``seconds`` from now (None: never)."""
+        return Deadline(INF if seconds is None else clock() + seconds, clock)
+
+    def left(self) -> float:
+        return self.at - self.clock()
+
+    def passed(self) -> bool:
+        return self.clock() > self.at
+
+    def check(self) -> None:
+        """Raise :class:`Expired` once the deadline has passed."""
+        if self.clock() > self.at:
+            raise Expired()
+
+    def sooner(self, other: "Deadline | None") -> "Deadline":
+        return self if other is None or self.at <= other.at else other
+
+    def plus(self, seconds: float) -> "Deadline":
+        return Deadline(self.at + seconds, self.clock)
+
+
+# --- the deadline of a thread's innermost scope (what the DP, the rules and the stage search check) ------
+
+_local = threading.local()
+
+
+def current() -> Deadline | None:
+    """The innermost :func:`within` deadline of this thread (None: none)."""
+    return getattr(_local, "deadline", None)
+
+
+@contextmanager
+def within(deadline: Deadline | None) -> Iterator[Deadline | None]:
+    """Run the block under ``deadline`` (and every enclosing one: the sooner wins); None: no new bound."""
+    old = getattr(_local, "deadline", None)
+    new = old if deadline is None else deadline.sooner(old)
+    _local.deadline = new
+    try:
+        yield new
+    finally:
+        _local.deadline = old
+
+
+def check() -> None:
+    """The check solvers make at their loop heads: raise :class:`Expired` when the deadline of this
+    thread's innermost scope has passed (nothing without a scope)."""
+    d = getattr(_local, "deadline", None)
+    if d is not None and d.clock() > d.at:
+        raise Expired()
+
+
+def run_within(deadline: Deadline | None, fn: Callable, *args, **kwargs):
+    """``fn(*args, **kwargs)`` under ``deadline``; (value, True), or (None, False) when it expired."""
+    try:
+        with within(deadline):
+            return fn(*args, **kwargs), True
+    except Expired:
+        return None, False
+
+
+# --- the budget -----------------------------------------------------------------------------------------
+
+class Budget:
+    """``seconds`` of wall time from now, split by :data:`PHASES` (those named in ``skip`` do not run:
+    their share goes to their ``spare_to`` phase, else the next one).  Every phase has a deadline;
+    :meth:`phase` records when each ran (:meth:`timeline`)."""
+
+    def __init__(self, seconds: float, *, phases: tuple[Phase, ...] = PHASES, skip=(),
+                 clock: Callable[[], float] | None = None, start: float | None = None):
+        if not isinstance(seconds, (int, float)) or not seconds > 0:
+            raise ValueError(f"budget must be a positive number of seconds, got {seconds!r}")
+        self.seconds = float(seconds)
+        self.clock = clock or time.monotonic
+        self.start = self.clock() if start is None else start
+        self.end = self.start + self.seconds
+        self.phases = tuple(phases)
+        self.records: dict[str, dict] = {}
+        self.skipped: frozenset = frozenset()
+        self.skip(*skip)
+
+    def skip(self, *names: str) -> "Budget":
+        """Phases that will not run: their shares go to their ``spare_to`` phase (else the next one that
+        runs, else the previous one).  Before any phase has started."""
+        phases = self.phases
+        known = [p.name for p in phases]
+        unknown = set(names) - set(known)
+        if unknown:
+            raise ValueError(f"unknown phase(s) {sorted(unknown)}")
+        self.skipped = self.skipped | frozenset(names)
+        shares = {p.name: p.share for p in phases}
+        for i, p in enumerate(phases):
+            if p.name in self.skipped:
+                to = p.spare_to if p.spare_to not in self.skipped else None
+                to = to or next((q.name for q in phases[i + 1:] if q.name not in self.skipped), None)
+                to = to or next((q.name for q in reversed(phases[:i]) if q.name not in self.skipped), None)
+                if to is not None:
+                    shares[to] += shares[p.name]
+                shares[p.name] = 0.0
+        total = sum(shares.values()) or 1.0
+        self.marks: dict[str, float] = {}
+        acc = 0.0
+        for name in known:
+            acc += shares[name] / total
+            self.marks[name] = min(acc, 1.0) if name != known[-1] else 1.0
+        self.shares = {n: shares[n] / total for n in known}
+        return self
+
+    @classmethod
+    def of(cls, budget: "Budget | float", **kw) -> "Budget":
+        return budget if isinstance(budget, Budget) else cls(budget, **kw)
+
+    # --- reading ---
+    def now(self) -> float:
+        return self.clock()
+
+    def elapsed(self) -> float:
+        return self.clock() - self.start
+
+    def deadline(self, phase: str | None = None) -> Deadline:
+        """The end of ``phase`` (None: the end of the budget)."""
+        if phase is None:
+            return Deadline(self.end, self.clock)
+        if phase not in self.marks:
+            raise KeyError(f"unknown phase {phase!r} (known: {', '.join(self.marks)})")
+        return Deadline(self.start + self.seconds * self.marks[phase], self.clock)
+
+    def hard_end(self) -> Deadline:
+        """The end plus :data:`GRACE` of the budget (at least :data:`GRACE_MIN_S`): no solve, rule sequence or
+        search runs past it."""
+        return Deadline(self.end + max(GRACE * self.seconds, GRACE_MIN_S), self.clock)
+
+    def share(self, fraction: float) -> float:
+        """``fraction`` of the budget, in seconds."""
+        return self.seconds * fraction
+
+    def left(self, phase: str | None = None) -> float:
+        """Seconds to the end of ``phase`` (None: of the budget); negative once past."""
+        return self.deadline(phase).left()
+
+    def expired(self, phase: str | None = None) -> bool:
+        return self.deadline(phase).passed()
+
+    def solve_limit(self) -> float:
+        """Seconds one limited DP solve of a candidate may take."""
+        return max(SOLVE_MIN_S, self.seconds * SOLVE_SHARE)
+
+    # --- recording ---
+    @contextmanager
+    def phase(self, name: str):
+        """Record the start and end of phase ``name`` (on the budget's clock, seconds from the start)."""
+        d = self.deadline(name)
+        rec = self.records.setdefault(name, {"start": round(self.elapsed(), 3),
+                                             "deadline": round(d.at - self.start, 3)})
+        try:
+            yield d
+        finally:
+            rec["end"] = round(self.elapsed(), 3)
+
+    def timeline(self) -> dict:
+        """{phase: {"start", "end", "deadline"}} of the phases that ran (seconds from the start)."""
+        return {k: dict(v) for k, v in self.records.items()}
+
+    def table(self) -> list[dict]:
+        """The phases with their shares and marks (for reports)."""
+        return [{"phase": n, "share": round(self.shares[n], 4), "ends_at": round(self.marks[n], 4),
+                 "skipped": n in self.skipped} for n in self.marks]
+
+
+__all__ = ["Budget", "Deadline", "Expired", "Phase", "PHASES", "GRACE", "within", "current", "check",
+           "run_within"]
