@@ -195,8 +195,6 @@ def megatron_groups(g: PCG) -> list[_Group]:
             continue
         ok = all(len(g.node(t).inputs) == 2 and g.node(t).a.get("activation", "none") == "none"
                  and g.node(t).inputs[0][0] in nodes | set(starts) for t in terms)
-        inside = nodes | set(starts)
-        ok = ok and all(r[0] in inside or r[0] in wl for v in nodes for r in g.node(v).inputs)
         if ok:
             groups.append(_Group(starts, nodes, terms))
     groups.sort(key=lambda gr: min(order[s] for s in gr.starts))
