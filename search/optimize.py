@@ -728,7 +728,10 @@ def optimize(model, machine, budget_s: float | None = None, alpha: float = 1.05,
         # Alpa's two passes (intra-operator ILP per stage, inter-operator stage DP), priced by our
         # 1F1B simulation: the plan always has a pipeline field (one stage: gradient accumulation)
         from .alpa.inter import alpa_plan
-        ar = alpa_plan(g, m, optimizer=optimizer, mapper=ev.mapper, time_limit_s=min(30.0, budget_s))
+        # the planner stops by the budget's end (the ILP solves and the stage DP check a deadline)
+        left = max(budget_s - (time.perf_counter() - t0), 0.0)
+        ar = alpa_plan(g, m, optimizer=optimizer, mapper=ev.mapper, time_limit_s=min(30.0, budget_s),
+                       deadline=time.monotonic() + 0.95 * left)
         pipe_plan = ar.pipeline
         if pipe_plan.pcg is None:
             raise OptimizeError(f"alpa: no plan for {m.name}: "
