@@ -213,9 +213,7 @@ def megatron(g: PCG, degree: int, devices_per_node: int | None = None) -> PCG:
     _check_logical(g, "megatron")
     groups = megatron_groups(g)
     if not any(gr.attention(g) for gr in groups):
-        raise StrategyError("strategy 'megatron' applies to Transformers: no attention block (Q/K/V "
-                            "projections whose outputs meet in a batched matmul before an output "
-                            "projection) found in the model")
+        raise StrategyError("strategy 'megatron' applies to Transformers: " + _why_no_attention(g))
     if degree == 1:
         return g
     dpn = devices_per_node or degree
@@ -236,9 +234,86 @@ def megatron(g: PCG, degree: int, devices_per_node: int | None = None) -> PCG:
         last = tp
     if batch_error is not None and last is None:
         raise StrategyError(f"strategy 'megatron': {batch_error}")
-    raise StrategyError(f"strategy 'megatron': no tensor-parallel degree t dividing {gcd(dpn, degree)} (devices "
-                        f"per node and degree {degree}) splits the attention heads evenly"
+    wl = _weight_like(g)
+    fused = _fused_qkv(g, [g.node(s) for gr in groups if gr.attention(g) for s in gr.starts if _is_dense(g, g.node(s), wl)])
+    if fused and batch_error is None:
+        raise StrategyError(f"strategy 'megatron' applies to Transformers with separate Q/K/V projections: {fused}")
+    heads = sorted({h for gr in groups if gr.attention(g) for h in head_counts(g, gr).values()}, reverse=True)
+    hs = (f" (the attention projections have {' / '.join(map(str, heads))} heads: t must divide "
+          f"{'each, e.g. the key-value heads of grouped-query attention' if len(heads) > 1 else 'them'})"
+          if heads else "")
+    raise StrategyError(f"strategy 'megatron': no tensor-parallel degree t > 1 dividing {gcd(dpn, degree)} (devices "
+                        f"per node and degree {degree}) splits the attention heads evenly{hs}"
                         + (f" with a batch that divides by {degree}/t ({batch_error})" if batch_error else ""))
+
+
+_VIEWS = ("Reshape", "Transpose", "Flatten", "Identity")
+
+
+def head_counts(g: PCG, group: _Group) -> dict:
+    """{column Linear id: heads} of an attention group: the heads are read off the first Reshape after the
+    projection (through views and element-wise operators) that splits its features ``n`` into ``(h, n / h)``.
+    Grouped-query attention has fewer key-value heads than query heads; the tensor-parallel degree must
+    divide every count (each rank then holds whole key-value groups with their query heads)."""
+    out = {}
+    for s in group.starts:
+        n = g.shapes(s)[0].sizes[-1]
+        stack, seen = [c for c, _ in g.consumers((s, 0))], set()
+        while stack:
+            c = stack.pop()
+            if c in seen or c not in group.nodes:
+                continue
+            seen.add(c)
+            cn = g.node(c)
+            if cn.op == "Reshape":
+                i, o = g.shape(cn.inputs[0]).sizes, g.shapes(c)[0].sizes
+                if i and i[-1] == n and len(o) >= 2 and o[-2] * o[-1] == n and o[-2] > 1:
+                    out[s] = o[-2]
+                    break
+                if not (o and o[-1] == n):
+                    continue
+            elif cn.op not in _VIEWS and len(g.shapes(c)) == 1 and g.shapes(c)[0].sizes[-1:] != (n,):
+                continue
+            stack.extend(x for x, _ in g.consumers((c, 0)))
+    return out
+
+
+def _why_no_attention(g: PCG) -> str:
+    """One line: why no attention block qualifies for Megatron's column -> row split."""
+    wl = _weight_like(g)
+    dense = [n for n in g.nodes() if _is_dense(g, n, wl)]
+    act_mm = [n for n in g.nodes() if n.op in ("BatchMatMul", "MatMul")
+              and all(r[0] not in wl for r in n.inputs)]
+    if not act_mm:
+        conv = sum(1 for n in g.nodes() if n.op.startswith("Conv"))
+        what = f"{len(dense)} dense Linear(s)" + (f", {conv} convolution(s)" if conv else "")
+        return (f"no attention block (no matmul of two activations, as Q K^T; the model has {what}), so no "
+                f"Q/K/V -> output projection pair to split")
+    fused = _fused_qkv(g, dense)
+    if fused:
+        return fused
+    rows = [n for n in dense if len(n.inputs) == 3 or n.a.get("activation", "none") != "none"]
+    return ("no attention block whose Q/K/V projections feed, through the heads' matmuls only, a bias-free output "
+            "projection without activation" + (f" ({len(rows)} dense Linear(s) carry a fused bias or activation, "
+                                               f"which partial sums cannot take)" if rows else ""))
+
+
+def _fused_qkv(g: PCG, dense) -> str | None:
+    """The one-line reason when a dense projection's output is Split on its features (a fused Q/K/V)."""
+    for n in dense:                           # one projection whose output is split into Q, K and V
+        ref, seen = (n.id, 0), 0
+        while seen < 8:
+            cons = g.consumers(ref)
+            if len(cons) != 1:
+                break
+            c = g.node(cons[0][0])
+            if c.op == "Split" and c.a.get("axis", 0) in (-1, g.shape(c.inputs[0]).rank - 1):
+                return (f"the attention's Q/K/V projection {n.label()} is one fused Linear whose output is Split "
+                        f"into Q, K and V ({c.label()}): a column split of its weight would not follow the heads")
+            if c.op not in _VIEWS:
+                break
+            ref, seen = (c.id, 0), seen + 1
+    return None
 
 
 def _accept(g: PCG, groups: list[_Group], tp: int, dp: int):
@@ -697,4 +772,4 @@ class _Rebuild:
 
 
 __all__ = ["build_strategy", "none", "data_parallel", "megatron", "expert", "megatron_groups",
-           "expert_choices", "expert_applies", "pinned_views", "StrategyError", "STRATEGIES"]
+           "expert_choices", "expert_applies", "head_counts", "pinned_views", "StrategyError", "STRATEGIES"]
