@@ -160,7 +160,8 @@ def megatron_groups(g: PCG) -> list[_Group]:
     Linears, merged where they share operators (Q, K and V meet in the attention scores); a group
     qualifies when every path from its column Linears ends in a bias-free Linear without activation
     (the row-parallel one, whose partial sums are all-reduced) and its operators read no activation
-    from outside the group."""
+    from outside the group except broadcast ones (an attention mask, rotary tables: fewer elements than
+    the reader's output; the rebuild drops a group whose operators refuse them)."""
     wl = _weight_like(g)
     regions = {}
     for n in g.nodes():
@@ -195,10 +196,21 @@ def megatron_groups(g: PCG) -> list[_Group]:
             continue
         ok = all(len(g.node(t).inputs) == 2 and g.node(t).a.get("activation", "none") == "none"
                  and g.node(t).inputs[0][0] in nodes | set(starts) for t in terms)
+        inside = nodes | set(starts)
+        # an activation from outside may be read only where the reader broadcasts it (an attention mask, rotary
+        # tables): a full-size one (the residual stream into an Add) means the region is not one block
+        ok = ok and all(r[0] in inside or r[0] in wl or _broadcast_read(g, v, r) for v in nodes
+                        for r in g.node(v).inputs)
         if ok:
             groups.append(_Group(starts, nodes, terms))
     groups.sort(key=lambda gr: min(order[s] for s in gr.starts))
     return groups
+
+
+def _broadcast_read(g: PCG, v: int, ref) -> bool:
+    """Whether operator ``v`` reads ``ref`` broadcast: fewer elements than each of its outputs."""
+    n = g.shape(tuple(ref)).numel
+    return all(n < s.numel for s in g.shapes(v))
 
 
 def _divisors_desc(n: int) -> list[int]:
