@@ -11,7 +11,14 @@
   features) feed row-parallel Linears (weight split on its input features, partial sums all-reduced):
   the MLP's two matrices, and in attention the Q/K/V projections (their output features are the
   heads, so the attention heads split with them) feeding the output projection.  Everything else
-  is data parallel over d/t with t copies.  Transformers only.
+  is data parallel over d/t with t copies.  Transformers only.  Found by structure, not names: grouped-
+  query attention splits by key-value groups (t must divide every head count, read off the Reshapes by
+  :func:`head_counts`; the repeat of each K/V head then stays on the rank of its query heads), a gated
+  MLP's two projections (any element-wise operator on one of them, multiplied) are both column-parallel
+  into one row-parallel down projection, norms and rotary tables (element-wise on the split heads)
+  run on the t copies, and attention masks and rotary tables read from outside a block are broadcast.
+  A model it does not apply to gets one line saying why (no matmul of two activations; a fused Q/K/V
+  projection Split after it; head counts no tensor degree divides).
 * ``expert`` (the expert-designed strategy of Unity §6.1 / FlexFlow's DLRM example, [38]):
   communication-intensive operators in model parallelism, compute-intensive ones in data
   parallelism.  Embedding tables are communication-intensive: each table lives whole on one device,
