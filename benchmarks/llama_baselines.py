@@ -49,6 +49,20 @@ def _time(out: dict):
     return pred.get("predicted_iteration_s") or pred.get("iteration_s")
 
 
+def _plan(r: dict) -> str:
+    """What the plan is, in a few words (the search's choice; Alpa's stages and what its deadline cut)."""
+    se = r["info"].get("search") or {}
+    if se.get("alpa_stages"):
+        st = se["alpa_stages"]
+        a = se.get("alpa") or {}
+        return (f"{len(st)} stage(s) ({', '.join('%dx%d' % tuple(x['shape']) for x in st)}), "
+                f"{se.get('micro_batches')} micro-batch(es), {a.get('layers')} layers, {a.get('solves')} ILP solves")
+    if se.get("chosen"):
+        return f"{se['chosen']}, {r['info'].get('rule_steps', 0)} rule steps"
+    fb = r["info"].get("fallbacks") or []
+    return f"{len(fb)} op(s) unpartitioned" if fb else ""
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--model", default=os.path.join(HERE, ".cache", "llama", "llama-4096.onnx"))
@@ -71,7 +85,8 @@ def main(argv=None) -> int:
                                                                      for x in args),
                "status": out["status"], "time_s": t, "wall_s": out["wall_s"], "reason": out.get("reason", ""),
                "tp": out.get("tp"), "dp": out.get("dp"), "max_memory_bytes": out.get("max_memory_bytes"),
-               "info": {k: out.get(k) for k in ("search_s", "solve_s", "stats") if k in out}}
+               "info": {k: out.get(k) for k in ("search_s", "solve_s", "stats", "search", "fallbacks", "rule_steps",
+                                                "comm_elements") if k in out}}
         rows.append(row)
         print(f"{name:18s} {row['status']:10s} {t * 1e3 if t else float('nan'):10.1f} ms  wall {out['wall_s']:.1f} s "
               f"{row['reason'][:100]}", flush=True)
@@ -86,13 +101,14 @@ def main(argv=None) -> int:
              f"32 heads / 8 key-value heads, SwiGLU 11008, RMSNorm, 4 layers, vocabulary 32,000, sequence 2048 "
              f"(`benchmarks/llama_structure.py`: graph and weight shapes only); batch {a.batch}, {a.precision}, Adam, "
              f"`{a.machine}`; budgets {a.budget:.0f} s.", "",
-             "| strategy | predicted iteration | vs dp | memory / device | wall | command |", "|---|---:|---:|---:|---:|---|"]
+             "| strategy | predicted iteration | vs dp | memory / device | wall | plan | command |",
+             "|---|---:|---:|---:|---:|---|---|"]
     for r in rows:
         t = f"{r['time_s'] * 1e3:.1f} ms" if r["time_s"] else r["status"] + (": " + r["reason"] if r["reason"] else "")
         sp = f"{dp / r['time_s']:.2f}x" if dp and r["time_s"] else ""
         mem = f"{r['max_memory_bytes'] / 2**30:.1f} GiB" if r.get("max_memory_bytes") else ""
         lines.append(f"| {r['strategy']}{' (tp %s x dp %s)' % (r['tp'], r['dp']) if r.get('tp') else ''} | {t} | {sp} "
-                     f"| {mem} | {r['wall_s']:.0f} s | `{r['command']}` |")
+                     f"| {mem} | {r['wall_s']:.0f} s | {_plan(r)} | `{r['command']}` |")
     with open(a.out + ".md", "w") as f:
         f.write("\n".join(lines) + "\n")
     return 0

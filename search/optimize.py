@@ -739,7 +739,8 @@ def optimize(model, machine, budget_s: float | None = None, alpha: float = 1.05,
         pg, rules_json = pipe_plan.pcg, None
         final = _PipelineMapping(pipe_plan, n_dev)
         stats = {"chosen": "alpa", "pipeline_stages": pipe_plan.num_stages, "micro_batches": ar.micro_batches,
-                 "alpa": {k: ar.stats.get(k) for k in ("layers", "planner_s", "solves", "micro_batches_tried")},
+                 "alpa": {k: ar.stats.get(k) for k in ("layers", "planner_s", "solves", "micro_batches_tried",
+                                                       "valid_cuts", "deadline_hit", "deadline_fallback_solves")},
                  "alpa_stages": ar.stages}
     elif strategy in FIXED:
         deg = 1 if strategy == "none" else dp_deg
