@@ -375,7 +375,7 @@ def mapping_standin(mapper_or_model) -> Callable:
         specs: dict = field(default_factory=dict)
 
     def solve(g, machine, mesh, *, start=0, optimizer="adam", memory_budget=None, weight_update_sharding=False,
-              time_limit_s=30.0, deadline=None):
+              time_limit_s=30.0, deadline=None, precision=None):
         t0 = time.perf_counter()
         size = mesh[0] * mesh[1]
         res = P._resource(machine, start, size)
@@ -533,6 +533,9 @@ class StageCosts:
             solve = self._fallback()
         self.solves += 1
         kw = {"deadline": self.deadline} if self.deadline is not None and solve is self.solve else {}
+        prec = getattr(self.mapper.model, "precision", "fp32")
+        if prec != "fp32" and solve is self.solve:
+            kw["precision"] = prec          # the ILP priced in the mapper's math mode (one cost model)
         try:
             plan = solve(sg, self.machine, tuple(mesh), start=start, optimizer=self.optimizer,
                          memory_budget=None, weight_update_sharding=self.wus, time_limit_s=self.limit, **kw)

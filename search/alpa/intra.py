@@ -502,7 +502,8 @@ class IntraProblem:
     force of the tests uses it); :meth:`solve` solves the ILP."""
 
     def __init__(self, g: PCG, machine: MachineSpec, mesh: tuple[int, int], start: int = 0,
-                 optimizer: str = "adam", weight_update_sharding: bool = False, deadline: float | None = None):
+                 optimizer: str = "adam", weight_update_sharding: bool = False, deadline: float | None = None,
+                 precision: str = "fp32"):
         n0, n1 = mesh
         self.g = g
         self.machine = machine
@@ -515,12 +516,12 @@ class IntraProblem:
         sync_total = float(sum(g.shapes(n.id)[0].nbytes for n in g.nodes() if n.op == "Weight"
                                and g.shapes(n.id)[0].dtype in ("float32", "float16", "bfloat16", "float64")))
         skey = (json.dumps(machine.to_json(), sort_keys=True, default=str), n0, n1, start, optimizer,
-                bool(weight_update_sharding), sync_total)
+                bool(weight_update_sharding), sync_total, precision)
         shared = _SHARED.get(skey)
         if shared is None:
             if len(_SHARED) >= 32:
                 _SHARED.clear()
-            model = CostModel(machine, optimizer=optimizer)
+            model = CostModel(machine, optimizer=optimizer, precision=precision)
             model.sync_total_bytes = sync_total or None
             shared = _SHARED[skey] = dict(mesh=Mesh(n0, n1, start), model=model, edge={}, frag={}, emat={},
                                           anchor={})
@@ -1463,7 +1464,7 @@ def build_plan_pcg(problem: IntraProblem, choice: Mapping[int, int]) -> tuple[PC
 def solve_intra(g: PCG, machine: MachineSpec, mesh: tuple[int, int], *, start: int = 0, optimizer: str = "adam",
                 memory_budget: float | None = None, weight_update_sharding: bool = False,
                 time_limit_s: float = 30.0, solver: str = "highs", mip_gap: float = 1e-7,
-                price: bool = True, deadline: float | None = None) -> IntraPlan:
+                price: bool = True, deadline: float | None = None, precision: str = "fp32") -> IntraPlan:
     """Alpa's intra-operator plan of the logical PCG ``g`` on the ``mesh`` (n0, n1) of devices
     ``start .. start+n0*n1-1`` of ``machine`` (see module docstring).  ``memory_budget``: bytes per device
     (default: the device's capacity).  ``mip_gap``: relative gap at which the MIP stops when the LP relaxation
@@ -1474,7 +1475,8 @@ def solve_intra(g: PCG, machine: MachineSpec, mesh: tuple[int, int], *, start: i
     :class:`AlpaError` for a bad mesh or graph, :class:`IntraInfeasible` when no plan fits the budget.
     ``deadline``: a ``time.monotonic()`` value: the ILP's construction stops there and every solver run is
     limited to the time left (:class:`AlpaDeadline`, an :class:`AlpaError`, when it has passed or the solver
-    found no solution by then)."""
+    found no solution by then).  ``precision``: the math mode the node and edge costs are priced in (the
+    caller's cost model's: the inter-operator pass passes its mapper's)."""
     t0 = time.perf_counter()
     try:
         n0, n1 = (int(x) for x in mesh)
@@ -1489,7 +1491,8 @@ def solve_intra(g: PCG, machine: MachineSpec, mesh: tuple[int, int], *, start: i
     if memory_budget is None:
         memory_budget = float(machine.device.memory_bytes)
     _check_deadline(deadline, "the intra-operator pass")
-    prob = IntraProblem(g, machine, (n0, n1), start, optimizer, weight_update_sharding, deadline=deadline)
+    prob = IntraProblem(g, machine, (n0, n1), start, optimizer, weight_update_sharding, deadline=deadline,
+                        precision=precision)
     t1 = time.perf_counter()
     try:
         choice, obj, status, solve_s = prob.solve(memory_budget, time_limit_s, solver, mip_gap, deadline=deadline)
@@ -1507,7 +1510,7 @@ def solve_intra(g: PCG, machine: MachineSpec, mesh: tuple[int, int], *, start: i
                                        priced=False, **live))
     from ..mapping import MachineMapper
     # the plan as the rest of the project prices it (its own gradient bytes, not the ILP's whole-step share)
-    r = MachineMapper(CostModel(machine, optimizer=optimizer)).evaluate(pcg, views)
+    r = MachineMapper(CostModel(machine, optimizer=optimizer, precision=precision)).evaluate(pcg, views)
     mem = float(r.memory.max_bytes) if r.memory is not None else INF
     mem += pcg.meta.get("gathered_weight_bytes", 0.0)
     return IntraPlan(pcg, views, float(r.cost), mem, float(obj), solve_s, status, specs, (n0, n1), start,
