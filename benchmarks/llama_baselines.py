@@ -25,7 +25,10 @@ CLI = [sys.executable, "-m", "unity_pcg.cli"]
 
 
 def _cli(args: list, timeout: float) -> dict:
+    import tempfile
     t = time.monotonic()
+    if args[0] == "optimize":            # its plan file (default plan.json in the working directory) goes nowhere
+        args = args + ["-o", os.path.join(tempfile.mkdtemp(prefix="llama-baselines-"), "plan.json")]
     try:
         p = subprocess.run(CLI + args + ["--json"], capture_output=True, text=True, timeout=timeout, cwd=ROOT)
     except subprocess.TimeoutExpired:
