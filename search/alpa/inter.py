@@ -11,7 +11,10 @@ Ties (a transformer's block boundaries all receive the same residual stream) are
 squared deviations of the layers' FLOPs from ``FLOP_total / L``, so identical blocks make identical
 layers.  A layer may start only where no trained weight is read on both sides and no partial sum
 crosses (the valid cuts of :mod:`unity_pcg.search.pipeline`).  If no clustering meets the FLOP bound
-(one unit heavier than it), the bound is doubled until one does.
+(one unit heavier than it), the bound is doubled until one does.  With fewer valid cuts than ``L`` the
+model has fewer layers (one more than its valid cuts, down to the whole graph as one layer), so the
+clustering never refuses: transformers' exports share one all-ones norm scale among every norm (the
+exporter merges equal initializers), a trained weight read on both sides of every block boundary.
 
 **Sub-mesh shapes** (:func:`submesh_shapes`, Appendix A): ``(1, 1), (1, 2), (1, 4), ..., (1, D)``
 inside a node of ``D`` devices (the powers of two dividing ``D``, then ``D``: Appendix A assumes ``D`` a
@@ -41,6 +44,15 @@ F(s, 0, N D; t_max) + (B - 1) t_max``.  ``t_max`` runs over the distinct stage t
 (skipping values within ``eps = 1e-6`` s of the previous); the loop stops once ``B t_max`` reaches the
 best ``T*`` found (no later bound can do better).  Each plan found is scored by Eq. 2 on its actual
 stage times.  The DP is vectorized over (first layer, last layer, devices) with numpy.
+
+**Deadline.**  ``alpa_plan(deadline=...)`` (a ``time.monotonic()`` value; ``optimize --strategy alpa``
+passes its budget's end) bounds the planner: the whole model as one stage on the whole cluster is
+profiled first; the other stage costs are profiled until 85% of the time left, each ILP limited to what is
+left (HiGHS's time limit; its construction checks the deadline between operators), later ones not solved
+(``inf``); the stage DP stops at the deadline with its best plan (or runs once at the largest ``t_max``);
+a stage the plan needs whose ILP the deadline cut is data parallel over its sub-mesh, mapped by our DP
+(:func:`mapping_standin`; ``stats["deadline_fallback_solves"]``), so a plan exists whenever one micro-batch
+of data parallelism does.  No further micro-batch count is tried past it (``stats["deadline_hit"]``).
 
 **The plan** (:func:`alpa_plan`).  The best plan's stages are placed on the cluster, each stage's
 intra plan is solved on its own sub-PCG at its place (a stage of the same structure and mesh is solved
