@@ -217,6 +217,18 @@ def test_megatron_decoder_trains_as_one_process(tmp_path_factory):
     assert ref[0][0] != ref[0][1]
 
 
+@pytest.mark.parametrize("dynamo", [False, True], ids=["legacy", "dynamo"])
+def test_megatron_llama_trains_as_one_process(dynamo, tmp_path_factory):
+    from tests.executor import dist_helpers as H
+    path = _hf("llama", dynamo, tmp_path_factory)
+    pg = megatron(H.load(path), 2, devices_per_node=2)     # tp 2: the two key-value groups, one per rank
+    assert pg.meta["tp"] == 2 and len(pg.meta["column"]) == 5 * LAYERS
+    ref = H.reference(path, 2)
+    got = H.run_cases(2, [H.case(H.make_plan(pg, path, 2), path, steps=2)])
+    H.assert_same(ref, got[0], what="megatron tp2 on transformers' Llama")
+    assert ref[0][0] != ref[0][1]
+
+
 def test_megatron_one_line_reasons(tmp_path_factory):
     from tests.executor import models
     cnn = load_onnx(models.convnet(), load_weights=False)
