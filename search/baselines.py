@@ -11,7 +11,14 @@
   features) feed row-parallel Linears (weight split on its input features, partial sums all-reduced):
   the MLP's two matrices, and in attention the Q/K/V projections (their output features are the
   heads, so the attention heads split with them) feeding the output projection.  Everything else
-  is data parallel over d/t with t copies.  Transformers only.
+  is data parallel over d/t with t copies.  Transformers only.  Found by structure, not names: grouped-
+  query attention splits by key-value groups (t must divide every head count, read off the Reshapes by
+  :func:`head_counts`; the repeat of each K/V head then stays on the rank of its query heads), a gated
+  MLP's two projections (any element-wise operator on one of them, multiplied) are both column-parallel
+  into one row-parallel down projection, norms and rotary tables (element-wise on the split heads)
+  run on the t copies, and attention masks and rotary tables read from outside a block are broadcast.
+  A model it does not apply to gets one line saying why (no matmul of two activations; a fused Q/K/V
+  projection Split after it; head counts no tensor degree divides).
 * ``expert`` (the expert-designed strategy of Unity §6.1 / FlexFlow's DLRM example, [38]):
   communication-intensive operators in model parallelism, compute-intensive ones in data
   parallelism.  Embedding tables are communication-intensive: each table lives whole on one device,
@@ -160,7 +167,8 @@ def megatron_groups(g: PCG) -> list[_Group]:
     Linears, merged where they share operators (Q, K and V meet in the attention scores); a group
     qualifies when every path from its column Linears ends in a bias-free Linear without activation
     (the row-parallel one, whose partial sums are all-reduced) and its operators read no activation
-    from outside the group."""
+    from outside the group except broadcast ones (an attention mask, rotary tables: fewer elements than
+    the reader's output; the rebuild drops a group whose operators refuse them)."""
     wl = _weight_like(g)
     regions = {}
     for n in g.nodes():
@@ -196,11 +204,20 @@ def megatron_groups(g: PCG) -> list[_Group]:
         ok = all(len(g.node(t).inputs) == 2 and g.node(t).a.get("activation", "none") == "none"
                  and g.node(t).inputs[0][0] in nodes | set(starts) for t in terms)
         inside = nodes | set(starts)
-        ok = ok and all(r[0] in inside or r[0] in wl for v in nodes for r in g.node(v).inputs)
+        # an activation from outside may be read only where the reader broadcasts it (an attention mask, rotary
+        # tables): a full-size one (the residual stream into an Add) means the region is not one block
+        ok = ok and all(r[0] in inside or r[0] in wl or _broadcast_read(g, v, r) for v in nodes
+                        for r in g.node(v).inputs)
         if ok:
             groups.append(_Group(starts, nodes, terms))
     groups.sort(key=lambda gr: min(order[s] for s in gr.starts))
     return groups
+
+
+def _broadcast_read(g: PCG, v: int, ref) -> bool:
+    """Whether operator ``v`` reads ``ref`` broadcast: fewer elements than each of its outputs."""
+    n = g.shape(tuple(ref)).numel
+    return all(n < s.numel for s in g.shapes(v))
 
 
 def _divisors_desc(n: int) -> list[int]:
@@ -215,9 +232,7 @@ def megatron(g: PCG, degree: int, devices_per_node: int | None = None) -> PCG:
     _check_logical(g, "megatron")
     groups = megatron_groups(g)
     if not any(gr.attention(g) for gr in groups):
-        raise StrategyError("strategy 'megatron' applies to Transformers: no attention block (Q/K/V "
-                            "projections whose outputs meet in a batched matmul before an output "
-                            "projection) found in the model")
+        raise StrategyError("strategy 'megatron' applies to Transformers: " + _why_no_attention(g))
     if degree == 1:
         return g
     dpn = devices_per_node or degree
@@ -238,9 +253,86 @@ def megatron(g: PCG, degree: int, devices_per_node: int | None = None) -> PCG:
         last = tp
     if batch_error is not None and last is None:
         raise StrategyError(f"strategy 'megatron': {batch_error}")
-    raise StrategyError(f"strategy 'megatron': no tensor-parallel degree t dividing {gcd(dpn, degree)} (devices "
-                        f"per node and degree {degree}) splits the attention heads evenly"
+    wl = _weight_like(g)
+    fused = _fused_qkv(g, [g.node(s) for gr in groups if gr.attention(g) for s in gr.starts if _is_dense(g, g.node(s), wl)])
+    if fused and batch_error is None:
+        raise StrategyError(f"strategy 'megatron' applies to Transformers with separate Q/K/V projections: {fused}")
+    heads = sorted({h for gr in groups if gr.attention(g) for h in head_counts(g, gr).values()}, reverse=True)
+    hs = (f" (the attention projections have {' / '.join(map(str, heads))} heads: t must divide "
+          f"{'each, e.g. the key-value heads of grouped-query attention' if len(heads) > 1 else 'them'})"
+          if heads else "")
+    raise StrategyError(f"strategy 'megatron': no tensor-parallel degree t > 1 dividing {gcd(dpn, degree)} (devices "
+                        f"per node and degree {degree}) splits the attention heads evenly{hs}"
                         + (f" with a batch that divides by {degree}/t ({batch_error})" if batch_error else ""))
+
+
+_VIEWS = ("Reshape", "Transpose", "Flatten", "Identity")
+
+
+def head_counts(g: PCG, group: _Group) -> dict:
+    """{column Linear id: heads} of an attention group: the heads are read off the first Reshape after the
+    projection (through views and element-wise operators) that splits its features ``n`` into ``(h, n / h)``.
+    Grouped-query attention has fewer key-value heads than query heads; the tensor-parallel degree must
+    divide every count (each rank then holds whole key-value groups with their query heads)."""
+    out = {}
+    for s in group.starts:
+        n = g.shapes(s)[0].sizes[-1]
+        stack, seen = [c for c, _ in g.consumers((s, 0))], set()
+        while stack:
+            c = stack.pop()
+            if c in seen or c not in group.nodes:
+                continue
+            seen.add(c)
+            cn = g.node(c)
+            if cn.op == "Reshape":
+                i, o = g.shape(cn.inputs[0]).sizes, g.shapes(c)[0].sizes
+                if i and i[-1] == n and len(o) >= 2 and o[-2] * o[-1] == n and o[-2] > 1:
+                    out[s] = o[-2]
+                    break
+                if not (o and o[-1] == n):
+                    continue
+            elif cn.op not in _VIEWS and len(g.shapes(c)) == 1 and g.shapes(c)[0].sizes[-1:] != (n,):
+                continue
+            stack.extend(x for x, _ in g.consumers((c, 0)))
+    return out
+
+
+def _why_no_attention(g: PCG) -> str:
+    """One line: why no attention block qualifies for Megatron's column -> row split."""
+    wl = _weight_like(g)
+    dense = [n for n in g.nodes() if _is_dense(g, n, wl)]
+    act_mm = [n for n in g.nodes() if n.op in ("BatchMatMul", "MatMul")
+              and all(r[0] not in wl for r in n.inputs)]
+    if not act_mm:
+        conv = sum(1 for n in g.nodes() if n.op.startswith("Conv"))
+        what = f"{len(dense)} dense Linear(s)" + (f", {conv} convolution(s)" if conv else "")
+        return (f"no attention block (no matmul of two activations, as Q K^T; the model has {what}), so no "
+                f"Q/K/V -> output projection pair to split")
+    fused = _fused_qkv(g, dense)
+    if fused:
+        return fused
+    rows = [n for n in dense if len(n.inputs) == 3 or n.a.get("activation", "none") != "none"]
+    return ("no attention block whose Q/K/V projections feed, through the heads' matmuls only, a bias-free output "
+            "projection without activation" + (f" ({len(rows)} dense Linear(s) carry a fused bias or activation, "
+                                               f"which partial sums cannot take)" if rows else ""))
+
+
+def _fused_qkv(g: PCG, dense) -> str | None:
+    """The one-line reason when a dense projection's output is Split on its features (a fused Q/K/V)."""
+    for n in dense:                           # one projection whose output is split into Q, K and V
+        ref, seen = (n.id, 0), 0
+        while seen < 8:
+            cons = g.consumers(ref)
+            if len(cons) != 1:
+                break
+            c = g.node(cons[0][0])
+            if c.op == "Split" and c.a.get("axis", 0) in (-1, g.shape(c.inputs[0]).rank - 1):
+                return (f"the attention's Q/K/V projection {n.label()} is one fused Linear whose output is Split "
+                        f"into Q, K and V ({c.label()}): a column split of its weight would not follow the heads")
+            if c.op not in _VIEWS:
+                break
+            ref, seen = (c.id, 0), seen + 1
+    return None
 
 
 def _accept(g: PCG, groups: list[_Group], tp: int, dp: int):
@@ -699,4 +791,4 @@ class _Rebuild:
 
 
 __all__ = ["build_strategy", "none", "data_parallel", "megatron", "expert", "megatron_groups",
-           "expert_choices", "expert_applies", "pinned_views", "StrategyError", "STRATEGIES"]
+           "expert_choices", "expert_applies", "head_counts", "pinned_views", "StrategyError", "STRATEGIES"]

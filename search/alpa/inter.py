@@ -11,7 +11,10 @@ Ties (a transformer's block boundaries all receive the same residual stream) are
 squared deviations of the layers' FLOPs from ``FLOP_total / L``, so identical blocks make identical
 layers.  A layer may start only where no trained weight is read on both sides and no partial sum
 crosses (the valid cuts of :mod:`unity_pcg.search.pipeline`).  If no clustering meets the FLOP bound
-(one unit heavier than it), the bound is doubled until one does.
+(one unit heavier than it), the bound is doubled until one does.  With fewer valid cuts than ``L`` the
+model has fewer layers (one more than its valid cuts, down to the whole graph as one layer), so the
+clustering never refuses: transformers' exports share one all-ones norm scale among every norm (the
+exporter merges equal initializers), a trained weight read on both sides of every block boundary.
 
 **Sub-mesh shapes** (:func:`submesh_shapes`, Appendix A): ``(1, 1), (1, 2), (1, 4), ..., (1, D)``
 inside a node of ``D`` devices (the powers of two dividing ``D``, then ``D``: Appendix A assumes ``D`` a
@@ -41,6 +44,15 @@ F(s, 0, N D; t_max) + (B - 1) t_max``.  ``t_max`` runs over the distinct stage t
 (skipping values within ``eps = 1e-6`` s of the previous); the loop stops once ``B t_max`` reaches the
 best ``T*`` found (no later bound can do better).  Each plan found is scored by Eq. 2 on its actual
 stage times.  The DP is vectorized over (first layer, last layer, devices) with numpy.
+
+**Deadline.**  ``alpa_plan(deadline=...)`` (a ``time.monotonic()`` value; ``optimize --strategy alpa``
+passes its budget's end) bounds the planner: the whole model as one stage on the whole cluster is
+profiled first; the other stage costs are profiled until 85% of the time left, each ILP limited to what is
+left (HiGHS's time limit; its construction checks the deadline between operators), later ones not solved
+(``inf``); the stage DP stops at the deadline with its best plan (or runs once at the largest ``t_max``);
+a stage the plan needs whose ILP the deadline cut is data parallel over its sub-mesh, mapped by our DP
+(:func:`mapping_standin`; ``stats["deadline_fallback_solves"]``), so a plan exists whenever one micro-batch
+of data parallelism does.  No further micro-batch count is tried past it (``stats["deadline_hit"]``).
 
 **The plan** (:func:`alpa_plan`).  The best plan's stages are placed on the cluster, each stage's
 intra plan is solved on its own sub-PCG at its place (a stage of the same structure and mesh is solved
@@ -177,12 +189,15 @@ def cluster_operators(g: PCG, roles: Mapping[int, str], layers: int, delta: floa
     of :func:`unity_pcg.search.pipeline.sequential_layers`: per layer ``(first unit, last unit + 1)``."""
     info, C = cluster_costs(g, roles)
     U = len(info.units)
-    L = max(1, min(int(layers), U))
+    ok_start = np.array([True] + [bool(info.valid[c]) for c in range(1, U)])
+    # at most one layer per valid cut (a trained weight read on both sides of a unit boundary -- norm scales
+    # an exporter deduplicated, tied embeddings -- or a partial sum crossing it blocks the cut): with fewer
+    # valid cuts than ``layers`` the model has fewer layers, down to one (the whole graph, always valid)
+    L = max(1, min(int(layers), U, int(ok_start.sum())))
     fl = np.array(info.flops, dtype=float)
     pre = np.concatenate([[0.0], np.cumsum(fl)])
     total = pre[-1]
     target = total / L
-    ok_start = np.array([True] + [bool(info.valid[c]) for c in range(1, U)])
     bound = (1 + delta) * target if total > 0 else INF
     for _ in range(64):
         res = _cluster_dp(C, pre, ok_start, L, bound, target)
@@ -243,12 +258,14 @@ class DPResult:
 
 
 def stage_dp(t: np.ndarray, fits: Callable[[int], np.ndarray] | np.ndarray | None, sizes: Sequence[int],
-             devices: int, micro_batches: int, max_stages: int | None = None) -> DPResult:
+             devices: int, micro_batches: int, max_stages: int | None = None, deadline: float | None = None) -> DPResult:
     """Alpa's stage DP.  ``t[k, i, j]``: seconds per micro-batch of the stage of layers ``k..i`` on
     sub-mesh shape ``j`` (``inf``: impossible); ``sizes[j]``: its devices; ``fits(s)`` (or a fixed
     array): bool ``[k, i, j]``, the stage fits with ``s`` stages from it to the last (Eq. 5), None:
     always.  Returns the plan minimizing ``sum t + (B - 1) max t`` over plans covering all layers and
-    exactly ``devices`` devices (cost inf and no stages when there is none)."""
+    exactly ``devices`` devices (cost inf and no stages when there is none).  ``deadline`` (a
+    ``time.monotonic()`` value): past it, the loop over ``t_max`` stops with the best plan found, or, when
+    none is found yet, runs once more at the largest ``t_max`` (which admits every plan) and stops."""
     t0 = time.perf_counter()
     L = t.shape[0]
     B = int(micro_batches)
@@ -264,9 +281,14 @@ def stage_dp(t: np.ndarray, fits: Callable[[int], np.ndarray] | np.ndarray | Non
     best = DPResult(INF, (), 0, 0.0)
     prev = -INF
     tried = 0
+    late = False
     for t_max in vals:
         if t_max - prev < EPS:
             continue
+        if deadline is not None and not late and time.monotonic() >= deadline:
+            if best.stages:
+                break
+            late, t_max = True, vals[-1]
         prev = t_max
         if B * t_max >= best.cost:
             break
@@ -277,6 +299,8 @@ def stage_dp(t: np.ndarray, fits: Callable[[int], np.ndarray] | np.ndarray | Non
             cost = sum(ts) + (B - 1) * max(ts)
             if cost < best.cost:
                 best = DPResult(cost, tuple(stages), 0, 0.0)
+        if late:
+            break
     return replace(best, t_max_tried=tried, dp_s=time.perf_counter() - t0)
 
 
@@ -363,7 +387,7 @@ def mapping_standin(mapper_or_model) -> Callable:
         specs: dict = field(default_factory=dict)
 
     def solve(g, machine, mesh, *, start=0, optimizer="adam", memory_budget=None, weight_update_sharding=False,
-              time_limit_s=30.0):
+              time_limit_s=30.0, deadline=None, precision=None):
         t0 = time.perf_counter()
         size = mesh[0] * mesh[1]
         res = P._resource(machine, start, size)
@@ -380,7 +404,8 @@ class StageCosts:
 
     def __init__(self, gM: PCG, roles, layer_nodes, mapper: MachineMapper, solve: Callable, *, optimizer: str,
                  logical: str = "physical", weight_update_sharding: bool = False, time_limit_s: float = 30.0,
-                 memo: dict | None = None, micro_batches: int = 1, stage_cost: str = "exact"):
+                 memo: dict | None = None, micro_batches: int = 1, stage_cost: str = "exact",
+                 deadline: float | None = None):
         if stage_cost not in ("exact", "layer_sum"):
             raise AlpaError(f"stage_cost must be 'exact' or 'layer_sum', got {stage_cost!r}")
         self.mode = stage_cost
@@ -393,6 +418,12 @@ class StageCosts:
         self.solves = 0
         self.solve_s = 0.0
         self.M = micro_batches
+        # ``deadline`` (time.monotonic()): the solves are limited to it and none starts past it (the stage
+        # costs INF, reason "deadline"), except where the plan must have the stage (``must=True``): there
+        # the stage falls back to data parallelism over its sub-mesh mapped by our DP (``self.fallbacks``)
+        self.deadline = deadline
+        self.fallbacks = 0
+        self._standin = None
         per = BYTES_PER_PARAM.get(optimizer, 16)
         self.wbytes = []
         for ns in layer_nodes:
@@ -403,6 +434,11 @@ class StageCosts:
                     if n.op == "Weight" and gM.is_trainable(n.id):
                         tot += gM.shape(tuple(r)).numel * per
             self.wbytes.append(tot)
+
+    def _fallback(self) -> Callable:
+        if self._standin is None:
+            self._standin = mapping_standin(self.mapper)
+        return self._standin
 
     def stage_graph(self, k: int, i: int) -> PCG:
         key = (k, i)
@@ -416,7 +452,7 @@ class StageCosts:
         nodes; shared ones counted per layer, an upper side that only skips hopeless stages)."""
         return float(sum(self.wbytes[k:i + 1]))
 
-    def get(self, k: int, i: int, shape: tuple[int, int], start: int = 0) -> StageCost:
+    def get(self, k: int, i: int, shape: tuple[int, int], start: int = 0, must: bool = False) -> StageCost:
         n, m = shape
         size = n * m
         cap = self.machine.device.memory_bytes
@@ -436,8 +472,10 @@ class StageCosts:
         for mesh in logical_meshes(shape, D, self.logical):
             key = (skey, tuple(mesh), start % D if n == 1 else 0, self.optimizer, self.wus)
             hit = self.memo.get(key)
-            if hit is None:
-                hit = self.memo[key] = self._solve(sg, mesh, start)
+            if hit is None or (must and not math.isfinite(hit.t) and hit.reason.startswith("deadline")):
+                hit = self.memo[key] = self._solve(sg, mesh, start, must=must)
+                if hit.pcg is not None and hit.start == start:     # solve_at of this place reuses it
+                    self.memo.setdefault(("at", skey, tuple(mesh), start % D, self.optimizer, self.wus), (hit, sg))
             if best is None or hit.t < best.t:
                 best = hit
         return best
@@ -471,7 +509,7 @@ class StageCosts:
         key = ("at", P._shape_key(sg), tuple(mesh), start % D, self.optimizer, self.wus)
         hit = self.memo.get(key)
         if hit is None:
-            c = self._solve(sg, mesh, start)
+            c = self._solve(sg, mesh, start, must=True)
             self.memo[key] = (c, sg)
             return c
         c, sg0 = hit
@@ -495,15 +533,33 @@ class StageCosts:
         return replace(c, pcg=b.finish(), views=views, w={d + shift: v for d, v in c.w.items()},
                        a={d + shift: v for d, v in c.a.items()}, start=start)
 
-    def _solve(self, sg: PCG, mesh, start: int) -> StageCost:
+    def _late(self) -> bool:
+        return self.deadline is not None and time.monotonic() >= self.deadline
+
+    def _solve(self, sg: PCG, mesh, start: int, must: bool = False) -> StageCost:
         t0 = time.perf_counter()
+        solve = self.solve
+        if self._late():
+            if not must:
+                return StageCost(INF, mesh=tuple(mesh), reason="deadline: not solved, the planner's deadline passed")
+            solve = self._fallback()
         self.solves += 1
+        kw = {"deadline": self.deadline} if self.deadline is not None and solve is self.solve else {}
+        prec = getattr(self.mapper.model, "precision", "fp32")
+        if prec != "fp32" and solve is self.solve:
+            kw["precision"] = prec          # the ILP priced in the mapper's math mode (one cost model)
         try:
-            plan = self.solve(sg, self.machine, tuple(mesh), start=start, optimizer=self.optimizer,
-                              memory_budget=None, weight_update_sharding=self.wus, time_limit_s=self.limit)
+            plan = solve(sg, self.machine, tuple(mesh), start=start, optimizer=self.optimizer,
+                         memory_budget=None, weight_update_sharding=self.wus, time_limit_s=self.limit, **kw)
         except UnityError as e:
+            if must and solve is self.solve and self._late():      # cut by the deadline: data parallel instead
+                self.solve_s += time.perf_counter() - t0
+                return self._solve(sg, mesh, start, must=True)
             self.solve_s += time.perf_counter() - t0
-            return StageCost(INF, mesh=tuple(mesh), reason=str(e))
+            why = str(e)
+            return StageCost(INF, mesh=tuple(mesh), reason=("deadline: " + why) if self._late() else why)
+        if solve is not self.solve:
+            self.fallbacks += 1
         pg = getattr(plan, "pcg", None)
         views = getattr(plan, "views", None)
         try:
@@ -575,7 +631,7 @@ def alpa_plan(pcg: PCG, machine: MachineSpec, *, optimizer: str = "adam", layers
               micro_batches: int | Sequence[int] | None = None, max_stages: int | None = None,
               logical: str = "physical", solve: Callable | None = None, weight_update_sharding: bool = False,
               time_limit_s: float = 30.0, mapper: MachineMapper | None = None, stitch: bool = True,
-              stage_cost: str = "exact", imbalance: float = INF) -> AlpaResult:
+              stage_cost: str = "exact", imbalance: float = INF, deadline: float | None = None) -> AlpaResult:
     """Alpa's plan of the logical PCG ``pcg`` for ``machine`` (module docstring).  ``solve``: the
     intra-operator pass with :func:`unity_pcg.search.alpa.intra.solve_intra`'s interface (default:
     that function).  ``micro_batches``: one count, several (the best is kept), or None (powers of two
@@ -583,8 +639,15 @@ def alpa_plan(pcg: PCG, machine: MachineSpec, *, optimizer: str = "adam", layers
     :class:`AlpaError` when no plan covers the cluster.  ``stage_cost``: ``"exact"`` (every range of
     layers solved as one stage, Alpa's profiling) or ``"layer_sum"`` (:meth:`StageCosts._layer_sum`).
     ``imbalance``: stage-mesh pairs whose share of the FLOPs and share of the devices differ by more than
-    this factor are not solved (Alpa's ``stage_imbalance_tolerance``; default: none skipped)."""
+    this factor are not solved (Alpa's ``stage_imbalance_tolerance``; default: none skipped).
+    ``deadline``: a ``time.monotonic()`` value the planner stops at: the whole model as one stage on the whole
+    cluster is profiled first (data parallel over it, mapped by our DP, if its ILP does not finish in time), the
+    profiling and the ILP solves stop at 85% of the time left, the stage DP at the deadline, and the chosen
+    stages that were not solved at their places by then are data parallel there; no further micro-batch
+    count is tried past it (``stats["deadline_hit"]``)."""
     t0 = time.perf_counter()
+    now = time.monotonic()
+    prof_deadline = None if deadline is None else now + 0.85 * max(deadline - now, 0.0)
     mapper = mapper or MachineMapper(CostModel(machine, optimizer))
     solve = solve or _default_solve()
     roles = GraphCost(pcg, mapper.model).role
@@ -603,8 +666,14 @@ def alpa_plan(pcg: PCG, machine: MachineSpec, *, optimizer: str = "adam", layers
     memo: dict = {}
     best = None
     tried = []
-    stats: dict = {"layers": L, "cluster_s": cluster_s, "shapes": [list(s) for s in shapes], "per_m": {}}
+    stats: dict = {"layers": L, "cluster_s": cluster_s, "shapes": [list(s) for s in shapes], "per_m": {},
+                   "valid_cuts": int(sum(bool(v) for v in info.valid[1:]))}
+    full = max(range(len(shapes)), key=lambda j: sizes[j])        # the whole cluster (Appendix A's (N, D))
+    fallbacks = 0
     for M in ms:
+        if deadline is not None and best is not None and time.monotonic() >= prof_deadline:
+            stats["deadline_hit"] = True
+            break
         tm = time.perf_counter()
         try:
             gM = P.rebatch(pcg, B, B // M)
@@ -612,12 +681,19 @@ def alpa_plan(pcg: PCG, machine: MachineSpec, *, optimizer: str = "adam", layers
             continue
         costs = StageCosts(gM, roles, layer_nodes, mapper, solve, optimizer=optimizer, logical=logical,
                            weight_update_sharding=weight_update_sharding, time_limit_s=time_limit_s, memo=memo,
-                           micro_batches=M, stage_cost=stage_cost)
+                           micro_batches=M, stage_cost=stage_cost, deadline=prof_deadline)
         t = np.full((L, L, len(shapes)), INF)
         sc: dict = {}
+        if deadline is not None and sizes[full] == T:
+            # a plan within the deadline: the whole model as one stage on the whole cluster, first
+            c = costs.get(0, L - 1, shapes[full], must=True)
+            sc[(0, L - 1, full)] = c
+            t[0, L - 1, full] = c.t
         for k in range(L):
             for i in range(k, L):
                 for j, sh in enumerate(shapes):
+                    if (k, i, j) in sc:
+                        continue
                     share = (lflops[i + 1] - lflops[k]) / lflops[-1] if lflops[-1] > 0 else 1.0
                     ratio = share / (sizes[j] / T)
                     if math.isfinite(imbalance) and not 1 / imbalance <= ratio <= imbalance:
@@ -634,7 +710,9 @@ def alpa_plan(pcg: PCG, machine: MachineSpec, *, optimizer: str = "adam", layers
                 f[k, i, j] = math.isfinite(c.t) and c.memory(min(s, M)) <= cap
             return f
 
-        dp = stage_dp(t, fits, sizes, T, M, max_stages)
+        if deadline is not None:
+            costs.deadline = deadline          # the chosen stages are solved at their places by the deadline
+        dp = stage_dp(t, fits, sizes, T, M, max_stages, deadline=deadline)
         stats["per_m"][M] = {"profile_s": prof_s, "dp_s": dp.dp_s, "t_max_tried": dp.t_max_tried,
                              "solves": costs.solves, "estimate_s": dp.cost if math.isfinite(dp.cost) else None}
         tried.append(M)
@@ -643,7 +721,8 @@ def alpa_plan(pcg: PCG, machine: MachineSpec, *, optimizer: str = "adam", layers
                 break
             continue
         res = _price_plan(pcg, gM, info, lay, dp, M, machine, mapper, costs, shapes, stitch)
-        stats["per_m"][M].update(predicted_s=res.cost if math.isfinite(res.cost) else None, solves=costs.solves)
+        fallbacks += costs.fallbacks
+        stats["per_m"][M].update(fallback_stages=costs.fallbacks, predicted_s=res.cost if math.isfinite(res.cost) else None, solves=costs.solves)
         rank = (not res.feasible, res.cost)
         improved = best is None or rank < (not best.feasible, best.cost)
         if improved:
@@ -655,6 +734,9 @@ def alpa_plan(pcg: PCG, machine: MachineSpec, *, optimizer: str = "adam", layers
                         f"(micro-batches tried: {tried})")
     if best.pipeline.stats.get("stitch_error"):
         stats["stitch_error"] = best.pipeline.stats["stitch_error"]
+    if deadline is not None:
+        stats["deadline_hit"] = stats.get("deadline_hit", False) or time.monotonic() >= prof_deadline
+        stats["deadline_fallback_solves"] = fallbacks
     best.stats = dict(stats, micro_batches_tried=tried, planner_s=time.perf_counter() - t0,
                       solves=sum(v["solves"] for v in stats["per_m"].values()))
     best.pipeline.search_s = best.stats["planner_s"]

@@ -502,7 +502,8 @@ class IntraProblem:
     force of the tests uses it); :meth:`solve` solves the ILP."""
 
     def __init__(self, g: PCG, machine: MachineSpec, mesh: tuple[int, int], start: int = 0,
-                 optimizer: str = "adam", weight_update_sharding: bool = False):
+                 optimizer: str = "adam", weight_update_sharding: bool = False, deadline: float | None = None,
+                 precision: str = "fp32"):
         n0, n1 = mesh
         self.g = g
         self.machine = machine
@@ -515,12 +516,12 @@ class IntraProblem:
         sync_total = float(sum(g.shapes(n.id)[0].nbytes for n in g.nodes() if n.op == "Weight"
                                and g.shapes(n.id)[0].dtype in ("float32", "float16", "bfloat16", "float64")))
         skey = (json.dumps(machine.to_json(), sort_keys=True, default=str), n0, n1, start, optimizer,
-                bool(weight_update_sharding), sync_total)
+                bool(weight_update_sharding), sync_total, precision)
         shared = _SHARED.get(skey)
         if shared is None:
             if len(_SHARED) >= 32:
                 _SHARED.clear()
-            model = CostModel(machine, optimizer=optimizer)
+            model = CostModel(machine, optimizer=optimizer, precision=precision)
             model.sync_total_bytes = sync_total or None
             shared = _SHARED[skey] = dict(mesh=Mesh(n0, n1, start), model=model, edge={}, frag={}, emat={},
                                           anchor={})
@@ -544,7 +545,9 @@ class IntraProblem:
         self.derived: dict = {}          # (anchor, k) -> {member: Algo}
         self.insts: dict = {}            # (anchor, k) -> {member: OpInst}
         for a in self.anchors:
+            _check_deadline(deadline, "building the intra-operator ILP")
             self._build_anchor(a)
+        _check_deadline(deadline, "building the intra-operator ILP")
         self._build_edges()
         self._build_liveness()
 
@@ -1070,7 +1073,7 @@ class IntraProblem:
         return alive
 
     def solve(self, memory_budget: float | None = None, time_limit_s: float = 30.0, solver: str = "highs",
-              mip_gap: float = 1e-7, liveness: bool = True):
+              mip_gap: float = 1e-7, liveness: bool = True, deadline: float | None = None):
         """(choice, objective, status, solve seconds); raises IntraInfeasible if nothing fits.  ``mip_gap``:
         the relative optimality gap at which the MIP stops (only when the LP relaxation is fractional).
         ``liveness=False``: the single end-of-forward row this pass used before (:meth:`memory_end_of_forward`;
@@ -1192,10 +1195,13 @@ class IntraProblem:
         self.solves = 0
         while True:
             self.solves += 1
+            # every solver run is limited by what is left of the time limit and of the deadline (each run
+            # of a lazy memory-row loop included): HiGHS / CBC stop there with their best solution, if any
+            limit = _time_left(time_limit_s - (time.perf_counter() - t0), deadline, "solving the intra-operator ILP")
             if solver == "highs":
-                x, obj, status = _solve_highs(cols_cost, col_int, rows, time_limit_s, rounded, mip_gap)
+                x, obj, status = _solve_highs(cols_cost, col_int, rows, limit, rounded, mip_gap)
             else:
-                x, obj, status = _solve_pulp(cols_cost, col_int, rows, time_limit_s, mip_gap)
+                x, obj, status = _solve_pulp(cols_cost, col_int, rows, limit, mip_gap)
             if x is None:
                 break
             choice = {a: max(alive[a], key=lambda i: x[svar[(a, i)]]) for a in self.anchors}
@@ -1237,6 +1243,25 @@ class IntraProblem:
 _SCALE = 1e6
 
 
+class AlpaDeadline(AlpaError):
+    """The caller's deadline (a ``time.monotonic()`` value) passed before the intra-operator pass had a plan."""
+
+
+def _check_deadline(deadline: float | None, what: str) -> None:
+    if deadline is not None and time.monotonic() >= deadline:
+        raise AlpaDeadline(f"alpa: the deadline passed while {what}")
+
+
+def _time_left(limit_s: float, deadline: float | None, what: str) -> float:
+    """Seconds a solver run may take: ``limit_s`` capped by the deadline (AlpaDeadline when none is left)."""
+    if deadline is not None:
+        left = deadline - time.monotonic()
+        if left <= 0:
+            raise AlpaDeadline(f"alpa: the deadline passed before {what}")
+        limit_s = min(limit_s, left)
+    return max(limit_s, 1e-3)
+
+
 def _gib(b) -> str:
     return "inf" if b is None or not math.isfinite(b) else format_bytes(b)
 
@@ -1269,6 +1294,7 @@ def _quiet_highs(highspy):
 def _solve_highs(cost, is_int, rows, time_limit_s, rounded=None, mip_gap=1e-7):
     import highspy
     import numpy as np
+    t_start = time.perf_counter()
     h = _quiet_highs(highspy)
     h.setOptionValue("time_limit", float(time_limit_s))
     h.setOptionValue("mip_rel_gap", float(mip_gap))
@@ -1324,6 +1350,10 @@ def _solve_highs(cost, is_int, rows, time_limit_s, rounded=None, mip_gap=1e-7):
     else:
         start = None
     lp.integrality_ = [highspy.HighsVarType.kInteger if i else highspy.HighsVarType.kContinuous for i in is_int]
+    left = float(time_limit_s) - (time.perf_counter() - t_start)
+    if left <= 0:                                  # the LP used the whole limit: no MIP run
+        return None, INF, "time limit"
+    h.setOptionValue("time_limit", left)
     h.passModel(lp)
     if start is not None:
         try:
@@ -1434,7 +1464,7 @@ def build_plan_pcg(problem: IntraProblem, choice: Mapping[int, int]) -> tuple[PC
 def solve_intra(g: PCG, machine: MachineSpec, mesh: tuple[int, int], *, start: int = 0, optimizer: str = "adam",
                 memory_budget: float | None = None, weight_update_sharding: bool = False,
                 time_limit_s: float = 30.0, solver: str = "highs", mip_gap: float = 1e-7,
-                price: bool = True) -> IntraPlan:
+                price: bool = True, deadline: float | None = None, precision: str = "fp32") -> IntraPlan:
     """Alpa's intra-operator plan of the logical PCG ``g`` on the ``mesh`` (n0, n1) of devices
     ``start .. start+n0*n1-1`` of ``machine`` (see module docstring).  ``memory_budget``: bytes per device
     (default: the device's capacity).  ``mip_gap``: relative gap at which the MIP stops when the LP relaxation
@@ -1442,7 +1472,11 @@ def solve_intra(g: PCG, machine: MachineSpec, mesh: tuple[int, int], *, start: i
     bound is 0.009% below the optimum, takes its rounded LP solution at once: 1 s instead of 16-20 s).
     ``price=False`` skips pricing the plan (a third of the time on a GPT stage; for a caller that prices it
     itself): ``time_s`` is then the ILP objective and ``memory_bytes`` the ILP's memory.  Raises
-    :class:`AlpaError` for a bad mesh or graph, :class:`IntraInfeasible` when no plan fits the budget."""
+    :class:`AlpaError` for a bad mesh or graph, :class:`IntraInfeasible` when no plan fits the budget.
+    ``deadline``: a ``time.monotonic()`` value: the ILP's construction stops there and every solver run is
+    limited to the time left (:class:`AlpaDeadline`, an :class:`AlpaError`, when it has passed or the solver
+    found no solution by then).  ``precision``: the math mode the node and edge costs are priced in (the
+    caller's cost model's: the inter-operator pass passes its mapper's)."""
     t0 = time.perf_counter()
     try:
         n0, n1 = (int(x) for x in mesh)
@@ -1456,9 +1490,16 @@ def solve_intra(g: PCG, machine: MachineSpec, mesh: tuple[int, int], *, start: i
             raise AlpaError(f"alpa intra-op needs a logical PCG; node {n.label()} is a {n.op}")
     if memory_budget is None:
         memory_budget = float(machine.device.memory_bytes)
-    prob = IntraProblem(g, machine, (n0, n1), start, optimizer, weight_update_sharding)
+    _check_deadline(deadline, "the intra-operator pass")
+    prob = IntraProblem(g, machine, (n0, n1), start, optimizer, weight_update_sharding, deadline=deadline,
+                        precision=precision)
     t1 = time.perf_counter()
-    choice, obj, status, solve_s = prob.solve(memory_budget, time_limit_s, solver, mip_gap)
+    try:
+        choice, obj, status, solve_s = prob.solve(memory_budget, time_limit_s, solver, mip_gap, deadline=deadline)
+    except IntraInfeasible as e:
+        if deadline is not None and time.monotonic() >= deadline:
+            raise AlpaDeadline(f"alpa intra-op: the deadline passed before the ILP found a solution ({e})") from None
+        raise
     pcg, views, specs = build_plan_pcg(prob, choice)
     ilp_mem = prob.memory(choice)
     live = dict(memory_rows=getattr(prob, "last_rows", 0), liveness_steps=prob.steps,
@@ -1469,7 +1510,7 @@ def solve_intra(g: PCG, machine: MachineSpec, mesh: tuple[int, int], *, start: i
                                        priced=False, **live))
     from ..mapping import MachineMapper
     # the plan as the rest of the project prices it (its own gradient bytes, not the ILP's whole-step share)
-    r = MachineMapper(CostModel(machine, optimizer=optimizer)).evaluate(pcg, views)
+    r = MachineMapper(CostModel(machine, optimizer=optimizer, precision=precision)).evaluate(pcg, views)
     mem = float(r.memory.max_bytes) if r.memory is not None else INF
     mem += pcg.meta.get("gathered_weight_bytes", 0.0)
     return IntraPlan(pcg, views, float(r.cost), mem, float(obj), solve_s, status, specs, (n0, n1), start,
@@ -1477,5 +1518,5 @@ def solve_intra(g: PCG, machine: MachineSpec, mesh: tuple[int, int], *, start: i
                                    feasible=r.feasible, reason=r.reason, priced=True, **live))
 
 
-__all__ = ["solve_intra", "IntraPlan", "IntraProblem", "AlpaError", "IntraInfeasible", "Layout", "Mesh",
+__all__ = ["solve_intra", "IntraPlan", "IntraProblem", "AlpaError", "AlpaDeadline", "IntraInfeasible", "Layout", "Mesh",
            "enumerate_algos", "build_plan_pcg", "convert"]
