@@ -391,3 +391,21 @@ def test_blocks_that_cannot_be_copied_are_all_traced(wiring, tmp_path):
     g = load_onnx(res.path, load_weights=False)
     assert anon_hash(g) == anon_hash(load_onnx(full.path, load_weights=False))
     assert g.param_count() == res.parameters == 4 * (16 * 16 + 16)
+
+
+def test_simulate_optimize_explain_plan_a_weight_free_file_and_run_refuses_it(tmp_path, capsys, monkeypatch):
+    import unity_pcg.executor.launch as launch
+    model = tmp_path / "llama.onnx"
+    assert main(["zoo", "export", "llama_13b", "--size", "tiny", "--weights", "none", "-o", str(model)]) == 0
+    assert main(["simulate", str(model), "--machine", "summit:1x2", "--strategy", "dp", "--json"]) == 0
+    sim = json.loads(capsys.readouterr().out)
+    assert sim
+    plan = tmp_path / "plan.json"
+    assert main(["optimize", str(model), "--machine", "summit:1x2", "--budget", "5", "-o", str(plan)]) == 0
+    assert main(["explain", str(plan)]) == 0
+    capsys.readouterr()
+    monkeypatch.setattr(launch, "launch", lambda *a, **k: pytest.fail("a process was started"))
+    assert main(["run", str(plan), "--model", str(model), "--steps", "1"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert err == ["unity-pcg run: error: llama.onnx has no weights (written by export-structure for planning): "
+                   "export the model with its weights to train it"]

@@ -494,11 +494,13 @@ def _trace(module, specs, names, outs, params, buffers, desc, where, say, secs):
     import torch
     t = time.perf_counter()
     args = tuple(torch.zeros(shape, dtype=dt, device=where) for _, shape, dt in specs)
+    # the exporter logs each capture strategy it tries and drops (tracebacks included); its errors that matter
+    # are raised
     quiet = [logging.getLogger(n) for n in ("torch.onnx", "torch.export", "torch._dynamo", "torch.fx", "onnx_ir",
-                                            "onnxscript")]
+                                            "onnxscript", "torch._subclasses", "torch._export")]
     levels = [lg.level for lg in quiet]
     for lg in quiet:
-        lg.setLevel(logging.ERROR)
+        lg.setLevel(logging.CRITICAL)
     try:
         try:
             with torch.no_grad(), warnings.catch_warnings(), contextlib.redirect_stdout(_Null()):
@@ -748,6 +750,9 @@ def _write(proto, path, desc, metadata, n_params, secs, say) -> StructureResult:
             f.write(proto.SerializeToString())
         with open(os.path.join(directory, data_name), "wb") as f:
             f.truncate(offset)          # sparse: reads as zeros, occupies no blocks
+        umask = os.umask(0)
+        os.umask(umask)
+        os.chmod(tmp, 0o666 & ~umask)   # mkstemp's file is private; the model is an ordinary file
         os.replace(tmp, path)
     except BaseException:
         if os.path.exists(tmp):
