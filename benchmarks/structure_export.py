@@ -6,8 +6,11 @@ For each model, ``unity-pcg zoo export NAME --size paper --weights none`` runs i
 transformers config of Llama 2 70B through ``unity-pcg export-structure`` (when transformers is installed).
 
     nice .venv/bin/python benchmarks/structure_export.py [--models a,b] [--out benchmarks/results/structure_export]
+    nice .venv/bin/python benchmarks/structure_export.py --twin-check 8
 
-Writes ``OUT.json`` and ``OUT.md``.  Run it alone (it is one export at a time, each a few hundred MB).
+Writes ``OUT.json`` and ``OUT.md``.  ``--twin-check L``: Llama 2 70B's widths at L layers (transformers config and
+the zoo's module) exported with the depth twin (2 layers traced, the rest copied) and with every layer traced;
+their imported PCGs compared (structure up to weight names), times and the verdict into ``OUT_twin.json``.  Run it alone (it is one export at a time, each a few hundred MB).
 """
 from __future__ import annotations
 
@@ -80,13 +83,50 @@ def measure(label, cmd, path, want_params, exporter):
     return row
 
 
+def twin_check(layers, out):
+    import dataclasses
+    sys.path.insert(0, os.path.join(ROOT, "tests", "zoo"))
+    from test_structure import anon_hash
+
+    from unity_pcg.onnx_import import load_onnx
+    from unity_pcg.zoo import configs, models
+    from unity_pcg.zoo.structure import export_structure
+    rows = []
+    with tempfile.TemporaryDirectory(prefix="twin-check-") as tmp:
+        cfg_path = os.path.join(tmp, "config.json")
+        with open(cfg_path, "w") as f:
+            json.dump({**LLAMA2_70B, "num_hidden_layers": layers}, f)
+        zcfg = dataclasses.replace(configs.CONFIGS["llama_70b"]["paper"], layers=layers)
+        cases = [("transformers LlamaForCausalLM", cfg_path, {"seq": 4096}),
+                 ("zoo Llama", lambda: models.make_module("llama_70b", zcfg),
+                  {"inputs": [("input_ids", (1, zcfg.seq), "int64")]})]
+        for label, src, kw in cases:
+            got = {}
+            for twin in (True, False):
+                t = time.perf_counter()
+                res = export_structure(src, os.path.join(tmp, f"m{twin}.onnx"), depth_twin=twin, **kw)
+                secs = time.perf_counter() - t
+                g = load_onnx(res.path, load_weights=False)
+                got[twin] = (anon_hash(g), round(secs, 1), res.weight_elements, len(g))
+            rows.append({"model": f"{label}, Llama 2 70B widths, {layers} layers", "equal": got[True][0] == got[False][0],
+                         "twin_s": got[True][1], "full_s": got[False][1], "weights_equal": got[True][2] == got[False][2],
+                         "pcg_nodes": got[True][3]})
+            print(json.dumps(rows[-1]), file=sys.stderr, flush=True)
+    with open(out, "w") as f:
+        json.dump({"date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()), "rows": rows}, f, indent=1)
+    return 0 if all(r["equal"] and r["weights_equal"] for r in rows) else 1
+
+
 def main():
     import unity_pcg.zoo as zoo
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--models", default=None, help="comma-separated zoo names (default: all, plus Llama 2 70B "
                     "from a transformers config)")
     ap.add_argument("--out", default=os.path.join(HERE, "results", "structure_export"))
+    ap.add_argument("--twin-check", type=int, default=None, metavar="L")
     args = ap.parse_args()
+    if args.twin_check:
+        return twin_check(args.twin_check, args.out + "_twin.json")
     names = args.models.split(",") if args.models else (list(zoo.MODELS) + list(zoo.ALPA_MODELS)
                                                         + list(zoo.LLAMA_MODELS) + ["hf:llama2-70b"])
     cli = [sys.executable, "-m", "unity_pcg.cli"]
