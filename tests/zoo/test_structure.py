@@ -216,6 +216,10 @@ def test_factory_graph_equals_the_real_export(tmp_path):
                      load_weights=False)
     assert anon_hash(wf) == anon_hash(real)
     assert res.parameters == sum(p.numel() for p in Net().parameters())
+    # a module instance (its weights real) is traced as it is, its weights not written
+    inst = export_structure(Net(), tmp_path / "inst.onnx", inputs=[torch.zeros(4, 96)], input_names=["x"])
+    assert anon_hash(load_onnx(inst.path, load_weights=False)) == anon_hash(wf)
+    assert inst.weight_bytes == res.weight_bytes and os.stat(inst.data_path).st_blocks * 512 < 1 << 20
     # the buffer keeps its value (the graph's constant), the weights read as zeros
     g = load_onnx(res.path)
     vals = {k: v() for k, v in g.weights.items()}
