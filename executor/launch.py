@@ -79,6 +79,8 @@ def check(plan_path: str, model_path: str | None, nproc: int | None = None, per_
     """Load and validate the plan, check the model against it and the process count; returns
     ``(plan, world)``.  Raises a one-line UnityError; starts nothing."""
     from unity_pcg import plan as P
+    from unity_pcg.weightfree import refuse_weight_free
+    refuse_weight_free(model_path)      # a planning-only file (export-structure): no weights to train
     plan = P.load(plan_path)
     plan.check_model(model_path)
     world = plan_world(plan)

@@ -16,6 +16,7 @@ from .errors import UnityError
 COMMANDS: dict[str, str] = {
     "import": "unity_pcg.commands.import_cmd",
     "zoo": "unity_pcg.commands.zoo_cmd",
+    "export-structure": "unity_pcg.commands.export_structure_cmd",
     "rules": "unity_pcg.commands.rules_cmd",
     "calibrate": "unity_pcg.commands.calibrate_cmd",
     "simulate": "unity_pcg.commands.simulate_cmd",
@@ -29,6 +30,7 @@ COMMANDS: dict[str, str] = {
 HELP: dict[str, str] = {
     "import": "import an ONNX model and show it as a PCG",
     "zoo": "list or export the models of Unity's evaluation as ONNX",
+    "export-structure": "write a model's ONNX graph at full size without weights (transformers config or factory)",
     "rules": "generate, verify and inspect the verified substitution rules",
     "calibrate": "measure this computer and write a machine description (JSON)",
     "simulate": "predict iteration time, communication and memory of a fixed parallelization",

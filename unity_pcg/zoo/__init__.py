@@ -25,6 +25,14 @@ The GPT models of the Alpa evaluation (OSDI'22, Appendix B, Table 6: seq 1024, v
 1024 (``paper_batch``: for these the global batch, not a per-device one), sizes ``tiny`` and ``paper``;
 plan them from :func:`export_structure` (no weights are materialized; 39B would be 156 GB).
 
+Llama-style decoders (RMSNorm, SwiGLU, rotary, grouped-query attention) as the Llama 2 and Llama 3 papers
+state them are in :data:`LLAMA_MODELS`: ``llama_1b`` (Llama 3.2 1B), ``llama_7b``, ``llama_13b``, ``llama_70b``
+(Llama 2), sizes ``tiny``, ``small`` and ``paper``, ``paper_batch`` the global batch of 4M tokens (1024 x 4096).
+
+Every model at every size exports weight-free through :func:`export_structure` (``unity-pcg zoo export NAME
+--weights none``, exporter ``auto``): the narrow twin of the legacy exporter where it is exact, else the meta route of
+:mod:`unity_pcg.zoo.structure` (the dynamo exporter on a module whose parameters live on the meta device).
+
 Sizes: ``tiny`` (tests), ``paper`` (Unity §6.1) and, for DLRM and CANDLE-Uno, ``small`` (their
 earlier published configurations) and DLRM's 6-table ``paper6``; :func:`sizes` lists them.
 Paper-size DLRM and CANDLE-Uno hold 1.7 and 0.8 billion parameters: :func:`export_structure`
@@ -46,7 +54,7 @@ try:  # the project-wide user-error base class (CLI prints it and exits 2)
 except ImportError:  # pragma: no cover - zoo used standalone
     _ErrorBase = Exception
 
-__all__ = ["ZooEntry", "ZooError", "MODELS", "ALPA_MODELS", "ALPA_GPUS", "entry", "SIZES", "EXPORTERS", "LARGE_MODEL_BYTES",
+__all__ = ["ZooEntry", "ZooError", "MODELS", "ALPA_MODELS", "ALPA_GPUS", "LLAMA_MODELS", "entry", "SIZES", "EXPORTERS", "LARGE_MODEL_BYTES",
            "list_models", "sizes", "get_config", "build", "export", "export_structure", "param_count"]
 
 
@@ -64,7 +72,7 @@ class ZooEntry:
     @property
     def paper_optimizer(self) -> str:
         """The optimizer of Unity §6.1: Adam for BERT-Large, SGD for the other models."""
-        return "adam" if self.name == "bert_large" or self.name.startswith("gpt_") else "sgd"
+        return "adam" if self.name == "bert_large" or self.name.startswith(("gpt_", "llama_")) else "sgd"
 
 
 MODELS: "OrderedDict[str, ZooEntry]" = OrderedDict(
@@ -97,11 +105,25 @@ ALPA_MODELS: "OrderedDict[str, ZooEntry]" = OrderedDict(
                               ("gpt_15b", "15B", 5120, 48, 32), ("gpt_39b", "39B", 8192, 48, 64))
     )
 )
+#: Llama-style decoders (configs.LlamaConfig); ``paper_batch`` is the global batch, 4M tokens of 4096
+LLAMA_MODELS: "OrderedDict[str, ZooEntry]" = OrderedDict(
+    (e.name, e) for e in (
+        ZooEntry(n, f"Llama-style decoder as {p} (hidden {h}, {l} layers, {a} heads, {kv} KV heads, SwiGLU FFN {f}, "
+                 f"vocab {v}, seq 4096, RMSNorm, rotary, untied LM head)", 1024, 2)
+        for n, p, h, l, a, kv, f, v in (
+            ("llama_1b", "Llama 3.2 1B", 2048, 16, 32, 8, 8192, 128256),
+            ("llama_7b", "Llama 2 7B", 4096, 32, 32, 32, 11008, 32000),
+            ("llama_13b", "Llama 2 13B", 5120, 40, 40, 40, 13824, 32000),
+            ("llama_70b", "Llama 2 70B", 8192, 80, 64, 8, 28672, 32000))
+    )
+)
 #: GPUs each GPT model is trained on in the Alpa evaluation
 ALPA_GPUS = {"gpt_350m": 1, "gpt_1_3b": 4, "gpt_2_6b": 8, "gpt_6_7b": 16, "gpt_15b": 32, "gpt_39b": 64}
 
 SIZES = ("tiny", "small", "paper")   # "small" only where a model has one (see sizes())
 EXPORTERS = ("legacy", "dynamo")
+#: exporters of :func:`export_structure`: "auto" picks the legacy narrow twin where it is exact, else dynamo
+STRUCTURE_EXPORTERS = ("auto", "legacy", "dynamo")
 
 #: Exports whose parameters take at least this many bytes store weights as ONNX
 #: external data (one ``<file>.data`` next to the ``.onnx``) unless told otherwise.
@@ -114,9 +136,10 @@ def list_models() -> "list[ZooEntry]":
 
 def entry(name: str) -> ZooEntry:
     """The entry of ``name`` among Unity's models and Alpa's GPT models."""
-    e = MODELS.get(name) or ALPA_MODELS.get(name)
+    e = MODELS.get(name) or ALPA_MODELS.get(name) or LLAMA_MODELS.get(name)
     if e is None:
-        raise ZooError(f"unknown model {name!r}; valid names: {', '.join(list(MODELS) + list(ALPA_MODELS))}")
+        raise ZooError(f"unknown model {name!r}; valid names: "
+                       f"{', '.join(list(MODELS) + list(ALPA_MODELS) + list(LLAMA_MODELS))}")
     return e
 
 
@@ -271,19 +294,49 @@ def _narrow(cfg):
     return dataclasses.replace(cfg, **small)
 
 
-def export_structure(name: str, path, size: str = "paper", batch: "int | None" = None):
+def narrow_twin_ok(name: str, size: str = "paper") -> bool:
+    """Whether the legacy narrow-twin export of :func:`export_structure` is exact for ``name`` at ``size``
+    (its ONNX graph holds no constant that depends on a layer width)."""
+    _check(name, size)
+    return name in _STRUCTURE_OK and bool(_STRUCTURE_OK[name](CONFIGS[name][size]))
+
+
+def export_structure(name: str, path, size: str = "paper", batch: "int | None" = None, exporter: str = "legacy",
+                     progress=None):
     """Write the ONNX graph of ``name`` at ``size`` with every float weight stored as external data
     in ``<path>.data``, a sparse file of zeros (no disk blocks, no memory): the graph and every
     weight's shape are those of the real model, so ``load_onnx(path, load_weights=False)`` gives
-    its PCG for planning.  For paper-size DLRM and CANDLE-Uno, whose real export would write
-    gigabytes.  The graph is traced from a narrow twin (widths <= 3) whose weights are tagged by
-    value, and each initializer is given the shape of the parameter it came from."""
+    its PCG for planning; the file is marked weight-free (``unity-pcg run`` refuses it).
+
+    ``exporter``: ``"legacy"``: the graph is traced by the TorchScript exporter from a narrow twin (widths
+    <= 3) whose weights are tagged by value, and each initializer is given the shape of the parameter it
+    came from; exact only for models whose graph has no width-dependent constant (:func:`narrow_twin_ok`),
+    refused for the others.  ``"dynamo"``: the meta route of :func:`unity_pcg.zoo.structure.export_structure`
+    (any model).  ``"auto"``: legacy where it is exact, else dynamo (what ``unity-pcg zoo export --weights
+    none`` does).  The default stays ``"legacy"``, whose refusal callers use to fall back to :func:`export`.
+    Returns ``path``."""
+    if exporter not in STRUCTURE_EXPORTERS:
+        raise ZooError(f"unknown exporter {exporter!r}; valid exporters: {', '.join(STRUCTURE_EXPORTERS)}")
     entry = _check(name, size)
     b = _batch(entry, size, batch)
+    if exporter == "dynamo" or (exporter == "auto" and not narrow_twin_ok(name, size)):
+        from . import models
+        from .structure import export_structure as meta_export
+        cfg = CONFIGS[name][size]
+        inputs = models.example_inputs(name, cfg, 1)       # shapes and dtypes at batch 1 (cheap) ...
+        in_names, out_names = models.io_names(name, cfg)
+        specs = [(n, (b,) + tuple(x.shape[1:]), x.dtype) for n, x in zip(in_names, inputs)]   # ... at batch b
+        meta_export(lambda: models.make_module(name, cfg), path, inputs=specs, output_names=out_names,
+                    progress=progress, metadata={"unity_pcg.zoo": f"{name} {size} batch {b}"})
+        return os.fspath(path)
+    return _export_narrow(name, path, size, b, entry)
+
+
+def _export_narrow(name, path, size, b, entry):
     cfg = CONFIGS[name][size]
     if name not in _STRUCTURE_OK or not _STRUCTURE_OK[name](cfg):
-        raise ZooError(f"export_structure: model {name!r} ({size}) has width-dependent constants; "
-                       "use export()")
+        raise ZooError(f"export_structure: model {name!r} ({size}) has width-dependent constants, so its legacy "
+                       "narrow twin is not exact; use exporter='dynamo' (or 'auto')")
     import numpy as np
     import onnx
     import torch
@@ -352,6 +405,10 @@ def export_structure(name: str, path, size: str = "paper", batch: "int | None" =
             e = t.external_data.add()
             e.key, e.value = k, val
         offset += nbytes
+    from ..weightfree import WEIGHT_FREE_KEY
+    for k, val in ((WEIGHT_FREE_KEY, "true"), ("unity_pcg.zoo", f"{name} {size} batch {b}")):
+        prop = proto.metadata_props.add()
+        prop.key, prop.value = k, val
     for vi in list(proto.graph.value_info):       # intermediate shapes of the twin: not the model's
         proto.graph.value_info.remove(vi)
     # the graph's inputs and outputs get the real model's shapes (outputs from a meta-device forward)

@@ -117,6 +117,27 @@ class GPTConfig:
 
 
 @dataclass(frozen=True)
+class LlamaConfig:
+    """A Llama-style decoder (Touvron et al. 2023; Llama 3, Dubey et al. 2024): RMSNorm pre-norm blocks,
+    rotary position embeddings, grouped-query causal attention (``kv_heads`` key/value heads shared by
+    ``heads // kv_heads`` query heads each), SwiGLU MLP (``down(silu(gate(x)) * up(x))``), no biases,
+    an untied LM head."""
+    layers: int
+    hidden: int
+    heads: int
+    kv_heads: int
+    ffn: int
+    vocab: int
+    seq: int
+    rope_theta: float = 10000.0
+    norm_eps: float = 1e-5
+
+    @property
+    def head_dim(self) -> int:
+        return self.hidden // self.heads
+
+
+@dataclass(frozen=True)
 class MLPConfig:
     layers: int
     hidden: int
@@ -193,3 +214,18 @@ _GPT_TINY = GPTConfig(layers=2, hidden=32, heads=4, vocab=64, seq=16)
 for _name, _h, _l, _heads in (("gpt_350m", 1024, 24, 16), ("gpt_1_3b", 2048, 24, 32), ("gpt_2_6b", 2560, 32, 32),
                               ("gpt_6_7b", 4096, 32, 32), ("gpt_15b", 5120, 48, 32), ("gpt_39b", 8192, 48, 64)):
     CONFIGS[_name] = {"paper": GPTConfig(layers=_l, hidden=_h, heads=_heads), "tiny": _GPT_TINY}
+
+# Llama-style decoders as the papers state them (hidden / layers / heads / KV heads / FFN / vocab / context):
+# Llama 2 7B, 13B, 70B (Touvron et al. 2023, Table 1 and section 2.2: 4k context, GQA only at 70B, FFN as
+# Meta's released configs: 11008, 13824, 28672, vocab 32000) and Llama 3.2 1B (Llama 3 herd, Dubey et al.
+# 2024: 2048 hidden, 16 layers, 32 heads, 8 KV heads, FFN 8192, vocab 128256, rope theta 500000; here at
+# Llama 2's 4k context, not Llama 3's 8k: the [seq, seq] causal mask is a buffer of the graph).  ``tiny`` and ``small``: the same structure (GQA included) at test widths.
+_LLAMA_TINY = LlamaConfig(layers=2, hidden=32, heads=4, kv_heads=2, ffn=48, vocab=64, seq=16)
+_LLAMA_SMALL = LlamaConfig(layers=4, hidden=256, heads=8, kv_heads=4, ffn=688, vocab=1024, seq=128)
+for _name, _cfg in (
+        ("llama_1b", LlamaConfig(layers=16, hidden=2048, heads=32, kv_heads=8, ffn=8192, vocab=128256, seq=4096,
+                                 rope_theta=500000.0)),
+        ("llama_7b", LlamaConfig(layers=32, hidden=4096, heads=32, kv_heads=32, ffn=11008, vocab=32000, seq=4096)),
+        ("llama_13b", LlamaConfig(layers=40, hidden=5120, heads=40, kv_heads=40, ffn=13824, vocab=32000, seq=4096)),
+        ("llama_70b", LlamaConfig(layers=80, hidden=8192, heads=64, kv_heads=8, ffn=28672, vocab=32000, seq=4096))):
+    CONFIGS[_name] = {"paper": _cfg, "small": _LLAMA_SMALL, "tiny": _LLAMA_TINY}

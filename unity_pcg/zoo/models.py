@@ -14,7 +14,7 @@ from typing import List, Sequence, Tuple
 import torch
 from torch import nn
 
-from .configs import (BertConfig, CandleUnoConfig, DLRMConfig, GPTConfig, InceptionV3Config, MLPConfig,
+from .configs import (BertConfig, CandleUnoConfig, DLRMConfig, GPTConfig, InceptionV3Config, LlamaConfig, MLPConfig,
                       ResNeXtConfig, XDLConfig)
 
 
@@ -534,6 +534,94 @@ class GPT(nn.Module):
         return self.head(self.ln_f(self.blocks(x)))
 
 
+# ------------------------------------------------------------------------------- Llama
+
+
+class RMSNorm(nn.Module):
+    """``x / sqrt(mean(x^2) + eps) * weight`` over the last dim."""
+
+    def __init__(self, dim: int, eps: float):
+        super().__init__()
+        self.eps = eps
+        self.weight = nn.Parameter(torch.ones(dim))
+
+    def forward(self, x):
+        return x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps) * self.weight
+
+
+class LlamaBlock(nn.Module):
+    """x + Attn(RMSNorm(x)), then x + SwiGLU(RMSNorm(x)).  Attention: Q/K/V Linears without bias, rotary
+    embedding of Q and K (the cos/sin tables are buffers), each of the ``kv_heads`` K/V heads repeated for its
+    ``heads // kv_heads`` query heads, an additive causal mask."""
+
+    def __init__(self, cfg: LlamaConfig):
+        super().__init__()
+        h, d = cfg.hidden, cfg.head_dim
+        self.heads, self.kv_heads, self.head_dim = cfg.heads, cfg.kv_heads, d
+        self.scale = 1.0 / math.sqrt(d)
+        self.attn_norm = RMSNorm(h, cfg.norm_eps)
+        self.q_proj = nn.Linear(h, cfg.heads * d, bias=False)
+        self.k_proj = nn.Linear(h, cfg.kv_heads * d, bias=False)
+        self.v_proj = nn.Linear(h, cfg.kv_heads * d, bias=False)
+        self.o_proj = nn.Linear(cfg.heads * d, h, bias=False)
+        self.mlp_norm = RMSNorm(h, cfg.norm_eps)
+        self.gate_proj = nn.Linear(h, cfg.ffn, bias=False)
+        self.up_proj = nn.Linear(h, cfg.ffn, bias=False)
+        self.down_proj = nn.Linear(cfg.ffn, h, bias=False)
+
+    def _rotate(self, t, cos, sin):  # t: [B, n, S, d]; rotate_half as Llama: (-x2, x1)
+        half = self.head_dim // 2
+        rot = torch.cat((-t[..., half:], t[..., :half]), dim=-1)
+        return t * cos + rot * sin
+
+    def _repeat_kv(self, t):  # [B, kv, S, d] -> [B, heads, S, d]
+        rep = self.heads // self.kv_heads
+        if rep == 1:
+            return t
+        b, kv, s, d = t.shape
+        return t[:, :, None].expand(b, kv, rep, s, d).reshape(b, kv * rep, s, d)
+
+    def forward(self, x, cos, sin, mask):
+        b, s, _ = x.shape
+        y = self.attn_norm(x)
+        q = self.q_proj(y).reshape(b, s, self.heads, self.head_dim).transpose(1, 2)
+        k = self.k_proj(y).reshape(b, s, self.kv_heads, self.head_dim).transpose(1, 2)
+        v = self.v_proj(y).reshape(b, s, self.kv_heads, self.head_dim).transpose(1, 2)
+        q, k = self._rotate(q, cos, sin), self._rotate(k, cos, sin)
+        k, v = self._repeat_kv(k), self._repeat_kv(v)
+        probs = torch.softmax(torch.matmul(q, k.transpose(2, 3)) * self.scale + mask, dim=-1)
+        ctx = torch.matmul(probs, v).transpose(1, 2).reshape(b, s, self.heads * self.head_dim)
+        x = x + self.o_proj(ctx)
+        y = self.mlp_norm(x)
+        return x + self.down_proj(nn.functional.silu(self.gate_proj(y)) * self.up_proj(y))
+
+
+class Llama(nn.Module):
+    """Llama-style language model: token embedding, ``layers`` blocks, final RMSNorm, untied LM head (Linear
+    without bias).  Input ``input_ids`` int64 [batch, seq]; output ``logits`` [batch, seq, vocab].  The rotary
+    tables ([seq, head_dim]) and the causal mask ([seq, seq]) are non-persistent buffers."""
+
+    def __init__(self, cfg: LlamaConfig):
+        super().__init__()
+        d = cfg.head_dim
+        self.embed = nn.Embedding(cfg.vocab, cfg.hidden)
+        self.blocks = nn.ModuleList([LlamaBlock(cfg) for _ in range(cfg.layers)])
+        self.norm = RMSNorm(cfg.hidden, cfg.norm_eps)
+        self.head = nn.Linear(cfg.hidden, cfg.vocab, bias=False)
+        inv_freq = 1.0 / (cfg.rope_theta ** (torch.arange(0, d, 2, dtype=torch.float64) / d))
+        angles = torch.outer(torch.arange(cfg.seq, dtype=torch.float64), inv_freq)
+        angles = torch.cat((angles, angles), dim=-1)
+        self.register_buffer("cos", angles.cos().float(), persistent=False)
+        self.register_buffer("sin", angles.sin().float(), persistent=False)
+        self.register_buffer("mask", torch.full((cfg.seq, cfg.seq), -1e4).triu(1), persistent=False)
+
+    def forward(self, input_ids):
+        x = self.embed(input_ids)
+        for block in self.blocks:
+            x = block(x, self.cos, self.sin, self.mask)
+        return self.head(self.norm(x))
+
+
 _CLASSES = {
     "resnext50": ResNeXt,
     "inception_v3": InceptionV3,
@@ -558,7 +646,7 @@ _IO_NAMES = {
 
 def io_names(name: str, cfg) -> Tuple[List[str], List[str]]:
     """The graph input and output names of model ``name`` with configuration ``cfg``."""
-    if isinstance(cfg, GPTConfig):
+    if isinstance(cfg, (GPTConfig, LlamaConfig)):
         return ["input_ids"], ["logits"]
     if name == "dlrm" and cfg.interaction == "cat":
         return ["dense"] + [f"sparse{i}" for i in range(len(cfg.table_rows))], ["click_prob"]
@@ -575,7 +663,7 @@ def io_names(name: str, cfg) -> Tuple[List[str], List[str]]:
 def make_module(name: str, cfg, device=None) -> nn.Module:
     """Instantiate the module for ``cfg`` (default init), on ``device`` if given
     (``"meta"`` builds it without allocating weights)."""
-    cls = GPT if isinstance(cfg, GPTConfig) else _CLASSES[name]
+    cls = GPT if isinstance(cfg, GPTConfig) else Llama if isinstance(cfg, LlamaConfig) else _CLASSES[name]
     if device is None:
         return cls(cfg)
     with torch.device(device):
@@ -598,6 +686,8 @@ def _randomize_norms(model: nn.Module) -> None:
             elif isinstance(m, nn.LayerNorm) and m.elementwise_affine:
                 m.weight.copy_(1.0 + 0.1 * torch.randn(m.weight.shape))
                 m.bias.copy_(0.1 * torch.randn(m.bias.shape))
+            elif isinstance(m, RMSNorm):
+                m.weight.copy_(1.0 + 0.1 * torch.randn(m.weight.shape))
 
 
 def example_inputs(name: str, cfg, batch: int, seed: int = 1234) -> Tuple[torch.Tensor, ...]:
@@ -605,7 +695,7 @@ def example_inputs(name: str, cfg, batch: int, seed: int = 1234) -> Tuple[torch.
     g = torch.Generator().manual_seed(seed)
     if name in ("resnext50", "inception_v3"):
         return (torch.randn(batch, 3, cfg.image, cfg.image, generator=g),)
-    if name == "bert_large" or isinstance(cfg, GPTConfig):
+    if name == "bert_large" or isinstance(cfg, (GPTConfig, LlamaConfig)):
         return (torch.randint(0, cfg.vocab, (batch, cfg.seq), generator=g),)
     if name == "dlrm":
         dense = torch.rand(batch, cfg.dense_features, generator=g)
