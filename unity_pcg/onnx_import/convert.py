@@ -36,6 +36,8 @@ def convert_node(imp, ctx, ins) -> list:
     all_const = all(v is None or isinstance(v, Const) for v in ins)
     if op == "Constant":
         return fold(ctx, ins)
+    if op in GENERATORS:      # random: never folded, even on a constant input (a *Like reads only its shape)
+        return _generator(imp, ctx, ins)
     if all_const and any(v is not None for v in ins) and not _keep_lookup(imp, ctx, ins):
         return fold_any(ctx, ins)
     if op == "ConstantOfShape":
@@ -140,6 +142,43 @@ def _dropout(imp, ctx, ins):
         raise UnsupportedOperator(f"Dropout's mask output {mask!r} is read by another node or is a graph output; "
                                   f"only the data output is supported (node {ctx.name!r})")
     return [imp.add("Dropout", {"ratio": ratio}, [imp.ref(x, _hint(ctx, 0))], ctx.name), None]
+
+
+# --- random generators ------------------------------------------------------------------------------
+
+#: ONNX random generators -> the PCG operator (unity_pcg/ops/random_gen.py); the *Like forms take their input's
+#: shape (static in a PCG) and, without a dtype attribute, its type
+GENERATORS = {"RandomNormal": "RandomNormal", "RandomNormalLike": "RandomNormal",
+              "RandomUniform": "RandomUniform", "RandomUniformLike": "RandomUniform"}
+_GEN_DTYPES = {"float32", "float16", "float64"}
+
+
+def _generator(imp, ctx, ins):
+    import zlib
+    op = GENERATORS[ctx.op]
+    like = ctx.op.endswith("Like")
+    if like:
+        x = _in(ctx, ins, 0)
+        shape = tuple(int(s) for s in imp.sizes(x))
+        dt = np_dtype(ctx.i("dtype"), ctx.what).name if ctx.has("dtype") else imp.dtype(x)
+    else:
+        if ins:
+            raise InvalidModel(f"{ctx.what}: takes no inputs, got {len(ins)}")
+        shape = tuple(int(s) for s in ctx.ints("shape"))
+        dt = np_dtype(ctx.i("dtype", 1), ctx.what).name
+        if any(s < 0 for s in shape):
+            raise InvalidModel(f"{ctx.what}: attribute 'shape' has a negative size: {list(shape)}")
+    if dt not in _GEN_DTYPES:
+        raise UnsupportedOperator(f"{ctx.op} of element type {dt} (node {ctx.name!r}); float16, float32 and "
+                                  f"float64 are supported")
+    a = {"shape": shape, "dtype": dt,
+         "seed": int(ctx.f("seed", 0.0)) & 0x7FFFFFFF if ctx.has("seed") else -1,
+         "key": zlib.crc32(ctx.node.output[0].encode())}
+    if op == "RandomNormal":
+        a.update(mean=ctx.f("mean", 0.0), scale=ctx.f("scale", 1.0))
+    else:
+        a.update(low=ctx.f("low", 0.0), high=ctx.f("high", 1.0))
+    return [imp.add(op, a, [], ctx.name)]
 
 
 @_conv("Gelu")
