@@ -926,6 +926,7 @@ class Trainer:
             if st.kind == "compute":
                 xs = [self._resolve(s, vals, recv, fv) for s in st.inputs]
                 st.ctx.seed, st.ctx.step, st.ctx.training = self.seed, self.step_no, True
+                st.ctx.extra["device"] = self.device
                 if st.bn_group is not None:
                     pg = self._group(st.bn_group)
                     me = st.bn_group.index(self.rank)
