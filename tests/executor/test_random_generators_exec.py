@@ -85,3 +85,43 @@ def test_two_data_parallel_processes_train_as_one(work, capfd):
     assert one["losses"][0] == pytest.approx(drawn, rel=1e-5)
     assert abs(float(np.mean(evaluate(g, feeds, random="standin")[0])) - drawn) > 1e-3
     assert abs(float(np.mean(evaluate(g, feeds, seed=1)[0])) - drawn) > 1e-3
+
+
+def test_each_rank_draws_the_blocks_it_reads_without_communication(work):
+    """The lowering treats a generator like a source: every device draws the block of the logical tensor its
+    tasks read (rows 0-3 on rank 0, 4-7 on rank 1) and nothing is sent for it."""
+    from unity_pcg.executor.lower import lower
+    pl = P.load(work["dp2"])
+    gens = {n.id for n in pl.pcg.nodes() if n.op in ("RandomNormal", "RandomUniform")}
+    for rank in (0, 1):
+        low = lower(pl.pcg, pl.views, rank, 2)
+        assert all(low.origin.get(e.ref[0]) not in gens for st in low.steps for e in st.exchanges)
+        drawn = [s for st in low.steps for s in st.inputs if s is not None and s.kind == "generate"]
+        assert len(drawn) == 2 and {low.origin[s.ref[0]] for s in drawn} == gens
+        assert all(s.slices[0] == (4 * rank, 4 * rank + 4) for s in drawn)
+
+
+def test_a_block_equals_the_numpy_reference_at_its_place():
+    """executor.kernels.generate_block (torch) draws the numpy reference's values (unity_pcg.ops.random_gen)
+    at every block, at any step; different steps, seeds and keys draw different tensors."""
+    import torch
+    from unity_pcg.executor.kernels import generate_block
+    from unity_pcg.ops.random_gen import draw
+    for op, a in (("RandomNormal", {"shape": (6, 4, 5), "dtype": "float64", "mean": 0.5, "scale": 2.0,
+                                    "seed": -1, "key": 12345}),
+                  ("RandomUniform", {"shape": (6, 4, 5), "dtype": "float32", "low": -1.0, "high": 3.0,
+                                     "seed": 9, "key": 7})):
+        whole = draw(op, a, seed=3, step=2)
+        for off, piece in (((0, 0, 0), (6, 4, 5)), ((3, 0, 0), (3, 4, 5)), ((2, 2, 1), (2, 2, 3))):
+            t = generate_block(op, a, 3, 2, a["shape"], off, piece, "cpu").numpy()
+            sl = tuple(slice(o, o + p) for o, p in zip(off, piece))
+            np.testing.assert_allclose(t, whole[sl], rtol=1e-12 if a["dtype"] == "float64" else 1e-6)
+            np.testing.assert_array_equal(draw(op, a, seed=3, step=2, offset=off, piece=piece), whole[sl])
+        assert not np.allclose(draw(op, a, seed=3, step=3), whole)
+        assert not np.allclose(draw(op, {**a, "key": a["key"] + 1}, seed=3, step=2), whole)
+        if op == "RandomUniform":    # no transcendental function on the way: bit for bit
+            assert torch.equal(torch.as_tensor(whole),
+                               generate_block(op, a, 3, 2, a["shape"], (0, 0, 0), a["shape"], "cpu"))
+    a = {"shape": (6, 4, 5), "dtype": "float64", "mean": 0.0, "scale": 1.0, "seed": -1, "key": 1}
+    assert not np.allclose(draw("RandomNormal", a, seed=0), draw("RandomNormal", a, seed=1))
+    assert np.allclose(draw("RandomNormal", {**a, "seed": 5}, seed=0), draw("RandomNormal", {**a, "seed": 5}, seed=1))
