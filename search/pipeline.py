@@ -797,10 +797,13 @@ def search_pipeline(pcg: PCG, mapper_or_cost_model: MachineMapper | CostModel, *
     found so far is returned).  ``candidates``: DP plans kept per stage count and number of
     micro-batches; the best estimate of every stage count and up to ``max_exact`` in all are priced
     exactly.  Returns the fastest feasible plan, else the fastest infeasible one (``feasible`` False,
-    with the reason), or None when the graph has no split into ``min_stages`` stages."""
+    with the reason), or None when the graph has no split into ``min_stages`` stages or has a random generator
+    (the executor pipelines none: ``executor/pipeline.py``)."""
     t0 = time.perf_counter()
     if budget_s is not None and budget_s <= 0:
         raise PipelineError(f"pipeline search budget must be positive, got {budget_s}")
+    if any(n.op in ("RandomNormal", "RandomUniform") for n in pcg.nodes()):
+        return None
     mapper = mapper_or_cost_model if isinstance(mapper_or_cost_model, MachineMapper) \
         else MachineMapper(mapper_or_cost_model)
     machine = mapper.machine

@@ -125,3 +125,17 @@ def test_a_block_equals_the_numpy_reference_at_its_place():
     a = {"shape": (6, 4, 5), "dtype": "float64", "mean": 0.0, "scale": 1.0, "seed": -1, "key": 1}
     assert not np.allclose(draw("RandomNormal", a, seed=0), draw("RandomNormal", a, seed=1))
     assert np.allclose(draw("RandomNormal", {**a, "seed": 5}, seed=0), draw("RandomNormal", {**a, "seed": 5}, seed=1))
+
+
+def test_pipelines_refuse_generators_and_the_search_offers_none(work):
+    from unity_pcg.executor.pipeline import PipelineError, check_pipeline
+    from unity_pcg.machine import parse_machine
+    from unity_pcg.search.cost import CostModel
+    from unity_pcg.search.pipeline import search_pipeline
+    from tests.executor.runtime_plans import pipeline_plan
+    pl = P.load(pipeline_plan(work["model"], str(work["dir"] / "pipe.json")))
+    with pytest.raises(PipelineError, match="RandomNormalLike_1.*not supported") as e:
+        check_pipeline(pl)
+    assert "\n" not in str(e.value)
+    g = load_onnx(work["model"], load_weights=False)
+    assert search_pipeline(g, CostModel(parse_machine("local:1x2")), min_stages=2, max_stages=2) is None
