@@ -5,7 +5,7 @@ element's value is a hash of its row-major index in the *logical* tensor, so eve
 device -- draws the same tensor.  The hash is a few rounds of a 32-bit integer finalizer written with ``^ >> *
 &`` only, so the same functions run on numpy int64 arrays (the numpy reference, :mod:`unity_pcg.ops.random_gen`)
 and on torch int64 tensors (the executor: ``executor/dropout.py``, ``executor/kernels.py``); products wrap
-modulo 2**64 in both, and only their low 32 bits are kept.  No torch import here.
+modulo 2**64 in int64 and only their low 32 bits are kept (numpy runs it in uint64: :func:`np_bits`).  No torch import here.
 """
 from __future__ import annotations
 
@@ -63,6 +63,11 @@ def np_logical_index(sizes: Sequence[int], offset: Sequence[int] | None = None,
     return idx
 
 
+def np_bits(key: int, index: np.ndarray) -> np.ndarray:
+    """:func:`hash_index` on numpy, in uint64 (products of 32-bit values never overflow; same bits as int64)."""
+    return hash_index(key, np.asarray(index).astype(np.uint64))
+
+
 def open_unit(bits):
     """Uniform in the open interval (0, 1) from 32 random bits (float64; never 0, so a log is finite)."""
     return (bits + 0.5) / TWO32
@@ -70,14 +75,14 @@ def open_unit(bits):
 
 def np_uniform(seed: int, step: int, node: int, index: np.ndarray, low: float = 0.0, high: float = 1.0) -> np.ndarray:
     """Uniform in (low, high) at every logical index (float64)."""
-    u = open_unit(hash_index(stream_key(seed, step, node, 1), index).astype(np.float64))
+    u = open_unit(np_bits(stream_key(seed, step, node, 1), index).astype(np.float64))
     return low + (high - low) * u
 
 
 def np_normal(seed: int, step: int, node: int, index: np.ndarray, mean: float = 0.0, scale: float = 1.0
               ) -> np.ndarray:
     """Normal(mean, scale) at every logical index (float64), by Box-Muller from streams 1 and 2."""
-    u1 = open_unit(hash_index(stream_key(seed, step, node, 1), index).astype(np.float64))
-    u2 = open_unit(hash_index(stream_key(seed, step, node, 2), index).astype(np.float64))
+    u1 = open_unit(np_bits(stream_key(seed, step, node, 1), index).astype(np.float64))
+    u2 = open_unit(np_bits(stream_key(seed, step, node, 2), index).astype(np.float64))
     z = np.sqrt(-2.0 * np.log(u1)) * np.cos(2.0 * np.pi * u2)
     return mean + scale * z
