@@ -20,14 +20,15 @@ N = helper.make_node
 
 
 def noisy_mlp_onnx(path: str, batch: int = 8) -> str:
-    """y = (relu(x @ W1 + RandomNormalLike) @ W2) * RandomUniform[batch, 8] + b."""
+    """zu = (relu(x @ W1 + RandomNormalLike) @ W2) * RandomUniform[batch, 8]; y = zu * Bernoulli(sigmoid(zu)) + b."""
     rng = np.random.default_rng(0)
     inits = [numpy_helper.from_array((0.3 * rng.standard_normal(s)).astype(np.float32), n)
              for n, s in (("W1", (16, 32)), ("W2", (32, 8)), ("b", (8,)))]
     nodes = [N("MatMul", ["x", "W1"], ["h"]), N("RandomNormalLike", ["h"], ["noise"], mean=0.1, scale=0.5),
              N("Add", ["h", "noise"], ["hn"]), N("Relu", ["hn"], ["a"]), N("MatMul", ["a", "W2"], ["z"]),
              N("RandomUniform", [], ["u"], shape=[batch, 8], low=0.5, high=1.5),
-             N("Mul", ["z", "u"], ["zu"]), N("Add", ["zu", "b"], ["y"])]
+             N("Mul", ["z", "u"], ["zu"]), N("Sigmoid", ["zu"], ["pz"]), N("Bernoulli", ["pz"], ["keep"]),
+             N("Mul", ["zu", "keep"], ["zk"]), N("Add", ["zk", "b"], ["y"])]
     g = helper.make_graph(nodes, "noisy", [helper.make_tensor_value_info("x", TensorProto.FLOAT, [batch, 16])],
                           [helper.make_tensor_value_info("y", TensorProto.FLOAT, [batch, 8])], inits)
     m = helper.make_model(g, opset_imports=[helper.make_opsetid("", 18)])
@@ -57,7 +58,7 @@ def _run(capfd, plan, model, out, *extra):
 def test_the_generators_are_in_the_plans(work):
     for k in ("one", "dp2"):
         ops_ = {n.op for n in P.load(work[k]).pcg.nodes()}
-        assert {"RandomNormal", "RandomUniform"} <= ops_, k
+        assert {"RandomNormal", "RandomUniform", "LessOrEqual"} <= ops_, k
     assert P.load(work["dp2"]).pcg is not None
 
 
@@ -97,7 +98,7 @@ def test_each_rank_draws_the_blocks_it_reads_without_communication(work):
         low = lower(pl.pcg, pl.views, rank, 2)
         assert all(low.origin.get(e.ref[0]) not in gens for st in low.steps for e in st.exchanges)
         drawn = [s for st in low.steps for s in st.inputs if s is not None and s.kind == "generate"]
-        assert len(drawn) == 2 and {low.origin[s.ref[0]] for s in drawn} == gens
+        assert len(drawn) == 3 and {low.origin[s.ref[0]] for s in drawn} == gens
         assert all(s.slices[0] == (4 * rank, 4 * rank + 4) for s in drawn)
 
 

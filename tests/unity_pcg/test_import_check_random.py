@@ -282,7 +282,8 @@ def test_generator_forms_types_and_a_constant_input(tmp_path):
 
 
 @pytest.mark.parametrize("node, x_type, words", [
-    (N("Bernoulli", ["x"], ["r"]), F, "unsupported operator Bernoulli"),
+    (N("Multinomial", ["x"], ["r"], sample_size=2), F, "unsupported operator Multinomial"),
+    (N("Bernoulli", ["x"], ["r"]), TensorProto.INT64, "Bernoulli of element type int64"),
     (N("RandomNormalLike", ["x"], ["r"]), TensorProto.INT64, "RandomNormalLike of element type int64"),
     (N("RandomUniform", [], ["r"], shape=[2, 3], dtype=TensorProto.INT32), F, "RandomUniform of element type"),
 ])
@@ -293,6 +294,35 @@ def test_unsupported_random_operators_are_refused_with_one_line(tmp_path, capsys
     onnx.save(m, str(p))
     rc, out, err = _cli(capsys, p, "--check")
     assert rc == 2 and len(err.strip().splitlines()) == 1 and words in err, err
+
+
+def test_bernoulli_imports_as_a_uniform_compared_with_p(tmp_path, capsys):
+    """Bernoulli(p) = Cast(LessOrEqual(RandomUniform(0, 1), p)): 1 with probability p when drawn; under the
+    stand-ins (U = 1/2) exactly Bernoulli's most likely value, p >= 0.5, at p = 0.5 too."""
+    from unity_pcg.evaluate import evaluate
+    w = numpy_helper.from_array(np.random.default_rng(1).standard_normal((3, 4)).astype(np.float32), "W")
+    m = _model([N("MatMul", ["x", "W"], ["h"]), N("Sigmoid", ["h"], ["p"]), N("Bernoulli", ["p"], ["b"]),
+                N("Mul", ["h", "b"], ["y"]), N("Bernoulli", ["q"], ["c"], dtype=TensorProto.BOOL, seed=2.0)],
+               [helper.make_tensor_value_info("x", F, [2, 3]), helper.make_tensor_value_info("q", F, [400, 50])],
+               [helper.make_tensor_value_info("y", F, None), helper.make_tensor_value_info("c", TensorProto.BOOL,
+                                                                                           None)], [w])
+    p = tmp_path / "bern.onnx"
+    onnx.save(m, str(p))
+    g = load_onnx(str(p))
+    assert random_ops(g) == {"RandomUniform": 2}
+    r = check_model(str(p))
+    assert r.ok and r.derandomized == {"Bernoulli": 2} and "2 Bernoulli as 1 where p >= 0.5 else 0" in r.randomness
+    q = np.full((400, 50), 0.3, np.float32)
+    q[0, :3] = [0.5, 0.4999, 0.0]
+    x = {"x": np.zeros((2, 3), np.float32), "q": q}
+    c = evaluate(g, x, random="standin")[1]
+    assert c.dtype == np.bool_ and c[0, :3].tolist() == [True, False, False] and not c[1:].any()
+    drawn = evaluate(g, x)[1]
+    assert abs(drawn.mean() - 0.3) < 0.01 and not drawn[0, 2]
+    # a wrong p still reads DIFFERENT
+    g2 = load_onnx(str(p))
+    g2.weights["W"] = -np.asarray(g2.weights["W"]() if callable(g2.weights["W"]) else g2.weights["W"])
+    assert not check_model(str(p), graph=g2).ok
 
 
 @pytest.fixture(scope="module")

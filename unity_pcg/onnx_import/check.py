@@ -26,7 +26,7 @@ cancel to ~0 need an absolute floor in the unit of the tensor).  Integer and boo
 Random operators are compared with their randomness switched off on both sides (never by a looser
 tolerance): onnxruntime runs a copy of the file rewritten by :func:`derandomize`, the PCG is evaluated with the
 same stand-ins (``evaluate(..., random="standin")``, :data:`unity_pcg.evaluate.RANDOM_OPS`; ``*Like`` generators
-are imported as RandomNormal/RandomUniform of the input's shape).  The stand-ins
+are imported as RandomNormal/RandomUniform of the input's shape, Bernoulli(p) as ``RandomUniform <= p``).  The stand-ins
 (:data:`RANDOM_STANDINS`): Dropout in training mode (a ``training_mode`` input that is true or not a constant;
 ``is_test=0`` before opset 7) runs as in inference (the data unchanged, the mask all true); RandomNormal(Like)
 gives its ``mean``; RandomUniform(Like) gives ``(low + high) / 2``; Bernoulli gives its most likely value,

@@ -181,6 +181,28 @@ def _generator(imp, ctx, ins):
     return [imp.add(op, a, [], ctx.name)]
 
 
+@_conv("Bernoulli")
+def _bernoulli(imp, ctx, ins):
+    """Bernoulli(p) = Cast(LessOrEqual(U, p)) with U = RandomUniform(0, 1) of p's shape and type: 1 with
+    probability p (U is never 0 or 1); no gradient reaches p (a comparison).  Under the check's stand-ins U is
+    1/2, which gives Bernoulli's own, 1 where p >= 0.5.  A constant p is refused (random: never folded)."""
+    import zlib
+    p = _R(imp, ctx, ins, 0)
+    pt = imp.dtype(p)
+    if pt not in _GEN_DTYPES:
+        raise UnsupportedOperator(f"Bernoulli of element type {pt} (node {ctx.name!r}); float16, float32 and "
+                                  f"float64 are supported")
+    dt = np_dtype(ctx.i("dtype"), ctx.what).name if ctx.has("dtype") else pt
+    if dt not in PCG_DTYPES:
+        raise UnsupportedOperator(f"Bernoulli with output type {dt} (node {ctx.name!r})")
+    a = {"shape": tuple(int(s) for s in imp.sizes(p)), "dtype": pt, "low": 0.0, "high": 1.0,
+         "seed": int(ctx.f("seed", 0.0)) & 0x7FFFFFFF if ctx.has("seed") else -1,
+         "key": zlib.crc32(ctx.node.output[0].encode())}
+    u = imp.add("RandomUniform", a, [], _name(ctx, "uniform"))
+    b = imp.add("LessOrEqual", {}, [u, p], _name(ctx, "le"))
+    return [b if dt == "bool" else imp.add("Cast", {"to": dt}, [b], ctx.name)]
+
+
 @_conv("Gelu")
 def _gelu(imp, ctx, ins):
     x = _R(imp, ctx, ins, 0)
