@@ -360,3 +360,12 @@ def test_torch_randn_like_exported_legacy_imports_and_checks_equal(randn_like_on
 
 def test_pcg_random_ops_count_dropout(dropout_onnx):
     assert random_ops(load_onnx(dropout_onnx)) == {"Dropout": 2}
+
+
+def test_a_batch_override_rewrites_a_generator_shape_that_leads_with_the_batch(randn_like_onnx):
+    """torch.rand(3, 4) exported at batch 3 holds the batch in RandomUniform's shape: at --batch 5 it draws
+    [5, 4] (what an export at 5 holds) and the check is equal."""
+    g = load_onnx(randn_like_onnx, batch=5)
+    assert sorted(n.a["shape"] for n in g.nodes() if n.op.startswith("Random")) == [(5, 4), (5, 4)]
+    r = check_model(randn_like_onnx, batch=5)
+    assert r.ok and r.randomness and r.outputs[0].shape == (5, 4)

@@ -168,6 +168,8 @@ def _generator(imp, ctx, ins):
         dt = np_dtype(ctx.i("dtype", 1), ctx.what).name
         if any(s < 0 for s in shape):
             raise InvalidModel(f"{ctx.what}: attribute 'shape' has a negative size: {list(shape)}")
+        if imp.batch_changed and imp.old_batch and shape and shape[0] == imp.old_batch:
+            shape = (int(imp.batch),) + shape[1:]     # a batch override: a shape that leads with the batch
     if dt not in _GEN_DTYPES:
         raise UnsupportedOperator(f"{ctx.op} of element type {dt} (node {ctx.name!r}); float16, float32 and "
                                   f"float64 are supported")
