@@ -140,3 +140,7 @@ def test_pipelines_refuse_generators_and_the_search_offers_none(work):
     assert "\n" not in str(e.value)
     g = load_onnx(work["model"], load_weights=False)
     assert search_pipeline(g, CostModel(parse_machine("local:1x2")), min_stages=2, max_stages=2) is None
+    from unity_pcg.search.alpa.inter import AlpaError, alpa_plan
+    with pytest.raises(AlpaError, match="draws random numbers") as e:
+        alpa_plan(g, parse_machine("local:1x2"))
+    assert "\n" not in str(e.value)
