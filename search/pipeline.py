@@ -248,6 +248,10 @@ class _Cuts:
 
 
 def _analyze(g: PCG, roles: Mapping[int, str]) -> _Cuts:
+    gen = next((n for n in g.nodes() if n.op in ("RandomNormal", "RandomUniform")), None)
+    if gen is not None:   # the pipeline searches (ours, Alpa's) start here; the executor pipelines no generator
+        raise PipelineError(f"no pipeline for a model that draws random numbers ({gen.label()}): the executor "
+                            f"runs random generators only in plans without pipeline stages")
     units, unit_of, main = build_units(g, dict(roles))
     pos = {nid: i for i, nid in enumerate(g.topo_order())}
     order = sorted(range(len(units)), key=lambda u: pos[main[u]])
@@ -797,13 +801,10 @@ def search_pipeline(pcg: PCG, mapper_or_cost_model: MachineMapper | CostModel, *
     found so far is returned).  ``candidates``: DP plans kept per stage count and number of
     micro-batches; the best estimate of every stage count and up to ``max_exact`` in all are priced
     exactly.  Returns the fastest feasible plan, else the fastest infeasible one (``feasible`` False,
-    with the reason), or None when the graph has no split into ``min_stages`` stages or has a random generator
-    (the executor pipelines none: ``executor/pipeline.py``)."""
+    with the reason), or None when the graph has no split into ``min_stages`` stages."""
     t0 = time.perf_counter()
     if budget_s is not None and budget_s <= 0:
         raise PipelineError(f"pipeline search budget must be positive, got {budget_s}")
-    if any(n.op in ("RandomNormal", "RandomUniform") for n in pcg.nodes()):
-        return None
     mapper = mapper_or_cost_model if isinstance(mapper_or_cost_model, MachineMapper) \
         else MachineMapper(mapper_or_cost_model)
     machine = mapper.machine

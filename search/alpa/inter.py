@@ -584,10 +584,6 @@ def alpa_plan(pcg: PCG, machine: MachineSpec, *, optimizer: str = "adam", layers
     layers solved as one stage, Alpa's profiling) or ``"layer_sum"`` (:meth:`StageCosts._layer_sum`).
     ``imbalance``: stage-mesh pairs whose share of the FLOPs and share of the devices differ by more than
     this factor are not solved (Alpa's ``stage_imbalance_tolerance``; default: none skipped)."""
-    gen = next((n for n in pcg.nodes() if n.op in ("RandomNormal", "RandomUniform")), None)
-    if gen is not None:     # its plans are pipelines, and the executor pipelines no generator (executor/pipeline.py)
-        raise AlpaError(f"alpa: the model draws random numbers ({gen.label()}); its pipeline plans cannot be run "
-                        f"with a random generator: use another strategy")
     t0 = time.perf_counter()
     mapper = mapper or MachineMapper(CostModel(machine, optimizer))
     solve = solve or _default_solve()

@@ -128,7 +128,7 @@ def test_a_block_equals_the_numpy_reference_at_its_place():
     assert np.allclose(draw("RandomNormal", {**a, "seed": 5}, seed=0), draw("RandomNormal", {**a, "seed": 5}, seed=1))
 
 
-def test_pipelines_refuse_generators_and_the_search_offers_none(work):
+def test_pipelines_refuse_generators_and_the_pipeline_searches_too(work):
     from unity_pcg.executor.pipeline import PipelineError, check_pipeline
     from unity_pcg.machine import parse_machine
     from unity_pcg.search.cost import CostModel
@@ -138,9 +138,11 @@ def test_pipelines_refuse_generators_and_the_search_offers_none(work):
     with pytest.raises(PipelineError, match="RandomNormalLike_1.*not supported") as e:
         check_pipeline(pl)
     assert "\n" not in str(e.value)
+    from unity_pcg.errors import UnityError
+    from unity_pcg.search.alpa.inter import alpa_plan
     g = load_onnx(work["model"], load_weights=False)
-    assert search_pipeline(g, CostModel(parse_machine("local:1x2")), min_stages=2, max_stages=2) is None
-    from unity_pcg.search.alpa.inter import AlpaError, alpa_plan
-    with pytest.raises(AlpaError, match="draws random numbers") as e:
-        alpa_plan(g, parse_machine("local:1x2"))
-    assert "\n" not in str(e.value)
+    m = parse_machine("local:1x2")
+    for search in (lambda: search_pipeline(g, CostModel(m), min_stages=2, max_stages=2), lambda: alpa_plan(g, m)):
+        with pytest.raises(UnityError, match="draws random numbers") as e:
+            search()
+        assert "\n" not in str(e.value)
