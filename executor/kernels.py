@@ -76,6 +76,38 @@ def _dropout(a, xs, ctx: TaskContext):
     return [x * keep.to(x.dtype) * (1.0 / (1.0 - ratio))]
 
 
+GENERATORS = ("RandomNormal", "RandomUniform")
+
+
+def generate_block(op: str, a: dict, seed: int, step: int, sizes, offset, piece, device) -> torch.Tensor:
+    """The block of shape ``piece`` at ``offset`` of the logical tensor (``sizes``) that generator ``op``
+    (RandomNormal / RandomUniform, attributes ``a``) draws at ``step``: the counter-based hash of the numpy
+    reference (unity_pcg/ops/random_gen.py) on torch tensors, so every partitioning draws one device's values;
+    a node without its own seed uses the run's."""
+    from unity_pcg.counter_rng import TWO32, hash_index, stream_key
+    idx = logical_index(tuple(sizes), tuple(offset), tuple(piece), device)
+    seed = int(a["seed"]) if int(a["seed"]) >= 0 else int(seed)
+    key = int(a["key"])
+    u1 = (hash_index(stream_key(seed, step, key, 1), idx).to(torch.float64) + 0.5) / TWO32
+    if op == "RandomUniform":
+        v = float(a["low"]) + (float(a["high"]) - float(a["low"])) * u1
+    else:
+        u2 = (hash_index(stream_key(seed, step, key, 2), idx).to(torch.float64) + 0.5) / TWO32
+        v = float(a["mean"]) + float(a["scale"]) * (torch.sqrt(-2.0 * torch.log(u1)) * torch.cos(2.0 * math.pi * u2))
+    return v.to(TORCH_DTYPES[a["dtype"]])
+
+
+def _generator(op: str):
+    """The kernel of a generator task (the lowering draws a generator's pieces where they are read instead,
+    ``executor/lower.py``; this runs where a program calls the node as a task)."""
+    def run(a, xs, ctx: TaskContext):
+        sizes = tuple(ctx.out_logical[0]) if ctx.out_logical else tuple(a["shape"])
+        offset = tuple(ctx.out_offset[0]) if ctx.out_offset else (0,) * len(sizes)
+        return [generate_block(op, a, ctx.seed, ctx.step, sizes, offset, tuple(a["shape"]),
+                               ctx.extra.get("device", "cpu"))]
+    return run
+
+
 # --- normalization -------------------------------------------------------------------------------------
 
 def _batchnorm(a, xs, ctx: TaskContext):
@@ -261,6 +293,8 @@ KERNELS: dict[str, Callable[[dict, list, TaskContext], list]] = {
     "Neg": lambda a, xs, c: [-xs[0]],
     "Identity": lambda a, xs, c: [xs[0]],
     "Dropout": _dropout,
+    "RandomNormal": _generator("RandomNormal"),
+    "RandomUniform": _generator("RandomUniform"),
     "Scale": lambda a, xs, c: [xs[0] * float(a["factor"])],
     "Clip": _clip,
     "Cast": lambda a, xs, c: [xs[0].to(TORCH_DTYPES[a["to"]])],

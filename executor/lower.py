@@ -56,7 +56,7 @@ from unity_pcg.pieces import ravel, unravel
 from unity_pcg.shape import ParallelTensorShape
 
 from .dtensor import Redistribution, plan_redistribution
-from .kernels import ExecutorError, TaskContext, kernel
+from .kernels import GENERATORS, ExecutorError, TaskContext, kernel
 
 NON_DIFFERENTIABLE = {("BatchNorm", 3), ("BatchNorm", 4)}
 LOSS_WALK = ("Combine", "Batch", "Replicate", "Reduce", "AllReduce")   # what Trainer._loss_ref walks back through
@@ -116,10 +116,10 @@ class Transfer:
 @dataclass
 class Source:
     """One piece a task or an output piece reads: local, derived from a source value, or received."""
-    kind: str                 # "local" | "source" | "recv"
+    kind: str                 # "local" | "source" | "generate" | "recv"
     ref: tuple
     narrow: tuple | None = None
-    slices: tuple | None = None   # kind "source": logical region
+    slices: tuple | None = None   # kinds "source", "generate": logical region
     index: int = -1               # kind "recv": position in the exchange's receive list
 
 
@@ -201,9 +201,15 @@ class Lowered:
             if kind == "source":
                 self.role[n.id] = n.op.lower()               # "input" | "weight"
                 self.origin[n.id] = n.id
+            elif n.op in GENERATORS:
+                # a random generator reads nothing: every device draws the blocks it reads (counter-based,
+                # so any block equals that of one device's whole tensor), like a source's local slices
+                self.role[n.id] = "generator"
+                self.origin[n.id] = n.id
             elif kind == "parallel":
                 src = n.inputs[0][0]
-                if self.role[src] in ("input", "weight", "input-placement", "weight-placement"):
+                if self.role[src] in ("input", "weight", "input-placement", "weight-placement", "generator",
+                                      "generator-placement"):
                     base = self.role[src].split("-")[0]
                     self.role[n.id] = base + "-placement"
                     self.origin[n.id] = self.origin[src]
@@ -298,12 +304,14 @@ class Lowered:
         ``ex`` (ref -> Exchange).  Returns the Source for this rank when ``dev`` is this rank."""
         role = self.role[ref[0]]
         shape = self.g.shape(ref)
-        if role in ("input", "weight", "input-placement", "weight-placement"):
+        if role in ("input", "weight", "input-placement", "weight-placement", "generator", "generator-placement"):
             sl = block(shape, flat)
             if narrow is not None:
                 dim, start, length = narrow
                 sl = tuple((a + start, a + start + length) if i == dim else (a, b) for i, (a, b) in enumerate(sl))
-            return Source("source", ref, slices=sl) if dev == self.rank else None
+            if dev != self.rank:
+                return None
+            return Source("generate" if role.startswith("generator") else "source", ref, slices=sl)
         key = piece_key(flat, shape)
         hold = self.holders(ref)[key]
         if dev in hold:

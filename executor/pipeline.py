@@ -53,7 +53,7 @@ over the devices that read them (the Trainer's buckets; shards are not), then di
 
 Limits (refused by :func:`check_pipeline` with a one-line error before any process starts): BatchNorm in
 lowered stages, a weight read in two stages, partial sums crossing into a lowered stage, a schedule other
-than 1F1B, a batch that M R does not divide, non-floating tensors crossing stages.
+than 1F1B, a batch that M R does not divide, non-floating tensors crossing stages, random generators.
 """
 from __future__ import annotations
 
@@ -299,6 +299,11 @@ def check_pipeline(plan, per_device_bn: bool = True) -> None:
     if getattr(plan, "precision", "fp32") == "bf16":
         raise PipelineError("plan: bf16 (mixed precision) with pipeline stages is not supported by the executor "
                             "(stage boundaries exchange float32 buffers); optimize it with --precision fp32 or tf32")
+    gen = next((n for n in plan.pcg.nodes() if n.op in ("RandomNormal", "RandomUniform")), None)
+    if gen is not None:
+        raise PipelineError(f"plan: {gen.label()} in a pipelined plan is not supported by the executor (a "
+                            f"generator draws its whole tensor, not a micro-batch's rows); optimize without "
+                            f"pipeline stages")
     M, stages = resolve(plan)
     devs = sorted(d for st in stages for d in st.devices + st.idle)
     if devs != list(range(len(devs))):

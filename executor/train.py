@@ -672,6 +672,12 @@ class Trainer:
                 whole = all(r.start == 0 and r.stop == d for r, d in zip(rel, v.shape))
                 cut = self._cut_cache[key] = () if whole else rel
             return v[cut] if cut else v
+        if src.kind == "generate":     # a random generator's block, drawn here (executor/lower.py)
+            from .kernels import generate_block
+            n = self.g.node(self.low.origin[src.ref[0]])
+            sl = src.slices
+            return generate_block(n.op, n.a, self.seed, self.step_no, n.a["shape"], tuple(a for a, _ in sl),
+                                  tuple(b - a for a, b in sl), self.device)
         if src.kind == "local":
             return _narrow(vals[src.ref], src.narrow)
         return recv[src.ref][src.index]
@@ -926,6 +932,7 @@ class Trainer:
             if st.kind == "compute":
                 xs = [self._resolve(s, vals, recv, fv) for s in st.inputs]
                 st.ctx.seed, st.ctx.step, st.ctx.training = self.seed, self.step_no, True
+                st.ctx.extra["device"] = self.device
                 if st.bn_group is not None:
                     pg = self._group(st.bn_group)
                     me = st.bn_group.index(self.rank)

@@ -67,6 +67,9 @@ REDUCE_OPS = {"ReduceSum", "ReduceMean", "ReduceMax", "ReduceMin", "ReduceProd",
 ELEMENTWISE_OPS |= {"Silu", "GeluTanh", "LeakyRelu", "Elu", "Selu", "Celu", "Softplus", "Softsign", "Mish",
                     "HardSigmoid", "HardSwish", "Abs", "Log", "PRelu"}
 POOL_OPS = {"Pool2d"}
+# the random generators (unity_pcg/ops/random_gen.py): memory bound like an elementwise kernel (a few integer
+# rounds per element written, nothing read); no operand, so no backward
+ELEMENTWISE_OPS |= {"RandomNormal", "RandomUniform"}
 
 # Operator classes (DESIGN "Cost model"): the unit of per-class efficiency, launch overhead and measured
 # kernel tables.  Compute-bound classes run at the math mode's peak (DeviceSpec.peak); the others are

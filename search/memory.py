@@ -79,6 +79,8 @@ SAVES_INPUTS.update({"Where": {0}, "GatherElements": {1}, "ScatterND": {1}, "Til
 # normalizations their input (statistics are recomputed), Resize and Pad are fixed linear maps (nothing)
 SAVES_INPUTS.update({"Conv3d": {0}, "ConvTranspose": {0}, "Pool1d": {0}, "Pool3d": {0}, "InstanceNorm": {0},
                      "GroupNorm": {0}, "Resize": set(), "Pad": set()})
+# the random generators read nothing and save nothing
+SAVES_INPUTS.update({"RandomNormal": set(), "RandomUniform": set()})
 
 
 def kept_fraction(g, nid: int, k: int, saves_copy=None) -> float:

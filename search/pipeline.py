@@ -249,6 +249,10 @@ class _Cuts:
 
 
 def _analyze(g: PCG, roles: Mapping[int, str]) -> _Cuts:
+    gen = next((n for n in g.nodes() if n.op in ("RandomNormal", "RandomUniform")), None)
+    if gen is not None:   # the pipeline searches (ours, Alpa's) start here; the executor pipelines no generator
+        raise PipelineError(f"no pipeline for a model that draws random numbers ({gen.label()}): the executor "
+                            f"runs random generators only in plans without pipeline stages")
     units, unit_of, main = build_units(g, dict(roles))
     pos = {nid: i for i, nid in enumerate(g.topo_order())}
     order = sorted(range(len(units)), key=lambda u: pos[main[u]])

@@ -10,13 +10,17 @@ from . import pieces as P
 from .errors import GraphError
 from .pcg import PCG, Ref
 from .shape import numpy_dtype
+from .ops.random_gen import STANDINS as GENERATOR_STANDINS, run_seed, standin_value
 
 
-#: PCG operators that draw random numbers when the executor trains, and the deterministic value their numpy
-#: reference computes instead (``evaluate`` is always deterministic).  ``import --check`` gives onnxruntime the
-#: same stand-ins (:data:`unity_pcg.onnx_import.check.RANDOM_STANDINS`); an operator added here must compute
-#: the stand-in its ONNX operator has there.
-RANDOM_OPS = {"Dropout": "identity (inference mode)"}
+#: PCG operators that draw random numbers when the executor trains, and the deterministic value
+#: ``evaluate(..., random="standin")`` computes instead.  ``import --check`` gives onnxruntime the same stand-ins
+#: (:data:`unity_pcg.onnx_import.check.RANDOM_STANDINS`); an operator added here must compute the stand-in its
+#: ONNX operator has there.  Dropout is the identity in every evaluation (inference semantics); the generators
+#: (:mod:`unity_pcg.ops.random_gen`) draw by default, from a counter-based hash of (seed, node key, logical
+#: index), so ``evaluate`` is deterministic for a given ``seed`` and any partitioning gives the same values.
+RANDOM_OPS = {"Dropout": "identity (inference mode)", **GENERATOR_STANDINS}
+RANDOM_MODES = ("draw", "standin")
 
 
 def random_ops(g: PCG) -> dict[str, int]:
@@ -49,7 +53,7 @@ def _source_value(g: PCG, n, feeds: Mapping[str, Any]) -> np.ndarray:
 
 
 def evaluate(g: PCG, feeds: Mapping[str, Any], mode: str = "logical", rng: np.random.Generator | None = None,
-             keep: bool = False) -> list[np.ndarray] | dict[Ref, np.ndarray]:
+             keep: bool = False, random: str = "draw", seed: int = 0) -> list[np.ndarray] | dict[Ref, np.ndarray]:
     """Evaluate ``g`` on ``feeds`` (input name -> array; weights default to ``g.weights``).
 
     ``mode="logical"`` runs every operator on whole tensors (parallel operators are identities);
@@ -57,9 +61,14 @@ def evaluate(g: PCG, feeds: Mapping[str, Any], mode: str = "logical", rng: np.ra
     Returns the graph outputs' logical values, or with ``keep=True`` every tensor's value (piece
     values in pieces mode).  ``rng`` splits partial sums of sources at random (sources are
     unpartitioned today, so it matters only for graphs whose sources carry a sum degree).
+    ``random``: what the random generators (:data:`RANDOM_OPS` but Dropout, always the identity) compute:
+    ``"draw"`` their counter-based values at step 0 (``seed``: the run's seed, for nodes without their own),
+    ``"standin"`` their deterministic stand-in (the import check's).
     """
     if mode not in ("logical", "pieces"):
         raise ValueError(f"mode must be logical or pieces, got {mode!r}")
+    if random not in RANDOM_MODES:
+        raise ValueError(f"random must be one of {', '.join(RANDOM_MODES)}, got {random!r}")
     vals: dict[Ref, np.ndarray] = {}
     remaining: dict[Ref, int] = {}
     if not keep:
@@ -74,10 +83,18 @@ def evaluate(g: PCG, feeds: Mapping[str, Any], mode: str = "logical", rng: np.ra
             vals[(n.id, 0)] = P.split(v, g.shapes(n.id)[0], rng) if mode == "pieces" else v
             continue
         xs = [vals[r] for r in n.inputs]
+        a = n.a
+        if n.op in GENERATOR_STANDINS:
+            if random == "standin":
+                s = g.shapes(n.id)[0]
+                v = np.full(tuple(a["shape"]), standin_value(n.op, a), dtype=numpy_dtype(a["dtype"]))
+                vals[(n.id, 0)] = P.split(v, s, None) if mode == "pieces" else v
+                continue
+            a = {**a, "seed": run_seed(a, seed)}
         if mode == "logical":
-            outs = ops.run_logical(n.op, n.a, xs)
+            outs = ops.run_logical(n.op, a, xs)
         else:
-            outs, _ = ops.run_pieces(n.op, n.a, xs, g.input_shapes(n.id))
+            outs, _ = ops.run_pieces(n.op, a, xs, g.input_shapes(n.id))
         for k, y in enumerate(outs):
             vals[(n.id, k)] = y
         if not keep:

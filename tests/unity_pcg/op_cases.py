@@ -400,8 +400,8 @@ GENERATORS: dict[str, Callable[[Drawer], Case]] = {
 
 def _more_generators() -> None:
     """The import-coverage operators' generators live beside this file, one module per family."""
-    from . import op_cases_elementwise, op_cases_indexing, op_cases_spatial
-    for m in (op_cases_elementwise, op_cases_indexing, op_cases_spatial):
+    from . import op_cases_elementwise, op_cases_indexing, op_cases_random, op_cases_spatial
+    for m in (op_cases_elementwise, op_cases_indexing, op_cases_spatial, op_cases_random):
         GENERATORS.update(m.GENERATORS)
 
 
@@ -487,7 +487,7 @@ def draw_parallel(d: Drawer, case: Case, violate: bool = False, max_tasks: int =
     rep = d.choice([1, 2]) if budget >= 2 else 1
     copies = copy_degrees(labels, deg, sums, rep)
     degs = [[deg[l] for l in lab] for lab in labels.inputs]
-    if violate and d.bool(0.3):
+    if violate and n and d.bool(0.3):
         # inconsistent layouts: one input's copy degree or one dim's degree off
         i = d.int(0, n - 1)
         if d.bool() or not logical[i].rank:

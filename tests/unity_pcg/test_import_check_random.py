@@ -184,15 +184,188 @@ def test_bernoulli_and_multinomial_give_their_most_likely_values():
     assert m.dtype == np.int32 and m.tolist() == [[1] * 4, [0] * 4]
 
 
-def test_random_generators_are_refused_by_the_importer_with_one_line(tmp_path, capsys):
-    """The importer has no random generator operator (only Dropout): such a file is refused before the check."""
-    m = _model([N("RandomNormalLike", ["x"], ["r"], mean=1.0), N("Add", ["x", "r"], ["y"])],
-               [helper.make_tensor_value_info("x", F, [2, 3])], [helper.make_tensor_value_info("y", F, None)])
-    p = tmp_path / "rnl.onnx"
+# --- random generators in the PCG: imported, checked with their stand-ins ------------------------------------
+
+def _noisy(path, extra_nodes=(), out="y"):
+    """y = (x @ W + RandomNormalLike(h)) * RandomUniform[2, 4]: a learnable path and two generators."""
+    w = numpy_helper.from_array(np.random.default_rng(3).standard_normal((3, 4)).astype(np.float32), "W")
+    m = _model([N("MatMul", ["x", "W"], ["h"]), N("RandomNormalLike", ["h"], ["noise"], mean=0.25, scale=3.0),
+                N("Add", ["h", "noise"], ["hn"]),
+                N("RandomUniform", [], ["u"], shape=[2, 4], low=1.0, high=2.0, seed=5.0),
+                N("Mul", ["hn", "u"], ["y"]), *extra_nodes],
+               [helper.make_tensor_value_info("x", F, [2, 3])], [helper.make_tensor_value_info(out, F, None)], [w])
+    onnx.save(m, str(path))
+    return str(path)
+
+
+def test_generators_import_and_check_equal_with_the_note(tmp_path, capsys):
+    p = _noisy(tmp_path / "noisy.onnx")
+    g = load_onnx(p)
+    assert random_ops(g) == {"RandomNormal": 1, "RandomUniform": 1}
+    gen = {n.op: n.a for n in g.nodes() if n.op.startswith("Random")}
+    assert gen["RandomNormal"]["shape"] == (2, 4) and gen["RandomNormal"]["mean"] == 0.25
+    assert gen["RandomNormal"]["seed"] == -1 and gen["RandomUniform"]["seed"] == 5
+    assert gen["RandomUniform"]["low"] == 1.0 and gen["RandomUniform"]["high"] == 2.0
+    r = check_model(p)
+    assert r.ok and r.derandomized == {"RandomNormalLike": 1, "RandomUniform": 1}
+    assert r.pcg_random == {"RandomNormal": 1, "RandomUniform": 1}
+    assert r.randomness == ("randomness switched off on both sides: onnxruntime runs 1 RandomNormalLike as its "
+                            "mean, 1 RandomUniform as (low + high) / 2; the PCG (1 RandomNormal, 1 RandomUniform) "
+                            "is evaluated with the same stand-ins")
+    rc, out, _ = _cli(capsys, p, "--check")
+    assert rc == 0 and "check: equal" in out
+    notes = [ln.strip() for ln in out.splitlines() if "randomness switched off" in ln]
+    assert notes == [r.randomness]
+    rc, out, _ = _cli(capsys, p, "--check", "--json")
+    chk = json.loads(out)["check"]
+    assert rc == 0 and chk["ok"] and chk["pcg_random"] == {"RandomNormal": 1, "RandomUniform": 1}
+
+
+def test_evaluate_draws_unless_asked_for_the_stand_ins(tmp_path):
+    """Without the switch the numpy reference draws (noise of scale 3 moves the output far from the stand-in's),
+    deterministically for a run seed; the stand-ins are what onnxruntime's rewritten copy computes."""
+    from unity_pcg.evaluate import evaluate
+    g = load_onnx(_noisy(tmp_path / "noisy.onnx"))
+    x = {"x": np.random.default_rng(0).standard_normal((2, 3)).astype(np.float32)}
+    standin = evaluate(g, x, random="standin")[0]
+    drawn = evaluate(g, x)[0]
+    assert np.array_equal(drawn, evaluate(g, x, seed=0)[0]) and not np.allclose(drawn, evaluate(g, x, seed=1)[0])
+    assert np.abs(drawn - standin).max() > 0.5
+    w = np.asarray(g.weights["W"]() if callable(g.weights["W"]) else g.weights["W"])
+    np.testing.assert_allclose(standin, (x["x"] @ w + 0.25) * 1.5, rtol=1e-6)
+    with pytest.raises(ValueError, match="random must be"):
+        evaluate(g, x, random="off")
+
+
+def _replace_generator(g, op, **attrs):
+    b = g.edit()
+    old = next(n for n in g.nodes() if n.op == op)
+    new = b.add(op, {**old.a, **attrs}, [], "altered")
+    b.replace_uses((old.id, 0), new)
+    b.remove(old.id)
+    out = b.finish()
+    out.weights = g.weights
+    return out
+
+
+def test_a_wrong_weight_or_a_wrong_generator_still_reads_different(tmp_path, capsys):
+    p = _noisy(tmp_path / "noisy.onnx")
+    g = load_onnx(p)
+    w = np.array(g.weights["W"]() if callable(g.weights["W"]) else g.weights["W"], copy=True)
+    w.flat[0] += 0.5
+    g.weights["W"] = w
+    r = check_model(p, graph=g)
+    assert not r.ok and r.max_abs > 1e-3 and r.randomness
+    for op, change in (("RandomNormal", {"mean": 0.5}), ("RandomUniform", {"high": 2.5})):
+        r = check_model(p, graph=_replace_generator(load_onnx(p), op, **change))
+        assert not r.ok and r.randomness and r.pcg_random == {"RandomNormal": 1, "RandomUniform": 1}, op
+    # a changed scale or seed is not compared (the stand-in is the mean): still equal
+    assert check_model(p, graph=_replace_generator(load_onnx(p), "RandomNormal", scale=9.0, seed=3)).ok
+
+
+def test_generator_forms_types_and_a_constant_input(tmp_path):
+    """RandomUniformLike of a float64 input (its type), RandomNormalLike with a dtype attribute, of a constant
+    (never folded: random), and a generator alone as the output."""
+    c = numpy_helper.from_array(np.zeros((2, 5), np.float32), "c")
+    xd = helper.make_tensor_value_info("xd", TensorProto.DOUBLE, [2, 5])
+    m = _model([N("RandomUniformLike", ["xd"], ["u"], low=-1.0, high=0.0), N("Add", ["xd", "u"], ["y"]),
+                N("RandomNormalLike", ["c"], ["z"], dtype=TensorProto.DOUBLE, mean=2.0)],
+               [xd], [helper.make_tensor_value_info("y", TensorProto.DOUBLE, None),
+                      helper.make_tensor_value_info("z", TensorProto.DOUBLE, None)], [c])
+    p = tmp_path / "forms.onnx"
+    onnx.save(m, str(p))
+    g = load_onnx(str(p))
+    gens = sorted((n.op, n.a["dtype"], n.a["shape"]) for n in g.nodes() if n.op.startswith("Random"))
+    assert gens == [("RandomNormal", "float64", (2, 5)), ("RandomUniform", "float64", (2, 5))]
+    r = check_model(str(p))
+    assert r.ok and r.derandomized == {"RandomUniformLike": 1, "RandomNormalLike": 1}
+
+
+@pytest.mark.parametrize("node, x_type, words", [
+    (N("Multinomial", ["x"], ["r"], sample_size=2), F, "unsupported operator Multinomial"),
+    (N("Bernoulli", ["x"], ["r"]), TensorProto.INT64, "Bernoulli of element type int64"),
+    (N("RandomNormalLike", ["x"], ["r"]), TensorProto.INT64, "RandomNormalLike of element type int64"),
+    (N("RandomUniform", [], ["r"], shape=[2, 3], dtype=TensorProto.INT32), F, "RandomUniform of element type"),
+])
+def test_unsupported_random_operators_are_refused_with_one_line(tmp_path, capsys, node, x_type, words):
+    m = _model([node], [helper.make_tensor_value_info("x", x_type, [2, 3])],
+               [helper.make_tensor_value_info("r", TensorProto.UNDEFINED, None)])
+    p = tmp_path / "r.onnx"
     onnx.save(m, str(p))
     rc, out, err = _cli(capsys, p, "--check")
-    assert rc == 2 and len(err.strip().splitlines()) == 1 and "RandomNormalLike" in err
+    assert rc == 2 and len(err.strip().splitlines()) == 1 and words in err, err
+
+
+def test_bernoulli_imports_as_a_uniform_compared_with_p(tmp_path, capsys):
+    """Bernoulli(p) = Cast(LessOrEqual(RandomUniform(0, 1), p)): 1 with probability p when drawn; under the
+    stand-ins (U = 1/2) exactly Bernoulli's most likely value, p >= 0.5, at p = 0.5 too."""
+    from unity_pcg.evaluate import evaluate
+    w = numpy_helper.from_array(np.random.default_rng(1).standard_normal((3, 4)).astype(np.float32), "W")
+    m = _model([N("MatMul", ["x", "W"], ["h"]), N("Sigmoid", ["h"], ["p"]), N("Bernoulli", ["p"], ["b"]),
+                N("Mul", ["h", "b"], ["y"]), N("Bernoulli", ["q"], ["c"], dtype=TensorProto.BOOL, seed=2.0)],
+               [helper.make_tensor_value_info("x", F, [2, 3]), helper.make_tensor_value_info("q", F, [400, 50])],
+               [helper.make_tensor_value_info("y", F, None), helper.make_tensor_value_info("c", TensorProto.BOOL,
+                                                                                           None)], [w])
+    p = tmp_path / "bern.onnx"
+    onnx.save(m, str(p))
+    g = load_onnx(str(p))
+    assert random_ops(g) == {"RandomUniform": 2}
+    r = check_model(str(p))
+    assert r.ok and r.derandomized == {"Bernoulli": 2} and "2 Bernoulli as 1 where p >= 0.5 else 0" in r.randomness
+    q = np.full((400, 50), 0.3, np.float32)
+    q[0, :3] = [0.5, 0.4999, 0.0]
+    x = {"x": np.zeros((2, 3), np.float32), "q": q}
+    c = evaluate(g, x, random="standin")[1]
+    assert c.dtype == np.bool_ and c[0, :3].tolist() == [True, False, False] and not c[1:].any()
+    drawn = evaluate(g, x)[1]
+    assert abs(drawn.mean() - 0.3) < 0.01 and not drawn[0, 2]
+    # a wrong p still reads DIFFERENT
+    g2 = load_onnx(str(p))
+    g2.weights["W"] = -np.asarray(g2.weights["W"]() if callable(g2.weights["W"]) else g2.weights["W"])
+    assert not check_model(str(p), graph=g2).ok
+
+
+@pytest.fixture(scope="module")
+def randn_like_onnx(tmp_path_factory):
+    """A torch module adding ``torch.randn_like`` noise and ``torch.rand`` scales, exported with the legacy
+    (TorchScript) exporter."""
+    torch = pytest.importorskip("torch")
+
+    class Noisy(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.lin = torch.nn.Linear(6, 4)
+
+        def forward(self, x):
+            h = self.lin(x)
+            return torch.relu(h + 0.5 * torch.randn_like(h)) * torch.rand(3, 4)
+
+    torch.manual_seed(0)
+    path = str(tmp_path_factory.mktemp("randn") / "randn_like.onnx")
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        torch.onnx.export(Noisy(), (torch.randn(3, 6),), path, dynamo=False, input_names=["x"],
+                          output_names=["y"])
+    return path
+
+
+def test_torch_randn_like_exported_legacy_imports_and_checks_equal(randn_like_onnx):
+    ops_ = [n.op_type for n in onnx.load(randn_like_onnx).graph.node]
+    assert "RandomNormalLike" in ops_ and "RandomUniform" in ops_, ops_
+    g = load_onnx(randn_like_onnx)
+    assert random_ops(g) == {"RandomNormal": 1, "RandomUniform": 1}
+    r = check_model(randn_like_onnx)
+    assert r.ok and r.randomness and r.derandomized == {"RandomNormalLike": 1, "RandomUniform": 1}
 
 
 def test_pcg_random_ops_count_dropout(dropout_onnx):
     assert random_ops(load_onnx(dropout_onnx)) == {"Dropout": 2}
+
+
+def test_a_batch_override_rewrites_a_generator_shape_that_leads_with_the_batch(randn_like_onnx):
+    """torch.rand(3, 4) exported at batch 3 holds the batch in RandomUniform's shape: at --batch 5 it draws
+    [5, 4] (what an export at 5 holds) and the check is equal."""
+    g = load_onnx(randn_like_onnx, batch=5)
+    assert sorted(n.a["shape"] for n in g.nodes() if n.op.startswith("Random")) == [(5, 4), (5, 4)]
+    r = check_model(randn_like_onnx, batch=5)
+    assert r.ok and r.randomness and r.outputs[0].shape == (5, 4)

@@ -149,8 +149,14 @@ def test_huge_fold_is_refused_in_one_line():
     assert "elements" in msg and "limit" in msg and "\n" not in msg
 
 
-def test_random_operator_on_constants_is_refused():
+def test_random_operator_on_constants_is_not_folded():
+    """A generator of a constant's shape stays a generator (the importer's RandomUniform), never a constant;
+    a random operator without a PCG operator (Multinomial) on constants is refused."""
     nodes = [helper.make_node("RandomUniformLike", ["d"], ["v"]), helper.make_node("Add", ["x", "v"], ["y"])]
+    g = load_onnx(_model(nodes, [_c("d", np.zeros((2, 3), np.float32))], ["y"]))
+    assert [n.a["shape"] for n in g.nodes() if n.op == "RandomUniform"] == [(2, 3)]
+    nodes = [helper.make_node("Multinomial", ["d"], ["v"], sample_size=3),
+             helper.make_node("Cast", ["v"], ["vf"], to=TensorProto.FLOAT), helper.make_node("Add", ["x", "vf"], ["y"])]
     with pytest.raises(UnsupportedOperator, match="random"):
         load_onnx(_model(nodes, [_c("d", np.zeros((2, 3), np.float32))], ["y"]))
 

@@ -55,7 +55,8 @@ def justified(case: Case, shapes, tries: int = 20) -> str:
 
 # single-input operators that are linear and act independently along every dim: every layout of
 # their input is valid, so they must refuse nothing
-REFUSE_NOTHING = ("Dropout", "Expand", "Identity", "Neg", "ReduceSum", "Scale", "Transpose")
+REFUSE_NOTHING = ("Dropout", "Expand", "Identity", "Neg", "ReduceSum", "Scale", "Transpose", "RandomNormal",
+                  "RandomUniform")
 
 
 @pytest.mark.parametrize("op", OPS)

@@ -24,8 +24,9 @@ onnxruntime; rounding errors grow like the square root of the number of rounded 
 cancel to ~0 need an absolute floor in the unit of the tensor).  Integer and boolean outputs must be equal.
 
 Random operators are compared with their randomness switched off on both sides (never by a looser
-tolerance): onnxruntime runs a copy of the file rewritten by :func:`derandomize`, the PCG's numpy reference
-already computes the same stand-ins (:data:`unity_pcg.evaluate.RANDOM_OPS`).  The stand-ins
+tolerance): onnxruntime runs a copy of the file rewritten by :func:`derandomize`, the PCG is evaluated with the
+same stand-ins (``evaluate(..., random="standin")``, :data:`unity_pcg.evaluate.RANDOM_OPS`; ``*Like`` generators
+are imported as RandomNormal/RandomUniform of the input's shape, Bernoulli(p) as ``RandomUniform <= p``).  The stand-ins
 (:data:`RANDOM_STANDINS`): Dropout in training mode (a ``training_mode`` input that is true or not a constant;
 ``is_test=0`` before opset 7) runs as in inference (the data unchanged, the mask all true); RandomNormal(Like)
 gives its ``mean``; RandomUniform(Like) gives ``(low + high) / 2``; Bernoulli gives its most likely value,
@@ -520,7 +521,7 @@ def check_model(src: Any, batch: int | None = None, seed: int = 0, rtol: float =
     f = tolerance_factor(d)
     t0 = time.perf_counter()
     try:
-        ours = evaluate(g, feeds)
+        ours = evaluate(g, feeds, random="standin")
     except UnityError as e:
         raise CheckError(f"evaluating the imported PCG failed: {e}") from None
     except (ValueError, TypeError, IndexError, KeyError, ArithmeticError, MemoryError) as e:

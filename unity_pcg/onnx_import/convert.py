@@ -36,6 +36,8 @@ def convert_node(imp, ctx, ins) -> list:
     all_const = all(v is None or isinstance(v, Const) for v in ins)
     if op == "Constant":
         return fold(ctx, ins)
+    if op in GENERATORS:      # random: never folded, even on a constant input (a *Like reads only its shape)
+        return _generator(imp, ctx, ins)
     if all_const and any(v is not None for v in ins) and not _keep_lookup(imp, ctx, ins):
         return fold_any(ctx, ins)
     if op == "ConstantOfShape":
@@ -140,6 +142,67 @@ def _dropout(imp, ctx, ins):
         raise UnsupportedOperator(f"Dropout's mask output {mask!r} is read by another node or is a graph output; "
                                   f"only the data output is supported (node {ctx.name!r})")
     return [imp.add("Dropout", {"ratio": ratio}, [imp.ref(x, _hint(ctx, 0))], ctx.name), None]
+
+
+# --- random generators ------------------------------------------------------------------------------
+
+#: ONNX random generators -> the PCG operator (unity_pcg/ops/random_gen.py); the *Like forms take their input's
+#: shape (static in a PCG) and, without a dtype attribute, its type
+GENERATORS = {"RandomNormal": "RandomNormal", "RandomNormalLike": "RandomNormal",
+              "RandomUniform": "RandomUniform", "RandomUniformLike": "RandomUniform"}
+_GEN_DTYPES = {"float32", "float16", "float64"}
+
+
+def _generator(imp, ctx, ins):
+    import zlib
+    op = GENERATORS[ctx.op]
+    like = ctx.op.endswith("Like")
+    if like:
+        x = _in(ctx, ins, 0)
+        shape = tuple(int(s) for s in imp.sizes(x))
+        dt = np_dtype(ctx.i("dtype"), ctx.what).name if ctx.has("dtype") else imp.dtype(x)
+    else:
+        if ins:
+            raise InvalidModel(f"{ctx.what}: takes no inputs, got {len(ins)}")
+        shape = tuple(int(s) for s in ctx.ints("shape"))
+        dt = np_dtype(ctx.i("dtype", 1), ctx.what).name
+        if any(s < 0 for s in shape):
+            raise InvalidModel(f"{ctx.what}: attribute 'shape' has a negative size: {list(shape)}")
+        if imp.batch_changed and imp.old_batch and shape and shape[0] == imp.old_batch:
+            shape = (int(imp.batch),) + shape[1:]     # a batch override: a shape that leads with the batch
+    if dt not in _GEN_DTYPES:
+        raise UnsupportedOperator(f"{ctx.op} of element type {dt} (node {ctx.name!r}); float16, float32 and "
+                                  f"float64 are supported")
+    a = {"shape": shape, "dtype": dt,
+         "seed": int(ctx.f("seed", 0.0)) & 0x7FFFFFFF if ctx.has("seed") else -1,
+         "key": zlib.crc32(ctx.node.output[0].encode())}
+    if op == "RandomNormal":
+        a.update(mean=ctx.f("mean", 0.0), scale=ctx.f("scale", 1.0))
+    else:
+        a.update(low=ctx.f("low", 0.0), high=ctx.f("high", 1.0))
+    return [imp.add(op, a, [], ctx.name)]
+
+
+@_conv("Bernoulli")
+def _bernoulli(imp, ctx, ins):
+    """Bernoulli(p) = Cast(LessOrEqual(U, p)) with U = RandomUniform(0, 1) of p's shape and type: 1 with
+    probability p (U is never 0 or 1); no gradient reaches p (a comparison).  Under the check's stand-ins U is
+    1/2, which gives Bernoulli's own, 1 where p >= 0.5.  A constant p is refused (random: never folded)."""
+    import zlib
+    p = _R(imp, ctx, ins, 0)
+    pt = imp.dtype(p)
+    if pt not in _GEN_DTYPES:
+        raise UnsupportedOperator(f"Bernoulli of element type {pt} (node {ctx.name!r}); float16, float32 and "
+                                  f"float64 are supported")
+    dt = np_dtype(ctx.i("dtype"), ctx.what).name if ctx.has("dtype") else pt
+    if dt not in PCG_DTYPES:
+        raise UnsupportedOperator(f"Bernoulli with output type {dt} (node {ctx.name!r})")
+    a = {"shape": tuple(int(s) for s in imp.sizes(p)), "dtype": pt, "low": 0.0, "high": 1.0,
+         "seed": int(ctx.f("seed", 0.0)) & 0x7FFFFFFF if ctx.has("seed") else -1,
+         "key": zlib.crc32(ctx.node.output[0].encode())}
+    u = imp.add("RandomUniform", a, [], _name(ctx, "uniform"))
+    b = imp.add("LessOrEqual", {}, [u, p], _name(ctx, "le"))
+    return [b if dt == "bool" else imp.add("Cast", {"to": dt}, [b], ctx.name)]
 
 
 @_conv("Gelu")

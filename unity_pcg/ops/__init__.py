@@ -16,6 +16,7 @@ from ..shape import ParallelTensorShape
 from . import compute, parallel  # noqa: F401  (registration)
 from . import fused  # noqa: F401  (AllReduce, a fused parallel operator)
 from . import elementwise, indexing, spatial  # noqa: F401  (registration: the import-coverage operators)
+from . import random_gen  # noqa: F401  (registration: RandomNormal, RandomUniform)
 from .base import REGISTRY, REQUIRED, Inference, Labels, OpSpec, PieceMap, TensorMap, get_op, logical_shapes, piece_shapes
 from .parallel import PARALLEL_OPS
 
