@@ -273,10 +273,11 @@ def _stage_plans(g: PCG, node_lists, stage_of, order, devices, order_of, M: int,
         carried_in = send
     if stage_of.get(first_out[0], -1) not in range(S) and g.node(first_out[0]).op != "Input":
         raise PipelineError("plan: the model's first output is produced by no pipeline stage")
+    from unity_pcg.search.pipeline import may_cross     # the rule the pipeline search cuts by
     for st in stages[:-1]:
         for r in st.send:
             dt = g.shape(r).dtype
-            if not dt.startswith(("float", "bfloat")):
+            if not may_cross(dt):
                 raise PipelineError(f"plan: tensor {g.node(r[0]).label()} ({dt}) crosses from pipeline stage "
                                     f"{st.index} to {st.index + 1}; only floating tensors may cross stages")
     return M, stages
@@ -304,54 +305,32 @@ def check_pipeline(plan, per_device_bn: bool = True) -> None:
     if devs != list(range(len(devs))):
         raise PipelineError(f"plan: pipeline stages run on devices {[list(st.devices + st.idle) for st in stages]}; "
                             f"the executor needs the ranks 0..{len(devs) - 1}, each in one stage")
+    # the batch, and only it, must split into the micro-batches (times the virtual pipelines): the test the
+    # pipeline search applies too (search/pipeline.py::micro_graph); lowered stages also rebatch
+    micro_graph(plan.pcg, M * (1 if stages[0].lowered else replicas(stages)))
     if stages[0].lowered:
         stage_graphs(plan, M, stages)
-    else:
-        micro_graph(plan.pcg, M * replicas(stages))
     if not per_device_bn and any(n.op == "BatchNorm" for n in plan.pcg.nodes()):
         raise PipelineError("plan: BatchNorm in a pipelined plan computes statistics per micro-batch, which "
                             "is not one device's training; run with --per-device-bn to accept that")
 
 
 def logical_graph(g: PCG) -> tuple[PCG, dict]:
-    """``g`` without parallel operators (on one device they move nothing); returns it and the map from a
-    parallel operator's output to the tensor it stands for."""
-    b = g.edit()
-    alias: dict = {}
-    for n in g.nodes():
-        if n.kind == "parallel":
-            src = tuple(n.inputs[0])
-            src = alias.get(src, src)
-            alias[(n.id, 0)] = src
-    for n in g.nodes():
-        if n.kind != "parallel":
-            new = tuple(alias.get(tuple(r), tuple(r)) for r in n.inputs)
-            if new != tuple(tuple(r) for r in n.inputs):
-                b.set_inputs(n.id, new)
-    b.set_outputs([alias.get(tuple(r), tuple(r)) for r in g.outputs])
-    for n in g.nodes():
-        if n.kind == "parallel":
-            b.remove(n.id)
-    return b.finish(), alias
+    """``g`` without parallel operators (search/pipeline.py's, shared)."""
+    from unity_pcg.search.pipeline import logical_graph as shared
+    return shared(g)
 
 
 def micro_graph(g: PCG, M: int) -> PCG:
     """The logical graph on micro-batch pieces: inputs partitioned M ways on dim 0, weights copied M ways.
-    Compute nodes keep their ids; their input shapes give the kernels' piece attributes."""
-    lg, _ = logical_graph(g)
-    if M == 1:
-        return lg
-    b = lg.edit()
+    Compute nodes keep their ids; their input shapes give the kernels' piece attributes.  The one test of
+    micro-batching that the pipeline search uses too (``search/pipeline.py::micro_graph``)."""
+    from unity_pcg.search.pipeline import PipelineError as SearchPipelineError
+    from unity_pcg.search.pipeline import micro_graph as shared
     try:
-        for n in lg.sources():
-            op, attrs = ("Partition", {"dim": 0, "degree": M}) if n.op == "Input" else ("Replicate", {"degree": M})
-            if n.op == "Input" and not n.a["shape"]:
-                continue
-            p = b.add(op, attrs, [(n.id, 0)])
-            b.replace_uses((n.id, 0), p, exclude=[p[0]])
-        return b.finish()
-    except (InvalidParallelization, UnityError) as e:
-        raise PipelineError(f"plan: the pipeline's micro-batches cannot run through the model: {e}") from None
+        return shared(g, M)
+    except (SearchPipelineError, InvalidParallelization, UnityError) as e:
+        raise PipelineError(f"plan: {e}") from None
 
 
 # --- stages lowered on their devices (tensor/Megatron parallelism inside) ------------------------------

@@ -44,6 +44,7 @@ from unity_pcg.errors import UnityError
 from unity_pcg.machine import MachineSpec, Resource, parse_machine
 from unity_pcg.pcg import PCG
 
+from .runnable import runnable
 from .substitution import (Candidate, RuleBook, RuleStep, best_first, copies_steps, data_parallel_steps,
                            dp_rule_missing, expert_whole, neighbours, normalized_hash, TABLE_COLUMN_RULES,
                            table_columns_steps, tensor_parallel_steps, trimmed)
@@ -999,6 +1000,11 @@ def optimize(model, machine, budget_s: float | None = None, alpha: float = 1.05,
                 {"strategy": strategy, "seed": seed, "alpha": alpha, "budget_s": budget_s, "optimizer": optimizer,
                  "batch": b, "search": stats,
                  **({"outputs_trimmed": True} if rules_json is not None else {})}, rules_json, precision)
+    # never a plan the executor refuses before launch: else the fastest alternative it runs (search/runnable.py)
+    plan, final, steps, stats = runnable(plan, final, steps, stats, **(dict(
+        ev=ev, g=g, candidates=floor + cands, labels=labels, baselines=[(dp_res.cost, "dp", dp_pg, dp_res)] * (
+            dp_res is not None) + [(oc, n, opg, ores) for n, (opg, oc, _, ores) in others.items()])
+        if strategy in SEARCHES else {}))
     return OptimizeResult(plan, strategy, final, dp_res, steps, search_s, stats, interrupted, b)
 
 

@@ -237,6 +237,61 @@ def rebatch(g: PCG, old: int, new: int) -> PCG:
     return b.finish()
 
 
+# --- what the executor can micro-batch and send between stages (shared with executor/pipeline.py) -------
+
+def logical_graph(g: PCG) -> tuple[PCG, dict]:
+    """``g`` without parallel operators (on one device they move nothing); returns it and the map from a
+    parallel operator's output to the tensor it stands for."""
+    b = g.edit()
+    alias: dict = {}
+    for n in g.nodes():
+        if n.kind == "parallel":
+            src = tuple(n.inputs[0])
+            src = alias.get(src, src)
+            alias[(n.id, 0)] = src
+    for n in g.nodes():
+        if n.kind != "parallel":
+            new = tuple(alias.get(tuple(r), tuple(r)) for r in n.inputs)
+            if new != tuple(tuple(r) for r in n.inputs):
+                b.set_inputs(n.id, new)
+    b.set_outputs([alias.get(tuple(r), tuple(r)) for r in g.outputs])
+    for n in g.nodes():
+        if n.kind == "parallel":
+            b.remove(n.id)
+    return b.finish(), alias
+
+
+def micro_graph(g: PCG, M: int) -> PCG:
+    """The logical graph of ``g`` on micro-batch pieces: every model Input partitioned ``M`` ways on dim 0,
+    every Weight copied ``M`` ways, each operator inferred on those parallel shapes.  THE test of whether
+    the batch can be split into ``M`` micro-batches, for the pipeline search and the executor alike
+    (``executor/pipeline.py::check_pipeline`` calls it): degrees, unlike sizes, follow which dims come from
+    the batch, so a batch-sized tensor that does not (a constant folded at export, e.g. BLOOM's ALiBi mask
+    index of shape [B, ...]) meets a split one and is refused -- :func:`rebatch` only changes sizes, and a
+    micro-batch of 1 broadcasts silently against it.  Compute nodes keep their ids.  Raises PipelineError."""
+    lg, _ = logical_graph(g)
+    if M == 1:
+        return lg
+    b = lg.edit()
+    try:
+        for n in lg.sources():
+            if n.op == "Input" and not n.a["shape"]:
+                continue
+            op, attrs = ("Partition", {"dim": 0, "degree": M}) if n.op == "Input" else ("Replicate", {"degree": M})
+            p = b.add(op, attrs, [(n.id, 0)])
+            b.replace_uses((n.id, 0), p, exclude=[p[0]])
+        return b.finish()
+    except UnityError as e:
+        raise PipelineError(f"the pipeline's micro-batches cannot run through the model: {e}") from None
+
+
+def may_cross(dtype: str) -> bool:
+    """Whether a tensor of ``dtype`` may cross a stage boundary (the executor's stages exchange floating
+    tensors only; model inputs a later stage reads are sent along too, so an integer input read after a
+    cut makes it one the executor cannot run)."""
+    return str(dtype).startswith(("float", "bfloat"))
+
+
 @dataclass
 class _Cuts:
     """The sequential structure of a PCG: units in order, the tensors live across each cut."""
@@ -273,10 +328,18 @@ def _analyze(g: PCG, roles: Mapping[int, str]) -> _Cuts:
         for c in range(q + 1, last[r] + 1):
             if role == "input-placement":
                 continue                   # the loader feeds the data again
-            if role == "weight-placement" or g.shape(r).sum_degree > 1:
-                valid[c] = False           # a weight used on both sides, or partial sums
+            if role == "weight-placement" or g.shape(r).sum_degree > 1 or not may_cross(g.shape(r).dtype):
+                valid[c] = False           # a weight used on both sides, partial sums, or not floating
             else:
                 crossing[c].append(r)
+    # the executor sends a model input from the first stage to every stage up to its last reader: an
+    # integer one (token ids, masks) read after a cut would cross it (may_cross)
+    for u in order:
+        for nid in units[u]:
+            for r in g.node(nid).inputs:
+                if roles[r[0]] in ("input", "input-placement") and not may_cross(g.shape(tuple(r)).dtype):
+                    for c in range(1, rank[u] + 1):
+                        valid[c] = False
     # a trained Weight read by units on both sides of a cut
     trained = {n.id for n in g.sources("Weight") if g.is_trainable(n.id)}
     for n in g.sources("Weight"):
@@ -830,7 +893,9 @@ def search_pipeline(pcg: PCG, mapper_or_cost_model: MachineMapper | CostModel, *
             break
         try:
             graphs[M] = rebatch(pcg, B, B // M)
-        except PipelineError:
+            micro_graph(pcg, M)       # the executor's test: the batch, and only it, splits M ways
+        except PipelineError as e:
+            stats.setdefault("micro_batches_refused", {})[M] = str(e)
             continue
         stats["micro_batches_tried"].append(M)
         lay = _LayerPrices(graphs[M], roles, layer_nodes, mapper, intra, machine, memo)
@@ -1600,7 +1665,7 @@ def main(argv: Sequence[str] | None = None) -> int:
 
 __all__ = ["search_pipeline", "evaluate_pipeline", "simulate_1f1b", "schedule_1f1b", "in_flight", "PipelineResult",
            "PipelineStage", "PipelineError", "Timeline", "rebatch", "stage_graph", "sequential_layers", "default_intra",
-           "megatron_intra", "by_rules",
+           "megatron_intra", "by_rules", "micro_graph", "logical_graph", "may_cross",
            "validate_pipeline_field", "batch_size", "SCHEDULE"]
 
 

@@ -1,0 +1,107 @@
+"""The plan ``optimize`` returns is one the executor runs: its pre-launch checks, the part that needs no torch.
+
+``unity-pcg run`` refuses a plan before any process starts when the plan file does not validate
+(``unity_pcg.plan.from_json``), when its views name no device (``executor.launch.plan_world``) or when its
+pipeline field is one the executor cannot run (``executor.pipeline.check_pipeline``: stages data parallel
+inside or lowered, the batch split into the micro-batches by :func:`search.pipeline.micro_graph`, only
+floating tensors crossing stages, BatchNorm only with ``--per-device-bn``, no bf16 with stages).
+:func:`executor_refusal` runs exactly those checks, as ``run`` does with its default flags, and says why
+(None: it would run).  :func:`runnable` is what ``optimize`` calls on the plan it is about to return: a
+refused plan is replaced by the fastest alternative that passes -- the search's other candidates and the
+fixed baselines in order of predicted time, then one device (strategy ``none``) -- and
+``info.search.executor_check`` records what happened (``"ok"``, or the refusal and what was returned).
+"""
+from __future__ import annotations
+
+import dataclasses
+import json
+import math
+from typing import Any, Iterable
+
+from unity_pcg.errors import UnityError
+
+
+def executor_refusal(plan, per_device_bn: bool = False) -> str | None:
+    """Why ``unity-pcg run`` (default flags: no ``--per-device-bn``) would refuse ``plan`` before starting a
+    process, as its one line; None when it would start.  Imports no torch."""
+    from unity_pcg import plan as P
+    from unity_pcg.executor.launch import plan_world
+    try:
+        loaded = P.from_json(json.loads(json.dumps(plan.to_json())))   # what `run` loads from the file
+        plan_world(loaded)
+        if loaded.pipeline is not None:
+            from unity_pcg.executor.pipeline import check_pipeline
+            check_pipeline(loaded, per_device_bn=per_device_bn)
+    except UnityError as e:
+        return str(e)
+    return None
+
+
+def _plan_of(plan, pg, mapping, steps, label: str, stats: dict):
+    """``plan`` with its PCG, views, prediction and rule sequence replaced (no pipeline)."""
+    rules_json = tuple(s.to_json() for s in steps) if steps else None
+    pred = dict(mapping.to_json(), **{k: plan.predicted[k] for k in ("strategy", "optimizer", "precision", "search_s")
+                                      if k in plan.predicted})
+    info = {k: v for k, v in plan.info.items() if k != "outputs_trimmed"}
+    info["search"] = stats
+    if rules_json is not None:
+        info["outputs_trimmed"] = True
+    return dataclasses.replace(plan, pcg=pg, views=dict(mapping.views), predicted=pred, pipeline=None,
+                               info=info, rules=rules_json)
+
+
+def runnable(plan, final, steps: list, stats: dict, ev=None, g=None, candidates: Iterable = (),
+             labels: dict | None = None, baselines: Iterable = ()) -> tuple[Any, Any, list, dict]:
+    """``(plan, final, steps, stats)`` to return: the given ones when the executor runs the plan, else the
+    fastest alternative it runs.  ``candidates``: the search's ``(cost, kind, pcg, steps)`` tuples (priced,
+    untrimmed); ``baselines``: ``(cost, name, pcg, MappingResult)`` of the fixed strategies priced;
+    ``ev``: the optimizer's Evaluator (maps a candidate on the whole machine); ``g``: the logical model
+    (the one-device plan, the last resort).  Without ``ev`` the refusal is only recorded."""
+    why = executor_refusal(plan)
+    if why is None:
+        stats["executor_check"] = "ok"
+        return plan, final, steps, stats
+    record: dict = {"refused": why, "chosen_before": stats.get("chosen"), "tried": []}
+    stats["executor_check"] = record
+    if ev is None:
+        return plan, final, steps, stats
+    from .substitution import trimmed
+    labels = labels or {}
+    alts: list = []
+    for c in candidates:
+        if math.isfinite(c[0]):
+            alts.append((c[0], labels.get(id(c[2]), "data parallel by rules" if c[1] == 0 else "search"),
+                         c[2], list(c[3]), None))
+    for c in baselines:
+        if c[3] is not None and getattr(c[3], "feasible", False) and math.isfinite(c[0]):
+            alts.append((c[0], f"{c[1]} baseline", c[2], [], c[3]))
+    alts.sort(key=lambda a: a[0])
+    if g is not None:
+        alts.append((math.inf, "none (one device)", g, [], None))
+    for cost, label, pg, st, mapping in alts:
+        try:
+            if mapping is None:
+                if label.startswith("none"):
+                    from unity_pcg.machine import Resource
+                    mapping = ev.full(pg, Resource(0, 1, 1))
+                else:
+                    pg = trimmed(pg)
+                    mapping = ev.full(pg)
+            if not mapping.feasible:
+                record["tried"].append(f"{label}: infeasible")
+                continue
+            new_stats = dict(stats, chosen=f"{label} (the executor refuses {stats.get('chosen')})")
+            alt = _plan_of(plan, pg, mapping, st, label, new_stats)
+        except UnityError as e:
+            record["tried"].append(f"{label}: {e}")
+            continue
+        w = executor_refusal(alt)
+        if w is None:
+            record["returned"] = label
+            return alt, mapping, st, new_stats
+        record["tried"].append(f"{label}: {w}")
+    record["returned"] = "the refused plan (no alternative runs)"
+    return plan, final, steps, stats
+
+
+__all__ = ["executor_refusal", "runnable"]
