@@ -90,6 +90,7 @@ def models(names: list | None, light: bool, light_max_kb: int) -> list[dict]:
     from export_models import HF_MODELS, export_one
     from import_coverage import light_models
     out = []
+    os.makedirs(CACHE, exist_ok=True)
     for n in HF_MODELS + EXTRA_HF:
         if names and n not in names:
             continue
