@@ -1002,7 +1002,7 @@ def optimize(model, machine, budget_s: float | None = None, alpha: float = 1.05,
                  **({"outputs_trimmed": True} if rules_json is not None else {})}, rules_json, precision)
     # never a plan the executor refuses before launch: else the fastest alternative it runs (search/runnable.py)
     plan, final, steps, stats = runnable(plan, final, steps, stats, **(dict(
-        ev=ev, g=g, candidates=floor + cands, labels=labels, baselines=[(dp_res.cost, "dp", dp_pg, dp_res)] * (
+        ev=ev, g=g, candidates=cands + (floor if isinstance(floor, list) else []), labels=labels, baselines=[(dp_res.cost, "dp", dp_pg, dp_res)] * (
             dp_res is not None) + [(oc, n, opg, ores) for n, (opg, oc, _, ores) in others.items()])
         if strategy in SEARCHES else {}))
     return OptimizeResult(plan, strategy, final, dp_res, steps, search_s, stats, interrupted, b)
