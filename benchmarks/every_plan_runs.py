@@ -19,7 +19,7 @@ whose input has batch 1 is optimized and simulated with ``--batch 4`` (data para
 devices divide).  torchvision's exports need their own venv (``export_models.py``) and are left out.
 
     .venv/bin/python benchmarks/every_plan_runs.py [--models bert,bloom] [--machines local:1x2] [--budget 15]
-                                                   [--no-light] [--light-max-kb 100]
+                                                   [--no-light] [--light-max-gflop 1.5]
 
 Writes benchmarks/results/every_plan_runs.json and .md (``--out NAME`` for another name).
 """
@@ -86,7 +86,7 @@ def _view_devices(v: dict) -> list:
     return list(MachineView.from_json(v).devices())
 
 
-def models(names: list | None, light: bool, light_max_kb: int) -> list[dict]:
+def models(names: list | None, light: bool, light_max_gflop: float) -> list[dict]:
     from export_models import HF_MODELS, export_one
     from import_coverage import light_models
     out = []
@@ -100,17 +100,19 @@ def models(names: list | None, light: bool, light_max_kb: int) -> list[dict]:
             out.append({"model": n, "family": "transformers", "exporter": e, "path": path,
                         "error": None if rec["status"] in ("ok", "cached") else rec.get("error", "export failed")})
     if light:
-        import onnx
         for p in light_models():
             n = os.path.basename(p)[:-5]
             if names and n not in names:
                 continue
+            from unity_pcg.onnx_import import load_onnx
             rec = {"model": n, "family": "onnx-light", "exporter": "shipped", "path": p, "error": None}
-            if os.path.getsize(p) // 1024 > light_max_kb:
-                rec["error"] = f"left out: file over {light_max_kb} KB (--light-max-kb)"
+            g = load_onnx(p, load_weights=False)
+            gf = g.flops() / 1e9
+            if gf > light_max_gflop:
+                rec["error"] = (f"left out: {gf:.1f} GFLOP per sample at real size (> --light-max-gflop "
+                                f"{light_max_gflop:g}), too slow to train on this shared 2-CPU host")
             else:
-                dims = onnx.load(p, load_external_data=False).graph.input[0].type.tensor_type.shape.dim
-                if dims and dims[0].dim_value == 1:
+                if any(n.a["shape"][:1] == (1,) for n in g.sources("Input")):
                     rec["batch"] = 4
             out.append(rec)
     return out
@@ -139,7 +141,7 @@ def run_case(rec: dict, machines: list, budget: float, work: str) -> list[dict]:
         plan = os.path.join(work, f"{tag}-{m.replace(':', '_')}.json")
         t = time.perf_counter()
         rc, out, err = cli(["optimize", rec["path"], "--machine", m, "--budget", budget, "-o", plan, "--json",
-                            *bflag], budget * 4 + 300)
+                            *bflag], budget + 200)
         row["optimize_s"] = round(time.perf_counter() - t, 1)
         if rc:
             rows.append(dict(row, reason=f"optimize: {last_line(err)}"))
@@ -216,14 +218,15 @@ def main(argv=None) -> int:
     ap.add_argument("--machines", default="local:1x2,local:1x4")
     ap.add_argument("--budget", type=float, default=15.0)
     ap.add_argument("--no-light", action="store_true", help="leave out the onnx wheel's light models")
-    ap.add_argument("--light-max-kb", type=int, default=100, help="light models larger than this are left out")
+    ap.add_argument("--light-max-gflop", type=float, default=1.5,
+                    help="light models of more forward GFLOP per sample are left out (default 1.5)")
     ap.add_argument("--out", default="every_plan_runs")
     a = ap.parse_args(argv)
     started = time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime())
     names = [n for n in a.models.split(",") if n] or None
     rows: list = []
     with tempfile.TemporaryDirectory(prefix="every-plan-") as work:
-        for rec in models(names, not a.no_light, a.light_max_kb):
+        for rec in models(names, not a.no_light, a.light_max_gflop):
             for row in run_case(rec, a.machines.split(","), a.budget, work):
                 rows.append(row)
                 print(f"{row['model']:20s} {row['exporter']:7s} {row['machine']:10s} {row['kind'][:48]:48s} "
