@@ -260,6 +260,14 @@ def _stage_plans(g: PCG, node_lists, stage_of, order, devices, order_of, M: int,
                     r = tuple(r)
                     if g.node(r[0]).op != "Weight" and produced_at(r) <= i:
                         reads_later.add(r)
+        # the loss is the model's first output on the last stage: computed earlier (BERT's pooler alone in
+        # the last stage), it is passed on like an activation a later stage reads
+        if i < S - 1 and g.node(first_out[0]).op != "Input" and produced_at(first_out) <= i:
+            if lowered:
+                raise PipelineError(f"plan: the model's first output (the loss) is computed in pipeline stage "
+                                    f"{produced_at(first_out)}, before the last one; stages with tensor/Megatron "
+                                    f"parallelism inside cannot pass it on")
+            reads_later.add(first_out)
         if i == S - 1:
             send = (first_out,)
         else:
@@ -286,13 +294,11 @@ def _stage_plans(g: PCG, node_lists, stage_of, order, devices, order_of, M: int,
 def _check_batch_split(g: PCG, n, K: int) -> None:
     """Inside a stage of K devices every operator must be data parallel: each tensor it reads or writes is
     split K ways on dim 0 (the batch) and nowhere else, or (a weight) whole and copied K ways."""
-    for s in tuple(g.input_shapes(n.id)) + tuple(g.shapes(n.id)):
-        split = bool(s.dims) and s.dims[0].degree == K and all(d.degree == 1 for d in s.dims[1:]) \
-            and s.copy_degree == 1
-        copied = all(d.degree == 1 for d in s.dims) and s.copy_degree == K
-        if s.sum_degree != 1 or not (split or copied):
-            raise PipelineError(f"plan: node {n.label()} ({n.op}) in a {K}-device pipeline stage is not data "
-                                f"parallel (shape {s})")
+    from unity_pcg.search.pipeline import batch_split_error     # the search's rule too (executor_replicas)
+    why = batch_split_error(g, n.id, K)
+    if why is not None:
+        raise PipelineError(f"plan: node {n.label()} ({n.op}) in a {K}-device pipeline stage is not data "
+                            f"parallel ({why})")
 
 
 def check_pipeline(plan, per_device_bn: bool = True) -> None:
@@ -640,7 +646,7 @@ def build_stage_module(plan, st: StagePlan, M: int, weights: Mapping[str, Any], 
             self.seed = seed
 
         def forward(self, *xs):
-            vals = dict(zip(self.recv, xs))
+            vals = dict(zip(self.recv, (_contiguous_grad(x) for x in xs)))
             k = self.micro        # micro-batches run forward in order (1F1B), counted from 0 each step
             self.micro += 1
             for nid, key in self.pname.items():
@@ -664,7 +670,8 @@ def build_stage_module(plan, st: StagePlan, M: int, weights: Mapping[str, Any], 
                                 self.consts[cid].mul_(mom).add_(v.to(self.consts[cid].dtype), alpha=1.0 - mom)
                 for j, y in enumerate(ys):
                     vals[(nid, j)] = y
-            out = tuple(vals[r] for r in self.send)
+            # gloo sends contiguous buffers only (a Transpose's output is a strided view)
+            out = tuple(vals[r].contiguous() for r in self.send)
             return out if len(out) > 1 else out[0]
 
     return StageModule()
@@ -902,6 +909,28 @@ _FORWARD, _BACKWARD, _STOP = 1, 2, 3
 _ON_BACKWARD: list = []
 
 
+def _contiguous_grad(x):
+    """``x`` unchanged, whose gradient is made contiguous on its way back (the schedule sends it to the
+    previous stage, and gloo sends contiguous buffers only: the gradient of a Transpose's input is strided)."""
+    torch = _torch_modules()[0]
+    if not (isinstance(x, torch.Tensor) and x.requires_grad):
+        return x
+    if not _CONTIGUOUS_GRAD:
+        class ContiguousGrad(torch.autograd.Function):
+            @staticmethod
+            def forward(ctx, x):
+                return x.view_as(x)
+
+            @staticmethod
+            def backward(ctx, g):
+                return g.contiguous()
+        _CONTIGUOUS_GRAD.append(ContiguousGrad)
+    return _CONTIGUOUS_GRAD[0].apply(x)
+
+
+_CONTIGUOUS_GRAD: list = []
+
+
 def _on_backward(x, fn):
     """``x`` (a copy), with ``fn()`` called when the backward pass reaches it."""
     if not _ON_BACKWARD:
@@ -1100,6 +1129,7 @@ class LoweredPipelineTrainer:
         """The stage module's forward (every device with equal stages; the leader with different ones)."""
         k = self.micro
         self.micro += 1
+        xs = tuple(_contiguous_grad(x) for x in xs)
         shared = xs
         if self.lead and self.K > 1:
             self._command(_FORWARD, k)
@@ -1142,10 +1172,11 @@ class LoweredPipelineTrainer:
                 x = xs[v]
                 outs.append(x.view_as(x) if x.requires_grad else x)
             elif kind == "feed":
-                outs.append(fv[v])
+                outs.append(fv[v].contiguous())
             else:
                 y = vals[v]
-                outs.append(y + tie.to(y.dtype) if y.is_floating_point() else y)
+                # gloo sends contiguous buffers only (elementwise ops keep a transposed layout)
+                outs.append((y + tie.to(y.dtype) if y.is_floating_point() else y).contiguous())
         return tuple(outs) if len(outs) > 1 else outs[0]
 
     # --- stages of different sizes: the leader drives its stage's other devices ------------------------

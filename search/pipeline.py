@@ -292,6 +292,40 @@ def may_cross(dtype: str) -> bool:
     return str(dtype).startswith(("float", "bfloat"))
 
 
+def batch_split_error(g: PCG, nid: int, K: int) -> str | None:
+    """Why compute node ``nid`` is not data parallel ``K`` ways as the executor runs a data-parallel stage
+    (every tensor it reads or writes split K ways on dim 0 and nowhere else, or whole and copied K ways);
+    None when it is.  Shared with executor/pipeline.py (``_check_batch_split``)."""
+    for s in tuple(g.input_shapes(nid)) + tuple(g.shapes(nid)):
+        split = bool(s.dims) and s.dims[0].degree == K and all(d.degree == 1 for d in s.dims[1:]) \
+            and s.copy_degree == 1
+        copied = all(d.degree == 1 for d in s.dims) and s.copy_degree == K
+        if s.sum_degree != 1 or not (split or copied):
+            return f"shape {s}"
+    return None
+
+
+def executor_replicas(stage_pcgs: Sequence[PCG]) -> int:
+    """R, the virtual pipelines the executor runs for stages with these parallel sub-PCGs: the least
+    common multiple of their data-parallel degrees when every stage is data parallel inside (each compute
+    operator one degree K, :func:`batch_split_error` clean), else 1 (the stages run lowered).  The batch
+    must then split into M x R pieces (:func:`micro_graph`)."""
+    Ks = []
+    for P in stage_pcgs:
+        K = None
+        for n in P.nodes():
+            if n.kind != "compute":
+                continue
+            pm = ops.infer(n.op, n.a, P.input_shapes(n.id)).piece_map
+            d = pm.degree if pm is not None else 1
+            if K is None:
+                K = d
+            if d != K or (K > 1 and batch_split_error(P, n.id, K) is not None):
+                return 1
+        Ks.append(K or 1)
+    return math.lcm(*Ks) if Ks else 1
+
+
 @dataclass
 class _Cuts:
     """The sequential structure of a PCG: units in order, the tensors live across each cut."""
@@ -1205,6 +1239,22 @@ def _evaluate(gM, roles, info, layers, plan, M, mapper, intra, machine, memo=Non
     if any(not math.isfinite(x) for x in fwd):
         return dict(out, cost=INF, makespan=INF, feasible=False,
                     reason="; ".join(reasons) or "a stage cannot be mapped")
+    # the executor runs data-parallel stages as R virtual pipelines: the batch must split M x R ways
+    R = executor_replicas([p.pcg for p in priced])
+    if R > 1:
+        key = ("micro", id(gM), R)
+        why = memo.get(key, "?") if memo is not None else "?"
+        if why == "?":
+            try:
+                micro_graph(gM, R)
+                why = None
+            except PipelineError as e:
+                why = str(e)
+            if memo is not None:
+                memo[key] = why
+        if why is not None:
+            return dict(out, cost=INF, makespan=INF, feasible=False,
+                        reason=f"{R} data-parallel pieces per micro-batch: {why}")
     makespan = simulate_1f1b(fwd, bwd, M, send, send, once).makespan
     for idx, mem in enumerate(mems):
         if mem and max(mem.values()) > cap:
@@ -1665,7 +1715,7 @@ def main(argv: Sequence[str] | None = None) -> int:
 
 __all__ = ["search_pipeline", "evaluate_pipeline", "simulate_1f1b", "schedule_1f1b", "in_flight", "PipelineResult",
            "PipelineStage", "PipelineError", "Timeline", "rebatch", "stage_graph", "sequential_layers", "default_intra",
-           "megatron_intra", "by_rules", "micro_graph", "logical_graph", "may_cross",
+           "megatron_intra", "by_rules", "micro_graph", "logical_graph", "may_cross", "batch_split_error", "executor_replicas",
            "validate_pipeline_field", "batch_size", "SCHEDULE"]
 
 
