@@ -177,7 +177,8 @@ def write(rows: list, args, started: str, name: str) -> None:
     n_ok = sum(r["ok"] for r in rows)
     meta = {"measured": started, "host": f"{platform.platform()} ({os.cpu_count()} CPUs, shared)",
             "torch": torch.__version__, "transformers": tv, "budget_s": args.budget, "steps": STEPS,
-            "rtol": RTOL, "atol": ATOL, "machines": args.machines.split(","), "ok": n_ok, "rows": len(rows)}
+            "rtol": RTOL, "atol": ATOL, "machines": args.machines.split(","), "ok": n_ok, "rows": len(rows),
+            "commit": _commit() if not args.rerun_failed else None}
     os.makedirs(RESULTS, exist_ok=True)
     with open(os.path.join(RESULTS, f"{name}.json"), "w") as f:
         json.dump({"meta": meta, "rows": rows}, f, indent=1)
@@ -198,8 +199,9 @@ def write(rows: list, args, started: str, name: str) -> None:
              "|---|---|---|---|---:|---:|---:|---:|---|"]
     for r in rows:
         rel = f"{r['max_rel']:.2e}" if r.get("max_rel") is not None else "-"
+        mark = f" (rerun at {r['commit']})" if r.get("rerun") else ""
         lines.append(f"| {r['model']} | {r['exporter']} | {r['machine']} | {r['kind']} | {r['steps']} | {rel} | "
-                     f"{r.get('optimize_s', '-')} | {r.get('run_s', '-')} | {'ok' if r['ok'] else r['reason']} |")
+                     f"{r.get('optimize_s', '-')} | {r.get('run_s', '-')} | {'ok' if r['ok'] else r['reason']}{mark} |")
     refused = [r for r in rows if isinstance(r.get("executor_check"), dict)]
     if refused:
         lines += ["", "Plans the search chose and the executor's pre-launch check refused (optimize returned the "
@@ -221,18 +223,46 @@ def main(argv=None) -> int:
     ap.add_argument("--light-max-gflop", type=float, default=1.5,
                     help="light models of more forward GFLOP per sample are left out (default 1.5)")
     ap.add_argument("--out", default="every_plan_runs")
+    ap.add_argument("--rerun-failed", action="store_true",
+                    help="rerun the (model, exporter) cases of the existing results that have a row not ok, and "
+                         "those of the --models named, replacing their rows (marked rerun, with the commit)")
     a = ap.parse_args(argv)
     started = time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime())
     names = [n for n in a.models.split(",") if n] or None
     rows: list = []
+    again = None
+    if a.rerun_failed:
+        with open(os.path.join(RESULTS, f"{a.out}.json")) as f:
+            old = json.load(f)
+        rows, started = old["rows"], old["meta"]["measured"]
+        # the failed cases, and every case of the models named by --models
+        again = {(r["model"], r["exporter"]) for r in rows if not r["ok"] or (names and r["model"] in names)}
+        names = sorted({m for m, _ in again})
     with tempfile.TemporaryDirectory(prefix="every-plan-") as work:
         for rec in models(names, not a.no_light, a.light_max_gflop):
-            for row in run_case(rec, a.machines.split(","), a.budget, work):
-                rows.append(row)
+            if again is not None and (rec["model"], rec["exporter"]) not in again:
+                continue
+            new = run_case(rec, a.machines.split(","), a.budget, work)
+            for row in new:
+                if again is not None:
+                    row.update(rerun=True, commit=_commit())
                 print(f"{row['model']:20s} {row['exporter']:7s} {row['machine']:10s} {row['kind'][:48]:48s} "
                       f"{'ok' if row['ok'] else row['reason'][:120]}", flush=True)
+            if again is not None:
+                at = [k for k, r in enumerate(rows) if (r["model"], r["exporter"]) == (rec["model"], rec["exporter"])]
+                rows = rows[:at[0]] + new + rows[at[-1] + 1:] if at else rows + new
+            else:
+                rows.extend(new)
             write(rows, a, started, a.out)
     return 0 if all(r["ok"] for r in rows) else 1
+
+
+def _commit() -> str:
+    try:
+        return subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True,
+                              cwd=ROOT).stdout.strip()
+    except OSError:
+        return "?"
 
 
 if __name__ == "__main__":
