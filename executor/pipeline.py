@@ -768,13 +768,8 @@ class PipelineTrainer:
             self.mods[r] = m
         self.mod = first
         self.order = {k: name for name, k in self.mod.names.items()}
-        params = list(self.mod.params.values())
-        if optimizer == "sgd":
-            self.opt = torch.optim.SGD(params, lr=lr)
-        elif optimizer == "adam":
-            self.opt = torch.optim.Adam(params, lr=lr)
-        else:
-            raise UnityError(f"unknown optimizer {optimizer!r} (sgd, adam)")
+        from .train import make_optimizer
+        self.opt = make_optimizer(optimizer, list(self.mod.params.values()), lr)
         # the tensors a stage receives and sends, per micro-batch, are known from the plan: passing them
         # makes the schedule skip its metadata inference (a forward run that would count as a micro-batch)
         mg = micro_graph(plan.pcg, self.M * R)

@@ -248,6 +248,38 @@ def model_constants(g, model_path: str) -> frozenset:
     return frozenset(n.a["name"] for n in g.sources("Weight") if n.a.get("name") in const)
 
 
+
+class _NoParameters:
+    """The optimizer of a rank (or pipeline stage) that holds no trainable parameter -- a stage of
+    parameter-free operators (a 4-stage ViT plan has a stage holding one Reshape):
+    torch's optimizers refuse an empty parameter list.  Steps nothing; its state is its hyperparameters."""
+
+    def __init__(self, **hyper):
+        self.param_groups = [dict(hyper, params=[])]
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        pass
+
+    def step(self) -> None:
+        pass
+
+    def state_dict(self) -> dict:
+        return {"state": {}, "param_groups": [dict(g) for g in self.param_groups]}
+
+    def load_state_dict(self, d) -> None:
+        for grp, saved in zip(self.param_groups, d.get("param_groups", [])):
+            grp.update({k: v for k, v in saved.items() if k != "params"})
+
+
+def make_optimizer(kind: str, params: list, lr: float):
+    """torch's SGD or Adam over ``params``; with no parameter, an optimizer that steps nothing."""
+    if kind not in ("sgd", "adam"):
+        raise ExecutorError(f"unknown optimizer {kind!r} (known: sgd, adam)")
+    if not params:
+        return _NoParameters(lr=lr)
+    return (torch.optim.SGD if kind == "sgd" else torch.optim.Adam)(params, lr=lr)
+
+
 class Trainer:
     """Trains the ONNX model ``model_path`` with ``plan`` as rank ``rank`` of ``world`` (see module doc)."""
 
@@ -309,12 +341,7 @@ class Trainer:
         for grp in sorted({b["devs"] for b in self._buckets}):   # gradient buckets get their own groups
             self._bucket_pgs[grp] = self._new_group(grp) if self.world > 1 else None
         self._opt_kind = optimizer
-        if optimizer == "sgd":
-            self.opt = torch.optim.SGD(list(self.params.values()), lr=lr)
-        elif optimizer == "adam":
-            self.opt = torch.optim.Adam(list(self.params.values()), lr=lr)
-        else:
-            raise ExecutorError(f"unknown optimizer {optimizer!r} (known: sgd, adam)")
+        self.opt = make_optimizer(optimizer, list(self.params.values()), lr)
         self._hooks()
         # message tags: every exchange of the plan gets its own range (same numbers on every rank)
         self._tags = {}

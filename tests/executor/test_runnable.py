@@ -161,3 +161,55 @@ def test_optimize_plan_on_two_devices_runs_like_one_process(alibi, capfd):
         losses.append(json.loads(out)["losses"])
     assert len(losses[0]) == 2
     np.testing.assert_allclose(losses[0], losses[1], rtol=1e-4, atol=1e-7)
+
+
+def test_a_stage_without_parameters_trains(tmp_path, capfd):
+    """A stage of parameter-free operators (a ReLU alone; the search gave ViT one holding a Reshape) has no
+    optimizer parameters: it runs, and the pipeline trains as one process does."""
+    from tests.executor.runtime_plans import reference_losses, tiny_mlp_onnx
+    from unity_pcg.cli import main
+    model = tiny_mlp_onnx(str(tmp_path / "mlp.onnx"))
+    plan = pipeline_plan(model, str(tmp_path / "pp.json"), stages=5, micro_batches=2)
+    g = P.load(plan).pcg
+    assert [[g.node(n).op for n in st["nodes"] if g.node(n).kind == "compute"]
+            for st in P.load(plan).pipeline["stages"]][1] == ["Relu"]
+    capfd.readouterr()
+    rc = main(["run", plan, "--model", model, "--steps", "2", "--json"])
+    out, err = capfd.readouterr()
+    assert rc == 0, err
+    ref, _ = reference_losses(model, 2, "sgd")
+    np.testing.assert_allclose(json.loads(out)["losses"], ref, rtol=1e-4, atol=1e-7)
+
+
+def test_strided_sends_and_a_loss_computed_before_the_last_stage(tmp_path, capfd):
+    """Stage 0 sends a Transpose's output (a strided view: gloo sends contiguous buffers only) and computes
+    the model's first output, the loss, which the last stage must pass on (BERT's 2-stage plan had its
+    pooler alone in the last stage): 2 processes train as one."""
+    import torch
+    from torch import nn
+    from unity_pcg.cli import main
+
+    class TwoOut(nn.Module):
+        def __init__(self):
+            super().__init__()
+            torch.manual_seed(0)
+            self.l1, self.l2 = nn.Linear(8, 8), nn.Linear(4, 3)
+
+        def forward(self, x):
+            h = self.l1(x)
+            t = torch.transpose(h, 1, 2)
+            return h, self.l2(t * 2.0)
+    model = _export(TwoOut().eval(), (torch.randn(4, 4, 8),), ["x"], str(tmp_path / "two.onnx"))
+    plan = pipeline_plan(model, str(tmp_path / "pp.json"), stages=2, micro_batches=2)
+    pl = P.load(plan)
+    g = pl.pcg
+    first = [g.node(n).op for n in pl.pipeline["stages"][0]["nodes"] if g.node(n).kind == "compute"]
+    assert first[-1] == "Transpose" and g.outputs[0][0] in pl.pipeline["stages"][0]["nodes"]
+    losses = []
+    for p in (plan, one_device_plan(model, str(tmp_path / "one.json"))):
+        capfd.readouterr()
+        rc = main(["run", p, "--model", model, "--steps", "2", "--json"])
+        out, err = capfd.readouterr()
+        assert rc == 0, err
+        losses.append(json.loads(out)["losses"])
+    np.testing.assert_allclose(losses[0], losses[1], rtol=1e-4, atol=1e-7)
