@@ -1001,10 +1001,12 @@ def optimize(model, machine, budget_s: float | None = None, alpha: float = 1.05,
                  "batch": b, "search": stats,
                  **({"outputs_trimmed": True} if rules_json is not None else {})}, rules_json, precision)
     # never a plan the executor refuses before launch: else the fastest alternative it runs (search/runnable.py)
-    plan, final, steps, stats = runnable(plan, final, steps, stats, **(dict(
-        ev=ev, g=g, candidates=cands + (floor if isinstance(floor, list) else []), labels=labels, baselines=[(dp_res.cost, "dp", dp_pg, dp_res)] * (
-            dp_res is not None) + [(oc, n, opg, ores) for n, (opg, oc, _, ores) in others.items()])
-        if strategy in SEARCHES else {}))
+    if strategy in SEARCHES:
+        plan, final, steps, stats = runnable(plan, final, steps, stats, ev, g, cands + (floor if isinstance(floor, list)
+                                                                                         else []), labels,
+                                             dp=(dp_pg, dp_res), others=others)
+    else:
+        runnable(plan, final, steps, stats)     # recorded: the strategy asked for is returned
     return OptimizeResult(plan, strategy, final, dp_res, steps, search_s, stats, interrupted, b)
 
 

@@ -51,10 +51,12 @@ def _plan_of(plan, pg, mapping, steps, label: str, stats: dict):
 
 
 def runnable(plan, final, steps: list, stats: dict, ev=None, g=None, candidates: Iterable = (),
-             labels: dict | None = None, baselines: Iterable = ()) -> tuple[Any, Any, list, dict]:
+             labels: dict | None = None, dp: tuple | None = None, others: dict | None = None
+             ) -> tuple[Any, Any, list, dict]:
     """``(plan, final, steps, stats)`` to return: the given ones when the executor runs the plan, else the
     fastest alternative it runs.  ``candidates``: the search's ``(cost, kind, pcg, steps)`` tuples (priced,
-    untrimmed); ``baselines``: ``(cost, name, pcg, MappingResult)`` of the fixed strategies priced;
+    untrimmed; ``labels`` by id of the pcg); ``dp``: the data-parallel baseline ``(pcg, MappingResult)``;
+    ``others``: the other fixed strategies priced, ``{name: (pcg, cost, note, MappingResult)}``;
     ``ev``: the optimizer's Evaluator (maps a candidate on the whole machine); ``g``: the logical model
     (the one-device plan, the last resort).  Without ``ev`` the refusal is only recorded."""
     why = executor_refusal(plan)
@@ -72,9 +74,11 @@ def runnable(plan, final, steps: list, stats: dict, ev=None, g=None, candidates:
         if math.isfinite(c[0]):
             alts.append((c[0], labels.get(id(c[2]), "data parallel by rules" if c[1] == 0 else "search"),
                          c[2], list(c[3]), None))
-    for c in baselines:
-        if c[3] is not None and getattr(c[3], "feasible", False) and math.isfinite(c[0]):
-            alts.append((c[0], f"{c[1]} baseline", c[2], [], c[3]))
+    baselines = [("dp", dp[0], dp[1])] if dp is not None and dp[1] is not None else []
+    baselines += [(name, opg, ores) for name, (opg, _, _, ores) in (others or {}).items()]
+    for name, pg, res in baselines:
+        if res is not None and res.feasible and math.isfinite(res.cost):
+            alts.append((res.cost, f"{name} baseline", pg, [], res))
     alts.sort(key=lambda a: a[0])
     if g is not None:
         alts.append((math.inf, "none (one device)", g, [], None))
