@@ -224,8 +224,9 @@ def main(argv=None) -> int:
                     help="light models of more forward GFLOP per sample are left out (default 1.5)")
     ap.add_argument("--out", default="every_plan_runs")
     ap.add_argument("--rerun-failed", action="store_true",
-                    help="rerun the (model, exporter) cases of the existing results that have a row not ok, and "
-                         "those of the --models named, replacing their rows (marked rerun, with the commit)")
+                    help="rerun the (model, exporter) cases of the existing results that have a row not ok (but an "
+                         "optimize timeout), and those of the --models named, replacing their rows (marked rerun, "
+                         "with the commit)")
     a = ap.parse_args(argv)
     started = time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime())
     names = [n for n in a.models.split(",") if n] or None
@@ -235,8 +236,10 @@ def main(argv=None) -> int:
         with open(os.path.join(RESULTS, f"{a.out}.json")) as f:
             old = json.load(f)
         rows, started = old["rows"], old["meta"]["measured"]
-        # the failed cases, and every case of the models named by --models
-        again = {(r["model"], r["exporter"]) for r in rows if not r["ok"] or (names and r["model"] in names)}
+        # the failed cases (but those whose optimize ran out of time: minutes each, see the report), and every
+        # case of the models named by --models
+        again = {(r["model"], r["exporter"]) for r in rows
+                 if (not r["ok"] and not r["reason"].startswith("optimize: timed out")) or (names and r["model"] in names)}
         names = sorted({m for m, _ in again})
     with tempfile.TemporaryDirectory(prefix="every-plan-") as work:
         for rec in models(names, not a.no_light, a.light_max_gflop):
