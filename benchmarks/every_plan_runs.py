@@ -194,6 +194,7 @@ def write(rows: list, args, started: str, name: str) -> None:
              "bloom is the ALiBi decoder of issue 18 (not in the import-coverage corpus). onnx-light: the onnx "
              "wheel's models, batch-1 inputs optimized at --batch 4. torchvision's exports need their own venv: "
              "left out.", "",
+             *([args.note, ""] if args.note else []),
              f"**{n_ok} of {len(rows)} plans train to the one-process losses.**", "",
              "| model | exporter | machine | plan kind (chosen) | steps | max rel loss diff | optimize s | run s | ok / reason |",
              "|---|---|---|---|---:|---:|---:|---:|---|"]
@@ -223,6 +224,7 @@ def main(argv=None) -> int:
     ap.add_argument("--light-max-gflop", type=float, default=1.5,
                     help="light models of more forward GFLOP per sample are left out (default 1.5)")
     ap.add_argument("--out", default="every_plan_runs")
+    ap.add_argument("--note", default="", help="a paragraph added to the report's header")
     ap.add_argument("--rerun-failed", action="store_true",
                     help="rerun the (model, exporter) cases of the existing results that have a row not ok (but an "
                          "optimize timeout), and those of the --models named, replacing their rows (marked rerun, "
