@@ -122,6 +122,10 @@ def _hf(name: str):
         m = T.Wav2Vec2Model(cfg)
         x = torch.randn(TBATCH, 1600, generator=torch.Generator().manual_seed(1))
         return m, {"input_values": x}
+    if name == "bloom":    # ALiBi position biases (not in the import-coverage corpus: every_plan_runs.py's extra)
+        m = T.BloomModel(T.BloomConfig(vocab_size=VOCAB, hidden_size=HID, n_layer=LAYERS, n_head=HEADS,
+                                       use_cache=False, **common))
+        return m, _tokens(with_types=False)
     raise KeyError(name)
 
 

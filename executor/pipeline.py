@@ -260,6 +260,14 @@ def _stage_plans(g: PCG, node_lists, stage_of, order, devices, order_of, M: int,
                     r = tuple(r)
                     if g.node(r[0]).op != "Weight" and produced_at(r) <= i:
                         reads_later.add(r)
+        # the loss is the model's first output on the last stage: computed earlier (BERT's pooler alone in
+        # the last stage), it is passed on like an activation a later stage reads
+        if i < S - 1 and g.node(first_out[0]).op != "Input" and produced_at(first_out) <= i:
+            if lowered:
+                raise PipelineError(f"plan: the model's first output (the loss) is computed in pipeline stage "
+                                    f"{produced_at(first_out)}, before the last one; stages with tensor/Megatron "
+                                    f"parallelism inside cannot pass it on")
+            reads_later.add(first_out)
         if i == S - 1:
             send = (first_out,)
         else:
@@ -273,10 +281,11 @@ def _stage_plans(g: PCG, node_lists, stage_of, order, devices, order_of, M: int,
         carried_in = send
     if stage_of.get(first_out[0], -1) not in range(S) and g.node(first_out[0]).op != "Input":
         raise PipelineError("plan: the model's first output is produced by no pipeline stage")
+    from unity_pcg.search.pipeline import may_cross     # the rule the pipeline search cuts by
     for st in stages[:-1]:
         for r in st.send:
             dt = g.shape(r).dtype
-            if not dt.startswith(("float", "bfloat")):
+            if not may_cross(dt):
                 raise PipelineError(f"plan: tensor {g.node(r[0]).label()} ({dt}) crosses from pipeline stage "
                                     f"{st.index} to {st.index + 1}; only floating tensors may cross stages")
     return M, stages
@@ -285,13 +294,11 @@ def _stage_plans(g: PCG, node_lists, stage_of, order, devices, order_of, M: int,
 def _check_batch_split(g: PCG, n, K: int) -> None:
     """Inside a stage of K devices every operator must be data parallel: each tensor it reads or writes is
     split K ways on dim 0 (the batch) and nowhere else, or (a weight) whole and copied K ways."""
-    for s in tuple(g.input_shapes(n.id)) + tuple(g.shapes(n.id)):
-        split = bool(s.dims) and s.dims[0].degree == K and all(d.degree == 1 for d in s.dims[1:]) \
-            and s.copy_degree == 1
-        copied = all(d.degree == 1 for d in s.dims) and s.copy_degree == K
-        if s.sum_degree != 1 or not (split or copied):
-            raise PipelineError(f"plan: node {n.label()} ({n.op}) in a {K}-device pipeline stage is not data "
-                                f"parallel (shape {s})")
+    from unity_pcg.search.pipeline import batch_split_error     # the search's rule too (executor_replicas)
+    why = batch_split_error(g, n.id, K)
+    if why is not None:
+        raise PipelineError(f"plan: node {n.label()} ({n.op}) in a {K}-device pipeline stage is not data "
+                            f"parallel ({why})")
 
 
 def check_pipeline(plan, per_device_bn: bool = True) -> None:
@@ -309,54 +316,32 @@ def check_pipeline(plan, per_device_bn: bool = True) -> None:
     if devs != list(range(len(devs))):
         raise PipelineError(f"plan: pipeline stages run on devices {[list(st.devices + st.idle) for st in stages]}; "
                             f"the executor needs the ranks 0..{len(devs) - 1}, each in one stage")
+    # the batch, and only it, must split into the micro-batches (times the virtual pipelines): the test the
+    # pipeline search applies too (search/pipeline.py::micro_graph); lowered stages also rebatch
+    micro_graph(plan.pcg, M * (1 if stages[0].lowered else replicas(stages)))
     if stages[0].lowered:
         stage_graphs(plan, M, stages)
-    else:
-        micro_graph(plan.pcg, M * replicas(stages))
     if not per_device_bn and any(n.op == "BatchNorm" for n in plan.pcg.nodes()):
         raise PipelineError("plan: BatchNorm in a pipelined plan computes statistics per micro-batch, which "
                             "is not one device's training; run with --per-device-bn to accept that")
 
 
 def logical_graph(g: PCG) -> tuple[PCG, dict]:
-    """``g`` without parallel operators (on one device they move nothing); returns it and the map from a
-    parallel operator's output to the tensor it stands for."""
-    b = g.edit()
-    alias: dict = {}
-    for n in g.nodes():
-        if n.kind == "parallel":
-            src = tuple(n.inputs[0])
-            src = alias.get(src, src)
-            alias[(n.id, 0)] = src
-    for n in g.nodes():
-        if n.kind != "parallel":
-            new = tuple(alias.get(tuple(r), tuple(r)) for r in n.inputs)
-            if new != tuple(tuple(r) for r in n.inputs):
-                b.set_inputs(n.id, new)
-    b.set_outputs([alias.get(tuple(r), tuple(r)) for r in g.outputs])
-    for n in g.nodes():
-        if n.kind == "parallel":
-            b.remove(n.id)
-    return b.finish(), alias
+    """``g`` without parallel operators (search/pipeline.py's, shared)."""
+    from unity_pcg.search.pipeline import logical_graph as shared
+    return shared(g)
 
 
 def micro_graph(g: PCG, M: int) -> PCG:
     """The logical graph on micro-batch pieces: inputs partitioned M ways on dim 0, weights copied M ways.
-    Compute nodes keep their ids; their input shapes give the kernels' piece attributes."""
-    lg, _ = logical_graph(g)
-    if M == 1:
-        return lg
-    b = lg.edit()
+    Compute nodes keep their ids; their input shapes give the kernels' piece attributes.  The one test of
+    micro-batching that the pipeline search uses too (``search/pipeline.py::micro_graph``)."""
+    from unity_pcg.search.pipeline import PipelineError as SearchPipelineError
+    from unity_pcg.search.pipeline import micro_graph as shared
     try:
-        for n in lg.sources():
-            op, attrs = ("Partition", {"dim": 0, "degree": M}) if n.op == "Input" else ("Replicate", {"degree": M})
-            if n.op == "Input" and not n.a["shape"]:
-                continue
-            p = b.add(op, attrs, [(n.id, 0)])
-            b.replace_uses((n.id, 0), p, exclude=[p[0]])
-        return b.finish()
-    except (InvalidParallelization, UnityError) as e:
-        raise PipelineError(f"plan: the pipeline's micro-batches cannot run through the model: {e}") from None
+        return shared(g, M)
+    except (SearchPipelineError, InvalidParallelization, UnityError) as e:
+        raise PipelineError(f"plan: {e}") from None
 
 
 # --- stages lowered on their devices (tensor/Megatron parallelism inside) ------------------------------
@@ -666,7 +651,7 @@ def build_stage_module(plan, st: StagePlan, M: int, weights: Mapping[str, Any], 
             self.seed = seed
 
         def forward(self, *xs):
-            vals = dict(zip(self.recv, xs))
+            vals = dict(zip(self.recv, (_contiguous_grad(x) for x in xs)))
             k = self.micro        # micro-batches run forward in order (1F1B), counted from 0 each step
             self.micro += 1
             for nid, key in self.pname.items():
@@ -690,7 +675,8 @@ def build_stage_module(plan, st: StagePlan, M: int, weights: Mapping[str, Any], 
                                 self.consts[cid].mul_(mom).add_(v.to(self.consts[cid].dtype), alpha=1.0 - mom)
                 for j, y in enumerate(ys):
                     vals[(nid, j)] = y
-            out = tuple(vals[r] for r in self.send)
+            # gloo sends contiguous buffers only (a Transpose's output is a strided view)
+            out = tuple(vals[r].contiguous() for r in self.send)
             return out if len(out) > 1 else out[0]
 
     return StageModule()
@@ -815,9 +801,8 @@ class PipelineTrainer:
             self.mods[r] = m
         self.mod = first
         self.order = {k: name for name, k in self.mod.names.items()}
-        params = list(self.mod.params.values())
         from .train import make_optimizer
-        self.opt = make_optimizer(optimizer, params, lr)
+        self.opt = make_optimizer(optimizer, list(self.mod.params.values()), lr)
         # the tensors a stage receives and sends, per micro-batch, are known from the plan: passing them
         # makes the schedule skip its metadata inference (a forward run that would count as a micro-batch)
         mg = micro_graph(plan.pcg, self.M * R)
@@ -959,6 +944,28 @@ _FORWARD, _BACKWARD, _STOP = 1, 2, 3
 
 
 _ON_BACKWARD: list = []
+
+
+def _contiguous_grad(x):
+    """``x`` unchanged, whose gradient is made contiguous on its way back (the schedule sends it to the
+    previous stage, and gloo sends contiguous buffers only: the gradient of a Transpose's input is strided)."""
+    torch = _torch_modules()[0]
+    if not (isinstance(x, torch.Tensor) and x.requires_grad):
+        return x
+    if not _CONTIGUOUS_GRAD:
+        class ContiguousGrad(torch.autograd.Function):
+            @staticmethod
+            def forward(ctx, x):
+                return x.view_as(x)
+
+            @staticmethod
+            def backward(ctx, g):
+                return g.contiguous()
+        _CONTIGUOUS_GRAD.append(ContiguousGrad)
+    return _CONTIGUOUS_GRAD[0].apply(x)
+
+
+_CONTIGUOUS_GRAD: list = []
 
 
 def _on_backward(x, fn):
@@ -1162,6 +1169,7 @@ class LoweredPipelineTrainer:
         """The stage module's forward (every device with equal stages; the leader with different ones)."""
         k = self.micro
         self.micro += 1
+        xs = tuple(_contiguous_grad(x) for x in xs)
         shared = xs
         if self.lead and self.K > 1:
             self._command(_FORWARD, k)
@@ -1204,10 +1212,11 @@ class LoweredPipelineTrainer:
                 x = xs[v]
                 outs.append(x.view_as(x) if x.requires_grad else x)
             elif kind == "feed":
-                outs.append(fv[v])
+                outs.append(fv[v].contiguous())
             else:
                 y = vals[v]
-                outs.append(y + tie.to(y.dtype) if y.is_floating_point() else y)
+                # gloo sends contiguous buffers only (elementwise ops keep a transposed layout)
+                outs.append((y + tie.to(y.dtype) if y.is_floating_point() else y).contiguous())
         return tuple(outs) if len(outs) > 1 else outs[0]
 
     # --- stages of different sizes: the leader drives its stage's other devices ------------------------

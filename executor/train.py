@@ -56,7 +56,10 @@ MOMENTUM = 0.9
 
 
 def make_optimizer(kind: str, params: list, lr: float):
-    """The torch optimizer of ``--optimizer``: plain SGD, SGD with momentum 0.9, or Adam (torch defaults)."""
+    """The torch optimizer of ``--optimizer``: plain SGD, SGD with momentum 0.9, or Adam (torch defaults); with
+    no parameter (a rank or stage that trains none), an optimizer that steps nothing."""
+    if kind in OPTIMIZERS and not params:
+        return _NoParameters(lr=lr)
     if kind == "sgd":
         return torch.optim.SGD(params, lr=lr)
     if kind == "momentum":
@@ -265,6 +268,29 @@ def model_constants(g, model_path: str) -> frozenset:
         if all(x == "" or x in const for x in node.input):
             const.update(o for o in node.output if o)
     return frozenset(n.a["name"] for n in g.sources("Weight") if n.a.get("name") in const)
+
+
+
+class _NoParameters:
+    """The optimizer of a rank (or pipeline stage) that holds no trainable parameter -- a stage of
+    parameter-free operators (a 4-stage ViT plan has a stage holding one Reshape):
+    torch's optimizers refuse an empty parameter list.  Steps nothing; its state is its hyperparameters."""
+
+    def __init__(self, **hyper):
+        self.param_groups = [dict(hyper, params=[])]
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        pass
+
+    def step(self) -> None:
+        pass
+
+    def state_dict(self) -> dict:
+        return {"state": {}, "param_groups": [dict(g) for g in self.param_groups]}
+
+    def load_state_dict(self, d) -> None:
+        for grp, saved in zip(self.param_groups, d.get("param_groups", [])):
+            grp.update({k: v for k, v in saved.items() if k != "params"})
 
 
 class Trainer:

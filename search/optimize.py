@@ -50,6 +50,7 @@ from unity_pcg.pcg import PCG
 
 from .budget import Budget, Deadline, Expired, within
 from . import budget as B
+from .runnable import runnable
 from .substitution import (Candidate, RuleBook, RuleStep, best_first, copies_steps, data_parallel_steps,
                            dp_rule_missing, expert_whole, neighbours, normalized_hash, TABLE_COLUMN_RULES,
                            table_columns_steps, tensor_parallel_steps, trimmed)
@@ -1292,8 +1293,17 @@ def _result(run: _Run, chosen: PlanCandidate, model_path: str, sha: str, seed: i
                 {"strategy": run.strategy, "seed": seed, "alpha": run.alpha, "budget_s": bud.seconds,
                  "optimizer": run.optimizer, "batch": run.b, "search": stats,
                  **({"outputs_trimmed": True} if rules_json is not None else {})}, rules_json, precision)
-    return OptimizeResult(plan, run.strategy, final, run.dp_res, list(chosen.steps), search_s, stats,
-                          run.interrupted, run.b)
+    steps = list(chosen.steps)
+    # never a plan the executor refuses before launch: else the fastest alternative it runs (search/runnable.py)
+    if run.strategy in SEARCHES:
+        cands = [c for c in run.cands + run.floor if c.pcg is not None]
+        plan, final, steps, stats = runnable(plan, final, steps, stats, run.ev, run.g,
+                                             [(c.cost, 1, c.pcg, c.steps) for c in cands],
+                                             {id(c.pcg): c.mechanism for c in cands},
+                                             dp=(run.dp_pg, run.dp_res), others=run.others)
+    else:
+        runnable(plan, final, steps, stats)     # recorded: the strategy asked for is returned
+    return OptimizeResult(plan, run.strategy, final, run.dp_res, steps, search_s, stats, run.interrupted, run.b)
 
 
 __all__ = ["optimize", "OptimizeResult", "OptimizeError", "PlanCandidate", "STRATEGIES", "machine_degrees",

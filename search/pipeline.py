@@ -238,6 +238,95 @@ def rebatch(g: PCG, old: int, new: int) -> PCG:
     return b.finish()
 
 
+# --- what the executor can micro-batch and send between stages (shared with executor/pipeline.py) -------
+
+def logical_graph(g: PCG) -> tuple[PCG, dict]:
+    """``g`` without parallel operators (on one device they move nothing); returns it and the map from a
+    parallel operator's output to the tensor it stands for."""
+    b = g.edit()
+    alias: dict = {}
+    for n in g.nodes():
+        if n.kind == "parallel":
+            src = tuple(n.inputs[0])
+            src = alias.get(src, src)
+            alias[(n.id, 0)] = src
+    for n in g.nodes():
+        if n.kind != "parallel":
+            new = tuple(alias.get(tuple(r), tuple(r)) for r in n.inputs)
+            if new != tuple(tuple(r) for r in n.inputs):
+                b.set_inputs(n.id, new)
+    b.set_outputs([alias.get(tuple(r), tuple(r)) for r in g.outputs])
+    for n in g.nodes():
+        if n.kind == "parallel":
+            b.remove(n.id)
+    return b.finish(), alias
+
+
+def micro_graph(g: PCG, M: int) -> PCG:
+    """The logical graph of ``g`` on micro-batch pieces: every model Input partitioned ``M`` ways on dim 0,
+    every Weight copied ``M`` ways, each operator inferred on those parallel shapes.  THE test of whether
+    the batch can be split into ``M`` micro-batches, for the pipeline search and the executor alike
+    (``executor/pipeline.py::check_pipeline`` calls it): degrees, unlike sizes, follow which dims come from
+    the batch, so a batch-sized tensor that does not (a constant folded at export, e.g. BLOOM's ALiBi mask
+    index of shape [B, ...]) meets a split one and is refused -- :func:`rebatch` only changes sizes, and a
+    micro-batch of 1 broadcasts silently against it.  Compute nodes keep their ids.  Raises PipelineError."""
+    lg, _ = logical_graph(g)
+    if M == 1:
+        return lg
+    b = lg.edit()
+    try:
+        for n in lg.sources():
+            if n.op == "Input" and not n.a["shape"]:
+                continue
+            op, attrs = ("Partition", {"dim": 0, "degree": M}) if n.op == "Input" else ("Replicate", {"degree": M})
+            p = b.add(op, attrs, [(n.id, 0)])
+            b.replace_uses((n.id, 0), p, exclude=[p[0]])
+        return b.finish()
+    except UnityError as e:
+        raise PipelineError(f"the pipeline's micro-batches cannot run through the model: {e}") from None
+
+
+def may_cross(dtype: str) -> bool:
+    """Whether a tensor of ``dtype`` may cross a stage boundary (the executor's stages exchange floating
+    tensors only; model inputs a later stage reads are sent along too, so an integer input read after a
+    cut makes it one the executor cannot run)."""
+    return str(dtype).startswith(("float", "bfloat"))
+
+
+def batch_split_error(g: PCG, nid: int, K: int) -> str | None:
+    """Why compute node ``nid`` is not data parallel ``K`` ways as the executor runs a data-parallel stage
+    (every tensor it reads or writes split K ways on dim 0 and nowhere else, or whole and copied K ways);
+    None when it is.  Shared with executor/pipeline.py (``_check_batch_split``)."""
+    for s in tuple(g.input_shapes(nid)) + tuple(g.shapes(nid)):
+        split = bool(s.dims) and s.dims[0].degree == K and all(d.degree == 1 for d in s.dims[1:]) \
+            and s.copy_degree == 1
+        copied = all(d.degree == 1 for d in s.dims) and s.copy_degree == K
+        if s.sum_degree != 1 or not (split or copied):
+            return f"shape {s}"
+    return None
+
+
+def executor_replicas(stage_pcgs: Sequence[PCG]) -> int:
+    """R, the virtual pipelines the executor runs for stages with these parallel sub-PCGs: the least
+    common multiple of their data-parallel degrees when every stage is data parallel inside (each compute
+    operator one degree K, :func:`batch_split_error` clean), else 1 (the stages run lowered).  The batch
+    must then split into M x R pieces (:func:`micro_graph`)."""
+    Ks = []
+    for P in stage_pcgs:
+        K = None
+        for n in P.nodes():
+            if n.kind != "compute":
+                continue
+            pm = ops.infer(n.op, n.a, P.input_shapes(n.id)).piece_map
+            d = pm.degree if pm is not None else 1
+            if K is None:
+                K = d
+            if d != K or (K > 1 and batch_split_error(P, n.id, K) is not None):
+                return 1
+        Ks.append(K or 1)
+    return math.lcm(*Ks) if Ks else 1
+
+
 @dataclass
 class _Cuts:
     """The sequential structure of a PCG: units in order, the tensors live across each cut."""
@@ -278,10 +367,18 @@ def _analyze(g: PCG, roles: Mapping[int, str]) -> _Cuts:
         for c in range(q + 1, last[r] + 1):
             if role == "input-placement":
                 continue                   # the loader feeds the data again
-            if role == "weight-placement" or g.shape(r).sum_degree > 1:
-                valid[c] = False           # a weight used on both sides, or partial sums
+            if role == "weight-placement" or g.shape(r).sum_degree > 1 or not may_cross(g.shape(r).dtype):
+                valid[c] = False           # a weight used on both sides, partial sums, or not floating
             else:
                 crossing[c].append(r)
+    # the executor sends a model input from the first stage to every stage up to its last reader: an
+    # integer one (token ids, masks) read after a cut would cross it (may_cross)
+    for u in order:
+        for nid in units[u]:
+            for r in g.node(nid).inputs:
+                if roles[r[0]] in ("input", "input-placement") and not may_cross(g.shape(tuple(r)).dtype):
+                    for c in range(1, rank[u] + 1):
+                        valid[c] = False
     # a trained Weight read by units on both sides of a cut
     trained = {n.id for n in g.sources("Weight") if g.is_trainable(n.id)}
     for n in g.sources("Weight"):
@@ -847,7 +944,9 @@ def _search_pipeline(pcg, mapper_or_cost_model, max_stages, min_stages, micro_ba
             break
         try:
             graphs[M] = rebatch(pcg, B, B // M)
-        except PipelineError:
+            micro_graph(pcg, M)       # the executor's test: the batch, and only it, splits M ways
+        except PipelineError as e:
+            stats.setdefault("micro_batches_refused", {})[M] = str(e)
             continue
         stats["micro_batches_tried"].append(M)
         lay = _LayerPrices(graphs[M], roles, layer_nodes, mapper, intra, machine, memo)
@@ -1166,6 +1265,22 @@ def _evaluate(gM, roles, info, layers, plan, M, mapper, intra, machine, memo=Non
     if any(not math.isfinite(x) for x in fwd):
         return dict(out, cost=INF, makespan=INF, feasible=False,
                     reason="; ".join(reasons) or "a stage cannot be mapped")
+    # the executor runs data-parallel stages as R virtual pipelines: the batch must split M x R ways
+    R = executor_replicas([p.pcg for p in priced])
+    if R > 1:
+        key = ("micro", id(gM), R)
+        why = memo.get(key, "?") if memo is not None else "?"
+        if why == "?":
+            try:
+                micro_graph(gM, R)
+                why = None
+            except PipelineError as e:
+                why = str(e)
+            if memo is not None:
+                memo[key] = why
+        if why is not None:
+            return dict(out, cost=INF, makespan=INF, feasible=False,
+                        reason=f"{R} data-parallel pieces per micro-batch: {why}")
     makespan = simulate_1f1b(fwd, bwd, M, send, send, once).makespan
     for idx, mem in enumerate(mems):
         if mem and max(mem.values()) > cap:
@@ -1626,7 +1741,7 @@ def main(argv: Sequence[str] | None = None) -> int:
 
 __all__ = ["search_pipeline", "evaluate_pipeline", "simulate_1f1b", "schedule_1f1b", "in_flight", "PipelineResult",
            "PipelineStage", "PipelineError", "Timeline", "rebatch", "stage_graph", "sequential_layers", "default_intra",
-           "megatron_intra", "by_rules",
+           "megatron_intra", "by_rules", "micro_graph", "logical_graph", "may_cross", "batch_split_error", "executor_replicas",
            "validate_pipeline_field", "batch_size", "SCHEDULE"]
 
 
