@@ -142,7 +142,7 @@ def run_case(rec: dict, machines: list, budget: float, work: str) -> list[dict]:
     ref = None
     why_ref = f"reference plan: {last_line(err)}" if rc else None
     if not rc:
-        rc, out, err = cli(["run", one, "--model", rec["path"], "--steps", STEPS, "--json"], 900)
+        rc, out, err = cli(["run", one, "--model", rec["path"], "--steps", STEPS, "--loss", "mean", "--optimizer", "sgd", "--json"], 900)
         ref = losses_of(out) if not rc else None
         why_ref = None if ref else f"one-process run: {last_line(err)}"
     ref_s = time.perf_counter() - t
@@ -163,7 +163,7 @@ def run_case(rec: dict, machines: list, budget: float, work: str) -> list[dict]:
         row["executor_check"] = ((pj.get("info") or {}).get("search") or {}).get("executor_check")
         row["predicted_iteration_s"] = (pj.get("predicted") or {}).get("predicted_iteration_s")
         t = time.perf_counter()
-        rc, out, err = cli(["run", plan, "--model", rec["path"], "--steps", STEPS, "--json"], 900)
+        rc, out, err = cli(["run", plan, "--model", rec["path"], "--steps", STEPS, "--loss", "mean", "--optimizer", "sgd", "--json"], 900)
         row["run_s"] = round(time.perf_counter() - t, 1)
         got = losses_of(out) if not rc else None
         if got is None:

@@ -155,7 +155,7 @@ def test_optimize_plan_on_two_devices_runs_like_one_process(alibi, capfd):
     losses = []
     for p in (str(d / "opt.json"), one):
         capfd.readouterr()
-        rc = main(["run", p, "--model", model, "--steps", "2", "--json"])
+        rc = main(["run", p, "--model", model, "--steps", "2", "--loss", "mean", "--optimizer", "sgd", "--json"])
         out, err = capfd.readouterr()
         assert rc == 0, err
         losses.append(json.loads(out)["losses"])
@@ -174,7 +174,7 @@ def test_a_stage_without_parameters_trains(tmp_path, capfd):
     assert [[g.node(n).op for n in st["nodes"] if g.node(n).kind == "compute"]
             for st in P.load(plan).pipeline["stages"]][1] == ["Relu"]
     capfd.readouterr()
-    rc = main(["run", plan, "--model", model, "--steps", "2", "--json"])
+    rc = main(["run", plan, "--model", model, "--steps", "2", "--loss", "mean", "--optimizer", "sgd", "--json"])
     out, err = capfd.readouterr()
     assert rc == 0, err
     ref, _ = reference_losses(model, 2, "sgd")
@@ -208,7 +208,7 @@ def test_strided_sends_and_a_loss_computed_before_the_last_stage(tmp_path, capfd
     losses = []
     for p in (plan, one_device_plan(model, str(tmp_path / "one.json"))):
         capfd.readouterr()
-        rc = main(["run", p, "--model", model, "--steps", "2", "--json"])
+        rc = main(["run", p, "--model", model, "--steps", "2", "--loss", "mean", "--optimizer", "sgd", "--json"])
         out, err = capfd.readouterr()
         assert rc == 0, err
         losses.append(json.loads(out)["losses"])
