@@ -54,6 +54,19 @@ class CheckpointWriteError(CheckpointError):
     Raised on every rank with the same message."""
 
 
+def check_writable(root: str) -> None:
+    """Refuse, before a run starts, a checkpoint folder that cannot be written: a file, or a folder (or the
+    nearest existing folder above a new one) without write permission."""
+    p = os.path.abspath(root)
+    if os.path.exists(p) and not os.path.isdir(p):
+        raise CheckpointError(f"--checkpoint {root}: is a file, expected a folder")
+    q = p
+    while not os.path.exists(q):
+        q = os.path.dirname(q)
+    if not os.access(q, os.W_OK | os.X_OK):
+        raise CheckpointError(f"--checkpoint {root}: cannot write into {q} (no permission)")
+
+
 def step_dir(root: str, step: int) -> str:
     return os.path.join(root, f"step-{step:08d}")
 

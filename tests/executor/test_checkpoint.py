@@ -94,6 +94,30 @@ def test_resume_refuses_a_foreign_checkpoint_before_start(work, capfd, monkeypat
     assert rc == 2 and len(err) == 1 and "no checkpoint" in err[0], err
 
 
+def test_a_checkpoint_folder_that_cannot_be_written_is_refused_before_start(work, capfd, monkeypatch, tmp_path):
+    """--checkpoint naming a file, or a folder the user may not write into, is one line before any process."""
+    import os
+
+    from unity_pcg.cli import main
+    from unity_pcg.executor import launch as _launch
+    monkeypatch.setattr(_launch, "launch", lambda *a, **k: pytest.fail("launched"))
+    f = tmp_path / "afile"
+    f.write_text("x")
+    capfd.readouterr()
+    rc = main(["run", work["dp2"], "--model", work["model"], "--checkpoint", str(f), "--loss", "mean"])
+    err = capfd.readouterr().err.strip().splitlines()
+    assert rc == 2 and len(err) == 1 and "is a file" in err[0], err
+    real = os.access
+    locked = tmp_path / "locked"
+    locked.mkdir()
+    # the permission answer of a read-only folder (root may write anywhere, so os.access is asked to say no)
+    monkeypatch.setattr(os, "access", lambda p, m, *a, **k: False if os.path.abspath(p) == str(locked) else real(p, m))
+    rc = main(["run", work["dp2"], "--model", work["model"], "--checkpoint", str(locked / "new" / "ck"),
+               "--loss", "mean"])
+    err = capfd.readouterr().err.strip().splitlines()
+    assert rc == 2 and len(err) == 1 and "cannot write into" in err[0] and "locked" in err[0], err
+
+
 # --- a checkpoint that cannot be written (issue 20, point 5b) ---------------------------------------------
 
 def _one_rank(monkeypatch, capfd, *args):

@@ -59,6 +59,9 @@ def precheck(args):
     if args.save_model:
         from unity_pcg.executor.export import check_output
         check_output(args.save_model)
+    if args.checkpoint:
+        from unity_pcg.executor.checkpoint import check_writable
+        check_writable(args.checkpoint)
     plan, world = check(args.plan, args.model, args.nproc, args.per_device_bn)
     from unity_pcg.executor.launch import plan_optimizer
     args.optimizer = args.optimizer or plan_optimizer(plan)
