@@ -3,7 +3,8 @@
 A plan holds the model's identity (path and sha256), the machine, the parallelized PCG, the machine
 view of every operator, the pipeline schedule if any, and the predicted iteration time, memory per
 device and communication volume, the precision it was priced in (``precision``: fp32, tf32 or bf16;
-missing in older plans = fp32), and (optional, ``rules``) the rule sequence that produced the PCG
+missing in older plans = fp32), the memory techniques it trains with (``memory``, :class:`MemoryPlan`: ZeRO
+stage, optimizer-state offload, recomputed regions; missing = none), and (optional, ``rules``) the rule sequence that produced the PCG
 from the imported model: one ``{"rule", "nodes", "inputs", "bind"}`` object per step (see
 ``search.substitution.RuleStep``; ``search.substitution.replay`` re-applies it).  Loading re-infers every shape of the PCG and checks every view
 against its operator's task grid and the machine, so a plan from a stranger is checked data.
@@ -35,6 +36,73 @@ def file_sha256(path: str) -> str:
     return h.hexdigest()
 
 
+RECOMPUTE_MODES = ("full", "selective")
+
+
+@dataclass(frozen=True)
+class RecomputeRegion:
+    """Compute nodes whose forward is run again in the backward pass.  ``full``: only the region's inputs
+    are kept; ``selective``: inside the region the outputs of matmul- and convolution-class operators are
+    kept too and the rest (softmax, dropout, norms, element-wise) is recomputed (Megatron-LM's selective
+    form, by operator class)."""
+    nodes: tuple[int, ...]
+    mode: str = "full"
+
+    def to_json(self) -> dict:
+        return {"nodes": list(self.nodes), "mode": self.mode}
+
+
+@dataclass(frozen=True)
+class MemoryPlan:
+    """The memory techniques a plan trains with (DESIGN "Plan file").  ``zero``: ZeRO stage over each
+    weight's data-parallel copies (the devices holding identical copies of one weight piece): 1 shards the
+    optimizer states, 2 also the gradients (reduce-scatter), 3 also the parameters (all-gathered before use
+    in the forward and again in the backward).  ``offload``: optimizer states and the update in host memory.
+    ``recompute``: regions recomputed in the backward.  Sequence parallelism is a layout, not a field."""
+    zero: int = 0
+    offload: bool = False
+    recompute: tuple[RecomputeRegion, ...] = ()
+
+    @property
+    def empty(self) -> bool:
+        return not self.zero and not self.offload and not self.recompute
+
+    def to_json(self) -> dict:
+        return {"zero": self.zero, "offload": self.offload, "recompute": [r.to_json() for r in self.recompute]}
+
+    @staticmethod
+    def from_json(obj: Any, pcg: PCG | None = None) -> "MemoryPlan":
+        """Checked: stage 0-3, a boolean offload, regions of distinct compute nodes of ``pcg``."""
+        if not isinstance(obj, Mapping):
+            raise PlanError("plan: field memory must be an object")
+        zero = obj.get("zero", 0)
+        if not _is_int(zero) or not 0 <= zero <= 3:
+            raise PlanError(f"plan: field memory.zero must be a ZeRO stage 0-3, got {zero!r}")
+        offload = obj.get("offload", False)
+        if not isinstance(offload, bool):
+            raise PlanError("plan: field memory.offload must be true or false")
+        regions, seen = [], set()
+        for k, r in enumerate(_list(obj.get("recompute", []), "memory.recompute")):
+            if not isinstance(r, Mapping):
+                raise PlanError(f"plan: memory.recompute[{k}] must be an object")
+            mode = r.get("mode", "full")
+            if mode not in RECOMPUTE_MODES:
+                raise PlanError(f"plan: memory.recompute[{k}].mode must be one of {', '.join(RECOMPUTE_MODES)}, "
+                                f"got {mode!r}")
+            nodes = _list(r.get("nodes"), f"memory.recompute[{k}].nodes")
+            if not nodes or not all(_is_int(n) for n in nodes):
+                raise PlanError(f"plan: memory.recompute[{k}].nodes must be a non-empty list of node ids")
+            for n in nodes:
+                if n in seen:
+                    raise PlanError(f"plan: node {n} is in two recompute regions")
+                seen.add(n)
+                if pcg is not None and (n not in pcg or pcg.node(n).kind != "compute"):
+                    raise PlanError(f"plan: memory.recompute[{k}] names node {n}, which is not a compute "
+                                    f"node of the PCG")
+            regions.append(RecomputeRegion(tuple(nodes), mode))
+        return MemoryPlan(zero, offload, tuple(regions))
+
+
 @dataclass(frozen=True)
 class Plan:
     model_path: str
@@ -47,6 +115,7 @@ class Plan:
     info: Mapping[str, Any] = field(default_factory=dict)
     rules: tuple | None = None          # the rule sequence (JSON objects), None when not recorded
     precision: str = "fp32"             # math mode the plan was priced in (fp32, tf32, bf16: DESIGN "Cost model")
+    memory: MemoryPlan | None = None    # memory techniques (None: none)
 
     def to_json(self) -> dict:
         return {"schema": SCHEMA,
@@ -59,6 +128,7 @@ class Plan:
                               for k, v in self.predicted.items()},
                 "info": dict(self.info),
                 "precision": self.precision,
+                **({"memory": self.memory.to_json()} if self.memory is not None and not self.memory.empty else {}),
                 **({"rules": [dict(x) for x in self.rules]} if self.rules is not None else {})}
 
     def save(self, path: str) -> None:
@@ -135,7 +205,15 @@ def from_json(obj: Any) -> Plan:
     precision = obj.get("precision", "fp32")     # plans written before precision existed: fp32
     if precision not in PRECISIONS:
         raise PlanError(f"plan: field precision must be one of {', '.join(PRECISIONS)}, got {precision!r}")
-    return Plan(path, sha, machine, pcg, views, predicted, pipeline, obj.get("info") or {}, rules, precision)
+    memory = obj.get("memory")
+    memory = MemoryPlan.from_json(memory, pcg) if memory is not None else None
+    if memory is not None and pipeline is not None:
+        stage_of = {n: i for i, st in enumerate(pipeline["stages"]) for n in st["nodes"]}
+        for k, r in enumerate(memory.recompute):
+            if len({stage_of.get(n) for n in r.nodes}) > 1:
+                raise PlanError(f"plan: memory.recompute[{k}] spans two pipeline stages")
+    return Plan(path, sha, machine, pcg, views, predicted, pipeline, obj.get("info") or {}, rules, precision,
+                memory if memory is not None and not memory.empty else None)
 
 
 def _list(v: Any, where: str) -> list:

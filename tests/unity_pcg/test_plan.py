@@ -92,3 +92,41 @@ def test_not_json(tmp_path):
     p.write_text("{not json")
     with pytest.raises(PlanError, match="not JSON"):
         P.load(str(p))
+
+
+def _linears(pl) -> list[int]:
+    return [n.id for n in pl.pcg.nodes() if n.op == "Linear"]
+
+
+def test_memory_field_round_trips(made, tmp_path):
+    pl, _, _ = made
+    lin = _linears(pl)
+    mem = P.MemoryPlan(zero=2, offload=True, recompute=(P.RecomputeRegion(tuple(lin[:2]), "selective"),))
+    p2 = tmp_path / "mem.json"
+    P.Plan(pl.model_path, pl.model_sha256, pl.machine, pl.pcg, pl.views, pl.predicted, memory=mem).save(str(p2))
+    back = P.load(str(p2))
+    assert back.memory == mem
+    # no technique: no field, loads as None
+    assert "memory" not in json.loads((tmp_path / "plan.json").read_text())
+    assert P.load(str(tmp_path / "plan.json")).memory is None
+
+
+@pytest.mark.parametrize("memory, msg", [
+    ({"zero": 4}, "ZeRO stage"),
+    ({"offload": "yes"}, "true or false"),
+    ({"recompute": [{"nodes": [], "mode": "full"}]}, "non-empty"),
+    ({"recompute": [{"nodes": ["a"]}]}, "node ids"),
+    ({"recompute": [{"nodes": "LIN", "mode": "partial"}]}, "mode must be one of"),
+    ({"recompute": [{"nodes": "LIN"}, {"nodes": "LIN"}]}, "two recompute regions"),
+    ({"recompute": [{"nodes": [99999]}]}, "not a compute node"),
+])
+def test_bad_memory_field_is_refused(made, memory, msg):
+    pl, path, _ = made
+    lin = _linears(pl)
+    for r in memory.get("recompute", []):
+        if r["nodes"] == "LIN":
+            r["nodes"] = lin[:1]
+    _tamper(path, lambda o: o.update(memory=memory))
+    with pytest.raises(PlanError, match=msg) as e:
+        P.load(str(path))
+    assert "\n" not in str(e.value)
