@@ -281,7 +281,7 @@ def _stage_plans(g: PCG, node_lists, stage_of, order, devices, order_of, M: int,
         carried_in = send
     if stage_of.get(first_out[0], -1) not in range(S) and g.node(first_out[0]).op != "Input":
         raise PipelineError("plan: the model's first output is produced by no pipeline stage")
-    from unity_pcg.search.pipeline import may_cross     # the rule the pipeline search cuts by
+    from unity_pcg.search.stages import may_cross     # the rule the pipeline search cuts by
     for st in stages[:-1]:
         for r in st.send:
             dt = g.shape(r).dtype

@@ -90,16 +90,13 @@ from .baselines import StrategyError, data_parallel
 from .cost import CostModel, GraphCost
 from .mapping import MachineMapper
 from .memory import node_memory
-from .sp import build_units
+from .stages import (Cuts, PipelineError, cluster, holds, may_cross, stage_dp, structure_key, sub_mesh,
+                     t_max_bounds)
 
 INF = math.inf
 SCHEDULE = PIPELINE_SCHEDULE
 MAX_BOUNDS = 48                         # stage-time bounds the DP tries per number of micro-batches
 TIE = 1e-3                              # stage DP: relative cost difference below which the smaller max wins
-
-
-class PipelineError(UnityError, ValueError):
-    """A pipeline that cannot be built (no cut, batch not divisible by the micro-batches, ...)."""
 
 
 # --- the 1F1B schedule ---------------------------------------------------------------------------
@@ -286,13 +283,6 @@ def micro_graph(g: PCG, M: int) -> PCG:
         raise PipelineError(f"the pipeline's micro-batches cannot run through the model: {e}") from None
 
 
-def may_cross(dtype: str) -> bool:
-    """Whether a tensor of ``dtype`` may cross a stage boundary (the executor's stages exchange floating
-    tensors only; model inputs a later stage reads are sent along too, so an integer input read after a
-    cut makes it one the executor cannot run)."""
-    return str(dtype).startswith(("float", "bfloat"))
-
-
 def batch_split_error(g: PCG, nid: int, K: int) -> str | None:
     """Why compute node ``nid`` is not data parallel ``K`` ways as the executor runs a data-parallel stage
     (every tensor it reads or writes split K ways on dim 0 and nowhere else, or whole and copied K ways);
@@ -327,117 +317,12 @@ def executor_replicas(stage_pcgs: Sequence[PCG]) -> int:
     return math.lcm(*Ks) if Ks else 1
 
 
-@dataclass
-class _Cuts:
-    """The sequential structure of a PCG: units in order, the tensors live across each cut."""
-    units: list                    # unit index (in order) -> tuple of node ids
-    crossing: list                 # cut c (between unit c-1 and c), c = 1..U-1 -> list of refs
-    valid: list                    # cut c -> bool
-    flops: list                    # unit -> forward FLOPs
-    roles: dict
-
-
-def _analyze(g: PCG, roles: Mapping[int, str]) -> _Cuts:
-    gen = next((n for n in g.nodes() if n.op in ("RandomNormal", "RandomUniform")), None)
-    if gen is not None:   # the pipeline searches (ours, Alpa's) start here; the executor pipelines no generator
-        raise PipelineError(f"no pipeline for a model that draws random numbers ({gen.label()}): the executor "
-                            f"runs random generators only in plans without pipeline stages")
-    units, unit_of, main = build_units(g, dict(roles))
-    pos = {nid: i for i, nid in enumerate(g.topo_order())}
-    order = sorted(range(len(units)), key=lambda u: pos[main[u]])
-    rank = {u: k for k, u in enumerate(order)}
-    U = len(units)
-    first: dict = {}
-    last: dict = {}
-    for u in order:
-        for nid in units[u]:
-            for r in g.node(nid).inputs:
-                r = tuple(r)
-                v = unit_of.get(r[0])
-                if v is None:
-                    continue
-                q, p = rank[v], rank[u]
-                if q < p:
-                    first[r] = q
-                    last[r] = max(last.get(r, p), p)
-    crossing: list = [[] for _ in range(U)]
-    valid = [True] * U
-    for r, q in first.items():
-        role = roles[r[0]]
-        for c in range(q + 1, last[r] + 1):
-            if role == "input-placement":
-                continue                   # the loader feeds the data again
-            if role == "weight-placement" or g.shape(r).sum_degree > 1 or not may_cross(g.shape(r).dtype):
-                valid[c] = False           # a weight used on both sides, partial sums, or not floating
-            else:
-                crossing[c].append(r)
-    # the executor sends a model input from the first stage to every stage up to its last reader: an
-    # integer one (token ids, masks) read after a cut would cross it (may_cross)
-    for u in order:
-        for nid in units[u]:
-            for r in g.node(nid).inputs:
-                if roles[r[0]] in ("input", "input-placement") and not may_cross(g.shape(tuple(r)).dtype):
-                    for c in range(1, rank[u] + 1):
-                        valid[c] = False
-    # a trained Weight read by units on both sides of a cut
-    trained = {n.id for n in g.sources("Weight") if g.is_trainable(n.id)}
-    for n in g.sources("Weight"):
-        us = set()
-        for nid, _ in g.consumers((n.id, 0)):
-            if nid in unit_of:
-                us.add(rank[unit_of[nid]])
-            else:
-                stack = [nid]
-                while stack:           # a weight read through a chain that is its own unit
-                    x = stack.pop()
-                    if x in unit_of:
-                        us.add(rank[unit_of[x]])
-                    else:
-                        stack.extend(c for c, _ in g.consumers((x, 0)))
-        if len(us) > 1 and n.id in trained:
-            for c in range(min(us) + 1, max(us) + 1):
-                valid[c] = False
-    fl = []
-    for u in order:
-        f = 0.0
-        for nid in units[u]:
-            n = g.node(nid)
-            if n.kind == "compute":
-                f += ops.flops(n.op, n.a, g.input_shapes(nid), g.shapes(nid))
-        fl.append(f)
-    return _Cuts([units[u] for u in order], crossing, valid, fl, dict(roles))
-
-
-def sequential_layers(g: PCG, roles: Mapping[int, str], max_layers: int) -> tuple[list, list]:
-    """Cut the PCG into at most ``max_layers`` layers (see module docstring).  Returns
-    ``(layers, info)``: per layer the unit indices ``(first, last + 1)``; the units in order and,
-    per cut between units, the refs crossing it and whether it may be cut."""
-    info = _analyze(g, roles)
-    U = len(info.units)
-    cand = [c for c in range(1, U) if info.valid[c]]
-    if cand:
-        low = min(len(info.crossing[c]) for c in cand)
-        cand = [c for c in cand if len(info.crossing[c]) == low]
-    total = sum(info.flops) or float(U)
-    pre = [0.0]
-    for k, f in enumerate(info.flops):
-        pre.append(pre[-1] + (f if sum(info.flops) else 1.0))
-    chosen: list[int] = []
-    L = max(1, int(max_layers))
-    for t in range(1, L):
-        target = total * t / L
-        best = None
-        for c in cand:
-            if chosen and c <= chosen[-1]:
-                continue
-            d = abs(pre[c] - target)
-            if best is None or d < best[0]:
-                best = (d, c)
-        if best is not None and best[1] not in chosen:
-            chosen.append(best[1])
-    bounds = [0] + sorted(set(chosen)) + [U]
-    layers = [(bounds[k], bounds[k + 1]) for k in range(len(bounds) - 1)]
-    return layers, info
+def sequential_layers(g: PCG, roles: Mapping[int, str], max_layers: int) -> tuple[list, Cuts]:
+    """Unity's layers: at most ``max_layers`` contiguous runs of units cut where the fewest tensors cross,
+    each cut near its equal-FLOP target, no FLOP bound (:func:`unity_pcg.search.stages.cluster`).  Returns
+    ``(layers, info)``: per layer the unit indices ``(first, last + 1)``; the units in order and, per cut
+    between units, the refs crossing it and whether it may be cut."""
+    return cluster(g, roles, max_layers, cuts="fewest", inputs=False, balance="cuts", delta=None)
 
 
 def stage_graph(g: PCG, roles: Mapping[int, str], nodes: Iterable[int]) -> PCG:
@@ -726,7 +611,7 @@ class PipelineResult:
 # --- pricing ---------------------------------------------------------------------------------------
 
 @dataclass
-class _Priced:
+class StagePrice:
     t: float                          # fwd + bwd per micro-batch
     once: float                       # gradient sync + optimizer update, once per iteration
     w: dict                           # device -> bytes of weights + grads + states
@@ -738,11 +623,11 @@ class _Priced:
     a_in: dict = field(default_factory=dict)   # device -> bytes of ``a`` that are the stage's received inputs
 
 
-def _failed(reason: str) -> _Priced:
-    return _Priced(INF, 0.0, {}, {}, {}, None, (), reason)
+def _failed(reason: str) -> StagePrice:
+    return StagePrice(INF, 0.0, {}, {}, {}, None, (), reason)
 
 
-def _price(mapper: MachineMapper, sg: PCG, intra, res: Resource, memo: dict | None = None) -> _Priced:
+def _price(mapper: MachineMapper, sg: PCG, intra, res: Resource, memo: dict | None = None) -> StagePrice:
     """Parallelize the stage sub-PCG ``sg`` with ``intra`` for ``res`` and map it on the smallest block
     of ``res`` (from its first device) that holds its largest degree: a data-parallel stage of degree
     d < |res| leaves the other devices idle either way, and the mapping then costs a d-device search,
@@ -758,20 +643,20 @@ def _price(mapper: MachineMapper, sg: PCG, intra, res: Resource, memo: dict | No
     machine = mapper.machine
     deg = _max_degree(P)
     if deg > res.size:
-        return _Priced(INF, 0.0, {}, {}, {}, P, tuple(sg.outputs),
+        return StagePrice(INF, 0.0, {}, {}, {}, P, tuple(sg.outputs),
                        f"the stage needs {deg} devices, its sub-mesh has {res.size}")
     D = machine.devices_per_node
     size = deg if deg <= D else -(-deg // D) * D
-    block = _resource(machine, res.start, min(size, res.size)) or res
+    block = sub_mesh(machine, res.start, min(size, res.size)) or res
     key = None
     if memo is not None:
-        key = (_shape_key(P), block.size, block.start % D if block.nodes == 1 else 0)
+        key = (structure_key(P), block.size, block.start % D if block.nodes == 1 else 0)
         hit = memo.get(key)
         if hit is not None:
             return hit
     r = mapper.optimize(P, block)
     if r.memory is None or not r.views:
-        out = _Priced(INF, 0.0, {}, {}, {}, P, tuple(sg.outputs), r.reason or "no machine view fits the stage")
+        out = StagePrice(INF, 0.0, {}, {}, {}, P, tuple(sg.outputs), r.reason or "no machine view fits the stage")
     else:
         b = r.breakdown
         total = r.cost if math.isfinite(r.cost) else b.time   # out of memory at one micro-batch: priced anyway
@@ -782,7 +667,7 @@ def _price(mapper: MachineMapper, sg: PCG, intra, res: Resource, memo: dict | No
             if gc.role[nid] == "input-placement" and nid in r.views:
                 for d, v in node_memory(gc, nid, r.views[nid])[1].items():
                     a_in[d] = a_in.get(d, 0) + v
-        out = _Priced(max(total - once, 0.0), once, dict(r.memory.weights), dict(r.memory.activations),
+        out = StagePrice(max(total - once, 0.0), once, dict(r.memory.weights), dict(r.memory.activations),
                       dict(r.views), P, tuple(tuple(x) for x in sg.outputs), a_in=a_in)
     if key is not None:
         memo[key] = out
@@ -793,30 +678,6 @@ def _max_degree(g: PCG) -> int:
     """The most devices any node of ``g`` runs on: every tensor of an operator has one piece per task,
     so it is the largest piece count of any output."""
     return max((s.piece_count for n in g.nodes() if n.kind != "source" for s in g.shapes(n.id)), default=1)
-
-
-def _shape_key(g: PCG) -> tuple:
-    """The structure of ``g`` with node names and ids left out (repeated layers share it)."""
-    idx: dict = {}
-    items = []
-    for nid in g.topo_order():
-        n = g.node(nid)
-        idx[nid] = len(items)
-        items.append((n.op, tuple((k, v if not isinstance(v, list) else tuple(v)) for k, v in n.attrs
-                                  if k != "name"), tuple((idx[r[0]], r[1]) for r in n.inputs)))
-    return tuple(items), tuple((idx[r[0]], r[1]) for r in g.outputs)
-
-
-def _resource(machine: MachineSpec, start: int, size: int) -> Resource | None:
-    """The block of ``size`` devices from ``start`` if it is a Resource (inside one node, or whole nodes)."""
-    D = machine.devices_per_node
-    if size < 1 or start < 0 or start + size > machine.num_devices:
-        return None
-    if size <= D and start % D + size <= D:
-        return Resource(start, 1, size)
-    if start % D == 0 and size % D == 0:
-        return Resource(start, size // D, D)
-    return None
 
 
 def _sizes(machine: MachineSpec, max_stages: int) -> list[int]:
@@ -836,7 +697,7 @@ def _sizes(machine: MachineSpec, max_stages: int) -> list[int]:
     return sorted(part | {n * D for n in whole})
 
 
-def _transfer(machine: MachineSpec, src: Sequence[int], dst: Sequence[int], nbytes: float) -> float:
+def stage_transfer(machine: MachineSpec, src: Sequence[int], dst: Sequence[int], nbytes: float) -> float:
     """Point-to-point moves of a tensor of ``nbytes`` spread evenly over ``src`` to ``dst``: sender
     i holds [i/p, (i+1)/p) of it, receiver j needs [j/q, (j+1)/q)."""
     if nbytes <= 0 or not src or not dst:
@@ -851,7 +712,7 @@ def _transfer(machine: MachineSpec, src: Sequence[int], dst: Sequence[int], nbyt
     return C.transfer_time(machine, moves)
 
 
-def _crossing_bytes(g: PCG, refs: Iterable) -> float:
+def crossing_bytes(g: PCG, refs: Iterable) -> float:
     return float(sum(g.shape(r).nbytes for r in refs))
 
 
@@ -985,7 +846,7 @@ def _search_pipeline(pcg, mapper_or_cost_model, max_stages, min_stages, micro_ba
     if best is None:
         return None
     _, M, plan, ev = best
-    result = _assemble(pcg, graphs[M], plan, M, ev, machine)
+    result = assemble(pcg, graphs[M], plan, M, ev, machine)
     result.origin = _origin(layers, info, plan, ev, intra is default_intra)
     result.origin.update(max_layers=max_layers, megatron=getattr(intra, "megatron", None))
     result.search_s = time.perf_counter() - t0
@@ -1010,7 +871,7 @@ def evaluate_pipeline(pcg: PCG, mapper_or_cost_model: MachineMapper | CostModel,
     plan = tuple(tuple(int(x) for x in st) for st in stages)
     at_layer, at_dev = 0, 0
     for k, i, d, s in plan:
-        if k != at_layer or i <= k or d != at_dev or _resource(machine, d, s) is None:
+        if k != at_layer or i <= k or d != at_dev or sub_mesh(machine, d, s) is None:
             raise PipelineError(f"stage {(k, i, d, s)} does not continue the previous one (layer {at_layer}, "
                                 f"device {at_dev}) with a block of whole nodes or devices inside one node")
         at_layer, at_dev = i, d + s
@@ -1022,7 +883,7 @@ def evaluate_pipeline(pcg: PCG, mapper_or_cost_model: MachineMapper | CostModel,
         raise PipelineError(f"micro-batch count {micro_batches!r} does not divide the batch {B}")
     gM = rebatch(pcg, B, B // micro_batches)
     ev = _evaluate(gM, roles, info, layers, plan, micro_batches, mapper, intra or default_intra, machine)
-    out = _assemble(pcg, gM, plan, micro_batches, ev, machine, stitch)
+    out = assemble(pcg, gM, plan, micro_batches, ev, machine, stitch)
     out.origin = _origin(layers, info, plan, ev, (intra or default_intra) is default_intra)
     out.origin.update(max_layers=max_layers, megatron=getattr(intra, "megatron", None))
     out.search_s = time.perf_counter() - t0
@@ -1049,12 +910,12 @@ class _LayerPrices:
             d = self.degrees[layer] = _max_degree(sg)
         return d
 
-    def get(self, layer: int, size: int) -> _Priced:
+    def get(self, layer: int, size: int) -> StagePrice:
         key = (layer, size)
         hit = self.memo.get(key)
         if hit is not None:
             return hit
-        res = _resource(self.machine, 0, size)
+        res = sub_mesh(self.machine, 0, size)
         sg = self.graphs.get(layer)
         if sg is None:
             try:
@@ -1071,7 +932,7 @@ class _LayerPrices:
             # sub-mesh sizes that give the same data-parallel degree
             shape = self.keys.get(layer)
             if shape is None:
-                shape = self.keys[layer] = _shape_key(sg)
+                shape = self.keys[layer] = structure_key(sg)
             tag: Any = ("size", size)
             if self.intra is default_intra:      # the devices it uses: the data-parallel degree, or the
                 need = max(_dp_degree(sg, size), self._degree(layer, sg))   # given parallelization's
@@ -1086,16 +947,22 @@ class _LayerPrices:
         return p
 
 
-def _stage_dp(lay: _LayerPrices, info: _Cuts, layers, gM, machine, sizes, T, M, min_stages, max_stages,
+def _stage_dp(lay: _LayerPrices, info: Cuts, layers, gM, machine, sizes, T, M, min_stages, max_stages,
               deadline, candidates, clock=time.perf_counter) -> list:
-    """Alpa's stage DP over layers and devices (module docstring).  Returns up to ``candidates``
-    plans per stage count, best first, each ``(estimate, plan)``; a plan is a tuple of stages
-    ``(first layer, last layer + 1, first device, number of devices)``.  Bounds ``t_max`` closer than
-    1% are merged (the DP runs at the larger one; the estimate uses the plan's actual maximum), more
-    coarsely where that leaves more than ``MAX_BOUNDS`` of them."""
+    """The shared stage DP (:func:`unity_pcg.search.stages.stage_dp`) on layer prices (module docstring).
+    Returns up to ``candidates`` plans per stage count, best first, each ``(estimate, plan)``; a plan is a
+    tuple of stages ``(first layer, last layer + 1, first device, number of devices)``.  Sub-meshes are
+    blocks of ``sizes`` laid out left to right, the last stage any block to the end; bounds ``t_max`` closer
+    than 1% are merged (the DP runs at the larger one; the estimate uses the plan's actual maximum), more
+    coarsely where that leaves more than ``MAX_BOUNDS`` of them; objectives with and without the stages'
+    updates (they run after each stage's last backward, overlapping the drain of the earlier stages, so
+    neither their sum nor nothing is right); DP costs within ``TIE`` are ties (the smaller largest stage
+    time wins).  Each plan is estimated by the 1F1B simulation on the layer prices."""
     L = len(layers)
     D = machine.devices_per_node
     cap = machine.device.memory_bytes
+    inner = set(sizes)
+    opts = sorted(inner | {T - d for d in range(T) if sub_mesh(machine, d, T - d) is not None})
     tab: dict = {}                      # s -> (t[k][i], once[k][i], w/a dicts [k][i]) for layers k..i
 
     def table(s):
@@ -1118,21 +985,12 @@ def _stage_dp(lay: _LayerPrices, info: _Cuts, layers, gM, machine, sizes, T, M, 
                         # a later layer's received input is the earlier layer's output, counted there
                         a[d] = a.get(d, 0) + (max(v - p.a_in.get(d, 0), 0) if i > k else v)
                     t[k][i], o[k][i], wa[k][i] = tk, ok, (w, a)
-            hit = tab[s] = (t, o, wa, {})
-        return hit
-
-    def fits(s, k, i, infl):
-        _, _, wa, memo = table(s)
-        key = (k, i, infl)
-        hit = memo.get(key)
-        if hit is None:
-            w, a = wa[k][i]
-            hit = memo[key] = all(w.get(d, 0) + infl * a.get(d, 0) <= cap for d in set(w) | set(a))
+            hit = tab[s] = (t, o, wa)
         return hit
 
     cut_bytes = [0.0] * (L + 1)
     for j in range(1, L):
-        cut_bytes[j] = _crossing_bytes(gM, info.crossing[layers[j][0]])
+        cut_bytes[j] = crossing_bytes(gM, info.crossing[layers[j][0]])
     xmemo: dict = {}
 
     def xfer(j, d, s):                  # estimate: activations into the stage from layer j on devices d..
@@ -1148,85 +1006,36 @@ def _stage_dp(lay: _LayerPrices, info: _Cuts, layers, gM, machine, sizes, T, M, 
             xmemo[key] = hit
         return hit
 
-    steps = {d: [s for s in sizes if d + s < T and _resource(machine, d, s) is not None] for d in range(T)}
-    tvals = sorted({table(s)[0][k][i] for s in sizes if s <= T for k in range(L) for i in range(k, L)
-                    if math.isfinite(table(s)[0][k][i])})
-    eps = 0.01
-    while True:                         # clusters of values within eps of the cluster's smallest
-        merged, low = [], INF
-        for t in tvals:
-            if merged and t <= low * (1 + eps):
-                merged[-1] = t
-            else:
-                merged.append(t)
-                low = t
-        if len(merged) <= MAX_BOUNDS:
-            break
-        eps *= 2
+    def allowed(d, j, last):
+        s = opts[j]
+        return sub_mesh(machine, d, s) is not None and (last or s in inner)
+
     bf = lay.mapper.model.backward_factor
 
-    def estimate(plan) -> float:        # the 1F1B simulation on the layer prices
-        ts = [table(s)[0][k][i - 1] for k, i, _, s in plan]
-        once = [table(s)[1][k][i - 1] for k, i, _, s in plan]
-        send = [xfer(plan[j + 1][0], plan[j + 1][2], plan[j + 1][3]) / 2 for j in range(len(plan) - 1)]
+    def estimate(stages) -> float:      # the 1F1B simulation on the layer prices
+        ts = [table(opts[st.option])[0][st.first][st.end - 1] for st in stages]
+        once = [table(opts[st.option])[1][st.first][st.end - 1] for st in stages]
+        send = [xfer(b.first, b.start, opts[b.option]) / 2 for b in stages[1:]]
         return simulate_1f1b([t / (1 + bf) for t in ts], [t * bf / (1 + bf) for t in ts], M, send, send,
                              once).makespan
 
-    found: dict = {}                    # S -> {plan: estimate}
-    best_T = INF
-    for t_max in merged:
-        if M * t_max >= best_T or clock() > deadline:
-            break
-        for lam in (1.0, 0.0):          # updates summed over stages, or left to the estimate
-            memo: dict = {}
-
-            def G(k, d, r):
-                # (cost, plan, largest stage time); costs within TIE of each other are ties, broken by
-                # the smaller largest stage time: with bounds merged the DP runs at a cluster's top,
-                # where plans of about equal sums differ in the makespan through their maximum
-                key = (k, d, r)
-                hit = memo.get(key)
-                if hit is not None:
-                    return hit
-                best = (INF, (), INF)
-                infl = min(r, M)
-                if r == 1:
-                    s = T - d
-                    if _resource(machine, d, s) is not None:
-                        tb = table(s)
-                        t = tb[0][k][L - 1]
-                        if t <= t_max and fits(s, k, L - 1, infl):
-                            best = (t + lam * tb[1][k][L - 1] + xfer(k, d, s), ((k, L, d, s),), t)
-                else:
-                    for s in steps[d]:
-                        tb = table(s)
-                        tk, ok = tb[0][k], tb[1][k]
-                        x = xfer(k, d, s)
-                        for i in range(k, L - r + 1):
-                            t = tk[i]
-                            if t > t_max:
-                                break
-                            c0 = t + lam * ok[i] + x
-                            if c0 >= best[0] * (1 + TIE) or not fits(s, k, i, infl):
-                                continue
-                            rest = G(i + 1, d + s, r - 1)
-                            c, mx = c0 + rest[0], max(t, rest[2])
-                            if c < best[0] * (1 - TIE) or (c <= best[0] * (1 + TIE) and (mx, c) < (best[2], best[0])):
-                                best = (c, ((k, i + 1, d, s),) + rest[1], mx)
-                memo[key] = best
-                return best
-
-            for S in range(min_stages, max_stages + 1):
-                tot, plan, _ = G(0, 0, S)
-                if tot == INF:
-                    continue
-                plans = found.setdefault(S, {})
-                if plan not in plans:
-                    plans[plan] = estimate(plan)
-                    best_T = min(best_T, plans[plan])
+    inner_idx = [j for j, s in enumerate(opts) if s in inner]
+    soft = Deadline(deadline, clock) if math.isfinite(deadline) else None
+    hard = current()
+    found = stage_dp(L, opts, T, M, lambda k, i, j: table(opts[j])[0][k][i],
+                     fits=lambda k, i, j: holds(*table(opts[j])[2][k][i], cap),
+                     extra=(lambda k, i, j: table(opts[j])[1][k][i], None),
+                     entry=lambda k, d, j: xfer(k, d, opts[j]), allowed=allowed,
+                     min_stages=min_stages, max_stages=max_stages,
+                     bounds=lambda t: t_max_bounds(t[:, :, inner_idx], rel=0.01, most=MAX_BOUNDS),
+                     score=estimate, tie=TIE, deadline=soft.sooner(hard) if soft else hard)
+    per_s: dict = {}
+    for est, stages in found.plans:
+        plan = tuple((st.first, st.end, st.start, opts[st.option]) for st in stages)
+        per_s.setdefault(len(plan), []).append((est, plan))
     out = []
-    for S, plans in found.items():
-        out.extend(sorted((e, p) for p, e in plans.items())[:candidates])
+    for plans in per_s.values():
+        out.extend(sorted(plans)[:candidates])
     out.sort()
     return out
 
@@ -1240,7 +1049,7 @@ def _evaluate(gM, roles, info, layers, plan, M, mapper, intra, machine, memo=Non
     cap = machine.device.memory_bytes
     fwd, bwd, once, send, priced, mems, reasons, send_el = [], [], [], [], [], [], [], []
     for idx, (k, i, d, s) in enumerate(plan):
-        res = _resource(machine, d, s)
+        res = sub_mesh(machine, d, s)
         nodes = [n for a, b in layers[k:i] for u in range(a, b) for n in info.units[u]]
         try:
             p = _price(mapper, stage_graph(gM, roles, nodes), intra, res)
@@ -1257,8 +1066,8 @@ def _evaluate(gM, roles, info, layers, plan, M, mapper, intra, machine, memo=Non
     for idx in range(S - 1):
         _, i, d, s = plan[idx]
         _, _, d2, s2 = plan[idx + 1]
-        nb = _crossing_bytes(gM, info.crossing[layers[i][0]])
-        send.append(_transfer(machine, tuple(range(d, d + s)), tuple(range(d2, d2 + s2)), nb))
+        nb = crossing_bytes(gM, info.crossing[layers[i][0]])
+        send.append(stage_transfer(machine, tuple(range(d, d + s)), tuple(range(d2, d2 + s2)), nb))
         send_el.append(sum(gM.shape(r).numel for r in info.crossing[layers[i][0]]))
     out = {"priced": priced, "fwd": fwd, "bwd": bwd, "once": once, "send": send, "mem": mems,
            "memory": {dev: v for mem in mems for dev, v in mem.items()}, "send_elements": send_el}
@@ -1293,7 +1102,7 @@ def _evaluate(gM, roles, info, layers, plan, M, mapper, intra, machine, memo=Non
 
 # --- stitching the stages into one PCG ----------------------------------------------------------
 
-def _origin(layers, info: "_Cuts", plan, ev: dict, dp_inside: bool) -> dict:
+def _origin(layers, info: "Cuts", plan, ev: dict, dp_inside: bool) -> dict:
     """The model's node ids of every stage and the data-parallel degree inside it (for :func:`by_rules`)."""
     nodes = [[n for u in range(layers[k][0], layers[i - 1][1]) for n in info.units[u]] for k, i, _, _ in plan]
     degrees = [_max_degree(p.pcg) if p.pcg is not None else 1 for p in ev["priced"]]
@@ -1301,7 +1110,7 @@ def _origin(layers, info: "_Cuts", plan, ev: dict, dp_inside: bool) -> dict:
     return {"stage_nodes": nodes, "degrees": degrees, "dp_inside": dp_inside, "recipes": recipes}
 
 
-def _assemble(pcg: PCG, gM: PCG, plan, M: int, ev: dict, machine: MachineSpec, stitch: bool = True
+def assemble(pcg: PCG, gM: PCG, plan, M: int, ev: dict, machine: MachineSpec, stitch: bool = True
               ) -> PipelineResult:
     S = len(plan)
     cap = machine.device.memory_bytes
@@ -1314,7 +1123,7 @@ def _assemble(pcg: PCG, gM: PCG, plan, M: int, ev: dict, machine: MachineSpec, s
             cost, feasible, reason = INF, False, f"cannot join the stages: {e}"
     stages = []
     for idx, (k, i, d, s) in enumerate(plan):
-        res = _resource(machine, d, s)
+        res = sub_mesh(machine, d, s)
         mem = ev["mem"][idx]
         stages.append(PipelineStage(tuple(members[idx]), res.devices(machine), res, (k, i), ev["fwd"][idx],
                                     ev["bwd"][idx], ev["once"][idx], ev["send"][idx] if idx < S - 1 else 0.0,
@@ -1339,7 +1148,7 @@ def _comm_elements(ev: dict, M: int, machine: MachineSpec) -> int:
     return int(total)
 
 
-def _stitch(pcg: PCG, gM: PCG, priced: Sequence[_Priced], plan, machine: MachineSpec
+def _stitch(pcg: PCG, gM: PCG, priced: Sequence[StagePrice], plan, machine: MachineSpec
             ) -> tuple[PCG, dict, list]:
     """One PCG at the full batch from the stages' parallel sub-PCGs (module docstring).  Returns the
     PCG, its views and the node ids of every stage in topological order."""
@@ -1351,7 +1160,7 @@ def _stitch(pcg: PCG, gM: PCG, priced: Sequence[_Priced], plan, machine: Machine
     members: list = []
     for idx, p in enumerate(priced):
         R = rebatch(p.pcg, Bm, B)
-        res = _resource(machine, plan[idx][2], plan[idx][3])
+        res = sub_mesh(machine, plan[idx][2], plan[idx][3])
         devs = res.devices(machine)
         mine: list = []
         m: dict = {}                   # R ref -> global ref

@@ -73,12 +73,13 @@ from typing import Callable, Mapping, Sequence
 
 import numpy as np
 
-from unity_pcg import ops
 from unity_pcg.errors import UnityError
-from unity_pcg.machine import MachineSpec, Resource
+from unity_pcg.machine import MachineSpec
 from unity_pcg.pcg import PCG
 
 from .. import pipeline as P
+from .. import stages as S
+from ..budget import Deadline
 from ..cost import CostModel, GraphCost, LeafCost
 from ..mapping import MachineMapper
 from ..memory import memory_per_device
@@ -155,191 +156,11 @@ def place_submeshes(machine: MachineSpec, shapes: Sequence[tuple[int, int]]) -> 
 
 # --- operator clustering (Eq. 6) ------------------------------------------------------------------------
 
-def cluster_costs(g: PCG, roles: Mapping[int, str]):
-    """The units of ``g`` in order (:func:`unity_pcg.search.pipeline._analyze`) and the matrix
-    ``C[i, k]`` of bytes units ``i..k`` read from units before ``i``."""
-    info = P._analyze(g, roles)
-    units = info.units
-    U = len(units)
-    unit_of = {nid: u for u, ns in enumerate(units) for nid in ns}
-    readers: dict = {}
-    for u, ns in enumerate(units):
-        for nid in ns:
-            for r in g.node(nid).inputs:
-                r = tuple(r)
-                q = unit_of.get(r[0])
-                if q is None or q >= u or roles.get(r[0]) in ("input-placement", "weight-placement"):
-                    continue
-                readers.setdefault(r, (q, set()))[1].add(u)
-    diff = np.zeros((U + 1, U + 1))
-    for r, (q, us) in readers.items():
-        nb = float(g.shape(r).nbytes)
-        cons = sorted(us)
-        j = 0
-        for i in range(q + 1, cons[-1] + 1):       # the first reader at or after i
-            while cons[j] < i:
-                j += 1
-            diff[i, cons[j]] += nb
-    C = np.cumsum(diff, axis=1)[:U, :U]
-    return info, C
-
-
 def cluster_operators(g: PCG, roles: Mapping[int, str], layers: int, delta: float = 0.5):
-    """Alpa's operator clustering (Eq. 6; module docstring).  Returns ``(layers, info)`` in the format
-    of :func:`unity_pcg.search.pipeline.sequential_layers`: per layer ``(first unit, last unit + 1)``."""
-    info, C = cluster_costs(g, roles)
-    U = len(info.units)
-    ok_start = np.array([True] + [bool(info.valid[c]) for c in range(1, U)])
-    # at most one layer per valid cut (a trained weight read on both sides of a unit boundary -- norm scales
-    # an exporter deduplicated, tied embeddings -- or a partial sum crossing it blocks the cut): with fewer
-    # valid cuts than ``layers`` the model has fewer layers, down to one (the whole graph, always valid)
-    L = max(1, min(int(layers), U, int(ok_start.sum())))
-    fl = np.array(info.flops, dtype=float)
-    pre = np.concatenate([[0.0], np.cumsum(fl)])
-    total = pre[-1]
-    target = total / L
-    bound = (1 + delta) * target if total > 0 else INF
-    for _ in range(64):
-        res = _cluster_dp(C, pre, ok_start, L, bound, target)
-        if res is not None:
-            break
-        bound *= 2
-    else:  # pragma: no cover - the whole graph in one layer always meets some bound
-        raise AlpaError("operator clustering found no layering")
-    if res is None:
-        raise AlpaError("operator clustering found no layering")
-    return res, info
-
-
-def _cluster_dp(C, pre, ok_start, L, bound, target):
-    U = C.shape[0]
-    # G[r][k]: (max comm, flop deviation) over the first k units (0..k-1) in r layers
-    G = np.full((L + 1, U + 1), INF)
-    V = np.full((L + 1, U + 1), INF)
-    arg = np.zeros((L + 1, U + 1), dtype=int)
-    G[0, 0] = 0.0
-    V[0, 0] = 0.0
-    starts = np.arange(U)                       # layer [i, k) starts at unit i
-    for r in range(1, L + 1):
-        for k in range(1, U + 1):
-            i = starts[:k]
-            fl = pre[k] - pre[i]
-            ok = ok_start[:k] & (fl <= bound) & np.isfinite(G[r - 1, i])
-            if not ok.any():
-                continue
-            comm = np.where(i > 0, C[i, k - 1], 0.0)
-            cand = np.where(ok, np.maximum(G[r - 1, i], comm), INF)
-            best = cand.min()
-            if not math.isfinite(best):
-                continue
-            tie = ok & (cand <= best * (1 + 1e-9) + 1e-12)
-            dev = np.where(tie, V[r - 1, i] + (fl - target) ** 2, INF)
-            j = int(np.argmin(dev))
-            G[r, k], V[r, k], arg[r, k] = best, dev[j], j
-    if not math.isfinite(G[L, U]):
-        return None
-    out = []
-    k = U
-    for r in range(L, 0, -1):
-        i = int(arg[r, k])
-        out.append((i, k))
-        k = i
-    return out[::-1]
-
-
-# --- the stage DP (Eqs. 2-5) ----------------------------------------------------------------------------
-
-@dataclass(frozen=True)
-class DPResult:
-    cost: float                        # Eq. 2 on the plan's actual stage times
-    stages: tuple                      # ((first layer, last layer + 1, shape index), ...)
-    t_max_tried: int = 0
-    dp_s: float = 0.0
-
-
-def stage_dp(t: np.ndarray, fits: Callable[[int], np.ndarray] | np.ndarray | None, sizes: Sequence[int],
-             devices: int, micro_batches: int, max_stages: int | None = None, deadline: float | None = None) -> DPResult:
-    """Alpa's stage DP.  ``t[k, i, j]``: seconds per micro-batch of the stage of layers ``k..i`` on
-    sub-mesh shape ``j`` (``inf``: impossible); ``sizes[j]``: its devices; ``fits(s)`` (or a fixed
-    array): bool ``[k, i, j]``, the stage fits with ``s`` stages from it to the last (Eq. 5), None:
-    always.  Returns the plan minimizing ``sum t + (B - 1) max t`` over plans covering all layers and
-    exactly ``devices`` devices (cost inf and no stages when there is none).  ``deadline`` (a
-    ``time.monotonic()`` value): past it, the loop over ``t_max`` stops with the best plan found, or, when
-    none is found yet, runs once more at the largest ``t_max`` (which admits every plan) and stops."""
-    t0 = time.perf_counter()
-    L = t.shape[0]
-    B = int(micro_batches)
-    S_max = L if max_stages is None else max(1, min(int(max_stages), L))
-    T = int(devices)
-    J = len(sizes)
-    fit = [None] * (S_max + 1)
-    for s in range(1, S_max + 1):
-        f = fits(s) if callable(fits) else fits
-        fit[s] = np.ones(t.shape, dtype=bool) if f is None else np.asarray(f, dtype=bool)
-    upper = np.triu(np.ones((L, L), dtype=bool))
-    vals = np.unique(t[np.isfinite(t) & upper[:, :, None]])
-    best = DPResult(INF, (), 0, 0.0)
-    prev = -INF
-    tried = 0
-    late = False
-    for t_max in vals:
-        if t_max - prev < EPS:
-            continue
-        if deadline is not None and not late and time.monotonic() >= deadline:
-            if best.stages:
-                break
-            late, t_max = True, vals[-1]
-        prev = t_max
-        if B * t_max >= best.cost:
-            break
-        tried += 1
-        plan, total = _dp_bounded(t, fit, sizes, T, J, L, S_max, t_max)
-        for stages in plan:
-            ts = [t[k, i - 1, j] for k, i, j in stages]
-            cost = sum(ts) + (B - 1) * max(ts)
-            if cost < best.cost:
-                best = DPResult(cost, tuple(stages), 0, 0.0)
-        if late:
-            break
-    return replace(best, t_max_tried=tried, dp_s=time.perf_counter() - t0)
-
-
-def _dp_bounded(t, fit, sizes, T, J, L, S_max, t_max):
-    """F(s, k, d; t_max) for s = 1..S_max by numpy over (k, i, d); the best plan per stage count."""
-    # F[s][k, d]: least sum of stage times for layers k..L-1 in s stages on d devices
-    F_prev = np.full((L + 1, T + 1), INF)
-    F_prev[L, 0] = 0.0
-    choices = []
-    plans = []
-    for s in range(1, S_max + 1):
-        F = np.full((L + 1, T + 1), INF)
-        ch_i = np.full((L + 1, T + 1), -1, dtype=int)
-        ch_j = np.full((L + 1, T + 1), -1, dtype=int)
-        for j in range(J):
-            sz = sizes[j]
-            if sz > T:
-                continue
-            c = np.where((t[:, :, j] <= t_max) & fit[s][:, :, j], t[:, :, j], INF)   # [k, i]
-            rest = np.full((L, T + 1), INF)                                           # [i, d]
-            rest[:, sz:] = F_prev[1:, :T + 1 - sz]                                    # F(s-1, i+1, d-sz)
-            tot = c[:, :, None] + rest[None, :, :]                                    # [k, i, d]
-            i_best = np.argmin(tot, axis=1)                                           # [k, d]
-            v = np.take_along_axis(tot, i_best[:, None, :], axis=1)[:, 0, :]
-            better = v < F[:L]
-            F[:L] = np.where(better, v, F[:L])
-            ch_i[:L] = np.where(better, i_best, ch_i[:L])
-            ch_j[:L] = np.where(better, j, ch_j[:L])
-        choices.append((ch_i, ch_j))
-        if math.isfinite(F[0, T]):
-            stages, k, d = [], 0, T
-            for ss in range(s, 0, -1):
-                ci, cj = choices[ss - 1]
-                i, j = int(ci[k, d]), int(cj[k, d])
-                stages.append((k, i + 1, j))
-                k, d = i + 1, d - sizes[j]
-            plans.append(stages)
-        F_prev = F
-    return plans, None
+    """Alpa's operator clustering (Eq. 6; module docstring): :func:`unity_pcg.search.stages.cluster` over every
+    valid cut, minimizing the largest input of a layer, then the layers' squared FLOP deviations, under the
+    FLOP bound ``(1 + delta)``.  Returns ``(layers, info)``: per layer ``(first unit, last unit + 1)``."""
+    return S.cluster(g, roles, layers, cuts="valid", inputs=True, balance="layers", delta=delta)
 
 
 # --- stage costs -------------------------------------------------------------------------------------------
@@ -390,7 +211,7 @@ def mapping_standin(mapper_or_model) -> Callable:
               time_limit_s=30.0, deadline=None, precision=None):
         t0 = time.perf_counter()
         size = mesh[0] * mesh[1]
-        res = P._resource(machine, start, size)
+        res = P.sub_mesh(machine, start, size)
         pg = P.default_intra(g, res)
         r = mapper.optimize(pg, res)
         return _Plan(pg, dict(r.views) if r.views else None, r.cost, r.memory.max_bytes if r.memory else 0,
@@ -467,7 +288,7 @@ class StageCosts:
         D = self.machine.devices_per_node
         skey = self.skeys.get((k, i))
         if skey is None:
-            skey = self.skeys[(k, i)] = P._shape_key(sg)
+            skey = self.skeys[(k, i)] = P.structure_key(sg)
         best = None
         for mesh in logical_meshes(shape, D, self.logical):
             key = (skey, tuple(mesh), start % D if n == 1 else 0, self.optimizer, self.wus)
@@ -506,7 +327,7 @@ class StageCosts:
         at the same offset inside a node is reused: its plan's sources renamed, its views moved by whole
         nodes."""
         D = self.machine.devices_per_node
-        key = ("at", P._shape_key(sg), tuple(mesh), start % D, self.optimizer, self.wus)
+        key = ("at", P.structure_key(sg), tuple(mesh), start % D, self.optimizer, self.wus)
         hit = self.memo.get(key)
         if hit is None:
             c = self._solve(sg, mesh, start, must=True)
@@ -575,7 +396,7 @@ class StageCosts:
                     b = b.add(gc.leaf_cost(n, views[n], views))
                 mem, views, total = memory_per_device(gc, views), dict(views), b.time
             else:
-                r = self.mapper.optimize(pg, P._resource(self.machine, start, mesh[0] * mesh[1]))
+                r = self.mapper.optimize(pg, P.sub_mesh(self.machine, start, mesh[0] * mesh[1]))
                 b, mem, views = r.breakdown, r.memory, dict(r.views or {})
                 total = r.cost if math.isfinite(r.cost) else b.time    # side by side where the DP runs so
         except UnityError as e:
@@ -704,23 +525,26 @@ def alpa_plan(pcg: PCG, machine: MachineSpec, *, optimizer: str = "adam", layers
                     t[k, i, j] = c.t
         prof_s = time.perf_counter() - tm
 
-        def fits(s, sc=sc, M=M):
-            f = np.zeros((L, L, len(shapes)), dtype=bool)
-            for (k, i, j), c in sc.items():
-                f[k, i, j] = math.isfinite(c.t) and c.memory(min(s, M)) <= cap
-            return f
+        hold = np.full((L, L, len(shapes)), -1.0)       # Eq. 5: micro-batches each stage holds in flight
+        for (k, i, j), c in sc.items():
+            if math.isfinite(c.t):
+                hold[k, i, j] = S.holds(c.w, c.a, cap)
 
         if deadline is not None:
             costs.deadline = deadline          # the chosen stages are solved at their places by the deadline
-        dp = stage_dp(t, fits, sizes, T, M, max_stages, deadline=deadline)
-        stats["per_m"][M] = {"profile_s": prof_s, "dp_s": dp.dp_s, "t_max_tried": dp.t_max_tried,
-                             "solves": costs.solves, "estimate_s": dp.cost if math.isfinite(dp.cost) else None}
+        dp = S.stage_dp(L, sizes, T, M, t, fits=hold, max_stages=max_stages,
+                        bounds=S.t_max_bounds(t[np.isfinite(t)], eps=EPS),
+                        deadline=None if deadline is None else Deadline(deadline))
+        found = dp.best()
+        est = found[0] if found else INF
+        stats["per_m"][M] = {"profile_s": prof_s, "dp_s": dp.dp_s, "t_max_tried": dp.tried,
+                             "solves": costs.solves, "estimate_s": est if math.isfinite(est) else None}
         tried.append(M)
-        if not dp.stages:
+        if not found:
             if auto and best is not None:
                 break
             continue
-        res = _price_plan(pcg, gM, info, lay, dp, M, machine, mapper, costs, shapes, stitch)
+        res = _price_plan(pcg, gM, info, lay, found, M, machine, mapper, costs, shapes, stitch)
         fallbacks += costs.fallbacks
         stats["per_m"][M].update(fallback_stages=costs.fallbacks, predicted_s=res.cost if math.isfinite(res.cost) else None, solves=costs.solves)
         rank = (not res.feasible, res.cost)
@@ -743,37 +567,39 @@ def alpa_plan(pcg: PCG, machine: MachineSpec, *, optimizer: str = "adam", layers
     return best
 
 
-def _price_plan(pcg, gM, info, lay, dp: DPResult, M, machine, mapper, costs: StageCosts, shapes, stitch) -> AlpaResult:
-    stage_shapes = [shapes[j] for _, _, j in dp.stages]
+def _price_plan(pcg, gM, info, lay, found, M, machine, mapper, costs: StageCosts, shapes, stitch) -> AlpaResult:
+    estimate, plan_stages = found                 # the stage DP's Eq. 2 score and its stages
+    plan_stages = [(st.first, st.end, st.option) for st in plan_stages]
+    stage_shapes = [shapes[j] for _, _, j in plan_stages]
     starts = place_submeshes(machine, stage_shapes)
-    S = len(dp.stages)
+    n_st = len(plan_stages)
     bf = mapper.model.backward_factor
     priced, fwd, bwd, once, mems, reasons, plan, out_stages = [], [], [], [], [], [], [], []
-    for idx, ((k, i, j), d) in enumerate(zip(dp.stages, starts)):
+    for idx, ((k, i, j), d) in enumerate(zip(plan_stages, starts)):
         c = costs.get(k, i - 1, shapes[j])
         sg = costs.stage_graph(k, i - 1)
         if math.isfinite(c.t):          # the memo's plan may be of another range of the same structure
             c = costs.solve_at(sg, c.mesh, d)   # (or a sum of layers): solved on this stage's own sub-PCG
-        priced.append(P._Priced(c.t, c.once, dict(c.w), dict(c.a), dict(c.views), c.pcg,
+        priced.append(P.StagePrice(c.t, c.once, dict(c.w), dict(c.a), dict(c.views), c.pcg,
                                 tuple(tuple(x) for x in sg.outputs), c.reason))
         fwd.append(c.t / (1 + bf))
         bwd.append(c.t * bf / (1 + bf))
         once.append(c.once)
         if c.reason:
             reasons.append(f"stage {idx}: {c.reason}")
-        infl = P.in_flight(S, idx, M)
+        infl = P.in_flight(n_st, idx, M)
         mems.append({dev: c.w.get(dev, 0) + infl * c.a.get(dev, 0) for dev in set(c.w) | set(c.a)})
         size = shapes[j][0] * shapes[j][1]
         plan.append((k, i, d, size))
         out_stages.append({"layers": [k, i], "shape": list(shapes[j]), "mesh": list(c.mesh), "start": d,
                            "t_s": c.t, "once_s": c.once})
     send, send_el = [], []
-    for idx in range(S - 1):
+    for idx in range(n_st - 1):
         _, i, d, s = plan[idx]
         _, _, d2, s2 = plan[idx + 1]
         refs = info.crossing[lay[i][0]]
-        send.append(P._transfer(machine, tuple(range(d, d + s)), tuple(range(d2, d2 + s2)),
-                                P._crossing_bytes(gM, refs)))
+        send.append(P.stage_transfer(machine, tuple(range(d, d + s)), tuple(range(d2, d2 + s2)),
+                                P.crossing_bytes(gM, refs)))
         send_el.append(sum(gM.shape(r).numel for r in refs))
     ev = {"priced": priced, "fwd": fwd, "bwd": bwd, "once": once, "send": send, "mem": mems,
           "memory": {dev: v for mem in mems for dev, v in mem.items()}, "send_elements": send_el}
@@ -788,9 +614,9 @@ def _price_plan(pcg, gM, info, lay, dp: DPResult, M, machine, mapper, costs: Sta
                 dev = max(mem, key=mem.get)
                 ev.update(cost=INF, feasible=False,
                           reason=f"out of memory: stage {idx} device {dev} needs {mem[dev] / 2**30:.2f} GiB "
-                                 f"with {P.in_flight(S, idx, M)} micro-batches in flight, has {cap / 2**30:.2f} GiB")
+                                 f"with {P.in_flight(n_st, idx, M)} micro-batches in flight, has {cap / 2**30:.2f} GiB")
                 break
-    pr = P._assemble(pcg, gM, tuple(plan), M, ev, machine, stitch)
+    pr = P.assemble(pcg, gM, tuple(plan), M, ev, machine, stitch)
     stats = {"makespan_s": ev["makespan"], "layers": len(lay)}
     if stitch and ev["feasible"] and not pr.feasible and pr.reason.startswith("cannot join the stages"):
         # The stages are priced (our 1F1B simulation, transfers as bytes spread over the sub-meshes) but
@@ -798,10 +624,10 @@ def _price_plan(pcg, gM, info, lay, dp: DPResult, M, machine, mapper, costs: Sta
         # stage reads it partitioned differently, and no parallel operator drops copies.  The price is
         # kept; the plan has no PCG (``stitch_error``), so it cannot be written or run.
         stats["stitch_error"] = pr.reason
-        pr = P._assemble(pcg, gM, tuple(plan), M, ev, machine, False)
+        pr = P.assemble(pcg, gM, tuple(plan), M, ev, machine, False)
     pr.stats = stats
-    return AlpaResult(pr, M, list(lay), out_stages, dp.cost)
+    return AlpaResult(pr, M, list(lay), out_stages, estimate)
 
 
-__all__ = ["alpa_plan", "AlpaResult", "AlpaError", "stage_dp", "DPResult", "cluster_operators", "cluster_costs",
+__all__ = ["alpa_plan", "AlpaResult", "AlpaError", "cluster_operators",
            "submesh_shapes", "logical_meshes", "place_submeshes", "StageCosts", "StageCost", "mapping_standin"]

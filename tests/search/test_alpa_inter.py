@@ -1,94 +1,20 @@
-"""Alpa's inter-operator pass (search/alpa/inter.py): the stage DP against brute force on synthetic
-stage costs, operator clustering against brute force, Appendix A's sub-mesh shapes and packing, and the
+"""Alpa's inter-operator pass (search/alpa/inter.py): Appendix A's sub-mesh shapes and packing, and the
 whole pass on small graphs with a stand-in intra pass (the plan validates, identical layers are solved
 once, the 1F1B price is our simulation's)."""
-import itertools
-import math
 import random
 
 import numpy as np
 import pytest
 
-from unity_pcg.machine import MachineView
-from unity_pcg.pcg import PCG
 from unity_pcg.plan import validate_pipeline_field
 from unity_pcg.search import pipeline as P
-from unity_pcg.search.alpa.inter import (AlpaError, alpa_plan, cluster_costs, cluster_operators, logical_meshes,
-                                         mapping_standin, place_submeshes, stage_dp, submesh_shapes)
-from unity_pcg.search.cost import CostModel, GraphCost
+from unity_pcg.search.alpa.inter import (AlpaError, alpa_plan, logical_meshes, mapping_standin, place_submeshes,
+                                         submesh_shapes)
+from unity_pcg.search.cost import CostModel
+from unity_pcg.search.stages import structure_key, sub_mesh
 from unity_pcg.search.mapping import MachineMapper
 
 from .test_pipeline import _chain, machine
-
-
-# --- the stage DP against brute force ------------------------------------------------------------------
-
-def _brute(t, fit, sizes, T, B):
-    """Every cut of the layers into stages and every sequence of sub-mesh shapes covering T devices."""
-    L = t.shape[0]
-    best = math.inf
-    for S in range(1, L + 1):
-        for cuts in itertools.combinations(range(1, L), S - 1):
-            b = (0,) + cuts + (L,)
-            for js in itertools.product(range(len(sizes)), repeat=S):
-                if sum(sizes[j] for j in js) != T:
-                    continue
-                ts = []
-                for idx, j in enumerate(js):
-                    k, i = b[idx], b[idx + 1] - 1
-                    if not math.isfinite(t[k, i, j]) or not fit(S - idx)[k, i, j]:
-                        break
-                    ts.append(t[k, i, j])
-                else:
-                    best = min(best, sum(ts) + (B - 1) * max(ts))
-    return best
-
-
-@pytest.mark.parametrize("seed", range(12))
-def test_stage_dp_equals_brute_force(seed):
-    rng = random.Random(seed)
-    L = rng.randint(1, 5)
-    sizes = [1, 2, 4, 8][: rng.randint(2, 4)]
-    T = rng.choice([s for s in (2, 4, 6, 8) if s <= 2 * sizes[-1]])
-    B = rng.choice([1, 2, 4, 8])
-    t = np.full((L, L, len(sizes)), math.inf)
-    mem = np.zeros((L, L, len(sizes)))
-    act = np.zeros((L, L, len(sizes)))
-    for k in range(L):
-        for i in range(k, L):
-            for j, s in enumerate(sizes):
-                if rng.random() < 0.1:
-                    continue                       # a stage with no plan on that mesh
-                work = sum(rng.uniform(0.5, 2.0) for _ in range(k, i + 1))
-                t[k, i, j] = work / s ** rng.uniform(0.6, 1.0) + rng.uniform(0, 0.1)
-                mem[k, i, j] = (i - k + 1) / s
-                act[k, i, j] = rng.uniform(0.05, 0.4) * (i - k + 1)
-    cap = rng.uniform(0.8, 2.0)
-
-    def fit(s):
-        return mem + min(s, B) * act <= cap
-
-    dp = stage_dp(t, fit, sizes, T, B)
-    want = _brute(t, fit, sizes, T, B)
-    assert dp.cost == pytest.approx(want, rel=1e-12) if math.isfinite(want) else dp.cost == math.inf
-    if dp.stages:                               # the plan returned is one that scores its cost
-        assert sum(sizes[j] for _, _, j in dp.stages) == T
-        assert [k for k, _, _ in dp.stages] == [0] + [i for _, i, _ in dp.stages[:-1]]
-        assert dp.stages[-1][1] == L
-        ts = [t[k, i - 1, j] for k, i, j in dp.stages]
-        assert sum(ts) + (B - 1) * max(ts) == pytest.approx(dp.cost, rel=1e-12)
-
-
-def test_stage_dp_stops_early_once_B_times_t_max_reaches_the_best():
-    # two layers on one device: t_max = 1 finds nothing (two stages need two devices), t_max = 2 finds
-    # the one-stage plan (64 * 2 = 128); the next bound, 3 (a two-device mesh), is not tried: 64 * 3 >= 128
-    t = np.array([[[1.0, 3.0], [2.0, 3.0]], [[math.inf, math.inf], [1.0, 3.0]]])
-    dp = stage_dp(t, None, [1, 2], 1, 64)
-    assert dp.cost == pytest.approx(2.0 + 63 * 2.0) and dp.stages == ((0, 2, 0),)
-    assert dp.t_max_tried == 2
-    # with memory refusing the one-stage plan nothing covers the device
-    dp = stage_dp(t, np.zeros_like(t, dtype=bool), [1, 2], 1, 4)
-    assert dp.cost == math.inf and dp.stages == ()
 
 
 # --- sub-mesh shapes (Appendix A) ----------------------------------------------------------------------
@@ -118,7 +44,7 @@ def test_any_multiset_of_shapes_covering_the_cluster_packs_exactly(seed):
     starts = place_submeshes(m, chosen)
     used = set()
     for (n, k), d in zip(chosen, starts):
-        res = P._resource(m, d, n * k)
+        res = sub_mesh(m, d, n * k)
         assert res is not None                  # a block inside one node or of whole nodes
         devs = set(res.devices(m))
         assert not devs & used
@@ -126,70 +52,6 @@ def test_any_multiset_of_shapes_covering_the_cluster_packs_exactly(seed):
     assert used == set(range(N * D))
     with pytest.raises(AlpaError):
         place_submeshes(m, [(1, 1)] * (N * D - 1))
-
-
-# --- operator clustering (Eq. 6) against brute force --------------------------------------------------
-
-def _skip_chain(batch, widths):
-    """A chain of Linear+Relu whose every other layer also reads the block input two back (a skip):
-    cuts differ in the bytes they carry."""
-    b = PCG.builder()
-    x = b.add("Input", {"name": "x", "shape": (batch, widths[0])})
-    prev = None
-    for i in range(len(widths) - 1):
-        w = b.add("Weight", {"name": f"w{i}", "shape": (widths[i], widths[i + 1])})
-        y = b.add("Linear", {}, [x, w], name=f"fc{i}")
-        y = b.add("Relu", {}, [y], name=f"relu{i}")
-        if prev is not None and i % 2 == 1 and widths[i + 1] == widths[i - 1]:
-            y = b.add("Add", {}, [y, prev], name=f"skip{i}")
-        prev, x = x, y
-    b.set_outputs([x])
-    return b.finish()
-
-
-@pytest.mark.parametrize("widths,L,delta", [
-    ([64, 64, 64, 64, 64, 64, 64], 3, 0.5),
-    ([32, 256, 32, 256, 32, 128, 32], 2, 0.5),
-    ([64, 128, 64, 128, 64], 4, 1.0),
-])
-def test_clustering_minimizes_the_largest_layer_input_under_the_flop_bound(widths, L, delta):
-    g = _skip_chain(8, widths)
-    roles = GraphCost(g, CostModel(machine(1, 4))).role
-    layers, info = cluster_operators(g, roles, L, delta)
-    _, C = cluster_costs(g, roles)
-    U = len(info.units)
-    fl = info.flops
-    total = sum(fl)
-
-    def score(bounds):
-        return max(C[a, b - 1] if a else 0.0 for a, b in zip(bounds, bounds[1:]))
-
-    bound = (1 + delta) * total / L
-    best = math.inf
-    for cuts in itertools.combinations(range(1, U), L - 1):
-        bounds = (0,) + cuts + (U,)
-        if not all(info.valid[c] for c in cuts):
-            continue
-        if any(sum(fl[a:b]) > bound for a, b in zip(bounds, bounds[1:])):
-            continue
-        best = min(best, score(bounds))
-    assert len(layers) == L and layers[0][0] == 0 and layers[-1][1] == U
-    assert all(a < b for a, b in layers) and all(x[1] == y[0] for x, y in zip(layers, layers[1:]))
-    assert all(sum(fl[a:b]) <= bound * (1 + 1e-9) for a, b in layers)
-    assert score([a for a, _ in layers] + [U]) == pytest.approx(best)
-
-
-def test_cluster_cost_counts_bytes_read_from_earlier_layers():
-    g = _skip_chain(8, [64, 64, 64])           # fc0, relu0, fc1, relu1, skip1 (reads relu0's input x? no: prev)
-    roles = GraphCost(g, CostModel(machine(1, 4))).role
-    info, C = cluster_costs(g, roles)
-    U = len(info.units)
-    act = 8 * 64 * 4
-    # a layer starting right after the first Relu reads that Relu's output (fc1 and nothing else)
-    names = [g.node(info.units[u][-1]).name for u in range(U)]
-    k = names.index("fc1")
-    assert C[k, k] == act
-    assert C[0, U - 1] == 0
 
 
 # --- the whole pass with a stand-in intra pass ---------------------------------------------------------
@@ -222,7 +84,7 @@ def test_identical_layers_are_solved_once_per_mesh():
     base = mapping_standin(mapper)
 
     def solve(sg, machine_, mesh, **kw):
-        calls.append((P._shape_key(sg), mesh, kw["start"]))
+        calls.append((structure_key(sg), mesh, kw["start"]))
         return base(sg, machine_, mesh, **kw)
 
     res = alpa_plan(g, m, layers=8, solve=solve, mapper=mapper, micro_batches=2)

@@ -13,12 +13,14 @@ import pytest
 
 from unity_pcg.machine import parse_machine
 from unity_pcg.onnx_import import load_onnx
-from unity_pcg.search.alpa.inter import alpa_plan, cluster_operators, stage_dp
+from unity_pcg.search.alpa.inter import alpa_plan, cluster_operators
 from unity_pcg.search.alpa.intra import AlpaDeadline, solve_intra
 from unity_pcg.search.baselines import (StrategyError, build_strategy, head_counts, megatron,
                                         megatron_groups)
 from unity_pcg.search.cost import CostModel, GraphCost
+from unity_pcg.search.budget import Deadline
 from unity_pcg.search.mapping import MachineMapper
+from unity_pcg.search.stages import stage_dp
 
 from .test_baselines import _same_function
 
@@ -281,6 +283,6 @@ def test_intra_and_stage_dp_stop_at_the_deadline(tmp_path_factory):
     rng = np.random.default_rng(0)
     t = rng.uniform(1, 2, (3, 3, 2))
     t[np.tril_indices(3, -1)] = np.inf
-    r = stage_dp(t, None, [1, 2], 2, 4, deadline=time.monotonic() - 1.0)
-    full = stage_dp(t, None, [1, 2], 2, 4)
-    assert r.stages and r.t_max_tried == 1 and r.cost >= full.cost
+    r = stage_dp(3, [1, 2], 2, 4, t, deadline=Deadline(time.monotonic() - 1.0))
+    full = stage_dp(3, [1, 2], 2, 4, t)
+    assert r.best() and r.tried == 1 and r.cut and r.best()[0] >= full.best()[0]
