@@ -954,7 +954,8 @@ def _stage_dp(lay: _LayerPrices, info: Cuts, layers, gM, machine, sizes, T, M, m
     tuple of stages ``(first layer, last layer + 1, first device, number of devices)``.  Sub-meshes are
     blocks of ``sizes`` laid out left to right, the last stage any block to the end; bounds ``t_max`` closer
     than 1% are merged (the DP runs at the larger one; the estimate uses the plan's actual maximum), more
-    coarsely where that leaves more than ``MAX_BOUNDS`` of them; objectives with and without the stages'
+    coarsely where that leaves more than ``MAX_BOUNDS`` of them, the search stopping once ``M`` times a
+    merged bound reaches the best estimate; objectives with and without the stages'
     updates (they run after each stage's last backward, overlapping the drain of the earlier stages, so
     neither their sum nor nothing is right); DP costs within ``TIE`` are ties (the smaller largest stage
     time wins).  Each plan is estimated by the 1F1B simulation on the layer prices."""
@@ -1027,7 +1028,8 @@ def _stage_dp(lay: _LayerPrices, info: Cuts, layers, gM, machine, sizes, T, M, m
                      extra=(lambda k, i, j: table(opts[j])[1][k][i], None),
                      entry=lambda k, d, j: xfer(k, d, opts[j]), allowed=allowed,
                      min_stages=min_stages, max_stages=max_stages,
-                     bounds=lambda t: t_max_bounds(t[:, :, inner_idx], rel=0.01, most=MAX_BOUNDS),
+                     bounds=lambda t: [(hi, hi) for _, hi in t_max_bounds(t[:, :, inner_idx], rel=0.01,
+                                                                          most=MAX_BOUNDS)],
                      score=estimate, tie=TIE, deadline=soft.sooner(hard) if soft else hard)
     per_s: dict = {}
     for est, stages in found.plans:

@@ -25,8 +25,9 @@ the sub-mesh *options* ``sizes[j]`` laid out left to right over ``devices`` devi
 devices before it).  For each bound ``t_max`` on a stage's time (ascending), for every stage count ``S``
 the DP finds the stages of least total cost ``sum(t + extra + entry)`` with every ``t <= t_max``, every stage
 holding the micro-batches 1F1B keeps in flight (Eq. 5: ``min(stages from it to the last, B)``) and the
-options allowed where they start; each plan found is scored (default Eq. 2: ``sum t + (B - 1) max t``).  The
-loop stops once ``B t_max`` reaches the best score (no later bound can do better), or at the deadline
+options allowed where they start; each plan found is scored (default Eq. 2: ``sum t + (B - 1) max t``).  Close
+bounds may be merged into one run at the largest (:func:`t_max_bounds`).  The loop stops once ``B`` times the
+smallest stage time a bound newly admits reaches the best score (no later bound can do better), or at the deadline
 (with the best plans found; when none was found yet it runs once at the largest bound, which admits every
 plan).  Costs within ``tie`` (relative) of the least are equal and the smaller largest stage time wins.
 Vectorized with numpy over (first layer, last layer, start).
@@ -325,40 +326,67 @@ def holds(w: Mapping, a: Mapping, capacity: float) -> float:
     return n
 
 
-def t_max_bounds(values, rel: float = 0.0, eps: float = 0.0, most: int | None = None) -> list[float]:
-    """Stage-time bounds for :func:`stage_dp`, ascending: the finite ``values`` clustered (a value within
-    ``eps`` seconds or ``rel`` of its cluster's smallest joins it), each cluster tried at its largest value
-    (which admits every plan its values admit); ``rel`` doubles (from 1%) while more than ``most`` remain."""
+def t_max_bounds(values, rel: float = 0.0, eps: float = 0.0, most: int | None = None) -> list[tuple[float, float]]:
+    """Stage-time bounds for :func:`stage_dp`, ascending ``(low, high)`` pairs: the finite ``values`` clustered
+    (a value within ``eps`` seconds or ``rel`` of its cluster's smallest joins it); the DP runs at a cluster's
+    largest value (admitting every plan its values admit) and stops before a cluster whose smallest, times
+    the micro-batches, reaches the best score; ``rel`` doubles (from 1%) while more than ``most`` remain."""
     vals = sorted({float(v) for v in np.asarray(values, dtype=float).ravel() if math.isfinite(v)})
     while True:
         merged: list = []
-        low = INF
         for t in vals:
-            if merged and (t <= low * (1 + rel) or t - low < eps):
-                merged[-1] = t
+            if merged and (t <= merged[-1][0] * (1 + rel) or t - merged[-1][0] < eps):
+                merged[-1][1] = t
             else:
-                merged.append(t)
-                low = t
+                merged.append([t, t])
         if most is None or len(merged) <= most:
-            return merged
+            return [(a, b) for a, b in merged]
         rel = rel * 2 if rel > 0 else 0.01
 
 
-def _array(f, L, J, cols, fill):
-    """``f`` as an array [k, i, j]: given, or called for every ``(k, i, j)`` in ``cols[j]`` ("all": k <= i;
-    "last": i = L - 1; None: not at all)."""
-    if f is None:
-        return None
-    if not callable(f):
-        return np.asarray(f, dtype=float)
-    out = np.full((L, L, J), fill, dtype=float)
-    for j in range(J):
-        if cols[j] is None:
-            continue
-        for k in range(L):
-            for i in (range(k, L) if cols[j] == "all" else (L - 1,)):
-                out[k, i, j] = f(k, i, j)
-    return out
+class _Columns:
+    """The DP's per-stage arrays ``[k, i, j]`` (time, micro-batches held, extra terms) and entry costs
+    ``[k, p, j]``: given as arrays, or filled from the callbacks, every ``(k, i)`` of an option that may run
+    a non-last stage at once, an option only ever last (``i = L - 1``) when the DP first reaches it."""
+
+    def __init__(self, L, J, P, g, cost, fits, extra, entry, allow_nl, allow_last):
+        self.L, self.g, self.allow = L, g, allow_nl | allow_last
+        self.f = {"t": cost, "hold": fits}
+        self.f.update({("x", n): e for n, e in enumerate(extra)})
+        fill = {"t": INF, "hold": -1.0}
+        self.a = {}
+        for key, f in self.f.items():
+            if f is None:
+                self.a[key] = None
+            elif callable(f):
+                self.a[key] = np.full((L, L, J), fill.get(key, 0.0))
+            else:
+                self.a[key] = np.asarray(f, dtype=float)
+        self.entry = entry
+        self.E = np.zeros((L, P, J)) if entry is None or callable(entry) else np.asarray(entry, dtype=float)
+        self.pending = set()
+        for j in range(J):
+            if allow_nl[:, j].any():
+                self._fill(j, [(k, i) for k in range(L) for i in range(k, L)])
+            elif allow_last[:, j].any():
+                self.pending.add(j)
+        self.a["t"] = np.where(np.triu(np.ones((L, L), dtype=bool))[:, :, None], self.a["t"], INF)
+
+    def _fill(self, j, rows):
+        for key, f in self.f.items():
+            if callable(f):
+                for k, i in rows:
+                    self.a[key][k, i, j] = f(k, i, j)
+        if callable(self.entry):
+            for k in range(self.L):
+                for p in np.nonzero(self.allow[:, j])[0]:
+                    self.E[k, p, j] = self.entry(k, int(p) * self.g, j)
+
+    def need(self, j):
+        """Option ``j``'s last-stage column, filled on first use."""
+        if j in self.pending:
+            self.pending.discard(j)
+            self._fill(j, [(k, self.L - 1) for k in range(self.L)])
 
 
 def stage_dp(layers: int, sizes: Sequence[int], devices: int, micro_batches: int, cost, *,
@@ -374,8 +402,9 @@ def stage_dp(layers: int, sizes: Sequence[int], devices: int, micro_batches: int
     (default: one run on ``cost`` alone).  ``entry(k, d, j)``: added for a stage from layer ``k`` on option
     ``j`` after ``d`` devices (an inter-stage transfer).  ``allowed(d, j, last)``: whether option ``j`` may
     start after ``d`` devices (``last``: as the last stage, which ends at ``devices``); default: anywhere.
-    Stage counts ``min_stages..max_stages`` (default 1..layers).  ``bounds``: the ``t_max`` values, or a
-    callable of the cost array giving them (default: every distinct stage time, :func:`t_max_bounds`).
+    Stage counts ``min_stages..max_stages`` (default 1..layers).  ``bounds``: the ``t_max`` values (or ``(low,
+    high)`` pairs of :func:`t_max_bounds`), or a callable of the cost array giving them (options only ever last are not filled yet: their stages are
+    priced when the DP first reaches them; default: every distinct stage time, :func:`t_max_bounds`).
     ``score(stages)``: a plan's score (default Eq. 2).  ``deadline``: checked before each bound.
 
     Returns every distinct plan found (tuples of :class:`Stage`) with its score."""
@@ -395,29 +424,15 @@ def stage_dp(layers: int, sizes: Sequence[int], devices: int, micro_batches: int
             last = d + s == T
             if allowed is None or allowed(d, j, last):
                 (allow_last if last else allow_nl)[p, j] = True
-    cols = [("all" if allow_nl[:, j].any() else "last" if allow_last[:, j].any() else None) for j in range(J)]
-    t = _array(cost, L, J, cols, INF)
-    upper = np.triu(np.ones((L, L), dtype=bool))[:, :, None]
-    t = np.where(upper, t, INF)
-    hold = _array(fits, L, J, cols, -1.0)
-    terms = [None] if not extra else [_array(e, L, J, cols, 0.0) for e in extra]
-    if entry is None:
-        E = np.zeros((L, P, J))
-    elif callable(entry):
-        E = np.zeros((L, P, J))
-        for k in range(L):
-            for p in range(P):
-                for j in range(J):
-                    if allow_nl[p, j] or allow_last[p, j]:
-                        E[k, p, j] = entry(k, p * g, j)
-    else:
-        E = np.asarray(entry, dtype=float)
-    if bounds is None:
-        vals = t_max_bounds(t[np.isfinite(t)])
+    cols = _Columns(L, J, P, g, cost, fits, list(extra or ()), entry, allow_nl, allow_last)
+    t = cols.a["t"]
+    if bounds is None:                  # every stage time (options only ever last filled now)
+        for j in sorted(cols.pending):
+            cols.need(j)
+        bounds = t_max_bounds(t[np.isfinite(t)])
     elif callable(bounds):
-        vals = list(bounds(t))
-    else:
-        vals = [float(x) for x in bounds]
+        bounds = bounds(t)
+    vals = [(float(b), float(b)) if np.ndim(b) == 0 else (float(b[0]), float(b[1])) for b in bounds]
     if score is None:
         def score(stages):
             ts = [t[s.first, s.end - 1, s.option] for s in stages]
@@ -429,17 +444,17 @@ def stage_dp(layers: int, sizes: Sequence[int], devices: int, micro_batches: int
     seen: set = set()
     best = INF
     late = False
-    for t_max in vals:
+    for low, t_max in vals:
         if deadline is not None and not late and deadline.passed():
             out.cut = True
             if out.plans:
                 break
-            late, t_max = True, vals[-1]
-        if B * t_max >= best:
+            late, low, t_max = True, vals[-1][0], vals[-1][1]
+        if B * low >= best:
             break
         out.tried += 1
-        for term in terms:
-            for stages in _dp(t, term, hold, E, steps, nl, last_opts, allow_nl, L, P, B, S_max, t_max, tie, g):
+        for term in ([None] if not extra else [("x", n) for n in range(len(extra))]):
+            for stages in _dp(cols, term, steps, nl, last_opts, allow_nl, L, P, B, S_max, t_max, tie, g):
                 if len(stages) < min_stages or stages in seen:
                     continue
                 seen.add(stages)
@@ -452,10 +467,20 @@ def stage_dp(layers: int, sizes: Sequence[int], devices: int, micro_batches: int
     return out
 
 
-def _dp(t, term, hold, E, steps, nl, last_opts, allow_nl, L, P, B, S_max, t_max, tie, g):
+def _dp(cols, term, steps, nl, last_opts, allow_nl, L, P, B, S_max, t_max, tie, g):
     """One DP at ``t_max``: F_r[k, p] the least cost of layers k..L-1 in r stages from position p to the end
     (with MX_r the largest stage time of that plan); the best plan per stage count, from layer 0 at 0."""
-    c_all = t if term is None else t + term
+    t, hold, E = cols.a["t"], cols.a["hold"], cols.E
+    # positions a last stage may start at: 0, and the ends of non-last stages within the bound
+    ends = {0}
+    for j in nl:
+        if (t[:, :, j] <= t_max).any():
+            ends.update(int(p) + steps[j] for p in np.nonzero(allow_nl[:, j])[0] if int(p) + steps[j] < P)
+    for p in ends:
+        for j in last_opts[p]:
+            cols.need(j)
+    x = cols.a[term] if term is not None else None
+    c_all = t if x is None else t + np.where(np.isfinite(t), x, 0.0)
     big = INF
     F_prev = np.full((L + 1, P), big)
     F_prev[L, P - 1] = 0.0
@@ -469,7 +494,7 @@ def _dp(t, term, hold, E, steps, nl, last_opts, allow_nl, L, P, B, S_max, t_max,
         ch_i = np.full((L + 1, P), -1, dtype=int)
         ch_j = np.full((L + 1, P), -1, dtype=int)
         if r == 1:
-            for p in range(P):
+            for p in sorted(ends):
                 for j in last_opts[p]:
                     v = np.where(ok[:, L - 1, j], c_all[:, L - 1, j] + E[:, p, j], big)
                     mx = t[:, L - 1, j]

@@ -168,8 +168,8 @@ def test_holds_and_bounds():
     assert holds({0: 3.0}, {}, 2.0) == -1
     assert holds({0: 1.0, 1: 0.0}, {1: 1.0}, 2.0) == 2
     assert holds({}, {}, 2.0) == math.inf
-    assert t_max_bounds([1.0, 1.005, 1.02, math.inf, 2.0], rel=0.01) == [1.005, 1.02, 2.0]
-    assert t_max_bounds([1.0, 1.0 + 1e-7, 2.0], eps=1e-6) == [1.0 + 1e-7, 2.0]
+    assert t_max_bounds([1.0, 1.005, 1.02, math.inf, 2.0], rel=0.01) == [(1.0, 1.005), (1.02, 1.02), (2.0, 2.0)]
+    assert t_max_bounds([1.0, 1.0 + 1e-7, 2.0], eps=1e-6) == [(1.0, 1.0 + 1e-7), (2.0, 2.0)]
     assert len(t_max_bounds(np.linspace(1, 100, 1000), rel=0.01, most=10)) <= 10
 
 
