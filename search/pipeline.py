@@ -38,18 +38,17 @@ spread evenly over the sending and the receiving stage's devices; the pieces mov
 the activations of one micro-batch (what the backward keeps, :mod:`search.memory`) times the number
 in flight, ``min(S - i, M)`` for stage i.  A plan whose busiest device does not fit is infeasible.
 
-**The search** (:func:`search_pipeline`).  Cut points are the positions in the topological order of
-units (a node with its placement chains, :func:`search.sp.build_units`) where the fewest activation
-tensors cross (the single-tensor bottlenecks of a chain), never across a trained weight read on both
-sides; they are clustered into at most ``max_layers`` layers of about equal forward FLOPs (Alpa's
-operator clustering).  For each number of micro-batches M (:func:`_micro_batch_candidates`), every
-layer is priced alone on every candidate sub-mesh size (a repeated layer once); a stage's price is
-the sum of its layers'.  The stage DP (Alpa's Eq. 3-4) then, for each bound ``t_max`` on a stage's
-time (ascending, stopping once ``M * t_max`` reaches the best estimate), finds for every stage count S
-the partition of layers and devices minimizing ``sum_i (t_i + 2 c_i + lam * u_i)`` with every
-``t_i <= t_max`` and every stage fitting in memory with its micro-batches in flight, once with
-``lam = 1`` and once with ``lam = 0`` (the updates run after each stage's last backward, overlapping
-the drain of the earlier stages, so neither their sum nor nothing is right); each plan found is
+**The search** (:func:`search_pipeline`).  The layers and the stage DP are the shared ones of
+:mod:`unity_pcg.search.stages`.  Layers (:func:`sequential_layers`): at most ``max_layers`` contiguous runs of
+units (a node with its placement chains) cut where the fewest activation tensors cross (the single-tensor
+bottlenecks of a chain), never across a trained weight read on both sides, of about equal FLOPs.  For each number of micro-batches M (:func:`_micro_batch_candidates`), every layer is priced alone
+on every candidate sub-mesh size (a repeated layer once); a stage's price is the sum of its layers'.  The
+stage DP (Alpa's Eq. 3-4; :func:`_stage_dp`) then, for each bound ``t_max`` on a stage's time (ascending,
+stopping once ``M * t_max`` reaches the best estimate), finds for every stage count S the partition of
+layers and devices (blocks laid out left to right, each a :class:`Resource`) minimizing ``sum_i (t_i + 2 c_i
++ lam * u_i)`` with every ``t_i <= t_max`` and every stage fitting in memory with its micro-batches in
+flight, once with ``lam = 1`` and once with ``lam = 0`` (the updates run after each stage's last backward,
+overlapping the drain of the earlier stages, so neither their sum nor nothing is right); each plan found is
 estimated by the 1F1B simulation on the layer prices.  The best few per (S, M) are priced exactly
 (each stage's whole sub-PCG mapped on its actual sub-mesh, the simulation), the best estimate of
 every stage count and one stage with one micro-batch always; the fastest feasible one is stitched
@@ -319,10 +318,10 @@ def executor_replicas(stage_pcgs: Sequence[PCG]) -> int:
 
 def sequential_layers(g: PCG, roles: Mapping[int, str], max_layers: int) -> tuple[list, Cuts]:
     """Unity's layers: at most ``max_layers`` contiguous runs of units cut where the fewest tensors cross,
-    each cut near its equal-FLOP target, no FLOP bound (:func:`unity_pcg.search.stages.cluster`).  Returns
+    of about equal FLOPs, no FLOP bound (:func:`unity_pcg.search.stages.cluster`).  Returns
     ``(layers, info)``: per layer the unit indices ``(first, last + 1)``; the units in order and, per cut
     between units, the refs crossing it and whether it may be cut."""
-    return cluster(g, roles, max_layers, cuts="fewest", inputs=False, balance="cuts", delta=None)
+    return cluster(g, roles, max_layers, cuts="fewest", inputs=False, delta=None)
 
 
 def stage_graph(g: PCG, roles: Mapping[int, str], nodes: Iterable[int]) -> PCG:
@@ -1020,7 +1019,7 @@ def _stage_dp(lay: _LayerPrices, info: Cuts, layers, gM, machine, sizes, T, M, m
         return simulate_1f1b([t / (1 + bf) for t in ts], [t * bf / (1 + bf) for t in ts], M, send, send,
                              once).makespan
 
-    inner_idx = [j for j, s in enumerate(opts) if s in inner]
+    inner_times = [table(s)[0][k][i] for s in sorted(inner) for k in range(L) for i in range(k, L)]
     soft = Deadline(deadline, clock) if math.isfinite(deadline) else None
     hard = current()
     found = stage_dp(L, opts, T, M, lambda k, i, j: table(opts[j])[0][k][i],
@@ -1028,8 +1027,7 @@ def _stage_dp(lay: _LayerPrices, info: Cuts, layers, gM, machine, sizes, T, M, m
                      extra=(lambda k, i, j: table(opts[j])[1][k][i], None),
                      entry=lambda k, d, j: xfer(k, d, opts[j]), allowed=allowed,
                      min_stages=min_stages, max_stages=max_stages,
-                     bounds=lambda t: [(hi, hi) for _, hi in t_max_bounds(t[:, :, inner_idx], rel=0.01,
-                                                                          most=MAX_BOUNDS)],
+                     bounds=[(hi, hi) for _, hi in t_max_bounds(inner_times, rel=0.01, most=MAX_BOUNDS)],
                      score=estimate, tie=TIE, deadline=soft.sooner(hard) if soft else hard)
     per_s: dict = {}
     for est, stages in found.plans:

@@ -2,19 +2,20 @@
 /work/shared/notes/alpa-oneflow.md): operator clustering, sub-mesh shapes, the stage DP over
 ``t_max`` with its early stop, 1F1B memory, and the plan it gives, priced in our cost model.
 
-**Operator clustering** (:func:`cluster_operators`, Eq. 6).  The operators are the *units* of
+**Operator clustering** (:func:`cluster_operators`, Eq. 6): the shared clustering of
+:func:`unity_pcg.search.stages.cluster` with Alpa's settings.  The operators are the *units* of
 :func:`unity_pcg.search.sp.build_units` (a compute node with its placement chains) in topological
 order.  They are grouped into ``L`` layers by Alpa's DP ``G(k, r) = min_i max{G(i-1, r-1), C(i, k)}``
 subject to ``FLOP(o_i..o_k) <= (1 + delta) FLOP_total / L``, with ``C(i, k)`` the bytes the units
 ``i..k`` read from units before ``i``: the layers minimize the largest activation any layer receives.
 Ties (a transformer's block boundaries all receive the same residual stream) are broken by the sum of
 squared deviations of the layers' FLOPs from ``FLOP_total / L``, so identical blocks make identical
-layers.  A layer may start only where no trained weight is read on both sides and no partial sum
-crosses (the valid cuts of :mod:`unity_pcg.search.pipeline`).  If no clustering meets the FLOP bound
-(one unit heavier than it), the bound is doubled until one does.  With fewer valid cuts than ``L`` the
-model has fewer layers (one more than its valid cuts, down to the whole graph as one layer), so the
-clustering never refuses: transformers' exports share one all-ones norm scale among every norm (the
-exporter merges equal initializers), a trained weight read on both sides of every block boundary.
+layers.  A layer may start only at a valid cut (no trained weight read on both sides, no partial sum
+crossing).  If no clustering meets the FLOP bound (one unit heavier than it), the bound is doubled until
+one does.  With fewer valid cuts than ``L`` the model has fewer layers (one more than its valid cuts,
+down to the whole graph as one layer), so the clustering never refuses: transformers' exports share one
+all-ones norm scale among every norm (the exporter merges equal initializers), a trained weight read on
+both sides of every block boundary.
 
 **Sub-mesh shapes** (:func:`submesh_shapes`, Appendix A): ``(1, 1), (1, 2), (1, 4), ..., (1, D)``
 inside a node of ``D`` devices (the powers of two dividing ``D``, then ``D``: Appendix A assumes ``D`` a
@@ -36,14 +37,15 @@ the stage sub-PCG's structure (node ids and names left out) and the logical mesh
 are solved once.  Stages that cannot fit (their weights with optimizer states over the sub-mesh's
 memory even if sharded over all of it) are not solved.
 
-**The stage DP** (:func:`stage_dp`, Eqs. 2-5).  ``F(s, k, d; t_max)`` = the least sum of stage
-times of layers ``k..L-1`` cut into ``s`` stages on ``d`` devices, each stage's ``t <= t_max`` and
-each stage fitting in memory with the micro-batches 1F1B keeps in flight (Eq. 5:
-``w + min(s, B) a <= capacity``, ``s`` = this stage and the ones after it); ``T*(t_max) = min_s
-F(s, 0, N D; t_max) + (B - 1) t_max``.  ``t_max`` runs over the distinct stage times ascending
-(skipping values within ``eps = 1e-6`` s of the previous); the loop stops once ``B t_max`` reaches the
-best ``T*`` found (no later bound can do better).  Each plan found is scored by Eq. 2 on its actual
-stage times.  The DP is vectorized over (first layer, last layer, devices) with numpy.
+**The stage DP** (Eqs. 2-5): the shared :func:`unity_pcg.search.stages.stage_dp` over the sub-mesh
+shapes' device counts.  ``F(s, k, d; t_max)`` = the least sum of stage times of layers ``k..L-1`` cut
+into ``s`` stages on ``d`` devices, each stage's ``t <= t_max`` and each stage fitting in memory with the
+micro-batches 1F1B keeps in flight (Eq. 5: ``w + min(s, B) a <= capacity``, ``s`` = this stage and the
+ones after it); ``T*(t_max) = min_s F(s, 0, N D; t_max) + (B - 1) t_max``.  ``t_max`` runs over the
+distinct stage times ascending (values within ``EPS = 1e-6`` s of a cluster's smallest join it, the DP
+running at the cluster's largest); the loop stops once ``B`` times a cluster's smallest reaches the best
+``T*`` found (no later bound can do better).  Each plan found is scored by Eq. 2 on its actual stage
+times.
 
 **Deadline.**  ``alpa_plan(deadline=...)`` (a ``time.monotonic()`` value; ``optimize --strategy alpa``
 passes its budget's end) bounds the planner: the whole model as one stage on the whole cluster is
@@ -85,7 +87,7 @@ from ..mapping import MachineMapper
 from ..memory import memory_per_device
 
 INF = math.inf
-EPS = 1e-6                  # t_max values closer than this are skipped (the paper's epsilon)
+EPS = 1e-6                  # t_max values closer than this are one bound (the paper's epsilon)
 BYTES_PER_PARAM = {"sgd": 8, "momentum": 12, "adam": 16}   # fp32 weight + gradient + optimizer states
 
 
@@ -160,7 +162,7 @@ def cluster_operators(g: PCG, roles: Mapping[int, str], layers: int, delta: floa
     """Alpa's operator clustering (Eq. 6; module docstring): :func:`unity_pcg.search.stages.cluster` over every
     valid cut, minimizing the largest input of a layer, then the layers' squared FLOP deviations, under the
     FLOP bound ``(1 + delta)``.  Returns ``(layers, info)``: per layer ``(first unit, last unit + 1)``."""
-    return S.cluster(g, roles, layers, cuts="valid", inputs=True, balance="layers", delta=delta)
+    return S.cluster(g, roles, layers, cuts="valid", inputs=True, delta=delta)
 
 
 # --- stage costs -------------------------------------------------------------------------------------------

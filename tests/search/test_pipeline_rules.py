@@ -49,8 +49,8 @@ def gpt_path(tmp_path_factory):
     return str(p)
 
 
-@pytest.mark.parametrize("stages", [[(0, 3, 0, 2), (3, 7, 2, 2)], [(0, 3, 0, 1), (3, 7, 1, 3)],
-                                    [(0, 2, 0, 1), (2, 4, 1, 1), (4, 7, 2, 2)]])
+@pytest.mark.parametrize("stages", [[(0, 4, 0, 2), (4, 8, 2, 2)], [(0, 4, 0, 1), (4, 8, 1, 3)],
+                                    [(0, 3, 0, 1), (3, 5, 1, 1), (5, 8, 2, 2)]])
 def test_gpt_pipelines_by_rules_replay_on_a_fresh_import(gpt_path, stages):
     from unity_pcg.onnx_import import load_onnx
 
@@ -66,9 +66,9 @@ def test_megatron_stages_and_unstitched_plans_have_no_rule_sequence(gpt_path):
     from unity_pcg.onnx_import import load_onnx
     g = load_onnx(gpt_path, load_weights=False)
     m = machine(1, 4)
-    tp = evaluate_pipeline(g, CostModel(m, "adam"), [(0, 7, 0, 4)], 2, intra=megatron_intra(4))
+    tp = evaluate_pipeline(g, CostModel(m, "adam"), [(0, 8, 0, 4)], 2, intra=megatron_intra(4))
     assert tp.feasible and by_rules(g, tp, m) is None
-    bare = evaluate_pipeline(g, CostModel(m, "adam"), [(0, 3, 0, 2), (3, 7, 2, 2)], 2, stitch=False)
+    bare = evaluate_pipeline(g, CostModel(m, "adam"), [(0, 4, 0, 2), (4, 8, 2, 2)], 2, stitch=False)
     assert by_rules(g, bare, m) is None
 
 

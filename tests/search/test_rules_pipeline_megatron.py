@@ -30,10 +30,10 @@ def gpt_path(tmp_path_factory):
 
 ATTN = "megatron_attention_block_bias_mask"
 # (mesh, stages, (dp, tp) per stage, whether a tensor-parallel stage holds an attention block)
-PLANS = [((1, 4), [(0, 7, 0, 4)], [(1, 4)], True),
-         ((1, 4), [(0, 3, 0, 2), (3, 7, 2, 2)], [(1, 2), (1, 2)], True),
-         ((2, 2), [(0, 7, 0, 4)], [(2, 2)], True),
-         ((1, 4), [(0, 2, 0, 1), (2, 4, 1, 1), (4, 7, 2, 2)], [(1, 1), (1, 1), (1, 2)], False)]
+PLANS = [((1, 4), [(0, 8, 0, 4)], [(1, 4)], True),
+         ((1, 4), [(0, 4, 0, 2), (4, 8, 2, 2)], [(1, 2), (1, 2)], True),
+         ((2, 2), [(0, 8, 0, 4)], [(2, 2)], True),
+         ((1, 4), [(0, 3, 0, 1), (3, 5, 1, 1), (5, 8, 2, 2)], [(1, 1), (1, 1), (1, 2)], False)]
 
 
 @pytest.mark.parametrize("mesh,stages,recipes,attention", PLANS)
@@ -65,8 +65,8 @@ def test_megatron_stages_by_rules_replay_on_a_fresh_import(gpt_path, mesh, stage
         assert len(split) >= (8 if attention else 4)          # Q/K/V/O + biases, MLP, head
 
 
-@pytest.mark.parametrize("mesh,stages", [((1, 4), [(0, 7, 0, 4)]), ((2, 2), [(0, 7, 0, 4)]),
-                                         ((1, 4), [(0, 3, 0, 2), (3, 7, 2, 2)])])
+@pytest.mark.parametrize("mesh,stages", [((1, 4), [(0, 8, 0, 4)]), ((2, 2), [(0, 8, 0, 4)]),
+                                         ((1, 4), [(0, 4, 0, 2), (4, 8, 2, 2)])])
 def test_rules_layout_costs_what_the_hand_built_one_does(gpt_path, mesh, stages):
     """Megatron-LM's layout by rules is priced as the hand-built megatron_intra: a stage's outputs are left on
     the copies (the next stage's Replicate lifted across the cut, the last Reduce fused into an AllReduce)."""
@@ -90,7 +90,7 @@ def test_recorded_sequence_survives_the_plan_file(gpt_path, tmp_path):
     from unity_pcg.onnx_import import load_onnx
     m = machine(2, 2)
     g = load_onnx(gpt_path, load_weights=False)
-    res = by_rules(g, evaluate_pipeline(g, CostModel(m, "adam"), [(0, 7, 0, 4)], 2,
+    res = by_rules(g, evaluate_pipeline(g, CostModel(m, "adam"), [(0, 8, 0, 4)], 2,
                                         intra=megatron_rules_intra(2)), m)
     p = plan_mod.Plan("gpt.onnx", "0" * 64, m, res.pcg, res.views, {}, pipeline=res.to_plan_field(),
                       rules=tuple(s.to_json() for s in res.rules))

@@ -223,7 +223,7 @@ def _check_layers(g, layers, info, cuts):
 def test_alpa_clustering_minimizes_the_largest_layer_input_under_the_flop_bound(widths, L, delta):
     g = _skip_chain(8, widths)
     roles = _roles(g)
-    layers, info = cluster(g, roles, L, cuts="valid", inputs=True, balance="layers", delta=delta)
+    layers, info = cluster(g, roles, L, cuts="valid", inputs=True, delta=delta)
     _check_layers(g, layers, info, "valid")
     C = layer_inputs(g, info)
     U = len(info.units)
@@ -247,23 +247,27 @@ def test_alpa_clustering_minimizes_the_largest_layer_input_under_the_flop_bound(
     assert score([a for a, _ in layers] + [U]) == pytest.approx(best)
 
 
-@pytest.mark.parametrize("widths,L", [([64] * 9, 4), ([32, 256, 32, 256, 32, 128, 32], 3), ([64, 512, 64] * 3, 5)])
-def test_unity_clustering_cuts_at_the_fewest_crossings_nearest_the_equal_flop_targets(widths, L):
+@pytest.mark.parametrize("widths,L", [([64] * 9, 4), ([32, 256, 32, 256, 32, 128, 32], 3), ([64, 512, 64] * 3, 5),
+                                      ([64] * 5, 12)])
+def test_unity_clustering_cuts_at_the_fewest_crossings_into_equal_flops(widths, L):
     g = _skip_chain(8, widths)
     roles = _roles(g)
-    layers, info = cluster(g, roles, L, cuts="fewest", inputs=False, balance="cuts", delta=None)
+    layers, info = cluster(g, roles, L, cuts="fewest", inputs=False, delta=None)
     _check_layers(g, layers, info, "fewest")
     cand = allowed_cuts(info, "fewest")
+    assert all(len(info.crossing[c]) == min(len(info.crossing[x]) for x in range(1, len(info.units))
+                                             if info.valid[x]) for c in cand)
     pre = np.concatenate([[0.0], np.cumsum(info.flops)])
     n = min(L, len(cand) + 1)
-    assert len(layers) == n
+    assert len(layers) == n                     # every allowed cut used when there are fewer than L - 1
     target = pre[-1] / n
 
-    def dist(cuts):
-        return sum(abs(pre[c] - (r + 1) * target) for r, c in enumerate(cuts))
+    def dev(cuts):
+        b = [0, *cuts, len(info.units)]
+        return sum((pre[y] - pre[x] - target) ** 2 for x, y in zip(b, b[1:]))
 
-    best = min(dist(c) for c in itertools.combinations(cand, n - 1))
-    assert dist([a for a, _ in layers[1:]]) == pytest.approx(best)
+    best = min(dev(c) for c in itertools.combinations(cand, n - 1))
+    assert dev([a for a, _ in layers[1:]]) == pytest.approx(best)
 
 
 @pytest.mark.parametrize("cuts", ["valid", "fewest"])
