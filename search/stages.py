@@ -433,7 +433,12 @@ def stage_dp(layers: int, sizes: Sequence[int], devices: int, micro_batches: int
             return sum(ts) + (B - 1) * max(ts)
     steps = [s // g for s in sizes]
     nl = [j for j in range(J) if allow_nl[:, j].any()]
-    last_opts = [[j for j in range(J) if allow_last[p, j]] for p in range(P)]
+    ends_of = {j: np.nonzero(allow_nl[:, j])[0] + steps[j] for j in nl}
+    pairs = [[j for j in range(J) if allow_last[p, j]] for p in range(P)]
+    rounds = []                         # the last stages' (position, option) pairs, one per position a round
+    for n in range(max((len(x) for x in pairs), default=0)):
+        ps = [p for p in range(P) if len(pairs[p]) > n]
+        rounds.append((np.array(ps, dtype=int), np.array([pairs[p][n] for p in ps], dtype=int)))
     out = StagePlans([])
     seen: set = set()
     best = INF
@@ -448,7 +453,7 @@ def stage_dp(layers: int, sizes: Sequence[int], devices: int, micro_batches: int
             break
         out.tried += 1
         for term in ([None] if not extra else [("x", n) for n in range(len(extra))]):
-            for stages in _dp(cols, term, steps, nl, last_opts, allow_nl, L, P, B, S_max, t_max, tie, g):
+            for stages in _dp(cols, term, steps, nl, rounds, ends_of, allow_nl, L, P, B, S_max, t_max, tie, g):
                 if len(stages) < min_stages or stages in seen:
                     continue
                 seen.add(stages)
@@ -461,18 +466,21 @@ def stage_dp(layers: int, sizes: Sequence[int], devices: int, micro_batches: int
     return out
 
 
-def _dp(cols, term, steps, nl, last_opts, allow_nl, L, P, B, S_max, t_max, tie, g):
+def _dp(cols, term, steps, nl, rounds, ends_of, allow_nl, L, P, B, S_max, t_max, tie, g):
     """One DP at ``t_max``: F_r[k, p] the least cost of layers k..L-1 in r stages from position p to the end
-    (with MX_r the largest stage time of that plan); the best plan per stage count, from layer 0 at 0."""
+    (with ``tie``, MX_r the largest stage time of that plan); the best plan per stage count, from layer 0 at
+    0.  ``rounds``: the (positions, options) pairs of last stages, at most one per position per round;
+    ``ends_of[j]``: where a non-last stage on option j may end."""
     t, hold, E = cols.a["t"], cols.a["hold"], cols.E
-    # positions a last stage may start at: 0, and the ends of non-last stages within the bound
-    ends = {0}
-    for j in nl:
-        if (t[:, :, j] <= t_max).any():
-            ends.update(int(p) + steps[j] for p in np.nonzero(allow_nl[:, j])[0] if int(p) + steps[j] < P)
-    for p in ends:
-        for j in last_opts[p]:
-            cols.need(j)
+    if cols.pending:                    # options only ever last, where a non-last stage within the bound ends
+        ends = {0}
+        for j in nl:
+            if (t[:, :, j] <= t_max).any():
+                ends.update(ends_of[j].tolist())
+        for ps, js in rounds:
+            for p, j in zip(ps.tolist(), js.tolist()):
+                if p in ends:
+                    cols.need(j)
     x = cols.a[term] if term is not None else None
     c_all = t if x is None else t + np.where(np.isfinite(t), x, 0.0)
     big = INF
@@ -481,39 +489,53 @@ def _dp(cols, term, steps, nl, last_opts, allow_nl, L, P, B, S_max, t_max, tie, 
     MX_prev = np.zeros((L + 1, P))
     choices = []
     plans = []
+    nl_arr = np.array(nl, dtype=int)
     for r in range(1, S_max + 1):
-        ok = (t <= t_max) & (np.minimum(r, B) <= hold if hold is not None else True)
+        ok = t <= t_max
+        if hold is not None:
+            ok &= min(r, B) <= hold
         F = np.full((L + 1, P), big)
         MX = np.zeros((L + 1, P))
         ch_i = np.full((L + 1, P), -1, dtype=int)
         ch_j = np.full((L + 1, P), -1, dtype=int)
         if r == 1:
-            for p in sorted(ends):
-                for j in last_opts[p]:
-                    v = np.where(ok[:, L - 1, j], c_all[:, L - 1, j] + E[:, p, j], big)
-                    mx = t[:, L - 1, j]
-                    better = _better(v, mx, F[:L, p], MX[:L, p], tie)
-                    F[:L, p] = np.where(better, v, F[:L, p])
-                    MX[:L, p] = np.where(better, mx, MX[:L, p])
-                    ch_i[:L, p] = np.where(better, L - 1, ch_i[:L, p])
-                    ch_j[:L, p] = np.where(better, j, ch_j[:L, p])
-        elif nl:
-            cs, ms = [], []
+            for ps, js in rounds:
+                v = np.where(ok[:, L - 1, js], c_all[:, L - 1, js] + E[:, ps, js], big)    # [k, pairs]
+                mx = t[:, L - 1, js]
+                better = _better(v, mx, F[:L, ps], MX[:L, ps], tie)
+                F[:L, ps] = np.where(better, v, F[:L, ps])
+                MX[:L, ps] = np.where(better, mx, MX[:L, ps])
+                ch_i[:L, ps] = np.where(better, L - 1, ch_i[:L, ps])
+                ch_j[:L, ps] = np.where(better, js[None, :], ch_j[:L, ps])
+        elif nl and tie == 0:           # the least sum, the first (option, last layer) among equals
             for j in nl:
                 sz = steps[j]
                 c = np.where(ok[:, :, j], c_all[:, :, j], big)                      # [k, i]
                 rest = np.full((L, P), big)                                        # [i, p]
+                rest[:, :P - sz] = F_prev[1:, sz:]
+                rest[:, ~allow_nl[:, j]] = big
+                tot = c[:, :, None] + rest[None, :, :]                             # [k, i, p]
+                i_best = np.argmin(tot, axis=1)                                    # [k, p]
+                v = np.take_along_axis(tot, i_best[:, None, :], axis=1)[:, 0, :] + E[:, :, j]
+                better = v < F[:L]
+                F[:L] = np.where(better, v, F[:L])
+                ch_i[:L] = np.where(better, i_best, ch_i[:L])
+                ch_j[:L] = np.where(better, j, ch_j[:L])
+        elif nl:                        # within ``tie`` of the least sum, the smallest largest stage time
+            cs = np.empty((L, len(nl), L, P))
+            ms = np.empty((L, len(nl), L, P))
+            for n, j in enumerate(nl):
+                sz = steps[j]
+                c = np.where(ok[:, :, j], c_all[:, :, j], big)                      # [k, i]
+                rest = np.full((L, P), big)                                        # [i, p]
                 rmx = np.zeros((L, P))
-                if sz < P:
-                    rest[:, :P - sz] = F_prev[1:, sz:]
-                    rmx[:, :P - sz] = MX_prev[1:, sz:]
-                rest = np.where(allow_nl[None, :, j], rest, big)
-                tot = c[:, :, None] + rest[None, :, :] + E[:, None, :, j]          # [k, i, p]
-                mx = np.maximum(t[:, :, j][:, :, None], rmx[None, :, :])
-                cs.append(tot)
-                ms.append(mx)
-            cs = np.stack(cs, axis=1).reshape(L, len(nl) * L, P)                   # [k, (j, i), p]
-            ms = np.stack(ms, axis=1).reshape(L, len(nl) * L, P)
+                rest[:, :P - sz] = F_prev[1:, sz:]
+                rmx[:, :P - sz] = MX_prev[1:, sz:]
+                rest[:, ~allow_nl[:, j]] = big
+                cs[:, n] = c[:, :, None] + rest[None, :, :] + E[:, None, :, j]     # [k, i, p]
+                ms[:, n] = np.maximum(t[:, :, j][:, :, None], rmx[None, :, :])
+            cs = cs.reshape(L, len(nl) * L, P)                                      # [k, (j, i), p]
+            ms = ms.reshape(L, len(nl) * L, P)
             with np.errstate(invalid="ignore"):
                 cmin = cs.min(axis=1)                                              # [k, p]
                 within = np.isfinite(cs) & (cs <= (cmin * (1 + tie))[:, None, :])
@@ -526,7 +548,7 @@ def _dp(cols, term, steps, nl, last_opts, allow_nl, L, P, B, S_max, t_max, tie, 
             F[:L] = np.where(fin, v, big)
             MX[:L] = np.where(fin, np.take_along_axis(ms, idx[:, None, :], axis=1)[:, 0, :], 0.0)
             ch_i[:L] = np.where(fin, idx % L, -1)
-            ch_j[:L] = np.where(fin, np.array(nl)[idx // L], -1)
+            ch_j[:L] = np.where(fin, nl_arr[idx // L], -1)
         choices.append((ch_i, ch_j))
         if math.isfinite(F[0, 0]):
             stages, k, p = [], 0, 0
