@@ -448,7 +448,8 @@ def stage_dp(layers: int, sizes: Sequence[int], devices: int, micro_batches: int
             out.cut = True
             if out.plans:
                 break
-            late, low, t_max = True, vals[-1][0], vals[-1][1]
+            fin = t[np.isfinite(t)]     # once more at the largest bound, admitting every plan
+            late, low, t_max = True, vals[-1][0], max(vals[-1][1], float(fin.max()) if fin.size else -INF)
         if B * low >= best:
             break
         out.tried += 1

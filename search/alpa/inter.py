@@ -42,9 +42,8 @@ shapes' device counts.  ``F(s, k, d; t_max)`` = the least sum of stage times of 
 into ``s`` stages on ``d`` devices, each stage's ``t <= t_max`` and each stage fitting in memory with the
 micro-batches 1F1B keeps in flight (Eq. 5: ``w + min(s, B) a <= capacity``, ``s`` = this stage and the
 ones after it); ``T*(t_max) = min_s F(s, 0, N D; t_max) + (B - 1) t_max``.  ``t_max`` runs over the
-distinct stage times ascending (values within ``EPS = 1e-6`` s of a cluster's smallest join it, the DP
-running at the cluster's largest); the loop stops once ``B`` times a cluster's smallest reaches the best
-``T*`` found (no later bound can do better).  Each plan found is scored by Eq. 2 on its actual stage
+distinct stage times ascending (skipping values within ``EPS = 1e-6`` s of the last one tried); the loop
+stops once ``B t_max`` reaches the best ``T*`` found (no later bound can do better).  Each plan found is scored by Eq. 2 on its actual stage
 times.
 
 **Deadline.**  ``alpa_plan(deadline=...)`` (a ``time.monotonic()`` value; ``optimize --strategy alpa``
@@ -87,7 +86,7 @@ from ..mapping import MachineMapper
 from ..memory import memory_per_device
 
 INF = math.inf
-EPS = 1e-6                  # t_max values closer than this are one bound (the paper's epsilon)
+EPS = 1e-6                  # t_max values closer than this are skipped (the paper's epsilon)
 BYTES_PER_PARAM = {"sgd": 8, "momentum": 12, "adam": 16}   # fp32 weight + gradient + optimizer states
 
 
@@ -535,7 +534,7 @@ def alpa_plan(pcg: PCG, machine: MachineSpec, *, optimizer: str = "adam", layers
         if deadline is not None:
             costs.deadline = deadline          # the chosen stages are solved at their places by the deadline
         dp = S.stage_dp(L, sizes, T, M, t, fits=hold, max_stages=max_stages,
-                        bounds=S.t_max_bounds(t[np.isfinite(t)], eps=EPS),
+                        bounds=[(lo, lo) for lo, _ in S.t_max_bounds(t[np.isfinite(t)], eps=EPS)],
                         deadline=None if deadline is None else Deadline(deadline))
         found = dp.best()
         est = found[0] if found else INF
