@@ -38,21 +38,22 @@ spread evenly over the sending and the receiving stage's devices; the pieces mov
 the activations of one micro-batch (what the backward keeps, :mod:`search.memory`) times the number
 in flight, ``min(S - i, M)`` for stage i.  A plan whose busiest device does not fit is infeasible.
 
-**The search** (:func:`search_pipeline`).  The layers and the stage DP are the shared ones of
-:mod:`unity_pcg.search.stages`.  Layers (:func:`sequential_layers`): at most ``max_layers`` contiguous runs of
+**The search** (:func:`search_pipeline`). The layers and the stage DP are the shared ones of
+:mod:`unity_pcg.search.stages`. Layers (:func:`sequential_layers`): at most ``max_layers`` contiguous runs of
 units (a node with its placement chains) cut where the fewest activation tensors cross (the single-tensor
-bottlenecks of a chain), never across a trained weight read on both sides, of about equal FLOPs.  For each number of micro-batches M (:func:`_micro_batch_candidates`), every layer is priced alone
-on every candidate sub-mesh size (a repeated layer once); a stage's price is the sum of its layers'.  The
-stage DP (Alpa's Eq. 3-4; :func:`_stage_dp`) then, for each bound ``t_max`` on a stage's time (ascending,
-stopping once ``M * t_max`` reaches the best estimate), finds for every stage count S the partition of
-layers and devices (blocks laid out left to right, each a :class:`Resource`) minimizing ``sum_i (t_i + 2 c_i
-+ lam * u_i)`` with every ``t_i <= t_max`` and every stage fitting in memory with its micro-batches in
-flight, once with ``lam = 1`` and once with ``lam = 0`` (the updates run after each stage's last backward,
-overlapping the drain of the earlier stages, so neither their sum nor nothing is right); each plan found is
-estimated by the 1F1B simulation on the layer prices.  The best few per (S, M) are priced exactly
-(each stage's whole sub-PCG mapped on its actual sub-mesh, the simulation), the best estimate of
-every stage count and one stage with one micro-batch always; the fastest feasible one is stitched
-into one PCG.  A test holds the result within 5% of every pipeline priced exactly on small cases.
+bottlenecks of a chain), never across a trained weight read on both sides, of about equal FLOPs. For each
+number of micro-batches M (:func:`_micro_batch_candidates`), every layer is priced alone on every candidate
+sub-mesh size (a repeated layer once); a stage's price is the sum of its layers'. The stage DP (Alpa's Eq.
+3-4; :func:`_stage_dp`) then, for each bound ``t_max`` on a stage's time (ascending, stopping once ``M *
+t_max`` reaches the best estimate), finds for every stage count S the partition of layers and devices (blocks
+laid out left to right, each a :class:`Resource`) minimizing ``sum_i (t_i + 2 c_i + lam * u_i)`` with every
+``t_i <= t_max`` and every stage fitting in memory with its micro-batches in flight, once with ``lam = 1`` and
+once with ``lam = 0`` (the updates run after each stage's last backward, overlapping the drain of the earlier
+stages, so neither their sum nor nothing is right); each plan found is estimated by the 1F1B simulation on the
+layer prices. The best few per (S, M) are priced exactly (each stage's whole sub-PCG mapped on its actual
+sub-mesh, the simulation), the best estimate of every stage count and one stage with one micro-batch always;
+the fastest feasible one is stitched into one PCG. A test holds the result within 5% of every pipeline priced
+exactly on small cases.
 
 **The plan.**  :attr:`PipelineResult.pcg` is the whole model at the full batch: every stage's
 parallel sub-PCG, its boundary Inputs replaced by the producing stage's tensor (directly when the

@@ -396,10 +396,13 @@ def stage_dp(layers: int, sizes: Sequence[int], devices: int, micro_batches: int
     (default: one run on ``cost`` alone).  ``entry(k, d, j)``: added for a stage from layer ``k`` on option
     ``j`` after ``d`` devices (an inter-stage transfer).  ``allowed(d, j, last)``: whether option ``j`` may
     start after ``d`` devices (``last``: as the last stage, which ends at ``devices``); default: anywhere.
-    Stage counts ``min_stages..max_stages`` (default 1..layers).  ``bounds``: the ``t_max`` values (or ``(low,
-    high)`` pairs of :func:`t_max_bounds`), or a callable of the cost array giving them (options only ever last are not filled yet: their stages are
-    priced when the DP first reaches them; default: every distinct stage time, :func:`t_max_bounds`).
-    ``score(stages)``: a plan's score (default Eq. 2).  ``deadline``: checked before each bound.
+    Stage counts ``min_stages..max_stages`` (default 1..layers).  ``bounds``: the ``t_max`` values, or
+    ``(low, high)`` pairs of :func:`t_max_bounds` (the DP runs at ``high`` and stops once ``B low`` reaches
+    the best score), or a callable of the cost array giving them (in it, options only ever last are not
+    priced yet: the DP prices them where it first reaches them); default: every distinct stage time.
+    ``score(stages)``: a plan's score (default Eq. 2).  ``tie``: DP costs within this relative difference
+    are equal and the smaller largest stage time wins (0: the first of the least, in option then layer
+    order).  ``deadline``: checked before each bound.
 
     Returns every distinct plan found (tuples of :class:`Stage`) with its score."""
     t0 = time.perf_counter()

@@ -37,14 +37,14 @@ the stage sub-PCG's structure (node ids and names left out) and the logical mesh
 are solved once.  Stages that cannot fit (their weights with optimizer states over the sub-mesh's
 memory even if sharded over all of it) are not solved.
 
-**The stage DP** (Eqs. 2-5): the shared :func:`unity_pcg.search.stages.stage_dp` over the sub-mesh
-shapes' device counts.  ``F(s, k, d; t_max)`` = the least sum of stage times of layers ``k..L-1`` cut
-into ``s`` stages on ``d`` devices, each stage's ``t <= t_max`` and each stage fitting in memory with the
-micro-batches 1F1B keeps in flight (Eq. 5: ``w + min(s, B) a <= capacity``, ``s`` = this stage and the
-ones after it); ``T*(t_max) = min_s F(s, 0, N D; t_max) + (B - 1) t_max``.  ``t_max`` runs over the
-distinct stage times ascending (skipping values within ``EPS = 1e-6`` s of the last one tried); the loop
-stops once ``B t_max`` reaches the best ``T*`` found (no later bound can do better).  Each plan found is scored by Eq. 2 on its actual stage
-times.
+**The stage DP** (Eqs. 2-5): the shared :func:`unity_pcg.search.stages.stage_dp` over the sub-mesh shapes'
+device counts. ``F(s, k, d; t_max)`` = the least sum of stage times of layers ``k..L-1`` cut into ``s`` stages
+on ``d`` devices, each stage's ``t <= t_max`` and each stage fitting in memory with the micro-batches 1F1B
+keeps in flight (Eq. 5: ``w + min(s, B) a <= capacity``, ``s`` = this stage and the ones after it);
+``T*(t_max) = min_s F(s, 0, N D; t_max) + (B - 1) t_max``. ``t_max`` runs over the distinct stage times
+ascending (skipping values within ``EPS = 1e-6`` s of the last one tried); the loop stops once ``B t_max``
+reaches the best ``T*`` found (no later bound can do better). Each plan found is scored by Eq. 2 on its actual
+stage times.
 
 **Deadline.**  ``alpa_plan(deadline=...)`` (a ``time.monotonic()`` value; ``optimize --strategy alpa``
 passes its budget's end) bounds the planner: the whole model as one stage on the whole cluster is
