@@ -152,7 +152,7 @@ def test_megatron_transformer_stages_train_like_one_process(tmp_path, capfd):
     from unity_pcg import zoo
     model = str(tmp_path / "gpt.onnx")
     zoo.export("gpt_350m", model, size="tiny", batch=4)
-    pp = megatron_pipeline_plan(model, str(tmp_path / "pp.json"), cut=3)
+    pp = megatron_pipeline_plan(model, str(tmp_path / "pp.json"), cut=4)      # the embedding and the first block
     pl = P.load(pp)
     assert sum(n.op == "AllReduce" for n in pl.pcg.nodes()) == 4
     got, ref, saved, ref_w = _train(pp, model, tmp_path, capfd, "sgd")
@@ -164,7 +164,7 @@ def test_megatron_transformer_stages_train_like_one_process(tmp_path, capfd):
     from unity_pcg.search.pipeline import evaluate_pipeline, megatron_intra
     from tests.executor.runtime_plans import _save
     m = parse_machine("local:1x3")
-    res = evaluate_pipeline(load_onnx(model, load_weights=False), CostModel(m), [(0, 3, 0, 1), (3, 7, 1, 2)], 2,
+    res = evaluate_pipeline(load_onnx(model, load_weights=False), CostModel(m), [(0, 4, 0, 1), (4, 8, 1, 2)], 2,
                             intra=megatron_intra(2))
     pp = _save(res.pcg, res.views, model, str(tmp_path / "uneq.json"), m, pipeline=res.to_plan_field(),
                predicted=res.to_json())
@@ -249,7 +249,7 @@ def test_hybrid_stage_and_data_parallel_stage_train_like_one_process(tmp_path, c
     _assert_same(*_train(pp, model, tmp_path, capfd, "sgd", str(data)))
     gpt = str(tmp_path / "gpt.onnx")
     zoo.export("gpt_350m", gpt, size="tiny", batch=4)
-    pp = megatron_pipeline_plan(gpt, str(tmp_path / "mixed.json"), cut=1)
+    pp = megatron_pipeline_plan(gpt, str(tmp_path / "mixed.json"), cut=2)     # after the embedding
     pl = P.load(pp)
     emb = next(n for n in pl.pcg.nodes() if n.op == "Embedding")
     assert pl.pcg.shapes(emb.id)[0].degrees[0] == 2         # stage 0: data parallel
