@@ -141,7 +141,7 @@ class Evaluator:
         from .cost import CostModel
         from .mapping import MachineMapper
         self.machine = machine
-        self.mapper = MachineMapper(CostModel(machine, optimizer=optimizer, precision=precision))
+        self.mapper = MachineMapper(CostModel(machine, optimizer=optimizer, precision=precision), techniques=True)
         self.calls = 0
         self.timeouts = 0
         self.limit_s = limit_s
@@ -1292,7 +1292,8 @@ def _result(run: _Run, chosen: PlanCandidate, model_path: str, sha: str, seed: i
                 pipe.to_plan_field() if pipe is not None else None,
                 {"strategy": run.strategy, "seed": seed, "alpha": run.alpha, "budget_s": bud.seconds,
                  "optimizer": run.optimizer, "batch": run.b, "search": stats,
-                 **({"outputs_trimmed": True} if rules_json is not None else {})}, rules_json, precision)
+                 **({"outputs_trimmed": True} if rules_json is not None else {})}, rules_json, precision,
+                getattr(final, "memory_plan", None))
     steps = list(chosen.steps)
     # never a plan the executor refuses before launch: else the fastest alternative it runs (search/runnable.py)
     if run.strategy in SEARCHES:

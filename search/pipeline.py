@@ -769,7 +769,7 @@ def _price(mapper: MachineMapper, sg: PCG, intra, res: Resource, memo: dict | No
         hit = memo.get(key)
         if hit is not None:
             return hit
-    r = mapper.optimize(P, block)
+    r = mapper.optimize(P, block, techniques=False)   # sync and update are priced once by the pipeline
     if r.memory is None or not r.views:
         out = _Priced(INF, 0.0, {}, {}, {}, P, tuple(sg.outputs), r.reason or "no machine view fits the stage")
     else:

@@ -47,7 +47,7 @@ def _plan_of(plan, pg, mapping, steps, label: str, stats: dict):
     if rules_json is not None:
         info["outputs_trimmed"] = True
     return dataclasses.replace(plan, pcg=pg, views=dict(mapping.views), predicted=pred, pipeline=None,
-                               info=info, rules=rules_json)
+                               info=info, rules=rules_json, memory=getattr(mapping, "memory_plan", None))
 
 
 def runnable(plan, final, steps: list, stats: dict, ev=None, g=None, candidates: Iterable = (),
