@@ -280,7 +280,7 @@ class _Tuner:
         tp = got
         try:
             with within(self.deadline):
-                r = self.mapper.optimize(pg, resource=None if N > 1 else Resource(0, 1, 1))
+                r = self.mapper.optimize(pg, resource=None if N > 1 else Resource(0, 1, 1), techniques=False)
         except Expired:
             if not plain or self.cheap is None:
                 raise
@@ -354,7 +354,8 @@ class _Tuner:
             return _Point(cfg, r.cost if r.feasible else INF, bool(r.feasible), r.reason,
                           max(mem.values(), default=0), mem, lay)
         from .cost import GraphCost
-        q = self.tech.price(GraphCost(lay.pcg, self.mapper.model), r.views, cfg.recompute, cfg.zero, r)
+        base = r if getattr(r, "techniques", None) is None else None     # its cost without techniques
+        q = self.tech.price(GraphCost(lay.pcg, self.mapper.model), r.views, cfg.recompute, cfg.zero, base)
         mem = dict(q.per_device)
         return _Point(cfg, q.iteration_s if q.feasible else INF, bool(q.feasible), q.reason, int(q.max_bytes), mem,
                       lay)
@@ -372,7 +373,7 @@ class _Tuner:
         def q(rec, z):
             k = (key, rec, z)
             if k not in cache:
-                cache[k] = self.tech.price(gc, p.views, rec, z, None)
+                cache[k] = self.tech.price(gc, p.views, rec, z, p.t + p.once)
             return cache[k]
 
         full = q(cfg.recompute, cfg.zero)
