@@ -57,7 +57,8 @@ from .substitution import (Candidate, RuleBook, RuleStep, best_first, copies_ste
 
 INF = math.inf
 SEARCHES = ("unity", "sequential")
-FIXED = ("dp", "megatron", "expert", "none")
+FIXED = ("dp", "megatron", "expert", "none", "zero3")
+TUNED = ("megatron", "zero3")     # fixed strategies as their users tune them (search/tuned.py)
 STRATEGIES = SEARCHES + FIXED + ("alpa",)     # alpa: Alpa's planner (search/alpa/), priced in our model
 
 
@@ -935,6 +936,9 @@ def _fixed(run: _Run) -> PlanCandidate:
     mapped by the DP within the budget (without it when the DP does not finish: :meth:`Evaluator.cheap`)."""
     from .baselines import StrategyError, build_strategy
     name = run.strategy
+    if name in TUNED:
+        from .tuned import plan_candidate
+        return plan_candidate(run)
     try:
         pg = build_strategy(run.g, name, 1 if name == "none" else run.dp_deg, devices_per_node=run.m.devices_per_node)
     except StrategyError as e:

@@ -557,5 +557,59 @@ def tune(g: PCG, mapper, strategy: str = "megatron", deadline: Deadline | None =
     return out
 
 
-__all__ = ["tune", "TunedResult", "TunedConfig", "TunedError", "techniques", "pairs", "micro_batch_sizes",
+# --- what optimize and simulate take from a result -------------------------------------------------------
+
+class TunedMapping:
+    """A tuned result seen through the MappingResult fields optimize and simulate report (cost, views,
+    memory, breakdown, ``memory_plan`` for the plan file)."""
+
+    def __init__(self, r: TunedResult, devices: int, capacity: int):
+        from .cost import LeafCost
+        from .memory import MemoryReport
+        base = r.mapping if r.mapping is not None else None
+        self.cost, self.feasible, self.reason, self.views = r.cost, r.feasible, r.reason, dict(r.views)
+        comm = r.pipeline.comm_elements if r.pipeline is not None else (base.breakdown.comm_elements if base else 0)
+        self.breakdown = base.breakdown if base is not None else LeafCost(r.cost, comm_elements=comm)
+        self.memory = MemoryReport(dict(r.memory), {}, {}, capacity)
+        self.devices = devices
+        self.memory_plan = r.memory_plan if r.memory_plan is not None and not r.memory_plan.empty else None
+        self.techniques = None
+        self.solve_s = r.stats.get("seconds", 0.0)
+        self.stats = {"devices_used": devices, "tuned": r.summary()}
+        if r.pipeline is not None:
+            self.stats["pipeline"] = r.pipeline.to_json()
+
+    def to_json(self) -> dict:
+        b = self.breakdown
+        return {"predicted_iteration_s": self.cost if math.isfinite(self.cost) else None,
+                "feasible": self.feasible, "reason": self.reason, "devices": self.devices,
+                "comm_elements": b.comm_elements, "max_memory_bytes": self.memory.max_bytes,
+                "memory_per_device": {str(d): v for d, v in sorted(self.memory.per_device.items())},
+                "solve_s": self.solve_s, "stats": dict(self.stats)}
+
+
+def plan_candidate(run):
+    """``optimize(strategy="megatron" | "zero3")``: the tuned baseline under the call's budget (the grid
+    stops at 90% of the time left), as the PlanCandidate the optimizer writes; ``info.search`` records
+    the configuration (``megatron_config`` / ``zero3_config``) and the grid's statistics."""
+    import time as _time
+    from .optimize import OptimizeError, PlanCandidate
+    bud = run.budget
+    deadline = Deadline(bud.clock() + 0.9 * max(bud.left(), 0.0), bud.clock)
+    t0 = _time.perf_counter()
+    try:
+        r = tune(run.g, run.ev.mapper, run.strategy, deadline, cheap=run.ev.cheap)
+    except TunedError as e:
+        raise OptimizeError(str(e)) from None
+    r.stats["seconds"] = _time.perf_counter() - t0
+    if r.pcg is None:
+        raise OptimizeError(f"strategy {run.strategy!r}: no plan on {run.m.name} ({r.reason})")
+    mapping = TunedMapping(r, run.n_dev, run.m.device.memory_bytes)
+    run.stats = {"chosen": f"{run.strategy} tuned: {r.config.label()}",
+                 f"{run.strategy}_config": r.config.to_json(), "tuned": r.summary()}
+    return PlanCandidate(f"{run.strategy} tuned", r.pcg, r.cost, (), by_rules=False, mapping=mapping,
+                         pipeline=r.pipeline)
+
+
+__all__ = ["tune", "plan_candidate", "TunedMapping", "TunedResult", "TunedConfig", "TunedError", "techniques", "pairs", "micro_batch_sizes",
            "STRATEGIES", "RECOMPUTE"]

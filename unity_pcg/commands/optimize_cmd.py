@@ -12,7 +12,7 @@ from ..errors import UnityError
 
 HELP = "search the fastest parallelization plan that fits memory (Unity's joint search)"
 
-STRATEGY_CHOICES = ("unity", "sequential", "dp", "megatron", "expert", "none", "alpa")
+STRATEGY_CHOICES = ("unity", "sequential", "dp", "megatron", "zero3", "expert", "none", "alpa")
 
 
 def add_arguments(p) -> None:
