@@ -449,7 +449,7 @@ class _Tuner:
                 plain = self.whole(0, plain=True)
                 self.stats["layout_points"] += 1
                 if plain.pcg is None:
-                    raise TunedError(f"strategy 'megatron': {plain.reason}")
+                    raise TunedError(plain.reason)
                 self.price_layout(plain, B // plain.dp)
             while any(not w["done"] for w in walks):
                 for w in walks:
