@@ -133,21 +133,31 @@ class _NoTechniques:
 
 
 class _Memtech:
-    """The techniques as :mod:`search.memtech` prices them (one fixed MemoryPlan on a mapped graph)."""
+    """The techniques as :mod:`search.memtech` prices them (one fixed MemoryPlan on a mapped graph); the
+    per-mapping analysis (``memtech.Techniques``) is built once per mapping and reused by every plan."""
     available = True
     recompute = RECOMPUTE
 
     def __init__(self, mod):
         self.m = mod
+        self._analysis: dict = {}
 
-    def plan(self, g: PCG, recompute: str, zero: int):
+    def plan(self, g: PCG, recompute: str, zero: int, regs=None):
         from unity_pcg.plan import MemoryPlan
-        regs = self.m.regions(g) if recompute != "none" else ()
-        rec = self.m.recompute_all(regs, recompute) if recompute != "none" else ()
-        return MemoryPlan(zero=zero, recompute=tuple(rec))
+        if recompute == "none":
+            return MemoryPlan(zero=zero)
+        regs = self.m.regions(g) if regs is None else regs
+        return MemoryPlan(zero=zero, recompute=tuple(self.m.recompute_all(regs, recompute)))
 
     def price(self, gc, views, recompute: str, zero: int, base):
-        return self.m.price(gc, views, self.plan(gc.g, recompute, zero), base=base)
+        key = (id(gc), id(views))
+        hit = self._analysis.get(key)
+        if hit is None or hit[0] is not gc:
+            if len(self._analysis) > 64:
+                self._analysis.clear()
+            hit = self._analysis[key] = (gc, self.m.Techniques(gc, views, base))
+        t = hit[1]
+        return t.price(self.plan(gc.g, recompute, zero, t.regions))
 
 
 def techniques():
@@ -156,7 +166,7 @@ def techniques():
         from . import memtech
     except ImportError:
         return _NoTechniques()
-    if not all(hasattr(memtech, a) for a in ("price", "regions", "recompute_all")):
+    if not all(hasattr(memtech, a) for a in ("Techniques", "regions", "recompute_all")):
         return _NoTechniques()
     return _Memtech(memtech)
 
@@ -212,6 +222,14 @@ def micro_batch_sizes(B: int, dp: int, pp: int) -> list[int]:
 
 # --- pricing ------------------------------------------------------------------------------------------
 
+def _split(report) -> tuple:
+    """(weights part, activations part) of a MemoryReport's busiest device."""
+    if report is None or not report.per_device:
+        return (0, 0)
+    dev = max(report.per_device, key=report.per_device.get)
+    return int(report.weights.get(dev, 0)), int(report.activations.get(dev, 0))
+
+
 @dataclass
 class _Point:
     """One priced technique combination of a layout point."""
@@ -222,6 +240,7 @@ class _Point:
     max_bytes: int
     memory: dict
     layout: Any                       # the _Layout it belongs to
+    split: tuple = (0, 0)             # busiest device: (bytes that do not scale with the micro-batch, bytes that do)
 
 
 @dataclass
@@ -237,6 +256,7 @@ class _Layout:
     plan: tuple = ()                  # pipeline: ((first layer, end layer, first device, devices), ...)
     ev: dict | None = None            # pipeline: search.pipeline._evaluate's result
     reason: str = ""
+    gc: Any = None                    # whole: the GraphCost the techniques are priced on
 
 
 class _Tuner:
@@ -352,13 +372,15 @@ class _Tuner:
         if not self.tech.available:
             mem = dict(r.memory.per_device) if r.memory else {}
             return _Point(cfg, r.cost if r.feasible else INF, bool(r.feasible), r.reason,
-                          max(mem.values(), default=0), mem, lay)
+                          max(mem.values(), default=0), mem, lay, _split(r.memory))
         from .cost import GraphCost
         base = r if getattr(r, "techniques", None) is None else None     # its cost without techniques
-        q = self.tech.price(GraphCost(lay.pcg, self.mapper.model), r.views, cfg.recompute, cfg.zero, base)
+        if lay.gc is None:
+            lay.gc = GraphCost(lay.pcg, self.mapper.model)
+        q = self.tech.price(lay.gc, r.views, cfg.recompute, cfg.zero, base)
         mem = dict(q.per_device)
         return _Point(cfg, q.iteration_s if q.feasible else INF, bool(q.feasible), q.reason, int(q.max_bytes), mem,
-                      lay)
+                      lay, _split(q.report))
 
     def _stage_numbers(self, p, cfg: TunedConfig, cache: dict):
         """(per-micro-batch compute, per-micro-batch extra, once, weights part, activations part) of one stage."""
@@ -395,7 +417,7 @@ class _Tuner:
         S = len(lay.plan)
         bf = self.mapper.model.backward_factor
         cap = self.machine.device.memory_bytes
-        fwd, bwd, once, mems = [], [], [], []
+        fwd, bwd, once, mems, ws, acts = [], [], [], [], [], []
         cache = lay.ev.setdefault("_tech_cache", {})
         for idx, p in enumerate(ev["priced"]):
             t, extra, o, w, a = self._stage_numbers(p, cfg, cache)
@@ -405,21 +427,26 @@ class _Tuner:
             once.append(o)
             infl = in_flight(S, idx, M)
             mems.append({d: w.get(d, 0) + infl * a.get(d, 0) for d in set(w) | set(a)})
+            ws.append(w)
+            acts.append({d: infl * v for d, v in a.items()})
         if S == 1:
             makespan = M * (fwd[0] + bwd[0]) + once[0]
         else:
             makespan = simulate_1f1b(fwd, bwd, M, ev["send"], ev["send"], once).makespan
         memory = {d: v for m in mems for d, v in m.items()}
         mx = max(memory.values(), default=0)
+        k = max(range(S), key=lambda i: max(mems[i].values(), default=0))
+        dev = max(mems[k], key=mems[k].get) if mems[k] else None
+        split = (int(ws[k].get(dev, 0)), int(acts[k].get(dev, 0))) if dev is not None else (0, 0)
         for idx, m in enumerate(mems):
             if m and max(m.values()) > cap:
                 dev = max(m, key=m.get)
                 why = (f"out of memory: stage {idx} device {dev} needs {m[dev] / 2**30:.2f} GiB with "
                        f"{in_flight(S, idx, M)} micro-batches in flight but has {cap / 2**30:.2f} GiB")
-                return _Point(cfg, INF, False, why, int(mx), memory, lay)
+                return _Point(cfg, INF, False, why, int(mx), memory, lay, split)
         lay.ev.setdefault("_adjusted", {})[cfg] = {"fwd": fwd, "bwd": bwd, "once": once, "mem": mems,
                                                     "memory": memory, "makespan": makespan}
-        return _Point(cfg, makespan, True, "", int(mx), memory, lay)
+        return _Point(cfg, makespan, True, "", int(mx), memory, lay, split)
 
     # the walk ---------------------------------------------------------------------------------------------
     def expired(self) -> bool:
@@ -459,14 +486,16 @@ class _Tuner:
             self.stats["cut"] = True
 
     def _step(self, w: dict, plain: "_Layout | None") -> None:
-        """Price the next micro-batch size of one (tp, pp) walk; the walk ends when its time stops
-        improving, when nothing fits at a larger micro-batch, or when tp does not split the model."""
+        """Price the next micro-batch size of one (tp, pp) walk.  After a point, the sizes predicted not to
+        fit are skipped: the busiest device's bytes of the point needing the least memory, split into a
+        part that does not scale with the micro-batch (weights, gradients, states) and one that does
+        (activations), predict every other size's.  The walk ends when its time stops improving, when
+        nothing is predicted to fit, or when tp does not split the model."""
         if self.expired():
             raise Expired()
         B = self.B
         mbs = w["ms"][w["i"]]
         w["i"] += 1
-        w["done"] = w["i"] >= len(w["ms"])
         M = B // (w["dp"] * mbs)
         if plain is not None and (w["tp"], w["pp"], M) == (plain.tp, 1, 1):
             pts = [p for p in self.points if p.layout is plain]
@@ -475,14 +504,22 @@ class _Tuner:
             self.stats["layout_points"] += 1
             pts = self.price_layout(lay, mbs)
             if lay.reason.startswith("tensor degree"):
-                w["done"] = True                  # this tp does not split the model at any micro-batch
+                w["i"] = len(w["ms"])             # this tp does not split the model at any micro-batch
         best = min((p.cost for p in pts), default=INF)
-        if not math.isfinite(best):
-            if w["pp"] > 1 and math.isfinite(w["best"]):
-                w["done"] = True                  # larger micro-batches only need more memory
-        elif best >= w["best"]:
-            w["done"] = True                      # the time stopped improving
+        if math.isfinite(best) and best >= w["best"]:
+            w["i"] = len(w["ms"])                 # the time stopped improving
         w["best"] = min(w["best"], best)
+        lean = min((p for p in pts if p.max_bytes), key=lambda p: p.max_bytes, default=None)
+        cap = self.machine.device.memory_bytes
+        if lean is not None and not math.isfinite(best):
+            fixed, scaled = lean.split
+            if fixed >= cap:
+                w["i"] = len(w["ms"])             # the weights alone do not fit: no micro-batch will
+            else:
+                while w["i"] < len(w["ms"]) and fixed + scaled * w["ms"][w["i"]] / mbs > cap:
+                    w["i"] += 1                   # predicted not to fit: skipped
+                    self.stats["skipped_by_memory"] = self.stats.get("skipped_by_memory", 0) + 1
+        w["done"] = w["i"] >= len(w["ms"])
 
     def result(self) -> TunedResult:
         feas = [p for p in self.points if p.feasible and math.isfinite(p.cost)]
