@@ -154,3 +154,28 @@ def test_optimize_records_the_configuration_and_the_memory_plan():
                 assert len({stage.get(n) for n in reg.nodes}) == 1
             seen.add("pipeline with recompute" if back.memory and back.memory.recompute else "pipeline")
     assert "pipeline with recompute" in seen        # 100 MiB: gradient accumulation with recomputation
+
+
+@needs_memtech
+def test_simulate_prices_the_tuned_strategies_and_writes_their_plans(tmp_path, capsys):
+    """`simulate --strategy megatron|zero3` on a Llama-style decoder: one JSON object with the configuration,
+    and a plan that loads with it recorded."""
+    pytest.importorskip("torch")
+    import json
+
+    from unity_pcg import plan as P
+    from unity_pcg import zoo
+    from unity_pcg.cli import main
+    model = zoo.export("llama_7b", str(tmp_path / "llama.onnx"), size="tiny", batch=8)
+    for strategy in ("megatron", "zero3"):
+        out_plan = str(tmp_path / f"{strategy}.json")
+        assert main(["simulate", model, "--machine", "h100:1x4", "--strategy", strategy, "--budget", "20",
+                     "--json", "-o", out_plan]) == 0
+        out = json.loads(capsys.readouterr().out)
+        assert out["feasible"] and out["strategy"] == strategy
+        _consistent(out[f"{strategy}_config"], 4, 8)
+        p = P.load(out_plan)
+        assert p.info["search"][f"{strategy}_config"] == out[f"{strategy}_config"]
+        assert (p.pipeline is not None) == (out["config"]["micro_batches"] > 1 or out["config"]["pp"] > 1)
+    assert main(["simulate", model, "--machine", "h100:1x4", "--strategy", "megatron", "--budget", "0"]) == 2
+    assert "--budget" in capsys.readouterr().err
