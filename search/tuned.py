@@ -478,12 +478,35 @@ class _Tuner:
                 if plain.pcg is None:
                     raise TunedError(plain.reason)
                 self.price_layout(plain, B // plain.dp)
+            if plain is not None:
+                self._skip_from(plain, walks)
             while any(not w["done"] for w in walks):
                 for w in walks:
                     if not w["done"]:
                         self._step(w, plain)
         except Expired:
             self.stats["cut"] = True
+
+    def _skip_from(self, plain: "_Layout", walks: list) -> None:
+        """Before the pp = 1 walks start: skip the micro-batch sizes whose activations alone the plain point
+        predicts not to fit.  Per device, its leanest technique's activations part for mbs0 samples per copy
+        at degree tp0 is mbs0 (n + s / tp0) (n: bytes per sample of the operators on the tp copies, s: of the
+        split ones); at (tp, mbs) it is mbs (n + s / tp) >= part x (mbs / mbs0) x min(1, tp0 / tp): a lower
+        bound, so no size that may fit is skipped (the smallest is always kept)."""
+        pts = [p for p in self.points if p.layout is plain and p.max_bytes]
+        if not pts:
+            return
+        lean = min(pts, key=lambda p: p.max_bytes)
+        scaled = lean.split[1]
+        cap = self.machine.device.memory_bytes
+        mbs0, tp0 = lean.config.micro_batch, lean.config.tp
+        for w in walks:
+            if w["pp"] != 1:
+                continue
+            while w["i"] < len(w["ms"]) - 1 and \
+                    scaled * w["ms"][w["i"]] / mbs0 * min(1.0, tp0 / w["tp"]) > cap:
+                w["i"] += 1
+                self.stats["skipped_by_memory"] = self.stats.get("skipped_by_memory", 0) + 1
 
     def _step(self, w: dict, plain: "_Layout | None") -> None:
         """Price the next micro-batch size of one (tp, pp) walk.  After a point, the sizes predicted not to
@@ -506,8 +529,11 @@ class _Tuner:
             if lay.reason.startswith("tensor degree"):
                 w["i"] = len(w["ms"])             # this tp does not split the model at any micro-batch
         best = min((p.cost for p in pts), default=INF)
-        if math.isfinite(best) and best >= w["best"]:
-            w["i"] = len(w["ms"])                 # the time stopped improving
+        top = min(pts, key=lambda p: p.cost) if pts else None
+        # the time stopped improving: done, unless (pp = 1, sizes falling) a smaller micro-batch may drop the
+        # recomputation the best point here needs
+        if math.isfinite(best) and best >= w["best"] and not (w["pp"] == 1 and top.config.recompute != "none"):
+            w["i"] = len(w["ms"])
         w["best"] = min(w["best"], best)
         lean = min((p for p in pts if p.max_bytes), key=lambda p: p.max_bytes, default=None)
         cap = self.machine.device.memory_bytes
