@@ -56,6 +56,8 @@ from .budget import Deadline, Expired, within
 INF = math.inf
 STRATEGIES = ("megatron", "zero3")
 RECOMPUTE = ("none", "selective", "full")
+#: a (tp, pp) pair whose best time after two micro-batch sizes is over DROP x the best of all pairs is dropped
+DROP = 1.5
 #: stage layers the pipeline points cut the model into (their count is a multiple of every pp <= 8 that
 #: divides it, so stages get equal numbers of layers; layers have about equal forward FLOPs)
 MAX_LAYERS = 24
@@ -509,16 +511,22 @@ class _Tuner:
                 self.stats["skipped_by_memory"] = self.stats.get("skipped_by_memory", 0) + 1
 
     def _step(self, w: dict, plain: "_Layout | None") -> None:
-        """Price the next micro-batch size of one (tp, pp) walk.  After a point, the sizes predicted not to
-        fit are skipped: the busiest device's bytes of the point needing the least memory, split into a
-        part that does not scale with the micro-batch (weights, gradients, states) and one that does
-        (activations), predict every other size's.  The walk ends when its time stops improving, when
-        nothing is predicted to fit, or when tp does not split the model."""
+        """Price the next micro-batch size of one (tp, pp) walk, then decide where it goes on.  A point's
+        bytes on the busiest device split into a part that does not scale with the micro-batch (weights,
+        gradients, states) and one that does (activations), which predict every other size's:
+
+        * nothing fits: skip to the next size its leanest technique is predicted to fit (none: done);
+        * the time improved: the next size;
+        * it did not: done, unless (pp = 1, sizes falling) the best point here recomputes: then skip to the
+          largest size at which no recomputation is predicted to fit (a smaller micro-batch may drop it);
+        * a pair whose best, after two sizes, is over :data:`DROP` x the best of every pair is dropped;
+        * a tensor degree that does not split the model ends the pair."""
         if self.expired():
             raise Expired()
         B = self.B
         mbs = w["ms"][w["i"]]
         w["i"] += 1
+        w["n"] = w.get("n", 0) + 1
         M = B // (w["dp"] * mbs)
         if plain is not None and (w["tp"], w["pp"], M) == (plain.tp, 1, 1):
             pts = [p for p in self.points if p.layout is plain]
@@ -527,24 +535,34 @@ class _Tuner:
             self.stats["layout_points"] += 1
             pts = self.price_layout(lay, mbs)
             if lay.reason.startswith("tensor degree"):
-                w["i"] = len(w["ms"])             # this tp does not split the model at any micro-batch
+                w["i"] = len(w["ms"])
         best = min((p.cost for p in pts), default=INF)
         top = min(pts, key=lambda p: p.cost) if pts else None
-        # the time stopped improving: done, unless (pp = 1, sizes falling) a smaller micro-batch may drop the
-        # recomputation the best point here needs
-        if math.isfinite(best) and best >= w["best"] and not (w["pp"] == 1 and top.config.recompute != "none"):
-            w["i"] = len(w["ms"])
-        w["best"] = min(w["best"], best)
-        lean = min((p for p in pts if p.max_bytes), key=lambda p: p.max_bytes, default=None)
         cap = self.machine.device.memory_bytes
-        if lean is not None and not math.isfinite(best):
-            fixed, scaled = lean.split
+
+        def skip_while(split) -> None:
+            fixed, scaled = split
             if fixed >= cap:
                 w["i"] = len(w["ms"])             # the weights alone do not fit: no micro-batch will
+            while w["i"] < len(w["ms"]) and fixed + scaled * w["ms"][w["i"]] / mbs > cap:
+                w["i"] += 1
+                self.stats["skipped_by_memory"] = self.stats.get("skipped_by_memory", 0) + 1
+
+        if not math.isfinite(best):
+            lean = min((p for p in pts if p.max_bytes), key=lambda p: p.max_bytes, default=None)
+            if lean is not None:
+                skip_while(lean.split)
+        elif best >= w["best"]:
+            plain_pts = [p for p in pts if p.config.recompute == "none" and p.max_bytes]
+            if w["pp"] == 1 and top.config.recompute != "none" and plain_pts:
+                skip_while(min(plain_pts, key=lambda p: p.max_bytes).split)
             else:
-                while w["i"] < len(w["ms"]) and fixed + scaled * w["ms"][w["i"]] / mbs > cap:
-                    w["i"] += 1                   # predicted not to fit: skipped
-                    self.stats["skipped_by_memory"] = self.stats.get("skipped_by_memory", 0) + 1
+                w["i"] = len(w["ms"])             # the time stopped improving
+        w["best"] = min(w["best"], best)
+        glob = min((p.cost for p in self.points), default=INF)
+        if w["n"] >= 2 and math.isfinite(glob) and w["best"] > DROP * glob:
+            w["i"] = len(w["ms"])
+            self.stats["pairs_dropped"] = self.stats.get("pairs_dropped", 0) + 1
         w["done"] = w["i"] >= len(w["ms"])
 
     def result(self) -> TunedResult:
