@@ -28,11 +28,12 @@ The point ``tp`` = the plain baseline's degree, ``pp = 1``, ``mbs = B / dp``, no
 the plain ``megatron`` baseline (built by :func:`search.baselines.build_strategy`, mapped by the same
 mapper), priced first: the tuned result is never slower than it.  Layout points (``tp, pp, mbs``) need
 a mapping each; the techniques are priced on that mapping (no new mapping).  Under a
-:class:`search.budget.Deadline` the points are visited round-robin over the ``(tp, pp)`` pairs, each
-pair walking its micro-batch sizes from the most promising end (pp = 1: the largest first, fewest
-micro-batches; pp > 1: the smallest first, Megatron-LM's usual 1-4) and stopping once the time stops
-improving or nothing fits even with every technique; the best point priced when the deadline passes is
-the result (``stats["cut"]``).  A model the grid does not apply to (no attention block for Megatron; a
+:class:`search.budget.Deadline` every ``(tp, pp)`` pair first prices one micro-batch size, then a pair that
+has no feasible point yet takes the next step (fewest steps first), else the pair with the best time so far; each pair walks its
+micro-batch sizes from the promising end (pp = 1: the largest first, fewest micro-batches; pp > 1: the
+smallest first, Megatron-LM's usual 1-4), skipping sizes predicted not to fit and stopping once the time
+stops improving (:meth:`_Tuner._step`); the best point priced when the deadline passes is the result
+(``stats["cut"]``).  A model the grid does not apply to (no attention block for Megatron; a
 batch no degree divides) raises :class:`TunedError`, one line saying why.
 
 Pipeline points with techniques: each stage's sub-PCG (at the micro-batch size, its own mapping) is
@@ -463,7 +464,7 @@ class _Tuner:
                 continue
             ms = micro_batch_sizes(B, dp, pp)
             if ms:
-                walks.append({"tp": tp, "pp": pp, "dp": dp, "ms": ms, "i": 0, "best": INF, "done": False})
+                walks.append({"tp": tp, "pp": pp, "dp": dp, "ms": ms, "i": 0, "n": 0, "best": INF, "done": False})
         self.stats["pairs"] = [[w["tp"], w["pp"]] for w in walks]
         self.stats["grid_layout_points"] = sum(len(w["ms"]) for w in walks)
         if self.strategy == "zero3":
@@ -482,10 +483,14 @@ class _Tuner:
                 self.price_layout(plain, B // plain.dp)
             if plain is not None:
                 self._skip_from(plain, walks)
+            for w in walks:                   # every pair once, then the most promising pair next
+                if not w["done"]:
+                    self._step(w, plain)
             while any(not w["done"] for w in walks):
-                for w in walks:
-                    if not w["done"]:
-                        self._step(w, plain)
+                order = {id(w): k for k, w in enumerate(walks)}
+                w = min((w for w in walks if not w["done"]),
+                        key=lambda w: (math.isfinite(w["best"]), w["best"], w["n"], order[id(w)]))
+                self._step(w, plain)
         except Expired:
             self.stats["cut"] = True
 
@@ -526,7 +531,7 @@ class _Tuner:
         B = self.B
         mbs = w["ms"][w["i"]]
         w["i"] += 1
-        w["n"] = w.get("n", 0) + 1
+        w["n"] += 1
         M = B // (w["dp"] * mbs)
         if plain is not None and (w["tp"], w["pp"], M) == (plain.tp, 1, 1):
             pts = [p for p in self.points if p.layout is plain]
