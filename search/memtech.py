@@ -622,9 +622,10 @@ class Techniques:
         single: dict = {}
         for i, r in enumerate(R):
             for md in ("selective", "full"):
-                a, tr = self.activation_bytes({n: (i, md) for n in r})
+                # bytes no longer kept (the transient of the largest region is paid once, not per region)
+                a, _ = self.activation_bytes({n: (i, md) for n in r})
                 base_a = self.base_report.activations
-                single[(i, md)] = ({d: base_a.get(d, 0) - a.get(d, 0) - tr.get(d, 0) for d in set(a) | set(tr)},
+                single[(i, md)] = ({d: base_a.get(d, 0) - a.get(d, 0) for d in set(a)},
                                    self.recompute_time(r, md))
         state: dict = {}
         cur = p0
