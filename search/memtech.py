@@ -1,4 +1,4 @@
-"""Memory techniques priced in time and memory, and the choice among them (DESIGN "Memory techniques").
+"""Memory techniques priced in time and memory, and the choice among them (DESIGN "Memory model").
 
 Job: given a mapped PCG (a :class:`search.cost.GraphCost` and a view per node), price a
 :class:`unity_pcg.plan.MemoryPlan` and choose the cheapest feasible one.  One mechanism for every
