@@ -45,10 +45,16 @@ import torch.distributed as dist
 
 from .kernels import ExecutorError
 
-#: operator classes (search.cost.op_class) whose outputs selective recomputation keeps
 def _kept_classes():
+    """Operator classes (search.cost.op_class) whose outputs selective recomputation keeps."""
     from unity_pcg.search.cost import COMPUTE_CLASSES
     return COMPUTE_CLASSES
+
+
+#: operators that save nothing for their backward (views, copies, casts): selective recomputation does not
+#: checkpoint a run made of these (and communication) alone -- it would keep its input instead
+LAYOUT_OPS = frozenset({"Reshape", "Transpose", "Flatten", "Identity", "Slice", "Split", "Expand", "Concat", "Cast",
+                        "Tile", "Pad"})
 
 
 def kept_in_selective(op: str) -> bool:
@@ -173,6 +179,10 @@ def _runs(steps: list, mode: str) -> list:
             runs[-1].steps.append(st)
         else:
             runs.append(Run(True, [st]))
+    # a run of layout operators and communication alone saves nothing for the backward: run it plainly
+    for run in runs:
+        if run.checkpointed and all(st.kind != "compute" or st.op in LAYOUT_OPS for st in run.steps):
+            run.checkpointed = False
     return runs
 
 

@@ -364,7 +364,7 @@ class Trainer:
         zero = self.memory.zero
         sharded_update = bool(zero or self.memory.offload)
         if zero == 3:
-            self._bucket_views(False, skip=True)      # gradients reach the shards through the gathers
+            self._bucket_views(False, loss_slot=False, skip=True)   # gradients reach the shards through the gathers
         else:                                          # the loss rides alone: buckets are the groups' layout
             self._bucket_views(grad_views, loss_slot=not sharded_update, pad=zero == 2)
         self._plan_bn()

@@ -1,0 +1,146 @@
+"""The plan's memory techniques run by the executor (executor/memory.py): recomputation (full and selective),
+ZeRO stages 1-3, optimizer offload and a combination train equal to one process (3 steps, rtol 1e-4) on
+data-parallel and Megatron tensor-parallel plans, and the memory they should save is saved: with ZeRO-3 a
+rank holds 1/copies of the parameters, ZeRO-1 shards the optimizer states, offload moves them to the host,
+recomputation keeps fewer activation bytes for the backward.  A ZeRO-3 run checkpointed and resumed by
+`unity-pcg run` continues with the uninterrupted run's losses.  Sequence parallelism (a layout) lowers to
+reduce-scatter / all-gather and trains equal to one process."""
+from __future__ import annotations
+
+import dataclasses
+import json
+
+import numpy as np
+import pytest
+
+from unity_pcg.plan import MemoryPlan, RecomputeRegion
+from unity_pcg.search.baselines import build_strategy, data_parallel
+
+from . import dist_helpers as H
+from . import models
+
+STEPS = 3
+
+
+def _compute(g) -> tuple:
+    return tuple(n.id for n in g.nodes() if n.kind == "compute")
+
+
+def _with(plan, **kw):
+    return dataclasses.replace(plan, memory=MemoryPlan(**kw))
+
+
+def _worker(rank: int, world: int, cases: list) -> list:
+    """Train every case; per case (losses, final state on rank 0, memory_bytes, saved activation bytes)."""
+    import torch
+
+    from unity_pcg import plan as plan_mod
+    from unity_pcg.executor.train import Trainer
+    out = []
+    for c in cases:
+        p = plan_mod.from_json(c["plan"])
+        t = Trainer(p, c["model"], rank=rank, world=world, optimizer=c.get("optimizer", "sgd"), lr=c.get("lr", 0.05))
+        saved = [0]
+
+        def pack(x):
+            saved[0] += x.numel() * x.element_size()
+            return x
+        losses = []
+        for i in range(c["steps"]):
+            tg = c["targets"][i] if c.get("targets") is not None else None
+            with torch.autograd.graph.saved_tensors_hooks(pack, lambda x: x):
+                losses.append(t.step(None, tg))
+        state = {k: v.numpy().copy() for k, v in t.model_state().items()}
+        out.append((losses, state if rank == 0 else None, t.memory_bytes(), saved[0]))
+    return out
+
+
+def _case(plan, model, **kw) -> dict:
+    return dict(plan=plan.to_json(), model=model, steps=STEPS, **kw)
+
+
+def _check(ref, got, what):
+    H.assert_same(ref, got[:2], what=what)
+
+
+def _megatron(world: int):
+    att = models.attention()
+    return build_strategy(H.load(att), "megatron", world), att
+
+
+def _cases(world: int):
+    """(name, plan, model, optimizer kwargs) of every technique on a data-parallel and a Megatron plan."""
+    mlp, drop = models.mlp(), models.dropout_mlp()
+    gm, gd = H.load(mlp), H.load(drop)
+    dp = H.make_plan(data_parallel(gm, world), mlp, world)
+    dpd = H.make_plan(data_parallel(gd, world), drop, world)
+    gt, att = _megatron(world)
+    tp = H.make_plan(gt, att, world)
+    adam = dict(optimizer="adam", lr=0.01)
+    half = _compute(dpd.pcg)[: len(_compute(dpd.pcg)) // 2 + 1]
+    return [
+        ("dp recompute full (dropout)", _with(dpd, recompute=(RecomputeRegion(_compute(dpd.pcg), "full"),)), drop, {}),
+        ("dp recompute selective (dropout)", _with(dpd, recompute=(RecomputeRegion(_compute(dpd.pcg), "selective"),)),
+         drop, {}),
+        ("tp recompute full (communication inside)", _with(tp, recompute=(RecomputeRegion(_compute(tp.pcg), "full"),)),
+         att, {}),
+        ("tp recompute selective", _with(tp, recompute=(RecomputeRegion(_compute(tp.pcg), "selective"),)), att, {}),
+        ("dp zero 1", _with(dp, zero=1), mlp, adam),
+        ("dp zero 2", _with(dp, zero=2), mlp, adam),
+        ("dp zero 3", _with(dp, zero=3), mlp, adam),
+        ("tp zero 3 (shards and copies)", _with(tp, zero=3), att, dict(optimizer="momentum", lr=0.05)),
+        ("dp offload", _with(dp, offload=True), mlp, adam),
+        ("dp zero 3 + offload + recompute of half the graph",
+         _with(dpd, zero=3, offload=True, recompute=(RecomputeRegion(half, "full"),)), drop, adam),
+        ("tp zero 2 + selective recompute", _with(tp, zero=2, recompute=(RecomputeRegion(_compute(tp.pcg), "selective"),)),
+         att, adam),
+        ("dp plain (adam)", dp, mlp, adam),
+        ("dp plain (dropout)", dpd, drop, {}),
+        ("tp plain", tp, att, {}),
+    ]
+
+
+def _run_all(world: int):
+    cases = _cases(world)
+    got = H.run_dist(world, _worker, [_case(p, m, **kw) for _, p, m, kw in cases], timeout=300)
+    refs = {}
+    for (name, p, m, kw), r0 in zip(cases, got[0]):
+        key = (m, tuple(sorted(kw.items())))
+        if key not in refs:
+            refs[key] = H.reference(m, STEPS, **kw)
+        _check(refs[key], r0, name)
+    return {name: [g[i] for g in got] for i, (name, *_rest) in enumerate(cases)}
+
+
+def _assert_memory(res: dict, world: int):
+    par = lambda name: [r[2]["parameters"] for r in res[name]]      # noqa: E731
+    opt = lambda name: [r[2]["optimizer"] for r in res[name]]       # noqa: E731
+    plain = par("dp plain (adam)")
+    # ZeRO-3: each rank holds 1/world of the (data-parallel) parameters, padding aside
+    for full, shard in zip(plain, par("dp zero 3")):
+        assert full / world <= shard <= full / world + 4 * world * 4, (full, shard)
+    # Megatron's shards have no data-parallel copies: nothing more to shard
+    assert par("tp zero 3 (shards and copies)") == par("tp plain")
+    # ZeRO-1/2: Adam's two states and the updated copy of 1/world of the values, not two full states
+    for full, z1, z2 in zip(opt("dp plain (adam)"), opt("dp zero 1"), opt("dp zero 2")):
+        assert z1 == z2 and z1 <= 3 * full / 2 / world + 64 * world, (full, z1)
+    assert par("dp zero 1") == plain
+    # offload: nothing of the update on the device, the states on the host
+    for r in res["dp offload"]:
+        assert r[2]["optimizer"] == 0 and r[2]["optimizer_host"] > 0
+    # recomputation: fewer activation bytes saved for the backward
+    for name, base in (("dp recompute full (dropout)", "dp plain (dropout)"), ("tp recompute full (communication inside)",
+                                                                            "tp plain")):
+        for r, b in zip(res[name], res[base]):
+            assert r[3] < b[3] / 2, (name, r[3], b[3])
+    for r, b in zip(res["dp recompute selective (dropout)"], res["dp plain (dropout)"]):
+        assert r[3] < b[3], (r[3], b[3])
+
+
+def test_memory_techniques_two_processes_equal_one():
+    _assert_memory(_run_all(2), 2)
+
+
+@pytest.mark.slow
+def test_memory_techniques_four_processes_equal_one():
+    _assert_memory(_run_all(4), 4)
