@@ -68,6 +68,44 @@ def _megatron(world: int):
     return build_strategy(H.load(att), "megatron", world), att
 
 
+def seqpar_model() -> str:
+    """Two Megatron MLP pairs with a LayerNorm between them (hidden 8, sequence 4)."""
+    import torch
+
+    class SP(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.a = torch.nn.Linear(8, 16, bias=False)
+            self.b = torch.nn.Linear(16, 8, bias=False)
+            self.ln = torch.nn.LayerNorm(8)
+            self.c = torch.nn.Linear(8, 16, bias=False)
+            self.d = torch.nn.Linear(16, 8, bias=False)
+
+        def forward(self, x):
+            return self.d(torch.relu(self.c(self.ln(self.b(torch.relu(self.a(x)))))))
+    torch.manual_seed(6)
+    return H.export(SP(), (torch.randn(2, 4, 8),), "seqpar", ["x"])
+
+
+def seqpar_plan(world: int):
+    """Megatron-LM's sequence parallelism as a layout on ``world`` devices: the row-parallel Linear's
+    partial sums Reduce then Partition on the sequence dim (a reduce-scatter), the LayerNorm runs on
+    sequence shards with its weights copied, Combine then Replicate (an all-gather) feeds the next
+    column-parallel Linear."""
+    path = seqpar_model()
+    g = H.load(path)
+    by_op = {}
+    for n in g.nodes():
+        by_op.setdefault(n.op, []).append(n.id)
+    row, ln = by_op["Linear"][1], by_op["LayerNorm"][0]
+    k = world
+    sp = H.rebuild(g, {"x": [("Replicate", k)], "a.weight": [("Partition", 1, k)], "b.weight": [("Partition", 0, k)],
+                       "ln.weight": [("Replicate", k)], "ln.bias": [("Replicate", k)],
+                       "c.weight": [("Partition", 1, k)], "d.weight": [("Partition", 0, k)]},
+                   after={row: [("Reduce", k), ("Partition", 1, k)], ln: [("Combine", 1, k), ("Replicate", k)]})
+    return H.make_plan(sp, path, world), path
+
+
 def _cases(world: int):
     """(name, plan, model, optimizer kwargs) of every technique on a data-parallel and a Megatron plan."""
     mlp, drop = models.mlp(), models.dropout_mlp()
@@ -77,6 +115,7 @@ def _cases(world: int):
     gt, att = _megatron(world)
     tp = H.make_plan(gt, att, world)
     adam = dict(optimizer="adam", lr=0.01)
+    sp, spm = seqpar_plan(world)
     half = _compute(dpd.pcg)[: len(_compute(dpd.pcg)) // 2 + 1]
     return [
         ("dp recompute full (dropout)", _with(dpd, recompute=(RecomputeRegion(_compute(dpd.pcg), "full"),)), drop, {}),
@@ -94,6 +133,9 @@ def _cases(world: int):
          _with(dpd, zero=3, offload=True, recompute=(RecomputeRegion(half, "full"),)), drop, adam),
         ("tp zero 2 + selective recompute", _with(tp, zero=2, recompute=(RecomputeRegion(_compute(tp.pcg), "selective"),)),
          att, adam),
+        ("sequence parallel", sp, spm, adam),
+        ("sequence parallel + zero 3 + selective recompute",
+         _with(sp, zero=3, recompute=(RecomputeRegion(_compute(sp.pcg), "selective"),)), spm, adam),
         ("dp plain (adam)", dp, mlp, adam),
         ("dp plain (dropout)", dpd, drop, {}),
         ("tp plain", tp, att, {}),
@@ -198,3 +240,15 @@ def test_zero3_checkpoint_resume_continues_like_the_uninterrupted_run(tmp_path, 
     # the plan's memory field must match the checkpoint's
     rc, _, err = _run_cli(capfd, plain, *common, "--steps", 1, "--checkpoint", ck2, "--resume")
     assert rc == 2 and "memory techniques" in err and len(err.strip().splitlines()) == 1, err
+
+
+def test_sequence_parallelism_lowers_to_reduce_scatter_and_all_gather():
+    """The layout of sequence parallelism is one reduce-scatter (Partial -> Shard(seq)) before the norm
+    and one all-gather (Shard(seq) -> Replicate) after it, on every rank (it trains equal to one process
+    in the tests above)."""
+    from unity_pcg.executor.lower import lower
+    plan, _ = seqpar_plan(2)
+    for rank in range(2):
+        low = lower(plan.pcg, plan.views, rank, 2, plan.machine)
+        kinds = [(rd.kind, rd.src, rd.dst) for _, rd in low.redistributions()]
+        assert kinds == [("reduce_scatter", (("P",),), (("S", 1),)), ("all_gather", (("S", 1),), (("R",),))], kinds
