@@ -117,7 +117,16 @@ def _cases(world: int):
     adam = dict(optimizer="adam", lr=0.01)
     sp, spm = seqpar_plan(world)
     half = _compute(dpd.pcg)[: len(_compute(dpd.pcg)) // 2 + 1]
-    return [
+    extra = []
+    if world == 4:      # ZeRO-3 over the copies of a tensor-parallel plan: Megatron x2 times batch x2
+        nb = models.mlp_nobias()
+        hybrid = {"x": [("Partition", 0, 2), ("Replicate", 2)], "a.weight": [("Partition", 1, 2), ("Replicate", 2)],
+                  "b.weight": [("Partition", 0, 2), ("Replicate", 2)], "c.weight": [("Replicate", 4)]}
+        hyb = H.make_plan(H.rebuild(H.load(nb), hybrid, after={5: [("AllReduce", 2)]}), nb, world)
+        extra = [("hybrid plain", hyb, nb, adam), ("hybrid zero 3", _with(hyb, zero=3), nb, adam),
+                 ("hybrid zero 1 + offload + recompute", _with(hyb, zero=1, offload=True, recompute=(
+                     RecomputeRegion(_compute(hyb.pcg), "full"),)), nb, adam)]
+    return extra + [
         ("dp recompute full (dropout)", _with(dpd, recompute=(RecomputeRegion(_compute(dpd.pcg), "full"),)), drop, {}),
         ("dp recompute selective (dropout)", _with(dpd, recompute=(RecomputeRegion(_compute(dpd.pcg), "selective"),)),
          drop, {}),
@@ -161,8 +170,13 @@ def _assert_memory(res: dict, world: int):
     # ZeRO-3: each rank holds 1/world of the (data-parallel) parameters, padding aside
     for full, shard in zip(plain, par("dp zero 3")):
         assert full / world <= shard <= full / world + 4 * world * 4, (full, shard)
-    # Megatron's shards have no data-parallel copies: nothing more to shard
-    assert par("tp zero 3 (shards and copies)") == par("tp plain")
+    # Megatron's shards have no data-parallel copies on 2 devices (nothing more to shard); on 4 the 2 heads
+    # give tensor parallelism x2 times data parallelism x2: halved again
+    for full, z in zip(par("tp plain"), par("tp zero 3 (shards and copies)")):
+        assert z == full if world == 2 else full / 2 <= z <= full / 2 + 64, (full, z)
+    if "hybrid zero 3" in res:     # Megatron's shards halved again over their 2 copies, the last weight by 4
+        for full, z in zip(par("hybrid plain"), par("hybrid zero 3")):
+            assert full / 4 < z < full / 2, (full, z)
     # ZeRO-1/2: Adam's two states and the updated copy of 1/world of the values, not two full states
     for full, z1, z2 in zip(opt("dp plain (adam)"), opt("dp zero 1"), opt("dp zero 2")):
         assert z1 == z2 and z1 <= 3 * full / 2 / world + 64 * world, (full, z1)
