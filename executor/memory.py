@@ -1,5 +1,5 @@
 """Running a plan's memory techniques (the plan's ``memory`` field, :class:`unity_pcg.plan.MemoryPlan`;
-DESIGN "Memory techniques").  The :class:`~executor.train.Trainer` owns the step; this module owns:
+DESIGN "Executor").  The :class:`~executor.train.Trainer` owns the step; this module owns:
 
 * **the schedule with recompute regions** (:func:`schedule`): the lowered steps in their global order,
   each :class:`~unity_pcg.plan.RecomputeRegion` gathered into one :class:`Region` item (its compute

@@ -21,6 +21,10 @@ The caller initializes ``torch.distributed`` (gloo on CPU, nccl on GPU) before b
   backward pass runs, as soon as every gradient of a bucket is ready (in a fixed bucket order, as DDP);
 * the optimizer (SGD or Adam) updates the logical parameters.
 
+The plan's ``memory`` field (:mod:`executor.memory`) changes how, never what: recompute regions run as
+checkpointed sub-programs, ZeRO 1-3 shard the update, gradients and parameters over each weight's
+data-parallel copies, offload keeps the update on the host; the losses stay those of one process.
+
 Parameters are the ONNX model's own initializers; of each trained weight a rank holds the bounding box
 of the regions its steps read (a Megatron shard; the whole tensor under data parallelism; a weight it
 never reads, whole and untouched), and the pieces a task reads are slices of it, so operators that
@@ -1287,7 +1291,8 @@ class Trainer:
         self.step_no = int(d.get("step", self.step_no))
 
     def local_shards(self) -> dict[str, tuple[torch.Tensor, dict]]:
-        """The regions of each parameter this rank owns: name/region -> (tensor, placement info)."""
+        """The regions of each parameter this rank owns: name/region -> (tensor, placement info)
+        (collective under ZeRO-3: the shards are gathered)."""
         out = {}
         for name, p in self._param_values().items():
             for sl, devs in self._atoms.get(name, []):
