@@ -266,3 +266,27 @@ def test_sequence_parallelism_lowers_to_reduce_scatter_and_all_gather():
         low = lower(plan.pcg, plan.views, rank, 2, plan.machine)
         kinds = [(rd.kind, rd.src, rd.dst) for _, rd in low.redistributions()]
         assert kinds == [("reduce_scatter", (("P",),), (("S", 1),)), ("all_gather", (("S", 1),), (("R",),))], kinds
+
+
+def test_refusals_are_one_line():
+    """A region a path leaves and re-enters cannot run as one sub-program; memory techniques on a
+    pipeline plan are not run: both refused in one line before any step."""
+    from unity_pcg import plan as P
+    from unity_pcg.errors import UnityError
+    from unity_pcg.executor.pipeline import check_pipeline
+    from unity_pcg.executor.train import Trainer
+
+    from .runtime_plans import pipeline_plan, tiny_mlp_onnx
+    drop = models.dropout_mlp()
+    g = H.load(drop)
+    ids = {n.op: n.id for n in g.nodes()}
+    bad = _with(H.logical_plan(g, drop), recompute=(RecomputeRegion((ids["Add"], ids["Dropout"]), "full"),))
+    with pytest.raises(UnityError, match="comes back") as e:
+        Trainer(bad, drop)
+    assert "\n" not in str(e.value)
+    import tempfile
+    with tempfile.TemporaryDirectory() as d:
+        model = tiny_mlp_onnx(f"{d}/mlp.onnx")
+        pp = P.load(pipeline_plan(model, f"{d}/pp.json"))
+        with pytest.raises(UnityError, match="pipeline stages"):
+            check_pipeline(_with(pp, zero=1))
