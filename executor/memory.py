@@ -37,7 +37,6 @@ DESIGN "Executor").  The :class:`~executor.train.Trainer` owns the step; this mo
 from __future__ import annotations
 
 import heapq
-import math
 from dataclasses import dataclass, field
 
 import torch
