@@ -303,6 +303,10 @@ def _check_batch_split(g: PCG, n, K: int) -> None:
 
 def check_pipeline(plan, per_device_bn: bool = True) -> None:
     """Everything about a pipelined plan that can fail before a process starts."""
+    mem = getattr(plan, "memory", None)
+    if mem is not None and not mem.empty:
+        raise PipelineError("plan: memory techniques (recompute, ZeRO, offload) with pipeline stages are not run by "
+                            "the executor yet; optimize it without pipeline stages or without them")
     if getattr(plan, "precision", "fp32") == "bf16":
         raise PipelineError("plan: bf16 (mixed precision) with pipeline stages is not supported by the executor "
                             "(stage boundaries exchange float32 buffers); optimize it with --precision fp32 or tf32")
@@ -744,6 +748,9 @@ class PipelineTrainer:
     all-reduce."""
 
     def __new__(cls, plan, *args, **kw):
+        mem = getattr(plan, "memory", None)
+        if mem is not None and not mem.empty:
+            check_pipeline(plan)
         # stages that are not all data parallel inside run lowered on their devices
         if cls is PipelineTrainer and resolve(plan)[1][0].lowered:
             return LoweredPipelineTrainer(plan, *args, **kw)
