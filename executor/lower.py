@@ -58,7 +58,7 @@ from unity_pcg.shape import ParallelTensorShape
 from .dtensor import Redistribution, plan_redistribution
 from .kernels import GENERATORS, ExecutorError, TaskContext, kernel
 
-NON_DIFFERENTIABLE = {("BatchNorm", 3), ("BatchNorm", 4)}
+NON_DIFFERENTIABLE = ops.NON_DIFFERENTIABLE   # (operator, input) pairs without a gradient: OpSpec.nondiff_inputs
 LOSS_WALK = ("Combine", "Batch", "Replicate", "Reduce", "AllReduce")   # what Trainer._loss_ref walks back through
 FLOAT = ("float32", "float16", "bfloat16", "float64")
 
