@@ -18,7 +18,7 @@ weight placement it represents, gradient synchronization and the optimizer updat
 time of a mapping is the sum of its leaves' costs along the series-parallel structure (see
 :mod:`search.mapping`).
 
-Node roles:
+Node roles (:meth:`unity_pcg.pcg.PCG.roles`) and what each costs:
 
 * sources (Input, Weight): no view, no cost;
 * *placement* nodes: parallel operators reached from a source through parallel operators only.
@@ -472,7 +472,7 @@ class GraphCost:
         self.g = g
         self.model = model
         self.machine = model.machine
-        self.role: dict[int, str] = {}
+        self.role = g.roles()                            # node -> role (PCG.roles: the one classifier)
         self.grid: dict[int, tuple[int, ...]] = {}       # view grid of every non-source node
         self._task_piece: dict[int, list] = {}           # compute: per tensor, task -> piece flat index
         self._pm: dict[int, Any] = {}
@@ -482,23 +482,11 @@ class GraphCost:
         self._direct_weights: dict[int, set] = {}        # compute node -> Weight inputs it holds
         seen_w: set = set()
         for n in g.nodes():
-            spec = ops.get_op(n.op)
-            if spec.kind == "source":
-                self.role[n.id] = "input" if n.op == "Input" else "weight"
+            if self.role[n.id] in ("input", "weight"):
                 continue
-            if spec.kind == "parallel":
-                src_role = self.role[n.inputs[0][0]]
-                if src_role in ("input", "weight"):
-                    self.role[n.id] = src_role
-                elif src_role in ("input-placement", "weight-placement"):
-                    self.role[n.id] = src_role
-                else:
-                    self.role[n.id] = "parallel"
-                if src_role in ("input", "weight"):
-                    self.role[n.id] = src_role + "-placement"
+            if n.kind == "parallel":
                 self.grid[n.id] = g.shapes(n.id)[0].grid
             else:
-                self.role[n.id] = "compute"
                 inf = ops.infer(n.op, n.a, g.input_shapes(n.id))
                 pm = inf.piece_map
                 self._pm[n.id] = pm
@@ -512,12 +500,7 @@ class GraphCost:
         # which weights are trained: float weights that reach some differentiable operand (not the
         # running statistics of a BatchNorm, not integer indices); others get no gradient, no
         # synchronization, no optimizer state
-        origin: dict[int, int] = {}
-        for n in g.nodes():
-            if self.role[n.id] == "weight":
-                origin[n.id] = n.id
-            elif self.role[n.id] == "weight-placement":
-                origin[n.id] = origin[n.inputs[0][0]]
+        origin = {nid: g.origin(nid) for nid, r in self.role.items() if r in ("weight", "weight-placement")}
         self._trainable_src: dict[int, bool] = {}
         for n in g.nodes():
             if self.role[n.id] != "compute":
