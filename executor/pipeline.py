@@ -378,21 +378,6 @@ def _view_on(devs) -> Any:
     return _DeviceList(devs)
 
 
-def _roles(g: PCG) -> dict[int, str]:
-    """input | weight | input-placement | weight-placement | parallel | compute (as the lowering's)."""
-    role: dict[int, str] = {}
-    for nid in g.topo_order():
-        n = g.node(nid)
-        if n.kind == "source":
-            role[nid] = n.op.lower()
-        elif n.kind == "parallel":
-            src = role[n.inputs[0][0]]
-            role[nid] = src.split("-")[0] + "-placement" if src != "parallel" and src != "compute" else "parallel"
-        else:
-            role[nid] = "compute"
-    return role
-
-
 @dataclass
 class StageGraph:
     """One stage as a plan of its own at the micro-batch size, run by a :class:`executor.train.Trainer` on
@@ -428,7 +413,7 @@ def stage_graphs(plan, M: int, stages) -> list[StageGraph]:
         gm = rebatch(g, B, B // M)
     except (SearchPipelineError, UnityError) as e:
         raise PipelineError(f"plan: the pipeline's micro-batches cannot run through the model: {e}") from None
-    role = _roles(gm)
+    role = gm.roles()
     owner: dict[str, int] = {}
     out = []
     for st in stages:
@@ -441,7 +426,7 @@ def stage_graphs(plan, M: int, stages) -> list[StageGraph]:
     return out
 
 
-def _stage_graph(plan, g: PCG, gm: PCG, role: dict, st: StagePlan, S: int, owner: dict) -> StageGraph:
+def _stage_graph(plan, g: PCG, gm: PCG, role: Mapping[int, str], st: StagePlan, S: int, owner: dict) -> StageGraph:
     inside = {nid for nid in st.nodes if gm.node(nid).kind != "source"}
     devs = tuple(st.devices)
     K = len(devs)
@@ -1167,10 +1152,8 @@ class LoweredPipelineTrainer:
 
     def _is_activation(self, ref) -> bool:
         """A tensor whose gradient crosses back (a model input's, or its placement's, does not)."""
-        n = self._plan_g.node(ref[0])
-        while n.kind == "parallel":
-            n = self._plan_g.node(n.inputs[0][0])
-        return n.op != "Input"
+        g = self._plan_g
+        return g.node(g.origin(ref[0])).op != "Input"
 
     def _forward(self, xs):
         """The stage module's forward (every device with equal stages; the leader with different ones)."""

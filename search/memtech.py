@@ -62,20 +62,6 @@ MODES = ("none", "selective", "full")
 
 # --- regions ------------------------------------------------------------------------------------------
 
-def _roles(g: PCG) -> dict:
-    role: dict = {}
-    for nid in g.topo_order():
-        n = g.node(nid)
-        if n.kind == "source":
-            role[nid] = "source"
-        elif n.kind == "parallel":
-            src = role[n.inputs[0][0]]
-            role[nid] = "placement" if src in ("source", "placement") else "parallel"
-        else:
-            role[nid] = "compute"
-    return role
-
-
 def regions(g: PCG | GraphCost, min_ops: int = MIN_REGION_OPS) -> tuple[tuple[int, ...], ...]:
     """Recompute regions found from the graph's structure: the compute nodes in topological order,
     cut after a position where exactly one activation (or none) is live -- what the backward of the
@@ -84,7 +70,7 @@ def regions(g: PCG | GraphCost, min_ops: int = MIN_REGION_OPS) -> tuple[tuple[in
     nodes.  Placements (weights, input shards) are not activations.  Each region a tuple of node ids."""
     if isinstance(g, GraphCost):
         g = g.g
-    role = _roles(g)
+    role = g.roles()
     order = [n for n in g.topo_order() if role[n] in ("compute", "parallel")]
     pos = {n: i for i, n in enumerate(order)}
     last: dict = {}

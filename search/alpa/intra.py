@@ -114,11 +114,12 @@ from unity_pcg.machine import MachineSpec, MachineView
 from unity_pcg.pcg import PCG
 from unity_pcg.shape import ParallelTensorShape
 
-from ..cost import CONV_OPS, MATMUL_OPS, CostModel, GraphCost
+from ..cost import COMPUTE_CLASSES, CostModel, GraphCost, op_class
 from ..memory import SAVES_INPUTS, SAVES_OUTPUT, format_bytes, kept_fraction, node_memory
 
 INF = math.inf
-HEAVY_OPS = frozenset(MATMUL_OPS | CONV_OPS)
+# matmuls, convolutions and embeddings (by their cost class)
+HEAVY_OPS = frozenset(n for n in ops.COMPUTE_OPS if op_class(n) in COMPUTE_CLASSES | {"embedding"})
 
 
 class AlpaError(UnityError, ValueError):
