@@ -103,18 +103,6 @@ def test_tensor_parallel_seed_splits_embedding_tables_by_columns():
     assert z.structural_hash() == y.structural_hash()
 
 
-def test_megatron_seed_degrees():
-    from unity_pcg.machine import parse_machine
-    from unity_pcg.search.optimize import machine_degrees, megatron_seed_degrees
-    m = parse_machine("summit:2x6")
-    # k = nodes on dp inside a node, k = devices per node on dp across nodes (k = 2 is the first already)
-    assert megatron_seed_degrees(m, machine_degrees(m)) == {6: 2, 2: 6}
-    m = parse_machine("summit:1x6")
-    assert megatron_seed_degrees(m, machine_degrees(m)) == {3: 2}      # one node: 3 x 2 (CANDLE-Uno)
-    m = parse_machine("summit:4x6")
-    assert megatron_seed_degrees(m, machine_degrees(m)) == {6: 4, 4: 6, 12: 2}
-
-
 def test_expert_whole_keeps_tables_their_pooling_and_index_slicing():
     from unity_pcg.search.substitution import expert_whole
     b = PCG.builder()
