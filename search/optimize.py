@@ -827,10 +827,12 @@ def _reach(run: _Run, target: PCG, g: PCG | None = None, deadline: Deadline | No
 
 
 def _layout_candidates(run: _Run) -> None:
-    """The layouts phase: :func:`search.layouts.proposals` on every mesh of the machine in its order until
-    the phase's mark; each proposal reached by rules is a candidate "layout mesh AxB by rules" (and its
-    mesh seeds the segments); one the rules do not reach (completely) competes as the ILP built it,
-    "layout mesh AxB (ILP, not by rules)", priced on the ILP's placement or the DP's, the faster."""
+    """The layouts phase.  First the proposals (:func:`search.layouts.proposals`: every mesh of the machine
+    in its order, until half of the phase is left), each a candidate "layout mesh AxB (ILP, not by rules)"
+    priced on the ILP's own placement; then, fastest first until the phase's mark, each is reached by rules
+    (:func:`search.realize.realize`): a complete one is the candidate "layout mesh AxB by rules" (priced by
+    the DP; its mesh seeds the segments), else the ILP's PCG is also priced by the DP (it may place the
+    pieces better than the ILP did)."""
     from .layouts import proposals
     ev, bud = run.ev, run.budget
     wall = run.later("layouts")
@@ -839,31 +841,35 @@ def _layout_candidates(run: _Run) -> None:
     run.stats["layouts"] = info
     if run.n_dev <= 1:
         return
-    for p in proposals(run.g, run.m, deadline=wall, optimizer=run.optimizer, precision=ev.mapper.model.precision,
+    half = Deadline(bud.now() + max(wall.left(), 0.0) / 2, bud.clock)
+    for p in proposals(run.g, run.m, deadline=half, optimizer=run.optimizer, precision=ev.mapper.model.precision,
                        mapper=ev.mapper):
-        rec = info[p.name] = p.to_json()
+        info[p.name] = p.to_json()
         run.proposals.append(p)
-        if p.pcg is None:
-            continue
+        if p.pcg is not None:
+            run.cands.append(PlanCandidate(f"layout mesh {p.name} (ILP, not by rules)", p.pcg, p.time_s, (), LAYOUT,
+                                           by_rules=False, mapping=p.mapping))
+    run.mark("layout_proposals")
+    for p in sorted((p for p in run.proposals if p.pcg is not None), key=lambda p: p.time_s):
+        if wall.passed():
+            break
+        rec = info[p.name]
         got = _reach(run, p.pcg, deadline=wall)
         if got is not None and got.complete:
             pg = trimmed(got.pcg)
-            c = ev.cost(pg, limited=max(ev.limit_s or 0.0, 0.05), keep=True)
+            c = ev.cost(pg, keep=True)
             run.cands.append(PlanCandidate(f"layout mesh {p.name} by rules", pg, c, tuple(got.steps), LAYOUT))
             run.reached.append(p)
-            rec.update(by_rules=True, cost=c if math.isfinite(c) else None)
+            rec.update(by_rules=True, by_rules_cost=c if math.isfinite(c) else None, realize_s=round(got.seconds, 3))
             continue
         rec["by_rules"] = False
         if got is not None:
-            rec["missing"] = [str(x) for x in list(got.missing)[:5]]
-        # the ILP's placement, or the DP's on the same PCG (it may place pieces better), the faster
-        c, mapping = p.time_s, p.mapping
-        d = ev.cost(p.pcg, keep=True)
-        if d < c:
-            c, mapping = d, ev.kept(p.pcg)
-        run.cands.append(PlanCandidate(f"layout mesh {p.name} (ILP, not by rules)", p.pcg, c, (), LAYOUT,
-                                       by_rules=False, mapping=mapping))
-        rec["cost"] = c if math.isfinite(c) else None
+            rec["missing"] = list(got.missing)[:3] + ([f"... {len(got.missing) - 3} more"] if len(got.missing) > 3 else [])
+        d = ev.cost(p.pcg, keep=True)          # the DP's placement of the ILP's PCG
+        rec["dp_placement_cost"] = d if math.isfinite(d) else None
+        if d < p.time_s:
+            run.cands.append(PlanCandidate(f"layout mesh {p.name} (ILP, not by rules)", p.pcg, d, (), LAYOUT,
+                                           by_rules=False, mapping=ev.kept(p.pcg)))
     run.mark("layouts")
 
 
