@@ -371,6 +371,9 @@ FLOOR_STRATEGIES = ("megatron", "expert")
 #: the order in which equally fast candidates are preferred: data parallelism by rules (the floor), the
 #: search's result, then the layout proposals (then the order they were found in)
 FLOOR, SEARCH, LAYOUT = 0, 1, 2
+#: relative difference under which two predicted times are the same (the rules' version of a layout prices
+#: like the ILP's own up to the last bits)
+TIE = 1e-6
 
 
 @dataclass
@@ -857,8 +860,15 @@ def _layout_candidates(run: _Run) -> None:
         got = _reach(run, p.pcg, deadline=wall)
         if got is not None and got.complete:
             pg = trimmed(got.pcg)
-            c = ev.cost(pg, keep=True)
-            run.cands.append(PlanCandidate(f"layout mesh {p.name} by rules", pg, c, tuple(got.steps), LAYOUT))
+            # priced with every compute operator on the ILP's view (the DP places the parallel operators
+            # between them), and by the DP alone; the faster
+            mapping = _on_proposal_views(run, p, got, pg, wall)
+            c = mapping.cost if mapping is not None and mapping.feasible else INF
+            d = ev.cost(pg, keep=True)
+            if d < c:
+                c, mapping = d, ev.kept(pg)
+            run.cands.append(PlanCandidate(f"layout mesh {p.name} by rules", pg, c, tuple(got.steps), LAYOUT,
+                                           mapping=mapping))
             run.reached.append(p)
             rec.update(by_rules=True, by_rules_cost=c if math.isfinite(c) else None, realize_s=round(got.seconds, 3))
             continue
@@ -871,6 +881,27 @@ def _layout_candidates(run: _Run) -> None:
             run.cands.append(PlanCandidate(f"layout mesh {p.name} (ILP, not by rules)", p.pcg, d, (), LAYOUT,
                                            by_rules=False, mapping=ev.kept(p.pcg)))
     run.mark("layouts")
+
+
+def _on_proposal_views(run: _Run, p, got, pg: PCG, until: Deadline):
+    """The mapping of ``pg`` (``p`` reached by rules: ``got``) with each compute operator pinned to the view
+    the ILP gave it (the DP places the rest), or None (cut by ``until``, or a view the node cannot take)."""
+    from .realize import pair_nodes
+    try:
+        pair = pair_nodes(run.g, p.pcg)
+    except UnityError:
+        return None
+    fixed = {got.ids[gid]: p.views[tid] for gid, tid in pair.items()
+             if gid in got.ids and tid in p.views and got.ids[gid] in pg}
+    try:
+        with within(until):
+            r = run.ev.full(pg, deadline=until) if not fixed else None
+            if r is None:
+                with within(run.ev.hard):
+                    r = run.ev.mapper.optimize(pg, fixed=fixed)
+    except (Expired, UnityError):
+        return None
+    return r
 
 
 def _segment_layout_seeds(run: _Run):
@@ -996,8 +1027,14 @@ def _choose(run: _Run) -> PlanCandidate:
     priced feasible, a feasible fixed strategy (recorded as such, ``info.search.fallback``)."""
     ev = run.ev
     run.mark("whole_graph_pricing")
-    # sorted is stable: among equal (cost, rank) the first found comes first
+    # sorted is stable: among equal (cost, rank) the first found comes first; a plan reached by rules
+    # within rounding (TIE) of one that is not is preferred to it (the same layout, with its sequence)
     pool = sorted(run.floor + run.cands, key=lambda c: (c.cost, c.rank))
+    if pool and not pool[0].by_rules:
+        near = [c for c in pool if c.by_rules and c.cost <= pool[0].cost * (1 + TIE)]
+        if near:
+            pool.remove(near[0])
+            pool.insert(0, near[0])
     chosen = None
     for c in pool:
         if not math.isfinite(c.cost):
