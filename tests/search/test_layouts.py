@@ -89,3 +89,15 @@ def test_a_plan_reached_by_rules_replays():
     if r.plan.rules is not None:
         steps = [RuleStep.from_json(s) for s in r.plan.rules]
         assert replay(g, steps, trim_outputs=True).structural_hash() == r.plan.pcg.structural_hash()
+
+
+def test_idle_axes_only_add_choices():
+    """With idle mesh axes the ILP's space is a superset of Alpa's: its optimum is never worse, and a layer
+    too narrow for every device may run on a subset of them instead of on copies."""
+    from unity_pcg.search.alpa.intra import solve_intra
+    g = mlp(batch=12, h=512, layers=3)
+    m = parse_machine("summit:2x6")
+    for mesh in [(2, 6), (1, 12), (3, 4)]:
+        alpa = solve_intra(g, m, mesh, price=False)
+        ours = solve_intra(g, m, mesh, price=False, idle=True)
+        assert ours.objective <= alpa.objective * (1 + 1e-6), mesh
