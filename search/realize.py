@@ -141,6 +141,8 @@ def _shape_distance(a: ParallelTensorShape, b: ParallelTensorShape) -> float:
 
 
 INF = math.inf
+#: in :func:`loose_distance`, a step on an exact input counts this many steps on the others
+EXACT_WEIGHT = 4
 
 
 def distance(cur: NodeLayout, tgt: NodeLayout) -> float:
@@ -148,6 +150,28 @@ def distance(cur: NodeLayout, tgt: NodeLayout) -> float:
     if len(cur.inputs) != len(tgt.inputs) or len(cur.outputs) != len(tgt.outputs):
         return INF
     return sum(_shape_distance(a, b) for a, b in zip(cur.inputs + cur.outputs, tgt.inputs + tgt.outputs))
+
+
+def _pieces(s: ParallelTensorShape) -> int:
+    return s.copy_degree * s.shard_degree
+
+
+def loose_distance(cur: NodeLayout, tgt: NodeLayout, exact_inputs: Iterable[int]) -> float:
+    """The distance of a layout the rules can reach in place of one they cannot (a graph output the target
+    keeps on copies): inputs in ``exact_inputs`` as :func:`distance`; the other inputs and the outputs
+    only by their number of pieces (copies x shards) and sum degree."""
+    if len(cur.inputs) != len(tgt.inputs) or len(cur.outputs) != len(tgt.outputs):
+        return INF
+    ex = set(exact_inputs)
+    d = 0.0
+    for i, (a, b) in enumerate(zip(cur.inputs, tgt.inputs)):
+        if i in ex:     # weighed above the rest: the activations are what the target's neighbours read
+            d += EXACT_WEIGHT * _shape_distance(a, b)
+        else:
+            d += abs(math.log2(_pieces(a)) - math.log2(_pieces(b))) + abs(math.log2(a.sum_degree) - math.log2(b.sum_degree))
+    for a, b in zip(cur.outputs, tgt.outputs):
+        d += abs(math.log2(_pieces(a)) - math.log2(_pieces(b))) + abs(math.log2(a.sum_degree) - math.log2(b.sum_degree))
+    return d
 
 
 def _why(cur: NodeLayout, tgt: NodeLayout) -> str:
@@ -183,6 +207,17 @@ class _Rules:
                     self.by_sink[n.op].append(r)
                     break
         self.max_depth = max(self.depth.values(), default=1)
+        #: rules over parallel operators only that leave fewer of them and choose nothing (no free variable):
+        #: the cancellations (Partition(Combine(x)) -> x, duplicate placements merged, Partition(Replicate(
+        #: Combine(x))) -> Replicate(x), ...), except the AllReduce fusion, which runs at the end
+        self.simplify = [r for r in book.parallel if r.name != FUSE_RULE and not r.free_vars()
+                         and all(ops.get_op(n.op).kind != "compute" for n in r.source.nodes + r.target.nodes)
+                         and len(r.target.nodes) < len(r.source.nodes)]
+        #: the same with as many nodes on both sides (Partition(Reduce(x)) -> Reduce(Partition(x)), ...): taken
+        #: only where a simplification follows at once (a chain Combine -> Reduce -> Partition then cancels)
+        self.commute = [r for r in book.parallel if r.name != FUSE_RULE and not r.free_vars()
+                        and all(ops.get_op(n.op).kind != "compute" for n in r.source.nodes + r.target.nodes)
+                        and len(r.target.nodes) == len(r.source.nodes) and len(r.source.outputs) == 1]
 
     @staticmethod
     def _pairing(r: Rule) -> list[tuple[int, int]] | None:
@@ -215,7 +250,6 @@ class _Rules:
         return max(down.values(), default=1)
 
 
-_RULES_CACHE: dict[int, _Rules] = {}
 
 
 def _rules_of(book: RuleBook) -> _Rules:
@@ -290,6 +324,36 @@ def preview(g: PCG, m: Match) -> list[NodeLayout] | None:
     return layouts
 
 
+def _unreachable_outputs(g: PCG, targets: Mapping[int, NodeLayout]) -> dict[int, tuple[int, ...]]:
+    """Compute nodes writing a graph output that the target keeps on copies -> their inputs that are
+    activations (not read from Weights or constants).  Rules keep every graph output's parallel shape and
+    no parallel operator drops copies, so no rule sequence runs such a node on copies; :func:`realize` then
+    takes any layout with as many pieces (the copies as a split: a vocabulary-parallel head) that reads its
+    activations as the target does."""
+    outs = {tuple(r) for r in g.outputs}
+    got = {}
+    for nid, t in targets.items():
+        if any((nid, k) in outs and s.copy_degree > 1 for k, s in enumerate(t.outputs)):
+            acts = tuple(i for i, r in enumerate(g.node(nid).inputs) if not _constant(g, r))
+            got[nid] = acts
+    return got
+
+
+def _constant(g: PCG, ref) -> bool:
+    """Whether ``ref`` is computed from non-Input sources only (a Weight, a constant)."""
+    stack, seen = [tuple(ref)[0]], set()
+    while stack:
+        i = stack.pop()
+        if i in seen:
+            continue
+        seen.add(i)
+        n = g.node(i)
+        if n.op == "Input":
+            return False
+        stack.extend(r[0] for r in n.inputs)
+    return True
+
+
 # --- realize -------------------------------------------------------------------------------------------------
 
 class _State:
@@ -304,12 +368,15 @@ class _State:
         self.deadline = deadline
         self.fuse = book.by_name.get(FUSE_RULE)
         self.touched: set[int] = set()
+        self.relaxed = _unreachable_outputs(g, self.targets)
 
     def dist(self, gid: int, layout: NodeLayout | None = None) -> float:
         t = self.targets.get(gid)
         if t is None:
             return 0.0
-        return distance(layout if layout is not None else NodeLayout.of(self.g, self.cur[gid]), t)
+        cur = layout if layout is not None else NodeLayout.of(self.g, self.cur[gid])
+        ex = self.relaxed.get(gid)
+        return distance(cur, t) if ex is None else loose_distance(cur, t, ex)
 
     def degrees(self, gid: int) -> tuple[int, ...]:
         t = self.targets[gid]
@@ -399,11 +466,68 @@ class _State:
         w |= {i[0] for k in list(w) for i in g.node(k).inputs}
         w |= {c for i in list(w) for kk in range(len(g.shapes(i))) for c, _ in g.consumers((i, kk))}
         before = set(g.node_ids())
-        g2, more = cancel_steps(g, self.book, w)
-        self._check_kept(g2)
-        self.steps.extend(more)
-        self.touched |= {i for i in g2.node_ids() if i not in before}
-        self.g = g2
+        while True:
+            g, w, _ = self._simplify(g, w, self.rules.simplify, self.steps)
+            g2, w2 = self._commute(g, w)
+            if g2 is None:
+                break
+            g, w = g2, w2
+        self._check_kept(g)
+        self.touched |= {i for i in g.node_ids() if i not in before}
+        self.g = g
+
+    @staticmethod
+    def _grow(g: PCG, w: set, fresh: set) -> set:
+        w |= fresh
+        w |= {c for i in fresh for k in range(len(g.shapes(i))) for c, _ in g.consumers((i, k))}
+        w |= {i[0] for k in fresh for i in g.node(k).inputs}
+        return w
+
+    def _simplify(self, g: PCG, w: set, rules: list, steps: list, limit: int | None = None) -> tuple[PCG, set, int]:
+        """Apply ``rules`` in the window ``w`` until none matches (at most ``limit`` steps)."""
+        outputs = {tuple(r) for r in g.outputs}
+        n = 0
+        while limit is None or n < limit:
+            for r in rules:
+                done = False
+                for m in iter_matches(r, g, _Window(g, [i for i in w if i in g], outputs), None, (2,)):
+                    g2 = try_apply(g, m)
+                    if g2 is None:
+                        continue
+                    steps.append(RuleStep.of(m))
+                    w = self._grow(g2, w, set(new_ids(g, g2)))
+                    g = g2
+                    n += 1
+                    done = True
+                    break
+                if done:
+                    break
+            else:
+                break
+        return g, w, n
+
+    def _commute(self, g: PCG, w: set) -> tuple[PCG | None, set]:
+        """One commutation of parallel operators in ``w`` that a simplification follows (both applied), or None."""
+        outputs = {tuple(r) for r in g.outputs}
+        # only chains of three parallel operators can hold a pair to cancel that a commutation brings together
+        chains = [i for i in w if i in g and g.node(i).kind == "parallel"
+                  and g.node(g.node(i).inputs[0][0]).kind == "parallel"
+                  and g.node(g.node(g.node(i).inputs[0][0]).inputs[0][0]).kind == "parallel"]
+        if not chains:
+            return None, w
+        idx = _Window(g, chains + [g.node(i).inputs[0][0] for i in chains], outputs)
+        for r in self.rules.commute:
+            for m in iter_matches(r, g, idx, None, (2,)):
+                g1 = try_apply(g, m)
+                if g1 is None:
+                    continue
+                more: list = [RuleStep.of(m)]
+                w1 = self._grow(g1, set(w), set(new_ids(g, g1)))
+                g2, w2, n = self._simplify(g1, w1, self.rules.simplify, more, limit=1)
+                if n:
+                    self.steps.extend(more)
+                    return g2, w2
+        return None, w
 
     def _check_kept(self, g2: PCG) -> None:
         for cid in self.inv:
@@ -465,10 +589,18 @@ def realize(g: PCG, target: PCG | Mapping[int, NodeLayout], book: RuleBook | Non
         expired = True
     missing = []
     for gid in order:
+        cur = NodeLayout.of(st.g, st.cur[gid])
+        if distance(cur, targets[gid]) == 0:
+            continue
         if st.dist(gid) > 0:
-            cur = NodeLayout.of(st.g, st.cur[gid])
             why = "the deadline passed" if expired else "no rule brings it closer"
-            missing.append(f"{g.node(gid).label()} ({g.node(gid).op}): {why}: {_why(cur, targets[gid])}")
+            if gid in st.relaxed:
+                why += (" (and the target keeps its output, a graph output, on copies, which no rule reaches: no "
+                        "parallel operator drops copies)")
+        else:
+            why = ("the target keeps its output, a graph output, on copies, which no rule reaches (no parallel "
+                   "operator drops copies); laid out with as many pieces instead")
+        missing.append(f"{g.node(gid).label()} ({g.node(gid).op}): {why}: {_why(cur, targets[gid])}")
     return Realized(st.g, st.steps, not missing, missing, dict(st.cur), time.perf_counter() - t0)
 
 
