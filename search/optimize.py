@@ -139,11 +139,12 @@ class Evaluator:
     priced inf (the mapper writes a memo entry only once a subproblem is solved, so it stays consistent)."""
 
     def __init__(self, machine: MachineSpec, optimizer: str, limit_s: float | None = None, precision: str = "fp32",
-                 clock: Callable[[], float] | None = None):
+                 clock: Callable[[], float] | None = None, techniques: bool = True):
         from .cost import CostModel
         from .mapping import MachineMapper
         self.machine = machine
-        self.mapper = MachineMapper(CostModel(machine, optimizer=optimizer, precision=precision), techniques=True)
+        self.mapper = MachineMapper(CostModel(machine, optimizer=optimizer, precision=precision),
+                                    techniques=techniques)
         self.calls = 0
         self.timeouts = 0
         self.limit_s = limit_s
@@ -616,11 +617,12 @@ def optimize(model, machine, budget_s: "float | Budget | None" = None, alpha: fl
              strategy: str = "unity", optimizer: str = "adam", batch: int | None = None, seed: int = 0,
              progress: Callable[[dict], None] | None = None, max_candidates: int = 40, k: int = 10,
              budget: "float | Budget | None" = None, rules=None, price_limit_s: float | None = None,
-             precision: str = "fp32") -> OptimizeResult:
+             precision: str = "fp32", memory_techniques: bool = True) -> OptimizeResult:
     """Optimize ``model`` (an ONNX path or a PCG) for ``machine`` (a MachineSpec or a preset string
     such as ``"summit:2x6"``); see the module docstring.  ``budget`` is an alias of ``budget_s``
     (default 60 s); either may be a :class:`search.budget.Budget` (its clock, e.g. a test's).  ``seed``
-    is recorded; the search itself is deterministic.
+    is recorded; the search itself is deterministic.  ``memory_techniques=False`` prices every candidate
+    without ZeRO, recomputation, offload and overlap (DESIGN "Memory techniques"), as plans were priced before them.
 
     The policy: price the floors (data parallelism, the fixed strategies), collect the candidates of the
     strategy (the joint search's: the layout proposals of every mesh, reached by rules where they can be;
@@ -634,7 +636,7 @@ def optimize(model, machine, budget_s: "float | Budget | None" = None, alpha: fl
     with bud.phase("floors"):
         g, model_path, sha = _load(model, batch)
     ev = Evaluator(m, optimizer, limit_s=price_limit_s if price_limit_s is not None else bud.solve_limit(),
-                   precision=precision, clock=bud.clock)
+                   precision=precision, clock=bud.clock, techniques=memory_techniques)
     ev.hard = bud.hard_end()
     run = _Run(g, m, strategy, bud, ev, alpha=alpha, pipeline=pipeline, progress=progress,
                max_candidates=max_candidates, k=k, rules=rules, optimizer=optimizer)
