@@ -1,4 +1,4 @@
-"""Memory techniques priced in time and memory, and the choice among them (DESIGN "Memory techniques").
+"""Memory techniques priced in time and memory, and the choice among them (DESIGN "Memory model").
 
 Job: given a mapped PCG (a :class:`search.cost.GraphCost` and a view per node), price a
 :class:`unity_pcg.plan.MemoryPlan` and choose the cheapest feasible one.  One mechanism for every
@@ -62,20 +62,6 @@ MODES = ("none", "selective", "full")
 
 # --- regions ------------------------------------------------------------------------------------------
 
-def _roles(g: PCG) -> dict:
-    role: dict = {}
-    for nid in g.topo_order():
-        n = g.node(nid)
-        if n.kind == "source":
-            role[nid] = "source"
-        elif n.kind == "parallel":
-            src = role[n.inputs[0][0]]
-            role[nid] = "placement" if src in ("source", "placement") else "parallel"
-        else:
-            role[nid] = "compute"
-    return role
-
-
 def regions(g: PCG | GraphCost, min_ops: int = MIN_REGION_OPS) -> tuple[tuple[int, ...], ...]:
     """Recompute regions found from the graph's structure: the compute nodes in topological order,
     cut after a position where exactly one activation (or none) is live -- what the backward of the
@@ -84,7 +70,7 @@ def regions(g: PCG | GraphCost, min_ops: int = MIN_REGION_OPS) -> tuple[tuple[in
     nodes.  Placements (weights, input shards) are not activations.  Each region a tuple of node ids."""
     if isinstance(g, GraphCost):
         g = g.g
-    role = _roles(g)
+    role = g.roles()
     order = [n for n in g.topo_order() if role[n] in ("compute", "parallel")]
     pos = {n: i for i, n in enumerate(order)}
     last: dict = {}
@@ -160,11 +146,11 @@ class Priced:
     def rows(self) -> list[tuple[str, float]]:
         """The iteration as rows that add up to it (explain)."""
         rows = [("compute", self.compute_s), ("transfers", self.comm_s), ("gradient sync", self.sync_s)]
-        if self.base_s != self.leaves_s:
+        if abs(self.base_s - self.leaves_s) > 1e-12 * max(self.leaves_s, 1e-30):
             rows.append(("side-by-side branches", self.base_s - self.leaves_s))
         if self.recompute_s:
             rows.append(("recompute", self.recompute_s))
-        if self.zero_comm_s:
+        if self.memory.zero and self.zero_comm_s:
             rows.append((f"ZeRO-{self.memory.zero} collectives", self.zero_comm_s))
         if self.hidden_s:
             rows.append(("hidden by overlap", -self.hidden_s))
@@ -434,21 +420,25 @@ class Techniques:
         return t
 
     # --- collectives --------------------------------------------------------------------------------
-    def _coll(self, kind: str, groups: Sequence[Sequence[int]], nbytes: float) -> tuple[float, float]:
-        """(bandwidth part, latency part) of a reduce-scatter / all-gather of ``nbytes`` over each group
-        (groups run concurrently: the slowest)."""
-        best = (0.0, 0.0)
+    def _coll(self, groups: Sequence[Sequence[int]], nbytes: float) -> float:
+        """A weight's reduce-scatter (or all-gather: the same ring cost) of ``nbytes`` over each copy group
+        (groups run concurrently: the slowest), its latency spread over the step's buckets by bytes as the
+        gradient all-reduce's is (CostModel.grad_allreduce_time), so that reduce-scatter + all-gather costs
+        what the all-reduce it replaces costs."""
+        total = self.model.sync_total_bytes or self.gc._sync_bytes or nbytes
+        nb = self.model.bucket_count(total) if self.model.grad_bucket_bytes > 0 else 1
+        best = 0.0
         for grp in groups:
             p = len(set(grp))
             if p <= 1:
                 continue
-            full = C.allgather_time(self.machine, grp, nbytes)
-            lv = self.machine.span_level(list(grp))
-            lat = min(full, (p - 1) * self.machine.link(lv).latency)
-            if C.measured_time(self.machine, "all_gather", p, nbytes) is not None:
-                lat = 0.0
-            if full > sum(best):
-                best = (full - lat, lat)
+            per_bucket = C.measured_time(self.machine, "all_gather", p, total / nb)
+            if per_bucket is not None:
+                t = per_bucket * nb * nbytes / total
+            else:
+                link = self.machine.link(self.machine.span_level(list(grp)))
+                t = (p - 1) / p * nbytes / link.bandwidth + (p - 1) * link.latency * nb * nbytes / total
+            best = max(best, t)
         return best
 
     # --- the iteration ------------------------------------------------------------------------------
@@ -488,39 +478,35 @@ class Techniques:
         def flush():
             if bucket:
                 trig = max(b[0] for b in bucket)
-                if zero >= 1:
-                    t = sum(b[1] for b in bucket) + max(b[2] for b in bucket)
-                else:
-                    t = sum(b[1] for b in bucket)
-                ops.append(((trig, 1), len(ops), t, None))
+                ops.append(((trig, 1), len(ops), sum(b[1] for b in bucket), None))
                 bucket.clear()
                 limit[0] = cap
+            if ag_bucket:           # stages 1-2: the bucket's updated parameters, before the next forward reads them
+                need = min(self.pos[b[1]] for b in ag_bucket)
+                ag_ops.append((need, sum(b[0] for b in ag_bucket)))
+                ag_bucket.clear()
 
         acc = 0.0
-        zero_ops = 0.0
+        ag_bucket: list = []
+        ag_ops: list = []           # (forward task needing it, seconds)
         fwd_gather: dict = {}
         bwd_gather: dict = {}
         for x in sorted(self.weights, key=lambda x: bidx.get(x.first, 0)):
             c = x.copies
             if c > 1 and x.sync > 0 or (c > 1 and zero >= 1):
                 if zero >= 1:
-                    bw, lat = self._coll("rs", x.groups, x.nbytes)
-                    bucket.append((bidx[x.first], bw, lat))
-                    gbw, glat = self._coll("ag", x.groups, x.nbytes)
+                    t = self._coll(x.groups, x.nbytes)
+                    bucket.append((bidx[x.first], t))
                     if zero >= 3:          # before the forward and again before the backward, per unit
                         for d, key in ((fwd_gather, x.unit), (bwd_gather, x.unit)):
                             cur = d.setdefault(key, [0.0, 0.0, x.first, x.last])
-                            cur[0] += gbw
-                            cur[1] = max(cur[1], glat)
+                            cur[0] += t
                             cur[2] = min(cur[2], x.first, key=lambda n: self.pos[n])
                             cur[3] = max(cur[3], x.last, key=lambda n: self.pos[n])
-                    else:                  # the updated parameters, before the next forward uses them
-                        cur = fwd_gather.setdefault(x.unit, [0.0, 0.0, x.first, x.last])
-                        cur[0] += gbw
-                        cur[1] = max(cur[1], glat)
-                        cur[2] = min(cur[2], x.first, key=lambda n: self.pos[n])
+                    else:                  # the updated parameters, in the gradient's buckets
+                        ag_bucket.append((t, x.first))
                 else:
-                    bucket.append((bidx[x.first], x.sync, 0.0))
+                    bucket.append((bidx[x.first], x.sync))
                 acc += x.nbytes
                 if acc >= limit[0]:
                     flush()
@@ -537,7 +523,10 @@ class Techniques:
         flush()
         for pos_, t in self.buffer_sync:
             ops.append(((2 * nf - 1 - pos_, 1), len(ops), t, None))
-        # gathers: forward ones prefetched one unit ahead from the iteration's start, backward likewise
+        # stages 1-2: every bucket's all-gather issued at the iteration's start (after the previous update)
+        for need, t in sorted(ag_ops):
+            ops.append(((-1, 0), len(ops), t, need))
+        # stage 3: forward gathers prefetched one unit ahead from the iteration's start, backward likewise
         fl = sorted(fwd_gather.values(), key=lambda v: self.pos[v[2]])
         prev = -1
         for v in fl:
@@ -553,6 +542,8 @@ class Techniques:
         comm_total = sum(o[2] for o in ops)
         sync_new = comm_total
         zero_comm = comm_total - self.sync_s
+        if abs(zero_comm) <= 1e-9 * max(comm_total, 1e-300):    # stages 1-2: reduce-scatter + all-gather = all-reduce
+            zero_comm = 0.0
         compute_total = sum(dur)
         if m.overlap_grad_sync:
             makespan = _simulate(dur, ops)
@@ -622,9 +613,10 @@ class Techniques:
         single: dict = {}
         for i, r in enumerate(R):
             for md in ("selective", "full"):
-                a, tr = self.activation_bytes({n: (i, md) for n in r})
+                # bytes no longer kept (the transient of the largest region is paid once, not per region)
+                a, _ = self.activation_bytes({n: (i, md) for n in r})
                 base_a = self.base_report.activations
-                single[(i, md)] = ({d: base_a.get(d, 0) - a.get(d, 0) - tr.get(d, 0) for d in set(a) | set(tr)},
+                single[(i, md)] = ({d: base_a.get(d, 0) - a.get(d, 0) for d in set(a)},
                                    self.recompute_time(r, md))
         state: dict = {}
         cur = p0

@@ -236,7 +236,7 @@ class MachineSpec:
     def contention(self) -> float:
         """How much longer a piece of CPU work takes in wall time while all devices compute than its CPU
         time (1 unless the devices outnumber the shared cores): measured by calibration
-        (``meta["contention"]``, ``search.calibrate.measure_contention``), otherwise
+        (``meta["contention"]``, ``calibration.local.measure_contention``), otherwise
         ``(P + background_load) / cores``; at least 1."""
         if not self.oversubscribed:
             return 1.0
