@@ -472,7 +472,7 @@ class _Tuner:
                 raise TunedError(f"strategy 'zero3': the batch {B} does not divide by the {N} devices of "
                                  f"{self.machine.name}")
             if not self.tech.available:
-                raise TunedError("strategy 'zero3' needs the memory techniques (search.memtech), absent here")
+                raise TunedError("strategy 'zero3' needs the memory techniques (search.memtech), off or absent here")
         plain = None
         try:
             if self.strategy == "megatron":            # the plain baseline: priced first
@@ -684,7 +684,9 @@ def plan_candidate(run):
     deadline = Deadline(bud.clock() + 0.9 * max(bud.left(), 0.0), bud.clock)
     t0 = _time.perf_counter()
     try:
-        r = tune(run.g, run.ev.mapper, run.strategy, deadline, cheap=run.ev.cheap)
+        # optimize(memory_techniques=False): the grid without techniques (and without overlap), as the mapper
+        tech = techniques() if getattr(run.ev.mapper, "default_techniques", True) else _NoTechniques()
+        r = tune(run.g, run.ev.mapper, run.strategy, deadline, cheap=run.ev.cheap, tech=tech)
     except TunedError as e:
         raise OptimizeError(str(e)) from None
     r.stats["seconds"] = _time.perf_counter() - t0

@@ -27,7 +27,7 @@ def test_never_slower_than_megatron_where_the_rules_do_not_reach_it(monkeypatch)
     m = parse_machine("summit:1x4")
     mg = Evaluator(m, "adam").full(build_strategy(g, "megatron", 4, devices_per_node=4)).cost
     dp = optimize(g, "summit:1x4", strategy="dp", optimizer="adam")
-    assert mg < dp.predicted_iteration_s * 0.9
+    assert mg < dp.predicted_iteration_s        # (by 27% before memory techniques; ZeRO makes dp cheaper)
     for pipeline in (False, True):
         r = optimize(g, "summit:1x4", budget_s=60, optimizer="adam", pipeline=pipeline, max_candidates=4)
         assert r.feasible and r.predicted_iteration_s <= mg * (1 + 1e-9)

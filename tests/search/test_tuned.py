@@ -179,3 +179,17 @@ def test_simulate_prices_the_tuned_strategies_and_writes_their_plans(tmp_path, c
         assert (p.pipeline is not None) == (out["config"]["micro_batches"] > 1 or out["config"]["pp"] > 1)
     assert main(["simulate", model, "--machine", "h100:1x4", "--strategy", "megatron", "--budget", "0"]) == 2
     assert "--budget" in capsys.readouterr().err
+
+
+@needs_memtech
+def test_without_memory_techniques_the_grid_has_none():
+    """optimize(memory_techniques=False): Megatron's grid holds only 'no technique' points; zero3 says why
+    it cannot run in one line."""
+    from unity_pcg.search.optimize import OptimizeError, optimize
+    g = synthetic_transformer(2, batch=16, seq=64, hidden=128, heads=4)
+    r = optimize(g, "h100:1x4", budget_s=20, strategy="megatron", memory_techniques=False)
+    c = r.plan.info["search"]["megatron_config"]
+    assert c["recompute"] == "none" and not c["distributed_optimizer"] and r.plan.memory is None
+    assert r.stats["tuned"]["techniques"].startswith("none")
+    with pytest.raises(OptimizeError, match="zero3.*memory techniques"):
+        optimize(g, "h100:1x4", budget_s=20, strategy="zero3", memory_techniques=False)
