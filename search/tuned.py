@@ -671,7 +671,8 @@ class TunedMapping:
                 "feasible": self.feasible, "reason": self.reason, "devices": self.devices,
                 "comm_elements": b.comm_elements, "max_memory_bytes": self.memory.max_bytes,
                 "memory_per_device": {str(d): v for d, v in sorted(self.memory.per_device.items())},
-                "solve_s": self.solve_s, "stats": dict(self.stats)}
+                "solve_s": self.solve_s, "stats": dict(self.stats),
+                **({"pipeline": self.stats["pipeline"]} if "pipeline" in self.stats else {})}   # explain's stages
 
 
 def plan_candidate(run):
