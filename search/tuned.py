@@ -45,8 +45,8 @@ the activations part times the micro-batches in flight (1F1B).
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass, field, replace
-from typing import Any, Callable, Sequence
+from dataclasses import dataclass, field
+from typing import Any
 
 from unity_pcg.errors import UnityError
 from unity_pcg.machine import MachineSpec, Resource
@@ -263,6 +263,9 @@ class _Layout:
 
 
 class _Tuner:
+    """One grid search: the layout points mapped (:meth:`whole`, :meth:`pipeline`), their technique
+    points priced (:meth:`price_layout`), the walks over micro-batch sizes (:meth:`run`), the result."""
+
     def __init__(self, g: PCG, mapper, strategy: str, deadline: Deadline | None, tech, cheap=None,
                  max_layers: int = MAX_LAYERS):
         from .cost import GraphCost
@@ -280,7 +283,7 @@ class _Tuner:
         self.priced: list[dict] = []
         self.graphs: dict = {}
         self.stats: dict = {"layers": len(self.layers), "layout_points": 0, "technique_points": 0,
-                            "techniques": "memtech" if tech.available else "none (search.memtech absent)"}
+                            "techniques": "memtech" if tech.available else "none (memory techniques off, or search.memtech absent)"}
 
     # the layout points --------------------------------------------------------------------------------
     def whole(self, tp: int, plain: bool = False) -> _Layout:
