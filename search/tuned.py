@@ -481,9 +481,13 @@ class _Tuner:
             if self.strategy == "megatron":            # the plain baseline: priced first
                 plain = self.whole(0, plain=True)
                 self.stats["layout_points"] += 1
-                if plain.pcg is None:
+                if plain.pcg is None and "applies to Transformers" in plain.reason:
                     raise TunedError(plain.reason)
-                self.price_layout(plain, B // plain.dp)
+                if plain.pcg is None:             # e.g. heads no degree of a node splits: tp = 1 points remain
+                    self.stats["plain"] = plain.reason
+                    plain = None
+                else:
+                    self.price_layout(plain, B // plain.dp)
             if plain is not None:
                 self._skip_from(plain, walks)
             for w in walks:                   # every pair once, then the most promising pair next

@@ -193,3 +193,15 @@ def test_without_memory_techniques_the_grid_has_none():
     assert r.stats["tuned"]["techniques"].startswith("none")
     with pytest.raises(OptimizeError, match="zero3.*memory techniques"):
         optimize(g, "h100:1x4", budget_s=20, strategy="zero3", memory_techniques=False)
+
+
+def test_heads_no_degree_splits_leave_the_tp1_points():
+    """Three heads on an 8-device node: no tensor degree splits them, so the plain baseline does not
+    exist (its one line is recorded) and the grid's tp = 1 points (data and pipeline parallel) remain."""
+    g = synthetic_transformer(2, batch=8, seq=64, hidden=96, heads=3)
+    mp = MachineMapper(CostModel(parse_machine("h100:1x8")))
+    r = tune(g, mp, "megatron")
+    assert r.feasible and r.config.tp == 1
+    assert "heads" in r.stats["plain"] and "\n" not in r.stats["plain"]
+    with pytest.raises(TunedError, match="batch 4 does not divide"):
+        tune(synthetic_transformer(1, batch=4, seq=64, hidden=128, heads=8), mp, "zero3")
