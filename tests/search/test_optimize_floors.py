@@ -18,15 +18,20 @@ def test_never_slower_than_megatron_where_the_rules_do_not_reach_it(monkeypatch)
     the node) beats data parallelism by 27%, and the plans the rules reach within the search stay slower
     than it (0.00364 s against 0.00305 s when the search does not price the fixed strategies: Megatron
     runs the residual Adds and LayerNorms on its tensor-parallel copies with one AllReduce per group).
-    The search returns a plan at least as fast as `--strategy megatron`."""
+    The search returns a plan at least as fast as the plain Megatron baseline it prices as a floor
+    (`--strategy megatron` is now Megatron-LM as its users tune it, search/tuned.py: tests/search/test_tuned.py)."""
+    from unity_pcg.machine import parse_machine
+    from unity_pcg.search.baselines import build_strategy
+    from unity_pcg.search.optimize import Evaluator
     g = synthetic_transformer(1, batch=8, seq=128, hidden=1024, heads=16)
-    mg = optimize(g, "summit:1x4", strategy="megatron", optimizer="adam")
+    m = parse_machine("summit:1x4")
+    mg = Evaluator(m, "adam").full(build_strategy(g, "megatron", 4, devices_per_node=4)).cost
     dp = optimize(g, "summit:1x4", strategy="dp", optimizer="adam")
-    assert mg.predicted_iteration_s < dp.predicted_iteration_s * 0.9
+    assert mg < dp.predicted_iteration_s        # (by 27% before memory techniques; ZeRO makes dp cheaper)
     for pipeline in (False, True):
         r = optimize(g, "summit:1x4", budget_s=60, optimizer="adam", pipeline=pipeline, max_candidates=4)
-        assert r.feasible and r.predicted_iteration_s <= mg.predicted_iteration_s * (1 + 1e-9)
-        assert r.stats["baselines_s"]["megatron"] == pytest.approx(mg.predicted_iteration_s)
+        assert r.feasible and r.predicted_iteration_s <= mg * (1 + 1e-9)
+        assert r.stats["baselines_s"]["megatron"] == pytest.approx(mg)
         _check_replays(g, r)
         if r.stats["chosen"].startswith("megatron baseline"):
             assert r.plan.rules is None and r.plan.pipeline is None

@@ -1,6 +1,7 @@
-"""`unity-pcg simulate MODEL.onnx --machine M --strategy none|dp|megatron|expert [--degree N] [--batch N]
-[--optimizer O] [--precision fp32|tf32|bf16] [--json] [-o plan.json]`: predicted iteration time, communication and memory per device of
-a fixed parallelization (search/baselines.py), and with ``-o`` its plan (``unity-pcg/plan/v1``: the model's
+"""`unity-pcg simulate MODEL.onnx --machine M --strategy none|dp|megatron|zero3|expert|alpa [--degree N] [--batch N]
+[--optimizer O] [--precision fp32|tf32|bf16] [--budget S] [--json] [-o plan.json]`: predicted iteration time, communication
+and memory per device of a fixed parallelization (search/baselines.py; ``megatron`` and ``zero3`` as their users tune
+them, search/tuned.py, within ``--budget`` seconds), and with ``-o`` its plan (``unity-pcg/plan/v1``: the model's
 path and sha256, the machine, the parallel PCG, the DP's machine views, the predicted figures) for
 ``unity-pcg run`` / ``explain``."""
 from __future__ import annotations
@@ -20,9 +21,11 @@ def add_arguments(p) -> None:
     p.add_argument("--machine", default="summit:1x6", metavar="M",
                    help="PRESET[:NODESxDEVICES] (summit, dgx-a100, h100, local) or a machine JSON file "
                         "(from `unity-pcg calibrate`), e.g. summit:32x6 (default summit:1x6)")
-    p.add_argument("--strategy", choices=("none", "dp", "megatron", "expert", "alpa"), default="dp",
-                   help="none: the whole model on one device; dp: data parallel; megatron: Megatron-LM "
-                        "tensor parallelism inside a node, data parallel across nodes (Transformers); "
+    p.add_argument("--strategy", choices=("none", "dp", "megatron", "zero3", "expert", "alpa"), default="dp",
+                   help="none: the whole model on one device; dp: data parallel; megatron: Megatron-LM as its "
+                        "users tune it: the best of a grid over tensor (inside a node), pipeline and data degrees, "
+                        "micro-batch size, recomputation and the distributed optimizer (Transformers; --degree "
+                        "ignored); zero3: FSDP, ZeRO-3 data parallelism with or without recomputation; "
                         "expert: embedding tables (and dense layers whose weights outweigh their "
                         "activations) model parallel, the rest data parallel (DLRM, XDL, CANDLE-Uno); "
                         "alpa: Alpa's plan (intra-operator ILP per stage, stage DP; --degree ignored) "
@@ -34,6 +37,8 @@ def add_arguments(p) -> None:
     p.add_argument("--optimizer", choices=("sgd", "momentum", "adam"), default="adam",
                    help="optimizer whose states count in memory and update time (default adam)")
     add_precision_argument(p)
+    p.add_argument("--budget", type=float, default=60.0, metavar="S",
+                   help="seconds for the grid of the tuned strategies megatron and zero3 (default 60)")
     p.add_argument("--json", action="store_true", help="print one JSON object")
     p.add_argument("-o", "--output", default=None, metavar="PLAN.json",
                    help="write the priced strategy's plan (unity-pcg/plan/v1) for `unity-pcg run`")
@@ -58,7 +63,7 @@ def check_precision_arg(value, flag: str = "--precision") -> None:
 
 def simulate(model_path: str, machine: str, strategy: str = "dp", degree: int | None = None,
              batch: int | None = None, optimizer: str = "adam", output: str | None = None,
-             precision: str = "fp32") -> dict:
+             precision: str = "fp32", budget_s: float = 60.0) -> dict:
     """Price fixed strategy ``strategy`` of ``model_path`` on ``machine`` in ``precision``; with
     ``output``, write its plan there.  Returns the JSON summary (``plan`` holds the written path)."""
     from unity_pcg.search.baselines import build_strategy
@@ -83,6 +88,8 @@ def simulate(model_path: str, machine: str, strategy: str = "dp", degree: int | 
     g = load_onnx(model_path, batch=batch, load_weights=False)
     if strategy == "alpa":
         return _simulate_alpa(g, model_path, m, optimizer, output, precision)
+    if strategy in ("megatron", "zero3"):
+        return _simulate_tuned(g, model_path, m, strategy, optimizer, output, precision, budget_s)
     pg = build_strategy(g, strategy, deg, devices_per_node=m.devices_per_node)
     from ..machine import Resource
     # "none": the whole model on one device (the DP still picks the best views inside it)
@@ -138,6 +145,51 @@ def _simulate_alpa(g, model_path: str, m, optimizer: str, output: str | None, pr
     return out
 
 
+def _simulate_tuned(g, model_path: str, m, strategy: str, optimizer: str, output: str | None, precision: str,
+                    budget_s: float) -> dict:
+    """``--strategy megatron|zero3``: the best configuration of the tuned grid (search/tuned.py) found within
+    ``budget_s`` seconds, priced with its memory techniques."""
+    import time
+    from unity_pcg.search.budget import Deadline
+    from unity_pcg.search.cost import CostModel
+    from unity_pcg.search.mapping import MachineMapper
+    from unity_pcg.search.tuned import TunedMapping, tune
+
+    from ..plan import Plan, file_sha256
+    if not budget_s > 0:
+        raise UnityError(f"--budget must be a positive number of seconds, got {budget_s}")
+    t0 = time.perf_counter()
+    r = tune(g, MachineMapper(CostModel(m, optimizer=optimizer, precision=precision)), strategy,
+             Deadline.after(budget_s))
+    r.stats["seconds"] = time.perf_counter() - t0
+    tm = TunedMapping(r, m.num_devices, m.device.memory_bytes)
+    out = tm.to_json()
+    c = r.config.to_json() if r.config else {}
+    out.update({"model": model_path, "machine": m.describe(), "strategy": strategy, "degree": m.num_devices,
+                "optimizer": optimizer, "precision": precision,
+                "batch": g.shape((g.sources("Input")[0].id, 0)).sizes[0] if g.sources("Input") else None,
+                "fallbacks": [], "config": c, f"{strategy}_config": c, "tp": c.get("tp"), "dp": c.get("dp"),
+                "pp": c.get("pp"), "memory": tm.memory_plan.to_json() if tm.memory_plan else None,
+                "tuned": r.summary()})
+    if output is not None:
+        if r.pcg is None or not r.views:
+            raise UnityError(f"strategy {strategy!r} has no plan on {m.name} ({r.reason}); no plan written")
+        pred = {k: out[k] for k in ("predicted_iteration_s", "feasible", "reason", "devices", "comm_elements",
+                                    "max_memory_bytes", "memory_per_device", "solve_s")}
+        pred.update(strategy=strategy, optimizer=optimizer)
+        info = {"strategy": strategy, "optimizer": optimizer, "batch": out["batch"],
+                "search": {f"{strategy}_config": c, "tuned": r.summary()}}
+        plan = Plan(model_path, file_sha256(model_path), m, r.pcg, r.views, pred,
+                    r.pipeline.to_plan_field() if r.pipeline is not None else None, info, precision=precision,
+                    memory=tm.memory_plan)
+        try:
+            plan.save(output)
+        except OSError as e:
+            raise UnityError(f"cannot write plan {output}: {e.strerror or e}") from None
+        out["plan"] = output
+    return out
+
+
 def write_plan(path: str, model_path: str, machine, pg, result, summary: dict) -> str:
     """Save the plan of a priced fixed strategy (DESIGN "Plan file")."""
     from ..plan import Plan, file_sha256
@@ -162,7 +214,7 @@ def write_plan(path: str, model_path: str, machine, pg, result, summary: dict) -
 def run(args) -> int:
     check_precision_arg(getattr(args, "precision", "fp32"))
     out = simulate(args.model, args.machine, args.strategy, args.degree, args.batch, args.optimizer, args.output,
-                   getattr(args, "precision", "fp32"))
+                   getattr(args, "precision", "fp32"), getattr(args, "budget", 60.0))
     if args.json:
         json.dump(out, sys.stdout, indent=2)
         sys.stdout.write("\n")
@@ -182,6 +234,23 @@ def run(args) -> int:
         print(f"comm       {out['comm_elements']:,} elements sent per iteration (all devices)")
         print(f"memory     {out['max_memory_bytes'] / 2**30:.3f} GiB on the busiest device")
         print(f"planner    {out['solve_s']:.3f} s")
+        if out.get("plan"):
+            print(f"plan       {out['plan']}")
+        return 0 if out["feasible"] else 1
+    if out["strategy"] in ("megatron", "zero3"):
+        c, tu = out["config"], out["tuned"]
+        print(f"model      {out['model']}  (batch {out['batch']})")
+        print(f"machine    {out['machine']}")
+        print(f"precision  {out['precision']}")
+        print(f"strategy   {out['strategy']} tuned: " + (", ".join(f"{k} {v}" for k, v in c.items()) if c else "-"))
+        print(f"feasible   {'yes' if out['feasible'] else 'NO: ' + out['reason']}")
+        if t is not None:
+            print(f"iteration  {t * 1e3:.3f} ms predicted")
+        mx = out["max_memory_bytes"]
+        if mx:
+            print(f"memory     {mx / 2**30:.3f} GiB on the busiest device")
+        print(f"grid       {tu.get('layout_points', 0)} layouts, {tu.get('points_priced', 0)} configurations priced in "
+              f"{out['solve_s']:.1f} s" + (" (cut by --budget)" if tu.get("cut") else ""))
         if out.get("plan"):
             print(f"plan       {out['plan']}")
         return 0 if out["feasible"] else 1

@@ -1,0 +1,711 @@
+"""Baselines as their users tune them (DESIGN "Baselines"): Megatron-LM's and FSDP's (ZeRO-3) best
+configuration for a model and machine, priced in our cost model -- what Mist and Aceso compare against.
+
+    from unity_pcg.search.tuned import tune
+    r = tune(g, mapper, "megatron", deadline=Deadline.after(30))
+    r.config.to_json()   # {"tp": 4, "pp": 2, "dp": 8, "micro_batch": 2, "micro_batches": 64,
+                         #  "recompute": "selective", "distributed_optimizer": True, "sp": False}
+
+**megatron**: the fastest feasible point of a grid over
+
+* ``tp``: tensor-parallel degree, a divisor of the devices of a node (Megatron's column -> row Linear
+  groups, :func:`search.baselines.megatron`; the degree a model's heads take, else smaller);
+* ``pp``: pipeline degree, stages of (about) equal layers in order, each on a contiguous block of
+  ``N / pp`` devices, 1F1B (:mod:`search.pipeline`'s layers, exact stage pricing and simulation; inside a
+  stage :func:`search.pipeline.megatron_intra` at degree ``tp``, the vocabulary-parallel head included);
+* ``dp = N / (tp pp)`` data-parallel copies, and the micro-batch size ``mbs`` per copy: a global batch
+  B runs as ``M = B / (dp mbs)`` micro-batches (gradient accumulation when ``pp = 1``);
+* activation recomputation ``none`` / ``selective`` / ``full`` on every region, the distributed optimizer
+  (ZeRO-1 over the data-parallel copies) on or off, and sequence parallelism (a layout; see
+  :data:`SP_NOTE`): the memory techniques, priced by :mod:`search.memtech` when it is present (else the
+  grid holds only ``none`` / off: :func:`techniques`).
+
+**zero3** (FSDP): data parallelism over every device with ZeRO-3 (parameters, gradients and optimizer
+states sharded, parameters all-gathered for the forward and again for the backward, gradients
+reduce-scattered every micro-batch), with and without recomputation, at every micro-batch size.
+
+The point ``tp`` = the plain baseline's degree, ``pp = 1``, ``mbs = B / dp``, no technique is exactly
+the plain ``megatron`` baseline (built by :func:`search.baselines.build_strategy`, mapped by the same
+mapper), priced first: the tuned result is never slower than it.  Layout points (``tp, pp, mbs``) need
+a mapping each; the techniques are priced on that mapping (no new mapping).  Under a
+:class:`search.budget.Deadline` every ``(tp, pp)`` pair first prices one micro-batch size, then a pair that
+has no feasible point yet takes the next step (fewest steps first), else the pair with the best time so far; each pair walks its
+micro-batch sizes from the promising end (pp = 1: the largest first, fewest micro-batches; pp > 1: the
+smallest first, Megatron-LM's usual 1-4), skipping sizes predicted not to fit and stopping once the time
+stops improving (:meth:`_Tuner._step`); the best point priced when the deadline passes is the result
+(``stats["cut"]``).  A model the grid does not apply to (no attention block for Megatron; a
+batch no degree divides) raises :class:`TunedError`, one line saying why.
+
+Pipeline points with techniques: each stage's sub-PCG (at the micro-batch size, its own mapping) is
+priced by ``memtech.price`` per technique; its recomputation is added to the stage's backward, its
+per-iteration part (gradient sync as the machine overlaps it, the -- sharded -- update, ZeRO's gathers) to
+the stage's once-per-iteration time (ZeRO-3: every micro-batch), and its memory is the weights part plus
+the activations part times the micro-batches in flight (1F1B).
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+from typing import Any
+
+from unity_pcg.errors import UnityError
+from unity_pcg.machine import MachineSpec, Resource
+from unity_pcg.pcg import PCG
+
+from .budget import Deadline, Expired, within
+
+INF = math.inf
+STRATEGIES = ("megatron", "zero3")
+RECOMPUTE = ("none", "selective", "full")
+#: a (tp, pp) pair whose best time after two micro-batch sizes is over DROP x the best of all pairs is dropped
+DROP = 1.5
+#: stage layers the pipeline points cut the model into (their count is a multiple of every pp <= 8 that
+#: divides it, so stages get equal numbers of layers; layers have about equal forward FLOPs)
+MAX_LAYERS = 24
+SP_NOTE = ("sequence parallelism is not in the grid yet: the layout (norms and dropout split on the sequence "
+           "inside the tensor-parallel group, reduce-scatter + all-gather) has no builder; sp is false")
+
+
+class TunedError(UnityError, ValueError):
+    """The tuned baseline does not apply to this model or machine (one line: why)."""
+
+
+@dataclass(frozen=True)
+class TunedConfig:
+    """One point of the grid (``micro_batch``: samples per data-parallel copy and micro-batch;
+    ``micro_batches``: per iteration; ``zero``: 1 with the distributed optimizer, 3 for zero3)."""
+    tp: int
+    pp: int
+    dp: int
+    micro_batch: int
+    micro_batches: int
+    recompute: str = "none"
+    distributed_optimizer: bool = False
+    sp: bool = False
+    zero: int = 0
+
+    def to_json(self) -> dict:
+        return {"tp": self.tp, "pp": self.pp, "dp": self.dp, "micro_batch": self.micro_batch,
+                "micro_batches": self.micro_batches, "recompute": self.recompute,
+                "distributed_optimizer": self.distributed_optimizer, "sp": self.sp, "zero": self.zero}
+
+    def label(self) -> str:
+        s = f"tp{self.tp} pp{self.pp} dp{self.dp} mbs{self.micro_batch} x{self.micro_batches}"
+        if self.recompute != "none":
+            s += f" recompute={self.recompute}"
+        if self.distributed_optimizer:
+            s += " distopt"
+        if self.zero == 3:
+            s += " zero3"
+        return s
+
+
+@dataclass
+class TunedResult:
+    strategy: str
+    config: TunedConfig | None        # the chosen point (None: nothing priced)
+    cost: float                       # predicted iteration time (inf: infeasible)
+    feasible: bool
+    reason: str
+    pcg: PCG | None                   # the plan's PCG (full batch; a pipeline's stages stitched)
+    views: dict
+    mapping: Any                      # MappingResult (pp = 1, one micro-batch) or None
+    pipeline: Any                     # PipelineResult (otherwise) or None
+    memory_plan: Any                  # unity_pcg.plan.MemoryPlan or None
+    max_bytes: int = 0
+    memory: dict = field(default_factory=dict)
+    priced: list = field(default_factory=list)     # [{"config": ..., "cost": s or None, "reason": ...}]
+    stats: dict = field(default_factory=dict)
+
+    def summary(self) -> dict:
+        return {"strategy": self.strategy, "config": self.config.to_json() if self.config else None,
+                "predicted_iteration_s": self.cost if math.isfinite(self.cost) else None,
+                "feasible": self.feasible, "reason": self.reason, "max_memory_bytes": self.max_bytes,
+                "points_priced": len(self.priced), **{k: v for k, v in self.stats.items()}}
+
+
+# --- memory techniques (pluggable) -------------------------------------------------------------------
+
+class _NoTechniques:
+    """Without :mod:`search.memtech`: only 'no technique' is priced (the mapping's own numbers)."""
+    available = False
+    recompute = ("none",)
+
+    def price(self, gc, views, recompute: str, zero: int, base):
+        return None
+
+
+class _Memtech:
+    """The techniques as :mod:`search.memtech` prices them (one fixed MemoryPlan on a mapped graph); the
+    per-mapping analysis (``memtech.Techniques``) is built once per mapping and reused by every plan."""
+    available = True
+    recompute = RECOMPUTE
+
+    def __init__(self, mod):
+        self.m = mod
+        self._analysis: dict = {}
+
+    def plan(self, g: PCG, recompute: str, zero: int, regs=None):
+        from unity_pcg.plan import MemoryPlan
+        if recompute == "none":
+            return MemoryPlan(zero=zero)
+        regs = self.m.regions(g) if regs is None else regs
+        return MemoryPlan(zero=zero, recompute=tuple(self.m.recompute_all(regs, recompute)))
+
+    def price(self, gc, views, recompute: str, zero: int, base):
+        key = (id(gc), id(views))
+        hit = self._analysis.get(key)
+        if hit is None or hit[0] is not gc:
+            if len(self._analysis) > 64:
+                self._analysis.clear()
+            hit = self._analysis[key] = (gc, self.m.Techniques(gc, views, base))
+        t = hit[1]
+        return t.price(self.plan(gc.g, recompute, zero, t.regions))
+
+
+def techniques():
+    """The technique pricer: :mod:`search.memtech` when it is importable, else none."""
+    try:
+        from . import memtech
+    except ImportError:
+        return _NoTechniques()
+    if not all(hasattr(memtech, a) for a in ("Techniques", "regions", "recompute_all")):
+        return _NoTechniques()
+    return _Memtech(memtech)
+
+
+# --- the grid ----------------------------------------------------------------------------------------
+
+def _divisors(n: int) -> list[int]:
+    return [d for d in range(1, n + 1) if n % d == 0]
+
+
+def _pow2_divisors(n: int) -> list[int]:
+    out, k = [], 1
+    while k <= n:
+        if n % k == 0:
+            out.append(k)
+        k *= 2
+    if n not in out:
+        out.append(n)
+    return out
+
+
+def _block_ok(machine: MachineSpec, size: int) -> bool:
+    """A stage of ``size`` devices is whole nodes or a divisor of a node (the pipeline's sub-meshes)."""
+    D = machine.devices_per_node
+    return (size % D == 0 and machine.num_devices % size == 0) if size >= D else D % size == 0
+
+
+def pairs(machine: MachineSpec, strategy: str, layers: int) -> list[tuple[int, int]]:
+    """The (tp, pp) pairs of the grid: tp divides a node's devices and a stage's, pp divides the devices
+    into stage blocks the pipeline can place and is at most the number of layers."""
+    N, D = machine.num_devices, machine.devices_per_node
+    if strategy == "zero3":
+        return [(1, 1)]
+    out = []
+    for pp in _divisors(N):
+        if pp > max(layers, 1) or not _block_ok(machine, N // pp):
+            continue
+        for tp in _divisors(D):
+            if (N // pp) % tp == 0:
+                out.append((tp, pp))
+    return out
+
+
+def micro_batch_sizes(B: int, dp: int, pp: int) -> list[int]:
+    """Micro-batch sizes per copy, most promising first: powers of two dividing B / dp (and B / dp itself);
+    pp = 1 largest first (fewest micro-batches), pp > 1 smallest first, at least pp micro-batches."""
+    per = B // dp
+    ms = _pow2_divisors(per)
+    if pp > 1:
+        return sorted(m for m in ms if per // m >= pp)
+    return sorted(ms, reverse=True)
+
+
+# --- pricing ------------------------------------------------------------------------------------------
+
+def _split(report) -> tuple:
+    """(weights part, activations part) of a MemoryReport's busiest device."""
+    if report is None or not report.per_device:
+        return (0, 0)
+    dev = max(report.per_device, key=report.per_device.get)
+    return int(report.weights.get(dev, 0)), int(report.activations.get(dev, 0))
+
+
+@dataclass
+class _Point:
+    """One priced technique combination of a layout point."""
+    config: TunedConfig
+    cost: float
+    feasible: bool
+    reason: str
+    max_bytes: int
+    memory: dict
+    layout: Any                       # the _Layout it belongs to
+    split: tuple = (0, 0)             # busiest device: (bytes that do not scale with the micro-batch, bytes that do)
+
+
+@dataclass
+class _Layout:
+    """A layout point (tp, pp, M) once mapped: either the whole graph (pp = 1, M = 1) or the stages."""
+    tp: int
+    pp: int
+    dp: int
+    M: int
+    pcg: PCG | None = None            # whole: the parallel PCG
+    mapping: Any = None               # whole: its MappingResult
+    gM: PCG | None = None             # pipeline: the graph at the micro-batch size
+    plan: tuple = ()                  # pipeline: ((first layer, end layer, first device, devices), ...)
+    ev: dict | None = None            # pipeline: search.pipeline._evaluate's result
+    reason: str = ""
+    gc: Any = None                    # whole: the GraphCost the techniques are priced on
+
+
+class _Tuner:
+    """One grid search: the layout points mapped (:meth:`whole`, :meth:`pipeline`), their technique
+    points priced (:meth:`price_layout`), the walks over micro-batch sizes (:meth:`run`), the result."""
+
+    def __init__(self, g: PCG, mapper, strategy: str, deadline: Deadline | None, tech, cheap=None,
+                 max_layers: int = MAX_LAYERS):
+        from .cost import GraphCost
+        from .pipeline import batch_size, sequential_layers
+        self.g, self.mapper, self.strategy = g, mapper, strategy
+        self.machine: MachineSpec = mapper.machine
+        self.deadline = deadline
+        self.tech = tech
+        self.cheap = cheap
+        self.B = batch_size(g)
+        self.roles = GraphCost(g, mapper.model).role
+        self.layers, self.info = sequential_layers(g, self.roles, max_layers)
+        self.max_layers = max_layers
+        self.points: list[_Point] = []
+        self.priced: list[dict] = []
+        self.graphs: dict = {}
+        self.stats: dict = {"layers": len(self.layers), "layout_points": 0, "technique_points": 0,
+                            "techniques": "memtech" if tech.available else "none (memory techniques off, or search.memtech absent)"}
+
+    # the layout points --------------------------------------------------------------------------------
+    def whole(self, tp: int, plain: bool = False) -> _Layout:
+        """pp = 1, one micro-batch: Megatron's layout at degree tp (tp = 1: data parallelism) on the whole
+        machine, mapped by the DP (``plain``: exactly the ``megatron`` baseline's PCG)."""
+        from .baselines import StrategyError, build_strategy, data_parallel, megatron
+        N, D = self.machine.num_devices, self.machine.devices_per_node
+        try:
+            if plain:
+                pg = build_strategy(self.g, "megatron", N, devices_per_node=D)
+            elif tp == 1:
+                pg = data_parallel(self.g, N)
+            else:
+                pg = megatron(self.g, N, devices_per_node=tp)
+        except StrategyError as e:
+            return _Layout(max(tp, 1), 1, N // max(tp, 1), 1, reason=str(e))
+        got = int(pg.meta.get("tp", 1)) if N > 1 else 1
+        if got != tp and not plain:
+            return _Layout(tp, 1, N // tp, 1, reason=f"tensor degree {tp} does not split the model (got {got})")
+        tp = got
+        try:
+            with within(self.deadline):
+                r = self.mapper.optimize(pg, resource=None if N > 1 else Resource(0, 1, 1), techniques=False)
+        except Expired:
+            if not plain or self.cheap is None:
+                raise
+            r = self.cheap(pg)
+            self.stats["plain_mapping"] = "without the DP (its solve did not finish by the deadline)"
+        if r is None or not r.views:
+            return _Layout(tp, 1, N // tp, 1, pcg=pg, reason=(r.reason if r is not None else "") or "no mapping")
+        return _Layout(tp, 1, N // tp, 1, pcg=pg, mapping=r)
+
+    def pipeline(self, tp: int, pp: int, M: int) -> _Layout:
+        """pp stages of equal layer counts on equal device blocks, M micro-batches, Megatron inside."""
+        from .pipeline import PipelineError, _evaluate, default_intra, megatron_intra, micro_graph, rebatch
+        N = self.machine.num_devices
+        dp = N // (tp * pp)
+        L = len(self.layers)
+        if pp > L:
+            return _Layout(tp, pp, dp, M, reason=f"{L} layers cannot make {pp} stages")
+        if M not in self.graphs:
+            try:
+                self.graphs[M] = rebatch(self.g, self.B, self.B // M)
+                micro_graph(self.g, M)
+            except PipelineError as e:
+                self.graphs[M] = e
+        gM = self.graphs[M]
+        if isinstance(gM, Exception):
+            return _Layout(tp, pp, dp, M, reason=str(gM))
+        size = N // pp
+        bounds = [round(k * L / pp) for k in range(pp + 1)]
+        plan = tuple((bounds[k], bounds[k + 1], k * size, size) for k in range(pp))
+        intra = megatron_intra(tp) if tp > 1 else default_intra
+        with within(self.deadline):
+            ev = _evaluate(gM, self.roles, self.info, self.layers, plan, M, self.mapper, intra, self.machine)
+        if not all(math.isfinite(x) for x in ev["fwd"]):
+            return _Layout(tp, pp, dp, M, gM=gM, plan=plan, ev=ev, reason=ev["reason"])
+        if not ev["feasible"] and not ev["reason"].startswith("out of memory"):
+            return _Layout(tp, pp, dp, M, gM=gM, plan=plan, ev=ev, reason=ev["reason"])
+        tps = {int(p.pcg.meta.get("tp", 1)) for p in ev["priced"] if p.pcg is not None}
+        if tp > 1 and tps != {tp}:
+            return _Layout(tp, pp, dp, M, reason=f"tensor degree {tp} does not split every stage "
+                                                 f"(got {sorted(tps)})")
+        return _Layout(tp, pp, dp, M, gM=gM, plan=plan, ev=ev)
+
+    # the techniques on a layout point -------------------------------------------------------------------
+    def combos(self) -> list[tuple[str, int]]:
+        zs = (3,) if self.strategy == "zero3" else (0, 1)
+        if not self.tech.available:
+            return [("none", 0)] if self.strategy == "megatron" else []
+        return [(r, z) for z in zs for r in self.tech.recompute]
+
+    def price_layout(self, lay: _Layout, mbs: int) -> list[_Point]:
+        out = []
+        for rec, z in self.combos():
+            cfg = TunedConfig(lay.tp, lay.pp, lay.dp, mbs, lay.M, rec, z == 1, False, z)
+            if lay.reason:
+                pt = _Point(cfg, INF, False, lay.reason, 0, {}, lay)
+            elif lay.mapping is not None:
+                pt = self._price_whole(lay, cfg)
+            else:
+                pt = self._price_stages(lay, cfg)
+            out.append(pt)
+            self.points.append(pt)
+            self.priced.append({"config": cfg.to_json(), "cost": pt.cost if math.isfinite(pt.cost) else None,
+                                "max_bytes": pt.max_bytes, "reason": pt.reason})
+            self.stats["technique_points"] += 1
+        return out
+
+    def _price_whole(self, lay: _Layout, cfg: TunedConfig) -> _Point:
+        r = lay.mapping
+        if not self.tech.available:
+            mem = dict(r.memory.per_device) if r.memory else {}
+            return _Point(cfg, r.cost if r.feasible else INF, bool(r.feasible), r.reason,
+                          max(mem.values(), default=0), mem, lay, _split(r.memory))
+        from .cost import GraphCost
+        base = r if getattr(r, "techniques", None) is None else None     # its cost without techniques
+        if lay.gc is None:
+            lay.gc = GraphCost(lay.pcg, self.mapper.model)
+        q = self.tech.price(lay.gc, r.views, cfg.recompute, cfg.zero, base)
+        mem = dict(q.per_device)
+        return _Point(cfg, q.iteration_s if q.feasible else INF, bool(q.feasible), q.reason, int(q.max_bytes), mem,
+                      lay, _split(q.report))
+
+    def _stage_numbers(self, p, cfg: TunedConfig, cache: dict):
+        """(per-micro-batch compute, per-micro-batch extra, once, weights part, activations part) of one stage."""
+        from .cost import GraphCost
+        if not self.tech.available:
+            return p.t, 0.0, p.once, dict(p.w), dict(p.a)
+        key = id(p)
+        if key not in cache:
+            cache[key] = GraphCost(p.pcg, self.mapper.model)
+        gc = cache[key]
+
+        def q(rec, z):
+            k = (key, rec, z)
+            if k not in cache:
+                cache[k] = self.tech.price(gc, p.views, rec, z, p.t + p.once)
+            return cache[k]
+
+        full = q(cfg.recompute, cfg.zero)
+        base0 = q("none", 0)
+        rec0 = q(cfg.recompute, 0)
+        devs = set(p.w) | set(p.a) | set(full.per_device)
+        # activations with the recomputation, weights with ZeRO: memtech's totals split by differences
+        a = {d: max(p.a.get(d, 0) + rec0.per_device.get(d, 0) - base0.per_device.get(d, 0), 0) for d in devs}
+        w = {d: max(full.per_device.get(d, 0) - a[d], 0) for d in devs}
+        t = p.t + full.recompute_s
+        if cfg.zero == 3:      # parameters gathered and gradients reduce-scattered every micro-batch
+            extra = max(full.iteration_s - t - full.update_s, 0.0)
+            return t, extra, full.update_s, w, a
+        return t, 0.0, max(full.iteration_s - t, 0.0), w, a
+
+    def _price_stages(self, lay: _Layout, cfg: TunedConfig) -> _Point:
+        from .pipeline import in_flight, simulate_1f1b
+        ev, M = lay.ev, lay.M
+        S = len(lay.plan)
+        bf = self.mapper.model.backward_factor
+        cap = self.machine.device.memory_bytes
+        fwd, bwd, once, mems, ws, acts = [], [], [], [], [], []
+        cache = lay.ev.setdefault("_tech_cache", {})
+        for idx, p in enumerate(ev["priced"]):
+            t, extra, o, w, a = self._stage_numbers(p, cfg, cache)
+            base_t = p.t
+            fwd.append(base_t / (1 + bf) + extra / 2)
+            bwd.append(base_t * bf / (1 + bf) + (t - base_t) + extra / 2)
+            once.append(o)
+            infl = in_flight(S, idx, M)
+            mems.append({d: w.get(d, 0) + infl * a.get(d, 0) for d in set(w) | set(a)})
+            ws.append(w)
+            acts.append({d: infl * v for d, v in a.items()})
+        if S == 1:
+            makespan = M * (fwd[0] + bwd[0]) + once[0]
+        else:
+            makespan = simulate_1f1b(fwd, bwd, M, ev["send"], ev["send"], once).makespan
+        memory = {d: v for m in mems for d, v in m.items()}
+        mx = max(memory.values(), default=0)
+        k = max(range(S), key=lambda i: max(mems[i].values(), default=0))
+        dev = max(mems[k], key=mems[k].get) if mems[k] else None
+        split = (int(ws[k].get(dev, 0)), int(acts[k].get(dev, 0))) if dev is not None else (0, 0)
+        for idx, m in enumerate(mems):
+            if m and max(m.values()) > cap:
+                dev = max(m, key=m.get)
+                why = (f"out of memory: stage {idx} device {dev} needs {m[dev] / 2**30:.2f} GiB with "
+                       f"{in_flight(S, idx, M)} micro-batches in flight but has {cap / 2**30:.2f} GiB")
+                return _Point(cfg, INF, False, why, int(mx), memory, lay, split)
+        lay.ev.setdefault("_adjusted", {})[cfg] = {"fwd": fwd, "bwd": bwd, "once": once, "mem": mems,
+                                                    "memory": memory, "makespan": makespan}
+        return _Point(cfg, makespan, True, "", int(mx), memory, lay, split)
+
+    # the walk ---------------------------------------------------------------------------------------------
+    def expired(self) -> bool:
+        return self.deadline is not None and self.deadline.passed()
+
+    def run(self) -> None:
+        N, B = self.machine.num_devices, self.B
+        walks = []
+        for tp, pp in pairs(self.machine, self.strategy, len(self.layers)):
+            dp = N // (tp * pp)
+            if B % dp:
+                continue
+            ms = micro_batch_sizes(B, dp, pp)
+            if ms:
+                walks.append({"tp": tp, "pp": pp, "dp": dp, "ms": ms, "i": 0, "n": 0, "best": INF, "done": False})
+        self.stats["pairs"] = [[w["tp"], w["pp"]] for w in walks]
+        self.stats["grid_layout_points"] = sum(len(w["ms"]) for w in walks)
+        if self.strategy == "zero3":
+            if not walks:
+                raise TunedError(f"strategy 'zero3': the batch {B} does not divide by the {N} devices of "
+                                 f"{self.machine.name}")
+            if not self.tech.available:
+                raise TunedError("strategy 'zero3' needs the memory techniques (search.memtech), off or absent here")
+        plain = None
+        try:
+            if self.strategy == "megatron":            # the plain baseline: priced first
+                plain = self.whole(0, plain=True)
+                self.stats["layout_points"] += 1
+                if plain.pcg is None and "applies to Transformers" in plain.reason:
+                    raise TunedError(plain.reason)
+                if plain.pcg is None:             # e.g. heads no degree of a node splits: tp = 1 points remain
+                    self.stats["plain"] = plain.reason
+                    plain = None
+                else:
+                    self.price_layout(plain, B // plain.dp)
+            if plain is not None:
+                self._skip_from(plain, walks)
+            for w in walks:                   # every pair once, then the most promising pair next
+                if not w["done"]:
+                    self._step(w, plain)
+            while any(not w["done"] for w in walks):
+                order = {id(w): k for k, w in enumerate(walks)}
+                w = min((w for w in walks if not w["done"]),
+                        key=lambda w: (math.isfinite(w["best"]), w["best"], w["n"], order[id(w)]))
+                self._step(w, plain)
+        except Expired:
+            self.stats["cut"] = True
+
+    def _skip_from(self, plain: "_Layout", walks: list) -> None:
+        """Before the pp = 1 walks start: skip the micro-batch sizes whose activations alone the plain point
+        predicts not to fit.  Per device, its leanest technique's activations part for mbs0 samples per copy
+        at degree tp0 is mbs0 (n + s / tp0) (n: bytes per sample of the operators on the tp copies, s: of the
+        split ones); at (tp, mbs) it is mbs (n + s / tp) >= part x (mbs / mbs0) x min(1, tp0 / tp): a lower
+        bound, so no size that may fit is skipped (the smallest is always kept)."""
+        pts = [p for p in self.points if p.layout is plain and p.max_bytes]
+        if not pts:
+            return
+        lean = min(pts, key=lambda p: p.max_bytes)
+        scaled = lean.split[1]
+        cap = self.machine.device.memory_bytes
+        mbs0, tp0 = lean.config.micro_batch, lean.config.tp
+        for w in walks:
+            if w["pp"] != 1:
+                continue
+            while w["i"] < len(w["ms"]) - 1 and \
+                    scaled * w["ms"][w["i"]] / mbs0 * min(1.0, tp0 / w["tp"]) > cap:
+                w["i"] += 1
+                self.stats["skipped_by_memory"] = self.stats.get("skipped_by_memory", 0) + 1
+
+    def _step(self, w: dict, plain: "_Layout | None") -> None:
+        """Price the next micro-batch size of one (tp, pp) walk, then decide where it goes on.  A point's
+        bytes on the busiest device split into a part that does not scale with the micro-batch (weights,
+        gradients, states) and one that does (activations), which predict every other size's:
+
+        * nothing fits: skip to the next size its leanest technique is predicted to fit (none: done);
+        * the time improved: the next size;
+        * it did not: done, unless (pp = 1, sizes falling) the best point here recomputes: then skip to the
+          largest size at which no recomputation is predicted to fit (a smaller micro-batch may drop it);
+        * a pair whose best, after two sizes, is over :data:`DROP` x the best of every pair is dropped;
+        * a tensor degree that does not split the model ends the pair."""
+        if self.expired():
+            raise Expired()
+        B = self.B
+        mbs = w["ms"][w["i"]]
+        w["i"] += 1
+        w["n"] += 1
+        M = B // (w["dp"] * mbs)
+        if plain is not None and (w["tp"], w["pp"], M) == (plain.tp, 1, 1):
+            pts = [p for p in self.points if p.layout is plain]
+        else:
+            lay = self.whole(w["tp"]) if (w["pp"] == 1 and M == 1) else self.pipeline(w["tp"], w["pp"], M)
+            self.stats["layout_points"] += 1
+            pts = self.price_layout(lay, mbs)
+            if lay.reason.startswith("tensor degree"):
+                w["i"] = len(w["ms"])
+        best = min((p.cost for p in pts), default=INF)
+        top = min(pts, key=lambda p: p.cost) if pts else None
+        cap = self.machine.device.memory_bytes
+
+        def skip_while(split) -> None:
+            fixed, scaled = split
+            if fixed >= cap:
+                w["i"] = len(w["ms"])             # the weights alone do not fit: no micro-batch will
+            while w["i"] < len(w["ms"]) and fixed + scaled * w["ms"][w["i"]] / mbs > cap:
+                w["i"] += 1
+                self.stats["skipped_by_memory"] = self.stats.get("skipped_by_memory", 0) + 1
+
+        if not math.isfinite(best):
+            lean = min((p for p in pts if p.max_bytes), key=lambda p: p.max_bytes, default=None)
+            if lean is not None:
+                skip_while(lean.split)
+        elif best >= w["best"]:
+            plain_pts = [p for p in pts if p.config.recompute == "none" and p.max_bytes]
+            if w["pp"] == 1 and top.config.recompute != "none" and plain_pts:
+                skip_while(min(plain_pts, key=lambda p: p.max_bytes).split)
+            else:
+                w["i"] = len(w["ms"])             # the time stopped improving
+        w["best"] = min(w["best"], best)
+        glob = min((p.cost for p in self.points), default=INF)
+        if w["n"] >= 2 and math.isfinite(glob) and w["best"] > DROP * glob:
+            w["i"] = len(w["ms"])
+            self.stats["pairs_dropped"] = self.stats.get("pairs_dropped", 0) + 1
+        w["done"] = w["i"] >= len(w["ms"])
+
+    def result(self) -> TunedResult:
+        feas = [p for p in self.points if p.feasible and math.isfinite(p.cost)]
+        if feas:
+            best = min(feas, key=lambda p: (p.cost, p.config.pp, p.config.tp, p.config.micro_batches))
+        elif self.points:     # nothing fits: the point closest to fitting
+            best = min(self.points, key=lambda p: p.max_bytes if p.max_bytes else INF)
+        else:
+            return TunedResult(self.strategy, None, INF, False, "no configuration was priced before the deadline",
+                               None, {}, None, None, None, priced=self.priced, stats=dict(self.stats))
+        lay = best.layout
+        stats = dict(self.stats, chosen=best.config.label())
+        if not feas:
+            reasons = sorted({p.reason for p in self.points if p.reason})
+            why = best.reason or (reasons[0] if reasons else "infeasible")
+            stats["reasons"] = reasons[:8]
+        else:
+            why = ""
+        mem_plan = None
+        if lay.mapping is not None:
+            if self.tech.available:
+                mem_plan = self.tech.plan(lay.pcg, best.config.recompute, best.config.zero)
+            return TunedResult(self.strategy, best.config, best.cost, bool(feas), why, lay.pcg, dict(lay.mapping.views),
+                               lay.mapping, None, mem_plan, best.max_bytes, best.memory, self.priced, stats)
+        if lay.ev is None:
+            return TunedResult(self.strategy, best.config, INF, False, why, None, {}, None, None, None,
+                               best.max_bytes, best.memory, self.priced, stats)
+        from .pipeline import _assemble
+        adj = lay.ev.get("_adjusted", {}).get(best.config)
+        ev = dict(lay.ev)
+        if adj is not None:
+            ev.update(fwd=adj["fwd"], bwd=adj["bwd"], once=adj["once"], mem=adj["mem"], memory=adj["memory"],
+                      cost=adj["makespan"], makespan=adj["makespan"], feasible=True, reason="")
+        res = _assemble(self.g, lay.gM, lay.plan, lay.M, ev, self.machine)
+        if res.pcg is not None and self.tech.available and (best.config.recompute != "none" or best.config.zero):
+            mem_plan = self._stage_memory_plan(res, best.config)
+        feasible = bool(feas) and res.feasible
+        return TunedResult(self.strategy, best.config, res.cost if feasible else INF, feasible, why or res.reason,
+                           res.pcg, dict(res.views), None, res, mem_plan, best.max_bytes, best.memory, self.priced,
+                           stats)
+
+    def _stage_memory_plan(self, res, cfg: TunedConfig):
+        """The MemoryPlan on the stitched PCG: the technique's regions cut at the stage boundaries."""
+        from unity_pcg.plan import MemoryPlan, RecomputeRegion
+        whole = self.tech.plan(res.pcg, cfg.recompute, cfg.zero)
+        stage_of = {n: k for k, s in enumerate(res.stages) for n in s.nodes}
+        regs = []
+        for r in whole.recompute:
+            by: dict = {}
+            for n in r.nodes:
+                by.setdefault(stage_of.get(n), []).append(n)
+            regs.extend(RecomputeRegion(tuple(ns), r.mode) for k, ns in sorted(by.items(), key=lambda x: str(x[0]))
+                        if k is not None)
+        return MemoryPlan(zero=whole.zero, offload=False, recompute=tuple(regs))
+
+
+def tune(g: PCG, mapper, strategy: str = "megatron", deadline: Deadline | None = None, *, cheap=None,
+         tech=None, max_layers: int = MAX_LAYERS) -> TunedResult:
+    """The tuned baseline ``strategy`` (``megatron`` or ``zero3``) of the logical PCG ``g`` on
+    ``mapper.machine`` (see the module docstring).  ``deadline`` bounds the grid (the plain Megatron point
+    is always priced; ``cheap(pcg)``, a mapping without the DP, prices it when even its solve is cut).
+    ``tech``: the technique pricer (default :func:`techniques`).  Raises :class:`TunedError` (one line)
+    when the strategy does not apply."""
+    if strategy not in STRATEGIES:
+        raise TunedError(f"unknown tuned strategy {strategy!r} (known: {', '.join(STRATEGIES)})")
+    if any(n.kind == "parallel" for n in g.nodes()):
+        raise TunedError(f"strategy {strategy!r} needs a logical PCG")
+    t = _Tuner(g, mapper, strategy, deadline, tech or techniques(), cheap=cheap, max_layers=max_layers)
+    t.run()
+    out = t.result()
+    out.stats["sp"] = SP_NOTE
+    return out
+
+
+# --- what optimize and simulate take from a result -------------------------------------------------------
+
+class TunedMapping:
+    """A tuned result seen through the MappingResult fields optimize and simulate report (cost, views,
+    memory, breakdown, ``memory_plan`` for the plan file)."""
+
+    def __init__(self, r: TunedResult, devices: int, capacity: int):
+        from .cost import LeafCost
+        from .memory import MemoryReport
+        base = r.mapping if r.mapping is not None else None
+        self.cost, self.feasible, self.reason, self.views = r.cost, r.feasible, r.reason, dict(r.views)
+        comm = r.pipeline.comm_elements if r.pipeline is not None else (base.breakdown.comm_elements if base else 0)
+        self.breakdown = base.breakdown if base is not None else LeafCost(r.cost, comm_elements=comm)
+        self.memory = MemoryReport(dict(r.memory), {}, {}, capacity)
+        self.devices = devices
+        self.memory_plan = r.memory_plan if r.memory_plan is not None and not r.memory_plan.empty else None
+        self.techniques = None
+        self.solve_s = r.stats.get("seconds", 0.0)
+        self.stats = {"devices_used": devices, "tuned": r.summary()}
+        if r.pipeline is not None:
+            self.stats["pipeline"] = r.pipeline.to_json()
+
+    def to_json(self) -> dict:
+        b = self.breakdown
+        return {"predicted_iteration_s": self.cost if math.isfinite(self.cost) else None,
+                "feasible": self.feasible, "reason": self.reason, "devices": self.devices,
+                "comm_elements": b.comm_elements, "max_memory_bytes": self.memory.max_bytes,
+                "memory_per_device": {str(d): v for d, v in sorted(self.memory.per_device.items())},
+                "solve_s": self.solve_s, "stats": dict(self.stats),
+                **({"pipeline": self.stats["pipeline"]} if "pipeline" in self.stats else {})}   # explain's stages
+
+
+def plan_candidate(run):
+    """``optimize(strategy="megatron" | "zero3")``: the tuned baseline under the call's budget (the grid
+    stops at 90% of the time left), as the PlanCandidate the optimizer writes; ``info.search`` records
+    the configuration (``megatron_config`` / ``zero3_config``) and the grid's statistics."""
+    import time as _time
+    from .optimize import OptimizeError, PlanCandidate
+    bud = run.budget
+    deadline = Deadline(bud.clock() + 0.9 * max(bud.left(), 0.0), bud.clock)
+    t0 = _time.perf_counter()
+    try:
+        # optimize(memory_techniques=False): the grid without techniques (and without overlap), as the mapper
+        tech = techniques() if getattr(run.ev.mapper, "default_techniques", True) else _NoTechniques()
+        r = tune(run.g, run.ev.mapper, run.strategy, deadline, cheap=run.ev.cheap, tech=tech)
+    except TunedError as e:
+        raise OptimizeError(str(e)) from None
+    r.stats["seconds"] = _time.perf_counter() - t0
+    if r.pcg is None:
+        raise OptimizeError(f"strategy {run.strategy!r}: no plan on {run.m.name} ({r.reason})")
+    mapping = TunedMapping(r, run.n_dev, run.m.device.memory_bytes)
+    run.stats = {"chosen": f"{run.strategy} tuned: {r.config.label()}",
+                 f"{run.strategy}_config": r.config.to_json(), "tuned": r.summary()}
+    return PlanCandidate(f"{run.strategy} tuned", r.pcg, r.cost, (), by_rules=False, mapping=mapping,
+                         pipeline=r.pipeline)
+
+
+__all__ = ["tune", "plan_candidate", "TunedMapping", "TunedResult", "TunedConfig", "TunedError", "techniques", "pairs", "micro_batch_sizes",
+           "STRATEGIES", "RECOMPUTE"]

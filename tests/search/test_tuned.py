@@ -1,0 +1,207 @@
+"""Baselines as users tune them (search/tuned.py, issue 19.5): Megatron-LM's grid over tensor, pipeline and
+data degrees, micro-batch size and memory techniques, and ZeRO-3 (FSDP), in our cost model."""
+import dataclasses
+import math
+
+import pytest
+
+from unity_pcg.machine import parse_machine
+from unity_pcg.search.baselines import build_strategy
+from unity_pcg.search.budget import Deadline
+from unity_pcg.search.cost import CostModel
+from unity_pcg.search.mapping import MachineMapper
+from unity_pcg.search.split import synthetic_chain, synthetic_transformer
+from unity_pcg.search.tuned import TunedError, micro_batch_sizes, pairs, techniques, tune
+
+KEYS = {"tp", "pp", "dp", "micro_batch", "micro_batches", "recompute", "distributed_optimizer", "sp"}
+
+
+def _machine(preset: str, mib: float | None = None):
+    m = parse_machine(preset)
+    if mib is None:
+        return m
+    return dataclasses.replace(m, device=dataclasses.replace(m.device, memory_bytes=int(mib * 2**20)))
+
+
+def _consistent(c: dict, devices: int, batch: int) -> None:
+    assert KEYS <= set(c)
+    assert c["tp"] * c["pp"] * c["dp"] == devices
+    assert c["micro_batch"] * c["dp"] * c["micro_batches"] == batch
+    assert c["recompute"] in ("none", "selective", "full")
+
+
+needs_memtech = pytest.mark.skipif(not techniques().available, reason="search.memtech is not in this tree")
+
+
+def test_grid_pairs_and_micro_batches():
+    m = parse_machine("h100:2x8")
+    ps = pairs(m, "megatron", layers=24)
+    assert (1, 1) in ps and (8, 2) in ps and (8, 1) in ps
+    assert all(8 % tp == 0 and 16 % (tp * pp) == 0 for tp, pp in ps)
+    assert (1, 16) in ps and pairs(m, "megatron", layers=4) == [p for p in ps if p[1] <= 4]
+    assert pairs(m, "zero3", layers=24) == [(1, 1)]
+    assert micro_batch_sizes(1024, 8, 1)[0] == 128           # pp = 1: one micro-batch first
+    ms = micro_batch_sizes(1024, 8, 4)
+    assert ms[0] == 1 and all(128 // x >= 4 for x in ms)     # pp > 1: smallest first, >= pp micro-batches
+
+
+@pytest.mark.parametrize("preset,mib", [("h100:2x4", None), ("h100:1x4", 60)])
+def test_never_slower_than_the_plain_megatron_it_contains(preset, mib):
+    """The plain baseline (tensor parallel inside the node, data parallel across, the full batch, no
+    technique) is a point of the grid: the tuned one is never predicted slower; where the plain one does
+    not fit memory, the tuned one still finds a feasible configuration."""
+    g = synthetic_transformer(4, batch=32, seq=128, hidden=512 if mib else 256, heads=8)
+    m = _machine(preset, mib)
+    mp = MachineMapper(CostModel(m, optimizer="adam"))
+    plain = mp.optimize(build_strategy(g, "megatron", m.num_devices, devices_per_node=m.devices_per_node))
+    r = tune(g, mp, "megatron")
+    assert r.feasible and math.isfinite(r.cost)
+    _consistent(r.config.to_json(), m.num_devices, 32)
+    if plain.feasible:
+        assert r.cost <= plain.cost * (1 + 1e-9)
+    else:
+        assert mib is not None                            # the tight machine: plain does not fit
+        assert r.max_bytes <= m.device.memory_bytes
+    tp0 = build_strategy(g, "megatron", m.num_devices, devices_per_node=m.devices_per_node).meta["tp"]
+    plain_pts = [p for p in r.priced if p["config"]["pp"] == 1 and p["config"]["micro_batches"] == 1
+                 and p["config"]["tp"] == tp0 and p["config"]["recompute"] == "none"
+                 and not p["config"]["distributed_optimizer"]]
+    assert plain_pts                                      # the plain point was priced
+    assert len({(p["config"]["tp"], p["config"]["pp"]) for p in r.priced}) > 2   # and the grid around it
+
+
+def test_megatron_refuses_a_model_without_attention_in_one_line():
+    g = synthetic_chain(6, batch=16)
+    mp = MachineMapper(CostModel(parse_machine("h100:1x4")))
+    with pytest.raises(TunedError) as e:
+        tune(g, mp, "megatron")
+    assert "Transformers" in str(e.value) and "\n" not in str(e.value)
+
+
+class _CountingMapper:
+    """A mapper whose every solve advances a fake clock by one: a deadline of k passes after k solves."""
+
+    def __init__(self, mapper):
+        self.m = mapper
+        self.machine, self.model = mapper.machine, mapper.model
+        self.solves = 0
+
+    def clock(self) -> float:
+        return float(self.solves)
+
+    def optimize(self, *a, **k):
+        self.solves += 1
+        return self.m.optimize(*a, **k)
+
+    def __getattr__(self, name):
+        return getattr(self.m, name)
+
+
+def test_the_grid_respects_the_deadline():
+    """On a fake clock that advances one unit per mapping solve, the grid stops at the deadline: fewer
+    layouts are mapped than without one, the result is the best of those priced and says it was cut."""
+    g = synthetic_transformer(4, batch=32, seq=128, hidden=256, heads=8)
+    m = parse_machine("h100:2x4")
+    full = tune(g, MachineMapper(CostModel(m)), "megatron")
+    assert not full.stats.get("cut")
+    cm = _CountingMapper(MachineMapper(CostModel(m)))
+    r = tune(g, cm, "megatron", Deadline(3.0, cm.clock))
+    assert r.stats.get("cut")
+    assert r.stats["layout_points"] < full.stats["layout_points"]
+    assert cm.solves <= 3 + 8                             # the solve running at the deadline finishes its stages
+    assert r.feasible and r.config is not None
+    best = min(p["cost"] for p in r.priced if p["cost"] is not None)
+    assert r.cost == pytest.approx(best)
+    assert r.cost >= full.cost * (1 - 1e-9)
+
+
+@needs_memtech
+def test_zero3_fits_where_data_parallelism_does_not():
+    g = synthetic_transformer(4, batch=32, seq=128, hidden=512, heads=8)
+    m = _machine("h100:1x4", 200)
+    mp = MachineMapper(CostModel(m, optimizer="adam"))
+    dp = mp.optimize(build_strategy(g, "dp", 4))
+    assert not dp.feasible
+    r = tune(g, mp, "zero3")
+    assert r.feasible and r.config.zero == 3 and r.config.dp == 4 and r.config.tp == r.config.pp == 1
+    assert r.max_bytes <= m.device.memory_bytes
+    assert r.memory_plan is not None and r.memory_plan.zero == 3
+
+
+@needs_memtech
+def test_optimize_records_the_configuration_and_the_memory_plan():
+    """optimize(strategy="megatron" | "zero3"): info.search names the configuration; a pipeline plan with
+    recomputation keeps every region inside one stage and loads back."""
+    from unity_pcg.plan import from_json
+    from unity_pcg.search.optimize import optimize
+    g = synthetic_transformer(4, batch=32, seq=512, hidden=256, heads=8)
+    seen = set()
+    for strategy, mib in (("megatron", None), ("megatron", 100), ("zero3", 100)):
+        m = _machine("h100:1x4", mib)
+        r = optimize(g, m, budget_s=30, strategy=strategy)
+        assert r.feasible
+        c = r.plan.info["search"][f"{strategy}_config"]
+        _consistent(c, 4, 32)
+        assert r.predicted_iteration_s == pytest.approx(r.stats["tuned"]["predicted_iteration_s"])
+        back = from_json(r.plan.to_json())
+        if c["recompute"] != "none" or c["distributed_optimizer"] or c["zero"]:
+            assert back.memory is not None and back.memory.zero == c["zero"]
+            assert bool(back.memory.recompute) == (c["recompute"] != "none")
+        if r.plan.pipeline is not None:
+            assert c["pp"] == len(r.plan.pipeline["stages"]) and r.plan.pipeline["micro_batches"] == c["micro_batches"]
+            stage = {n: k for k, s in enumerate(r.plan.pipeline["stages"]) for n in s["nodes"]}
+            for reg in (back.memory.recompute if back.memory else ()):
+                assert len({stage.get(n) for n in reg.nodes}) == 1
+            seen.add("pipeline with recompute" if back.memory and back.memory.recompute else "pipeline")
+    assert "pipeline with recompute" in seen        # 100 MiB: gradient accumulation with recomputation
+
+
+@needs_memtech
+def test_simulate_prices_the_tuned_strategies_and_writes_their_plans(tmp_path, capsys):
+    """`simulate --strategy megatron|zero3` on a Llama-style decoder: one JSON object with the configuration,
+    and a plan that loads with it recorded."""
+    pytest.importorskip("torch")
+    import json
+
+    from unity_pcg import plan as P
+    from unity_pcg import zoo
+    from unity_pcg.cli import main
+    model = zoo.export("llama_7b", str(tmp_path / "llama.onnx"), size="tiny", batch=8)
+    for strategy in ("megatron", "zero3"):
+        out_plan = str(tmp_path / f"{strategy}.json")
+        assert main(["simulate", model, "--machine", "h100:1x4", "--strategy", strategy, "--budget", "20",
+                     "--json", "-o", out_plan]) == 0
+        out = json.loads(capsys.readouterr().out)
+        assert out["feasible"] and out["strategy"] == strategy
+        _consistent(out[f"{strategy}_config"], 4, 8)
+        p = P.load(out_plan)
+        assert p.info["search"][f"{strategy}_config"] == out[f"{strategy}_config"]
+        assert (p.pipeline is not None) == (out["config"]["micro_batches"] > 1 or out["config"]["pp"] > 1)
+    assert main(["simulate", model, "--machine", "h100:1x4", "--strategy", "megatron", "--budget", "0"]) == 2
+    assert "--budget" in capsys.readouterr().err
+
+
+@needs_memtech
+def test_without_memory_techniques_the_grid_has_none():
+    """optimize(memory_techniques=False): Megatron's grid holds only 'no technique' points; zero3 says why
+    it cannot run in one line."""
+    from unity_pcg.search.optimize import OptimizeError, optimize
+    g = synthetic_transformer(2, batch=16, seq=64, hidden=128, heads=4)
+    r = optimize(g, "h100:1x4", budget_s=20, strategy="megatron", memory_techniques=False)
+    c = r.plan.info["search"]["megatron_config"]
+    assert c["recompute"] == "none" and not c["distributed_optimizer"] and r.plan.memory is None
+    assert r.stats["tuned"]["techniques"].startswith("none")
+    with pytest.raises(OptimizeError, match="zero3.*memory techniques"):
+        optimize(g, "h100:1x4", budget_s=20, strategy="zero3", memory_techniques=False)
+
+
+def test_heads_no_degree_splits_leave_the_tp1_points():
+    """Three heads on an 8-device node: no tensor degree splits them, so the plain baseline does not
+    exist (its one line is recorded) and the grid's tp = 1 points (data and pipeline parallel) remain."""
+    g = synthetic_transformer(2, batch=8, seq=64, hidden=96, heads=3)
+    mp = MachineMapper(CostModel(parse_machine("h100:1x8")))
+    r = tune(g, mp, "megatron")
+    assert r.feasible and r.config.tp == 1
+    assert "heads" in r.stats["plain"] and "\n" not in r.stats["plain"]
+    with pytest.raises(TunedError, match="batch 4 does not divide"):
+        tune(synthetic_transformer(1, batch=4, seq=64, hidden=128, heads=8), mp, "zero3")
