@@ -603,13 +603,13 @@ class _Tuner:
         if lay.ev is None:
             return TunedResult(self.strategy, best.config, INF, False, why, None, {}, None, None, None,
                                best.max_bytes, best.memory, self.priced, stats)
-        from .pipeline import _assemble
+        from .pipeline import assemble
         adj = lay.ev.get("_adjusted", {}).get(best.config)
         ev = dict(lay.ev)
         if adj is not None:
             ev.update(fwd=adj["fwd"], bwd=adj["bwd"], once=adj["once"], mem=adj["mem"], memory=adj["memory"],
                       cost=adj["makespan"], makespan=adj["makespan"], feasible=True, reason="")
-        res = _assemble(self.g, lay.gM, lay.plan, lay.M, ev, self.machine)
+        res = assemble(self.g, lay.gM, lay.plan, lay.M, ev, self.machine)
         if res.pcg is not None and self.tech.available and (best.config.recompute != "none" or best.config.zero):
             mem_plan = self._stage_memory_plan(res, best.config)
         feasible = bool(feas) and res.feasible
