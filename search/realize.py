@@ -36,12 +36,13 @@ from unity_pcg import ops
 from unity_pcg.errors import GraphError, InvalidParallelization, UnityError
 from unity_pcg.pcg import PCG
 from unity_pcg.shape import ParallelTensorShape
-from unity_pcg.substitutions import GraphIndex, Match, Rule, iter_matches, try_apply
+from unity_pcg.substitutions import GraphIndex, Match, Rule, iter_matches
+from unity_pcg.substitutions.live import LiveGraph
 from unity_pcg.substitutions.match import _Users
 from unity_pcg.substitutions.rule import is_var
 
 from .budget import Deadline, Expired, within
-from .substitution import RuleBook, RuleStep, cancel_steps, new_ids
+from .substitution import RuleBook, RuleStep
 
 #: a node gets at most this many rule steps in one visit (degrees compose: 2 x 2 x 2 is three steps)
 MAX_STEPS_PER_NODE = 6
@@ -195,12 +196,15 @@ class _Rules:
         self.pairing: dict[str, list[tuple[int, int]]] = {}
         self.depth: dict[str, int] = {}
         self.by_sink: dict[str, list[Rule]] = defaultdict(list)
+        #: the ops of each rule's source pattern (a rule can only rewrite a node whose op is among them)
+        self.ops: dict[str, frozenset] = {}
         for r in book.parallel:
             p = self._pairing(r)
             if p is None:
                 continue
             self.pairing[r.name] = p
             self.depth[r.name] = self._depth(r)
+            self.ops[r.name] = frozenset(n.op for n in r.source.nodes)
             used = {x[0] for n in r.source.nodes for x in n.inputs if not isinstance(x, str)}
             for i, n in enumerate(r.source.nodes):
                 if i not in used:
@@ -358,7 +362,7 @@ def _constant(g: PCG, ref) -> bool:
 
 class _State:
     def __init__(self, g: PCG, book: RuleBook, targets: Mapping[int, NodeLayout], deadline: Deadline | None):
-        self.g = g
+        self.g = LiveGraph(g)
         self.book = book
         self.rules = _rules_of(book)
         self.targets = dict(targets)
@@ -393,8 +397,11 @@ class _State:
         by_depth: dict[int, _Window] = {}
         found: list[Match] = []
         seen_ops = {g.node(i).op for i in down}
+        mine = g.node(nid).op
         for op in sorted(seen_ops):
             for r in self.rules.by_sink.get(op, ()):
+                if mine not in self.rules.ops[r.name]:
+                    continue
                 dep = self.rules.depth[r.name]
                 idx = by_depth.get(dep)
                 if idx is None:
@@ -444,10 +451,9 @@ class _State:
         return self.apply(best[1])
 
     def apply(self, m: Match) -> bool:
-        g2 = try_apply(self.g, m)
-        if g2 is None:
+        fresh = self.g.apply(m)
+        if fresh is None:
             return False
-        fresh = new_ids(self.g, g2)
         for i, j in self.rules.pairing[m.rule.name]:
             src = m.nodes[i]
             gid = self.inv.pop(src, None)
@@ -455,48 +461,48 @@ class _State:
                 self.cur[gid] = fresh[j]
                 self.inv[fresh[j]] = gid
         self.steps.append(RuleStep.of(m))
-        self.g = g2
-        self.touched |= set(fresh)
+        self.touched.update(fresh)
         self.cancel(set(fresh))
         return True
 
     def cancel(self, around: set) -> None:
+        """The simplifications (and commutations a simplification follows) around the nodes ``around``."""
         g = self.g
         w = {i for i in around if i in g}
         w |= {i[0] for k in list(w) for i in g.node(k).inputs}
         w |= {c for i in list(w) for kk in range(len(g.shapes(i))) for c, _ in g.consumers((i, kk))}
-        before = set(g.node_ids())
         while True:
-            g, w, _ = self._simplify(g, w, self.rules.simplify, self.steps)
-            g2, w2 = self._commute(g, w)
-            if g2 is None:
+            w, _ = self._simplify(w, self.rules.simplify)
+            w2 = self._commute(w)
+            if w2 is None:
                 break
-            g, w = g2, w2
-        self._check_kept(g)
-        self.touched |= {i for i in g.node_ids() if i not in before}
-        self.g = g
+            w = w2
+        self._check_kept()
 
-    @staticmethod
-    def _grow(g: PCG, w: set, fresh: set) -> set:
-        w |= fresh
+    def _grow(self, w: set, fresh: list) -> set:
+        g = self.g
+        self.touched.update(fresh)
+        w |= set(fresh)
         w |= {c for i in fresh for k in range(len(g.shapes(i))) for c, _ in g.consumers((i, k))}
         w |= {i[0] for k in fresh for i in g.node(k).inputs}
         return w
 
-    def _simplify(self, g: PCG, w: set, rules: list, steps: list, limit: int | None = None) -> tuple[PCG, set, int]:
+    def _simplify(self, w: set, rules: list, limit: int | None = None) -> tuple[set, int]:
         """Apply ``rules`` in the window ``w`` until none matches (at most ``limit`` steps)."""
+        g = self.g
         outputs = {tuple(r) for r in g.outputs}
         n = 0
         while limit is None or n < limit:
+            idx = _Window(g, [i for i in w if i in g], outputs)
             for r in rules:
                 done = False
-                for m in iter_matches(r, g, _Window(g, [i for i in w if i in g], outputs), None, (2,)):
-                    g2 = try_apply(g, m)
-                    if g2 is None:
+                for m in list(iter_matches(r, g, idx, None, (2,))):
+                    fresh = g.apply(m)
+                    if fresh is None:
                         continue
-                    steps.append(RuleStep.of(m))
-                    w = self._grow(g2, w, set(new_ids(g, g2)))
-                    g = g2
+                    self.steps.append(RuleStep.of(m))
+                    w = self._grow(w, fresh)
+                    outputs = {tuple(r) for r in g.outputs}
                     n += 1
                     done = True
                     break
@@ -504,52 +510,57 @@ class _State:
                     break
             else:
                 break
-        return g, w, n
+        return w, n
 
-    def _commute(self, g: PCG, w: set) -> tuple[PCG | None, set]:
-        """One commutation of parallel operators in ``w`` that a simplification follows (both applied), or None."""
+    def _commute(self, w: set) -> set | None:
+        """One commutation of parallel operators in ``w`` that a simplification follows (both applied): the
+        window after them, or None (graph unchanged)."""
+        g = self.g
         outputs = {tuple(r) for r in g.outputs}
         # only chains of three parallel operators can hold a pair to cancel that a commutation brings together
         chains = [i for i in w if i in g and g.node(i).kind == "parallel"
                   and g.node(g.node(i).inputs[0][0]).kind == "parallel"
                   and g.node(g.node(g.node(i).inputs[0][0]).inputs[0][0]).kind == "parallel"]
         if not chains:
-            return None, w
+            return None
         idx = _Window(g, chains + [g.node(i).inputs[0][0] for i in chains], outputs)
         for r in self.rules.commute:
-            for m in iter_matches(r, g, idx, None, (2,)):
-                g1 = try_apply(g, m)
-                if g1 is None:
+            for m in list(iter_matches(r, g, idx, None, (2,))):
+                touched = set(self.touched)
+                fresh = g.apply(m)
+                if fresh is None:
                     continue
-                more: list = [RuleStep.of(m)]
-                w1 = self._grow(g1, set(w), set(new_ids(g, g1)))
-                g2, w2, n = self._simplify(g1, w1, self.rules.simplify, more, limit=1)
+                nsteps = len(self.steps)
+                self.steps.append(RuleStep.of(m))
+                w1 = self._grow(set(w), fresh)
+                w2, n = self._simplify(w1, self.rules.simplify, limit=1)
                 if n:
-                    self.steps.extend(more)
-                    return g2, w2
-        return None, w
+                    return w2
+                del self.steps[nsteps:]
+                self.touched = touched
+                g.undo()
+        return None
 
-    def _check_kept(self, g2: PCG) -> None:
+    def _check_kept(self) -> None:
+        g = self.g
         for cid in self.inv:
-            if cid not in g2:       # cancel rules move parallel operators only
+            if cid not in g:       # cancel rules move parallel operators only
                 raise RealizeError(f"a cancel rule removed compute node {cid}")
 
     def finish(self) -> None:
         """Cancellations over every node the steps touched, then each Reduce -> Replicate fused."""
         g = self.g
-        w = {i for i in self.touched if i in g}
-        self.cancel(w)
+        self.cancel({i for i in self.touched if i in g})
         if self.fuse is None:
             return
-        while True:
-            g = self.g
-            w = [i for i in self.touched if i in g and g.node(i).op == "Replicate"]
-            for m in iter_matches(self.fuse, g, _Window(g, w, {tuple(r) for r in g.outputs}), None, (2,)):
-                g2 = try_apply(g, m)
-                if g2 is not None:
+        reps = sorted(i for i in self.touched if i in g and g.node(i).op == "Replicate")
+        while reps:
+            for m in list(iter_matches(self.fuse, g, _Window(g, reps, {tuple(r) for r in g.outputs}), None, (2,))):
+                fresh = g.apply(m)
+                if fresh is not None:
                     self.steps.append(RuleStep.of(m))
-                    self.touched |= set(new_ids(g, g2))
-                    self.g = g2
+                    self.touched.update(fresh)
+                    reps = sorted([i for i in reps if i in g] + [i for i in fresh if g.node(i).op == "Replicate"])
                     break
             else:
                 return
@@ -601,7 +612,7 @@ def realize(g: PCG, target: PCG | Mapping[int, NodeLayout], book: RuleBook | Non
             why = ("the target keeps its output, a graph output, on copies, which no rule reaches (no parallel "
                    "operator drops copies); laid out with as many pieces instead")
         missing.append(f"{g.node(gid).label()} ({g.node(gid).op}): {why}: {_why(cur, targets[gid])}")
-    return Realized(st.g, st.steps, not missing, missing, dict(st.cur), time.perf_counter() - t0)
+    return Realized(st.g.freeze(), st.steps, not missing, missing, dict(st.cur), time.perf_counter() - t0)
 
 
 __all__ = ["NodeLayout", "Realized", "RealizeError", "realize", "layout_of", "pair_nodes", "distance", "preview"]
