@@ -7,7 +7,7 @@ For every zoo model and P in (2, 4) local processes:
   Adam on ``--batch`` samples per process; the median iteration time (forward, loss, backward with
   DDP's gradient all-reduce, optimizer step) of rank 0 after warm-up, median over ``--runs`` launches;
 * predicted: right before the measurement, the local machine is calibrated for P concurrent
-  processes (``search.calibrate.calibrate(worlds=(P,))``: generic micro-benchmarks run in P
+  processes (``calibration.local.calibrate(worlds=(P,))``: generic micro-benchmarks run in P
   processes at once -- operator chains forward+backward, an Adam step over many tensors, DDP on
   chains of tiny Linear layers, gloo all-reduce sweeps; never the model); the model exported to
   ONNX with global batch ``P * batch`` is imported with ``load_onnx``, parallelized by
@@ -100,7 +100,7 @@ def fresh_machine(procs: int, path: str, quick: bool = False) -> str:
     """Calibrate the local machine for ``procs`` concurrent processes right before a measurement:
     the host is shared, so its speed drifts; the calibration runs generic micro-benchmarks only
     (never the model)."""
-    from unity_pcg.search.calibrate import calibrate
+    from unity_pcg.calibration.local import calibrate
     calibrate(quick=quick, worlds=(procs,), quiet=True).save(path)
     return path
 
@@ -196,7 +196,7 @@ def main() -> int:
     os.makedirs(RESULTS, exist_ok=True)
     t_start = time.time()
     if a.fixed_machine and (a.calibrate or not os.path.exists(a.machine)):
-        from unity_pcg.search.calibrate import calibrate
+        from unity_pcg.calibration.local import calibrate
         calibrate(quick=False).save(a.machine)
     rows = []
     machines = {}

@@ -4,7 +4,7 @@ calibrated cost model's predicted against measured iteration time of the executo
 For every P in ``--procs`` (default 2 and 4 local gloo processes):
 
 1. the local machine is calibrated for P concurrent processes right before the measurement
-   (``search.calibrate.calibrate(worlds=(P,))``, ``quick=True`` under ``--quick``: generic micro-benchmarks,
+   (``calibration.local.calibrate(worlds=(P,))``, ``quick=True`` under ``--quick``: generic micro-benchmarks,
    never the models below), and every plan is priced and mapped on it (``MachineMapper``, SGD);
 2. ``--runs`` launches, each of P ranks started by torch's elastic launch API (the mechanism of
    ``unity-pcg run``: a c10d rendezvous on a free local port, ``cores // P`` torch threads per rank, gloo),
@@ -228,8 +228,8 @@ def insitu_machine(machine_path: str, procs: int, runs: list, out_path: str) -> 
     """The calibration of ``machine_path`` with world ``procs``'s kernel and collective tables replaced by
     those measured inside the launches, interleaved with the step rounds (``--insitu``): per kernel and
     collective point the median over the launches of each launch's median.  Only the generic
-    micro-benchmarks of ``search.calibrate`` (never the models) are measured there."""
-    from unity_pcg.search import calibrate as cal
+    micro-benchmarks of ``calibration.local`` (never the models) are measured there."""
+    from unity_pcg.calibration import local as cal
     with open(machine_path) as f:
         obj = json.load(f)
     kern = {}
@@ -245,7 +245,7 @@ def insitu_machine(machine_path: str, procs: int, runs: list, out_path: str) -> 
             for g, pts in d.items():
                 for x, t in pts:
                     coll.setdefault(kind, {}).setdefault(g, {}).setdefault(x, []).append(t)
-    from unity_pcg.search.calibrate_gpu import make_table
+    from unity_pcg.calibration.gpu import make_table
     coll = {kind: {g: make_table([(x, statistics.median(v)) for x, v in pts.items()]) for g, pts in d.items()}
             for kind, d in coll.items()}
     ccpu: dict = {}
@@ -398,7 +398,7 @@ def rank_main(spec: dict) -> dict:
         order = list(steps)
         insitu = spec.get("insitu")
         if insitu:       # the calibration's generic kernel and collective tables, measured between the rounds
-            from unity_pcg.search import calibrate as cal
+            from unity_pcg.calibration import local as cal
             prepared = cal.prepare_kernels(False)
             cops = cal.prepare_collectives(world, rank, False)
             kern: dict = {}
@@ -452,8 +452,8 @@ def launch(spec: dict, procs: int) -> dict:
                        logs_specs=DefaultLogsSpecs(log_dir=os.path.join(CACHE, "elastic")))
     res = elastic_launch(cfg, rank_main)(spec)
     out = dict(res[0])
-    if "insitu" in out:     # kernels: the median over ranks; collectives: the slowest rank (search.calibrate)
-        from unity_pcg.search import calibrate as cal
+    if "insitu" in out:     # kernels: the median over ranks; collectives: the slowest rank (calibration.local)
+        from unity_pcg.calibration import local as cal
         out["insitu"] = {"kernels": cal._median_tree([res[r]["insitu"]["kernels"] for r in res]),
                          "collectives": cal.collective_tables([res[r]["insitu"]["collectives"] for r in res]),
                          "collectives_cpu": cal.collective_cpu_tables([res[r]["insitu"]["collectives_cpu"]
@@ -496,7 +496,7 @@ def _quartiles(v: list) -> list:
 
 
 def run_procs(procs: int, a, models: dict) -> dict:
-    from unity_pcg.search.calibrate import calibrate
+    from unity_pcg.calibration.local import calibrate
     t0 = time.perf_counter()
     load_cal = os.getloadavg()[0]
     mpath = os.path.join(CACHE, f"local-{procs}.json")
@@ -732,7 +732,7 @@ def write_markdown(path: str, res: dict) -> None:
           "measured CPU time of one step summed over the ranks (median over rounds).", ""]
     if "spearman_insitu" in s:
         L += ["### Priced on the tables measured inside the launches (`--insitu`)", "",
-              "The calibration's generic kernel and collective tables (`search.calibrate.prepare_kernels`, "
+              "The calibration's generic kernel and collective tables (`calibration.local.prepare_kernels`, "
               "`prepare_collectives`: never the models) measured again in the launches' processes, one round before "
               "each round of steps, so that they see the host's load of the same seconds; the measured views "
               "re-priced on them (`MachineMapper.evaluate`) and, for comparison, on the calibration before "
@@ -796,9 +796,9 @@ def write_markdown(path: str, res: dict) -> None:
                  + (f"{sync['executor_slowdown_cpu']:.2f} |" if sync.get("executor_slowdown_cpu") is not None
                     else "- |"))
     L += ["", "Solo speedup: how much faster one process multiplies matrices while the others wait than while "
-          "all compute (`search.calibrate.measure_solo`); the cost model prices a node on fewer devices with it "
+          "all compute (`calibration.local.measure_solo`); the cost model prices a node on fewer devices with it "
           "(`MachineSpec.concurrency_factor`). Contention: wall over CPU time of compute while all ranks compute "
-          "(`search.calibrate.measure_contention`). Executor slowdown: `sync.executor_slowdown`, which scales the "
+          "(`calibration.local.measure_contention`). Executor slowdown: `sync.executor_slowdown`, which scales the "
           "executor's compute; diagnostic: `sync.executor_slowdown_cpu`, the same synchronized loop with its "
           "all-reduce priced by its CPU work (P > cores; ~1 where the collective's CPU work explains the loop).", ""]
     L += ["Load average (1 min) per launch: " + "; ".join(

@@ -129,12 +129,13 @@ def run_task(task: dict) -> dict:
     opt = optimizer_of(name)
     path = model_path(name)
     row = {"model": name, "devices": D, "machine": task["machine"], "strategy": strategy, "batch": batch,
-           "optimizer": opt}
+           "optimizer": opt, "memory_techniques": task.get("techniques", True)}
     t0 = time.perf_counter()
     if strategy in SEARCHES:
         from unity_pcg.search.optimize import optimize
         r = optimize(path, m, budget_s=task["budget"], strategy=strategy.split("-")[0], optimizer=opt, batch=batch,
-                     max_candidates=task["max_candidates"], pipeline=strategy != NOPIPE)
+                     max_candidates=task["max_candidates"], pipeline=strategy != NOPIPE,
+                     memory_techniques=task.get("techniques", True))
         j = r.json()
         j.pop("memory_per_device", None)
         row.update({"feasible": j["feasible"], "reason": j["reason"], "predicted_iteration_s": j["predicted_iteration_s"],
@@ -151,7 +152,7 @@ def run_task(task: dict) -> dict:
         g = load_onnx(path, batch=batch, load_weights=False)
         t1 = time.perf_counter()
         pg = build_strategy(g, strategy, D, devices_per_node=m.devices_per_node)
-        r = MachineMapper(CostModel(m, optimizer=opt)).optimize(pg)
+        r = MachineMapper(CostModel(m, optimizer=opt), techniques=task.get("techniques", True)).optimize(pg)
         row.update({"feasible": bool(r.feasible), "reason": r.reason,
                     "predicted_iteration_s": r.cost if r.feasible else None,
                     "build_and_map_s": time.perf_counter() - t1, "comm_elements": r.breakdown.comm_elements,
@@ -671,7 +672,7 @@ def _meta(a, argv) -> dict:
         git = "?"
     return {"command": "python benchmarks/fig14.py " + " ".join(argv), "budget_s": a.budget,
             "budget_large_s": a.budget_large,
-            "max_candidates": a.max_candidates, "cpus": os.cpu_count(), "python": platform.python_version(),
+            "max_candidates": a.max_candidates, "memory_techniques": not a.no_memory_techniques, "cpus": os.cpu_count(), "python": platform.python_version(),
             "loadavg": " ".join(f"{x:.1f}" for x in os.getloadavg()), "git": git,
             "started": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())}
 
@@ -704,6 +705,9 @@ def main(argv=None) -> int:
     ap.add_argument("--merge", action="append", default=[], metavar="JSON",
                     help="add the rows of another run's JSON (e.g. a second process run with --out) to --out "
                          "(a task's later row replaces its earlier one), then write the report")
+    ap.add_argument("--no-memory-techniques", action="store_true",
+                    help="price every plan (Unity's and the baselines') without ZeRO, recomputation, offload and "
+                         "overlap of the gradient sync: the cost model of the runs before them (fig14.json at c290828)")
     ap.add_argument("--worker", default=None, help=argparse.SUPPRESS)
     a = ap.parse_args(argv)
     if a.worker is not None:
@@ -751,6 +755,8 @@ def main(argv=None) -> int:
         ap.error(f"--searches: unity and/or {NOPIPE}")
     tasks = tasks_for(models, devices, a.budget, a.max_candidates, not a.no_extras, seq, searches, a.extras_only,
                       a.budget_large)
+    for t in tasks:
+        t["techniques"] = not a.no_memory_techniques
     run(tasks, a.out, a.fresh, a.task_timeout, _meta(a, argv))
     report(a.out, md)
     print(f"wrote {os.path.relpath(a.out, ROOT)} and {os.path.relpath(md, ROOT)}")

@@ -3,8 +3,8 @@
 Input: the machine file ``unity-pcg calibrate --device cuda`` wrote on an H100
 (``benchmarks/results/h100_calibrated.json``: its ``meta.gpu_calibration.measured`` holds every kernel
 measured, by class, math mode and size).  The fit is redone here from those raw rows with the current
-fitting code (:func:`unity_pcg.search.calibrate_gpu.fit_rows`: per class and mode a fixed cost + throughput
-fit and a measured table work -> seconds; :func:`~unity_pcg.search.calibrate_gpu.machine_json`: peaks per
+fitting code (:func:`unity_pcg.calibration.gpu.fit_rows`: per class and mode a fixed cost + throughput
+fit and a measured table work -> seconds; :func:`~unity_pcg.calibration.gpu.machine_json`: peaks per
 math mode, efficiencies, overheads), on the datasheet preset (:func:`unity_pcg.machine.h100_datasheet`)
 so the interconnect keeps its datasheet numbers (one GPU measures no NVLink or network).  Output: the
 device section the ``h100`` preset loads (``unity_pcg/presets/h100.json``) with its provenance.
@@ -27,7 +27,7 @@ if ROOT not in sys.path:
 
 def fit(calibrated: dict, source: str) -> dict:
     from unity_pcg.machine import h100_datasheet
-    from unity_pcg.search.calibrate_gpu import fit_rows, machine_json
+    from unity_pcg.calibration.gpu import fit_rows, machine_json
     cal = (calibrated.get("meta") or {}).get("gpu_calibration") or {}
     rows = cal.get("measured")
     if not rows:

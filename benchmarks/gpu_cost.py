@@ -117,7 +117,7 @@ def measure(name: str, size: str, batch: int, optimizer: str, precision: str, de
     """Median seconds of one training step and peak allocated bytes (CUDA only)."""
     import torch
 
-    from unity_pcg.search.calibrate_gpu import math_mode, tf32_enabled
+    from unity_pcg.calibration.gpu import math_mode, tf32_enabled
     from unity_pcg.zoo import CONFIGS, models
     cuda = device.startswith("cuda")
     dev = torch.device(device)

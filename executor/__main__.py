@@ -267,7 +267,8 @@ def save_checkpoint(R: Rank, trainer) -> None:
                        + _kept(R))
     R.last_ckpt = C.save(R.args.checkpoint, R.step, model, trainer.optimizer_state(),
                          {"seed": R.args.seed, "optimizer": R.args.optimizer, "world": R.world,
-                          "plan_sha256": _plan_hash(R.args.plan), "loss": R.args.loss, **_model_meta(R)})
+                          "plan_sha256": _plan_hash(R.args.plan), "loss": R.args.loss,
+                          "memory": C.memory_json(getattr(trainer, "plan", None)), **_model_meta(R)})
 
 
 def _model_meta(R: Rank) -> dict:
@@ -305,7 +306,8 @@ def _plan_hash(path: str) -> str:
 def resume(R: Rank, trainer) -> None:
     import torch
     from . import checkpoint as C
-    C.check_resume(R.args.checkpoint, _plan_hash(R.args.plan), R.args.optimizer, R.world)
+    C.check_resume(R.args.checkpoint, _plan_hash(R.args.plan), R.args.optimizer, R.world,
+                   C.memory_json(getattr(trainer, "plan", None)))
     model, optim, meta = C.load(R.args.checkpoint)
     trainer.load_model_state(model)
     trainer.load_optimizer_state(optim)
@@ -443,9 +445,9 @@ def main(argv: list[str] | None = None) -> int:
             raise UnityError(f"plan {args.plan} runs on {need} rank(s) (a rank is a device), this run has "
                              f"{world}" + ("" if world > 1 else ": start it with `unity-pcg run` or torchrun"))
         if args.resume:
-            from .checkpoint import check_resume
+            from .checkpoint import check_resume, memory_json
             # a missing or foreign checkpoint is a user error, found before any collective
-            check_resume(args.checkpoint, _plan_hash(args.plan), args.optimizer, world)
+            check_resume(args.checkpoint, _plan_hash(args.plan), args.optimizer, world, memory_json(plan))
         import torch
         import torch.distributed as dist
         if world > 1 or "MASTER_ADDR" in os.environ:

@@ -311,11 +311,15 @@ def read_meta(root: str, context: str = "--resume: ") -> dict:
     return meta
 
 
-def check_resume(root: str, plan_sha256: str, optimizer: str, world: int) -> dict:
-    """The latest checkpoint's meta, refusing one written by a run of another plan, optimizer or rank
-    count (no collective: `unity-pcg run` calls it before launching, every rank again)."""
+def check_resume(root: str, plan_sha256: str, optimizer: str, world: int, memory: dict | None = None) -> dict:
+    """The latest checkpoint's meta, refusing one written by a run of another plan, optimizer, rank count
+    or memory techniques (``memory``: the plan's ``memory`` field as JSON, None for none; no collective:
+    `unity-pcg run` calls it before launching, every rank again)."""
     meta = read_meta(root)
     d = meta["dir"]
+    if "memory" in meta and (meta["memory"] or None) != (memory or None):
+        raise CheckpointError(f"--resume: checkpoint {d} was written with memory techniques {_mem(meta['memory'])}, "
+                              f"this plan has {_mem(memory)}")
     if meta.get("plan_sha256") not in (None, plan_sha256):
         raise CheckpointError(f"--resume: checkpoint {d} was written by a run of another plan")
     if meta.get("optimizer") not in (None, optimizer):
@@ -324,6 +328,22 @@ def check_resume(root: str, plan_sha256: str, optimizer: str, world: int) -> dic
     if meta.get("world") not in (None, world):
         raise CheckpointError(f"--resume: checkpoint {d} was written by {meta['world']} ranks, this run has {world}")
     return meta
+
+
+def memory_json(plan) -> dict | None:
+    """The plan's memory field as a checkpoint records it (None: no memory technique)."""
+    m = getattr(plan, "memory", None)
+    return None if m is None or m.empty else m.to_json()
+
+
+def _mem(m: dict | None) -> str:
+    """A plan's memory field in words (for error lines)."""
+    if not m:
+        return "none"
+    parts = [f"ZeRO-{m['zero']}"] if m.get("zero") else []
+    parts += ["offload"] if m.get("offload") else []
+    parts += [f"{len(m['recompute'])} recompute region(s)"] if m.get("recompute") else []
+    return ", ".join(parts) or "none"
 
 
 def load(root: str) -> tuple[dict, Any, dict]:

@@ -58,7 +58,7 @@ from unity_pcg.shape import ParallelTensorShape
 from .dtensor import Redistribution, plan_redistribution
 from .kernels import GENERATORS, ExecutorError, TaskContext, kernel
 
-NON_DIFFERENTIABLE = {("BatchNorm", 3), ("BatchNorm", 4)}
+NON_DIFFERENTIABLE = ops.NON_DIFFERENTIABLE   # (operator, input) pairs without a gradient: OpSpec.nondiff_inputs
 LOSS_WALK = ("Combine", "Batch", "Replicate", "Reduce", "AllReduce")   # what Trainer._loss_ref walks back through
 FLOAT = ("float32", "float16", "bfloat16", "float64")
 
@@ -195,28 +195,22 @@ class Lowered:
 
     # --- roles and placements ---------------------------------------------------------------------
     def _classify(self) -> None:
+        """Roles of the PCG (:meth:`PCG.roles`), with one refinement of the executor's: a random generator
+        reads nothing, so every device draws the blocks it reads (counter-based, so any block equals that
+        of one device's whole tensor), like a source's local slices: role ``"generator"``, and the
+        parallel operators reached from it through parallel operators only ``"generator-placement"``."""
         g = self.g
+        roles = g.roles()
         for n in g.nodes():
-            kind = ops.get_op(n.op).kind
-            if kind == "source":
-                self.role[n.id] = n.op.lower()               # "input" | "weight"
-                self.origin[n.id] = n.id
-            elif n.op in GENERATORS:
-                # a random generator reads nothing: every device draws the blocks it reads (counter-based,
-                # so any block equals that of one device's whole tensor), like a source's local slices
-                self.role[n.id] = "generator"
-                self.origin[n.id] = n.id
-            elif kind == "parallel":
-                src = n.inputs[0][0]
-                if self.role[src] in ("input", "weight", "input-placement", "weight-placement", "generator",
-                                      "generator-placement"):
-                    base = self.role[src].split("-")[0]
-                    self.role[n.id] = base + "-placement"
-                    self.origin[n.id] = self.origin[src]
-                else:
-                    self.role[n.id] = "parallel"
-            else:
-                self.role[n.id] = "compute"
+            role, o = roles[n.id], g.origin(n.id)
+            if n.op in GENERATORS:
+                role = "generator"
+            elif role == "parallel" and g.node(o).op in GENERATORS:
+                role = "generator-placement"
+            self.role[n.id] = role
+            if role not in ("parallel", "compute"):
+                self.origin[n.id] = o
+            if role == "compute":
                 self.pm[n.id] = ops.infer(n.op, n.a, g.input_shapes(n.id)).piece_map
 
     def trainable_weights(self) -> set[int]:

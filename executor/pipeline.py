@@ -303,6 +303,10 @@ def _check_batch_split(g: PCG, n, K: int) -> None:
 
 def check_pipeline(plan, per_device_bn: bool = True) -> None:
     """Everything about a pipelined plan that can fail before a process starts."""
+    mem = getattr(plan, "memory", None)
+    if mem is not None and not mem.empty:
+        raise PipelineError("plan: memory techniques (recompute, ZeRO, offload) with pipeline stages are not run by "
+                            "the executor yet; optimize it without pipeline stages or without them")
     if getattr(plan, "precision", "fp32") == "bf16":
         raise PipelineError("plan: bf16 (mixed precision) with pipeline stages is not supported by the executor "
                             "(stage boundaries exchange float32 buffers); optimize it with --precision fp32 or tf32")
@@ -374,21 +378,6 @@ def _view_on(devs) -> Any:
     return _DeviceList(devs)
 
 
-def _roles(g: PCG) -> dict[int, str]:
-    """input | weight | input-placement | weight-placement | parallel | compute (as the lowering's)."""
-    role: dict[int, str] = {}
-    for nid in g.topo_order():
-        n = g.node(nid)
-        if n.kind == "source":
-            role[nid] = n.op.lower()
-        elif n.kind == "parallel":
-            src = role[n.inputs[0][0]]
-            role[nid] = src.split("-")[0] + "-placement" if src != "parallel" and src != "compute" else "parallel"
-        else:
-            role[nid] = "compute"
-    return role
-
-
 @dataclass
 class StageGraph:
     """One stage as a plan of its own at the micro-batch size, run by a :class:`executor.train.Trainer` on
@@ -424,7 +413,7 @@ def stage_graphs(plan, M: int, stages) -> list[StageGraph]:
         gm = rebatch(g, B, B // M)
     except (SearchPipelineError, UnityError) as e:
         raise PipelineError(f"plan: the pipeline's micro-batches cannot run through the model: {e}") from None
-    role = _roles(gm)
+    role = gm.roles()
     owner: dict[str, int] = {}
     out = []
     for st in stages:
@@ -437,7 +426,7 @@ def stage_graphs(plan, M: int, stages) -> list[StageGraph]:
     return out
 
 
-def _stage_graph(plan, g: PCG, gm: PCG, role: dict, st: StagePlan, S: int, owner: dict) -> StageGraph:
+def _stage_graph(plan, g: PCG, gm: PCG, role: Mapping[int, str], st: StagePlan, S: int, owner: dict) -> StageGraph:
     inside = {nid for nid in st.nodes if gm.node(nid).kind != "source"}
     devs = tuple(st.devices)
     K = len(devs)
@@ -744,6 +733,9 @@ class PipelineTrainer:
     all-reduce."""
 
     def __new__(cls, plan, *args, **kw):
+        mem = getattr(plan, "memory", None)
+        if mem is not None and not mem.empty:
+            check_pipeline(plan)
         # stages that are not all data parallel inside run lowered on their devices
         if cls is PipelineTrainer and resolve(plan)[1][0].lowered:
             return LoweredPipelineTrainer(plan, *args, **kw)
@@ -1160,10 +1152,8 @@ class LoweredPipelineTrainer:
 
     def _is_activation(self, ref) -> bool:
         """A tensor whose gradient crosses back (a model input's, or its placement's, does not)."""
-        n = self._plan_g.node(ref[0])
-        while n.kind == "parallel":
-            n = self._plan_g.node(n.inputs[0][0])
-        return n.op != "Input"
+        g = self._plan_g
+        return g.node(g.origin(ref[0])).op != "Input"
 
     def _forward(self, xs):
         """The stage module's forward (every device with equal stages; the leader with different ones)."""

@@ -21,6 +21,10 @@ The caller initializes ``torch.distributed`` (gloo on CPU, nccl on GPU) before b
   backward pass runs, as soon as every gradient of a bucket is ready (in a fixed bucket order, as DDP);
 * the optimizer (SGD or Adam) updates the logical parameters.
 
+The plan's ``memory`` field (:mod:`executor.memory`) changes how, never what: recompute regions run as
+checkpointed sub-programs, ZeRO 1-3 shard the update, gradients and parameters over each weight's
+data-parallel copies, offload keeps the update on the host; the losses stay those of one process.
+
 Parameters are the ONNX model's own initializers; of each trained weight a rank holds the bounding box
 of the regions its steps read (a Megatron shard; the whole tensor under data parallelism; a weight it
 never reads, whole and untouched), and the pieces a task reads are slices of it, so operators that
@@ -30,6 +34,7 @@ and gradients reach the original weights, and a shard costs no full-size gradien
 """
 from __future__ import annotations
 
+import contextlib
 import math
 from typing import Any, Mapping
 
@@ -43,6 +48,7 @@ from unity_pcg.errors import PlanError
 
 from .kernels import TORCH_DTYPES, ExecutorError, kernel
 from .lower import Lowered, block, lower, task_pieces, unravel
+from .memory import Region, ZeroRuntime, run_io, schedule
 from .precision import forward_context, set_math_mode
 
 FIRST_BUCKET_BYTES = 1 << 20
@@ -335,6 +341,13 @@ class Trainer:
         frozen = model_constants(self.g, path) if weights is None and path else frozenset()
         self.low: Lowered = lower(self.g, plan.views, self.rank, self.world, plan.machine, sync_batchnorm,
                                   frozen=frozen, grad_inputs=grad_inputs)
+        # memory techniques (the plan's ``memory`` field; executor.memory): recompute regions become
+        # items of the schedule, ZeRO / offload run the update (self._zrt)
+        self.memory = getattr(plan, "memory", None) or plan_mod.MemoryPlan()
+        self._items = schedule(self.low, self.memory.recompute)
+        self._cur_loss_ref = None
+        self._zrt: ZeroRuntime | None = None
+        self._zero3_names: frozenset = frozenset()
         self._load_weights(model_path or plan.model_path, weights)
         self._loss_refs = {}
         self._pgs: dict[tuple, Any] = {}
@@ -352,7 +365,12 @@ class Trainer:
         if first_bucket_bytes is None:
             first_bucket_bytes = FIRST_BUCKET_BYTES if self.overlap else bucket_bytes
         self._plan_sync(bucket_bytes, first_bucket_bytes)
-        self._bucket_views(grad_views)
+        zero = self.memory.zero
+        sharded_update = bool(zero or self.memory.offload)
+        if zero == 3:
+            self._bucket_views(False, loss_slot=False, skip=True)   # gradients reach the shards through the gathers
+        else:                                          # the loss rides alone: buckets are the groups' layout
+            self._bucket_views(grad_views, loss_slot=not sharded_update, pad=zero == 2)
         self._plan_bn()
         for grp in sorted(self.low.groups | {b["devs"] for b in self._buckets}):
             self._group(grp)
@@ -360,8 +378,17 @@ class Trainer:
         for grp in sorted({b["devs"] for b in self._buckets}):   # gradient buckets get their own groups
             self._bucket_pgs[grp] = self._new_group(grp) if self.world > 1 else None
         self._opt_kind = optimizer
-        self.opt = make_optimizer(optimizer, list(self.params.values()), lr)
-        self._hooks()
+        self._rs_out: dict[int, torch.Tensor] = {}
+        if sharded_update:
+            self._zrt = ZeroRuntime(self, zero, self.memory.offload, optimizer, lr)
+            self.opt = self._zrt.opt
+            if zero == 3:
+                self._zrt.plan_gathers(self._items)
+                self._zero3_names = frozenset(self._zrt.names)
+        else:
+            self.opt = make_optimizer(optimizer, list(self.params.values()), lr)
+        if zero != 3:
+            self._hooks()
         # message tags: every exchange of the plan gets its own range (same numbers on every rank)
         self._tags = {}
         for st in self.low.steps:
@@ -534,7 +561,7 @@ class Trainer:
                 buf = self.buffers[name].narrow(0, c0, v.shape[0])
                 buf.mul_(mom).add_(v.to(buf.dtype), alpha=1.0 - mom)
 
-    def _bucket_views(self, enabled: bool) -> None:
+    def _bucket_views(self, enabled: bool, loss_slot: bool = True, pad: bool = False, skip: bool = False) -> None:
         """One flat buffer per bucket of this rank (plus the loss's slot in the first all-rank bucket), and
         gradients as views into it where a parameter's whole gradient is one bucket item (as DDP's
         gradient_as_bucket_view): backward accumulates into the buffer, so nothing is copied into the
@@ -544,7 +571,10 @@ class Trainer:
         self._viewed: dict[int, set] = {}
         self._view_params: set = set()
         self._loss_bucket = next((i for i in self._my_buckets if len(self._buckets[i]["devs"]) == self.world), None)
-        if self.world == 1:
+        if not loss_slot:
+            self._loss_bucket = None
+        self._free_grads = list(self.params.values())
+        if self.world == 1 or skip:
             return
         nitems = {}
         for i in self._my_buckets:
@@ -553,6 +583,9 @@ class Trainer:
         for i in self._my_buckets:
             b = self._buckets[i]
             n = sum(_numel(sl) for _, sl in b["items"]) + (1 if i == self._loss_bucket else 0)
+            if pad:                       # ZeRO-2: reduce-scattered in len(devs) equal shards
+                k = len(b["devs"])
+                n = -(-n // k) * k
             dt = self.params[b["items"][0][0]].dtype
             flat = torch.zeros(n, dtype=dt, device=self.device)
             self._flat[i] = flat
@@ -570,6 +603,13 @@ class Trainer:
         self._free_grads = [p for nm, p in self.params.items() if nm not in self._view_params]
 
     def _zero_grads(self) -> None:
+        if self._zrt is not None:
+            self._zrt.zero_grad()
+            for p in self._free_grads:
+                p.grad = None
+            for flat in self._flat.values():
+                flat.zero_()
+            return
         if not self._view_params:
             self.opt.zero_grad(set_to_none=True)
             return
@@ -618,7 +658,13 @@ class Trainer:
                 off += k
             if i == self._loss_bucket:
                 flat[-1] = self._loss_part.to(flat.dtype).reshape(())
-            work = dist.all_reduce(flat, group=self._bucket_pgs[b["devs"]], async_op=True)
+            if self.memory.zero == 2:     # ZeRO-2: each member gets its shard of the summed bucket
+                out = self._rs_out.get(i)
+                if out is None:
+                    out = self._rs_out[i] = flat.new_empty(flat.numel() // len(b["devs"]))
+                work = dist.reduce_scatter_tensor(out, flat, group=self._bucket_pgs[b["devs"]], async_op=True)
+            else:
+                work = dist.all_reduce(flat, group=self._bucket_pgs[b["devs"]], async_op=True)
             self._works[i] = (work, flat)
             self._next += 1
 
@@ -629,6 +675,8 @@ class Trainer:
         for i in self._my_buckets:
             work, flat = self._works[i]
             work.wait()
+            if self._zrt is not None:     # the sharded update reads the buckets (ZeroRuntime.grad_shard)
+                continue
             viewed = self._viewed[i]
             off = 0
             for nm, sl in self._buckets[i]["items"]:
@@ -673,6 +721,8 @@ class Trainer:
         is_input, name = hit
         if is_input:
             return feeds[name]
+        if self._zero3_names and name in self._zero3_names:
+            return self._zrt.value(name)
         return self.params[name] if name in self.params else self.buffers[name]
 
     def _source_name(self, nid: int) -> str | None:
@@ -840,13 +890,29 @@ class Trainer:
         fv = self._feeds(feeds)
         if tt is not None:
             self._tgt_off = self._target_offset(tt, kind, ref)
-        with forward_context(self.precision, self.device):
-            total, part = self._forward(fv, kind, tt, ref, need, split)
+        zero3 = self._zrt if self.memory.zero == 3 else None
+        if zero3 is not None:
+            zero3.forward_phase = True
+        try:
+            with forward_context(self.precision, self.device), \
+                    (zero3.hooks() if zero3 is not None else contextlib.nullcontext()):
+                total, part = self._forward(fv, kind, tt, ref, need, split)
+        finally:
+            if zero3 is not None:
+                zero3.forward_phase = False
+                zero3.work.clear()            # the gathered weights are freed after the forward
+                zero3._ptr.clear()
         self._start_step_sync(part)
         if total.requires_grad:
             total.backward()
-        self._finish_sync()
-        self.opt.step()
+        if zero3 is None:
+            self._finish_sync()
+        else:
+            zero3.end_step()
+        if self._zrt is not None:
+            self._zrt.step()
+        else:
+            self.opt.step()
         if self.world > 1 and self._loss_bucket is not None:
             lv = self._works[self._loss_bucket][1][-1:].to(torch.float64, copy=True)   # before the zeroing
         else:
@@ -932,6 +998,7 @@ class Trainer:
         from (the loss contribution tied to every communication output) and the detached contribution."""
         anchor = torch.zeros((), device=self.device, requires_grad=True)
         sinks: list = []
+        self._cur_loss_ref = ref
         vals = self._run(fv, need, anchor, sinks, split)
         contrib = self._piece_loss(vals, ref, kind, tt, split)
         total = contrib if contrib is not None else torch.zeros((), device=self.device)
@@ -943,72 +1010,122 @@ class Trainer:
     def _run(self, fv, need, anchor, sinks: list, split=None) -> dict:
         """This rank's steps of the nodes in ``need`` on the feeds ``fv``: the local piece of every tensor
         it holds (ref -> tensor); communication outputs are appended to ``sinks`` (tie them to what the
-        backward starts from)."""
+        backward starts from).  Recompute regions run as checkpointed sub-programs; with ZeRO-3 each
+        weight group is gathered before its first use (executor.memory)."""
         vals: dict = {}
         bn_done: set = set()
-        for st in self.low.steps:
-            if st.node not in need:
-                continue
-            recv = {}
-            for j, e in enumerate(st.exchanges):
-                if e.involves(self.rank):
-                    recv[e.ref] = self._exchange(e, self._tags[(st.node, j)], vals, anchor, sinks)
-            if not st.outputs and not st.inputs:
-                continue
-            if st.kind == "compute":
-                xs = [self._resolve(s, vals, recv, fv) for s in st.inputs]
-                st.ctx.seed, st.ctx.step, st.ctx.training = self.seed, self.step_no, True
-                st.ctx.extra["device"] = self.device
-                if st.bn_group is not None:
-                    pg = self._group(st.bn_group)
-                    me = st.bn_group.index(self.rank)
-
-                    def gather(t, pg=pg, me=me, k=len(st.bn_group)):
-                        y = _AllGather.apply(pg, k, me, anchor, t)
-                        sinks.append(y)
-                        return y
-                    st.ctx.stat_gather = gather
-                outs = kernel(st.op)(st.attrs, xs, st.ctx)
-                if st.bn_group is not None:
-                    st.ctx.stat_gather = None
-                if st.node in self._bn:
-                    self._update_running_stats(st, xs[0], bn_done)
-                for r, y in zip(st.outputs, outs):
-                    vals[r] = y
-            else:
-                c = st.combine
-                if c[0] == "allreduce":
-                    x = self._resolve(st.inputs[0], vals, recv, fv)
-                    if split is not None and split[0] == st.node and self.low.diff[st.outputs[0]]:
-                        y = _AllReduceToLoss.apply(self._group(c[1]), split[1], x)
-                    elif self.low.diff[st.outputs[0]]:
-                        y = _AllReduce.apply(self._group(c[1]), anchor, x)
-                        sinks.append(y)
-                    else:
-                        y = x.clone()
-                        dist.all_reduce(y, group=self._group(c[1]))
-                elif c[0] == "dtensor":       # a DTensor redistribution on a DeviceMesh (executor.dtensor)
-                    x = self._resolve(st.inputs[0], vals, recv, fv)
-                    k = split[1] if split is not None and split[0] == st.node else 1
-                    y = c[1].run(x, self.rank, self._group, anchor, sinks, self.low.diff[st.outputs[0]], k)
-                elif c[0] in ("reduce", "broadcast", "gather", "scatter"):
-                    y = self._collective(st, c, vals, recv, fv, anchor, sinks)
-                    if not st.outputs:
-                        continue
-                else:
-                    xs = [self._resolve(s, vals, recv, fv) for s in st.inputs]
-                    if c[0] == "cat":
-                        y = torch.cat(xs, dim=c[1])
-                    elif c[0] == "sum":
-                        y = xs[0]
-                        for x in xs[1:]:
-                            y = y + x
-                    else:
-                        y = xs[0]
-                vals[st.outputs[0]] = y
+        zrt = self._zrt if self.memory.zero == 3 else None
+        for idx, item in enumerate(self._items):
+            if zrt is not None:
+                zrt.before_item(idx, anchor, sinks)
+            if isinstance(item, Region):
+                self._run_region(item, vals, fv, need, anchor, sinks, bn_done, split)
+            elif item.node in need:
+                self._run_step(item, vals, fv, anchor, sinks, bn_done, split)
+            if zrt is not None:
+                zrt.after_item(idx, anchor, sinks)
         if self.keep_values:
             self.last_values = {r: v.detach().clone() for r, v in vals.items() if isinstance(v, torch.Tensor)}
         return vals
+
+    def _run_region(self, reg, vals, fv, need, anchor, sinks, bn_done, split) -> None:
+        """One recompute region: its checkpointed runs under torch.utils.checkpoint (non-reentrant), the
+        steps selective recomputation keeps plainly (executor.memory)."""
+        from torch.utils.checkpoint import checkpoint
+        keep = {self._cur_loss_ref} if self._cur_loss_ref is not None else set()
+        for run in reg.runs:
+            steps = [st for st in run.steps if st.node in need]
+            if not steps:
+                continue
+            if not run.checkpointed:
+                for st in steps:
+                    self._run_step(st, vals, fv, anchor, sinks, bn_done, split)
+                continue
+            key = (self._cur_loss_ref, tuple(st.node for st in steps))
+            io = run.io.get(key)
+            if io is None:
+                io = run.io[key] = run_io(type(run)(True, steps), self._items, self.rank, keep)
+            ins, outs = io
+            first = [True]
+
+            def fn(anchor_, *xs, steps=steps, ins=ins, outs=outs, first=first):
+                local = dict(zip(ins, xs))
+                sk: list = []
+                again = not first[0]
+                first[0] = False
+                for st in steps:
+                    self._run_step(st, local, fv, anchor_, sk, None if again else bn_done, split)
+                # the trigger: the run's last node, so the backward reaches it first and recomputes here
+                trig = anchor_ * anchor_
+                return (*[local[r] for r in outs], *sk, trig)
+            res = checkpoint(fn, anchor, *[vals[r] for r in ins], use_reentrant=False, preserve_rng_state=False)
+            for r, y in zip(outs, res):
+                vals[r] = y
+            sinks.extend(res[len(outs):])
+
+    def _run_step(self, st, vals, fv, anchor, sinks, bn_done, split) -> None:
+        """One step of the lowered program (``bn_done`` None: a recomputation, which leaves BatchNorm's
+        running statistics alone)."""
+        recv = {}
+        for j, e in enumerate(st.exchanges):
+            if e.involves(self.rank):
+                recv[e.ref] = self._exchange(e, self._tags[(st.node, j)], vals, anchor, sinks)
+        if not st.outputs and not st.inputs:
+            return
+        if st.kind == "compute":
+            xs = [self._resolve(s, vals, recv, fv) for s in st.inputs]
+            st.ctx.seed, st.ctx.step, st.ctx.training = self.seed, self.step_no, True
+            st.ctx.extra["device"] = self.device
+            if st.bn_group is not None:
+                pg = self._group(st.bn_group)
+                me = st.bn_group.index(self.rank)
+
+                def gather(t, pg=pg, me=me, k=len(st.bn_group)):
+                    y = _AllGather.apply(pg, k, me, anchor, t)
+                    sinks.append(y)
+                    return y
+                st.ctx.stat_gather = gather
+            outs = kernel(st.op)(st.attrs, xs, st.ctx)
+            if st.bn_group is not None:
+                st.ctx.stat_gather = None
+            if st.node in self._bn:
+                if bn_done is None:
+                    st.ctx.extra.pop("bn_stats", None)
+                else:
+                    self._update_running_stats(st, xs[0], bn_done)
+            for r, y in zip(st.outputs, outs):
+                vals[r] = y
+            return
+        c = st.combine
+        if c[0] == "allreduce":
+            x = self._resolve(st.inputs[0], vals, recv, fv)
+            if split is not None and split[0] == st.node and self.low.diff[st.outputs[0]]:
+                y = _AllReduceToLoss.apply(self._group(c[1]), split[1], x)
+            elif self.low.diff[st.outputs[0]]:
+                y = _AllReduce.apply(self._group(c[1]), anchor, x)
+                sinks.append(y)
+            else:
+                y = x.clone()
+                dist.all_reduce(y, group=self._group(c[1]))
+        elif c[0] == "dtensor":       # a DTensor redistribution on a DeviceMesh (executor.dtensor)
+            x = self._resolve(st.inputs[0], vals, recv, fv)
+            k = split[1] if split is not None and split[0] == st.node else 1
+            y = c[1].run(x, self.rank, self._group, anchor, sinks, self.low.diff[st.outputs[0]], k)
+        elif c[0] in ("reduce", "broadcast", "gather", "scatter"):
+            y = self._collective(st, c, vals, recv, fv, anchor, sinks)
+            if not st.outputs:
+                return
+        else:
+            xs = [self._resolve(s, vals, recv, fv) for s in st.inputs]
+            if c[0] == "cat":
+                y = torch.cat(xs, dim=c[1])
+            elif c[0] == "sum":
+                y = xs[0]
+                for x in xs[1:]:
+                    y = y + x
+            else:
+                y = xs[0]
+        vals[st.outputs[0]] = y
 
     def _piece_loss(self, vals, ref, kind, tt, split):
         """This rank's share of the loss on the pieces of ``ref`` it holds (copy 0 only; each AllReduce copy
@@ -1071,17 +1188,29 @@ class Trainer:
 
     def model_state(self) -> dict[str, torch.Tensor]:
         """The model's own parameters and buffers, logical and full (collective: call on every rank)."""
-        out = {name: self._assemble(name, p) for name, p in sorted(self.params.items())}
+        out = {name: self._assemble(name, p) for name, p in sorted(self._param_values().items())}
         out.update({name: self._assemble(name, b) if name in self._atoms else b.detach().clone()
                     for name, b in sorted(self.buffers.items())})
         return out
 
+    def _param_values(self) -> dict[str, torch.Tensor]:
+        """Weight name -> the region this rank holds (ZeRO-3: gathered from the shards, a collective)."""
+        if self._zero3_names:
+            vals = self._zrt.param_values()
+            return {nm: vals.get(nm, p) for nm, p in self.params.items()}
+        return dict(self.params)
+
     def load_model_state(self, d: Mapping[str, Any]) -> None:
         with torch.no_grad():
+            mine = {}
             for name, p in self.params.items():
                 if name in d:
                     v = torch.as_tensor(np.asarray(d[name]) if not isinstance(d[name], torch.Tensor) else d[name])
-                    p.copy_(v[_slices(self._region[name])])
+                    mine[name] = v[_slices(self._region[name])].to(self.device)
+                    if name not in self._zero3_names:
+                        p.copy_(mine[name])
+            if self._zrt is not None:
+                self._zrt.load_values(mine)
             for name, b in self.buffers.items():
                 if name in d:
                     b.copy_(torch.as_tensor(d[name]))
@@ -1096,6 +1225,8 @@ class Trainer:
         keys = {"adam": ("step", "exp_avg", "exp_avg_sq"), "momentum": ("momentum_buffer",)}.get(self._opt_kind, ())
         out: dict = {"step": self.step_no, "param_groups": [{k: v for k, v in grp.items() if k != "params"}
                                                             for grp in st["param_groups"]], "state": {}}
+        if self._zrt is not None:
+            return self._sharded_optimizer_state(out, keys)
         for idx, name in enumerate(names):
             s = st["state"].get(idx) or {}
             if not keys and not s:
@@ -1115,8 +1246,36 @@ class Trainer:
             out["state"][name] = ent
         return out
 
+    def _sharded_optimizer_state(self, out: dict, keys) -> dict:
+        """optimizer_state() of a sharded / offloaded update: each group's state shards gathered, then
+        assembled per weight as without ZeRO (every rank the same entries, in the same order)."""
+        per_key, step = self._zrt.state_tensors(keys)
+        for name, p in self.params.items():
+            if not keys:
+                continue
+            ent = {}
+            for k in keys:
+                if k == "step":
+                    t = torch.as_tensor(step or 0.0, dtype=torch.float64)
+                    if self.world > 1:
+                        dist.all_reduce(t, op=dist.ReduceOp.MAX, group=self._world_pg)
+                    ent[k] = t.to(torch.float32)
+                else:
+                    v = per_key[k].get(name)
+                    ent[k] = self._assemble(name, v if v is not None else torch.zeros_like(p))
+            out["state"][name] = ent
+        return out
+
     def load_optimizer_state(self, d: Mapping) -> None:
         names = list(self.params)
+        if self._zrt is not None:
+            keys = {"adam": ("step", "exp_avg", "exp_avg_sq"), "momentum": ("momentum_buffer",)}.get(self._opt_kind, ())
+            saved = d.get("state", {})
+            self._zrt.load_state_tensors({nm: saved[nm] for nm in self._zrt.names if nm in saved}, keys)
+            for grp, sv in zip(self.opt.param_groups, d.get("param_groups", [])):
+                grp.update({k: v for k, v in sv.items() if k != "params"})
+            self.step_no = int(d.get("step", self.step_no))
+            return
         cur = self.opt.state_dict()
         state = {}
         for idx, name in enumerate(names):
@@ -1132,14 +1291,27 @@ class Trainer:
         self.step_no = int(d.get("step", self.step_no))
 
     def local_shards(self) -> dict[str, tuple[torch.Tensor, dict]]:
-        """The regions of each parameter this rank owns: name/region -> (tensor, placement info)."""
+        """The regions of each parameter this rank owns: name/region -> (tensor, placement info)
+        (collective under ZeRO-3: the shards are gathered)."""
         out = {}
-        for name, p in self.params.items():
+        for name, p in self._param_values().items():
             for sl, devs in self._atoms.get(name, []):
                 if devs and min(devs) == self.rank:
                     key = name if len(self._atoms[name]) == 1 else f"{name}@" + ",".join(f"{a}:{b}" for a, b in sl)
                     out[key] = (p.detach()[self._rel(name, sl)], {"name": name, "region": sl, "devices": devs})
         return out
+
+    def memory_bytes(self) -> dict[str, int]:
+        """Bytes this rank holds between steps: ``parameters`` (its weights' regions; ZeRO-3: its shards),
+        ``optimizer`` (optimizer states, and the updated shard copies of ZeRO 1-2, on the device) and
+        ``optimizer_host`` (the same in host memory, with offload)."""
+        par = sum(p.numel() * p.element_size() for p in self.params.values())
+        if self._zrt is not None:
+            par += sum(sh.numel() * sh.element_size() for sh in self._zrt.shards)
+            return {"parameters": par, **self._zrt.bytes()}
+        opt = sum(v.numel() * v.element_size() for st in self.opt.state.values() for v in st.values()
+                  if isinstance(v, torch.Tensor) and v.dim()) if hasattr(self.opt, "state") else 0
+        return {"parameters": par, "optimizer": opt, "optimizer_host": 0}
 
 
 # --- helpers ---------------------------------------------------------------------------------------------

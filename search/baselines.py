@@ -118,15 +118,6 @@ class _Group:
         return any(g.node(i).op in ("BatchMatMul", "MatMul") for i in self.nodes)
 
 
-def _weight_like(g: PCG) -> set:
-    """Nodes whose values depend on weights only (Weight sources and operators reading only them)."""
-    wl: set = set()
-    for n in g.nodes():
-        if n.op == "Weight" or (n.kind == "compute" and n.inputs and all(r[0] in wl for r in n.inputs)):
-            wl.add(n.id)
-    return wl
-
-
 def _is_dense(g: PCG, n, wl: set) -> bool:
     """A Linear whose activation input is not weight-derived and whose weight is a trainable 2-D Weight."""
     if n.op != "Linear" or n.inputs[0][0] in wl:
@@ -169,7 +160,7 @@ def megatron_groups(g: PCG) -> list[_Group]:
     (the row-parallel one, whose partial sums are all-reduced) and its operators read no activation
     from outside the group except broadcast ones (an attention mask, rotary tables: fewer elements than
     the reader's output; the rebuild drops a group whose operators refuse them)."""
-    wl = _weight_like(g)
+    wl = g.weight_like()
     regions = {}
     for n in g.nodes():
         if _is_dense(g, n, wl):
@@ -253,7 +244,7 @@ def megatron(g: PCG, degree: int, devices_per_node: int | None = None) -> PCG:
         last = tp
     if batch_error is not None and last is None:
         raise StrategyError(f"strategy 'megatron': {batch_error}")
-    wl = _weight_like(g)
+    wl = g.weight_like()
     fused = _fused_qkv(g, [g.node(s) for gr in groups if gr.attention(g) for s in gr.starts if _is_dense(g, g.node(s), wl)])
     if fused and batch_error is None:
         raise StrategyError(f"strategy 'megatron' applies to Transformers with separate Q/K/V projections: {fused}")
@@ -299,7 +290,7 @@ def head_counts(g: PCG, group: _Group) -> dict:
 
 def _why_no_attention(g: PCG) -> str:
     """One line: why no attention block qualifies for Megatron's column -> row split."""
-    wl = _weight_like(g)
+    wl = g.weight_like()
     dense = [n for n in g.nodes() if _is_dense(g, n, wl)]
     act_mm = [n for n in g.nodes() if n.op in ("BatchMatMul", "MatMul")
               and all(r[0] not in wl for r in n.inputs)]
@@ -373,7 +364,7 @@ def expert_choices(g: PCG, degree: int) -> tuple[list[int], dict]:
     whose weight outweighs its activations at the global batch (see module docstring), split on its
     output features by the largest divisor m > 1 of ``degree`` that divides them (data parallel over
     the remaining ``degree / m``)."""
-    wl = _weight_like(g)
+    wl = g.weight_like()
     embs, dense = [], {}
     for n in g.nodes():
         if (n.op == "Embedding" and n.inputs[0][0] not in wl and g.node(n.inputs[1][0]).op == "Weight"
@@ -392,7 +383,7 @@ def expert_choices(g: PCG, degree: int) -> tuple[list[int], dict]:
 def expert_applies(g: PCG) -> bool:
     """The expert strategy is for recommendation and dense models: embedding tables or dense layers,
     and no convolution or attention (a softmax: Transformers have Megatron, CNNs data parallelism)."""
-    wl = _weight_like(g)
+    wl = g.weight_like()
     some = other = False
     for n in g.nodes():
         if (n.op == "Embedding" and n.inputs[0][0] not in wl and g.node(n.inputs[1][0]).op == "Weight") \
@@ -519,7 +510,7 @@ class _Rebuild:
         self.mp_dense = dict(mp_dense or {})
         self.b = PCG.builder(g.weights)
         self.m: dict = {}                 # old ref -> new ref (activations)
-        self.wl = _weight_like(g)
+        self.wl = g.weight_like()
         self.raw: dict = {}               # old Weight id -> new unpartitioned ref
         self.wcache: dict = {}            # (old ref, shards, copy) -> new ref
         self.whole: set = set()           # new refs kept whole on one device (model-parallel lookups)

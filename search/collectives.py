@@ -27,7 +27,7 @@ def measured_time(machine: MachineSpec, kind: str, p: int, nbytes: float) -> flo
     """Seconds of collective ``kind`` (``all_reduce``, ``all_gather``, ``broadcast``) over groups of ``p``
     devices moving ``nbytes`` (the full tensor; all-gather: the gathered one) from a calibrated local
     machine's measured table (``meta["worlds"][device_world]["collectives"]``, written by
-    ``search.calibrate``: P processes on shared cores wait for descheduled peers, which latency + bytes /
+    ``calibration.local``: P processes on shared cores wait for descheduled peers, which latency + bytes /
     bandwidth does not describe), interpolated as kernel tables are; None where the machine has none.
     Processes that outnumber the cores: the CPU work of the collective instead
     (:meth:`MachineSpec.collective_cpu_time`), where calibrated."""

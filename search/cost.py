@@ -18,7 +18,7 @@ weight placement it represents, gradient synchronization and the optimizer updat
 time of a mapping is the sum of its leaves' costs along the series-parallel structure (see
 :mod:`search.mapping`).
 
-Node roles:
+Node roles (:meth:`unity_pcg.pcg.PCG.roles`) and what each costs:
 
 * sources (Input, Weight): no view, no cost;
 * *placement* nodes: parallel operators reached from a source through parallel operators only.
@@ -38,7 +38,6 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, field, replace
 from functools import lru_cache
-from math import prod
 from typing import Any, Mapping, Sequence
 
 from unity_pcg import ops
@@ -49,27 +48,9 @@ from unity_pcg.shape import ParallelTensorShape
 from . import collectives as C
 
 OPTIMIZER_STATES = {"sgd": 0, "momentum": 1, "adam": 2}   # extra fp32 copies per weight
-MATMUL_OPS = {"Linear", "MatMul", "BatchMatMul", "Embedding"}
-CONV_OPS = {"Conv2d"}
-ELEMENTWISE_OPS = {"Relu", "Gelu", "Sigmoid", "Tanh", "Erf", "Exp", "Sqrt", "Reciprocal", "Neg", "Identity",
-                   "Dropout", "Scale", "Clip", "Cast", "Add", "Sub", "Mul", "Div", "Pow", "Max", "Min"}
 INF = math.inf
-NON_DIFFERENTIABLE = {("BatchNorm", 3), ("BatchNorm", 4)}      # running mean / variance
+NON_DIFFERENTIABLE = ops.NON_DIFFERENTIABLE      # from the registry: OpSpec.nondiff_inputs (running statistics)
 FLOAT_DTYPES = {"float32", "float16", "bfloat16", "float64"}
-
-
-NORM_OPS = {"BatchNorm", "LayerNorm", "LRN", "RMSNorm"}
-SOFTMAX_OPS = {"Softmax", "LogSoftmax"}
-BMM_OPS = {"BatchMatMul"}
-EMBEDDING_OPS = {"Embedding"}
-REDUCE_OPS = {"ReduceSum", "ReduceMean", "ReduceMax", "ReduceMin", "ReduceProd", "ReduceL2", "ReduceLogSumExp"}
-# the import-coverage operators of unity_pcg/ops/elementwise.py
-ELEMENTWISE_OPS |= {"Silu", "GeluTanh", "LeakyRelu", "Elu", "Selu", "Celu", "Softplus", "Softsign", "Mish",
-                    "HardSigmoid", "HardSwish", "Abs", "Log", "PRelu"}
-POOL_OPS = {"Pool2d"}
-# the random generators (unity_pcg/ops/random_gen.py): memory bound like an elementwise kernel (a few integer
-# rounds per element written, nothing read); no operand, so no backward
-ELEMENTWISE_OPS |= {"RandomNormal", "RandomUniform"}
 
 # Operator classes (DESIGN "Cost model"): the unit of per-class efficiency, launch overhead and measured
 # kernel tables.  Compute-bound classes run at the math mode's peak (DeviceSpec.peak); the others are
@@ -89,36 +70,11 @@ TABLE_FALLBACK = {"conv1x1": "conv", "conv_grouped": "conv", "batchnorm": "norm"
 
 def op_class(op: str, in_shapes: Sequence[ParallelTensorShape] | None = None) -> str:
     """Operator class of ``op`` (one of :data:`OP_CLASSES`): for per-class efficiency, launch overhead
-    and measured tables.  With the input shapes, a convolution whose kernel is 1x1 is ``"conv1x1"``
-    (CPU libraries run pointwise convolutions through a much cheaper path than spatial ones) and a
-    MatMul of two operands of rank >= 3 is ``"bmm"``."""
-    if op in CONV_OPS and in_shapes is not None and len(in_shapes) > 1 and prod(in_shapes[1].sizes[2:]) == 1:
-        return "conv1x1"
-    if (op in CONV_OPS and in_shapes is not None and len(in_shapes) > 1 and in_shapes[0].rank >= 2
-            and in_shapes[1].sizes[1] < in_shapes[0].sizes[1]):
-        return "conv_grouped"          # weight's input channels < the input's: groups > 1 (ResNeXt's 3x3)
-    if op in BMM_OPS or (op == "MatMul" and in_shapes is not None and len(in_shapes) > 1
-                         and in_shapes[0].rank >= 3 and in_shapes[1].rank >= 3):
-        return "bmm"
-    if op in EMBEDDING_OPS:
-        return "embedding"
-    if op in MATMUL_OPS:
-        return "matmul"
-    if op in CONV_OPS:
-        return "conv"
-    if op in ELEMENTWISE_OPS:
-        return "elementwise"
-    if op in SOFTMAX_OPS:
-        return "softmax"
-    if op == "BatchNorm":
-        return "batchnorm"             # NCHW statistics per channel: another kernel than a row-wise LayerNorm
-    if op in NORM_OPS:
-        return "norm"
-    if op in REDUCE_OPS:
-        return "reduce"
-    if op in POOL_OPS:
-        return "pool"
-    return "default"
+    and measured tables.  Stated by the operator's registry entry (``OpSpec.cost_class``), on the input
+    shapes where the kernel depends on them: a convolution whose kernel is 1x1 is ``"conv1x1"`` (CPU
+    libraries run pointwise convolutions through a much cheaper path than spatial ones), one with
+    groups ``"conv_grouped"``, a MatMul of two operands of rank >= 3 ``"bmm"``."""
+    return ops.cost_class(op, in_shapes)
 
 
 def class_chain(kind: str) -> list[str]:
@@ -162,45 +118,32 @@ def kernel_work(op: str, in_shapes: Sequence[ParallelTensorShape], out_shapes: S
     return b, b
 
 
-# torch.autocast (bf16 mixed precision): operators it runs in bf16 (its lower-precision list:
-# matmul, linear, bmm, einsum, convolutions, prelu) and in fp32 (its fp32 list: softmax, norms, exp,
-# log, pow, reductions by sum, ...); the rest run in the widest float dtype of their inputs (type
-# promotion; a 0-d operand does not widen a tensor).  AUTOCAST_FUSED_CAST: fp32-list operators that take
-# a dtype argument and read a bf16 input directly (no separate cast kernel).
-AUTOCAST_LOW = {"Linear", "MatMul", "BatchMatMul", "Einsum", "Conv2d", "Conv3d", "ConvTranspose", "PRelu"}
-AUTOCAST_FP32 = {"Softmax", "LogSoftmax", "LayerNorm", "GroupNorm", "Exp", "Log", "Pow", "Reciprocal", "Softplus",
-                 "ReduceSum", "ReduceProd", "CumSum", "ReduceL2", "ReduceLogSumExp"}
-AUTOCAST_FUSED_CAST = {"Softmax", "LogSoftmax", "ReduceSum", "ReduceProd", "CumSum"}
+# torch.autocast (bf16 mixed precision): each operator's registry entry says what autocast does with it
+# (OpSpec.autocast): its lower-precision list (bf16: matmul, linear, bmm, einsum, convolutions, prelu), its
+# fp32 list (softmax, norms, exp, log, pow, reductions by sum, ...; "fp32_direct": takes a dtype argument and
+# reads a bf16 input directly, no separate cast kernel), or type promotion (the widest float dtype of its
+# inputs; a 0-d operand does not widen a tensor).
 SYNC_MODELS = ("executor", "ddp")
 _ITEMSIZE = {"float32": 4, "float16": 2, "bfloat16": 2, "float64": 8, "int64": 8, "int32": 4, "bool": 1}
 
 
 def autocast_dtype(op: str, declared: str, in_dtypes: Sequence[str], in_ranks: Sequence[int]) -> str:
-    """Dtype of an operator's output under bf16 autocast, from its inputs' dtypes (module constants)."""
-    if declared not in FLOAT_DTYPES or declared == "float64" or op == "Cast":
+    """Dtype of an operator's output under bf16 autocast, from its inputs' dtypes (``OpSpec.autocast``)."""
+    mode = ops.autocast(op)
+    if declared not in FLOAT_DTYPES or declared == "float64" or mode == "declared":
         return declared
-    if op in AUTOCAST_LOW:
+    if mode == "low":
         return "bfloat16"
-    if op in AUTOCAST_FP32:
+    if mode in ("fp32", "fp32_direct"):
         return "float32"
     fl = [(d, r) for d, r in zip(in_dtypes, in_ranks) if d in FLOAT_DTYPES]
-    if op == "BatchNorm" and fl:
+    if mode == "follow_first" and fl:
         return fl[0][0]
     ranked = [d for d, r in fl if r > 0] or [d for d, _ in fl]
     if not ranked:
         return declared
     return max(ranked, key=lambda d: _ITEMSIZE[d])
 
-
-# the import-coverage operators of unity_pcg/ops/indexing.py: masks, comparisons and scans are element-wise
-# work; an einsum is a contraction (two operands: a matmul, whose data operand's gradient is half its backward)
-ELEMENTWISE_OPS |= {"Where", "Equal", "Less", "Greater", "LessOrEqual", "GreaterOrEqual", "Not", "And", "Or", "Xor",
-                    "Tile", "Trilu", "CumSum"}
-MATMUL_OPS |= {"Einsum"}
-# the import-coverage operators of unity_pcg/ops/spatial.py (Resize and Pad: the default class)
-CONV_OPS |= {"Conv3d", "ConvTranspose"}
-NORM_OPS |= {"InstanceNorm", "GroupNorm"}
-POOL_OPS |= {"Pool1d", "Pool3d"}
 
 
 class CostModel:
@@ -529,7 +472,7 @@ class GraphCost:
         self.g = g
         self.model = model
         self.machine = model.machine
-        self.role: dict[int, str] = {}
+        self.role = g.roles()                            # node -> role (PCG.roles: the one classifier)
         self.grid: dict[int, tuple[int, ...]] = {}       # view grid of every non-source node
         self._task_piece: dict[int, list] = {}           # compute: per tensor, task -> piece flat index
         self._pm: dict[int, Any] = {}
@@ -539,23 +482,11 @@ class GraphCost:
         self._direct_weights: dict[int, set] = {}        # compute node -> Weight inputs it holds
         seen_w: set = set()
         for n in g.nodes():
-            spec = ops.get_op(n.op)
-            if spec.kind == "source":
-                self.role[n.id] = "input" if n.op == "Input" else "weight"
+            if self.role[n.id] in ("input", "weight"):
                 continue
-            if spec.kind == "parallel":
-                src_role = self.role[n.inputs[0][0]]
-                if src_role in ("input", "weight"):
-                    self.role[n.id] = src_role
-                elif src_role in ("input-placement", "weight-placement"):
-                    self.role[n.id] = src_role
-                else:
-                    self.role[n.id] = "parallel"
-                if src_role in ("input", "weight"):
-                    self.role[n.id] = src_role + "-placement"
+            if n.kind == "parallel":
                 self.grid[n.id] = g.shapes(n.id)[0].grid
             else:
-                self.role[n.id] = "compute"
                 inf = ops.infer(n.op, n.a, g.input_shapes(n.id))
                 pm = inf.piece_map
                 self._pm[n.id] = pm
@@ -569,12 +500,7 @@ class GraphCost:
         # which weights are trained: float weights that reach some differentiable operand (not the
         # running statistics of a BatchNorm, not integer indices); others get no gradient, no
         # synchronization, no optimizer state
-        origin: dict[int, int] = {}
-        for n in g.nodes():
-            if self.role[n.id] == "weight":
-                origin[n.id] = n.id
-            elif self.role[n.id] == "weight-placement":
-                origin[n.id] = origin[n.inputs[0][0]]
+        origin = {nid: g.origin(nid) for nid, r in self.role.items() if r in ("weight", "weight-placement")}
         self._trainable_src: dict[int, bool] = {}
         for n in g.nodes():
             if self.role[n.id] != "compute":
@@ -657,14 +583,15 @@ class GraphCost:
     def kernel_dtype(self, nid: int, pos: int) -> str:
         """The dtype in which compute node ``nid`` reads input ``pos``: autocast casts the float inputs
         of its bf16 operators to bf16 and those of its fp32 operators to fp32 (a cast kernel and a copy,
-        unless the operator reads the input directly, AUTOCAST_FUSED_CAST)."""
+        unless the operator reads the input directly: ``OpSpec.autocast == "fp32_direct"``)."""
         n = self.g.node(nid)
         d = self.dtype(n.inputs[pos])
         if self.precision != "bf16" or d not in FLOAT_DTYPES or d == "float64":
             return d
-        if n.op in AUTOCAST_LOW:
+        mode = ops.autocast(n.op)
+        if mode == "low":
             return "bfloat16"
-        if n.op in AUTOCAST_FP32 and n.op not in AUTOCAST_FUSED_CAST:
+        if mode == "fp32":
             return "float32"
         return d
 

@@ -98,18 +98,28 @@ class MappingResult:
     solve_s: float
     stats: dict = field(default_factory=dict)
     decomposition: Decomposition | None = None
+    # priced with memory techniques and overlap (optimize / evaluate with techniques=True): the chosen
+    # unity_pcg.plan.MemoryPlan and its search.memtech.Priced; then ``cost`` and ``memory`` are theirs
+    memory_plan: Any = None
+    techniques: Any = None
 
     def to_json(self) -> dict:
         b = self.breakdown
         mem = self.memory
-        return {"predicted_iteration_s": self.cost if math.isfinite(self.cost) else None,
-                "feasible": self.feasible, "reason": self.reason, "devices": self.devices,
-                "comm_elements": b.comm_elements,
-                "max_memory_bytes": mem.max_bytes if mem else None,
-                "breakdown": {"compute_s": b.compute, "comm_s": b.comm, "grad_sync_s": b.sync,
-                              "update_s": b.update, "sum_of_leaves_s": b.time},
-                "memory_per_device": {str(d): v for d, v in sorted(mem.per_device.items())} if mem else {},
-                "solve_s": self.solve_s, "stats": dict(self.stats)}
+        out = {"predicted_iteration_s": self.cost if math.isfinite(self.cost) else None,
+               "feasible": self.feasible, "reason": self.reason, "devices": self.devices,
+               "comm_elements": b.comm_elements,
+               "max_memory_bytes": mem.max_bytes if mem else None,
+               "breakdown": {"compute_s": b.compute, "comm_s": b.comm, "grad_sync_s": b.sync,
+                             "update_s": b.update, "sum_of_leaves_s": b.time},
+               "memory_per_device": {str(d): v for d, v in sorted(mem.per_device.items())} if mem else {},
+               "solve_s": self.solve_s, "stats": dict(self.stats)}
+        if self.techniques is not None:
+            out.update(self.techniques.to_json())
+            out["breakdown"].update(self.techniques.to_json())
+            if self.memory_plan is not None and not self.memory_plan.empty:
+                out["memory_plan"] = self.memory_plan.to_json()
+        return out
 
 
 class _Ctx:
@@ -266,8 +276,11 @@ def _deg(gc: GraphCost, n: int) -> int:
 class MachineMapper:
     """Finds optimal machine views; one instance per (machine, cost model), reused across PCGs."""
 
-    def __init__(self, model: CostModel, front_limit: int = 16):
+    def __init__(self, model: CostModel, front_limit: int = 16, techniques: bool = False):
         self.model = model
+        # price mappings with the memory techniques and overlap by default (search.memtech); a call's
+        # ``techniques`` argument overrides it (the pipeline search prices stages without)
+        self.default_techniques = techniques
         self.machine: MachineSpec = model.machine
         self.cache: dict = {}
         self.mcache: dict = {}               # the memory-aware DP's subproblems (fronts)
@@ -278,10 +291,11 @@ class MachineMapper:
 
     # --- public -------------------------------------------------------------------------------
     def optimize(self, g: PCG, resource: Resource | None = None,
-                 fixed: Mapping[int, MachineView] | None = None) -> MappingResult:
+                 fixed: Mapping[int, MachineView] | None = None, techniques: bool | None = None) -> MappingResult:
         """The fastest mapping of ``g`` (that fits).  ``fixed``: views some nodes must take; by default
         the placements a fixed strategy pinned in ``g.meta["pinned"]`` (expert's embedding tables,
-        :func:`search.baselines.pinned_views`)."""
+        :func:`search.baselines.pinned_views`).  ``techniques``: price the mapping with the memory
+        techniques and the machine's overlap (:mod:`search.memtech`, :meth:`_with_techniques`)."""
         t0 = time.perf_counter()
         h0, m0 = self.hits, self.misses
         gc = GraphCost(g, self.model)
@@ -300,9 +314,47 @@ class MachineMapper:
         stats = {"cache_hits": self.hits - h0, "cache_misses": self.misses - m0, "cache_size": len(self.cache),
                  "series_parallel": dec.is_sp, "units": len(dec.units)}
         out = self._finish(g, gc, dec, cost, views, t0, stats)
+        if techniques is None:
+            techniques = self.default_techniques
+        if techniques:
+            return self._with_techniques(ctx, res, out, t0, stats, fixed, cost)
         if out.feasible or out.memory is None:
             return out                      # the time-optimal mapping fits (or no view fits at all)
         return self._memory_aware(ctx, res, out, t0, stats, fixed)
+
+    def _with_techniques(self, ctx: _Ctx, res: Resource, fastest: MappingResult, t0: float, stats: dict,
+                         fixed, cost: float) -> MappingResult:
+        """The time-optimal mapping priced with its cheapest feasible memory techniques
+        (:func:`search.memtech.choose`); when it does not fit without them, also the memory DP's mapping
+        (which fits without them) with its own, and the faster of the two feasible ones."""
+        if fastest.memory is None:
+            return fastest
+        a = self.techniques(ctx.gc, fastest, cost)
+        if fastest.feasible:
+            return a
+        b = self._memory_aware(ctx, res, fastest, t0, stats, fixed)
+        if b.feasible:
+            b = self.techniques(ctx.gc, b)
+            if b.feasible and (not a.feasible or b.cost < a.cost):
+                return b
+        if a.feasible:
+            return a
+        return dataclasses.replace(a, reason=b.reason or a.reason)
+
+    def techniques(self, gc: GraphCost, r: MappingResult, base: float | None = None) -> MappingResult:
+        """``r`` priced with :func:`search.memtech.choose`: cost, memory and feasibility with the chosen
+        MemoryPlan (``memory_plan``, ``techniques``).  ``base``: the mapping's cost without them (default
+        ``r.cost``, else the sum of its leaves)."""
+        from .memtech import choose
+        if r.memory is None or not r.views:
+            return r
+        if base is None or not math.isfinite(base):
+            base = r.cost if math.isfinite(r.cost) else r.breakdown.time
+        mem, p = choose(gc, r.views, base=base)
+        reason = "" if p.feasible else p.reason
+        return dataclasses.replace(r, cost=p.iteration_s if p.feasible else INF, memory=p.report,
+                                   feasible=p.feasible, reason=reason, memory_plan=None if mem.empty else mem,
+                                   techniques=p)
 
     def _memory_aware(self, ctx: _Ctx, res: Resource, fastest: MappingResult, t0: float,
                       stats: dict, fixed: Mapping[int, MachineView] | None = None) -> MappingResult:
@@ -336,13 +388,21 @@ class MachineMapper:
             return dataclasses.replace(out, reason=why)
         return out
 
-    def evaluate(self, g: PCG, views: Mapping[int, MachineView]) -> MappingResult:
-        """Price a given mapping, every leaf one after the other (no side-by-side execution)."""
+    def evaluate(self, g: PCG, views: Mapping[int, MachineView], techniques: bool | None = None) -> MappingResult:
+        """Price a given mapping, every leaf one after the other (no side-by-side execution);
+        ``techniques``: with its cheapest feasible memory techniques (:meth:`techniques`)."""
         t0 = time.perf_counter()
         gc = GraphCost(g, self.model)
         dec = decompose(g, gc.role)
         total = sum(gc.leaf_cost(n, views[n], views).time for n in gc.nodes())
-        return self._finish(g, gc, dec, total, dict(views), t0, {})
+        out = self._finish(g, gc, dec, total, dict(views), t0, {})
+        if techniques is None:
+            techniques = self.default_techniques
+        if techniques:
+            if out.memory is None:      # out of memory without techniques: _finish left cost inf
+                return out
+            return self.techniques(gc, dataclasses.replace(out, cost=total))
+        return out
 
     def _finish(self, g, gc, dec, cost, views, t0, stats) -> MappingResult:
         n_dev = self.machine.num_devices

@@ -16,6 +16,7 @@ from collections import defaultdict
 from dataclasses import dataclass
 from typing import Mapping
 
+from unity_pcg import ops
 from unity_pcg.machine import MachineView
 
 from .cost import GraphCost
@@ -56,31 +57,12 @@ def format_bytes(b: float) -> str:
     return f"{int(b)} bytes"
 
 
-# input positions an operator saves for its backward pass ("*": all), and operators that save their own
-# output; operators not listed save all their inputs (the conservative default)
-SAVES_INPUTS: dict = {
-    "Linear": {0}, "MatMul": {0, 1}, "BatchMatMul": {0, 1}, "Conv2d": {0}, "Mul": {0, 1}, "Div": {0, 1},
-    "Pow": {0, 1}, "Max": {0, 1}, "Min": {0, 1}, "Gelu": {0}, "Erf": {0}, "Sqrt": set(), "Reciprocal": set(),
-    "Clip": {0}, "LayerNorm": {0}, "BatchNorm": {0}, "LRN": {0}, "Embedding": {0}, "Gather": {1},
-    "Pool2d": {0}, "Relu": set(), "Sigmoid": set(), "Tanh": set(), "Exp": set(), "Softmax": set(),
-    "Add": set(), "Sub": set(), "Neg": set(), "Scale": set(), "Identity": set(), "Dropout": set(),
-    "Cast": set(), "Concat": set(), "Split": set(), "Slice": set(), "Reshape": set(), "Transpose": set(),
-    "Flatten": set(), "Expand": set(), "ReduceSum": set(), "ReduceMean": set(),
-    "Partition": set(), "Combine": set(), "Replicate": set(), "Reduce": set(), "AllReduce": set(),
-    "Pipeline": set(), "Batch": set(),
-}
-SAVES_OUTPUT = {"Relu", "Sigmoid", "Tanh", "Exp", "Softmax", "Sqrt", "Reciprocal", "Div", "LRN"}
-# the import-coverage operators of unity_pcg/ops/indexing.py (Einsum saves all its operands, the default);
-# comparisons and boolean logic have no gradient
-SAVES_INPUTS.update({"Where": {0}, "GatherElements": {1}, "ScatterND": {1}, "Tile": set(), "Trilu": set(),
-                     "CumSum": set(), **{op: set() for op in ("Equal", "Less", "Greater", "LessOrEqual",
-                                                              "GreaterOrEqual", "Not", "And", "Or", "Xor")}})
-# the spatial operators of unity_pcg/ops/spatial.py: convolutions and pools save their data input, the
-# normalizations their input (statistics are recomputed), Resize and Pad are fixed linear maps (nothing)
-SAVES_INPUTS.update({"Conv3d": {0}, "ConvTranspose": {0}, "Pool1d": {0}, "Pool3d": {0}, "InstanceNorm": {0},
-                     "GroupNorm": {0}, "Resize": set(), "Pad": set()})
-# the random generators read nothing and save nothing
-SAVES_INPUTS.update({"RandomNormal": set(), "RandomUniform": set()})
+# what an operator saves for its backward pass is stated by its registry entry (``OpSpec.saves``,
+# unity_pcg.ops.saves); these are views of it: the input positions each operator saves (an operator absent
+# saves all its inputs) and the operators that save their own output
+SAVES_INPUTS: dict = {n: set(s.saves.inputs) for n, s in ops.REGISTRY.items()
+                      if s.saves is not None and s.saves.inputs != ops.ALL}
+SAVES_OUTPUT = frozenset(n for n, s in ops.REGISTRY.items() if s.saves is not None and s.saves.output)
 
 
 def kept_fraction(g, nid: int, k: int, saves_copy=None) -> float:
@@ -99,7 +81,7 @@ def kept_fraction(g, nid: int, k: int, saves_copy=None) -> float:
         saved = SAVES_INPUTS.get(g.node(u).op)
         if (saved is None or pos in saved) and not (saves_copy is not None and saves_copy(u, pos)):
             return 1.0
-    if node.op == "Dropout":
+    if ops.saves(node.op).mask:     # Dropout: a one-byte mask per element
         return 1.0 / g.shapes(nid)[k].itemsize
     return 0.0
 

@@ -6,13 +6,17 @@
 
 Strategies:
 
-* ``unity`` (default): the joint search.  The imported graph is split into sequential segments
-  (:mod:`search.split`); each distinct segment is searched best-first (:mod:`search.substitution`)
-  over every proven rule of the shipped cache, from the segment itself and its data-parallel
-  versions (built by rules); the segments' choices are combined and replayed on the whole graph, so
-  the plan records a rule sequence from the imported graph.  The result is compared with data
-  parallelism built by rules over the whole graph, and the faster of the two is returned: a plan is
-  never predicted slower than data parallelism where that fits.
+* ``unity`` (default): the joint search, one mechanism for every model.  The candidates are data
+  parallelism (by rules: the floor), the layout proposals of :mod:`search.layouts` (Alpa's intra-operator
+  ILP over every operator's labels, on every logical 2-D mesh of the machine in an order that follows from
+  the machine, as many as the budget allows), each reached by rules from the imported graph where the rules
+  reach it (:func:`search.realize.realize`), and the best-first substitution search of the graph's segments
+  (:mod:`search.split`, :mod:`search.substitution`) started from data parallelism and the segments' layouts
+  reached by rules; the segments' choices are combined and replayed on the whole graph, so the plan records
+  a rule sequence from the imported graph.  The fixed strategies that apply (:data:`FLOOR_STRATEGIES`) are
+  priced too: the plan is never predicted slower than one of them.  ``info.search.chosen`` names the
+  mechanism of the plan returned: ``"layout mesh 8x6 by rules"``, ``"layout mesh 8x6 (ILP, not by
+  rules)"``, ``"search"``, ``"data parallel by rules"``, ``"pipeline"``, ``"<name> baseline (...)"``.
 * ``sequential`` (TASO then FlexFlow, Unity Fig. 15b): algebraic rules only, to convergence, priced
   on one device; then parallelization rules only from that graph; the same total budget.
 * ``dp``, ``megatron``, ``expert``, ``none``: the fixed strategies of :func:`search.baselines.build_strategy`
@@ -24,7 +28,7 @@ predicted faster, and then records its stages (``Plan.pipeline``) and no rule se
 built by the stage DP, not by rules).
 
 Budgets: ``budget_s`` seconds of wall time for the whole call, import included, split into the named
-phases of :data:`search.budget.PHASES` (floors, whole-graph families, segments, pricing, final, pipeline),
+phases of :data:`search.budget.PHASES` (floors, layouts, segments, pricing, final, pipeline),
 each with a deadline the solvers check at their loop heads (the mapping DP at every subproblem, rule
 application at every match round, the best-first search and the stage search at every step; no signals,
 so any thread); when time is up the best plan priced so far is returned, and nothing runs past the hard
@@ -41,7 +45,6 @@ import json
 import math
 import time
 from dataclasses import dataclass, field
-from functools import partial
 from typing import Any, Callable
 
 from unity_pcg.errors import UnityError
@@ -51,9 +54,8 @@ from unity_pcg.pcg import PCG
 from .budget import Budget, Deadline, Expired, within
 from . import budget as B
 from .runnable import runnable
-from .substitution import (Candidate, RuleBook, RuleStep, best_first, copies_steps, data_parallel_steps,
-                           dp_rule_missing, expert_whole, neighbours, normalized_hash, TABLE_COLUMN_RULES,
-                           table_columns_steps, tensor_parallel_steps, trimmed)
+from .substitution import (Candidate, RuleBook, RuleStep, best_first, data_parallel_steps, dp_rule_missing,
+                           neighbours, normalized_hash, trimmed)
 
 INF = math.inf
 SEARCHES = ("unity", "sequential")
@@ -137,11 +139,12 @@ class Evaluator:
     priced inf (the mapper writes a memo entry only once a subproblem is solved, so it stays consistent)."""
 
     def __init__(self, machine: MachineSpec, optimizer: str, limit_s: float | None = None, precision: str = "fp32",
-                 clock: Callable[[], float] | None = None):
+                 clock: Callable[[], float] | None = None, techniques: bool = True):
         from .cost import CostModel
         from .mapping import MachineMapper
         self.machine = machine
-        self.mapper = MachineMapper(CostModel(machine, optimizer=optimizer, precision=precision))
+        self.mapper = MachineMapper(CostModel(machine, optimizer=optimizer, precision=precision),
+                                    techniques=techniques)
         self.calls = 0
         self.timeouts = 0
         self.limit_s = limit_s
@@ -257,57 +260,17 @@ class Evaluator:
 
 # --- the searches ----------------------------------------------------------------------------------------
 
-#: the largest model (compute operators) whose Megatron seeds are also built on the whole graph
-WHOLE_TP_MAX_OPS = 60
-
-
-def megatron_seed_degrees(m: MachineSpec, dp_degrees) -> dict[int, int]:
-    """{data-parallel degree d: tensor-parallel degree k} of the Megatron seeds, d * k = the machine:
-    k = nodes on data parallelism inside each node (Alpa's CANDLE-Uno layout), k = devices per node
-    on data parallelism across nodes (Megatron-LM's), and k = 2 (the smallest split of the weights,
-    CANDLE-Uno's 4,192-wide layers on one node: 6 = 3 x 2)."""
-    n = m.num_devices
-    out: dict = {}
-    for k in (m.nodes, m.devices_per_node, 2):
-        if k > 1 and n % k == 0 and n // k in dp_degrees and n // k not in out:
-            out[n // k] = k
-    return out
-
-
-#: the largest dense model (compute operators, no embedding table) whose Megatron families are built on the
-#: whole graph at every tensor-parallel degree (:func:`whole_tp_degrees`; CANDLE-Uno: 90)
-WHOLE_DENSE_TP_MAX_OPS = 120
-
-
-def whole_tp_degrees(m: MachineSpec, dp_degrees, widths=None) -> dict[int, int]:
-    """{data-parallel degree d: tensor-parallel degree k} of the Megatron families built on the whole graph
-    of a small dense model: every machine degree k < n with d = n / k a data-parallel degree, smallest k
-    first.  :func:`megatron_seed_degrees`' three (nodes, devices per node, 2) miss the balance of activation
-    all-reduces (growing with k) against gradient all-reduces (shrinking with it): CANDLE-Uno at summit:8x6
-    is fastest at k = 4 on dp 12 (0.352 s; k = 8, Alpa's 8 x 6 mesh: 0.400 s; k = 2: 0.422 s), at summit:32x6
-    at k = 4 on dp 48 (0.372 s; k = 2: 0.476 s; k = 32: 1.211 s).  Each family costs a rule sequence and
-    one DP solve on the whole graph (1-5 s on CANDLE-Uno at 192 GPUs).  ``widths``: the Linear weights' output
-    features; a k that divides none of them is left out (every Megatron template splits a weight's output
-    features: the column-parallel Linear, the heads)."""
-    n = m.num_devices
-    return {n // k: k for k in machine_degrees(m) if k < n and n % k == 0 and n // k in dp_degrees
-            and (widths is None or any(w % k == 0 for w in widths))}
-
-
-def _segment_search(g: PCG, book: RuleBook, ev: "Evaluator", dp_degrees, dp_deg: int, k: int,
-                    max_candidates: int, alpha: float, progress, deadline: "Deadline | float",
-                    families: dict | None = None, early: Callable[[dict], None] | None = None,
+def _segment_search(g: PCG, book: RuleBook, ev: "Evaluator", dp_deg: int, k: int, max_candidates: int,
+                    alpha: float, progress, deadline: "Deadline | float", seeds: Callable | None = None,
                     price_dp_seeds: bool = True):
     """The split search (module docstring), until ``deadline`` (a :class:`search.budget.Deadline`; a
     number is a ``time.perf_counter`` instant).  Returns (searched graph, its steps, data parallelism
     by rules at ``dp_deg`` assembled from the segments' seeds, its steps, stats, interrupted).
-    ``families``, when given, receives {name: (build, estimate)}: ``build()`` assembles the whole graph
-    from every segment's seed of one family and returns (graph, steps) (``expert``, ``tp<k>x<d>``; data parallelism where a segment has
-    none), so a seed layout is priced as a whole too (the segments' DP can prefer other choices on
-    segment-local prices that the whole graph does not confirm).  Two passes: every segment's seeds first,
-    then the best-first search of each; ``early(families)``, when given, is called between them (the
-    families can be built then: Megatron-LM's layout on BERT-Large at 192 GPUs is the copies family, which
-    the segments' search never beats, and their search would use the budget first)."""
+
+    Every distinct canonical segment starts from itself, its data-parallel version at ``dp_deg`` (by rules:
+    the floor's piece) and ``seeds(segment_graph, deadline)`` (a list of :class:`Candidate`: the layout
+    proposals of the segment reached by rules; none when not given).  Two passes: every segment's seeds
+    first, then the best-first search of each, each with its share of the time left."""
     from .split import SegmentChoice, assemble, blocking_pairs, boundary_keys, canonical_segments, combine
     if not isinstance(deadline, Deadline):
         deadline = Deadline(deadline, time.perf_counter)
@@ -315,33 +278,12 @@ def _segment_search(g: PCG, book: RuleBook, ev: "Evaluator", dp_degrees, dp_deg:
     uniq = list(dict.fromkeys(s.key for s in segs))
     memo: dict = {}
     dp_memo: dict = {}
-    fam_memo: dict = {}
     totals = {"segments": len(segs), "distinct_segments": len(uniq), "explored": 0, "evaluated": 0,
-              "stopped": []}
+              "stopped": [], "layout_seeds": 0}
     interrupted = False
-    tp_seeds = megatron_seed_degrees(ev.machine, dp_degrees)
-    # data-parallel seeds: the full degree, the Megatron seeds' data-parallel degrees and one node (each
-    # seed is a rule sequence over the segment and a DP solve: every machine degree cost ~10 s per
-    # segment at 96 GPUs, most of them never competitive)
-    seed_degrees = {dp_deg, *tp_seeds} | ({ev.machine.devices_per_node} & set(dp_degrees))
-    totals["seed_degrees"] = sorted(seed_degrees)
-    # a data-parallel seed of a lower degree (or the segment as imported) whose solve hit the per-solve limit
-    # (priced inf) on a segment is not solved again on segments at least as large (compute operators): on
-    # Inception-v3 at 192 GPUs the degree-6 and -32 seeds each spent the whole limit on every segment, the
-    # segments' whole share
-    seed_deg: dict = {}                 # id(seed graph) -> (degree, compute operators of its segment)
-    slow: dict = {}                     # degree -> fewest compute operators of a segment that hit the limit
 
     def evaluate(x: PCG):
-        sd = seed_deg.get(id(x))
-        if sd is not None and slow.get(sd[0], INF) <= sd[1]:
-            totals["seeds_not_solved"] = totals.get("seeds_not_solved", 0) + 1
-            return INF, None
-        n0 = ev.timeouts
-        c = ev.cost(trimmed(x))
-        if sd is not None and ev.timeouts > n0:
-            slow[sd[0]] = min(slow.get(sd[0], INF), sd[1])
-        return c, None
+        return ev.cost(trimmed(x)), None
 
     def choice(c: Candidate, kk, cross_idx) -> SegmentChoice:
         cross = kk[1][cross_idx[0]] if cross_idx else None
@@ -350,100 +292,35 @@ def _segment_search(g: PCG, book: RuleBook, ev: "Evaluator", dp_degrees, dp_deg:
         full = ev.cost(c.graph) if not deadline.passed() else INF
         return SegmentChoice(c.cost, full, c.steps, kk, cross)
 
-    def build_families() -> dict:
-        out: dict = {}
-        for name, fm in fam_memo.items():
-            if name.endswith(" copies"):
-                continue
-            chosen = [fm.get(s.key) or dp_memo[s.key] for s in segs]
-            # the sum of the segments' prices (inf where a seed was not priced): the pricing order.
-            # Assembled when it is priced (past the budget it is not: ~1 s each on BERT-Large)
-            est = sum(c.cost if c.cost else INF for c in chosen)
-            out[name] = ((lambda chosen=chosen: assemble(g, segs, chosen, book)), est)
-            if name.startswith("tp"):
-                # Megatron-LM's layout on the assembled family (the tables whole where the family split them
-                # by columns): the heads column-parallel and every Replicate lifted up the residual stream
-                # across the cuts (substitution.copies_steps); priced first
-                cm = fam_memo.get(f"{name} copies", {})
-                chosen = [cm.get(s.key) or fm.get(s.key) or dp_memo[s.key] for s in segs]
-                out[f"{name} copies"] = ((lambda chosen=chosen, k=int(name[2:].split("x")[0]):
-                                          _with_copies(assemble(g, segs, chosen, book), k, book)), est * (1 - 1e-6))
-        return out
-
     starts: list = []
     for i, key in enumerate(uniq):                  # pass 1: every segment's seeds
         seg = next(s for s in segs if s.key == key)
         cg = seg.canon
         cross_idx = [j for j, r in enumerate(seg.outputs) if r in later[segs.index(seg)]]
-        share = max(deadline.left(), 0.0) / (len(uniq) - i)
-
-        # the segment as imported is a seed priced when it reaches the front (after the parallel seeds:
-        # its estimate is the largest); on a large machine its solve (most views per operator) is the
-        # slowest of all and, priced eagerly, cost a per-solve limit per segment past the deadline
+        # the segment as imported is a seed priced when it reaches the front (its estimate is the largest)
         start = [Candidate(None, cg, ())]
-        seed_deg[id(cg)] = (1, sum(n.kind == "compute" for n in cg.nodes()))   # as imported: degree 1
         dp_seed = None
-        fam_seed: dict = {}
-        for d in sorted(seed_degrees, key=lambda d: (d != dp_deg, -d)):
-            if interrupted:
-                break
-            if d != dp_deg and deadline.passed():
-                break               # past the deadline: only the full-degree seed (the floor needs it)
+        if not interrupted:
             try:
-                x, st = data_parallel_steps(cg, d, book)
+                x, st = data_parallel_steps(cg, dp_deg, book) if dp_deg > 1 else (cg, [])
             except KeyboardInterrupt:
                 interrupted = True
-                break
-            if not st:
-                continue
-            # the full-degree dp seed is priced without a per-solve limit (a data-parallel graph solves fast,
-            # and the segment's floor needs it), up to the wall of the substitution phase (a small batch on a
-            # large machine: BERT-Large at batch 4 on 192 GPUs, degree 4, has thousands of views per operator);
-            # past the deadline it is only built (data parallelism by rules over the whole graph is assembled
-            # from it, and priced as a whole)
-            # (not priced when data parallelism's own solve did not finish: ``price_dp_seeds``)
-            c = Candidate(ev.cost(trimmed(x), limited=False) if d == dp_deg and price_dp_seeds
-                          and not deadline.passed() else None, x, tuple(st))
-            start.append(c)
-            if d != dp_deg:
-                seed_deg[id(x)] = (d, sum(n.kind == "compute" for n in cg.nodes()))
-            if d == dp_deg:
-                dp_seed = c
-                whole = expert_whole(cg)
-                if whole:
-                    # the expert layout by rules: embedding tables (and their pooling) whole, the
-                    # rest data parallel; the DP places the tables on disjoint devices
-                    try:
-                        y, st2 = data_parallel_steps(cg, d, book, keep_whole=lambda gg, n, w=whole: n.id in w)
-                    except KeyboardInterrupt:
-                        interrupted = True
-                        break
-                    # priced now, with a longer limit than a candidate's: many single-device
-                    # tables side by side have many machine views and solve slowly
-                    ce = ev.cost(trimmed(y), limited=max(ev.limit_s or 0.0, share / 3, 1.0)) \
-                        if not deadline.passed() else None
-                    start.append(Candidate(ce, y, tuple(st2)))
-                    fam_seed["expert"] = start[-1]
-                    totals["expert_seeds"] = totals.get("expert_seeds", 0) + 1
-                    totals.setdefault("expert_seed_s", []).append(ce if ce is not None and math.isfinite(ce) else None)
-            tp = tp_seeds.get(d)
-            if tp:
-                # Megatron pairs (and column-split tables) of degree tp on data parallelism of degree d
-                try:
-                    y, st2 = tensor_parallel_steps(x, tp, book)
-                except KeyboardInterrupt:
-                    interrupted = True
-                    break
-                if st2:
-                    start.append(Candidate(None, y, tuple(st) + tuple(st2)))
-                    fam_seed[f"tp{tp}x{d}"] = start[-1]
-                    totals["tp_seeds"] = totals.get("tp_seeds", 0) + 1
-                    if any(s.rule in TABLE_COLUMN_RULES for s in st2):
-                        # Megatron-LM keeps the tables whole (on the copies): the segment's seed of the
-                        # copies family (not a start of the segment search; assembled, see below); data
-                        # parallel where only tables were split
-                        y2, st3 = tensor_parallel_steps(x, tp, book, tables=False)
-                        fam_seed[f"tp{tp}x{d} copies"] = Candidate(None, y2, tuple(st) + tuple(st3))
+                x, st = cg, []
+            if st:
+                # priced without a per-solve limit (a data-parallel graph solves fast, and the floor needs
+                # it), up to the wall; past the deadline only built (dp by rules is assembled from it);
+                # not priced when data parallelism's own solve did not finish (``price_dp_seeds``)
+                dp_seed = Candidate(ev.cost(trimmed(x), limited=False) if price_dp_seeds and not deadline.passed()
+                                    else None, x, tuple(st))
+                start.append(dp_seed)
+        if seeds is not None and not interrupted and not deadline.passed():
+            share = Deadline(deadline.clock() + max(deadline.left(), 0.0) / (2 * (len(uniq) - i)), deadline.clock)
+            try:
+                more = seeds(cg, deadline.sooner(share))
+            except KeyboardInterrupt:
+                interrupted, more = True, []
+            start.extend(more)
+            totals["layout_seeds"] += len(more)
 
         def keyf(x: PCG, seg=seg):
             return boundary_keys(seg, x)
@@ -453,13 +330,7 @@ def _segment_search(g: PCG, book: RuleBook, ev: "Evaluator", dp_degrees, dp_deg:
             dp_memo[key] = SegmentChoice(INF, INF, dp_seed.steps, keyf(dp_seed.graph))
         else:
             dp_memo[key] = SegmentChoice(INF if start[0].cost is None else start[0].cost, INF, (), keyf(cg))
-        for name, c in fam_seed.items():
-            # every segment's seed, priced or not (a segment solve cut by its time limit reads inf; a
-            # family with dp in that segment instead reshards at both its ends): the whole decides
-            fam_memo.setdefault(name, {})[key] = SegmentChoice(c.cost or 0.0, 0.0, c.steps, ())
         starts.append((key, start, keyf, cross_idx))
-    if early is not None and families is not None and not interrupted:
-        early(build_families())
     for i, (key, start, keyf, cross_idx) in enumerate(starts):     # pass 2: the search of each segment
         share = max(deadline.left(), 0.0) / (len(uniq) - i)
 
@@ -485,8 +356,6 @@ def _segment_search(g: PCG, book: RuleBook, ev: "Evaluator", dp_degrees, dp_deg:
     for key in uniq:
         memo.setdefault(key, {})
     dp_graph, dp_steps = assemble(g, segs, [dp_memo[s.key] for s in segs], book)
-    if families is not None:
-        families.update(build_families())
     choices = combine([memo[s.key] for s in segs])
     if not choices:
         return None, [], dp_graph, dp_steps, totals, interrupted
@@ -494,27 +363,6 @@ def _segment_search(g: PCG, book: RuleBook, ev: "Evaluator", dp_degrees, dp_deg:
     return out, steps, dp_graph, dp_steps, totals, interrupted
 
 
-def _with_copies(built: tuple, k: int, book: RuleBook) -> tuple | None:
-    """(graph, steps) of a tensor-parallel family with :func:`copies_steps` of degree ``k`` on top; None
-    when nothing lifts (the family itself is priced as it is)."""
-    fg, fst = built
-    cg, more = copies_steps(fg, k, book)
-    return (cg, list(fst) + list(more)) if more else None
-
-
-def _whole_family(g: PCG, book: RuleBook, d: int, tp: int, steps_fn) -> tuple | None:
-    """A seed family built on the whole graph: data parallelism of degree ``d`` by rules, then ``steps_fn``
-    (:func:`table_columns_steps`, :func:`tensor_parallel_steps`) of degree ``tp`` on top; None when the
-    latter does not apply."""
-    wx, wst = data_parallel_steps(g, d, book) if d > 1 else (g, [])
-    wy, wst2 = steps_fn(wx, tp, book)
-    return (wy, list(wst) + list(wst2)) if wst2 else None
-
-
-#: the largest model (compute operators) whose tables-by-columns family is built on the whole graph
-WHOLE_COLS_MAX_OPS = 200
-#: machines larger than this price a Transformer's Megatron floor after the copies families (see optimize)
-LATE_FLOOR_DEVICES = 256
 #: the fixed strategies (besides dp) the joint search prices as floors, where they apply
 FLOOR_STRATEGIES = ("megatron", "expert")
 
@@ -522,19 +370,22 @@ FLOOR_STRATEGIES = ("megatron", "expert")
 # --- candidates -----------------------------------------------------------------------------------------
 
 #: the order in which equally fast candidates are preferred: data parallelism by rules (the floor), the
-#: search's result, then the seed families (then the order they were found in)
-FLOOR, SEARCH, FAMILY = 0, 1, 2
+#: search's result, then the layout proposals (then the order they were found in)
+FLOOR, SEARCH, LAYOUT = 0, 1, 2
+#: relative difference under which two predicted times are the same (the rules' version of a layout prices
+#: like the ILP's own up to the last bits)
+TIE = 1e-6
 
 
 @dataclass
 class PlanCandidate:
     """One plan the policy compares: the mechanism that produced it (``info.search.chosen`` names the one
     returned), its PCG, its predicted iteration time and the rule steps that reach it."""
-    mechanism: str                  # "search", "data parallel by rules", "seed family tp8x4 copies by rules", ...
+    mechanism: str                  # "search", "data parallel by rules", "layout mesh 8x6 by rules", ...
     pcg: PCG                        # the plan's PCG (a rule-reached one without its output gathers)
     cost: float                     # predicted iteration time (inf: infeasible, or not priced within the budget)
     steps: tuple = ()               # RuleStep sequence from the imported graph
-    rank: int = FAMILY              # tie-break among equal costs (FLOOR, SEARCH, FAMILY)
+    rank: int = LAYOUT              # tie-break among equal costs (FLOOR, SEARCH, LAYOUT)
     by_rules: bool = True           # the plan records ``steps`` (False: a hand-built baseline, a fallback)
     mapping: Any = None             # its MappingResult (or a pipeline's) once known
     pipeline: Any = None            # the PipelineResult of a pipeline plan
@@ -542,33 +393,6 @@ class PlanCandidate:
     @property
     def rules_json(self) -> tuple | None:
         return tuple(s.to_json() for s in self.steps) if self.by_rules else None
-
-
-def _family(name: str) -> str:
-    return f"seed family {name} by rules"
-
-
-def _build_and_price(ev: "Evaluator", name: str, build, until: Deadline, limit: float,
-                     fam_cost: dict) -> PlanCandidate | None:
-    """Build a seed family (``build()`` -> (graph, steps) or None) and price it, both before ``until``
-    (the solve also within ``limit`` seconds).  ``fam_cost[name]`` records its price (None: infeasible or
-    cut) or why it was not priced."""
-    if until.passed():
-        fam_cost.setdefault(name, "not built within the budget")
-        return None
-    try:
-        with within(until):
-            built = build()
-    except Expired:
-        fam_cost[name] = "not built within the budget"
-        return None
-    if built is None:
-        return None
-    fg, fst = built
-    pg = trimmed(fg)
-    c = ev.cost(pg, limited=limit, keep=True)
-    fam_cost[name] = c if math.isfinite(c) else None
-    return PlanCandidate(_family(name), pg, c, tuple(fst), FAMILY)
 
 
 def _fixed_baselines(g: PCG, ev: "Evaluator", degree: int, m: MachineSpec, until: Deadline) -> dict:
@@ -774,7 +598,9 @@ class _Run:
         self.marks: dict = {}
         self.interrupted = False
         self.floor: list[PlanCandidate] = []          # data parallelism by rules (or the imported graph)
-        self.cands: list[PlanCandidate] = []          # the search's result and the seed families
+        self.cands: list[PlanCandidate] = []          # the search's result and the layout proposals
+        self.proposals: list = []                     # search.layouts.Proposal, in the order solved
+        self.reached: list = []                       # those reached by rules
         self.others: dict = {}                        # the fixed strategies' floors (_fixed_baselines)
 
     def mark(self, name: str) -> None:
@@ -791,15 +617,16 @@ def optimize(model, machine, budget_s: "float | Budget | None" = None, alpha: fl
              strategy: str = "unity", optimizer: str = "adam", batch: int | None = None, seed: int = 0,
              progress: Callable[[dict], None] | None = None, max_candidates: int = 40, k: int = 10,
              budget: "float | Budget | None" = None, rules=None, price_limit_s: float | None = None,
-             precision: str = "fp32") -> OptimizeResult:
+             precision: str = "fp32", memory_techniques: bool = True) -> OptimizeResult:
     """Optimize ``model`` (an ONNX path or a PCG) for ``machine`` (a MachineSpec or a preset string
     such as ``"summit:2x6"``); see the module docstring.  ``budget`` is an alias of ``budget_s``
     (default 60 s); either may be a :class:`search.budget.Budget` (its clock, e.g. a test's).  ``seed``
-    is recorded; the search itself is deterministic.
+    is recorded; the search itself is deterministic.  ``memory_techniques=False`` prices every candidate
+    without ZeRO, recomputation, offload and overlap (DESIGN "Memory techniques"), as plans were priced before them.
 
     The policy: price the floors (data parallelism, the fixed strategies), collect the candidates of the
-    strategy (the joint search's: seed families on the whole graph, the segments' search, data
-    parallelism by rules, the families assembled from the segments), take the fastest and map it, then
+    strategy (the joint search's: the layout proposals of every mesh, reached by rules where they can be;
+    the segments' search seeded by them; data parallelism by rules), take the fastest and map it, then
     the pipeline stage search, and never return a plan predicted slower than a floor that was priced."""
     bud = _make_budget(budget_s if budget_s is not None else budget)
     _check_arguments(strategy, alpha, batch, max_candidates, precision)
@@ -809,7 +636,7 @@ def optimize(model, machine, budget_s: "float | Budget | None" = None, alpha: fl
     with bud.phase("floors"):
         g, model_path, sha = _load(model, batch)
     ev = Evaluator(m, optimizer, limit_s=price_limit_s if price_limit_s is not None else bud.solve_limit(),
-                   precision=precision, clock=bud.clock)
+                   precision=precision, clock=bud.clock, techniques=memory_techniques)
     ev.hard = bud.hard_end()
     run = _Run(g, m, strategy, bud, ev, alpha=alpha, pipeline=pipeline, progress=progress,
                max_candidates=max_candidates, k=k, rules=rules, optimizer=optimizer)
@@ -950,111 +777,182 @@ def _fixed(run: _Run) -> PlanCandidate:
 
 def _unity_candidates(run: _Run) -> None:
     """The joint search's candidates, phase by phase (:data:`search.budget.PHASES`); each step appends to
-    ``run.floor`` / ``run.cands`` as it goes, so when time runs out what was priced competes."""
-    g, bud = run.g, run.budget
+    ``run.floor`` / ``run.cands`` as it goes, so when time runs out what was priced competes.
+
+    1. floors: the fixed strategies that apply (dp is priced before any strategy runs);
+    2. layouts: the ILP's layout of every logical mesh (:mod:`search.layouts`), each reached by rules
+       (:func:`search.realize.realize`) where the rules reach it, else a candidate as the ILP built it;
+    3. segments: the best-first substitution search of every distinct segment, seeded by data
+       parallelism and the segment's layouts reached by rules; data parallelism by rules assembled;
+    4. pricing: the search's result on the whole graph;
+    5. final: floors whose solve was cut resume."""
+    bud = run.budget
     if run.n_dev > 1 and run.dp_deg > 1:
         with bud.phase("floors"):
             _price_floors(run)
-    fam_cost: dict = {}
-    with bud.phase("whole_families"):
-        _whole_graph_families(run, fam_cost)
+    with bud.phase("layouts"):
+        _layout_candidates(run)
     with bud.phase("segments"):
-        out, fams = _search_segments(run, fam_cost)
+        out = _search_segments(run)
     with bud.phase("pricing"):
         _price_search_result(run, out)
-        _price_assembled_families(run, fams, fam_cost)
     with bud.phase("final"):
         _resume_cut_floors(run)
 
 
 def _price_floors(run: _Run) -> None:
-    """The other fixed strategies that apply (Megatron, expert), priced first like dp, by the end of the
-    floors phase: the result is never predicted slower than one of them (they are the floor where the rules
-    do not reach their layout).  On a large machine one solve of a Transformer takes a large share of the
-    budget (BERT-Large at 1,024 GPUs: ~40 s of 100): Megatron's floor is then priced after the rules'
-    Megatron-LM layout (the copies families; :func:`_resume_cut_floors`)."""
-    late = run.n_dev > LATE_FLOOR_DEVICES and any(n.op == "Softmax" for n in run.g.nodes())
-    run.stats["late_floors"] = late
-    until = Deadline(run.budget.start, run.budget.clock) if late else run.budget.deadline("floors")
-    run.others = _fixed_baselines(run.g, run.ev, run.dp_deg, run.m, until)
+    """Every fixed strategy of :data:`FLOOR_STRATEGIES` that applies, priced by the end of the floors phase
+    (the result is never predicted slower than one of them); a solve the mark cuts resumes in the final
+    phase (:func:`_resume_cut_floors`)."""
+    run.others = _fixed_baselines(run.g, run.ev, run.dp_deg, run.m, run.budget.deadline("floors"))
     run.mark("baselines")
 
 
-def _whole_graph_families(run: _Run, fam_cost: dict) -> None:
-    """The seed families built on the whole graph (not from segments), priced before the segment search
-    (each is a fixed rule sequence; DLRM's best plan at 96 GPUs is one), by the end of their phase.  The
-    tables-by-columns layout: assembled from segment seeds it loses the dense layers' data parallelism on
-    top (DLRM at summit:8x6: 0.86 s assembled, 0.28 s whole); only for models with embedding tables and at
-    most WHOLE_COLS_MAX_OPS operators (data parallelism by rules over the whole of BERT-Large takes ~2
-    minutes).  The Megatron seeds on the whole graph of a small model: a template that spans a segment cut
-    (the attention block of one Transformer layer: ~20 operators, two segments) applies only there."""
-    g, m, book, ev, dps = run.g, run.m, run.book, run.ev, run.dps
-    n_ops = sum(n.kind == "compute" for n in g.nodes())
-    tables = any(n.op == "Embedding" for n in g.nodes())
-    whole: dict = {}
-    if tables and n_ops <= WHOLE_COLS_MAX_OPS:
-        for d, tp in sorted(megatron_seed_degrees(m, dps).items()):
-            whole[f"cols{tp}x{d} whole"] = partial(_whole_family, g, book, d, tp, table_columns_steps)
-    # a small dense model (no embedding table) gets every tensor-parallel degree of the machine, smallest
-    # first (whole_tp_degrees: CANDLE-Uno's best is k = 4, neither nodes nor 2)
-    dense = n_ops <= WHOLE_DENSE_TP_MAX_OPS and not tables
-    widths = {g.shape(tuple(n.inputs[1])).sizes[-1] for n in g.nodes() if n.op == "Linear"}
-    tp_whole = (whole_tp_degrees(m, dps, widths) if dense else
-                dict(sorted(megatron_seed_degrees(m, dps).items())) if n_ops <= WHOLE_TP_MAX_OPS else {})
-    for d, tp in tp_whole.items():
-        whole[f"tp{tp}x{d} whole"] = partial(_whole_family, g, book, d, tp, tensor_parallel_steps)
-    ev.wall = run.later("whole_families")
-    for name, build in whole.items():
-        # each may use the time left to the wall (DLRM's tables split 32 ways by columns at 192 GPUs solve
-        # in ~10 s, ~20 s on a loaded host)
-        got = _build_and_price(ev, name, build, ev.wall, max(ev.wall.left(), 0.05), fam_cost)
+def _realizer():
+    """:func:`search.realize.realize`, or None where this build has none (proposals then compete as the ILP
+    built them, not by rules)."""
+    try:
+        from .realize import realize
+    except ImportError:
+        return None
+    return realize
+
+
+def _reach(run: _Run, target: PCG, g: PCG | None = None, deadline: Deadline | None = None):
+    """``target`` reached from ``g`` (default the model) by rules: the Realized result, or None (no realizer,
+    the deadline cut it, or the rules raised)."""
+    realize = _realizer()
+    if realize is None:
+        return None
+    try:
+        with within(deadline):
+            return realize(run.g if g is None else g, target, run.book, deadline=deadline)
+    except (Expired, UnityError):
+        return None
+
+
+def _layout_candidates(run: _Run) -> None:
+    """The layouts phase.  First the proposals (:func:`search.layouts.proposals`: every mesh of the machine
+    in its order, until half of the phase is left), each a candidate "layout mesh AxB (ILP, not by rules)"
+    priced on the ILP's own placement; then, fastest first until the phase's mark, each is reached by rules
+    (:func:`search.realize.realize`): a complete one is the candidate "layout mesh AxB by rules" (priced by
+    the DP; its mesh seeds the segments), else the ILP's PCG is also priced by the DP (it may place the
+    pieces better than the ILP did)."""
+    from .layouts import proposals
+    ev, bud = run.ev, run.budget
+    wall = run.later("layouts")
+    ev.wall = wall
+    info: dict = {}
+    run.stats["layouts"] = info
+    if run.n_dev <= 1:
+        return
+    half = Deadline(bud.now() + max(wall.left(), 0.0) / 2, bud.clock)
+    for p in proposals(run.g, run.m, deadline=half, optimizer=run.optimizer, precision=ev.mapper.model.precision,
+                       mapper=ev.mapper):
+        info[p.name] = p.to_json()
+        run.proposals.append(p)
+        if p.pcg is not None:
+            run.cands.append(PlanCandidate(f"layout mesh {p.name} (ILP, not by rules)", p.pcg, p.time_s, (), LAYOUT,
+                                           by_rules=False, mapping=p.mapping))
+    run.mark("layout_proposals")
+    for p in sorted((p for p in run.proposals if p.pcg is not None), key=lambda p: p.time_s):
+        if wall.passed():
+            break
+        rec = info[p.name]
+        got = _reach(run, p.pcg, deadline=wall)
+        if got is not None and got.complete:
+            pg = trimmed(got.pcg)
+            # priced with every compute operator on the ILP's view (the DP places the parallel operators
+            # between them), and by the DP alone; the faster
+            mapping = _on_proposal_views(run, p, got, pg, wall)
+            c = mapping.cost if mapping is not None and mapping.feasible else INF
+            d = ev.cost(pg, keep=True)
+            if d < c:
+                c, mapping = d, ev.kept(pg)
+            run.cands.append(PlanCandidate(f"layout mesh {p.name} by rules", pg, c, tuple(got.steps), LAYOUT,
+                                           mapping=mapping))
+            run.reached.append(p)
+            rec.update(by_rules=True, by_rules_cost=c if math.isfinite(c) else None, realize_s=round(got.seconds, 3))
+            continue
+        rec["by_rules"] = False
         if got is not None:
-            run.cands.append(got)
-    run.mark("whole_families")
+            rec["missing"] = list(got.missing)[:3] + ([f"... {len(got.missing) - 3} more"] if len(got.missing) > 3 else [])
+        d = ev.cost(p.pcg, keep=True)          # the DP's placement of the ILP's PCG
+        rec["dp_placement_cost"] = d if math.isfinite(d) else None
+        if d < p.time_s:
+            run.cands.append(PlanCandidate(f"layout mesh {p.name} (ILP, not by rules)", p.pcg, d, (), LAYOUT,
+                                           by_rules=False, mapping=ev.kept(p.pcg)))
+    run.mark("layouts")
 
 
-def _search_segments(run: _Run, fam_cost: dict) -> tuple:
+def _on_proposal_views(run: _Run, p, got, pg: PCG, until: Deadline):
+    """The mapping of ``pg`` (``p`` reached by rules: ``got``) with each compute operator pinned to the view
+    the ILP gave it (the DP places the rest), or None (cut by ``until``, or a view the node cannot take)."""
+    from .realize import pair_nodes
+    try:
+        pair = pair_nodes(run.g, p.pcg)
+    except UnityError:
+        return None
+    fixed = {got.ids[gid]: p.views[tid] for gid, tid in pair.items()
+             if gid in got.ids and tid in p.views and got.ids[gid] in pg}
+    try:
+        with within(until):
+            r = run.ev.full(pg, deadline=until) if not fixed else None
+            if r is None:
+                with within(run.ev.hard):
+                    r = run.ev.mapper.optimize(pg, fixed=fixed)
+    except (Expired, UnityError):
+        return None
+    return r
+
+
+def _segment_layout_seeds(run: _Run):
+    """The segments' seeds from the layouts: each segment's ILP layout on the meshes whose whole-graph
+    proposal was reached by rules (fastest first; every mesh when none was solved on the whole graph),
+    reached by rules on the segment; None when nothing can be reached by rules."""
+    if _realizer() is None or run.n_dev <= 1:
+        return None
+    from .layouts import mesh_shapes, propose
+    solved = [p for p in run.proposals if p.pcg is not None]
+    meshes = [p.mesh for p in sorted(run.reached, key=lambda p: p.time_s)] if solved else mesh_shapes(run.m)
+    if not meshes:
+        return None
+
+    def seeds(cg: PCG, deadline: Deadline) -> list:
+        out = []
+        for mesh in meshes:
+            if deadline.passed():
+                break
+            p = propose(cg, run.m, mesh, optimizer=run.optimizer, precision=run.ev.mapper.model.precision,
+                        deadline=deadline)
+            if p.pcg is None:
+                continue
+            got = _reach(run, p.pcg, g=cg, deadline=deadline)
+            if got is not None and got.complete and got.steps:
+                out.append(Candidate(None, got.pcg, tuple(got.steps)))
+        return out
+    return seeds
+
+
+def _search_segments(run: _Run):
     """The segments' seeds and best-first search (:func:`_segment_search`) until the end of the segments
-    phase, with the copies families priced between the seeds and the search (until the end of the pricing
-    phase), then data parallelism by rules assembled from the segments' seeds: the floor.  Returns (the
-    search's graph and steps or None, the families to assemble from the segments)."""
-    g, m, ev, bud = run.g, run.m, run.ev, run.budget
-    deadline = run.later("segments")
+    phase, then data parallelism by rules assembled from the segments' seeds: the floor.  Returns the
+    search's (graph, steps), or None."""
+    ev, bud = run.ev, run.budget
     ev.wall = bud.deadline("pricing")                   # no limited solve past the substitution phase
-    attention = any(n.op == "Softmax" for n in g.nodes())
-    fams: dict = {}
-
-    def early(fs: dict):
-        # Megatron-LM's layout (the copies families) of a model with attention, built and priced between the
-        # segments' seeds and their search: on BERT-Large it is the best plan (192 GPUs: 0.668 s, hand-built
-        # Megatron 0.676 s, the segments' search 0.846 s) and takes ~15-30 s to build and solve, which the
-        # segments' search would use first.  Megatron-LM's degrees first: tensor parallel inside a node, the
-        # largest first (the families' estimates are unpriced seeds: inf; at h100:128x8 tp128x8 came first
-        # by name)
-        def order(kv):
-            k = int(kv[0][2:].split("x")[0]) if kv[0].startswith("tp") else 0
-            return (k > m.devices_per_node, -k, kv[1][1], kv[0])
-        for name, (build, _) in sorted(fs.items(), key=order):
-            if attention and name.endswith(" copies"):
-                sub_end = bud.deadline("pricing")
-                got = _build_and_price(ev, name, build, sub_end, max(sub_end.left(), 0.05), fam_cost)
-                if got is not None:
-                    run.cands.append(got)
-        run.mark("early_families")
-
     out, st, dpg, dpst, stats, interrupted = _segment_search(
-        g, run.book, ev, run.dps, run.dp_deg, run.k, run.max_candidates, run.alpha, run.progress, deadline,
-        fams, early, price_dp_seeds=not run.dp_cut)
+        run.g, run.book, ev, run.dp_deg, run.k, run.max_candidates, run.alpha, run.progress,
+        run.later("segments"), _segment_layout_seeds(run), price_dp_seeds=not run.dp_cut)
     run.stats.update(stats)
     run.interrupted = run.interrupted or interrupted
     # data parallelism by rules (assembled from the segments' seeds): the floor.  A fixed sequence (one dp
     # rule per operator, then cancellations); when it is the hand-built dp PCG its solve costs what
     # dp_res cost (in the memo), so it is priced with no limit of its own: a plan reached by rules exists
-    run.floor.append(_price_dp_by_rules(ev, g, run.book, dpg, dpst, run.dp_pg, lambda: _pricing_left(run),
+    run.floor.append(_price_dp_by_rules(ev, run.g, run.book, dpg, dpst, run.dp_pg, lambda: _pricing_left(run),
                                         run.stats, run.dp_cut))
     run.stats["phase_s"] = {"segments": bud.elapsed()}
     run.mark("segments")
-    return (out, st) if out is not None else None, fams
+    return (out, st) if out is not None else None
 
 
 def _pricing_left(run: _Run) -> float:
@@ -1077,21 +975,6 @@ def _price_search_result(run: _Run, out) -> None:
     c = run.ev.cost(pg, limited=max(min(_pricing_left(run), bud.left("pricing")), floor_s), wall=False, keep=True)
     run.cands.append(PlanCandidate("search", pg, c, tuple(steps), SEARCH))
     run.stats["search_result_s"] = c if math.isfinite(c) else None
-
-
-def _price_assembled_families(run: _Run, fams: dict, fam_cost: dict) -> None:
-    """Every seed family assembled over the whole graph from the segments' seeds (expert, Megatron), priced
-    as a whole, in the order of their segments' prices, until the end of the pricing phase."""
-    sub_end = run.budget.deadline("pricing")
-    for name, (build, _) in sorted(fams.items(), key=lambda kv: (kv[1][1], kv[0])):
-        if name in fam_cost:        # priced (or tried) between the segments' seeds and search
-            continue
-        got = _build_and_price(run.ev, name, build, sub_end, _pricing_left(run), fam_cost)
-        if got is not None:
-            run.cands.append(got)
-    run.stats["seed_families_s"] = fam_cost
-    run.stats.setdefault("phase_s", {})["whole_graph_pricing"] = \
-        run.budget.elapsed() - run.stats["phase_s"].get("segments", 0.0)
 
 
 def _resume_cut_floors(run: _Run) -> None:
@@ -1141,18 +1024,25 @@ def _sequential_candidates(run: _Run) -> None:
 
 
 def _choose(run: _Run) -> PlanCandidate:
-    """The fastest candidate (ties: the floor, then the search, then the families, then the order found)
+    """The fastest candidate (ties: the floor, then the search, then the layouts, then the order found)
     with its mapping (kept from its pricing; else solved within the hard end).  When nothing reachable was
     priced feasible, a feasible fixed strategy (recorded as such, ``info.search.fallback``)."""
     ev = run.ev
     run.mark("whole_graph_pricing")
-    # sorted is stable: among equal (cost, rank) the first found comes first
+    # sorted is stable: among equal (cost, rank) the first found comes first; a plan reached by rules
+    # within rounding (TIE) of one that is not is preferred to it (the same layout, with its sequence)
     pool = sorted(run.floor + run.cands, key=lambda c: (c.cost, c.rank))
+    if pool and not pool[0].by_rules:
+        near = [c for c in pool if c.by_rules and c.cost <= pool[0].cost * (1 + TIE)]
+        if near:
+            pool.remove(near[0])
+            pool.insert(0, near[0])
     chosen = None
     for c in pool:
         if not math.isfinite(c.cost):
             break
-        c.mapping = ev.kept(c.pcg)
+        if c.mapping is None:           # a proposal not reached by rules carries the placement it was priced on
+            c.mapping = ev.kept(c.pcg)
         if c.mapping is None:           # priced from the memo (a segment's graph): solved again, from the mapper's memo
             try:
                 c.mapping = ev.full(c.pcg)
@@ -1292,13 +1182,15 @@ def _result(run: _Run, chosen: PlanCandidate, model_path: str, sha: str, seed: i
                 pipe.to_plan_field() if pipe is not None else None,
                 {"strategy": run.strategy, "seed": seed, "alpha": run.alpha, "budget_s": bud.seconds,
                  "optimizer": run.optimizer, "batch": run.b, "search": stats,
-                 **({"outputs_trimmed": True} if rules_json is not None else {})}, rules_json, precision)
+                 **({"outputs_trimmed": True} if rules_json is not None else {})}, rules_json, precision,
+                getattr(final, "memory_plan", None))
     steps = list(chosen.steps)
     # never a plan the executor refuses before launch: else the fastest alternative it runs (search/runnable.py)
     if run.strategy in SEARCHES:
         cands = [c for c in run.cands + run.floor if c.pcg is not None]
         plan, final, steps, stats = runnable(plan, final, steps, stats, run.ev, run.g,
-                                             [(c.cost, 1, c.pcg, c.steps) for c in cands],
+                                             [(c.cost, 1, c.pcg, c.steps if c.by_rules else (),
+                                               None if c.by_rules else c.mapping) for c in cands],
                                              {id(c.pcg): c.mechanism for c in cands},
                                              dp=(run.dp_pg, run.dp_res), others=run.others)
     else:
@@ -1306,5 +1198,5 @@ def _result(run: _Run, chosen: PlanCandidate, model_path: str, sha: str, seed: i
     return OptimizeResult(plan, run.strategy, final, run.dp_res, steps, search_s, stats, run.interrupted, run.b)
 
 
-__all__ = ["optimize", "OptimizeResult", "OptimizeError", "PlanCandidate", "STRATEGIES", "machine_degrees",
-           "search_degrees", "megatron_seed_degrees", "whole_tp_degrees"]
+__all__ = ["optimize", "OptimizeResult", "OptimizeError", "PlanCandidate", "STRATEGIES", "FLOOR_STRATEGIES",
+           "machine_degrees", "search_degrees"]

@@ -525,13 +525,13 @@ def megatron_intra(devices_per_node: int, head: bool = True) -> Callable[[PCG, R
     on 32 A100s: 254.6 s -> 229.9 s per iteration, below Alpa's 231.2 s).  Unlike the ``megatron``
     strategy a stage need not hold an attention block (a pipeline layer may hold only a Transformer's
     MLP).  A stage with no group that takes the split is data parallel (:func:`default_intra`)."""
-    from .baselines import _Rebuild, _divisors_desc, _is_dense, _weight_like, megatron_groups
+    from .baselines import _Rebuild, _divisors_desc, _is_dense, megatron_groups
 
     def hook(stage: PCG, resource: Resource) -> PCG:
         if resource.size <= 1 or any(n.kind == "parallel" for n in stage.nodes()):
             return default_intra(stage, resource)
         groups = megatron_groups(stage)
-        wl = _weight_like(stage)
+        wl = stage.weight_like()
         outs = {tuple(r)[0] for r in stage.outputs}
         in_groups = set().union(*(gr.starts | gr.terms | gr.nodes for gr in groups)) if groups else set()
         heads = {n.id for n in stage.nodes() if head and n.op == "Linear" and n.id in outs
@@ -769,7 +769,7 @@ def _price(mapper: MachineMapper, sg: PCG, intra, res: Resource, memo: dict | No
         hit = memo.get(key)
         if hit is not None:
             return hit
-    r = mapper.optimize(P, block)
+    r = mapper.optimize(P, block, techniques=False)   # sync and update are priced once by the pipeline
     if r.memory is None or not r.views:
         out = _Priced(INF, 0.0, {}, {}, {}, P, tuple(sg.outputs), r.reason or "no machine view fits the stage")
     else:

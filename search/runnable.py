@@ -47,15 +47,15 @@ def _plan_of(plan, pg, mapping, steps, label: str, stats: dict):
     if rules_json is not None:
         info["outputs_trimmed"] = True
     return dataclasses.replace(plan, pcg=pg, views=dict(mapping.views), predicted=pred, pipeline=None,
-                               info=info, rules=rules_json)
+                               info=info, rules=rules_json, memory=getattr(mapping, "memory_plan", None))
 
 
 def runnable(plan, final, steps: list, stats: dict, ev=None, g=None, candidates: Iterable = (),
              labels: dict | None = None, dp: tuple | None = None, others: dict | None = None
              ) -> tuple[Any, Any, list, dict]:
     """``(plan, final, steps, stats)`` to return: the given ones when the executor runs the plan, else the
-    fastest alternative it runs.  ``candidates``: the search's ``(cost, kind, pcg, steps)`` tuples (priced,
-    untrimmed; ``labels`` by id of the pcg); ``dp``: the data-parallel baseline ``(pcg, MappingResult)``;
+    fastest alternative it runs.  ``candidates``: the search's ``(cost, kind, pcg, steps[, mapping])`` tuples
+    (priced, untrimmed; ``labels`` by id of the pcg; a mapping given is the candidate's placement); ``dp``: the data-parallel baseline ``(pcg, MappingResult)``;
     ``others``: the other fixed strategies priced, ``{name: (pcg, cost, note, MappingResult)}``;
     ``ev``: the optimizer's Evaluator (maps a candidate on the whole machine); ``g``: the logical model
     (the one-device plan, the last resort).  Without ``ev`` the refusal is only recorded."""
@@ -73,7 +73,7 @@ def runnable(plan, final, steps: list, stats: dict, ev=None, g=None, candidates:
     for c in candidates:
         if math.isfinite(c[0]):
             alts.append((c[0], labels.get(id(c[2]), "data parallel by rules" if c[1] == 0 else "search"),
-                         c[2], list(c[3]), None))
+                         c[2], list(c[3]), c[4] if len(c) > 4 else None))
     baselines = [("dp", dp[0], dp[1])] if dp is not None and dp[1] is not None else []
     baselines += [(name, opg, ores) for name, (opg, _, _, ores) in (others or {}).items()]
     for name, pg, res in baselines:

@@ -366,37 +366,6 @@ def is_table_lookup(g: PCG, n) -> bool:
         and g.shape(n.inputs[1]).dtype in ("float32", "float16", "bfloat16", "float64")
 
 
-def expert_whole(g: PCG) -> set:
-    """Operators the expert seed keeps whole on one device: every table lookup
-    (:func:`is_table_lookup`), the operators after it that read nothing else (DLRM's bag pooling:
-    the pooled vectors, not the looked-up ones, are scattered to the data-parallel layout) and those
-    before it that feed only such operators (XDL's index slicing)."""
-    out: set = set()
-    for nid in g.topo_order():
-        n = g.node(nid)
-        if n.kind != "compute":
-            continue
-        acts = [r for r in n.inputs if g.node(r[0]).kind != "source"]
-        if is_table_lookup(g, n) or (len(acts) == 1 and acts[0][0] in out
-                                     and all(g.node(r[0]).op != "Weight" for r in n.inputs)):
-            out.add(nid)
-    if not out:
-        return out
-    for nid in reversed(g.topo_order()):
-        n = g.node(nid)
-        if n.kind != "compute" or nid in out or any(g.node(r[0]).op == "Weight" for r in n.inputs):
-            continue
-        users = [c for k in range(len(g.shapes(nid))) for c, _ in g.consumers((nid, k))]
-        outs = {tuple(r) for r in g.outputs}
-        if users and all(c in out for c in users) and not any((nid, k) in outs for k in range(len(g.shapes(nid)))):
-            out.add(nid)
-    return out
-
-
-#: templates of the Megatron seed: column -> [activation ->] row Linear pairs ending in a Reduce, the
-#: attention block (Q/K/V column-parallel, heads split, output projection row-parallel), and
-#: embedding tables split by columns (``megatron_embedding_column``, ``..._bag_column``: a Combine of the
-#: features at the end), each applied at k = nodes on weights not split yet
 TP_RULE_PREFIXES = ("megatron_mlp_column_", "megatron_attention_block", "megatron_embedding_column",
                     "megatron_embedding_bag_column")
 TP_RULE_PREFIX = TP_RULE_PREFIXES[0]
@@ -577,7 +546,7 @@ def tensor_parallel_steps(g: PCG, degree: int, book: RuleBook, within: set | Non
     ``within``: only on these nodes (a pipeline stage's, grown by the nodes the steps add; the
     cancellations then end in it too); ``head``: also the model heads column-parallel (:func:`_head_steps`: the vocabulary-parallel head
     of ``search.pipeline.megatron_rules_intra``, a pooler with its bias and activation);
-    ``tables=False``: the embedding tables are not split (Megatron-LM's layout, which ``copies_steps`` completes);
+    ``tables=False``: the embedding tables are not split (Megatron-LM's layout);
     ``copies``: Megatron-LM's layout (``megatron_rules_intra``): the embedding tables are not split, and
     every Replicate is then lifted up the graph (:func:`_lift_all`) so the operators between the groups run
     on the copies and each group ends in one AllReduce.  Returns (g, []) when no template matches."""
@@ -599,45 +568,6 @@ def tensor_parallel_steps(g: PCG, degree: int, book: RuleBook, within: set | Non
         g = _apply_everywhere(g, r, degree, steps, within=within)
     g, more = cancel_steps(g, book, within)
     return g, steps + more
-
-
-def copies_steps(g: PCG, degree: int, book: RuleBook) -> tuple[PCG, list[RuleStep]]:
-    """Megatron-LM's layout on top of a tensor-parallel graph of degree ``degree`` (the Megatron groups
-    already applied, e.g. the ``tp<k>x<d>`` seed family assembled from the segments): the model heads
-    column-parallel (:func:`_head_steps`), then every Replicate lifted up the residual stream
-    (:func:`_lift_all`), so the operators between the groups run on the copies and each group ends in
-    one AllReduce.  The lifts cross the segment cuts, which the segments' own seeds cannot (the
-    replica degree across a cut is 1).  Returns (g, []) when nothing applies."""
-    steps: list[RuleStep] = []
-    g = _head_steps(g, degree, book, steps, None)
-    g = _lift_all(g, book, degree, steps, None)
-    return g, steps
-
-
-#: templates splitting an embedding table's columns (the bag form first: it sums before the gather)
-TABLE_COLUMN_RULES = ("megatron_embedding_bag_column", "megatron_embedding_column")
-
-
-def table_columns_steps(g: PCG, degree: int, book: RuleBook) -> tuple[PCG, list[RuleStep]]:
-    """Embedding tables split ``degree`` ways by columns on top of ``g`` (every
-    :data:`TABLE_COLUMN_RULES` match on an unsplit table), then everything else that is not a table
-    lookup or its pooling data parallel ``degree`` ways on top (``data_parallel_steps`` with the
-    lookups kept whole): Alpa's DLRM layout on a multi-node machine (tables by columns across
-    nodes, the dense layers at the full data-parallel degree).  Returns (g, []) when no table matches."""
-    steps: list[RuleStep] = []
-    for name in TABLE_COLUMN_RULES:
-        rule = book.by_name.get(name)
-        if rule is not None:
-            g = _apply_everywhere(g, rule, degree, steps, fresh=("t",))
-    if not steps:
-        return g, steps
-    g, more = cancel_steps(g, book)
-    steps += more
-
-    def lookup_or_pooling(gg: PCG, n) -> bool:
-        return n.op == "Embedding" or (n.op == "ReduceSum" and gg.node(n.inputs[0][0]).op == "Embedding")
-    g, more = data_parallel_steps(g, degree, book, keep_whole=lookup_or_pooling)
-    return g, steps + list(more)
 
 
 def normalized_hash(g: PCG) -> str:
@@ -792,5 +722,5 @@ def best_first(start: Sequence[Candidate], expand: Callable[[Candidate], Iterabl
 
 
 __all__ = ["RuleStep", "RuleBook", "ReplayError", "replay", "apply_step", "match_step", "neighbours",
-           "data_parallel_steps", "tensor_parallel_steps", "copies_steps", "lift_steps", "dp_rule_missing", "is_table_lookup", "expert_whole", "cancel_steps", "normalized_hash", "best_first", "Candidate", "SearchResult",
+           "data_parallel_steps", "tensor_parallel_steps", "lift_steps", "dp_rule_missing", "is_table_lookup", "cancel_steps", "normalized_hash", "best_first", "Candidate", "SearchResult",
            "SearchStats", "new_ids", "trailing", "trimmed"]

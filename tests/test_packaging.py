@@ -15,7 +15,7 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parent.parent
-OLD_NAMES = ("search", "substitutions", "verifier", "executor", "rules_cache")
+OLD_NAMES = ("search", "substitutions", "verifier", "executor", "rules_cache", "calibration")
 
 
 @pytest.fixture(scope="module")
@@ -86,7 +86,8 @@ def test_installed_wheel_imports_under_one_name_only(wheel, tmp_path):
     assert not any(got["old"].values()), got["old"]
     assert got["rules"] > 1000
     for sub in ("unity_pcg.search.optimize", "unity_pcg.substitutions.match", "unity_pcg.verifier.verify",
-                "unity_pcg.executor.train", "unity_pcg.onnx_import.importer"):
+                "unity_pcg.executor.train", "unity_pcg.onnx_import.importer", "unity_pcg.calibration.local",
+                "unity_pcg.calibration.gpu"):
         assert sub in got["mods"], sub
 
 

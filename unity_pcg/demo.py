@@ -168,7 +168,7 @@ def _machine(args):
         m = parse_machine(args.machine)
         print(f"given: {args.machine}")
         return m
-    from unity_pcg.search.calibrate import calibrate
+    from unity_pcg.calibration.local import calibrate
     out = os.path.join(args.out, f"local-{args.nproc}.json")
     t = time.perf_counter()
     calibrate(quick=True, worlds=(args.nproc,), quiet=True).save(out)

@@ -191,6 +191,7 @@ def explain(plan, optimizer: str | None = None) -> Explanation:
     rules = tuple(describe_steps(steps)) if steps else ()
     pipe, stages = _pipeline(plan, gc, views)
     b = res.breakdown
+    tech = _techniques(plan, gc, views, res)
     totals = {"sum_of_leaves_s": b.time if math.isfinite(b.time) else None,
               "compute_s": b.compute, "comm_s": b.comm, "grad_sync_s": b.sync, "update_s": b.update,
               "comm_elements": b.comm_elements,
@@ -200,9 +201,25 @@ def explain(plan, optimizer: str | None = None) -> Explanation:
               "feasible": res.feasible, "reason": res.reason, "devices_used": res.stats.get("devices_used", 0),
               "optimizer": opt, "precision": precision,
               "parallel_ops": {k: v for k, v in sorted(g.op_counts().items()) if ops.get_op(k).kind == "parallel"}}
+    if tech is not None:
+        totals.update(techniques=tech)
     return Explanation(plan.model_path, plan.machine.describe(), plan.machine.num_devices, operators, rules,
                        steps is not None, comm, grads, pipe, stages, totals, dict(plan.predicted),
                        tuple(steps or ()))
+
+
+def _techniques(plan, gc, views, res) -> dict | None:
+    """The plan's memory techniques and the machine's overlap (search/memtech.py) re-priced: the rows of the
+    iteration (they add up to ``iteration_s``), one line per technique, memory with them.  None for a
+    pipeline plan and where neither applies (the leaves are then the whole story)."""
+    mem = getattr(plan, "memory", None)
+    if plan.pipeline is not None or (mem is None and not plan.machine.overlap_grad_sync):
+        return None
+    from unity_pcg.search import memtech
+    p = memtech.price(gc, views, mem, base=res.breakdown.time)
+    return {"iteration_s": p.iteration_s, "rows": [[k, v] for k, v in p.rows()], "lines": memtech.describe(p),
+            "max_memory_bytes": p.max_bytes, "feasible": p.feasible, "reason": p.reason,
+            "memory": None if mem is None else mem.to_json(), **p.to_json()}
 
 
 def _recorded(plan, key: str):
@@ -462,7 +479,14 @@ def format_text(e: Explanation, limit: int | None = None, sections: Sequence[str
         out.append(f"communication per iteration: {t['comm_elements']:,} elements ({t['activation_comm_elements']:,} "
                    f"activations, {t['grad_sync_elements']:,} gradients); busiest device holds "
                    f"{_bytes(t.get('max_memory_bytes'))}")
-        if not t["feasible"]:
+        tech = t.get("techniques")
+        if tech:
+            rows = " ".join(f"{'-' if v < 0 else '+'} {k} {_ms(abs(v))}" for k, v in tech["rows"]).lstrip("+ ")
+            out.append(f"with memory techniques and overlap: {_ms(tech['iteration_s'])} = {rows}; busiest device "
+                       f"holds {_bytes(tech['max_memory_bytes'])}")
+            for line in tech["lines"]:
+                out.append(f"  {line}")
+        if not t["feasible"] and not (tech and tech["feasible"]):
             out.append(f"INFEASIBLE: {t['reason']}")
         par = ", ".join(f"{k} {v}" for k, v in t["parallel_ops"].items()) or "none"
         out.append(f"parallel operators: {par}; {t['devices_used']} of {e.devices} devices used")

@@ -5,7 +5,10 @@ devices of a node split into fast groups of ``group_size`` (Summit: two NVLink g
 joined by the X-Bus).  Device ids are linear: ``id = node * devices_per_node + local``.  Links are
 described per level -- ``group`` (inside a fast group), ``node`` (between groups of one node) and
 ``network`` (between nodes; the bandwidth is the node's NIC, shared by its devices) -- each with a
-bandwidth (bytes/s, one direction) and a latency (s).
+bandwidth (bytes/s, one direction) and a latency (s).  An optional ``host`` link (device <-> host memory)
+and ``host_mem_bandwidth`` price optimizer-state offload; ``overlap_grad_sync`` says whether the runtime
+overlaps gradient synchronization with the backward pass (GPU presets: yes; their host links -- PCIe, or
+NVLink 2 on Summit -- and host bandwidths, about half the sockets' peak, are assumed, not measured).
 
 A :class:`MachineView` maps an operator's task grid onto device ids: a start device and, per task
 grid axis, a ``(degree, stride)`` pair; task ``(i1, ..., ik)`` runs on ``start + sum(i_j * stride_j)``.
@@ -122,6 +125,14 @@ class MachineSpec:
     shared_cores: int = 0             # >0: devices are processes sharing this many cores (local)
     meta: Mapping[str, Any] = field(default_factory=dict)
     background_load: float = 0.0      # runnable tasks of other programs competing for the shared cores
+    # the runtime overlaps gradient synchronization (and ZeRO's parameter all-gathers) with the backward and
+    # forward passes (GPU presets: CUDA streams, as DDP / FSDP / Megatron-LM); False on CPU processes sharing
+    # cores, where overlap was measured to lose, and for machine files written before the field existed
+    overlap_grad_sync: bool = False
+    # the host's memory bandwidth per node (bytes/s, shared by its devices): the speed of an optimizer update
+    # offloaded to host memory (search/memtech.py); 0 = unknown (offload is not offered).  The device <-> host
+    # link is ``links["host"]`` (optional; PCIe or NVLink-C2C)
+    host_mem_bandwidth: float = 0.0
 
     def __post_init__(self) -> None:
         validate(self)
@@ -144,6 +155,7 @@ class MachineSpec:
                 rec = worlds[k]
                 lk = LinkSpec(float(rec["link"]["bandwidth"]), float(rec["link"]["latency"]))
                 links = {lv: lk for lv in ("group", "node", "network")}
+                links.update({k: v for k, v in self.links.items() if k == "host"})
                 d = dict(rec["device"])
                 device = DeviceSpec(float(d["peak_flops"]), float(d["mem_bandwidth"]), int(d["memory_bytes"]),
                                     dict(d.get("efficiency", {"default": 1.0})), float(d.get("op_overhead", 0.0)),
@@ -169,6 +181,7 @@ class MachineSpec:
                 k = min(fits, key=lambda w: (abs(int(w) - p), int(w)))
                 lk = LinkSpec(float(fits[k]["bandwidth"]), float(fits[k]["latency"]))
                 links = {lv: lk for lv in ("group", "node", "network")}
+                links.update({k: v for k, v in self.links.items() if k == "host"})
             except (KeyError, TypeError, ValueError):
                 raise MachineError(f"machine {self.name!r}: malformed meta.allreduce_fits") from None
         return replace(self, nodes=nodes, devices_per_node=devices_per_node, group_size=g, links=links)
@@ -223,7 +236,7 @@ class MachineSpec:
     def contention(self) -> float:
         """How much longer a piece of CPU work takes in wall time while all devices compute than its CPU
         time (1 unless the devices outnumber the shared cores): measured by calibration
-        (``meta["contention"]``, ``search.calibrate.measure_contention``), otherwise
+        (``meta["contention"]``, ``calibration.local.measure_contention``), otherwise
         ``(P + background_load) / cores``; at least 1."""
         if not self.oversubscribed:
             return 1.0
@@ -309,6 +322,7 @@ class MachineSpec:
              "group_size": self.group_size, "device": asdict(self.device),
              "links": {k: asdict(v) for k, v in self.links.items()}, "shared_cores": self.shared_cores,
              "background_load": self.background_load,
+             "overlap_grad_sync": self.overlap_grad_sync, "host_mem_bandwidth": self.host_mem_bandwidth,
              "meta": dict(self.meta)}
         d["device"]["efficiency"] = dict(self.device.efficiency)
         d["device"]["overheads"] = dict(self.device.overheads)
@@ -323,7 +337,8 @@ class MachineSpec:
         if obj.get("schema", SCHEMA) != SCHEMA:
             raise MachineError(f"{source}: unknown schema {obj.get('schema')!r} (expected {SCHEMA!r})")
         unknown = set(obj) - {"schema", "name", "nodes", "devices_per_node", "group_size", "device", "links",
-                              "shared_cores", "meta", "background_load"}
+                              "shared_cores", "meta", "background_load", "overlap_grad_sync",
+                              "host_mem_bandwidth"}
         if unknown:
             raise MachineError(f"{source}: unknown field(s) {', '.join(sorted(unknown))}")
         try:
@@ -351,11 +366,23 @@ class MachineSpec:
                 if lv not in links_obj or not isinstance(links_obj[lv], dict):
                     raise MachineError(f"{source}: links.{lv} is missing (needs bandwidth and latency)")
                 links[lv] = LinkSpec(_num(links_obj[lv], "bandwidth", source), _num(links_obj[lv], "latency", source))
+            if "host" in links_obj:             # optional: device <-> host memory (offload)
+                if not isinstance(links_obj["host"], dict):
+                    raise MachineError(f"{source}: links.host must be an object with bandwidth and latency")
+                links["host"] = LinkSpec(_num(links_obj["host"], "bandwidth", source),
+                                         _num(links_obj["host"], "latency", source))
+            bad_links = set(links_obj) - {"group", "node", "network", "host"}
+            if bad_links:
+                raise MachineError(f"{source}: unknown link level(s) {', '.join(sorted(bad_links))}")
+            overlap = obj.get("overlap_grad_sync", False)
+            if not isinstance(overlap, bool):
+                raise MachineError(f"{source}: field 'overlap_grad_sync' must be true or false")
             return MachineSpec(str(obj.get("name", "custom")), _int(obj, "nodes", source),
                                _int(obj, "devices_per_node", source),
                                _int(obj, "group_size", source, obj.get("devices_per_node")), device, links,
                                _int(obj, "shared_cores", source, 0), dict(obj.get("meta", {}) or {}),
-                               _num(obj, "background_load", source, 0.0))
+                               _num(obj, "background_load", source, 0.0), overlap,
+                               _num(obj, "host_mem_bandwidth", source, 0.0))
         except KeyError as e:
             raise MachineError(f"{source}: missing field {e.args[0]!r}") from None
 
@@ -469,14 +496,21 @@ def validate(m: MachineSpec) -> None:
     _tables({k: [list(p) for p in v] for k, v in dict(d.kernel_tables).items()}, f"machine {m.name!r}")
     if d.op_overhead < 0 or d.update_overhead < 0:
         raise MachineError(f"machine {m.name!r}: device.op_overhead and update_overhead must be >= 0")
-    for lv in ("group", "node", "network"):
+    for lv in ("group", "node", "network", "host"):
         if lv not in m.links:
+            if lv == "host":
+                continue
             raise MachineError(f"machine {m.name!r}: links.{lv} is missing")
         l = m.links[lv]
         if not l.bandwidth > 0 or not math.isfinite(l.bandwidth) or l.latency < 0 or not math.isfinite(l.latency):
             raise MachineError(f"machine {m.name!r}: links.{lv} needs bandwidth > 0 and latency >= 0")
     if m.shared_cores < 0:
         raise MachineError(f"machine {m.name!r}: shared_cores must be >= 0")
+    if not isinstance(m.overlap_grad_sync, bool):
+        raise MachineError(f"machine {m.name!r}: overlap_grad_sync must be true or false")
+    if not isinstance(m.host_mem_bandwidth, (int, float)) or not m.host_mem_bandwidth >= 0 \
+            or not math.isfinite(m.host_mem_bandwidth):
+        raise MachineError(f"machine {m.name!r}: host_mem_bandwidth must be a finite number >= 0")
     if not isinstance(m.background_load, (int, float)) or not m.background_load >= 0:
         raise MachineError(f"machine {m.name!r}: background_load must be >= 0")
 
@@ -503,9 +537,11 @@ def summit(nodes: int = 1, devices_per_node: int = 6) -> MachineSpec:
     dev = DeviceSpec(15.7e12, 900e9, 16 * GiB, {"default": 0.6, "matmul": 0.7, "conv": 0.6,
                                                   "elementwise": 1.0}, 5e-6,
                      peaks={"tf32": 15.7e12, "bf16": 125e12})
-    links = {"group": LinkSpec(50e9, 5e-6), "node": LinkSpec(21e9, 8e-6), "network": LinkSpec(12.5e9, 5e-6)}
+    links = {"group": LinkSpec(50e9, 5e-6), "node": LinkSpec(21e9, 8e-6), "network": LinkSpec(12.5e9, 5e-6),
+             "host": LinkSpec(50e9, 10e-6)}          # NVLink 2 between each GPU and its POWER9
     return MachineSpec("summit", nodes, devices_per_node, min(3, devices_per_node), dev, links,
-                       meta={"bf16_as": "fp16 tensor cores (V100 has no bf16)"}).resized(nodes, devices_per_node)
+                       meta={"bf16_as": "fp16 tensor cores (V100 has no bf16)"}, overlap_grad_sync=True,
+                       host_mem_bandwidth=150e9).resized(nodes, devices_per_node)
 
 
 def dgx_a100(nodes: int = 1, devices_per_node: int = 8) -> MachineSpec:
@@ -520,8 +556,10 @@ def dgx_a100(nodes: int = 1, devices_per_node: int = 8) -> MachineSpec:
     dev = DeviceSpec(19.5e12, 2.0e12, 80 * GiB, {"default": 0.6, "matmul": 0.75, "conv": 0.6,
                                                   "elementwise": 1.0}, 4e-6,
                      peaks={"tf32": 156e12, "bf16": 312e12})
-    links = {"group": LinkSpec(300e9, 3e-6), "node": LinkSpec(300e9, 3e-6), "network": LinkSpec(200e9, 5e-6)}
-    return MachineSpec("dgx-a100", nodes, devices_per_node, devices_per_node, dev, links)
+    links = {"group": LinkSpec(300e9, 3e-6), "node": LinkSpec(300e9, 3e-6), "network": LinkSpec(200e9, 5e-6),
+             "host": LinkSpec(25e9, 10e-6)}          # PCIe 4.0 x16
+    return MachineSpec("dgx-a100", nodes, devices_per_node, devices_per_node, dev, links, overlap_grad_sync=True,
+                       host_mem_bandwidth=200e9)
 
 
 def h100_datasheet(nodes: int = 1, devices_per_node: int = 8) -> MachineSpec:
@@ -537,8 +575,10 @@ def h100_datasheet(nodes: int = 1, devices_per_node: int = 8) -> MachineSpec:
     dev = DeviceSpec(67e12, 3.35e12, 80 * GiB, {"default": 0.6, "matmul": 0.75, "conv": 0.6,
                                                  "elementwise": 1.0}, 3e-6,
                      peaks={"tf32": 495e12, "bf16": 989e12})
-    links = {"group": LinkSpec(450e9, 2.5e-6), "node": LinkSpec(450e9, 2.5e-6), "network": LinkSpec(400e9, 5e-6)}
-    return MachineSpec("h100", nodes, devices_per_node, devices_per_node, dev, links)
+    links = {"group": LinkSpec(450e9, 2.5e-6), "node": LinkSpec(450e9, 2.5e-6), "network": LinkSpec(400e9, 5e-6),
+             "host": LinkSpec(50e9, 10e-6)}          # PCIe 5.0 x16
+    return MachineSpec("h100", nodes, devices_per_node, devices_per_node, dev, links, overlap_grad_sync=True,
+                       host_mem_bandwidth=300e9)
 
 
 PRESET_DIR = os.path.join(os.path.dirname(os.path.abspath(__file__)), "presets")
@@ -577,6 +617,7 @@ def h100(nodes: int = 1, devices_per_node: int = 8) -> MachineSpec:
         return m
     dev, meta = fitted
     return MachineSpec("h100", nodes, devices_per_node, devices_per_node, dev, m.links,
+                       overlap_grad_sync=m.overlap_grad_sync, host_mem_bandwidth=m.host_mem_bandwidth,
                        meta={"fitted": meta.get("fitted_from", "unity_pcg/presets/h100.json")})
 
 

@@ -10,6 +10,7 @@ import hashlib
 import json
 from collections import Counter, defaultdict
 from dataclasses import dataclass
+from types import MappingProxyType
 from typing import Any, Iterable, Iterator, Mapping, Sequence
 
 from . import ops
@@ -17,6 +18,11 @@ from .errors import GraphError, InvalidParallelization, UnityError
 from .shape import ParallelTensorShape
 
 Ref = tuple  # (node id, output index)
+
+# node roles (PCG.roles): sources; placements (parallel operators reached from a source through parallel
+# operators only); other parallel operators; compute operators
+ROLES = ("input", "weight", "input-placement", "weight-placement", "parallel", "compute")
+PLACEMENT_ROLES = ("input-placement", "weight-placement")
 
 
 def _canon(v: Any) -> Any:
@@ -54,7 +60,7 @@ class Node:
 class PCG:
     """Immutable parallel computation graph."""
 
-    __slots__ = ("_nodes", "_shapes", "outputs", "weights", "_hashes", "_topo", "_consumers", "meta")
+    __slots__ = ("_nodes", "_shapes", "outputs", "weights", "_hashes", "_topo", "_consumers", "meta", "_roles")
 
     def __init__(self, nodes: dict[int, Node], shapes: dict[int, tuple[ParallelTensorShape, ...]],
                  outputs: tuple[Ref, ...], weights: Mapping[str, Any] | None = None,
@@ -67,6 +73,7 @@ class PCG:
         self._hashes: dict[int, str] = _hashes or {}
         self._topo: tuple[int, ...] | None = None
         self._consumers: dict | None = None
+        self._roles: tuple | None = None         # (role, origin, weight-like): PCG.roles, cached
 
     # --- construction --------------------------------------------------------------------------
     @staticmethod
@@ -124,6 +131,57 @@ class PCG:
             self._topo = topo_sort(self._nodes)
         return self._topo
 
+    # --- roles ---------------------------------------------------------------------------------
+    def roles(self) -> Mapping[int, str]:
+        """Each node's role (one of :data:`ROLES`), the one classification every part reads (cost and
+        memory models, mapper, pipeline search, plan checks, lowering); computed once per graph:
+
+        * ``"input"``, ``"weight"``: the sources (Input, Weight nodes);
+        * ``"input-placement"``, ``"weight-placement"``: parallel operators reached from a source through
+          parallel operators only -- how the data loader feeds an input, where a weight lives;
+        * ``"parallel"``: the other parallel operators (they move activations);
+        * ``"compute"``: compute operators, random generators included.
+        """
+        return MappingProxyType(self._classified()[0])
+
+    def origin(self, nid: int) -> int:
+        """The node at the start of ``nid``'s chain of parallel operators (followed through their input):
+        the source of a placement, the producer of an activation a parallel operator moves; ``nid``
+        itself for a source or compute node."""
+        return self._classified()[1][nid]
+
+    def weight_like(self) -> frozenset:
+        """Nodes whose values depend on weights only: Weight sources and compute operators whose inputs
+        are all weight-like (a transposed weight, a constant computed from weights)."""
+        return self._classified()[2]
+
+    def _classified(self) -> tuple:
+        if self._roles is None:
+            role: dict[int, str] = {}
+            origin: dict[int, int] = {}
+            wl: set = set()
+            for nid in self.topo_order():
+                n = self._nodes[nid]
+                kind = n.kind
+                if kind == "source":
+                    role[nid] = "input" if n.op == "Input" else "weight"
+                    origin[nid] = nid
+                    if n.op == "Weight":
+                        wl.add(nid)
+                elif kind == "parallel":
+                    src = n.inputs[0][0]
+                    r = role[src]
+                    role[nid] = r + "-placement" if r in ("input", "weight") else r if r in PLACEMENT_ROLES \
+                        else "parallel"
+                    origin[nid] = origin[src]
+                else:
+                    role[nid] = "compute"
+                    origin[nid] = nid
+                    if n.inputs and all(x[0] in wl for x in n.inputs):
+                        wl.add(nid)
+            self._roles = (role, origin, frozenset(wl))
+        return self._roles
+
     # --- hashing -------------------------------------------------------------------------------
     def node_hash(self, nid: int) -> str:
         h = self._hashes.get(nid)
@@ -162,12 +220,13 @@ class PCG:
 
     def is_trainable(self, nid: int) -> bool:
         """A Weight is trainable unless it is integer (constant gather indices an importer turns into
-        weights) or only feeds BatchNorm's running statistics (inputs 3 and 4)."""
+        weights) or only feeds inputs that get no gradient (``OpSpec.nondiff_inputs``: BatchNorm's
+        running statistics)."""
         n = self._nodes[nid]
         if n.op != "Weight" or not self._shapes[nid][0].dtype.startswith(("float", "bfloat")):
             return False
         uses = self.consumers((nid, 0))
-        return not uses or any(not (self._nodes[u].op == "BatchNorm" and pos >= 3) for u, pos in uses)
+        return not uses or any((self._nodes[u].op, pos) not in ops.NON_DIFFERENTIABLE for u, pos in uses)
 
     def param_count(self) -> int:
         """Trainable parameters (see :meth:`is_trainable`)."""

@@ -297,24 +297,16 @@ def validate_pipeline_field(pipeline: Any, pcg: PCG, views: Mapping[int, Machine
     seq = [stage_of[n] for n in pcg.topo_order() if n in stage_of]
     if any(b < a for a, b in zip(seq, seq[1:])):
         raise PlanError("plan: pipeline stages are not contiguous in topological order")
-    for nid in pcg.topo_order():
+    roles = pcg.roles()
+    for nid in pcg.topo_order():     # sources and placements: in the stage of their first consumer
         n = pcg.node(nid)
-        if n.kind == "compute":
-            continue
-        if n.kind == "parallel" and not _from_source(pcg, nid):
+        if roles[nid] in ("compute", "parallel"):
             continue
         uses = [c for k in range(len(pcg.shapes(nid))) for c, _ in pcg.consumers((nid, k))]
         if nid not in stage_of:
             continue
         if uses and stage_of[nid] != min(stage_of[c] for c in uses):
             raise PlanError(f"plan: node {n.label()} is not in the stage of its first consumer")
-
-
-def _from_source(g: PCG, nid: int) -> bool:
-    n = g.node(nid)
-    while n.kind == "parallel":
-        n = g.node(n.inputs[0][0])
-    return n.kind == "source"
 
 
 def load(path: str) -> Plan:

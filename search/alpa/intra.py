@@ -114,11 +114,12 @@ from unity_pcg.machine import MachineSpec, MachineView
 from unity_pcg.pcg import PCG
 from unity_pcg.shape import ParallelTensorShape
 
-from ..cost import CONV_OPS, MATMUL_OPS, CostModel, GraphCost
+from ..cost import COMPUTE_CLASSES, CostModel, GraphCost, op_class
 from ..memory import SAVES_INPUTS, SAVES_OUTPUT, format_bytes, kept_fraction, node_memory
 
 INF = math.inf
-HEAVY_OPS = frozenset(MATMUL_OPS | CONV_OPS)
+# matmuls, convolutions and embeddings (by their cost class)
+HEAVY_OPS = frozenset(n for n in ops.COMPUTE_OPS if op_class(n) in COMPUTE_CLASSES | {"embedding"})
 
 
 class AlpaError(UnityError, ValueError):
@@ -168,9 +169,11 @@ class Layout:
 
 
 class Mesh:
-    def __init__(self, n0: int, n1: int, start: int):
+    def __init__(self, n0: int, n1: int, start: int, idle: bool = False):
         self.n = (n0, n1)
         self.start = start
+        #: algorithms may leave a mesh axis idle (the operator runs at coordinate 0 of it, no copies)
+        self.idle = idle
         self.active = tuple(a for a in (0, 1) if self.n[a] > 1)
         self.cache: dict = {}          # memo of _instantiate, enumerate_algos, _follow
 
@@ -209,9 +212,12 @@ def _sorted(axes) -> tuple:
 @dataclass(frozen=True)
 class Algo:
     """An operator's parallel algorithm: ``assign`` maps labels to mesh axes; ``resolve`` says how its
-    partial sums become whole (``"ar"``: AllReduce; ``("rs", j)``: Reduce then Partition of output dim j)."""
+    partial sums become whole (``"ar"``: AllReduce; ``("rs", j)``: Reduce then Partition of output dim j);
+    ``idle``: mesh axes the operator does not use at all (it runs at their coordinate 0, with no copies: the
+    machine-mapping DP may then place it on any devices), only on a mesh that allows it."""
     assign: tuple                 # sorted ((label, axes), ...)
     resolve: Any = None
+    idle: tuple = ()
 
     @property
     def amap(self) -> dict:
@@ -273,7 +279,7 @@ def _instantiate_new(g: PCG, nid: int, algo: Algo, mesh: Mesh, lab=None) -> OpIn
         s = g.shape(ref)
         dims = tuple(amap.get(l, ()) for l in lab.inputs[i])
         used = {a for d in dims for a in d}
-        copy = tuple(a for a in mesh.active if a not in used)
+        copy = tuple(a for a in mesh.active if a not in used and a not in algo.idle)
         lay = Layout(dims, (), copy)
         try:
             shapes.append(ParallelTensorShape.of(s.sizes, [mesh.size(d) for d in dims], 1, mesh.size(copy), s.dtype))
@@ -287,7 +293,9 @@ def _instantiate_new(g: PCG, nid: int, algo: Algo, mesh: Mesh, lab=None) -> OpIn
     pm = inf.piece_map
     out_labels = {l for lo in lab.outputs for l in lo}
     used_all = {a for axes in amap.values() for a in axes}
-    rep = tuple(a for a in mesh.active if a not in used_all)
+    if set(algo.idle) & used_all:
+        return None
+    rep = tuple(a for a in mesh.active if a not in used_all and a not in algo.idle)
     contracted = _sorted(a for l, axes in amap.items() if l not in out_labels for a in axes)
     out_lay = []
     for k, lo in enumerate(lab.outputs):
@@ -343,12 +351,14 @@ def _enumerate_algos(g: PCG, nid: int, mesh: Mesh) -> list[Algo]:
                 names.append(l)
     out_labels = {l for lo in lab.outputs for l in lo}
     algos = []
-    for choice in product(*[[None] + names for _ in mesh.active]):
+    idle = ["~idle"] if mesh.idle else []
+    for choice in product(*[[None] + idle + names for _ in mesh.active]):
         amap: dict = {}
         for ax, l in zip(mesh.active, choice):
-            if l is not None:
+            if l is not None and l != "~idle":
                 amap[l] = amap.get(l, ()) + (ax,)
         assign = tuple(sorted(amap.items()))
+        off = tuple(ax for ax, l in zip(mesh.active, choice) if l == "~idle")
         contracted = [l for l in amap if l not in out_labels]
         if not contracted:
             resolves = [None]
@@ -357,7 +367,7 @@ def _enumerate_algos(g: PCG, nid: int, mesh: Mesh) -> list[Algo]:
             if len(lab.outputs) == 1:
                 resolves += [("rs", j) for j in range(len(lab.outputs[0]))]
         for r in resolves:
-            a = Algo(assign, r)
+            a = Algo(assign, r, off)
             if _instantiate(g, nid, a, mesh, lab) is not None:
                 algos.append(a)
     return algos
@@ -381,8 +391,11 @@ def _follow_new(g: PCG, nid: int, pos: int, lay: Layout, mesh: Mesh) -> Algo:
         amap[l] = tuple(axes)
         used |= set(axes)
     out_labels = {l for lo in lab.outputs for l in lo}
+    # on a mesh with idle axes, an axis the operand neither splits, sums nor copies stays idle
+    off = tuple(a for a in mesh.active if a not in used and a not in lay.copy and a not in lay.sum) \
+        if mesh.idle else ()
     res = "ar" if any(l not in out_labels for l in amap) else None
-    a = Algo(tuple(sorted(amap.items())), res)
+    a = Algo(tuple(sorted(amap.items())), res, off)
     if _instantiate(g, nid, a, mesh, lab) is not None:
         return a
     # drop axes until the operator accepts (fewest dropped first)
@@ -390,7 +403,7 @@ def _follow_new(g: PCG, nid: int, pos: int, lay: Layout, mesh: Mesh) -> Algo:
     for k in range(len(items) - 1, -1, -1):
         for keep in _subsets(items, k):
             res = "ar" if any(l not in out_labels for l, _ in keep) else None
-            a = Algo(tuple(keep), res)
+            a = Algo(tuple(keep), res, off)
             if _instantiate(g, nid, a, mesh, lab) is not None:
                 return a
     return Algo((), None)
@@ -503,7 +516,7 @@ class IntraProblem:
 
     def __init__(self, g: PCG, machine: MachineSpec, mesh: tuple[int, int], start: int = 0,
                  optimizer: str = "adam", weight_update_sharding: bool = False, deadline: float | None = None,
-                 precision: str = "fp32"):
+                 precision: str = "fp32", idle: bool = False):
         n0, n1 = mesh
         self.g = g
         self.machine = machine
@@ -516,14 +529,14 @@ class IntraProblem:
         sync_total = float(sum(g.shapes(n.id)[0].nbytes for n in g.nodes() if n.op == "Weight"
                                and g.shapes(n.id)[0].dtype in ("float32", "float16", "bfloat16", "float64")))
         skey = (json.dumps(machine.to_json(), sort_keys=True, default=str), n0, n1, start, optimizer,
-                bool(weight_update_sharding), sync_total, precision)
+                bool(weight_update_sharding), sync_total, precision, bool(idle))
         shared = _SHARED.get(skey)
         if shared is None:
             if len(_SHARED) >= 32:
                 _SHARED.clear()
             model = CostModel(machine, optimizer=optimizer, precision=precision)
             model.sync_total_bytes = sync_total or None
-            shared = _SHARED[skey] = dict(mesh=Mesh(n0, n1, start), model=model, edge={}, frag={}, emat={},
+            shared = _SHARED[skey] = dict(mesh=Mesh(n0, n1, start, bool(idle)), model=model, edge={}, frag={}, emat={},
                                           anchor={})
         self.mesh = shared["mesh"]
         self.model = shared["model"]
@@ -1464,7 +1477,8 @@ def build_plan_pcg(problem: IntraProblem, choice: Mapping[int, int]) -> tuple[PC
 def solve_intra(g: PCG, machine: MachineSpec, mesh: tuple[int, int], *, start: int = 0, optimizer: str = "adam",
                 memory_budget: float | None = None, weight_update_sharding: bool = False,
                 time_limit_s: float = 30.0, solver: str = "highs", mip_gap: float = 1e-7,
-                price: bool = True, deadline: float | None = None, precision: str = "fp32") -> IntraPlan:
+                price: bool = True, deadline: float | None = None, precision: str = "fp32",
+                idle: bool = False) -> IntraPlan:
     """Alpa's intra-operator plan of the logical PCG ``g`` on the ``mesh`` (n0, n1) of devices
     ``start .. start+n0*n1-1`` of ``machine`` (see module docstring).  ``memory_budget``: bytes per device
     (default: the device's capacity).  ``mip_gap``: relative gap at which the MIP stops when the LP relaxation
@@ -1476,7 +1490,9 @@ def solve_intra(g: PCG, machine: MachineSpec, mesh: tuple[int, int], *, start: i
     ``deadline``: a ``time.monotonic()`` value: the ILP's construction stops there and every solver run is
     limited to the time left (:class:`AlpaDeadline`, an :class:`AlpaError`, when it has passed or the solver
     found no solution by then).  ``precision``: the math mode the node and edge costs are priced in (the
-    caller's cost model's: the inter-operator pass passes its mapper's)."""
+    caller's cost model's: the inter-operator pass passes its mapper's).  ``idle``: operators may also leave a
+    mesh axis unused (they run at its coordinate 0, without copies; not Alpa's space: the layout proposals of
+    :mod:`search.layouts` use it, and the machine-mapping DP then places such operators on any devices)."""
     t0 = time.perf_counter()
     try:
         n0, n1 = (int(x) for x in mesh)
@@ -1492,7 +1508,7 @@ def solve_intra(g: PCG, machine: MachineSpec, mesh: tuple[int, int], *, start: i
         memory_budget = float(machine.device.memory_bytes)
     _check_deadline(deadline, "the intra-operator pass")
     prob = IntraProblem(g, machine, (n0, n1), start, optimizer, weight_update_sharding, deadline=deadline,
-                        precision=precision)
+                        precision=precision, idle=idle)
     t1 = time.perf_counter()
     try:
         choice, obj, status, solve_s = prob.solve(memory_budget, time_limit_s, solver, mip_gap, deadline=deadline)

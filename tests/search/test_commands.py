@@ -4,7 +4,7 @@ import time
 
 import pytest
 
-from unity_pcg.search.calibrate import fit_ring
+from unity_pcg.calibration.local import fit_ring
 from unity_pcg.cli import main
 
 

@@ -18,7 +18,7 @@ import pytest
 
 from unity_pcg.machine import parse_machine
 from unity_pcg.search.baselines import build_strategy
-from unity_pcg.search.optimize import Evaluator, _segment_search, search_degrees
+from unity_pcg.search.optimize import Evaluator, search_degrees
 from unity_pcg.search.substitution import RuleBook, RuleStep, data_parallel_steps, replay, tensor_parallel_steps, trimmed
 
 from .graphs import same_function
@@ -79,41 +79,3 @@ def test_without_the_head_nothing_lifts(bert_path):
     ev = Evaluator(m, "adam")
     hand = ev.full(build_strategy(g, "megatron", 6, devices_per_node=6)).cost
     assert ev.full(trimmed(g2)).cost > hand
-
-
-def test_the_assembled_family_reaches_megatron(bert_path):
-    """The segments' tensor-parallel seeds assembled over the whole graph, then copies_steps across the cuts
-    (the search's ``tp<k>x<d> copies`` family): priced no slower than the hand-built Megatron-LM baseline."""
-    m = parse_machine("summit:1x6")
-    g = fresh(bert_path)
-    book = RuleBook(None, search_degrees(m))
-    ev = Evaluator(m, "adam")
-    fams: dict = {}
-    _segment_search(g, book, ev, [1, 2, 3, 6], 6, 10, 0, 1.05, None, time.perf_counter() + 60, fams)
-    assert "tp2x3 copies" in fams and "tp2x3" in fams
-    plain_g, _ = fams["tp2x3"][0]()
-    built = fams["tp2x3 copies"][0]()
-    assert built is not None
-    cg, steps = built
-    hand = ev.full(build_strategy(g, "megatron", 6, devices_per_node=6)).cost
-    c = ev.full(trimmed(cg)).cost
-    assert math.isfinite(c) and c <= hand * (1 + 1e-9)
-    assert c < ev.full(trimmed(plain_g)).cost
-    assert replays(bert_path, cg, steps)
-
-
-
-def test_late_floor_is_priced_after_the_copies_families(bert_path, monkeypatch):
-    """On a large machine (``LATE_FLOOR_DEVICES``) Megatron's floor of a Transformer is priced after the copies
-    families (its solve takes a large share of the budget there: BERT-Large at 1,024 GPUs); it still resumes and
-    bounds the result."""
-    from unity_pcg.search import optimize as opt
-    monkeypatch.setattr(opt, "LATE_FLOOR_DEVICES", 1)
-    m = parse_machine("summit:1x6")
-    r = opt.optimize(bert_path, m, budget_s=30, pipeline=False, optimizer="adam", batch=BATCH, max_candidates=4)
-    s = r.stats
-    assert s["late_floors"] is True                              # not priced up front
-    mega = s["baselines_s"]["megatron"]
-    assert isinstance(mega, float)                               # resumed after the families
-    assert r.predicted_iteration_s <= min(mega, s["baselines_s"]["dp"]) * (1 + 1e-9)
-    assert s["seed_families_s"].get("tp2x3 copies") is not None

@@ -9,7 +9,7 @@ import dataclasses
 import pytest
 
 from unity_pcg.machine import DeviceSpec, LinkSpec, MachineSpec, interpolate_table
-from unity_pcg.search import calibrate as cal
+from unity_pcg.calibration import local as cal
 from unity_pcg.search import collectives as C
 from unity_pcg.search.baselines import data_parallel
 from unity_pcg.search.cost import CostModel

@@ -66,7 +66,7 @@ def test_split_search_result_is_reachable_and_stitching_equals_replay(book, laye
     m = parse_machine("summit:1x2")
     ev = Evaluator(m, "adam")
     b2 = RuleBook(None, (2,))
-    out, steps, dpg, dpst, stats, _ = _segment_search(g, b2, ev, [2], 2, 6, 2, 1.05, None, float("inf"))
+    out, steps, dpg, dpst, stats, _ = _segment_search(g, b2, ev, 2, 6, 2, 1.05, None, float("inf"))
     assert stats["segments"] > 1 and out is not None
     assert replay(g, steps, b2).structural_hash() == out.structural_hash()
     assert replay(g, dpst, b2).structural_hash() == dpg.structural_hash()

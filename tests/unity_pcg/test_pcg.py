@@ -499,3 +499,103 @@ def test_batchnorm_running_statistics_are_not_parameters():
     g = b.finish()
     assert g.param_count() == 6
     assert [g.is_trainable(r[0]) for r in ps] == [True, True, False, False]
+
+
+# --- roles (PCG.roles: the one classifier of sources, placements, activation movement and compute) ----------
+
+def _naive_roles(g: PCG) -> dict:
+    """The definition, walked node by node: a parallel operator is a placement when following its inputs
+    through parallel operators only ends at a source."""
+    out = {}
+    for n in g.nodes():
+        m = n
+        while m.kind == "parallel":
+            m = g.node(m.inputs[0][0])
+        if n.kind == "source":
+            out[n.id] = n.op.lower()
+        elif n.kind == "compute":
+            out[n.id] = "compute"
+        elif m.kind == "source":
+            out[n.id] = m.op.lower() + "-placement"
+        else:
+            out[n.id] = "parallel"
+    return out
+
+
+def _roles_graph():
+    """x -> Partition -> Replicate; W1 -> Partition; W2 -> Transpose (weight-like); a generator -> Partition."""
+    b = PCG.builder(_weights(W1=(6, 4), W2=(6, 4)))
+    x = b.add("Input", {"name": "x", "shape": (8, 6), "dtype": "float64"}, name="x")
+    w1 = b.add("Weight", {"name": "W1", "shape": (6, 4), "dtype": "float64"}, name="W1")
+    w2 = b.add("Weight", {"name": "W2", "shape": (6, 4), "dtype": "float64"}, name="W2")
+    xp = b.add("Partition", {"dim": 0, "degree": 2}, [x], name="x_shard")
+    xr = b.add("Replicate", {"degree": 2}, [xp], name="x_copy")
+    w1p = b.add("Partition", {"dim": 1, "degree": 2}, [w1], name="W1_cols")
+    w1r = b.add("Replicate", {"degree": 2}, [w1p], name="W1_copy")
+    w2t = b.add("Transpose", {"perm": (1, 0)}, [w2], name="W2_t")
+    h = b.add("Linear", {}, [xr, w1r], name="fc1")
+    hr = b.add("Combine", {"dim": 1, "degree": 2}, [h], name="h_gather")
+    noise = b.add("RandomNormal", {"shape": (8, 4), "dtype": "float64"}, name="noise")
+    noise_p = b.add("Partition", {"dim": 0, "degree": 2}, [noise], name="noise_shard")
+    hn = b.add("Add", {}, [hr, noise_p], name="add")
+    y = b.add("Linear", {}, [b.add("Combine", {"dim": 0, "degree": 2}, [hn], name="y_in"), w2t], name="fc2")
+    b.set_outputs([y])
+    return b.finish()
+
+
+def test_roles_classify_sources_placements_and_activation_movement():
+    g = _roles_graph()
+    nid = {n.name: n.id for n in g.nodes()}
+    role = {name: g.roles()[i] for name, i in nid.items()}
+    assert role == {"x": "input", "W1": "weight", "W2": "weight", "x_shard": "input-placement",
+                    "x_copy": "input-placement", "W1_cols": "weight-placement", "W1_copy": "weight-placement",
+                    "W2_t": "compute", "fc1": "compute", "h_gather": "parallel", "noise": "compute",
+                    "noise_shard": "parallel", "add": "compute", "y_in": "parallel", "fc2": "compute"}
+    # origins: the start of each chain of parallel operators
+    assert g.origin(nid["W1_copy"]) == nid["W1"] and g.origin(nid["x_copy"]) == nid["x"]
+    assert g.origin(nid["noise_shard"]) == nid["noise"] and g.origin(nid["h_gather"]) == nid["fc1"]
+    assert g.origin(nid["fc1"]) == nid["fc1"]
+    # weight-like: Weights and compute operators reading only weight-like nodes
+    assert g.weight_like() == {nid["W1"], nid["W2"], nid["W2_t"]}
+
+
+@pytest.mark.parametrize("make", [lambda: mlp(2, 2), lambda: mlp(1, 2), lambda: attention(2, 2), chain,
+                                  _roles_graph])
+def test_roles_match_the_definition(make):
+    g = make()
+    assert dict(g.roles()) == _naive_roles(g)
+    assert set(g.roles()) == set(g.node_ids())
+
+
+def test_roles_are_cached_read_only_and_edits_get_their_own():
+    g = mlp(1, 1)
+    assert g._classified() is g._classified()          # computed once per graph
+    with pytest.raises(TypeError):
+        g.roles()[0] = "compute"
+    before = dict(g.roles())
+    x = next(n.id for n in g.nodes() if n.op == "Input")
+    b = g.edit()
+    p = b.add("Partition", {"dim": 0, "degree": 2}, [(x, 0)])
+    c = b.add("Combine", {"dim": 0, "degree": 2}, [p])
+    b.replace_uses((x, 0), c, exclude=[p[0]])
+    g2 = b.finish()
+    assert dict(g.roles()) == before                    # the original keeps its roles
+    assert g2.roles()[p[0]] == g2.roles()[c[0]] == "input-placement"
+    assert dict(g2.roles()) == _naive_roles(g2)
+
+
+def test_the_models_and_the_lowering_read_the_roles():
+    """GraphCost's roles are the PCG's; the lowering refines them only for random generators."""
+    from unity_pcg.machine import parse_machine
+    from unity_pcg.search.cost import CostModel, GraphCost
+    g = _roles_graph()
+    assert dict(GraphCost(g, CostModel(parse_machine("summit:1x4"))).role) == dict(g.roles())
+    pytest.importorskip("torch")
+    from unity_pcg.executor.lower import Lowered
+    low = Lowered.__new__(Lowered)                     # only the classification step of the lowering
+    low.g, low.role, low.origin, low.pm = g, {}, {}, {}
+    low._classify()
+    nid = {n.name: n.id for n in g.nodes()}
+    want = {**g.roles(), nid["noise"]: "generator", nid["noise_shard"]: "generator-placement"}
+    assert low.role == want
+    assert low.origin[nid["noise_shard"]] == nid["noise"] and nid["fc1"] not in low.origin

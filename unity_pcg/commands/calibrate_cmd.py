@@ -20,7 +20,7 @@ def add_arguments(p) -> None:
                    help="math mode whose kernels are measured and recorded (default: every mode the device has)")
     p.add_argument("--device", choices=("local", "cuda", "cpu"), default="local",
                    help="local: this computer's CPU processes (default); cuda: one GPU's kernels per operator class "
-                        "and math mode, NCCL collectives with several GPUs (search/calibrate_gpu.py); cpu: the same "
+                        "and math mode, NCCL collectives with several GPUs (calibration/gpu.py); cpu: the same "
                         "kernel measurements on this CPU, one process")
     p.add_argument("--size", choices=("tiny", "quick", "full"), default=None,
                    help="--device cuda/cpu: kernel sizes measured (default full; quick with --quick)")
@@ -36,7 +36,7 @@ def run(args) -> int:
         import torch  # noqa: F401
     except ImportError:
         raise UnityError("calibrate needs torch (pip install 'unity-pcg[torch]')") from None
-    from unity_pcg.search.calibrate import calibrate
+    from unity_pcg.calibration.local import calibrate
 
     worlds = None
     if args.worlds:

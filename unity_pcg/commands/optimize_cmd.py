@@ -27,6 +27,8 @@ def add_arguments(p) -> None:
     p.add_argument("--alpha", type=float, default=1.05, metavar="A",
                    help="prune candidates slower than A times the best (default 1.05)")
     p.add_argument("--no-pipeline", action="store_true", help="do not consider pipeline parallelism")
+    p.add_argument("--no-memory-techniques", action="store_true",
+                   help="price plans without ZeRO, recomputation, offload and overlap of the gradient sync")
     p.add_argument("--strategy", default="unity", metavar="S",
                    help=f"one of {', '.join(STRATEGY_CHOICES)} (default unity: the joint search; alpa: "
                         "Alpa's intra-operator ILP and inter-operator stage DP, priced in our cost model)")
@@ -91,7 +93,8 @@ def search(args, progress=None):
     return optimize(args.model, args.machine, budget_s=args.budget, alpha=args.alpha,
                     pipeline=not args.no_pipeline, strategy=args.strategy, optimizer=args.optimizer,
                     batch=args.batch, seed=args.seed, progress=progress, max_candidates=args.candidates,
-                    precision=getattr(args, "precision", "fp32"))
+                    precision=getattr(args, "precision", "fp32"),
+                    memory_techniques=not getattr(args, "no_memory_techniques", False))
 
 
 def run(args) -> int:

@@ -75,10 +75,10 @@ def precheck(args):
     args.loss, args.loss_note = resolve_loss(plan.pcg, args.loss, data)
     check_loss(plan.pcg, args.loss, data)
     if args.resume:
-        from unity_pcg.executor.checkpoint import check_resume
+        from unity_pcg.executor.checkpoint import check_resume, memory_json
 
         from ..plan import file_sha256
-        check_resume(args.checkpoint, file_sha256(args.plan), args.optimizer, world)
+        check_resume(args.checkpoint, file_sha256(args.plan), args.optimizer, world, memory_json(plan))
         check_resume_loss(args.checkpoint, args.loss)
     return plan, world
 

@@ -17,11 +17,45 @@ from . import compute, parallel  # noqa: F401  (registration)
 from . import fused  # noqa: F401  (AllReduce, a fused parallel operator)
 from . import elementwise, indexing, spatial  # noqa: F401  (registration: the import-coverage operators)
 from . import random_gen  # noqa: F401  (registration: RandomNormal, RandomUniform)
-from .base import REGISTRY, REQUIRED, Inference, Labels, OpSpec, PieceMap, TensorMap, get_op, logical_shapes, piece_shapes
+from .base import (ALL, AUTOCAST_MODES, NOTHING, REGISTRY, REQUIRED, Inference, Labels, OpSpec, PieceMap, Saves,
+                   TensorMap, get_op, logical_shapes, piece_shapes)
 from .parallel import PARALLEL_OPS
 
 COMPUTE_OPS = tuple(n for n, s in REGISTRY.items() if s.kind == "compute")
 SOURCE_OPS = tuple(n for n, s in REGISTRY.items() if s.kind == "source")
+
+
+# --- operator knowledge of the cost and memory models (OpSpec.cost_class, autocast, saves, nondiff_inputs) --
+
+def _stated(spec: OpSpec, field: str):
+    v = getattr(spec, field)
+    if v is None and spec.kind == "compute":
+        raise AssertionError(f"operator {spec.name}: its registry entry states no {field} (DESIGN \"Operator spec\")")
+    return v
+
+
+def cost_class(op: str, in_shapes: Sequence[ParallelTensorShape] | None = None) -> str:
+    """The cost model's class of ``op`` on these input shapes (None: any), from its registry entry;
+    ``"default"`` for sources and parallel operators, which no class prices."""
+    c = _stated(get_op(op), "cost_class")
+    if c is None:
+        return "default"
+    return c(in_shapes) if callable(c) else c
+
+
+def autocast(op: str) -> str:
+    """What torch.autocast does with ``op`` under bf16 (one of :data:`AUTOCAST_MODES`); parallel operators
+    and sources pass their input's dtype on (``"follow"``)."""
+    return _stated(get_op(op), "autocast") or "follow"
+
+
+def saves(op: str) -> Saves:
+    """What ``op`` keeps from its forward pass for its backward (:class:`Saves`)."""
+    return _stated(get_op(op), "saves") or NOTHING
+
+
+# (operator, input position) pairs that get no gradient although they may be float (running statistics)
+NON_DIFFERENTIABLE = frozenset((n, p) for n, s in REGISTRY.items() for p in s.nondiff_inputs)
 
 
 def infer(op: str, attrs: Mapping[str, Any], in_shapes: Sequence[ParallelTensorShape],
@@ -85,4 +119,5 @@ def bytes_moved(op: str, in_shapes: Sequence[ParallelTensorShape], out_shapes: S
 
 __all__ = ["REGISTRY", "REQUIRED", "COMPUTE_OPS", "SOURCE_OPS", "PARALLEL_OPS", "Inference", "Labels",
            "OpSpec", "PieceMap", "TensorMap", "get_op", "infer", "run_logical", "run_pieces", "flops",
-           "task_flops", "bytes_moved"]
+           "task_flops", "bytes_moved", "ALL", "AUTOCAST_MODES", "NOTHING", "Saves", "cost_class", "autocast",
+           "saves", "NON_DIFFERENTIABLE"]

@@ -189,9 +189,51 @@ class Inference:
     piece_map: PieceMap | None  # None for sources and parallel operators
 
 
+ALL = "all"
+AUTOCAST_MODES = ("low", "fp32", "fp32_direct", "follow", "follow_first", "declared")
+
+
+@dataclass(frozen=True)
+class Saves:
+    """What an operator keeps from its forward pass for its backward (autograd's saved tensors), read
+    by the memory model: ``inputs``, the input positions it saves (:data:`ALL`: every input);
+    ``output``: whether it saves its output; ``mask``: it keeps a one-byte-per-element mask of its
+    output (Dropout) when nothing else keeps the output."""
+    inputs: frozenset | str = frozenset()
+    output: bool = False
+    mask: bool = False
+
+    def __post_init__(self):
+        if self.inputs != ALL:
+            object.__setattr__(self, "inputs", frozenset(self.inputs))
+
+    def saves_input(self, pos: int) -> bool:
+        return self.inputs == ALL or pos in self.inputs
+
+
+NOTHING = Saves()
+
+
 @dataclass(frozen=True)
 class OpSpec:
-    """One registry entry.  See DESIGN "Operator spec"."""
+    """One registry entry.  See DESIGN "Operator spec".
+
+    Besides semantics, a compute operator carries what the cost and memory models and the executor
+    need to know about it (``tests/unity_pcg/test_op_knowledge.py`` fails, naming the operator, when
+    one lacks it):
+
+    * ``cost_class``: its class in the cost model (one of ``unity_pcg.search.cost.OP_CLASSES``: the
+      unit of per-class efficiency, launch overhead and measured kernel tables), or a function of the
+      input shapes (None when unknown) giving it, where the kernel depends on them (a 1x1 convolution);
+    * ``autocast``: what ``torch.autocast`` does with it under bf16 mixed precision: ``"low"`` (its
+      lower-precision list: reads and writes bf16), ``"fp32"`` (its fp32 list: casts float inputs to
+      fp32, writes fp32), ``"fp32_direct"`` (fp32 list, but reads a bf16 input directly through a dtype
+      argument: no cast kernel), ``"follow"`` (type promotion: the widest float dtype of its inputs of
+      rank > 0), ``"follow_first"`` (the dtype of its first float input: BatchNorm), ``"declared"``
+      (its declared output dtype: Cast);
+    * ``saves``: what it keeps for its backward (:class:`Saves`);
+    * ``nondiff_inputs``: float input positions that get no gradient (BatchNorm's running statistics).
+    """
     name: str
     kind: str                                   # "source" | "compute" | "parallel"
     attrs: Mapping[str, Any]                    # attribute name -> default (REQUIRED if none)
@@ -203,6 +245,11 @@ class OpSpec:
     doc: str = ""
     # compute operators: (attrs, in_shapes, out_sizes) -> Labels, the description label_inference reads
     labels: Callable[[dict, Shapes, Sequence[Sequence[int]]], "Labels"] | None = None
+    # operator knowledge of the cost and memory models (see the class docstring); None: not stated
+    cost_class: str | Callable[[Shapes | None], str] | None = None
+    autocast: str | None = None
+    saves: Saves | None = None
+    nondiff_inputs: tuple[int, ...] = ()
 
     def check_arity(self, n: int) -> None:
         lo, hi = (self.num_inputs, self.num_inputs) if isinstance(self.num_inputs, int) else self.num_inputs

@@ -9,7 +9,7 @@ import numpy as np
 from ..errors import InvalidParallelization
 from ..shape import DTYPES, ParallelTensorShape, numpy_dtype
 from . import kernels as K
-from .base import REQUIRED, Inference, Labels, OpSpec, Shapes, label_inference, register
+from .base import ALL, NOTHING, REQUIRED, Inference, Labels, OpSpec, Saves, Shapes, label_inference, register
 
 
 def _bad(op: str, msg: str):
@@ -61,11 +61,14 @@ ATTR_KINDS: dict[str, dict[str, str]] = {
 
 def compute_op(name: str, *, attrs: dict, num_inputs, logical: Callable, labels: Callable,
                forward: Callable, flops: Callable | None = None, piece_attrs: Callable | None = None,
-               doc: str = "") -> OpSpec:
+               doc: str = "", cost_class=None, autocast: str | None = None, saves: Saves | None = None,
+               nondiff_inputs: tuple[int, ...] = ()) -> OpSpec:
     """Register a compute operator.
 
     ``logical(attrs, in_shapes) -> [(sizes, dtype), ...]`` checks the logical inputs and gives the
     outputs; ``labels(attrs, in_shapes, out_sizes) -> Labels`` describes the parallel behaviour.
+    ``cost_class``, ``autocast``, ``saves``, ``nondiff_inputs``: what the cost and memory models know
+    of it (:class:`unity_pcg.ops.base.OpSpec`); every compute operator states the first three.
     """
     defaults = {k: v for k, v in attrs.items() if v is not REQUIRED}
     kinds = ATTR_KINDS.get(name, {})
@@ -96,7 +99,9 @@ def compute_op(name: str, *, attrs: dict, num_inputs, logical: Callable, labels:
                            flops=lambda a, i, o: fl(full(a), i, o),
                            piece_attrs=(lambda a, i, o: piece_attrs(full(a), i, o)) if piece_attrs else None,
                            num_inputs=num_inputs, doc=doc,
-                           labels=lambda a, i, o: labels(full(a), i, o)))
+                           labels=lambda a, i, o: labels(full(a), i, o),
+                           cost_class=cost_class, autocast=autocast, saves=saves,
+                           nondiff_inputs=tuple(nondiff_inputs)))
 
 
 # --- sources ----------------------------------------------------------------------------------------
@@ -114,7 +119,7 @@ def _source(name: str, doc: str) -> OpSpec:
 
     return register(OpSpec(name=name, kind="source", attrs={"name": REQUIRED, "shape": REQUIRED,
                                                             "dtype": "float32"},
-                           infer=infer, forward=forward, num_inputs=0, doc=doc))
+                           infer=infer, forward=forward, num_inputs=0, doc=doc, saves=NOTHING))
 
 
 _source("Input", "A model input (activations or indices).")
@@ -132,28 +137,31 @@ def _ident_labels(a, ins, outs):
     return Labels((lab,), (lab,))
 
 
-def _unary(name: str, fn: Callable, linear: bool = False, flops_per: float = 1.0, attrs=None, doc=""):
+def _unary(name: str, fn: Callable, linear: bool = False, flops_per: float = 1.0, attrs=None, doc="",
+           autocast: str = "follow", saves: Saves = Saves({0})):
     def labels(a, ins, outs):
         lab = _dims("d", ins[0].rank)
         return Labels((lab,), (lab,), linearity="additive" if linear else ())
     compute_op(name, attrs=attrs or {}, num_inputs=1, logical=_same, labels=labels,
                forward=lambda a, xs: [fn(a, xs[0])],
-               flops=lambda a, i, o: flops_per * o[0].numel, doc=doc)
+               flops=lambda a, i, o: flops_per * o[0].numel, doc=doc,
+               cost_class="elementwise", autocast=autocast, saves=saves)
 
 
-_unary("Relu", lambda a, x: np.maximum(x, 0).astype(x.dtype, copy=False))
+SAVES_OUTPUT = Saves(output=True)      # the gradient is a function of the output (relu, exp, ...)
+_unary("Relu", lambda a, x: np.maximum(x, 0).astype(x.dtype, copy=False), saves=SAVES_OUTPUT)
 _unary("Gelu", lambda a, x: K.gelu(x), flops_per=8)
-_unary("Sigmoid", lambda a, x: K.sigmoid(x), flops_per=4)
-_unary("Tanh", lambda a, x: np.tanh(x), flops_per=4)
+_unary("Sigmoid", lambda a, x: K.sigmoid(x), flops_per=4, saves=SAVES_OUTPUT)
+_unary("Tanh", lambda a, x: np.tanh(x), flops_per=4, saves=SAVES_OUTPUT)
 _unary("Erf", lambda a, x: K.erf(x), flops_per=4)
-_unary("Exp", lambda a, x: np.exp(x), flops_per=2)
-_unary("Sqrt", lambda a, x: np.sqrt(x), flops_per=2)
-_unary("Reciprocal", lambda a, x: 1.0 / x)
-_unary("Neg", lambda a, x: -x, linear=True)
-_unary("Identity", lambda a, x: x, linear=True, flops_per=0)
-_unary("Dropout", lambda a, x: x, linear=True, attrs={"ratio": 0.5},
+_unary("Exp", lambda a, x: np.exp(x), flops_per=2, autocast="fp32", saves=SAVES_OUTPUT)
+_unary("Sqrt", lambda a, x: np.sqrt(x), flops_per=2, saves=SAVES_OUTPUT)
+_unary("Reciprocal", lambda a, x: 1.0 / x, autocast="fp32", saves=SAVES_OUTPUT)
+_unary("Neg", lambda a, x: -x, linear=True, saves=NOTHING)
+_unary("Identity", lambda a, x: x, linear=True, flops_per=0, saves=NOTHING)
+_unary("Dropout", lambda a, x: x, linear=True, attrs={"ratio": 0.5}, saves=Saves(mask=True),
        doc="Identity in the numpy reference (inference semantics); the executor drops in training.")
-_unary("Scale", lambda a, x: x * np.asarray(a["factor"], dtype=x.dtype), linear=True,
+_unary("Scale", lambda a, x: x * np.asarray(a["factor"], dtype=x.dtype), linear=True, saves=NOTHING,
        attrs={"factor": REQUIRED}, doc="Multiply by a constant scalar.")
 def _clip_labels(a, ins, outs):
     lab = _dims("d", ins[0].rank)
@@ -163,7 +171,7 @@ def _clip_labels(a, ins, outs):
 
 compute_op("Clip", attrs={"min": -np.inf, "max": np.inf}, num_inputs=1, logical=_same, labels=_clip_labels,
            forward=lambda a, xs: [np.clip(xs[0], a["min"], a["max"]).astype(xs[0].dtype, copy=False)],
-           flops=lambda a, i, o: float(o[0].numel))
+           flops=lambda a, i, o: float(o[0].numel), cost_class="elementwise", autocast="follow", saves=Saves({0}))
 
 
 def _cast_logical(a, ins):
@@ -186,7 +194,8 @@ def _np_dtype(dt: str):
 
 
 compute_op("Cast", attrs={"to": REQUIRED}, num_inputs=1, logical=_cast_logical, labels=_cast_labels,
-           forward=lambda a, xs: [xs[0].astype(numpy_dtype(a["to"]))], flops=lambda a, i, o: 0.0)
+           forward=lambda a, xs: [xs[0].astype(numpy_dtype(a["to"]))], flops=lambda a, i, o: 0.0,
+           cost_class="elementwise", autocast="declared", saves=NOTHING)
 
 
 def _broadcast(op: str, shapes: Sequence[Sequence[int]]) -> tuple[int, ...]:
@@ -211,7 +220,8 @@ def _broadcast_labels(ins, out_sizes, prefix="d"):
     return tuple(lab_in), _dims(prefix, rank)
 
 
-def _binary(name: str, fn: Callable, linearity, flops_per=1.0):
+def _binary(name: str, fn: Callable, linearity, flops_per=1.0, autocast: str = "follow",
+            saves: Saves = Saves({0, 1})):
     def logical(a, ins):
         dt = ins[0].dtype
         return [(_broadcast(name, [s.sizes for s in ins]), dt)]
@@ -221,14 +231,16 @@ def _binary(name: str, fn: Callable, linearity, flops_per=1.0):
         return Labels(li, (lo,), linearity=linearity)
     compute_op(name, attrs={}, num_inputs=2, logical=logical, labels=labels,
                forward=lambda a, xs: [fn(xs[0], xs[1])],
-               flops=lambda a, i, o: flops_per * o[0].numel)
+               flops=lambda a, i, o: flops_per * o[0].numel,
+               cost_class="elementwise", autocast=autocast, saves=saves)
 
 
-_binary("Add", np.add, "additive")
-_binary("Sub", np.subtract, "additive")
+_binary("Add", np.add, "additive", saves=NOTHING)
+_binary("Sub", np.subtract, "additive", saves=NOTHING)
 _binary("Mul", np.multiply, (True, True))
-_binary("Div", lambda x, y: (x / y).astype(np.result_type(x, y), copy=False), (True, False))
-_binary("Pow", np.power, ())
+_binary("Div", lambda x, y: (x / y).astype(np.result_type(x, y), copy=False), (True, False),
+        saves=Saves({0, 1}, output=True))
+_binary("Pow", np.power, (), autocast="fp32")
 _binary("Max", np.maximum, ())
 _binary("Min", np.minimum, ())
 
@@ -273,7 +285,8 @@ def _linear_fwd(a, xs):
 compute_op("Linear", attrs={"activation": "none"}, num_inputs=(2, 3), logical=_linear_logical,
            labels=_linear_labels, forward=_linear_fwd,
            flops=lambda a, i, o: 2.0 * i[0].numel * i[1].sizes[1] + (o[0].numel if len(i) == 3 else 0),
-           doc="y = act(x @ W + b); W is (in_features, out_features).")
+           doc="y = act(x @ W + b); W is (in_features, out_features).",
+           cost_class="matmul", autocast="low", saves=Saves({0}))
 
 
 def _matmul_logical(name, batch_equal):
@@ -298,10 +311,18 @@ def _matmul_labels(a, ins, outs):
     return Labels((lx + ("m", "k"), ly + ("k", "n")), (lb + ("m", "n"),), linearity=(True, True))
 
 
+def matmul_class(ins: Shapes | None) -> str:
+    """A MatMul of two operands of rank >= 3 runs as a batched matmul (class ``bmm``)."""
+    if ins is not None and len(ins) > 1 and ins[0].rank >= 3 and ins[1].rank >= 3:
+        return "bmm"
+    return "matmul"
+
+
 for _n, _eq in (("MatMul", False), ("BatchMatMul", True)):
     compute_op(_n, attrs={}, num_inputs=2, logical=_matmul_logical(_n, _eq), labels=_matmul_labels,
                forward=lambda a, xs: [np.matmul(xs[0], xs[1])],
-               flops=lambda a, i, o: 2.0 * o[0].numel * i[0].sizes[-1])
+               flops=lambda a, i, o: 2.0 * o[0].numel * i[0].sizes[-1],
+               cost_class=matmul_class if _n == "MatMul" else "bmm", autocast="low", saves=Saves({0, 1}))
 
 
 # --- convolution and pooling -------------------------------------------------------------------------
@@ -408,12 +429,25 @@ def _conv_piece_attrs(a, ins, outs):
     return a
 
 
+def conv_class(ins: Shapes | None) -> str:
+    """Cost class of a convolution from its input shapes (data, weight, ...): ``conv1x1`` for a 1x1
+    kernel (CPU libraries run pointwise convolutions through a much cheaper path than spatial ones),
+    ``conv_grouped`` when the weight has fewer input channels than the data (groups > 1: ResNeXt's 3x3),
+    else ``conv``."""
+    if ins is not None and len(ins) > 1:
+        if prod(ins[1].sizes[2:]) == 1:
+            return "conv1x1"
+        if ins[0].rank >= 2 and ins[1].sizes[1] < ins[0].sizes[1]:
+            return "conv_grouped"
+    return "conv"
+
+
 compute_op("Conv2d", attrs={"stride": (1, 1), "padding": (0, 0, 0, 0), "dilation": (1, 1), "groups": 1},
            num_inputs=(2, 3), logical=_conv_logical, labels=_conv_labels,
            forward=lambda a, xs: [K.conv2d(xs[0], xs[1], xs[2] if len(xs) == 3 else None, _pair(a["stride"]),
                                            _pair(a["padding"], 4), _pair(a["dilation"]), a["groups"])],
            flops=lambda a, i, o: 2.0 * o[0].numel * prod(i[1].sizes[1:]) + (o[0].numel if len(i) == 3 else 0),
-           piece_attrs=_conv_piece_attrs,
+           piece_attrs=_conv_piece_attrs, cost_class=conv_class, autocast="low", saves=Saves({0}),
            doc="2-D convolution, NCHW, weight OIHW; padding is (top, left, bottom, right).")
 
 
@@ -469,7 +503,8 @@ def _pool_fwd(a, xs):
 compute_op("Pool2d", attrs={"kind": "max", "kernel": (1, 1), "stride": (1, 1), "padding": (0, 0, 0, 0),
                             "global_pool": False, "count_include_pad": False, "ceil_mode": False},
            num_inputs=1, logical=_pool_logical, labels=_pool_labels, forward=_pool_fwd,
-           flops=lambda a, i, o: float(i[0].numel if a["global_pool"] else o[0].numel * prod(_pair(a["kernel"]))))
+           flops=lambda a, i, o: float(i[0].numel if a["global_pool"] else o[0].numel * prod(_pair(a["kernel"]))),
+           cost_class="pool", autocast="follow", saves=Saves({0}))
 
 
 def _lrn_fwd(a, xs):
@@ -492,7 +527,8 @@ compute_op("LRN", attrs={"size": REQUIRED, "alpha": 1e-4, "beta": 0.75, "bias": 
            labels=lambda a, ins, outs: Labels((("n", "c", "h", "w"),), (("n", "c", "h", "w"),),
                                               frozenset({"c"}) if a["size"] > 1 else frozenset(),
                                               (), {"c": "the normalization window spans neighbouring channels"}),
-           forward=_lrn_fwd, flops=lambda a, i, o: float(o[0].numel * (a["size"] + 4)))
+           forward=_lrn_fwd, flops=lambda a, i, o: float(o[0].numel * (a["size"] + 4)),
+           cost_class="norm", autocast="follow", saves=Saves({0}, output=True))
 
 
 # --- normalization and softmax -----------------------------------------------------------------------
@@ -514,7 +550,8 @@ def _softmax_labels(a, ins, outs):
 
 compute_op("Softmax", attrs={"axis": -1}, num_inputs=1,
            logical=lambda a, ins: (_axis("Softmax", a["axis"], ins[0].rank), _same(a, ins))[1],
-           labels=_softmax_labels, forward=_softmax_fwd, flops=lambda a, i, o: 5.0 * o[0].numel)
+           labels=_softmax_labels, forward=_softmax_fwd, flops=lambda a, i, o: 5.0 * o[0].numel,
+           cost_class="softmax", autocast="fp32_direct", saves=SAVES_OUTPUT)
 
 
 def _ln_logical(a, ins):
@@ -553,6 +590,7 @@ def _ln_fwd(a, xs):
 
 compute_op("LayerNorm", attrs={"axis": -1, "eps": 1e-5}, num_inputs=(1, 3), logical=_ln_logical,
            labels=_ln_labels, forward=_ln_fwd, flops=lambda a, i, o: 8.0 * o[0].numel,
+           cost_class="norm", autocast="fp32", saves=Saves({0}),
            doc="Normalizes over dims axis..end; optional scale and bias of those dims.")
 
 
@@ -577,6 +615,7 @@ compute_op("BatchNorm", attrs={"eps": 1e-5, "momentum": 0.9}, num_inputs=5, logi
            labels=lambda a, ins, outs: Labels((_dims("d", ins[0].rank),) + (("d1",),) * 4,
                                                (_dims("d", ins[0].rank),)),
            forward=_bn_fwd, flops=lambda a, i, o: 4.0 * o[0].numel,
+           cost_class="batchnorm", autocast="follow_first", saves=Saves({0}), nondiff_inputs=(3, 4),
            doc="Inputs x, scale, bias, running mean, running var. The numpy reference uses the running "
                "statistics (ONNX inference semantics). Training uses batch statistics: when the batch or a "
                "spatial dim is partitioned they need all-reduces of per-channel sums (SyncBatchNorm; see "
@@ -603,7 +642,8 @@ compute_op("Embedding", attrs={}, num_inputs=2, logical=_emb_logical,
                                               (_dims("b", ins[0].rank) + ("e",),), frozenset({"v"}),
                                               (False, True), {"v": "vocabulary-sharded lookup is not supported"}),
            forward=lambda a, xs: [np.take(xs[1], xs[0], axis=0)],
-           flops=lambda a, i, o: 0.0, doc="out[..., :] = table[indices[...], :]")
+           flops=lambda a, i, o: 0.0, doc="out[..., :] = table[indices[...], :]",
+           cost_class="embedding", autocast="follow", saves=Saves({0}))
 
 
 def _gather_logical(a, ins):
@@ -624,7 +664,8 @@ def _gather_labels(a, ins, outs):
 
 
 compute_op("Gather", attrs={"axis": 0}, num_inputs=2, logical=_gather_logical, labels=_gather_labels,
-           forward=lambda a, xs: [np.take(xs[0], xs[1], axis=a["axis"])], flops=lambda a, i, o: 0.0)
+           forward=lambda a, xs: [np.take(xs[0], xs[1], axis=a["axis"])], flops=lambda a, i, o: 0.0,
+           cost_class="default", autocast="follow", saves=Saves({1}))
 
 
 # --- shape manipulation --------------------------------------------------------------------------------
@@ -652,7 +693,7 @@ def _concat_labels(a, ins, outs):
 
 compute_op("Concat", attrs={"axis": REQUIRED}, num_inputs=(1, 1 << 16), logical=_concat_logical,
            labels=_concat_labels, forward=lambda a, xs: [np.concatenate(xs, axis=a["axis"])],
-           flops=lambda a, i, o: 0.0)
+           flops=lambda a, i, o: 0.0, cost_class="default", autocast="follow", saves=NOTHING)
 
 
 def _split_logical(a, ins):
@@ -685,7 +726,7 @@ def _split_fwd(a, xs):
 
 
 compute_op("Split", attrs={"axis": REQUIRED, "sizes": REQUIRED}, num_inputs=1, logical=_split_logical,
-           labels=_split_labels, forward=_split_fwd, flops=lambda a, i, o: 0.0)
+           labels=_split_labels, forward=_split_fwd, flops=lambda a, i, o: 0.0, cost_class="default", autocast="follow", saves=NOTHING)
 
 
 def _slice_logical(a, ins):
@@ -722,7 +763,7 @@ def _slice_fwd(a, xs):
 
 compute_op("Slice", attrs={"axes": REQUIRED, "starts": REQUIRED, "ends": REQUIRED, "steps": REQUIRED},
            num_inputs=1, logical=_slice_logical, labels=_slice_labels, forward=_slice_fwd,
-           flops=lambda a, i, o: 0.0)
+           flops=lambda a, i, o: 0.0, cost_class="default", autocast="follow", saves=NOTHING)
 
 
 def reshape_groups(src: Sequence[int], dst: Sequence[int]) -> list[tuple[list[int], list[int]]] | None:
@@ -783,7 +824,7 @@ def _reshape_labels(a, ins, outs):
 compute_op("Reshape", attrs={"shape": REQUIRED}, num_inputs=1, logical=_reshape_logical,
            labels=_reshape_labels, forward=lambda a, xs: [xs[0].reshape(a["shape"])],
            piece_attrs=lambda a, ins, outs: {**a, "shape": outs[0].piece_shape},
-           flops=lambda a, i, o: 0.0)
+           flops=lambda a, i, o: 0.0, cost_class="default", autocast="follow", saves=NOTHING)
 
 
 def _transpose_logical(a, ins):
@@ -797,7 +838,8 @@ def _transpose_logical(a, ins):
 compute_op("Transpose", attrs={"perm": REQUIRED}, num_inputs=1, logical=_transpose_logical,
            labels=lambda a, ins, outs: Labels((_dims("d", ins[0].rank),),
                                               (tuple(f"d{p}" for p in a["perm"]),), linearity="additive"),
-           forward=lambda a, xs: [np.transpose(xs[0], a["perm"])], flops=lambda a, i, o: 0.0)
+           forward=lambda a, xs: [np.transpose(xs[0], a["perm"])], flops=lambda a, i, o: 0.0,
+           cost_class="default", autocast="follow", saves=NOTHING)
 
 
 def _flatten_shape(axis: int, sizes: Sequence[int]) -> tuple[int, int]:
@@ -816,7 +858,7 @@ compute_op("Flatten", attrs={"axis": 1}, num_inputs=1, logical=_flatten_logical,
            labels=lambda a, ins, outs: _reshape_labels(a, ins, outs),
            forward=lambda a, xs: [xs[0].reshape(a.get("_piece_shape") or _flatten_shape(a["axis"], xs[0].shape))],
            piece_attrs=lambda a, ins, outs: {**a, "_piece_shape": outs[0].piece_shape},
-           flops=lambda a, i, o: 0.0)
+           flops=lambda a, i, o: 0.0, cost_class="default", autocast="follow", saves=NOTHING)
 
 
 def _expand_logical(a, ins):
@@ -836,7 +878,7 @@ compute_op("Expand", attrs={"shape": REQUIRED}, num_inputs=1, logical=_expand_lo
            forward=lambda a, xs: [np.broadcast_to(xs[0], a.get("_piece_shape") or
                                                   np.broadcast_shapes(xs[0].shape, tuple(a["shape"]))).copy()],
            piece_attrs=lambda a, ins, outs: {**a, "_piece_shape": outs[0].piece_shape},
-           flops=lambda a, i, o: 0.0)
+           flops=lambda a, i, o: 0.0, cost_class="default", autocast="follow", saves=NOTHING)
 
 
 def _reduce_logical(name):
@@ -870,4 +912,5 @@ for _n, _f in (("ReduceSum", np.sum), ("ReduceMean", np.mean)):
                forward=(lambda f: lambda a, xs: [np.asarray(f(xs[0], axis=_reduce_axes(a, xs[0].ndim),
                                                              keepdims=bool(a["keepdims"]))).astype(xs[0].dtype)])(_f),
                flops=lambda a, i, o: float(i[0].numel),
+               cost_class="reduce", autocast="fp32_direct" if _n == "ReduceSum" else "follow", saves=NOTHING,
                doc="Empty axes reduce over all dims. ReduceSum over a partitioned axis gives partial sums.")

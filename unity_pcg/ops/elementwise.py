@@ -22,7 +22,7 @@ from typing import Callable
 import numpy as np
 
 from . import kernels as K
-from .base import Labels
+from .base import ALL, Labels, Saves
 from .compute import ATTR_KINDS, _axis, _bad, _broadcast, _broadcast_labels, _dims, _reduce_axes, \
     _reduce_logical, _same, compute_op
 
@@ -30,8 +30,9 @@ _SQRT_2_OVER_PI = math.sqrt(2.0 / math.pi)
 
 
 def _unary(name: str, fn: Callable, flops_per: float, attrs: dict | None = None,
-           kinds: dict | None = None, doc: str = "") -> None:
-    """An element-wise operator of one input: every dim shardable, no partial sums."""
+           kinds: dict | None = None, doc: str = "", autocast: str = "follow") -> None:
+    """An element-wise operator of one input: every dim shardable, no partial sums; saves its input for
+    the backward pass."""
     if kinds:
         ATTR_KINDS[name] = kinds
 
@@ -46,7 +47,8 @@ def _unary(name: str, fn: Callable, flops_per: float, attrs: dict | None = None,
         return [np.asarray(y).astype(x.dtype, copy=False)]
 
     compute_op(name, attrs=attrs or {}, num_inputs=1, logical=_same, labels=labels, forward=forward,
-               flops=lambda a, i, o: flops_per * o[0].numel, doc=doc)
+               flops=lambda a, i, o: flops_per * o[0].numel, doc=doc,
+               cost_class="elementwise", autocast=autocast, saves=Saves(ALL))
 
 
 def gelu_tanh(x: np.ndarray) -> np.ndarray:
@@ -102,14 +104,15 @@ _unary("Selu", _selu, 5, {"alpha": SELU_ALPHA, "gamma": SELU_GAMMA}, {"alpha": "
        doc="gamma * (x if x > 0 else alpha * (exp(x) - 1)).")
 _unary("Celu", _celu, 6, {"alpha": 1.0}, {"alpha": "num"},
        doc="max(0, x) + min(0, alpha * (exp(x / alpha) - 1)); alpha must not be 0 (the converter checks).")
-_unary("Softplus", lambda a, x: softplus(x), 4, doc="log(1 + exp(x)).")
+_unary("Softplus", lambda a, x: softplus(x), 4, doc="log(1 + exp(x)).", autocast="fp32")
 _unary("Softsign", lambda a, x: x / (1 + np.abs(x)), 3, doc="x / (1 + |x|).")
 _unary("Mish", lambda a, x: x * np.tanh(softplus(x)), 9, doc="x * tanh(softplus(x)).")
 _unary("HardSigmoid", _hard_sigmoid, 4, {"alpha": 0.2, "beta": 0.5}, {"alpha": "num", "beta": "num"},
        doc="max(0, min(1, alpha * x + beta)).")
 _unary("HardSwish", _hard_swish, 5, doc="x * max(0, min(1, x / 6 + 1/2)).")
 _unary("Abs", lambda a, x: np.abs(x), 1)
-_unary("Log", lambda a, x: np.log(x), 2, doc="Natural logarithm (NaN below 0, -inf at 0, as ONNX).")
+_unary("Log", lambda a, x: np.log(x), 2, doc="Natural logarithm (NaN below 0, -inf at 0, as ONNX).",
+       autocast="fp32")
 
 
 # --- PRelu: a slope tensor broadcast onto the input --------------------------------------------------
@@ -131,7 +134,7 @@ def _prelu_labels(a, ins, outs):
 
 compute_op("PRelu", attrs={}, num_inputs=2, logical=_prelu_logical, labels=_prelu_labels,
            forward=lambda a, xs: [np.where(xs[0] >= 0, xs[0], xs[0] * xs[1]).astype(xs[0].dtype, copy=False)],
-           flops=lambda a, i, o: 2.0 * o[0].numel,
+           flops=lambda a, i, o: 2.0 * o[0].numel, cost_class="elementwise", autocast="low", saves=Saves(ALL),
            doc="x if x >= 0 else slope * x; the slope (usually a weight of shape [C] or [C, 1, 1]) broadcasts "
                "onto x. Shards of x are matched by shards of the slope along the dims it does not broadcast; "
                "neither input may carry partial sums.")
@@ -163,6 +166,7 @@ def _log_softmax_labels(a, ins, outs):
 compute_op("LogSoftmax", attrs={"axis": -1}, num_inputs=1,
            logical=lambda a, ins: (_axis("LogSoftmax", a["axis"], ins[0].rank), _same(a, ins))[1],
            labels=_log_softmax_labels, forward=_log_softmax_fwd, flops=lambda a, i, o: 5.0 * o[0].numel,
+           cost_class="softmax", autocast="fp32_direct", saves=Saves(ALL),
            doc="x - log(sum(exp(x))) along axis (computed stably); the axis is unshardable.")
 
 
@@ -223,11 +227,14 @@ def _logsumexp(x, axes, keepdims):
     return y if keepdims else np.squeeze(y, axis=axes if axes is not None else tuple(range(x.ndim)))
 
 
+# torch.autocast runs these in fp32 (a product reads a bf16 input directly, through its dtype argument)
+_AUTOCAST = {"ReduceProd": "fp32_direct", "ReduceL2": "fp32", "ReduceLogSumExp": "fp32"}
 for _n, (_f, _per, _why) in _REDUCTIONS.items():
     ATTR_KINDS[_n] = {"axes": "ints", "keepdims": "bool"}
     compute_op(_n, attrs={"axes": (), "keepdims": True}, num_inputs=1, logical=_reduce_empty_check(_n),
                labels=_reduce_labels(_n, _why), forward=_reduce_fwd(_f),
-               flops=(lambda per: lambda a, i, o: per * float(i[0].numel))(_per),
+               flops=(lambda per: lambda a, i, o: per * float(i[0].numel))(_per), cost_class="reduce",
+               autocast=_AUTOCAST.get(_n, "follow"), saves=Saves(ALL),
                doc="Empty axes reduce over all dims. The reduced dims are unshardable and the input may not "
                    "carry partial sums.")
 
@@ -275,5 +282,6 @@ def _rms_fwd(a, xs):
 
 compute_op("RMSNorm", attrs={"axis": -1, "eps": 1e-6}, num_inputs=(1, 2), logical=_rms_logical,
            labels=_rms_labels, forward=_rms_fwd, flops=lambda a, i, o: 5.0 * o[0].numel,
+           cost_class="norm", autocast="follow", saves=Saves(ALL),
            doc="x / sqrt(mean(x^2 over dims axis..end) + eps), optionally times a scale of those dims (T5, Llama). "
                "The normalized dims are unshardable.")

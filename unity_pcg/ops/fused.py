@@ -12,7 +12,7 @@ import numpy as np
 
 from .. import pieces as P
 from ..errors import InvalidParallelization
-from .base import REQUIRED, Inference, OpSpec, Shapes, register
+from .base import NOTHING, REQUIRED, Inference, OpSpec, Shapes, register
 
 
 def _infer(a, ins: Shapes, strict: bool = True) -> Inference:
@@ -31,7 +31,7 @@ def allreduce_pieces(x: np.ndarray, degree: int) -> np.ndarray:
 
 
 register(OpSpec(name="AllReduce", kind="parallel", attrs={"degree": REQUIRED}, infer=_infer,
-                forward=lambda a, xs: [xs[0]], num_inputs=1,
+                forward=lambda a, xs: [xs[0]], num_inputs=1, saves=NOTHING,
                 doc="Reduce(degree) then Replicate(degree) as one collective."))
 
 PIECE_KERNELS = {"AllReduce": lambda x, shape, a: allreduce_pieces(x, a["degree"])}

@@ -33,7 +33,7 @@ from math import prod
 
 import numpy as np
 
-from .base import REQUIRED, Labels
+from .base import ALL, NOTHING, REQUIRED, Labels, Saves
 from .compute import ATTR_KINDS, _axis, _bad, _broadcast, _broadcast_labels, _dims, compute_op
 
 ATTR_KINDS.update({
@@ -71,7 +71,7 @@ def _elementwise_labels(a, ins, outs):
 
 compute_op("Where", attrs={}, num_inputs=3, logical=_where_logical, labels=_elementwise_labels,
            forward=lambda a, xs: [np.where(xs[0], xs[1], xs[2]).astype(xs[1].dtype, copy=False)],
-           flops=lambda a, i, o: float(o[0].numel),
+           flops=lambda a, i, o: float(o[0].numel), cost_class="elementwise", autocast="follow", saves=Saves({0}),
            doc="out = x where cond else y, ONNX broadcasting of all three; cond is bool (attention masks).")
 
 
@@ -105,15 +105,18 @@ def _logic_logical(name):
 for _n, _f in COMPARISONS.items():
     compute_op(_n, attrs={}, num_inputs=2, logical=_compare_logical(_n), labels=_elementwise_labels,
                forward=(lambda f: lambda a, xs: [np.asarray(f(xs[0], xs[1]), dtype=bool)])(_f),
-               flops=lambda a, i, o: float(o[0].numel), doc="Element-wise comparison with broadcasting; bool output.")
+               flops=lambda a, i, o: float(o[0].numel), doc="Element-wise comparison with broadcasting; bool output.",
+               cost_class="elementwise", autocast="follow", saves=NOTHING)
 for _n, _f in LOGIC.items():
     compute_op(_n, attrs={}, num_inputs=2, logical=_logic_logical(_n), labels=_elementwise_labels,
                forward=(lambda f: lambda a, xs: [np.asarray(f(xs[0], xs[1]), dtype=bool)])(_f),
-               flops=lambda a, i, o: float(o[0].numel), doc="Element-wise boolean logic with broadcasting.")
+               flops=lambda a, i, o: float(o[0].numel), doc="Element-wise boolean logic with broadcasting.",
+               cost_class="elementwise", autocast="follow", saves=NOTHING)
 compute_op("Not", attrs={}, num_inputs=1, logical=_logic_logical("Not"),
            labels=lambda a, ins, outs: Labels((_dims("d", ins[0].rank),), (_dims("d", ins[0].rank),)),
            forward=lambda a, xs: [np.asarray(np.logical_not(xs[0]), dtype=bool)],
-           flops=lambda a, i, o: float(o[0].numel))
+           flops=lambda a, i, o: float(o[0].numel),
+           cost_class="elementwise", autocast="follow", saves=NOTHING)
 
 
 # --- GatherElements ------------------------------------------------------------------------------------
@@ -164,6 +167,7 @@ def _gather_elements_fwd(a, xs):
 
 compute_op("GatherElements", attrs={"axis": 0}, num_inputs=2, logical=_gather_elements_logical,
            labels=_gather_elements_labels, forward=_gather_elements_fwd, flops=lambda a, i, o: 0.0,
+           cost_class="default", autocast="follow", saves=Saves({1}),
            doc="out[i][j][k] = data[idx[i][j][k]][j][k] (axis 0); the output has the indices' shape.")
 
 
@@ -213,7 +217,7 @@ def _gather_nd_fwd(a, xs):
 
 
 compute_op("GatherND", attrs={"batch_dims": 0}, num_inputs=2, logical=_gather_nd_logical, labels=_gather_nd_labels,
-           forward=_gather_nd_fwd, flops=lambda a, i, o: 0.0,
+           forward=_gather_nd_fwd, flops=lambda a, i, o: 0.0, cost_class="default", autocast="follow", saves=Saves(ALL),
            doc="out[i..., :] = data[batch..., idx[i..., :], :] (ONNX GatherND): the index rows are task axes, "
                "the addressed data dims whole.")
 
@@ -244,7 +248,8 @@ def _tile_labels(a, ins, outs):
 
 compute_op("Tile", attrs={"repeats": REQUIRED}, num_inputs=1, logical=_tile_logical, labels=_tile_labels,
            forward=lambda a, xs: [np.tile(xs[0], tuple(a["repeats"])) if xs[0].ndim else xs[0].copy()],
-           flops=lambda a, i, o: 0.0, doc="Repeats the input along every dim (ONNX Tile); one repeat per dim.")
+           flops=lambda a, i, o: 0.0, doc="Repeats the input along every dim (ONNX Tile); one repeat per dim.",
+           cost_class="elementwise", autocast="follow", saves=NOTHING)
 
 
 # --- Einsum --------------------------------------------------------------------------------------------
@@ -366,6 +371,7 @@ def _einsum_flops(a, i, o):
 
 compute_op("Einsum", attrs={"equation": REQUIRED}, num_inputs=(1, 8), logical=_einsum_logical,
            labels=_einsum_labels, forward=_einsum_fwd, flops=_einsum_flops,
+           cost_class="matmul", autocast="low", saves=Saves(ALL),
            doc="numpy/ONNX einsum; subscripts are the labels, contracted ones give partial sums.")
 
 
@@ -401,7 +407,7 @@ def _trilu_fwd(a, xs):
 
 
 compute_op("Trilu", attrs={"upper": True, "k": 0}, num_inputs=1, logical=_trilu_logical, labels=_trilu_labels,
-           forward=_trilu_fwd, flops=lambda a, i, o: 0.0,
+           forward=_trilu_fwd, flops=lambda a, i, o: 0.0, cost_class="elementwise", autocast="follow", saves=NOTHING,
            doc="Keeps the upper (or lower) triangle of the last two dims from diagonal k; zeros elsewhere.")
 
 
@@ -457,6 +463,7 @@ def _scatter_fwd(a, xs):
 
 compute_op("ScatterND", attrs={"reduction": "none"}, num_inputs=3, logical=_scatter_logical,
            labels=_scatter_labels, forward=_scatter_fwd, flops=lambda a, i, o: 0.0,
+           cost_class="default", autocast="follow", saves=Saves({1}),
            doc="out = data with out[indices[..., :]] = updates[...] (ONNX ScatterND, reduction none).")
 
 
@@ -519,7 +526,7 @@ def _scatter_elements_fwd(a, xs):
 
 compute_op("ScatterElements", attrs={"axis": 0, "reduction": "none"}, num_inputs=3,
            logical=_scatter_elements_logical, labels=_scatter_elements_labels, forward=_scatter_elements_fwd,
-           flops=lambda a, i, o: 0.0,
+           flops=lambda a, i, o: 0.0, cost_class="default", autocast="follow", saves=Saves(ALL),
            doc="out = data with out[..., idx[p], ...] = updates[p] along axis (ONNX ScatterElements, the "
                "dynamo exporter's select_scatter / index assignment).")
 
@@ -557,4 +564,5 @@ def _cumsum_fwd(a, xs):
 
 compute_op("CumSum", attrs={"axis": REQUIRED, "exclusive": False, "reverse": False}, num_inputs=1,
            logical=_cumsum_logical, labels=_cumsum_labels, forward=_cumsum_fwd,
-           flops=lambda a, i, o: float(o[0].numel), doc="Running sum along axis (ONNX CumSum).")
+           flops=lambda a, i, o: float(o[0].numel), doc="Running sum along axis (ONNX CumSum).",
+           cost_class="elementwise", autocast="fp32_direct", saves=NOTHING)

@@ -10,7 +10,7 @@ machine mapping and the executor read from the operator type.
 from __future__ import annotations
 
 from ..errors import InvalidParallelization, ShapeError
-from .base import REQUIRED, Inference, OpSpec, Shapes, register
+from .base import NOTHING, REQUIRED, Inference, OpSpec, Shapes, register
 
 
 def _bad(op: str, msg: str):
@@ -78,7 +78,7 @@ def _par(name, attrs, infer, doc):
                 _bad(name, f"missing required attribute {k!r}")
         return infer(a, ins, strict)
     return register(OpSpec(name=name, kind="parallel", attrs=attrs, infer=checked, forward=_identity,
-                           num_inputs=1, doc=doc))
+                           num_inputs=1, doc=doc, saves=NOTHING))
 
 
 _par("Partition", {"dim": REQUIRED, "degree": REQUIRED}, _partition_infer("Partition"),

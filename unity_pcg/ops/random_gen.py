@@ -19,7 +19,7 @@ import numpy as np
 
 from .. import counter_rng as R
 from ..shape import numpy_dtype
-from .base import REQUIRED, Labels
+from .base import NOTHING, REQUIRED, Labels
 from .compute import ATTR_KINDS, _bad, _dims, compute_op
 
 FLOAT_DTYPES = ("float32", "float16", "float64")
@@ -70,5 +70,5 @@ for _op, _params in (("RandomNormal", {"mean": 0.0, "scale": 1.0}), ("RandomUnif
                        **{k: "num" for k in _params}}
     compute_op(_op, attrs={**_COMMON, **_params}, num_inputs=0, logical=_logical(_op), labels=_labels,
                forward=(lambda op: lambda a, xs: [draw(op, a, seed=0)])(_op),
-               flops=lambda a, i, o: float(o[0].numel),
+               flops=lambda a, i, o: float(o[0].numel), cost_class="elementwise", autocast="follow", saves=NOTHING,
                doc=f"{_op}: a tensor drawn from a counter-based generator (unity_pcg/ops/random_gen.py).")

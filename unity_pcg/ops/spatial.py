@@ -22,8 +22,8 @@ from math import prod
 
 import numpy as np
 
-from .base import REQUIRED, Labels
-from .compute import ATTR_KINDS, _bad, _dims, _is_int, compute_op
+from .base import NOTHING, REQUIRED, Labels, Saves
+from .compute import ATTR_KINDS, _bad, _dims, _is_int, compute_op, conv_class
 
 _WIN = {"stride": "int|ints", "padding": "int|ints", "dilation": "int|ints"}
 ATTR_KINDS.update({
@@ -179,7 +179,7 @@ def _conv_nd(op: str, n: int):
     compute_op(op, attrs={"stride": (1,) * n, "padding": (0,) * (2 * n), "dilation": (1,) * n, "groups": 1},
                num_inputs=(2, 3), logical=logical, labels=labels, forward=forward,
                flops=lambda a, i, o: 2.0 * o[0].numel * prod(i[1].sizes[1:]) + (o[0].numel if len(i) == 3 else 0),
-               piece_attrs=piece_attrs,
+               piece_attrs=piece_attrs, cost_class=conv_class, autocast="low", saves=Saves({0}),
                doc=f"{n}-D convolution, weight (C_out, C_in/groups, k...); padding is all begins then all ends.")
 
 
@@ -265,6 +265,7 @@ def _pool_nd(op: str, n: int):
                           "dilation": (1,) * n, "global_pool": False, "count_include_pad": False,
                           "ceil_mode": False},
                num_inputs=1, logical=logical, labels=labels, forward=forward, flops=flops,
+               cost_class="pool", autocast="follow", saves=Saves({0}),
                doc=f"{n}-D max/average pooling (dilated windows, ceil_mode, count_include_pad) or global pooling.")
 
 
@@ -412,7 +413,7 @@ def _ct_piece_attrs(a, ins, outs):
 compute_op("ConvTranspose", attrs={"stride": (), "padding": (), "dilation": (), "output_padding": (), "groups": 1},
            num_inputs=(2, 3), logical=_ct_logical, labels=_ct_labels, forward=_ct_fwd,
            flops=lambda a, i, o: 2.0 * i[0].numel * prod(i[1].sizes[1:]) + (o[0].numel if len(i) == 3 else 0),
-           piece_attrs=_ct_piece_attrs,
+           piece_attrs=_ct_piece_attrs, cost_class=conv_class, autocast="low", saves=Saves({0}),
            doc="Transposed convolution over 1 to 3 spatial dims, ONNX semantics: weight (C_in, C_out/groups, "
                "k...); output (in-1)*stride + (k-1)*dilation + 1 + output_padding - pad_begin - pad_end; "
                "empty tuples mean the defaults (stride/dilation 1, no padding).")
@@ -461,6 +462,7 @@ def _in_fwd(a, xs):
 
 compute_op("InstanceNorm", attrs={"eps": 1e-5}, num_inputs=3, logical=_norm_logical("InstanceNorm", 3),
            labels=_in_labels, forward=_in_fwd, flops=lambda a, i, o: 8.0 * o[0].numel,
+           cost_class="norm", autocast="follow", saves=Saves({0}),
            doc="Inputs x (N, C, ...), scale (C), bias (C): each (sample, channel) normalized over the spatial dims.")
 
 
@@ -489,6 +491,7 @@ def _gn_fwd(a, xs):
 
 compute_op("GroupNorm", attrs={"groups": REQUIRED, "eps": 1e-5}, num_inputs=3, logical=_norm_logical("GroupNorm", 2),
            labels=_gn_labels, forward=_gn_fwd, flops=lambda a, i, o: 8.0 * o[0].numel,
+           cost_class="norm", autocast="fp32", saves=Saves({0}),
            piece_attrs=lambda a, ins, outs: {**a, "groups": a["groups"] // ins[0].degrees[1]},
            doc="Inputs x (N, C, ...), scale (C), bias (C) (per channel, ONNX opset 21's form): channels in "
                "`groups` groups, each (sample, group) normalized over its channels and the spatial dims.")
@@ -608,6 +611,7 @@ compute_op("Resize", attrs={"sizes": REQUIRED, "scales": REQUIRED, "mode": "near
                             "nearest_mode": "round_prefer_floor"},
            num_inputs=1, logical=_resize_logical, labels=_resize_labels, forward=_resize_fwd,
            piece_attrs=lambda a, ins, outs: {**a, "sizes": outs[0].piece_shape},
+           cost_class="default", autocast="follow", saves=NOTHING,
            flops=lambda a, i, o: (1.0 if a["mode"] == "nearest" else 3.0 * max(1, len(_resized(a, i[0].sizes))))
            * o[0].numel,
            doc="ONNX Resize / Upsample, nearest or (n-)linear, separable per resized dim. `sizes` is the full "
@@ -669,5 +673,6 @@ def _pad_fwd(a, xs):
 
 compute_op("Pad", attrs={"pads": REQUIRED, "mode": "constant", "value": 0.0}, num_inputs=1, logical=_pad_logical,
            labels=_pad_labels, forward=_pad_fwd, flops=lambda a, i, o: 0.0,
+           cost_class="default", autocast="follow", saves=NOTHING,
            doc="ONNX Pad: pads are all begins then all ends (>= 0; the importer turns negative pads into a "
                "Slice); constant (value), reflect, edge or wrap.")

@@ -24,7 +24,7 @@ process waits for a core is counted):
   ``2(p-1) alpha + 2(p-1)/p n / beta`` by least squares on relative error;
 * per-class kernel tables (:func:`local_cases`: matmul, bmm, element-wise, LayerNorm, BatchNorm, softmax,
   sum, pooling, small convolutions, embedding, views (``default``), SGD and Adam steps, at the small sizes
-  such steps run), forward and backward, timed as ``search.calibrate_gpu`` builds them, in rounds spread
+  such steps run), forward and backward, timed as ``calibration.gpu`` builds them, in rounds spread
   over the calibration (one sample of ``KERNEL_WINDOW`` = 10 ms each per round, the median): ``device.kernel_tables`` per world,
   which the cost model prefers to peak x efficiency + overhead;
 * gloo all-reduce, all-gather and broadcast tables per group size dividing the world (all groups at
@@ -175,9 +175,9 @@ def local_cases(quick: bool = False) -> list:
     """The kernels of the per-class tables of CPU processes (:func:`measure_kernels`): the sizes small models'
     steps run on one process (a piece of a 512-2048 wide layer at batch 8 to 128, attention of a few
     heads over 32 to 128 positions), from a few hundred FLOPs or bytes, where the per-kernel cost
-    dominates, to tens of MB or hundreds of MFLOPs.  ``search.calibrate_gpu.Case`` objects of its classes,
+    dominates, to tens of MB or hundreds of MFLOPs.  ``calibration.gpu.Case`` objects of its classes,
     plus ``default`` (a transpose, a view as the executor's reshapes, transposes and slices are)."""
-    from .calibrate_gpu import Case
+    from .gpu import Case
     out: list = []
 
     def add(cls, label, *params):
@@ -221,13 +221,13 @@ def local_cases(quick: bool = False) -> list:
 
 
 def _build_kernel(c) -> dict | None:
-    """``search.calibrate_gpu.build_case`` of ``c`` on this CPU in fp32 (and the ``default`` class's transpose)."""
-    from .calibrate_gpu import _shape, build_case
+    """``calibration.gpu.build_case`` of ``c`` on this CPU in fp32 (and the ``default`` class's transpose)."""
+    from .gpu import _shape, build_case
     if c.cls != "default":
         return build_case(c, "cpu", "fp32")
     import torch
 
-    from .cost import kernel_work
+    from unity_pcg.search.cost import kernel_work
     n = c.params[0]
     cols = 64 if n >= 64 else n
     x = torch.randn(n // cols, cols).requires_grad_(True)
@@ -245,8 +245,8 @@ def _build_kernel(c) -> dict | None:
 def prepare_kernels(quick: bool = False) -> list:
     """Build every :func:`local_cases` kernel once: ``[(case, built, backward callable, copies)]``; a short
     kernel's backward is one ``autograd.grad`` call over up to 16 independent copies
-    (``search.calibrate_gpu.joint_backward``), as a training step's backward pass shares the engine's start."""
-    from .calibrate_gpu import backward_copies, joint_backward
+    (``calibration.gpu.joint_backward``), as a training step's backward pass shares the engine's start."""
+    from .gpu import backward_copies, joint_backward
     out = []
     for c in local_cases(quick):
         b = _build_kernel(c)
@@ -281,7 +281,7 @@ def measure_kernels(prepared: list, window: float = 0.0, samples: int = 1) -> di
 
 
 def kernel_rows(prepared: list, samples: dict) -> list:
-    """Rows as ``search.calibrate_gpu.measure_cases`` gives them (``fit_rows`` makes the tables) from the
+    """Rows as ``calibration.gpu.measure_cases`` gives them (``fit_rows`` makes the tables) from the
     measured ``{"<class>:<label>": {"fwd": s, "bwd": s or absent}}``."""
     rows = []
     for c, b, _, _ in prepared:
@@ -425,8 +425,8 @@ def measure_collective_tables(world: int, rank: int, quick: bool = False, cpu: d
 def collective_tables(per_rank: list) -> dict:
     """``{kind: {str(g): [[bytes, seconds], ...]}}`` from every rank's :func:`measure_collective_tables`:
     the slowest rank per size (a collective ends for the group when its last member has it), points made
-    non-decreasing (``search.calibrate_gpu.make_table``)."""
-    from .calibrate_gpu import make_table
+    non-decreasing (``calibration.gpu.make_table``)."""
+    from .gpu import make_table
     out: dict = {}
     for kind in per_rank[0]:
         for g, pts in per_rank[0][kind].items():
@@ -441,7 +441,7 @@ def collective_cpu_tables(per_rank: list) -> dict:
     CPU work of one call, all ranks together, divided by the ranks), made non-decreasing.  A rank blocked
     in a collective waiting for its peers takes no CPU time, so this is the work a collective adds to the
     shared cores, not its latency (``MachineSpec.oversubscribed`` machines price it so)."""
-    from .calibrate_gpu import make_table
+    from .gpu import make_table
     out: dict = {}
     for kind in per_rank[0]:
         for g, pts in per_rank[0][kind].items():
@@ -766,10 +766,10 @@ def _device_json(dev: DeviceSpec) -> dict:
 
 
 def kernel_tables(quick: bool, measured: dict) -> tuple[dict, dict]:
-    """(fits, tables) of the per-class kernel tables (``search.calibrate_gpu.fit_rows``) from the medians
+    """(fits, tables) of the per-class kernel tables (``calibration.gpu.fit_rows``) from the medians
     ``measured`` (``{"<class>:<label>": {"fwd": s, "bwd": s}}``); the work of each kernel is labelled
     here, in the calling process, from the same cases (``search.cost.kernel_work``)."""
-    from .calibrate_gpu import fit_rows
+    from .gpu import fit_rows
     built = [(c, _build_kernel(c)) for c in local_cases(quick)]
     return fit_rows(kernel_rows([(c, b, None, 1) for c, b in built if b is not None], measured))
 
@@ -782,11 +782,11 @@ def calibrate(quick: bool = False, worlds: tuple | None = None, quiet: bool = Fa
     sweep) and DDP's own costs (``sync``); :meth:`MachineSpec.resized` picks the nearest world size.
 
     ``device="cuda"`` (or ``"cpu"``: one process, the same code) measures one accelerator's kernels per
-    operator class and math mode instead (:func:`search.calibrate_gpu.calibrate_device`; ``precision``:
+    operator class and math mode instead (:func:`unity_pcg.calibration.gpu.calibrate_device`; ``precision``:
     one math mode, default all; ``size``: ``tiny``, ``quick`` (default with ``quick``) or ``full``;
     ``base``: the preset whose topology and network link are kept)."""
     if device is not None and device != "local":
-        from .calibrate_gpu import calibrate_device
+        from .gpu import calibrate_device
         obj = calibrate_device(device, precision=precision, size=size or ("quick" if quick else "full"),
                                base=base, quiet=quiet)
         return MachineSpec.from_json(obj, source=f"calibration of {device}")

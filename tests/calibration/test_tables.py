@@ -7,13 +7,13 @@ import dataclasses
 import pytest
 
 from unity_pcg.machine import DeviceSpec, LinkSpec, MachineSpec, interpolate_table
-from unity_pcg.search import calibrate as cal
+from unity_pcg.calibration import local as cal
 from unity_pcg.search import collectives as C
 from unity_pcg.search.baselines import data_parallel
 from unity_pcg.search.cost import CostModel
 from unity_pcg.search.mapping import MachineMapper
 
-from .graphs import mlp
+from tests.search.graphs import mlp
 
 
 def _machine(tables: dict | None = None, coll: dict | None = None, world: int = 2) -> MachineSpec:

@@ -1,4 +1,4 @@
-"""GPU calibration (search/calibrate_gpu.py), tested as far as a CPU can: the measurement loop on a CPU
+"""GPU calibration (calibration/gpu.py), tested as far as a CPU can: the measurement loop on a CPU
 with tiny sizes (a fake timer, and real timing of a few kernels), the fits against synthetic data with
 known throughput and overhead, the machine file it writes, and the cost model pricing from its tables."""
 import json
@@ -8,7 +8,7 @@ import pytest
 
 from unity_pcg import cli
 from unity_pcg.machine import MachineSpec, h100, interpolate_table
-from unity_pcg.search import calibrate_gpu as G
+from unity_pcg.calibration import gpu as G
 from unity_pcg.search.cost import CostModel
 from unity_pcg.shape import ParallelTensorShape as S
 

@@ -295,7 +295,7 @@ def build_case(c: Case, device: str, mode: str) -> dict | None:
     import torch
     import torch.nn.functional as F
 
-    from .cost import kernel_work
+    from unity_pcg.search.cost import kernel_work
     low = mode == "bf16"
     adt = torch.bfloat16 if low else torch.float32
     p = c.params

@@ -5,7 +5,7 @@ import dataclasses
 
 import pytest
 
-from unity_pcg.search import calibrate as cal
+from unity_pcg.calibration import local as cal
 from unity_pcg.search import collectives as C
 from unity_pcg.search.baselines import data_parallel
 from unity_pcg.search.cost import CostModel, GraphCost, op_class
@@ -14,7 +14,7 @@ from unity_pcg.machine import DeviceSpec, LinkSpec, MachineSpec, parse_machine
 from unity_pcg.pcg import PCG
 from unity_pcg.shape import ParallelTensorShape
 
-from .graphs import mlp
+from tests.search.graphs import mlp
 
 
 def _dev(scale: float) -> dict:

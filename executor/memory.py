@@ -1,0 +1,613 @@
+"""Running a plan's memory techniques (the plan's ``memory`` field, :class:`unity_pcg.plan.MemoryPlan`;
+DESIGN "Executor").  The :class:`~executor.train.Trainer` owns the step; this module owns:
+
+* **the schedule with recompute regions** (:func:`schedule`): the lowered steps in their global order,
+  each :class:`~unity_pcg.plan.RecomputeRegion` gathered into one :class:`Region` item (its compute
+  nodes plus the parallel operators between them: those fed by the region whose every consumer is in it),
+  placed by a stable topological sort (a region that a path leaves and re-enters is refused).  Every rank
+  derives the same items from the same plan.  A region's steps run under ``torch.utils.checkpoint``
+  (non-reentrant) as one sub-program per *run*: ``full`` -> one run; ``selective`` -> each maximal run of
+  steps that are not matmul/convolution-class operators (:data:`KEPT_CLASSES`, the cost model's
+  ``op_class``), the matmul/convolution steps between them run plainly (their outputs kept).  A run's
+  inputs are the local tensors entering it, its outputs those read after it.  Its last operation is a
+  *trigger* (``anchor * anchor``) tied to the loss: the autograd engine runs nodes latest-created first,
+  so on every rank the trigger is the run's first node reached by the backward, at the same point of the
+  global order, and unpacking what it saved starts the recomputation there -- the run's communication
+  runs again in the same order on every rank (no deadlock).  Dropout masks and random generators are
+  hashes of (seed, step, node, index), so the recomputation draws the same values; BatchNorm running
+  statistics are updated by the first run only.
+
+* **ZeRO and offload** (:class:`ZeroRuntime`), over each weight's data-parallel copies: the atoms
+  (weight regions read by one device set, ``Trainer._atoms``) that the plan all-reduces are grouped as the
+  gradient buckets are (one :class:`ZeroGroup` per bucket of this rank; atoms read by this rank alone form
+  one more group of one device).  A group is a flat vector of its atoms, padded to ``k * s`` and cut in
+  ``k`` shards of ``s`` (k = the group's devices with ZeRO >= 1, else 1); rank j of the group owns shard j.
+  The optimizer (torch's SGD / momentum / Adam: element-wise, so a flat shard updates exactly as the
+  whole tensors) holds one parameter per group: this rank's shard of the values.  Stage 1: gradients
+  all-reduced as without ZeRO, the update of one's shard, then an all-gather of the parameters.  Stage 2:
+  reduce-scatter of the gradient buckets instead.  Stage 3: parameters held only as shards; each group is
+  all-gathered (:class:`_ZeroGather`, backward: reduce-scatter of the flat gradient into the shard's)
+  before its first use in the forward and the full weights freed after its last use: tensors the
+  autograd graph saves that live in a gathered weight are packed as (name, view) and, in the backward,
+  gathered again by a trigger (:class:`_Regather`) created after the group's last use (so it runs
+  before any of the uses' backward, at the same point of the global order on every member) and freed by
+  the gather's own backward.  Offload: the optimizer's parameters and states are separate host tensors;
+  the gradient shard is copied there, the update runs there, the values are copied back.
+"""
+from __future__ import annotations
+
+import heapq
+from dataclasses import dataclass, field
+
+import torch
+import torch.distributed as dist
+
+from .kernels import ExecutorError
+
+def _kept_classes():
+    """Operator classes (search.cost.op_class) whose outputs selective recomputation keeps."""
+    from unity_pcg.search.cost import COMPUTE_CLASSES
+    return COMPUTE_CLASSES
+
+
+#: operators that save nothing for their backward (views, copies, casts): selective recomputation does not
+#: checkpoint a run made of these (and communication) alone -- it would keep its input instead
+LAYOUT_OPS = frozenset({"Reshape", "Transpose", "Flatten", "Identity", "Slice", "Split", "Expand", "Concat", "Cast",
+                        "Tile", "Pad"})
+
+
+def kept_in_selective(op: str) -> bool:
+    """Whether selective recomputation keeps the output of compute operator ``op`` (matmul- and
+    convolution-class, the cost model's classes)."""
+    from unity_pcg.search.cost import op_class
+    return op_class(op) in _kept_classes()
+
+
+# --- recompute regions ---------------------------------------------------------------------------------------
+
+@dataclass
+class Run:
+    """Consecutive steps of a region: checkpointed (recomputed in the backward) or plain (kept)."""
+    checkpointed: bool
+    steps: list
+    io: dict = field(default_factory=dict)     # per loss ref: (input refs, output refs) on this rank
+
+
+@dataclass
+class Region:
+    index: int
+    mode: str
+    nodes: frozenset
+    steps: list
+    runs: list
+
+
+def _members(low, nodes: set, taken: dict, consumers: dict, outputs: set) -> set:
+    """The region's compute nodes plus the parallel operators between them: fed (through parallel
+    operators) by the region, every consumer inside it, not a graph output."""
+    S = set(nodes)
+    T: set = set()
+    stack = list(S)
+    while stack:
+        i = stack.pop()
+        for c in consumers.get(i, ()):
+            if low.role.get(c) == "parallel" and c not in T and c not in taken:
+                T.add(c)
+                stack.append(c)
+    changed = True
+    while changed:
+        changed = False
+        for p in sorted(T):
+            n = low.g.node(p)
+            ok = n.inputs[0][0] in S | T and p not in outputs and all(c in S | T for c in consumers.get(p, ()))
+            if not ok:
+                T.discard(p)
+                changed = True
+    return S | T
+
+
+def schedule(low, regions) -> list:
+    """The steps of ``low`` with each recompute region as one :class:`Region` item, in a stable
+    topological order (the lowering's order wherever the regions allow); the same on every rank."""
+    if not regions:
+        return list(low.steps)
+    g = low.g
+    pos = {st.node: i for i, st in enumerate(low.steps)}
+    consumers: dict = {}
+    for n in g.nodes():
+        for r in n.inputs:
+            consumers.setdefault(r[0], set()).add(n.id)
+    outputs = {r[0] for r in g.outputs}
+    unit: dict = {}            # node -> unit key
+    regs: list[Region] = []
+    for k, reg in enumerate(regions):
+        for nid in reg.nodes:
+            if nid not in pos or low.role.get(nid) != "compute":
+                raise ExecutorError(f"recompute region {k}: node {nid} is not a compute node of the plan")
+        mem = _members(low, set(reg.nodes), unit, consumers, outputs)
+        for i in mem:
+            unit[i] = ("r", k)
+        steps = sorted((low.steps[pos[i]] for i in mem), key=lambda st: pos[st.node])
+        regs.append(Region(k, reg.mode, frozenset(mem), steps, _runs(steps, reg.mode)))
+    for st in low.steps:
+        unit.setdefault(st.node, ("s", st.node))
+    # dependencies between units: a step reads its node's inputs (a redistribution: its chain's head)
+    deps: dict = {u: set() for u in set(unit.values())}
+    prio: dict = {}
+    for st in low.steps:
+        u = unit[st.node]
+        prio[u] = min(prio.get(u, pos[st.node]), pos[st.node])
+        srcs = [r[0] for r in g.node(st.node).inputs]
+        if st.node in low.redist:
+            srcs.append(low.redist[st.node][0][0])
+        for s in srcs:
+            if s in unit and unit[s] != u:
+                deps[u].add(unit[s])
+    users: dict = {u: set() for u in deps}
+    for u, ds in deps.items():
+        for d in ds:
+            users[d].add(u)
+    left = {u: len(ds) for u, ds in deps.items()}
+    heap = [(prio[u], u) for u, c in left.items() if c == 0]
+    heapq.heapify(heap)
+    order = []
+    while heap:
+        _, u = heapq.heappop(heap)
+        order.append(u)
+        for v in users[u]:
+            left[v] -= 1
+            if left[v] == 0:
+                heapq.heappush(heap, (prio[v], v))
+    if len(order) != len(deps):
+        bad = sorted(k for (kind, k) in deps if kind == "r" and left[(kind, k)] > 0)
+        k = bad[0] if bad else 0
+        raise ExecutorError(f"recompute region {k} (nodes {sorted(regions[k].nodes)}) cannot run as one "
+                            f"sub-program: a path leaves it and comes back")
+    return [regs[k] if kind == "r" else low.steps[pos[k]] for kind, k in order]
+
+
+def _runs(steps: list, mode: str) -> list:
+    if mode == "full":
+        return [Run(True, list(steps))]
+    runs: list = []
+    for st in steps:
+        kept = st.kind == "compute" and kept_in_selective(st.op)
+        if kept:
+            runs.append(Run(False, [st]))
+        elif runs and runs[-1].checkpointed:
+            runs[-1].steps.append(st)
+        else:
+            runs.append(Run(True, [st]))
+    # a run of layout operators and communication alone saves nothing for the backward: run it plainly
+    for run in runs:
+        if run.checkpointed and all(st.kind != "compute" or st.op in LAYOUT_OPS for st in run.steps):
+            run.checkpointed = False
+    return runs
+
+
+def step_reads(st, rank: int) -> list:
+    """Local tensors (refs) a step reads on ``rank``, in order."""
+    out = [s.ref for s in st.inputs if s.kind == "local"]
+    for e in st.exchanges:
+        out.extend(t.ref for t in e.transfers if t.src == rank)
+    return out
+
+
+def run_io(run: Run, all_items: list, rank: int, keep: set) -> tuple[list, list]:
+    """(inputs, outputs) of a checkpointed run on ``rank``: the local tensors it reads that it does not
+    produce, and those it produces that a step outside it (or ``keep``: the loss) reads."""
+    inside = {id(st) for st in run.steps}
+    produced: list = []
+    for st in run.steps:
+        produced.extend(st.outputs)
+    pset = set(produced)
+    ins: list = []
+    for st in run.steps:
+        for r in step_reads(st, rank):
+            if r not in pset and r not in ins:
+                ins.append(r)
+    outside: set = set(keep)
+    for item in all_items:
+        for st in (item.steps if isinstance(item, Region) else [item]):
+            if id(st) not in inside:
+                outside.update(step_reads(st, rank))
+    outs = [r for r in dict.fromkeys(produced) if r in outside]
+    return ins, outs
+
+
+# --- ZeRO and offload --------------------------------------------------------------------------------------
+
+def _all_gather(out: torch.Tensor, x: torch.Tensor, group) -> None:
+    fn = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+    fn(out, x, group=group)
+
+
+@dataclass
+class ZeroGroup:
+    """One flat group of atoms (see the module docstring): ``items`` = [(name, region, offset, numel)]."""
+    devs: tuple
+    items: list
+    n: int
+    k: int                   # shards (1: not sharded)
+    j: int                   # this rank's shard
+    s: int                   # shard length
+    bucket: int | None       # the Trainer's gradient bucket (None: the atoms read by this rank alone)
+    pg: object = None        # the bucket's process group (k > 1)
+    dtype: torch.dtype = torch.float32
+
+    @property
+    def lo(self) -> int:
+        return self.j * self.s
+
+
+class _ZeroGather(torch.autograd.Function):
+    """A ZeRO-3 group's flat values from its shards (all-gather); the backward reduce-scatters the flat
+    gradient into this rank's shard and frees the group's values gathered again for the backward."""
+
+    @staticmethod
+    def forward(ctx, rt, gi, anchor, shard):
+        ctx.rt, ctx.gi = rt, gi
+        return rt.gather_values(gi, shard.detach())
+
+    @staticmethod
+    def backward(ctx, gflat):
+        rt, grp = ctx.rt, ctx.rt.groups[ctx.gi]
+        full = torch.zeros(grp.s * grp.k, dtype=gflat.dtype, device=gflat.device)
+        full[:grp.n] = gflat
+        out = torch.empty(grp.s, dtype=gflat.dtype, device=gflat.device)
+        dist.reduce_scatter_tensor(out, full, group=grp.pg)
+        rt.release(ctx.gi)
+        return None, None, None, out
+
+
+class _Regather(torch.autograd.Function):
+    """Created after a ZeRO-3 group's last use in the forward; its backward (run before any use's
+    backward) gathers the group's values again for the saved tensors the uses unpack."""
+
+    @staticmethod
+    def forward(ctx, rt, gi, anchor):
+        ctx.rt, ctx.gi = rt, gi
+        return anchor.new_zeros(())
+
+    @staticmethod
+    def backward(ctx, g):
+        ctx.rt.regather(ctx.gi)
+        return None, None, torch.zeros((), device=g.device)
+
+
+def _slices(region) -> tuple:
+    return tuple(slice(a, b) for a, b in region)
+
+
+class ZeroRuntime:
+    """The sharded (or offloaded) update and, with stage 3, sharded parameters of one Trainer."""
+
+    def __init__(self, tr, stage: int, offload: bool, optimizer: str, lr: float):
+        from .train import _numel, make_optimizer
+        self.tr = tr
+        self.stage = int(stage)
+        self.offload = bool(offload)
+        self.device = tr.device
+        self.host = torch.device("cpu")
+        rank = tr.rank
+        self.groups: list[ZeroGroup] = []
+
+        def add(devs, items, bucket):
+            flat, off = [], 0
+            for name, sl in items:
+                k = _numel(sl)
+                flat.append((name, tuple(sl), off, k))
+                off += k
+            k = len(devs) if self.stage >= 1 else 1
+            s = -(-off // k)
+            dt = tr.params[items[0][0]].dtype
+            pg = tr._bucket_pgs.get(devs) if k > 1 else None
+            self.groups.append(ZeroGroup(tuple(devs), flat, off, k, devs.index(rank) if k > 1 else 0, s, bucket,
+                                         pg, dt))
+        for i in tr._my_buckets:
+            b = tr._buckets[i]
+            add(b["devs"], b["items"], i)
+        alone = [(name, sl) for name in tr.params for sl, devs in tr._atoms.get(name, []) if tuple(devs) == (rank,)]
+        if alone:
+            add((rank,), alone, None)
+        self.names = sorted({it[0] for grp in self.groups for it in grp.items})
+        # this rank's shard of every group: the optimizer's parameters (host copies with offload)
+        values = {nm: tr.params[nm].detach() for nm in self.names}
+        self.shards: list[torch.Tensor] = []       # stage 3: the parameters at rest (device, leaves)
+        self.upd: list[torch.Tensor] = []          # what the optimizer updates
+        for grp in self.groups:
+            sh = self._flatten(grp, values)[grp.lo:grp.lo + grp.s].clone()
+            if self.stage == 3:
+                sh = torch.nn.Parameter(sh)
+                self.shards.append(sh)
+            if self.offload:
+                u = sh.detach().to(self.host, copy=True)
+                if self.device.type == "cuda":
+                    u = u.pin_memory()
+                u = torch.nn.Parameter(u)
+            elif self.stage == 3:
+                u = sh
+            else:
+                u = torch.nn.Parameter(sh)
+            self.upd.append(u)
+        self.opt = make_optimizer(optimizer, list(self.upd), lr)
+        # stage 3: where each weight is read (item positions of the schedule), gathered values
+        self.first: dict[int, list[int]] = {}      # item index -> groups gathered before it
+        self.last: dict[int, list[int]] = {}       # item index -> groups whose regather trigger follows it
+        self.drop: dict[int, list[str]] = {}       # item index -> weights freed after it
+        self.work: dict[str, torch.Tensor] = {}    # forward: weight name -> its values (region shape)
+        self._ptr: dict[int, str] = {}             # storage address -> weight name (forward)
+        self.flat_bw: dict[int, torch.Tensor] = {}  # backward: values gathered again
+        self.work_bw: dict[str, torch.Tensor] = {}
+        self.forward_phase = False
+        if self.stage == 3:
+            with torch.no_grad():
+                for nm in self.names:
+                    tr.params[nm].data = tr.params[nm].data.new_empty(0)
+
+    # --- flat layout ---------------------------------------------------------------------------------
+    def _flatten(self, grp: ZeroGroup, values: dict) -> torch.Tensor:
+        """The group's padded flat vector from region-shaped tensors per weight name (of this rank)."""
+        out = torch.zeros(grp.s * grp.k, dtype=grp.dtype, device=self.device)
+        for name, sl, off, k in grp.items:
+            v = values.get(name)
+            if v is not None:
+                out[off:off + k] = v[self.tr._rel(name, sl)].reshape(-1).to(out.device, out.dtype)
+        return out
+
+    def _unflatten(self, grp: ZeroGroup, flat: torch.Tensor, out: dict) -> None:
+        for name, sl, off, k in grp.items:
+            dst = out[name][self.tr._rel(name, sl)]
+            dst.copy_(flat[off:off + k].view_as(dst))
+
+    def _full(self, grp: ZeroGroup, shard: torch.Tensor) -> torch.Tensor:
+        """The group's padded flat vector from this rank's shard (all-gather over the group)."""
+        shard = shard.detach().to(self.device)
+        if grp.k == 1:
+            return shard
+        out = torch.empty(grp.s * grp.k, dtype=shard.dtype, device=self.device)
+        _all_gather(out, shard.contiguous(), grp.pg)
+        return out
+
+    # --- the update -----------------------------------------------------------------------------------
+    def grad_shard(self, gi: int) -> torch.Tensor | None:
+        """This rank's shard of group ``gi``'s synchronized gradient (stages 0-2, after the sync)."""
+        tr, grp = self.tr, self.groups[gi]
+        if grp.bucket is not None:
+            if self.stage == 2:
+                return tr._rs_out[grp.bucket]
+            flat = tr._flat[grp.bucket]
+            g = flat[grp.lo:grp.lo + grp.s]
+            if g.numel() < grp.s:
+                g = torch.cat([g, g.new_zeros(grp.s - g.numel())])
+            return g
+        grads = {nm: tr.params[nm].grad for nm in self.names if tr.params[nm].grad is not None}
+        if not grads:
+            return None
+        return self._flatten(grp, grads)[grp.lo:grp.lo + grp.s]
+
+    def step(self) -> None:
+        """The update of this rank's shards, then the parameters made whole again (stages 0-2)."""
+        if self.stage < 3:
+            for gi, u in enumerate(self.upd):
+                g = self.grad_shard(gi)
+                u.grad = None if g is None else g.detach().to(u.device, copy=True)
+        elif self.offload:
+            for sh, u in zip(self.shards, self.upd):
+                u.grad = None if sh.grad is None else sh.grad.detach().to(self.host, copy=True)
+        self.opt.step()
+        with torch.no_grad():
+            if self.stage == 3:
+                if self.offload:
+                    for sh, u in zip(self.shards, self.upd):
+                        sh.copy_(u.to(self.device))
+                return
+            params = {nm: self.tr.params[nm].data for nm in self.names}
+            for grp, u in zip(self.groups, self.upd):
+                self._unflatten(grp, self._full(grp, u), params)
+
+    def zero_grad(self) -> None:
+        for u in self.upd:
+            u.grad = None
+        for sh in self.shards:
+            sh.grad = None
+
+    # --- stage 3: gathering ------------------------------------------------------------------------------
+    def plan_gathers(self, items: list) -> None:
+        """Item positions of the schedule where each group is gathered (first use of its weights), its
+        regather trigger created (after the last use) and each weight freed (after its last use)."""
+        g = self.tr.g
+        low = self.tr.low
+        first: dict[str, int] = {}
+        last: dict[str, int] = {}
+        for idx, item in enumerate(items):
+            for st in (item.steps if isinstance(item, Region) else [item]):
+                if st.kind != "compute":
+                    continue
+                for r in g.node(st.node).inputs:
+                    o = low.origin.get(r[0])
+                    if o is not None and low.role[o] == "weight":
+                        nm = g.node(o).a["name"]
+                        first.setdefault(nm, idx)
+                        last[nm] = idx
+        for gi, grp in enumerate(self.groups):
+            names = {it[0] for it in grp.items}
+            f = min(first.get(nm, 0) for nm in names)
+            la = max(last.get(nm, 0) for nm in names)
+            self.first.setdefault(f, []).append(gi)
+            if grp.k > 1:
+                self.last.setdefault(la, []).append(gi)
+        for nm in self.names:
+            self.drop.setdefault(last.get(nm, 0), []).append(nm)
+        self._groups_of = {nm: [gi for gi, grp in enumerate(self.groups) if any(it[0] == nm for it in grp.items)]
+                           for nm in self.names}
+
+    def gather_values(self, gi: int, shard: torch.Tensor) -> torch.Tensor:
+        grp = self.groups[gi]
+        return self._full(grp, shard)[:grp.n]
+
+    def before_item(self, idx: int, anchor, sinks: list) -> None:
+        for gi in self.first.get(idx, ()):
+            grp = self.groups[gi]
+            if grp.k > 1:
+                full = _ZeroGather.apply(self, gi, anchor, self.shards[gi])
+                sinks.append(full[:1].clone())      # ties the backward's reduce-scatter, keeps no values
+            else:
+                full = self.shards[gi][:grp.n]
+            for name, sl, off, k in grp.items:
+                w = self.work.get(name)
+                if w is None:
+                    w = self._blank(name)
+                    self.work[name] = w
+                    if w.numel():
+                        self._ptr[w.untyped_storage().data_ptr()] = name
+                w[self.tr._rel(name, sl)] = full[off:off + k].view([b - a for a, b in sl])
+
+    def after_item(self, idx: int, anchor, sinks: list) -> None:
+        for gi in self.last.get(idx, ()):
+            sinks.append(_Regather.apply(self, gi, anchor))
+        for nm in self.drop.get(idx, ()):
+            w = self.work.pop(nm, None)
+            if w is not None and w.numel():
+                self._ptr.pop(w.untyped_storage().data_ptr(), None)
+
+    def _blank(self, name: str) -> torch.Tensor:
+        shape = [b - a for a, b in self.tr._region[name]]
+        return torch.zeros(shape, dtype=self.tr.params[name].dtype, device=self.device)
+
+    def value(self, name: str) -> torch.Tensor:
+        """A stage-3 weight's values (region shape): the forward's gathered ones, or in the backward
+        (a recomputed region, an unpacked saved tensor) the ones gathered again."""
+        if self.forward_phase:
+            w = self.work.get(name)
+            if w is None:
+                raise ExecutorError(f"ZeRO-3: weight {name!r} read outside the steps that gather it")
+            return w
+        w = self.work_bw.get(name)
+        if w is None:
+            w = self._blank(name)
+            for gi in self._groups_of[name]:
+                grp = self.groups[gi]
+                flat = self.flat_bw.get(gi)
+                if flat is None:
+                    flat = self.shards[gi].detach() if grp.k == 1 else self._full(grp, self.shards[gi])
+                    if grp.k > 1:
+                        self.flat_bw[gi] = flat
+                for nm, sl, off, k in grp.items:
+                    if nm == name:
+                        w[self.tr._rel(nm, sl)] = flat[off:off + k].view([b - a for a, b in sl])
+            # as the forward's: a recomputed region saves what the forward saved (its graph is dropped)
+            w.requires_grad_(True)
+            self.work_bw[name] = w
+        return w
+
+    def regather(self, gi: int) -> None:
+        grp = self.groups[gi]
+        self.flat_bw[gi] = self._full(grp, self.shards[gi])
+
+    def release(self, gi: int) -> None:
+        self.flat_bw.pop(gi, None)
+        for name, _, _, _ in self.groups[gi].items:
+            self.work_bw.pop(name, None)
+
+    def end_step(self) -> None:
+        self.work.clear()
+        self._ptr.clear()
+        self.flat_bw.clear()
+        self.work_bw.clear()
+
+    def hooks(self):
+        """saved_tensors_hooks for the forward: a saved tensor living in a gathered weight is kept as
+        (weight name, view) and rebuilt from the values gathered again in the backward."""
+        def pack(t):
+            if self._ptr and t.numel():
+                nm = self._ptr.get(t.untyped_storage().data_ptr())
+                if nm is not None:
+                    return ("zero3", nm, tuple(t.size()), tuple(t.stride()), t.storage_offset())
+            return t
+
+        def unpack(h):
+            if isinstance(h, tuple) and h and h[0] == "zero3":
+                _, nm, size, stride, off = h
+                return self.value(nm).as_strided(size, stride, off)
+            return h
+        return torch.autograd.graph.saved_tensors_hooks(pack, unpack)
+
+    # --- state ----------------------------------------------------------------------------------------
+    def param_values(self) -> dict[str, torch.Tensor]:
+        """Region-shaped values of every weight of the groups (stage 3: gathered; collective over the
+        groups, in group order)."""
+        out = {nm: self._blank(nm) for nm in self.names}
+        with torch.no_grad():
+            for grp, sh in zip(self.groups, self.shards):
+                self._unflatten(grp, self._full(grp, sh), out)
+        return out
+
+    def load_values(self, values: dict) -> None:
+        """Shards (and host copies) from full-size or region-shaped values per name (no collective)."""
+        with torch.no_grad():
+            for gi, grp in enumerate(self.groups):
+                sh = self._flatten(grp, values)[grp.lo:grp.lo + grp.s]
+                if self.stage == 3:
+                    self.shards[gi].copy_(sh)
+                self.upd[gi].copy_(sh.to(self.upd[gi].device))
+
+    def state_tensors(self, keys) -> tuple[dict, float | None]:
+        """Optimizer state per key and weight name (region-shaped; collective over the groups) and the
+        step count (None: no state yet)."""
+        sd = self.opt.state
+        out: dict = {}
+        step = None
+        for key in keys:
+            if key == "step":
+                continue
+            out[key] = {nm: self._blank(nm) for nm in self.names}
+            for grp, u in zip(self.groups, self.upd):
+                v = sd.get(u, {}).get(key)
+                v = torch.zeros(grp.s, dtype=grp.dtype) if v is None else v
+                self._unflatten(grp, self._full(grp, v), out[key])
+        for u in self.upd:
+            v = sd.get(u, {}).get("step")
+            if v is not None:
+                step = max(step or 0.0, float(v))
+        return out, step
+
+    def load_state_tensors(self, per_name: dict, keys) -> None:
+        """Optimizer state from full tensors: ``per_name`` weight name -> {key: tensor}."""
+        state = {}
+        for gi, (grp, u) in enumerate(zip(self.groups, self.upd)):
+            ent = {}
+            for key in keys:
+                vals = {nm: d[key] for nm, d in per_name.items() if key in d}
+                if key == "step":
+                    if vals:
+                        v = next(iter(vals.values()))
+                        ent[key] = torch.as_tensor(float(v), dtype=torch.float32)
+                    continue
+                if not vals:
+                    continue
+                full = {nm: torch.as_tensor(v)[_slices(self.tr._region[nm])]
+                        if tuple(v.shape) == self.tr._full[nm] else torch.as_tensor(v) for nm, v in vals.items()}
+                ent[key] = self._flatten(grp, full)[grp.lo:grp.lo + grp.s].to(u.device).clone()
+            if ent:
+                state[gi] = ent
+        cur = self.opt.state_dict()
+        cur["state"] = state
+        self.opt.load_state_dict(cur)
+
+    def bytes(self) -> dict:
+        """Bytes this rank holds for the update: optimizer states and the updated copies, on the device
+        and on the host (offload)."""
+        dev = host = 0
+        for u in self.upd:
+            n = u.numel() * u.element_size()
+            st = sum(v.numel() * v.element_size() for v in self.opt.state.get(u, {}).values()
+                     if isinstance(v, torch.Tensor) and v.dim())
+            if self.offload:
+                host += n + st
+            else:
+                dev += st + (0 if self.stage == 3 else n)
+        return {"optimizer": dev, "optimizer_host": host}
+
+
+__all__ = ["schedule", "Region", "Run", "ZeroRuntime", "ZeroGroup", "kept_in_selective", "run_io"]

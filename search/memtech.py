@@ -1,0 +1,730 @@
+"""Memory techniques priced in time and memory, and the choice among them (DESIGN "Memory model").
+
+Job: given a mapped PCG (a :class:`search.cost.GraphCost` and a view per node), price a
+:class:`unity_pcg.plan.MemoryPlan` and choose the cheapest feasible one.  One mechanism for every
+model and strategy; nothing here knows layer names.
+
+*ZeRO* (stage 1-3, over each weight's data-parallel copies: the ``c`` devices holding identical copies
+of one weight piece).  Memory per device: stage 1 keeps ``1/c`` of the optimizer states, stage 2 also
+of the gradient, stage 3 also of the parameter plus a gathered working copy (the two largest *units*
+-- weights grouped by the region of their first use, current and prefetched -- at full size).  Time: a
+reduce-scatter of the gradient in place of its all-reduce; the update of ``1/c`` of the weight;
+stages 1-2 all-gather the updated parameters (overlapping the next forward where the runtime
+overlaps), stage 3 all-gathers each unit before its forward and again before its backward.
+*Recomputation* per region (:func:`regions`): ``full`` keeps nothing produced inside but what is read
+outside (the region's inputs are kept, as a checkpoint keeps them); ``selective`` also keeps the
+outputs of operators of class :data:`SELECTIVE_KEEP`.  Time: one more forward of what is recomputed
+(its compute and its forward transfers).  Memory: while a region's backward runs its recomputed
+activations live again (the largest region's, on top).
+*Offload*: optimizer states (and the update) in host memory: the states leave the device; the
+gradient shard goes to the host and the parameter shard back over ``links["host"]``, the update runs
+at ``host_mem_bandwidth`` shared by the node's devices.
+
+*Overlap* (``MachineSpec.overlap_grad_sync``): the iteration is the critical path of a compute stream
+(forward in topological order, backward in reverse, recomputation before a region's backward) and one
+communication stream (gradient buckets of ``grad_bucket_bytes`` in the order their gradients become
+ready -- the reverse order of use -- each issued when its last gradient is ready; ZeRO's all-gathers,
+prefetched one unit ahead).  Without overlap every collective is on the critical path, so an empty
+MemoryPlan prices exactly as :class:`search.mapping.MachineMapper` does (iteration = compute +
+transfers + sync + update).  With ``base`` a mapping's own cost (side-by-side branches make it less than
+the sum of its leaves), the iteration is that cost plus the techniques' change.
+
+:func:`choose` tries every allowed (ZeRO stage, offload) and, where memory does not fit, recomputes
+regions: every assignment when there are at most ``exact_limit`` regions, else greedily the region
+and mode saving the most bytes on the busiest device per second added, until it fits.  It returns the
+fastest feasible combination (ZeRO-1 can win when memory fits: it shrinks the update).
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+from itertools import product
+from typing import Any, Mapping, Sequence
+
+from unity_pcg.machine import MachineView
+from unity_pcg.pcg import PCG
+from unity_pcg.plan import MemoryPlan, RecomputeRegion
+
+from . import collectives as C
+from .cost import OPTIMIZER_STATES, GraphCost, op_class
+from .memory import SAVES_INPUTS, MemoryReport, _saves_copy, format_bytes, kept_fraction, memory_per_device
+
+#: operator classes whose outputs a ``selective`` region keeps (everything else inside is recomputed):
+#: dense matmuls, convolutions and embeddings; batched matmuls (attention's scores and its product with
+#: the values) are recomputed with the softmax and dropout between them, as Megatron-LM's selective form
+SELECTIVE_KEEP = frozenset({"matmul", "conv", "conv1x1", "conv_grouped", "embedding"})
+#: fewest compute operators of a region found by :func:`regions` (then it ends at the next cut)
+MIN_REGION_OPS = 4
+#: :func:`choose` tries every recompute assignment up to this many regions, else it is greedy
+EXACT_LIMIT = 4
+MODES = ("none", "selective", "full")
+
+
+# --- regions ------------------------------------------------------------------------------------------
+
+def regions(g: PCG | GraphCost, min_ops: int = MIN_REGION_OPS) -> tuple[tuple[int, ...], ...]:
+    """Recompute regions found from the graph's structure: the compute nodes in topological order,
+    cut after a position where exactly one activation (or none) is live -- what the backward of the
+    region would need from before it is one tensor, a layer's or half-layer's boundary on a
+    transformer's residual stream, a block's on a CNN -- once the region has ``min_ops`` compute
+    nodes.  Placements (weights, input shards) are not activations.  Each region a tuple of node ids."""
+    if isinstance(g, GraphCost):
+        g = g.g
+    role = g.roles()
+    order = [n for n in g.topo_order() if role[n] in ("compute", "parallel")]
+    pos = {n: i for i, n in enumerate(order)}
+    last: dict = {}
+    for n in order:
+        for r in g.node(n).inputs:
+            if r[0] in pos:
+                last[tuple(r)] = max(last.get(tuple(r), -1), pos[n])
+    ends: dict = {}
+    for r, lu in last.items():
+        ends.setdefault(pos[r[0]], []).append(lu)
+    live: list = []          # last uses of the live tensors
+    out, cur = [], []
+    for i, n in enumerate(order):
+        live = [lu for lu in live if lu > i] + [lu for lu in ends.get(i, ()) if lu > i]
+        if role[n] == "compute":
+            cur.append(n)
+        if len(live) <= 1 and len(cur) >= min_ops:
+            out.append(tuple(cur))
+            cur = []
+    if cur:
+        if out and len(cur) < min_ops:
+            out[-1] = out[-1] + tuple(cur)
+        else:
+            out.append(tuple(cur))
+    return tuple(out)
+
+
+def recompute_all(regs: Sequence[Sequence[int]], mode: str = "full") -> tuple[RecomputeRegion, ...]:
+    """Every region in ``mode`` (Megatron-LM's uniform recomputation)."""
+    return tuple(RecomputeRegion(tuple(r), mode) for r in regs)
+
+
+# --- the priced result ----------------------------------------------------------------------------------
+
+@dataclass
+class Priced:
+    """A MemoryPlan priced on one mapping.  Times in seconds; ``iteration_s`` = ``base_s`` - ``leaves_s``
+    + ``compute_s`` + ``comm_s`` + ``recompute_s`` + ``sync_s`` + ``zero_comm_s`` - ``hidden_s`` +
+    ``update_s`` + ``offload_s`` (``base_s - leaves_s``: what side-by-side branches save)."""
+    memory: MemoryPlan
+    iteration_s: float
+    feasible: bool
+    reason: str
+    report: MemoryReport
+    base_s: float = 0.0          # the mapping's cost without techniques and overlap
+    leaves_s: float = 0.0        # its leaves one after the other
+    compute_s: float = 0.0
+    comm_s: float = 0.0          # activation transfers (forward + backward)
+    sync_s: float = 0.0          # gradient all-reduces as priced without techniques (and buffer syncs)
+    zero_comm_s: float = 0.0     # ZeRO's collectives minus the all-reduces they replace
+    recompute_s: float = 0.0
+    update_s: float = 0.0        # the optimizer update on the devices, with the techniques
+    base_update_s: float = 0.0   # the same without them
+    offload_s: float = 0.0       # host transfers and the host update
+    hidden_s: float = 0.0        # communication the compute hides (overlap)
+    exposed_sync_s: float = 0.0  # communication of the sync stream left on the critical path
+    zero_units: int = 0
+    overlap: bool = False
+
+    @property
+    def max_bytes(self) -> int:
+        return self.report.max_bytes
+
+    @property
+    def per_device(self) -> dict:
+        return dict(self.report.per_device)
+
+    def to_json(self) -> dict:
+        return {"recompute_s": self.recompute_s, "zero_comm_s": self.zero_comm_s, "offload_s": self.offload_s,
+                "exposed_sync_s": self.exposed_sync_s, "hidden_comm_s": self.hidden_s,
+                "update_with_techniques_s": self.update_s, "overlap_grad_sync": self.overlap}
+
+    def rows(self) -> list[tuple[str, float]]:
+        """The iteration as rows that add up to it (explain)."""
+        rows = [("compute", self.compute_s), ("transfers", self.comm_s), ("gradient sync", self.sync_s)]
+        if abs(self.base_s - self.leaves_s) > 1e-12 * max(self.leaves_s, 1e-30):
+            rows.append(("side-by-side branches", self.base_s - self.leaves_s))
+        if self.recompute_s:
+            rows.append(("recompute", self.recompute_s))
+        if self.memory.zero and self.zero_comm_s:
+            rows.append((f"ZeRO-{self.memory.zero} collectives", self.zero_comm_s))
+        if self.hidden_s:
+            rows.append(("hidden by overlap", -self.hidden_s))
+        rows.append(("optimizer update", self.update_s))
+        if self.offload_s:
+            rows.append(("offload", self.offload_s))
+        return rows
+
+
+@dataclass
+class _Weight:
+    """A trained weight piece placement (a chain end, or a weight a compute node reads directly)."""
+    nid: int
+    nbytes: int                    # one piece, fp32
+    devices: tuple                 # every device holding a piece
+    groups: tuple                  # copy groups (devices holding the same piece)
+    copies: int
+    sync: float                    # its all-reduce as the leaves price it (0: one copy)
+    update: float                  # its update as the leaves price it
+    first: int                     # first consumer (topological)
+    last: int                      # last consumer
+    unit: int = 0
+
+
+@dataclass
+class _Tensor:
+    key: tuple
+    producer: int
+    consumers: tuple
+    base: float                    # kept fraction without recomputation
+    per_dev: dict                  # device -> bytes at fraction 1
+    mask_dev: dict                 # device -> bytes at the base fraction (Dropout masks)
+    fixed: bool = False            # input shards: never change
+
+
+# --- pricing --------------------------------------------------------------------------------------------
+
+class Techniques:
+    """Everything the techniques need about one mapping, computed once (choose prices many plans)."""
+
+    def __init__(self, gc: GraphCost, views: Mapping[int, MachineView], base: Any = None,
+                 regs: Sequence[Sequence[int]] | None = None):
+        self.gc, self.g, self.views = gc, gc.g, dict(views)
+        self.model = gc.model
+        self.machine = gc.machine
+        g = self.g
+        nodes = gc.nodes()
+        self.order = [n for n in nodes if gc.role[n] in ("compute", "parallel")]
+        self.pos = {n: i for i, n in enumerate(self.order)}
+        self.leaf = {n: gc.leaf_cost(n, self.views[n], self.views) for n in nodes}
+        self.leaves_s = sum(c.time for c in self.leaf.values())
+        self.compute_s = sum(c.compute for c in self.leaf.values())
+        self.comm_s = sum(c.comm for c in self.leaf.values())
+        self.sync_s = sum(c.sync for c in self.leaf.values())
+        self.update_s = sum(c.update for c in self.leaf.values())
+        bc = getattr(base, "cost", base)
+        self.base_s = float(bc) if bc is not None and math.isfinite(float(bc)) else self.leaves_s
+        self.base_report = memory_per_device(gc, self.views)
+        self.capacity = self.base_report.capacity
+        self.states = OPTIMIZER_STATES[self.model.optimizer]
+        # forward / backward durations of every node on the compute stream (compute + half its transfers)
+        self.fwd, self.bwd = {}, {}
+        for n in self.order:
+            c = self.leaf[n]
+            f = b = 0.0
+            if gc.role[n] == "compute":
+                f, b = gc.task_time(n)
+                k = self.model.busy_factor(self.views[n].degree)
+                f, b = f * k, c.compute - f * k
+            self.fwd[n] = f + c.comm / 2
+            self.bwd[n] = b + c.comm / 2
+        self.regions = tuple(tuple(r) for r in (regs if regs is not None else regions(g)))
+        self._weights()
+        self._tensors()
+
+    # --- weights ----------------------------------------------------------------------------------
+    def _first_last(self, nid: int) -> tuple[int, int]:
+        """First and last compute-stream consumers of a weight placement (topological positions)."""
+        seen, stack, ps = set(), [nid], []
+        while stack:
+            x = stack.pop()
+            for k in range(len(self.g.shapes(x))):
+                for u, _ in self.g.consumers((x, k)):
+                    if u in seen:
+                        continue
+                    seen.add(u)
+                    if u in self.pos:
+                        ps.append(self.pos[u])
+                    else:
+                        stack.append(u)
+        return (min(ps), max(ps)) if ps else (0, 0)
+
+    def _weights(self) -> None:
+        gc, g = self.gc, self.g
+        ws: list = []
+        self.buffer_sync: list = []     # (position, seconds): syncs of untrained replicated buffers
+        for n in gc.nodes():
+            role = gc.role[n]
+            if role == "weight-placement" and n in gc._chain_end:
+                if not gc.trainable(n):
+                    if self.leaf[n].sync:
+                        self.buffer_sync.append((self._first_last(n)[0], self.leaf[n].sync))
+                    continue
+                sh = g.shapes(n)[0]
+                devs = self.views[n].devices()
+                rest = sh.piece_count // sh.copy_degree
+                grp: dict = {}
+                for flat, d in enumerate(devs):
+                    grp.setdefault(flat % rest, []).append(d)
+                f, l = self._first_last(n)
+                ws.append(_Weight(n, sh.piece_nbytes, tuple(devs), tuple(tuple(x) for x in grp.values()),
+                                  sh.copy_degree, self.leaf[n].sync, self.leaf[n].update, self.order[f],
+                                  self.order[l]))
+            elif role == "compute":
+                for r in gc._update_owner.get(n, ()):
+                    nb = g.shape(r).piece_nbytes
+                    devs = self.views[n].devices()
+                    ws.append(_Weight(r[0], nb, tuple(devs), tuple((d,) for d in devs), 1, 0.0,
+                                      self.model.update_time(nb), n, n))
+        region_of = {n: i for i, r in enumerate(self.regions) for n in r}
+        units: dict = {}
+        for w in ws:
+            key = ("r", region_of[w.first]) if w.first in region_of else ("n", w.first)
+            w.unit = units.setdefault(key, len(units))
+        self.weights = ws
+        self.n_units = len(units)
+        self.has_copies = any(w.copies > 1 for w in ws)
+
+    def weight_bytes(self, zero: int, offload: bool) -> dict:
+        """Device -> bytes of weights, gradients and optimizer states with ZeRO ``zero`` and ``offload``
+        (the base weights of the mapping, less what the techniques take off, plus stage 3's working copy)."""
+        w = dict(self.base_report.weights)
+        k = self.states
+        gathered: dict = {}             # device -> unit -> bytes gathered beyond the owned shard
+        for x in self.weights:
+            c = x.copies
+            p = x.nbytes
+            param = p / c if zero >= 3 else p
+            grad = p / c if zero >= 2 else p
+            st = 0.0 if offload else (k * p / c if zero >= 1 else k * p)
+            save = (2 + k) * p - (param + grad + st)
+            for d in x.devices:
+                w[d] = w.get(d, 0) - save
+                if zero >= 3 and c > 1:
+                    u = gathered.setdefault(d, {})
+                    u[x.unit] = u.get(x.unit, 0) + p - p / c
+        for d, u in gathered.items():
+            top = sorted(u.values(), reverse=True)[:2]        # the unit in use and the one prefetched
+            w[d] = w.get(d, 0) + sum(top)
+        return w
+
+    # --- activations ------------------------------------------------------------------------------
+    def _tensors(self) -> None:
+        gc, g = self.gc, self.g
+        copy = _saves_copy(gc)
+        self.copy = copy
+        outs = set(map(tuple, g.outputs))
+        self.outs = outs
+        ts: dict = {}
+        self.by_node: dict = {}          # node -> keys of tensors it produces or reads
+        for n in gc.nodes():
+            role = gc.role[n]
+            if role == "weight-placement":
+                continue
+            if role == "input-placement" and any(gc.role[x[0]] != "input" for x in g.node(n).inputs):
+                continue
+            view = self.views[n]
+            for k, s in enumerate(g.shapes(n)):
+                fixed = role == "input-placement"
+                frac = 1.0 if fixed else kept_fraction(g, n, k, copy)
+                pb = s.piece_numel * gc.itemsize((n, k))
+                per: dict = {}
+                for d in gc.placement(n, view, k):
+                    per[d] = per.get(d, 0) + pb
+                if 0 < frac < 1:
+                    mb = int(s.piece_nbytes * frac)
+                    mask = {d: b // pb * mb for d, b in per.items()}
+                else:
+                    mask = {d: b * frac for d, b in per.items()}
+                cons = tuple(g.consumers((n, k)))
+                t = _Tensor((n, k), n, cons, frac, per, mask, fixed)
+                ts[(n, k)] = t
+                self.by_node.setdefault(n, set()).add((n, k))
+                for u, _ in cons:
+                    self.by_node.setdefault(u, set()).add((n, k))
+        self.tensors = ts
+        # autocast's saved converted copies (activation part) per compute node
+        self.cast_act: dict = {}
+        from .memory import _cast_copies
+        for n in gc.nodes():
+            if gc.role[n] == "compute":
+                w, a = {}, {}
+                _cast_copies(gc, n, self.views[n], w, a)
+                if a:
+                    self.cast_act[n] = a
+
+    def _saves(self, u: int, pos: int) -> bool:
+        saved = SAVES_INPUTS.get(self.g.node(u).op)
+        return (saved is None or pos in saved) and not (self.copy is not None and self.copy(u, pos))
+
+    def _frac(self, t: _Tensor, assign: Mapping[int, tuple]) -> float:
+        """Kept fraction of tensor ``t`` when the nodes of ``assign`` (node -> (region, mode)) are recomputed."""
+        if t.fixed:
+            return t.base
+        rp = assign.get(t.producer)
+        region_input = any(u in assign and (rp is None or assign[u][0] != rp[0]) for u, _ in t.consumers)
+        dropped = rp is not None and (rp[1] == "full" or op_class(self.g.node(t.producer).op,
+                                                                  self.g.input_shapes(t.producer))
+                                      not in SELECTIVE_KEEP)
+        if not dropped:
+            return 1.0 if region_input else t.base
+        if region_input or t.key in self.outs or not t.consumers:
+            return 1.0
+        if any(u not in assign and self._saves(u, pos) for u, pos in t.consumers):
+            return 1.0
+        return 0.0
+
+    def _bytes(self, t: _Tensor, frac: float) -> dict:
+        if frac == t.base:
+            return t.mask_dev
+        if frac == 1.0:
+            return t.per_dev
+        return {}
+
+    def activation_bytes(self, assign: Mapping[int, tuple]) -> tuple[dict, dict]:
+        """(device -> activation bytes, device -> recomputation's transient peak) with ``assign``."""
+        a = dict(self.base_report.activations)
+        touched = set()
+        for n in assign:
+            touched |= self.by_node.get(n, set())
+        regs: dict = {}
+        for n, (r, _) in assign.items():
+            regs.setdefault(r, []).append(n)
+        transient: dict = {}
+        per_region: dict = {}
+        for key in touched:
+            t = self.tensors[key]
+            f = self._frac(t, assign)
+            if f == t.base:
+                continue
+            for d, b in t.mask_dev.items():
+                a[d] = a.get(d, 0) - b
+            for d, b in self._bytes(t, f).items():
+                a[d] = a.get(d, 0) + b
+            if f < t.base and t.producer in assign:
+                acc = per_region.setdefault(assign[t.producer][0], {})
+                for d, b in t.mask_dev.items():
+                    acc[d] = acc.get(d, 0) + b - self._bytes(t, f).get(d, 0)
+        for n in assign:               # autocast copies inside a region: recomputed
+            for d, b in self.cast_act.get(n, {}).items():
+                a[d] = a.get(d, 0) - b
+                acc = per_region.setdefault(assign[n][0], {})
+                acc[d] = acc.get(d, 0) + b
+        for acc in per_region.values():
+            for d, b in acc.items():
+                transient[d] = max(transient.get(d, 0), b)
+        return a, transient
+
+    def recompute_time(self, nodes: Sequence[int], mode: str) -> float:
+        t = 0.0
+        for n in nodes:
+            if n not in self.fwd:
+                continue
+            if mode == "selective" and op_class(self.g.node(n).op, self.g.input_shapes(n)) in SELECTIVE_KEEP:
+                continue
+            t += self.fwd[n]
+        return t
+
+    # --- collectives --------------------------------------------------------------------------------
+    def _coll(self, groups: Sequence[Sequence[int]], nbytes: float) -> float:
+        """A weight's reduce-scatter (or all-gather: the same ring cost) of ``nbytes`` over each copy group
+        (groups run concurrently: the slowest), its latency spread over the step's buckets by bytes as the
+        gradient all-reduce's is (CostModel.grad_allreduce_time), so that reduce-scatter + all-gather costs
+        what the all-reduce it replaces costs."""
+        total = self.model.sync_total_bytes or self.gc._sync_bytes or nbytes
+        nb = self.model.bucket_count(total) if self.model.grad_bucket_bytes > 0 else 1
+        best = 0.0
+        for grp in groups:
+            p = len(set(grp))
+            if p <= 1:
+                continue
+            per_bucket = C.measured_time(self.machine, "all_gather", p, total / nb)
+            if per_bucket is not None:
+                t = per_bucket * nb * nbytes / total
+            else:
+                link = self.machine.link(self.machine.span_level(list(grp)))
+                t = (p - 1) / p * nbytes / link.bandwidth + (p - 1) * link.latency * nb * nbytes / total
+            best = max(best, t)
+        return best
+
+    # --- the iteration ------------------------------------------------------------------------------
+    def price(self, mem: MemoryPlan) -> Priced:
+        m, model = self.machine, self.model
+        zero, offload = int(mem.zero), bool(mem.offload)
+        if offload and not self.can_offload:
+            offload = False
+        assign = {n: (i, r.mode) for i, r in enumerate(mem.recompute) for n in r.nodes}
+        # memory
+        w = self.weight_bytes(zero, offload)
+        a, transient = self.activation_bytes(assign)
+        per = {d: w.get(d, 0) + a.get(d, 0) + transient.get(d, 0) for d in set(w) | set(a) | set(transient)}
+        per = {d: int(math.ceil(b)) for d, b in per.items()}
+        act = {d: a.get(d, 0) + transient.get(d, 0) for d in set(a) | set(transient)}
+        report = MemoryReport(per, {d: int(b) for d, b in w.items()}, {d: int(b) for d, b in act.items()},
+                              self.capacity)
+        # compute stream
+        recompute = [(r, self.recompute_time(r.nodes, r.mode)) for r in mem.recompute]
+        rec_s = sum(t for _, t in recompute)
+        nf = len(self.order)
+        dur = [self.fwd[n] for n in self.order] + [self.bwd[n] for n in reversed(self.order)]
+        bidx = {n: 2 * nf - 1 - self.pos[n] for n in self.order}          # backward task of node n
+        for r, t in recompute:
+            ps = [bidx[n] for n in r.nodes if n in bidx]
+            if ps:
+                dur[min(ps)] += t          # recomputed right before the region's backward starts
+        # communication stream: (trigger (task, 0 start / 1 end), seq, seconds, needed by task or None)
+        ops: list = []
+        sync_new = 0.0
+        update = self.update_s
+        host_bytes = host_moved = host_update = 0.0
+        bucket: list = []
+        cap = model.grad_bucket_bytes if model.grad_bucket_bytes > 0 else math.inf
+        limit = [min(cap, model.first_bucket_bytes) if m.overlap_grad_sync else cap]
+
+        def flush():
+            if bucket:
+                trig = max(b[0] for b in bucket)
+                ops.append(((trig, 1), len(ops), sum(b[1] for b in bucket), None))
+                bucket.clear()
+                limit[0] = cap
+            if ag_bucket:           # stages 1-2: the bucket's updated parameters, before the next forward reads them
+                need = min(self.pos[b[1]] for b in ag_bucket)
+                ag_ops.append((need, sum(b[0] for b in ag_bucket)))
+                ag_bucket.clear()
+
+        acc = 0.0
+        ag_bucket: list = []
+        ag_ops: list = []           # (forward task needing it, seconds)
+        fwd_gather: dict = {}
+        bwd_gather: dict = {}
+        for x in sorted(self.weights, key=lambda x: bidx.get(x.first, 0)):
+            c = x.copies
+            if c > 1 and x.sync > 0 or (c > 1 and zero >= 1):
+                if zero >= 1:
+                    t = self._coll(x.groups, x.nbytes)
+                    bucket.append((bidx[x.first], t))
+                    if zero >= 3:          # before the forward and again before the backward, per unit
+                        for d, key in ((fwd_gather, x.unit), (bwd_gather, x.unit)):
+                            cur = d.setdefault(key, [0.0, 0.0, x.first, x.last])
+                            cur[0] += t
+                            cur[2] = min(cur[2], x.first, key=lambda n: self.pos[n])
+                            cur[3] = max(cur[3], x.last, key=lambda n: self.pos[n])
+                    else:                  # the updated parameters, in the gradient's buckets
+                        ag_bucket.append((t, x.first))
+                else:
+                    bucket.append((bidx[x.first], x.sync))
+                acc += x.nbytes
+                if acc >= limit[0]:
+                    flush()
+                    acc = 0.0
+            share = x.nbytes / c if zero >= 1 else x.nbytes
+            if zero >= 1 or offload:
+                update -= x.update
+                if not offload:
+                    update += model.update_time(share)
+            if offload:               # the device's update of the shard, at the host's bandwidth
+                host_bytes += 2 * share
+                host_moved += (3 + 2 * self.states) * share
+                host_update += model.update_time(share)
+        flush()
+        for pos_, t in self.buffer_sync:
+            ops.append(((2 * nf - 1 - pos_, 1), len(ops), t, None))
+        # stages 1-2: every bucket's all-gather issued at the iteration's start (after the previous update)
+        for need, t in sorted(ag_ops):
+            ops.append(((-1, 0), len(ops), t, need))
+        # stage 3: forward gathers prefetched one unit ahead from the iteration's start, backward likewise
+        fl = sorted(fwd_gather.values(), key=lambda v: self.pos[v[2]])
+        prev = -1
+        for v in fl:
+            need = self.pos[v[2]]
+            ops.append(((prev, 0), len(ops), v[0] + v[1], need))
+            prev = need
+        bl = sorted(bwd_gather.values(), key=lambda v: bidx[v[3]])
+        prev_key = (nf - 1, 1)
+        for v in bl:
+            need = bidx[v[3]]
+            ops.append((prev_key, len(ops), v[0] + v[1], need))
+            prev_key = (need, 0)
+        comm_total = sum(o[2] for o in ops)
+        sync_new = comm_total
+        zero_comm = comm_total - self.sync_s
+        if abs(zero_comm) <= 1e-9 * max(comm_total, 1e-300):    # stages 1-2: reduce-scatter + all-gather = all-reduce
+            zero_comm = 0.0
+        compute_total = sum(dur)
+        if m.overlap_grad_sync:
+            makespan = _simulate(dur, ops)
+        else:
+            makespan = compute_total + comm_total
+        exposed = makespan - compute_total
+        hidden = comm_total - exposed
+        off = 0.0
+        if offload:
+            host = m.links["host"]
+            per_dev = m.host_mem_bandwidth / m.devices_per_node
+            off = (host_bytes / host.bandwidth + 2 * host.latency + host_update
+                   + host_moved * max(1.0 / per_dev - 1.0 / m.mem_bandwidth, 0.0))
+        it = self.base_s - self.leaves_s + makespan + update + off
+        feasible = report.feasible
+        reason = "" if feasible else "out of memory: " + report.reason()
+        return Priced(MemoryPlan(zero, offload, tuple(mem.recompute)), it, feasible, reason, report,
+                      self.base_s, self.leaves_s, self.compute_s, self.comm_s, self.sync_s, zero_comm, rec_s,
+                      update, self.update_s, off, hidden, exposed, self.n_units, m.overlap_grad_sync)
+
+    @property
+    def can_offload(self) -> bool:
+        m = self.machine
+        return "host" in m.links and m.host_mem_bandwidth > 0 and self.states > 0 and bool(self.weights)
+
+    # --- choosing -----------------------------------------------------------------------------------
+    def choose(self, zero: Sequence[int] = (0, 1, 2, 3), offload: Sequence[bool] = (False, True),
+               recompute: str = "auto", exact_limit: int = EXACT_LIMIT) -> Priced:
+        zs = [z for z in zero if z == 0 or self.has_copies] or [min(zero)]
+        offs = [o for o in offload if not o or self.can_offload] or [False]
+        cands = []
+        for z, o in product(zs, offs):
+            if recompute in ("full", "selective"):
+                cands.append(self.price(MemoryPlan(z, o, recompute_all(self.regions, recompute))))
+            elif recompute == "none":
+                cands.append(self.price(MemoryPlan(z, o)))
+            elif recompute == "auto":
+                cands.extend(self._fit(z, o, exact_limit))
+            else:
+                raise ValueError(f"recompute must be auto, none, full or selective, got {recompute!r}")
+        ok = [p for p in cands if p.feasible]
+        if ok:
+            return min(ok, key=lambda p: (p.iteration_s, p.memory.zero, p.memory.offload, len(p.memory.recompute)))
+        return min(cands, key=lambda p: (p.max_bytes, p.iteration_s))
+
+    def _fit(self, zero: int, offload: bool, exact_limit: int) -> list:
+        """Priced plans for one (stage, offload): no recomputation if it fits; else every assignment
+        (few regions) or the greedy one."""
+        p0 = self.price(MemoryPlan(zero, offload))
+        if p0.feasible or not self.regions:
+            return [p0]
+        R = self.regions
+        if len(R) <= exact_limit:
+            out = [p0]
+            for modes in product(MODES, repeat=len(R)):
+                if all(x == "none" for x in modes):
+                    continue
+                regs = tuple(RecomputeRegion(tuple(r), md) for r, md in zip(R, modes) if md != "none")
+                out.append(self.price(MemoryPlan(zero, offload, regs)))
+            return out
+        return [self._greedy(zero, offload, p0)]
+
+    def _greedy(self, zero: int, offload: bool, p0: Priced) -> Priced:
+        """Regions one at a time (or selective -> full), the most bytes saved on the busiest device per
+        second of recomputation first, until the plan fits or nothing saves more."""
+        R = self.regions
+        single: dict = {}
+        for i, r in enumerate(R):
+            for md in ("selective", "full"):
+                # bytes no longer kept (the transient of the largest region is paid once, not per region)
+                a, _ = self.activation_bytes({n: (i, md) for n in r})
+                base_a = self.base_report.activations
+                single[(i, md)] = ({d: base_a.get(d, 0) - a.get(d, 0) for d in set(a)},
+                                   self.recompute_time(r, md))
+        state: dict = {}
+        cur = p0
+        while not cur.feasible:
+            busiest = max(cur.report.per_device, key=cur.report.per_device.get)
+            best, best_ratio = None, 0.0
+            for i in range(len(R)):
+                have = state.get(i, "none")
+                for md in ("selective", "full"):
+                    if MODES.index(md) <= MODES.index(have):
+                        continue
+                    saved = single[(i, md)][0].get(busiest, 0)
+                    cost = single[(i, md)][1]
+                    if have != "none":
+                        saved -= single[(i, have)][0].get(busiest, 0)
+                        cost -= single[(i, have)][1]
+                    if saved <= 0:
+                        continue
+                    ratio = saved / max(cost, 1e-12)
+                    if ratio > best_ratio:
+                        best, best_ratio = (i, md), ratio
+            if best is None:
+                break
+            state[best[0]] = best[1]
+            regs = tuple(RecomputeRegion(tuple(R[i]), md) for i, md in sorted(state.items()))
+            cur = self.price(MemoryPlan(zero, offload, regs))
+        return cur
+
+
+def _simulate(dur: Sequence[float], ops: Sequence[tuple]) -> float:
+    """Critical path of one compute stream (tasks in order, each waiting for the collectives it needs)
+    and one communication stream (collectives in the order they are issued, each issued at its trigger:
+    the start (0) or end (1) of a task; task -1 ends at time 0)."""
+    ops = sorted(ops, key=lambda o: (o[0], o[1]))
+    need: dict = {}
+    for j, o in enumerate(ops):
+        if o[3] is not None:
+            need.setdefault(o[3], []).append(j)
+    start: list = [0.0] * len(dur)
+    end: list = [0.0] * len(dur)
+    op_end: dict = {}
+    comm_free = 0.0
+    k = 0
+
+    def issue(upto: tuple) -> None:
+        nonlocal k, comm_free
+        while k < len(ops) and ops[k][0] <= upto:
+            (ti, which), _, t, _ = ops[k]
+            at = 0.0 if ti < 0 else (start[ti] if which == 0 else end[ti])
+            s = max(comm_free, at)
+            comm_free = s + t
+            op_end[k] = comm_free
+            k += 1
+
+    issue((-1, 1))
+    prev = 0.0
+    for i, d in enumerate(dur):
+        s = prev
+        for j in need.get(i, ()):
+            if j not in op_end:            # cannot happen: a needed collective is triggered earlier
+                issue(ops[j][0])
+            s = max(s, op_end[j])
+        start[i] = s
+        issue((i, 0))
+        end[i] = s + d
+        prev = end[i]
+        issue((i, 1))
+    issue((math.inf, 1))
+    return max(prev, comm_free)
+
+
+# --- the public functions -------------------------------------------------------------------------------
+
+def price(gc: GraphCost, views: Mapping[int, MachineView], mem: MemoryPlan | None, base: Any = None) -> Priced:
+    """Price ``mem`` (None: no technique) on ``views``; ``base`` the mapping's cost (or MappingResult)."""
+    return Techniques(gc, views, base).price(mem or MemoryPlan())
+
+
+def choose(gc: GraphCost, views: Mapping[int, MachineView], base: Any = None, *, zero: Sequence[int] = (0, 1, 2, 3),
+           offload: Sequence[bool] = (False, True), recompute: str = "auto",
+           exact_limit: int = EXACT_LIMIT) -> tuple[MemoryPlan, Priced]:
+    """The cheapest feasible MemoryPlan for ``views`` among the allowed options (see module docstring);
+    when none fits, the one needing the least memory (``Priced.feasible`` False, ``reason`` says why)."""
+    p = Techniques(gc, views, base).choose(zero, offload, recompute, exact_limit)
+    return p.memory, p
+
+
+def describe(p: Priced) -> list[str]:
+    """One line per technique (explain)."""
+    mem = p.memory
+    out = []
+    if mem.zero:
+        out.append(f"ZeRO-{mem.zero}: optimizer states{', gradients' if mem.zero >= 2 else ''}"
+                   f"{', parameters' if mem.zero >= 3 else ''} sharded over each weight's copies; collectives "
+                   f"{p.zero_comm_s * 1e3:+.3f} ms beyond the all-reduces; update {p.base_update_s * 1e3:.3f} -> "
+                   f"{p.update_s * 1e3:.3f} ms")
+    if mem.recompute:
+        n = sum(len(r.nodes) for r in mem.recompute)
+        modes = sorted({r.mode for r in mem.recompute})
+        out.append(f"recompute: {len(mem.recompute)} region(s), {n} operators ({'/'.join(modes)}): "
+                   f"+{p.recompute_s * 1e3:.3f} ms")
+    if mem.offload:
+        out.append(f"offload: optimizer states and update in host memory: +{p.offload_s * 1e3:.3f} ms")
+    if p.overlap:
+        out.append(f"overlap: {p.hidden_s * 1e3:.3f} ms of communication hidden by compute; "
+                   f"exposed {p.exposed_sync_s * 1e3:.3f} ms")
+    return out
+
+
+__all__ = ["SELECTIVE_KEEP", "MIN_REGION_OPS", "EXACT_LIMIT", "Priced", "Techniques", "regions", "recompute_all",
+           "price", "choose", "describe", "format_bytes"]

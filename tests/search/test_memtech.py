@@ -1,0 +1,202 @@
+"""Memory techniques priced in time and memory and chosen by the search (search/memtech.py, issue 19)."""
+from __future__ import annotations
+
+import dataclasses
+import json
+from itertools import product
+
+import pytest
+
+from unity_pcg.machine import MachineSpec, parse_machine
+from unity_pcg.plan import MemoryPlan, RecomputeRegion
+from unity_pcg.search import memtech
+from unity_pcg.search.baselines import data_parallel
+from unity_pcg.search.cost import CostModel, GraphCost
+from unity_pcg.search.mapping import MachineMapper
+from unity_pcg.search.memory import memory_per_device
+from unity_pcg.search.split import synthetic_transformer
+
+from .graphs import mlp
+
+
+def _mapped(g, machine, optimizer="adam"):
+    cm = CostModel(machine, optimizer=optimizer)
+    r = MachineMapper(cm).optimize(g)
+    return GraphCost(g, cm), r
+
+
+def _with_capacity(m: MachineSpec, cap: int) -> MachineSpec:
+    return dataclasses.replace(m, device=dataclasses.replace(m.device, memory_bytes=int(cap)))
+
+
+def test_zero_stages_memory_by_hand():
+    """Two 16x16 fp32 weights (P = 1 KiB each) replicated on 4 devices, Adam (2 states): per device a weight
+    costs P + P + 2P; stage 1 shards the states, 2 also the gradient, 3 also the parameter and gathers the
+    largest units back (here one unit: both weights are read in the one region)."""
+    g = data_parallel(mlp(batch=8, h=16, layers=2), 4)
+    gc, r = _mapped(g, parse_machine("h100:1x4"))
+    P, c = 16 * 16 * 4, 4
+    t = memtech.Techniques(gc, r.views)
+    assert len(t.regions) == 1 and t.n_units == 1
+    base = memory_per_device(gc, r.views)
+    assert t.price(MemoryPlan()).report.per_device == base.per_device
+    want = {0: 2 * 4 * P,
+            1: 2 * (P + P + 2 * P / c),
+            2: 2 * (P + P / c + 2 * P / c),
+            3: 2 * (P / c + P / c + 2 * P / c) + 2 * (P - P / c)}
+    for z, w in want.items():
+        p = t.price(MemoryPlan(zero=z))
+        for d in range(4):
+            assert p.report.weights[d] == w, (z, d)
+            assert p.report.activations[d] == base.activations[d]
+    off = t.price(MemoryPlan(zero=1, offload=True))
+    assert off.report.weights[0] == 2 * (P + P)          # states in host memory
+    assert off.offload_s > 0 and off.update_s == 0
+
+
+def test_full_region_halves_kept_activations():
+    """Linear/Relu x 4 on one device: a Relu saves its output and the next Linear its input, so the four
+    Relu outputs (8x16 fp32 = 512 bytes each) are kept.  Recomputing the first three layers keeps only
+    what the fourth reads (the third Relu's output) and the graph output: half; during that region's
+    backward its two dropped outputs live again."""
+    g = mlp(batch=8, h=16, layers=4)
+    gc, r = _mapped(g, parse_machine("h100:1x1"))
+    comp = [n for n in gc.nodes() if gc.role[n] == "compute"]
+    assert len(comp) == 8
+    region = tuple(comp[:6])
+    t = memtech.Techniques(gc, r.views, regs=[region, tuple(comp[6:])])
+    T = 8 * 16 * 4
+    assert t.base_report.activations[0] == 4 * T
+    for mode in ("full", "selective"):
+        a, transient = t.activation_bytes({n: (0, mode) for n in region})
+        assert a[0] == 2 * T and transient[0] == 2 * T
+    full = t.price(MemoryPlan(recompute=(RecomputeRegion(region, "full"),)))
+    sel = t.price(MemoryPlan(recompute=(RecomputeRegion(region, "selective"),)))
+    assert full.report.activations[0] == 4 * T              # kept half + the transient
+    assert full.recompute_s == pytest.approx(sum(t.fwd[n] for n in region))
+    relus = [n for n in region if g.node(n).op == "Relu"]
+    assert sel.recompute_s == pytest.approx(sum(t.fwd[n] for n in relus)) and sel.recompute_s < full.recompute_s
+    assert full.iteration_s == pytest.approx(t.price(MemoryPlan()).iteration_s + full.recompute_s)
+
+
+def _brute(t: memtech.Techniques):
+    out = []
+    for z, o in product(range(4), (False, True)):
+        for modes in product(memtech.MODES, repeat=len(t.regions)):
+            regs = tuple(RecomputeRegion(r, md) for r, md in zip(t.regions, modes) if md != "none")
+            out.append(t.price(MemoryPlan(z, o, regs)))
+    return out
+
+
+def test_infeasible_model_becomes_feasible_and_the_choice_is_the_cheapest():
+    g = data_parallel(mlp(batch=256, h=64, layers=8), 4)
+    m = parse_machine("h100:1x4")
+    gc0, r0 = _mapped(g, m)
+    need = r0.memory.max_bytes
+    t0 = memtech.Techniques(gc0, r0.views)
+    assert 1 < len(t0.regions) <= memtech.EXACT_LIMIT
+    z1 = t0.price(MemoryPlan(zero=1)).max_bytes
+    for cap in (need - 1, (need + z1) // 2, z1 - 1):      # each needs some technique
+        mc = _with_capacity(m, cap)
+        cm = CostModel(mc, optimizer="adam")
+        plain = MachineMapper(cm).optimize(g, techniques=False)
+        assert not plain.feasible and "out of memory" in plain.reason
+        res = MachineMapper(cm).optimize(g, techniques=True)
+        assert res.feasible and res.memory.max_bytes <= cap and res.memory_plan is not None
+        gc = GraphCost(g, cm)
+        t = memtech.Techniques(gc, res.views, base=res.techniques.base_s)
+        ok = [p for p in _brute(t) if p.feasible]
+        assert ok
+        assert res.cost == pytest.approx(min(p.iteration_s for p in ok), rel=1e-12)
+        mem, p = memtech.choose(gc, res.views, base=res.techniques.base_s)
+        assert p.iteration_s == pytest.approx(res.cost, rel=1e-12) and mem == res.memory_plan
+
+
+def test_greedy_recompute_fits_when_regions_are_many():
+    g = mlp(batch=512, h=64, layers=12)
+    m = parse_machine("h100:1x1")
+    gc0, r0 = _mapped(g, m)
+    t0 = memtech.Techniques(gc0, r0.views)
+    assert len(t0.regions) > memtech.EXACT_LIMIT
+    every = t0.price(MemoryPlan(recompute=memtech.recompute_all(t0.regions, "full")))
+    cap = (every.max_bytes + r0.memory.max_bytes) // 2
+    gc = GraphCost(g, CostModel(_with_capacity(m, cap), optimizer="adam"))
+    mem, p = memtech.choose(gc, r0.views, exact_limit=0, offload=(False,))
+    assert p.feasible and p.max_bytes <= cap and mem.recompute
+    assert len(mem.recompute) < len(t0.regions)             # only as many regions as it takes
+    assert p.recompute_s < every.recompute_s
+
+
+@pytest.mark.parametrize("zero", [0, 1, 2, 3])
+def test_overlap_hides_at_most_the_sync_and_never_beats_the_critical_path(zero):
+    g = data_parallel(synthetic_transformer(2, batch=8, seq=64, hidden=256, heads=4), 8)
+    m = parse_machine("h100:1x8")
+    assert m.overlap_grad_sync
+    gc, r = _mapped(g, m)
+    p = memtech.price(gc, r.views, MemoryPlan(zero=zero), base=r)
+    comm = p.sync_s + p.zero_comm_s
+    assert 0 <= p.exposed_sync_s <= comm + 1e-12
+    assert p.hidden_s >= 0
+    assert p.iteration_s >= max(p.compute_s + p.comm_s, comm) + p.update_s - 1e-12
+    assert p.iteration_s == pytest.approx(sum(v for _, v in p.rows()), rel=1e-9)
+    no = dataclasses.replace(m, overlap_grad_sync=False)
+    gcn, rn = _mapped(g, no)
+    q = memtech.price(gcn, rn.views, MemoryPlan(zero=zero), base=rn)
+    assert q.exposed_sync_s == pytest.approx(q.sync_s + q.zero_comm_s) and q.hidden_s == pytest.approx(0, abs=1e-15)
+    assert p.iteration_s <= q.iteration_s + 1e-12
+
+
+def test_without_overlap_and_techniques_the_price_is_todays():
+    for spec in ("local:1x2", "summit:1x6"):
+        m = parse_machine(spec)
+        m = dataclasses.replace(m, overlap_grad_sync=False)
+        g = data_parallel(mlp(batch=48, h=64, layers=3), m.num_devices)
+        cm = CostModel(m, optimizer="adam")
+        plain = MachineMapper(cm).optimize(g)
+        withp = MachineMapper(cm).optimize(g, techniques=True)
+        p = memtech.price(GraphCost(g, cm), plain.views, None, base=plain)
+        assert p.iteration_s == pytest.approx(plain.cost, rel=1e-12)
+        assert withp.cost <= plain.cost + 1e-15
+
+
+def test_regions_partition_the_compute_nodes_at_single_activation_cuts():
+    g = synthetic_transformer(3, batch=4, seq=16, hidden=64, heads=2)
+    regs = memtech.regions(g)
+    comp = [n for n in g.topo_order() if g.node(n).kind == "compute"]
+    flat = [n for r in regs for n in r]
+    assert sorted(flat) == sorted(comp) and len(flat) == len(set(flat))
+    assert len(regs) >= 3 and all(len(r) >= memtech.MIN_REGION_OPS for r in regs)
+
+
+def test_machine_files_without_the_new_fields_load_with_defaults():
+    m = parse_machine("h100:1x8")
+    assert m.overlap_grad_sync and "host" in m.links and m.host_mem_bandwidth > 0
+    assert MachineSpec.from_json(json.loads(json.dumps(m.to_json()))) == m
+    old = m.to_json()
+    for k in ("overlap_grad_sync", "host_mem_bandwidth"):
+        old.pop(k)
+    old["links"].pop("host")
+    o = MachineSpec.from_json(old)
+    assert not o.overlap_grad_sync and "host" not in o.links and o.host_mem_bandwidth == 0
+    assert not parse_machine("local:1x2").overlap_grad_sync
+    gc, r = _mapped(data_parallel(mlp(batch=8, h=16, layers=2), 2), parse_machine("local:1x2"))
+    assert not memtech.Techniques(gc, r.views).can_offload
+
+
+def test_optimize_writes_the_memory_plan_and_its_numbers():
+    from unity_pcg.plan import Plan, from_json
+    from unity_pcg.search.optimize import optimize
+    g = mlp(batch=1536, h=8192, layers=16)
+    r = optimize(g, "summit:1x6", budget_s=10, optimizer="adam", max_candidates=3, pipeline=False)
+    assert r.feasible and r.plan.memory is not None
+    for k in ("recompute_s", "zero_comm_s", "offload_s", "exposed_sync_s"):
+        assert k in r.plan.predicted
+    back = from_json(json.loads(json.dumps(r.plan.to_json())))
+    assert back.memory == r.plan.memory
+    from unity_pcg.explanation import explain
+    e = explain(r.plan)
+    tech = e.totals["techniques"]
+    assert tech["iteration_s"] == pytest.approx(r.predicted_iteration_s, rel=1e-9)
+    assert sum(v for _, v in tech["rows"]) == pytest.approx(tech["iteration_s"], rel=1e-9)
+    assert any(line.startswith(f"ZeRO-{r.plan.memory.zero}") for line in tech["lines"]) or not r.plan.memory.zero
+    assert isinstance(r.plan, Plan)
