@@ -30,7 +30,7 @@ import math
 import time
 from collections import defaultdict
 from dataclasses import dataclass, field
-from typing import Any, Iterable, Mapping
+from typing import Any, Callable, Iterable, Mapping
 
 from unity_pcg import ops
 from unity_pcg.errors import GraphError, InvalidParallelization, UnityError
@@ -78,6 +78,10 @@ class Realized:
     missing: list = field(default_factory=list)   # one line per compute node left at another layout, and why
     ids: dict = field(default_factory=dict)       # g's compute node id -> its id in pcg
     seconds: float = 0.0
+    #: set by :func:`settle`: which layouts ``pcg`` reaches ("target"; "target, N nodes at the fallback";
+    #: "fallback") and its price (the caller's price of ``trimmed(pcg)``)
+    chosen: str = "target"
+    price: float | None = None
 
 
 # --- the target's layouts ----------------------------------------------------------------------------------
@@ -615,4 +619,89 @@ def realize(g: PCG, target: PCG | Mapping[int, NodeLayout], book: RuleBook | Non
     return Realized(st.g.freeze(), st.steps, not missing, missing, dict(st.cur), time.perf_counter() - t0)
 
 
-__all__ = ["NodeLayout", "Realized", "RealizeError", "realize", "layout_of", "pair_nodes", "distance", "preview"]
+# --- never slower than the fallback ---------------------------------------------------------------------------
+
+def devices_of(layouts: Mapping[int, NodeLayout]) -> int:
+    """The most pieces (copies x shards x partial sums) any compute node of ``layouts`` writes: the devices
+    the layout spans."""
+    return max((s.copy_degree * s.shard_degree * s.sum_degree for t in layouts.values() for s in t.outputs),
+               default=1)
+
+
+def fallback_regions(g: PCG, targets: Mapping[int, NodeLayout], fallback: Mapping[int, NodeLayout],
+                     missing: Iterable[int]) -> set[int]:
+    """The compute nodes to lay out as ``fallback`` so that the nodes in ``missing`` (which the rules do not
+    bring to ``targets``) take the fallback's layouts with no new resharding at the border: from ``missing``,
+    a neighbour (the other end of a tensor between two compute nodes) joins while the tensor between them
+    has different parallel shapes in ``targets`` and ``fallback`` (a border there would reshard what the
+    target did not) and its own layouts differ in the two.  The rest keeps the target's layouts."""
+    region = {n for n in missing if n in fallback}
+    stack = list(region)
+    while stack:
+        u = stack.pop()
+        for k in range(len(g.shapes(u))):
+            for v, pos in g.consumers((u, k)):
+                if v in targets and v in fallback and v not in region \
+                        and targets[v].inputs[pos] != fallback[v].inputs[pos] and targets[v] != fallback[v]:
+                    region.add(v)
+                    stack.append(v)
+        for pos, r in enumerate(g.node(u).inputs):
+            v = r[0]
+            if v in targets and v in fallback and v not in region \
+                    and targets[u].inputs[pos] != fallback[u].inputs[pos] and targets[v] != fallback[v]:
+                region.add(v)
+                stack.append(v)
+    return region
+
+
+def settle(g: PCG, target: PCG | Mapping[int, NodeLayout], price: Callable[[PCG], float],
+           book: RuleBook | None = None, *, fallback: PCG | Mapping[int, NodeLayout] | None = None,
+           deadline: Deadline | None = None) -> Realized:
+    """:func:`realize`, never priced slower than ``fallback`` where the rules do not reach the whole target.
+
+    ``price``: the caller's price of a plan (called on :func:`search.substitution.trimmed` of a realized
+    PCG; lower is better).  ``fallback``: the layouts the caller would use otherwise (a PCG parallelizing
+    ``g``, or layouts by ``g``'s compute node ids); default data parallelism over the target's devices
+    (:func:`devices_of`), none where the batch does not divide.  A complete realization is returned as it
+    is (priced).  Otherwise the cheapest of: the partial realization; the target with the
+    :func:`fallback_regions` of the nodes the rules missed at the fallback's layouts; the fallback itself
+    -- each reached by rules (``chosen`` says which, ``complete`` and ``missing`` still describe the
+    target's).  The deadline bounds the whole; what it cuts is not a choice."""
+    from .substitution import trimmed
+    t0 = time.perf_counter()
+    book = book or RuleBook()
+    targets = layout_of(target, g) if isinstance(target, PCG) else dict(target)
+    first = realize(g, targets, book, deadline=deadline)
+    first.price = price(trimmed(first.pcg))
+    if first.complete:
+        return first
+    if fallback is None:
+        from . import baselines
+        try:
+            fallback = baselines.data_parallel(g, devices_of(targets))
+        except UnityError:
+            return first
+    fb = layout_of(fallback, g) if isinstance(fallback, PCG) else dict(fallback)
+    missed = [gid for gid in targets if gid in first.ids and NodeLayout.of(first.pcg, first.ids[gid]) != targets[gid]]
+    region = fallback_regions(g, targets, fb, missed)
+    options = [(first, "target")]
+    blends = []
+    if region and len(region) < len(targets):
+        blends.append(({gid: fb[gid] if gid in region else t for gid, t in targets.items()},
+                       f"target, {len(region)} nodes at the fallback"))
+    blends.append((fb, "fallback"))
+    for layouts, name in blends:
+        if deadline is not None and deadline.passed():
+            break
+        r = realize(g, layouts, book, deadline=deadline)
+        if deadline is not None and deadline.passed():
+            break
+        r.price = price(trimmed(r.pcg))
+        options.append((r, name))
+    best, name = min(options, key=lambda o: o[0].price)
+    return Realized(best.pcg, best.steps, first.complete, first.missing, best.ids, time.perf_counter() - t0,
+                    chosen=name, price=best.price)
+
+
+__all__ = ["NodeLayout", "Realized", "RealizeError", "realize", "layout_of", "pair_nodes", "distance", "preview",
+           "settle", "fallback_regions", "devices_of"]

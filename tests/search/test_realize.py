@@ -125,3 +125,78 @@ def test_zoo_gpt_megatron_only_the_head_differs(tmp_path_factory):
     _check_replay(g, r)
     assert len(r.missing) == 1 and "graph output, on copies" in r.missing[0]
     assert _price("h100:2x2", trimmed(r.pcg)) <= _price("h100:2x2", target) * 1.02
+
+
+# --- settle: never priced above the fallback --------------------------------------------------------------
+
+def _pricer(machine):
+    mapper = MachineMapper(CostModel(parse_machine(machine)))
+    return lambda p: mapper.optimize(p).cost
+
+
+def test_settle_never_slower_than_partial_or_fallback():
+    # the rules miss the attention's Reshape/Transpose under Megatron: what settle returns is priced no
+    # higher than the partial realization and than data parallelism by rules, and replays
+    from unity_pcg.search.realize import settle
+    g = synthetic_transformer(1)
+    target = baselines.megatron(g, 2)
+    price = _pricer("h100:1x2")
+    r = settle(g, target, price, BOOK)
+    assert not r.complete and r.missing
+    partial = realize(g, target, BOOK)
+    dp = realize(g, baselines.data_parallel(g, 2), BOOK)
+    assert dp.complete
+    assert r.price == pytest.approx(price(trimmed(r.pcg)))
+    assert r.price <= price(trimmed(partial.pcg)) * (1 + 1e-9)
+    assert r.price <= price(trimmed(dp.pcg)) * (1 + 1e-9)
+    assert r.chosen == "target" or "fallback" in r.chosen
+    _check_replay(g, r)
+
+
+def test_settle_complete_is_the_target():
+    from unity_pcg.search.realize import settle
+    g = synthetic_chain(4)
+    target = baselines.data_parallel(g, 2)
+    r = settle(g, target, _pricer("h100:1x2"), BOOK, fallback=baselines.data_parallel(g, 1))
+    assert r.complete and r.chosen == "target"
+    assert _layouts(r, g) == layout_of(target, g)
+
+
+def test_settle_takes_a_cheaper_fallback():
+    # a price counting parallel operators: the partial Megatron (column splits gathered again before the
+    # attention it cannot split) has more of them than data parallelism, which is chosen
+    from unity_pcg.search.realize import settle
+    g = synthetic_transformer(1)
+    fb = layout_of(baselines.data_parallel(g, 2), g)
+    target = baselines.megatron(g, 2)
+
+    def price(p):
+        return sum(1 for n in p.nodes() if n.kind == "parallel")
+    r = settle(g, target, price, BOOK, fallback=fb)
+    assert r.chosen == "fallback" and not r.complete
+    assert _layouts(r, g) == fb
+    assert r.price < price(trimmed(realize(g, target, BOOK).pcg))
+    _check_replay(g, r)
+
+
+def test_fallback_regions_border_reshards_nothing_new():
+    # a target with Megatron's layouts in the first layer and data parallelism in the second: the region
+    # of a node missed in the first layer is (part of) the first layer; at every tensor between a node in
+    # the region and one outside, the two layouts agree or the outside node's layouts are the same in both
+    from unity_pcg.search.realize import fallback_regions
+    g = synthetic_transformer(2)
+    mg = layout_of(baselines.megatron(g, 2), g)
+    fb = layout_of(baselines.data_parallel(g, 2), g)
+    order = [n for n in g.topo_order() if n in mg]
+    first = set(order[:len(order) // 2])
+    t = {n: mg[n] if n in first else fb[n] for n in order}
+    seed = [n for n in order if n in first and g.node(n).op == "Reshape"][:1]
+    region = fallback_regions(g, t, fb, seed)
+    assert set(seed) <= region <= first and len(region) > 5
+    for v in t:
+        for pos, r in enumerate(g.node(v).inputs):
+            u = r[0]
+            if u not in t or (u in region) == (v in region):
+                continue
+            outside = v if u in region else u
+            assert t[v].inputs[pos] == fb[v].inputs[pos] or t[outside] == fb[outside]
