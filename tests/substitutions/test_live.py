@@ -74,3 +74,20 @@ def test_live_apply_with_full_renumbering(monkeypatch):
     monkeypatch.setattr(LiveGraph, "MIN_GAP", 1e9)
     tried, applied = _walk(synthetic_transformer(1), BOOK.parallel, 15, 4)
     assert applied >= 10
+
+
+def test_live_apply_refuses_a_cycle_as_try_apply_does():
+    # a match (built by hand: matching never binds an input downstream of the match) whose rewrite would
+    # read its own output: both refuse, and the live graph is unchanged
+    from unity_pcg.substitutions import Match
+    g = synthetic_chain(4)                       # Linear, Relu, Linear, Relu
+    relus = [n for n in g.topo_order() if g.node(n).op == "Relu"]
+    rule = BOOK.get("dp_Relu")
+    m = Match(rule, (relus[0],), (("x", (relus[1], 0)),), (("k", 2),))
+    assert try_apply(g, m) is None
+    live = LiveGraph(g)
+    assert live.apply(m) is None
+    _same(live, g)
+    ok = next(iter_matches(rule, g, GraphIndex(g), 1, (2,)))
+    assert live.apply(ok) is not None
+    _same(live, try_apply(g, ok))
