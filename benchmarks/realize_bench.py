@@ -2,7 +2,8 @@
 takes, and what the result is priced at beside the target and data parallelism.
 
 For each model and target kind (``dp``: data parallelism; ``megatron``: Megatron-LM, tensor parallel inside a
-node; ``ilp``: the label ILP's layout on a 2 x (devices/2) mesh) it prints the compute nodes brought to the
+node; ``ilp``: the label ILP's layout on a 2 x (devices/2) mesh; ``meshAxB``: the layouts phase's proposal on
+mesh AxB, idle axes allowed) it prints the compute nodes brought to the
 target's layouts, the CPU seconds of ``realize`` (median of ``--repeat``), and -- with ``--price`` -- the price
 (the machine-mapping DP) of the partial realization, of the target PCG itself, of data parallelism, and what
 ``settle`` returns (the cheapest of the partial realization, the missed regions at data parallelism, data
@@ -47,7 +48,14 @@ def target_of(kind: str, g, machine):
     if kind == "ilp":
         from unity_pcg.search.alpa.intra import solve_intra
         return solve_intra(g, machine, (2, machine.num_devices // 2), time_limit_s=60).pcg
-    raise SystemExit(f"--targets: unknown target kind {kind!r} (dp, megatron, ilp)")
+    if kind.startswith("mesh"):         # the layouts phase's proposal on mesh AxB (idle axes allowed)
+        from unity_pcg.search.layouts import propose
+        a, b = (int(x) for x in kind[4:].split("x"))
+        p = propose(g, machine, (a, b), time_limit_s=60)
+        if p.pcg is None:
+            raise SystemExit(f"no proposal on mesh {a}x{b}: {p.status}")
+        return p.pcg
+    raise SystemExit(f"--targets: unknown target kind {kind!r} (dp, megatron, ilp, meshAxB)")
 
 
 def main(argv=None) -> int:
