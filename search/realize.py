@@ -376,7 +376,19 @@ class _State:
         self.deadline = deadline
         self.fuse = book.by_name.get(FUSE_RULE)
         self.touched: set[int] = set()
+        self.previews: dict = {}
         self.relaxed = _unreachable_outputs(g, self.targets)
+
+    def preview(self, m: Match) -> list[NodeLayout] | None:
+        """:func:`preview`, remembered by what it depends on (rule, bindings, the shapes of the named inputs
+        and of the replaced outputs): the layers of a model ask the same questions."""
+        g = self.g
+        key = (m.rule.name, m.bindings, tuple(g.shape(r) for _, r in m.inputs),
+               tuple(None if isinstance(o, str) else g.shape((m.nodes[o[0]], o[1])) for o in m.rule.source.outputs))
+        got = self.previews.get(key, self)
+        if got is self:
+            got = self.previews[key] = preview(g, m)
+        return got
 
     def dist(self, gid: int, layout: NodeLayout | None = None) -> float:
         t = self.targets.get(gid)
@@ -424,7 +436,7 @@ class _State:
         d0 = self.dist(gid)
         best = None
         for order, m in enumerate(self.candidates(nid, self.degrees(gid))):
-            lays = preview(g, m)
+            lays = self.preview(m)
             if lays is None:
                 continue
             pairing = self.rules.pairing[m.rule.name]
