@@ -68,6 +68,9 @@ def main(argv=None) -> int:
     ap.add_argument("--repeat", type=int, default=1)
     ap.add_argument("--price", action="store_true", help="price the results with the machine-mapping DP")
     ap.add_argument("--json", help="write the rows here")
+    ap.add_argument("--with-templates", action="store_true",
+                    help="add substitutions.templates.tensor_parallel_rules() to the shipped rules (before the cache "
+                         "ships them: unproven here)")
     a = ap.parse_args(argv)
     from unity_pcg.machine import parse_machine
     from unity_pcg.search import baselines
@@ -77,6 +80,10 @@ def main(argv=None) -> int:
     from unity_pcg.search.substitution import RuleBook, trimmed
     m = parse_machine(a.machine)
     book = RuleBook()
+    if a.with_templates:
+        from unity_pcg.substitutions.templates import tensor_parallel_rules
+        have = set(book.by_name)
+        book = RuleBook(book.rules + [r for r in tensor_parallel_rules() if r.name not in have])
     mapper = MachineMapper(CostModel(m))
 
     def price(p):
