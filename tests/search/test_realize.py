@@ -200,3 +200,23 @@ def test_fallback_regions_border_reshards_nothing_new():
                 continue
             outside = v if u in region else u
             assert t[v].inputs[pos] == fb[v].inputs[pos] or t[outside] == fb[outside]
+
+
+def _book_with_templates():
+    """The shipped rules and the tensor-parallel templates the cache does not ship yet."""
+    from unity_pcg.substitutions.templates import tensor_parallel_rules
+    have = set(BOOK.by_name)
+    extra = [r for r in tensor_parallel_rules() if r.name not in have]
+    return RuleBook(BOOK.rules + extra) if extra else BOOK
+
+
+def test_zoo_llama_megatron_only_the_head_differs(tmp_path_factory):
+    # grouped-query attention, rotary embeddings, RMSNorm, SwiGLU: with the single-operator tensor-parallel
+    # rules every node takes Megatron-LM's layout but the LM head (a graph output the baseline keeps on copies)
+    g = _zoo("llama_1b", tmp_path_factory)
+    book = _book_with_templates()
+    target = baselines.megatron(g, 4, devices_per_node=2)
+    r = realize(g, target, book)
+    assert replay(g, r.steps, book).structural_hash() == r.pcg.structural_hash()
+    assert len(r.missing) == 1 and "graph output, on copies" in r.missing[0]
+    assert _price("h100:2x2", trimmed(r.pcg)) <= _price("h100:2x2", target) * 1.02
