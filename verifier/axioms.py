@@ -550,7 +550,11 @@ for _name, (_pa, _ex, _shapes) in SPLIT_VIEWS.items():
 # lands depends on the permutation or on the shapes, which a constraint cannot read, so the landing dim ``e`` is a
 # variable of its own, chosen at application; shape inference refuses every choice but the one where the partition
 # lands (a Combine of a dim of degree 1 is invalid).  ``_sink``: a Combine after the op moved past it (the op then
-# runs on the pieces); ``_lift``: a Partition of the op's output moved before it.
+# runs on the pieces); ``_lift``: a Partition of the op's output moved before it.  Neither side holds every variable,
+# so Z3 instantiates them only where terms of both sides exist (a rule's two sides).  The values are exact wherever
+# both sides are valid; the parallel shapes agree where ``e`` is the landing dim, the one choice application accepts
+# when ``x`` carries no other partition of the same degree (with one, a wrong ``e`` can be valid and give another
+# parallel shape, which application refuses as it refuses every changed output shape).
 VIEW_MOVES: dict[str, tuple[dict, dict, dict]] = {
     # op: (attr pattern, example binding, example logical input shape)
     "Transpose": ({"perm": "$p"}, {"p": (0, 2, 1, 3), "d": -2, "e": -3}, (2, 3, 4, 2)),
