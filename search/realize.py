@@ -30,18 +30,19 @@ import math
 import time
 from collections import defaultdict
 from dataclasses import dataclass, field
-from typing import Any, Iterable, Mapping
+from typing import Any, Callable, Iterable, Mapping
 
 from unity_pcg import ops
 from unity_pcg.errors import GraphError, InvalidParallelization, UnityError
 from unity_pcg.pcg import PCG
 from unity_pcg.shape import ParallelTensorShape
-from unity_pcg.substitutions import GraphIndex, Match, Rule, iter_matches, try_apply
+from unity_pcg.substitutions import GraphIndex, Match, Rule, iter_matches
+from unity_pcg.substitutions.live import LiveGraph
 from unity_pcg.substitutions.match import _Users
 from unity_pcg.substitutions.rule import is_var
 
 from .budget import Deadline, Expired, within
-from .substitution import RuleBook, RuleStep, cancel_steps, new_ids
+from .substitution import RuleBook, RuleStep
 
 #: a node gets at most this many rule steps in one visit (degrees compose: 2 x 2 x 2 is three steps)
 MAX_STEPS_PER_NODE = 6
@@ -77,6 +78,10 @@ class Realized:
     missing: list = field(default_factory=list)   # one line per compute node left at another layout, and why
     ids: dict = field(default_factory=dict)       # g's compute node id -> its id in pcg
     seconds: float = 0.0
+    #: set by :func:`settle`: which layouts ``pcg`` reaches ("target"; "target, N nodes at the fallback";
+    #: "fallback") and its price (the caller's price of ``trimmed(pcg)``)
+    chosen: str = "target"
+    price: float | None = None
 
 
 # --- the target's layouts ----------------------------------------------------------------------------------
@@ -195,12 +200,15 @@ class _Rules:
         self.pairing: dict[str, list[tuple[int, int]]] = {}
         self.depth: dict[str, int] = {}
         self.by_sink: dict[str, list[Rule]] = defaultdict(list)
+        #: the ops of each rule's source pattern (a rule can only rewrite a node whose op is among them)
+        self.ops: dict[str, frozenset] = {}
         for r in book.parallel:
             p = self._pairing(r)
             if p is None:
                 continue
             self.pairing[r.name] = p
             self.depth[r.name] = self._depth(r)
+            self.ops[r.name] = frozenset(n.op for n in r.source.nodes)
             used = {x[0] for n in r.source.nodes for x in n.inputs if not isinstance(x, str)}
             for i, n in enumerate(r.source.nodes):
                 if i not in used:
@@ -358,7 +366,7 @@ def _constant(g: PCG, ref) -> bool:
 
 class _State:
     def __init__(self, g: PCG, book: RuleBook, targets: Mapping[int, NodeLayout], deadline: Deadline | None):
-        self.g = g
+        self.g = LiveGraph(g)
         self.book = book
         self.rules = _rules_of(book)
         self.targets = dict(targets)
@@ -368,7 +376,19 @@ class _State:
         self.deadline = deadline
         self.fuse = book.by_name.get(FUSE_RULE)
         self.touched: set[int] = set()
+        self.previews: dict = {}
         self.relaxed = _unreachable_outputs(g, self.targets)
+
+    def preview(self, m: Match) -> list[NodeLayout] | None:
+        """:func:`preview`, remembered by what it depends on (rule, bindings, the shapes of the named inputs
+        and of the replaced outputs): the layers of a model ask the same questions."""
+        g = self.g
+        key = (m.rule.name, m.bindings, tuple(g.shape(r) for _, r in m.inputs),
+               tuple(None if isinstance(o, str) else g.shape((m.nodes[o[0]], o[1])) for o in m.rule.source.outputs))
+        got = self.previews.get(key, self)
+        if got is self:
+            got = self.previews[key] = preview(g, m)
+        return got
 
     def dist(self, gid: int, layout: NodeLayout | None = None) -> float:
         t = self.targets.get(gid)
@@ -393,8 +413,11 @@ class _State:
         by_depth: dict[int, _Window] = {}
         found: list[Match] = []
         seen_ops = {g.node(i).op for i in down}
+        mine = g.node(nid).op
         for op in sorted(seen_ops):
             for r in self.rules.by_sink.get(op, ()):
+                if mine not in self.rules.ops[r.name]:
+                    continue
                 dep = self.rules.depth[r.name]
                 idx = by_depth.get(dep)
                 if idx is None:
@@ -413,7 +436,7 @@ class _State:
         d0 = self.dist(gid)
         best = None
         for order, m in enumerate(self.candidates(nid, self.degrees(gid))):
-            lays = preview(g, m)
+            lays = self.preview(m)
             if lays is None:
                 continue
             pairing = self.rules.pairing[m.rule.name]
@@ -444,10 +467,9 @@ class _State:
         return self.apply(best[1])
 
     def apply(self, m: Match) -> bool:
-        g2 = try_apply(self.g, m)
-        if g2 is None:
+        fresh = self.g.apply(m)
+        if fresh is None:
             return False
-        fresh = new_ids(self.g, g2)
         for i, j in self.rules.pairing[m.rule.name]:
             src = m.nodes[i]
             gid = self.inv.pop(src, None)
@@ -455,48 +477,48 @@ class _State:
                 self.cur[gid] = fresh[j]
                 self.inv[fresh[j]] = gid
         self.steps.append(RuleStep.of(m))
-        self.g = g2
-        self.touched |= set(fresh)
+        self.touched.update(fresh)
         self.cancel(set(fresh))
         return True
 
     def cancel(self, around: set) -> None:
+        """The simplifications (and commutations a simplification follows) around the nodes ``around``."""
         g = self.g
         w = {i for i in around if i in g}
         w |= {i[0] for k in list(w) for i in g.node(k).inputs}
         w |= {c for i in list(w) for kk in range(len(g.shapes(i))) for c, _ in g.consumers((i, kk))}
-        before = set(g.node_ids())
         while True:
-            g, w, _ = self._simplify(g, w, self.rules.simplify, self.steps)
-            g2, w2 = self._commute(g, w)
-            if g2 is None:
+            w, _ = self._simplify(w, self.rules.simplify)
+            w2 = self._commute(w)
+            if w2 is None:
                 break
-            g, w = g2, w2
-        self._check_kept(g)
-        self.touched |= {i for i in g.node_ids() if i not in before}
-        self.g = g
+            w = w2
+        self._check_kept()
 
-    @staticmethod
-    def _grow(g: PCG, w: set, fresh: set) -> set:
-        w |= fresh
+    def _grow(self, w: set, fresh: list) -> set:
+        g = self.g
+        self.touched.update(fresh)
+        w |= set(fresh)
         w |= {c for i in fresh for k in range(len(g.shapes(i))) for c, _ in g.consumers((i, k))}
         w |= {i[0] for k in fresh for i in g.node(k).inputs}
         return w
 
-    def _simplify(self, g: PCG, w: set, rules: list, steps: list, limit: int | None = None) -> tuple[PCG, set, int]:
+    def _simplify(self, w: set, rules: list, limit: int | None = None) -> tuple[set, int]:
         """Apply ``rules`` in the window ``w`` until none matches (at most ``limit`` steps)."""
+        g = self.g
         outputs = {tuple(r) for r in g.outputs}
         n = 0
         while limit is None or n < limit:
+            idx = _Window(g, [i for i in w if i in g], outputs)
             for r in rules:
                 done = False
-                for m in iter_matches(r, g, _Window(g, [i for i in w if i in g], outputs), None, (2,)):
-                    g2 = try_apply(g, m)
-                    if g2 is None:
+                for m in list(iter_matches(r, g, idx, None, (2,))):
+                    fresh = g.apply(m)
+                    if fresh is None:
                         continue
-                    steps.append(RuleStep.of(m))
-                    w = self._grow(g2, w, set(new_ids(g, g2)))
-                    g = g2
+                    self.steps.append(RuleStep.of(m))
+                    w = self._grow(w, fresh)
+                    outputs = {tuple(r) for r in g.outputs}
                     n += 1
                     done = True
                     break
@@ -504,52 +526,57 @@ class _State:
                     break
             else:
                 break
-        return g, w, n
+        return w, n
 
-    def _commute(self, g: PCG, w: set) -> tuple[PCG | None, set]:
-        """One commutation of parallel operators in ``w`` that a simplification follows (both applied), or None."""
+    def _commute(self, w: set) -> set | None:
+        """One commutation of parallel operators in ``w`` that a simplification follows (both applied): the
+        window after them, or None (graph unchanged)."""
+        g = self.g
         outputs = {tuple(r) for r in g.outputs}
         # only chains of three parallel operators can hold a pair to cancel that a commutation brings together
         chains = [i for i in w if i in g and g.node(i).kind == "parallel"
                   and g.node(g.node(i).inputs[0][0]).kind == "parallel"
                   and g.node(g.node(g.node(i).inputs[0][0]).inputs[0][0]).kind == "parallel"]
         if not chains:
-            return None, w
+            return None
         idx = _Window(g, chains + [g.node(i).inputs[0][0] for i in chains], outputs)
         for r in self.rules.commute:
-            for m in iter_matches(r, g, idx, None, (2,)):
-                g1 = try_apply(g, m)
-                if g1 is None:
+            for m in list(iter_matches(r, g, idx, None, (2,))):
+                touched = set(self.touched)
+                fresh = g.apply(m)
+                if fresh is None:
                     continue
-                more: list = [RuleStep.of(m)]
-                w1 = self._grow(g1, set(w), set(new_ids(g, g1)))
-                g2, w2, n = self._simplify(g1, w1, self.rules.simplify, more, limit=1)
+                nsteps = len(self.steps)
+                self.steps.append(RuleStep.of(m))
+                w1 = self._grow(set(w), fresh)
+                w2, n = self._simplify(w1, self.rules.simplify, limit=1)
                 if n:
-                    self.steps.extend(more)
-                    return g2, w2
-        return None, w
+                    return w2
+                del self.steps[nsteps:]
+                self.touched = touched
+                g.undo()
+        return None
 
-    def _check_kept(self, g2: PCG) -> None:
+    def _check_kept(self) -> None:
+        g = self.g
         for cid in self.inv:
-            if cid not in g2:       # cancel rules move parallel operators only
+            if cid not in g:       # cancel rules move parallel operators only
                 raise RealizeError(f"a cancel rule removed compute node {cid}")
 
     def finish(self) -> None:
         """Cancellations over every node the steps touched, then each Reduce -> Replicate fused."""
         g = self.g
-        w = {i for i in self.touched if i in g}
-        self.cancel(w)
+        self.cancel({i for i in self.touched if i in g})
         if self.fuse is None:
             return
-        while True:
-            g = self.g
-            w = [i for i in self.touched if i in g and g.node(i).op == "Replicate"]
-            for m in iter_matches(self.fuse, g, _Window(g, w, {tuple(r) for r in g.outputs}), None, (2,)):
-                g2 = try_apply(g, m)
-                if g2 is not None:
+        reps = sorted(i for i in self.touched if i in g and g.node(i).op == "Replicate")
+        while reps:
+            for m in list(iter_matches(self.fuse, g, _Window(g, reps, {tuple(r) for r in g.outputs}), None, (2,))):
+                fresh = g.apply(m)
+                if fresh is not None:
                     self.steps.append(RuleStep.of(m))
-                    self.touched |= set(new_ids(g, g2))
-                    self.g = g2
+                    self.touched.update(fresh)
+                    reps = sorted([i for i in reps if i in g] + [i for i in fresh if g.node(i).op == "Replicate"])
                     break
             else:
                 return
@@ -601,7 +628,92 @@ def realize(g: PCG, target: PCG | Mapping[int, NodeLayout], book: RuleBook | Non
             why = ("the target keeps its output, a graph output, on copies, which no rule reaches (no parallel "
                    "operator drops copies); laid out with as many pieces instead")
         missing.append(f"{g.node(gid).label()} ({g.node(gid).op}): {why}: {_why(cur, targets[gid])}")
-    return Realized(st.g, st.steps, not missing, missing, dict(st.cur), time.perf_counter() - t0)
+    return Realized(st.g.freeze(), st.steps, not missing, missing, dict(st.cur), time.perf_counter() - t0)
 
 
-__all__ = ["NodeLayout", "Realized", "RealizeError", "realize", "layout_of", "pair_nodes", "distance", "preview"]
+# --- never slower than the fallback ---------------------------------------------------------------------------
+
+def devices_of(layouts: Mapping[int, NodeLayout]) -> int:
+    """The most pieces (copies x shards x partial sums) any compute node of ``layouts`` writes: the devices
+    the layout spans."""
+    return max((s.copy_degree * s.shard_degree * s.sum_degree for t in layouts.values() for s in t.outputs),
+               default=1)
+
+
+def fallback_regions(g: PCG, targets: Mapping[int, NodeLayout], fallback: Mapping[int, NodeLayout],
+                     missing: Iterable[int]) -> set[int]:
+    """The compute nodes to lay out as ``fallback`` so that the nodes in ``missing`` (which the rules do not
+    bring to ``targets``) take the fallback's layouts with no new resharding at the border: from ``missing``,
+    a neighbour (the other end of a tensor between two compute nodes) joins while the tensor between them
+    has different parallel shapes in ``targets`` and ``fallback`` (a border there would reshard what the
+    target did not) and its own layouts differ in the two.  The rest keeps the target's layouts."""
+    region = {n for n in missing if n in fallback}
+    stack = list(region)
+    while stack:
+        u = stack.pop()
+        for k in range(len(g.shapes(u))):
+            for v, pos in g.consumers((u, k)):
+                if v in targets and v in fallback and v not in region \
+                        and targets[v].inputs[pos] != fallback[v].inputs[pos] and targets[v] != fallback[v]:
+                    region.add(v)
+                    stack.append(v)
+        for pos, r in enumerate(g.node(u).inputs):
+            v = r[0]
+            if v in targets and v in fallback and v not in region \
+                    and targets[u].inputs[pos] != fallback[u].inputs[pos] and targets[v] != fallback[v]:
+                region.add(v)
+                stack.append(v)
+    return region
+
+
+def settle(g: PCG, target: PCG | Mapping[int, NodeLayout], price: Callable[[PCG], float],
+           book: RuleBook | None = None, *, fallback: PCG | Mapping[int, NodeLayout] | None = None,
+           deadline: Deadline | None = None) -> Realized:
+    """:func:`realize`, never priced slower than ``fallback`` where the rules do not reach the whole target.
+
+    ``price``: the caller's price of a plan (called on :func:`search.substitution.trimmed` of a realized
+    PCG; lower is better).  ``fallback``: the layouts the caller would use otherwise (a PCG parallelizing
+    ``g``, or layouts by ``g``'s compute node ids); default data parallelism over the target's devices
+    (:func:`devices_of`), none where the batch does not divide.  A complete realization is returned as it
+    is (priced).  Otherwise the cheapest of: the partial realization; the target with the
+    :func:`fallback_regions` of the nodes the rules missed at the fallback's layouts; the fallback itself
+    -- each reached by rules (``chosen`` says which, ``complete`` and ``missing`` still describe the
+    target's).  The deadline bounds the whole; what it cuts is not a choice."""
+    from .substitution import trimmed
+    t0 = time.perf_counter()
+    book = book or RuleBook()
+    targets = layout_of(target, g) if isinstance(target, PCG) else dict(target)
+    first = realize(g, targets, book, deadline=deadline)
+    first.price = price(trimmed(first.pcg))
+    if first.complete:
+        return first
+    if fallback is None:
+        from . import baselines
+        try:
+            fallback = baselines.data_parallel(g, devices_of(targets))
+        except UnityError:
+            return first
+    fb = layout_of(fallback, g) if isinstance(fallback, PCG) else dict(fallback)
+    missed = [gid for gid in targets if gid in first.ids and NodeLayout.of(first.pcg, first.ids[gid]) != targets[gid]]
+    region = fallback_regions(g, targets, fb, missed)
+    options = [(first, "target")]
+    blends = []
+    if region and len(region) < len(targets):
+        blends.append(({gid: fb[gid] if gid in region else t for gid, t in targets.items()},
+                       f"target, {len(region)} nodes at the fallback"))
+    blends.append((fb, "fallback"))
+    for layouts, name in blends:
+        if deadline is not None and deadline.passed():
+            break
+        r = realize(g, layouts, book, deadline=deadline)
+        if deadline is not None and deadline.passed():
+            break
+        r.price = price(trimmed(r.pcg))
+        options.append((r, name))
+    best, name = min(options, key=lambda o: o[0].price)
+    return Realized(best.pcg, best.steps, first.complete, first.missing, best.ids, time.perf_counter() - t0,
+                    chosen=name, price=best.price)
+
+
+__all__ = ["NodeLayout", "Realized", "RealizeError", "realize", "layout_of", "pair_nodes", "distance", "preview",
+           "settle", "fallback_regions", "devices_of"]

@@ -18,6 +18,7 @@ from __future__ import annotations
 from collections import defaultdict
 from dataclasses import dataclass
 import itertools
+import weakref
 from typing import Any, Iterable, Iterator, Mapping, Sequence
 
 from unity_pcg import ops
@@ -173,21 +174,35 @@ def _free_choices(rule: Rule, g: PCG, inputs: Mapping[str, Ref], nodes: Sequence
         yield dict(zip(free, combo))
 
 
+#: id(rule) -> what matching it needs from its source pattern (computed once per rule object, dropped with it)
+_PREPARED: dict[int, tuple] = {}
+
+
+def _prepared(rule: Rule) -> tuple:
+    """(sinks, output refs, interior uses per pattern tensor, op specs, variable kinds) of ``rule``'s source."""
+    got = _PREPARED.get(id(rule))
+    if got is not None:
+        return got
+    p = rule.source
+    interior_uses: dict[Ref, int] = defaultdict(int)   # pattern tensor -> uses inside the pattern
+    for n in p.nodes:
+        for r in n.inputs:
+            if not isinstance(r, str):
+                interior_uses[tuple(r)] += 1
+    prep = (_sinks(p), {tuple(o) for o in p.outputs}, dict(interior_uses), [ops.get_op(n.op) for n in p.nodes],
+            rule.var_kinds)
+    _PREPARED[id(rule)] = prep
+    weakref.finalize(rule, _PREPARED.pop, id(rule), None)
+    return prep
+
+
 def iter_matches(rule: Rule, g: PCG, index: GraphIndex | None = None, limit: int | None = None,
                  degrees: Sequence[int] = (2,)) -> Iterator[Match]:
     """Matches of ``rule`` in ``g``.  Free target variables (degrees, dims chosen at application)
     are enumerated: degrees from ``degrees``, dims over the matched tensors' ranks."""
     idx = index or GraphIndex(g)
     p = rule.source
-    sinks = _sinks(p)
-    out_refs = {tuple(o) for o in p.outputs}
-    interior_uses: dict[Ref, int] = defaultdict(int)   # pattern tensor -> uses inside the pattern
-    for n in p.nodes:
-        for r in n.inputs:
-            if not isinstance(r, str):
-                interior_uses[tuple(r)] += 1
-    specs = [ops.get_op(n.op) for n in p.nodes]
-    kinds = rule.var_kinds
+    sinks, out_refs, interior_uses, specs, kinds = _prepared(rule)
     found = 0
 
     assign: dict[int, int] = {}       # pattern node -> graph node

@@ -39,8 +39,8 @@ import json
 from typing import Any
 
 from unity_pcg.shape import ParallelTensorShape as S
-from unity_pcg.verifier.axioms import (BINARY, CONCAT_ARITIES, SAMPLE_OPS, SAMPLE_RULES, TRANSPOSE_SAMPLE_PERMS, UNARY,
-                                       VIEW_REPLICATE, concat_names)
+from unity_pcg.verifier.axioms import (BINARY, CONCAT_ARITIES, SAMPLE_OPS, SAMPLE_RULES, SPLIT_VIEWS,
+                                       TRANSPOSE_SAMPLE_PERMS, UNARY, VIEW_MOVES, VIEW_REPLICATE, concat_names)
 
 from .rule import Pattern, PatNode, Rule
 from .terms import op, rule_of
@@ -345,7 +345,69 @@ def template_rules() -> list[Rule]:
         r = Rule(f"{o.lower()}_cse", ("x",), two, one, tuple(sorted(V.items())))
         r.validate()
         rules.append(_with_example(r, {"k": 2, "d": -2} if o == "Partition" else {"k": 2}, x44))
+    rules += tensor_parallel_rules()
     return [r.with_name(r.name, origin="template") for r in rules]
+
+
+#: the element-wise operators ``tensor_parallel_rules`` covers: every unary and binary one the axioms know
+#: (``verifier.axioms.UNARY``/``BINARY``: one loop, no list of names)
+def tensor_parallel_rules() -> list[Rule]:
+    """Single-operator tensor parallelism on any dim (issue 18): what a layout -> rule sequence step needs to lay
+    out a Llama decoder as Megatron-LM does (heads split, SwiGLU column/row, residual stream on copies), an ILP
+    plan's layouts, or any other, one operator at a time.  Every rule has one compute operator on each side.
+
+    * ``split_<Op>``: ``op(x..) -> Combine(op(Partition(x, d)..), d)`` for a free dim ``d`` (counted from the end)
+      and degree: every element-wise unary operator (Relu: ``fig11a_relu_spatial``), every binary one with both
+      operands partitioned or, ``_pr``/``_rp``, one broadcast operand replicated (rotary tables, masks), Slice on
+      another dim, Expand of a dim it does not broadcast, RMSNorm over later dims (``_scale``: with its weight);
+    * ``combine_sink_<Transpose|Reshape>``: ``op(Combine(x, d)) -> Combine(op(x), e)``, the op run on the
+      pieces, and ``partition_lift_<Transpose|Reshape>``: ``Partition(op(x), e) -> op(Partition(x, d))``: the
+      partition moves to the permuted dim or to the outermost dim of the Reshape's group (the heads split);
+      the landing dim is free, chosen at application, where shape inference refuses every other choice;
+    * ``replicate_lift_<Op>`` for every element-wise operator and RMSNorm (``_scale``): the operators between
+      Megatron's groups on the tensor-parallel copies (``replicate_lift_Add`` is written above)."""
+    rules: list[Rule] = []
+    D = {**K, "d": "dim"}
+    for u, (pa, ex, vk, _) in UNARY.items():
+        V = {**D, **{v[1:]: "attr" for v in pa.values()}}
+        if u != "Relu":       # fig11a_relu_spatial is this rule
+            r = rule_of(f"split_{u}", op(u, "x", **pa), _comb(op(u, _part("x", "$d"), **pa), "$d"), V)
+            rules.append(_with_example(r, {**ex, "k": 2, "d": -1}, {"x": S.of((4, 4))}, values=vk))
+        r = rule_of(f"replicate_lift_{u}", _rep(op(u, "x", **pa)), op(u, _rep("x"), **pa),
+                    {**K, **{v[1:]: "attr" for v in pa.values()}})
+        rules.append(_with_example(r, {**ex, "k": 2}, {"x": S.of((4, 4))}, values=vk))
+    for b, (_, vk) in BINARY.items():
+        r = rule_of(f"split_{b}", op(b, "x", "y"), _comb(op(b, _part("x", "$d"), _part("y", "$d")), "$d"), D)
+        rules.append(_with_example(r, {"k": 2, "d": -1}, {"x": S.of((4, 4)), "y": S.of((4, 4))}, values=vk))
+        r = rule_of(f"split_{b}_pr", op(b, "x", "y"), _comb(op(b, _part("x", "$d"), _rep("y")), "$d"), D)
+        rules.append(_with_example(r, {"k": 2, "d": -3}, {"x": S.of((4, 2, 3)), "y": S.of((2, 3))}, values=vk))
+        if b != "PRelu":
+            r = rule_of(f"split_{b}_rp", op(b, "x", "y"), _comb(op(b, _rep("x"), _part("y", "$d")), "$d"), D)
+            rules.append(_with_example(r, {"k": 2, "d": -3}, {"x": S.of((2, 3)), "y": S.of((4, 2, 3))}, values=vk))
+        if b != "Add":
+            r = rule_of(f"replicate_lift_{b}", _rep(op(b, "x", "y")), op(b, _rep("x"), _rep("y")), K)
+            rules.append(_with_example(r, {"k": 2}, {"x": S.of((4, 4)), "y": S.of((4, 4))}, values=vk))
+    for name, (pa, ex, shapes) in SPLIT_VIEWS.items():
+        o = name.split("_")[0]
+        ns = list(shapes)
+        args = [_part(ns[0], "$d")] + [_rep(n) for n in ns[1:]]
+        r = rule_of(f"split_{name}", op(o, *ns, **pa), _comb(op(o, *args, **pa), "$d"),
+                    {**D, **{v[1:]: "attr" for v in pa.values()}}, inputs=ns)
+        rules.append(_with_example(r, {**ex, "k": 2}, shapes))
+    for o, (pa, ex, sz) in VIEW_MOVES.items():
+        V = {**D, "e": "dim", **{v[1:]: "attr" for v in pa.values()}}
+        degs = tuple(2 if j == ex["d"] + len(sz) else 1 for j in range(len(sz)))
+        r = rule_of(f"combine_sink_{o}", op(o, _comb("x", "$d"), **pa), _comb(op(o, "x", **pa), "$e"), V)
+        rules.append(_with_example(r, {**ex, "k": 2}, {"x": S.of(sz, degs)}))
+        r = rule_of(f"partition_lift_{o}", _part(op(o, "x", **pa), "$e"), op(o, _part("x", "$d"), **pa), V)
+        rules.append(_with_example(r, {**ex, "k": 2}, {"x": S.of(sz)}))
+    for name, shapes in (("RMSNorm", {"x": S.of((2, 3))}), ("RMSNorm_scale", {"x": S.of((2, 3)), "s": S.of((3,))})):
+        ns = list(shapes)
+        r = rule_of(f"replicate_lift_{name}", _rep(op("RMSNorm", *ns, axis="$a", eps="$e")),
+                    op("RMSNorm", *[_rep(n) for n in ns], axis="$a", eps="$e"), {**K, "a": "attr", "e": "attr"},
+                    inputs=ns)
+        rules.append(_with_example(r, {"k": 2, "a": -1, "e": 1e-6}, shapes))
+    return rules
 
 
 NAMED = ("fig2_matmul_reduction", "fig11a_relu_spatial", "fig11b_add_concat_reduce", "megatron_attention_heads",

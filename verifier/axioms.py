@@ -506,6 +506,80 @@ _ax("ReduceSum_partition_after", "reducesum_partition", "parallel",
     {**DK, "a": "dim", "kd": "attr"}, [["$a", "<", "$d"]], bind={"a": -2, "d": -1, "k": 2, "kd": False},
     shapes={"x": S.of((2, 3, 4))})
 
+# --- tensor parallelism operator by operator (issue 18) --------------------------------------------------
+# What a layout -> rule sequence step needs to lay out a Llama decoder as Megatron-LM does (heads split, SwiGLU
+# column/row, the residual stream on copies) one operator at a time, on any dim.  Stated in the Combine form
+# (DESIGN "Verifier": ``Combine(op(P(x), R(y)), e) = op(x, y)``): the left side is the only trigger (it alone holds
+# the degree and the dims), so each fires only on terms a rule builds.  Value: a valid parallelization computes the
+# logical result and parallel operators keep the logical value, so the two sides agree wherever the left side is
+# valid; a dim the labels cannot split (a sliced, normalized or broadcast dim) makes the left side invalid and the
+# equation claims nothing there.
+P = lambda t: op("Partition", t, dim="$d", degree="$k")  # noqa: E731
+R = lambda t: op("Replicate", t, degree="$k")  # noqa: E731
+C = lambda t: op("Combine", t, dim="$d", degree="$k")  # noqa: E731
+for _b, (_lin, _vk) in BINARY.items():
+    # one operand broadcast along the partitioned dim, replicated (the rotary cos/sin tables [S, D] multiplied into
+    # the query heads [B, H, S, D] split by heads; the causal mask added to the scores)
+    _ax(f"{_b}_combine_split_pr", "binary_combine_broadcast", "parallel", C(op(_b, P("x"), R("y"))),
+        op(_b, "x", "y"), DK, bind={"d": -3, "k": 2}, shapes={"x": S.of((4, 2, 3)), "y": S.of((2, 3))}, values=_vk)
+    if _b != "PRelu":   # PRelu's output has its first input's shape: the slope never carries more dims
+        _ax(f"{_b}_combine_split_rp", "binary_combine_broadcast", "parallel", C(op(_b, R("x"), P("y"))),
+            op(_b, "x", "y"), DK, bind={"d": -3, "k": 2}, shapes={"x": S.of((2, 3)), "y": S.of((4, 2, 3))},
+            values=_vk)
+# a view or a normalization on a partitioned dim it does not read across: Slice on another dim (the rotary halves of
+# heads split by heads), Expand of a dim it does not broadcast (grouped-query K/V heads repeated, split by K/V
+# heads: dims counted from the end, as broadcasting aligns them), RMSNorm over dims after the partitioned one
+SPLIT_VIEWS: dict[str, tuple[dict, dict, dict]] = {
+    # op: (attr pattern, example binding, example shapes (first input partitioned, others replicated))
+    "Slice": ({"axes": "$ax", "starts": "$st", "ends": "$en", "steps": "$sp"},
+              {"ax": (2,), "st": (2,), "en": (4,), "sp": (1,), "d": -3}, {"x": S.of((2, 4, 3, 4))}),
+    "Expand": ({"shape": "$sh"}, {"sh": (2, 4, 3, 2), "d": -4}, {"x": S.of((2, 4, 1, 2))}),
+    "RMSNorm": ({"axis": "$a", "eps": "$e"}, {"a": -1, "e": 1e-6, "d": -2}, {"x": S.of((2, 4, 3))}),
+    "RMSNorm_scale": ({"axis": "$a", "eps": "$e"}, {"a": 2, "e": 1e-6, "d": -2},
+                      {"x": S.of((2, 4, 3)), "s": S.of((3,))}),
+}
+for _name, (_pa, _ex, _shapes) in SPLIT_VIEWS.items():
+    _o = _name.split("_")[0]
+    _ns = list(_shapes)
+    _args = [op("Partition", _ns[0], dim="$d", degree="$k")] + [op("Replicate", n, degree="$k") for n in _ns[1:]]
+    _ax(f"{_name}_combine_split", "view_combine_split", "parallel",
+        op("Combine", op(_o, *_args, **_pa), dim="$d", degree="$k"), op(_o, *_ns, **_pa), {**DK, **_uvars(_pa)},
+        bind={**_ex, "k": 2}, shapes=_shapes)
+# Transpose and Reshape move a partitioned dim (a Transpose to its permuted position, a Reshape that splits the hidden
+# dim into (heads, head size) or merges them back, or inserts a unit dim, to the outermost dim of its group): where it
+# lands depends on the permutation or on the shapes, which a constraint cannot read, so the landing dim ``e`` is a
+# variable of its own, chosen at application; shape inference refuses every choice but the one where the partition
+# lands (a Combine of a dim of degree 1 is invalid).  ``_sink``: a Combine after the op moved past it (the op then
+# runs on the pieces); ``_lift``: a Partition of the op's output moved before it.  Neither side holds every variable,
+# so Z3 instantiates them only where terms of both sides exist (a rule's two sides).  The values are exact wherever
+# both sides are valid; the parallel shapes agree where ``e`` is the landing dim, the one choice application accepts
+# when ``x`` carries no other partition of the same degree (with one, a wrong ``e`` can be valid and give another
+# parallel shape, which application refuses as it refuses every changed output shape).
+VIEW_MOVES: dict[str, tuple[dict, dict, dict]] = {
+    # op: (attr pattern, example binding, example logical input shape)
+    "Transpose": ({"perm": "$p"}, {"p": (0, 2, 1, 3), "d": -2, "e": -3}, (2, 3, 4, 2)),
+    "Reshape": ({"shape": "$sh"}, {"sh": (2, 3, 2, 4), "d": -1, "e": -2}, (2, 3, 8)),
+}
+_DEK = {"d": "dim", "e": "dim", "k": "degree"}
+for _o, (_pa, _ex, _sz) in VIEW_MOVES.items():
+    _r = len(_sz)
+    _degs = tuple(2 if j == _ex["d"] + _r else 1 for j in range(_r))
+    _ax(f"{_o}_combine_sink", "view_partition_move", "parallel",
+        op(_o, op("Combine", "x", dim="$d", degree="$k"), **_pa),
+        op("Combine", op(_o, "x", **_pa), dim="$e", degree="$k"), {**_DEK, **_uvars(_pa)},
+        bind={**_ex, "k": 2}, shapes={"x": S.of(_sz, _degs)})
+    _ax(f"{_o}_partition_lift", "view_partition_move", "parallel",
+        op("Partition", op(_o, "x", **_pa), dim="$e", degree="$k"),
+        op(_o, op("Partition", "x", dim="$d", degree="$k"), **_pa), {**_DEK, **_uvars(_pa)},
+        bind={**_ex, "k": 2}, shapes={"x": S.of(_sz)})
+# the residual stream of a Llama decoder on the tensor-parallel copies (Megatron-LM): its RMSNorms run on the copies
+for _name, _shapes in (("RMSNorm", {"x": S.of((2, 3))}), ("RMSNorm_scale", {"x": S.of((2, 3)), "s": S.of((3,))})):
+    _ns = list(_shapes)
+    _ax(f"{_name}_replicate", "rmsnorm_replicate", "parallel",
+        op("RMSNorm", *[op("Replicate", n, degree="$k") for n in _ns], axis="$a", eps="$e"),
+        op("Replicate", op("RMSNorm", *_ns, axis="$a", eps="$e"), degree="$k"),
+        {"k": "degree", "a": "attr", "e": "attr"}, bind={"k": 2, "a": -1, "e": 1e-6}, shapes=_shapes)
+
 # --- data parallelism of the import-coverage operators (issue 10) ------------------------------------------
 # One entry per dp template (rule name -> spec) and one ``sample_partition`` axiom that proves it: the
 # operator on its inputs partitioned on dim 0 (the sample dim) or replicated equals its output partitioned
