@@ -336,7 +336,7 @@ def _segment_search(g: PCG, book: RuleBook, ev: "Evaluator", dp_deg: int, k: int
         share = max(deadline.left(), 0.0) / (len(uniq) - i)
 
         def expand(c: Candidate):
-            for m, x in neighbours(c.graph, book.rules, book.degrees):
+            for m, x in neighbours(c.graph, book.expansion, book.degrees):
                 yield x, (RuleStep.of(m),)
 
         def prog(stats, best, i=i):

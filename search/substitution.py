@@ -102,6 +102,19 @@ class RuleBook:
         self.parallel = [r for r in self.rules if r.is_parallel]
         self.dp_names: dict[str, list[str]] = {}
 
+    @property
+    def expansion(self) -> list[Rule]:
+        """The rules the best-first search expands a candidate by: all but the single-operator tensor-parallel
+        rules of ``templates.tensor_parallel_rules`` (a split of one operator on any dim, a view moving a
+        partition), which :mod:`search.realize` applies towards a layout proposal's target.  Expanded
+        blindly they double a decoder's neighbours (every element-wise operator on every dim) and the
+        budget is spent on moves no proposal asked for."""
+        if getattr(self, "_expansion", None) is None:
+            from unity_pcg.substitutions.templates import tensor_parallel_rules
+            local = {r.name for r in tensor_parallel_rules()}
+            self._expansion = [r for r in self.rules if r.name.split("~")[0] not in local and r.name not in local]
+        return self._expansion
+
     def get(self, name: str) -> Rule:
         r = self.by_name.get(name)
         if r is None:
