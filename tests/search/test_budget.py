@@ -49,10 +49,10 @@ def test_unused_time_flows_to_the_next_phase():
     """A phase ends at a fixed mark: one that starts early (the previous ended early) has more time."""
     clock = Tick(0.0)
     b = Budget(10.0, clock=clock)
-    clock.t = 1.0                                       # the floors took 1 s of their 3
-    assert b.left("layouts") == pytest.approx(4.5)
-    clock.t = 7.0                                       # past the segments' mark (6.5 s)
-    assert b.expired("segments") and not b.expired("pricing") and b.left() == pytest.approx(3.0)
+    clock.t = 1.0                                       # the floors took 1 s of their 3.5
+    assert b.left("layouts") == pytest.approx(5.5)
+    clock.t = 7.5                                       # past the segments' mark (7.3 s)
+    assert b.expired("segments") and not b.expired("pricing") and b.left() == pytest.approx(2.5)
 
 
 def test_deadlines_nest_and_are_checked_per_thread():
