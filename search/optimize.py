@@ -13,8 +13,11 @@ Strategies:
   reach it (:func:`search.realize.realize`), and the best-first substitution search of the graph's segments
   (:mod:`search.split`, :mod:`search.substitution`) started from data parallelism and the segments' layouts
   reached by rules; the segments' choices are combined and replayed on the whole graph, so the plan records
-  a rule sequence from the imported graph.  The fixed strategies that apply (:data:`FLOOR_STRATEGIES`) are
-  priced too: the plan is never predicted slower than one of them.  ``info.search.chosen`` names the
+  a rule sequence from the imported graph.  The fixed strategies that apply (:data:`FLOOR_STRATEGIES`:
+  ZeRO-3 and Megatron-LM as their users tune them, :mod:`search.tuned`) are priced too: the plan is never
+  predicted slower than one of them.  Where nothing fits memory at the full batch, gradient accumulation
+  (one stage, M micro-batches, each laid out by data parallelism or a mesh's ILP, with the memory
+  techniques: :func:`search.tuned.accumulate`) is searched in the layouts phase.  ``info.search.chosen`` names the
   mechanism of the plan returned: ``"layout mesh 8x6 by rules"``, ``"layout mesh 8x6 (ILP, not by
   rules)"``, ``"search"``, ``"data parallel by rules"``, ``"pipeline"``, ``"<name> baseline (...)"``.
 * ``sequential`` (TASO then FlexFlow, Unity Fig. 15b): algebraic rules only, to convergence, priced
@@ -800,8 +803,9 @@ def _unity_candidates(run: _Run) -> None:
     """The joint search's candidates, phase by phase (:data:`search.budget.PHASES`); each step appends to
     ``run.floor`` / ``run.cands`` as it goes, so when time runs out what was priced competes.
 
-    1. floors: the fixed strategies that apply (dp is priced before any strategy runs);
-    2. layouts: the ILP's layout of every logical mesh (:mod:`search.layouts`), each reached by rules
+    1. floors: the fixed strategies that apply, the tuned ones included (dp is priced before any strategy runs);
+    2. layouts: gradient accumulation where the full batch does not fit (:func:`_accumulation_candidates`);
+       the ILP's layout of every logical mesh (:mod:`search.layouts`), each reached by rules
        (:func:`search.realize.realize`) where the rules reach it, else a candidate as the ILP built it;
     3. segments: the best-first substitution search of every distinct segment, seeded by data
        parallelism and the segment's layouts reached by rules; data parallelism by rules assembled;
