@@ -874,8 +874,8 @@ def _layout_candidates(run: _Run) -> None:
     # gradient accumulation first when data parallelism does not fit at the full batch (then no layout is
     # likely to: its activations are the batch's); else after the proposals, when none of them fits either
     early = not _fits_full_batch(run)
-    if early:
-        _accumulation_candidates(run, Deadline(bud.now() + max(wall.left(), 0.0) / 2, bud.clock))
+    if early:                   # most of the phase: the full-batch proposals are then unlikely to fit either
+        _accumulation_candidates(run, Deadline(bud.now() + max(wall.left(), 0.0) * 3 / 4, bud.clock))
     half = Deadline(bud.now() + max(wall.left(), 0.0) / 2, bud.clock)
     for p in proposals(run.g, run.m, deadline=half, optimizer=run.optimizer, precision=ev.mapper.model.precision,
                        mapper=ev.mapper):
