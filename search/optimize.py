@@ -804,7 +804,8 @@ def _unity_candidates(run: _Run) -> None:
     ``run.floor`` / ``run.cands`` as it goes, so when time runs out what was priced competes.
 
     1. floors: the fixed strategies that apply, the tuned ones included (dp is priced before any strategy runs);
-    2. layouts: gradient accumulation where the full batch does not fit (:func:`_accumulation_candidates`);
+    2. layouts: gradient accumulation where the full batch does not fit or a micro-batched floor is faster
+       (:func:`_accumulation_candidates`);
        the ILP's layout of every logical mesh (:mod:`search.layouts`), each reached by rules
        (:func:`search.realize.realize`) where the rules reach it, else a candidate as the ILP built it;
     3. segments: the best-first substitution search of every distinct segment, seeded by data
@@ -885,7 +886,7 @@ def _layout_candidates(run: _Run) -> None:
             run.cands.append(PlanCandidate(f"layout mesh {p.name} (ILP, not by rules)", p.pcg, p.time_s, (), LAYOUT,
                                            by_rules=False, mapping=p.mapping))
     run.mark("layout_proposals")
-    if not early and not _fits_full_batch(run):
+    if not early and (not _fits_full_batch(run) or _micro_batching_pays(run)):
         _accumulation_candidates(run, wall)
     for p in sorted((p for p in run.proposals if p.pcg is not None), key=lambda p: p.time_s):
         if wall.passed():
@@ -925,6 +926,15 @@ def _fits_full_batch(run: _Run) -> bool:
     if any(math.isfinite(c.cost) and c.pipeline is None for c in run.cands):
         return True
     return any(math.isfinite(oc) for name, (_, oc, _, _) in run.others.items() if name not in TUNED)
+
+
+def _micro_batching_pays(run: _Run) -> bool:
+    """Whether a floor that micro-batches (a tuned one with a pipeline field) is predicted faster than every
+    full-batch candidate priced so far: then gradient accumulation is searched too."""
+    best = min([c.cost for c in run.cands if c.pipeline is None]
+               + ([run.dp_res.cost] if run.dp_res is not None and run.dp_res.feasible else []), default=INF)
+    return any(run.floor_pipes.get(name) is not None and oc < best
+               for name, (_, oc, _, _) in run.others.items())
 
 
 def _accumulation_candidates(run: _Run, until: Deadline) -> None:
