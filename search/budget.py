@@ -40,17 +40,19 @@ class Phase:
 
 
 #: The phases of the joint search, in order, and their shares of ``--budget`` (they sum to 1).  A phase
-#: ends at the start plus the budget times the shares up to it (the marks: 30%, 55%, 65%, 71%, 75%, 100%
-#: with pipelines; 30%, 55%, 90%, 96%, 100% without)
+#: ends at the start plus the budget times the shares up to it (the marks: 35%, 65%, 73%, 77%, 80%, 100%
+#: with pipelines; 35%, 65%, 93%, 97%, 100% without)
 PHASES: tuple[Phase, ...] = (
-    Phase("floors", 0.30, "import; data parallelism's mapping; the fixed strategies' floors (Megatron, expert)"),
-    Phase("layouts", 0.25, "the ILP's layout of every logical mesh (search/layouts.py), reached by rules "
-                           "where the rules reach it, and priced"),
-    Phase("segments", 0.10, "the segments' seeds (data parallelism, their layouts reached by rules) and their "
+    Phase("floors", 0.35, "import; data parallelism's mapping; the fixed strategies' floors (ZeRO-3 and "
+                          "Megatron-LM as tuned, expert)"),
+    Phase("layouts", 0.30, "gradient accumulation (one stage, M micro-batches, with the layouts and the memory "
+                           "techniques) where the full batch does not fit; the ILP's layout of every logical "
+                           "mesh (search/layouts.py), reached by rules where the rules reach it, and priced"),
+    Phase("segments", 0.08, "the segments' seeds (data parallelism, their layouts reached by rules) and their "
                             "best-first search (the sequential strategy's two searches)"),
-    Phase("pricing", 0.06, "the whole-graph pricing of the search's result"),
-    Phase("final", 0.04, "floors whose solve was cut resume; the final mapping of the chosen plan"),
-    Phase("pipeline", 0.25, "the 1F1B stage search, then the rule sequence of the stages' PCG",
+    Phase("pricing", 0.04, "the whole-graph pricing of the search's result"),
+    Phase("final", 0.03, "floors whose solve was cut resume; the final mapping of the chosen plan"),
+    Phase("pipeline", 0.20, "the 1F1B stage search, then the rule sequence of the stages' PCG",
           spare_to="segments"),
 )
 

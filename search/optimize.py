@@ -13,8 +13,11 @@ Strategies:
   reach it (:func:`search.realize.realize`), and the best-first substitution search of the graph's segments
   (:mod:`search.split`, :mod:`search.substitution`) started from data parallelism and the segments' layouts
   reached by rules; the segments' choices are combined and replayed on the whole graph, so the plan records
-  a rule sequence from the imported graph.  The fixed strategies that apply (:data:`FLOOR_STRATEGIES`) are
-  priced too: the plan is never predicted slower than one of them.  ``info.search.chosen`` names the
+  a rule sequence from the imported graph.  The fixed strategies that apply (:data:`FLOOR_STRATEGIES`:
+  ZeRO-3 and Megatron-LM as their users tune them, :mod:`search.tuned`) are priced too: the plan is never
+  predicted slower than one of them.  Where nothing fits memory at the full batch, gradient accumulation
+  (one stage, M micro-batches, each laid out by data parallelism or a mesh's ILP, with the memory
+  techniques: :func:`search.tuned.accumulate`) is searched in the layouts phase.  ``info.search.chosen`` names the
   mechanism of the plan returned: ``"layout mesh 8x6 by rules"``, ``"layout mesh 8x6 (ILP, not by
   rules)"``, ``"search"``, ``"data parallel by rules"``, ``"pipeline"``, ``"<name> baseline (...)"``.
 * ``sequential`` (TASO then FlexFlow, Unity Fig. 15b): algebraic rules only, to convergence, priced
@@ -364,8 +367,10 @@ def _segment_search(g: PCG, book: RuleBook, ev: "Evaluator", dp_deg: int, k: int
     return out, steps, dp_graph, dp_steps, totals, interrupted
 
 
-#: the fixed strategies (besides dp) the joint search prices as floors, where they apply
-FLOOR_STRATEGIES = ("megatron", "expert")
+#: the fixed strategies (besides dp) the joint search prices as floors, where they apply, in this order; those of
+#: :data:`TUNED` as their users tune them (search/tuned.py: Megatron-LM's grid, FSDP's ZeRO-3), so the plan is
+#: never predicted slower than, and is feasible wherever, one of them that was priced
+FLOOR_STRATEGIES = ("zero3", "megatron", "expert")
 
 
 # --- candidates -----------------------------------------------------------------------------------------
@@ -396,18 +401,32 @@ class PlanCandidate:
         return tuple(s.to_json() for s in self.steps) if self.by_rules else None
 
 
-def _fixed_baselines(g: PCG, ev: "Evaluator", degree: int, m: MachineSpec, until: Deadline) -> dict:
-    """{name: (PCG, predicted cost or inf, note, MappingResult or None)} of the fixed strategies of :data:`FLOOR_STRATEGIES` that
-    apply to ``g`` (built as ``--strategy NAME`` builds them: Megatron's tensor parallelism inside a node),
-    each solve cut at ``until``.  Their layouts are not all reachable by the
-    shipped rules (Megatron runs the operators between its groups on the tensor-parallel copies; the
-    expert strategy splits a communication-intensive Linear on top of data parallelism), so the search
-    cannot be relied on to find them; where one is faster than every plan reached by rules, it is
-    returned, recorded as a fixed strategy (as the dp baseline is)."""
+def _fixed_baselines(run: "_Run", until: Deadline) -> dict:
+    """{name: (PCG, predicted cost or inf, note, MappingResult or None)} of the fixed strategies of
+    :data:`FLOOR_STRATEGIES` that apply to the model, each priced before ``until`` (the pipelines of the
+    tuned ones in ``run.floor_pipes``).  The tuned ones (:data:`TUNED`) are priced as ``--strategy NAME``
+    prices them (search/tuned.py), each with an equal share of the time left to ``until``; the others are
+    built as ``--strategy NAME`` builds them (Megatron's tensor parallelism inside a node), each solve cut
+    at ``until``.  Their layouts are not all reachable by the shipped rules (Megatron runs the operators
+    between its groups on the tensor-parallel copies; the expert strategy splits a communication-intensive
+    Linear on top of data parallelism; the tuned ones micro-batch and pipeline), so the search cannot be
+    relied on to find them; where one is faster than every plan of the search, it is returned, recorded
+    as a fixed strategy (as the dp baseline is)."""
+    g, ev, degree, m = run.g, run.ev, run.dp_deg, run.m
     out: dict = {}
-    for name in FLOOR_STRATEGIES:
+    names = list(FLOOR_STRATEGIES)
+    for i, name in enumerate(names):
         if until.passed():              # built and priced when the floors resume (_resume_cut_floors)
             out[name] = (None, INF, "not built within the budget", None)
+            continue
+        if name in TUNED:
+            from .tuned import floor
+            tuned_left = sum(1 for n in names[i:] if n in TUNED)
+            own = Deadline(until.clock() + max(until.left(), 0.0) / tuned_left, until.clock).sooner(until)
+            pg, c, note, r, pipe = floor(run, name, own)
+            if pg is not None:
+                out[name] = (pg, c, note, r)
+                run.floor_pipes[name] = pipe
             continue
         pg = _build_floor(g, name, degree, m)
         if pg is not None:
@@ -603,6 +622,7 @@ class _Run:
         self.proposals: list = []                     # search.layouts.Proposal, in the order solved
         self.reached: list = []                       # those reached by rules
         self.others: dict = {}                        # the fixed strategies' floors (_fixed_baselines)
+        self.floor_pipes: dict = {}                   # name -> the PipelineResult of a tuned floor (or None)
 
     def mark(self, name: str) -> None:
         """The seconds since the start at the end of a step (``info.search.timeline_s``)."""
@@ -783,8 +803,10 @@ def _unity_candidates(run: _Run) -> None:
     """The joint search's candidates, phase by phase (:data:`search.budget.PHASES`); each step appends to
     ``run.floor`` / ``run.cands`` as it goes, so when time runs out what was priced competes.
 
-    1. floors: the fixed strategies that apply (dp is priced before any strategy runs);
-    2. layouts: the ILP's layout of every logical mesh (:mod:`search.layouts`), each reached by rules
+    1. floors: the fixed strategies that apply, the tuned ones included (dp is priced before any strategy runs);
+    2. layouts: gradient accumulation where the full batch does not fit or a micro-batched floor is faster
+       (:func:`_accumulation_candidates`);
+       the ILP's layout of every logical mesh (:mod:`search.layouts`), each reached by rules
        (:func:`search.realize.realize`) where the rules reach it, else a candidate as the ILP built it;
     3. segments: the best-first substitution search of every distinct segment, seeded by data
        parallelism and the segment's layouts reached by rules; data parallelism by rules assembled;
@@ -808,7 +830,7 @@ def _price_floors(run: _Run) -> None:
     """Every fixed strategy of :data:`FLOOR_STRATEGIES` that applies, priced by the end of the floors phase
     (the result is never predicted slower than one of them); a solve the mark cuts resumes in the final
     phase (:func:`_resume_cut_floors`)."""
-    run.others = _fixed_baselines(run.g, run.ev, run.dp_deg, run.m, run.budget.deadline("floors"))
+    run.others = _fixed_baselines(run, run.budget.deadline("floors"))
     run.mark("baselines")
 
 
@@ -850,6 +872,11 @@ def _layout_candidates(run: _Run) -> None:
     run.stats["layouts"] = info
     if run.n_dev <= 1:
         return
+    # gradient accumulation first when data parallelism does not fit at the full batch (then no layout is
+    # likely to: its activations are the batch's); else after the proposals, when none of them fits either
+    early = not _fits_full_batch(run)
+    if early:                   # most of the phase: the full-batch proposals are then unlikely to fit either
+        _accumulation_candidates(run, Deadline(bud.now() + max(wall.left(), 0.0) * 3 / 4, bud.clock))
     half = Deadline(bud.now() + max(wall.left(), 0.0) / 2, bud.clock)
     for p in proposals(run.g, run.m, deadline=half, optimizer=run.optimizer, precision=ev.mapper.model.precision,
                        mapper=ev.mapper):
@@ -859,6 +886,8 @@ def _layout_candidates(run: _Run) -> None:
             run.cands.append(PlanCandidate(f"layout mesh {p.name} (ILP, not by rules)", p.pcg, p.time_s, (), LAYOUT,
                                            by_rules=False, mapping=p.mapping))
     run.mark("layout_proposals")
+    if not early and (not _fits_full_batch(run) or _micro_batching_pays(run)):
+        _accumulation_candidates(run, wall)
     for p in sorted((p for p in run.proposals if p.pcg is not None), key=lambda p: p.time_s):
         if wall.passed():
             break
@@ -887,6 +916,67 @@ def _layout_candidates(run: _Run) -> None:
             run.cands.append(PlanCandidate(f"layout mesh {p.name} (ILP, not by rules)", p.pcg, d, (), LAYOUT,
                                            by_rules=False, mapping=ev.kept(p.pcg)))
     run.mark("layouts")
+
+
+def _fits_full_batch(run: _Run) -> bool:
+    """Whether a candidate at the full batch priced so far fits: data parallelism, a layout proposal, a
+    fixed strategy that does not micro-batch."""
+    if run.dp_res is not None and run.dp_res.feasible:
+        return True
+    if any(math.isfinite(c.cost) and c.pipeline is None for c in run.cands):
+        return True
+    return any(math.isfinite(oc) for name, (_, oc, _, _) in run.others.items() if name not in TUNED)
+
+
+def _micro_batching_pays(run: _Run) -> bool:
+    """Whether a floor that micro-batches (a tuned one with a pipeline field) is predicted faster than every
+    full-batch candidate priced so far: then gradient accumulation is searched too."""
+    best = min([c.cost for c in run.cands if c.pipeline is None]
+               + ([run.dp_res.cost] if run.dp_res is not None and run.dp_res.feasible else []), default=INF)
+    return any(run.floor_pipes.get(name) is not None and oc < best
+               for name, (_, oc, _, _) in run.others.items())
+
+
+def _accumulation_candidates(run: _Run, until: Deadline) -> None:
+    """Micro-batching in the joint search (gradient accumulation: one stage, M micro-batches,
+    :func:`search.tuned.accumulate`), jointly with the layouts and the memory techniques: each micro-batch
+    data parallel, or laid out by the ILP of each mesh of :func:`search.layouts.mesh_shapes` (in order, as
+    the time until ``until`` allows), at the fewest micro-batches that fit.  The fastest feasible one is a
+    candidate "accumulation: <layout>, micro-batch b xM" (a plan with a one-stage pipeline field, no rules)."""
+    from .layouts import mesh_shapes, propose
+    from .pipeline import default_intra
+    from .tuned import TunedError, TunedMapping, accumulate
+    if run.n_dev <= 1 or not run.b or run.b < 2:
+        return
+    m, ev = run.m, run.ev
+
+    def ilp(mesh):
+        def hook(stage: PCG, resource: Resource) -> PCG:
+            p = propose(stage, m, mesh, optimizer=run.optimizer, precision=ev.mapper.model.precision,
+                        deadline=until)
+            if p.pcg is None:
+                raise UnityError(f"mesh {p.name}: {p.status}")
+            return p.pcg
+        return hook
+
+    layouts = [("data parallel", default_intra)] + [(f"layout mesh {a}x{b}", ilp((a, b))) for a, b in mesh_shapes(m)]
+    t0 = time.perf_counter()
+    try:
+        r = accumulate(run.g, ev.mapper, layouts, until)
+    except (TunedError, Expired) as e:
+        run.stats["accumulation"] = {"none": str(e) or "cut by the budget"}
+        return
+    rec = {"seconds": round(time.perf_counter() - t0, 3), "feasible": r.feasible,
+           "points": len(r.priced), "cut": bool(r.stats.get("cut"))}
+    run.stats["accumulation"] = rec
+    run.mark("accumulation")
+    if r.pcg is None or not r.feasible or r.config is None:
+        rec["reason"] = r.reason
+        return
+    rec["chosen"] = r.config.label()
+    mapping = TunedMapping(r, run.n_dev, m.device.memory_bytes)
+    run.cands.append(PlanCandidate(f"accumulation: {r.config.label()}", r.pcg, r.cost, (), LAYOUT,
+                                   by_rules=False, mapping=mapping, pipeline=r.pipeline))
 
 
 def _on_proposal_views(run: _Run, p, got, pg: PCG, until: Deadline):
@@ -987,6 +1077,10 @@ def _resume_cut_floors(run: _Run) -> None:
     for name, (opg, oc, note, ores) in list(run.others.items()):
         if ores is None and run.budget.expired("final"):
             break
+        if name in TUNED:               # priced under its own deadline in the floors phase, or not at all
+            if ores is None:
+                del run.others[name]
+            continue
         if opg is None:
             opg = _build_floor(run.g, name, run.dp_deg, run.m)
             if opg is None:             # does not apply to this model
@@ -1158,10 +1252,13 @@ def _never_slower_than_a_floor(run: _Run, chosen: PlanCandidate) -> PlanCandidat
         if name == "dp":
             why = run.stats.get("dp_by_rules", {}).get("differs") or "not priced within the budget"
             mech = f"data parallel baseline (dp by rules: {why})"
+        elif name in TUNED:
+            mech = f"{name} tuned baseline ({run.others[name][2]}; faster than every plan of the search)"
         else:
             mech = f"{name} baseline (faster than every plan reached by rules within the budget)"
         run.stats = dict(run.stats, chosen=mech)
-        chosen = PlanCandidate(mech, opg, ores.cost, (), by_rules=False, mapping=ores)
+        chosen = PlanCandidate(mech, opg, ores.cost, (), by_rules=False, mapping=ores,
+                               pipeline=run.floor_pipes.get(name))
         break
     run.stats = dict(run.stats, baselines_s={"dp": dp_res.cost if dp_res is not None and dp_res.feasible else None,
                                              **{name: (oc if math.isfinite(oc) else note or None)
@@ -1191,12 +1288,15 @@ def _result(run: _Run, chosen: PlanCandidate, model_path: str, sha: str, seed: i
     steps = list(chosen.steps)
     # never a plan the executor refuses before launch: else the fastest alternative it runs (search/runnable.py)
     if run.strategy in SEARCHES:
-        cands = [c for c in run.cands + run.floor if c.pcg is not None]
+        # (a candidate with a pipeline field is no alternative: the fallback writes plans without one)
+        cands = [c for c in run.cands + run.floor if c.pcg is not None and c.pipeline is None]
         plan, final, steps, stats = runnable(plan, final, steps, stats, run.ev, run.g,
                                              [(c.cost, 1, c.pcg, c.steps if c.by_rules else (),
                                                None if c.by_rules else c.mapping) for c in cands],
                                              {id(c.pcg): c.mechanism for c in cands},
-                                             dp=(run.dp_pg, run.dp_res), others=run.others)
+                                             dp=(run.dp_pg, run.dp_res),
+                                             others={k: v for k, v in run.others.items()
+                                                     if run.floor_pipes.get(k) is None})
     else:
         runnable(plan, final, steps, stats)     # recorded: the strategy asked for is returned
     return OptimizeResult(plan, run.strategy, final, run.dp_res, steps, search_s, stats, run.interrupted, run.b)

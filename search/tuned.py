@@ -83,17 +83,24 @@ class TunedConfig:
     distributed_optimizer: bool = False
     sp: bool = False
     zero: int = 0
+    layout: str = ""        # accumulate(): the layout's name ("data parallel", "layout mesh 2x4"); "": tp/dp
 
     def to_json(self) -> dict:
         return {"tp": self.tp, "pp": self.pp, "dp": self.dp, "micro_batch": self.micro_batch,
                 "micro_batches": self.micro_batches, "recompute": self.recompute,
-                "distributed_optimizer": self.distributed_optimizer, "sp": self.sp, "zero": self.zero}
+                "distributed_optimizer": self.distributed_optimizer, "sp": self.sp, "zero": self.zero,
+                **({"layout": self.layout} if self.layout else {})}
 
     def label(self) -> str:
-        s = f"tp{self.tp} pp{self.pp} dp{self.dp} mbs{self.micro_batch} x{self.micro_batches}"
+        if self.layout:
+            s = f"{self.layout}, micro-batch {self.micro_batch} x{self.micro_batches}"
+        else:
+            s = f"tp{self.tp} pp{self.pp} dp{self.dp} mbs{self.micro_batch} x{self.micro_batches}"
+        if self.zero in (1, 2) and self.layout:
+            s += f" zero{self.zero}"
         if self.recompute != "none":
             s += f" recompute={self.recompute}"
-        if self.distributed_optimizer:
+        if self.distributed_optimizer and not self.layout:
             s += " distopt"
         if self.zero == 3:
             s += " zero3"
@@ -260,6 +267,7 @@ class _Layout:
     ev: dict | None = None            # pipeline: search.pipeline._evaluate's result
     reason: str = ""
     gc: Any = None                    # whole: the GraphCost the techniques are priced on
+    name: str = ""                    # accumulate(): the layout's name
 
 
 class _Tuner:
@@ -316,8 +324,9 @@ class _Tuner:
             return _Layout(tp, 1, N // tp, 1, pcg=pg, reason=(r.reason if r is not None else "") or "no mapping")
         return _Layout(tp, 1, N // tp, 1, pcg=pg, mapping=r)
 
-    def pipeline(self, tp: int, pp: int, M: int) -> _Layout:
-        """pp stages of equal layer counts on equal device blocks, M micro-batches, Megatron inside."""
+    def pipeline(self, tp: int, pp: int, M: int, intra=None) -> _Layout:
+        """pp stages of equal layer counts on equal device blocks, M micro-batches, Megatron inside (or the
+        ``intra`` hook of :func:`search.pipeline.search_pipeline`, given)."""
         from .pipeline import PipelineError, _evaluate, default_intra, megatron_intra, micro_graph, rebatch
         N = self.machine.num_devices
         dp = N // (tp * pp)
@@ -336,7 +345,8 @@ class _Tuner:
         size = N // pp
         bounds = [round(k * L / pp) for k in range(pp + 1)]
         plan = tuple((bounds[k], bounds[k + 1], k * size, size) for k in range(pp))
-        intra = megatron_intra(tp) if tp > 1 else default_intra
+        if intra is None:
+            intra = megatron_intra(tp) if tp > 1 else default_intra
         with within(self.deadline):
             ev = _evaluate(gM, self.roles, self.info, self.layers, plan, M, self.mapper, intra, self.machine)
         if not all(math.isfinite(x) for x in ev["fwd"]):
@@ -351,7 +361,7 @@ class _Tuner:
 
     # the techniques on a layout point -------------------------------------------------------------------
     def combos(self) -> list[tuple[str, int]]:
-        zs = (3,) if self.strategy == "zero3" else (0, 1)
+        zs = {"zero3": (3,), "accumulate": (0, 1, 3)}.get(self.strategy, (0, 1))
         if not self.tech.available:
             return [("none", 0)] if self.strategy == "megatron" else []
         return [(r, z) for z in zs for r in self.tech.recompute]
@@ -359,7 +369,7 @@ class _Tuner:
     def price_layout(self, lay: _Layout, mbs: int) -> list[_Point]:
         out = []
         for rec, z in self.combos():
-            cfg = TunedConfig(lay.tp, lay.pp, lay.dp, mbs, lay.M, rec, z == 1, False, z)
+            cfg = TunedConfig(lay.tp, lay.pp, lay.dp, mbs, lay.M, rec, z == 1, False, z, lay.name)
             if lay.reason:
                 pt = _Point(cfg, INF, False, lay.reason, 0, {}, lay)
             elif lay.mapping is not None:
@@ -542,6 +552,11 @@ class _Tuner:
         M = B // (w["dp"] * mbs)
         if plain is not None and (w["tp"], w["pp"], M) == (plain.tp, 1, 1):
             pts = [p for p in self.points if p.layout is plain]
+        elif w.get("intra") is not None:         # accumulate(): one stage, M micro-batches, the walk's layout
+            lay = self.pipeline(w["tp"], 1, M, intra=w["intra"])
+            lay.name = w["name"]
+            self.stats["layout_points"] += 1
+            pts = self.price_layout(lay, mbs)
         else:
             lay = self.whole(w["tp"]) if (w["pp"] == 1 and M == 1) else self.pipeline(w["tp"], w["pp"], M)
             self.stats["layout_points"] += 1
@@ -650,6 +665,50 @@ def tune(g: PCG, mapper, strategy: str = "megatron", deadline: Deadline | None =
     return out
 
 
+def accumulate(g: PCG, mapper, layouts, deadline: Deadline | None = None, *, tech=None,
+               max_layers: int = MAX_LAYERS) -> TunedResult:
+    """Gradient accumulation in the joint search (DESIGN "optimize() policy"): the fastest feasible plan of
+    one stage that runs the global batch as M micro-batches (:func:`search.pipeline.micro_graph`, the one
+    test of micro-batching), each micro-batch parallelized by one of ``layouts`` -- ``[(name, intra)]``,
+    ``intra`` a :func:`search.pipeline.search_pipeline` hook (data parallelism, the layout ILP of a mesh) --
+    jointly with the memory techniques (recomputation none / selective / full x ZeRO 0 / 1 / 3, priced by
+    :mod:`search.memtech`; ZeRO-3 gathers every micro-batch).  The micro-batch count is walked per layout as
+    the tuned grid walks it: fewest micro-batches first, skipping those a priced point predicts not to fit;
+    the first layout's walk runs first and the others start where it first fitted.  The full batch (M = 1) is
+    not priced here (the caller has it).  ``deadline`` bounds everything; what was priced by then counts."""
+    if any(n.kind == "parallel" for n in g.nodes()):
+        raise TunedError("accumulate needs a logical PCG")
+    t = _Tuner(g, mapper, "accumulate", deadline, tech or techniques(), max_layers=max_layers)
+    N, B = t.machine.num_devices, t.B
+    dp = N if B % N == 0 else 1
+    ms = [m for m in micro_batch_sizes(B, dp, 1) if m < B // dp]
+    walks = [{"tp": 1, "pp": 1, "dp": dp, "ms": ms, "i": 0, "n": 0, "best": INF, "done": not ms,
+              "intra": intra, "name": name} for name, intra in layouts]
+    t.stats["layouts"] = [name for name, _ in layouts]
+    try:
+        if walks:
+            first = walks[0]
+            while not first["done"]:
+                t._step(first, None)
+            fits = [p.config.micro_batch for p in t.points if p.feasible]
+            start = max(fits) if fits else None
+            for w in walks[1:]:             # the others from the fewest micro-batches the first fitted at
+                while start is not None and w["i"] < len(w["ms"]) - 1 and w["ms"][w["i"]] > start:
+                    w["i"] += 1
+            rest = walks[1:]
+            for w in rest:
+                if not w["done"]:
+                    t._step(w, None)
+            while any(not w["done"] for w in rest):
+                w = min((w for w in rest if not w["done"]),
+                        key=lambda w: (math.isfinite(w["best"]), w["best"], w["n"]))
+                t._step(w, None)
+    except Expired:
+        t.stats["cut"] = True
+    out = t.result()
+    return out
+
+
 # --- what optimize and simulate take from a result -------------------------------------------------------
 
 class TunedMapping:
@@ -682,22 +741,45 @@ class TunedMapping:
                 **({"pipeline": self.stats["pipeline"]} if "pipeline" in self.stats else {})}   # explain's stages
 
 
+def _tuned(run, strategy: str, deadline: Deadline) -> TunedResult:
+    """The tuned baseline ``strategy`` of ``run``'s model under ``deadline`` (optimize(memory_techniques=False):
+    the grid without techniques, as the mapper prices)."""
+    import time as _time
+    tech = techniques() if getattr(run.ev.mapper, "default_techniques", True) else _NoTechniques()
+    t0 = _time.perf_counter()
+    r = tune(run.g, run.ev.mapper, strategy, deadline, cheap=run.ev.cheap, tech=tech)
+    r.stats["seconds"] = _time.perf_counter() - t0
+    return r
+
+
+def floor(run, strategy: str, deadline: Deadline) -> tuple:
+    """The tuned baseline ``strategy`` as a floor of the joint search (priced in its floors phase under
+    ``deadline``): ``(pcg, cost or inf, note, TunedMapping or None, PipelineResult or None)``; ``pcg`` None
+    where the strategy does not apply to the model."""
+    try:
+        r = _tuned(run, strategy, deadline)
+    except TunedError as e:
+        return (None, INF, str(e), None, None)
+    except Expired:
+        return (None, INF, "not priced within the budget", None, None)
+    if r.pcg is None:
+        return (None, INF, r.reason or "no plan", None, None)
+    mapping = TunedMapping(r, run.n_dev, run.m.device.memory_bytes)
+    note = r.config.label() if r.feasible and r.config is not None else (r.reason or "infeasible")
+    return (r.pcg, r.cost if r.feasible else INF, note, mapping, r.pipeline)
+
+
 def plan_candidate(run):
     """``optimize(strategy="megatron" | "zero3")``: the tuned baseline under the call's budget (the grid
     stops at 90% of the time left), as the PlanCandidate the optimizer writes; ``info.search`` records
     the configuration (``megatron_config`` / ``zero3_config``) and the grid's statistics."""
-    import time as _time
     from .optimize import OptimizeError, PlanCandidate
     bud = run.budget
     deadline = Deadline(bud.clock() + 0.9 * max(bud.left(), 0.0), bud.clock)
-    t0 = _time.perf_counter()
     try:
-        # optimize(memory_techniques=False): the grid without techniques (and without overlap), as the mapper
-        tech = techniques() if getattr(run.ev.mapper, "default_techniques", True) else _NoTechniques()
-        r = tune(run.g, run.ev.mapper, run.strategy, deadline, cheap=run.ev.cheap, tech=tech)
+        r = _tuned(run, run.strategy, deadline)
     except TunedError as e:
         raise OptimizeError(str(e)) from None
-    r.stats["seconds"] = _time.perf_counter() - t0
     if r.pcg is None:
         raise OptimizeError(f"strategy {run.strategy!r}: no plan on {run.m.name} ({r.reason})")
     mapping = TunedMapping(r, run.n_dev, run.m.device.memory_bytes)
@@ -707,5 +789,5 @@ def plan_candidate(run):
                          pipeline=r.pipeline)
 
 
-__all__ = ["tune", "plan_candidate", "TunedMapping", "TunedResult", "TunedConfig", "TunedError", "techniques", "pairs", "micro_batch_sizes",
+__all__ = ["tune", "accumulate", "floor", "plan_candidate", "TunedMapping", "TunedResult", "TunedConfig", "TunedError", "techniques", "pairs", "micro_batch_sizes",
            "STRATEGIES", "RECOMPUTE"]

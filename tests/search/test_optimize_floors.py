@@ -31,10 +31,11 @@ def test_never_slower_than_megatron_where_the_rules_do_not_reach_it(monkeypatch)
     for pipeline in (False, True):
         r = optimize(g, "summit:1x4", budget_s=60, optimizer="adam", pipeline=pipeline, max_candidates=4)
         assert r.feasible and r.predicted_iteration_s <= mg * (1 + 1e-9)
-        assert r.stats["baselines_s"]["megatron"] == pytest.approx(mg)
+        # the floor is Megatron-LM as tuned (search/tuned.py), whose grid holds the plain baseline
+        assert r.stats["baselines_s"]["megatron"] <= mg * (1 + 1e-9)
         _check_replays(g, r)
-        if r.stats["chosen"].startswith("megatron baseline"):
-            assert r.plan.rules is None and r.plan.pipeline is None
+        if r.stats["chosen"].startswith("megatron"):
+            assert r.plan.rules is None
 
 
 def _tables_model(n=4, batch=768, rows=200_000, dim=64, bag=20, h=512, layers=2):
@@ -87,7 +88,7 @@ def test_the_budget_is_a_wall():
         bud = Budget(3.0, clock=Tick(STEP))
         r = optimize(g, "summit:4x6", budget_s=bud, optimizer="adam", pipeline=pipeline)
         w = r.stats["wall_s"]
-        assert w["wall"] <= 3.0 * 0.96 and w["last_walled_solve_end"] <= w["wall"] + 200 * STEP, w
+        assert w["wall"] <= 3.0 * bud.marks["pricing"] + 1e-9 and w["last_walled_solve_end"] <= w["wall"] + 200 * STEP, w
         assert bud.elapsed() <= bud.hard_end().at - bud.start + 200 * STEP, (pipeline, r.stats.get("timeline_s"))
         assert r.feasible and r.predicted_iteration_s <= r.dp.cost * (1 + 1e-9)
         _check_replays(g, r)
