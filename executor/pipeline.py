@@ -303,11 +303,12 @@ def _check_batch_split(g: PCG, n, K: int) -> None:
 
 def check_pipeline(plan, per_device_bn: bool = True) -> None:
     """Everything about a pipelined plan that can fail before a process starts."""
+    accumulate = accumulation(plan)
     mem = getattr(plan, "memory", None)
-    if mem is not None and not mem.empty:
-        raise PipelineError("plan: memory techniques (recompute, ZeRO, offload) with pipeline stages are not run by "
-                            "the executor yet; optimize it without pipeline stages or without them")
-    if getattr(plan, "precision", "fp32") == "bf16":
+    if mem is not None and not mem.empty and not one_stage(plan):
+        raise PipelineError("plan: memory techniques (recompute, ZeRO, offload) with several pipeline stages are "
+                            "not run by the executor yet; optimize it without pipeline stages or without them")
+    if getattr(plan, "precision", "fp32") == "bf16" and not accumulate:
         raise PipelineError("plan: bf16 (mixed precision) with pipeline stages is not supported by the executor "
                             "(stage boundaries exchange float32 buffers); optimize it with --precision fp32 or tf32")
     gen = next((n for n in plan.pcg.nodes() if n.op in ("RandomNormal", "RandomUniform")), None)
@@ -323,11 +324,43 @@ def check_pipeline(plan, per_device_bn: bool = True) -> None:
     # the batch, and only it, must split into the micro-batches (times the virtual pipelines): the test the
     # pipeline search applies too (search/pipeline.py::micro_graph); lowered stages also rebatch
     micro_graph(plan.pcg, M * (1 if stages[0].lowered else replicas(stages)))
-    if stages[0].lowered:
+    if accumulate:                  # one stage run by executor.accumulate: the plan at the micro-batch
+        micro_plan(plan)
+    elif stages[0].lowered:
         stage_graphs(plan, M, stages)
     if not per_device_bn and any(n.op == "BatchNorm" for n in plan.pcg.nodes()):
         raise PipelineError("plan: BatchNorm in a pipelined plan computes statistics per micro-batch, which "
                             "is not one device's training; run with --per-device-bn to accept that")
+
+
+def one_stage(plan) -> bool:
+    """Whether ``plan``'s pipeline field has exactly one stage (gradient accumulation)."""
+    pf = getattr(plan, "pipeline", None)
+    return isinstance(pf, Mapping) and isinstance(pf.get("stages"), list) and len(pf["stages"]) == 1
+
+
+def micro_plan(plan):
+    """``(M, B, the plan at the micro-batch B/M without its pipeline field)``: the same node ids, views and
+    ``memory`` (``search.pipeline.rebatch``); PipelineError (one line) when the micro-batch cannot run
+    through the model.  Imports no torch."""
+    import dataclasses
+
+    from unity_pcg.search.pipeline import PipelineError as SearchPipelineError
+    from unity_pcg.search.pipeline import batch_size, rebatch
+    M = plan.pipeline["micro_batches"]
+    try:
+        B = batch_size(plan.pcg)
+        gm = rebatch(plan.pcg, B, B // M)
+    except (SearchPipelineError, UnityError) as e:
+        raise PipelineError(f"plan: the accumulation's micro-batches cannot run through the model: {e}") from None
+    return M, B, dataclasses.replace(plan, pcg=gm, pipeline=None)
+
+
+def accumulation(plan) -> bool:
+    """Whether the executor runs ``plan`` as gradient accumulation (:mod:`executor.accumulate`): one pipeline
+    stage with memory techniques or bf16, which the pipeline runtime does not run."""
+    mem = getattr(plan, "memory", None)
+    return one_stage(plan) and ((mem is not None and not mem.empty) or getattr(plan, "precision", "fp32") == "bf16")
 
 
 def logical_graph(g: PCG) -> tuple[PCG, dict]:
@@ -733,6 +766,9 @@ class PipelineTrainer:
     all-reduce."""
 
     def __new__(cls, plan, *args, **kw):
+        if accumulation(plan):          # one stage with memory techniques / bf16: gradient accumulation
+            from .accumulate import AccumulationTrainer
+            return AccumulationTrainer(plan, *args, **kw)
         mem = getattr(plan, "memory", None)
         if mem is not None and not mem.empty:
             check_pipeline(plan)
