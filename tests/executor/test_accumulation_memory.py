@@ -126,3 +126,57 @@ def test_check_accepts_one_stage_with_memory_and_refuses_several():
     two = dataclasses.replace(_accumulate(one, 2, 2, stages=2), views={})
     with pytest.raises(UnityError, match="several pipeline stages"):
         check_pipeline(dataclasses.replace(two, memory=MemoryPlan(zero=1)))
+
+
+def _decoder_onnx(path: str) -> str:
+    """Two pre-norm MLP blocks (LayerNorm, Linear 64->256, GELU, Linear 256->64, residual) and a head, batch 16
+    of 32 positions."""
+    import torch
+    from torch import nn
+
+    class Dec(nn.Module):
+        def __init__(self, h: int = 64, layers: int = 2):
+            super().__init__()
+            torch.manual_seed(0)
+            self.blocks = nn.ModuleList([nn.ModuleDict(dict(ln=nn.LayerNorm(h), a=nn.Linear(h, 4 * h),
+                                                            b=nn.Linear(4 * h, h))) for _ in range(layers)])
+            self.head = nn.Linear(h, h)
+
+        def forward(self, x):
+            for b in self.blocks:
+                x = x + b["b"](torch.nn.functional.gelu(b["a"](b["ln"](x))))
+            return self.head(x)
+    with torch.no_grad():
+        torch.onnx.export(Dec(), (torch.randn(16, 32, 64),), path, input_names=["x"], output_names=["out"],
+                          dynamo=False)
+    return path
+
+
+def test_optimize_with_little_memory_returns_accumulation_that_run_trains(tmp_path, capfd):
+    """1 MiB per device: neither the full batch nor its data-parallel halves fit; ``optimize`` returns gradient
+    accumulation with memory techniques, which ``unity-pcg run`` starts and trains as one device does."""
+    import json
+
+    from tests.executor.runtime_plans import one_device_plan
+    from unity_pcg.cli import main
+    from unity_pcg.machine import local
+    from unity_pcg.search.optimize import optimize
+    model = _decoder_onnx(str(tmp_path / "dec.onnx"))
+    m = local(1, 2)
+    m = dataclasses.replace(m, device=dataclasses.replace(m.device, memory_bytes=1 << 20))
+    res = optimize(model, m, budget_s=5)
+    p = res.plan
+    assert res.feasible and p.pipeline is not None and len(p.pipeline["stages"]) == 1, res.stats["chosen"]
+    assert p.pipeline["micro_batches"] > 1 and p.memory is not None and not p.memory.empty
+    assert res.stats["executor_check"] == "ok"
+    p.save(str(tmp_path / "acc.json"))
+    one = one_device_plan(model, str(tmp_path / "one.json"))
+    losses = []
+    for plan in (str(tmp_path / "acc.json"), one):
+        capfd.readouterr()
+        rc = main(["run", plan, "--model", model, "--steps", "2", "--json", "--loss", "mean", "--optimizer", "sgd"])
+        out, err = capfd.readouterr()
+        assert rc == 0, err
+        losses.append(json.loads(out)["losses"])
+    assert len(losses[0]) == 2
+    np.testing.assert_allclose(losses[0], losses[1], rtol=1e-4, atol=1e-6)
