@@ -181,7 +181,9 @@ def resolve(plan) -> tuple[int, list[StagePlan]]:
             users = [u for u, _ in g.consumers((nid, 0))]
             if users:
                 stage_of[nid] = min(stage_of[u] for u in users)
-    lowered = dp_error is not None
+    mem = getattr(plan, "memory", None)
+    # memory techniques with several stages run in the lowered stages' Trainers (recompute, ZeRO-1/2)
+    lowered = dp_error is not None or (mem is not None and not mem.empty and len(node_lists) > 1)
     if lowered:
         _check_lowered(g, devices, dp_error)
         degree_of = {i: 1 for i in range(len(node_lists))}
@@ -306,8 +308,14 @@ def check_pipeline(plan, per_device_bn: bool = True) -> None:
     accumulate = accumulation(plan)
     mem = getattr(plan, "memory", None)
     if mem is not None and not mem.empty and not one_stage(plan):
-        raise PipelineError("plan: memory techniques (recompute, ZeRO, offload) with several pipeline stages are "
-                            "not run by the executor yet; optimize it without pipeline stages or without them")
+        if mem.zero == 3 or mem.offload:
+            raise PipelineError("plan: ZeRO-3 and offload with several pipeline stages are not run by the executor "
+                                "yet (recompute and ZeRO-1/2 are); optimize it without pipeline stages or without them")
+        drop = next((nid for r in mem.recompute for nid in r.nodes
+                     if nid in plan.pcg and plan.pcg.node(nid).op == "Dropout"), None)
+        if drop is not None:
+            raise PipelineError(f"plan: Dropout ({plan.pcg.node(drop).label()}) inside a recompute region of a "
+                                f"plan with several pipeline stages is not run by the executor yet")
     if getattr(plan, "precision", "fp32") == "bf16" and not accumulate:
         raise PipelineError("plan: bf16 (mixed precision) with pipeline stages is not supported by the executor "
                             "(stage boundaries exchange float32 buffers); optimize it with --precision fp32 or tf32")
@@ -361,6 +369,21 @@ def accumulation(plan) -> bool:
     stage with memory techniques or bf16, which the pipeline runtime does not run."""
     mem = getattr(plan, "memory", None)
     return one_stage(plan) and ((mem is not None and not mem.empty) or getattr(plan, "precision", "fp32") == "bf16")
+
+
+def _stage_memory(plan, sg: PCG):
+    """The plan's memory techniques for one lowered stage: ZeRO as planned, each recompute region cut to the
+    stage's compute nodes (None: none)."""
+    mem = getattr(plan, "memory", None)
+    if mem is None or mem.empty:
+        return None
+    import dataclasses
+    regions = []
+    for r in mem.recompute:
+        nodes = tuple(nid for nid in r.nodes if nid in sg and sg.node(nid).kind == "compute")
+        if nodes:
+            regions.append(dataclasses.replace(r, nodes=nodes))
+    return dataclasses.replace(mem, recompute=tuple(regions))
 
 
 def logical_graph(g: PCG) -> tuple[PCG, dict]:
@@ -1069,7 +1092,8 @@ class LoweredPipelineTrainer:
             pos[j] = {d: k for k, d in enumerate(sorted(members))} if some else {d: d for d in members}
 
         sub = plan_mod.Plan(plan.model_path, plan.model_sha256, plan.machine, self.sg.pcg, self.sg.views,
-                            plan.predicted, None, precision=getattr(plan, "precision", "fp32"))
+                            plan.predicted, None, precision=getattr(plan, "precision", "fp32"),
+                            memory=_stage_memory(plan, self.sg.pcg))
         # the stage's Trainer creates no process group itself (torch.distributed.new_group is a collective
         # of every rank, and each rank builds its own stage only): it lists the groups it needs, then every
         # rank creates every stage's groups in one agreed order
@@ -1078,6 +1102,9 @@ class LoweredPipelineTrainer:
                                new_group=lambda devs: None, grad_inputs=self.sg.grad_inputs)
         if world > 1:
             self._make_groups(len(stages))
+            if tr._zrt is not None:      # ZeRO's groups are the buckets', created by _make_groups
+                for grp in tr._zrt.groups:
+                    grp.pg = tr._bucket_pgs.get(grp.devs) if grp.k > 1 else None
         self.dev = tr.device
         self.opt = tr.opt
         # Dropout draws its mask at the element's index in the whole batch: micro-batch k's rows start at
@@ -1090,6 +1117,7 @@ class LoweredPipelineTrainer:
                 step.ctx.out_logical = (full,)
                 self._dropout.append((step, tuple(step.ctx.out_offset[0]), micro0))
         outs = [ref for kind, ref in self.sg.sends if kind == "out"]
+        tr.keep_refs = frozenset(tuple(r) for r in outs)   # recompute regions return what the stage sends
         self._need_send = self._ancestors(outs)
         self._plan_g = plan.pcg
         self.steps_done = 0
@@ -1218,6 +1246,7 @@ class LoweredPipelineTrainer:
             pick, need, split = tr._loss_ref(self._kind)
         else:
             pick, need, split = None, self._need_send, None
+        tr._cur_loss_ref = pick
         vals = tr._run(fv, need, anchor, sinks, split)
         tie = anchor * 0.0
         for t in sinks:
@@ -1331,13 +1360,17 @@ class LoweredPipelineTrainer:
         else:
             chunks = list(torch.tensor_split(tt.to(self.dev), self.M)) if targets is not None else None
             self._follow(chunks, losses)
-        # replicated weight regions: all-reduced over the devices that read them (the Trainer's buckets)
-        tr._start_step_sync(torch.zeros(1, device=self.dev))
-        tr._finish_sync()
+        # replicated weight regions: all-reduced over the devices that read them (the Trainer's buckets;
+        # ZeRO-2: reduce-scattered), the micro-batches' sum divided by M first
         for p in tr.params.values():
             if p.grad is not None:
                 p.grad.div_(self.M)
-        tr.opt.step()
+        tr._start_step_sync(torch.zeros(1, device=self.dev))
+        tr._finish_sync()
+        if tr._zrt is not None:          # ZeRO: the update of this device's shards, then the all-gather
+            tr._zrt.step()
+        else:
+            tr.opt.step()
         self.steps_done += 1
         tr.step_no = self.steps_done
         loss = torch.zeros(1, dtype=torch.float64, device=self.dev)

@@ -346,6 +346,7 @@ class Trainer:
         self.memory = getattr(plan, "memory", None) or plan_mod.MemoryPlan()
         self._items = schedule(self.low, self.memory.recompute)
         self._cur_loss_ref = None
+        self.keep_refs: frozenset = frozenset()    # tensors read outside the steps (a pipeline stage's sends)
         self._zrt: ZeroRuntime | None = None
         self._zero3_names: frozenset = frozenset()
         self._load_weights(model_path or plan.model_path, weights)
@@ -1032,7 +1033,7 @@ class Trainer:
         """One recompute region: its checkpointed runs under torch.utils.checkpoint (non-reentrant), the
         steps selective recomputation keeps plainly (executor.memory)."""
         from torch.utils.checkpoint import checkpoint
-        keep = {self._cur_loss_ref} if self._cur_loss_ref is not None else set()
+        keep = ({self._cur_loss_ref} if self._cur_loss_ref is not None else set()) | self.keep_refs
         for run in reg.runs:
             steps = [st for st in run.steps if st.node in need]
             if not steps:
