@@ -154,8 +154,10 @@ def _decoder_onnx(path: str) -> str:
 
 def test_optimize_with_little_memory_returns_accumulation_that_run_trains(tmp_path, capfd):
     """1 MiB per device: neither the full batch nor its data-parallel halves fit; ``optimize`` returns gradient
-    accumulation with memory techniques, which ``unity-pcg run`` starts and trains as one device does."""
+    accumulation with memory techniques, which ``unity-pcg run`` starts and trains as one device does; a run
+    resumed from its checkpoint continues with the uninterrupted run's loss."""
     import json
+    import shutil
 
     from tests.executor.runtime_plans import one_device_plan
     from unity_pcg.cli import main
@@ -169,14 +171,25 @@ def test_optimize_with_little_memory_returns_accumulation_that_run_trains(tmp_pa
     assert res.feasible and p.pipeline is not None and len(p.pipeline["stages"]) == 1, res.stats["chosen"]
     assert p.pipeline["micro_batches"] > 1 and p.memory is not None and not p.memory.empty
     assert res.stats["executor_check"] == "ok"
-    p.save(str(tmp_path / "acc.json"))
+    acc = str(tmp_path / "acc.json")
+    p.save(acc)
     one = one_device_plan(model, str(tmp_path / "one.json"))
-    losses = []
-    for plan in (str(tmp_path / "acc.json"), one):
+    common = ["--model", model, "--json", "--loss", "mean", "--optimizer", "adam", "--lr", "0.01"]
+
+    def run(*args):
         capfd.readouterr()
-        rc = main(["run", plan, "--model", model, "--steps", "2", "--json", "--loss", "mean", "--optimizer", "sgd"])
+        rc = main(["run", *map(str, args), *common])
         out, err = capfd.readouterr()
         assert rc == 0, err
-        losses.append(json.loads(out)["losses"])
-    assert len(losses[0]) == 2
-    np.testing.assert_allclose(losses[0], losses[1], rtol=1e-4, atol=1e-6)
+        return json.loads(out)
+    ck, ck2 = tmp_path / "ck", tmp_path / "ck2"
+    got = run(acc, "--steps", 3, "--checkpoint", ck, "--checkpoint-every", 2)
+    ref = run(one, "--steps", 3)
+    assert len(got["losses"]) == 3
+    np.testing.assert_allclose(got["losses"], ref["losses"], rtol=1e-4, atol=1e-6)
+    # resumed from the checkpoint after 2 steps: the uninterrupted run's last loss
+    ck2.mkdir()
+    shutil.copytree(ck / "step-00000002", ck2 / "step-00000002")
+    (ck2 / "latest").write_text("step-00000002\n")
+    resumed = run(acc, "--steps", 1, "--checkpoint", ck2, "--resume")
+    assert resumed["first_step"] == 2 and resumed["losses"] == got["losses"][2:]
