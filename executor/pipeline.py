@@ -53,7 +53,14 @@ over the devices that read them (the Trainer's buckets; shards are not), then di
 
 Limits (refused by :func:`check_pipeline` with a one-line error before any process starts): BatchNorm in
 lowered stages, a weight read in two stages, partial sums crossing into a lowered stage, a schedule other
-than 1F1B, a batch that M R does not divide, non-floating tensors crossing stages, random generators.
+than 1F1B, a batch that M R does not divide, non-floating tensors crossing stages, random generators;
+with several stages, ZeRO-3, offload and Dropout inside a recompute region.
+
+**Memory techniques** (the plan's ``memory``).  One stage with memory techniques (or bf16) is gradient
+accumulation, run by :class:`executor.accumulate.AccumulationTrainer` (``PipelineTrainer(plan)`` returns one).
+Several stages: every stage runs lowered, its Trainer given the plan's ZeRO stage (1-2, over the stage's
+data-parallel copies: the update after the micro-batches' gradients are summed and divided by M) and the
+recompute regions cut to its nodes (checkpointed per micro-batch; the tensors a stage sends are kept).
 """
 from __future__ import annotations
 
