@@ -54,13 +54,14 @@ over the devices that read them (the Trainer's buckets; shards are not), then di
 Limits (refused by :func:`check_pipeline` with a one-line error before any process starts): BatchNorm in
 lowered stages, a weight read in two stages, partial sums crossing into a lowered stage, a schedule other
 than 1F1B, a batch that M R does not divide, non-floating tensors crossing stages, random generators;
-with several stages, ZeRO-3, offload and Dropout inside a recompute region.
+with several stages, ZeRO-3 and offload.
 
 **Memory techniques** (the plan's ``memory``).  One stage with memory techniques (or bf16) is gradient
 accumulation, run by :class:`executor.accumulate.AccumulationTrainer` (``PipelineTrainer(plan)`` returns one).
 Several stages: every stage runs lowered, its Trainer given the plan's ZeRO stage (1-2, over the stage's
 data-parallel copies: the update after the micro-batches' gradients are summed and divided by M) and the
-recompute regions cut to its nodes (checkpointed per micro-batch; the tensors a stage sends are kept).
+recompute regions cut to its nodes (checkpointed per micro-batch; the tensors a stage sends are kept; a
+region recomputed in micro-batch k's backward draws k's Dropout masks).
 """
 from __future__ import annotations
 
@@ -318,11 +319,6 @@ def check_pipeline(plan, per_device_bn: bool = True) -> None:
         if mem.zero == 3 or mem.offload:
             raise PipelineError("plan: ZeRO-3 and offload with several pipeline stages are not run by the executor "
                                 "yet (recompute and ZeRO-1/2 are); optimize it without pipeline stages or without them")
-        drop = next((nid for r in mem.recompute for nid in r.nodes
-                     if nid in plan.pcg and plan.pcg.node(nid).op == "Dropout"), None)
-        if drop is not None:
-            raise PipelineError(f"plan: Dropout ({plan.pcg.node(drop).label()}) inside a recompute region of a "
-                                f"plan with several pipeline stages is not run by the executor yet")
     if getattr(plan, "precision", "fp32") == "bf16" and not accumulate:
         raise PipelineError("plan: bf16 (mixed precision) with pipeline stages is not supported by the executor "
                             "(stage boundaries exchange float32 buffers); optimize it with --precision fp32 or tf32")
@@ -1125,6 +1121,9 @@ class LoweredPipelineTrainer:
                 self._dropout.append((step, tuple(step.ctx.out_offset[0]), micro0))
         outs = [ref for kind, ref in self.sg.sends if kind == "out"]
         tr.keep_refs = frozenset(tuple(r) for r in outs)   # recompute regions return what the stage sends
+        # a region recomputed in micro-batch k's backward (other micro-batches ran since) draws k's masks
+        self._cur_micro = 0
+        tr.recompute_context = (lambda: self._cur_micro, self._set_micro)
         self._need_send = self._ancestors(outs)
         self._plan_g = plan.pcg
         self.steps_done = 0
@@ -1243,8 +1242,7 @@ class LoweredPipelineTrainer:
         torch = _torch_modules()[0]
         tr = self.tr
         fv = tr._feeds({name: shared[j] for j, name in self.sg.feeds.items()})
-        for step, base, micro0 in self._dropout:
-            step.ctx.out_offset = ((base[0] + k * micro0,) + tuple(base[1:]),) if micro0 else (base,)
+        self._set_micro(k)
         tr.step_no = self.steps_done
         anchor = torch.zeros((), device=self.dev, requires_grad=True)
         sinks: list = []
@@ -1280,6 +1278,12 @@ class LoweredPipelineTrainer:
                 # gloo sends contiguous buffers only (elementwise ops keep a transposed layout)
                 outs.append((y + tie.to(y.dtype) if y.is_floating_point() else y).contiguous())
         return tuple(outs) if len(outs) > 1 else outs[0]
+
+    def _set_micro(self, k: int) -> None:
+        """Dropout of micro-batch ``k``: its rows start at k times the micro-batch's dim 0."""
+        self._cur_micro = k
+        for step, base, micro0 in self._dropout:
+            step.ctx.out_offset = ((base[0] + k * micro0,) + tuple(base[1:]),) if micro0 else (base,)
 
     # --- stages of different sizes: the leader drives its stage's other devices ------------------------
     def _command(self, kind: int, k: int = 0) -> tuple[int, int]:

@@ -347,6 +347,9 @@ class Trainer:
         self._items = schedule(self.low, self.memory.recompute)
         self._cur_loss_ref = None
         self.keep_refs: frozenset = frozenset()    # tensors read outside the steps (a pipeline stage's sends)
+        # (capture, restore): what a recompute re-establishes before running a region again (a pipeline
+        # stage's micro-batch: its Dropout offsets); None: nothing
+        self.recompute_context = None
         self._zrt: ZeroRuntime | None = None
         self._zero3_names: frozenset = frozenset()
         self._load_weights(model_path or plan.model_path, weights)
@@ -1048,12 +1051,16 @@ class Trainer:
                 io = run.io[key] = run_io(type(run)(True, steps), self._items, self.rank, keep)
             ins, outs = io
             first = [True]
+            ctx = self.recompute_context
+            token = ctx[0]() if ctx is not None else None
 
-            def fn(anchor_, *xs, steps=steps, ins=ins, outs=outs, first=first):
+            def fn(anchor_, *xs, steps=steps, ins=ins, outs=outs, first=first, token=token):
                 local = dict(zip(ins, xs))
                 sk: list = []
                 again = not first[0]
                 first[0] = False
+                if again and ctx is not None:
+                    ctx[1](token)
                 for st in steps:
                     self._run_step(st, local, fv, anchor_, sk, None if again else bn_done, split)
                 # the trigger: the run's last node, so the backward reaches it first and recomputes here

@@ -1,7 +1,7 @@
 """Memory techniques inside plans of several pipeline stages (executor/pipeline.py LoweredPipelineTrainer: each
 stage's Trainer runs its recompute regions, cut to the stage, and ZeRO-1/2 over the stage's data-parallel copies)
-train equal to one process (3 steps, rtol 1e-4); ZeRO-3, offload and Dropout in a recompute region are refused
-in one line before any process starts."""
+train equal to one process (3 steps, rtol 1e-4), Dropout inside a recomputed region too; ZeRO-3 and offload are
+refused in one line before any process starts."""
 from __future__ import annotations
 
 import dataclasses
@@ -70,9 +70,22 @@ def _cases(plan, model):
 
 
 def test_two_stages_with_recompute_and_zero_equal_one_process(tmp_path):
-    mlp = models.mlp()
+    """Also Dropout recomputed in 1F1B: stage 0 runs micro-batch 1's forward before micro-batch 0's backward,
+    whose recomputation must draw micro-batch 0's masks."""
+    mlp, drop = models.mlp(), models.dropout_mlp()
     plan = P.load(pipeline_plan(mlp, str(tmp_path / "pp.json"), stages=2, micro_batches=2))
-    _run(2, _cases(plan, mlp))
+    pd = _dropout_first(P.load(pipeline_plan(drop, str(tmp_path / "pd.json"), stages=2, micro_batches=2)))
+    _run(2, _cases(plan, mlp) + [("dropout, full recompute", _with(pd, recompute=_regions(pd, "full")), drop, {})])
+
+
+def _dropout_first(plan):
+    """``plan`` with its Dropout moved to the end of stage 0 (device 0)."""
+    from unity_pcg.machine import MachineView
+    d = next(n.id for n in plan.pcg.nodes() if n.op == "Dropout")
+    st = [dict(x, nodes=[n for n in x["nodes"] if n != d]) for x in plan.pipeline["stages"]]
+    st[0]["nodes"].append(d)
+    views = {**plan.views, d: MachineView(0, plan.views[d].dims)}
+    return dataclasses.replace(plan, views=views, pipeline=dict(plan.pipeline, stages=st))
 
 
 @pytest.mark.slow
@@ -101,12 +114,9 @@ def _dp_stages(model: str):
 
 def test_refusals_before_start(tmp_path):
     from unity_pcg.executor.pipeline import check_pipeline
-    mlp, drop = models.mlp(), models.dropout_mlp()
+    mlp = models.mlp()
     plan = P.load(pipeline_plan(mlp, str(tmp_path / "pp.json"), stages=2, micro_batches=2))
     check_pipeline(_with(plan, zero=1, recompute=_regions(plan, "full")))
     for mem in (dict(zero=3), dict(offload=True)):
         with pytest.raises(UnityError, match="ZeRO-3 and offload with several pipeline stages"):
             check_pipeline(_with(plan, **mem))
-    dp = P.load(pipeline_plan(drop, str(tmp_path / "pd.json"), stages=2, micro_batches=2))
-    with pytest.raises(UnityError, match="Dropout .* inside a recompute region"):
-        check_pipeline(_with(dp, recompute=_regions(dp, "full")))
