@@ -193,3 +193,42 @@ def test_optimize_with_little_memory_returns_accumulation_that_run_trains(tmp_pa
     (ck2 / "latest").write_text("step-00000002\n")
     resumed = run(acc, "--steps", 1, "--checkpoint", ck2, "--resume")
     assert resumed["first_step"] == 2 and resumed["losses"] == got["losses"][2:]
+
+
+def _random_weights(g) -> dict:
+    rng = np.random.default_rng(0)
+    return {n.a["name"]: (rng.standard_normal(n.a["shape"]) * 0.1).astype(np.float32) for n in g.sources("Weight")}
+
+
+def _tuned_worker(rank: int, world: int, plan_json: dict, steps: int):
+    from unity_pcg import plan as P
+    from unity_pcg.executor.pipeline import PipelineTrainer
+    from unity_pcg.executor.train import Trainer
+    p = P.from_json(plan_json)
+    kw = dict(rank=rank, world=world, optimizer="adam", lr=0.01, weights=_random_weights(p.pcg))
+    t = PipelineTrainer(p, None, **kw) if p.pipeline else Trainer(p, None, **kw)
+    return type(t).__name__, [t.step() for _ in range(steps)]
+
+
+def test_tuned_megatron_accumulation_plan_trains_as_one_process():
+    """The tuned Megatron-LM baseline where little memory is left (tp2, micro-batches, full recompute, the
+    distributed optimizer) is run by the executor as gradient accumulation, equal to one process."""
+    from unity_pcg import plan as P
+    from unity_pcg.machine import local, parse_machine
+    from unity_pcg.search.optimize import optimize
+    from unity_pcg.search.split import synthetic_transformer
+    g = synthetic_transformer(2, batch=8, seq=16, hidden=64, heads=4)
+    m = parse_machine("h100:1x2")
+    m = dataclasses.replace(m, device=dataclasses.replace(m.device, memory_bytes=int(0.3 * 2**20)))
+    res = optimize(g, m, budget_s=10, strategy="megatron")
+    p = res.plan
+    assert p.pipeline is not None and len(p.pipeline["stages"]) == 1 and p.pipeline["micro_batches"] > 1, \
+        res.stats.get("chosen")
+    assert p.memory is not None and p.memory.recompute and res.stats["executor_check"] == "ok"
+    p = dataclasses.replace(p, model_path="weights-in-memory", model_sha256="0" * 64)
+    got = H.run_dist(2, _tuned_worker, p.to_json(), STEPS, timeout=200)
+    assert got[0][0] == "AccumulationTrainer"
+    one = P.Plan("weights-in-memory", "0" * 64, local(1, 1), g, {}, {})
+    ref = _tuned_worker(0, 1, one.to_json(), STEPS)
+    np.testing.assert_allclose(got[0][1], ref[1], rtol=1e-4, atol=1e-6)
+    assert got[1][1] == got[0][1]
