@@ -22,14 +22,11 @@ def _compute(g) -> tuple:
     return tuple(n.id for n in g.nodes() if n.kind == "compute")
 
 
-def _accumulate(plan, M: int, world: int, stages: int = 1, **mem):
+def _accumulate(plan, M: int, world: int, **mem):
     """``plan`` with a pipeline field of one stage (every node, every device) and ``M`` micro-batches, and
     the memory techniques ``mem``."""
     nodes = [n.id for n in plan.pcg.nodes() if n.kind != "source"]
-    if stages == 1:
-        st = [{"nodes": nodes, "devices": list(range(world))}]
-    else:                           # two stages of one device (the refusal test only)
-        st = [{"nodes": nodes[:len(nodes) // 2], "devices": [0]}, {"nodes": nodes[len(nodes) // 2:], "devices": [1]}]
+    st = [{"nodes": nodes, "devices": list(range(world))}]
     return dataclasses.replace(plan, pipeline={"schedule": "1F1B", "micro_batches": M, "stages": st},
                                memory=MemoryPlan(**mem) if mem else None)
 
@@ -42,7 +39,8 @@ def _worker(rank: int, world: int, cases: list) -> list:
         p = plan_mod.from_json(c["plan"])
         t = PipelineTrainer(p, c["model"], rank=rank, world=world, optimizer=c.get("optimizer", "sgd"),
                             lr=c.get("lr", 0.05))
-        losses = [t.step(c["feeds"][i], c["targets"][i] if c.get("targets") is not None else None) for i in range(STEPS)]
+        tg = c.get("targets") or [None] * STEPS
+        losses = [t.step(c["feeds"][i], tg[i]) for i in range(STEPS)]
         state = {k: v.numpy().copy() for k, v in t.model_state().items()}
         out.append((type(t).__name__, losses, state if rank == 0 else None))
     return out
@@ -57,8 +55,8 @@ def _cases(world: int, Ms=(2, 4)):
     tg = [rng.standard_normal((4, 4)).astype(np.float32) for _ in range(STEPS)]
     out = []
     for M in Ms:
-        # the dropout model's batch of 4 splits into 2 micro-batches of one row per device
-        rp, rm, rkw = (dpd, drop, dict(targets=tg)) if M == 2 else (dp, mlp, {})
+        # the dropout model's batch of 4 splits into 2 micro-batches of one row on each of 2 devices
+        rp, rm, rkw = (dpd, drop, dict(targets=tg)) if M * world == 4 else (dp, mlp, {})
         full = (RecomputeRegion(_compute(rp.pcg), "full"),)
         sel = (RecomputeRegion(_compute(rp.pcg), "selective"),)
         out += [
@@ -110,7 +108,7 @@ def test_accumulation_with_memory_techniques_four_processes_equal_one():
     _run(4, _cases(4, Ms=(2,)))
 
 
-def test_check_accepts_one_stage_with_memory_and_refuses_several():
+def test_check_accepts_one_stage_with_memory_and_refuses_several(tmp_path):
     from unity_pcg.errors import UnityError
     from unity_pcg.executor.pipeline import check_pipeline
     from unity_pcg.search.runnable import executor_refusal
@@ -122,10 +120,12 @@ def test_check_accepts_one_stage_with_memory_and_refuses_several():
     assert executor_refusal(dataclasses.replace(p, precision="bf16")) is None
     with pytest.raises(UnityError, match="does not divide"):
         check_pipeline(_accumulate(dp, 3, 2, zero=1))
-    one = H.make_plan(H.load(mlp), mlp, 1)
-    two = dataclasses.replace(_accumulate(one, 2, 2, stages=2), views={})
+    from unity_pcg import plan as P
+
+    from .runtime_plans import pipeline_plan
+    two = P.load(pipeline_plan(mlp, str(tmp_path / "pp.json"), stages=2, micro_batches=2))
     with pytest.raises(UnityError, match="several pipeline stages"):
-        check_pipeline(dataclasses.replace(two, memory=MemoryPlan(zero=1)))
+        check_pipeline(dataclasses.replace(two, memory=MemoryPlan(zero=3)))
 
 
 def _decoder_onnx(path: str) -> str:
