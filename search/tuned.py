@@ -272,10 +272,11 @@ class _Tuner:
     points priced (:meth:`price_layout`), the walks over micro-batch sizes (:meth:`run`), the result."""
 
     def __init__(self, g: PCG, mapper, strategy: str, deadline: Deadline | None, tech, cheap=None,
-                 max_layers: int = MAX_LAYERS):
+                 max_layers: int = MAX_LAYERS, sp: bool = True):
         from .cost import GraphCost
         from .pipeline import batch_size, sequential_layers
         self.g, self.mapper, self.strategy = g, mapper, strategy
+        self.sp = sp                      # the grid's sp axis (False: only sp = false points)
         self.machine: MachineSpec = mapper.machine
         self.deadline = deadline
         self.tech = tech
@@ -565,7 +566,7 @@ class _Tuner:
             pts = self.price_layout(lay, mbs)
             if lay.reason.startswith("tensor degree"):
                 w["i"] = len(w["ms"])
-        if self.strategy == "megatron" and w["tp"] > 1 and not any(
+        if self.sp and self.strategy == "megatron" and w["tp"] > 1 and not any(
                 p.layout.reason.startswith("tensor degree") for p in pts):
             # sequence parallelism: the same point as a layout of its own
             lay = self.whole(w["tp"], sp=True) if (w["pp"] == 1 and M == 1) else \
@@ -657,20 +658,22 @@ class _Tuner:
 
 
 def tune(g: PCG, mapper, strategy: str = "megatron", deadline: Deadline | None = None, *, cheap=None,
-         tech=None, max_layers: int = MAX_LAYERS) -> TunedResult:
+         tech=None, max_layers: int = MAX_LAYERS, sequence_parallel: bool = True) -> TunedResult:
     """The tuned baseline ``strategy`` (``megatron`` or ``zero3``) of the logical PCG ``g`` on
     ``mapper.machine`` (see the module docstring).  ``deadline`` bounds the grid (the plain Megatron point
     is always priced; ``cheap(pcg)``, a mapping without the DP, prices it when even its solve is cut).
-    ``tech``: the technique pricer (default :func:`techniques`).  Raises :class:`TunedError` (one line)
+    ``tech``: the technique pricer (default :func:`techniques`); ``sequence_parallel=False`` leaves the sp
+    axis out (every point sp = false).  Raises :class:`TunedError` (one line)
     when the strategy does not apply."""
     if strategy not in STRATEGIES:
         raise TunedError(f"unknown tuned strategy {strategy!r} (known: {', '.join(STRATEGIES)})")
     if any(n.kind == "parallel" for n in g.nodes()):
         raise TunedError(f"strategy {strategy!r} needs a logical PCG")
-    t = _Tuner(g, mapper, strategy, deadline, tech or techniques(), cheap=cheap, max_layers=max_layers)
+    t = _Tuner(g, mapper, strategy, deadline, tech or techniques(), cheap=cheap, max_layers=max_layers,
+               sp=sequence_parallel)
     t.run()
     out = t.result()
-    out.stats["sp"] = SP_NOTE
+    out.stats["sp"] = SP_NOTE if sequence_parallel else "sequence parallelism left out (sequence_parallel=False)"
     return out
 
 
