@@ -145,3 +145,24 @@ def test_sequence_split_activations_held_at_one_kth():
     for d in range(k):
         assert rep.activations[d] == 4 * (N // k + N // k + N + N // k)
         assert rep.weights[d] == 4 * 4 * 2 * H * H // k
+
+
+def test_layout_proposal_finds_sequence_parallelism_by_itself():
+    """Alpa's ILP over the labels (search/layouts.py), with the pairs priced as collectives, puts a decoder
+    block's LayerNorms on sequence shards between a reduce-scatter and an all-gather, with no all-reduce
+    (Megatron-LM's sequence parallelism), and its time is the sequence-parallel Megatron builder's."""
+    from unity_pcg.search.baselines import megatron
+    from unity_pcg.search.layouts import propose
+    from unity_pcg.search.split import synthetic_transformer
+    g = synthetic_transformer(1, batch=2, seq=512, hidden=2048, heads=16)
+    m = parse_machine("h100:1x4")
+    mapper = MachineMapper(CostModel(m, optimizer="adam", precision="bf16"))
+    p = propose(g, m, (1, 4), mapper=mapper, precision="bf16")
+    gc = GraphCost(p.pcg, mapper.model)
+    kinds = sorted(filter(None, (gc.fused(n.id) for n in p.pcg.nodes())))
+    assert "reduce-scatter" in kinds and "all-gather" in kinds and p.pcg.op_counts().get("AllReduce", 0) == 0
+    norms = [p.pcg.input_shapes(n.id)[0] for n in p.pcg.nodes() if n.op == "LayerNorm"]
+    assert norms and all(s.degrees[1] == 4 and s.copy_degree == 1 for s in norms)
+    sp = mapper.optimize(megatron(g, 4, 4, sequence_parallel=True))
+    plain = mapper.optimize(megatron(g, 4, 4))
+    assert p.time_s <= sp.cost * (1 + 1e-6) and sp.cost < plain.cost
