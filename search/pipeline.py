@@ -399,7 +399,7 @@ def default_intra(stage: PCG, resource: Resource) -> PCG:
         return stage
 
 
-def megatron_intra(devices_per_node: int, head: bool = True) -> Callable[[PCG, Resource], PCG]:
+def megatron_intra(devices_per_node: int, head: bool = True, sp: bool = False) -> Callable[[PCG, Resource], PCG]:
     """An ``intra`` hook: Megatron-LM's tensor parallelism inside the stage (the column -> row Linear
     groups of :func:`search.baselines.megatron_groups` at the largest tensor degree t dividing
     ``devices_per_node`` and the stage's devices that splits them, data parallel across) and, with
@@ -409,7 +409,9 @@ def megatron_intra(devices_per_node: int, head: bool = True) -> Callable[[PCG, R
     Without it such a Linear runs on every one of the t copies with its weight copied t times (GPT-15B
     on 32 A100s: 254.6 s -> 229.9 s per iteration, below Alpa's 231.2 s).  Unlike the ``megatron``
     strategy a stage need not hold an attention block (a pipeline layer may hold only a Transformer's
-    MLP).  A stage with no group that takes the split is data parallel (:func:`default_intra`)."""
+    MLP).  A stage with no group that takes the split is data parallel (:func:`default_intra`).  ``sp``:
+    with Megatron-LM's sequence parallelism (:func:`search.baselines.megatron`'s ``sequence_parallel``;
+    the head reads an all-gathered input like a group)."""
     from .baselines import _Rebuild, _divisors_desc, _is_dense, megatron_groups
 
     def hook(stage: PCG, resource: Resource) -> PCG:
@@ -434,7 +436,8 @@ def megatron_intra(devices_per_node: int, head: bool = True) -> Callable[[PCG, R
             while chosen or extra:
                 col = frozenset().union(*(gr.starts for gr in chosen), extra)
                 try:
-                    r = _Rebuild(stage, "megatron", dp=dp, tp=tp, column=col)
+                    inside = frozenset().union(*(gr.nodes | gr.starts for gr in chosen), extra)
+                    r = _Rebuild(stage, "megatron", dp=dp, tp=tp, column=col, sp=sp, inside=inside)
                 except StrategyError:         # the micro-batch does not divide by dp
                     break
                 bad = set(r.fallback_ids)
@@ -444,14 +447,15 @@ def megatron_intra(devices_per_node: int, head: bool = True) -> Callable[[PCG, R
                 if len(keep) == len(chosen) and ok == extra:
                     if not chosen and not extra:
                         break
-                    return r.finish(degree=resource.size, tp=tp, dp=dp,
+                    return r.finish(degree=resource.size, tp=tp, dp=dp, sp=bool(sp),
                                     column=sorted(stage.node(s).label() for gr in chosen for s in gr.starts),
                                     row=sorted(stage.node(t).label() for gr in chosen for t in gr.terms),
                                     vocab_parallel=sorted(stage.node(h).label() for h in extra))
                 chosen, extra = keep, ok
         return default_intra(stage, resource)
-    hook.__name__ = f"megatron_intra_{devices_per_node}{'_head' if head else ''}"
-    hook.megatron = {"devices_per_node": devices_per_node, "head": head}   # by_rules: its rule-built twin
+    hook.__name__ = f"megatron_intra_{devices_per_node}{'_head' if head else ''}{'_sp' if sp else ''}"
+    if not sp:                     # by_rules: its rule-built twin (none with sequence parallelism)
+        hook.megatron = {"devices_per_node": devices_per_node, "head": head}
     return hook
 
 
