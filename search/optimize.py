@@ -962,7 +962,9 @@ def _accumulation_candidates(run: _Run, until: Deadline) -> None:
     layouts = [("data parallel", default_intra)] + [(f"layout mesh {a}x{b}", ilp((a, b))) for a, b in mesh_shapes(m)]
     t0 = time.perf_counter()
     try:
-        r = accumulate(run.g, ev.mapper, layouts, until)
+        # optimize(memory_techniques=False): micro-batching alone, as the mapper prices every other candidate
+        r = accumulate(run.g, ev.mapper, layouts, until,
+                       tech=None if getattr(ev.mapper, "default_techniques", True) else _no_techniques())
     except (TunedError, Expired) as e:
         run.stats["accumulation"] = {"none": str(e) or "cut by the budget"}
         return
@@ -1186,6 +1188,11 @@ def _fallback(run: _Run) -> PlanCandidate:
     except Expired:
         r = ev.cheap(g, one)
     return PlanCandidate("imported graph (nothing fits)", g, r.cost if r is not None else INF, (), FLOOR, mapping=r)
+
+
+def _no_techniques():
+    from .tuned import _NoTechniques
+    return _NoTechniques()
 
 
 def _pipeline_step(run: _Run, chosen: PlanCandidate) -> PlanCandidate:
