@@ -602,11 +602,39 @@ class Trainer:
                 off += k
         self._free_grads = [p for nm, p in self.params.items() if nm not in self._view_params]
 
+    def _release_buckets(self) -> None:
+        """ZeRO-2 between steps: the full-size gradient buckets (and the gradients viewing them) are freed
+        after the update -- a rank keeps only its reduce-scattered shard -- and made again, zeroed, by
+        :meth:`_alloc_buckets` when the backward starts."""
+        for i in self._flat:
+            self._flat[i] = None
+            for nm in self._viewed[i]:
+                self.params[nm].grad = None
+
+    def _alloc_buckets(self) -> None:
+        for i, flat in list(self._flat.items()):
+            if flat is not None:
+                continue
+            b = self._buckets[i]
+            n = sum(_numel(sl) for _, sl in b["items"]) + (1 if i == self._loss_bucket else 0)
+            k = len(b["devs"])
+            n = -(-n // k) * k
+            flat = self._flat[i] = torch.zeros(n, dtype=self.params[b["items"][0][0]].dtype, device=self.device)
+            off = 0
+            for nm, sl in b["items"]:
+                k = _numel(sl)
+                if nm in self._viewed[i]:
+                    self.params[nm].grad = flat[off:off + k].view(self.params[nm].shape)
+                off += k
+
     def _zero_grads(self) -> None:
         if self._zrt is not None:
             self._zrt.zero_grad()
             for p in self._free_grads:
                 p.grad = None
+            if self.memory.zero == 2:
+                self._release_buckets()
+                return
             for flat in self._flat.values():
                 flat.zero_()
             return
@@ -627,6 +655,8 @@ class Trainer:
 
     # --- gradient buckets -----------------------------------------------------------------------------
     def _start_step_sync(self, loss_part: torch.Tensor) -> None:
+        if self.memory.zero == 2:
+            self._alloc_buckets()
         self._ready = {i: set() for i in self._my_buckets}
         self._next = 0
         self._works: dict[int, tuple] = {}

@@ -145,7 +145,7 @@ class Probe:
         else:
             for st in getattr(tr.opt, "state", {}).values():
                 out.extend(v for v in st.values() if hasattr(v, "untyped_storage") and v.dim())
-        return [t for t in out if t.device.type != "meta"]
+        return [t for t in out if t is not None and t.device.type != "meta"]
 
     def moment(self, where: str, extra=(), tables=()) -> None:
         import torch
