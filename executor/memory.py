@@ -396,7 +396,10 @@ class ZeroRuntime:
         if self.stage < 3:
             for gi, u in enumerate(self.upd):
                 g = self.grad_shard(gi)
-                u.grad = None if g is None else g.detach().to(u.device, copy=True)
+                if g is not None and g.device == u.device and g.dtype == u.dtype and g.is_contiguous():
+                    u.grad = g.detach()      # the synchronized shard itself: no copy of it at the update
+                else:
+                    u.grad = None if g is None else g.detach().to(u.device, copy=True)
         elif self.offload:
             for sh, u in zip(self.shards, self.upd):
                 u.grad = None if sh.grad is None else sh.grad.detach().to(self.host, copy=True)

@@ -324,6 +324,19 @@ class Techniques:
                     out[d] = out.get(d, 0) + g
         return out
 
+    def bucket_bytes(self, zero: int) -> dict:
+        """Device -> bytes of ZeRO-2's full-size gradient buckets: made when the backward starts, reduce-
+        scattered into the rank's shard (held between steps, in :meth:`weight_bytes`) and freed after the
+        update -- backward-only memory, as :meth:`free_grad_bytes`."""
+        out: dict = {}
+        if zero != 2:
+            return out
+        for x in self.weights:
+            if x.copies > 1:
+                for d in x.devices:
+                    out[d] = out.get(d, 0) + x.nbytes
+        return out
+
     # --- activations ------------------------------------------------------------------------------
     def _tensors(self) -> None:
         gc, g = self.gc, self.g
@@ -487,9 +500,35 @@ class Techniques:
                 a[d] = a.get(d, 0) - b
                 acc = per_region.setdefault(runs[n], {})
                 acc[d] = acc.get(d, 0) + b
-        for acc in per_region.values():
-            for d, b in acc.items():
-                transient[d] = max(transient.get(d, 0), b)
+        if not per_region:
+            return a, transient
+        # a run is recomputed when the backward reaches it: what was kept for the operators after it is
+        # freed by then (each kept tensor counted as freed once the backward passes its producer, a graph
+        # output first)
+        end: dict = {}
+        for n, j in runs.items():
+            end[j] = max(end.get(j, -1), self.exec_pos[n])
+        kept = []
+        for key, t in self.tensors.items():
+            b = self._bytes(t, self._frac(t, runs)) if key in touched else t.mask_dev
+            if b and not t.fixed:        # a graph output: the loss's backward, first of all, frees it
+                kept.append((math.inf if key in self.outs else self.exec_pos[t.producer], b))
+        kept.sort(key=lambda x: x[0])
+        total: dict = {}
+        for _, b in kept:
+            for d, x in b.items():
+                total[d] = total.get(d, 0) + x
+        before: dict = {}
+        i = 0
+        for j in sorted(per_region, key=end.__getitem__):
+            while i < len(kept) and kept[i][0] <= end[j]:
+                for d, x in kept[i][1].items():
+                    before[d] = before.get(d, 0) + x
+                i += 1
+            for d, b in per_region[j].items():
+                extra = b - (total.get(d, 0) - before.get(d, 0))
+                if extra > transient.get(d, 0):
+                    transient[d] = extra
         return a, transient
 
     def recompute_time(self, nodes: Sequence[int], mode: str) -> float:
@@ -537,7 +576,9 @@ class Techniques:
         # a gradient made in the backward (free_grad_bytes) comes as the backward frees activations: the
         # peak holds the activations at the forward's end or those gradients at the backward's, not both
         free = self.free_grad_bytes(zero)
-        per = {d: w.get(d, 0) - free.get(d, 0) + max(a.get(d, 0) + transient.get(d, 0), free.get(d, 0))
+        bucket = self.bucket_bytes(zero)
+        per = {d: w.get(d, 0) - free.get(d, 0) + max(a.get(d, 0) + transient.get(d, 0),
+                                                      free.get(d, 0) + bucket.get(d, 0))
                for d in set(w) | set(a) | set(transient)}
         per = {d: int(math.ceil(b)) for d, b in per.items()}
         act = {d: a.get(d, 0) + transient.get(d, 0) for d in set(a) | set(transient)}
