@@ -175,13 +175,127 @@ def part1(names, layouts, techniques) -> list:
     return rows, wall
 
 
+def _plan_peak(plan) -> int:
+    return max(predict(plan).values(), key=lambda v: v["total"])["total"]
+
+
+def empty_torch_rss() -> int:
+    """Peak RSS of a Python process that imported torch and did nothing else (bytes)."""
+    import subprocess
+    out = subprocess.run([sys.executable, "-c", "import resource, torch; "
+                          "print(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024)"],
+                         capture_output=True, text=True, check=True)
+    return int(out.stdout.strip())
+
+
+def part2(name: str = "gpt_small", fill: float = 0.9, budget_s: float = 20.0, steps: int = 3) -> dict:
+    """Plan for a device too small for the plain data-parallel plan, then for the device the chosen plan
+    fills to ``fill``; run it by ``unity-pcg run`` and measure its tensors' peak (see module docstring)."""
+    import subprocess
+    import tempfile
+
+    from unity_pcg.search.optimize import optimize
+    path = export(name)
+    plain = _plan_peak(base_plan(path, "dp"))
+    cap0 = int(0.7 * plain)
+    r0 = optimize(path, machine(2, cap0), budget_s=budget_s, optimizer="adam", pipeline=False)
+    first = _plan_peak(r0.plan)
+    cap = int(first / fill)
+    r = optimize(path, machine(2, cap), budget_s=budget_s, optimizer="adam", pipeline=False)
+    plan = r.plan
+    pred = predict(plan)
+    peak = max(v["total"] for v in pred.values())
+    out = {"model": name, "plain_dp_predicted_bytes": plain, "first_capacity_bytes": cap0,
+           "first_plan_predicted_bytes": first, "capacity_bytes": cap, "predicted_bytes": peak,
+           "predicted_fill": peak / cap, "strategy": r.stats.get("chosen") if isinstance(r.stats, dict) else None,
+           "memory": plan.memory.to_json() if plan.memory is not None else None,
+           "predicted_per_device": {str(d): v for d, v in pred.items()}}
+    with tempfile.TemporaryDirectory() as d:
+        pf = os.path.join(d, "plan.json")
+        plan.save(pf)
+        t0 = time.time()
+        res = subprocess.run([sys.executable, "-m", "unity_pcg.cli", "run", pf, "--model", path, "--steps",
+                              str(steps), "--nproc", str(len(pred)), "--loss", "mean", "--json",
+                              "--optimizer", "adam", "--lr", "0.001"], capture_output=True, text=True, cwd=ROOT)
+        out["run_rc"] = res.returncode
+        out["run_wall_s"] = time.time() - t0
+        if res.returncode == 0:
+            j = json.loads(res.stdout)
+            out["run_losses"] = j.get("losses")
+            out["rank_peak_rss_bytes"] = j.get("rank_peak_rss_bytes")
+            out["rank_peak_rss_before_steps_bytes"] = j.get("rank_peak_rss_before_steps_bytes")
+        else:
+            out["run_error"] = (res.stderr or res.stdout).strip().splitlines()[-1:] 
+    # the same plan's tensors, measured by the probe in the same Trainer the run uses
+    meas = run_cases([(plan, path)], world=len(pred))[0]
+    out["measured_peak_bytes"] = [m["peak_bytes"] for m in meas]
+    out["measured_peak_at"] = [m["peak_at"] for m in meas]
+    out["fits"] = all(m["peak_bytes"] <= cap for m in meas)
+    out["empty_torch_rss_bytes"] = empty_torch_rss()
+    return out
+
+
+def _mib(b) -> str:
+    return f"{b / 2**20:.2f}"
+
+
+def write(rows, wall, p2, out: str) -> None:
+    os.makedirs(os.path.dirname(out), exist_ok=True)
+    meta = {"host": platform.node(), "python": platform.python_version(), "cpus": os.cpu_count(),
+            "date": time.strftime("%Y-%m-%d %H:%M"), "part1_wall_s": wall}
+    with open(out + ".json", "w") as f:
+        json.dump({"meta": meta, "part1": rows, "part2": p2}, f, indent=1)
+    ok = [r for r in rows if "ratio" in r]
+    worst = max((abs(x - 1) for r in ok for x in r["ratio"]), default=0.0)
+    lines = ["# Memory you can trust (CPU): predicted vs measured memory per rank", "",
+             "`benchmarks/memory_check.py` (issue 19 point 7, CPU variant; no GPU in this task).  Two gloo processes, Adam, "
+             "mse loss, the second step measured.  *Predicted*: `search.memtech.price(...).per_device` on `local:1x2` "
+             "(fp32, a host link for offload).  *Measured* (`tests/executor/memory_probe.py`): the busiest moment of the "
+             "step over parameters, gradients and optimizer states on the device, tensors the autograd graph saved "
+             "(recomputation's included) and forward values still referenced, each storage once.  Ratio = predicted / "
+             "measured (rank 0; rank 1 in the JSON).  RSS peak is the process's, interpreter and libraries included.",
+             "", f"{len(ok)} cases; largest deviation {worst * 100:.1f}% (target: 10%).", "",
+             "| model | layout | technique | predicted MiB | measured MiB | state | saved | held | peak at | ratio | RSS peak MiB |",
+             "|---|---|---|---:|---:|---:|---:|---:|---|---:|---:|"]
+    for r in rows:
+        if "error" in r:
+            lines.append(f"| {r['model']} | {r['layout']} | - | error: {r['error'][:80]} | | | | | | | |")
+            continue
+        m, p = r["measured"][0], r["predicted"][0]
+        lines.append(f"| {r['model']} | {r['layout']} | {r['technique']} | {_mib(p['total'])} | {_mib(m['peak_bytes'])} | "
+                     f"{_mib(m['state_bytes'])} | {_mib(m['saved_bytes'])} | {_mib(m['held_bytes'])} | {m['peak_at']} | "
+                     f"{r['ratio'][0]:.3f} | {_mib(m['rss_peak_bytes'])} |")
+    if p2:
+        lines += ["", "## A plan predicted to fill 90% of a device", "",
+                  f"Model {p2['model']}; the plain data-parallel plan needs {_mib(p2['plain_dp_predicted_bytes'])} MiB per "
+                  f"device (predicted).  `optimize` on a device of {_mib(p2['first_capacity_bytes'])} MiB (70% of it) "
+                  f"chose a plan of {_mib(p2['first_plan_predicted_bytes'])} MiB; on a device of "
+                  f"{_mib(p2['capacity_bytes'])} MiB (that plan / 0.9) it chose memory techniques "
+                  f"`{json.dumps(p2['memory'])}` predicted at {_mib(p2['predicted_bytes'])} MiB "
+                  f"({p2['predicted_fill'] * 100:.1f}% of the device).", "",
+                  f"`unity-pcg run` of it (2 processes, {len(p2.get('run_losses') or [])} steps): exit code {p2['run_rc']}; "
+                  f"peak RSS per rank {[_mib(x) for x in p2.get('rank_peak_rss_bytes') or []]} MiB "
+                  f"({[_mib(x) for x in p2.get('rank_peak_rss_before_steps_bytes') or []]} MiB before the first step; "
+                  f"an empty torch process: {_mib(p2['empty_torch_rss_bytes'])} MiB).", "",
+                  f"Measured peak tensor bytes per rank (the probe, the same Trainer): "
+                  f"{[_mib(x) for x in p2['measured_peak_bytes']]} MiB at {p2['measured_peak_at']}: "
+                  f"{'within' if p2['fits'] else 'OVER'} the {_mib(p2['capacity_bytes'])} MiB device.", "",
+                  "The cap checked is tensor bytes <= capacity.  A process-wide limit (RLIMIT_AS) counts torch's and "
+                  "gloo's address-space reservations (GBs of virtual memory for a few MB of tensors) and RSS includes "
+                  "the interpreter, torch's libraries and allocator caching (hundreds of MB), so neither measures what "
+                  "a device would hold; the RSS numbers are reported as a sanity check only."]
+    with open(out + ".md", "w") as f:
+        f.write("\n".join(lines) + "\n")
+
+
 def main() -> int:
     ap = argparse.ArgumentParser()
     ap.add_argument("--models", default=",".join(MODELS))
     ap.add_argument("--layouts", default="dp,tp")
     ap.add_argument("--techniques", default=",".join(TECHNIQUES))
     ap.add_argument("--out", default=os.path.join(RESULTS, "memory_check"))
-    ap.add_argument("--print", action="store_true")
+    ap.add_argument("--no-part2", action="store_true")
+    ap.add_argument("--no-write", action="store_true")
     a = ap.parse_args()
     rows, wall = part1(a.models.split(","), a.layouts.split(","), a.techniques.split(","))
     for r in rows:
@@ -195,6 +309,11 @@ def main() -> int:
                   f"(state {m['state_bytes']:>9d} saved {m['saved_bytes']:>9d} held {m['held_bytes']:>8d}) "
                   f"at {m['peak_at'][:22]:22s} ratio {r['ratio'][d]:.3f}")
     print(f"wall {wall:.1f}s")
+    p2 = None if a.no_part2 else part2()
+    if p2:
+        print(json.dumps(p2, indent=1, default=str))
+    if not a.no_write:
+        write(rows, wall, p2, a.out)
     return 0
 
 
