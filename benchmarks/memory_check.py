@@ -47,14 +47,15 @@ MODELS = {
     "llama_tiny": ("llama_1b", None, 4),
     "llama_small": ("llama_1b", "small", 2),
 }
-TECHNIQUES = ("none", "full", "selective", "zero1", "zero2", "zero3", "offload")
+TECHNIQUES = ("none", "full", "selective", "zero1", "zero2", "zero3", "offload", "optimize")
 
 
-def machine(world: int = 2, capacity: int | None = None):
-    """``local:1xworld`` (fp32) with a host link and host bandwidth, so that offload is priced."""
+def machine(world: int = 2, capacity: int | None = None, host: bool = True):
+    """``local:1xworld`` (fp32) with a host link and host bandwidth (``host``), so that offload is priced."""
     from unity_pcg.machine import LinkSpec, local
     m = local(1, world)
-    m = dataclasses.replace(m, links={**m.links, "host": LinkSpec(10e9, 10e-6)}, host_mem_bandwidth=20e9)
+    if host:
+        m = dataclasses.replace(m, links={**m.links, "host": LinkSpec(10e9, 10e-6)}, host_mem_bandwidth=20e9)
     if capacity is not None:
         m = dataclasses.replace(m, device=dataclasses.replace(m.device, memory_bytes=int(capacity)))
     return m
@@ -94,6 +95,16 @@ def base_plan(path: str, layout: str, world: int = 2):
     m = machine(world)
     res = MachineMapper(CostModel(m, "adam")).optimize(pg)
     return Plan(path, file_sha256(path), m, pg, dict(res.views), {"iteration_s": res.cost})
+
+
+def optimized(path: str, fraction: float = 0.6, budget_s: float = 15.0):
+    """The plan ``optimize`` returns on ``local:1x2`` without a host link (no offload) whose devices hold
+    ``fraction`` of what the plain data-parallel plan needs: it must recompute, shard or split."""
+    from unity_pcg.search.optimize import optimize
+    plain = _plan_peak(base_plan(path, "dp"))
+    r = optimize(path, machine(2, int(fraction * plain), host=False), budget_s=budget_s, optimizer="adam",
+                 pipeline=False)
+    return r.plan
 
 
 def with_technique(plan, tech: str):
@@ -159,8 +170,18 @@ def part1(names, layouts, techniques) -> list:
                 rows.append({"model": name, "layout": layout, "technique": "-", "error": str(e)[:200]})
                 continue
             for tech in techniques:
-                pl = with_technique(plan, tech)
-                rows.append({"model": name, "layout": layout, "technique": tech, "predicted": predict(pl)})
+                if tech == "optimize":
+                    if layout != "dp":
+                        continue          # one optimized plan per model (its layout is the planner's)
+                    pl = optimized(path)
+                else:
+                    pl = with_technique(plan, tech)
+                row = {"model": name, "layout": layout, "technique": tech, "predicted": predict(pl)}
+                if tech == "optimize":
+                    row["layout"] = "optimize"
+                    row["memory"] = pl.memory.to_json() if pl.memory is not None else None
+                    row["capacity"] = pl.machine.device.memory_bytes
+                rows.append(row)
                 cases.append((pl, path))
     t0 = time.time()
     meas = run_cases(cases) if cases else []
@@ -235,6 +256,17 @@ def part2(name: str = "gpt_small", fill: float = 0.9, budget_s: float = 20.0, st
     return out
 
 
+def _memory_words(mem, cap) -> str:
+    if not mem:
+        return f"none (device {_mib(cap)} MiB)"
+    rec = {}
+    for x in mem.get("recompute", []):
+        rec[x["mode"]] = rec.get(x["mode"], 0) + 1
+    parts = ([f"ZeRO-{mem['zero']}"] if mem.get("zero") else []) + (["offload"] if mem.get("offload") else []) + \
+        [f"{k} recompute x{v}" for k, v in sorted(rec.items())]
+    return (", ".join(parts) or "no technique") + f" (device {_mib(cap)} MiB)"
+
+
 def _mib(b) -> str:
     return f"{b / 2**20:.2f}"
 
@@ -262,7 +294,8 @@ def write(rows, wall, p2, out: str) -> None:
             lines.append(f"| {r['model']} | {r['layout']} | - | error: {r['error'][:80]} | | | | | | | |")
             continue
         m, p = r["measured"][0], r["predicted"][0]
-        lines.append(f"| {r['model']} | {r['layout']} | {r['technique']} | {_mib(p['total'])} | {_mib(m['peak_bytes'])} | "
+        tech = r["technique"] if "memory" not in r else "optimize: " + _memory_words(r["memory"], r["capacity"])
+        lines.append(f"| {r['model']} | {r['layout']} | {tech} | {_mib(p['total'])} | {_mib(m['peak_bytes'])} | "
                      f"{_mib(m['state_bytes'])} | {_mib(m['saved_bytes'])} | {_mib(m['held_bytes'])} | {m['peak_at']} | "
                      f"{r['ratio'][0]:.3f} | {_mib(m['rss_peak_bytes'])} |")
     if p2:
