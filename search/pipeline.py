@@ -319,10 +319,12 @@ def executor_replicas(stage_pcgs: Sequence[PCG]) -> int:
 
 def sequential_layers(g: PCG, roles: Mapping[int, str], max_layers: int) -> tuple[list, Cuts]:
     """Unity's layers: at most ``max_layers`` contiguous runs of units cut where the fewest tensors cross,
-    of about equal FLOPs, no FLOP bound (:func:`unity_pcg.search.stages.cluster`).  Returns
-    ``(layers, info)``: per layer the unit indices ``(first, last + 1)``; the units in order and, per cut
-    between units, the refs crossing it and whether it may be cut."""
-    return cluster(g, roles, max_layers, cuts="fewest", inputs=False, delta=None)
+    each boundary as near its FLOP quantile as the cuts allow (``balance="cuts"``: runs of layers then make
+    balanced stages for every stage count dividing the layer count), no FLOP bound
+    (:func:`unity_pcg.search.stages.cluster`).  Returns ``(layers, info)``: per layer the unit indices
+    ``(first, last + 1)``; the units in order and, per cut between units, the refs crossing it and whether
+    it may be cut."""
+    return cluster(g, roles, max_layers, cuts="fewest", inputs=False, delta=None, balance="cuts")
 
 
 def stage_graph(g: PCG, roles: Mapping[int, str], nodes: Iterable[int]) -> PCG:
