@@ -747,6 +747,12 @@ def _micro_batch_candidates(B: int, micro_batches, max_stages: int) -> list[int]
     return sorted(out)
 
 
+def micro_batch_candidates(B: int, max_stages: int = 4) -> list[int]:
+    """The numbers of micro-batches :func:`search_pipeline` tries by default for a batch of ``B`` and up to
+    ``max_stages`` stages (when the graph has at least that many layers and devices)."""
+    return _micro_batch_candidates(B, None, max_stages)
+
+
 def search_pipeline(pcg: PCG, mapper_or_cost_model: MachineMapper | CostModel, *, max_stages: int = 4,
                     min_stages: int = 1, micro_batches: int | Sequence[int] | None = None,
                     budget_s: float | None = None, intra: Callable[[PCG, Resource], PCG] | None = None,
