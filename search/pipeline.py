@@ -75,6 +75,7 @@ import math
 import time
 from dataclasses import dataclass, field, replace
 from fractions import Fraction
+from functools import reduce
 from math import gcd
 from typing import Any, Callable, Iterable, Mapping, Sequence
 
@@ -975,7 +976,10 @@ def _stage_dp(lay: _LayerPrices, info: Cuts, layers, gM, machine, sizes, T, M, m
     D = machine.devices_per_node
     cap = machine.device.memory_bytes
     inner = set(sizes)
-    opts = sorted(inner | {T - d for d in range(T) if sub_mesh(machine, d, T - d) is not None})
+    # the last stage starts where the inner blocks end: a multiple of their gcd (other starts are unreachable,
+    # and would make the DP's positions finer than the blocks)
+    step = reduce(gcd, [s for s in inner if s <= T], T)
+    opts = sorted(inner | {T - d for d in range(0, T, step) if sub_mesh(machine, d, T - d) is not None})
     tab: dict = {}                      # s -> (t[k][i], once[k][i], w/a dicts [k][i]) for layers k..i
 
     def table(s):
