@@ -75,6 +75,7 @@ import math
 import time
 from dataclasses import dataclass, field, replace
 from fractions import Fraction
+from functools import reduce
 from math import gcd
 from typing import Any, Callable, Iterable, Mapping, Sequence
 
@@ -319,10 +320,12 @@ def executor_replicas(stage_pcgs: Sequence[PCG]) -> int:
 
 def sequential_layers(g: PCG, roles: Mapping[int, str], max_layers: int) -> tuple[list, Cuts]:
     """Unity's layers: at most ``max_layers`` contiguous runs of units cut where the fewest tensors cross,
-    of about equal FLOPs, no FLOP bound (:func:`unity_pcg.search.stages.cluster`).  Returns
-    ``(layers, info)``: per layer the unit indices ``(first, last + 1)``; the units in order and, per cut
-    between units, the refs crossing it and whether it may be cut."""
-    return cluster(g, roles, max_layers, cuts="fewest", inputs=False, delta=None)
+    each boundary as near its FLOP quantile as the cuts allow (``balance="cuts"``: runs of layers then make
+    balanced stages for every stage count dividing the layer count), no FLOP bound
+    (:func:`unity_pcg.search.stages.cluster`).  Returns ``(layers, info)``: per layer the unit indices
+    ``(first, last + 1)``; the units in order and, per cut between units, the refs crossing it and whether
+    it may be cut."""
+    return cluster(g, roles, max_layers, cuts="fewest", inputs=False, delta=None, balance="cuts")
 
 
 def stage_graph(g: PCG, roles: Mapping[int, str], nodes: Iterable[int]) -> PCG:
@@ -745,6 +748,12 @@ def _micro_batch_candidates(B: int, micro_batches, max_stages: int) -> list[int]
     return sorted(out)
 
 
+def micro_batch_candidates(B: int, max_stages: int = 4) -> list[int]:
+    """The numbers of micro-batches :func:`search_pipeline` tries by default for a batch of ``B`` and up to
+    ``max_stages`` stages (when the graph has at least that many layers and devices)."""
+    return _micro_batch_candidates(B, None, max_stages)
+
+
 def search_pipeline(pcg: PCG, mapper_or_cost_model: MachineMapper | CostModel, *, max_stages: int = 4,
                     min_stages: int = 1, micro_batches: int | Sequence[int] | None = None,
                     budget_s: float | None = None, intra: Callable[[PCG, Resource], PCG] | None = None,
@@ -967,7 +976,10 @@ def _stage_dp(lay: _LayerPrices, info: Cuts, layers, gM, machine, sizes, T, M, m
     D = machine.devices_per_node
     cap = machine.device.memory_bytes
     inner = set(sizes)
-    opts = sorted(inner | {T - d for d in range(T) if sub_mesh(machine, d, T - d) is not None})
+    # the last stage starts where the inner blocks end: a multiple of their gcd (other starts are unreachable,
+    # and would make the DP's positions finer than the blocks)
+    step = reduce(gcd, [s for s in inner if s <= T], T)
+    opts = sorted(inner | {T - d for d in range(0, T, step) if sub_mesh(machine, d, T - d) is not None})
     tab: dict = {}                      # s -> (t[k][i], once[k][i], w/a dicts [k][i]) for layers k..i
 
     def table(s):
