@@ -53,7 +53,15 @@ over the devices that read them (the Trainer's buckets; shards are not), then di
 
 Limits (refused by :func:`check_pipeline` with a one-line error before any process starts): BatchNorm in
 lowered stages, a weight read in two stages, partial sums crossing into a lowered stage, a schedule other
-than 1F1B, a batch that M R does not divide, non-floating tensors crossing stages, random generators.
+than 1F1B, a batch that M R does not divide, non-floating tensors crossing stages, random generators;
+with several stages, ZeRO-3 and offload.
+
+**Memory techniques** (the plan's ``memory``).  One stage with memory techniques (or bf16) is gradient
+accumulation, run by :class:`executor.accumulate.AccumulationTrainer` (``PipelineTrainer(plan)`` returns one).
+Several stages: every stage runs lowered, its Trainer given the plan's ZeRO stage (1-2, over the stage's
+data-parallel copies: the update after the micro-batches' gradients are summed and divided by M) and the
+recompute regions cut to its nodes (checkpointed per micro-batch; the tensors a stage sends are kept; a
+region recomputed in micro-batch k's backward draws k's Dropout masks).
 """
 from __future__ import annotations
 
@@ -181,7 +189,9 @@ def resolve(plan) -> tuple[int, list[StagePlan]]:
             users = [u for u, _ in g.consumers((nid, 0))]
             if users:
                 stage_of[nid] = min(stage_of[u] for u in users)
-    lowered = dp_error is not None
+    mem = getattr(plan, "memory", None)
+    # memory techniques with several stages run in the lowered stages' Trainers (recompute, ZeRO-1/2)
+    lowered = dp_error is not None or (mem is not None and not mem.empty and len(node_lists) > 1)
     if lowered:
         _check_lowered(g, devices, dp_error)
         degree_of = {i: 1 for i in range(len(node_lists))}
@@ -303,11 +313,13 @@ def _check_batch_split(g: PCG, n, K: int) -> None:
 
 def check_pipeline(plan, per_device_bn: bool = True) -> None:
     """Everything about a pipelined plan that can fail before a process starts."""
+    accumulate = accumulation(plan)
     mem = getattr(plan, "memory", None)
-    if mem is not None and not mem.empty:
-        raise PipelineError("plan: memory techniques (recompute, ZeRO, offload) with pipeline stages are not run by "
-                            "the executor yet; optimize it without pipeline stages or without them")
-    if getattr(plan, "precision", "fp32") == "bf16":
+    if mem is not None and not mem.empty and not one_stage(plan):
+        if mem.zero == 3 or mem.offload:
+            raise PipelineError("plan: ZeRO-3 and offload with several pipeline stages are not run by the executor "
+                                "yet (recompute and ZeRO-1/2 are); optimize it without pipeline stages or without them")
+    if getattr(plan, "precision", "fp32") == "bf16" and not accumulate:
         raise PipelineError("plan: bf16 (mixed precision) with pipeline stages is not supported by the executor "
                             "(stage boundaries exchange float32 buffers); optimize it with --precision fp32 or tf32")
     gen = next((n for n in plan.pcg.nodes() if n.op in ("RandomNormal", "RandomUniform")), None)
@@ -323,11 +335,58 @@ def check_pipeline(plan, per_device_bn: bool = True) -> None:
     # the batch, and only it, must split into the micro-batches (times the virtual pipelines): the test the
     # pipeline search applies too (search/pipeline.py::micro_graph); lowered stages also rebatch
     micro_graph(plan.pcg, M * (1 if stages[0].lowered else replicas(stages)))
-    if stages[0].lowered:
+    if accumulate:                  # one stage run by executor.accumulate: the plan at the micro-batch
+        micro_plan(plan)
+    elif stages[0].lowered:
         stage_graphs(plan, M, stages)
     if not per_device_bn and any(n.op == "BatchNorm" for n in plan.pcg.nodes()):
         raise PipelineError("plan: BatchNorm in a pipelined plan computes statistics per micro-batch, which "
                             "is not one device's training; run with --per-device-bn to accept that")
+
+
+def one_stage(plan) -> bool:
+    """Whether ``plan``'s pipeline field has exactly one stage (gradient accumulation)."""
+    pf = getattr(plan, "pipeline", None)
+    return isinstance(pf, Mapping) and isinstance(pf.get("stages"), list) and len(pf["stages"]) == 1
+
+
+def micro_plan(plan):
+    """``(M, B, the plan at the micro-batch B/M without its pipeline field)``: the same node ids, views and
+    ``memory`` (``search.pipeline.rebatch``); PipelineError (one line) when the micro-batch cannot run
+    through the model.  Imports no torch."""
+    import dataclasses
+
+    from unity_pcg.search.pipeline import PipelineError as SearchPipelineError
+    from unity_pcg.search.pipeline import batch_size, rebatch
+    M = plan.pipeline["micro_batches"]
+    try:
+        B = batch_size(plan.pcg)
+        gm = rebatch(plan.pcg, B, B // M)
+    except (SearchPipelineError, UnityError) as e:
+        raise PipelineError(f"plan: the accumulation's micro-batches cannot run through the model: {e}") from None
+    return M, B, dataclasses.replace(plan, pcg=gm, pipeline=None)
+
+
+def accumulation(plan) -> bool:
+    """Whether the executor runs ``plan`` as gradient accumulation (:mod:`executor.accumulate`): one pipeline
+    stage with memory techniques or bf16, which the pipeline runtime does not run."""
+    mem = getattr(plan, "memory", None)
+    return one_stage(plan) and ((mem is not None and not mem.empty) or getattr(plan, "precision", "fp32") == "bf16")
+
+
+def _stage_memory(plan, sg: PCG):
+    """The plan's memory techniques for one lowered stage: ZeRO as planned, each recompute region cut to the
+    stage's compute nodes (None: none)."""
+    mem = getattr(plan, "memory", None)
+    if mem is None or mem.empty:
+        return None
+    import dataclasses
+    regions = []
+    for r in mem.recompute:
+        nodes = tuple(nid for nid in r.nodes if nid in sg and sg.node(nid).kind == "compute")
+        if nodes:
+            regions.append(dataclasses.replace(r, nodes=nodes))
+    return dataclasses.replace(mem, recompute=tuple(regions))
 
 
 def logical_graph(g: PCG) -> tuple[PCG, dict]:
@@ -733,6 +792,9 @@ class PipelineTrainer:
     all-reduce."""
 
     def __new__(cls, plan, *args, **kw):
+        if accumulation(plan):          # one stage with memory techniques / bf16: gradient accumulation
+            from .accumulate import AccumulationTrainer
+            return AccumulationTrainer(plan, *args, **kw)
         mem = getattr(plan, "memory", None)
         if mem is not None and not mem.empty:
             check_pipeline(plan)
@@ -1033,7 +1095,8 @@ class LoweredPipelineTrainer:
             pos[j] = {d: k for k, d in enumerate(sorted(members))} if some else {d: d for d in members}
 
         sub = plan_mod.Plan(plan.model_path, plan.model_sha256, plan.machine, self.sg.pcg, self.sg.views,
-                            plan.predicted, None, precision=getattr(plan, "precision", "fp32"))
+                            plan.predicted, None, precision=getattr(plan, "precision", "fp32"),
+                            memory=_stage_memory(plan, self.sg.pcg))
         # the stage's Trainer creates no process group itself (torch.distributed.new_group is a collective
         # of every rank, and each rank builds its own stage only): it lists the groups it needs, then every
         # rank creates every stage's groups in one agreed order
@@ -1042,6 +1105,9 @@ class LoweredPipelineTrainer:
                                new_group=lambda devs: None, grad_inputs=self.sg.grad_inputs)
         if world > 1:
             self._make_groups(len(stages))
+            if tr._zrt is not None:      # ZeRO's groups are the buckets', created by _make_groups
+                for grp in tr._zrt.groups:
+                    grp.pg = tr._bucket_pgs.get(grp.devs) if grp.k > 1 else None
         self.dev = tr.device
         self.opt = tr.opt
         # Dropout draws its mask at the element's index in the whole batch: micro-batch k's rows start at
@@ -1054,6 +1120,10 @@ class LoweredPipelineTrainer:
                 step.ctx.out_logical = (full,)
                 self._dropout.append((step, tuple(step.ctx.out_offset[0]), micro0))
         outs = [ref for kind, ref in self.sg.sends if kind == "out"]
+        tr.keep_refs = frozenset(tuple(r) for r in outs)   # recompute regions return what the stage sends
+        # a region recomputed in micro-batch k's backward (other micro-batches ran since) draws k's masks
+        self._cur_micro = 0
+        tr.recompute_context = (lambda: self._cur_micro, self._set_micro)
         self._need_send = self._ancestors(outs)
         self._plan_g = plan.pcg
         self.steps_done = 0
@@ -1172,8 +1242,7 @@ class LoweredPipelineTrainer:
         torch = _torch_modules()[0]
         tr = self.tr
         fv = tr._feeds({name: shared[j] for j, name in self.sg.feeds.items()})
-        for step, base, micro0 in self._dropout:
-            step.ctx.out_offset = ((base[0] + k * micro0,) + tuple(base[1:]),) if micro0 else (base,)
+        self._set_micro(k)
         tr.step_no = self.steps_done
         anchor = torch.zeros((), device=self.dev, requires_grad=True)
         sinks: list = []
@@ -1182,6 +1251,7 @@ class LoweredPipelineTrainer:
             pick, need, split = tr._loss_ref(self._kind)
         else:
             pick, need, split = None, self._need_send, None
+        tr._cur_loss_ref = pick
         vals = tr._run(fv, need, anchor, sinks, split)
         tie = anchor * 0.0
         for t in sinks:
@@ -1208,6 +1278,12 @@ class LoweredPipelineTrainer:
                 # gloo sends contiguous buffers only (elementwise ops keep a transposed layout)
                 outs.append((y + tie.to(y.dtype) if y.is_floating_point() else y).contiguous())
         return tuple(outs) if len(outs) > 1 else outs[0]
+
+    def _set_micro(self, k: int) -> None:
+        """Dropout of micro-batch ``k``: its rows start at k times the micro-batch's dim 0."""
+        self._cur_micro = k
+        for step, base, micro0 in self._dropout:
+            step.ctx.out_offset = ((base[0] + k * micro0,) + tuple(base[1:]),) if micro0 else (base,)
 
     # --- stages of different sizes: the leader drives its stage's other devices ------------------------
     def _command(self, kind: int, k: int = 0) -> tuple[int, int]:
@@ -1295,13 +1371,17 @@ class LoweredPipelineTrainer:
         else:
             chunks = list(torch.tensor_split(tt.to(self.dev), self.M)) if targets is not None else None
             self._follow(chunks, losses)
-        # replicated weight regions: all-reduced over the devices that read them (the Trainer's buckets)
-        tr._start_step_sync(torch.zeros(1, device=self.dev))
-        tr._finish_sync()
+        # replicated weight regions: all-reduced over the devices that read them (the Trainer's buckets;
+        # ZeRO-2: reduce-scattered), the micro-batches' sum divided by M first
         for p in tr.params.values():
             if p.grad is not None:
                 p.grad.div_(self.M)
-        tr.opt.step()
+        tr._start_step_sync(torch.zeros(1, device=self.dev))
+        tr._finish_sync()
+        if tr._zrt is not None:          # ZeRO: the update of this device's shards, then the all-gather
+            tr._zrt.step()
+        else:
+            tr.opt.step()
         self.steps_done += 1
         tr.step_no = self.steps_done
         loss = torch.zeros(1, dtype=torch.float64, device=self.dev)

@@ -346,6 +346,10 @@ class Trainer:
         self.memory = getattr(plan, "memory", None) or plan_mod.MemoryPlan()
         self._items = schedule(self.low, self.memory.recompute)
         self._cur_loss_ref = None
+        self.keep_refs: frozenset = frozenset()    # tensors read outside the steps (a pipeline stage's sends)
+        # (capture, restore): what a recompute re-establishes before running a region again (a pipeline
+        # stage's micro-batch: its Dropout offsets); None: nothing
+        self.recompute_context = None
         self._zrt: ZeroRuntime | None = None
         self._zero3_names: frozenset = frozenset()
         self._load_weights(model_path or plan.model_path, weights)
@@ -1093,7 +1097,7 @@ class Trainer:
         """One recompute region: its checkpointed runs under torch.utils.checkpoint (non-reentrant), the
         steps selective recomputation keeps plainly (executor.memory)."""
         from torch.utils.checkpoint import checkpoint
-        keep = {self._cur_loss_ref} if self._cur_loss_ref is not None else set()
+        keep = ({self._cur_loss_ref} if self._cur_loss_ref is not None else set()) | self.keep_refs
         for run in reg.runs:
             steps = [st for st in run.steps if st.node in need]
             if not steps:
@@ -1119,11 +1123,16 @@ class Trainer:
                 drop = run.io[("drop",) + key] = [[r for r, i in last.items() if i == j and r not in outs]
                                                    for j in range(len(steps))]
 
-            def fn(anchor_, *xs, steps=steps, ins=ins, outs=outs, first=first, drop=drop):
+            ctx = self.recompute_context
+            token = ctx[0]() if ctx is not None else None
+
+            def fn(anchor_, *xs, steps=steps, ins=ins, outs=outs, first=first, drop=drop, token=token):
                 local = dict(zip(ins, xs))
                 sk: list = []
                 again = not first[0]
                 first[0] = False
+                if again and ctx is not None:
+                    ctx[1](token)
                 for st, gone in zip(steps, drop):
                     self._run_step(st, local, fv, anchor_, sk, None if again else bn_done, split)
                     if not self.keep_values:

@@ -269,8 +269,9 @@ def test_sequence_parallelism_lowers_to_reduce_scatter_and_all_gather():
 
 
 def test_refusals_are_one_line():
-    """A region a path leaves and re-enters cannot run as one sub-program; memory techniques on a
-    pipeline plan are not run: both refused in one line before any step."""
+    """A region a path leaves and re-enters cannot run as one sub-program; ZeRO-3 on a plan of several
+    pipeline stages is not run: both refused in one line before any step (ZeRO-1 there runs:
+    tests/executor/test_pipeline_memory.py)."""
     from unity_pcg import plan as P
     from unity_pcg.errors import UnityError
     from unity_pcg.executor.pipeline import check_pipeline
@@ -289,4 +290,4 @@ def test_refusals_are_one_line():
         model = tiny_mlp_onnx(f"{d}/mlp.onnx")
         pp = P.load(pipeline_plan(model, f"{d}/pp.json"))
         with pytest.raises(UnityError, match="pipeline stages"):
-            check_pipeline(_with(pp, zero=1))
+            check_pipeline(_with(pp, zero=3))
