@@ -45,22 +45,27 @@ import torch.distributed as dist
 from .kernels import ExecutorError
 
 def _kept_classes():
-    """Operator classes (search.cost.op_class) whose outputs selective recomputation keeps."""
-    from unity_pcg.search.cost import COMPUTE_CLASSES
-    return COMPUTE_CLASSES
+    """Operator classes (search.cost.op_class) whose outputs selective recomputation keeps: the cost
+    model's :data:`search.memtech.SELECTIVE_KEEP` (dense matmuls, convolutions, embeddings; attention's
+    batched matmuls are recomputed with its softmax, as Megatron-LM's selective form)."""
+    from unity_pcg.search.memtech import SELECTIVE_KEEP
+    return SELECTIVE_KEEP
 
 
-#: operators that save nothing for their backward (views, copies, casts): selective recomputation does not
-#: checkpoint a run made of these (and communication) alone -- it would keep its input instead
-LAYOUT_OPS = frozenset({"Reshape", "Transpose", "Flatten", "Identity", "Slice", "Split", "Expand", "Concat", "Cast",
-                        "Tile", "Pad"})
+def _layout_ops():
+    """Operators that save nothing for their backward (views, copies, casts; search.memtech.LAYOUT_OPS):
+    selective recomputation does not checkpoint a run made of these (and communication) alone -- it
+    would keep its input instead."""
+    from unity_pcg.search.memtech import LAYOUT_OPS
+    return LAYOUT_OPS
 
 
-def kept_in_selective(op: str) -> bool:
-    """Whether selective recomputation keeps the output of compute operator ``op`` (matmul- and
-    convolution-class, the cost model's classes)."""
+def kept_in_selective(op: str, in_shapes=None) -> bool:
+    """Whether selective recomputation keeps the output of compute operator ``op`` on inputs of
+    ``in_shapes`` (the cost model's class of it, which may depend on the shapes: a MatMul of two
+    operands of rank >= 3 is a batched matmul, recomputed)."""
     from unity_pcg.search.cost import op_class
-    return op_class(op) in _kept_classes()
+    return op_class(op, in_shapes) in _kept_classes()
 
 
 # --- recompute regions ---------------------------------------------------------------------------------------
@@ -128,7 +133,7 @@ def schedule(low, regions) -> list:
         for i in mem:
             unit[i] = ("r", k)
         steps = sorted((low.steps[pos[i]] for i in mem), key=lambda st: pos[st.node])
-        regs.append(Region(k, reg.mode, frozenset(mem), steps, _runs(steps, reg.mode)))
+        regs.append(Region(k, reg.mode, frozenset(mem), steps, _runs(steps, reg.mode, g)))
     for st in low.steps:
         unit.setdefault(st.node, ("s", st.node))
     # dependencies between units: a step reads its node's inputs (a redistribution: its chain's head)
@@ -166,12 +171,12 @@ def schedule(low, regions) -> list:
     return [regs[k] if kind == "r" else low.steps[pos[k]] for kind, k in order]
 
 
-def _runs(steps: list, mode: str) -> list:
+def _runs(steps: list, mode: str, g=None) -> list:
     if mode == "full":
         return [Run(True, list(steps))]
     runs: list = []
     for st in steps:
-        kept = st.kind == "compute" and kept_in_selective(st.op)
+        kept = st.kind == "compute" and kept_in_selective(st.op, g.input_shapes(st.node) if g is not None else None)
         if kept:
             runs.append(Run(False, [st]))
         elif runs and runs[-1].checkpointed:
@@ -180,7 +185,7 @@ def _runs(steps: list, mode: str) -> list:
             runs.append(Run(True, [st]))
     # a run of layout operators and communication alone saves nothing for the backward: run it plainly
     for run in runs:
-        if run.checkpointed and all(st.kind != "compute" or st.op in LAYOUT_OPS for st in run.steps):
+        if run.checkpointed and all(st.kind != "compute" or st.op in _layout_ops() for st in run.steps):
             run.checkpointed = False
     return runs
 
@@ -391,7 +396,10 @@ class ZeroRuntime:
         if self.stage < 3:
             for gi, u in enumerate(self.upd):
                 g = self.grad_shard(gi)
-                u.grad = None if g is None else g.detach().to(u.device, copy=True)
+                if g is not None and g.device == u.device and g.dtype == u.dtype and g.is_contiguous():
+                    u.grad = g.detach()      # the synchronized shard itself: no copy of it at the update
+                else:
+                    u.grad = None if g is None else g.detach().to(u.device, copy=True)
         elif self.offload:
             for sh, u in zip(self.shards, self.upd):
                 u.grad = None if sh.grad is None else sh.grad.detach().to(self.host, copy=True)

@@ -48,7 +48,7 @@ from unity_pcg.errors import PlanError
 
 from .kernels import TORCH_DTYPES, ExecutorError, kernel
 from .lower import Lowered, block, lower, task_pieces, unravel
-from .memory import Region, ZeroRuntime, run_io, schedule
+from .memory import Region, ZeroRuntime, run_io, schedule, step_reads
 from .precision import forward_context, set_math_mode
 
 FIRST_BUCKET_BYTES = 1 << 20
@@ -606,11 +606,39 @@ class Trainer:
                 off += k
         self._free_grads = [p for nm, p in self.params.items() if nm not in self._view_params]
 
+    def _release_buckets(self) -> None:
+        """ZeRO-2 between steps: the full-size gradient buckets (and the gradients viewing them) are freed
+        after the update -- a rank keeps only its reduce-scattered shard -- and made again, zeroed, by
+        :meth:`_alloc_buckets` when the backward starts."""
+        for i in self._flat:
+            self._flat[i] = None
+            for nm in self._viewed[i]:
+                self.params[nm].grad = None
+
+    def _alloc_buckets(self) -> None:
+        for i, flat in list(self._flat.items()):
+            if flat is not None:
+                continue
+            b = self._buckets[i]
+            n = sum(_numel(sl) for _, sl in b["items"]) + (1 if i == self._loss_bucket else 0)
+            k = len(b["devs"])
+            n = -(-n // k) * k
+            flat = self._flat[i] = torch.zeros(n, dtype=self.params[b["items"][0][0]].dtype, device=self.device)
+            off = 0
+            for nm, sl in b["items"]:
+                k = _numel(sl)
+                if nm in self._viewed[i]:
+                    self.params[nm].grad = flat[off:off + k].view(self.params[nm].shape)
+                off += k
+
     def _zero_grads(self) -> None:
         if self._zrt is not None:
             self._zrt.zero_grad()
             for p in self._free_grads:
                 p.grad = None
+            if self.memory.zero == 2:
+                self._release_buckets()
+                return
             for flat in self._flat.values():
                 flat.zero_()
             return
@@ -631,6 +659,8 @@ class Trainer:
 
     # --- gradient buckets -----------------------------------------------------------------------------
     def _start_step_sync(self, loss_part: torch.Tensor) -> None:
+        if self.memory.zero == 2:
+            self._alloc_buckets()
         self._ready = {i: set() for i in self._my_buckets}
         self._next = 0
         self._works: dict[int, tuple] = {}
@@ -1003,7 +1033,7 @@ class Trainer:
         anchor = torch.zeros((), device=self.device, requires_grad=True)
         sinks: list = []
         self._cur_loss_ref = ref
-        vals = self._run(fv, need, anchor, sinks, split)
+        vals = self._run(fv, need, anchor, sinks, split, keep=(ref,))
         contrib = self._piece_loss(vals, ref, kind, tt, split)
         total = contrib if contrib is not None else torch.zeros((), device=self.device)
         for t in sinks:
@@ -1011,14 +1041,18 @@ class Trainer:
         part = (contrib.detach() if contrib is not None else torch.zeros((), device=self.device)).reshape(1)
         return total, part
 
-    def _run(self, fv, need, anchor, sinks: list, split=None) -> dict:
+    def _run(self, fv, need, anchor, sinks: list, split=None, keep=None) -> dict:
         """This rank's steps of the nodes in ``need`` on the feeds ``fv``: the local piece of every tensor
         it holds (ref -> tensor); communication outputs are appended to ``sinks`` (tie them to what the
         backward starts from).  Recompute regions run as checkpointed sub-programs; with ZeRO-3 each
-        weight group is gathered before its first use (executor.memory)."""
+        weight group is gathered before its first use (executor.memory).  With ``keep`` (the refs the
+        caller reads afterwards) a value is dropped after the last item that reads it: the forward then
+        holds only what the autograd graph saved for the backward, as the memory model counts; without,
+        every value stays to the end (the returned table holds them all)."""
         vals: dict = {}
         bn_done: set = set()
         zrt = self._zrt if self.memory.zero == 3 else None
+        frees = self._frees(need, keep) if keep is not None and not self.keep_values else {}
         for idx, item in enumerate(self._items):
             if zrt is not None:
                 zrt.before_item(idx, anchor, sinks)
@@ -1028,9 +1062,36 @@ class Trainer:
                 self._run_step(item, vals, fv, anchor, sinks, bn_done, split)
             if zrt is not None:
                 zrt.after_item(idx, anchor, sinks)
+            for r in frees.get(idx, ()):
+                vals.pop(r, None)
         if self.keep_values:
             self.last_values = {r: v.detach().clone() for r, v in vals.items() if isinstance(v, torch.Tensor)}
         return vals
+
+    def _frees(self, need, keep) -> dict:
+        """Item index -> the refs of this rank's values that no later item of ``need`` reads and the caller
+        does not ``keep``: dropped from the forward's table after that item (cached per need and keep)."""
+        key = (id(need), tuple(keep))
+        hit = self._free_cache.get(key) if hasattr(self, "_free_cache") else None
+        if hit is not None and hit[0] is need:
+            return hit[1]
+        last: dict = {}
+        for idx, item in enumerate(self._items):
+            for st in (item.steps if isinstance(item, Region) else [item]):
+                if st.node not in need:
+                    continue
+                for r in st.outputs:
+                    last.setdefault(r, idx)        # produced and never read: dropped after its item
+                for r in step_reads(st, self.rank):
+                    last[r] = idx
+        out: dict = {}
+        for r, idx in last.items():
+            if r not in keep:
+                out.setdefault(idx, []).append(r)
+        if not hasattr(self, "_free_cache"):
+            self._free_cache = {}
+        self._free_cache[key] = (need, out)
+        return out
 
     def _run_region(self, reg, vals, fv, need, anchor, sinks, bn_done, split) -> None:
         """One recompute region: its checkpointed runs under torch.utils.checkpoint (non-reentrant), the
@@ -1051,18 +1112,32 @@ class Trainer:
                 io = run.io[key] = run_io(type(run)(True, steps), self._items, self.rank, keep)
             ins, outs = io
             first = [True]
+            drop = run.io.get(("drop",) + key)
+            if drop is None:       # the run's own values, dropped after their last read inside it
+                last = {}
+                for i, st in enumerate(steps):
+                    for r in st.outputs:
+                        last.setdefault(r, i)
+                    for r in step_reads(st, self.rank):
+                        last[r] = i
+                drop = run.io[("drop",) + key] = [[r for r, i in last.items() if i == j and r not in outs]
+                                                   for j in range(len(steps))]
+
             ctx = self.recompute_context
             token = ctx[0]() if ctx is not None else None
 
-            def fn(anchor_, *xs, steps=steps, ins=ins, outs=outs, first=first, token=token):
+            def fn(anchor_, *xs, steps=steps, ins=ins, outs=outs, first=first, drop=drop, token=token):
                 local = dict(zip(ins, xs))
                 sk: list = []
                 again = not first[0]
                 first[0] = False
                 if again and ctx is not None:
                     ctx[1](token)
-                for st in steps:
+                for st, gone in zip(steps, drop):
                     self._run_step(st, local, fv, anchor_, sk, None if again else bn_done, split)
+                    if not self.keep_values:
+                        for r in gone:
+                            local.pop(r, None)
                 # the trigger: the run's last node, so the backward reaches it first and recomputes here
                 trig = anchor_ * anchor_
                 return (*[local[r] for r in outs], *sk, trig)

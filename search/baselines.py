@@ -19,6 +19,13 @@
   run on the t copies, and attention masks and rotary tables read from outside a block are broadcast.
   A model it does not apply to gets one line saying why (no matmul of two activations; a fused Q/K/V
   projection Split after it; head counts no tensor degree divides).
+  ``sequence_parallel=True`` (Megatron-LM's sequence parallelism, Korthikanti et al. 2022): the operators
+  outside the groups (the residual stream: norms, dropout, residual adds, the embedding and what follows
+  the last group) run on t sequence shards instead of t copies -- model inputs are split on dim 1 (the
+  sequence) t ways, a group's partial sums are reduce-scattered onto the sequence (Reduce then Partition,
+  one collective) instead of all-reduced, and a group's inputs from outside are all-gathered (Combine then
+  Replicate, one collective per tensor) where the column Linears read them.  Tensors whose dim 1 does not
+  divide by t keep the copies.
 * ``expert`` (the expert-designed strategy of Unity §6.1 / FlexFlow's DLRM example, [38]):
   communication-intensive operators in model parallelism, compute-intensive ones in data
   parallelism.  Embedding tables are communication-intensive: each table lives whole on one device,
@@ -215,10 +222,11 @@ def _divisors_desc(n: int) -> list[int]:
     return [t for t in range(n, 1, -1) if n % t == 0]
 
 
-def megatron(g: PCG, degree: int, devices_per_node: int | None = None) -> PCG:
+def megatron(g: PCG, degree: int, devices_per_node: int | None = None, *, sequence_parallel: bool = False) -> PCG:
     """Megatron-LM: tensor parallelism of the largest degree t dividing the devices of a node (and
     ``degree``) that splits the attention heads and MLP matrices evenly; data parallelism of degree
-    ``degree / t`` across nodes (see module docstring)."""
+    ``degree / t`` across nodes; ``sequence_parallel``: the residual stream on t sequence shards (see
+    module docstring; ``meta["sp"]`` says so)."""
     _check_degree(degree)
     _check_logical(g, "megatron")
     groups = megatron_groups(g)
@@ -231,13 +239,13 @@ def megatron(g: PCG, degree: int, devices_per_node: int | None = None) -> PCG:
     batch_error = None
     for tp in _divisors_desc(gcd(dpn, degree)):
         try:
-            accepted = _accept(g, groups, tp, degree // tp)
+            accepted = _accept(g, groups, tp, degree // tp, sequence_parallel)
         except StrategyError as e:          # the batch does not divide by this data-parallel degree
             batch_error = batch_error or e
             continue
         r, chosen = accepted
         if any(gr.attention(g) for gr in chosen):
-            out = r.finish(degree=degree, tp=tp, dp=degree // tp,
+            out = r.finish(degree=degree, tp=tp, dp=degree // tp, sp=bool(sequence_parallel),
                            column=sorted(g.node(s).label() for gr in chosen for s in gr.starts),
                            row=sorted(g.node(t).label() for gr in chosen for t in gr.terms))
             return out
@@ -326,7 +334,7 @@ def _fused_qkv(g: PCG, dense) -> str | None:
     return None
 
 
-def _accept(g: PCG, groups: list[_Group], tp: int, dp: int):
+def _accept(g: PCG, groups: list[_Group], tp: int, dp: int, sp: bool = False):
     """Build with every non-conflicting group column-parallel at degree ``tp``; drop the groups the
     operators refuse (a fallback inside, or a row Linear that did not get split inputs) and rebuild
     until none is dropped.  Returns (rebuild, accepted groups); raises StrategyError if ``dp`` does
@@ -342,7 +350,8 @@ def _accept(g: PCG, groups: list[_Group], tp: int, dp: int):
         terms |= gr.terms
     while True:
         col = frozenset().union(*(gr.starts for gr in chosen)) if chosen else frozenset()
-        r = _Rebuild(g, "megatron", dp=dp, tp=tp, column=col)
+        inside = frozenset().union(*(gr.nodes | gr.starts for gr in chosen)) if chosen else frozenset()
+        r = _Rebuild(g, "megatron", dp=dp, tp=tp, column=col, sp=sp, inside=inside)
         bad = set(r.fallback_ids)
         keep = []
         for gr in chosen:
@@ -498,13 +507,20 @@ class _Rebuild:
     ``dp``: degree of the batch partition; ``tp``: copies of every activation in the strategy's
     layout (Megatron's tensor-parallel degree; 1 otherwise); ``column``: Linears whose weight is
     split on its output features by ``tp``; ``mp_embeddings``: embeddings run whole on one device;
-    ``mp_dense``: Linear id -> m: split on its output features m ways, data parallel ``dp / m`` ways."""
+    ``mp_dense``: Linear id -> m: split on its output features m ways, data parallel ``dp / m`` ways;
+    ``sp``: sequence parallelism -- the strategy's layout outside the tensor-parallel groups ``inside``
+    (their operators but the row Linears) splits dim 1 ``tp`` ways instead of copying (:meth:`_seq`)."""
 
     def __init__(self, g: PCG, strategy: str, dp: int, tp: int = 1, column: frozenset = frozenset(),
-                 mp_embeddings: frozenset = frozenset(), mp_dense: dict | None = None):
+                 mp_embeddings: frozenset = frozenset(), mp_dense: dict | None = None, sp: bool = False,
+                 inside: frozenset = frozenset()):
         self.g = g
         self.strategy = strategy
         self.dp, self.tp = dp, tp
+        self.sp = bool(sp) and tp > 1
+        self.inside = inside
+        self._in_group = False            # the node being rebuilt is inside a group (sp: the copied layout)
+        self.gathered: dict = {}          # sp: new ref -> its all-gathered (copied) form, made once
         self.column = column
         self.mp_emb = mp_embeddings
         self.mp_dense = dict(mp_dense or {})
@@ -538,7 +554,19 @@ class _Rebuild:
         degs = [1] * s.rank
         if s.rank and s.sizes[0] % self.dp == 0 and s.sizes[0] >= self.dp:
             degs[0] = self.dp
+        if self._seq(s):
+            degs[1] = self.tp
         return tuple(degs)
+
+    def _seq(self, s) -> bool:
+        """Sequence parallelism splits this tensor on dim 1 (the sequence) here: sp is on, the node is
+        outside the groups, and dim 1 (not the last dim of a tensor of rank >= 3; a rank-2 model input's
+        tokens) divides by tp."""
+        return (self.sp and not self._in_group and s.rank >= 2 and s.sizes[1] % self.tp == 0
+                and s.sizes[1] >= self.tp)
+
+    def _canon_copy(self, s) -> int:
+        return 1 if self._seq(s) else self.tp
 
     def _reshard(self, ref: Ref, degrees: tuple[int, ...], copy: int, label: str) -> Ref:
         """Bring ``ref`` to shard ``degrees`` and (at least) ``copy`` copies: Reduce partial sums,
@@ -569,9 +597,15 @@ class _Rebuild:
 
     def _canonical(self, ref: Ref, label: str) -> Ref:
         s = self.shape(ref)
-        if self._canon_degrees(s) == s.degrees and s.sum_degree == 1 and s.copy_degree == self.tp:
+        copy = self._canon_copy(s)
+        if self._canon_degrees(s) == s.degrees and s.sum_degree == 1 and s.copy_degree == copy:
             return ref
-        return self._reshard(ref, self._canon_degrees(s), self.tp, label)
+        if self.sp and self._in_group and s.sum_degree == 1:     # an all-gather, made once per tensor
+            hit = self.gathered.get(ref)
+            if hit is None:
+                hit = self.gathered[ref] = self._reshard(ref, self._canon_degrees(s), copy, label)
+            return hit
+        return self._reshard(ref, self._canon_degrees(s), copy, label)
 
     def _whole(self, ref: Ref, label: str) -> Ref:
         s = self.shape(ref)
@@ -667,7 +701,9 @@ class _Rebuild:
                                 f"data-parallel degree {self.dp}")
         if self.dp > 1:
             ref = self._add("Partition", {"dim": 0, "degree": self.dp}, [ref], f"{n.label()}/partition")
-        if self.tp > 1:
+        if self._seq(s):
+            ref = self._add("Partition", {"dim": 1, "degree": self.tp}, [ref], f"{n.label()}/sequence")
+        elif self.tp > 1:
             ref = self._add("Replicate", {"degree": self.tp}, [ref], f"{n.label()}/replicate")
         self.m[(n.id, 0)] = ref
 
@@ -688,6 +724,10 @@ class _Rebuild:
     def _compute(self, n) -> None:
         acts = {i: self.m[r] for i, r in enumerate(n.inputs) if r[0] not in self.wl}
         label = n.label()
+        self._in_group = n.id in self.inside
+        if self.sp and self._in_group:    # what a group reads from the residual stream: all-gathered
+            acts = {i: (self._canonical(r, f"{label}/in{i}") if n.inputs[i][0] not in self.inside else r)
+                    for i, r in acts.items()}
         nid = None
         whole_out = False
         if n.id in self.mp_emb:
@@ -728,7 +768,12 @@ class _Rebuild:
         for k in range(len(self.g.shapes(n.id))):
             ref = (nid, k)
             s = self.shape(ref)
-            if s.sum_degree > 1:          # partial sums (a row-parallel Linear): all-reduce at once
+            if s.sum_degree == self.tp and self.sp and self._seq(s) and s.degrees == self._canon_degrees(s)[:1] + (1,) * (
+                    s.rank - 1) and s.copy_degree == 1:
+                # sequence parallelism: a reduce-scatter onto the sequence (Reduce + Partition, one collective)
+                ref = self._add("Reduce", {"degree": s.sum_degree}, [ref], f"{label}/reduce")
+                ref = self._add("Partition", {"dim": 1, "degree": self.tp}, [ref], f"{label}/reduce_scatter")
+            elif s.sum_degree > 1:        # partial sums (a row-parallel Linear): all-reduce at once
                 ref = self._add("AllReduce", {"degree": s.sum_degree}, [ref], f"{label}/allreduce")
             if whole_out:
                 self.whole.add(ref)

@@ -29,7 +29,14 @@ Node roles (:meth:`unity_pcg.pcg.PCG.roles`) and what each costs:
 * compute nodes: compute + incoming edges;
 * other parallel nodes: their incoming edge only (Partition: slices, local when the device already
   holds the piece; Combine: gather; Replicate: broadcast; Reduce: reduce; Pipeline / Batch priced as
-  Partition / Combine).
+  Partition / Combine);
+* *fused pairs* (:meth:`GraphCost.fused`): ``Reduce(k)`` whose only consumer is ``Partition(dim, k)``
+  is one reduce-scatter, ``Combine(dim, k)`` whose only consumer is ``Replicate(k)`` one all-gather
+  (what the executor runs as one DTensor redistribution; Megatron-LM's sequence parallelism).  The
+  first node of a pair is priced nothing and its view is moot; the second reads the first's input
+  directly (:meth:`GraphCost.priced_inputs`): per group of k devices that hold the k partial sums
+  (shards) and receive the k slices (copies), one ring reduce-scatter (all-gather), (k-1) N elements
+  (N the full piece); a piece the group does not hold is first sent to it.
 
 Communication volume (``comm_elements``): tensor elements sent by all devices in one iteration.
 """
@@ -480,6 +487,9 @@ class GraphCost:
         self._leaf_cache: dict = {}
         self._update_owner: dict[int, set] = {}          # compute node -> trained Weight inputs it updates
         self._direct_weights: dict[int, set] = {}        # compute node -> Weight inputs it holds
+        self._fused: dict[int, tuple[str, int]] = {}     # second node of a fused pair -> (kind, first node)
+        self._fused_first: set[int] = set()
+        self._find_fused()
         seen_w: set = set()
         for n in g.nodes():
             if self.role[n.id] in ("input", "weight"):
@@ -566,6 +576,118 @@ class GraphCost:
                     d = autocast_dtype(n.op, sh.dtype, ins, ranks)
                     if d != sh.dtype:
                         self._dtype[(nid, k)] = d
+
+    # --- fused pairs ------------------------------------------------------------------------------
+    #: (first operator, second operator) -> the collective the pair is (see the module docstring)
+    FUSED_PAIRS = {("Reduce", "Partition"): "reduce-scatter", ("Combine", "Replicate"): "all-gather"}
+
+    def _find_fused(self) -> None:
+        g = self.g
+        outs = {tuple(r) for r in g.outputs}
+        for n in g.nodes():
+            if self.role.get(n.id) != "parallel" or (n.id, 0) in outs:
+                continue
+            uses = g.consumers((n.id, 0))
+            if len(uses) != 1:
+                continue
+            m = g.node(uses[0][0])
+            kind = self.FUSED_PAIRS.get((n.op, m.op))
+            if kind is None or self.role.get(m.id) != "parallel" or m.a["degree"] != n.a["degree"]:
+                continue
+            if self.role.get(n.inputs[0][0]) in ("input", "weight"):
+                continue
+            self._fused[m.id] = (kind, n.id)
+            self._fused_first.add(n.id)
+
+    def fused(self, nid: int) -> str | None:
+        """The collective node ``nid`` performs with the node before it (``"reduce-scatter"``,
+        ``"all-gather"``), None when it is not the second node of a fused pair."""
+        f = self._fused.get(nid)
+        return f[0] if f else None
+
+    def fused_first(self, nid: int) -> bool:
+        """Whether ``nid`` is the first node of a fused pair (priced nothing; its view is moot)."""
+        return nid in self._fused_first
+
+    def read_ref(self, nid: int, pos: int):
+        """The tensor whose placement input ``pos`` of ``nid`` is priced from: the input itself, or for the
+        second node of a fused pair the first node's input."""
+        f = self._fused.get(nid)
+        if f is not None:
+            return tuple(self.g.node(f[1]).inputs[0])
+        return tuple(self.g.node(nid).inputs[pos])
+
+    def _fused_edge(self, nid: int, prod_view: MachineView, view: MachineView) -> LeafCost:
+        """Forward + backward cost of the fused pair ending at ``nid`` (its first node's input placed by
+        ``prod_view``): per group of k devices, one ring reduce-scatter / all-gather (its backward is the
+        other one, the same cost); the pieces a group lacks are first sent to its members that hold none."""
+        kind, first = self._fused[nid]
+        g = self.g
+        m = self.machine
+        ref = tuple(g.node(first).inputs[0])
+        xs = g.shape(ref)
+        hold = self._holders(xs, self.placement(ref[0], prod_view, ref[1]))
+        isz = self.itemsize(ref)
+        fa = g.node(first).a
+        k = fa["degree"]
+        out = g.shapes(nid)[0]
+        igrid = xs.grid
+        if kind == "reduce-scatter":
+            d = 2 + g.node(nid).a["dim"] % out.rank
+            full = g.shapes(first)[0].piece_numel      # the reduced piece: what the group scatters
+        else:
+            d = 2 + fa["dim"] % xs.rank
+            full = out.piece_numel                     # the gathered piece
+        part = xs.piece_numel                          # one partial sum (reduce-scatter) / one shard
+
+        def key_of(gi):
+            flat = 0
+            for x, gsz in zip(gi[1:], igrid[1:]):
+                flat = flat * gsz + x
+            return flat
+
+        groups: dict = {}
+        for flat, dev in enumerate(view.devices()):
+            gi, r = [], flat
+            for gsz in reversed(out.grid):
+                gi.append(r % gsz)
+                r //= gsz
+            gi.reverse()
+            if kind == "reduce-scatter":      # output slice gi[d] % k of the sum over partials gi[1]*k + j
+                key = tuple(gi[:d]) + (gi[d] // k,) + tuple(gi[d + 1:])
+                srcs = []
+                for j in range(k):
+                    src = [0, gi[1] * k + j] + list(gi[2:])
+                    src[d] = gi[d] // k
+                    srcs.append(key_of(src))
+            else:                             # copy gi[0] % k of the gathered shards gi[d]*k + j
+                key = (gi[0] // k,) + tuple(gi[1:])
+                srcs = []
+                for j in range(k):
+                    src = [0] + list(gi[1:])
+                    src[d] = gi[d] * k + j
+                    srcs.append(key_of(src))
+            grp = groups.setdefault(key, [srcs, []])
+            grp[1].append(dev)
+        moves: list = []
+        elements = 0
+        t = 0.0
+        for srcs, devs in groups.values():
+            have = [next((j for j, s in enumerate(srcs) if dv in hold[s]), None) for dv in devs]
+            held = {j for j in have if j is not None}
+            free = [dv for dv, j in zip(devs, have) if j is None]
+            for j, s in enumerate(srcs):
+                if j in held:
+                    continue
+                dst = free.pop(0) if free else devs[0]
+                moves.append((self._nearest(hold[s], dst), dst, part * isz))
+                elements += part
+            if len(devs) > 1:
+                coll = C.reduce_scatter_time if kind == "reduce-scatter" else C.allgather_time
+                t = max(t, coll(m, devs, full * isz))
+                elements += (len(set(devs)) - 1) * full
+        t += C.transfer_time(m, moves)
+        return LeafCost(time=2 * t, comm=2 * t, comm_elements=2 * elements)
 
     # --- dtypes under the precision -------------------------------------------------------------
     def dtype(self, ref) -> str:
@@ -712,6 +834,8 @@ class GraphCost:
 
     def edge_cost(self, nid: int, pos: int, prod_view: MachineView | None, view: MachineView) -> LeafCost:
         """Forward + backward cost of input ``pos`` of ``nid`` (its producer placed by ``prod_view``)."""
+        if nid in self._fused_first:
+            return LeafCost()
         ref = self.g.node(nid).inputs[pos]
         prole = self.role[ref[0]]
         if prole in ("input", "weight"):
@@ -720,6 +844,9 @@ class GraphCost:
         hit = self._edge_cache.get(key)
         if hit is not None:
             return hit
+        if nid in self._fused:
+            res = self._edge_cache[key] = self._fused_edge(nid, prod_view, view)
+            return res
         m = self.machine
         shape = self.g.shape(ref)
         hold = self._holders(shape, self.placement(ref[0], prod_view, ref[1]))
@@ -904,12 +1031,10 @@ class GraphCost:
         if self.role[nid] in ("input-placement", "weight-placement"):
             return c
         c = LeafCost(c.time, c.compute, c.comm, c.sync, c.update, c.comm_elements)
-        for pos, r in enumerate(self.g.node(nid).inputs):
-            if self.role[r[0]] in ("input", "weight"):
-                continue
-            pview = prod_views.get(r[0])
+        for pos, p in self.priced_inputs(nid):
+            pview = prod_views.get(p)
             if pview is None:
-                raise KeyError(f"no view for producer {r[0]} of node {nid}")
+                raise KeyError(f"no view for producer {p} of node {nid}")
             e = self.edge_cost(nid, pos, pview, view)
             c.comm += e.comm
             c.time += e.comm
@@ -917,17 +1042,19 @@ class GraphCost:
         return c
 
     def priced_inputs(self, nid: int) -> list[tuple[int, int]]:
-        """(input position, producer) pairs whose edges are priced in the leaf of ``nid``."""
-        if self.role[nid] in ("input-placement", "weight-placement"):
+        """(input position, producer) pairs whose edges are priced in the leaf of ``nid``: none for
+        placements and the first node of a fused pair; the second node of a fused pair reads the first
+        one's producer (:meth:`read_ref`)."""
+        if self.role[nid] in ("input-placement", "weight-placement") or nid in self._fused_first:
             return []
+        if nid in self._fused:
+            return [(0, self.read_ref(nid, 0)[0])]
         return [(pos, r[0]) for pos, r in enumerate(self.g.node(nid).inputs)
                 if self.role[r[0]] not in ("input", "weight")]
 
     def producers(self, nid: int) -> list[int]:
         """Producers whose views the leaf cost of ``nid`` depends on."""
-        if self.role[nid] in ("input-placement", "weight-placement"):
-            return []
-        return sorted({r[0] for r in self.g.node(nid).inputs if self.role[r[0]] not in ("input", "weight")})
+        return sorted({p for _, p in self.priced_inputs(nid)})
 
     def _grad_sync(self, nid: int, view: MachineView) -> tuple[float, int]:
         """Ring all-reduce of the gradient over the devices holding copies of the same weight piece

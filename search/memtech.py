@@ -53,6 +53,11 @@ from .memory import SAVES_INPUTS, MemoryReport, _saves_copy, format_bytes, kept_
 #: dense matmuls, convolutions and embeddings; batched matmuls (attention's scores and its product with
 #: the values) are recomputed with the softmax and dropout between them, as Megatron-LM's selective form
 SELECTIVE_KEEP = frozenset({"matmul", "conv", "conv1x1", "conv_grouped", "embedding"})
+#: operators that save nothing for their backward (views, copies, casts): a checkpointed run made of these
+#: and communication alone runs plainly (checkpointing it would keep its input for nothing); the executor
+#: (executor/memory.py) and the pricing here read this one set
+LAYOUT_OPS = frozenset({"Reshape", "Transpose", "Flatten", "Identity", "Slice", "Split", "Expand", "Concat", "Cast",
+                        "Tile", "Pad"})
 #: fewest compute operators of a region found by :func:`regions` (then it ends at the next cut)
 MIN_REGION_OPS = 4
 #: :func:`choose` tries every recompute assignment up to this many regions, else it is greedy
@@ -223,6 +228,8 @@ class Techniques:
             self.fwd[n] = f + c.comm / 2
             self.bwd[n] = b + c.comm / 2
         self.regions = tuple(tuple(r) for r in (regs if regs is not None else regions(g)))
+        self.exec_pos = {n.id: i for i, n in enumerate(g.nodes())}     # the executor's step order
+        self._runs_cache: dict = {}
         self._weights()
         self._tensors()
 
@@ -291,6 +298,8 @@ class Techniques:
             param = p / c if zero >= 3 else p
             grad = p / c if zero >= 2 else p
             st = 0.0 if offload else (k * p / c if zero >= 1 else k * p)
+            if 1 <= zero <= 2 and not offload:
+                st += p / c          # the optimizer's own copy of the updated shard (all-gathered after)
             save = (2 + k) * p - (param + grad + st)
             for d in x.devices:
                 w[d] = w.get(d, 0) - save
@@ -301,6 +310,32 @@ class Techniques:
             top = sorted(u.values(), reverse=True)[:2]        # the unit in use and the one prefetched
             w[d] = w.get(d, 0) + sum(top)
         return w
+
+    def free_grad_bytes(self, zero: int) -> dict:
+        """Device -> bytes of the gradients that exist only from the backward on: those no gradient
+        bucket holds between steps -- a weight with one copy (nothing to all-reduce), every weight with
+        ZeRO-3 (its gradient reaches the shard in the backward); as the executor does (executor/train.py:
+        buckets persist, other gradients are freed after the update)."""
+        out: dict = {}
+        for x in self.weights:
+            if zero >= 3 or x.copies == 1:
+                g = x.nbytes / x.copies if zero >= 2 else x.nbytes
+                for d in x.devices:
+                    out[d] = out.get(d, 0) + g
+        return out
+
+    def bucket_bytes(self, zero: int) -> dict:
+        """Device -> bytes of ZeRO-2's full-size gradient buckets: made when the backward starts, reduce-
+        scattered into the rank's shard (held between steps, in :meth:`weight_bytes`) and freed after the
+        update -- backward-only memory, as :meth:`free_grad_bytes`."""
+        out: dict = {}
+        if zero != 2:
+            return out
+        for x in self.weights:
+            if x.copies > 1:
+                for d in x.devices:
+                    out[d] = out.get(d, 0) + x.nbytes
+        return out
 
     # --- activations ------------------------------------------------------------------------------
     def _tensors(self) -> None:
@@ -351,21 +386,84 @@ class Techniques:
         saved = SAVES_INPUTS.get(self.g.node(u).op)
         return (saved is None or pos in saved) and not (self.copy is not None and self.copy(u, pos))
 
-    def _frac(self, t: _Tensor, assign: Mapping[int, tuple]) -> float:
-        """Kept fraction of tensor ``t`` when the nodes of ``assign`` (node -> (region, mode)) are recomputed."""
+    def _runs(self, assign: Mapping[int, tuple]) -> dict:
+        """Node -> its checkpointed run (a key) for the regions of ``assign`` (node -> (region, mode)), as
+        the executor runs them (executor/memory.py): a region is its compute nodes plus the parallel
+        operators between them (fed by the region, every consumer inside it, not a graph output), in the
+        PCG's node order; ``full``: one run; ``selective``: each maximal run of steps between the kept
+        operators (:data:`SELECTIVE_KEEP`), which run plainly.  A run of layout operators
+        (:data:`LAYOUT_OPS`) and communication alone runs plainly too.  Nodes that run plainly are absent."""
+        key = tuple(sorted(assign.items()))
+        hit = self._runs_cache.get(key)
+        if hit is not None:
+            return hit
+        g = self.g
+        by_region: dict = {}
+        for n, (i, md) in assign.items():
+            by_region.setdefault((i, md), set()).add(n)
+        taken = set(assign)
+        out: dict = {}
+        for (i, md), S in sorted(by_region.items()):
+            T: set = set()
+            stack = list(S)
+            while stack:                 # parallel operators fed by the region
+                x = stack.pop()
+                for k in range(len(g.shapes(x))):
+                    for u, _ in g.consumers((x, k)):
+                        if self.gc.role[u] == "parallel" and u not in T and u not in taken:
+                            T.add(u)
+                            stack.append(u)
+            changed = True
+            while changed:               # ... whose every consumer is inside, not a graph output
+                changed = False
+                for x in sorted(T):
+                    refs = [(x, k) for k in range(len(g.shapes(x)))]
+                    ok = (g.node(x).inputs[0][0] in S | T and not any(r in self.outs for r in refs)
+                          and all(u in S | T for r in refs for u, _ in g.consumers(r)))
+                    if not ok:
+                        T.discard(x)
+                        changed = True
+            taken |= T
+            steps = sorted(S | T, key=self.exec_pos.__getitem__)
+            runs: list = []
+            for n in steps:
+                kept = (md == "selective" and self.gc.role[n] == "compute"
+                        and op_class(g.node(n).op, g.input_shapes(n)) in SELECTIVE_KEEP)
+                if kept:
+                    runs.append(None)
+                elif runs and runs[-1] is not None:
+                    runs[-1].append(n)
+                else:
+                    runs.append([n])
+            for j, run in enumerate(runs):
+                if run is None or (md != "full" and all(self.gc.role[n] != "compute" or g.node(n).op in LAYOUT_OPS
+                                                        for n in run)):
+                    continue
+                for n in run:
+                    out[n] = (i, j)
+        self._runs_cache[key] = out
+        return out
+
+    def _frac(self, t: _Tensor, runs: Mapping[int, tuple]) -> float:
+        """Kept fraction of tensor ``t`` when the nodes of ``runs`` (node -> checkpointed run, :meth:`_runs`)
+        are recomputed: a tensor a checkpointed run reads from outside it is kept (the checkpoint keeps its
+        inputs); one produced inside a run is recomputed unless read outside the run by something that
+        keeps it (another run, a consumer that saves it) or a graph output."""
         if t.fixed:
             return t.base
-        rp = assign.get(t.producer)
-        region_input = any(u in assign and (rp is None or assign[u][0] != rp[0]) for u, _ in t.consumers)
-        dropped = rp is not None and (rp[1] == "full" or op_class(self.g.node(t.producer).op,
-                                                                  self.g.input_shapes(t.producer))
-                                      not in SELECTIVE_KEEP)
-        if not dropped:
-            return 1.0 if region_input else t.base
-        if region_input or t.key in self.outs or not t.consumers:
+        rp = runs.get(t.producer)
+        if rp is None:
+            if any(runs.get(u) is not None for u, _ in t.consumers):
+                return 1.0
+            return t.base
+        if t.key in self.outs or not t.consumers:
             return 1.0
-        if any(u not in assign and self._saves(u, pos) for u, pos in t.consumers):
-            return 1.0
+        for u, pos in t.consumers:
+            ru = runs.get(u)
+            if ru == rp:
+                continue
+            if ru is not None or self._saves(u, pos):
+                return 1.0
         return 0.0
 
     def _bytes(self, t: _Tensor, frac: float) -> dict:
@@ -378,35 +476,59 @@ class Techniques:
     def activation_bytes(self, assign: Mapping[int, tuple]) -> tuple[dict, dict]:
         """(device -> activation bytes, device -> recomputation's transient peak) with ``assign``."""
         a = dict(self.base_report.activations)
+        runs = self._runs(assign)
         touched = set()
-        for n in assign:
+        for n in runs:
             touched |= self.by_node.get(n, set())
-        regs: dict = {}
-        for n, (r, _) in assign.items():
-            regs.setdefault(r, []).append(n)
         transient: dict = {}
-        per_region: dict = {}
+        per_region: dict = {}          # per checkpointed run: what its recomputation brings back at once
         for key in touched:
             t = self.tensors[key]
-            f = self._frac(t, assign)
+            f = self._frac(t, runs)
             if f == t.base:
                 continue
             for d, b in t.mask_dev.items():
                 a[d] = a.get(d, 0) - b
             for d, b in self._bytes(t, f).items():
                 a[d] = a.get(d, 0) + b
-            if f < t.base and t.producer in assign:
-                acc = per_region.setdefault(assign[t.producer][0], {})
+            if f < t.base and t.producer in runs:
+                acc = per_region.setdefault(runs[t.producer], {})
                 for d, b in t.mask_dev.items():
                     acc[d] = acc.get(d, 0) + b - self._bytes(t, f).get(d, 0)
-        for n in assign:               # autocast copies inside a region: recomputed
+        for n in runs:                 # autocast copies inside a run: recomputed
             for d, b in self.cast_act.get(n, {}).items():
                 a[d] = a.get(d, 0) - b
-                acc = per_region.setdefault(assign[n][0], {})
+                acc = per_region.setdefault(runs[n], {})
                 acc[d] = acc.get(d, 0) + b
-        for acc in per_region.values():
-            for d, b in acc.items():
-                transient[d] = max(transient.get(d, 0), b)
+        if not per_region:
+            return a, transient
+        # a run is recomputed when the backward reaches it: what was kept for the operators after it is
+        # freed by then (each kept tensor counted as freed once the backward passes its producer, a graph
+        # output first)
+        end: dict = {}
+        for n, j in runs.items():
+            end[j] = max(end.get(j, -1), self.exec_pos[n])
+        kept = []
+        for key, t in self.tensors.items():
+            b = self._bytes(t, self._frac(t, runs)) if key in touched else t.mask_dev
+            if b and not t.fixed:        # a graph output: the loss's backward, first of all, frees it
+                kept.append((math.inf if key in self.outs else self.exec_pos[t.producer], b))
+        kept.sort(key=lambda x: x[0])
+        total: dict = {}
+        for _, b in kept:
+            for d, x in b.items():
+                total[d] = total.get(d, 0) + x
+        before: dict = {}
+        i = 0
+        for j in sorted(per_region, key=end.__getitem__):
+            while i < len(kept) and kept[i][0] <= end[j]:
+                for d, x in kept[i][1].items():
+                    before[d] = before.get(d, 0) + x
+                i += 1
+            for d, b in per_region[j].items():
+                extra = b - (total.get(d, 0) - before.get(d, 0))
+                if extra > transient.get(d, 0):
+                    transient[d] = extra
         return a, transient
 
     def recompute_time(self, nodes: Sequence[int], mode: str) -> float:
@@ -451,7 +573,13 @@ class Techniques:
         # memory
         w = self.weight_bytes(zero, offload)
         a, transient = self.activation_bytes(assign)
-        per = {d: w.get(d, 0) + a.get(d, 0) + transient.get(d, 0) for d in set(w) | set(a) | set(transient)}
+        # a gradient made in the backward (free_grad_bytes) comes as the backward frees activations: the
+        # peak holds the activations at the forward's end or those gradients at the backward's, not both
+        free = self.free_grad_bytes(zero)
+        bucket = self.bucket_bytes(zero)
+        per = {d: w.get(d, 0) - free.get(d, 0) + max(a.get(d, 0) + transient.get(d, 0),
+                                                      free.get(d, 0) + bucket.get(d, 0))
+               for d in set(w) | set(a) | set(transient)}
         per = {d: int(math.ceil(b)) for d, b in per.items()}
         act = {d: a.get(d, 0) + transient.get(d, 0) for d in set(a) | set(transient)}
         report = MemoryReport(per, {d: int(b) for d, b in w.items()}, {d: int(b) for d, b in act.items()},
@@ -726,5 +854,5 @@ def describe(p: Priced) -> list[str]:
     return out
 
 
-__all__ = ["SELECTIVE_KEEP", "MIN_REGION_OPS", "EXACT_LIMIT", "Priced", "Techniques", "regions", "recompute_all",
+__all__ = ["SELECTIVE_KEEP", "LAYOUT_OPS", "MIN_REGION_OPS", "EXACT_LIMIT", "Priced", "Techniques", "regions", "recompute_all",
            "price", "choose", "describe", "format_bytes"]

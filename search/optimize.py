@@ -548,6 +548,11 @@ def _pipeline(g: PCG, ev: "Evaluator", budget_s: float, hard: Deadline | None = 
                             deadline=hard)
     except (PipelineError, UnityError, KeyboardInterrupt, Expired):      # Ctrl-C: keep the plan found so far
         return None
+    if r is not None and r.feasible and more and (r.stats or {}).get("budget_exhausted") \
+            and not (hard is not None and hard.passed()):
+        # a feasible plan needs no fallback: the time kept for them goes to the micro-batch counts the first
+        # search did not reach (the fastest is often the most micro-batches per stage, tried late)
+        r = _more_micro_batches(g, ev, r, budget_s - (clock() - t0), hard)
     if (r is None or not r.feasible) and more and not (hard is not None and hard.passed()):
         try:
             r2 = search_pipeline(g, ev.mapper, min_stages=1, micro_batches=more,
@@ -571,6 +576,21 @@ def _pipeline(g: PCG, ev: "Evaluator", budget_s: float, hard: Deadline | None = 
         if r3 is not None and (r is None or (r3.feasible, -r3.cost) > (r.feasible, -r.cost)):
             r = r3
     return r
+
+
+def _more_micro_batches(g: PCG, ev: "Evaluator", r, budget_s: float, hard: Deadline | None):
+    """``r`` (a feasible pipeline whose search stopped at its budget) or a faster one found by searching, within
+    ``budget_s`` seconds, the default micro-batch counts ``r``'s search did not try."""
+    from .pipeline import PipelineError, batch_size, micro_batch_candidates, search_pipeline
+    done = set(r.stats.get("micro_batches_tried", ())) | set(r.stats.get("micro_batches_refused", ()))
+    rest = [m for m in micro_batch_candidates(batch_size(g)) if m not in done]
+    if not rest or budget_s <= 0:
+        return r
+    try:
+        r2 = search_pipeline(g, ev.mapper, min_stages=1, micro_batches=rest, budget_s=budget_s, deadline=hard)
+    except (PipelineError, UnityError, KeyboardInterrupt, Expired):
+        return r
+    return r2 if r2 is not None and r2.feasible and r2.cost < r.cost else r
 
 
 # --- the entry point -------------------------------------------------------------------------------------
@@ -962,7 +982,9 @@ def _accumulation_candidates(run: _Run, until: Deadline) -> None:
     layouts = [("data parallel", default_intra)] + [(f"layout mesh {a}x{b}", ilp((a, b))) for a, b in mesh_shapes(m)]
     t0 = time.perf_counter()
     try:
-        r = accumulate(run.g, ev.mapper, layouts, until)
+        # optimize(memory_techniques=False): micro-batching alone, as the mapper prices every other candidate
+        r = accumulate(run.g, ev.mapper, layouts, until,
+                       tech=None if getattr(ev.mapper, "default_techniques", True) else _no_techniques())
     except (TunedError, Expired) as e:
         run.stats["accumulation"] = {"none": str(e) or "cut by the budget"}
         return
@@ -1186,6 +1208,11 @@ def _fallback(run: _Run) -> PlanCandidate:
     except Expired:
         r = ev.cheap(g, one)
     return PlanCandidate("imported graph (nothing fits)", g, r.cost if r is not None else INF, (), FLOOR, mapping=r)
+
+
+def _no_techniques():
+    from .tuned import _NoTechniques
+    return _NoTechniques()
 
 
 def _pipeline_step(run: _Run, chosen: PlanCandidate) -> PlanCandidate:

@@ -75,6 +75,7 @@ import math
 import time
 from dataclasses import dataclass, field, replace
 from fractions import Fraction
+from functools import reduce
 from math import gcd
 from typing import Any, Callable, Iterable, Mapping, Sequence
 
@@ -319,10 +320,12 @@ def executor_replicas(stage_pcgs: Sequence[PCG]) -> int:
 
 def sequential_layers(g: PCG, roles: Mapping[int, str], max_layers: int) -> tuple[list, Cuts]:
     """Unity's layers: at most ``max_layers`` contiguous runs of units cut where the fewest tensors cross,
-    of about equal FLOPs, no FLOP bound (:func:`unity_pcg.search.stages.cluster`).  Returns
-    ``(layers, info)``: per layer the unit indices ``(first, last + 1)``; the units in order and, per cut
-    between units, the refs crossing it and whether it may be cut."""
-    return cluster(g, roles, max_layers, cuts="fewest", inputs=False, delta=None)
+    each boundary as near its FLOP quantile as the cuts allow (``balance="cuts"``: runs of layers then make
+    balanced stages for every stage count dividing the layer count), no FLOP bound
+    (:func:`unity_pcg.search.stages.cluster`).  Returns ``(layers, info)``: per layer the unit indices
+    ``(first, last + 1)``; the units in order and, per cut between units, the refs crossing it and whether
+    it may be cut."""
+    return cluster(g, roles, max_layers, cuts="fewest", inputs=False, delta=None, balance="cuts")
 
 
 def stage_graph(g: PCG, roles: Mapping[int, str], nodes: Iterable[int]) -> PCG:
@@ -399,7 +402,7 @@ def default_intra(stage: PCG, resource: Resource) -> PCG:
         return stage
 
 
-def megatron_intra(devices_per_node: int, head: bool = True) -> Callable[[PCG, Resource], PCG]:
+def megatron_intra(devices_per_node: int, head: bool = True, sp: bool = False) -> Callable[[PCG, Resource], PCG]:
     """An ``intra`` hook: Megatron-LM's tensor parallelism inside the stage (the column -> row Linear
     groups of :func:`search.baselines.megatron_groups` at the largest tensor degree t dividing
     ``devices_per_node`` and the stage's devices that splits them, data parallel across) and, with
@@ -409,7 +412,9 @@ def megatron_intra(devices_per_node: int, head: bool = True) -> Callable[[PCG, R
     Without it such a Linear runs on every one of the t copies with its weight copied t times (GPT-15B
     on 32 A100s: 254.6 s -> 229.9 s per iteration, below Alpa's 231.2 s).  Unlike the ``megatron``
     strategy a stage need not hold an attention block (a pipeline layer may hold only a Transformer's
-    MLP).  A stage with no group that takes the split is data parallel (:func:`default_intra`)."""
+    MLP).  A stage with no group that takes the split is data parallel (:func:`default_intra`).  ``sp``:
+    with Megatron-LM's sequence parallelism (:func:`search.baselines.megatron`'s ``sequence_parallel``;
+    the head reads an all-gathered input like a group)."""
     from .baselines import _Rebuild, _divisors_desc, _is_dense, megatron_groups
 
     def hook(stage: PCG, resource: Resource) -> PCG:
@@ -434,7 +439,8 @@ def megatron_intra(devices_per_node: int, head: bool = True) -> Callable[[PCG, R
             while chosen or extra:
                 col = frozenset().union(*(gr.starts for gr in chosen), extra)
                 try:
-                    r = _Rebuild(stage, "megatron", dp=dp, tp=tp, column=col)
+                    inside = frozenset().union(*(gr.nodes | gr.starts for gr in chosen), extra)
+                    r = _Rebuild(stage, "megatron", dp=dp, tp=tp, column=col, sp=sp, inside=inside)
                 except StrategyError:         # the micro-batch does not divide by dp
                     break
                 bad = set(r.fallback_ids)
@@ -444,14 +450,15 @@ def megatron_intra(devices_per_node: int, head: bool = True) -> Callable[[PCG, R
                 if len(keep) == len(chosen) and ok == extra:
                     if not chosen and not extra:
                         break
-                    return r.finish(degree=resource.size, tp=tp, dp=dp,
+                    return r.finish(degree=resource.size, tp=tp, dp=dp, sp=bool(sp),
                                     column=sorted(stage.node(s).label() for gr in chosen for s in gr.starts),
                                     row=sorted(stage.node(t).label() for gr in chosen for t in gr.terms),
                                     vocab_parallel=sorted(stage.node(h).label() for h in extra))
                 chosen, extra = keep, ok
         return default_intra(stage, resource)
-    hook.__name__ = f"megatron_intra_{devices_per_node}{'_head' if head else ''}"
-    hook.megatron = {"devices_per_node": devices_per_node, "head": head}   # by_rules: its rule-built twin
+    hook.__name__ = f"megatron_intra_{devices_per_node}{'_head' if head else ''}{'_sp' if sp else ''}"
+    if not sp:                     # by_rules: its rule-built twin (none with sequence parallelism)
+        hook.megatron = {"devices_per_node": devices_per_node, "head": head}
     return hook
 
 
@@ -741,6 +748,12 @@ def _micro_batch_candidates(B: int, micro_batches, max_stages: int) -> list[int]
     return sorted(out)
 
 
+def micro_batch_candidates(B: int, max_stages: int = 4) -> list[int]:
+    """The numbers of micro-batches :func:`search_pipeline` tries by default for a batch of ``B`` and up to
+    ``max_stages`` stages (when the graph has at least that many layers and devices)."""
+    return _micro_batch_candidates(B, None, max_stages)
+
+
 def search_pipeline(pcg: PCG, mapper_or_cost_model: MachineMapper | CostModel, *, max_stages: int = 4,
                     min_stages: int = 1, micro_batches: int | Sequence[int] | None = None,
                     budget_s: float | None = None, intra: Callable[[PCG, Resource], PCG] | None = None,
@@ -963,7 +976,10 @@ def _stage_dp(lay: _LayerPrices, info: Cuts, layers, gM, machine, sizes, T, M, m
     D = machine.devices_per_node
     cap = machine.device.memory_bytes
     inner = set(sizes)
-    opts = sorted(inner | {T - d for d in range(T) if sub_mesh(machine, d, T - d) is not None})
+    # the last stage starts where the inner blocks end: a multiple of their gcd (other starts are unreachable,
+    # and would make the DP's positions finer than the blocks)
+    step = reduce(gcd, [s for s in inner if s <= T], T)
+    opts = sorted(inner | {T - d for d in range(0, T, step) if sub_mesh(machine, d, T - d) is not None})
     tab: dict = {}                      # s -> (t[k][i], once[k][i], w/a dicts [k][i]) for layers k..i
 
     def table(s):

@@ -13,12 +13,15 @@ valid cut (``cuts="valid"``, Alpa's Eq. 6) or the valid cuts the fewest tensors 
 the single-tensor bottlenecks of a chain: Unity).  One DP over the allowed cuts chooses ``L = min(layers,
 allowed cuts + 1)`` layers (never more than one layer per allowed cut, so it never refuses: the whole graph
 is one layer), minimizing, in this order, (1) with ``inputs=True`` the largest number of bytes a layer reads
-from earlier layers (Alpa's ``G(k, r) = min_i max{G(i-1, r-1), C(i, k)}``), (2) the FLOP imbalance, the
-sum of squared deviations of the layers' FLOPs from ``total / L`` (identical blocks make identical layers);
-subject to every layer's FLOPs at most ``(1 + delta) total / L`` (``delta=None``: no bound), the bound
-doubled until a layering meets it.  A graph without FLOPs weighs each unit as one.  Alpa:
-``cluster(g, roles, L)`` (valid cuts, inputs, ``delta=0.5``); Unity: ``cuts="fewest", inputs=False,
-delta=None``.
+from earlier layers (Alpa's ``G(k, r) = min_i max{G(i-1, r-1), C(i, k)}``), (2) the FLOP imbalance:
+``balance="layers"``, the sum of squared deviations of the layers' FLOPs from ``total / L`` (identical blocks
+make identical layers); ``balance="cuts"``, the sum of squared deviations of each boundary's FLOPs before it
+from its quantile ``r total / L`` (boundary r near the r-th quantile, so that runs of ``L / S`` layers make
+``S`` balanced stages for every ``S`` dividing ``L``: where units do not divide evenly, the layer sizes are
+spread along the chain instead of in any order of equal variance); subject to every layer's FLOPs at most
+``(1 + delta) total / L`` (``delta=None``: no bound), the bound doubled until a layering meets it.  A graph
+without FLOPs weighs each unit as one.  Alpa: ``cluster(g, roles, L)`` (valid cuts, inputs, ``delta=0.5``,
+layers); Unity: ``cuts="fewest", inputs=False, delta=None, balance="cuts"``.
 
 **The stage DP** (:func:`stage_dp`, Alpa's Eqs. 2-5).  Stages are contiguous runs of layers, each on one of
 the sub-mesh *options* ``sizes[j]`` laid out left to right over ``devices`` devices (a stage's ``start``: the
@@ -194,10 +197,13 @@ def allowed_cuts(info: Cuts, cuts: str = "valid") -> list[int]:
 
 
 def cluster(g: PCG, roles: Mapping[int, str], layers: int, *, cuts: str = "valid", inputs: bool = True,
-            delta: float | None = 0.5, info: Cuts | None = None) -> tuple[list, Cuts]:
-    """Cluster the units of ``g`` into at most ``layers`` layers (module docstring).  Returns ``(layers,
-    info)``: per layer ``(first unit, last unit + 1)``, covering the units in order, and :func:`analyze`'s
-    structure.  Never refuses (fewer allowed cuts: fewer layers, down to the whole graph as one)."""
+            delta: float | None = 0.5, balance: str = "layers", info: Cuts | None = None) -> tuple[list, Cuts]:
+    """Cluster the units of ``g`` into at most ``layers`` layers (module docstring; ``balance``: "layers" or
+    "cuts").  Returns ``(layers, info)``: per layer ``(first unit, last unit + 1)``, covering the units in
+    order, and :func:`analyze`'s structure.  Never refuses (fewer allowed cuts: fewer layers, down to the
+    whole graph as one)."""
+    if balance not in ("layers", "cuts"):
+        raise ValueError(f"balance must be 'layers' or 'cuts', got {balance!r}")
     info = info or analyze(g, roles)
     U = len(info.units)
     pos = [0] + allowed_cuts(info, cuts) + [U]          # where layers may start or end
@@ -210,16 +216,18 @@ def cluster(g: PCG, roles: Mapping[int, str], layers: int, *, cuts: str = "valid
     total = pre[-1]
     bound = INF if delta is None else (1 + delta) * total / L
     for _ in range(64):
-        res = _cluster_dp(C, pre, L, bound)
+        res = _cluster_dp(C, pre, L, bound, balance == "cuts")
         if res is not None:
             return [(pos[a], pos[b]) for a, b in res], info
         bound *= 2
     raise PipelineError("operator clustering found no layering")  # pragma: no cover - one layer meets a bound
 
 
-def _cluster_dp(C, pre, L, bound):
+def _cluster_dp(C, pre, L, bound, at_cuts=False):
     """Over positions 0..P-1 (``pre``: cumulative FLOPs there; ``C[a, b-1]``: bytes the layer from position
-    a to b reads from before a): G[r, b] the least (largest input, imbalance) of r layers ending at b."""
+    a to b reads from before a): G[r, b] the least (largest input, imbalance) of r layers ending at b; the
+    imbalance a sum over layers of (FLOPs - total / L)^2, or with ``at_cuts`` over boundaries r of
+    (FLOPs before it - r total / L)^2."""
     P = len(pre)
     total = pre[-1]
     target = total / L
@@ -238,7 +246,8 @@ def _cluster_dp(C, pre, L, bound):
             cand = np.where(ok, np.maximum(G[r - 1, a], comm), INF)
             best = cand.min()
             tie = ok & (cand <= best * (1 + 1e-9) + 1e-12)
-            dev = np.where(tie, V[r - 1, a] + (fl - target) ** 2, INF)
+            term = (pre[b] - r * target) ** 2 if at_cuts else (fl - target) ** 2
+            dev = np.where(tie, V[r - 1, a] + term, INF)
             j = int(np.argmin(dev))
             G[r, b], V[r, b], arg[r, b] = best, dev[j], j
     if not math.isfinite(G[L, P - 1]):

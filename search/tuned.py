@@ -16,9 +16,11 @@ configuration for a model and machine, priced in our cost model -- what Mist and
 * ``dp = N / (tp pp)`` data-parallel copies, and the micro-batch size ``mbs`` per copy: a global batch
   B runs as ``M = B / (dp mbs)`` micro-batches (gradient accumulation when ``pp = 1``);
 * activation recomputation ``none`` / ``selective`` / ``full`` on every region, the distributed optimizer
-  (ZeRO-1 over the data-parallel copies) on or off, and sequence parallelism (a layout; see
-  :data:`SP_NOTE`): the memory techniques, priced by :mod:`search.memtech` when it is present (else the
-  grid holds only ``none`` / off: :func:`techniques`).
+  (ZeRO-1 over the data-parallel copies) on or off -- the memory techniques, priced by
+  :mod:`search.memtech` when it is present (else the grid holds only ``none`` / off: :func:`techniques`)
+  -- and sequence parallelism ``sp`` at every tp > 1, a layout (:func:`search.baselines.megatron`'s
+  ``sequence_parallel``, in stages :func:`search.pipeline.megatron_intra`'s ``sp``): each (tp, pp, mbs)
+  point is mapped once without and once with it, and its techniques priced on both.
 
 **zero3** (FSDP): data parallelism over every device with ZeRO-3 (parameters, gradients and optimizer
 states sharded, parameters all-gathered for the forward and again for the backward, gradients
@@ -62,8 +64,8 @@ DROP = 1.5
 #: stage layers the pipeline points cut the model into (their count is a multiple of every pp <= 8 that
 #: divides it, so stages get equal numbers of layers; layers have about equal forward FLOPs)
 MAX_LAYERS = 24
-SP_NOTE = ("sequence parallelism is not in the grid yet: the layout (norms and dropout split on the sequence "
-           "inside the tensor-parallel group, reduce-scatter + all-gather) has no builder; sp is false")
+SP_NOTE = ("sequence parallelism: a layout point of its own at every tp > 1 (the residual stream on tp sequence "
+           "shards, reduce-scatter + all-gather at the tensor-parallel groups)")
 
 
 class TunedError(UnityError, ValueError):
@@ -104,6 +106,8 @@ class TunedConfig:
             s += " distopt"
         if self.zero == 3:
             s += " zero3"
+        if self.sp:
+            s += " sp"
         return s
 
 
@@ -268,6 +272,7 @@ class _Layout:
     reason: str = ""
     gc: Any = None                    # whole: the GraphCost the techniques are priced on
     name: str = ""                    # accumulate(): the layout's name
+    sp: bool = False                  # Megatron-LM's sequence parallelism (a layout of its own)
 
 
 class _Tuner:
@@ -275,10 +280,11 @@ class _Tuner:
     points priced (:meth:`price_layout`), the walks over micro-batch sizes (:meth:`run`), the result."""
 
     def __init__(self, g: PCG, mapper, strategy: str, deadline: Deadline | None, tech, cheap=None,
-                 max_layers: int = MAX_LAYERS):
+                 max_layers: int = MAX_LAYERS, sp: bool = True):
         from .cost import GraphCost
         from .pipeline import batch_size, sequential_layers
         self.g, self.mapper, self.strategy = g, mapper, strategy
+        self.sp = sp                      # the grid's sp axis (False: only sp = false points)
         self.machine: MachineSpec = mapper.machine
         self.deadline = deadline
         self.tech = tech
@@ -294,9 +300,15 @@ class _Tuner:
                             "techniques": "memtech" if tech.available else "none (memory techniques off, or search.memtech absent)"}
 
     # the layout points --------------------------------------------------------------------------------
-    def whole(self, tp: int, plain: bool = False) -> _Layout:
+    def whole(self, tp: int, plain: bool = False, sp: bool = False) -> _Layout:
         """pp = 1, one micro-batch: Megatron's layout at degree tp (tp = 1: data parallelism) on the whole
-        machine, mapped by the DP (``plain``: exactly the ``megatron`` baseline's PCG)."""
+        machine, mapped by the DP (``plain``: exactly the ``megatron`` baseline's PCG; ``sp``: with sequence
+        parallelism)."""
+        lay = self._whole(tp, plain, sp)
+        lay.sp = sp
+        return lay
+
+    def _whole(self, tp: int, plain: bool, sp: bool) -> _Layout:
         from .baselines import StrategyError, build_strategy, data_parallel, megatron
         N, D = self.machine.num_devices, self.machine.devices_per_node
         try:
@@ -305,7 +317,7 @@ class _Tuner:
             elif tp == 1:
                 pg = data_parallel(self.g, N)
             else:
-                pg = megatron(self.g, N, devices_per_node=tp)
+                pg = megatron(self.g, N, devices_per_node=tp, sequence_parallel=sp)
         except StrategyError as e:
             return _Layout(max(tp, 1), 1, N // max(tp, 1), 1, reason=str(e))
         got = int(pg.meta.get("tp", 1)) if N > 1 else 1
@@ -324,9 +336,15 @@ class _Tuner:
             return _Layout(tp, 1, N // tp, 1, pcg=pg, reason=(r.reason if r is not None else "") or "no mapping")
         return _Layout(tp, 1, N // tp, 1, pcg=pg, mapping=r)
 
-    def pipeline(self, tp: int, pp: int, M: int, intra=None) -> _Layout:
-        """pp stages of equal layer counts on equal device blocks, M micro-batches, Megatron inside (or the
-        ``intra`` hook of :func:`search.pipeline.search_pipeline`, given)."""
+    def pipeline(self, tp: int, pp: int, M: int, intra=None, sp: bool = False) -> _Layout:
+        """pp stages of equal layer counts on equal device blocks, M micro-batches, Megatron inside
+        (``sp``: with sequence parallelism), or the ``intra`` hook of
+        :func:`search.pipeline.search_pipeline`, given."""
+        lay = self._pipeline(tp, pp, M, intra, sp)
+        lay.sp = sp
+        return lay
+
+    def _pipeline(self, tp: int, pp: int, M: int, intra, sp: bool) -> _Layout:
         from .pipeline import PipelineError, _evaluate, default_intra, megatron_intra, micro_graph, rebatch
         N = self.machine.num_devices
         dp = N // (tp * pp)
@@ -346,7 +364,7 @@ class _Tuner:
         bounds = [round(k * L / pp) for k in range(pp + 1)]
         plan = tuple((bounds[k], bounds[k + 1], k * size, size) for k in range(pp))
         if intra is None:
-            intra = megatron_intra(tp) if tp > 1 else default_intra
+            intra = megatron_intra(tp, sp=sp) if tp > 1 else default_intra
         with within(self.deadline):
             ev = _evaluate(gM, self.roles, self.info, self.layers, plan, M, self.mapper, intra, self.machine)
         if not all(math.isfinite(x) for x in ev["fwd"]):
@@ -369,7 +387,7 @@ class _Tuner:
     def price_layout(self, lay: _Layout, mbs: int) -> list[_Point]:
         out = []
         for rec, z in self.combos():
-            cfg = TunedConfig(lay.tp, lay.pp, lay.dp, mbs, lay.M, rec, z == 1, False, z, lay.name)
+            cfg = TunedConfig(lay.tp, lay.pp, lay.dp, mbs, lay.M, rec, z == 1, lay.sp, z, lay.name)
             if lay.reason:
                 pt = _Point(cfg, INF, False, lay.reason, 0, {}, lay)
             elif lay.mapping is not None:
@@ -563,6 +581,13 @@ class _Tuner:
             pts = self.price_layout(lay, mbs)
             if lay.reason.startswith("tensor degree"):
                 w["i"] = len(w["ms"])
+        if self.sp and self.strategy == "megatron" and w["tp"] > 1 and not any(
+                p.layout.reason.startswith("tensor degree") for p in pts):
+            # sequence parallelism: the same point as a layout of its own
+            lay = self.whole(w["tp"], sp=True) if (w["pp"] == 1 and M == 1) else \
+                self.pipeline(w["tp"], w["pp"], M, sp=True)
+            self.stats["layout_points"] += 1
+            pts = pts + self.price_layout(lay, mbs)
         best = min((p.cost for p in pts), default=INF)
         top = min(pts, key=lambda p: p.cost) if pts else None
         cap = self.machine.device.memory_bytes
@@ -648,20 +673,22 @@ class _Tuner:
 
 
 def tune(g: PCG, mapper, strategy: str = "megatron", deadline: Deadline | None = None, *, cheap=None,
-         tech=None, max_layers: int = MAX_LAYERS) -> TunedResult:
+         tech=None, max_layers: int = MAX_LAYERS, sequence_parallel: bool = True) -> TunedResult:
     """The tuned baseline ``strategy`` (``megatron`` or ``zero3``) of the logical PCG ``g`` on
     ``mapper.machine`` (see the module docstring).  ``deadline`` bounds the grid (the plain Megatron point
     is always priced; ``cheap(pcg)``, a mapping without the DP, prices it when even its solve is cut).
-    ``tech``: the technique pricer (default :func:`techniques`).  Raises :class:`TunedError` (one line)
+    ``tech``: the technique pricer (default :func:`techniques`); ``sequence_parallel=False`` leaves the sp
+    axis out (every point sp = false).  Raises :class:`TunedError` (one line)
     when the strategy does not apply."""
     if strategy not in STRATEGIES:
         raise TunedError(f"unknown tuned strategy {strategy!r} (known: {', '.join(STRATEGIES)})")
     if any(n.kind == "parallel" for n in g.nodes()):
         raise TunedError(f"strategy {strategy!r} needs a logical PCG")
-    t = _Tuner(g, mapper, strategy, deadline, tech or techniques(), cheap=cheap, max_layers=max_layers)
+    t = _Tuner(g, mapper, strategy, deadline, tech or techniques(), cheap=cheap, max_layers=max_layers,
+               sp=sequence_parallel)
     t.run()
     out = t.result()
-    out.stats["sp"] = SP_NOTE
+    out.stats["sp"] = SP_NOTE if sequence_parallel else "sequence parallelism left out (sequence_parallel=False)"
     return out
 
 

@@ -251,8 +251,8 @@ def _comm_rows(g, gc, views) -> Iterable[CommRow]:
             e = gc.edge_cost(nid, pos, views[prod], views[nid])
             if e.comm_elements == 0 and e.time == 0:
                 continue
-            ref = n.inputs[pos]
-            kind = PARALLEL_KINDS[n.op][0] if n.op in PARALLEL_KINDS else COMPUTE_EDGE
+            ref = gc.read_ref(nid, pos)
+            kind = gc.fused(nid) or (PARALLEL_KINDS[n.op][0] if n.op in PARALLEL_KINDS else COMPUTE_EDGE)
             devs = set(views[nid].devices()) | set(gc.placement(prod, views[prod], ref[1]))
             yield CommRow(nid, n.label(), n.op, pos, prod, g.node(prod).label(), kind, str(g.shape(ref)),
                           e.comm_elements, tuple(sorted(devs)), e.time)

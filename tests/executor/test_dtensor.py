@@ -69,7 +69,8 @@ EXPECT = {
     "combine+partition": ("all_to_all", (2,), (("S", 1),), (("S", 0),), 1),
     "reduce+partition at the output": ("reduce_scatter", (2,), (("P",),), (("S", 0),), 1),
     "combine+partition back": ("none", (2,), (("S", 1),), (("S", 1),), 1),
-    "2d reduce+partition": ("reduce_scatter", (2, 2), (("P",), ("S", 0)), (("S", 0), ("S", 0)), 1),
+    # the mapper puts the partial-sum pairs on neighbouring devices (the reduce-scatter's groups): mesh (batch, sum)
+    "2d reduce+partition": ("reduce_scatter", (2, 2), (("S", 0), ("P",)), (("S", 0), ("S", 0)), 1),
     "2d all_reduce": ("all_reduce", (2, 2), (("P",), ("S", 0)), (("R",), ("S", 0)), 0),
 }
 

@@ -265,7 +265,7 @@ def test_memory_budget_forces_another_plan_and_an_infeasible_one_is_a_typed_erro
     free = solve_intra(g, DGX, (1, 8))
     dp, dp_mem = _dp_time(g, DGX, 8)
     assert free.time_s <= dp * (1 + 1e-9)
-    budget = free.memory_bytes * 0.6
+    budget = free.memory_bytes * 0.8      # the free plan reduce-scatters fc1's partial sums (36 MiB a device)
     tight = solve_intra(g, DGX, (1, 8), memory_budget=budget)
     assert tight.specs != free.specs
     assert tight.memory_bytes <= budget and tight.time_s >= free.time_s
@@ -275,7 +275,7 @@ def test_memory_budget_forces_another_plan_and_an_infeasible_one_is_a_typed_erro
 
 
 def test_weight_update_sharding_shards_the_weights():
-    g = mlp(batch=4096, h=512, layers=2)
+    g = mlp(batch=16384, h=512, layers=2)    # data parallel (smaller batches: Megatron with a reduce-scatter)
     plain = solve_intra(g, DGX, (1, 8))
     zero = solve_intra(g, DGX, (1, 8), weight_update_sharding=True)
     assert zero.memory_bytes < plain.memory_bytes

@@ -48,7 +48,7 @@ def test_accumulation_fits_where_the_full_batch_does_not():
 @pytest.mark.parametrize("mib", [70, 60])
 def test_unity_is_feasible_and_never_slower_than_the_tuned_floors(mib):
     g, m = _decoder(), _small(mib)
-    res = optimize(g, m, budget_s=10)
+    res = optimize(g, m, budget_s=20)             # the floors' grids finish well inside it on a loaded host
     assert res.feasible and math.isfinite(res.predicted_iteration_s)
     floors = res.stats["baselines_s"]
     priced = {k: v for k, v in floors.items() if isinstance(v, float)}

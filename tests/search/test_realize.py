@@ -80,7 +80,10 @@ def test_ilp_plan_on_a_2x2_mesh():
     want = layout_of(plan.pcg, g)
     left = {g.node(gid).label() for gid in want if NodeLayout.of(r.pcg, r.ids[gid]) != want[gid]}
     assert left == {line.split(" ")[0] for line in r.missing}
-    assert _price("h100:1x4", trimmed(r.pcg)) <= _price("h100:1x4", plan.pcg) * (1 + 1e-9)
+    # complete: never slower than the ILP's plan; where the rules cannot reach it (the ILP's reduce-scatter
+    # with copies over the other mesh axis), a plan all the same, within 5%
+    slack = 1e-9 if r.complete else 0.05
+    assert _price("h100:1x4", trimmed(r.pcg)) <= _price("h100:1x4", plan.pcg) * (1 + slack)
 
 
 def test_deadline_returns_what_it_has():

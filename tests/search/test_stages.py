@@ -249,10 +249,10 @@ def test_alpa_clustering_minimizes_the_largest_layer_input_under_the_flop_bound(
 
 @pytest.mark.parametrize("widths,L", [([64] * 9, 4), ([32, 256, 32, 256, 32, 128, 32], 3), ([64, 512, 64] * 3, 5),
                                       ([64] * 5, 12)])
-def test_unity_clustering_cuts_at_the_fewest_crossings_into_equal_flops(widths, L):
+def test_unity_clustering_cuts_at_the_fewest_crossings_near_the_flop_quantiles(widths, L):
     g = _skip_chain(8, widths)
     roles = _roles(g)
-    layers, info = cluster(g, roles, L, cuts="fewest", inputs=False, delta=None)
+    layers, info = cluster(g, roles, L, cuts="fewest", inputs=False, delta=None, balance="cuts")
     _check_layers(g, layers, info, "fewest")
     cand = allowed_cuts(info, "fewest")
     assert all(len(info.crossing[c]) == min(len(info.crossing[x]) for x in range(1, len(info.units))
@@ -262,12 +262,39 @@ def test_unity_clustering_cuts_at_the_fewest_crossings_into_equal_flops(widths, 
     assert len(layers) == n                     # every allowed cut used when there are fewer than L - 1
     target = pre[-1] / n
 
-    def dev(cuts):
-        b = [0, *cuts, len(info.units)]
-        return sum((pre[y] - pre[x] - target) ** 2 for x, y in zip(b, b[1:]))
+    def dev(cuts):                              # each boundary's distance from its FLOP quantile
+        return sum((pre[c] - r * target) ** 2 for r, c in enumerate(cuts, 1))
 
     best = min(dev(c) for c in itertools.combinations(cand, n - 1))
     assert dev([a for a, _ in layers[1:]]) == pytest.approx(best)
+
+
+def _plain_chain(batch, width, blocks):
+    """``blocks`` x (Linear, Relu) of one width, no skips: every cut carries one tensor (the zoo's mlp)."""
+    b = PCG.builder()
+    x = b.add("Input", {"name": "x", "shape": (batch, width)})
+    for i in range(blocks):
+        w = b.add("Weight", {"name": f"w{i}", "shape": (width, width)})
+        x = b.add("Relu", {}, [b.add("Linear", {}, [x, w], name=f"fc{i}")], name=f"relu{i}")
+    b.set_outputs([x])
+    return b.finish()
+
+
+@pytest.mark.parametrize("blocks,L", [(16, 12), (10, 8), (9, 6), (12, 8), (7, 4), (16, 6)])
+def test_unity_layers_group_into_balanced_stages_for_every_stage_count_dividing_them(blocks, L):
+    """Where the blocks do not divide into L equal layers, equal-variance layerings differ in where the
+    larger layers sit; Unity's stage DP groups runs of layers, so for every S dividing both L and the
+    blocks, runs of L / S layers must hold blocks / S blocks each (the layering the paper-size mlp needs
+    for its 4 equal stages over 12 layers of 16 blocks)."""
+    g = _plain_chain(8, 64, blocks)
+    layers, info = cluster(g, _roles(g), L, cuts="fewest", inputs=False, delta=None, balance="cuts")
+    _check_layers(g, layers, info, "fewest")
+    assert len(layers) == L
+    linears = [sum(g.node(n).op == "Linear" for u in range(a, b) for n in info.units[u]) for a, b in layers]
+    for S in range(2, L + 1):
+        if L % S == 0 and blocks % S == 0:
+            runs = [sum(linears[k:k + L // S]) for k in range(0, L, L // S)]
+            assert runs == [blocks // S] * S, (S, linears)
 
 
 @pytest.mark.parametrize("cuts", ["valid", "fewest"])

@@ -205,3 +205,24 @@ def test_heads_no_degree_splits_leave_the_tp1_points():
     assert "heads" in r.stats["plain"] and "\n" not in r.stats["plain"]
     with pytest.raises(TunedError, match="batch 4 does not divide"):
         tune(synthetic_transformer(1, batch=4, seq=64, hidden=128, heads=8), mp, "zero3")
+
+
+def test_sequence_parallelism_is_a_layout_point_of_its_own():
+    """Every point with tp > 1 is priced without and with sequence parallelism (the same degrees,
+    micro-batch and techniques); with it a device holds less (the residual stream's activations on tp
+    sequence shards) and the iteration is no slower (the reduce-scatter and all-gather move what the
+    all-reduce did)."""
+    g = synthetic_transformer(4, batch=32, seq=128, hidden=256, heads=8)
+    m = parse_machine("h100:1x4")
+    r = tune(g, MachineMapper(CostModel(m, optimizer="adam")), "megatron")
+    by: dict = {}
+    for q in r.priced:
+        c = q["config"]
+        if c["tp"] > 1 and q["cost"] is not None:
+            by.setdefault((c["tp"], c["pp"], c["micro_batch"], c["recompute"], c["zero"]), {})[c["sp"]] = q
+    assert any(tp == 4 for tp, *_ in by) and any(pp == 2 for _, pp, *_ in by)
+    for k, v in by.items():
+        assert set(v) == {False, True}, k
+        assert v[True]["max_bytes"] < v[False]["max_bytes"], k
+        assert v[True]["cost"] <= v[False]["cost"] * (1 + 1e-9), k
+    assert not any(q["config"]["sp"] for q in r.priced if q["config"]["tp"] == 1)

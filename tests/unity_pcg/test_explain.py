@@ -131,7 +131,7 @@ def test_plan_from_the_joint_search(tmp_path):
     """A plan written by search.optimize: its recorded rule steps are told in words, in order, and
     its rows add up to the search's own prediction of communication."""
     from unity_pcg.search.optimize import optimize
-    res = optimize(_mlp(8, 16, 16, 4), "summit:1x2", budget_s=2, max_candidates=5, optimizer="sgd")
+    res = optimize(_mlp(8, 16, 16, 4), "summit:1x2", budget_s=6, max_candidates=5, optimizer="sgd")
     path = tmp_path / "opt.json"
     res.plan.save(str(path))
     e = explain(P.load(str(path)))
