@@ -79,6 +79,8 @@ from functools import reduce
 from math import gcd
 from typing import Any, Callable, Iterable, Mapping, Sequence
 
+import numpy as np
+
 from unity_pcg import ops
 from unity_pcg.errors import UnityError
 from unity_pcg.machine import MachineSpec, MachineView, Resource
@@ -91,7 +93,7 @@ from .baselines import StrategyError, data_parallel
 from .cost import CostModel, GraphCost
 from .mapping import MachineMapper
 from .memory import node_memory
-from .stages import (Cuts, PipelineError, cluster, holds, may_cross, stage_dp, structure_key, sub_mesh,
+from .stages import (Cuts, PipelineError, cluster, may_cross, stage_dp, structure_key, sub_mesh,
                      t_max_bounds)
 
 INF = math.inf
@@ -980,29 +982,21 @@ def _stage_dp(lay: _LayerPrices, info: Cuts, layers, gM, machine, sizes, T, M, m
     # and would make the DP's positions finer than the blocks)
     step = reduce(gcd, [s for s in inner if s <= T], T)
     opts = sorted(inner | {T - d for d in range(0, T, step) if sub_mesh(machine, d, T - d) is not None})
-    tab: dict = {}                      # s -> (t[k][i], once[k][i], w/a dicts [k][i]) for layers k..i
+    tab: dict = {}                      # s -> (t[k][i], once[k][i], holds[k][i]) for layers k..i
 
     def table(s):
         hit = tab.get(s)
         if hit is None:
             t = [[INF] * L for _ in range(L)]
             o = [[0.0] * L for _ in range(L)]
-            wa = [[None] * L for _ in range(L)]
             ps = [lay.get(x, s) for x in range(L)]
             for k in range(L):
-                tk, ok, w, a = 0.0, 0.0, {}, {}
+                tk, ok = 0.0, 0.0
                 for i in range(k, L):
-                    p = ps[i]
-                    tk += p.t
-                    ok += p.once
-                    w, a = dict(w), dict(a)
-                    for d, v in p.w.items():
-                        w[d] = w.get(d, 0) + v
-                    for d, v in p.a.items():
-                        # a later layer's received input is the earlier layer's output, counted there
-                        a[d] = a.get(d, 0) + (max(v - p.a_in.get(d, 0), 0) if i > k else v)
-                    t[k][i], o[k][i], wa[k][i] = tk, ok, (w, a)
-            hit = tab[s] = (t, o, wa)
+                    tk += ps[i].t
+                    ok += ps[i].once
+                    t[k][i], o[k][i] = tk, ok
+            hit = tab[s] = (t, o, _holds_table(ps, cap))
         return hit
 
     cut_bytes = [0.0] * (L + 1)
@@ -1040,7 +1034,7 @@ def _stage_dp(lay: _LayerPrices, info: Cuts, layers, gM, machine, sizes, T, M, m
     soft = Deadline(deadline, clock) if math.isfinite(deadline) else None
     hard = current()
     found = stage_dp(L, opts, T, M, lambda k, i, j: table(opts[j])[0][k][i],
-                     fits=lambda k, i, j: holds(*table(opts[j])[2][k][i], cap),
+                     fits=lambda k, i, j: table(opts[j])[2][k, i],
                      extra=(lambda k, i, j: table(opts[j])[1][k][i], None),
                      entry=lambda k, d, j: xfer(k, d, opts[j]), allowed=allowed,
                      min_stages=min_stages, max_stages=max_stages,
@@ -1055,6 +1049,36 @@ def _stage_dp(lay: _LayerPrices, info: Cuts, layers, gM, machine, sizes, T, M, m
         out.extend(sorted(plans)[:candidates])
     out.sort()
     return out
+
+
+def _holds_table(ps: Sequence[StagePrice], cap: float) -> np.ndarray:
+    """``h[k, i]``: :func:`unity_pcg.search.stages.holds` of the stage of layers ``k..i`` priced ``ps`` (one
+    per layer, on one sub-mesh): its weights are the layers' sums per device, its activations the first
+    layer's and every later layer's less its received input (the earlier layer's output, counted there)."""
+    L = len(ps)
+    devs = sorted({d for p in ps for d in (*p.w, *p.a)})
+    if not devs:
+        return np.full((L, L), INF)
+    col = {d: n for n, d in enumerate(devs)}
+    W, A, N = (np.zeros((L, len(devs))) for _ in range(3))
+    for x, p in enumerate(ps):
+        for d, v in p.w.items():
+            W[x, col[d]] = v
+        for d, v in p.a.items():
+            A[x, col[d]] = v
+            N[x, col[d]] = max(v - p.a_in.get(d, 0), 0)
+    Wc = np.vstack([np.zeros(len(devs)), np.cumsum(W, axis=0)])
+    Nc = np.vstack([np.zeros(len(devs)), np.cumsum(N, axis=0)])
+    w = Wc[1:][None, :, :] - Wc[:-1][:, None, :]                      # [k, i, device]
+    a = A[:, None, :] + Nc[1:][None, :, :] - Nc[1:][:, None, :]       # the first layer's, then the others'
+    with np.errstate(divide="ignore", invalid="ignore"):
+        n = np.where(a > 0, np.floor((cap - w) / np.where(a > 0, a, 1.0)), INF)
+        for _ in range(2):              # the exact largest integer (the quotient may round across one)
+            n = np.where((a > 0) & (w + n * a > cap), n - 1, n)
+            n = np.where((a > 0) & (w + (n + 1) * a <= cap), n + 1, n)
+    h = n.min(axis=2)
+    h = np.where((w > cap).any(axis=2), -1.0, h)
+    return np.where(np.triu(np.ones((L, L), dtype=bool)), h, -1.0)
 
 
 def _evaluate(gM, roles, info, layers, plan, M, mapper, intra, machine, memo=None) -> dict:

@@ -401,3 +401,31 @@ def test_communication_volume_counts_boundaries_per_micro_batch_and_sync_once():
         evaluate_pipeline(g, mapper, [(0, 4, 0, 1), (5, 8, 1, 1)], 4, max_layers=8)
     with pytest.raises(PipelineError, match="cover"):
         evaluate_pipeline(g, mapper, [(0, 4, 0, 1)], 4, max_layers=8)
+
+
+def test_the_stage_dp_memory_table_matches_holds_on_every_run_of_layers():
+    """The stage DP's vectorized ``holds`` per run of layers k..i (pipeline._holds_table) against
+    stages.holds on the summed per-device weights and activations (a later layer's received input counted
+    in the earlier layer's output)."""
+    from types import SimpleNamespace
+
+    from unity_pcg.search.pipeline import _holds_table
+    from unity_pcg.search.stages import holds
+    rng = random.Random(3)
+    for _ in range(200):
+        L, cap = rng.randint(1, 6), rng.choice([7.0, 1000.0, 1e10])
+        ps = []
+        for _ in range(L):
+            devs = rng.sample(range(8), rng.randint(1, 5))
+            a = {d: rng.randint(1, max(1, int(cap) // 7)) for d in devs if rng.random() < 0.8}
+            ps.append(SimpleNamespace(w={d: rng.choice([0, rng.randint(0, int(cap) // 2)]) for d in devs}, a=a,
+                                      a_in={d: rng.randint(0, v) for d, v in a.items()}))
+        h = _holds_table(ps, cap)
+        for k in range(L):
+            w, a = {}, {}
+            for i in range(k, L):
+                for d, v in ps[i].w.items():
+                    w[d] = w.get(d, 0) + v
+                for d, v in ps[i].a.items():
+                    a[d] = a.get(d, 0) + (max(v - ps[i].a_in.get(d, 0), 0) if i > k else v)
+                assert h[k, i] == holds(w, a, cap)
