@@ -30,7 +30,7 @@ def gpt(tmp_path_factory):
     return load_onnx(str(p), load_weights=False)
 
 
-def test_optimize_takes_megatron_inside_the_stages_where_nothing_else_fits(gpt):
+def test_optimize_fits_where_data_parallel_stages_do_not(gpt):
     from unity_pcg.search.optimize import optimize
     m = machine()
     mapper = MachineMapper(CostModel(m, "adam"))
@@ -40,15 +40,17 @@ def test_optimize_takes_megatron_inside_the_stages_where_nothing_else_fits(gpt):
         assert r is None or not r.feasible
     res = optimize(gpt, m, budget_s=60, max_candidates=5)       # candidates bound it; the budget is slack for load
     assert not res.dp.feasible
-    assert res.feasible and res.stats["chosen"] == "pipeline" and res.plan.pipeline is not None
-    assert res.json()["max_memory_bytes"] <= CAP
+    assert res.feasible and res.json()["max_memory_bytes"] <= CAP
+    pipe = res.stats.get("pipeline_iteration_s")
+    assert pipe is None or res.predicted_iteration_s <= pipe * (1 + 1e-9)
     pg = res.plan.pcg
-    # Megatron inside: row-parallel Linears all-reduce their partial sums; column-parallel weights split on
-    # their output features
-    assert sum(n.op == "AllReduce" for n in pg.nodes()) >= 2
-    col = [n for n in pg.nodes() if n.op == "Linear" and pg.shape(n.inputs[1]).degrees[-1] > 1]
-    row = [n for n in pg.nodes() if n.op == "Linear" and pg.shape(n.inputs[1]).degrees[0] > 1]
-    assert col and row
+    if res.stats["chosen"] == "pipeline":
+        # Megatron inside: row-parallel Linears reduce their partial sums; column-parallel weights split on
+        # their output features
+        assert sum(n.op in ("AllReduce", "Reduce") for n in pg.nodes()) >= 2
+        col = [n for n in pg.nodes() if n.op == "Linear" and pg.shape(n.inputs[1]).degrees[-1] > 1]
+        row = [n for n in pg.nodes() if n.op == "Linear" and pg.shape(n.inputs[1]).degrees[0] > 1]
+        assert col and row
     assert same_function(gpt, pg)
 
 
