@@ -223,6 +223,9 @@ def test_sequence_parallelism_is_a_layout_point_of_its_own():
     assert any(tp == 4 for tp, *_ in by) and any(pp == 2 for _, pp, *_ in by)
     for k, v in by.items():
         assert set(v) == {False, True}, k
-        assert v[True]["max_bytes"] < v[False]["max_bytes"], k
+        # never more (a stage's peak may be set by what sequence parallelism does not split, e.g. its weights
+        # and gradients at the backward's peak), and less somewhere
+        assert v[True]["max_bytes"] <= v[False]["max_bytes"], k
         assert v[True]["cost"] <= v[False]["cost"] * (1 + 1e-9), k
+    assert any(v[True]["max_bytes"] < v[False]["max_bytes"] for v in by.values())
     assert not any(q["config"]["sp"] for q in r.priced if q["config"]["tp"] == 1)
