@@ -25,7 +25,6 @@ batches (``feed_rows`` is the whole batch).  What the executor refuses for one s
 """
 from __future__ import annotations
 
-import contextlib
 import math
 
 import numpy as np
@@ -33,7 +32,6 @@ import torch
 import torch.distributed as dist
 
 from .kernels import ExecutorError
-from .precision import forward_context
 from .pipeline import micro_plan, one_stage  # noqa: F401  (re-exported)
 from .train import Trainer
 
@@ -120,17 +118,7 @@ class AccumulationTrainer(Trainer):
                 self._tgt_off = self._target_offset(tm, kind, ref)
             for st, base, micro0 in self._dropout:
                 st.ctx.out_offset = ((base[0] + m * micro0,) + tuple(base[1:]),) if micro0 else (base,)
-            if zero3 is not None:
-                zero3.forward_phase = True
-            try:
-                with forward_context(self.precision, self.device), \
-                        (zero3.hooks() if zero3 is not None else contextlib.nullcontext()):
-                    total, part = self._forward(fv, kind, tm, ref, need, split)
-            finally:
-                if zero3 is not None:
-                    zero3.forward_phase = False
-                    zero3.work.clear()
-                    zero3._ptr.clear()
+            total, part = self._forward_step(fv, kind, tm, ref, need, split)
             parts = parts + part.to(parts.dtype)
             self._accumulating = not last
             if last:

@@ -917,6 +917,22 @@ class Trainer:
         self._loss_refs[kind] = (pick, need, split)
         return self._loss_refs[kind]
 
+    def _forward_step(self, fv, kind, tt, ref, need, split):
+        """The forward pass under the precision's context and, with ZeRO-3, its gathering hooks: the gathered
+        weights are freed after the forward (the backward gathers again)."""
+        zero3 = self._zrt if self.memory.zero == 3 else None
+        if zero3 is not None:
+            zero3.forward_phase = True
+        try:
+            with forward_context(self.precision, self.device), \
+                    (zero3.hooks() if zero3 is not None else contextlib.nullcontext()):
+                return self._forward(fv, kind, tt, ref, need, split)
+        finally:
+            if zero3 is not None:
+                zero3.forward_phase = False
+                zero3.work.clear()
+                zero3._ptr.clear()
+
     def step(self, feeds=None, targets=None) -> float:
         """One training step; returns the loss (the same float on every rank)."""
         kind, tt = self._loss_kind(targets)
@@ -925,17 +941,7 @@ class Trainer:
         if tt is not None:
             self._tgt_off = self._target_offset(tt, kind, ref)
         zero3 = self._zrt if self.memory.zero == 3 else None
-        if zero3 is not None:
-            zero3.forward_phase = True
-        try:
-            with forward_context(self.precision, self.device), \
-                    (zero3.hooks() if zero3 is not None else contextlib.nullcontext()):
-                total, part = self._forward(fv, kind, tt, ref, need, split)
-        finally:
-            if zero3 is not None:
-                zero3.forward_phase = False
-                zero3.work.clear()            # the gathered weights are freed after the forward
-                zero3._ptr.clear()
+        total, part = self._forward_step(fv, kind, tt, ref, need, split)
         self._start_step_sync(part)
         if total.requires_grad:
             total.backward()
