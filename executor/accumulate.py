@@ -25,11 +25,9 @@ batches (``feed_rows`` is the whole batch).  What the executor refuses for one s
 """
 from __future__ import annotations
 
-import math
 
 import numpy as np
 import torch
-import torch.distributed as dist
 
 from .kernels import ExecutorError
 from .pipeline import micro_plan, one_stage  # noqa: F401  (re-exported)
@@ -130,22 +128,7 @@ class AccumulationTrainer(Trainer):
         self._accumulating = False
         if zero3 is None:
             self._finish_sync()
-        if self._zrt is not None:
-            self._zrt.step()
-        else:
-            self.opt.step()
-        if self.world > 1 and self._loss_bucket is not None:
-            lv = self._works[self._loss_bucket][1][-1:].to(torch.float64, copy=True)
-        else:
-            lv = (parts / self.M).double()
-            if self.world > 1:
-                dist.all_reduce(lv)
-        self._zero_grads()
-        self.step_no += 1
-        loss = float(lv.item())
-        if not math.isfinite(loss):
-            raise ExecutorError(f"step {self.step_no - 1}: the loss is {loss}")
-        return loss
+        return self._update_and_loss(parts / self.M)
 
 
 __all__ = ["AccumulationTrainer", "micro_plan", "one_stage"]

@@ -949,6 +949,12 @@ class Trainer:
             self._finish_sync()
         else:
             zero3.end_step()
+        return self._update_and_loss(part)
+
+    def _update_and_loss(self, part) -> float:
+        """The end of a step, after the gradient sync: the optimizer update, the step's loss (this rank's
+        ``part``, summed over ranks: read from the loss bucket when it rode along with the gradients), the
+        gradients zeroed; a non-finite loss stops the run."""
         if self._zrt is not None:
             self._zrt.step()
         else:
