@@ -451,14 +451,15 @@ FINDINGS = """## What the GPU showed, and what changed
 
 The first run (`gpu_memory_check_before.json`, column *before*) predicted 0.37-0.91 of the measured peak: the
 memory model held the forward's activations at the forward's end and nothing of the backward.  The peak of
-a step is in the backward: at the loss's step the output's gradient and the loss's float32 copies of the
-output (mse's difference and its backward's temporary; a language model's logits make these GBs), and at
-each recomputed region's step what the recomputation brings back while the gradients of its activations are
-alive.  `search/memtech.py` now walks the backward step by step (`Techniques.backward_peak`).  Left: bf16
-(0.84-0.88: autocast's copies and the loss's casts in the backward), full recomputation of Llama (0.85:
-softmax's backward temporary of the attention scores), and the time of selective recomputation in bf16
-(the executor's is slower than the model's).  A plan the model fits to 99.9% of the device ran out of
-memory by about 50 MB on its second step (the allocator's own headroom); the plan at 90% ran.  The
+a step is in the backward: at the loss's step the output's gradient (in float32 first under bf16) and the
+loss's float32 copies of the output (mse's difference and its backward's temporary; a language model's
+logits make these GBs), at each recomputed region's step what the recomputation brings back while the
+gradients of its activations are alive, and at a softmax's step its backward's temporary (the attention
+scores' size).  `search/memtech.py` now walks the backward step by step (`Techniques.backward_peak`;
+operator temporaries are registry knowledge, `Saves.temps`).  Left: the time of selective recomputation in
+bf16 (the executor's is slower than the model's), and the bf16 step times of the GPT (0.84x).  A plan the
+model fitted to 99.9% of the device (with the models of the measurement) ran out of memory by about 50 MB on
+its second step: the allocator needs headroom the memory model does not reserve; the plan at 90% ran.  The
 gradient buckets become ready on the GPU where the model's overlap schedule puts them."""
 
 
@@ -471,7 +472,10 @@ def report(data: dict, before: dict | None = None) -> str:
             old[(r["model"], r["precision"], r["technique"])] = r["predicted"]["bytes"] / r["measured"]["peak_bytes"]
     out = [f"# Memory and overlap on one GPU ({meta.get('device_name', meta['device'])})", "",
            f"`benchmarks/gpu_memory_check.py` (issue 19 points 3 and 7). Command: `{meta['command']}`; "
-           f"torch {meta.get('torch')}, CUDA {meta.get('cuda')}; measured {meta['date']}.", ""]
+           f"torch {meta.get('torch')}, CUDA {meta.get('cuda')}; measured {meta['date']}"
+           + (f"; the recompute rows' predictions re-priced with the current models on {meta['repredicted']} "
+              "(`--report DIR --repredict`; the fill and overlap parts ran with the models of the measurement)"
+              if meta.get("repredicted") else "") + ".", ""]
     rec = [r for r in rows if r["part"] == "recompute"]
     if rec:
         out += ["## Recomputation: predicted against measured (one device, Adam)", "",
@@ -559,6 +563,25 @@ def report(data: dict, before: dict | None = None) -> str:
     return "\n".join(out) + "\n"
 
 
+def repredict(path: str, workdir: str) -> None:
+    """Price every measured recompute row of ``path`` again with the current cost and memory models."""
+    with open(path) as f:
+        data = json.load(f)
+    plans: dict = {}
+    for r in data["rows"]:
+        if r.get("part") != "recompute" or "measured" not in r or r["model"] not in GPU_MODELS:
+            continue
+        key = (r["model"], r["precision"])
+        if key not in plans:
+            plans[key] = plain_plan(export(r["model"], GPU_MODELS[r["model"]], workdir), machine("cuda"),
+                                    r["precision"])
+        r.setdefault("predicted_at_measurement", r["predicted"])
+        r["predicted"] = predict(with_technique(plans[key], r["technique"]))
+    data["meta"]["repredicted"] = time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime())
+    with open(path, "w") as f:
+        json.dump(data, f, indent=1)
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--parts", default="recompute,fill,overlap")
@@ -573,7 +596,12 @@ def main(argv=None) -> int:
     ap.add_argument("--out", default=os.path.join(RESULTS, "gpu_memory_check"))
     ap.add_argument("--workdir", default="/tmp/unity-pcg-gpu-memory")
     ap.add_argument("--report", default=None, metavar="DIR", help="write DIR's markdown from its JSON and stop")
+    ap.add_argument("--repredict", action="store_true",
+                    help="with --report: price the recompute rows again with the current model (no GPU needed; "
+                         "the prediction made at the measurement is kept as predicted_at_measurement)")
     a = ap.parse_args(argv)
+    if a.report and a.repredict:
+        repredict(os.path.join(a.report, "gpu_memory_check.json"), a.workdir)
     if a.report:
         with open(os.path.join(a.report, "gpu_memory_check.json")) as f:
             data = json.load(f)

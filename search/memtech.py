@@ -41,6 +41,7 @@ from dataclasses import dataclass, field
 from itertools import product
 from typing import Any, Mapping, Sequence
 
+from unity_pcg import ops
 from unity_pcg.machine import MachineView
 from unity_pcg.pcg import PCG
 from unity_pcg.plan import MemoryPlan, RecomputeRegion
@@ -408,6 +409,8 @@ class Techniques:
                 # the loss on this output (executor/train.py: in float32): what it saves (mse's difference,
                 # cross-entropy's log-probabilities) and its backward's temporary, for the loss's step only
                 k = LOSS_FP32_COPIES * 4 / gc.itemsize(key)
+                if gc.itemsize(key) != 4:         # the gradient comes in float32 before its cast
+                    k += 4 / gc.itemsize(key)
                 ev.append((made, made, {d: b * k for d, b in t.per_dev.items()}))
             else:
                 ps = [self.exec_pos[u] for u, _ in t.consumers if u in self.exec_pos]
@@ -415,6 +418,10 @@ class Techniques:
                     continue
                 made = max(ps)
             ev.append((made, self.exec_pos[t.producer], t.per_dev))
+            sv = ops.saves(g.node(t.producer).op)
+            if sv is not None and sv.temps:      # the producer's backward temporaries, during its step
+                at = self.exec_pos[t.producer]
+                ev.append((at, at, {d: b * sv.temps for d, b in t.per_dev.items()}))
         self.grad_events = ev
 
     def backward_peak(self, a: Mapping[int, float], kept: Sequence[tuple], extra: Sequence[tuple],
