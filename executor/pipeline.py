@@ -189,13 +189,11 @@ def resolve(plan) -> tuple[int, list[StagePlan]]:
             users = [u for u, _ in g.consumers((nid, 0))]
             if users:
                 stage_of[nid] = min(stage_of[u] for u in users)
-    mem = getattr(plan, "memory", None)
-    # memory techniques with several stages run in the lowered stages' Trainers (recompute, ZeRO-1/2)
-    lowered = dp_error is not None or (mem is not None and not mem.empty and len(node_lists) > 1)
-    if lowered:
+    lowered = True
+    if dp_error is not None:
         _check_lowered(g, devices, dp_error)
-        degree_of = {i: 1 for i in range(len(node_lists))}
-        order_of = {i: devices[i] for i in range(len(node_lists))}
+    degree_of = {i: 1 for i in range(len(node_lists))}
+    order_of = {i: devices[i] for i in range(len(node_lists))}
     # micro-batches: every model input's dim 0 must split M ways (and, stages data parallel inside, each
     # micro-batch R ways: the virtual replicas, R the least common multiple of the stages' degrees)
     import math
@@ -273,7 +271,7 @@ def _stage_plans(g: PCG, node_lists, stage_of, order, devices, order_of, M: int,
         # the loss is the model's first output on the last stage: computed earlier (BERT's pooler alone in
         # the last stage), it is passed on like an activation a later stage reads
         if i < S - 1 and g.node(first_out[0]).op != "Input" and produced_at(first_out) <= i:
-            if lowered:
+            if False:
                 raise PipelineError(f"plan: the model's first output (the loss) is computed in pipeline stage "
                                     f"{produced_at(first_out)}, before the last one; stages with tensor/Megatron "
                                     f"parallelism inside cannot pass it on")
@@ -593,13 +591,15 @@ def _stage_graph(plan, g: PCG, gm: PCG, role: Mapping[int, str], st: StagePlan, 
             sends.append(("recv", recv_pos[r]))
         else:
             x = ensure(r)
-            name = origin(x) if st.index < S - 1 else None
-            if name is not None:
+            name = origin(x)
+            if name is not None and st.index < S - 1:
                 sends.append(("feed", name))
                 continue
             # the model's output, too, ends in the chain: the loss reads the pieces where it can (the
             # mean, MSE) and the whole class rows for cross-entropy (Trainer._loss_ref walks back)
             first = nxt[0]
+            if name is not None:     # the loss computed in an earlier stage and received: the Trainer's
+                x = fresh("Identity", {}, [x])     # loss reads a computed tensor
             y = assemble(x)
             # the chain's views: its intermediate pieces on the stage's first devices, the copies on all
             for nid in range(first, nxt[0]):
@@ -799,7 +799,7 @@ class PipelineTrainer:
         if mem is not None and not mem.empty:
             check_pipeline(plan)
         # stages that are not all data parallel inside run lowered on their devices
-        if cls is PipelineTrainer and resolve(plan)[1][0].lowered:
+        if cls is PipelineTrainer:
             return LoweredPipelineTrainer(plan, *args, **kw)
         return super().__new__(cls)
 
@@ -1256,6 +1256,12 @@ class LoweredPipelineTrainer:
         tie = anchor * 0.0
         for t in sinks:
             tie = tie + t.sum() * 0.0
+        if self.lead and self.K > 1:
+            # every device's backward reaches the broadcasts of what the stage received (their backward
+            # is a reduce onto the leader), also on a device whose operators read none of it
+            for x in shared.values():
+                if x.requires_grad:
+                    tie = tie + x.sum() * 0.0
         if self.lead and self.K > 1 and self.rank == self.leader:
             # the backward starts here (created last, run first): the followers start theirs
             tie = _on_backward(tie, lambda: self._command(_BACKWARD, k))
