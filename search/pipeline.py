@@ -1289,7 +1289,7 @@ def by_rules(pcg: PCG, result: PipelineResult, machine: MachineSpec, book=None, 
     info = result.origin
     if result.pcg is None or not result.feasible or info is None:
         return None
-    if info.get("megatron") and mapper is not None:
+    if info.get("megatron"):
         return _megatron_by_rules(pcg, result, machine, book, mapper)
     recipes = info.get("recipes") or []
     if not info.get("dp_inside") and (not recipes or any(r is None for r in recipes)):
@@ -1392,10 +1392,29 @@ def _in_stage_order(g: PCG, views: dict, stages: tuple):
 
 def _megatron_by_rules(pcg: PCG, result: PipelineResult, machine: MachineSpec, book, mapper
                        ) -> PipelineResult | None:
-    """A plan whose stages the hand-built :func:`megatron_intra` parallelized, reached by rules: the same
-    stages, devices and micro-batches priced with :func:`megatron_rules_intra` (Megatron-LM's layout built
-    by rules) and taken, with its rule sequence, when it is feasible and predicted no slower (on tiny GPT
-    they cost the same); else None (the hand-built plan, no rule sequence)."""
+    """A plan whose stages :func:`megatron_intra` parallelized (Megatron-LM's layout of
+    :mod:`search.baselines`, built by structure), reached by rules: :func:`search.realize.realize` of the
+    stitched PCG from the logical ``pcg``, then the cancellations and the outputs trimmed, as every plan --
+    the same plan (stages, devices, views, price) with its rule sequence.  Where the rules write the layout
+    differently (stages data parallel and tensor parallel at once: the rules copy a weight twice, by the
+    data-parallel rule and by a replicate lift, where the hand-built stage copies it once) and ``mapper`` is
+    given: the same stages, devices and micro-batches priced with :func:`megatron_rules_intra` and taken,
+    with its rule sequence, when feasible and predicted no slower; else None (the hand-built plan, no rule
+    sequence)."""
+    from .realize import realize
+    from .substitution import RuleBook, cancel_steps, trimmed
+    book = book or RuleBook()
+    try:
+        r = realize(pcg, result.pcg, book)
+    except UnityError:
+        r = None
+    if r is not None and r.complete:
+        g, more = cancel_steps(r.pcg, book)
+        out = _rules_plan(pcg, result, machine, trimmed(g), list(r.steps) + list(more))
+        if out is not None:
+            return out
+    if mapper is None:
+        return None
     meg = result.origin["megatron"]
     plan = [(st.layers[0], st.layers[1], st.devices[0], len(st.devices)) for st in result.stages]
     try:
