@@ -300,10 +300,11 @@ def batch_split_error(g: PCG, nid: int, K: int) -> str | None:
 
 
 def executor_replicas(stage_pcgs: Sequence[PCG]) -> int:
-    """R, the virtual pipelines the executor runs for stages with these parallel sub-PCGs: the least
+    """R, the blocks every micro-batch must split into for stages with these parallel sub-PCGs: the least
     common multiple of their data-parallel degrees when every stage is data parallel inside (each compute
-    operator one degree K, :func:`batch_split_error` clean), else 1 (the stages run lowered).  The batch
-    must then split into M x R pieces (:func:`micro_graph`)."""
+    operator one degree K, :func:`batch_split_error` clean; the executor lays each stage's micro-batch out
+    K ways), else 1 (the stage graphs' own shape inference decides).  The batch must then split into M x R
+    pieces (:func:`micro_graph`)."""
     Ks = []
     for P in stage_pcgs:
         K = None
@@ -1115,7 +1116,7 @@ def _evaluate(gM, roles, info, layers, plan, M, mapper, intra, machine, memo=Non
     if any(not math.isfinite(x) for x in fwd):
         return dict(out, cost=INF, makespan=INF, feasible=False,
                     reason="; ".join(reasons) or "a stage cannot be mapped")
-    # the executor runs data-parallel stages as R virtual pipelines: the batch must split M x R ways
+    # data-parallel stages of degrees K_i: every micro-batch must split lcm(K_i) ways (the batch M x R)
     R = executor_replicas([p.pcg for p in priced])
     if R > 1:
         key = ("micro", id(gM), R)
@@ -1283,9 +1284,10 @@ def by_rules(pcg: PCG, result: PipelineResult, machine: MachineSpec, book=None, 
     the plan's structural hash).  Stages built by :func:`megatron_rules_intra` repeat their recipe
     (``origin["recipes"]``: data parallelism of degree d by rules, then
     ``substitution.tensor_parallel_steps(copies=True)`` at degree t, restricted to the stage's nodes and the
-    nodes those steps add).  None when the stages were built by hand and are not data parallel inside
-    (:func:`megatron_intra`), the plan was not stitched, or the rules do not reach the stitched PCG
-    (or its stages would not be contiguous in the rule-reached PCG's topological order)."""
+    nodes those steps add).  Stages built by :func:`megatron_intra` (Megatron-LM's layout by structure)
+    are reached by :func:`search.realize.realize` (:func:`_megatron_by_rules`).  None when the plan was not
+    stitched, or the rules do not reach the stitched PCG (or its stages would not be contiguous in the
+    rule-reached PCG's topological order)."""
     info = result.origin
     if result.pcg is None or not result.feasible or info is None:
         return None
