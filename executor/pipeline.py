@@ -663,7 +663,8 @@ class PipelineTrainer:
     :class:`executor.train.Trainer` (DTensor redistributions and torch.distributed collectives on process
     groups of the stage's devices), and ``torch.distributed.pipelining`` drives the stages with 1F1B
     (GPipe's order when M < S).  One stage with memory techniques or bf16 is gradient accumulation
-    (``PipelineTrainer(plan)`` returns an :class:`executor.accumulate.AccumulationTrainer`).  Stages of different sizes run one pipeline through their first devices, which
+    (``PipelineTrainer(plan)`` returns an :class:`executor.accumulate.AccumulationTrainer`).  Stages of
+    different sizes run one pipeline through their first devices, which
     drive the others (see the module docstring).  Stages of K devices each: K pipelines run, pipeline j
     made of device j of every stage, each carrying whole micro-batches: every device of a stage receives every tensor it
     reads from the previous stage whole (its pieces are local slices) and sends every tensor it passes on

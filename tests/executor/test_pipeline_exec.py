@@ -246,10 +246,9 @@ def _unequal_run(work, capfd, devices: int, sizes: list, degrees: list, idle: bo
 
 
 def test_unequal_stages_train_like_one_process(work, capfd):
-    """The pipeline search's plan on local:1x3: one stage on 1 device, the other data parallel on 2.  Two
-    virtual pipelines (one per block of each micro-batch) share the single device, which runs both one after
-    the other; the other stage's devices each run one.  Losses (Adam, dropout active) equal the one-process
-    Trainer's."""
+    """The pipeline search's plan on local:1x3: one stage on 1 device, the other data parallel on 2.  One
+    pipeline runs through the stages' first devices; the 2-device stage's leader shares what it receives
+    with the other device and drives it.  Losses (Adam, dropout active) equal the one-process Trainer's."""
     _unequal_run(work, capfd, 3, [1, 2], [1, 2])
 
 
