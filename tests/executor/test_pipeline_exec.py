@@ -307,3 +307,24 @@ def test_megatron_inside_a_stage_runs_lowered(work, tmp_path):
     check_pipeline(pl)
     M, stages = resolve(pl)
     assert M == 2 and stages[0].devices == (0, 1)
+
+
+def test_last_stage_device_no_operator_uses_trains_like_one_process(work, capfd):
+    """The search's h100:1x4 plan: stage 0 on 1 device, stage 1 on 3 whose operators use 2 (the third holds
+    only copies of the output).  Every device of the last stage joins the backward of what its leader shares
+    with it (otherwise the leader waits on it): 4 processes train as plain PyTorch does."""
+    from tests.executor.runtime_plans import searched_pipeline_plan
+    from unity_pcg.cli import main
+    pp = searched_pipeline_plan(work["model"], str(work["dir"] / "pp4_last.json"), stages=2, micro_batches=2,
+                                devices=4, preset="h100")
+    pl = P.load(pp)
+    last = resolve(pl)[1][-1]
+    used = {d for nid in last.nodes if pl.pcg.node(nid).kind == "compute" for d in pl.views[nid].devices()}
+    assert len(last.devices) > len(used) and len(resolve(pl)[1][0].devices) != len(last.devices)
+    capfd.readouterr()
+    rc = main(["run", pp, "--model", work["model"], "--steps", "2", "--optimizer", "sgd", "--lr", "0.05",
+               "--json", "--loss", "mean"])
+    out, err = capfd.readouterr()
+    assert rc == 0, err
+    ref, _ = reference_losses(work["model"], 2, "sgd", lr=0.05, loss="mean")
+    np.testing.assert_allclose(json.loads(out)["losses"], ref, rtol=1e-4, atol=1e-7)
