@@ -1,5 +1,5 @@
 """Step time of pipelines with Megatron tensor parallelism inside the stages (the executor's lowered stages,
-executor/pipeline.py LoweredPipelineTrainer) against the same stages data parallel inside, on local gloo
+executor/pipeline.py PipelineTrainer) against the same stages data parallel inside, on local gloo
 processes, with the cost model's prediction of each plan and a check that both train as one process.
 
 Model: a bias-free MLP of ``--pairs`` Megatron pairs (Linear h -> 4h, ReLU, Linear 4h -> h), batch ``--batch``.

@@ -5,63 +5,47 @@ The plan field (written by search/pipeline.py)::
     "pipeline": {"schedule": "1F1B", "micro_batches": M,
                  "stages": [{"nodes": [node ids], "devices": [device ids]}, ...]}
 
-Stage ``i`` becomes one :class:`StageModule` per device (rank == device id), wrapped in a
-``PipelineStage`` and driven by ``Schedule1F1B`` with ``M`` micro-batches (the batch, dim 0 of every
-model input, split in M equal parts).  A stage may run on K devices when it is data parallel inside
-(every operator's tensors split K ways on the batch dim, weights copied K ways -- what the pipeline
-search's default intra-stage parallelization builds).  With degrees K_i per stage, R = lcm(K_i) pipelines
-run; pipeline r takes block r of each micro-batch (rows ``m*B/M + r*B/(MR)`` onwards, inside the piece the
-plan gives the device of task r // (R/K_i) of stage i's operators), and a stage's devices sum their
-gradients with one flat all-reduce per step.  A stage module runs its nodes' torch kernels
-(:mod:`executor.kernels`) on whole micro-batch tensors; its parameters are the ONNX initializers its
-nodes read (a Weight belongs to the stage of its first consumer).  Tensors cross stages as a tuple:
-stage ``i`` sends every tensor produced at or before it (model inputs included) that a later stage reads,
-so a later stage can read a model input or an early activation.
+**One runtime** (:class:`PipelineTrainer`), whatever the stages hold inside: data parallelism (the special
+case), tensor/Megatron parallelism, hybrids.  Each stage is a :class:`StageGraph` -- its own sub-plan at
+the micro-batch (the plan's PCG rebatched to B/M, the stage's nodes with their views, an Input per tensor
+received followed by the Partition / Replicate chain that gives it the plan's layout, a Reduce / Combine /
+Replicate chain leaving each tensor it sends whole on every one of its devices) -- run by
+:class:`executor.train.Trainer`'s lowering on the stage's devices (DTensor redistributions and
+torch.distributed collectives on process groups of those devices; every rank creates every stage's groups
+in one agreed order), wrapped in a ``PipelineStage`` and driven by ``Schedule1F1B`` with ``M`` micro-batches
+(``ScheduleGPipe`` when M < S: 1F1B without a steady state).  Stage ``i`` sends every tensor produced at or
+before it (model inputs included) that a later stage reads, and the model's first output (the loss) when an
+earlier stage computes it.  A Weight belongs to the stage of its first consumer.
 
-What a stage's kernels see: each operator is inferred once on *micro-batch pieces* -- the plan's graph
-without its parallel operators (on one device they move nothing), model inputs partitioned M ways on
-dim 0 and weights copied M ways -- so a Reshape's target or a Dropout's logical position are those of
-the micro-batch.  Dropout draws its mask from the element's index in the whole batch (the micro-batch
-number, counted per step, gives the offset), so pipelined dropout equals one device's.  An operator that
-cannot run on a batch part (e.g. a Reshape that merges the batch dim) makes the plan refused.
+*Equal stages* (K devices each): K pipelines run, pipeline j made of device j of every stage, each carrying
+whole micro-batches: a received tensor is read as local slices (no communication), a sent one is assembled
+in the stage (the all-gather or all-reduce the layout needs; its backward sums the gradient shares the next
+stage's devices send back).  *Stages of different sizes*: one pipeline through the stages' first devices
+(leaders); a leader broadcasts to its stage what it receives (the broadcast's backward sums the devices'
+gradient shares onto it) and tells the other devices which micro-batch to run forward or backward next.  A
+device of a stage's field that no operator uses holds copies of what the stage sends and nothing else.
 
-Training semantics: loss per micro-batch (the run's ``--loss``: mean of the model's first output, or MSE /
-binary / class cross-entropy against the targets' part), gradients accumulated over micro-batches and divided by M (the schedule's
-``scale_grads``): the same gradient as the whole batch's mean loss; the step's loss is the mean of the
-micro-batch losses, broadcast from the last stage.  BatchNorm over micro-batches computes each
-micro-batch's statistics, which is not one device's training: refused unless ``--per-device-bn``.
-
-Stages of different sizes (data-parallel degrees K_i) run as R = lcm(K_i) virtual pipelines (see
-:class:`PipelineTrainer`).
-
-**Lowered stages** (tensor/Megatron parallelism inside, hybrids).  When some stage is not data parallel
-inside, every stage runs lowered (:class:`LoweredPipelineTrainer`): its :class:`StageGraph` -- the stage's
-own sub-plan at the micro-batch (the plan's PCG rebatched to B/M, the stage's nodes with their views, an
-Input per tensor received, a Reduce / Combine / Replicate chain leaving each tensor it sends whole on every
-one of its devices) -- is run by :class:`executor.train.Trainer`'s lowering on the stage's devices (DTensor
-redistributions and torch.distributed collectives on process groups of those devices; every rank creates
-every stage's groups in one agreed order).  Stages of K devices each: K pipelines run, pipeline j made of
-device j of every stage, every pipeline carrying whole micro-batches: a received tensor is read as local
-slices (no communication), a sent one is assembled in the stage (the all-gather or all-reduce the plan's
-layout needs; its backward sums the gradient shares the next stage's devices send back).  Stages of
-different sizes: one pipeline through the stages' first devices (leaders); a leader broadcasts to its stage
-what it receives (the broadcast's backward sums the devices' gradient shares onto it) and tells the other
-devices which micro-batch to run forward or backward next (their copies of what it sends get no share).  The loss is the
-Trainer's per-piece loss on the last stage's devices (pieces where they lie; the whole class rows for
-cross-entropy), gradients are accumulated over the micro-batches, replicated weight regions all-reduced
-over the devices that read them (the Trainer's buckets; shards are not), then divided by M.
+Training semantics: the loss of a micro-batch is the Trainer's per-piece loss on the last stage's devices
+(the run's ``--loss``: mean of the model's first output, or MSE / binary / class cross-entropy against the
+targets' part; pieces where they lie, whole class rows for cross-entropy); gradients are accumulated over
+the micro-batches, replicated weight regions all-reduced over the devices that read them (the Trainer's
+buckets; shards are not), then divided by M: the gradient of the whole batch's mean loss.  Dropout draws its
+mask from the element's index in the whole batch (the micro-batch number gives the offset), so pipelined
+dropout equals one device's.  BatchNorm computes each micro-batch's statistics (per device), which is not
+one device's training: refused unless ``--per-device-bn``; running statistics are updated once per
+micro-batch, the stage's first device's are the model's.
 
 Limits (refused by :func:`check_pipeline` with a one-line error before any process starts): BatchNorm in
-lowered stages, a weight read in two stages, partial sums crossing into a lowered stage, a schedule other
-than 1F1B, a batch that M R does not divide, non-floating tensors crossing stages, random generators;
-with several stages, ZeRO-3 and offload.
+stages that are not data parallel inside, a weight read in two stages, partial sums crossing into a stage, a
+schedule other than 1F1B, a batch that M (or a stage's layout of the micro-batch) does not divide,
+non-floating tensors crossing stages, random generators; with several stages, ZeRO-3 and offload.
 
 **Memory techniques** (the plan's ``memory``).  One stage with memory techniques (or bf16) is gradient
 accumulation, run by :class:`executor.accumulate.AccumulationTrainer` (``PipelineTrainer(plan)`` returns one).
-Several stages: every stage runs lowered, its Trainer given the plan's ZeRO stage (1-2, over the stage's
-data-parallel copies: the update after the micro-batches' gradients are summed and divided by M) and the
-recompute regions cut to its nodes (checkpointed per micro-batch; the tensors a stage sends are kept; a
-region recomputed in micro-batch k's backward draws k's Dropout masks).
+Several stages: each stage's Trainer is given the plan's ZeRO stage (1-2, over the stage's data-parallel
+copies: the update after the micro-batches' gradients are summed and divided by M) and the recompute regions
+cut to its nodes (checkpointed per micro-batch; the tensors a stage sends are kept; a region recomputed in
+micro-batch k's backward draws k's Dropout masks).
 """
 from __future__ import annotations
 
@@ -83,30 +67,18 @@ class PipelineError(PlanError):
 
 @dataclass(frozen=True)
 class StagePlan:
-    """One stage, resolved: its devices (replica r runs the stage's r-th batch block: the device of task r of
-    every operator), its nodes in topological order (sources included), the tensors it receives from the
-    previous stage and sends to the next one (in order)."""
+    """One stage, resolved: its devices (the field's, in order: the first is its leader), its nodes in
+    topological order (sources included), the tensors it receives from the previous stage and sends to the
+    next one (in order)."""
     index: int
     devices: tuple[int, ...]
     nodes: tuple[int, ...]
     recv: tuple[tuple[int, int], ...]
     send: tuple[tuple[int, int], ...]
-    idle: tuple[int, ...] = ()       # devices of the stage's field that no operator of the stage uses
-    lowered: bool = False            # the stage's sub-plan runs lowered on its devices (see LoweredStage)
 
     @property
     def device(self) -> int:
         return self.devices[0]
-
-    def device_of(self, replica: int, R: int) -> int:
-        """The device running virtual replica ``replica`` of ``R`` (block ``replica`` of each micro-batch)."""
-        return self.devices[replica // (R // len(self.devices))]
-
-
-def replicas(stages) -> int:
-    """Virtual pipelines: the least common multiple of the stages' data-parallel degrees."""
-    import math
-    return math.lcm(*(len(st.devices) for st in stages))
 
 
 def _stage_of_nodes(plan) -> list[list[int]]:
@@ -149,7 +121,7 @@ def resolve(plan) -> tuple[int, list[StagePlan]]:
     flat = [d for devs in devices for d in devs]
     if len(set(flat)) != len(flat):
         raise PipelineError(f"plan: pipeline stages share devices {[list(x) for x in devices]}")
-    order_of: dict[int, tuple] = {}   # stage -> device of task r of its operators (replica order)
+    order_of: dict[int, tuple] = {}   # stage -> device of task r of its operators (data parallel inside)
     degree_of: dict[int, int] = {}    # stage -> the data-parallel degree of its operators
     stage_of: dict[int, int] = {}
     dp_error = None                   # why the stages are not all data parallel inside (None: they are)
@@ -180,7 +152,7 @@ def resolve(plan) -> tuple[int, list[StagePlan]]:
         if n.kind == "compute" and dp_error is None:
             try:
                 _dp_node(g, plan, n, i, devices, degree_of, order_of)
-            except PipelineError as e:     # not data parallel inside: the stages run lowered (see below)
+            except PipelineError as e:     # not data parallel inside (tensor/Megatron parallelism)
                 dp_error = str(e)
     # sources join the stage of their first consumer (in topological order)
     for nid in order:
@@ -189,27 +161,16 @@ def resolve(plan) -> tuple[int, list[StagePlan]]:
             users = [u for u, _ in g.consumers((nid, 0))]
             if users:
                 stage_of[nid] = min(stage_of[u] for u in users)
-    mem = getattr(plan, "memory", None)
-    # memory techniques with several stages run in the lowered stages' Trainers (recompute, ZeRO-1/2)
-    lowered = dp_error is not None or (mem is not None and not mem.empty and len(node_lists) > 1)
-    if lowered:
-        _check_lowered(g, devices, dp_error)
-        degree_of = {i: 1 for i in range(len(node_lists))}
-        order_of = {i: devices[i] for i in range(len(node_lists))}
-    # micro-batches: every model input's dim 0 must split M ways (and, stages data parallel inside, each
-    # micro-batch R ways: the virtual replicas, R the least common multiple of the stages' degrees)
-    import math
-    R = math.lcm(*(degree_of.get(i, 1) for i in range(len(node_lists))))
+    if dp_error is not None:
+        _check_not_data_parallel(g, dp_error)
+    # micro-batches: every model input's dim 0 must split M ways (each stage's own layout of the micro-batch
+    # is checked when its stage graph is built: stage_graphs)
     for n in g.sources("Input"):
         b = n.a["shape"][0] if n.a["shape"] else None
         if b is None or b % M:
             raise PipelineError(f"plan: pipeline.micro_batches {M} does not divide the batch (dim 0 = {b}) "
                                 f"of input {n.label()}")
-        if b % (M * R):
-            raise PipelineError(f"plan: the micro-batches of input {n.label()} ({b // M} samples) do not split "
-                                f"into the {R} blocks the stages' data-parallel degrees "
-                                f"{[degree_of.get(i, 1) for i in range(len(node_lists))]} need")
-    return _stage_plans(g, node_lists, stage_of, order, devices, order_of, M, lowered)
+    return _stage_plans(g, node_lists, stage_of, order, devices, M)
 
 
 def _dp_node(g: PCG, plan, n, i: int, devices, degree_of: dict, order_of: dict) -> None:
@@ -235,16 +196,16 @@ def _dp_node(g: PCG, plan, n, i: int, devices, degree_of: dict, order_of: dict) 
                             f"devices in different orders ({list(order_of[i])}, {list(devs)})")
 
 
-def _check_lowered(g: PCG, devices, why: str) -> None:
-    """A plan whose stages are not all data parallel inside runs every stage lowered on its devices
-    (tensor/Megatron parallelism inside): what that mode needs of the stages."""
+def _check_not_data_parallel(g: PCG, why: str) -> None:
+    """What stages that are not all data parallel inside (tensor/Megatron parallelism) need: no BatchNorm
+    (its statistics over a micro-batch whose pieces lie on the stage's devices are not run)."""
     bn = next((n for n in g.nodes() if n.op == "BatchNorm"), None)
     if bn is not None:
         raise PipelineError(f"plan: BatchNorm ({bn.label()}) in pipeline stages with tensor/Megatron "
                             f"parallelism inside is not supported by the executor")
 
 
-def _stage_plans(g: PCG, node_lists, stage_of, order, devices, order_of, M: int, lowered: bool):
+def _stage_plans(g: PCG, node_lists, stage_of, order, devices, M: int):
     S = len(node_lists)
     first_out = tuple(g.outputs[0])
     # what each stage needs from earlier stages: tensors produced in stages < i (model inputs count as
@@ -273,10 +234,6 @@ def _stage_plans(g: PCG, node_lists, stage_of, order, devices, order_of, M: int,
         # the loss is the model's first output on the last stage: computed earlier (BERT's pooler alone in
         # the last stage), it is passed on like an activation a later stage reads
         if i < S - 1 and g.node(first_out[0]).op != "Input" and produced_at(first_out) <= i:
-            if lowered:
-                raise PipelineError(f"plan: the model's first output (the loss) is computed in pipeline stage "
-                                    f"{produced_at(first_out)}, before the last one; stages with tensor/Megatron "
-                                    f"parallelism inside cannot pass it on")
             reads_later.add(first_out)
         if i == S - 1:
             send = (first_out,)
@@ -285,9 +242,7 @@ def _stage_plans(g: PCG, node_lists, stage_of, order, devices, order_of, M: int,
             if not send:
                 raise PipelineError(f"plan: pipeline stage {i} sends nothing to stage {i + 1}")
         nodes = tuple(nid for nid in order if stage_of.get(nid) == i)
-        active = order_of.get(i, devices[i][:1])
-        stages.append(StagePlan(i, active, nodes, carried_in, send,
-                                tuple(d for d in devices[i] if d not in active), lowered))
+        stages.append(StagePlan(i, devices[i], nodes, carried_in, send))
         carried_in = send
     if stage_of.get(first_out[0], -1) not in range(S) and g.node(first_out[0]).op != "Input":
         raise PipelineError("plan: the model's first output is produced by no pipeline stage")
@@ -328,16 +283,16 @@ def check_pipeline(plan, per_device_bn: bool = True) -> None:
                             f"generator draws its whole tensor, not a micro-batch's rows); optimize without "
                             f"pipeline stages")
     M, stages = resolve(plan)
-    devs = sorted(d for st in stages for d in st.devices + st.idle)
+    devs = sorted(d for st in stages for d in st.devices)
     if devs != list(range(len(devs))):
-        raise PipelineError(f"plan: pipeline stages run on devices {[list(st.devices + st.idle) for st in stages]}; "
+        raise PipelineError(f"plan: pipeline stages run on devices {[list(st.devices) for st in stages]}; "
                             f"the executor needs the ranks 0..{len(devs) - 1}, each in one stage")
-    # the batch, and only it, must split into the micro-batches (times the virtual pipelines): the test the
-    # pipeline search applies too (search/pipeline.py::micro_graph); lowered stages also rebatch
-    micro_graph(plan.pcg, M * (1 if stages[0].lowered else replicas(stages)))
+    # the batch, and only it, must split into the micro-batches: the test the pipeline search applies too
+    # (search/pipeline.py::micro_graph); each stage's graph at the micro-batch must then build
+    micro_graph(plan.pcg, M)
     if accumulate:                  # one stage run by executor.accumulate: the plan at the micro-batch
         micro_plan(plan)
-    elif stages[0].lowered:
+    else:
         stage_graphs(plan, M, stages)
     if not per_device_bn and any(n.op == "BatchNorm" for n in plan.pcg.nodes()):
         raise PipelineError("plan: BatchNorm in a pipelined plan computes statistics per micro-batch, which "
@@ -375,7 +330,7 @@ def accumulation(plan) -> bool:
 
 
 def _stage_memory(plan, sg: PCG):
-    """The plan's memory techniques for one lowered stage: ZeRO as planned, each recompute region cut to the
+    """The plan's memory techniques for one stage: ZeRO as planned, each recompute region cut to the
     stage's compute nodes (None: none)."""
     mem = getattr(plan, "memory", None)
     if mem is None or mem.empty:
@@ -387,12 +342,6 @@ def _stage_memory(plan, sg: PCG):
         if nodes:
             regions.append(dataclasses.replace(r, nodes=nodes))
     return dataclasses.replace(mem, recompute=tuple(regions))
-
-
-def logical_graph(g: PCG) -> tuple[PCG, dict]:
-    """``g`` without parallel operators (search/pipeline.py's, shared)."""
-    from unity_pcg.search.pipeline import logical_graph as shared
-    return shared(g)
 
 
 def micro_graph(g: PCG, M: int) -> PCG:
@@ -407,7 +356,7 @@ def micro_graph(g: PCG, M: int) -> PCG:
         raise PipelineError(f"plan: {e}") from None
 
 
-# --- stages lowered on their devices (tensor/Megatron parallelism inside) ------------------------------
+# --- stage graphs: each stage's sub-plan at the micro-batch, lowered on its devices --------------------
 
 class _DeviceList:
     """A machine view given by its devices (tasks in row-major order), for devices that no (start,
@@ -462,7 +411,7 @@ class StageGraph:
 
 
 def stage_graphs(plan, M: int, stages) -> list[StageGraph]:
-    """The :class:`StageGraph` of every stage of a lowered pipeline (PipelineError, one line, when a stage
+    """The :class:`StageGraph` of every stage of a pipeline (PipelineError, one line, when a stage
     cannot run that way)."""
     from unity_pcg.search.pipeline import PipelineError as SearchPipelineError
     from unity_pcg.search.pipeline import batch_size, rebatch
@@ -593,13 +542,15 @@ def _stage_graph(plan, g: PCG, gm: PCG, role: Mapping[int, str], st: StagePlan, 
             sends.append(("recv", recv_pos[r]))
         else:
             x = ensure(r)
-            name = origin(x) if st.index < S - 1 else None
-            if name is not None:
+            name = origin(x)
+            if name is not None and st.index < S - 1:
                 sends.append(("feed", name))
                 continue
             # the model's output, too, ends in the chain: the loss reads the pieces where it can (the
             # mean, MSE) and the whole class rows for cross-entropy (Trainer._loss_ref walks back)
             first = nxt[0]
+            if name is not None:     # the loss computed in an earlier stage and received: the Trainer's
+                x = fresh("Identity", {}, [x])     # loss reads a computed tensor
             y = assemble(x)
             # the chain's views: its intermediate pieces on the stage's first devices, the copies on all
             for nid in range(first, nxt[0]):
@@ -636,127 +587,6 @@ def _torch_modules():
     return torch, nn
 
 
-def build_stage_module(plan, st: StagePlan, M: int, weights: Mapping[str, Any], seed: int, replica: int = 0,
-                       R: int | None = None, share=None):
-    """The ``nn.Module`` of one stage's (virtual) replica ``replica`` of ``R`` (see module docstring); with
-    ``share`` (another replica's module on the same device) its parameters and constants are that module's."""
-    torch, nn = _torch_modules()
-    from .kernels import TORCH_DTYPES, TaskContext, kernel
-    from .lower import dropout_key
-
-    g: PCG = plan.pcg
-    lg, alias = logical_graph(g)
-    K = R or len(st.devices)
-    mg = micro_graph(g, M * K)
-
-    class StageModule(nn.Module):
-        def __init__(self):
-            super().__init__()
-            self.params = nn.ParameterDict()
-            self.consts: dict[int, torch.Tensor] = {}
-            self.pname: dict[int, str] = {}
-            self.names: dict[str, str] = {}        # ONNX name -> parameter key
-            self.const_names: dict[str, int] = {}  # ONNX name -> node of a constant (BatchNorm statistics)
-            self.bn: dict[int, tuple] = {}         # BatchNorm node -> (momentum, mean node, var node)
-            self.steps_done = 0
-            self.micro = 0
-            self.recv = [alias.get(r, r) for r in st.recv]
-            self.send = [alias.get(r, r) for r in st.send]
-            self.prog = []
-            for nid in st.nodes:
-                n = g.node(nid)
-                if n.op == "Weight":
-                    name = n.a["name"]
-                    if name not in weights:
-                        raise UnityError(f"model has no initializer {name!r} (plan node {n.label()})")
-                    v = weights[name]
-                    v = v() if callable(v) else v
-                    t = torch.from_numpy(np.array(v, copy=True)).to(TORCH_DTYPES.get(n.a["dtype"], torch.float32)).clone()
-                    if g.is_trainable(nid):
-                        key = f"p{len(self.params)}"
-                        self.params[key] = share.params[key] if share is not None else nn.Parameter(t)
-                        self.pname[nid] = key
-                        self.names[name] = key
-                    else:
-                        self.consts[nid] = share.consts[nid] if share is not None else t
-                        self.const_names[name] = nid
-                elif n.kind == "compute":
-                    ins = mg.input_shapes(nid)
-                    outs = mg.shapes(nid)
-                    spec = ops.get_op(n.op)
-                    pa = spec.piece_attrs(n.a, ins, outs) if spec.piece_attrs else n.a
-                    logical = tuple(tuple(s.sizes) for s in lg.shapes(nid))
-                    # micro-batch k of replica r holds rows [k*B/M + r*B/(MK), ...) of the whole batch
-                    batched = tuple(bool(s.dims) and s.dims[0].degree == M * K and M * K > 1 for s in outs)
-                    mb = tuple((s.sizes[0] // M, replica * (s.sizes[0] // (M * K))) if b else (0, 0)
-                               for s, b in zip(outs, batched))
-                    self.prog.append((nid, kernel(n.op), dict(pa), tuple(tuple(r) for r in lg.node(nid).inputs),
-                                      logical, mb, dropout_key(g, nid)))
-                    if n.op == "BatchNorm":
-                        ins_ = [tuple(r) for r in lg.node(nid).inputs]
-                        if all(lg.node(r[0]).op == "Weight" for r in ins_[3:5]):
-                            self.bn[nid] = (float(n.a.get("momentum", 0.9)), ins_[3][0], ins_[4][0])
-            self.seed = seed
-
-        def forward(self, *xs):
-            vals = dict(zip(self.recv, (_contiguous_grad(x) for x in xs)))
-            k = self.micro        # micro-batches run forward in order (1F1B), counted from 0 each step
-            self.micro += 1
-            for nid, key in self.pname.items():
-                vals[(nid, 0)] = self.params[key]
-            for nid, t in self.consts.items():
-                vals[(nid, 0)] = t
-            for nid, fn, pa, inputs, logical, mb, dkey in self.prog:
-                ctx = TaskContext(training=True, seed=self.seed, step=self.steps_done, node_id=dkey,
-                                  out_logical=logical,
-                                  out_offset=tuple((k * m[0] + m[1],) + (0,) * (len(s) - 1) if s else ()
-                                                   for m, s in zip(mb, logical)))
-                if nid in self.bn:
-                    ctx.extra["want_stats"] = True
-                ys = fn(pa, [vals[r] for r in inputs], ctx)
-                if nid in self.bn and "bn_stats" in ctx.extra:
-                    # running statistics, per micro-batch (as torch's module called once per micro-batch)
-                    mom, mean_id, var_id = self.bn[nid]
-                    with torch.no_grad():
-                        for cid, v in zip((mean_id, var_id), ctx.extra["bn_stats"]):
-                            if cid in self.consts:
-                                self.consts[cid].mul_(mom).add_(v.to(self.consts[cid].dtype), alpha=1.0 - mom)
-                for j, y in enumerate(ys):
-                    vals[(nid, j)] = y
-            # gloo sends contiguous buffers only (a Transpose's output is a strided view)
-            out = tuple(vals[r].contiguous() for r in self.send)
-            return out if len(out) > 1 else out[0]
-
-    return StageModule()
-
-
-def _piece_sizes(g: PCG, mg: PCG, ref, M: int) -> tuple[int, ...]:
-    """Sizes of one micro-batch's piece of tensor ``ref`` (a model input: dim 0 split ``M`` ways: the
-    micro-batches times the replicas)."""
-    if g.node(ref[0]).op == "Input":
-        sizes = list(mg.shape(ref).sizes)
-        if sizes:
-            sizes[0] //= M
-        return tuple(sizes)
-    return tuple(d.size // d.degree for d in mg.shape(ref).dims)
-
-
-def loss_of(out, target, kind: str | None = None):
-    """Loss of one output (and its targets) of kind ``kind`` (executor.loss; None: derived from the
-    targets): mean of the output (``mean``, ``output``), MSE, binary cross-entropy with logits, or
-    cross-entropy (classes along dim 1, as torch and executor.train take them)."""
-    import torch.nn.functional as F
-    if kind is None:
-        kind = "mean" if target is None else ("mse" if target.is_floating_point() else "ce")
-    if kind in ("mean", "output"):
-        return out.float().mean()
-    if kind == "ce":
-        return F.cross_entropy(out.float(), target.long())
-    if kind == "bce":
-        return F.binary_cross_entropy_with_logits(out.float(), target.float().reshape(out.shape))
-    return F.mse_loss(out.float(), target.float().reshape(out.shape))
-
-
 def _step_kind(loss: str | None, targets) -> str:
     """The Trainer's loss kind of a step: the run's loss (output -> mean), or derived from the targets."""
     if loss is not None:
@@ -777,221 +607,6 @@ def _stage_rows(plan, first: bool, last: bool):
     out = g.shape(tuple(g.outputs[0]))
     rows = out.sizes[0] if out.rank else 1
     return feeds, ((0, rows) if last else (0, 0))
-
-
-class PipelineTrainer:
-    """The Trainer API (executor.train.Trainer) for plans with pipeline stages; rank == stage device.
-
-    Stages may differ in size: with data-parallel degrees K_i, R = lcm(K_i) virtual pipelines run, pipeline
-    r taking block r of every micro-batch; the device of pipeline r in stage i is its stage's device
-    r // (R / K_i), so a device runs R / K_i pipelines (one ``PipelineStage`` and schedule each, sharing
-    the stage's parameters, run one after another in pipeline order: no cycle of waits).  Gradients are
-    summed over a device's pipelines, then over the stage's devices (one flat all-reduce), and divided
-    by M R: the gradient of the whole batch's mean loss.  A device of a stage's field that no operator
-    uses (the search may give a stage more devices than its degree) runs nothing but the loss's
-    all-reduce."""
-
-    def __new__(cls, plan, *args, **kw):
-        if accumulation(plan):          # one stage with memory techniques / bf16: gradient accumulation
-            from .accumulate import AccumulationTrainer
-            return AccumulationTrainer(plan, *args, **kw)
-        mem = getattr(plan, "memory", None)
-        if mem is not None and not mem.empty:
-            check_pipeline(plan)
-        # stages that are not all data parallel inside run lowered on their devices
-        if cls is PipelineTrainer and resolve(plan)[1][0].lowered:
-            return LoweredPipelineTrainer(plan, *args, **kw)
-        return super().__new__(cls)
-
-    def __init__(self, plan, model_path: str, rank: int = 0, world: int = 1, optimizer: str = "sgd",
-                 lr: float = 0.01, seed: int = 0, device: str = "cpu", sync_batchnorm: bool = True,
-                 loss: str | None = None):
-        torch, nn = _torch_modules()
-        import torch.distributed as dist
-        from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGPipe
-
-        from unity_pcg.onnx_import import load_onnx
-
-        from .kernels import TORCH_DTYPES
-
-        check_pipeline(plan, per_device_bn=not sync_batchnorm)
-        from .precision import set_math_mode
-        set_math_mode(getattr(plan, "precision", "fp32"),
-                      torch.device("cuda") if device == "cuda" else torch.device(device))
-        self.M, stages = resolve(plan)
-        mine = [st for st in stages if rank in st.devices + st.idle]
-        if len(mine) != 1:
-            raise PipelineError(f"rank {rank} runs no pipeline stage")
-        self.st = mine[0]
-        self.S = len(stages)
-        self.R = R = replicas(stages)
-        self.K = K = len(self.st.devices)
-        self.rank, self.world = rank, world
-        self._dist = dist
-        # this device's virtual pipelines (none for an idle device)
-        self.hosted = [r for r in range(R) if rank in self.st.devices and self.st.device_of(r, R) == rank]
-        # one process group per pipeline (the default group when there is one pipeline), one per stage of
-        # several devices.  Every rank creates every group, in the same order (a collective).
-        pp_groups, pos = {}, {}
-        for r in range(R):
-            members = [s.device_of(r, R) for s in stages]
-            pos[r] = {d: j for j, d in enumerate(sorted(members))}   # group ranks follow the sorted ranks
-            pp_groups[r] = dist.new_group(members) if R > 1 else None
-            if R == 1:
-                pos[r] = {d: d for d in members}
-        self.dp_group = None
-        for s in stages:
-            if len(s.devices) > 1:
-                grp = dist.new_group(list(s.devices))
-                if s is self.st:
-                    self.dp_group = grp
-        self.dev = torch.device(device if device == "cpu" else f"cuda:{torch.cuda.current_device()}")
-        weights = load_onnx(model_path).weights
-        self.mods = {}
-        first = None
-        for r in self.hosted or [0]:
-            m = build_stage_module(plan, self.st, self.M, weights, seed, replica=r, R=R, share=first).to(self.dev)
-            first = first or m
-            self.mods[r] = m
-        self.mod = first
-        self.order = {k: name for name, k in self.mod.names.items()}
-        from .train import make_optimizer
-        self.opt = make_optimizer(optimizer, list(self.mod.params.values()), lr)
-        # the tensors a stage receives and sends, per micro-batch, are known from the plan: passing them
-        # makes the schedule skip its metadata inference (a forward run that would count as a micro-batch)
-        mg = micro_graph(plan.pcg, self.M * R)
-        dts = TORCH_DTYPES
-
-        def example(refs):   # a model input needs no gradient; every activation (floating) does
-            return tuple(torch.empty(_piece_sizes(plan.pcg, mg, x, self.M * R), dtype=dts[mg.shape(x).dtype],
-                                     device="meta").requires_grad_(plan.pcg.node(x[0]).op != "Input"
-                                                                   and dts[mg.shape(x).dtype].is_floating_point)
-                         for x in refs)
-        self._targets = False   # the schedule wants a target on the last stage; without one, a dummy
-        self.loss = loss        # executor.loss kind (None: derived from the targets)
-        self._rows = _stage_rows(plan, self.st.index == 0, self.st.index == self.S - 1)
-        # with fewer micro-batches than stages, 1F1B has no steady state: every forward runs before the
-        # first backward, which is GPipe's order (torch's Schedule1F1B refuses M < S, ScheduleGPipe runs it)
-        kind = Schedule1F1B if self.M >= self.S else ScheduleGPipe
-        self.scheds = {}
-        for r in self.hosted:
-            stage = PipelineStage(self.mods[r], self.st.index, self.S, self.dev, group=pp_groups[r],
-                                  input_args=example(self.mods[r].recv), output_args=example(self.mods[r].send))
-            stage.stage_index_to_group_rank = {s.index: pos[r][s.device_of(r, R)] for s in stages}
-            # gradients are scaled once, after the stage's pipelines and devices are summed (step)
-            self.scheds[r] = kind(stage, self.M, scale_grads=False,
-                                  loss_fn=lambda out, t: loss_of(out, t if self._targets else None, self.loss))
-        self.input_names = [plan.pcg.node(r[0]).a["name"] for r in self.st.recv] if self.st.index == 0 else []
-        self.steps_done = 0
-        ins = plan.pcg.sources("Input")
-        self.batch = ins[0].a["shape"][0] if ins and ins[0].a["shape"] else self.M * R
-        # pipeline r's rows of the whole batch: block r of every micro-batch, micro-batches in order
-        B, b = self.batch, self.batch // (self.M * R)
-        self.rows = {r: torch.cat([torch.arange(m * (B // self.M) + r * b, m * (B // self.M) + (r + 1) * b)
-                                   for m in range(self.M)]) for r in self.hosted} if R > 1 else None
-
-    def step(self, feeds=None, targets=None) -> float:
-        torch = _torch_modules()[0]
-        self.opt.zero_grad(set_to_none=True)
-        losses: list = []
-        for r in self.hosted:           # in pipeline order on every device (see class docstring)
-            mod = self.mods[r]
-            mod.steps_done = self.steps_done
-            mod.micro = 0
-            args = []
-            if self.st.index == 0:
-                if feeds is None:
-                    raise UnityError("the first pipeline stage needs the model inputs")
-                args = [self._mine(torch.as_tensor(feeds[n]), r).to(self.dev) for n in self.input_names]
-            kw = {}
-            mine: list = []     # the schedule clears the list it is given: one per pipeline
-            if self.st.index == self.S - 1:
-                self._targets = targets is not None
-                kw["target"] = (self._mine(torch.as_tensor(targets), r).to(self.dev) if targets is not None
-                                else torch.zeros(self.batch // self.R, device=self.dev))
-                kw["losses"] = mine
-            self.scheds[r].step(*args, **kw)
-            losses.extend(mine)
-        ps = [p for p in self.mod.params.values() if p.grad is not None]
-        if ps:
-            if self.K > 1:   # the stage's devices sum their gradients (one flat all-reduce)
-                flat = torch.cat([p.grad.reshape(-1) for p in ps])
-                self._dist.all_reduce(flat, group=self.dp_group)
-                flat /= self.M * self.R
-                off = 0
-                for p in ps:
-                    p.grad.copy_(flat[off:off + p.numel()].view_as(p.grad))
-                    off += p.numel()
-            else:
-                for p in ps:
-                    p.grad.div_(self.M * self.R)
-        if self.hosted:
-            self.opt.step()
-        self.steps_done += 1
-        # the step's loss: mean over micro-batches and pipelines (last stage), the same float on every rank
-        loss = torch.zeros(1, dtype=torch.float64, device=self.dev)
-        if self.st.index == self.S - 1:
-            loss[0] = sum(float(x.detach()) for x in losses) / (self.M * self.R)
-        if self.world > 1:
-            self._dist.all_reduce(loss)
-        return float(loss[0])
-
-    def feed_rows(self) -> dict:
-        """Input name -> rows of the batch this device reads: the first stage all, the others none."""
-        return dict(self._rows[0])
-
-    def target_rows(self, kind: str | None = None) -> tuple[int, int]:
-        return self._rows[1]
-
-    def _mine(self, t, r: int):
-        """Pipeline ``r``'s rows of a whole-batch tensor."""
-        return t if self.rows is None else t.index_select(0, self.rows[r])
-
-    # --- state (the model's own parameter names; a stage holds its own) ---------------------------------
-    def _bn_consts(self) -> dict:
-        stats = {i for _, a, b in self.mod.bn.values() for i in (a, b)}
-        return {name: nid for name, nid in self.mod.const_names.items() if nid in stats}
-
-    def model_state(self) -> dict:
-        """The stage's parameters and BatchNorm running statistics (per-device statistics: the stage's
-        first device's, as DDP's broadcast from rank 0); an idle device holds none (collective)."""
-        out = {name: self.mod.params[k].detach().clone() for name, k in self.mod.names.items()}
-        for name, nid in self._bn_consts().items():
-            t = self.mod.consts[nid].detach().clone()
-            if self.K > 1 and self.hosted:
-                self._dist.broadcast(t, self.st.devices[0], group=self.dp_group)
-            out[name] = t
-        return out if self.hosted else {}
-
-    def load_model_state(self, d: Mapping) -> None:
-        torch = _torch_modules()[0]
-        if not self.hosted:
-            return
-        with torch.no_grad():
-            for name, k in self.mod.names.items():
-                if name not in d:
-                    raise UnityError(f"checkpoint has no parameter {name!r}")
-                self.mod.params[k].copy_(torch.as_tensor(d[name]))
-            for name, nid in self._bn_consts().items():
-                if name in d:
-                    self.mod.consts[nid].copy_(torch.as_tensor(d[name]))
-
-    def optimizer_state(self) -> dict:
-        sd = self.opt.state_dict()
-        keys = list(self.mod.params.keys())
-        # parameter positions -> the model's names, so keys of different stages never collide
-        return {"state": {self.order[keys[i]]: v for i, v in sd["state"].items()},
-                "param_groups": [{k: v for k, v in grp.items() if k != "params"} for grp in sd["param_groups"]]}
-
-    def load_optimizer_state(self, d: Mapping) -> None:
-        keys = list(self.mod.params.keys())
-        pos = {self.order[k]: i for i, k in enumerate(keys)}
-        state = {pos[name]: v for name, v in d.get("state", {}).items() if name in pos}
-        groups = [dict(grp, params=list(range(len(keys)))) for grp in d.get("param_groups", [])]
-        self.opt.load_state_dict({"state": state, "param_groups": groups})
-
-    def local_shards(self) -> dict:
-        return {name: (t, "stage") for name, t in self.model_state().items()}
 
 
 _FORWARD, _BACKWARD, _STOP = 1, 2, 3
@@ -1041,12 +656,15 @@ def _on_backward(x, fn):
     return _ON_BACKWARD[0].apply(x, fn)
 
 
-class LoweredPipelineTrainer:
-    """The Trainer API for pipelines whose stages are not all data parallel inside (tensor/Megatron
-    parallelism, hybrids): every stage runs its :class:`StageGraph` -- its sub-plan at the micro-batch --
-    with the lowering of :class:`executor.train.Trainer` (DTensor redistributions and torch.distributed
-    collectives on process groups of the stage's devices), and ``torch.distributed.pipelining`` drives
-    the stages with 1F1B.  Stages of different sizes run one pipeline through their first devices, which
+class PipelineTrainer:
+    """The Trainer API (executor.train.Trainer) for plans with pipeline stages; rank == device.  The one
+    pipeline runtime: every stage -- data parallel, tensor/Megatron parallel or a hybrid inside -- runs its
+    :class:`StageGraph` -- its sub-plan at the micro-batch -- with the lowering of
+    :class:`executor.train.Trainer` (DTensor redistributions and torch.distributed collectives on process
+    groups of the stage's devices), and ``torch.distributed.pipelining`` drives the stages with 1F1B
+    (GPipe's order when M < S).  One stage with memory techniques or bf16 is gradient accumulation
+    (``PipelineTrainer(plan)`` returns an :class:`executor.accumulate.AccumulationTrainer`).  Stages of
+    different sizes run one pipeline through their first devices, which
     drive the others (see the module docstring).  Stages of K devices each: K pipelines run, pipeline j
     made of device j of every stage, each carrying whole micro-batches: every device of a stage receives every tensor it
     reads from the previous stage whole (its pieces are local slices) and sends every tensor it passes on
@@ -1056,6 +674,12 @@ class LoweredPipelineTrainer:
     The loss of a micro-batch is the sum over the last stage's devices of the Trainer's per-piece loss;
     gradients are accumulated over the micro-batches, replicated weight regions all-reduced over the
     devices that read them (sharded ones not: the Trainer's buckets), and divided by M."""
+
+    def __new__(cls, plan, *args, **kw):
+        if accumulation(plan):          # one stage with memory techniques / bf16: gradient accumulation
+            from .accumulate import AccumulationTrainer
+            return AccumulationTrainer(plan, *args, **kw)
+        return super().__new__(cls)
 
     def __init__(self, plan, model_path: str, rank: int = 0, world: int = 1, optimizer: str = "sgd",
                  lr: float = 0.01, seed: int = 0, device: str = "cpu", sync_batchnorm: bool = True,
@@ -1256,6 +880,12 @@ class LoweredPipelineTrainer:
         tie = anchor * 0.0
         for t in sinks:
             tie = tie + t.sum() * 0.0
+        if self.lead and self.K > 1:
+            # every device's backward reaches the broadcasts of what the stage received (their backward
+            # is a reduce onto the leader), also on a device whose operators read none of it
+            for x in shared.values():
+                if x.requires_grad:
+                    tie = tie + x.sum() * 0.0
         if self.lead and self.K > 1 and self.rank == self.leader:
             # the backward starts here (created last, run first): the followers start theirs
             tie = _on_backward(tie, lambda: self._command(_BACKWARD, k))

@@ -300,10 +300,11 @@ def batch_split_error(g: PCG, nid: int, K: int) -> str | None:
 
 
 def executor_replicas(stage_pcgs: Sequence[PCG]) -> int:
-    """R, the virtual pipelines the executor runs for stages with these parallel sub-PCGs: the least
+    """R, the blocks every micro-batch must split into for stages with these parallel sub-PCGs: the least
     common multiple of their data-parallel degrees when every stage is data parallel inside (each compute
-    operator one degree K, :func:`batch_split_error` clean), else 1 (the stages run lowered).  The batch
-    must then split into M x R pieces (:func:`micro_graph`)."""
+    operator one degree K, :func:`batch_split_error` clean; the executor lays each stage's micro-batch out
+    K ways), else 1 (the stage graphs' own shape inference decides).  The batch must then split into M x R
+    pieces (:func:`micro_graph`)."""
     Ks = []
     for P in stage_pcgs:
         K = None
@@ -1115,7 +1116,7 @@ def _evaluate(gM, roles, info, layers, plan, M, mapper, intra, machine, memo=Non
     if any(not math.isfinite(x) for x in fwd):
         return dict(out, cost=INF, makespan=INF, feasible=False,
                     reason="; ".join(reasons) or "a stage cannot be mapped")
-    # the executor runs data-parallel stages as R virtual pipelines: the batch must split M x R ways
+    # data-parallel stages of degrees K_i: every micro-batch must split lcm(K_i) ways (the batch M x R)
     R = executor_replicas([p.pcg for p in priced])
     if R > 1:
         key = ("micro", id(gM), R)
@@ -1283,13 +1284,14 @@ def by_rules(pcg: PCG, result: PipelineResult, machine: MachineSpec, book=None, 
     the plan's structural hash).  Stages built by :func:`megatron_rules_intra` repeat their recipe
     (``origin["recipes"]``: data parallelism of degree d by rules, then
     ``substitution.tensor_parallel_steps(copies=True)`` at degree t, restricted to the stage's nodes and the
-    nodes those steps add).  None when the stages were built by hand and are not data parallel inside
-    (:func:`megatron_intra`), the plan was not stitched, or the rules do not reach the stitched PCG
-    (or its stages would not be contiguous in the rule-reached PCG's topological order)."""
+    nodes those steps add).  Stages built by :func:`megatron_intra` (Megatron-LM's layout by structure)
+    are reached by :func:`search.realize.realize` (:func:`_megatron_by_rules`).  None when the plan was not
+    stitched, or the rules do not reach the stitched PCG (or its stages would not be contiguous in the
+    rule-reached PCG's topological order)."""
     info = result.origin
     if result.pcg is None or not result.feasible or info is None:
         return None
-    if info.get("megatron") and mapper is not None:
+    if info.get("megatron"):
         return _megatron_by_rules(pcg, result, machine, book, mapper)
     recipes = info.get("recipes") or []
     if not info.get("dp_inside") and (not recipes or any(r is None for r in recipes)):
@@ -1392,10 +1394,29 @@ def _in_stage_order(g: PCG, views: dict, stages: tuple):
 
 def _megatron_by_rules(pcg: PCG, result: PipelineResult, machine: MachineSpec, book, mapper
                        ) -> PipelineResult | None:
-    """A plan whose stages the hand-built :func:`megatron_intra` parallelized, reached by rules: the same
-    stages, devices and micro-batches priced with :func:`megatron_rules_intra` (Megatron-LM's layout built
-    by rules) and taken, with its rule sequence, when it is feasible and predicted no slower (on tiny GPT
-    they cost the same); else None (the hand-built plan, no rule sequence)."""
+    """A plan whose stages :func:`megatron_intra` parallelized (Megatron-LM's layout of
+    :mod:`search.baselines`, built by structure), reached by rules: :func:`search.realize.realize` of the
+    stitched PCG from the logical ``pcg``, then the cancellations and the outputs trimmed, as every plan --
+    the same plan (stages, devices, views, price) with its rule sequence.  Where the rules write the layout
+    differently (stages data parallel and tensor parallel at once: the rules copy a weight twice, by the
+    data-parallel rule and by a replicate lift, where the hand-built stage copies it once) and ``mapper`` is
+    given: the same stages, devices and micro-batches priced with :func:`megatron_rules_intra` and taken,
+    with its rule sequence, when feasible and predicted no slower; else None (the hand-built plan, no rule
+    sequence)."""
+    from .realize import realize
+    from .substitution import RuleBook, cancel_steps, trimmed
+    book = book or RuleBook()
+    try:
+        r = realize(pcg, result.pcg, book)
+    except UnityError:
+        r = None
+    if r is not None and r.complete:
+        g, more = cancel_steps(r.pcg, book)
+        out = _rules_plan(pcg, result, machine, trimmed(g), list(r.steps) + list(more))
+        if out is not None:
+            return out
+    if mapper is None:
+        return None
     meg = result.origin["megatron"]
     plan = [(st.layers[0], st.layers[1], st.devices[0], len(st.devices)) for st in result.stages]
     try:

@@ -228,7 +228,9 @@ def _unequal_run(work, capfd, devices: int, sizes: list, degrees: list, idle: bo
     # the search's split (which stage gets more devices) follows its cost model: any order of the sizes
     got_sizes = [len(st["devices"]) for st in pl.pipeline["stages"]]
     assert sorted(got_sizes) == sorted(sizes), got_sizes
-    got_degrees = [len(st.devices) for st in resolve(pl)[1]]
+    # devices the stages' operators run on (a device of a stage's field that none uses is idle)
+    got_degrees = [len({d for nid in st.nodes if pl.pcg.node(nid).kind == "compute"
+                        for d in pl.views[nid].devices()}) for st in resolve(pl)[1]]
     assert sorted(got_degrees) == sorted(degrees), got_degrees
     capfd.readouterr()
     rc = main(["run", pp, "--model", model, "--steps", "3", "--seed", "5", "--optimizer", "adam", "--lr", "0.05",
@@ -244,10 +246,9 @@ def _unequal_run(work, capfd, devices: int, sizes: list, degrees: list, idle: bo
 
 
 def test_unequal_stages_train_like_one_process(work, capfd):
-    """The pipeline search's plan on local:1x3: one stage on 1 device, the other data parallel on 2.  Two
-    virtual pipelines (one per block of each micro-batch) share the single device, which runs both one after
-    the other; the other stage's devices each run one.  Losses (Adam, dropout active) equal the one-process
-    Trainer's."""
+    """The pipeline search's plan on local:1x3: one stage on 1 device, the other data parallel on 2.  One
+    pipeline runs through the stages' first devices; the 2-device stage's leader shares what it receives
+    with the other device and drives it.  Losses (Adam, dropout active) equal the one-process Trainer's."""
     _unequal_run(work, capfd, 3, [1, 2], [1, 2])
 
 
@@ -305,4 +306,25 @@ def test_megatron_inside_a_stage_runs_lowered(work, tmp_path):
     pl = P.load(_save(g, plan.views, model, str(tmp_path / "meg.json"), plan.machine, pipeline=field))
     check_pipeline(pl)
     M, stages = resolve(pl)
-    assert M == 2 and stages[0].lowered and stages[0].devices == (0, 1)
+    assert M == 2 and stages[0].devices == (0, 1)
+
+
+def test_last_stage_device_no_operator_uses_trains_like_one_process(work, capfd):
+    """The search's h100:1x4 plan: stage 0 on 1 device, stage 1 on 3 whose operators use 2 (the third holds
+    only copies of the output).  Every device of the last stage joins the backward of what its leader shares
+    with it (otherwise the leader waits on it): 4 processes train as plain PyTorch does."""
+    from tests.executor.runtime_plans import searched_pipeline_plan
+    from unity_pcg.cli import main
+    pp = searched_pipeline_plan(work["model"], str(work["dir"] / "pp4_last.json"), stages=2, micro_batches=2,
+                                devices=4, preset="h100")
+    pl = P.load(pp)
+    last = resolve(pl)[1][-1]
+    used = {d for nid in last.nodes if pl.pcg.node(nid).kind == "compute" for d in pl.views[nid].devices()}
+    assert len(last.devices) > len(used) and len(resolve(pl)[1][0].devices) != len(last.devices)
+    capfd.readouterr()
+    rc = main(["run", pp, "--model", work["model"], "--steps", "2", "--optimizer", "sgd", "--lr", "0.05",
+               "--json", "--loss", "mean"])
+    out, err = capfd.readouterr()
+    assert rc == 0, err
+    ref, _ = reference_losses(work["model"], 2, "sgd", lr=0.05, loss="mean")
+    np.testing.assert_allclose(json.loads(out)["losses"], ref, rtol=1e-4, atol=1e-7)

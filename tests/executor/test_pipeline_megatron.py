@@ -1,6 +1,6 @@
 """Pipelines with tensor (Megatron) parallelism inside the stages: plans of the pipeline search with its
 ``megatron_intra`` hook (search/pipeline.py), run by the executor with every stage lowered on its devices
-(executor/pipeline.py LoweredPipelineTrainer), train as one process does: losses of 5 steps and final weights
+(executor/pipeline.py PipelineTrainer), train as one process does: losses of 5 steps and final weights
 (rtol 1e-4) against the one-process Trainer of the same ONNX model."""
 from __future__ import annotations
 
@@ -89,7 +89,7 @@ def test_two_megatron_stages_train_like_one_process(tmp_path, capfd):
     pp = megatron_pipeline_plan(model, str(tmp_path / "pp.json"), cut=3)
     pl = P.load(pp)
     M, stages = resolve(pl)
-    assert [st.devices for st in stages] == [(0, 1), (2, 3)] and all(st.lowered for st in stages)
+    assert [st.devices for st in stages] == [(0, 1), (2, 3)]
     for st in stages:     # each stage holds a Megatron pair: a row-parallel Linear whose sums are all-reduced
         assert any(pl.pcg.node(n).op == "AllReduce" for n in st.nodes)
     rng = np.random.default_rng(1)
@@ -190,7 +190,7 @@ def test_megatron_stages_of_different_sizes_train_like_one_process(tmp_path, cap
     pp = _save(res.pcg, res.views, model, str(tmp_path / "pp.json"), m, pipeline=res.to_plan_field(),
                predicted=res.to_json())
     M, stages = resolve(P.load(pp))
-    assert [st.devices for st in stages] == [(0,), (1, 2)] and stages[1].lowered
+    assert [st.devices for st in stages] == [(0,), (1, 2)]
     assert any(P.load(pp).pcg.node(n).op == "AllReduce" for n in stages[1].nodes)
     rng = np.random.default_rng(4)
     data = tmp_path / "d.npz"
@@ -300,7 +300,7 @@ def test_searched_megatron_pipeline_plan_trains_like_one_process(tmp_path, capfd
     pp = _save(r.pcg, r.views, model, str(tmp_path / "pp.json"), m, pipeline=r.to_plan_field(),
                predicted=r.to_json())
     M, stages = resolve(P.load(pp))
-    assert all(st.lowered for st in stages) and len(stages) > 1 and len(stages[0].devices) == 2
+    assert len(stages) > 1 and len(stages[0].devices) == 2
     from unity_pcg.cli import main
     from unity_pcg.executor.data import open_data
     from unity_pcg.executor.train import Trainer
@@ -337,7 +337,7 @@ def test_stage_with_an_idle_device_before_a_megatron_stage(tmp_path, capfd):
     pl = P.load(pp)
     M, stages = resolve(pl)
     used = {d for n in stages[0].nodes if n in pl.views for d in pl.views[n].devices()}
-    assert stages[0].devices == (0, 1, 2) and used == {0, 1} and stages[1].lowered
+    assert stages[0].devices == (0, 1, 2) and used == {0, 1}
     rng = np.random.default_rng(6)
     data = tmp_path / "d.npz"
     np.savez(data, x=rng.standard_normal((8, 8)).astype(np.float32),

@@ -1,4 +1,4 @@
-"""Memory techniques inside plans of several pipeline stages (executor/pipeline.py LoweredPipelineTrainer: each
+"""Memory techniques inside plans of several pipeline stages (executor/pipeline.py PipelineTrainer: each
 stage's Trainer runs its recompute regions, cut to the stage, and ZeRO-1/2 over the stage's data-parallel copies)
 train equal to one process (3 steps, rtol 1e-4), Dropout inside a recomputed region too; ZeRO-3 and offload are
 refused in one line before any process starts."""

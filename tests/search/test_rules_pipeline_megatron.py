@@ -78,11 +78,30 @@ def test_rules_layout_costs_what_the_hand_built_one_does(gpt_path, mesh, stages)
     assert hand.feasible and rules.feasible
     assert rules.cost == pytest.approx(hand.cost, rel=1e-9)
     assert rules.max_memory_bytes == hand.max_memory_bytes
-    assert by_rules(g, hand, m) is None and by_rules(g, rules, m) is not None
-    # given the mapper, by_rules re-prices a hand-built Megatron plan with the rules' hook and takes it
+    assert by_rules(g, rules, m) is not None
+    # given the mapper, by_rules reaches a hand-built Megatron plan by rules (realize towards its layout, or
+    # where the rules write it differently the rules' hook priced on the same stages) and takes it
     twin = by_rules(g, hand, m, mapper=MachineMapper(CostModel(m, "adam")))
     assert twin is not None and twin.rules and twin.cost == pytest.approx(hand.cost, rel=1e-9)
     assert [s.devices for s in twin.stages] == [s.devices for s in hand.stages]
+
+
+@pytest.mark.parametrize("stages", [[(0, 8, 0, 4)], [(0, 4, 0, 2), (4, 8, 2, 2)]])
+def test_hand_built_megatron_stages_reached_by_realize(gpt_path, stages):
+    """Stages tensor parallel inside (megatron_intra: Megatron-LM's layout by structure) are reached by
+    realize from the logical model: the hand-built plan itself (same stages, views, price) with a rule
+    sequence that replays on a fresh import, no mapper needed."""
+    from unity_pcg.onnx_import import load_onnx
+
+    def fresh():
+        return load_onnx(gpt_path, load_weights=False)
+    m = machine(1, 4)
+    g = fresh()
+    hand = evaluate_pipeline(g, CostModel(m, "adam"), stages, 2, intra=megatron_intra(m.devices_per_node))
+    assert hand.feasible and hand.origin.get("megatron")
+    ruled = by_rules(g, hand, m)
+    _check(fresh, hand, ruled, m)
+    assert any(s.rule.startswith("megatron_") or s.rule.startswith("split_") for s in ruled.rules)
 
 
 def test_recorded_sequence_survives_the_plan_file(gpt_path, tmp_path):
