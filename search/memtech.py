@@ -18,7 +18,9 @@ outputs of operators of class :data:`SELECTIVE_KEEP`.  Time: one more forward of
 activations live again (the largest region's, on top).
 *Offload*: optimizer states (and the update) in host memory: the states leave the device; the
 gradient shard goes to the host and the parameter shard back over ``links["host"]``, the update runs
-at ``host_mem_bandwidth`` shared by the node's devices.
+at ``host_mem_bandwidth`` shared by the node's devices.  The host holds, per device, the states, the
+updated parameter shard and the gradient shard copied for the update; the devices of a node share its
+``host_memory_bytes``: a plan whose node needs more is infeasible (an unknown capacity offers no offload).
 
 *Overlap* (``MachineSpec.overlap_grad_sync``): the iteration is the critical path of a compute stream
 (forward in topological order, backward in reverse, recomputation before a region's backward) and one
@@ -134,6 +136,12 @@ class Priced:
     exposed_sync_s: float = 0.0  # communication of the sync stream left on the critical path
     zero_units: int = 0
     overlap: bool = False
+    host_per_node: dict = field(default_factory=dict)   # offload: node -> bytes in its host memory
+    host_capacity: int = 0                               # the machine's host memory per node
+
+    @property
+    def host_max_bytes(self) -> int:
+        return max(self.host_per_node.values(), default=0)
 
     @property
     def max_bytes(self) -> int:
@@ -146,7 +154,9 @@ class Priced:
     def to_json(self) -> dict:
         return {"recompute_s": self.recompute_s, "zero_comm_s": self.zero_comm_s, "offload_s": self.offload_s,
                 "exposed_sync_s": self.exposed_sync_s, "hidden_comm_s": self.hidden_s,
-                "update_with_techniques_s": self.update_s, "overlap_grad_sync": self.overlap}
+                "update_with_techniques_s": self.update_s, "overlap_grad_sync": self.overlap,
+                **({"offload_host_bytes": self.host_max_bytes, "host_memory_bytes": self.host_capacity}
+                   if self.memory.offload else {})}
 
     def rows(self) -> list[tuple[str, float]]:
         """The iteration as rows that add up to it (explain)."""
@@ -599,6 +609,7 @@ class Techniques:
         sync_new = 0.0
         update = self.update_s
         host_bytes = host_moved = host_update = 0.0
+        host_mem: dict = {}
         bucket: list = []
         cap = model.grad_bucket_bytes if model.grad_bucket_bytes > 0 else math.inf
         limit = [min(cap, model.first_bucket_bytes) if m.overlap_grad_sync else cap]
@@ -645,6 +656,9 @@ class Techniques:
                 if not offload:
                     update += model.update_time(share)
             if offload:               # the device's update of the shard, at the host's bandwidth
+                for d in x.devices:   # states, the updated shard and its gradient, in the node's memory
+                    nd = d // m.devices_per_node
+                    host_mem[nd] = host_mem.get(nd, 0.0) + (self.states + 2) * share
                 host_bytes += 2 * share
                 host_moved += (3 + 2 * self.states) * share
                 host_update += model.update_time(share)
@@ -686,16 +700,26 @@ class Techniques:
             off = (host_bytes / host.bandwidth + 2 * host.latency + host_update
                    + host_moved * max(1.0 / per_dev - 1.0 / m.mem_bandwidth, 0.0))
         it = self.base_s - self.leaves_s + makespan + update + off
+        host_mem = {nd: int(math.ceil(b)) for nd, b in host_mem.items()}
         feasible = report.feasible
         reason = "" if feasible else "out of memory: " + report.reason()
+        over = {nd: b for nd, b in host_mem.items() if b > m.host_memory_bytes}
+        if over:
+            nd = max(over, key=over.get)
+            feasible = False
+            reason = "; ".join(x for x in (reason, (
+                f"out of host memory: offload puts {format_bytes(over[nd])} of optimizer states, parameter and "
+                f"gradient shards in node {nd}'s host memory but it has {format_bytes(m.host_memory_bytes)}")) if x)
         return Priced(MemoryPlan(zero, offload, tuple(mem.recompute)), it, feasible, reason, report,
                       self.base_s, self.leaves_s, self.compute_s, self.comm_s, self.sync_s, zero_comm, rec_s,
-                      update, self.update_s, off, hidden, exposed, self.n_units, m.overlap_grad_sync)
+                      update, self.update_s, off, hidden, exposed, self.n_units, m.overlap_grad_sync,
+                      host_mem, m.host_memory_bytes)
 
     @property
     def can_offload(self) -> bool:
         m = self.machine
-        return "host" in m.links and m.host_mem_bandwidth > 0 and self.states > 0 and bool(self.weights)
+        return ("host" in m.links and m.host_mem_bandwidth > 0 and m.host_memory_bytes > 0 and self.states > 0
+                and bool(self.weights))
 
     # --- choosing -----------------------------------------------------------------------------------
     def choose(self, zero: Sequence[int] = (0, 1, 2, 3), offload: Sequence[bool] = (False, True),
@@ -847,7 +871,8 @@ def describe(p: Priced) -> list[str]:
         out.append(f"recompute: {len(mem.recompute)} region(s), {n} operators ({'/'.join(modes)}): "
                    f"+{p.recompute_s * 1e3:.3f} ms")
     if mem.offload:
-        out.append(f"offload: optimizer states and update in host memory: +{p.offload_s * 1e3:.3f} ms")
+        out.append(f"offload: optimizer states and update in host memory: +{p.offload_s * 1e3:.3f} ms; host memory "
+                   f"{format_bytes(p.host_max_bytes)} of {format_bytes(p.host_capacity)} on the fullest node")
     if p.overlap:
         out.append(f"overlap: {p.hidden_s * 1e3:.3f} ms of communication hidden by compute; "
                    f"exposed {p.exposed_sync_s * 1e3:.3f} ms")

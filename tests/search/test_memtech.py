@@ -206,3 +206,66 @@ def test_optimize_writes_the_memory_plan_and_its_numbers():
     assert sum(v for _, v in tech["rows"]) == pytest.approx(tech["iteration_s"], rel=1e-9)
     assert any(line.startswith(f"ZeRO-{r.plan.memory.zero}") for line in tech["lines"]) or not r.plan.memory.zero
     assert isinstance(r.plan, Plan)
+
+
+def test_offload_is_checked_against_the_host_memory_of_each_node():
+    """Offload puts, per device, the optimizer states, the updated parameter shard and its gradient shard in
+    host memory (Adam: (2 + 2) x shard); the devices of a node share its ``host_memory_bytes``.  Two 1 KiB
+    weights on 4 devices with ZeRO-1: 2 x 4 x 256 = 2 KiB per device, 8 KiB on one node of 4, 4 KiB per
+    node on 2 nodes of 2.  Over capacity the plan is infeasible and ``choose`` does not take it."""
+    g = data_parallel(mlp(batch=8, h=16, layers=2), 4)
+    P = 16 * 16 * 4
+    per_device = 2 * (2 + 2) * P // 4
+    for size, per_node in (("1x4", 4 * per_device), ("2x2", 2 * per_device)):
+        m = parse_machine(f"h100:{size}")
+        assert m.host_memory_bytes >= 2**40
+        gc, r = _mapped(g, m)
+        p = memtech.Techniques(gc, r.views).price(MemoryPlan(zero=1, offload=True))
+        assert p.feasible and p.host_per_node == {nd: per_node for nd in range(m.nodes)}
+        assert any("host memory" in line for line in memtech.describe(p))
+        assert p.to_json()["offload_host_bytes"] == per_node
+        for cap, ok in ((per_node, True), (per_node - 1, False), (per_device, False)):
+            small = dataclasses.replace(m, host_memory_bytes=cap)
+            gc2, _ = _mapped(g, small)
+            q = memtech.Techniques(gc2, r.views).price(MemoryPlan(zero=1, offload=True))
+            assert q.feasible == ok, (size, cap)
+            if not ok:
+                assert "host memory" in q.reason and "node 0" in q.reason
+    # choose: a device too small for the states, a host too small for them: no feasible offload plan
+    m = parse_machine("h100:1x4")
+    gc, r = _mapped(g, m)
+    need = max(memtech.Techniques(gc, r.views).price(MemoryPlan(zero=3)).report.per_device.values())
+    tight = _with_capacity(dataclasses.replace(m, host_memory_bytes=per_device), need - 1)
+    gc3, _ = _mapped(g, tight)
+    _, p = memtech.choose(gc3, r.views, recompute="none")
+    assert not (p.feasible and p.memory.offload)
+    roomy = _with_capacity(m, need - 1)
+    gc4, _ = _mapped(g, roomy)
+    _, p4 = memtech.choose(gc4, r.views, recompute="none")
+    assert p4.feasible and p4.memory.offload
+
+
+def test_host_memory_in_machine_files():
+    """``host_memory_bytes``: presets carry it, JSON files round-trip and validate it, older files load with 0
+    (unknown: offload is not offered)."""
+    from unity_pcg.machine import MachineError
+    for name, want in (("summit", 512 * 2**30), ("dgx-a100", 2 * 2**40), ("h100", 2 * 2**40)):
+        assert parse_machine(f"{name}:2x4").host_memory_bytes == want
+    assert parse_machine("local:1x2").host_memory_bytes > 0
+    m = parse_machine("h100:1x8")
+    obj = json.loads(json.dumps(m.to_json()))
+    assert MachineSpec.from_json(obj) == m
+    obj["host_memory_bytes"] = 1.5e12
+    assert MachineSpec.from_json(obj).host_memory_bytes == 1_500_000_000_000
+    for bad in (-1, "lots", 1.5, True):
+        obj["host_memory_bytes"] = bad
+        with pytest.raises(MachineError, match="host_memory_bytes"):
+            MachineSpec.from_json(obj)
+    with pytest.raises(MachineError, match="host_memory_bytes"):
+        dataclasses.replace(m, host_memory_bytes=-5)
+    obj.pop("host_memory_bytes")
+    old = MachineSpec.from_json(obj)
+    assert old.host_memory_bytes == 0
+    gc, r = _mapped(data_parallel(mlp(batch=8, h=16, layers=2), 2), parse_machine("h100:1x2"))
+    gc0 = GraphCost(gc.g, CostModel(dataclasses.replace(old.resized(1, 2)), optimizer="adam"))
+    assert memtech.Techniques(gc, r.views).can_offload and not memtech.Techniques(gc0, r.views).can_offload
