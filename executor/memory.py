@@ -3,7 +3,10 @@ DESIGN "Executor").  The :class:`~executor.train.Trainer` owns the step; this mo
 
 * **the schedule with recompute regions** (:func:`schedule`): the lowered steps in their global order,
   each :class:`~unity_pcg.plan.RecomputeRegion` gathered into one :class:`Region` item (its compute
-  nodes plus the parallel operators between them: those fed by the region whose every consumer is in it),
+  nodes plus the parallel operators between them: those fed by the region whose every consumer is in it;
+  and the gathers feeding it -- Combine/Replicate chains from an activation outside, every consumer in it --
+  so that under sequence parallelism the checkpoint keeps the sequence shard and the all-gather runs again
+  in the recomputation, as Megatron-LM does: :func:`search.memtech.region_members`),
   placed by a stable topological sort (a region that a path leaves and re-enters is refused).  Every rank
   derives the same items from the same plan.  A region's steps run under ``torch.utils.checkpoint``
   (non-reentrant) as one sub-program per *run*: ``full`` -> one run; ``selective`` -> each maximal run of
@@ -87,28 +90,13 @@ class Region:
     runs: list
 
 
-def _members(low, nodes: set, taken: dict, consumers: dict, outputs: set) -> set:
-    """The region's compute nodes plus the parallel operators between them: fed (through parallel
-    operators) by the region, every consumer inside it, not a graph output."""
-    S = set(nodes)
-    T: set = set()
-    stack = list(S)
-    while stack:
-        i = stack.pop()
-        for c in consumers.get(i, ()):
-            if low.role.get(c) == "parallel" and c not in T and c not in taken:
-                T.add(c)
-                stack.append(c)
-    changed = True
-    while changed:
-        changed = False
-        for p in sorted(T):
-            n = low.g.node(p)
-            ok = n.inputs[0][0] in S | T and p not in outputs and all(c in S | T for c in consumers.get(p, ()))
-            if not ok:
-                T.discard(p)
-                changed = True
-    return S | T
+def _members(low, nodes: set, taken: dict, outputs: set) -> set:
+    """The region's steps: its compute nodes, the parallel operators between them (fed by the region,
+    every consumer inside it, not a graph output) and the gathers feeding it (a Combine -> Replicate
+    all-gather of a sequence shard: the checkpoint keeps the shard and the redistribution runs again in
+    the recomputation) -- the cost model's :func:`search.memtech.region_members`, on the lowering's roles."""
+    from unity_pcg.search.memtech import region_members
+    return region_members(low.g, low.role, nodes, taken, outputs)
 
 
 def schedule(low, regions) -> list:
@@ -118,10 +106,6 @@ def schedule(low, regions) -> list:
         return list(low.steps)
     g = low.g
     pos = {st.node: i for i, st in enumerate(low.steps)}
-    consumers: dict = {}
-    for n in g.nodes():
-        for r in n.inputs:
-            consumers.setdefault(r[0], set()).add(n.id)
     outputs = {r[0] for r in g.outputs}
     unit: dict = {}            # node -> unit key
     regs: list[Region] = []
@@ -129,7 +113,7 @@ def schedule(low, regions) -> list:
         for nid in reg.nodes:
             if nid not in pos or low.role.get(nid) != "compute":
                 raise ExecutorError(f"recompute region {k}: node {nid} is not a compute node of the plan")
-        mem = _members(low, set(reg.nodes), unit, consumers, outputs)
+        mem = _members(low, set(reg.nodes), unit, outputs)
         for i in mem:
             unit[i] = ("r", k)
         steps = sorted((low.steps[pos[i]] for i in mem), key=lambda st: pos[st.node])

@@ -14,7 +14,8 @@ overlaps), stage 3 all-gathers each unit before its forward and again before its
 *Recomputation* per region (:func:`regions`): ``full`` keeps nothing produced inside but what is read
 outside (the region's inputs are kept, as a checkpoint keeps them); ``selective`` also keeps the
 outputs of operators of class :data:`SELECTIVE_KEEP`.  Time: one more forward of what is recomputed
-(its compute and its forward transfers).  Memory: while a region's backward runs its recomputed
+(its compute and its forward transfers, the collectives of the region and the gathers feeding it:
+:func:`region_members`).  Memory: while a region's backward runs its recomputed
 activations live again (the largest region's, on top).
 *Offload*: optimizer states (and the update) in host memory: the states leave the device; the
 gradient shard goes to the host and the parameter shard back over ``links["host"]``, the update runs
@@ -60,6 +61,10 @@ SELECTIVE_KEEP = frozenset({"matmul", "conv", "conv1x1", "conv_grouped", "embedd
 #: (executor/memory.py) and the pricing here read this one set
 LAYOUT_OPS = frozenset({"Reshape", "Transpose", "Flatten", "Identity", "Slice", "Split", "Expand", "Concat", "Cast",
                         "Tile", "Pad"})
+#: parallel operators that gather (each output piece holds at least its input piece: concatenations and
+#: copies): a chain of them feeding a recompute region belongs to the region (:func:`region_members`), so
+#: the region keeps the smaller input and gathers again when recomputed
+GATHER_OPS = frozenset({"Combine", "Replicate"})
 #: fewest compute operators of a region found by :func:`regions` (then it ends at the next cut)
 MIN_REGION_OPS = 4
 #: :func:`choose` tries every recompute assignment up to this many regions, else it is greedy
@@ -103,6 +108,55 @@ def regions(g: PCG | GraphCost, min_ops: int = MIN_REGION_OPS) -> tuple[tuple[in
         else:
             out.append(tuple(cur))
     return tuple(out)
+
+
+def region_members(g: PCG, role: Mapping[int, str], nodes, taken=frozenset(), outputs=frozenset()) -> set:
+    """What a recompute region runs (and recomputes), the same in the cost model (:meth:`Techniques._runs`)
+    and the executor (``executor.memory.schedule``): its compute ``nodes``; the parallel operators between
+    them (fed by the region through parallel operators, every consumer inside); and the *gathers feeding
+    it*: chains of :data:`GATHER_OPS` operators whose first input is an activation made outside and every
+    consumer is inside -- under sequence parallelism the Combine -> Replicate all-gather of a sequence
+    shard into a column-parallel Linear, so the region keeps the shard and all-gathers again in its
+    recomputation, as Megatron-LM does.  ``role``: node -> role (``PCG.roles()``, or the executor's);
+    ``taken``: nodes of earlier regions; ``outputs``: graph output node ids (never inside)."""
+    S = set(nodes)
+    T: set = set()
+    stack = list(S)
+    while stack:                  # parallel operators fed by the region
+        x = stack.pop()
+        for k in range(len(g.shapes(x))):
+            for u, _ in g.consumers((x, k)):
+                if role.get(u) == "parallel" and u not in T and u not in taken and u not in S:
+                    T.add(u)
+                    stack.append(u)
+    F: set = set()
+    for n in S:                   # gathers feeding it, back from each input
+        for r in g.node(n).inputs:
+            p = r[0]
+            while (role.get(p) == "parallel" and g.node(p).op in GATHER_OPS and p not in taken
+                   and p not in S and p not in T and p not in F):
+                F.add(p)
+                p = g.node(p).inputs[0][0]
+
+    def consumers(x):
+        return [u for k in range(len(g.shapes(x))) for u, _ in g.consumers((x, k))]
+    changed = True
+    while changed:                # ... whose every consumer is inside, not a graph output
+        changed = False
+        for x in sorted(T | F):
+            inside = S | T | F
+            src = g.node(x).inputs[0][0]
+            if x in T:
+                ok = src in inside
+            else:                 # a gather chain is whole: from an activation that is no gather
+                ok = src in F or not (role.get(src) == "parallel" and g.node(src).op in GATHER_OPS)
+                ok = ok and role.get(src) in ("compute", "parallel")
+            ok = ok and x not in outputs and all(u in inside for u in consumers(x))
+            if not ok:
+                T.discard(x)
+                F.discard(x)
+                changed = True
+    return S | T | F
 
 
 def recompute_all(regs: Sequence[Sequence[int]], mode: str = "full") -> tuple[RecomputeRegion, ...]:
@@ -398,9 +452,8 @@ class Techniques:
 
     def _runs(self, assign: Mapping[int, tuple]) -> dict:
         """Node -> its checkpointed run (a key) for the regions of ``assign`` (node -> (region, mode)), as
-        the executor runs them (executor/memory.py): a region is its compute nodes plus the parallel
-        operators between them (fed by the region, every consumer inside it, not a graph output), in the
-        PCG's node order; ``full``: one run; ``selective``: each maximal run of steps between the kept
+        the executor runs them (executor/memory.py): a region is :func:`region_members` (its compute nodes,
+        the parallel operators between them and the gathers feeding it), in the PCG's node order; ``full``: one run; ``selective``: each maximal run of steps between the kept
         operators (:data:`SELECTIVE_KEEP`), which run plainly.  A run of layout operators
         (:data:`LAYOUT_OPS`) and communication alone runs plainly too.  Nodes that run plainly are absent."""
         key = tuple(sorted(assign.items()))
@@ -413,28 +466,11 @@ class Techniques:
             by_region.setdefault((i, md), set()).add(n)
         taken = set(assign)
         out: dict = {}
+        outputs = {r[0] for r in self.outs}
         for (i, md), S in sorted(by_region.items()):
-            T: set = set()
-            stack = list(S)
-            while stack:                 # parallel operators fed by the region
-                x = stack.pop()
-                for k in range(len(g.shapes(x))):
-                    for u, _ in g.consumers((x, k)):
-                        if self.gc.role[u] == "parallel" and u not in T and u not in taken:
-                            T.add(u)
-                            stack.append(u)
-            changed = True
-            while changed:               # ... whose every consumer is inside, not a graph output
-                changed = False
-                for x in sorted(T):
-                    refs = [(x, k) for k in range(len(g.shapes(x)))]
-                    ok = (g.node(x).inputs[0][0] in S | T and not any(r in self.outs for r in refs)
-                          and all(u in S | T for r in refs for u, _ in g.consumers(r)))
-                    if not ok:
-                        T.discard(x)
-                        changed = True
-            taken |= T
-            steps = sorted(S | T, key=self.exec_pos.__getitem__)
+            members = region_members(g, self.gc.role, S, taken - S, outputs)
+            taken |= members
+            steps = sorted(members, key=self.exec_pos.__getitem__)
             runs: list = []
             for n in steps:
                 kept = (md == "selective" and self.gc.role[n] == "compute"
@@ -542,14 +578,17 @@ class Techniques:
         return a, transient
 
     def recompute_time(self, nodes: Sequence[int], mode: str) -> float:
-        t = 0.0
-        for n in nodes:
-            if n not in self.fwd:
-                continue
-            if mode == "selective" and op_class(self.g.node(n).op, self.g.input_shapes(n)) in SELECTIVE_KEEP:
-                continue
-            t += self.fwd[n]
-        return t
+        """One more forward of what region ``nodes`` recomputes in ``mode`` alone: every step of its
+        checkpointed runs (:meth:`_runs`), compute and communication (the gathers feeding it, the
+        collectives inside)."""
+        return self.recompute_times({n: (0, mode) for n in nodes}).get(0, 0.0)
+
+    def recompute_times(self, assign: Mapping[int, tuple]) -> dict:
+        """Region index -> seconds of its recomputation with the regions of ``assign``."""
+        out: dict = {}
+        for n, (i, _) in self._runs(assign).items():
+            out[i] = out.get(i, 0.0) + self.fwd.get(n, 0.0)
+        return out
 
     # --- collectives --------------------------------------------------------------------------------
     def _coll(self, groups: Sequence[Sequence[int]], nbytes: float) -> float:
@@ -595,12 +634,13 @@ class Techniques:
         report = MemoryReport(per, {d: int(b) for d, b in w.items()}, {d: int(b) for d, b in act.items()},
                               self.capacity)
         # compute stream
-        recompute = [(r, self.recompute_time(r.nodes, r.mode)) for r in mem.recompute]
+        times = self.recompute_times(assign)
+        recompute = [(r, times.get(i, 0.0)) for i, r in enumerate(mem.recompute)]
         rec_s = sum(t for _, t in recompute)
         nf = len(self.order)
         dur = [self.fwd[n] for n in self.order] + [self.bwd[n] for n in reversed(self.order)]
         bidx = {n: 2 * nf - 1 - self.pos[n] for n in self.order}          # backward task of node n
-        for r, t in recompute:
+        for r, t in recompute:            # (the gathers feeding a region come after its nodes' backward)
             ps = [bidx[n] for n in r.nodes if n in bidx]
             if ps:
                 dur[min(ps)] += t          # recomputed right before the region's backward starts
@@ -879,5 +919,5 @@ def describe(p: Priced) -> list[str]:
     return out
 
 
-__all__ = ["SELECTIVE_KEEP", "LAYOUT_OPS", "MIN_REGION_OPS", "EXACT_LIMIT", "Priced", "Techniques", "regions", "recompute_all",
+__all__ = ["SELECTIVE_KEEP", "LAYOUT_OPS", "GATHER_OPS", "region_members", "MIN_REGION_OPS", "EXACT_LIMIT", "Priced", "Techniques", "regions", "recompute_all",
            "price", "choose", "describe", "format_bytes"]
