@@ -2,14 +2,15 @@
 executor really holds (tests/executor/memory_probe.py: parameters, gradients, optimizer states, tensors
 saved for the backward and forward values still referenced, at the busiest moment of a step), on 2 gloo
 processes training the zoo's tiny GPT with Adam: within 10% on every rank for data parallelism with no
-technique, full and selective recomputation, ZeRO 1, 2 and 3, and Megatron tensor parallelism with full
-recomputation (benchmarks/memory_check.py runs the larger table).
+technique, full and selective recomputation, ZeRO 1, 2 and 3, Megatron tensor parallelism with full
+recomputation, and Megatron with sequence parallelism and regions cut after the norms (benchmarks/memory_check.py runs the larger table).
 
 Each case guards one agreement: the executor drops a forward value after its last read (no technique);
 a checkpointed run keeps its inputs and attention's batched matmuls are recomputed in both (selective);
 ZeRO 1-2 keep the optimizer's copy of the updated shard; ZeRO-2 frees the full-size gradient buckets
 between steps; gradients made only in the backward do not add to the forward's activations (ZeRO-3, and
-tensor-parallel shards); the communication inside a recompute region is recomputed with it (Megatron)."""
+tensor-parallel shards); the communication inside a recompute region is recomputed with it (Megatron);
+under sequence parallelism a region fed by an all-gather keeps the sequence shard and gathers again."""
 from __future__ import annotations
 
 import dataclasses
@@ -34,17 +35,21 @@ def _gpt() -> str:
 
 def _plans(path: str) -> dict:
     from unity_pcg.search import memtech
-    from unity_pcg.search.baselines import build_strategy, data_parallel
+    from unity_pcg.search.baselines import build_strategy, data_parallel, megatron
+
+    from .test_seqpar import after_gathers
     g = H.load(path)
     dp = H.make_plan(data_parallel(g, 2), path, 2)
     tp = H.make_plan(build_strategy(g, "megatron", 2), path, 2)
+    sp = H.make_plan(megatron(g, 2, 2, sequence_parallel=True), path, 2)
     regs = memtech.regions(dp.pcg)
     with_ = lambda p, **kw: dataclasses.replace(p, memory=MemoryPlan(**kw))     # noqa: E731
     return {"dp none": dp,
             "dp full": with_(dp, recompute=memtech.recompute_all(regs, "full")),
             "dp selective": with_(dp, recompute=memtech.recompute_all(regs, "selective")),
             "dp zero1": with_(dp, zero=1), "dp zero2": with_(dp, zero=2), "dp zero3": with_(dp, zero=3),
-            "tp full": with_(tp, recompute=memtech.recompute_all(memtech.regions(tp.pcg), "full"))}
+            "tp full": with_(tp, recompute=memtech.recompute_all(memtech.regions(tp.pcg), "full")),
+            "sp full, gathers recomputed": with_(sp, recompute=after_gathers(sp.pcg, memtech.regions(sp.pcg)))}
 
 
 def _predicted(plan) -> dict:
