@@ -7,10 +7,13 @@ model and strategy; nothing here knows layer names.
 *ZeRO* (stage 1-3, over each weight's data-parallel copies: the ``c`` devices holding identical copies
 of one weight piece).  Memory per device: stage 1 keeps ``1/c`` of the optimizer states, stage 2 also
 of the gradient, stage 3 also of the parameter plus a gathered working copy (the two largest *units*
--- weights grouped by the region of their first use, current and prefetched -- at full size).  Time: a
+-- weights grouped by the region of their first use -- at full size: the executor holds a unit's gathered
+flat vector beside the weights made from it, in the forward and again in the backward).  Time: a
 reduce-scatter of the gradient in place of its all-reduce; the update of ``1/c`` of the weight;
 stages 1-2 all-gather the updated parameters (overlapping the next forward where the runtime
-overlaps), stage 3 all-gathers each unit before its forward and again before its backward.
+overlaps), stage 3 all-gathers each unit before its forward and again before its backward and reduce-
+scatters its gradient when the backward passes its first use: one collective per unit and copy group,
+each with its own latency, as the executor runs them (executor/memory.py: a ZeRO-3 group is a unit).
 *Recomputation* per region (:func:`regions`): ``full`` keeps nothing produced inside but what is read
 outside (the region's inputs are kept, as a checkpoint keeps them); ``selective`` also keeps the
 outputs of operators of class :data:`SELECTIVE_KEEP`.  Time: one more forward of what is recomputed
@@ -612,6 +615,21 @@ class Techniques:
             best = max(best, t)
         return best
 
+    def _coll_once(self, groups: Sequence[Sequence[int]], nbytes: float) -> float:
+        """One all-gather (or reduce-scatter) of ``nbytes`` over each copy group (concurrent: the slowest),
+        its own latency: ZeRO-3's per-unit collectives, one call each in the executor."""
+        best = 0.0
+        for grp in groups:
+            p = len(set(grp))
+            if p <= 1:
+                continue
+            t = C.measured_time(self.machine, "all_gather", p, nbytes)
+            if t is None:
+                link = self.machine.link(self.machine.span_level(list(grp)))
+                t = (p - 1) / p * nbytes / link.bandwidth + (p - 1) * link.latency
+            best = max(best, t)
+        return best
+
     # --- the iteration ------------------------------------------------------------------------------
     def price(self, mem: MemoryPlan) -> Priced:
         m, model = self.machine, self.model
@@ -666,6 +684,7 @@ class Techniques:
                 ag_bucket.clear()
 
         acc = 0.0
+        units3: dict = {}           # stage 3: (unit, copy groups) -> [bytes, first consumer, last consumer]
         ag_bucket: list = []
         ag_ops: list = []           # (forward task needing it, seconds)
         fwd_gather: dict = {}
@@ -673,23 +692,22 @@ class Techniques:
         for x in sorted(self.weights, key=lambda x: bidx.get(x.first, 0)):
             c = x.copies
             if c > 1 and x.sync > 0 or (c > 1 and zero >= 1):
-                if zero >= 1:
-                    t = self._coll(x.groups, x.nbytes)
-                    bucket.append((bidx[x.first], t))
-                    if zero >= 3:          # before the forward and again before the backward, per unit
-                        for d, key in ((fwd_gather, x.unit), (bwd_gather, x.unit)):
-                            cur = d.setdefault(key, [0.0, 0.0, x.first, x.last])
-                            cur[0] += t
-                            cur[2] = min(cur[2], x.first, key=lambda n: self.pos[n])
-                            cur[3] = max(cur[3], x.last, key=lambda n: self.pos[n])
-                    else:                  # the updated parameters, in the gradient's buckets
-                        ag_bucket.append((t, x.first))
+                if zero >= 3:              # one collective per unit and copy groups, as the executor runs them
+                    cur = units3.setdefault((x.unit, x.groups), [0.0, x.first, x.last])
+                    cur[0] += x.nbytes
+                    cur[1] = min(cur[1], x.first, key=lambda n: self.pos[n])
+                    cur[2] = max(cur[2], x.last, key=lambda n: self.pos[n])
                 else:
-                    bucket.append((bidx[x.first], x.sync))
-                acc += x.nbytes
-                if acc >= limit[0]:
-                    flush()
-                    acc = 0.0
+                    if zero >= 1:
+                        t = self._coll(x.groups, x.nbytes)
+                        bucket.append((bidx[x.first], t))
+                        ag_bucket.append((t, x.first))     # the updated parameters, in the gradient's buckets
+                    else:
+                        bucket.append((bidx[x.first], x.sync))
+                    acc += x.nbytes
+                    if acc >= limit[0]:
+                        flush()
+                        acc = 0.0
             share = x.nbytes / c if zero >= 1 else x.nbytes
             if zero >= 1 or offload:
                 update -= x.update
@@ -703,6 +721,16 @@ class Techniques:
                 host_moved += (3 + 2 * self.states) * share
                 host_update += model.update_time(share)
         flush()
+        # stage 3, per unit: the gradient's reduce-scatter when the backward passes the unit's first use
+        # (the gather's backward); all-gathers before its forward and again before its backward
+        for (u, groups), (nbytes, first, last) in units3.items():
+            t = self._coll_once(groups, nbytes)
+            ops.append(((bidx[first], 1), len(ops), t, None))
+            for d in (fwd_gather, bwd_gather):
+                cur = d.setdefault(u, [0.0, 0.0, first, last])
+                cur[0] += t
+                cur[2] = min(cur[2], first, key=lambda n: self.pos[n])
+                cur[3] = max(cur[3], last, key=lambda n: self.pos[n])
         for pos_, t in self.buffer_sync:
             ops.append(((2 * nf - 1 - pos_, 1), len(ops), t, None))
         # stages 1-2: every bucket's all-gather issued at the iteration's start (after the previous update)

@@ -76,7 +76,10 @@ def _worker(rank: int, world: int, cases: list) -> list:
         with Probe(tr) as probe:
             tr.step(None, tgt)
         m = probe.result()
-        out.append((m.peak.total, m.forward_end.state))
+        z = tr._zrt
+        units = sorted(sorted({it[0] for it in grp.items}) for grp in z.groups if grp.k > 1) \
+            if z is not None and z.stage == 3 else None
+        out.append((m.peak.total, m.forward_end.state, units))
     return out
 
 
@@ -87,6 +90,25 @@ def measured():
     got = H.run_dist(2, _worker, [dict(plan=p.to_json(), model=path) for p in plans.values()], timeout=300)
     return {name: ([_predicted(p)[r] for r in range(2)], [got[r][i] for r in range(2)])
             for i, (name, p) in enumerate(plans.items())}
+
+
+def test_zero3_gathers_the_units_the_model_prices(measured):
+    """ZeRO-3: the executor's gather groups are the cost model's units (weights grouped by the region of
+    their first use), not whole gradient buckets: one all-gather per unit, as search.memtech prices."""
+    from unity_pcg.search import memtech
+    from unity_pcg.search.cost import CostModel, GraphCost
+    plan = _plans(_gpt())["dp zero3"]
+    g = plan.pcg
+    t = memtech.Techniques(GraphCost(g, CostModel(plan.machine, "adam")), plan.views)
+    units: dict = {}
+    for w in t.weights:
+        if w.copies > 1:
+            units.setdefault(w.unit, []).append(g.node(g.origin(w.nid)).a["name"])
+    for r in range(2):
+        got = measured["dp zero3"][1][r][2]
+        trained = {nm for grp in got for nm in grp}   # (the model also prices ONNX float constants as weights)
+        want = sorted(x for x in (sorted(set(v) & trained) for v in units.values()) if x)
+        assert len(want) > 1 and got == want, (got, want)
 
 
 def test_predicted_memory_within_ten_percent_of_measured(measured):

@@ -269,3 +269,22 @@ def test_host_memory_in_machine_files():
     gc, r = _mapped(data_parallel(mlp(batch=8, h=16, layers=2), 2), parse_machine("h100:1x2"))
     gc0 = GraphCost(gc.g, CostModel(dataclasses.replace(old.resized(1, 2)), optimizer="adam"))
     assert memtech.Techniques(gc, r.views).can_offload and not memtech.Techniques(gc0, r.views).can_offload
+
+
+def test_zero3_collectives_are_one_per_unit():
+    """ZeRO-3 runs one all-gather per unit before its forward, one before its backward and one reduce-scatter
+    of its gradient (the executor's groups are the units), each paying its own latency: on links of 1 s
+    latency and no bandwidth cost, 3 x units x (p - 1) seconds; stages 1-2 keep the buckets' (the
+    all-reduce's) latency."""
+    g = data_parallel(mlp(batch=8, h=16, layers=8), 4)
+    m = parse_machine("h100:1x4")
+    from unity_pcg.machine import LinkSpec
+    slow = dataclasses.replace(m, overlap_grad_sync=False,
+                               links={k: LinkSpec(1e30, 1.0) for k in m.links})
+    gc, r = _mapped(g, slow)
+    t = memtech.Techniques(gc, r.views)
+    assert t.n_units >= 3
+    p3 = t.price(MemoryPlan(zero=3))
+    assert p3.sync_s + p3.zero_comm_s == pytest.approx(3 * t.n_units * 3 * 1.0, rel=1e-6)
+    p1 = t.price(MemoryPlan(zero=1))
+    assert p1.zero_comm_s == 0.0
