@@ -6,9 +6,10 @@ model and strategy; nothing here knows layer names.
 
 *ZeRO* (stage 1-3, over each weight's data-parallel copies: the ``c`` devices holding identical copies
 of one weight piece).  Memory per device: stage 1 keeps ``1/c`` of the optimizer states, stage 2 also
-of the gradient, stage 3 also of the parameter plus a gathered working copy (the two largest *units*
--- weights grouped by the region of their first use -- at full size: the executor holds a unit's gathered
-flat vector beside the weights made from it, in the forward and again in the backward).  Time: a
+of the gradient, stage 3 also of the parameter plus a gathered working copy (the largest *unit* --
+weights grouped by the region of their first use -- at full size, :data:`GATHERED_UNITS`: the executor
+gathers one unit at a time, before its first use and again in its backward, and frees it after its
+last use; no prefetch).  Time: a
 reduce-scatter of the gradient in place of its all-reduce; the update of ``1/c`` of the weight;
 stages 1-2 all-gather the updated parameters (overlapping the next forward where the runtime
 overlaps), stage 3 all-gathers each unit before its forward and again before its backward and reduce-
@@ -29,10 +30,11 @@ updated parameter shard and the gradient shard copied for the update; the device
 *Overlap* (``MachineSpec.overlap_grad_sync``): the iteration is the critical path of a compute stream
 (forward in topological order, backward in reverse, recomputation before a region's backward) and one
 communication stream (gradient buckets of ``grad_bucket_bytes`` in the order their gradients become
-ready -- the reverse order of use -- each issued when its last gradient is ready; ZeRO's all-gathers,
-prefetched one unit ahead).  Without overlap every collective is on the critical path, so an empty
-MemoryPlan prices exactly as :class:`search.mapping.MachineMapper` does (iteration = compute +
-transfers + sync + update).  With ``base`` a mapping's own cost (side-by-side branches make it less than
+ready -- the reverse order of use -- each issued when its last gradient is ready; stages 1-2's
+all-gathers from the iteration's start; stage 3's collectives synchronous, as the executor runs them:
+a unit's gathers right before its forward and its backward, its reduce-scatter before the next task).
+Without overlap every collective is on the critical path, so an empty MemoryPlan prices exactly as
+:class:`search.mapping.MachineMapper` does (iteration = compute + transfers + sync + update).  With ``base`` a mapping's own cost (side-by-side branches make it less than
 the sum of its leaves), the iteration is that cost plus the techniques' change.
 
 :func:`choose` tries every allowed (ZeRO stage, offload) and, where memory does not fit, recomputes
@@ -68,6 +70,9 @@ LAYOUT_OPS = frozenset({"Reshape", "Transpose", "Flatten", "Identity", "Slice", 
 #: copies): a chain of them feeding a recompute region belongs to the region (:func:`region_members`), so
 #: the region keeps the smaller input and gathers again when recomputed
 GATHER_OPS = frozenset({"Combine", "Replicate"})
+#: ZeRO-3: the largest units counted gathered at full size on top of the shards (the executor gathers one
+#: unit at a time -- before its first use, again in its backward -- and frees it after its last use)
+GATHERED_UNITS = 1
 #: fewest compute operators of a region found by :func:`regions` (then it ends at the next cut)
 MIN_REGION_OPS = 4
 #: :func:`choose` tries every recompute assignment up to this many regions, else it is greedy
@@ -374,7 +379,7 @@ class Techniques:
                     u = gathered.setdefault(d, {})
                     u[x.unit] = u.get(x.unit, 0) + p - p / c
         for d, u in gathered.items():
-            top = sorted(u.values(), reverse=True)[:2]        # the unit in use and the one prefetched
+            top = sorted(u.values(), reverse=True)[:GATHERED_UNITS]
             w[d] = w.get(d, 0) + sum(top)
         return w
 
@@ -725,7 +730,8 @@ class Techniques:
         # (the gather's backward); all-gathers before its forward and again before its backward
         for (u, groups), (nbytes, first, last) in units3.items():
             t = self._coll_once(groups, nbytes)
-            ops.append(((bidx[first], 1), len(ops), t, None))
+            nxt = bidx[first] + 1          # synchronous in the executor: the next backward task waits
+            ops.append(((bidx[first], 1), len(ops), t, nxt if nxt < 2 * nf else None))
             for d in (fwd_gather, bwd_gather):
                 cur = d.setdefault(u, [0.0, 0.0, first, last])
                 cur[0] += t
@@ -736,19 +742,14 @@ class Techniques:
         # stages 1-2: every bucket's all-gather issued at the iteration's start (after the previous update)
         for need, t in sorted(ag_ops):
             ops.append(((-1, 0), len(ops), t, need))
-        # stage 3: forward gathers prefetched one unit ahead from the iteration's start, backward likewise
-        fl = sorted(fwd_gather.values(), key=lambda v: self.pos[v[2]])
-        prev = -1
-        for v in fl:
+        # stage 3: each unit gathered right before its first forward task and again before its first
+        # backward task, the compute waiting (the executor's gathers are synchronous: no prefetch)
+        for v in sorted(fwd_gather.values(), key=lambda v: self.pos[v[2]]):
             need = self.pos[v[2]]
-            ops.append(((prev, 0), len(ops), v[0] + v[1], need))
-            prev = need
-        bl = sorted(bwd_gather.values(), key=lambda v: bidx[v[3]])
-        prev_key = (nf - 1, 1)
-        for v in bl:
+            ops.append(((need - 1, 1), len(ops), v[0] + v[1], need))
+        for v in sorted(bwd_gather.values(), key=lambda v: bidx[v[3]]):
             need = bidx[v[3]]
-            ops.append((prev_key, len(ops), v[0] + v[1], need))
-            prev_key = (need, 0)
+            ops.append(((need - 1, 1), len(ops), v[0] + v[1], need))
         comm_total = sum(o[2] for o in ops)
         sync_new = comm_total
         zero_comm = comm_total - self.sync_s

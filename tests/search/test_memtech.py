@@ -275,7 +275,7 @@ def test_zero3_collectives_are_one_per_unit():
     """ZeRO-3 runs one all-gather per unit before its forward, one before its backward and one reduce-scatter
     of its gradient (the executor's groups are the units), each paying its own latency: on links of 1 s
     latency and no bandwidth cost, 3 x units x (p - 1) seconds; stages 1-2 keep the buckets' (the
-    all-reduce's) latency."""
+    all-reduce's) latency.  The executor runs them synchronously (no prefetch): nothing hidden."""
     g = data_parallel(mlp(batch=8, h=16, layers=8), 4)
     m = parse_machine("h100:1x4")
     from unity_pcg.machine import LinkSpec
@@ -288,3 +288,8 @@ def test_zero3_collectives_are_one_per_unit():
     assert p3.sync_s + p3.zero_comm_s == pytest.approx(3 * t.n_units * 3 * 1.0, rel=1e-6)
     p1 = t.price(MemoryPlan(zero=1))
     assert p1.zero_comm_s == 0.0
+    # the executor's stage-3 collectives are synchronous: with overlap, none of them is hidden
+    ov = dataclasses.replace(slow, overlap_grad_sync=True)
+    gco, _ = _mapped(g, ov)
+    po = memtech.Techniques(gco, r.views).price(MemoryPlan(zero=3))
+    assert po.hidden_s == pytest.approx(0.0, abs=1e-9) and po.exposed_sync_s == pytest.approx(3 * t.n_units * 3.0)
