@@ -4,7 +4,7 @@ DESIGN "Executor").  The :class:`~executor.train.Trainer` owns the step; this mo
 * **the schedule with recompute regions** (:func:`schedule`): the lowered steps in their global order,
   each :class:`~unity_pcg.plan.RecomputeRegion` gathered into one :class:`Region` item (its compute
   nodes plus the parallel operators between them: those fed by the region whose every consumer is in it;
-  and the gathers feeding it -- Combine/Replicate chains from an activation outside, every consumer in it --
+  and the gathers feeding it -- Combine/Replicate chains from a compute output outside, every consumer in it --
   so that under sequence parallelism the checkpoint keeps the sequence shard and the all-gather runs again
   in the recomputation, as Megatron-LM does: :func:`search.memtech.region_members`),
   placed by a stable topological sort (a region that a path leaves and re-enters is refused).  Every rank

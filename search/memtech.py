@@ -122,8 +122,8 @@ def region_members(g: PCG, role: Mapping[int, str], nodes, taken=frozenset(), ou
     """What a recompute region runs (and recomputes), the same in the cost model (:meth:`Techniques._runs`)
     and the executor (``executor.memory.schedule``): its compute ``nodes``; the parallel operators between
     them (fed by the region through parallel operators, every consumer inside); and the *gathers feeding
-    it*: chains of :data:`GATHER_OPS` operators whose first input is an activation made outside and every
-    consumer is inside -- under sequence parallelism the Combine -> Replicate all-gather of a sequence
+    it*: chains of :data:`GATHER_OPS` operators whose first input is a compute node's output made outside
+    and every consumer is inside -- under sequence parallelism the Combine -> Replicate all-gather of a sequence
     shard into a column-parallel Linear, so the region keeps the shard and all-gathers again in its
     recomputation, as Megatron-LM does.  ``role``: node -> role (``PCG.roles()``, or the executor's);
     ``taken``: nodes of earlier regions; ``outputs``: graph output node ids (never inside)."""
@@ -156,9 +156,8 @@ def region_members(g: PCG, role: Mapping[int, str], nodes, taken=frozenset(), ou
             src = g.node(x).inputs[0][0]
             if x in T:
                 ok = src in inside
-            else:                 # a gather chain is whole: from an activation that is no gather
-                ok = src in F or not (role.get(src) == "parallel" and g.node(src).op in GATHER_OPS)
-                ok = ok and role.get(src) in ("compute", "parallel")
+            else:                 # a whole gather chain, from a compute node's output (not from a Reduce:
+                ok = src in F or role.get(src) == "compute"      # an all-reduce keeps a partial sum as big)
             ok = ok and x not in outputs and all(u in inside for u in consumers(x))
             if not ok:
                 T.discard(x)

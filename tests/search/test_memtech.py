@@ -293,3 +293,43 @@ def test_zero3_collectives_are_one_per_unit():
     gco, _ = _mapped(g, ov)
     po = memtech.Techniques(gco, r.views).price(MemoryPlan(zero=3))
     assert po.hidden_s == pytest.approx(0.0, abs=1e-9) and po.exposed_sync_s == pytest.approx(3 * t.n_units * 3.0)
+
+
+def test_recompute_regions_take_in_the_all_gather_feeding_them(monkeypatch):
+    """Megatron-LM's sequence parallelism on post-LayerNorm blocks, regions cut after each LayerNorm on
+    sequence shards, whose Combine -> Replicate (an all-gather) feeds the next region's Linears.
+    The region takes the gather in: fully recomputed, it keeps the shard (which the residual keeps anyway),
+    not the gathered tensor, and its recomputation runs the all-gather again -- less memory and more time
+    than a region of compute nodes only."""
+    from unity_pcg.search.baselines import megatron
+    g = megatron(synthetic_transformer(2, batch=4, seq=16, hidden=64, heads=4), 2, 2, sequence_parallel=True)
+    role = g.roles()
+    outs = {r[0] for r in g.outputs}
+    regs = [list(x) for x in memtech.regions(g)]
+    for i in range(1, len(regs)):      # a region ending with the LayerNorm, the next fed by its all-gather
+        if g.node(regs[i][0]).op == "LayerNorm":
+            regs[i - 1].append(regs[i].pop(0))
+    regs = [tuple(x) for x in regs]
+    fed = 0
+    taken: set = set()
+    for r in regs:
+        m = memtech.region_members(g, role, r, taken, outs)
+        taken |= m
+        gathers = sorted(g.node(n).op for n in m - set(r) if g.node(n).op in memtech.GATHER_OPS)
+        if gathers:
+            fed += 1
+            assert gathers == ["Combine", "Replicate"]
+    assert fed == 3            # every region after a LayerNorm but the first layer (its input: the model input)
+    gc, r = _mapped(g, parse_machine("h100:1x2"))
+    plan = MemoryPlan(recompute=memtech.recompute_all(regs, "full"))
+    assign = {n: (i, "full") for i, x in enumerate(regs) for n in x}
+    t = memtech.Techniques(gc, r.views)
+    with_gather, kept_with = t.price(plan), t.activation_bytes(assign)[0]
+    monkeypatch.setattr(memtech, "GATHER_OPS", frozenset())
+    t0 = memtech.Techniques(gc, r.views)
+    without, kept_without = t0.price(plan), t0.activation_bytes(assign)[0]
+    gathered = 4 * 16 * 64 * 4                             # the all-gathered input on each device, fp32
+    for d in (0, 1):                                       # (the shard is kept either way: the residual)
+        assert kept_without[d] - kept_with[d] == fed * gathered, d
+    assert with_gather.max_bytes <= without.max_bytes
+    assert with_gather.recompute_s > without.recompute_s
