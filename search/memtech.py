@@ -34,8 +34,9 @@ ready -- the reverse order of use -- each issued when its last gradient is ready
 all-gathers from the iteration's start; stage 3's collectives synchronous, as the executor runs them:
 a unit's gathers right before its forward and its backward, its reduce-scatter before the next task).
 Without overlap every collective is on the critical path, so an empty MemoryPlan prices exactly as
-:class:`search.mapping.MachineMapper` does (iteration = compute + transfers + sync + update).  With ``base`` a mapping's own cost (side-by-side branches make it less than
-the sum of its leaves), the iteration is that cost plus the techniques' change.
+:class:`search.mapping.MachineMapper` does (iteration = compute + transfers + sync + update).  With
+``base`` a mapping's own cost (side-by-side branches make it less than the sum of its leaves), the
+iteration is that cost plus the techniques' change.
 
 :func:`choose` tries every allowed (ZeRO stage, offload) and, where memory does not fit, recomputes
 regions: every assignment when there are at most ``exact_limit`` regions, else greedily the region
@@ -460,8 +461,9 @@ class Techniques:
     def _runs(self, assign: Mapping[int, tuple]) -> dict:
         """Node -> its checkpointed run (a key) for the regions of ``assign`` (node -> (region, mode)), as
         the executor runs them (executor/memory.py): a region is :func:`region_members` (its compute nodes,
-        the parallel operators between them and the gathers feeding it), in the PCG's node order; ``full``: one run; ``selective``: each maximal run of steps between the kept
-        operators (:data:`SELECTIVE_KEEP`), which run plainly.  A run of layout operators
+        the parallel operators between them and the gathers feeding it), in the PCG's node order;
+        ``full``: one run; ``selective``: each maximal run of steps between the kept operators
+        (:data:`SELECTIVE_KEEP`), which run plainly.  A run of layout operators
         (:data:`LAYOUT_OPS`) and communication alone runs plainly too.  Nodes that run plainly are absent."""
         key = tuple(sorted(assign.items()))
         hit = self._runs_cache.get(key)
@@ -947,5 +949,6 @@ def describe(p: Priced) -> list[str]:
     return out
 
 
-__all__ = ["SELECTIVE_KEEP", "LAYOUT_OPS", "GATHER_OPS", "region_members", "MIN_REGION_OPS", "EXACT_LIMIT", "Priced", "Techniques", "regions", "recompute_all",
-           "price", "choose", "describe", "format_bytes"]
+__all__ = ["SELECTIVE_KEEP", "LAYOUT_OPS", "GATHER_OPS", "GATHERED_UNITS", "region_members", "MIN_REGION_OPS",
+           "EXACT_LIMIT", "Priced", "Techniques", "regions", "recompute_all", "price", "choose", "describe",
+           "format_bytes"]

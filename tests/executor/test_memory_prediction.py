@@ -3,7 +3,8 @@ executor really holds (tests/executor/memory_probe.py: parameters, gradients, op
 saved for the backward and forward values still referenced, at the busiest moment of a step), on 2 gloo
 processes training the zoo's tiny GPT with Adam: within 10% on every rank for data parallelism with no
 technique, full and selective recomputation, ZeRO 1, 2 and 3, Megatron tensor parallelism with full
-recomputation, and Megatron with sequence parallelism and regions cut after the norms (benchmarks/memory_check.py runs the larger table).
+recomputation, and Megatron with sequence parallelism and regions cut after the norms
+(benchmarks/memory_check.py runs the larger table).
 
 Each case guards one agreement: the executor drops a forward value after its last read (no technique);
 a checkpointed run keeps its inputs and attention's batched matmuls are recomputed in both (selective);

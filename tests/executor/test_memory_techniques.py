@@ -117,7 +117,8 @@ def _cases(world: int):
     adam = dict(optimizer="adam", lr=0.01)
     sp, spm = seqpar_plan(world)
     half = _compute(dpd.pcg)[: len(_compute(dpd.pcg)) // 2 + 1]
-    after_norm = _compute(sp.pcg)[_compute(sp.pcg).index(next(n.id for n in sp.pcg.nodes() if n.op == "LayerNorm")) + 1:]
+    spc = _compute(sp.pcg)
+    after_norm = spc[spc.index(next(n.id for n in sp.pcg.nodes() if n.op == "LayerNorm")) + 1:]
     extra = []
     if world == 4:      # ZeRO-3 over the copies of a tensor-parallel plan: Megatron x2 times batch x2
         nb = models.mlp_nobias()
