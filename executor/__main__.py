@@ -422,7 +422,14 @@ def _per_rank(obj) -> list:
     return out
 
 
+#: the CUDA caching allocator's setting for a rank unless the user sets PYTORCH_CUDA_ALLOC_CONF: expandable
+#: segments grow one mapping instead of caching fixed blocks, so a plan the memory model fits to a device
+#: does not run out of memory for fragmentation (a logits-sized block that no cached block holds)
+CUDA_ALLOC_CONF = "expandable_segments:True"
+
+
 def main(argv: list[str] | None = None) -> int:
+    os.environ.setdefault("PYTORCH_CUDA_ALLOC_CONF", CUDA_ALLOC_CONF)     # read at the first CUDA allocation
     args = build_parser().parse_args(argv)
     rank, world = _env_int("RANK", 0), _env_int("WORLD_SIZE", 1)
     R = Rank(args, rank, world)

@@ -50,12 +50,13 @@ from dataclasses import dataclass, field
 from itertools import product
 from typing import Any, Mapping, Sequence
 
+from unity_pcg import ops
 from unity_pcg.machine import MachineView
 from unity_pcg.pcg import PCG
 from unity_pcg.plan import MemoryPlan, RecomputeRegion
 
 from . import collectives as C
-from .cost import OPTIMIZER_STATES, GraphCost, op_class
+from .cost import FLOAT_DTYPES, OPTIMIZER_STATES, GraphCost, op_class
 from .memory import SAVES_INPUTS, MemoryReport, _saves_copy, format_bytes, kept_fraction, memory_per_device
 
 #: operator classes whose outputs a ``selective`` region keeps (everything else inside is recomputed):
@@ -173,6 +174,12 @@ def recompute_all(regs: Sequence[Sequence[int]], mode: str = "full") -> tuple[Re
 
 
 # --- the priced result ----------------------------------------------------------------------------------
+
+#: float32 copies of a graph output the loss holds at its backward's step, beyond the output's gradient
+#: (executor/train.py ``_piece_loss``: mse keeps its difference and its backward makes a temporary of the
+#: same size; cross-entropy keeps the log-probabilities and makes their gradient)
+LOSS_FP32_COPIES = 2
+
 
 @dataclass
 class Priced:
@@ -304,6 +311,7 @@ class Techniques:
         self._runs_cache: dict = {}
         self._weights()
         self._tensors()
+        self._grad_events()
 
     # --- weights ----------------------------------------------------------------------------------
     def _first_last(self, nid: int) -> tuple[int, int]:
@@ -454,6 +462,79 @@ class Techniques:
                 if a:
                     self.cast_act[n] = a
 
+    def _grad_events(self) -> None:
+        """The backward's gradients of activations (static for the mapping): per tensor that carries one
+        (a float tensor computed from a trained weight), the backward step that makes it (its last
+        consumer's, in the executor's order; a graph output's: the loss's, first of all), the step that
+        frees it (its producer's, which turns it into its inputs' gradients) and its bytes per device."""
+        g, gc = self.g, self.gc
+        req: dict = {}
+        for n in g.topo_order():
+            node = g.node(n)
+            req[n] = (node.op == "Weight" and gc.trainable(n)) or any(req.get(i[0], False) for i in node.inputs)
+        ev = []
+        for key, t in self.tensors.items():
+            if t.fixed or not req.get(t.producer) or gc.dtype(key) not in FLOAT_DTYPES:
+                continue
+            if key in self.outs:
+                made = math.inf
+                # the loss on this output (executor/train.py: in float32): what it saves (mse's difference,
+                # cross-entropy's log-probabilities) and its backward's temporary, for the loss's step only
+                k = LOSS_FP32_COPIES * 4 / gc.itemsize(key)
+                if gc.itemsize(key) != 4:         # the gradient comes in float32 before its cast
+                    k += 4 / gc.itemsize(key)
+                ev.append((made, made, {d: b * k for d, b in t.per_dev.items()}))
+            else:
+                ps = [self.exec_pos[u] for u, _ in t.consumers if u in self.exec_pos]
+                if not ps:
+                    continue
+                made = max(ps)
+            ev.append((made, self.exec_pos[t.producer], t.per_dev))
+            sv = ops.saves(g.node(t.producer).op)
+            if sv is not None and sv.temps:      # the producer's backward temporaries, during its step
+                at = self.exec_pos[t.producer]
+                ev.append((at, at, {d: b * sv.temps for d, b in t.per_dev.items()}))
+        self.grad_events = ev
+
+    def backward_peak(self, a: Mapping[int, float], kept: Sequence[tuple], extra: Sequence[tuple],
+                      base: Mapping[int, float], recomputed: Sequence[tuple] = ()) -> dict:
+        """Device -> the most bytes the backward holds at once: walking it step by step (the loss first,
+        then every node in reverse executor order), the activations still kept (``a`` at the forward's
+        end, less each ``kept`` item (free step, device -> bytes) once its step is done), the gradients of
+        activations alive (made by their last consumer's step, freed by their producer's:
+        :meth:`_grad_events`), the weight gradients made so far (``extra``: (make step, device -> bytes)),
+        what recomputation brought back (``recomputed``: :meth:`recomputed_items`) and ``base`` bytes
+        throughout (ZeRO-2's buckets)."""
+        steps: dict = {}
+        for made, freed, b in self.grad_events:
+            steps.setdefault(made, [[], [], []])[0].append(b)
+            steps.setdefault(freed, [[], [], []])[1].append(b)
+        for at, b in kept:
+            steps.setdefault(at, [[], [], []])[2].append(b)
+        for at, b in extra:
+            steps.setdefault(at, [[], [], []])[0].append(b)
+        for at, freed, b in recomputed:
+            steps.setdefault(at, [[], [], []])[0].append(b)
+            steps.setdefault(freed, [[], [], []])[2].append(b)
+        cur = {d: a.get(d, 0) + base.get(d, 0) for d in set(a) | set(base)}
+        peak = dict(cur)
+        for at in sorted(steps, reverse=True):
+            made, freed, released = steps[at]
+            for b in made:
+                for d, x in b.items():
+                    cur[d] = cur.get(d, 0) + x
+            for b in made:
+                for d in b:
+                    if cur[d] > peak.get(d, 0):
+                        peak[d] = cur[d]
+            for b in freed:
+                for d, x in b.items():
+                    cur[d] = cur.get(d, 0) - x
+            for b in released:
+                for d, x in b.items():
+                    cur[d] = cur.get(d, 0) - x
+        return peak
+
     def _saves(self, u: int, pos: int) -> bool:
         saved = SAVES_INPUTS.get(self.g.node(u).op)
         return (saved is None or pos in saved) and not (self.copy is not None and self.copy(u, pos))
@@ -563,12 +644,7 @@ class Techniques:
         end: dict = {}
         for n, j in runs.items():
             end[j] = max(end.get(j, -1), self.exec_pos[n])
-        kept = []
-        for key, t in self.tensors.items():
-            b = self._bytes(t, self._frac(t, runs)) if key in touched else t.mask_dev
-            if b and not t.fixed:        # a graph output: the loss's backward, first of all, frees it
-                kept.append((math.inf if key in self.outs else self.exec_pos[t.producer], b))
-        kept.sort(key=lambda x: x[0])
+        kept = sorted(self.kept_items(assign, casts=False), key=lambda x: x[0])
         total: dict = {}
         for _, b in kept:
             for d, x in b.items():
@@ -585,6 +661,53 @@ class Techniques:
                 if extra > transient.get(d, 0):
                     transient[d] = extra
         return a, transient
+
+    def kept_items(self, assign: Mapping[int, tuple], casts: bool = True) -> list:
+        """(backward step that frees it, device -> bytes) of every activation kept for the backward with
+        ``assign``: a tensor is freed once the backward passes its producer (a graph output by the loss's
+        backward, first of all); ``casts``: autocast's saved copies too, freed by their node's step (those of
+        a recomputed node are not kept)."""
+        runs = self._runs(assign)
+        touched = set()
+        for n in runs:
+            touched |= self.by_node.get(n, set())
+        kept = []
+        for key, t in self.tensors.items():
+            b = self._bytes(t, self._frac(t, runs)) if key in touched else t.mask_dev
+            if b and not t.fixed:
+                kept.append((math.inf if key in self.outs else self.exec_pos[t.producer], b))
+        if casts:
+            kept.extend((self.exec_pos[n], b) for n, b in self.cast_act.items() if n not in runs)
+        return kept
+
+    def recomputed_items(self, assign: Mapping[int, tuple]) -> list:
+        """(backward step that recomputes it, step that frees it, device -> bytes) of what the
+        recomputation of ``assign``'s runs brings back: a run is recomputed when the backward reaches its
+        last step, its values (and autocast copies) freed as the backward passes their producers."""
+        runs = self._runs(assign)
+        if not runs:
+            return []
+        end: dict = {}
+        for n, j in runs.items():
+            end[j] = max(end.get(j, -1), self.exec_pos[n])
+        out = []
+        touched = set()
+        for n in runs:
+            touched |= self.by_node.get(n, set())
+        for key in touched:
+            t = self.tensors[key]
+            if t.producer not in runs:
+                continue
+            f = self._frac(t, runs)
+            if f >= t.base:
+                continue
+            kept = self._bytes(t, f)
+            back = {d: b - kept.get(d, 0) for d, b in t.mask_dev.items()}
+            out.append((end[runs[t.producer]], self.exec_pos[t.producer], back))
+        for n, j in runs.items():
+            if n in self.cast_act:
+                out.append((end[j], self.exec_pos[n], self.cast_act[n]))
+        return out
 
     def recompute_time(self, nodes: Sequence[int], mode: str) -> float:
         """One more forward of what region ``nodes`` recomputes in ``mode`` alone: every step of its
@@ -650,8 +773,15 @@ class Techniques:
         # peak holds the activations at the forward's end or those gradients at the backward's, not both
         free = self.free_grad_bytes(zero)
         bucket = self.bucket_bytes(zero)
+        # the backward's own peak: activations not yet freed, the gradients of activations alive and the
+        # weight gradients made so far, step by step (it is the peak where an activation's gradient is
+        # large: a language model's logits at the loss, attention scores)
+        made = [(self.exec_pos.get(x.last, 0), {d: x.nbytes / x.copies if zero >= 2 else x.nbytes
+                                                for d in x.devices})
+                for x in self.weights if zero >= 3 or x.copies == 1]
+        bwd = self.backward_peak(a, self.kept_items(assign), made, bucket, self.recomputed_items(assign))
         per = {d: w.get(d, 0) - free.get(d, 0) + max(a.get(d, 0) + transient.get(d, 0),
-                                                      free.get(d, 0) + bucket.get(d, 0))
+                                                      free.get(d, 0) + bucket.get(d, 0), bwd.get(d, 0))
                for d in set(w) | set(a) | set(transient)}
         per = {d: int(math.ceil(b)) for d, b in per.items()}
         act = {d: a.get(d, 0) + transient.get(d, 0) for d in set(a) | set(transient)}

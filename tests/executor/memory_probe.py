@@ -3,7 +3,8 @@ check: tests/executor/test_memory_prediction.py, benchmarks/memory_check.py).
 
 :class:`Probe` wraps one step of an :class:`unity_pcg.executor.train.Trainer` and takes *moments*: after
 every forward step of the lowered program, at the end of the forward, after each recomputation of a
-checkpointed run (torch.utils.checkpoint) in the backward, and when the optimizer steps.  At a moment it
+checkpointed run (torch.utils.checkpoint) in the backward, whenever the backward makes the gradient of a
+forward value (a tensor hook), and when the optimizer steps.  At a moment it
 counts every tensor storage the rank holds, each storage once (a view keeps its whole storage alive):
 
 * ``state``: the Trainer's parameters (ZeRO-3: the shards, and the values gathered for the forward or
@@ -14,6 +15,8 @@ counts every tensor storage the rank holds, each storage once (a view keeps its 
   ``torch.autograd.graph.saved_tensors_hooks``, chained with ZeRO-3's own hooks; the inputs a
   checkpointed run keeps are saved through them too), plus the tensors a recomputation has just
   produced for the backward of its run;
+* ``grads``: gradients of forward values the backward has made and not yet freed (each tracked by a weak
+  reference from its hook on);
 * ``held``: other forward values the program still references (its table of local tensors and the
   feeds), which the autograd graph does not need.
 
@@ -48,10 +51,11 @@ class Moment:
     state: int
     saved: int
     held: int
+    grads: int = 0                        # gradients of activations alive (the backward's moments)
 
     @property
     def total(self) -> int:
-        return self.state + self.saved + self.held
+        return self.state + self.saved + self.held + self.grads
 
     @property
     def activations(self) -> int:
@@ -70,7 +74,7 @@ class Measured:
 
     def to_json(self) -> dict:
         return {"peak_bytes": self.peak.total, "peak_at": self.peak.where, "state_bytes": self.peak.state,
-                "saved_bytes": self.peak.saved, "held_bytes": self.peak.held,
+                "saved_bytes": self.peak.saved, "held_bytes": self.peak.held, "grads_bytes": self.peak.grads,
                 "forward_end_bytes": self.forward_end.total, "saved_peak_bytes": self.saved_peak,
                 "memory_bytes": dict(self.memory_bytes), "rss_peak_bytes": self.rss_peak, "moments": self.moments}
 
@@ -87,6 +91,7 @@ class Probe:
         self._feeds: dict = {}
         self._in_forward = False
         self._exclude: set = set()
+        self.grads: dict = {}         # storage ptr -> [gradient tensors alive, nbytes]
 
     # --- saved tensors ---------------------------------------------------------------------------------
     def _pack(self, t):
@@ -176,7 +181,38 @@ class Probe:
                     if nb and ptr not in seen:
                         seen.add(ptr)
                         held += nb
-        self.moments.append(Moment(where, state, saved, held))
+        grads = 0
+        for ptr, (_, nb) in self.grads.items():
+            if ptr not in seen:
+                seen.add(ptr)
+                grads += nb
+        self.moments.append(Moment(where, state, saved, held, grads))
+
+    # --- gradients of activations ------------------------------------------------------------------------
+    def _watch(self, t, name: str) -> None:
+        """Take a moment when the backward makes ``t``'s gradient, counting it (and every other gradient of
+        an activation still alive) until it is freed."""
+        import torch
+        if not isinstance(t, torch.Tensor) or not t.requires_grad or t.device.type == "meta":
+            return
+        probe = self
+
+        def hook(grad):
+            ptr, nb = _storage(grad)
+            if nb:
+                ent = probe.grads.setdefault(ptr, [0, nb])
+                ent[0] += 1
+                weakref.finalize(grad, probe._drop_grad, ptr)
+            probe.moment(f"backward {name}")
+            return None
+        t.register_hook(hook)
+
+    def _drop_grad(self, ptr) -> None:
+        ent = self.grads.get(ptr)
+        if ent is not None:
+            ent[0] -= 1
+            if ent[0] <= 0:
+                del self.grads[ptr]
 
     # --- patching --------------------------------------------------------------------------------------
     def __enter__(self):
@@ -200,7 +236,10 @@ class Probe:
         def _run_step(step, vals, *a, **k):
             if probe._in_forward and not probe._vals:
                 probe._vals.append(vals)        # the forward's table (a checkpointed run has its own)
+            before = set(vals)
             r = run_step(step, vals, *a, **k)
+            for key in set(vals) - before:
+                probe._watch(vals[key], f"{step.kind} {step.node}")
             if probe._in_forward:
                 inner = [] if probe._vals and probe._vals[0] is vals else [vals]
                 probe.moment(f"forward {step.op if step.kind == 'compute' else step.kind} {step.node}",

@@ -198,10 +198,12 @@ class Saves:
     """What an operator keeps from its forward pass for its backward (autograd's saved tensors), read
     by the memory model: ``inputs``, the input positions it saves (:data:`ALL`: every input);
     ``output``: whether it saves its output; ``mask``: it keeps a one-byte-per-element mask of its
-    output (Dropout) when nothing else keeps the output."""
+    output (Dropout) when nothing else keeps the output; ``temps``: output-sized temporaries its backward
+    holds at once besides the gradients (the memory model's backward walk)."""
     inputs: frozenset | str = frozenset()
     output: bool = False
     mask: bool = False
+    temps: int = 0          # output-sized temporaries its backward makes besides the gradients (Softmax: 1)
 
     def __post_init__(self):
         if self.inputs != ALL:

@@ -551,7 +551,8 @@ def _softmax_labels(a, ins, outs):
 compute_op("Softmax", attrs={"axis": -1}, num_inputs=1,
            logical=lambda a, ins: (_axis("Softmax", a["axis"], ins[0].rank), _same(a, ins))[1],
            labels=_softmax_labels, forward=_softmax_fwd, flops=lambda a, i, o: 5.0 * o[0].numel,
-           cost_class="softmax", autocast="fp32_direct", saves=SAVES_OUTPUT)
+           cost_class="softmax", autocast="fp32_direct",
+           saves=Saves(output=True, temps=1))     # its backward: (g - sum(g * y)) * y
 
 
 def _ln_logical(a, ins):
