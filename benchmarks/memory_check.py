@@ -267,10 +267,13 @@ follow `SELECTIVE_KEEP`); communication inside a recompute region was counted as
 optimizer's copy of the updated shard; gradients made only in the backward (one-copy weights, ZeRO-3) were
 added to the forward's activations; recomputation's transient was added on top of every activation.
 
+ZeRO-3 gathered per gradient bucket (25 MiB: the whole of these small models) where the model gathered per
+region and counted two regions (Llama tiny, ZeRO-3 + recompute: 0.90); now the executor gathers per region (the
+model's unit) and the model counts the one unit the executor holds (branch memtech2).
+
 Left: the model trains the ONNX graph's constants the importer turns into weights (Llama's rotary tables and
-causal masks; the executor keeps them fixed: +3-5% on Llama); ZeRO-3 gathers per gradient bucket (25 MiB: the
-whole of these small models) and copies the values gathered for the backward once more, where the model
-gathers per region (Llama tiny, ZeRO-3 + recompute: 0.90).
+causal masks; the executor keeps them fixed: +3-5% on Llama); the backward's regathered values are copied once
+more into the weights (the model counts one copy of a unit).
 """
 
 

@@ -837,7 +837,7 @@ def calibrate(quick: bool = False, worlds: tuple | None = None, quiet: bool = Fa
             "seconds": time.perf_counter() - t_start,
             "host": socket.gethostname()}
     m = MachineSpec("local", 1, first, first, dev, {"group": link, "node": link, "network": link},
-                    shared_cores=cores, meta=meta)
+                    shared_cores=cores, meta=meta, host_memory_bytes=int(dev.memory_bytes))
     _say(f"done in {meta['seconds']:.1f} s", quiet)
     return m
 

@@ -3,7 +3,10 @@ DESIGN "Executor").  The :class:`~executor.train.Trainer` owns the step; this mo
 
 * **the schedule with recompute regions** (:func:`schedule`): the lowered steps in their global order,
   each :class:`~unity_pcg.plan.RecomputeRegion` gathered into one :class:`Region` item (its compute
-  nodes plus the parallel operators between them: those fed by the region whose every consumer is in it),
+  nodes plus the parallel operators between them: those fed by the region whose every consumer is in it;
+  and the gathers feeding it -- Combine/Replicate chains from a compute output outside, every consumer in it --
+  so that under sequence parallelism the checkpoint keeps the sequence shard and the all-gather runs again
+  in the recomputation, as Megatron-LM does: :func:`search.memtech.region_members`),
   placed by a stable topological sort (a region that a path leaves and re-enters is refused).  Every rank
   derives the same items from the same plan.  A region's steps run under ``torch.utils.checkpoint``
   (non-reentrant) as one sub-program per *run*: ``full`` -> one run; ``selective`` -> each maximal run of
@@ -22,6 +25,8 @@ DESIGN "Executor").  The :class:`~executor.train.Trainer` owns the step; this mo
   gradient buckets are (one :class:`ZeroGroup` per bucket of this rank; atoms read by this rank alone form
   one more group of one device).  A group is a flat vector of its atoms, padded to ``k * s`` and cut in
   ``k`` shards of ``s`` (k = the group's devices with ZeRO >= 1, else 1); rank j of the group owns shard j.
+  With stage 3 a bucket is split further by *unit* (the cost model's: the ``search.memtech.regions`` region
+  -- a layer -- of the weight's first read), so each all-gather brings one unit's weights, as it prices.
   The optimizer (torch's SGD / momentum / Adam: element-wise, so a flat shard updates exactly as the
   whole tensors) holds one parameter per group: this rank's shard of the values.  Stage 1: gradients
   all-reduced as without ZeRO, the update of one's shard, then an all-gather of the parameters.  Stage 2:
@@ -87,28 +92,13 @@ class Region:
     runs: list
 
 
-def _members(low, nodes: set, taken: dict, consumers: dict, outputs: set) -> set:
-    """The region's compute nodes plus the parallel operators between them: fed (through parallel
-    operators) by the region, every consumer inside it, not a graph output."""
-    S = set(nodes)
-    T: set = set()
-    stack = list(S)
-    while stack:
-        i = stack.pop()
-        for c in consumers.get(i, ()):
-            if low.role.get(c) == "parallel" and c not in T and c not in taken:
-                T.add(c)
-                stack.append(c)
-    changed = True
-    while changed:
-        changed = False
-        for p in sorted(T):
-            n = low.g.node(p)
-            ok = n.inputs[0][0] in S | T and p not in outputs and all(c in S | T for c in consumers.get(p, ()))
-            if not ok:
-                T.discard(p)
-                changed = True
-    return S | T
+def _members(low, nodes: set, taken: dict, outputs: set) -> set:
+    """The region's steps: its compute nodes, the parallel operators between them (fed by the region,
+    every consumer inside it, not a graph output) and the gathers feeding it (a Combine -> Replicate
+    all-gather of a sequence shard: the checkpoint keeps the shard and the redistribution runs again in
+    the recomputation) -- the cost model's :func:`search.memtech.region_members`, on the lowering's roles."""
+    from unity_pcg.search.memtech import region_members
+    return region_members(low.g, low.role, nodes, taken, outputs)
 
 
 def schedule(low, regions) -> list:
@@ -118,10 +108,6 @@ def schedule(low, regions) -> list:
         return list(low.steps)
     g = low.g
     pos = {st.node: i for i, st in enumerate(low.steps)}
-    consumers: dict = {}
-    for n in g.nodes():
-        for r in n.inputs:
-            consumers.setdefault(r[0], set()).add(n.id)
     outputs = {r[0] for r in g.outputs}
     unit: dict = {}            # node -> unit key
     regs: list[Region] = []
@@ -129,7 +115,7 @@ def schedule(low, regions) -> list:
         for nid in reg.nodes:
             if nid not in pos or low.role.get(nid) != "compute":
                 raise ExecutorError(f"recompute region {k}: node {nid} is not a compute node of the plan")
-        mem = _members(low, set(reg.nodes), unit, consumers, outputs)
+        mem = _members(low, set(reg.nodes), unit, outputs)
         for i in mem:
             unit[i] = ("r", k)
         steps = sorted((low.steps[pos[i]] for i in mem), key=lambda st: pos[st.node])
@@ -309,9 +295,17 @@ class ZeroRuntime:
             pg = tr._bucket_pgs.get(devs) if k > 1 else None
             self.groups.append(ZeroGroup(tuple(devs), flat, off, k, devs.index(rank) if k > 1 else 0, s, bucket,
                                          pg, dt))
+        unit = self.units(tr._items) if self.stage == 3 else {}
         for i in tr._my_buckets:
             b = tr._buckets[i]
-            add(b["devs"], b["items"], i)
+            if self.stage == 3:     # one group per unit: the bucket's weights of one unit
+                units: dict = {}
+                for it in b["items"]:
+                    units.setdefault(unit.get(it[0], (-1, -1)), []).append(it)
+                for _, its in sorted(units.items()):
+                    add(b["devs"], its, i)
+            else:
+                add(b["devs"], b["items"], i)
         alone = [(name, sl) for name in tr.params for sl, devs in tr._atoms.get(name, []) if tuple(devs) == (rank,)]
         if alone:
             add((rank,), alone, None)
@@ -421,13 +415,14 @@ class ZeroRuntime:
             sh.grad = None
 
     # --- stage 3: gathering ------------------------------------------------------------------------------
-    def plan_gathers(self, items: list) -> None:
-        """Item positions of the schedule where each group is gathered (first use of its weights), its
-        regather trigger created (after the last use) and each weight freed (after its last use)."""
+    def uses(self, items: list) -> tuple[dict, dict, dict]:
+        """Weight name -> index of the first / last item of the schedule reading it (a recompute region is
+        one item), and -> the compute node that reads it first."""
         g = self.tr.g
         low = self.tr.low
         first: dict[str, int] = {}
         last: dict[str, int] = {}
+        node: dict[str, int] = {}
         for idx, item in enumerate(items):
             for st in (item.steps if isinstance(item, Region) else [item]):
                 if st.kind != "compute":
@@ -436,8 +431,32 @@ class ZeroRuntime:
                     o = low.origin.get(r[0])
                     if o is not None and low.role[o] == "weight":
                         nm = g.node(o).a["name"]
-                        first.setdefault(nm, idx)
+                        if nm not in first:
+                            first[nm], node[nm] = idx, st.node
                         last[nm] = idx
+        return first, last, node
+
+    def units(self, items: list) -> dict:
+        """Weight name -> its ZeRO-3 *unit*, as the cost model's (search.memtech.Techniques): the region
+        of ``search.memtech.regions`` (cut where one activation is live: a layer) holding the compute
+        node that reads it first, else that node; a unit's weights are gathered together, ordered by
+        their first read."""
+        from unity_pcg.search.memtech import regions
+        first, _, node = self.uses(items)
+        region_of = {n: i for i, r in enumerate(regions(self.tr.g)) for n in r}
+        out: dict = {}
+        start: dict = {}
+        for nm, n in node.items():
+            key = ("r", region_of[n]) if n in region_of else ("n", n)
+            start[key] = min(start.get(key, first[nm]), first[nm])
+            out[nm] = key
+        return {nm: (start[key], key[1] if key[0] == "r" else -1 - key[1]) for nm, key in out.items()}
+
+    def plan_gathers(self, items: list) -> None:
+        """Item positions of the schedule where each group is gathered (first use of its weights: with
+        stage 3 a group is one unit of one bucket), its regather trigger created (after the last use)
+        and each weight freed (after its last use)."""
+        first, last, _ = self.uses(items)
         for gi, grp in enumerate(self.groups):
             names = {it[0] for it in grp.items}
             f = min(first.get(nm, 0) for nm in names)

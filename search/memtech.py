@@ -6,28 +6,37 @@ model and strategy; nothing here knows layer names.
 
 *ZeRO* (stage 1-3, over each weight's data-parallel copies: the ``c`` devices holding identical copies
 of one weight piece).  Memory per device: stage 1 keeps ``1/c`` of the optimizer states, stage 2 also
-of the gradient, stage 3 also of the parameter plus a gathered working copy (the two largest *units*
--- weights grouped by the region of their first use, current and prefetched -- at full size).  Time: a
+of the gradient, stage 3 also of the parameter plus a gathered working copy (the largest *unit* --
+weights grouped by the region of their first use -- at full size, :data:`GATHERED_UNITS`: the executor
+gathers one unit at a time, before its first use and again in its backward, and frees it after its
+last use; no prefetch).  Time: a
 reduce-scatter of the gradient in place of its all-reduce; the update of ``1/c`` of the weight;
 stages 1-2 all-gather the updated parameters (overlapping the next forward where the runtime
-overlaps), stage 3 all-gathers each unit before its forward and again before its backward.
+overlaps), stage 3 all-gathers each unit before its forward and again before its backward and reduce-
+scatters its gradient when the backward passes its first use: one collective per unit and copy group,
+each with its own latency, as the executor runs them (executor/memory.py: a ZeRO-3 group is a unit).
 *Recomputation* per region (:func:`regions`): ``full`` keeps nothing produced inside but what is read
 outside (the region's inputs are kept, as a checkpoint keeps them); ``selective`` also keeps the
 outputs of operators of class :data:`SELECTIVE_KEEP`.  Time: one more forward of what is recomputed
-(its compute and its forward transfers).  Memory: while a region's backward runs its recomputed
+(its compute and its forward transfers, the collectives of the region and the gathers feeding it:
+:func:`region_members`).  Memory: while a region's backward runs its recomputed
 activations live again (the largest region's, on top).
 *Offload*: optimizer states (and the update) in host memory: the states leave the device; the
 gradient shard goes to the host and the parameter shard back over ``links["host"]``, the update runs
-at ``host_mem_bandwidth`` shared by the node's devices.
+at ``host_mem_bandwidth`` shared by the node's devices.  The host holds, per device, the states, the
+updated parameter shard and the gradient shard copied for the update; the devices of a node share its
+``host_memory_bytes``: a plan whose node needs more is infeasible (an unknown capacity offers no offload).
 
 *Overlap* (``MachineSpec.overlap_grad_sync``): the iteration is the critical path of a compute stream
 (forward in topological order, backward in reverse, recomputation before a region's backward) and one
 communication stream (gradient buckets of ``grad_bucket_bytes`` in the order their gradients become
-ready -- the reverse order of use -- each issued when its last gradient is ready; ZeRO's all-gathers,
-prefetched one unit ahead).  Without overlap every collective is on the critical path, so an empty
-MemoryPlan prices exactly as :class:`search.mapping.MachineMapper` does (iteration = compute +
-transfers + sync + update).  With ``base`` a mapping's own cost (side-by-side branches make it less than
-the sum of its leaves), the iteration is that cost plus the techniques' change.
+ready -- the reverse order of use -- each issued when its last gradient is ready; stages 1-2's
+all-gathers from the iteration's start; stage 3's collectives synchronous, as the executor runs them:
+a unit's gathers right before its forward and its backward, its reduce-scatter before the next task).
+Without overlap every collective is on the critical path, so an empty MemoryPlan prices exactly as
+:class:`search.mapping.MachineMapper` does (iteration = compute + transfers + sync + update).  With
+``base`` a mapping's own cost (side-by-side branches make it less than the sum of its leaves), the
+iteration is that cost plus the techniques' change.
 
 :func:`choose` tries every allowed (ZeRO stage, offload) and, where memory does not fit, recomputes
 regions: every assignment when there are at most ``exact_limit`` regions, else greedily the region
@@ -59,6 +68,13 @@ SELECTIVE_KEEP = frozenset({"matmul", "conv", "conv1x1", "conv_grouped", "embedd
 #: (executor/memory.py) and the pricing here read this one set
 LAYOUT_OPS = frozenset({"Reshape", "Transpose", "Flatten", "Identity", "Slice", "Split", "Expand", "Concat", "Cast",
                         "Tile", "Pad"})
+#: parallel operators that gather (each output piece holds at least its input piece: concatenations and
+#: copies): a chain of them feeding a recompute region belongs to the region (:func:`region_members`), so
+#: the region keeps the smaller input and gathers again when recomputed
+GATHER_OPS = frozenset({"Combine", "Replicate"})
+#: ZeRO-3: the largest units counted gathered at full size on top of the shards (the executor gathers one
+#: unit at a time -- before its first use, again in its backward -- and frees it after its last use)
+GATHERED_UNITS = 1
 #: fewest compute operators of a region found by :func:`regions` (then it ends at the next cut)
 MIN_REGION_OPS = 4
 #: :func:`choose` tries every recompute assignment up to this many regions, else it is greedy
@@ -104,6 +120,54 @@ def regions(g: PCG | GraphCost, min_ops: int = MIN_REGION_OPS) -> tuple[tuple[in
     return tuple(out)
 
 
+def region_members(g: PCG, role: Mapping[int, str], nodes, taken=frozenset(), outputs=frozenset()) -> set:
+    """What a recompute region runs (and recomputes), the same in the cost model (:meth:`Techniques._runs`)
+    and the executor (``executor.memory.schedule``): its compute ``nodes``; the parallel operators between
+    them (fed by the region through parallel operators, every consumer inside); and the *gathers feeding
+    it*: chains of :data:`GATHER_OPS` operators whose first input is a compute node's output made outside
+    and every consumer is inside -- under sequence parallelism the Combine -> Replicate all-gather of a sequence
+    shard into a column-parallel Linear, so the region keeps the shard and all-gathers again in its
+    recomputation, as Megatron-LM does.  ``role``: node -> role (``PCG.roles()``, or the executor's);
+    ``taken``: nodes of earlier regions; ``outputs``: graph output node ids (never inside)."""
+    S = set(nodes)
+    T: set = set()
+    stack = list(S)
+    while stack:                  # parallel operators fed by the region
+        x = stack.pop()
+        for k in range(len(g.shapes(x))):
+            for u, _ in g.consumers((x, k)):
+                if role.get(u) == "parallel" and u not in T and u not in taken and u not in S:
+                    T.add(u)
+                    stack.append(u)
+    F: set = set()
+    for n in S:                   # gathers feeding it, back from each input
+        for r in g.node(n).inputs:
+            p = r[0]
+            while (role.get(p) == "parallel" and g.node(p).op in GATHER_OPS and p not in taken
+                   and p not in S and p not in T and p not in F):
+                F.add(p)
+                p = g.node(p).inputs[0][0]
+
+    def consumers(x):
+        return [u for k in range(len(g.shapes(x))) for u, _ in g.consumers((x, k))]
+    changed = True
+    while changed:                # ... whose every consumer is inside, not a graph output
+        changed = False
+        for x in sorted(T | F):
+            inside = S | T | F
+            src = g.node(x).inputs[0][0]
+            if x in T:
+                ok = src in inside
+            else:                 # a whole gather chain, from a compute node's output (not from a Reduce:
+                ok = src in F or role.get(src) == "compute"      # an all-reduce keeps a partial sum as big)
+            ok = ok and x not in outputs and all(u in inside for u in consumers(x))
+            if not ok:
+                T.discard(x)
+                F.discard(x)
+                changed = True
+    return S | T | F
+
+
 def recompute_all(regs: Sequence[Sequence[int]], mode: str = "full") -> tuple[RecomputeRegion, ...]:
     """Every region in ``mode`` (Megatron-LM's uniform recomputation)."""
     return tuple(RecomputeRegion(tuple(r), mode) for r in regs)
@@ -141,6 +205,12 @@ class Priced:
     exposed_sync_s: float = 0.0  # communication of the sync stream left on the critical path
     zero_units: int = 0
     overlap: bool = False
+    host_per_node: dict = field(default_factory=dict)   # offload: node -> bytes in its host memory
+    host_capacity: int = 0                               # the machine's host memory per node
+
+    @property
+    def host_max_bytes(self) -> int:
+        return max(self.host_per_node.values(), default=0)
 
     @property
     def max_bytes(self) -> int:
@@ -153,7 +223,9 @@ class Priced:
     def to_json(self) -> dict:
         return {"recompute_s": self.recompute_s, "zero_comm_s": self.zero_comm_s, "offload_s": self.offload_s,
                 "exposed_sync_s": self.exposed_sync_s, "hidden_comm_s": self.hidden_s,
-                "update_with_techniques_s": self.update_s, "overlap_grad_sync": self.overlap}
+                "update_with_techniques_s": self.update_s, "overlap_grad_sync": self.overlap,
+                **({"offload_host_bytes": self.host_max_bytes, "host_memory_bytes": self.host_capacity}
+                   if self.memory.offload else {})}
 
     def rows(self) -> list[tuple[str, float]]:
         """The iteration as rows that add up to it (explain)."""
@@ -315,7 +387,7 @@ class Techniques:
                     u = gathered.setdefault(d, {})
                     u[x.unit] = u.get(x.unit, 0) + p - p / c
         for d, u in gathered.items():
-            top = sorted(u.values(), reverse=True)[:2]        # the unit in use and the one prefetched
+            top = sorted(u.values(), reverse=True)[:GATHERED_UNITS]
             w[d] = w.get(d, 0) + sum(top)
         return w
 
@@ -469,10 +541,10 @@ class Techniques:
 
     def _runs(self, assign: Mapping[int, tuple]) -> dict:
         """Node -> its checkpointed run (a key) for the regions of ``assign`` (node -> (region, mode)), as
-        the executor runs them (executor/memory.py): a region is its compute nodes plus the parallel
-        operators between them (fed by the region, every consumer inside it, not a graph output), in the
-        PCG's node order; ``full``: one run; ``selective``: each maximal run of steps between the kept
-        operators (:data:`SELECTIVE_KEEP`), which run plainly.  A run of layout operators
+        the executor runs them (executor/memory.py): a region is :func:`region_members` (its compute nodes,
+        the parallel operators between them and the gathers feeding it), in the PCG's node order;
+        ``full``: one run; ``selective``: each maximal run of steps between the kept operators
+        (:data:`SELECTIVE_KEEP`), which run plainly.  A run of layout operators
         (:data:`LAYOUT_OPS`) and communication alone runs plainly too.  Nodes that run plainly are absent."""
         key = tuple(sorted(assign.items()))
         hit = self._runs_cache.get(key)
@@ -484,28 +556,11 @@ class Techniques:
             by_region.setdefault((i, md), set()).add(n)
         taken = set(assign)
         out: dict = {}
+        outputs = {r[0] for r in self.outs}
         for (i, md), S in sorted(by_region.items()):
-            T: set = set()
-            stack = list(S)
-            while stack:                 # parallel operators fed by the region
-                x = stack.pop()
-                for k in range(len(g.shapes(x))):
-                    for u, _ in g.consumers((x, k)):
-                        if self.gc.role[u] == "parallel" and u not in T and u not in taken:
-                            T.add(u)
-                            stack.append(u)
-            changed = True
-            while changed:               # ... whose every consumer is inside, not a graph output
-                changed = False
-                for x in sorted(T):
-                    refs = [(x, k) for k in range(len(g.shapes(x)))]
-                    ok = (g.node(x).inputs[0][0] in S | T and not any(r in self.outs for r in refs)
-                          and all(u in S | T for r in refs for u, _ in g.consumers(r)))
-                    if not ok:
-                        T.discard(x)
-                        changed = True
-            taken |= T
-            steps = sorted(S | T, key=self.exec_pos.__getitem__)
+            members = region_members(g, self.gc.role, S, taken - S, outputs)
+            taken |= members
+            steps = sorted(members, key=self.exec_pos.__getitem__)
             runs: list = []
             for n in steps:
                 kept = (md == "selective" and self.gc.role[n] == "compute"
@@ -655,14 +710,17 @@ class Techniques:
         return out
 
     def recompute_time(self, nodes: Sequence[int], mode: str) -> float:
-        t = 0.0
-        for n in nodes:
-            if n not in self.fwd:
-                continue
-            if mode == "selective" and op_class(self.g.node(n).op, self.g.input_shapes(n)) in SELECTIVE_KEEP:
-                continue
-            t += self.fwd[n]
-        return t
+        """One more forward of what region ``nodes`` recomputes in ``mode`` alone: every step of its
+        checkpointed runs (:meth:`_runs`), compute and communication (the gathers feeding it, the
+        collectives inside)."""
+        return self.recompute_times({n: (0, mode) for n in nodes}).get(0, 0.0)
+
+    def recompute_times(self, assign: Mapping[int, tuple]) -> dict:
+        """Region index -> seconds of its recomputation with the regions of ``assign``."""
+        out: dict = {}
+        for n, (i, _) in self._runs(assign).items():
+            out[i] = out.get(i, 0.0) + self.fwd.get(n, 0.0)
+        return out
 
     # --- collectives --------------------------------------------------------------------------------
     def _coll(self, groups: Sequence[Sequence[int]], nbytes: float) -> float:
@@ -683,6 +741,21 @@ class Techniques:
             else:
                 link = self.machine.link(self.machine.span_level(list(grp)))
                 t = (p - 1) / p * nbytes / link.bandwidth + (p - 1) * link.latency * nb * nbytes / total
+            best = max(best, t)
+        return best
+
+    def _coll_once(self, groups: Sequence[Sequence[int]], nbytes: float) -> float:
+        """One all-gather (or reduce-scatter) of ``nbytes`` over each copy group (concurrent: the slowest),
+        its own latency: ZeRO-3's per-unit collectives, one call each in the executor."""
+        best = 0.0
+        for grp in groups:
+            p = len(set(grp))
+            if p <= 1:
+                continue
+            t = C.measured_time(self.machine, "all_gather", p, nbytes)
+            if t is None:
+                link = self.machine.link(self.machine.span_level(list(grp)))
+                t = (p - 1) / p * nbytes / link.bandwidth + (p - 1) * link.latency
             best = max(best, t)
         return best
 
@@ -715,12 +788,13 @@ class Techniques:
         report = MemoryReport(per, {d: int(b) for d, b in w.items()}, {d: int(b) for d, b in act.items()},
                               self.capacity)
         # compute stream
-        recompute = [(r, self.recompute_time(r.nodes, r.mode)) for r in mem.recompute]
+        times = self.recompute_times(assign)
+        recompute = [(r, times.get(i, 0.0)) for i, r in enumerate(mem.recompute)]
         rec_s = sum(t for _, t in recompute)
         nf = len(self.order)
         dur = [self.fwd[n] for n in self.order] + [self.bwd[n] for n in reversed(self.order)]
         bidx = {n: 2 * nf - 1 - self.pos[n] for n in self.order}          # backward task of node n
-        for r, t in recompute:
+        for r, t in recompute:            # (the gathers feeding a region come after its nodes' backward)
             ps = [bidx[n] for n in r.nodes if n in bidx]
             if ps:
                 dur[min(ps)] += t          # recomputed right before the region's backward starts
@@ -729,6 +803,7 @@ class Techniques:
         sync_new = 0.0
         update = self.update_s
         host_bytes = host_moved = host_update = 0.0
+        host_mem: dict = {}
         bucket: list = []
         cap = model.grad_bucket_bytes if model.grad_bucket_bytes > 0 else math.inf
         limit = [min(cap, model.first_bucket_bytes) if m.overlap_grad_sync else cap]
@@ -745,6 +820,7 @@ class Techniques:
                 ag_bucket.clear()
 
         acc = 0.0
+        units3: dict = {}           # stage 3: (unit, copy groups) -> [bytes, first consumer, last consumer]
         ag_bucket: list = []
         ag_ops: list = []           # (forward task needing it, seconds)
         fwd_gather: dict = {}
@@ -752,51 +828,59 @@ class Techniques:
         for x in sorted(self.weights, key=lambda x: bidx.get(x.first, 0)):
             c = x.copies
             if c > 1 and x.sync > 0 or (c > 1 and zero >= 1):
-                if zero >= 1:
-                    t = self._coll(x.groups, x.nbytes)
-                    bucket.append((bidx[x.first], t))
-                    if zero >= 3:          # before the forward and again before the backward, per unit
-                        for d, key in ((fwd_gather, x.unit), (bwd_gather, x.unit)):
-                            cur = d.setdefault(key, [0.0, 0.0, x.first, x.last])
-                            cur[0] += t
-                            cur[2] = min(cur[2], x.first, key=lambda n: self.pos[n])
-                            cur[3] = max(cur[3], x.last, key=lambda n: self.pos[n])
-                    else:                  # the updated parameters, in the gradient's buckets
-                        ag_bucket.append((t, x.first))
+                if zero >= 3:              # one collective per unit and copy groups, as the executor runs them
+                    cur = units3.setdefault((x.unit, x.groups), [0.0, x.first, x.last])
+                    cur[0] += x.nbytes
+                    cur[1] = min(cur[1], x.first, key=lambda n: self.pos[n])
+                    cur[2] = max(cur[2], x.last, key=lambda n: self.pos[n])
                 else:
-                    bucket.append((bidx[x.first], x.sync))
-                acc += x.nbytes
-                if acc >= limit[0]:
-                    flush()
-                    acc = 0.0
+                    if zero >= 1:
+                        t = self._coll(x.groups, x.nbytes)
+                        bucket.append((bidx[x.first], t))
+                        ag_bucket.append((t, x.first))     # the updated parameters, in the gradient's buckets
+                    else:
+                        bucket.append((bidx[x.first], x.sync))
+                    acc += x.nbytes
+                    if acc >= limit[0]:
+                        flush()
+                        acc = 0.0
             share = x.nbytes / c if zero >= 1 else x.nbytes
             if zero >= 1 or offload:
                 update -= x.update
                 if not offload:
                     update += model.update_time(share)
             if offload:               # the device's update of the shard, at the host's bandwidth
+                for d in x.devices:   # states, the updated shard and its gradient, in the node's memory
+                    nd = d // m.devices_per_node
+                    host_mem[nd] = host_mem.get(nd, 0.0) + (self.states + 2) * share
                 host_bytes += 2 * share
                 host_moved += (3 + 2 * self.states) * share
                 host_update += model.update_time(share)
         flush()
+        # stage 3, per unit: the gradient's reduce-scatter when the backward passes the unit's first use
+        # (the gather's backward); all-gathers before its forward and again before its backward
+        for (u, groups), (nbytes, first, last) in units3.items():
+            t = self._coll_once(groups, nbytes)
+            nxt = bidx[first] + 1          # synchronous in the executor: the next backward task waits
+            ops.append(((bidx[first], 1), len(ops), t, nxt if nxt < 2 * nf else None))
+            for d in (fwd_gather, bwd_gather):
+                cur = d.setdefault(u, [0.0, 0.0, first, last])
+                cur[0] += t
+                cur[2] = min(cur[2], first, key=lambda n: self.pos[n])
+                cur[3] = max(cur[3], last, key=lambda n: self.pos[n])
         for pos_, t in self.buffer_sync:
             ops.append(((2 * nf - 1 - pos_, 1), len(ops), t, None))
         # stages 1-2: every bucket's all-gather issued at the iteration's start (after the previous update)
         for need, t in sorted(ag_ops):
             ops.append(((-1, 0), len(ops), t, need))
-        # stage 3: forward gathers prefetched one unit ahead from the iteration's start, backward likewise
-        fl = sorted(fwd_gather.values(), key=lambda v: self.pos[v[2]])
-        prev = -1
-        for v in fl:
+        # stage 3: each unit gathered right before its first forward task and again before its first
+        # backward task, the compute waiting (the executor's gathers are synchronous: no prefetch)
+        for v in sorted(fwd_gather.values(), key=lambda v: self.pos[v[2]]):
             need = self.pos[v[2]]
-            ops.append(((prev, 0), len(ops), v[0] + v[1], need))
-            prev = need
-        bl = sorted(bwd_gather.values(), key=lambda v: bidx[v[3]])
-        prev_key = (nf - 1, 1)
-        for v in bl:
+            ops.append(((need - 1, 1), len(ops), v[0] + v[1], need))
+        for v in sorted(bwd_gather.values(), key=lambda v: bidx[v[3]]):
             need = bidx[v[3]]
-            ops.append((prev_key, len(ops), v[0] + v[1], need))
-            prev_key = (need, 0)
+            ops.append(((need - 1, 1), len(ops), v[0] + v[1], need))
         comm_total = sum(o[2] for o in ops)
         sync_new = comm_total
         zero_comm = comm_total - self.sync_s
@@ -816,16 +900,26 @@ class Techniques:
             off = (host_bytes / host.bandwidth + 2 * host.latency + host_update
                    + host_moved * max(1.0 / per_dev - 1.0 / m.mem_bandwidth, 0.0))
         it = self.base_s - self.leaves_s + makespan + update + off
+        host_mem = {nd: int(math.ceil(b)) for nd, b in host_mem.items()}
         feasible = report.feasible
         reason = "" if feasible else "out of memory: " + report.reason()
+        over = {nd: b for nd, b in host_mem.items() if b > m.host_memory_bytes}
+        if over:
+            nd = max(over, key=over.get)
+            feasible = False
+            reason = "; ".join(x for x in (reason, (
+                f"out of host memory: offload puts {format_bytes(over[nd])} of optimizer states, parameter and "
+                f"gradient shards in node {nd}'s host memory but it has {format_bytes(m.host_memory_bytes)}")) if x)
         return Priced(MemoryPlan(zero, offload, tuple(mem.recompute)), it, feasible, reason, report,
                       self.base_s, self.leaves_s, self.compute_s, self.comm_s, self.sync_s, zero_comm, rec_s,
-                      update, self.update_s, off, hidden, exposed, self.n_units, m.overlap_grad_sync)
+                      update, self.update_s, off, hidden, exposed, self.n_units, m.overlap_grad_sync,
+                      host_mem, m.host_memory_bytes)
 
     @property
     def can_offload(self) -> bool:
         m = self.machine
-        return "host" in m.links and m.host_mem_bandwidth > 0 and self.states > 0 and bool(self.weights)
+        return ("host" in m.links and m.host_mem_bandwidth > 0 and m.host_memory_bytes > 0 and self.states > 0
+                and bool(self.weights))
 
     # --- choosing -----------------------------------------------------------------------------------
     def choose(self, zero: Sequence[int] = (0, 1, 2, 3), offload: Sequence[bool] = (False, True),
@@ -977,12 +1071,14 @@ def describe(p: Priced) -> list[str]:
         out.append(f"recompute: {len(mem.recompute)} region(s), {n} operators ({'/'.join(modes)}): "
                    f"+{p.recompute_s * 1e3:.3f} ms")
     if mem.offload:
-        out.append(f"offload: optimizer states and update in host memory: +{p.offload_s * 1e3:.3f} ms")
+        out.append(f"offload: optimizer states and update in host memory: +{p.offload_s * 1e3:.3f} ms; host memory "
+                   f"{format_bytes(p.host_max_bytes)} of {format_bytes(p.host_capacity)} on the fullest node")
     if p.overlap:
         out.append(f"overlap: {p.hidden_s * 1e3:.3f} ms of communication hidden by compute; "
                    f"exposed {p.exposed_sync_s * 1e3:.3f} ms")
     return out
 
 
-__all__ = ["SELECTIVE_KEEP", "LAYOUT_OPS", "MIN_REGION_OPS", "EXACT_LIMIT", "Priced", "Techniques", "regions", "recompute_all",
-           "price", "choose", "describe", "format_bytes"]
+__all__ = ["SELECTIVE_KEEP", "LAYOUT_OPS", "GATHER_OPS", "GATHERED_UNITS", "region_members", "MIN_REGION_OPS",
+           "EXACT_LIMIT", "Priced", "Techniques", "regions", "recompute_all", "price", "choose", "describe",
+           "format_bytes"]

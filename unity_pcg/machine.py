@@ -6,7 +6,8 @@ joined by the X-Bus).  Device ids are linear: ``id = node * devices_per_node + l
 described per level -- ``group`` (inside a fast group), ``node`` (between groups of one node) and
 ``network`` (between nodes; the bandwidth is the node's NIC, shared by its devices) -- each with a
 bandwidth (bytes/s, one direction) and a latency (s).  An optional ``host`` link (device <-> host memory)
-and ``host_mem_bandwidth`` price optimizer-state offload; ``overlap_grad_sync`` says whether the runtime
+and ``host_mem_bandwidth`` price optimizer-state offload, whose capacity is ``host_memory_bytes`` per node
+(shared by the node's devices); ``overlap_grad_sync`` says whether the runtime
 overlaps gradient synchronization with the backward pass (GPU presets: yes; their host links -- PCIe, or
 NVLink 2 on Summit -- and host bandwidths, about half the sockets' peak, are assumed, not measured).
 
@@ -133,6 +134,9 @@ class MachineSpec:
     # offloaded to host memory (search/memtech.py); 0 = unknown (offload is not offered).  The device <-> host
     # link is ``links["host"]`` (optional; PCIe or NVLink-C2C)
     host_mem_bandwidth: float = 0.0
+    # the host's memory per node (bytes, shared by its devices): what optimizer-state offload may fill
+    # (search/memtech.py checks it per node); 0 = unknown (offload is not offered: it cannot be checked)
+    host_memory_bytes: int = 0
 
     def __post_init__(self) -> None:
         validate(self)
@@ -323,7 +327,7 @@ class MachineSpec:
              "links": {k: asdict(v) for k, v in self.links.items()}, "shared_cores": self.shared_cores,
              "background_load": self.background_load,
              "overlap_grad_sync": self.overlap_grad_sync, "host_mem_bandwidth": self.host_mem_bandwidth,
-             "meta": dict(self.meta)}
+             "host_memory_bytes": self.host_memory_bytes, "meta": dict(self.meta)}
         d["device"]["efficiency"] = dict(self.device.efficiency)
         d["device"]["overheads"] = dict(self.device.overheads)
         d["device"]["peaks"] = dict(self.device.peaks)
@@ -338,7 +342,7 @@ class MachineSpec:
             raise MachineError(f"{source}: unknown schema {obj.get('schema')!r} (expected {SCHEMA!r})")
         unknown = set(obj) - {"schema", "name", "nodes", "devices_per_node", "group_size", "device", "links",
                               "shared_cores", "meta", "background_load", "overlap_grad_sync",
-                              "host_mem_bandwidth"}
+                              "host_mem_bandwidth", "host_memory_bytes"}
         if unknown:
             raise MachineError(f"{source}: unknown field(s) {', '.join(sorted(unknown))}")
         try:
@@ -382,7 +386,8 @@ class MachineSpec:
                                _int(obj, "group_size", source, obj.get("devices_per_node")), device, links,
                                _int(obj, "shared_cores", source, 0), dict(obj.get("meta", {}) or {}),
                                _num(obj, "background_load", source, 0.0), overlap,
-                               _num(obj, "host_mem_bandwidth", source, 0.0))
+                               _num(obj, "host_mem_bandwidth", source, 0.0),
+                               _bytes_field(obj, "host_memory_bytes", source))
         except KeyError as e:
             raise MachineError(f"{source}: missing field {e.args[0]!r}") from None
 
@@ -474,6 +479,16 @@ def _int(obj: Mapping, key: str, source: str, default: Any = None) -> int:
     return v
 
 
+def _bytes_field(obj: Mapping, key: str, source: str) -> int:
+    """An optional byte count (default 0): an integer, or a float with an integral value (``2.2e12``)."""
+    v = obj.get(key, 0)
+    if isinstance(v, float) and math.isfinite(v) and v.is_integer():
+        v = int(v)
+    if isinstance(v, bool) or not isinstance(v, int) or v < 0:
+        raise MachineError(f"{source}: field {key!r} must be a whole number of bytes >= 0, got {v!r}")
+    return v
+
+
 def validate(m: MachineSpec) -> None:
     for k in ("nodes", "devices_per_node", "group_size"):
         v = getattr(m, k)
@@ -511,6 +526,9 @@ def validate(m: MachineSpec) -> None:
     if not isinstance(m.host_mem_bandwidth, (int, float)) or not m.host_mem_bandwidth >= 0 \
             or not math.isfinite(m.host_mem_bandwidth):
         raise MachineError(f"machine {m.name!r}: host_mem_bandwidth must be a finite number >= 0")
+    if not isinstance(m.host_memory_bytes, int) or isinstance(m.host_memory_bytes, bool) or m.host_memory_bytes < 0:
+        raise MachineError(f"machine {m.name!r}: host_memory_bytes must be an integer >= 0, got "
+                           f"{m.host_memory_bytes!r}")
     if not isinstance(m.background_load, (int, float)) or not m.background_load >= 0:
         raise MachineError(f"machine {m.name!r}: background_load must be >= 0")
 
@@ -541,7 +559,7 @@ def summit(nodes: int = 1, devices_per_node: int = 6) -> MachineSpec:
              "host": LinkSpec(50e9, 10e-6)}          # NVLink 2 between each GPU and its POWER9
     return MachineSpec("summit", nodes, devices_per_node, min(3, devices_per_node), dev, links,
                        meta={"bf16_as": "fp16 tensor cores (V100 has no bf16)"}, overlap_grad_sync=True,
-                       host_mem_bandwidth=150e9).resized(nodes, devices_per_node)
+                       host_mem_bandwidth=150e9, host_memory_bytes=512 * GiB).resized(nodes, devices_per_node)
 
 
 def dgx_a100(nodes: int = 1, devices_per_node: int = 8) -> MachineSpec:
@@ -559,7 +577,7 @@ def dgx_a100(nodes: int = 1, devices_per_node: int = 8) -> MachineSpec:
     links = {"group": LinkSpec(300e9, 3e-6), "node": LinkSpec(300e9, 3e-6), "network": LinkSpec(200e9, 5e-6),
              "host": LinkSpec(25e9, 10e-6)}          # PCIe 4.0 x16
     return MachineSpec("dgx-a100", nodes, devices_per_node, devices_per_node, dev, links, overlap_grad_sync=True,
-                       host_mem_bandwidth=200e9)
+                       host_mem_bandwidth=200e9, host_memory_bytes=2048 * GiB)
 
 
 def h100_datasheet(nodes: int = 1, devices_per_node: int = 8) -> MachineSpec:
@@ -578,7 +596,7 @@ def h100_datasheet(nodes: int = 1, devices_per_node: int = 8) -> MachineSpec:
     links = {"group": LinkSpec(450e9, 2.5e-6), "node": LinkSpec(450e9, 2.5e-6), "network": LinkSpec(400e9, 5e-6),
              "host": LinkSpec(50e9, 10e-6)}          # PCIe 5.0 x16
     return MachineSpec("h100", nodes, devices_per_node, devices_per_node, dev, links, overlap_grad_sync=True,
-                       host_mem_bandwidth=300e9)
+                       host_mem_bandwidth=300e9, host_memory_bytes=2048 * GiB)
 
 
 PRESET_DIR = os.path.join(os.path.dirname(os.path.abspath(__file__)), "presets")
@@ -618,6 +636,7 @@ def h100(nodes: int = 1, devices_per_node: int = 8) -> MachineSpec:
     dev, meta = fitted
     return MachineSpec("h100", nodes, devices_per_node, devices_per_node, dev, m.links,
                        overlap_grad_sync=m.overlap_grad_sync, host_mem_bandwidth=m.host_mem_bandwidth,
+                       host_memory_bytes=m.host_memory_bytes,
                        meta={"fitted": meta.get("fitted_from", "unity_pcg/presets/h100.json")})
 
 
@@ -633,7 +652,7 @@ def local(nodes: int = 1, devices_per_node: int = 2) -> MachineSpec:
     dev = DeviceSpec(30e9, 8e9, int(mem), {"default": 0.5, "matmul": 0.8, "conv": 0.4, "elementwise": 0.3}, 20e-6)
     links = {lv: LinkSpec(1.5e9, 60e-6) for lv in ("group", "node", "network")}
     return MachineSpec("local", nodes, devices_per_node, devices_per_node, dev, links, shared_cores=cores,
-                       meta={"calibrated": False})
+                       meta={"calibrated": False}, host_memory_bytes=int(mem))
 
 
 PRESETS = {"summit": (summit, 6), "dgx-a100": (dgx_a100, 8), "h100": (h100, 8), "local": (local, None)}

@@ -117,6 +117,8 @@ def _cases(world: int):
     adam = dict(optimizer="adam", lr=0.01)
     sp, spm = seqpar_plan(world)
     half = _compute(dpd.pcg)[: len(_compute(dpd.pcg)) // 2 + 1]
+    spc = _compute(sp.pcg)
+    after_norm = spc[spc.index(next(n.id for n in sp.pcg.nodes() if n.op == "LayerNorm")) + 1:]
     extra = []
     if world == 4:      # ZeRO-3 over the copies of a tensor-parallel plan: Megatron x2 times batch x2
         nb = models.mlp_nobias()
@@ -143,6 +145,8 @@ def _cases(world: int):
         ("tp zero 2 + selective recompute", _with(tp, zero=2, recompute=(RecomputeRegion(_compute(tp.pcg), "selective"),)),
          att, adam),
         ("sequence parallel", sp, spm, adam),
+        ("sequence parallel + recompute fed by the all-gather (the shard kept, gathered again)",
+         _with(sp, recompute=(RecomputeRegion(after_norm, "full"),)), spm, adam),
         ("sequence parallel + zero 3 + selective recompute",
          _with(sp, zero=3, recompute=(RecomputeRegion(_compute(sp.pcg), "selective"),)), spm, adam),
         ("dp plain (adam)", dp, mlp, adam),

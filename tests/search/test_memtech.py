@@ -210,3 +210,130 @@ def test_optimize_writes_the_memory_plan_and_its_numbers():
     assert sum(v for _, v in tech["rows"]) == pytest.approx(tech["iteration_s"], rel=1e-9)
     assert any(line.startswith(f"ZeRO-{r.plan.memory.zero}") for line in tech["lines"]) or not r.plan.memory.zero
     assert isinstance(r.plan, Plan)
+
+
+def test_offload_is_checked_against_the_host_memory_of_each_node():
+    """Offload puts, per device, the optimizer states, the updated parameter shard and its gradient shard in
+    host memory (Adam: (2 + 2) x shard); the devices of a node share its ``host_memory_bytes``.  Two 1 KiB
+    weights on 4 devices with ZeRO-1: 2 x 4 x 256 = 2 KiB per device, 8 KiB on one node of 4, 4 KiB per
+    node on 2 nodes of 2.  Over capacity the plan is infeasible and ``choose`` does not take it."""
+    g = data_parallel(mlp(batch=8, h=16, layers=2), 4)
+    P = 16 * 16 * 4
+    per_device = 2 * (2 + 2) * P // 4
+    for size, per_node in (("1x4", 4 * per_device), ("2x2", 2 * per_device)):
+        m = parse_machine(f"h100:{size}")
+        assert m.host_memory_bytes >= 2**40
+        gc, r = _mapped(g, m)
+        p = memtech.Techniques(gc, r.views).price(MemoryPlan(zero=1, offload=True))
+        assert p.feasible and p.host_per_node == {nd: per_node for nd in range(m.nodes)}
+        assert any("host memory" in line for line in memtech.describe(p))
+        assert p.to_json()["offload_host_bytes"] == per_node
+        for cap, ok in ((per_node, True), (per_node - 1, False), (per_device, False)):
+            small = dataclasses.replace(m, host_memory_bytes=cap)
+            gc2, _ = _mapped(g, small)
+            q = memtech.Techniques(gc2, r.views).price(MemoryPlan(zero=1, offload=True))
+            assert q.feasible == ok, (size, cap)
+            if not ok:
+                assert "host memory" in q.reason and "node 0" in q.reason
+    # choose: a device too small for the states, a host too small for them: no feasible offload plan
+    m = parse_machine("h100:1x4")
+    gc, r = _mapped(g, m)
+    need = max(memtech.Techniques(gc, r.views).price(MemoryPlan(zero=3)).report.per_device.values())
+    tight = _with_capacity(dataclasses.replace(m, host_memory_bytes=per_device), need - 1)
+    gc3, _ = _mapped(g, tight)
+    _, p = memtech.choose(gc3, r.views, recompute="none")
+    assert not (p.feasible and p.memory.offload)
+    roomy = _with_capacity(m, need - 1)
+    gc4, _ = _mapped(g, roomy)
+    _, p4 = memtech.choose(gc4, r.views, recompute="none")
+    assert p4.feasible and p4.memory.offload
+
+
+def test_host_memory_in_machine_files():
+    """``host_memory_bytes``: presets carry it, JSON files round-trip and validate it, older files load with 0
+    (unknown: offload is not offered)."""
+    from unity_pcg.machine import MachineError
+    for name, want in (("summit", 512 * 2**30), ("dgx-a100", 2 * 2**40), ("h100", 2 * 2**40)):
+        assert parse_machine(f"{name}:2x4").host_memory_bytes == want
+    assert parse_machine("local:1x2").host_memory_bytes > 0
+    m = parse_machine("h100:1x8")
+    obj = json.loads(json.dumps(m.to_json()))
+    assert MachineSpec.from_json(obj) == m
+    obj["host_memory_bytes"] = 1.5e12
+    assert MachineSpec.from_json(obj).host_memory_bytes == 1_500_000_000_000
+    for bad in (-1, "lots", 1.5, True):
+        obj["host_memory_bytes"] = bad
+        with pytest.raises(MachineError, match="host_memory_bytes"):
+            MachineSpec.from_json(obj)
+    with pytest.raises(MachineError, match="host_memory_bytes"):
+        dataclasses.replace(m, host_memory_bytes=-5)
+    obj.pop("host_memory_bytes")
+    old = MachineSpec.from_json(obj)
+    assert old.host_memory_bytes == 0
+    gc, r = _mapped(data_parallel(mlp(batch=8, h=16, layers=2), 2), parse_machine("h100:1x2"))
+    gc0 = GraphCost(gc.g, CostModel(dataclasses.replace(old.resized(1, 2)), optimizer="adam"))
+    assert memtech.Techniques(gc, r.views).can_offload and not memtech.Techniques(gc0, r.views).can_offload
+
+
+def test_zero3_collectives_are_one_per_unit():
+    """ZeRO-3 runs one all-gather per unit before its forward, one before its backward and one reduce-scatter
+    of its gradient (the executor's groups are the units), each paying its own latency: on links of 1 s
+    latency and no bandwidth cost, 3 x units x (p - 1) seconds; stages 1-2 keep the buckets' (the
+    all-reduce's) latency.  The executor runs them synchronously (no prefetch): nothing hidden."""
+    g = data_parallel(mlp(batch=8, h=16, layers=8), 4)
+    m = parse_machine("h100:1x4")
+    from unity_pcg.machine import LinkSpec
+    slow = dataclasses.replace(m, overlap_grad_sync=False,
+                               links={k: LinkSpec(1e30, 1.0) for k in m.links})
+    gc, r = _mapped(g, slow)
+    t = memtech.Techniques(gc, r.views)
+    assert t.n_units >= 3
+    p3 = t.price(MemoryPlan(zero=3))
+    assert p3.sync_s + p3.zero_comm_s == pytest.approx(3 * t.n_units * 3 * 1.0, rel=1e-6)
+    p1 = t.price(MemoryPlan(zero=1))
+    assert p1.zero_comm_s == 0.0
+    # the executor's stage-3 collectives are synchronous: with overlap, none of them is hidden
+    ov = dataclasses.replace(slow, overlap_grad_sync=True)
+    gco, _ = _mapped(g, ov)
+    po = memtech.Techniques(gco, r.views).price(MemoryPlan(zero=3))
+    assert po.hidden_s == pytest.approx(0.0, abs=1e-9) and po.exposed_sync_s == pytest.approx(3 * t.n_units * 3.0)
+
+
+def test_recompute_regions_take_in_the_all_gather_feeding_them(monkeypatch):
+    """Megatron-LM's sequence parallelism on post-LayerNorm blocks, regions cut after each LayerNorm on
+    sequence shards, whose Combine -> Replicate (an all-gather) feeds the next region's Linears.
+    The region takes the gather in: fully recomputed, it keeps the shard (which the residual keeps anyway),
+    not the gathered tensor, and its recomputation runs the all-gather again -- less memory and more time
+    than a region of compute nodes only."""
+    from unity_pcg.search.baselines import megatron
+    g = megatron(synthetic_transformer(2, batch=4, seq=16, hidden=64, heads=4), 2, 2, sequence_parallel=True)
+    role = g.roles()
+    outs = {r[0] for r in g.outputs}
+    regs = [list(x) for x in memtech.regions(g)]
+    for i in range(1, len(regs)):      # a region ending with the LayerNorm, the next fed by its all-gather
+        if g.node(regs[i][0]).op == "LayerNorm":
+            regs[i - 1].append(regs[i].pop(0))
+    regs = [tuple(x) for x in regs]
+    fed = 0
+    taken: set = set()
+    for r in regs:
+        m = memtech.region_members(g, role, r, taken, outs)
+        taken |= m
+        gathers = sorted(g.node(n).op for n in m - set(r) if g.node(n).op in memtech.GATHER_OPS)
+        if gathers:
+            fed += 1
+            assert gathers == ["Combine", "Replicate"]
+    assert fed == 3            # every region after a LayerNorm but the first layer (its input: the model input)
+    gc, r = _mapped(g, parse_machine("h100:1x2"))
+    plan = MemoryPlan(recompute=memtech.recompute_all(regs, "full"))
+    assign = {n: (i, "full") for i, x in enumerate(regs) for n in x}
+    t = memtech.Techniques(gc, r.views)
+    with_gather, kept_with = t.price(plan), t.activation_bytes(assign)[0]
+    monkeypatch.setattr(memtech, "GATHER_OPS", frozenset())
+    t0 = memtech.Techniques(gc, r.views)
+    without, kept_without = t0.price(plan), t0.activation_bytes(assign)[0]
+    gathered = 4 * 16 * 64 * 4                             # the all-gathered input on each device, fp32
+    for d in (0, 1):                                       # (the shard is kept either way: the residual)
+        assert kept_without[d] - kept_with[d] == fed * gathered, d
+    assert with_gather.max_bytes <= without.max_bytes
+    assert with_gather.recompute_s > without.recompute_s
