@@ -476,20 +476,27 @@ class Techniques:
         for key, t in self.tensors.items():
             if t.fixed or not req.get(t.producer) or gc.dtype(key) not in FLOAT_DTYPES:
                 continue
+            grad = t.per_dev
             if key in self.outs:
                 made = math.inf
-                # the loss on this output (executor/train.py: in float32): what it saves (mse's difference,
-                # cross-entropy's log-probabilities) and its backward's temporary, for the loss's step only
+                # the loss (executor/train.py) is computed on copy 0 of the output's pieces only, in float32:
+                # there the output's gradient, what the loss saves (mse's difference, cross-entropy's
+                # log-probabilities) and its backward's temporary, for the loss's step only
+                s = g.shape(key)
+                pb = s.piece_numel * gc.itemsize(key)
+                grad = {}
+                for d in gc.placement(t.producer, self.views[t.producer], key[1])[:s.piece_count // s.copy_degree]:
+                    grad[d] = grad.get(d, 0) + pb
                 k = LOSS_FP32_COPIES * 4 / gc.itemsize(key)
                 if gc.itemsize(key) != 4:         # the gradient comes in float32 before its cast
                     k += 4 / gc.itemsize(key)
-                ev.append((made, made, {d: b * k for d, b in t.per_dev.items()}))
+                ev.append((made, made, {d: b * k for d, b in grad.items()}))
             else:
                 ps = [self.exec_pos[u] for u, _ in t.consumers if u in self.exec_pos]
                 if not ps:
                     continue
                 made = max(ps)
-            ev.append((made, self.exec_pos[t.producer], t.per_dev))
+            ev.append((made, self.exec_pos[t.producer], grad))
             sv = ops.saves(g.node(t.producer).op)
             if sv is not None and sv.temps:      # the producer's backward temporaries, during its step
                 at = self.exec_pos[t.producer]

@@ -136,7 +136,8 @@ def test_optimize_records_the_configuration_and_the_memory_plan():
     from unity_pcg.search.optimize import optimize
     g = synthetic_transformer(4, batch=32, seq=512, hidden=256, heads=8)
     seen = set()
-    for strategy, mib in (("megatron", None), ("megatron", 100), ("zero3", 100)):
+    # ZeRO-3's smallest point needs more than 100 MiB: the backward's peak holds the loss's copies of the output
+    for strategy, mib in (("megatron", None), ("megatron", 100), ("zero3", 140)):
         m = _machine("h100:1x4", mib)
         r = optimize(g, m, budget_s=30, strategy=strategy)
         assert r.feasible
