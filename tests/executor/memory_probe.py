@@ -16,7 +16,7 @@ counts every tensor storage the rank holds, each storage once (a view keeps its 
   checkpointed run keeps are saved through them too), plus the tensors a recomputation has just
   produced for the backward of its run;
 * ``grads``: gradients of forward values the backward has made and not yet freed (each tracked by a weak
-  reference from its hook on);
+  reference to its storage from its hook on);
 * ``held``: other forward values the program still references (its table of local tensors and the
   feeds), which the autograd graph does not need.
 
@@ -91,7 +91,7 @@ class Probe:
         self._feeds: dict = {}
         self._in_forward = False
         self._exclude: set = set()
-        self.grads: dict = {}         # storage ptr -> [gradient tensors alive, nbytes]
+        self.grads: dict = {}         # storage ptr -> (weak reference to the storage, nbytes)
 
     # --- saved tensors ---------------------------------------------------------------------------------
     def _pack(self, t):
@@ -182,8 +182,10 @@ class Probe:
                         seen.add(ptr)
                         held += nb
         grads = 0
-        for ptr, (_, nb) in self.grads.items():
-            if ptr not in seen:
+        for ptr, (ref, nb) in list(self.grads.items()):
+            if ref.expired():
+                del self.grads[ptr]
+            elif ptr not in seen:
                 seen.add(ptr)
                 grads += nb
         self.moments.append(Moment(where, state, saved, held, grads))
@@ -191,28 +193,21 @@ class Probe:
     # --- gradients of activations ------------------------------------------------------------------------
     def _watch(self, t, name: str) -> None:
         """Take a moment when the backward makes ``t``'s gradient, counting it (and every other gradient of
-        an activation still alive) until it is freed."""
+        an activation still alive: a weak reference to its C++ storage, which outlives the Python tensor
+        the hook saw) until it is freed."""
         import torch
+        from torch.multiprocessing.reductions import StorageWeakRef
         if not isinstance(t, torch.Tensor) or not t.requires_grad or t.device.type == "meta":
             return
         probe = self
 
         def hook(grad):
-            ptr, nb = _storage(grad)
-            if nb:
-                ent = probe.grads.setdefault(ptr, [0, nb])
-                ent[0] += 1
-                weakref.finalize(grad, probe._drop_grad, ptr)
+            st = grad.untyped_storage()
+            if st.nbytes():
+                probe.grads[st.data_ptr()] = (StorageWeakRef(st), st.nbytes())
             probe.moment(f"backward {name}")
             return None
         t.register_hook(hook)
-
-    def _drop_grad(self, ptr) -> None:
-        ent = self.grads.get(ptr)
-        if ent is not None:
-            ent[0] -= 1
-            if ent[0] <= 0:
-                del self.grads[ptr]
 
     # --- patching --------------------------------------------------------------------------------------
     def __enter__(self):
