@@ -40,8 +40,8 @@ class Phase:
 
 
 #: The phases of the joint search, in order, and their shares of ``--budget`` (they sum to 1).  A phase
-#: ends at the start plus the budget times the shares up to it (the marks: 35%, 65%, 85%, 93%, 97%, 100%
-#: with pipelines; 35%, 65%, 65%, 93%, 97%, 100% without).  The pipeline stage search runs before the
+#: ends at the start plus the budget times the shares up to it (the marks: 35%, 60%, 85%, 93%, 97%, 100%
+#: with pipelines; 35%, 60%, 60%, 93%, 97%, 100% without).  The pipeline stage search runs before the
 #: segments so that the work that may run past its mark (data parallelism by rules, the search's own
 #: result) can never take its share: what runs late is the segments' best-first search, which stops at any
 #: point with what it found.
@@ -49,10 +49,10 @@ PHASES: tuple[Phase, ...] = (
     Phase("floors", 0.35, "import; data parallelism's mapping; the fixed strategies' floors: every floor's "
                           "plain point first, then the tuned grids (ZeRO-3 and Megatron-LM as tuned), each "
                           "bounded by TUNED_GRID_SHARE"),
-    Phase("layouts", 0.30, "gradient accumulation (one stage, M micro-batches, with the layouts and the memory "
+    Phase("layouts", 0.25, "gradient accumulation (one stage, M micro-batches, with the layouts and the memory "
                            "techniques) where the full batch does not fit; the ILP's layout of every logical "
                            "mesh (search/layouts.py), reached by rules where the rules reach it, and priced"),
-    Phase("pipeline", 0.20, "the 1F1B stage search (its rule sequence is built at the end, where it wins)",
+    Phase("pipeline", 0.25, "the 1F1B stage search (its rule sequence is built at the end, where it wins)",
           spare_to="segments"),
     Phase("segments", 0.08, "the segments' seeds (data parallelism, their layouts reached by rules) and their "
                             "best-first search (the sequential strategy's two searches)"),

@@ -472,6 +472,34 @@ def _mixed(idx: dict, axes: Sequence[str], deg: dict) -> int:
     return v
 
 
+_LEVEL_RANK = {"local": 0, "group": 1, "node": 2, "network": 3}
+
+
+class _NearIndex:
+    """The lowest-numbered device of a set of holders per group, per node and overall: which holder a device
+    outside the set reads from (:meth:`GraphCost._nearest`) in O(1) instead of a pass over the set."""
+    __slots__ = ("holders", "size", "low", "by_group", "by_node")
+
+    def __init__(self, holders: set, machine):
+        self.holders, self.size = holders, len(holders)
+        self.low = min(holders)
+        self.by_group: dict = {}
+        self.by_node: dict = {}
+        for h in holders:
+            g, n = machine.group_of(h), machine.node_of(h)
+            if h < self.by_group.get(g, h + 1):
+                self.by_group[g] = h
+            if h < self.by_node.get(n, h + 1):
+                self.by_node[n] = h
+
+    def get(self, dev: int, machine) -> int:
+        h = self.by_group.get(machine.group_of(dev))
+        if h is not None:
+            return h
+        h = self.by_node.get(machine.node_of(dev))
+        return self.low if h is None else h
+
+
 class GraphCost:
     """Prices the leaves of one PCG on one machine (see module docstring)."""
 
@@ -484,6 +512,7 @@ class GraphCost:
         self._task_piece: dict[int, list] = {}           # compute: per tensor, task -> piece flat index
         self._pm: dict[int, Any] = {}
         self._edge_cache: dict = {}
+        self._near_cache: dict = {}             # id(holder set) -> _NearIndex (see _nearest)
         self._leaf_cache: dict = {}
         self._update_owner: dict[int, set] = {}          # compute node -> trained Weight inputs it updates
         self._direct_weights: dict[int, set] = {}        # compute node -> Weight inputs it holds
@@ -961,8 +990,23 @@ class GraphCost:
         return res
 
     def _nearest(self, holders: set, dev: int) -> int:
-        rank = {"local": 0, "group": 1, "node": 2, "network": 3}
-        return min(holders, key=lambda h: (rank[self.machine.level(h, dev)], h))
+        """The holder ``dev`` reads from: itself, else the lowest-numbered holder in its group, else in its
+        node, else anywhere (the nearest level first, then the lowest device)."""
+        if dev in holders:
+            return dev
+        if len(holders) <= 8:
+            return min(holders, key=lambda h: (_LEVEL_RANK[self.machine.level(h, dev)], h))
+        return self._near_index(holders).get(dev, self.machine)
+
+    def _near_index(self, holders: set) -> "_NearIndex":
+        """The lowest holder per group, per node and overall of ``holders`` (kept while the same set is
+        asked about again: an edge asks once per destination device, with a few sets)."""
+        idx = self._near_cache.get(id(holders))
+        if idx is None or idx.holders is not holders or idx.size != len(holders):
+            if len(self._near_cache) > 64:
+                self._near_cache.clear()
+            idx = self._near_cache[id(holders)] = _NearIndex(holders, self.machine)
+        return idx
 
     # --- leaves ----------------------------------------------------------------------------------
     def own_cost(self, nid: int, view: MachineView) -> LeafCost:
