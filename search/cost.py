@@ -472,9 +472,6 @@ def _mixed(idx: dict, axes: Sequence[str], deg: dict) -> int:
     return v
 
 
-_LEVEL_RANK = {"local": 0, "group": 1, "node": 2, "network": 3}
-
-
 class _NearIndex:
     """The lowest-numbered device of a set of holders per group, per node and overall: which holder a device
     outside the set reads from (:meth:`GraphCost._nearest`) in O(1) instead of a pass over the set."""
@@ -994,8 +991,8 @@ class GraphCost:
         node, else anywhere (the nearest level first, then the lowest device)."""
         if dev in holders:
             return dev
-        if len(holders) <= 8:
-            return min(holders, key=lambda h: (_LEVEL_RANK[self.machine.level(h, dev)], h))
+        if len(holders) == 1:
+            return next(iter(holders))
         return self._near_index(holders).get(dev, self.machine)
 
     def _near_index(self, holders: set) -> "_NearIndex":
