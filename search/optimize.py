@@ -902,10 +902,10 @@ def _reach(run: _Run, target: PCG, g: PCG | None = None, deadline: Deadline | No
 def _layout_candidates(run: _Run) -> None:
     """The layouts phase.  First the proposals (:func:`search.layouts.proposals`: every mesh of the machine
     in its order, until half of the phase is left), each a candidate "layout mesh AxB (ILP, not by rules)"
-    priced on the ILP's own placement; then, fastest first until the phase's mark, each is reached by rules
-    (:func:`search.realize.realize`): a complete one is the candidate "layout mesh AxB by rules" (priced by
-    the DP; its mesh seeds the segments), else the ILP's PCG is also priced by the DP (it may place the
-    pieces better than the ILP did)."""
+    priced on the ILP's own placement; then, fastest first until the phase's mark, the ILP's PCG is priced
+    by the DP too (it may place the pieces better than the mesh did: a faster price is the same candidate)
+    and each is reached by rules (:func:`search.realize.realize`): a complete one is the candidate "layout
+    mesh AxB by rules" (priced by the DP; its mesh seeds the segments)."""
     from .layouts import proposals
     ev, bud = run.ev, run.budget
     wall = run.later("layouts")
@@ -934,6 +934,13 @@ def _layout_candidates(run: _Run) -> None:
         if wall.passed():
             break
         rec = info[p.name]
+        # the DP's placement of the ILP's PCG first (a limited solve): the mesh fixes which devices share an
+        # axis, the DP may place the same layout better (DLRM's tables: their gradient sync groups)
+        d = ev.cost(p.pcg, keep=True)
+        rec["dp_placement_cost"] = d if math.isfinite(d) else None
+        if d < p.time_s * (1 - TIE):
+            run.cands.append(PlanCandidate(f"layout mesh {p.name} (ILP, not by rules)", p.pcg, d, (), LAYOUT,
+                                           by_rules=False, mapping=ev.kept(p.pcg)))
         got = _reach(run, p.pcg, deadline=wall)
         if got is not None and got.complete:
             pg = trimmed(got.pcg)
@@ -952,11 +959,6 @@ def _layout_candidates(run: _Run) -> None:
         rec["by_rules"] = False
         if got is not None:
             rec["missing"] = list(got.missing)[:3] + ([f"... {len(got.missing) - 3} more"] if len(got.missing) > 3 else [])
-        d = ev.cost(p.pcg, keep=True)          # the DP's placement of the ILP's PCG
-        rec["dp_placement_cost"] = d if math.isfinite(d) else None
-        if d < p.time_s:
-            run.cands.append(PlanCandidate(f"layout mesh {p.name} (ILP, not by rules)", p.pcg, d, (), LAYOUT,
-                                           by_rules=False, mapping=ev.kept(p.pcg)))
     run.mark("layouts")
 
 
