@@ -934,9 +934,10 @@ def _layout_candidates(run: _Run) -> None:
         if wall.passed():
             break
         rec = info[p.name]
-        # the DP's placement of the ILP's PCG first (a limited solve): the mesh fixes which devices share an
-        # axis, the DP may place the same layout better (DLRM's tables: their gradient sync groups)
-        d = ev.cost(p.pcg, keep=True)
+        # the DP's placement of the ILP's PCG first (a solve of up to a third of the time left, at least the
+        # per-solve limit): the mesh fixes which devices share an axis, the DP may place the same layout
+        # better (DLRM's tables: their gradient sync groups)
+        d = ev.cost(p.pcg, limited=max(ev.limit_s or 0.0, wall.left() / 3), keep=True)
         rec["dp_placement_cost"] = d if math.isfinite(d) else None
         if d < p.time_s * (1 - TIE):
             run.cands.append(PlanCandidate(f"layout mesh {p.name} (ILP, not by rules)", p.pcg, d, (), LAYOUT,

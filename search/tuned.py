@@ -30,7 +30,8 @@ The point ``tp`` = the plain baseline's degree, ``pp = 1``, ``mbs = B / dp``, no
 the plain ``megatron`` baseline (built by :func:`search.baselines.build_strategy`, mapped by the same
 mapper), priced first: the tuned result is never slower than it.  Layout points (``tp, pp, mbs``) need
 a mapping each; the techniques are priced on that mapping (no new mapping).  Under a
-:class:`search.budget.Deadline` every ``(tp, pp)`` pair first prices one micro-batch size, then a pair that
+:class:`search.budget.Deadline` every ``(tp, pp)`` pair first prices one micro-batch size (the pairs nearest
+the plain point first: fewest stages, then the tensor degree nearest its own), then a pair that
 has no feasible point yet takes the next step (fewest steps first), else the pair with the best time so far; each pair walks its
 micro-batch sizes from the promising end (pp = 1: the largest first, fewest micro-batches; pp > 1: the
 smallest first, Megatron-LM's usual 1-4), skipping sizes predicted not to fit and stopping once the time
