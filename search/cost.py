@@ -666,12 +666,12 @@ class GraphCost:
             full = out.piece_numel                     # the gathered piece
         part = xs.piece_numel                          # one partial sum (reduce-scatter) / one shard
 
-        def key_of(gi):
-            flat = 0
-            for x, gsz in zip(gi[1:], igrid[1:]):
-                flat = flat * gsz + x
-            return flat
+        # the piece key of an input grid index (copy, sum, dims...): sum of index x stride over all but the copy
+        stride = [1] * len(igrid)
+        for i in range(len(igrid) - 2, 0, -1):
+            stride[i] = stride[i + 1] * igrid[i + 1]
 
+        self._near_cache = {}           # the holder sets of this edge (see _nearest)
         groups: dict = {}
         for flat, dev in enumerate(view.devices()):
             gi, r = [], flat
@@ -681,18 +681,16 @@ class GraphCost:
             gi.reverse()
             if kind == "reduce-scatter":      # output slice gi[d] % k of the sum over partials gi[1]*k + j
                 key = tuple(gi[:d]) + (gi[d] // k,) + tuple(gi[d + 1:])
-                srcs = []
-                for j in range(k):
-                    src = [0, gi[1] * k + j] + list(gi[2:])
-                    src[d] = gi[d] // k
-                    srcs.append(key_of(src))
+                src = [0, gi[1] * k] + list(gi[2:])
+                src[d] = gi[d] // k
+                base = sum(x * st for x, st in zip(src[1:], stride[1:]))
+                srcs = [base + j * stride[1] for j in range(k)]
             else:                             # copy gi[0] % k of the gathered shards gi[d]*k + j
                 key = (gi[0] // k,) + tuple(gi[1:])
-                srcs = []
-                for j in range(k):
-                    src = [0] + list(gi[1:])
-                    src[d] = gi[d] * k + j
-                    srcs.append(key_of(src))
+                src = [0] + list(gi[1:])
+                src[d] = gi[d] * k
+                base = sum(x * st for x, st in zip(src[1:], stride[1:]))
+                srcs = [base + j * stride[d] for j in range(k)]
             grp = groups.setdefault(key, [srcs, []])
             grp[1].append(dev)
         moves: list = []
@@ -876,6 +874,7 @@ class GraphCost:
         m = self.machine
         shape = self.g.shape(ref)
         hold = self._holders(shape, self.placement(ref[0], prod_view, ref[1]))
+        self._near_cache = {}           # the holder sets of this edge (see _nearest)
         isz = self.itemsize(ref)           # the precision's dtype (bf16 activations move half the bytes)
         pnum = shape.piece_numel
         pbytes = pnum * isz
@@ -997,10 +996,10 @@ class GraphCost:
 
     def _near_index(self, holders: set) -> "_NearIndex":
         """The lowest holder per group, per node and overall of ``holders`` (kept while the same set is
-        asked about again: an edge asks once per destination device, with a few sets)."""
+        asked about again: an edge asks once per destination device; each edge starts a new cache)."""
         idx = self._near_cache.get(id(holders))
         if idx is None or idx.holders is not holders or idx.size != len(holders):
-            if len(self._near_cache) > 64:
+            if len(self._near_cache) > 4096:
                 self._near_cache.clear()
             idx = self._near_cache[id(holders)] = _NearIndex(holders, self.machine)
         return idx
