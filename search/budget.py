@@ -40,22 +40,30 @@ class Phase:
 
 
 #: The phases of the joint search, in order, and their shares of ``--budget`` (they sum to 1).  A phase
-#: ends at the start plus the budget times the shares up to it (the marks: 35%, 65%, 73%, 77%, 80%, 100%
-#: with pipelines; 35%, 65%, 93%, 97%, 100% without)
+#: ends at the start plus the budget times the shares up to it (the marks: 35%, 60%, 85%, 93%, 97%, 100%
+#: with pipelines; 35%, 60%, 60%, 93%, 97%, 100% without).  The pipeline stage search runs before the
+#: segments so that the work that may run past its mark (data parallelism by rules, the search's own
+#: result) can never take its share: what runs late is the segments' best-first search, which stops at any
+#: point with what it found.
 PHASES: tuple[Phase, ...] = (
-    Phase("floors", 0.35, "import; data parallelism's mapping; the fixed strategies' floors (ZeRO-3 and "
-                          "Megatron-LM as tuned, expert)"),
-    Phase("layouts", 0.30, "gradient accumulation (one stage, M micro-batches, with the layouts and the memory "
+    Phase("floors", 0.35, "import; data parallelism's mapping; the fixed strategies' floors: every floor's "
+                          "plain point first, then the tuned grids (ZeRO-3 and Megatron-LM as tuned), each "
+                          "bounded by TUNED_GRID_SHARE"),
+    Phase("layouts", 0.25, "gradient accumulation (one stage, M micro-batches, with the layouts and the memory "
                            "techniques) where the full batch does not fit; the ILP's layout of every logical "
                            "mesh (search/layouts.py), reached by rules where the rules reach it, and priced"),
+    Phase("pipeline", 0.25, "the 1F1B stage search (its rule sequence is built at the end, where it wins)",
+          spare_to="segments"),
     Phase("segments", 0.08, "the segments' seeds (data parallelism, their layouts reached by rules) and their "
                             "best-first search (the sequential strategy's two searches)"),
     Phase("pricing", 0.04, "the whole-graph pricing of the search's result"),
-    Phase("final", 0.03, "floors whose solve was cut resume; the final mapping of the chosen plan"),
-    Phase("pipeline", 0.20, "the 1F1B stage search, then the rule sequence of the stages' PCG",
-          spare_to="segments"),
+    Phase("final", 0.03, "floors whose solve was cut resume; the final mapping of the chosen plan; the "
+                         "pipeline's rule sequence where it is chosen"),
 )
 
+#: one tuned floor's grid (search/tuned.py) may use at most this share of the budget, after every floor's
+#: plain point was priced (and never past the floors' mark)
+TUNED_GRID_SHARE = 0.15
 #: past the end of the budget, the work that completes a plan may run this share of the budget more, at
 #: least GRACE_MIN_S seconds (the hard end; with process noise a call stays within 1.1 x the budget plus a
 #: few seconds: data parallelism by rules on a small model must complete even under a 0.05 s budget)
@@ -74,8 +82,9 @@ RESULT_MAX_S = 3.0
 PRICING_SOLVE_S = 10.0
 PRICING_SOLVE_SHARE = 1 / 3
 PRICING_MIN_SHARE = 0.10
-#: the pipeline stage search gets this share of the time left when it starts (it finishes the number of
-#: micro-batches it is pricing, then stops) and is cut at the end of the budget plus PIPELINE_OVER
+#: the pipeline stage search gets this share of the time left to its phase's mark when it starts (it
+#: finishes the number of micro-batches it is pricing, then stops) and is cut at the mark plus
+#: PIPELINE_OVER of the budget (at least PIPELINE_MIN_SHARE of the budget: a phase that starts late)
 PIPELINE_SEARCH_SHARE = 0.6
 PIPELINE_MIN_SHARE = 0.05
 PIPELINE_OVER = 0.03

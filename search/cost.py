@@ -472,6 +472,31 @@ def _mixed(idx: dict, axes: Sequence[str], deg: dict) -> int:
     return v
 
 
+class _NearIndex:
+    """The lowest-numbered device of a set of holders per group, per node and overall: which holder a device
+    outside the set reads from (:meth:`GraphCost._nearest`) in O(1) instead of a pass over the set."""
+    __slots__ = ("holders", "size", "low", "by_group", "by_node")
+
+    def __init__(self, holders: set, machine):
+        self.holders, self.size = holders, len(holders)
+        self.low = min(holders)
+        self.by_group: dict = {}
+        self.by_node: dict = {}
+        for h in holders:
+            g, n = machine.group_of(h), machine.node_of(h)
+            if h < self.by_group.get(g, h + 1):
+                self.by_group[g] = h
+            if h < self.by_node.get(n, h + 1):
+                self.by_node[n] = h
+
+    def get(self, dev: int, machine) -> int:
+        h = self.by_group.get(machine.group_of(dev))
+        if h is not None:
+            return h
+        h = self.by_node.get(machine.node_of(dev))
+        return self.low if h is None else h
+
+
 class GraphCost:
     """Prices the leaves of one PCG on one machine (see module docstring)."""
 
@@ -484,6 +509,7 @@ class GraphCost:
         self._task_piece: dict[int, list] = {}           # compute: per tensor, task -> piece flat index
         self._pm: dict[int, Any] = {}
         self._edge_cache: dict = {}
+        self._near_cache: dict = {}             # id(holder set) -> _NearIndex (see _nearest)
         self._leaf_cache: dict = {}
         self._update_owner: dict[int, set] = {}          # compute node -> trained Weight inputs it updates
         self._direct_weights: dict[int, set] = {}        # compute node -> Weight inputs it holds
@@ -640,12 +666,12 @@ class GraphCost:
             full = out.piece_numel                     # the gathered piece
         part = xs.piece_numel                          # one partial sum (reduce-scatter) / one shard
 
-        def key_of(gi):
-            flat = 0
-            for x, gsz in zip(gi[1:], igrid[1:]):
-                flat = flat * gsz + x
-            return flat
+        # the piece key of an input grid index (copy, sum, dims...): sum of index x stride over all but the copy
+        stride = [1] * len(igrid)
+        for i in range(len(igrid) - 2, 0, -1):
+            stride[i] = stride[i + 1] * igrid[i + 1]
 
+        self._near_cache = {}           # the holder sets of this edge (see _nearest)
         groups: dict = {}
         for flat, dev in enumerate(view.devices()):
             gi, r = [], flat
@@ -655,18 +681,16 @@ class GraphCost:
             gi.reverse()
             if kind == "reduce-scatter":      # output slice gi[d] % k of the sum over partials gi[1]*k + j
                 key = tuple(gi[:d]) + (gi[d] // k,) + tuple(gi[d + 1:])
-                srcs = []
-                for j in range(k):
-                    src = [0, gi[1] * k + j] + list(gi[2:])
-                    src[d] = gi[d] // k
-                    srcs.append(key_of(src))
+                src = [0, gi[1] * k] + list(gi[2:])
+                src[d] = gi[d] // k
+                base = sum(x * st for x, st in zip(src[1:], stride[1:]))
+                srcs = [base + j * stride[1] for j in range(k)]
             else:                             # copy gi[0] % k of the gathered shards gi[d]*k + j
                 key = (gi[0] // k,) + tuple(gi[1:])
-                srcs = []
-                for j in range(k):
-                    src = [0] + list(gi[1:])
-                    src[d] = gi[d] * k + j
-                    srcs.append(key_of(src))
+                src = [0] + list(gi[1:])
+                src[d] = gi[d] * k
+                base = sum(x * st for x, st in zip(src[1:], stride[1:]))
+                srcs = [base + j * stride[d] for j in range(k)]
             grp = groups.setdefault(key, [srcs, []])
             grp[1].append(dev)
         moves: list = []
@@ -850,6 +874,7 @@ class GraphCost:
         m = self.machine
         shape = self.g.shape(ref)
         hold = self._holders(shape, self.placement(ref[0], prod_view, ref[1]))
+        self._near_cache = {}           # the holder sets of this edge (see _nearest)
         isz = self.itemsize(ref)           # the precision's dtype (bf16 activations move half the bytes)
         pnum = shape.piece_numel
         pbytes = pnum * isz
@@ -961,8 +986,23 @@ class GraphCost:
         return res
 
     def _nearest(self, holders: set, dev: int) -> int:
-        rank = {"local": 0, "group": 1, "node": 2, "network": 3}
-        return min(holders, key=lambda h: (rank[self.machine.level(h, dev)], h))
+        """The holder ``dev`` reads from: itself, else the lowest-numbered holder in its group, else in its
+        node, else anywhere (the nearest level first, then the lowest device)."""
+        if dev in holders:
+            return dev
+        if len(holders) == 1:
+            return next(iter(holders))
+        return self._near_index(holders).get(dev, self.machine)
+
+    def _near_index(self, holders: set) -> "_NearIndex":
+        """The lowest holder per group, per node and overall of ``holders`` (kept while the same set is
+        asked about again: an edge asks once per destination device; each edge starts a new cache)."""
+        idx = self._near_cache.get(id(holders))
+        if idx is None or idx.holders is not holders or idx.size != len(holders):
+            if len(self._near_cache) > 4096:
+                self._near_cache.clear()
+            idx = self._near_cache[id(holders)] = _NearIndex(holders, self.machine)
+        return idx
 
     # --- leaves ----------------------------------------------------------------------------------
     def own_cost(self, nid: int, view: MachineView) -> LeafCost:

@@ -25,13 +25,13 @@ Strategies:
 * ``dp``, ``megatron``, ``expert``, ``none``: the fixed strategies of :func:`search.baselines.build_strategy`
   (built by hand, so their plans record no rule sequence).
 
-Pipelines: with ``pipeline=True`` (unity), the last quarter of the budget runs the 1F1B stage search of
-:mod:`search.pipeline` (stages of at least two, data parallel inside each); its plan is taken when it is
-predicted faster, and then records its stages (``Plan.pipeline``) and no rule sequence (the stages are
-built by the stage DP, not by rules).
+Pipelines: with ``pipeline=True`` (unity), the pipeline phase (after the layouts, before the segments:
+its share is never taken by work that runs late) runs the 1F1B stage search of :mod:`search.pipeline`;
+its plan is taken at the end when it is predicted faster than the chosen one, and then records its stages
+(``Plan.pipeline``) and the rule sequence of the PCG inside them where the rules reach it.
 
 Budgets: ``budget_s`` seconds of wall time for the whole call, import included, split into the named
-phases of :data:`search.budget.PHASES` (floors, layouts, segments, pricing, final, pipeline),
+phases of :data:`search.budget.PHASES` (floors, layouts, pipeline, segments, pricing, final),
 each with a deadline the solvers check at their loop heads (the mapping DP at every subproblem, rule
 application at every match round, the best-first search and the stage search at every step; no signals,
 so any thread); when time is up the best plan priced so far is returned, and nothing runs past the hard
@@ -403,34 +403,52 @@ class PlanCandidate:
 
 def _fixed_baselines(run: "_Run", until: Deadline) -> dict:
     """{name: (PCG, predicted cost or inf, note, MappingResult or None)} of the fixed strategies of
-    :data:`FLOOR_STRATEGIES` that apply to the model, each priced before ``until`` (the pipelines of the
-    tuned ones in ``run.floor_pipes``).  The tuned ones (:data:`TUNED`) are priced as ``--strategy NAME``
-    prices them (search/tuned.py), each with an equal share of the time left to ``until``; the others are
-    built as ``--strategy NAME`` builds them (Megatron's tensor parallelism inside a node), each solve cut
-    at ``until``.  Their layouts are not all reachable by the shipped rules (Megatron runs the operators
-    between its groups on the tensor-parallel copies; the expert strategy splits a communication-intensive
-    Linear on top of data parallelism; the tuned ones micro-batch and pipeline), so the search cannot be
-    relied on to find them; where one is faster than every plan of the search, it is returned, recorded
-    as a fixed strategy (as the dp baseline is)."""
+    :data:`FLOOR_STRATEGIES` that apply to the model, priced before ``until`` (the pipelines of the tuned
+    ones in ``run.floor_pipes``), in two passes so that no floor's grid starves another floor or a later
+    phase:
+
+    1. every floor's *plain* point, the cheapest to price: the strategy as ``--strategy NAME`` builds it
+       untuned (Megatron's tensor parallelism inside a node; the tuned ones' first grid point,
+       :func:`search.tuned.tune` with ``grid=False``), each with an equal share of the time left to ``until``
+       (a solve cut there is priced without the DP, so every floor that applies has a price);
+    2. the tuned grids (:data:`TUNED`, as ``--strategy NAME`` prices them), each bounded by the sooner of an
+       equal share of the time left and :data:`search.budget.TUNED_GRID_SHARE` of the budget; the grid
+       prices the plain point first again, from the mapper's memo (a cut solve continues where it stopped),
+       and replaces the plain price only where it found a faster point.
+
+    Their layouts are not all reachable by the shipped rules (Megatron runs the operators between its
+    groups on the tensor-parallel copies; the expert strategy splits a communication-intensive Linear on
+    top of data parallelism; the tuned ones micro-batch and pipeline), so the search cannot be relied on
+    to find them; where one is faster than every plan of the search, it is returned, recorded as a fixed
+    strategy (as the dp baseline is)."""
+    from .tuned import floor
     g, ev, degree, m = run.g, run.ev, run.dp_deg, run.m
     out: dict = {}
     names = list(FLOOR_STRATEGIES)
-    for i, name in enumerate(names):
+    for i, name in enumerate(names):            # 1. the plain points
         if until.passed():              # built and priced when the floors resume (_resume_cut_floors)
             out[name] = (None, INF, "not built within the budget", None)
             continue
+        own = Deadline(until.clock() + max(until.left(), 0.0) / (len(names) - i), until.clock).sooner(until)
         if name in TUNED:
-            from .tuned import floor
-            tuned_left = sum(1 for n in names[i:] if n in TUNED)
-            own = Deadline(until.clock() + max(until.left(), 0.0) / tuned_left, until.clock).sooner(until)
-            pg, c, note, r, pipe = floor(run, name, own)
+            pg, c, note, r, pipe = floor(run, name, own, grid=False)
             if pg is not None:
                 out[name] = (pg, c, note, r)
                 run.floor_pipes[name] = pipe
             continue
         pg = _build_floor(g, name, degree, m)
         if pg is not None:
-            out[name] = _price_baseline(ev, pg, until)
+            out[name] = _price_baseline(ev, pg, own)
+    grids = [n for n in names if n in TUNED and n in out]
+    for i, name in enumerate(grids):            # 2. the tuned grids, each bounded
+        if until.left() <= 0.05:
+            break
+        share = min(max(until.left(), 0.0) / (len(grids) - i), run.budget.share(B.TUNED_GRID_SHARE))
+        own = Deadline(until.clock() + share, until.clock).sooner(until)
+        pg, c, note, r, pipe = floor(run, name, own, cheap=False)
+        if pg is not None and (c < out[name][1] or (out[name][3] is None and r is not None)):
+            out[name] = (pg, c, note, r)
+            run.floor_pipes[name] = pipe
     return out
 
 
@@ -643,6 +661,8 @@ class _Run:
         self.reached: list = []                       # those reached by rules
         self.others: dict = {}                        # the fixed strategies' floors (_fixed_baselines)
         self.floor_pipes: dict = {}                   # name -> the PipelineResult of a tuned floor (or None)
+        self.pipe = None                              # the pipeline stage search's result (or None)
+        self.pipe_searched = False                    # whether the stage search ran
 
     def mark(self, name: str) -> None:
         """The seconds since the start at the end of a step (``info.search.timeline_s``)."""
@@ -713,8 +733,7 @@ def _search(run: _Run) -> PlanCandidate:
     chosen = _choose(run)
     if strategy == "unity" and run.pipeline and (run.n_dev > 1 or not chosen.mapping.feasible) \
             and not run.interrupted:
-        with bud.phase("pipeline"):
-            chosen = _pipeline_step(run, chosen)
+        chosen = _pipeline_step(run, chosen)     # the stage search ran in its phase (else it runs now)
     if strategy == "unity":
         chosen = _never_slower_than_a_floor(run, chosen)
     run.stats = dict(run.stats, chosen=run.stats.get("chosen") or chosen.mechanism,
@@ -838,6 +857,9 @@ def _unity_candidates(run: _Run) -> None:
             _price_floors(run)
     with bud.phase("layouts"):
         _layout_candidates(run)
+    if run.pipeline and run.n_dev > 1 and "pipeline" not in bud.skipped:
+        with bud.phase("pipeline"):
+            _pipeline_search(run)
     with bud.phase("segments"):
         out = _search_segments(run)
     with bud.phase("pricing"):
@@ -880,10 +902,10 @@ def _reach(run: _Run, target: PCG, g: PCG | None = None, deadline: Deadline | No
 def _layout_candidates(run: _Run) -> None:
     """The layouts phase.  First the proposals (:func:`search.layouts.proposals`: every mesh of the machine
     in its order, until half of the phase is left), each a candidate "layout mesh AxB (ILP, not by rules)"
-    priced on the ILP's own placement; then, fastest first until the phase's mark, each is reached by rules
-    (:func:`search.realize.realize`): a complete one is the candidate "layout mesh AxB by rules" (priced by
-    the DP; its mesh seeds the segments), else the ILP's PCG is also priced by the DP (it may place the
-    pieces better than the ILP did)."""
+    priced on the ILP's own placement; then, fastest first until the phase's mark, the ILP's PCG is priced
+    by the DP too (it may place the pieces better than the mesh did: a faster price is the same candidate)
+    and each is reached by rules (:func:`search.realize.realize`): a complete one is the candidate "layout
+    mesh AxB by rules" (priced by the DP; its mesh seeds the segments)."""
     from .layouts import proposals
     ev, bud = run.ev, run.budget
     wall = run.later("layouts")
@@ -912,6 +934,14 @@ def _layout_candidates(run: _Run) -> None:
         if wall.passed():
             break
         rec = info[p.name]
+        # the DP's placement of the ILP's PCG first (a solve of up to a third of the time left, at least the
+        # per-solve limit): the mesh fixes which devices share an axis, the DP may place the same layout
+        # better (DLRM's tables: their gradient sync groups)
+        d = ev.cost(p.pcg, limited=max(ev.limit_s or 0.0, wall.left() / 3), keep=True)
+        rec["dp_placement_cost"] = d if math.isfinite(d) else None
+        if d < p.time_s * (1 - TIE):
+            run.cands.append(PlanCandidate(f"layout mesh {p.name} (ILP, not by rules)", p.pcg, d, (), LAYOUT,
+                                           by_rules=False, mapping=ev.kept(p.pcg)))
         got = _reach(run, p.pcg, deadline=wall)
         if got is not None and got.complete:
             pg = trimmed(got.pcg)
@@ -930,11 +960,6 @@ def _layout_candidates(run: _Run) -> None:
         rec["by_rules"] = False
         if got is not None:
             rec["missing"] = list(got.missing)[:3] + ([f"... {len(got.missing) - 3} more"] if len(got.missing) > 3 else [])
-        d = ev.cost(p.pcg, keep=True)          # the DP's placement of the ILP's PCG
-        rec["dp_placement_cost"] = d if math.isfinite(d) else None
-        if d < p.time_s:
-            run.cands.append(PlanCandidate(f"layout mesh {p.name} (ILP, not by rules)", p.pcg, d, (), LAYOUT,
-                                           by_rules=False, mapping=ev.kept(p.pcg)))
     run.mark("layouts")
 
 
@@ -1099,9 +1124,11 @@ def _resume_cut_floors(run: _Run) -> None:
     for name, (opg, oc, note, ores) in list(run.others.items()):
         if ores is None and run.budget.expired("final"):
             break
-        if name in TUNED:               # priced under its own deadline in the floors phase, or not at all
+        if name in TUNED:               # priced in the floors phase; a plain solve that was cut resumes
             if ores is None:
                 del run.others[name]
+            elif _plain_cut(ores) and not run.budget.expired("final"):
+                _resume_tuned(run, name, oc)
             continue
         if opg is None:
             opg = _build_floor(run.g, name, run.dp_deg, run.m)
@@ -1110,6 +1137,22 @@ def _resume_cut_floors(run: _Run) -> None:
                 continue
         if ores is None:
             run.others[name] = _price_baseline(run.ev, opg, run.budget.deadline("final"))
+
+
+def _plain_cut(mapping) -> bool:
+    """Whether a tuned floor's price came from its plain point mapped without the DP (its solve was cut)."""
+    tuned = (getattr(mapping, "stats", None) or {}).get("tuned") or {}
+    return bool(tuned.get("plain_mapping"))
+
+
+def _resume_tuned(run: _Run, name: str, cost: float) -> None:
+    """The plain point of the tuned floor ``name`` solved again by the DP within the final phase (the
+    mapper's memo keeps what the cut solve finished); taken where it prices faster."""
+    from .tuned import floor
+    pg, c, note, r, pipe = floor(run, name, run.budget.deadline("final"), grid=False, cheap=False)
+    if pg is not None and c < cost:
+        run.others[name] = (pg, c, note, r)
+        run.floor_pipes[name] = pipe
 
 
 def _sequential_candidates(run: _Run) -> None:
@@ -1215,24 +1258,36 @@ def _no_techniques():
     return _NoTechniques()
 
 
-def _pipeline_step(run: _Run, chosen: PlanCandidate) -> PlanCandidate:
-    """The 1F1B stage search in the pipeline phase, taken when faster (such a plan records its stages, and
-    the rule sequence of the PCG inside them where it is data parallel: ``pipeline.by_rules``).  The stage
-    search gets a share of the time left (it finishes the number of micro-batches it is pricing) and is cut
-    shortly past the end; the rule sequence gets what is then left (at least a small share; bounded by the
-    hard end)."""
-    from .budget import run_within
-    bud, ev, n_dev = run.budget, run.ev, run.n_dev
-    hard = bud.hard_end()
+def _pipeline_search(run: _Run, until: Deadline | None = None) -> None:
+    """The 1F1B stage search (``run.pipe``: its result, or None) until ``until`` (default: the pipeline
+    phase's mark): it gets a share of the time to it (it finishes the number of micro-batches it is pricing)
+    and is cut shortly past it (at least a small share of the budget when it starts late), and never past
+    the hard end."""
+    bud, ev = run.budget, run.ev
+    until = until or bud.deadline("pipeline")
     tp0 = time.perf_counter()
-    room = max(bud.left(), bud.share(B.PIPELINE_MIN_SHARE))
-    cut = Deadline(bud.now() + room + bud.share(B.PIPELINE_OVER), bud.clock).sooner(hard)
+    room = max(until.left(), bud.share(B.PIPELINE_MIN_SHARE))
+    cut = Deadline(bud.now() + room + bud.share(B.PIPELINE_OVER), bud.clock).sooner(bud.hard_end())
     pipe = _pipeline(run.g, ev, room * B.PIPELINE_SEARCH_SHARE, cut)
     if pipe is None and cut.passed():
         run.stats["pipeline_cut"] = True
+    run.pipe, run.pipe_searched = pipe, True
     run.mark("pipeline")
     run.stats = dict(run.stats, pipeline_s=time.perf_counter() - tp0,
                      pipeline_iteration_s=pipe.cost if pipe is not None and pipe.feasible else None)
+
+
+def _pipeline_step(run: _Run, chosen: PlanCandidate) -> PlanCandidate:
+    """The pipeline plan (the stage search of the pipeline phase; searched now where that phase did not run:
+    one device whose plan does not fit), taken when faster than ``chosen`` (such a plan records its stages,
+    and the rule sequence of the PCG inside them where it is data parallel: ``pipeline.by_rules``).  The
+    rule sequence gets the time to the end (at least a small share; bounded by the hard end)."""
+    from .budget import run_within
+    bud, ev, n_dev = run.budget, run.ev, run.n_dev
+    hard = bud.hard_end()
+    if not run.pipe_searched:
+        _pipeline_search(run, bud.deadline())
+    pipe = run.pipe
     final = chosen.mapping
     if pipe is None or not pipe.feasible or (final.feasible and not pipe.cost < final.cost):
         return chosen

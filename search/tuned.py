@@ -30,7 +30,8 @@ The point ``tp`` = the plain baseline's degree, ``pp = 1``, ``mbs = B / dp``, no
 the plain ``megatron`` baseline (built by :func:`search.baselines.build_strategy`, mapped by the same
 mapper), priced first: the tuned result is never slower than it.  Layout points (``tp, pp, mbs``) need
 a mapping each; the techniques are priced on that mapping (no new mapping).  Under a
-:class:`search.budget.Deadline` every ``(tp, pp)`` pair first prices one micro-batch size, then a pair that
+:class:`search.budget.Deadline` every ``(tp, pp)`` pair first prices one micro-batch size (the pairs nearest
+the plain point first: fewest stages, then the tensor degree nearest its own), then a pair that
 has no feasible point yet takes the next step (fewest steps first), else the pair with the best time so far; each pair walks its
 micro-batch sizes from the promising end (pp = 1: the largest first, fewest micro-batches; pp > 1: the
 smallest first, Megatron-LM's usual 1-4), skipping sizes predicted not to fit and stopping once the time
@@ -224,6 +225,13 @@ def pairs(machine: MachineSpec, strategy: str, layers: int) -> list[tuple[int, i
     return out
 
 
+def _closeness(w: dict, plain) -> tuple:
+    """The order in which the (tp, pp) walks take their first step: nearest the plain point first (fewest
+    stages, then the tensor degree nearest the plain one's, on a log scale), so that when the deadline
+    cuts the grid, the points priced are those most likely to beat the plain point; stable otherwise."""
+    return (w["pp"], abs(math.log2(max(w["tp"], 1)) - math.log2(max(plain.tp, 1))))
+
+
 def micro_batch_sizes(B: int, dp: int, pp: int) -> list[int]:
     """Micro-batch sizes per copy, most promising first: powers of two dividing B / dp (and B / dp itself);
     pp = 1 largest first (fewest micro-batches), pp > 1 smallest first, at least pp micro-batches."""
@@ -280,11 +288,12 @@ class _Tuner:
     points priced (:meth:`price_layout`), the walks over micro-batch sizes (:meth:`run`), the result."""
 
     def __init__(self, g: PCG, mapper, strategy: str, deadline: Deadline | None, tech, cheap=None,
-                 max_layers: int = MAX_LAYERS, sp: bool = True):
+                 max_layers: int = MAX_LAYERS, sp: bool = True, grid: bool = True):
         from .cost import GraphCost
         from .pipeline import batch_size, sequential_layers
         self.g, self.mapper, self.strategy = g, mapper, strategy
         self.sp = sp                      # the grid's sp axis (False: only sp = false points)
+        self.grid = grid                  # False: only the first point (the plain one; zero3: one step)
         self.machine: MachineSpec = mapper.machine
         self.deadline = deadline
         self.tech = tech
@@ -518,6 +527,11 @@ class _Tuner:
                     self.price_layout(plain, B // plain.dp)
             if plain is not None:
                 self._skip_from(plain, walks)
+                walks.sort(key=lambda w: _closeness(w, plain))
+            if not self.grid:                 # the first point only: the plain one, else one step
+                if plain is None and walks:
+                    self._step(walks[0], None)
+                return
             for w in walks:                   # every pair once, then the most promising pair next
                 if not w["done"]:
                     self._step(w, plain)
@@ -673,19 +687,20 @@ class _Tuner:
 
 
 def tune(g: PCG, mapper, strategy: str = "megatron", deadline: Deadline | None = None, *, cheap=None,
-         tech=None, max_layers: int = MAX_LAYERS, sequence_parallel: bool = True) -> TunedResult:
+         tech=None, max_layers: int = MAX_LAYERS, sequence_parallel: bool = True, grid: bool = True) -> TunedResult:
     """The tuned baseline ``strategy`` (``megatron`` or ``zero3``) of the logical PCG ``g`` on
     ``mapper.machine`` (see the module docstring).  ``deadline`` bounds the grid (the plain Megatron point
     is always priced; ``cheap(pcg)``, a mapping without the DP, prices it when even its solve is cut).
     ``tech``: the technique pricer (default :func:`techniques`); ``sequence_parallel=False`` leaves the sp
-    axis out (every point sp = false).  Raises :class:`TunedError` (one line)
-    when the strategy does not apply."""
+    axis out (every point sp = false); ``grid=False`` prices only the first point (megatron: the plain
+    baseline; zero3: the first micro-batch size), the cheapest to price.  Raises :class:`TunedError` (one
+    line) when the strategy does not apply."""
     if strategy not in STRATEGIES:
         raise TunedError(f"unknown tuned strategy {strategy!r} (known: {', '.join(STRATEGIES)})")
     if any(n.kind == "parallel" for n in g.nodes()):
         raise TunedError(f"strategy {strategy!r} needs a logical PCG")
     t = _Tuner(g, mapper, strategy, deadline, tech or techniques(), cheap=cheap, max_layers=max_layers,
-               sp=sequence_parallel)
+               sp=sequence_parallel, grid=grid)
     t.run()
     out = t.result()
     out.stats["sp"] = SP_NOTE if sequence_parallel else "sequence parallelism left out (sequence_parallel=False)"
@@ -768,23 +783,25 @@ class TunedMapping:
                 **({"pipeline": self.stats["pipeline"]} if "pipeline" in self.stats else {})}   # explain's stages
 
 
-def _tuned(run, strategy: str, deadline: Deadline) -> TunedResult:
+def _tuned(run, strategy: str, deadline: Deadline, grid: bool = True, cheap: bool = True) -> TunedResult:
     """The tuned baseline ``strategy`` of ``run``'s model under ``deadline`` (optimize(memory_techniques=False):
-    the grid without techniques, as the mapper prices)."""
+    the grid without techniques, as the mapper prices; ``grid``, ``cheap``: see :func:`floor`)."""
     import time as _time
     tech = techniques() if getattr(run.ev.mapper, "default_techniques", True) else _NoTechniques()
     t0 = _time.perf_counter()
-    r = tune(run.g, run.ev.mapper, strategy, deadline, cheap=run.ev.cheap, tech=tech)
+    r = tune(run.g, run.ev.mapper, strategy, deadline, cheap=run.ev.cheap if cheap else None, tech=tech, grid=grid)
     r.stats["seconds"] = _time.perf_counter() - t0
     return r
 
 
-def floor(run, strategy: str, deadline: Deadline) -> tuple:
+def floor(run, strategy: str, deadline: Deadline, grid: bool = True, cheap: bool = True) -> tuple:
     """The tuned baseline ``strategy`` as a floor of the joint search (priced in its floors phase under
     ``deadline``): ``(pcg, cost or inf, note, TunedMapping or None, PipelineResult or None)``; ``pcg`` None
-    where the strategy does not apply to the model."""
+    where the strategy does not apply to the model (or nothing was priced by ``deadline``).  ``grid=False``:
+    only the grid's first point (the plain one); ``cheap=False``: a plain point whose solve the deadline cuts
+    is not priced without the DP (the caller has that price already)."""
     try:
-        r = _tuned(run, strategy, deadline)
+        r = _tuned(run, strategy, deadline, grid=grid, cheap=cheap)
     except TunedError as e:
         return (None, INF, str(e), None, None)
     except Expired:

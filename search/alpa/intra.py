@@ -521,6 +521,7 @@ class IntraProblem:
         self.g = g
         self.machine = machine
         self.zero = weight_update_sharding
+        self._deadline = deadline
         # prices depend on structure only: problems on the same machine, mesh and settings share them
         # (the inter-operator pass asks for many stages of the same layers)
         import json
@@ -591,7 +592,8 @@ class IntraProblem:
         if hit is None:
             algos = enumerate_algos(self.g, a, self.mesh) or [Algo((), None)]
             entries, seen = [], set()
-            for al in algos:
+            for al in algos:            # one group's algorithms may take long on a large mesh: checked each
+                _check_deadline(self._deadline, "building the intra-operator ILP")
                 chosen, insts = self._derive(a, al)
                 c, m, parts = self._group_cost(a, insts)
                 if not math.isfinite(c):

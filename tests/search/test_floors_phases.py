@@ -1,0 +1,125 @@
+"""The floors and the pipeline under a short budget (issue 18 point 3): every floor's plain point is priced
+before any tuned grid, a plain solve the deadline cut finishes from the mapper's memo, no grid starves the
+pipeline stage search, and the nearest-holder index prices edges exactly as the pass over the holders did.
+All on a clock that advances on every reading (no wall-clock asserts)."""
+import math
+import random
+from types import SimpleNamespace
+
+import pytest
+
+from unity_pcg.machine import parse_machine
+from unity_pcg.search import budget as B
+from unity_pcg.search import optimize as O
+from unity_pcg.search.baselines import build_strategy
+from unity_pcg.search.budget import Budget, Deadline
+from unity_pcg.search.cost import GraphCost
+from unity_pcg.search.optimize import Evaluator, optimize
+from unity_pcg.search.split import synthetic_transformer
+from unity_pcg.search.tuned import _NoTechniques, floor, tune
+
+from .test_budget import Tick
+
+
+def _run(g, machine: str, clock):
+    m = parse_machine(machine)
+    ev = Evaluator(m, "adam", clock=clock, techniques=False)
+    return SimpleNamespace(g=g, ev=ev, m=m, n_dev=m.num_devices)
+
+
+def _plain_cost(g, machine: str) -> float:
+    m = parse_machine(machine)
+    pg = build_strategy(g, "megatron", m.num_devices, devices_per_node=m.devices_per_node)
+    return Evaluator(m, "adam", techniques=False).full(pg).cost
+
+
+def test_the_first_point_only_is_the_plain_baseline():
+    """``grid=False`` prices the plain Megatron point and nothing else; the full grid holds it (never slower)."""
+    g = synthetic_transformer(2, batch=16, seq=64, hidden=256, heads=8)
+    m = parse_machine("summit:2x4")
+    run = _run(g, "summit:2x4", None)
+    first = tune(g, run.ev.mapper, "megatron", tech=_NoTechniques(), grid=False)
+    assert first.stats["layout_points"] == 1 and first.feasible
+    assert first.cost == pytest.approx(_plain_cost(g, "summit:2x4"), rel=1e-12)
+    full = tune(g, run.ev.mapper, "megatron", tech=_NoTechniques())
+    assert full.stats["layout_points"] > 1 and full.cost <= first.cost * (1 + 1e-12)
+    assert m.num_devices == first.config.tp * first.config.dp
+
+
+def test_a_plain_point_cut_by_a_tiny_deadline_is_still_priced_and_finishes_from_the_memo():
+    """With a deadline that passes at once, the plain point is still priced (its mapping without the DP);
+    the same floor asked again with time left (the grid pass, the final phase) finishes the cut solve from
+    the mapper's memo and prices it exactly as a fresh solve does."""
+    g = synthetic_transformer(2, batch=16, seq=64, hidden=256, heads=8)
+    clock = Tick(1e-3)
+    run = _run(g, "summit:2x4", clock)
+    pg, c, note, r, pipe = floor(run, "megatron", Deadline(clock() + 2e-3, clock), grid=False)
+    assert pg is not None and math.isfinite(c) and r is not None
+    assert O._plain_cut(r)                                   # priced without the DP
+    pg2, c2, _, r2, _ = floor(run, "megatron", Deadline.never(clock), grid=False, cheap=False)
+    assert not O._plain_cut(r2)
+    assert c2 == pytest.approx(_plain_cost(g, "summit:2x4"), rel=1e-12)
+    assert c2 <= c * (1 + 1e-12)
+    # a grid pass that is cut before its plain point is solved prices nothing (the caller keeps the first price)
+    pg3, c3, note3, _, _ = floor(_run(g, "summit:2x4", clock), "megatron", Deadline(clock() + 2e-3, clock),
+                                 cheap=False)
+    assert pg3 is None and not math.isfinite(c3)
+
+
+@pytest.mark.parametrize("budget_s", [0.3, 1.0])
+def test_every_floor_is_priced_under_a_short_budget(budget_s):
+    """On a fake clock, a short budget: Megatron's floor (whose tuned grid alone could take the whole floors
+    phase) is priced, and the plan is never slower than it or data parallelism."""
+    g = synthetic_transformer(2, batch=16, seq=64, hidden=256, heads=8)
+    clock = Tick(2e-4)
+    r = optimize(g, "summit:2x4", budget_s=Budget(budget_s, clock=clock), optimizer="adam",
+                 memory_techniques=False, max_candidates=2)
+    meg = r.stats["baselines_s"]["megatron"]
+    assert isinstance(meg, float) and math.isfinite(meg)
+    assert r.feasible and r.predicted_iteration_s <= meg * (1 + 1e-9)
+    assert r.predicted_iteration_s <= r.dp.cost * (1 + 1e-9)
+    tl = r.stats["budget"]["phases"]
+    assert tl["floors"]["end"] <= tl["floors"]["deadline"] + 400 * 2e-4
+
+
+def test_the_pipeline_search_is_not_starved_by_work_that_runs_late(monkeypatch):
+    """The stage search runs in its own phase before the segments: when the segments' work runs to the hard
+    end (as data parallelism by rules may on a loaded machine), the pipeline was already searched with its
+    share, and its plan competes at the end."""
+    from .test_pipeline import _chain
+    g = _chain(64, [256, 256, 256, 256])
+    clock = Tick(2e-4)
+    bud = Budget(2.0, clock=clock)
+    seen = {}
+
+    def late_segments(run):
+        seen["pipe_before_segments"] = run.pipe_searched
+        clock.t = max(clock.t, run.budget.hard_end().at - 1e-3)      # everything after this is late
+        return None
+    monkeypatch.setattr(O, "_search_segments", late_segments)
+    r = optimize(g, "summit:2x2", budget_s=bud, optimizer="adam", memory_techniques=False, max_candidates=1)
+    assert seen["pipe_before_segments"] is True
+    tl = r.stats["budget"]["phases"]
+    assert tl["pipeline"]["end"] <= tl["segments"]["start"]
+    # the stage search ran within its phase, was not cut, and found a plan
+    assert tl["pipeline"]["end"] <= tl["pipeline"]["deadline"] + B.PIPELINE_OVER * 2.0
+    assert not r.stats.get("pipeline_cut") and r.stats.get("pipeline_iteration_s") is not None
+    assert r.feasible
+    if r.plan.pipeline is not None:
+        assert r.predicted_iteration_s == pytest.approx(r.stats["pipeline_iteration_s"], rel=1e-12)
+
+
+@pytest.mark.parametrize("machine", ["summit:4x6", "h100:16x8", "local:1x4"])
+def test_the_nearest_holder_is_the_one_the_levels_order(machine):
+    """The holder a device reads from: itself, else the nearest level (group, node, network), then the lowest
+    device -- the index agrees with the pass over the holders on random sets."""
+    m = parse_machine(machine)
+    gc = GraphCost.__new__(GraphCost)
+    gc.machine, gc._near_cache = m, {}
+    rank = {"local": 0, "group": 1, "node": 2, "network": 3}
+    rng = random.Random(0)
+    n = m.num_devices
+    for _ in range(200):
+        hs = set(rng.sample(range(n), rng.randint(1, n)))
+        for dev in rng.sample(range(n), min(n, 16)):
+            assert gc._nearest(hs, dev) == min(hs, key=lambda h: (rank[m.level(h, dev)], h))
