@@ -711,6 +711,7 @@ def _search(run: _Run) -> PlanCandidate:
         run.stats["cut_by_budget"] = True
     ev.wall = None
     chosen = _choose(run)
+    _record_best_own(run)
     if strategy == "unity" and run.pipeline and (run.n_dev > 1 or not chosen.mapping.feasible) \
             and not run.interrupted:
         with bud.phase("pipeline"):
@@ -723,6 +724,16 @@ def _search(run: _Run) -> PlanCandidate:
         run.stats["wall_s"] = {"wall": round(bud.deadline("pricing").at - bud.start, 3),
                                "last_walled_solve_end": round(max(ev.last_walled_end - bud.start, 0.0), 3)}
     return chosen
+
+
+def _record_best_own(run: _Run) -> None:
+    """``info.search.best_own_s`` / ``best_own``: the fastest priced candidate of the general search itself
+    (the layout proposals, the segment search, accumulation; not a floor, not a pipeline), so a report can tell
+    whether a floor that wins does so by more than a margin (issue 18 point 2)."""
+    own = [c for c in run.cands if math.isfinite(c.cost)]
+    if own:
+        best = min(own, key=lambda c: (c.cost, c.rank))
+        run.stats["best_own_s"], run.stats["best_own"] = best.cost, best.mechanism
 
 
 def _make_budget(b) -> Budget:
