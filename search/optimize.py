@@ -136,6 +136,13 @@ class OptimizeResult:
 
 # --- evaluation ----------------------------------------------------------------------------------------
 
+def _id_signature(g: PCG) -> str:
+    """Which node id holds which node (ids with their structural node hashes): equal for two graphs exactly
+    when a mapping of one (views by node id) is a mapping of the other."""
+    return hashlib.blake2b(json.dumps([[i, g.node_hash(i)] for i in sorted(g.node_ids())]).encode(),
+                           digest_size=16).hexdigest()
+
+
 class Evaluator:
     """Prices candidate PCGs with one MachineMapper (its memo is shared by every candidate).  Every solve
     runs under a deadline (:mod:`search.budget`): the candidate's own limit, the phase's :attr:`wall`
@@ -191,7 +198,7 @@ class Evaluator:
                     r = self.mapper.optimize(g, resource=resource, fixed=self.pins(g, resource))
                 c = self._memo[key] = r.cost if r.feasible else INF
                 if keep:
-                    self._kept[key] = r
+                    self._kept[key] = (_id_signature(g), r)
             except Expired:             # remembered for limited calls only (not when a wall cut it)
                 self.timeouts += 1
                 c = INF
@@ -202,8 +209,14 @@ class Evaluator:
         return c
 
     def kept(self, g: PCG, resource: Resource | None = None):
-        """The mapping of ``g`` a ``cost(..., keep=True)`` call solved (None: none)."""
-        return self._kept.get((g.structural_hash(), resource))
+        """The mapping of ``g`` a ``cost(..., keep=True)`` call solved (None: none).  Costs are remembered by
+        structural hash, which is blind to node ids, but a mapping's views (and recompute regions) name node
+        ids: the mapping kept for a structurally equal graph with other ids (a layout realized by another
+        rule order) is not ``g``'s, so it is returned only when the node ids match."""
+        got = self._kept.get((g.structural_hash(), resource))
+        if got is None or got[0] != _id_signature(g):
+            return None
+        return got[1]
 
     def estimate(self, g: PCG) -> float:
         """Forward + backward compute of one task of every compute operator (no DP): the order in
@@ -235,7 +248,7 @@ class Evaluator:
         r = self.cheap(g)
         if r is None:
             return INF
-        self._kept[(g.structural_hash(), None)] = r
+        self._kept[(g.structural_hash(), None)] = (_id_signature(g), r)
         return r.cost if r.feasible else INF
 
     def cheap(self, g: PCG, resource: Resource | None = None):
