@@ -25,7 +25,7 @@ Megatron-LM, expert) and
     nice .venv/bin/python benchmarks/search_decides.py [--models bert,gpt2] [--machines h100:1x8]
          [--budget 20] [--no-light] [--report]
 
-Writes ``benchmarks/results/search_decides.json`` and ``.md`` (rows appended as they finish, so a cut run
+Writes ``benchmarks/results/search_decides.json`` and ``.md`` (``--out``) (rows appended as they finish, so a cut run
 keeps what it measured; a rerun skips the rows already there unless ``--fresh``).
 """
 from __future__ import annotations
@@ -269,7 +269,11 @@ def main(argv=None) -> int:
     ap.add_argument("--export-only", action="store_true")
     ap.add_argument("--fresh", action="store_true", help="measure again the rows already in the JSON")
     ap.add_argument("--report", action="store_true", help="write the markdown from the JSON only")
+    ap.add_argument("--out", default=os.path.join(RESULTS, "search_decides"),
+                    help="OUT.json and OUT.md (default benchmarks/results/search_decides)")
     a = ap.parse_args(argv)
+    global JSON_OUT, MD_OUT
+    JSON_OUT, MD_OUT = a.out + ".json", a.out + ".md"
     os.makedirs(RESULTS, exist_ok=True)
     if a.report:
         with open(JSON_OUT) as f:
