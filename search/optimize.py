@@ -751,12 +751,12 @@ def _record_best_own(run: _Run) -> None:
 
 def _make_budget(b) -> Budget:
     if b is None:
-        return Budget(60.0)
+        return B.for_call(60.0)
     if isinstance(b, Budget):
         return b
     if isinstance(b, bool) or not isinstance(b, (int, float)) or not b > 0:
         raise OptimizeError(f"budget must be a positive number of seconds, got {b!r}")
-    return Budget(b)
+    return B.for_call(b)
 
 
 def _check_arguments(strategy, alpha, batch, max_candidates, precision) -> None:
