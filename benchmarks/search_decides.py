@@ -256,6 +256,8 @@ def report(rows: list[dict], meta: dict) -> str:
                     if isinstance(v, str)})
     if notes:
         o += ["", "Floors that did not apply (their notes):", ""] + [f"- {n}" for n in notes]
+    if meta.get("note"):
+        o += ["", meta["note"]]
     o += ["", f"Command: `{meta.get('command')}`"]
     return "\n".join(o) + "\n"
 
