@@ -69,6 +69,10 @@ TUNED_GRID_SHARE = 0.15
 #: few seconds: data parallelism by rules on a small model must complete even under a 0.05 s budget)
 GRACE = 0.05
 GRACE_MIN_S = 2.0
+#: the share of an ``optimize`` call's budget kept after the search for the result (the executor's checks of
+#: the plan, loading it as ``run`` will, and writing it: linear in the plan's graph, but seconds on a large model
+#: on a loaded host); with the grace and the process's start-up counted, a call ends within 1.1 x its budget
+RESULT_RESERVE = 0.05
 #: one limited DP solve of a candidate: this share of the budget, at least SOLVE_MIN_S seconds
 SOLVE_SHARE = 1 / 30
 SOLVE_MIN_S = 1.0
@@ -178,13 +182,19 @@ class Budget:
     :meth:`phase` records when each ran (:meth:`timeline`)."""
 
     def __init__(self, seconds: float, *, phases: tuple[Phase, ...] = PHASES, skip=(),
-                 clock: Callable[[], float] | None = None, start: float | None = None):
+                 clock: Callable[[], float] | None = None, start: float | None = None, reserve: float = 0.0):
         if not isinstance(seconds, (int, float)) or not seconds > 0:
             raise ValueError(f"budget must be a positive number of seconds, got {seconds!r}")
+        if not 0 <= reserve < seconds:
+            raise ValueError(f"reserve must be in [0, {seconds}), got {reserve!r}")
         self.seconds = float(seconds)
         self.clock = clock or time.monotonic
         self.start = self.clock() if start is None else start
-        self.end = self.start + self.seconds
+        #: the last ``reserve`` seconds are kept for what follows the search (the plan's executor check, its
+        #: file): the phases span the rest, and the hard end is the end of that span plus the grace
+        self.reserve = float(reserve)
+        self.span = self.seconds - self.reserve
+        self.end = self.start + self.span
         self.phases = tuple(phases)
         self.records: dict[str, dict] = {}
         self.skipped: frozenset = frozenset()
@@ -234,7 +244,7 @@ class Budget:
             return Deadline(self.end, self.clock)
         if phase not in self.marks:
             raise KeyError(f"unknown phase {phase!r} (known: {', '.join(self.marks)})")
-        return Deadline(self.start + self.seconds * self.marks[phase], self.clock)
+        return Deadline(self.start + self.span * self.marks[phase], self.clock)
 
     def hard_end(self) -> Deadline:
         """The end plus :data:`GRACE` of the budget (at least :data:`GRACE_MIN_S`): no solve, rule sequence or
@@ -278,5 +288,25 @@ class Budget:
                  "skipped": n in self.skipped} for n in self.marks]
 
 
-__all__ = ["Budget", "Deadline", "Expired", "Phase", "PHASES", "GRACE", "within", "current", "check",
+def for_call(seconds: float, start: float | None = None, **kw) -> "Budget":
+    """The budget of one ``optimize`` call: ``seconds`` from ``start`` (default now; the CLI gives its process's
+    start, so the interpreter's start-up counts), :data:`RESULT_RESERVE` of it kept for the result."""
+    return Budget(seconds, start=start, reserve=RESULT_RESERVE * seconds, **kw)
+
+
+def process_start(clock: Callable[[], float] = time.monotonic) -> float | None:
+    """When this process started, on ``clock`` (``time.monotonic``: Linux's boot-time clock less the process's
+    age from /proc); None where that cannot be read."""
+    import os
+    try:
+        with open("/proc/self/stat") as f:
+            fields = f.read().rsplit(")", 1)[1].split()
+        started = int(fields[19]) / os.sysconf("SC_CLK_TCK")          # field 22: start time after boot
+        age = time.clock_gettime(time.CLOCK_BOOTTIME) - started
+    except (OSError, ValueError, IndexError, AttributeError):
+        return None
+    return clock() - age if 0 <= age < 3600 else None
+
+
+__all__ = ["Budget", "for_call", "process_start", "Deadline", "Expired", "Phase", "PHASES", "GRACE", "within", "current", "check",
            "run_within"]

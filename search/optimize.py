@@ -136,6 +136,13 @@ class OptimizeResult:
 
 # --- evaluation ----------------------------------------------------------------------------------------
 
+def _id_signature(g: PCG) -> str:
+    """Which node id holds which node (ids with their structural node hashes): equal for two graphs exactly
+    when a mapping of one (views by node id) is a mapping of the other."""
+    return hashlib.blake2b(json.dumps([[i, g.node_hash(i)] for i in sorted(g.node_ids())]).encode(),
+                           digest_size=16).hexdigest()
+
+
 class Evaluator:
     """Prices candidate PCGs with one MachineMapper (its memo is shared by every candidate).  Every solve
     runs under a deadline (:mod:`search.budget`): the candidate's own limit, the phase's :attr:`wall`
@@ -191,7 +198,7 @@ class Evaluator:
                     r = self.mapper.optimize(g, resource=resource, fixed=self.pins(g, resource))
                 c = self._memo[key] = r.cost if r.feasible else INF
                 if keep:
-                    self._kept[key] = r
+                    self._kept[key] = (_id_signature(g), r)
             except Expired:             # remembered for limited calls only (not when a wall cut it)
                 self.timeouts += 1
                 c = INF
@@ -202,8 +209,14 @@ class Evaluator:
         return c
 
     def kept(self, g: PCG, resource: Resource | None = None):
-        """The mapping of ``g`` a ``cost(..., keep=True)`` call solved (None: none)."""
-        return self._kept.get((g.structural_hash(), resource))
+        """The mapping of ``g`` a ``cost(..., keep=True)`` call solved (None: none).  Costs are remembered by
+        structural hash, which is blind to node ids, but a mapping's views (and recompute regions) name node
+        ids: the mapping kept for a structurally equal graph with other ids (a layout realized by another
+        rule order) is not ``g``'s, so it is returned only when the node ids match."""
+        got = self._kept.get((g.structural_hash(), resource))
+        if got is None or got[0] != _id_signature(g):
+            return None
+        return got[1]
 
     def estimate(self, g: PCG) -> float:
         """Forward + backward compute of one task of every compute operator (no DP): the order in
@@ -235,7 +248,7 @@ class Evaluator:
         r = self.cheap(g)
         if r is None:
             return INF
-        self._kept[(g.structural_hash(), None)] = r
+        self._kept[(g.structural_hash(), None)] = (_id_signature(g), r)
         return r.cost if r.feasible else INF
 
     def cheap(self, g: PCG, resource: Resource | None = None):
@@ -731,6 +744,7 @@ def _search(run: _Run) -> PlanCandidate:
         run.stats["cut_by_budget"] = True
     ev.wall = None
     chosen = _choose(run)
+    _record_best_own(run)
     if strategy == "unity" and run.pipeline and (run.n_dev > 1 or not chosen.mapping.feasible) \
             and not run.interrupted:
         chosen = _pipeline_step(run, chosen)     # the stage search ran in its phase (else it runs now)
@@ -744,14 +758,24 @@ def _search(run: _Run) -> PlanCandidate:
     return chosen
 
 
+def _record_best_own(run: _Run) -> None:
+    """``info.search.best_own_s`` / ``best_own``: the fastest priced candidate of the general search itself
+    (the layout proposals, the segment search, accumulation; not a floor, not a pipeline), so a report can tell
+    whether a floor that wins does so by more than a margin (issue 18 point 2)."""
+    own = [c for c in run.cands if math.isfinite(c.cost)]
+    if own:
+        best = min(own, key=lambda c: (c.cost, c.rank))
+        run.stats["best_own_s"], run.stats["best_own"] = best.cost, best.mechanism
+
+
 def _make_budget(b) -> Budget:
     if b is None:
-        return Budget(60.0)
+        return B.for_call(60.0)
     if isinstance(b, Budget):
         return b
     if isinstance(b, bool) or not isinstance(b, (int, float)) or not b > 0:
         raise OptimizeError(f"budget must be a positive number of seconds, got {b!r}")
-    return Budget(b)
+    return B.for_call(b)
 
 
 def _check_arguments(strategy, alpha, batch, max_candidates, precision) -> None:

@@ -60,6 +60,8 @@ from .budget import Deadline, Expired, within
 INF = math.inf
 STRATEGIES = ("megatron", "zero3")
 RECOMPUTE = ("none", "selective", "full")
+#: the most of the grid's time the plain Megatron point's DP solve takes (cut: mapped without the DP)
+PLAIN_SHARE = 0.5
 #: a (tp, pp) pair whose best time after two micro-batch sizes is over DROP x the best of all pairs is dropped
 DROP = 1.5
 #: stage layers the pipeline points cut the model into (their count is a multiple of every pp <= 8 that
@@ -333,8 +335,14 @@ class _Tuner:
         if got != tp and not plain:
             return _Layout(tp, 1, N // tp, 1, reason=f"tensor degree {tp} does not split the model (got {got})")
         tp = got
+        dl = self.deadline
+        if plain and dl is not None and self.cheap is not None and math.isfinite(dl.at):
+            # the plain point's DP solve gets at most PLAIN_SHARE of the grid's time (then the mapping without
+            # the DP), so a model whose Megatron layout solves slowly (ALBERT's weights shared by every layer)
+            # still leaves time for the grid's other points
+            dl = Deadline(dl.clock() + PLAIN_SHARE * max(dl.left(), 0.0), dl.clock).sooner(dl)
         try:
-            with within(self.deadline):
+            with within(dl):
                 r = self.mapper.optimize(pg, resource=None if N > 1 else Resource(0, 1, 1), techniques=False)
         except Expired:
             if not plain or self.cheap is None:

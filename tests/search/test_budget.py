@@ -184,3 +184,33 @@ def test_real_time_stays_within_the_budget(budget_s):
         wall = time.monotonic() - t
         assert wall <= 1.1 * budget_s + B.GRACE_MIN_S + 1.0, (name, wall, r.stats.get("timeline_s"))
         assert r.feasible
+
+
+def test_a_call_keeps_a_reserve_for_its_result():
+    """optimize's budget (search.budget.for_call) ends its phases RESULT_RESERVE early and its hard end the
+    grace after that, so what follows the search (the executor's checks, the plan file) fits in the budget;
+    a plain Budget keeps no reserve."""
+    from unity_pcg.search import budget as Bm
+    t = [0.0]
+    b = Bm.for_call(100.0, clock=lambda: t[0])
+    last = PHASES[-1].name
+    assert b.deadline(last).at == pytest.approx(100.0 * (1 - Bm.RESULT_RESERVE))
+    assert b.deadline(None).at == b.deadline(last).at
+    assert b.hard_end().at == pytest.approx(b.deadline(last).at + max(Bm.GRACE * 100.0, Bm.GRACE_MIN_S))
+    assert b.hard_end().at <= 100.0 + 1e-9
+    marks = [b.deadline(p.name).at for p in PHASES]
+    assert marks == sorted(marks)
+    plain = Bm.Budget(100.0, clock=lambda: t[0])
+    assert plain.deadline(last).at == pytest.approx(100.0)
+    with pytest.raises(ValueError):
+        Bm.Budget(10.0, reserve=10.0)
+
+
+def test_the_process_start_is_before_now():
+    import time
+
+    from unity_pcg.search.budget import process_start
+    s = process_start()
+    if s is None:
+        pytest.skip("no /proc here")
+    assert s <= time.monotonic() and time.monotonic() - s < 3600

@@ -230,3 +230,45 @@ def test_sequence_parallelism_is_a_layout_point_of_its_own():
         assert v[True]["cost"] <= v[False]["cost"] * (1 + 1e-9), k
     assert any(v[True]["max_bytes"] < v[False]["max_bytes"] for v in by.values())
     assert not any(q["config"]["sp"] for q in r.priced if q["config"]["tp"] == 1)
+
+
+class _SlowPlainMapper(_CountingMapper):
+    """The first solve (the plain Megatron point, priced first) runs 100 clock units, checking the deadline of
+    its scope at each as the DP does at its subproblems; every other solve advances the clock by one."""
+
+    def optimize(self, *a, **k):
+        from unity_pcg.search.budget import check
+        if self.solves == 0:
+            for _ in range(100):
+                self.solves += 1
+                check()
+        return super().optimize(*a, **k)
+
+
+def test_a_slow_plain_point_leaves_time_for_the_grid():
+    """When the plain Megatron point's DP solve would take the whole deadline (ALBERT's shared weights), it is
+    cut at a share of it and mapped without the DP, and the grid's other points are priced in the rest."""
+    g = synthetic_transformer(2, batch=16, seq=64, hidden=128, heads=4)
+    m = parse_machine("h100:1x4")
+    cm = _SlowPlainMapper(MachineMapper(CostModel(m)))
+    from unity_pcg.search.optimize import Evaluator
+    ev = Evaluator(m, "adam", techniques=False)
+    r = tune(g, cm, "megatron", Deadline(20.0, cm.clock), cheap=ev.cheap)
+    assert r.stats.get("plain_mapping", "").startswith("without the DP")
+    assert r.stats["layout_points"] > 1 and r.feasible and math.isfinite(r.cost)
+    assert len([p for p in r.priced if p["cost"] is not None]) > 1
+
+
+def test_simulate_megatron_prices_a_point_when_the_budget_cuts_every_solve(tmp_path, capsys):
+    """`simulate --strategy megatron` with a budget that cuts the first solve still prices the plain layout
+    (mapped without the DP, as optimize's floor is) instead of answering that nothing was priced."""
+    pytest.importorskip("torch")
+    import json
+
+    from unity_pcg import zoo
+    from unity_pcg.cli import main
+    model = zoo.export("llama_7b", str(tmp_path / "llama.onnx"), size="tiny", batch=8)
+    assert main(["simulate", model, "--machine", "h100:1x4", "--strategy", "megatron", "--budget", "1e-9",
+                 "--json"]) == 0
+    out = json.loads(capsys.readouterr().out)
+    assert out["feasible"] and out["predicted_iteration_s"] > 0 and out["tp"] > 1

@@ -353,3 +353,35 @@ def test_coverage_transformers_override_equals_export_at_3(name, exporter):
     assert all(r["status"] in ("ok", "cached") for r in recs), recs
     r = ic.hash_compare(*(os.path.join(E.HERE, x["file"]) for x in recs), 3)
     assert r["status"] == "equal" or (exporter == "dynamo" and r["status"] == "names"), r
+
+
+def _wide_row_index(batch, width=40000):
+    c = (np.arange(batch, dtype=np.float32)[:, None] * 2).repeat(width, axis=1)
+    return _model([helper.make_node("Add", ["x", "c"], ["y"])], {"c": c}, batch, [width])
+
+
+def test_a_large_constant_follows_the_batch_with_its_values():
+    """A constant holding the batch that grows past the small-constant size when rewritten (GPT-2's causal mask
+    [B, 1, S, S] at a large global batch) is computed only when its values are read: the PCG equals the export
+    at that batch and evaluates to the same values."""
+    g = load_onnx(_wide_row_index(3), batch=7)
+    assert g.structural_hash() == load_onnx(_wide_row_index(7)).structural_hash()
+    x = np.ones((7, 40000), np.float32)
+    np.testing.assert_array_equal(evaluate(g, {"x": x})[0], 1 + (np.arange(7)[:, None] * 2.0).repeat(40000, axis=1))
+
+
+def test_planning_at_a_huge_batch_does_not_build_the_rewritten_constant(tmp_path):
+    """Imported without weights (to plan) at a batch where the rewritten constant would be 16 GB, the import
+    does not compute it: it succeeds in a process limited to 3 GB of address space."""
+    import subprocess
+    import sys
+
+    import onnx
+    path = str(tmp_path / "wide.onnx")
+    onnx.save(_wide_row_index(3), path)
+    code = ("import resource; resource.setrlimit(resource.RLIMIT_AS, (3 << 30, 3 << 30)); "
+            "from unity_pcg.onnx_import import load_onnx; "
+            f"g = load_onnx({path!r}, batch=100000, load_weights=False); print(g.shapes(g.outputs[0][0])[0].sizes)")
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert r.returncode == 0, r.stderr[-500:]
+    assert "100000" in r.stdout

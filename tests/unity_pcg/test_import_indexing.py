@@ -449,3 +449,26 @@ def test_seeded_mutations_of_these_models_fail_typed_or_import():
         out = check_case(data, desc)
         outcomes[out] = outcomes.get(out, 0) + 1
     assert set(outcomes) <= {"ok", "error"} and outcomes.get("ok", 0) > 20 and outcomes.get("error", 0) > 20, outcomes
+
+
+@pytest.mark.parametrize("data_is_table", [True, False])
+def test_gather_with_a_large_constant_index_tensor(data_is_table):
+    """A lookup by a constant index tensor larger than the importer's small-constant limit (T5's
+    relative-position buckets at sequence 512 are [512, 512]) imports, negative indices included, and
+    evaluates to onnxruntime's values (on a table weight: an Embedding; on an activation: a Gather)."""
+    rng = np.random.default_rng(3)
+    idx = rng.integers(-6, 6, (300, 300)).astype(np.int64)
+    tbl = rng.standard_normal((6, 4)).astype(np.float32)
+    if data_is_table:
+        m = model([N("Gather", ["t", "i"], ["y"], axis=0)], [("x", F, [1])], inits=[("t", tbl), ("i", idx)])
+        m.graph.output.append(helper.make_tensor_value_info("x", F, [1]))
+        feeds = {"x": np.zeros(1, np.float32)}
+    else:
+        m = model([N("Gather", ["x", "i"], ["y"], axis=0)], [("x", F, [6, 4])], inits=[("i", idx)])
+        feeds = {"x": tbl}
+    g = load_onnx(m)
+    if data_is_table:
+        assert "Embedding" in {n.op for n in g.nodes()}
+    got = evaluate(g, feeds)[0]
+    want = ort.InferenceSession(m.SerializeToString(), providers=["CPUExecutionProvider"]).run(["y"], feeds)[0]
+    np.testing.assert_array_equal(got, want)

@@ -90,7 +90,10 @@ def search(args, progress=None):
         raise UnityError(f"--budget must be a positive number of seconds, got {args.budget}")
     if args.batch is not None and not (isinstance(args.batch, int) and args.batch >= 1):
         raise UnityError(f"--batch must be a positive integer, got {args.batch}")
-    return optimize(args.model, args.machine, budget_s=args.budget, alpha=args.alpha,
+    from unity_pcg.search import budget as B
+    # the budget counts from the process's start (the interpreter and the imports are the user's wait too)
+    bud = B.for_call(args.budget, start=B.process_start())
+    return optimize(args.model, args.machine, budget_s=bud, alpha=args.alpha,
                     pipeline=not args.no_pipeline, strategy=args.strategy, optimizer=args.optimizer,
                     batch=args.batch, seed=args.seed, progress=progress, max_candidates=args.candidates,
                     precision=getattr(args, "precision", "fp32"),

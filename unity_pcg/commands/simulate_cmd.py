@@ -151,16 +151,17 @@ def _simulate_tuned(g, model_path: str, m, strategy: str, optimizer: str, output
     ``budget_s`` seconds, priced with its memory techniques."""
     import time
     from unity_pcg.search.budget import Deadline
-    from unity_pcg.search.cost import CostModel
-    from unity_pcg.search.mapping import MachineMapper
     from unity_pcg.search.tuned import TunedMapping, tune
 
     from ..plan import Plan, file_sha256
     if not budget_s > 0:
         raise UnityError(f"--budget must be a positive number of seconds, got {budget_s}")
     t0 = time.perf_counter()
-    r = tune(g, MachineMapper(CostModel(m, optimizer=optimizer, precision=precision)), strategy,
-             Deadline.after(budget_s))
+    from unity_pcg.search.optimize import Evaluator
+    # the plain Megatron point, when its DP solve is cut by the budget, is mapped without the DP (as optimize's
+    # floor is): a priced configuration rather than none
+    ev = Evaluator(m, optimizer, precision=precision, techniques=False)
+    r = tune(g, ev.mapper, strategy, Deadline.after(budget_s), cheap=ev.cheap)
     r.stats["seconds"] = time.perf_counter() - t0
     tm = TunedMapping(r, m.num_devices, m.device.memory_bytes)
     out = tm.to_json()

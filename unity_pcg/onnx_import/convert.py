@@ -612,7 +612,14 @@ def _gather(imp, ctx, ins):
     ax = _axis(ctx, ctx.i("axis", 0), len(ds))
     if np.dtype(imp.dtype(idx)).kind not in "iu":
         raise InvalidModel(f"{ctx.what}: indices must be integers, got {imp.dtype(idx)}")
-    if isinstance(idx, Const):
+    if isinstance(idx, Const) and idx.numel > SMALL:
+        # a large constant index tensor (T5's relative-position buckets at sequence 512: [512, 512]): kept a
+        # constant input of the lookup, negative indices made positive when its values are read
+        n = ds[ax]
+        idx = derive(idx, lambda v: np.where(v < 0, v + n, v).astype(np.int64), idx.shape, np.int64,
+                     keep_origin=False)
+        idx_ref = imp.ref(idx, _hint(ctx, 1))
+    elif isinstance(idx, Const):
         n = ds[ax]
         iv = np.asarray(as_ints(idx, ctx.what), dtype=np.int64).reshape(idx.shape)
         if iv.size and (iv.min() < -n or iv.max() >= n):

@@ -15,7 +15,7 @@ import numpy as np
 
 from ..errors import UnityError
 from ..pcg import PCG, kahn_order
-from .consts import Const
+from .consts import SMALL, Const, lazy
 from .errors import (BatchOverride, DynamicDimension, InvalidModel, MissingTensor, ModelImportError,  # noqa: F401
                      UnsupportedOperator)
 from .loader import PCG_DTYPES, default_opset, initializer_const, np_dtype, read_model
@@ -518,11 +518,18 @@ class Importer:
                                 f"values differ along dim {axis} (per-sample data for the exported batch "
                                 f"{self.old_batch}); export the model at batch {self.batch}")
         idx_shape[axis] = n
-        if v.dtype.kind == "b":
-            new = np.broadcast_to(first, [n if k == axis else s for k, s in enumerate(v.shape)])
-        else:
-            new = first + np.arange(n).reshape(idx_shape) * step
-        out = Const(np.ascontiguousarray(new.astype(v.dtype)), origin=c.origin)
+        shape = [n if k == axis else s for k, s in enumerate(v.shape)]
+
+        def values(first=first, step=step, idx_shape=tuple(idx_shape), shape=tuple(shape), dtype=v.dtype):
+            if dtype.kind == "b":
+                new = np.broadcast_to(first, shape)
+            else:
+                new = first + np.arange(n).reshape(idx_shape) * step
+            return np.ascontiguousarray(new.astype(dtype))
+        # the rewritten constant grows with the batch (GPT-2's causal mask [B, 1, S, S] at a global batch of 512:
+        # 537 M elements): computed only when its values are read (evaluation, a fold), not to plan
+        out = lazy(values, tuple(shape), v.dtype, c.origin) if np.prod(shape) > max(c.numel, SMALL) else \
+            Const(values(), origin=c.origin)
         self._rebatched[key] = out
         return out
 
