@@ -519,6 +519,7 @@ class _PipelineMapping:
         self.devices = devices
         used = {d for s in p.stages for d in s.devices}
         self.stats = {"devices_used": len(used), "pipeline": p.to_json()}
+        self.memory_plan = getattr(p, "memory_plan", None)     # each stage's techniques (search/pipeline.py)
 
     def to_json(self) -> dict:
         return {"predicted_iteration_s": self.cost if math.isfinite(self.cost) else None,
