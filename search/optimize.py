@@ -1216,6 +1216,21 @@ def _no_techniques():
     return _NoTechniques()
 
 
+def _pipeline_refusal(run: _Run, pipe) -> str | None:
+    """Why the executor would refuse the pipeline plan ``pipe`` (search/runnable.py's check, the plan's
+    precision and memory techniques included), or None."""
+    from unity_pcg.plan import Plan
+    from .runnable import executor_refusal
+    if pipe.pcg is None:
+        return "the stages were not joined into one PCG"
+    plan = Plan("<pipeline>", "0" * 64, run.m, pipe.pcg, pipe.views, {}, pipe.to_plan_field(), {}, None,
+                run.ev.mapper.model.precision, getattr(pipe, "memory_plan", None))
+    try:
+        return executor_refusal(plan)
+    except UnityError as e:
+        return str(e)
+
+
 def _pipeline_step(run: _Run, chosen: PlanCandidate) -> PlanCandidate:
     """The 1F1B stage search in the pipeline phase, taken when faster (such a plan records its stages, and
     the rule sequence of the PCG inside them where it is data parallel: ``pipeline.by_rules``).  The stage
@@ -1236,6 +1251,10 @@ def _pipeline_step(run: _Run, chosen: PlanCandidate) -> PlanCandidate:
                      pipeline_iteration_s=pipe.cost if pipe is not None and pipe.feasible else None)
     final = chosen.mapping
     if pipe is None or not pipe.feasible or (final.feasible and not pipe.cost < final.cost):
+        return chosen
+    why = _pipeline_refusal(run, pipe)
+    if why is not None:        # the plan it replaces stays (a refused plan would fall back to one without stages)
+        run.stats = dict(run.stats, pipeline_refused=why)
         return chosen
     # pipeline stages (search/pipeline.py): a mapping decision of the stage DP; the PCG inside them, data
     # parallelism, reached by rules where it can be (pipeline.by_rules: the sequence is recorded);

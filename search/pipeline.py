@@ -1181,8 +1181,8 @@ def _holds_table(ps: Sequence[StagePrice], cap: float) -> np.ndarray:
     W, A, N, TR = (np.zeros((L, len(devs))) for _ in range(4))
     for x, p in enumerate(ps):
         for d, v in p.w.items():
-            W[x, col[d]] = v - p.tr.get(d, 0)
-        for d, v in p.tr.items():
+            W[x, col[d]] = v - getattr(p, "tr", {}).get(d, 0)
+        for d, v in getattr(p, "tr", {}).items():
             TR[x, col[d]] = v
         for d, v in p.a.items():
             A[x, col[d]] = v
