@@ -703,13 +703,21 @@ class Techniques:
         zs = [z for z in zero if z == 0 or self.has_copies] or [min(zero)]
         offs = [o for o in offload if not o or self.can_offload] or [False]
         cands = []
-        for z, o in product(zs, offs):
+        if recompute == "auto":
+            # without recomputation first, fastest first: recomputing only adds time, so a (stage, offload)
+            # whose plan without it is already slower than a feasible plan found cannot win
+            firsts = sorted((self.price(MemoryPlan(z, o)) for z, o in product(zs, offs)),
+                            key=lambda p: p.iteration_s)
+            best = math.inf
+            for p0 in firsts:
+                got = [p0] if p0.iteration_s > best else self._fit(p0.memory.zero, p0.memory.offload, exact_limit, p0)
+                cands.extend(got)
+                best = min([best] + [p.iteration_s for p in got if p.feasible])
+        for z, o in product(zs, offs) if recompute != "auto" else ():
             if recompute in ("full", "selective"):
                 cands.append(self.price(MemoryPlan(z, o, recompute_all(self.regions, recompute))))
             elif recompute == "none":
                 cands.append(self.price(MemoryPlan(z, o)))
-            elif recompute == "auto":
-                cands.extend(self._fit(z, o, exact_limit))
             else:
                 raise ValueError(f"recompute must be auto, none, full or selective, got {recompute!r}")
         ok = [p for p in cands if p.feasible]
@@ -717,10 +725,10 @@ class Techniques:
             return min(ok, key=lambda p: (p.iteration_s, p.memory.zero, p.memory.offload, len(p.memory.recompute)))
         return min(cands, key=lambda p: (p.max_bytes, p.iteration_s))
 
-    def _fit(self, zero: int, offload: bool, exact_limit: int) -> list:
+    def _fit(self, zero: int, offload: bool, exact_limit: int, p0: Priced | None = None) -> list:
         """Priced plans for one (stage, offload): no recomputation if it fits; else every assignment
-        (few regions) or the greedy one."""
-        p0 = self.price(MemoryPlan(zero, offload))
+        (few regions) or the greedy one.  ``p0``: the plan without recomputation, when priced already."""
+        p0 = p0 if p0 is not None else self.price(MemoryPlan(zero, offload))
         if p0.feasible or not self.regions:
             return [p0]
         R = self.regions
@@ -734,18 +742,26 @@ class Techniques:
             return out
         return [self._greedy(zero, offload, p0)]
 
+    def _single_savings(self) -> dict:
+        """(region, mode) -> (device -> activation bytes no longer kept, seconds of recomputation) of that
+        region alone; ZeRO and offload change neither (computed once per mapping)."""
+        single = getattr(self, "_single", None)
+        if single is None:
+            single = self._single = {}
+            base_a = self.base_report.activations
+            for i, r in enumerate(self.regions):
+                for md in ("selective", "full"):
+                    # bytes no longer kept (the transient of the largest region is paid once, not per region)
+                    a, _ = self.activation_bytes({n: (i, md) for n in r})
+                    single[(i, md)] = ({d: base_a.get(d, 0) - a.get(d, 0) for d in set(a)},
+                                       self.recompute_time(r, md))
+        return single
+
     def _greedy(self, zero: int, offload: bool, p0: Priced) -> Priced:
         """Regions one at a time (or selective -> full), the most bytes saved on the busiest device per
         second of recomputation first, until the plan fits or nothing saves more."""
         R = self.regions
-        single: dict = {}
-        for i, r in enumerate(R):
-            for md in ("selective", "full"):
-                # bytes no longer kept (the transient of the largest region is paid once, not per region)
-                a, _ = self.activation_bytes({n: (i, md) for n in r})
-                base_a = self.base_report.activations
-                single[(i, md)] = ({d: base_a.get(d, 0) - a.get(d, 0) for d in set(a)},
-                                   self.recompute_time(r, md))
+        single = self._single_savings()
         state: dict = {}
         cur = p0
         while not cur.feasible:

@@ -940,13 +940,18 @@ def _layout_candidates(run: _Run) -> None:
 
 
 def _fits_full_batch(run: _Run) -> bool:
-    """Whether a candidate at the full batch priced so far fits: data parallelism, a layout proposal, a
-    fixed strategy that does not micro-batch."""
-    if run.dp_res is not None and run.dp_res.feasible:
+    """Whether a candidate at the full batch priced so far fits without recomputing: data parallelism, a
+    layout proposal, a fixed strategy that does not micro-batch.  (One that fits only by recomputing pays
+    for its batch's activations in time; micro-batches that keep fewer activations may pay less.)"""
+    def plain(r) -> bool:
+        mem = getattr(r, "memory_plan", None)
+        return r is not None and bool(r.feasible) and not (mem is not None and mem.recompute)
+    if plain(run.dp_res):
         return True
-    if any(math.isfinite(c.cost) and c.pipeline is None for c in run.cands):
+    if any(math.isfinite(c.cost) and c.pipeline is None and (c.mapping is None or plain(c.mapping))
+           for c in run.cands):
         return True
-    return any(math.isfinite(oc) for name, (_, oc, _, _) in run.others.items() if name not in TUNED)
+    return any(math.isfinite(oc) and plain(r) for name, (_, oc, _, r) in run.others.items() if name not in TUNED)
 
 
 def _micro_batching_pays(run: _Run) -> bool:
