@@ -55,6 +55,15 @@ sub-mesh, the simulation), the best estimate of every stage count and one stage 
 the fastest feasible one is stitched into one PCG. A test holds the result within 5% of every pipeline priced
 exactly on small cases.
 
+**Memory techniques** (when the mapper prices them, ``MachineMapper(techniques=True)``, or
+``techniques=True``).  Every layer and stage is priced by :func:`stage_techniques` with a recompute mode on
+all its regions and the plan's ZeRO stage (:mod:`search.memtech`): the recompute forward runs in the stage's
+backward, ``once`` is the sync left exposed by the machine's overlap plus the (sharded) update, the memory
+is the weights part with ZeRO plus the kept activations times the micro-batches in flight.  The stage DP's
+options are (sub-mesh, recompute mode) pairs, so every stage gets its own recomputation jointly with its
+layers and devices; the ZeRO stage is one per plan (:data:`PIPELINE_ZERO`).  The result's ``memory_plan``
+(ZeRO and every stage's regions on the stitched PCG) is the plan file's ``memory``.
+
 **The plan.**  :attr:`PipelineResult.pcg` is the whole model at the full batch: every stage's
 parallel sub-PCG, its boundary Inputs replaced by the producing stage's tensor (directly when the
 parallel shapes agree, else through Reduce / Combine to one piece and the receiving stage's own
