@@ -174,6 +174,8 @@ def run(models, nodes, budget: float, layers: int | None, planners, rerun: bool)
                    "samples_s": BATCH / t if t else None, "wall_s": round(out["wall_s"], 1),
                    "cpu_s": round(out["cpu_s"], 1) if out.get("cpu_s") is not None else None,
                    "chosen": (out.get("search") or {}).get("chosen"),
+                   "grid": {k: ((out.get("search") or {}).get("tuned") or {}).get(k) for k in ("cut", "points_priced")}
+                   if (out.get("search") or {}).get("tuned") else None,
                    "reason": out.get("reason", ""), "max_memory_bytes": out.get("max_memory_bytes"),
                    "plan": _plan_words(strategy, out), "config": (out.get("search") or {}).get(f"{strategy}_config"),
                    "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()), "host": platform.node()}
@@ -210,7 +212,9 @@ def report() -> None:
             return "-"
         if r["status"] != "ok":
             return f"{r['status']} ({secs(r)})" + (f": {r['reason'][:60]}" if r.get("reason") else "")
-        return f"{r['samples_s']:.1f}/s ({secs(r)}) {r['plan']}"
+        g = r.get("grid") or {}
+        cut = f"; grid cut at {g.get('points_priced')} points" if g.get("cut") else ""
+        return f"{r['samples_s']:.1f}/s ({secs(r)}{cut}) {r['plan']}"
 
     ratios, best_ratios, missing = [], [], []
     for (model, n, k, b), ps in sorted(by.items(), key=lambda x: (x[0][1], x[0][0], x[0][2])):
@@ -243,6 +247,11 @@ def report() -> None:
         lines.append("Reduced depth: on this 2-core machine one Megatron layout of the full-depth Llama 7B (32 blocks, "
                      "1,315 operators) takes ~4 s to build and map, so a 30 s budget prices a handful; the rows with "
                      "`K of L` layers plan the first K blocks at full width (embedding, head and vocabulary unchanged).")
+    shares = sorted(r["cpu_s"] / r["wall_s"] for r in rows if r.get("cpu_s") and r.get("wall_s"))
+    if shares:
+        lines.append(f"CPU share of the planner runs that record it: median {shares[len(shares) // 2]:.0%} of a core "
+                     f"(lowest {shares[0]:.0%}, highest {shares[-1]:.0%}); a deadline-bound grid (the tuned "
+                     f"baselines walk theirs under the same budget) prices fewer points the less it gets.")
     dates = sorted({r["date"] for r in rows})
     if dates:
         lines.append(f"Measured {dates[0]} .. {dates[-1]} on a shared 2-core machine ({platform.platform()}).")
