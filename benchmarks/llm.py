@@ -28,6 +28,7 @@ import json
 import math
 import os
 import platform
+import resource
 import subprocess
 import sys
 import tempfile
@@ -95,17 +96,21 @@ def _run(strategy: str, model: str, machine: str, budget: float) -> dict:
     args = ["optimize", model, "--machine", machine, "--strategy", strategy, "--budget", str(budget),
             "--batch", str(BATCH), "--precision", "bf16", "--optimizer", "adam", "--json", "-o", out_plan]
     t = time.monotonic()
+    ru = resource.getrusage(resource.RUSAGE_CHILDREN)
     try:
         p = subprocess.run(CLI + args, capture_output=True, text=True, timeout=3 * budget + 300, cwd=ROOT)
     except subprocess.TimeoutExpired:
         return {"status": "timeout", "wall_s": time.monotonic() - t}
     wall = time.monotonic() - t
+    ru2 = resource.getrusage(resource.RUSAGE_CHILDREN)
+    cpu = (ru2.ru_utime + ru2.ru_stime) - (ru.ru_utime + ru.ru_stime)
     try:
         out = json.loads(p.stdout)
     except json.JSONDecodeError:
         err = (p.stderr.strip().splitlines() or ["?"])[-1]
-        return {"status": "n/a", "reason": err[:400], "wall_s": wall}
+        return {"status": "n/a", "reason": err[:400], "wall_s": wall, "cpu_s": cpu}
     out["wall_s"] = wall
+    out["cpu_s"] = cpu
     out["status"] = "ok" if out.get("feasible") else "infeasible"
     return out
 
@@ -167,6 +172,10 @@ def run(models, nodes, budget: float, layers: int | None, planners, rerun: bool)
                    "seq": LLAMA_SEQ if name in LLAMAS else 1024, "batch": BATCH, "budget_s": budget,
                    "status": out["status"], "iteration_s": t,
                    "samples_s": BATCH / t if t else None, "wall_s": round(out["wall_s"], 1),
+                   "cpu_s": round(out["cpu_s"], 1) if out.get("cpu_s") is not None else None,
+                   "chosen": (out.get("search") or {}).get("chosen"),
+                   "grid": {k: ((out.get("search") or {}).get("tuned") or {}).get(k) for k in ("cut", "points_priced")}
+                   if (out.get("search") or {}).get("tuned") else None,
                    "reason": out.get("reason", ""), "max_memory_bytes": out.get("max_memory_bytes"),
                    "plan": _plan_words(strategy, out), "config": (out.get("search") or {}).get(f"{strategy}_config"),
                    "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()), "host": platform.node()}
@@ -186,7 +195,8 @@ def report() -> None:
     lines = ["# Large language models: Unity against tuned Megatron-LM, ZeRO-3 and Alpa (one cost model)", "",
              "`benchmarks/llm.py`: `h100:Nx8`, bf16, Adam, global batch 1,024 (Llama: seq 2,048; Alpa's GPTs: "
              "seq 1,024), predicted iteration time and throughput (samples/s); each planner runs in its own "
-             "process under the same `--budget` (planner wall seconds, import included, in parentheses). "
+             "process under the same `--budget` (planner wall seconds, import included, and the CPU seconds it got, "
+             "in parentheses: on a shared machine a planner may get a fraction of a core). "
              "Megatron-LM is the best configuration of its grid (search/tuned.py) found within the budget. "
              "`layers`: decoder blocks planned (a reduced depth keeps the width; its numbers are that model's, not "
              "the full one's).", "",
@@ -194,12 +204,17 @@ def report() -> None:
              "Unity / best baseline |",
              "|---|---:|---:|---:|---|---|---|---|---:|---:|"]
 
+    def secs(r):
+        return f"{r['wall_s']:.0f} s" + (f", cpu {r['cpu_s']:.0f} s" if r.get("cpu_s") is not None else "")
+
     def cell(r):
         if r is None:
             return "-"
         if r["status"] != "ok":
-            return f"{r['status']} ({r['wall_s']:.0f} s)" + (f": {r['reason'][:60]}" if r.get("reason") else "")
-        return f"{r['samples_s']:.1f}/s ({r['wall_s']:.0f} s) {r['plan']}"
+            return f"{r['status']} ({secs(r)})" + (f": {r['reason'][:60]}" if r.get("reason") else "")
+        g = r.get("grid") or {}
+        cut = f"; grid cut at {g.get('points_priced')} points" if g.get("cut") else ""
+        return f"{r['samples_s']:.1f}/s ({secs(r)}{cut}) {r['plan']}"
 
     ratios, best_ratios, missing = [], [], []
     for (model, n, k, b), ps in sorted(by.items(), key=lambda x: (x[0][1], x[0][0], x[0][2])):
@@ -232,6 +247,11 @@ def report() -> None:
         lines.append("Reduced depth: on this 2-core machine one Megatron layout of the full-depth Llama 7B (32 blocks, "
                      "1,315 operators) takes ~4 s to build and map, so a 30 s budget prices a handful; the rows with "
                      "`K of L` layers plan the first K blocks at full width (embedding, head and vocabulary unchanged).")
+    shares = sorted(r["cpu_s"] / r["wall_s"] for r in rows if r.get("cpu_s") and r.get("wall_s"))
+    if shares:
+        lines.append(f"CPU share of the planner runs that record it: median {shares[len(shares) // 2]:.0%} of a core "
+                     f"(lowest {shares[0]:.0%}, highest {shares[-1]:.0%}); a deadline-bound grid (the tuned "
+                     f"baselines walk theirs under the same budget) prices fewer points the less it gets.")
     dates = sorted({r["date"] for r in rows})
     if dates:
         lines.append(f"Measured {dates[0]} .. {dates[-1]} on a shared 2-core machine ({platform.platform()}).")
@@ -248,6 +268,12 @@ def report() -> None:
         for i, (p, label) in enumerate(PLANNERS):
             ys = [(by[k].get(p) or {}).get("samples_s") or 0 for k in keys]
             ax.bar([j + (i - 1.5) * w for j in range(len(keys))], ys, w, label=label)
+        for j, k in enumerate(keys):
+            u, mg = by[k].get("unity"), by[k].get("megatron")
+            if u and mg and u.get("samples_s") and mg.get("samples_s"):
+                ax.annotate(f"{u['samples_s'] / mg['samples_s']:.2f}x", (j - 1.5 * w, u["samples_s"]),
+                            ha="center", va="bottom", fontsize=6)
+        ax.set_title("predicted throughput per setting (label: Unity / tuned Megatron-LM)", fontsize=8)
         ax.set_xticks(range(len(keys)))
         ax.set_xticklabels([f"{k[0]}\n{8 * k[1]} GPUs" for k in keys], fontsize=7)
         ax.set_ylabel("samples / s (predicted)")

@@ -934,13 +934,22 @@ class Techniques:
         zs = [z for z in zero if z == 0 or self.has_copies] or [min(zero)]
         offs = [o for o in offload if not o or self.can_offload] or [False]
         cands = []
-        for z, o in product(zs, offs):
+        if recompute == "auto":
+            # without recomputation first, fastest first: recomputing only adds time, so a (stage, offload)
+            # whose plan without it is already slower than a feasible plan found cannot win
+            firsts = sorted((self.price(MemoryPlan(z, o)) for z, o in product(zs, offs)),
+                            key=lambda p: p.iteration_s)
+            best = math.inf
+            for p0 in firsts:
+                got = [p0] if self._least_with_recompute(p0) > best else \
+                    self._fit(p0.memory.zero, p0.memory.offload, exact_limit, p0)
+                cands.extend(got)
+                best = min([best] + [p.iteration_s for p in got if p.feasible])
+        for z, o in product(zs, offs) if recompute != "auto" else ():
             if recompute in ("full", "selective"):
                 cands.append(self.price(MemoryPlan(z, o, recompute_all(self.regions, recompute))))
             elif recompute == "none":
                 cands.append(self.price(MemoryPlan(z, o)))
-            elif recompute == "auto":
-                cands.extend(self._fit(z, o, exact_limit))
             else:
                 raise ValueError(f"recompute must be auto, none, full or selective, got {recompute!r}")
         ok = [p for p in cands if p.feasible]
@@ -948,10 +957,10 @@ class Techniques:
             return min(ok, key=lambda p: (p.iteration_s, p.memory.zero, p.memory.offload, len(p.memory.recompute)))
         return min(cands, key=lambda p: (p.max_bytes, p.iteration_s))
 
-    def _fit(self, zero: int, offload: bool, exact_limit: int) -> list:
+    def _fit(self, zero: int, offload: bool, exact_limit: int, p0: Priced | None = None) -> list:
         """Priced plans for one (stage, offload): no recomputation if it fits; else every assignment
-        (few regions) or the greedy one."""
-        p0 = self.price(MemoryPlan(zero, offload))
+        (few regions) or the greedy one.  ``p0``: the plan without recomputation, when priced already."""
+        p0 = p0 if p0 is not None else self.price(MemoryPlan(zero, offload))
         if p0.feasible or not self.regions:
             return [p0]
         R = self.regions
@@ -965,41 +974,72 @@ class Techniques:
             return out
         return [self._greedy(zero, offload, p0)]
 
+    def _least_with_recompute(self, p0: Priced) -> float:
+        """A lower bound on the iteration time of any plan of ``p0``'s (stage, offload) that fits: ``p0``'s
+        own if it fits; else its compute stream grows by at least the recomputation that saves what the
+        busiest device is over at the best bytes per second of any single region, where savings add up (its
+        exposed communication may hide under that growth)."""
+        if p0.feasible or not self.regions:
+            return p0.iteration_s
+        busiest = max(p0.report.per_device, key=p0.report.per_device.get)
+        over = p0.report.per_device[busiest] - self.capacity
+        rate = max((sv.get(busiest, 0) / max(t, 1e-12) for sv, t in self._single_savings().values()), default=0.0)
+        if rate <= 0:
+            return p0.iteration_s
+        return p0.iteration_s - p0.exposed_sync_s + over / rate
+
+    def _single_savings(self) -> dict:
+        """(region, mode) -> (device -> activation bytes no longer kept, seconds of recomputation) of that
+        region alone; ZeRO and offload change neither (computed once per mapping)."""
+        single = getattr(self, "_single", None)
+        if single is None:
+            single = self._single = {}
+            base_a = self.base_report.activations
+            for i, r in enumerate(self.regions):
+                for md in ("selective", "full"):
+                    # bytes no longer kept (the transient of the largest region is paid once, not per region)
+                    a, _ = self.activation_bytes({n: (i, md) for n in r})
+                    single[(i, md)] = ({d: base_a.get(d, 0) - a.get(d, 0) for d in set(a)},
+                                       self.recompute_time(r, md))
+        return single
+
     def _greedy(self, zero: int, offload: bool, p0: Priced) -> Priced:
         """Regions one at a time (or selective -> full), the most bytes saved on the busiest device per
-        second of recomputation first, until the plan fits or nothing saves more."""
+        second of recomputation first, until the plan fits or nothing saves more.  The steps whose savings
+        (each region's alone, :meth:`_single_savings`) add up to what the busiest device is over are taken
+        together and the plan priced once (the same steps as one at a time where savings add up)."""
         R = self.regions
-        single: dict = {}
-        for i, r in enumerate(R):
-            for md in ("selective", "full"):
-                # bytes no longer kept (the transient of the largest region is paid once, not per region)
-                a, _ = self.activation_bytes({n: (i, md) for n in r})
-                base_a = self.base_report.activations
-                single[(i, md)] = ({d: base_a.get(d, 0) - a.get(d, 0) for d in set(a)},
-                                   self.recompute_time(r, md))
+        single = self._single_savings()
         state: dict = {}
         cur = p0
         while not cur.feasible:
             busiest = max(cur.report.per_device, key=cur.report.per_device.get)
-            best, best_ratio = None, 0.0
-            for i in range(len(R)):
-                have = state.get(i, "none")
-                for md in ("selective", "full"):
-                    if MODES.index(md) <= MODES.index(have):
-                        continue
-                    saved = single[(i, md)][0].get(busiest, 0)
-                    cost = single[(i, md)][1]
-                    if have != "none":
-                        saved -= single[(i, have)][0].get(busiest, 0)
-                        cost -= single[(i, have)][1]
-                    if saved <= 0:
-                        continue
-                    ratio = saved / max(cost, 1e-12)
-                    if ratio > best_ratio:
-                        best, best_ratio = (i, md), ratio
-            if best is None:
+            over = cur.report.per_device[busiest] - self.capacity
+            added, saved_sum = 0, 0.0
+            while saved_sum < over:
+                best, best_ratio, best_saved = None, 0.0, 0.0
+                for i in range(len(R)):
+                    have = state.get(i, "none")
+                    for md in ("selective", "full"):
+                        if MODES.index(md) <= MODES.index(have):
+                            continue
+                        saved = single[(i, md)][0].get(busiest, 0)
+                        cost = single[(i, md)][1]
+                        if have != "none":
+                            saved -= single[(i, have)][0].get(busiest, 0)
+                            cost -= single[(i, have)][1]
+                        if saved <= 0:
+                            continue
+                        ratio = saved / max(cost, 1e-12)
+                        if ratio > best_ratio:
+                            best, best_ratio, best_saved = (i, md), ratio, saved
+                if best is None:
+                    break
+                state[best[0]] = best[1]
+                added += 1
+                saved_sum += best_saved
+            if not added:
                 break
-            state[best[0]] = best[1]
             regs = tuple(RecomputeRegion(tuple(R[i]), md) for i, md in sorted(state.items()))
             cur = self.price(MemoryPlan(zero, offload, regs))
         return cur

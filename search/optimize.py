@@ -550,6 +550,7 @@ class _PipelineMapping:
         self.devices = devices
         used = {d for s in p.stages for d in s.devices}
         self.stats = {"devices_used": len(used), "pipeline": p.to_json()}
+        self.memory_plan = getattr(p, "memory_plan", None)     # each stage's techniques (search/pipeline.py)
 
     def to_json(self) -> dict:
         return {"predicted_iteration_s": self.cost if math.isfinite(self.cost) else None,
@@ -988,13 +989,18 @@ def _layout_candidates(run: _Run) -> None:
 
 
 def _fits_full_batch(run: _Run) -> bool:
-    """Whether a candidate at the full batch priced so far fits: data parallelism, a layout proposal, a
-    fixed strategy that does not micro-batch."""
-    if run.dp_res is not None and run.dp_res.feasible:
+    """Whether a candidate at the full batch priced so far fits without recomputing: data parallelism, a
+    layout proposal, a fixed strategy that does not micro-batch.  (One that fits only by recomputing pays
+    for its batch's activations in time; micro-batches that keep fewer activations may pay less.)"""
+    def plain(r) -> bool:
+        mem = getattr(r, "memory_plan", None)
+        return r is not None and bool(r.feasible) and not (mem is not None and mem.recompute)
+    if plain(run.dp_res):
         return True
-    if any(math.isfinite(c.cost) and c.pipeline is None for c in run.cands):
+    if any(math.isfinite(c.cost) and c.pipeline is None and (c.mapping is None or plain(c.mapping))
+           for c in run.cands):
         return True
-    return any(math.isfinite(oc) for name, (_, oc, _, _) in run.others.items() if name not in TUNED)
+    return any(math.isfinite(oc) and plain(r) for name, (_, oc, _, r) in run.others.items() if name not in TUNED)
 
 
 def _micro_batching_pays(run: _Run) -> bool:
@@ -1282,6 +1288,21 @@ def _no_techniques():
     return _NoTechniques()
 
 
+def _pipeline_refusal(run: _Run, pipe) -> str | None:
+    """Why the executor would refuse the pipeline plan ``pipe`` (search/runnable.py's check, the plan's
+    precision and memory techniques included), or None."""
+    from unity_pcg.plan import Plan
+    from .runnable import executor_refusal
+    if pipe.pcg is None:
+        return "the stages were not joined into one PCG"
+    plan = Plan("<pipeline>", "0" * 64, run.m, pipe.pcg, pipe.views, {}, pipe.to_plan_field(), {}, None,
+                run.ev.mapper.model.precision, getattr(pipe, "memory_plan", None))
+    try:
+        return executor_refusal(plan)
+    except UnityError as e:
+        return str(e)
+
+
 def _pipeline_search(run: _Run, until: Deadline | None = None) -> None:
     """The 1F1B stage search (``run.pipe``: its result, or None) until ``until`` (default: the pipeline
     phase's mark): it gets a share of the time to it (it finishes the number of micro-batches it is pricing)
@@ -1314,6 +1335,10 @@ def _pipeline_step(run: _Run, chosen: PlanCandidate) -> PlanCandidate:
     pipe = run.pipe
     final = chosen.mapping
     if pipe is None or not pipe.feasible or (final.feasible and not pipe.cost < final.cost):
+        return chosen
+    why = _pipeline_refusal(run, pipe)
+    if why is not None:        # the plan it replaces stays (a refused plan would fall back to one without stages)
+        run.stats = dict(run.stats, pipeline_refused=why)
         return chosen
     # pipeline stages (search/pipeline.py): a mapping decision of the stage DP; the PCG inside them, data
     # parallelism, reached by rules where it can be (pipeline.by_rules: the sequence is recorded);

@@ -55,6 +55,15 @@ sub-mesh, the simulation), the best estimate of every stage count and one stage 
 the fastest feasible one is stitched into one PCG. A test holds the result within 5% of every pipeline priced
 exactly on small cases.
 
+**Memory techniques** (when the mapper prices them, ``MachineMapper(techniques=True)``, or
+``techniques=True``).  Every layer and stage is priced by :func:`stage_techniques` with a recompute mode on
+all its regions and the plan's ZeRO stage (:mod:`search.memtech`): the recompute forward runs in the stage's
+backward, ``once`` is the sync left exposed by the machine's overlap plus the (sharded) update, the memory
+is the weights part with ZeRO plus the kept activations times the micro-batches in flight.  The stage DP's
+options are (sub-mesh, recompute mode) pairs, so every stage gets its own recomputation jointly with its
+layers and devices; the ZeRO stage is one per plan (:data:`PIPELINE_ZERO`).  The result's ``memory_plan``
+(ZeRO and every stage's regions on the stitched PCG) is the plan file's ``memory``.
+
 **The plan.**  :attr:`PipelineResult.pcg` is the whole model at the full batch: every stage's
 parallel sub-PCG, its boundary Inputs replaced by the producing stage's tensor (directly when the
 parallel shapes agree, else through Reduce / Combine to one piece and the receiving stage's own
@@ -100,6 +109,12 @@ INF = math.inf
 SCHEDULE = PIPELINE_SCHEDULE
 MAX_BOUNDS = 48                         # stage-time bounds the DP tries per number of micro-batches
 TIE = 1e-3                              # stage DP: relative cost difference below which the smaller max wins
+#: recomputation a stage may run (every region of the stage in one mode, chosen per stage)
+STAGE_RECOMPUTE = ("none", "selective", "full")
+#: ZeRO stages of a pipeline plan (one for the plan, over each stage's copies): the executor runs 1-2 with
+#: several stages, and sums the micro-batches' full gradients before its reduce-scatter, so stage 2 holds
+#: what stage 1 holds and is not tried; 3 and offload it refuses with several stages
+PIPELINE_ZERO = (0, 1)
 
 
 # --- the 1F1B schedule ---------------------------------------------------------------------------
@@ -597,6 +612,8 @@ class PipelineResult:
     comm_elements: int = 0            # elements sent by all devices per iteration
     rules: tuple | None = None        # RuleSteps reaching ``pcg`` from the logical model (see by_rules)
     origin: dict | None = field(default=None, repr=False)   # what by_rules needs: stages' nodes of the model
+    memory_plan: Any = None           # MemoryPlan on ``pcg`` (ZeRO, each stage's recompute regions), or None
+    techniques: dict = field(default_factory=dict)   # zero, recompute mode and seconds per stage (when priced)
 
     @property
     def num_stages(self) -> int:
@@ -615,7 +632,8 @@ class PipelineResult:
         return {"predicted_iteration_s": self.cost if math.isfinite(self.cost) else None,
                 "feasible": self.feasible, "reason": self.reason, "micro_batches": self.micro_batches,
                 "stages": [s.to_json() for s in self.stages], "max_memory_bytes": self.max_memory_bytes,
-                "comm_elements": self.comm_elements, "search_s": self.search_s, "stats": dict(self.stats)}
+                "comm_elements": self.comm_elements, "search_s": self.search_s, "stats": dict(self.stats),
+                **({"techniques": dict(self.techniques)} if self.techniques else {})}
 
 
 # --- pricing ---------------------------------------------------------------------------------------
@@ -631,6 +649,10 @@ class StagePrice:
     outputs: tuple = ()               # the original refs its outputs stand for, in order
     reason: str = ""
     a_in: dict = field(default_factory=dict)   # device -> bytes of ``a`` that are the stage's received inputs
+    rec: float = 0.0                  # of ``t``: the recompute forward (in the backward), with techniques
+    tr: dict = field(default_factory=dict)     # device -> of ``w``: recomputation's transient peak (once a stage)
+    memory_plan: Any = None           # the techniques priced in (MemoryPlan on ``pcg``), None: priced without
+    tech: dict = field(default_factory=dict, repr=False)   # (mode, zero) -> StagePrice; "analysis" -> Techniques
 
 
 def _failed(reason: str) -> StagePrice:
@@ -688,6 +710,58 @@ def _max_degree(g: PCG) -> int:
     """The most devices any node of ``g`` runs on: every tensor of an operator has one piece per task,
     so it is the largest piece count of any output."""
     return max((s.piece_count for n in g.nodes() if n.kind != "source" for s in g.shapes(n.id)), default=1)
+
+
+def stage_techniques(mapper: MachineMapper, p: StagePrice, mode: str, zero: int) -> StagePrice:
+    """``p`` (one stage or layer at the micro-batch size) priced with memory techniques
+    (:mod:`search.memtech`): recomputation ``mode`` (``none`` / ``selective`` / ``full``) on every region of
+    its sub-PCG and ZeRO stage ``zero`` over its weights' data-parallel copies, the machine's overlap of the
+    gradient sync included.  ``t`` gains the recompute forward (run in the backward, ``rec``), ``once`` is
+    the rest of memtech's iteration beyond the compute (the sync left exposed, the -- sharded -- update,
+    ZeRO's collectives), ``a`` the activations one micro-batch keeps with the recomputation and ``w`` the
+    weights, gradients and states with ZeRO (memtech's per-device peak split by differences, as the tuned
+    baseline prices its stages).  Memoized on ``p``; a failed price is returned as is."""
+    if p.pcg is None or not p.views or not math.isfinite(p.t):
+        return p
+    key = (mode, zero)
+    hit = p.tech.get(key)
+    if hit is not None:
+        return hit
+    from unity_pcg.plan import MemoryPlan
+    from . import memtech
+    tq = p.tech.get("analysis")
+    if tq is None:
+        tq = p.tech["analysis"] = memtech.Techniques(GraphCost(p.pcg, mapper.model), p.views, p.t + p.once)
+
+    def q(m, z):
+        k = ("priced", m, z)
+        if k not in p.tech:
+            regs = memtech.recompute_all(tq.regions, m) if m != "none" else ()
+            p.tech[k] = tq.price(MemoryPlan(zero=z, recompute=tuple(regs)))
+        return p.tech[k]
+
+    full = q(mode, zero)
+    kept, tr = tq.activation_bytes({n: (i, r.mode) for i, r in enumerate(full.memory.recompute) for n in r.nodes})
+    base = tq.base_report.activations
+    devs = set(p.w) | set(p.a) | set(full.per_device)
+    # kept activations of one micro-batch with the recomputation; the rest of memtech's peak (weights,
+    # gradients, states with ZeRO, the recomputation's transient) does not grow with the micro-batches in flight
+    a = {d: int(max(p.a.get(d, 0) + kept.get(d, 0) - base.get(d, 0), 0)) for d in devs}
+    w = {d: int(max(full.per_device.get(d, 0) - a[d], 0)) for d in devs}
+    tr = {d: int(min(v, w[d])) for d, v in tr.items() if v > 0 and d in w}
+    t = p.t + full.recompute_s
+    out = replace(p, t=t, once=max(full.iteration_s - t, 0.0), w=w, a=a, rec=full.recompute_s,
+                  memory_plan=full.memory, tech={}, tr=tr)
+    p.tech[key] = out
+    return out
+
+
+def stage_modes(mapper: MachineMapper, p: StagePrice) -> tuple[str, ...]:
+    """The recompute modes worth pricing on ``p``: ``none``, and the others where it has regions."""
+    if p.pcg is None or not p.views or not math.isfinite(p.t):
+        return ("none",)
+    stage_techniques(mapper, p, "none", 0)
+    return STAGE_RECOMPUTE if p.tech["analysis"].regions else ("none",)
 
 
 def _sizes(machine: MachineSpec, max_stages: int) -> list[int]:
@@ -761,7 +835,7 @@ def search_pipeline(pcg: PCG, mapper_or_cost_model: MachineMapper | CostModel, *
                     min_stages: int = 1, micro_batches: int | Sequence[int] | None = None,
                     budget_s: float | None = None, intra: Callable[[PCG, Resource], PCG] | None = None,
                     max_layers: int = 12, candidates: int = 2, max_exact: int = 8,
-                    deadline: Deadline | None = None) -> PipelineResult | None:
+                    deadline: Deadline | None = None, techniques: bool | None = None) -> PipelineResult | None:
     """The fastest 1F1B pipeline plan of ``pcg`` found by the stage DP (see module docstring).
 
     ``pcg`` is logical or parallel (a parallel one keeps its parallelization inside each stage under
@@ -779,14 +853,16 @@ def search_pipeline(pcg: PCG, mapper_or_cost_model: MachineMapper | CostModel, *
     exactly.  ``deadline`` (:class:`search.budget.Deadline`) is a hard stop, checked by every solve (the
     stage DP's layer prices, the exact prices): past it the best plan priced exactly so far is returned
     (None if none; ``stats["cut"]``).  Returns the fastest feasible plan, else the fastest infeasible one
-    (``feasible`` False, with the reason), or None when the graph has no split into ``min_stages`` stages."""
+    (``feasible`` False, with the reason), or None when the graph has no split into ``min_stages`` stages.
+    ``techniques``: choose memory techniques per stage jointly with the stages (:func:`_stage_dp`; the plan's
+    ``memory_plan``); default: as the mapper prices mappings (``MachineMapper(techniques=...)``)."""
     with within(deadline):
         return _search_pipeline(pcg, mapper_or_cost_model, max_stages, min_stages, micro_batches, budget_s, intra,
-                                max_layers, candidates, max_exact)
+                                max_layers, candidates, max_exact, techniques)
 
 
 def _search_pipeline(pcg, mapper_or_cost_model, max_stages, min_stages, micro_batches, budget_s, intra,
-                     max_layers, candidates, max_exact) -> PipelineResult | None:
+                     max_layers, candidates, max_exact, techniques=None) -> PipelineResult | None:
     t0 = time.perf_counter()
     if budget_s is not None and budget_s <= 0:
         raise PipelineError(f"pipeline search budget must be positive, got {budget_s}")
@@ -794,6 +870,8 @@ def _search_pipeline(pcg, mapper_or_cost_model, max_stages, min_stages, micro_ba
         else MachineMapper(mapper_or_cost_model)
     machine = mapper.machine
     intra = intra or default_intra
+    if techniques is None:
+        techniques = bool(getattr(mapper, "default_techniques", False))
     # the soft budget is read on the clock of the hard deadline when there is one (a test's clock)
     clock = (current() or Deadline.never(time.perf_counter)).clock
     deadline = clock() + budget_s if budget_s is not None else INF
@@ -829,28 +907,28 @@ def _search_pipeline(pcg, mapper_or_cost_model, max_stages, min_stages, micro_ba
         lay = _LayerPrices(graphs[M], roles, layer_nodes, mapper, intra, machine, memo)
         try:
             found = _stage_dp(lay, info, layers, graphs[M], machine, sizes, T, M, min_stages, max_stages,
-                              deadline if cands else INF, candidates, clock)
+                              deadline if cands else INF, candidates, clock, techniques)
         except Expired:                 # the hard deadline: the plans found so far are priced (if time is left)
             stats["cut"] = True
             break
-        for est, plan in found:
-            cands.append((est, len(plan), M, plan))
+        for est, plan, tech in found:
+            cands.append((est, len(plan), M, plan, tech))
     stats["dp_s"] = time.perf_counter() - t0
     stats["priced"] = len(memo)
     # exact prices, most promising first: at least the best per stage count, then while an estimate
     # is within 25% of the best exact makespan (at most max_exact)
     # (one stage with one micro-batch, the plain intra plan on the whole machine, is always priced)
-    cands.sort()
+    cands.sort(key=lambda c: c[:3])
     best = None
     seen: set = set()
-    for est, S, M, plan in cands:
+    for est, S, M, plan, tech in cands:
         must = S not in seen or (S == 1 and M == 1 and (1, 1) not in seen)
         if best is not None and not must and (stats["exact"] >= max_exact or est > 1.25 * best[0][1]
                                               or clock() > deadline):
             continue
         seen.update({S, (S, M)})
         try:
-            ev = _evaluate(graphs[M], roles, info, layers, plan, M, mapper, intra, machine, memo)
+            ev = _evaluate(graphs[M], roles, info, layers, plan, M, mapper, intra, machine, memo, tech)
         except Expired:
             stats["cut"] = True
             break
@@ -864,7 +942,7 @@ def _search_pipeline(pcg, mapper_or_cost_model, max_stages, min_stages, micro_ba
     _, M, plan, ev = best
     result = assemble(pcg, graphs[M], plan, M, ev, machine)
     result.origin = _origin(layers, info, plan, ev, intra is default_intra)
-    result.origin.update(max_layers=max_layers, megatron=getattr(intra, "megatron", None))
+    result.origin.update(max_layers=max_layers, megatron=getattr(intra, "megatron", None), tech=ev.get("tech"))
     result.search_s = time.perf_counter() - t0
     result.stats = dict(stats, estimate_s=ev["estimate"], makespan_s=ev["makespan"])
     return result
@@ -873,11 +951,12 @@ def _search_pipeline(pcg, mapper_or_cost_model, max_stages, min_stages, micro_ba
 def evaluate_pipeline(pcg: PCG, mapper_or_cost_model: MachineMapper | CostModel,
                       stages: Sequence[tuple[int, int, int, int]], micro_batches: int, *,
                       intra: Callable[[PCG, Resource], PCG] | None = None, max_layers: int = 12,
-                      stitch: bool = True) -> PipelineResult:
+                      stitch: bool = True, tech: tuple | None = None) -> PipelineResult:
     """Price one given pipeline exactly, as the search prices its candidates: ``stages`` lists
     ``(first layer, last layer + 1, first device, number of devices)`` over the layers of
     :func:`sequential_layers` (``max_layers`` of them), covering the layers and the machine in order.
-    ``stitch=False`` prices only (no plan PCG, views or stage node lists)."""
+    ``stitch=False`` prices only (no plan PCG, views or stage node lists).  ``tech``: ``(zero, modes)``, the
+    ZeRO stage and each stage's recompute mode (:func:`stage_techniques`); None: no memory techniques."""
     t0 = time.perf_counter()
     mapper = mapper_or_cost_model if isinstance(mapper_or_cost_model, MachineMapper) \
         else MachineMapper(mapper_or_cost_model)
@@ -898,10 +977,13 @@ def evaluate_pipeline(pcg: PCG, mapper_or_cost_model: MachineMapper | CostModel,
     if not isinstance(micro_batches, int) or micro_batches < 1 or B % micro_batches:
         raise PipelineError(f"micro-batch count {micro_batches!r} does not divide the batch {B}")
     gM = rebatch(pcg, B, B // micro_batches)
-    ev = _evaluate(gM, roles, info, layers, plan, micro_batches, mapper, intra or default_intra, machine)
+    if tech is not None and (len(tech) != 2 or len(tech[1]) != len(plan)
+                             or any(m not in STAGE_RECOMPUTE for m in tech[1])):
+        raise PipelineError(f"tech must be (zero, one recompute mode of {STAGE_RECOMPUTE} per stage), got {tech!r}")
+    ev = _evaluate(gM, roles, info, layers, plan, micro_batches, mapper, intra or default_intra, machine, None, tech)
     out = assemble(pcg, gM, plan, micro_batches, ev, machine, stitch)
     out.origin = _origin(layers, info, plan, ev, (intra or default_intra) is default_intra)
-    out.origin.update(max_layers=max_layers, megatron=getattr(intra, "megatron", None))
+    out.origin.update(max_layers=max_layers, megatron=getattr(intra, "megatron", None), tech=tech)
     out.search_s = time.perf_counter() - t0
     out.stats = {"layers": len(layers), "makespan_s": ev["makespan"]}
     return out
@@ -964,17 +1046,26 @@ class _LayerPrices:
 
 
 def _stage_dp(lay: _LayerPrices, info: Cuts, layers, gM, machine, sizes, T, M, min_stages, max_stages,
-              deadline, candidates, clock=time.perf_counter) -> list:
+              deadline, candidates, clock=time.perf_counter, techniques: bool = False) -> list:
     """The shared stage DP (:func:`unity_pcg.search.stages.stage_dp`) on layer prices (module docstring).
-    Returns up to ``candidates`` plans per stage count, best first, each ``(estimate, plan)``; a plan is a
-    tuple of stages ``(first layer, last layer + 1, first device, number of devices)``.  Sub-meshes are
+    Returns up to ``candidates`` plans per stage count, best first, each ``(estimate, plan, tech)``; a plan is a
+    tuple of stages ``(first layer, last layer + 1, first device, number of devices)``; ``tech`` is None
+    (priced without memory techniques) or ``(zero, modes)``: the plan's ZeRO stage and each stage's
+    recompute mode.  Sub-meshes are
     blocks of ``sizes`` laid out left to right, the last stage any block to the end; bounds ``t_max`` closer
     than 1% are merged (the DP runs at the larger one; the estimate uses the plan's actual maximum), more
     coarsely where that leaves more than ``MAX_BOUNDS`` of them, the search stopping once ``M`` times a
     merged bound reaches the best estimate; objectives with and without the stages'
     updates (they run after each stage's last backward, overlapping the drain of the earlier stages, so
     neither their sum nor nothing is right); DP costs within ``TIE`` are ties (the smaller largest stage
-    time wins).  Each plan is estimated by the 1F1B simulation on the layer prices."""
+    time wins).  Each plan is estimated by the 1F1B simulation on the layer prices.
+
+    With ``techniques`` the DP's options are (sub-mesh size, recompute mode) pairs: a stage's layers are
+    priced by :func:`stage_techniques` (the recompute forward in its time, its memory with the recomputation
+    and ZeRO), so the DP chooses each stage's recomputation jointly with its layers and devices; a
+    recompute mode is offered on a size only where some stage does not hold its micro-batches in flight
+    without it.  The ZeRO stage is one per plan (:data:`PIPELINE_ZERO`): the DP runs once per stage, but
+    stage 0 is left out where ZeRO-1 is nowhere slower (it never holds more)."""
     L = len(layers)
     D = machine.devices_per_node
     cap = machine.device.memory_bytes
@@ -983,21 +1074,30 @@ def _stage_dp(lay: _LayerPrices, info: Cuts, layers, gM, machine, sizes, T, M, m
     # and would make the DP's positions finer than the blocks)
     step = reduce(gcd, [s for s in inner if s <= T], T)
     opts = sorted(inner | {T - d for d in range(0, T, step) if sub_mesh(machine, d, T - d) is not None})
-    tab: dict = {}                      # s -> (t[k][i], once[k][i], holds[k][i]) for layers k..i
+    tab: dict = {}                      # (size, mode, zero) -> (t[k][i], once[k][i], holds[k][i]) for layers k..i
+    mapper = lay.mapper
 
-    def table(s):
-        hit = tab.get(s)
+    def prices(s, mode, zero):
+        ps = [lay.get(x, s) for x in range(L)]
+        if mode is None:
+            return ps
+        return [stage_techniques(mapper, p, mode, zero) for p in ps]
+
+    def table(key):
+        hit = tab.get(key)
         if hit is None:
             t = [[INF] * L for _ in range(L)]
             o = [[0.0] * L for _ in range(L)]
-            ps = [lay.get(x, s) for x in range(L)]
+            r = [[0.0] * L for _ in range(L)]
+            ps = prices(*key)
             for k in range(L):
-                tk, ok = 0.0, 0.0
+                tk, ok, rk = 0.0, 0.0, 0.0
                 for i in range(k, L):
                     tk += ps[i].t
                     ok += ps[i].once
-                    t[k][i], o[k][i] = tk, ok
-            hit = tab[s] = (t, o, _holds_table(ps, cap))
+                    rk += ps[i].rec
+                    t[k][i], o[k][i], r[k][i] = tk, ok, rk
+            hit = tab[key] = (t, o, _holds_table(ps, cap), r)
         return hit
 
     cut_bytes = [0.0] * (L + 1)
@@ -1018,59 +1118,91 @@ def _stage_dp(lay: _LayerPrices, info: Cuts, layers, gM, machine, sizes, T, M, m
             xmemo[key] = hit
         return hit
 
+    # the options: sizes, or (size, recompute mode) pairs; the ZeRO stages tried
+    if not techniques:
+        choices, zeros = [(s, None) for s in opts], [0]
+    else:
+        need = min(max_stages, M)
+        choices = []
+        for s in opts:
+            modes = ("none",)
+            h = table((s, "none", PIPELINE_ZERO[-1]))[2]
+            if (h[np.triu(np.ones((L, L), dtype=bool))] < need).any():
+                modes = tuple(dict.fromkeys(m for x in range(L) for m in stage_modes(mapper, lay.get(x, s))))
+                modes = tuple(m for m in STAGE_RECOMPUTE if m in modes)
+            choices.extend((s, m) for m in modes)
+        zeros = list(PIPELINE_ZERO)
+        if 0 in zeros and len(zeros) > 1:
+            z1 = zeros[-1]
+            if all(stage_techniques(mapper, p, "none", z1).once <= stage_techniques(mapper, p, "none", 0).once
+                   * (1 + 1e-9) + 1e-15 for s in opts for p in (lay.get(x, s) for x in range(L))):
+                zeros = [z1]
+    sizes_j = [c[0] for c in choices]
+
     def allowed(d, j, last):
-        s = opts[j]
+        s = sizes_j[j]
         return sub_mesh(machine, d, s) is not None and (last or s in inner)
 
-    bf = lay.mapper.model.backward_factor
-
-    def estimate(stages) -> float:      # the 1F1B simulation on the layer prices
-        ts = [table(opts[st.option])[0][st.first][st.end - 1] for st in stages]
-        once = [table(opts[st.option])[1][st.first][st.end - 1] for st in stages]
-        send = [xfer(b.first, b.start, opts[b.option]) / 2 for b in stages[1:]]
-        return simulate_1f1b([t / (1 + bf) for t in ts], [t * bf / (1 + bf) for t in ts], M, send, send,
-                             once).makespan
-
-    inner_times = [table(s)[0][k][i] for s in sorted(inner) for k in range(L) for i in range(k, L)]
-    soft = Deadline(deadline, clock) if math.isfinite(deadline) else None
-    hard = current()
-    found = stage_dp(L, opts, T, M, lambda k, i, j: table(opts[j])[0][k][i],
-                     fits=lambda k, i, j: table(opts[j])[2][k, i],
-                     extra=(lambda k, i, j: table(opts[j])[1][k][i], None),
-                     entry=lambda k, d, j: xfer(k, d, opts[j]), allowed=allowed,
-                     min_stages=min_stages, max_stages=max_stages,
-                     bounds=[(hi, hi) for _, hi in t_max_bounds(inner_times, rel=0.01, most=MAX_BOUNDS)],
-                     score=estimate, tie=TIE, deadline=soft.sooner(hard) if soft else hard)
+    bf = mapper.model.backward_factor
     per_s: dict = {}
-    for est, stages in found.plans:
-        plan = tuple((st.first, st.end, st.start, opts[st.option]) for st in stages)
-        per_s.setdefault(len(plan), []).append((est, plan))
+    hard = current()
+    for zero in zeros:
+        keys = [(s, m, zero if m is not None else 0) for s, m in choices]
+
+        def estimate(stages, keys=keys) -> float:      # the 1F1B simulation on the layer prices
+            ts = [table(keys[st.option])[0][st.first][st.end - 1] for st in stages]
+            rs = [table(keys[st.option])[3][st.first][st.end - 1] for st in stages]
+            once = [table(keys[st.option])[1][st.first][st.end - 1] for st in stages]
+            send = [xfer(b.first, b.start, sizes_j[b.option]) / 2 for b in stages[1:]]
+            return simulate_1f1b([(t - r) / (1 + bf) for t, r in zip(ts, rs)],
+                                 [(t - r) * bf / (1 + bf) + r for t, r in zip(ts, rs)], M, send, send,
+                                 once).makespan
+
+        inner_times = [table(key)[0][k][i] for key in keys if key[0] in inner for k in range(L) for i in range(k, L)]
+        soft = Deadline(deadline, clock) if math.isfinite(deadline) else None
+        found = stage_dp(L, sizes_j, T, M, lambda k, i, j, keys=keys: table(keys[j])[0][k][i],
+                         fits=lambda k, i, j, keys=keys: table(keys[j])[2][k, i],
+                         extra=(lambda k, i, j, keys=keys: table(keys[j])[1][k][i], None),
+                         entry=lambda k, d, j: xfer(k, d, sizes_j[j]), allowed=allowed,
+                         min_stages=min_stages, max_stages=max_stages,
+                         bounds=[(hi, hi) for _, hi in t_max_bounds(inner_times, rel=0.01, most=MAX_BOUNDS)],
+                         score=estimate, tie=TIE, deadline=soft.sooner(hard) if soft else hard)
+        for est, stages in found.plans:
+            plan = tuple((st.first, st.end, st.start, sizes_j[st.option]) for st in stages)
+            tech = (zero, tuple(choices[st.option][1] for st in stages)) if techniques else None
+            per_s.setdefault(len(plan), []).append((est, plan, tech))
     out = []
     for plans in per_s.values():
-        out.extend(sorted(plans)[:candidates])
-    out.sort()
+        out.extend(sorted(plans, key=lambda x: x[0])[:candidates])
+    out.sort(key=lambda x: x[0])
     return out
 
 
 def _holds_table(ps: Sequence[StagePrice], cap: float) -> np.ndarray:
     """``h[k, i]``: :func:`unity_pcg.search.stages.holds` of the stage of layers ``k..i`` priced ``ps`` (one
-    per layer, on one sub-mesh): its weights are the layers' sums per device, its activations the first
-    layer's and every later layer's less its received input (the earlier layer's output, counted there)."""
+    per layer, on one sub-mesh): its weights are the layers' sums per device (a recomputation's transient
+    peak, ``tr``, counted once: the largest of the layers'), its activations the first layer's and every
+    later layer's less its received input (the earlier layer's output, counted there)."""
     L = len(ps)
     devs = sorted({d for p in ps for d in (*p.w, *p.a)})
     if not devs:
         return np.full((L, L), INF)
     col = {d: n for n, d in enumerate(devs)}
-    W, A, N = (np.zeros((L, len(devs))) for _ in range(3))
+    W, A, N, TR = (np.zeros((L, len(devs))) for _ in range(4))
     for x, p in enumerate(ps):
         for d, v in p.w.items():
-            W[x, col[d]] = v
+            W[x, col[d]] = v - getattr(p, "tr", {}).get(d, 0)
+        for d, v in getattr(p, "tr", {}).items():
+            TR[x, col[d]] = v
         for d, v in p.a.items():
             A[x, col[d]] = v
             N[x, col[d]] = max(v - p.a_in.get(d, 0), 0)
     Wc = np.vstack([np.zeros(len(devs)), np.cumsum(W, axis=0)])
     Nc = np.vstack([np.zeros(len(devs)), np.cumsum(N, axis=0)])
     w = Wc[1:][None, :, :] - Wc[:-1][:, None, :]                      # [k, i, device]
+    if TR.any():                        # the largest transient of layers k..i
+        w = w + np.maximum.accumulate(np.broadcast_to(TR[None, :, :], (L, L, len(devs))) *
+                                      np.triu(np.ones((L, L)))[:, :, None], axis=1)
     a = A[:, None, :] + Nc[1:][None, :, :] - Nc[1:][:, None, :]       # the first layer's, then the others'
     with np.errstate(divide="ignore", invalid="ignore"):
         n = np.where(a > 0, np.floor((cap - w) / np.where(a > 0, a, 1.0)), INF)
@@ -1082,10 +1214,11 @@ def _holds_table(ps: Sequence[StagePrice], cap: float) -> np.ndarray:
     return np.where(np.triu(np.ones((L, L), dtype=bool)), h, -1.0)
 
 
-def _evaluate(gM, roles, info, layers, plan, M, mapper, intra, machine, memo=None) -> dict:
+def _evaluate(gM, roles, info, layers, plan, M, mapper, intra, machine, memo=None, tech=None) -> dict:
     """Exact price of one plan at the micro-batch size: every stage's sub-PCG mapped on its actual
     sub-mesh, transfers between the sub-meshes, the 1F1B simulation, memory with micro-batches in
-    flight."""
+    flight.  ``tech`` ``(zero, modes)``: each stage priced with its memory techniques
+    (:func:`stage_techniques`; ``ev["tech"]``, and each priced stage's ``memory_plan``)."""
     S = len(plan)
     bf = mapper.model.backward_factor
     cap = machine.device.memory_bytes
@@ -1097,9 +1230,11 @@ def _evaluate(gM, roles, info, layers, plan, M, mapper, intra, machine, memo=Non
             p = _price(mapper, stage_graph(gM, roles, nodes), intra, res)
         except PipelineError as e:
             p = _failed(str(e))
+        if tech is not None:
+            p = stage_techniques(mapper, p, tech[1][idx], tech[0])
         priced.append(p)
-        fwd.append(p.t / (1 + bf))
-        bwd.append(p.t * bf / (1 + bf))
+        fwd.append((p.t - p.rec) / (1 + bf))
+        bwd.append((p.t - p.rec) * bf / (1 + bf) + p.rec)      # recomputed before the stage's backward
         once.append(p.once)
         if p.reason:
             reasons.append(f"stage {idx}: {p.reason}")
@@ -1112,7 +1247,7 @@ def _evaluate(gM, roles, info, layers, plan, M, mapper, intra, machine, memo=Non
         send.append(stage_transfer(machine, tuple(range(d, d + s)), tuple(range(d2, d2 + s2)), nb))
         send_el.append(sum(gM.shape(r).numel for r in info.crossing[layers[i][0]]))
     out = {"priced": priced, "fwd": fwd, "bwd": bwd, "once": once, "send": send, "mem": mems,
-           "memory": {dev: v for mem in mems for dev, v in mem.items()}, "send_elements": send_el}
+           "memory": {dev: v for mem in mems for dev, v in mem.items()}, "send_elements": send_el, "tech": tech}
     if any(not math.isfinite(x) for x in fwd):
         return dict(out, cost=INF, makespan=INF, feasible=False,
                     reason="; ".join(reasons) or "a stage cannot be mapped")
@@ -1156,11 +1291,11 @@ def assemble(pcg: PCG, gM: PCG, plan, M: int, ev: dict, machine: MachineSpec, st
               ) -> PipelineResult:
     S = len(plan)
     cap = machine.device.memory_bytes
-    full, views, members = None, {}, [[] for _ in range(S)]
+    full, views, members, idmaps = None, {}, [[] for _ in range(S)], None
     cost, feasible, reason = ev["cost"], ev["feasible"], ev["reason"]
     if stitch and all(p.pcg is not None and p.views for p in ev["priced"]):
         try:
-            full, views, members = _stitch(pcg, gM, ev["priced"], plan, machine)
+            full, views, members, idmaps = _stitch(pcg, gM, ev["priced"], plan, machine)
         except UnityError as e:
             cost, feasible, reason = INF, False, f"cannot join the stages: {e}"
     stages = []
@@ -1170,8 +1305,36 @@ def assemble(pcg: PCG, gM: PCG, plan, M: int, ev: dict, machine: MachineSpec, st
         stages.append(PipelineStage(tuple(members[idx]), res.devices(machine), res, (k, i), ev["fwd"][idx],
                                     ev["bwd"][idx], ev["once"][idx], ev["send"][idx] if idx < S - 1 else 0.0,
                                     in_flight(S, idx, M), int(max(mem.values(), default=0))))
-    return PipelineResult(cost, feasible, reason, M, tuple(stages), full, views, dict(ev["memory"]), cap,
-                          comm_elements=_comm_elements(ev, M, machine))
+    out = PipelineResult(cost, feasible, reason, M, tuple(stages), full, views, dict(ev["memory"]), cap,
+                         comm_elements=_comm_elements(ev, M, machine))
+    if ev.get("tech") is not None and idmaps is not None:
+        out.memory_plan = _memory_plan(ev["tech"][0], ev["priced"], idmaps)
+        out.techniques = {"zero": ev["tech"][0], "recompute": list(ev["tech"][1]),
+                          "recompute_s": [p.rec for p in ev["priced"]]}
+    return out
+
+
+def _memory_plan(zero: int, priced: Sequence[StagePrice], idmaps: Sequence[dict]):
+    """The plan's MemoryPlan from the stages' own (each priced on its sub-PCG): ZeRO ``zero``, every stage's
+    recompute regions on the stitched PCG's node ids (None: no technique)."""
+    from unity_pcg.plan import MemoryPlan, RecomputeRegion
+    regs = []
+    for p, ids in zip(priced, idmaps):
+        mp = p.memory_plan
+        for r in (mp.recompute if mp is not None else ()):
+            nodes = tuple(ids[n] for n in r.nodes if n in ids)
+            if nodes:
+                regs.append(RecomputeRegion(nodes, r.mode))
+    mem = MemoryPlan(zero=int(zero), recompute=tuple(regs))
+    return None if mem.empty else mem
+
+
+def _remap_memory(mem, ids: Mapping[int, int]):
+    """``mem`` with its regions' node ids mapped through ``ids`` (nodes not in it dropped)."""
+    if mem is None:
+        return None
+    regs = tuple(replace(r, nodes=tuple(ids[n] for n in r.nodes if n in ids)) for r in mem.recompute)
+    return replace(mem, recompute=tuple(r for r in regs if r.nodes))
 
 
 def _comm_elements(ev: dict, M: int, machine: MachineSpec) -> int:
@@ -1200,7 +1363,10 @@ def _stitch(pcg: PCG, gM: PCG, priced: Sequence[StagePrice], plan, machine: Mach
     sources: dict = {}                 # (op, name) -> global ref
     views: dict = {}
     members: list = []
+    idmaps: list = []                  # per stage: its sub-PCG's compute node id -> the stitched PCG's
     for idx, p in enumerate(priced):
+        idm: dict = {}
+        idmaps.append(idm)
         R = rebatch(p.pcg, Bm, B)
         res = sub_mesh(machine, plan[idx][2], plan[idx][3])
         devs = res.devices(machine)
@@ -1252,6 +1418,7 @@ def _stitch(pcg: PCG, gM: PCG, priced: Sequence[StagePrice], plan, machine: Mach
                 continue
             new = b.add_node(n.op, n.a, [resolve(r) for r in n.inputs], n.name)
             mine.append(new)
+            idm[nid] = new
             for k in range(len(R.shapes(nid))):
                 m[(nid, k)] = (new, k)
             if nid in p.views:
@@ -1264,7 +1431,7 @@ def _stitch(pcg: PCG, gM: PCG, priced: Sequence[StagePrice], plan, machine: Mach
     g = b.finish()
     g.meta["pipeline_stages"] = len(plan)
     pos = {nid: i for i, nid in enumerate(g.topo_order())}
-    return g, views, [sorted(ms, key=pos.__getitem__) for ms in members]
+    return g, views, [sorted(ms, key=pos.__getitem__) for ms in members], idmaps
 
 
 # --- the plan by rules --------------------------------------------------------------------------------
@@ -1361,15 +1528,17 @@ def _rules_plan(pcg: PCG, result: PipelineResult, machine: MachineSpec, g: PCG, 
         except UnityError:
             return False
         return True
+    mem = _remap_memory(result.memory_plan, ids)
     if not valid(g, views, stages):
         # a Replicate lifted across a cut (Megatron stages) adds nodes to a stage after the next stage's:
         # the same PCG with its ids in stage order (the structural hash, which a replay is checked
         # against, does not depend on ids)
-        g, views, stages = _in_stage_order(g, views, stages)
+        g, views, stages, new = _in_stage_order(g, views, stages)
         if not valid(g, views, stages):
             return None
+        mem = _remap_memory(mem, new)
     g.meta.update(result.pcg.meta)
-    out = replace(result, pcg=g, views=views, stages=stages, rules=tuple(steps))
+    out = replace(result, pcg=g, views=views, stages=stages, rules=tuple(steps), memory_plan=mem)
     return out
 
 
@@ -1383,13 +1552,13 @@ def _in_stage_order(g: PCG, views: dict, stages: tuple):
     for nid in first + [n for st in stages for n in st.nodes]:
         n = g.node(nid)
         if any(r[0] not in new for r in n.inputs):      # a stage reads a later one: no such order
-            return g, views, stages
+            return g, views, stages, {k: k for k in g.node_ids()}
         new[nid] = b.add_node(n.op, n.a, [(new[r[0]], r[1]) for r in n.inputs], n.name)
     b.set_outputs([(new[r[0]], r[1]) for r in g.outputs])
     b.meta = dict(g.meta)
     h = b.finish()
     return (h, {new[k]: v for k, v in views.items() if k in new},
-            tuple(replace(st, nodes=tuple(new[n] for n in st.nodes)) for st in stages))
+            tuple(replace(st, nodes=tuple(new[n] for n in st.nodes)) for st in stages), new)
 
 
 def _megatron_by_rules(pcg: PCG, result: PipelineResult, machine: MachineSpec, book, mapper
@@ -1422,7 +1591,7 @@ def _megatron_by_rules(pcg: PCG, result: PipelineResult, machine: MachineSpec, b
     try:
         twin = evaluate_pipeline(pcg, mapper, plan, result.micro_batches,
                                  intra=megatron_rules_intra(meg["devices_per_node"], meg["head"], book),
-                                 max_layers=result.origin.get("max_layers", 12))
+                                 max_layers=result.origin.get("max_layers", 12), tech=result.origin.get("tech"))
     except UnityError:
         return None
     if not twin.feasible or twin.cost > result.cost * (1 + 1e-9):

@@ -581,6 +581,8 @@ class _Tuner:
         * the time improved: the next size;
         * it did not: done, unless (pp = 1, sizes falling) the best point here recomputes: then skip to the
           largest size at which no recomputation is predicted to fit (a smaller micro-batch may drop it);
+          the walk's first point skips so too when its best recomputes (the sizes between would recompute
+          as well: under a deadline the size that drops it is priced next);
         * a pair whose best, after two sizes, is over :data:`DROP` x the best of every pair is dropped;
         * a tensor degree that does not split the model ends the pair."""
         if self.expired():
@@ -626,11 +628,11 @@ class _Tuner:
             lean = min((p for p in pts if p.max_bytes), key=lambda p: p.max_bytes, default=None)
             if lean is not None:
                 skip_while(lean.split)
-        elif best >= w["best"]:
+        elif best >= w["best"] or w["n"] == 1:
             plain_pts = [p for p in pts if p.config.recompute == "none" and p.max_bytes]
             if w["pp"] == 1 and top.config.recompute != "none" and plain_pts:
                 skip_while(min(plain_pts, key=lambda p: p.max_bytes).split)
-            else:
+            elif best >= w["best"]:
                 w["i"] = len(w["ms"])             # the time stopped improving
         w["best"] = min(w["best"], best)
         glob = min((p.cost for p in self.points), default=INF)
