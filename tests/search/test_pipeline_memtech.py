@@ -16,7 +16,7 @@ from .test_pipeline import machine
 MiB = 2**20
 
 
-def _setup(cap_mib=40):
+def _setup(cap_mib=56):     # below the plain pipelines, above the smallest with techniques
     g = synthetic_transformer(4, batch=8, seq=256, hidden=256, heads=4)
     m = machine(1, 4, memory=cap_mib * MiB)
     return g, m, CostModel(m, optimizer="adam")
