@@ -46,6 +46,10 @@ Several stages: each stage's Trainer is given the plan's ZeRO stage (1-2, over t
 copies: the update after the micro-batches' gradients are summed and divided by M) and the recompute regions
 cut to its nodes (checkpointed per micro-batch; the tensors a stage sends are kept; a region recomputed in
 micro-batch k's backward draws k's Dropout masks).
+
+**bf16** (mixed precision) with several stages: each stage runs its forward under autocast (executor/precision.py)
+and casts every floating tensor it sends to the PCG's dtype, the dtype of the receiving stage's buffers (and of
+the gradients sent back: the cast's backward returns them to the dtype the stage computed).
 """
 from __future__ import annotations
 
@@ -274,9 +278,6 @@ def check_pipeline(plan, per_device_bn: bool = True) -> None:
         if mem.zero == 3 or mem.offload:
             raise PipelineError("plan: ZeRO-3 and offload with several pipeline stages are not run by the executor "
                                 "yet (recompute and ZeRO-1/2 are); optimize it without pipeline stages or without them")
-    if getattr(plan, "precision", "fp32") == "bf16" and not accumulate:
-        raise PipelineError("plan: bf16 (mixed precision) with pipeline stages is not supported by the executor "
-                            "(stage boundaries exchange float32 buffers); optimize it with --precision fp32 or tf32")
     gen = next((n for n in plan.pcg.nodes() if n.op in ("RandomNormal", "RandomUniform")), None)
     if gen is not None:
         raise PipelineError(f"plan: {gen.label()} in a pipelined plan is not supported by the executor (a "
@@ -656,6 +657,14 @@ def _on_backward(x, fn):
     return _ON_BACKWARD[0].apply(x, fn)
 
 
+def _as_dtype(y, dtype: str):
+    """``y`` in the PCG dtype ``dtype`` (a floating tensor computed in another one under autocast; others
+    as they are)."""
+    from .kernels import TORCH_DTYPES
+    dt = TORCH_DTYPES[dtype]
+    return y.to(dt) if y.is_floating_point() and dt.is_floating_point and y.dtype != dt else y
+
+
 class PipelineTrainer:
     """The Trainer API (executor.train.Trainer) for plans with pipeline stages; rank == device.  The one
     pipeline runtime: every stage -- data parallel, tensor/Megatron parallel or a hybrid inside -- runs its
@@ -876,7 +885,9 @@ class PipelineTrainer:
         else:
             pick, need, split = None, self._need_send, None
         tr._cur_loss_ref = pick
-        vals = tr._run(fv, need, anchor, sinks, split)
+        from .precision import forward_context
+        with forward_context(tr.precision, tr.device):   # bf16: the stage's forward under autocast
+            vals = tr._run(fv, need, anchor, sinks, split)
         tie = anchor * 0.0
         for t in sinks:
             tie = tie + t.sum() * 0.0
@@ -892,10 +903,13 @@ class PipelineTrainer:
         if last:
             y = vals.get(pick) if tr.low.mine.get(pick) is not None else None
             # a device holding no piece of it returns a 1-element zero tied to its communication (the
-            # schedule concatenates the micro-batches' outputs)
-            return tie.reshape(1) if y is None else y + tie.to(y.dtype)
+            # schedule concatenates the micro-batches' outputs); bf16 autocast's output in the PCG's dtype
+            if y is None:
+                return tie.reshape(1)
+            y = _as_dtype(y, tr.g.shape(pick).dtype)
+            return y + tie.to(y.dtype)
         outs = []
-        for kind, v in self.sg.sends:
+        for (kind, v), (_, dt) in zip(self.sg.sends, self.sg.send_shapes):
             if xs is None and kind != "out":    # a follower: the leader passes these on
                 outs.append(None)
             elif kind == "recv":
@@ -904,8 +918,10 @@ class PipelineTrainer:
             elif kind == "feed":
                 outs.append(fv[v].contiguous())
             else:
-                y = vals[v]
-                # gloo sends contiguous buffers only (elementwise ops keep a transposed layout)
+                # sent in the PCG's dtype, the receiving stage's buffers' (under bf16 autocast a stage
+                # computes bf16 tensors; the cast's backward returns the float32 gradient received to
+                # bf16); gloo sends contiguous buffers only (elementwise ops keep a transposed layout)
+                y = _as_dtype(vals[v], dt)
                 outs.append((y + tie.to(y.dtype) if y.is_floating_point() else y).contiguous())
         return tuple(outs) if len(outs) > 1 else outs[0]
 

@@ -5,7 +5,8 @@ prices as fp32).  ``tf32``: float32 storage, TF32 matmuls and convolutions on CU
 the same as fp32 there).  ``bf16``: mixed precision as ``torch.autocast`` does it: the forward pass runs
 under autocast with bfloat16 (matmuls and convolutions in bf16, autocast's fp32 list in fp32), parameters,
 their gradients, the gradient all-reduce and the optimizer states stay float32; the loss is accumulated in
-float32.  bf16 plans with pipeline stages are refused (stage boundaries exchange float32 buffers).
+float32.  With pipeline stages each stage's forward runs under autocast and the tensors crossing a stage
+boundary (and their gradients) are cast to the PCG's dtype (executor/pipeline.py).
 """
 from __future__ import annotations
 

@@ -4,7 +4,7 @@
 (``unity_pcg.plan.from_json``), when its views name no device (``executor.launch.plan_world``) or when its
 pipeline field is one the executor cannot run (``executor.pipeline.check_pipeline``: stages data parallel
 inside or lowered, the batch split into the micro-batches by :func:`search.pipeline.micro_graph`, only
-floating tensors crossing stages, BatchNorm only with ``--per-device-bn``, no bf16 with several stages;
+floating tensors crossing stages, BatchNorm only with ``--per-device-bn``;
 memory techniques: any with one stage (gradient accumulation), recompute and ZeRO-1/2 with several).
 :func:`executor_refusal` runs exactly those checks, as ``run`` does with its default flags, and says why
 (None: it would run).  :func:`runnable` is what ``optimize`` calls on the plan it is about to return: a

@@ -1,5 +1,6 @@
 """The plan's precision at run time (executor/precision.py): bf16 runs the forward under autocast with float32
-parameters, gradients and optimizer states; a data-parallel bf16 plan trains as one bf16 process does."""
+parameters, gradients and optimizer states; a data-parallel bf16 plan, and one of two pipeline stages, train as one
+bf16 process does."""
 from __future__ import annotations
 
 import dataclasses
@@ -52,10 +53,47 @@ def test_bf16_data_parallel_two_processes_trains_as_one_bf16_process():
         np.testing.assert_allclose(state[k], v.numpy(), rtol=2e-2, atol=1e-3)
 
 
-def test_bf16_pipeline_plan_is_refused_before_start():
-    from unity_pcg.executor.pipeline import PipelineError, check_pipeline
-    path = models.mlp()
-    plan = _with_precision(H.logical_plan(H.load(path), path), "bf16")
-    plan = dataclasses.replace(plan, pipeline={"schedule": "1F1B", "micro_batches": 2, "stages": []})
-    with pytest.raises(PipelineError, match="bf16"):
-        check_pipeline(plan)
+STEPS = 3
+
+
+def _pipeline_worker(rank: int, world: int, plan_json: dict, model: str, feeds: list, targets: list) -> list:
+    from unity_pcg import plan as plan_mod
+    from unity_pcg.executor.pipeline import PipelineTrainer
+    t = PipelineTrainer(plan_mod.from_json(plan_json), model, rank=rank, world=world, optimizer="adam", lr=0.02)
+    sent = []
+    if t.st.index == 0:                     # what the first stage computes for the next one, under autocast
+        t.tr.keep_values = True
+    losses = [t.step(feeds[i], targets[i]) for i in range(STEPS)]
+    if t.st.index == 0:
+        sent = sorted({str(v.dtype) for v in t.tr.last_values.values()})
+    return [losses, sent]
+
+
+@pytest.mark.parametrize("micro_batches", [2, 4])
+def test_bf16_two_stage_pipeline_trains_as_one_bf16_process(tmp_path, micro_batches):
+    """A bf16 plan of 2 pipeline stages passes the pre-launch checks and trains on 2 gloo processes as one bf16
+    process does (the stages compute in bf16 and exchange float32 tensors and gradients)."""
+    from unity_pcg import plan as P
+    from unity_pcg.evaluate import random_feeds
+    from unity_pcg.executor.pipeline import check_pipeline
+    from unity_pcg.executor.train import Trainer
+    from unity_pcg.search.runnable import executor_refusal
+    from .runtime_plans import pipeline_plan, tiny_mlp_onnx
+    model = tiny_mlp_onnx(str(tmp_path / "mlp.onnx"))
+    plan = _with_precision(P.load(pipeline_plan(model, str(tmp_path / "pp.json"), stages=2,
+                                                 micro_batches=micro_batches)), "bf16")
+    check_pipeline(plan)
+    assert executor_refusal(plan) is None
+    g = H.load(model)
+    feeds = [random_feeds(g, seed=50 + i) for i in range(STEPS)]
+    rng = np.random.default_rng(5)
+    targets = [rng.standard_normal((8, 8)).astype(np.float32) for _ in range(STEPS)]
+    ref = {}
+    for prec in ("fp32", "bf16"):
+        t = Trainer(_with_precision(H.logical_plan(g, model), prec), model, optimizer="adam", lr=0.02)
+        ref[prec] = [t.step(feeds[i], targets[i]) for i in range(STEPS)]
+    (losses, sent), (losses1, _) = H.run_dist(2, _pipeline_worker, plan.to_json(), model, feeds, targets)
+    assert losses == losses1
+    assert "torch.bfloat16" in sent                    # the first stage ran its matmuls in bf16
+    np.testing.assert_allclose(losses, ref["bf16"], rtol=2e-2)
+    assert not np.allclose(losses, ref["fp32"], rtol=1e-6, atol=0)   # not the fp32 computation
