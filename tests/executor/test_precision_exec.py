@@ -69,30 +69,45 @@ def _pipeline_worker(rank: int, world: int, plan_json: dict, model: str, feeds: 
     return [losses, sent]
 
 
-@pytest.mark.parametrize("micro_batches", [2, 4])
-def test_bf16_two_stage_pipeline_trains_as_one_bf16_process(tmp_path, micro_batches):
-    """A bf16 plan of 2 pipeline stages passes the pre-launch checks and trains on 2 gloo processes as one bf16
-    process does (the stages compute in bf16 and exchange float32 tensors and gradients)."""
+def _bf16_pipeline(tmp_path, model: str, micro_batches: int):
+    """``model`` (an ONNX file) as a bf16 plan of 2 single-device pipeline stages."""
     from unity_pcg import plan as P
+    from .runtime_plans import pipeline_plan, searched_pipeline_plan, tiny_mlp_onnx
+    if model == "mlp":
+        path = tiny_mlp_onnx(str(tmp_path / "mlp.onnx"))
+        pp = pipeline_plan(path, str(tmp_path / "pp.json"), stages=2, micro_batches=micro_batches)
+    else:                                       # the zoo's tiny GPT, cut by the pipeline search
+        from unity_pcg import zoo
+        path = str(tmp_path / "gpt.onnx")
+        zoo.export("gpt_350m", path, size="tiny", batch=4)
+        pp = searched_pipeline_plan(path, str(tmp_path / "pp.json"), stages=2, micro_batches=micro_batches)
+    return path, _with_precision(P.load(pp), "bf16")
+
+
+@pytest.mark.parametrize("model,micro_batches", [("mlp", 2), ("mlp", 4), ("gpt", 2)])
+def test_bf16_two_stage_pipeline_trains_as_one_bf16_process(tmp_path, model, micro_batches):
+    """A bf16 plan of 2 pipeline stages passes the pre-launch checks and trains on 2 gloo processes as one bf16
+    process does (the stages compute in bf16 and exchange float32 tensors and gradients): 3 steps of Adam."""
     from unity_pcg.evaluate import random_feeds
     from unity_pcg.executor.pipeline import check_pipeline
     from unity_pcg.executor.train import Trainer
     from unity_pcg.search.runnable import executor_refusal
-    from .runtime_plans import pipeline_plan, tiny_mlp_onnx
-    model = tiny_mlp_onnx(str(tmp_path / "mlp.onnx"))
-    plan = _with_precision(P.load(pipeline_plan(model, str(tmp_path / "pp.json"), stages=2,
-                                                 micro_batches=micro_batches)), "bf16")
+    path, plan = _bf16_pipeline(tmp_path, model, micro_batches)
+    assert len(plan.pipeline["stages"]) == 2
     check_pipeline(plan)
     assert executor_refusal(plan) is None
-    g = H.load(model)
+    g = H.load(path)
     feeds = [random_feeds(g, seed=50 + i) for i in range(STEPS)]
-    rng = np.random.default_rng(5)
-    targets = [rng.standard_normal((8, 8)).astype(np.float32) for _ in range(STEPS)]
+    if model == "mlp":                          # MSE against targets; the GPT: the mean of its output
+        rng = np.random.default_rng(5)
+        targets = [rng.standard_normal((8, 8)).astype(np.float32) for _ in range(STEPS)]
+    else:
+        targets = [None] * STEPS
     ref = {}
     for prec in ("fp32", "bf16"):
-        t = Trainer(_with_precision(H.logical_plan(g, model), prec), model, optimizer="adam", lr=0.02)
+        t = Trainer(_with_precision(H.logical_plan(g, path), prec), path, optimizer="adam", lr=0.02)
         ref[prec] = [t.step(feeds[i], targets[i]) for i in range(STEPS)]
-    (losses, sent), (losses1, _) = H.run_dist(2, _pipeline_worker, plan.to_json(), model, feeds, targets)
+    (losses, sent), (losses1, _) = H.run_dist(2, _pipeline_worker, plan.to_json(), path, feeds, targets)
     assert losses == losses1
     assert "torch.bfloat16" in sent                    # the first stage ran its matmuls in bf16
     np.testing.assert_allclose(losses, ref["bf16"], rtol=2e-2)
