@@ -12,7 +12,7 @@ from typing import Any, Callable, Sequence
 
 import numpy as np
 
-from .errors import InvalidModel
+from .errors import FoldTooLarge, InvalidModel
 
 # constants at most this big are materialized eagerly when an op needs their value
 SMALL = 1 << 16
@@ -24,9 +24,12 @@ class Const:
     """A constant tensor: eager (``value``) or lazy (``fn`` + known ``shape``/``dtype``).
 
     ``origin``: the initializer it was derived from by layout-only ops (used to name the Weight).
+    ``deferred``: set on a fold deferred past the fold guard (and on constants computed from one): the
+    refusal to raise where the import itself would read its values (``value``); ``materialize``/``loader``
+    (evaluation, execution) still compute them.
     """
 
-    __slots__ = ("shape", "dtype", "_value", "_fn", "origin", "wref")
+    __slots__ = ("shape", "dtype", "_value", "_fn", "origin", "wref", "deferred")
 
     def __init__(self, value: Any = None, *, shape: Sequence[int] | None = None, dtype: Any = None,
                  fn: Callable[[], np.ndarray] | None = None, origin: str | None = None):
@@ -41,6 +44,7 @@ class Const:
         self._fn = fn
         self.origin = origin
         self.wref = None  # the PCG ref of its Weight node, once made
+        self.deferred: str | None = None
 
     @property
     def numel(self) -> int:
@@ -54,6 +58,8 @@ class Const:
     def value(self) -> np.ndarray:
         if self._value is not None:
             return self._value
+        if self.deferred is not None:   # the import needs the values of a fold beyond the guard
+            raise FoldTooLarge(self.deferred)
         v = self.materialize()
         if v.size <= SMALL:
             self._value = v
@@ -78,22 +84,30 @@ class Const:
         return f"Const({list(self.shape)}, {self.dtype}{', lazy' if self.lazy else ''})"
 
 
-def lazy(fn: Callable[[], np.ndarray], shape, dtype, origin=None) -> Const:
-    return Const(fn=fn, shape=shape, dtype=dtype, origin=origin)
+def lazy(fn: Callable[[], np.ndarray], shape, dtype, origin=None, deferred: str | None = None) -> Const:
+    c = Const(fn=fn, shape=shape, dtype=dtype, origin=origin)
+    c.deferred = deferred
+    return c
+
+
+def deferred_of(consts) -> str | None:
+    """The refusal of the first deferred constant among ``consts`` (None entries allowed), or None."""
+    return next((c.deferred for c in consts if c is not None and c.deferred is not None), None)
 
 
 def guard(numel: int, what: str) -> None:
     if numel > MAX_FOLD:
-        raise InvalidModel(f"{what}: constant of {numel} elements is too large to fold")
+        raise FoldTooLarge(f"{what}: constant of {numel} elements is too large to fold "
+                           f"(limit {MAX_FOLD})")
 
 
 def derive(c: Const, fn: Callable[[np.ndarray], np.ndarray], shape, dtype=None, keep_origin=True) -> Const:
     """A constant computed from ``c`` by ``fn``: eager when ``c`` is small, lazy otherwise."""
     dtype = c.dtype if dtype is None else np.dtype(dtype)
     origin = c.origin if keep_origin else None
-    if not c.lazy or c.numel <= SMALL:
+    if not c.lazy or (c.numel <= SMALL and c.deferred is None):
         return Const(np.asarray(fn(c.value)).astype(dtype, copy=False), origin=origin)
-    return lazy(lambda: fn(c.materialize()), shape, dtype, origin)
+    return lazy(lambda: fn(c.materialize()), shape, dtype, origin, c.deferred)
 
 
 def broadcast_shape(shapes: Sequence[Sequence[int]], what: str) -> tuple[int, ...]:

@@ -8,6 +8,11 @@ class InvalidModel(ModelImportError):
     """The file is not a well-formed ONNX model (truncated, not protobuf, cycle, bad attribute, ...)."""
 
 
+class FoldTooLarge(InvalidModel):
+    """Folding a node on constants would read or make a constant beyond the fold guard (``consts.MAX_FOLD``).
+    :func:`~unity_pcg.onnx_import.fold.fold_any` defers such a fold when its result is the large one."""
+
+
 class MissingTensor(ModelImportError):
     """A node reads a tensor that no node, input or initializer defines (or external data is missing)."""
 

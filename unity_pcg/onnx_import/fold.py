@@ -2,15 +2,21 @@
 
 ``fold(ctx, ins)`` returns a list of :class:`Const` (one per node output).  Layout-only ops on a big
 (lazy) constant stay lazy so that, e.g., a transposed Gemm weight is read only when needed.
+
+``fold_any`` defers a fold whose result exceeds the fold guard (:data:`MAX_FOLD`; a causal mask
+[B, 1, S, S] built from constants at a large batch): a lazy constant of the shape ONNX shape inference
+gives, computed when evaluation or execution reads it, so planning never builds it.  A fold that must
+produce its values during the import (a small result read from a huge constant, a deferred constant read
+as a shape or an index) is still refused with the guard's one line.
 """
 from __future__ import annotations
 
 from math import prod
 import numpy as np
 
-from .consts import MAX_FOLD, SMALL, Const, as_ints, as_scalar, broadcast_shape, derive, lazy
+from .consts import MAX_FOLD, SMALL, Const, as_ints, as_scalar, broadcast_shape, deferred_of, derive, lazy
 from .consts import guard as _guard
-from .errors import InvalidModel, UnsupportedOperator
+from .errors import FoldTooLarge, InvalidModel, UnsupportedOperator
 from .loader import np_dtype, tensor_attr_const
 
 
@@ -193,7 +199,8 @@ _BOOL_OUT = {"Equal", "Less", "Greater", "LessOrEqual", "GreaterOrEqual", "And",
 def fold(ctx, ins: list, unbounded: bool = False) -> list[Const]:
     op = ctx.op
     what = ctx.what
-    if not unbounded and op in ELEMWISE and any(c is not None and c.lazy and c.numel > SMALL for c in ins):
+    if not unbounded and op in ELEMWISE and any(c is not None and c.lazy and (c.numel > SMALL or c.deferred)
+                                                        for c in ins):
         # element-wise on a big lazy constant (e.g. a weight scaled by a constant): stays lazy
         shape = broadcast_shape([c.shape for c in ins if c is not None], what)
         dtype = bool if op in _BOOL_OUT else (ins[1].dtype if op == "Where" else ins[0].dtype)
@@ -202,7 +209,7 @@ def fold(ctx, ins: list, unbounded: bool = False) -> list[Const]:
         def compute():
             vals = [None if c is None else Const(c.materialize()) for c in srcs]
             return fold(ctx, vals, unbounded=True)[0].value
-        return [lazy(compute, shape, dtype)]
+        return [lazy(compute, shape, dtype, deferred=deferred_of(ins))]
 
     def guard(numel, what):
         if not unbounded:
@@ -469,7 +476,7 @@ def _one_node_model(ctx, ins, with_values: bool):
             continue
         seen.add(name)
         etype = helper.np_dtype_to_tensor_dtype(np.dtype(c.dtype))
-        if with_values and (not c.lazy or c.numel <= SMALL):
+        if with_values and (not c.lazy or c.numel <= SMALL) and c.deferred is None:
             inits.append(numpy_helper.from_array(np.asarray(c.value), name))
         else:
             inputs.append(helper.make_tensor_value_info(name, etype, list(c.shape)))
@@ -505,12 +512,13 @@ def _inferred_numel(ctx, ins) -> list:
     return out
 
 
-def reference_fold(ctx, ins: list) -> list[Const]:
+def reference_fold(ctx, ins: list, unbounded: bool = False) -> list[Const]:
     """Fold a node whose inputs are all constant with ``onnx.reference`` (any default-domain operator).
 
     Refused with one line: random operators, control flow (subgraph attributes), inputs or outputs
     beyond :data:`MAX_FOLD` elements (the output size is checked before evaluating where shape
-    inference knows it), and element types a PCG constant cannot hold."""
+    inference knows it; not with ``unbounded``, a deferred fold's evaluation), and element types a PCG
+    constant cannot hold."""
     import onnx
     what = ctx.what
     if ctx.op in NONDETERMINISTIC:
@@ -519,14 +527,13 @@ def reference_fold(ctx, ins: list) -> list[Const]:
         raise UnsupportedOperator(f"control flow ({ctx.op} with a subgraph) on constants is not folded "
                                   f"(node {ctx.name!r})")
     for c in ins:
-        if c is not None and c.numel > MAX_FOLD:
-            raise InvalidModel(f"{what}: folding it would read a constant of {c.numel} elements "
+        if not unbounded and c is not None and c.numel > MAX_FOLD:
+            raise FoldTooLarge(f"{what}: folding it would read a constant of {c.numel} elements "
                                f"(limit {MAX_FOLD})")
-    if ctx.op == "GatherND" and ctx.i("batch_dims", 0) < 0:   # onnx 1.23's shape inference segfaults on it
-        raise InvalidModel(f"{what}: attribute 'batch_dims' must be >= 0, got {ctx.i('batch_dims', 0)}")
-    for name, n in _inferred_numel(ctx, ins):
+    _check_gathernd(ctx)
+    for name, n in ([] if unbounded else _inferred_numel(ctx, ins)):
         if n > MAX_FOLD:
-            raise InvalidModel(f"{what}: folding it would make a constant {name!r} of {n} elements "
+            raise FoldTooLarge(f"{what}: folding it would make a constant {name!r} of {n} elements "
                                f"(limit {MAX_FOLD}); a model input is probably too large")
     from onnx.reference import ReferenceEvaluator
     model = _one_node_model(ctx, ins, False)
@@ -559,18 +566,93 @@ def reference_fold(ctx, ins: list) -> list[Const]:
         v = np.asarray(v)
         if v.dtype.kind in "OUS":
             raise UnsupportedOperator(f"{what}: folds to a {v.dtype} tensor, which a PCG cannot hold")
-        if v.size > MAX_FOLD:
+        if v.size > MAX_FOLD and not unbounded:
             raise InvalidModel(f"{what}: folding it makes a constant of {v.size} elements (limit {MAX_FOLD})")
         out.append(Const(v))
     return out
 
 
-def fold_any(ctx, ins: list) -> list[Const]:
-    """Fold a node whose inputs are all constant: the numpy kernels above where they exist (fast, lazy on
-    big weights), ``onnx.reference`` for every other operator and for forms the kernels do not cover."""
+def _check_gathernd(ctx) -> None:
+    if ctx.op == "GatherND" and ctx.i("batch_dims", 0) < 0:   # onnx 1.23's shape inference segfaults on it
+        raise InvalidModel(f"{ctx.what}: attribute 'batch_dims' must be >= 0, got {ctx.i('batch_dims', 0)}")
+
+
+def _fold_now(ctx, ins: list, unbounded: bool = False) -> list[Const]:
     if ctx.op in FOLDABLE:
         try:
-            return fold(ctx, ins)
+            return fold(ctx, ins, unbounded=unbounded)
         except UnsupportedOperator:
             pass
-    return reference_fold(ctx, ins)
+    return reference_fold(ctx, ins, unbounded=unbounded)
+
+
+def fold_any(ctx, ins: list) -> list[Const]:
+    """Fold a node whose inputs are all constant: the numpy kernels above where they exist (fast, lazy on
+    big weights), ``onnx.reference`` for every other operator and for forms the kernels do not cover.
+
+    A fold beyond the guard whose result is the large one is deferred (:func:`deferred_fold`); any other
+    raises the guard's :class:`FoldTooLarge`."""
+    try:
+        return _fold_now(ctx, ins)
+    except FoldTooLarge as e:
+        out = deferred_fold(ctx, ins, str(e))
+        if out is None:   # name the deferred fold this one reads, where there is one: the root cause
+            raise FoldTooLarge(deferred_of(ins) or str(e)) from None
+        return out
+
+
+def _inferred_outputs(ctx, ins) -> list | None:
+    """(shape, dtype) of each output of the node (None for an omitted one) by ONNX shape inference with data
+    propagation, or None where an output's shape or element type is not known."""
+    import onnx
+    from onnx import helper
+    try:
+        m = onnx.shape_inference.infer_shapes(_one_node_model(ctx, ins, True), strict_mode=False, data_prop=True)
+    except Exception:
+        return None
+    known = {}
+    for vi in m.graph.output:
+        tt = vi.type.tensor_type
+        if not vi.type.HasField("tensor_type") or not tt.HasField("shape") or tt.elem_type in (
+                onnx.TensorProto.UNDEFINED, onnx.TensorProto.STRING):
+            continue
+        if not all(d.HasField("dim_value") and d.dim_value >= 0 for d in tt.shape.dim):
+            continue
+        try:
+            dt = np.dtype(helper.tensor_dtype_to_np_dtype(tt.elem_type))
+        except Exception:
+            continue
+        known[vi.name] = (tuple(int(d.dim_value) for d in tt.shape.dim), dt)
+    out = []
+    for o in ctx.node.output:
+        if not o:
+            out.append(None)
+        elif o not in known:
+            return None
+        else:
+            out.append(known[o])
+    return out
+
+
+def deferred_fold(ctx, ins: list, refusal: str) -> list | None:
+    """The outputs of a fold refused by the guard as lazy constants (shapes and element types by ONNX shape
+    inference), computed without the guard when their values are read; None (the refusal stands) for a
+    random or control-flow node, where shape inference does not know every output, or where no output
+    exceeds the guard (a small result of a huge constant must be computed now to be a constant at all).
+    Each output keeps ``refusal`` as its :attr:`Const.deferred`."""
+    import onnx
+    if ctx.op in NONDETERMINISTIC or any(a.type in (onnx.AttributeProto.GRAPH, onnx.AttributeProto.GRAPHS)
+                                         for a in ctx.node.attribute):
+        return None
+    _check_gathernd(ctx)
+    outs = _inferred_outputs(ctx, ins)
+    if outs is None or not any(o is not None and prod(o[0]) > MAX_FOLD for o in outs):
+        return None
+    srcs = list(ins)
+
+    def compute(k):
+        vals = [None if c is None else Const(c.materialize()) for c in srcs]
+        res = _fold_now(ctx, vals, unbounded=True)
+        return res[k].materialize()
+    return [None if o is None else lazy(lambda k=k: compute(k), o[0], o[1], deferred=refusal)
+            for k, o in enumerate(outs)]
