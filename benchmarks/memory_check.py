@@ -271,6 +271,11 @@ ZeRO-3 gathered per gradient bucket (25 MiB: the whole of these small models) wh
 region and counted two regions (Llama tiny, ZeRO-3 + recompute: 0.90); now the executor gathers per region (the
 model's unit) and the model counts the one unit the executor holds (branch memtech2).
 
+Since the GPU check (`benchmarks/gpu_memory_check.py`) the model walks the backward (the gradients of
+activations, recomputed runs, the loss's float32 copies: the peak of a step is there), and the probe takes
+moments when the backward makes a gradient.  The tensor-parallel cases over-predict (up to 1.29): the model
+puts their peak at a recomputation or the loss's step above what the executor holds there; not found yet.
+
 Left: the model trains the ONNX graph's constants the importer turns into weights (Llama's rotary tables and
 causal masks; the executor keeps them fixed: +3-5% on Llama); the backward's regathered values are copied once
 more into the weights (the model counts one copy of a unit).
