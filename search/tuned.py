@@ -247,11 +247,14 @@ def micro_batch_sizes(B: int, dp: int, pp: int) -> list[int]:
 # --- pricing ------------------------------------------------------------------------------------------
 
 def _split(report) -> tuple:
-    """(weights part, activations part) of a MemoryReport's busiest device."""
+    """(weights part, the rest) of a MemoryReport's busiest device: the weights, gradients and optimizer states
+    do not scale with the micro-batch; everything else does (the activations kept, and the backward's working
+    set: the gradients of activations, the loss's copies of the outputs)."""
     if report is None or not report.per_device:
         return (0, 0)
     dev = max(report.per_device, key=report.per_device.get)
-    return int(report.weights.get(dev, 0)), int(report.activations.get(dev, 0))
+    w = int(report.weights.get(dev, 0))
+    return w, max(int(report.per_device[dev]) - w, 0)
 
 
 @dataclass
@@ -437,7 +440,7 @@ class _Tuner:
         """(per-micro-batch compute, per-micro-batch extra, once, weights part, activations part) of one stage."""
         from .cost import GraphCost
         if not self.tech.available:
-            return p.t, 0.0, p.once, dict(p.w), dict(p.a)
+            return p.t, 0.0, p.once, dict(p.w), dict(p.a), dict(p.w)
         key = id(p)
         if key not in cache:
             cache[key] = GraphCost(p.pcg, self.mapper.model)
@@ -457,10 +460,11 @@ class _Tuner:
         a = {d: max(p.a.get(d, 0) + rec0.per_device.get(d, 0) - base0.per_device.get(d, 0), 0) for d in devs}
         w = {d: max(full.per_device.get(d, 0) - a[d], 0) for d in devs}
         t = p.t + full.recompute_s
+        pure = dict(full.report.weights)          # what does not scale with the micro-batch
         if cfg.zero == 3:      # parameters gathered and gradients reduce-scattered every micro-batch
             extra = max(full.iteration_s - t - full.update_s, 0.0)
-            return t, extra, full.update_s, w, a
-        return t, 0.0, max(full.iteration_s - t, 0.0), w, a
+            return t, extra, full.update_s, w, a, pure
+        return t, 0.0, max(full.iteration_s - t, 0.0), w, a, pure
 
     def _price_stages(self, lay: _Layout, cfg: TunedConfig) -> _Point:
         from .pipeline import in_flight, simulate_1f1b
@@ -468,18 +472,17 @@ class _Tuner:
         S = len(lay.plan)
         bf = self.mapper.model.backward_factor
         cap = self.machine.device.memory_bytes
-        fwd, bwd, once, mems, ws, acts = [], [], [], [], [], []
+        fwd, bwd, once, mems, ws = [], [], [], [], []
         cache = lay.ev.setdefault("_tech_cache", {})
         for idx, p in enumerate(ev["priced"]):
-            t, extra, o, w, a = self._stage_numbers(p, cfg, cache)
+            t, extra, o, w, a, pure = self._stage_numbers(p, cfg, cache)
             base_t = p.t
             fwd.append(base_t / (1 + bf) + extra / 2)
             bwd.append(base_t * bf / (1 + bf) + (t - base_t) + extra / 2)
             once.append(o)
             infl = in_flight(S, idx, M)
             mems.append({d: w.get(d, 0) + infl * a.get(d, 0) for d in set(w) | set(a)})
-            ws.append(w)
-            acts.append({d: infl * v for d, v in a.items()})
+            ws.append(pure)
         if S == 1:
             makespan = M * (fwd[0] + bwd[0]) + once[0]
         else:
@@ -488,7 +491,7 @@ class _Tuner:
         mx = max(memory.values(), default=0)
         k = max(range(S), key=lambda i: max(mems[i].values(), default=0))
         dev = max(mems[k], key=mems[k].get) if mems[k] else None
-        split = (int(ws[k].get(dev, 0)), int(acts[k].get(dev, 0))) if dev is not None else (0, 0)
+        split = (int(ws[k].get(dev, 0)), max(int(mems[k][dev] - ws[k].get(dev, 0)), 0)) if dev is not None else (0, 0)
         for idx, m in enumerate(mems):
             if m and max(m.values()) > cap:
                 dev = max(m, key=m.get)
