@@ -620,9 +620,7 @@ class Techniques:
         """(device -> activation bytes, device -> recomputation's transient peak) with ``assign``."""
         a = dict(self.base_report.activations)
         runs = self._runs(assign)
-        touched = set()
-        for n in runs:
-            touched |= self.by_node.get(n, set())
+        touched = self._touched(runs)
         transient: dict = {}
         per_region: dict = {}          # per checkpointed run: what its recomputation brings back at once
         for key in touched:
@@ -669,15 +667,20 @@ class Techniques:
                     transient[d] = extra
         return a, transient
 
+    def _touched(self, runs: Mapping[int, tuple]) -> set:
+        """Keys of the tensors the nodes of ``runs`` produce or read."""
+        out: set = set()
+        for n in runs:
+            out |= self.by_node.get(n, set())
+        return out
+
     def kept_items(self, assign: Mapping[int, tuple], casts: bool = True) -> list:
         """(backward step that frees it, device -> bytes) of every activation kept for the backward with
         ``assign``: a tensor is freed once the backward passes its producer (a graph output by the loss's
         backward, first of all); ``casts``: autocast's saved copies too, freed by their node's step (those of
         a recomputed node are not kept)."""
         runs = self._runs(assign)
-        touched = set()
-        for n in runs:
-            touched |= self.by_node.get(n, set())
+        touched = self._touched(runs)
         kept = []
         for key, t in self.tensors.items():
             b = self._bytes(t, self._frac(t, runs)) if key in touched else t.mask_dev
@@ -698,9 +701,7 @@ class Techniques:
         for n, j in runs.items():
             end[j] = max(end.get(j, -1), self.exec_pos[n])
         out = []
-        touched = set()
-        for n in runs:
-            touched |= self.by_node.get(n, set())
+        touched = self._touched(runs)
         for key in touched:
             t = self.tensors[key]
             if t.producer not in runs:

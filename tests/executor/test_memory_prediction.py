@@ -26,10 +26,10 @@ from . import dist_helpers as H
 
 TOLERANCE = 0.10
 #: agreements not reached yet, each with its bound and the reason (every other case holds within TOLERANCE)
-_LOSS_ON_COPY_0 = ("tensor parallel with full recomputation: the model's backward walk brings back more when a "
+_TP_FULL_RECOMPUTE = ("tensor parallel with full recomputation: the model's backward walk brings back more when a "
                    "region is recomputed than the executor holds then (its peak, in a recomputation, is the "
                    "forward's activations alone); not found yet")
-KNOWN_GAPS = {"tp full": (0.20, _LOSS_ON_COPY_0), "sp full, gathers recomputed": (0.20, _LOSS_ON_COPY_0)}
+KNOWN_GAPS = {"tp full": (0.20, _TP_FULL_RECOMPUTE), "sp full, gathers recomputed": (0.20, _TP_FULL_RECOMPUTE)}
 
 
 def _gpt() -> str:
