@@ -13,7 +13,7 @@ DESIGN "Executor").  The :class:`~executor.train.Trainer` owns the step; this mo
   steps that are not matmul/convolution-class operators (:data:`KEPT_CLASSES`, the cost model's
   ``op_class``), the matmul/convolution steps between them run plainly (their outputs kept).  A run's
   inputs are the local tensors entering it, its outputs those read after it.  Its last operation is a
-  *trigger* (``anchor * anchor``) tied to the loss: the autograd engine runs nodes latest-created first,
+  *trigger* (:class:`Trigger`, saving ``anchor``) tied to the loss (:func:`tie`): the autograd engine runs nodes latest-created first,
   so on every rank the trigger is the run's first node reached by the backward, at the same point of the
   global order, and unpacking what it saved starts the recomputation there -- the run's communication
   runs again in the same order on every rank (no deadlock).  Dropout masks and random generators are
@@ -204,6 +204,56 @@ def run_io(run: Run, all_items: list, rank: int, keep: set) -> tuple[list, list]
                 outside.update(step_reads(st, rank))
     outs = [r for r in dict.fromkeys(produced) if r in outside]
     return ins, outs
+
+
+# --- the recomputation's trigger and the tie to the loss --------------------------------------------------
+
+class Trigger(torch.autograd.Function):
+    """The last operation of a checkpointed run: saves ``anchor`` (so unpacking it in the backward starts
+    the run's recomputation) and returns a zero scalar tied to the loss (:func:`tie`).  Its backward only
+    unpacks; it launches no kernel and gives ``anchor`` no gradient."""
+
+    @staticmethod
+    def forward(ctx, anchor):
+        ctx.save_for_backward(anchor)
+        return anchor.new_zeros(())
+
+    @staticmethod
+    def backward(ctx, g):
+        ctx.saved_tensors            # noqa: B018 - unpacking is what recomputes the run
+        return None
+
+
+class _Tie(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, total, *sinks):
+        ctx.meta = [(s.shape, s.dtype, s.device) for s in sinks]
+        return total.clone()
+
+    @staticmethod
+    def backward(ctx, g):
+        zeros: dict = {}
+        out = [g]
+        for i, (shape, dt, dev) in enumerate(ctx.meta):
+            if not ctx.needs_input_grad[i + 1]:
+                out.append(None)
+                continue
+            z = zeros.get((dt, dev))
+            if z is None:
+                z = zeros[(dt, dev)] = torch.zeros((), dtype=dt, device=dev)
+            out.append(z.expand(shape))
+        return tuple(out)
+
+
+def tie(total: torch.Tensor, sinks: list) -> torch.Tensor:
+    """``total`` with every tensor of ``sinks`` (communication outputs, recomputation triggers) tied to it:
+    the backward from the result reaches each sink with a zero gradient (their autograd nodes run: the
+    collectives' backward, the recomputations).  One autograd node for all of them, one kernel for the
+    zeros of each dtype -- not a sum, a product and an add per sink."""
+    sinks = [t for t in sinks if isinstance(t, torch.Tensor) and t.requires_grad]
+    if not sinks:
+        return total
+    return _Tie.apply(total, *sinks)
 
 
 # --- ZeRO and offload --------------------------------------------------------------------------------------
