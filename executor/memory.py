@@ -13,8 +13,8 @@ DESIGN "Executor").  The :class:`~executor.train.Trainer` owns the step; this mo
   steps that are not matmul/convolution-class operators (:data:`KEPT_CLASSES`, the cost model's
   ``op_class``), the matmul/convolution steps between them run plainly (their outputs kept).  A run's
   inputs are the local tensors entering it, its outputs those read after it.  Its last operation is a
-  *trigger* (:class:`Trigger`, saving ``anchor``) tied to the loss (:func:`tie`): the autograd engine runs nodes latest-created first,
-  so on every rank the trigger is the run's first node reached by the backward, at the same point of the
+  *trigger* (:class:`Trigger`, saving ``anchor``) tied to the loss (:func:`tie`): the autograd engine runs
+  nodes latest-created first, so on every rank the trigger is the run's first node reached by the backward, at the same point of the
   global order, and unpacking what it saved starts the recomputation there -- the run's communication
   runs again in the same order on every rank (no deadlock).  Dropout masks and random generators are
   hashes of (seed, step, node, index), so the recomputation draws the same values; BatchNorm running

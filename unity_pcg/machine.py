@@ -62,8 +62,8 @@ class DeviceSpec:
     kernel_tables: Mapping[str, tuple] = field(default_factory=dict)
     # the headroom a plan must leave: the memory a plan may fill is ``usable_bytes`` =
     # ``memory_bytes * usable_fraction - reserved_bytes`` (the runtime's own memory -- CUDA context, library
-    # workspaces -- and the caching allocator's fragmentation); GPU presets: GPU_RESERVED_BYTES and
-    # GPU_USABLE_FRACTION, CPU processes (``local``) and machine files without the fields: none
+    # workspaces -- and the caching allocator's fragmentation); GPU presets: GPU_USABLE_FRACTION (and
+    # GPU_RESERVED_BYTES), CPU processes (``local``) and machine files without the fields: none
     reserved_bytes: int = 0
     usable_fraction: float = 1.0
 
@@ -569,17 +569,18 @@ def validate(m: MachineSpec) -> None:
 # --- presets ---------------------------------------------------------------------------------------
 
 GiB = 2 ** 30
-#: the memory a GPU preset keeps out of a plan's reach: the CUDA context and the libraries' workspaces
-#: (cuBLAS, cuDNN, NCCL; about 0.5-1 GiB outside or beside the caching allocator) ...
-GPU_RESERVED_BYTES = 1 * GiB
-#: ... and the caching allocator's fragmentation (block rounding, segments split between sizes), a share of
-#: what the plan holds.  A plan predicted at 99.9% of an H100's raw capacity ran out of memory on its second
-#: step (benchmarks/results/gpu_memory_check.md); CPU processes (``local``) reserve nothing
-GPU_USABLE_FRACTION = 0.97
+#: the share of a GPU's memory a plan may fill (GPU presets): the rest is the runtime's -- the CUDA context
+#: and the libraries' workspaces (cuBLAS, cuDNN, NCCL) beside the caching allocator, and the allocator's
+#: fragmentation (block rounding, segments split between sizes).  A plan predicted at 99.9% of the device
+#: ran out of memory on its second step, one at 90% ran (benchmarks/results/gpu_memory_check.md).  A share,
+#: not a fixed amount, so that a device shrunk to study a plan keeps the same proportions; a machine file
+#: may add a fixed ``reserved_bytes``.  CPU processes (``local``) reserve nothing
+GPU_USABLE_FRACTION = 0.95
+GPU_RESERVED_BYTES = 0
 
 
 def with_gpu_reserve(dev: DeviceSpec) -> DeviceSpec:
-    """``dev`` with the GPU presets' reserve (:data:`GPU_RESERVED_BYTES`, :data:`GPU_USABLE_FRACTION`)."""
+    """``dev`` with the GPU presets' reserve (:data:`GPU_USABLE_FRACTION`, :data:`GPU_RESERVED_BYTES`)."""
     return replace(dev, reserved_bytes=GPU_RESERVED_BYTES, usable_fraction=GPU_USABLE_FRACTION)
 
 
