@@ -11,12 +11,13 @@ DESIGN "Executor").  The :class:`~executor.train.Trainer` owns the step; this mo
   derives the same items from the same plan.  A region's steps run under ``torch.utils.checkpoint``
   (non-reentrant) as one sub-program per *run*: ``full`` -> one run; ``selective`` -> each maximal run of
   steps that are not matmul/convolution-class operators (:data:`KEPT_CLASSES`, the cost model's
-  ``op_class``), the matmul/convolution steps between them run plainly (their outputs kept).  A run's
-  inputs are the local tensors entering it, its outputs those read after it.  Its last operation is a
-  *trigger* (:class:`Trigger`, saving ``anchor``) tied to the loss (:func:`tie`): the autograd engine runs
-  nodes latest-created first, so on every rank the trigger is the run's first node reached by the backward, at the same point of the
-  global order, and unpacking what it saved starts the recomputation there -- the run's communication
-  runs again in the same order on every rank (no deadlock).  Dropout masks and random generators are
+  ``op_class``), the matmul/convolution steps between them run plainly (their outputs kept), and so
+  does a run whose operators save nothing (``search.memtech.saves_nothing``).  A run's inputs are the
+  local tensors entering it, its outputs those read after it.  Its last operation is a *trigger*
+  (:class:`Trigger`, saving ``anchor``) tied to the loss (:func:`tie`): the autograd engine runs nodes
+  latest-created first, so on every rank the trigger is the run's first node reached by the backward, at
+  the same point of the global order, and unpacking what it saved starts the recomputation there -- the
+  run's communication runs again in the same order on every rank (no deadlock).  Dropout masks and random generators are
   hashes of (seed, step, node, index), so the recomputation draws the same values; BatchNorm running
   statistics are updated by the first run only.
 
@@ -57,12 +58,12 @@ def _kept_classes():
     return SELECTIVE_KEEP
 
 
-def _layout_ops():
-    """Operators that save nothing for their backward (views, copies, casts; search.memtech.LAYOUT_OPS):
+def _saves_nothing(op: str) -> bool:
+    """Operator ``op`` saves nothing for its backward (views, casts, additions; search.memtech.saves_nothing):
     selective recomputation does not checkpoint a run made of these (and communication) alone -- it
     would keep its input instead."""
-    from unity_pcg.search.memtech import LAYOUT_OPS
-    return LAYOUT_OPS
+    from unity_pcg.search.memtech import saves_nothing
+    return saves_nothing(op)
 
 
 def kept_in_selective(op: str, in_shapes=None) -> bool:
@@ -169,9 +170,9 @@ def _runs(steps: list, mode: str, g=None) -> list:
             runs[-1].steps.append(st)
         else:
             runs.append(Run(True, [st]))
-    # a run of layout operators and communication alone saves nothing for the backward: run it plainly
+    # a run of operators that save nothing and communication alone: run it plainly
     for run in runs:
-        if run.checkpointed and all(st.kind != "compute" or st.op in _layout_ops() for st in run.steps):
+        if run.checkpointed and all(st.kind != "compute" or _saves_nothing(st.op) for st in run.steps):
             run.checkpointed = False
     return runs
 
