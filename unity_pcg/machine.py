@@ -434,7 +434,7 @@ class MachineSpec:
         if d.usable_bytes == d.memory_bytes:
             return ""
         parts = ([f"{d.reserved_bytes / 2**30:.3g} GiB reserved"] if d.reserved_bytes else []) + \
-            ([f"{(1 - d.usable_fraction) * 100:.3g}% for the allocator"] if d.usable_fraction < 1 else [])
+            ([f"{(1 - d.usable_fraction) * 100:.3g}% kept for the runtime"] if d.usable_fraction < 1 else [])
         return f" ({d.usable_bytes / 2**30:.3g} GiB usable: {', '.join(parts)})"
 
 

@@ -3,8 +3,8 @@ recomputation, in fp32 and under bf16 autocast, the operators the backward runs 
 nodes of the cost model's checkpointed runs (``search.memtech.Techniques._runs``, whose forward times make
 ``recompute_s``), each running the same kernels as in its forward (no cast or matmul more), and the
 backward of a recomputing step runs nothing beyond those kernels and the recomputation's machinery (one
-zero scalar per checkpointed run, one for the tie to the loss): counted with a TorchDispatchMode on the
-zoo's tiny GPT, one CPU process."""
+zero scalar per checkpointed run, one for the tie to the loss), with one checkpoint per run the model
+prices: counted with a TorchDispatchMode on the zoo's tiny GPT, one CPU process."""
 from __future__ import annotations
 
 import collections
@@ -91,12 +91,21 @@ def _measure(plan, path):
     torch.autograd.backward = backward
     real_tensor_backward = torch.Tensor.backward
     torch.Tensor.backward = lambda self, *a, **k: backward(self, *a, **k)
+    import torch.utils.checkpoint as ckpt
+    real_checkpoint = ckpt.checkpoint
+    log.checkpoints = 0
+
+    def checkpoint(*a, **k):
+        log.checkpoints += 1
+        return real_checkpoint(*a, **k)
+    ckpt.checkpoint = checkpoint
     try:
         with log.mode:
             tr.step(feeds, tgt)
     finally:
         torch.autograd.backward = real_backward
         torch.Tensor.backward = real_tensor_backward
+        ckpt.checkpoint = real_checkpoint
     return log
 
 
@@ -124,6 +133,7 @@ def test_recomputed_ops_are_the_plans(precision):
         extra = log.backward - none.backward - recomputed
         missing = none.backward + recomputed - log.backward
         n_runs = len(set(runs.values()))
+        assert log.checkpoints == n_runs, (mode, log.checkpoints, n_runs)      # one checkpoint per priced run
         assert not missing, (mode, missing)
         assert sum(extra.values()) <= n_runs + 1, (mode, n_runs, extra)
         assert all(shape == () for _, shape in extra), (mode, extra)
