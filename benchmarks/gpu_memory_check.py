@@ -28,6 +28,7 @@ what is checked is the schedule (when the executor starts and finishes each buck
 backward), not the link.
 
     python benchmarks/gpu_memory_check.py [--parts recompute,fill,overlap] [--out DIR] [--device cuda]
+                                          # parts run in the order given
     python benchmarks/gpu_memory_check.py --report DIR      # markdown from the JSON of a run (no GPU;
                                                             # DIR/gpu_memory_check_before.json: a column)
 
@@ -695,15 +696,20 @@ def main(argv=None) -> int:
     precisions = a.precisions.split(",")
     parts = a.parts.split(",")
     first = names[0]
-    if "recompute" in parts:
-        part_recompute(models, a.device, precisions, a.iters, a.workdir, sink)
-    if "fill" in parts:
-        n = a.fill_model or first
-        part_fill(n, catalog[n], a.device, a.fill_precision or precisions[0], a.fill_steps, a.fill_budget,
-                  a.workdir, sink)
-    if "overlap" in parts:
-        n = a.overlap_model or first
-        part_overlap(n, catalog[n], a.device, precisions[0], a.iters, a.workdir, sink)
+    unknown = set(parts) - {"recompute", "fill", "overlap"}
+    if unknown:
+        print(f"gpu_memory_check: unknown part(s) {', '.join(sorted(unknown))}", file=sys.stderr)
+        return 2
+    for part in parts:                      # in the order given (a run cut short keeps the first ones)
+        if part == "recompute":
+            part_recompute(models, a.device, precisions, a.iters, a.workdir, sink)
+        elif part == "fill":
+            n = a.fill_model or first
+            part_fill(n, catalog[n], a.device, a.fill_precision or precisions[0], a.fill_steps, a.fill_budget,
+                      a.workdir, sink)
+        elif part == "overlap":
+            n = a.overlap_model or first
+            part_overlap(n, catalog[n], a.device, precisions[0], a.iters, a.workdir, sink)
     with open(os.path.join(a.out, "gpu_memory_check.md"), "w") as f:
         f.write(report(data))
     return 0
