@@ -7,7 +7,9 @@ every region (``search.memtech.regions``), Adam, mse loss against zeros.  *Predi
 ``search.memtech.price(...).per_device[0]`` and its ``iteration_s``.  *Measured*: two warm-up steps, then
 ``torch.cuda.max_memory_allocated`` over one step (peak statistics reset before it) and the median time of
 ``--iters`` steps between CUDA events (feeds already on the device).  Targets: memory within 10%, time
-within 15%; the recomputation's extra time (full/selective minus none) is reported beside.
+within 15%; the recomputation's extra time (full/selective minus none) is reported beside, with the
+checkpointed runs and the host seconds the backward spends re-running their steps (one more step,
+instrumented): where these exceed the GPU work they hide behind, the step waits on the host.
 
 Part ``fill``.  The device of ``h100:1x1`` shrunk until the plain plan does not fit (its usable memory --
 ``DeviceSpec.usable_bytes``, the capacity less the runtime's reserve -- 70% of the plain plan's predicted
