@@ -594,7 +594,8 @@ def summit(nodes: int = 1, devices_per_node: int = 6) -> MachineSpec:
     https://www.olcf.ornl.gov/olcf-resources/compute-systems/summit/ (node layout, links).
     Measured: nothing (no V100 was at hand).  Taken from the datasheets: the peaks, memory bandwidth and
     capacity, link bandwidths.  Assumed: the per-class efficiencies (matmul 0.7, conv 0.6, default 0.6 of
-    the peak), the 5 us launch overhead per kernel and the link latencies.  Math modes: V100 has no TF32
+    the peak), the 5 us launch overhead per kernel, the link latencies and the share of memory a plan may
+    fill (:data:`GPU_USABLE_FRACTION`).  Math modes: V100 has no TF32
     (``tf32`` runs at the fp32 peak) and no bf16 units: ``bf16`` is priced as what V100 runs for mixed
     precision, fp16 autocast on its tensor cores (125 TFLOP/s, the same 2-byte activations; the loss
     scaler's cost is left out)."""
@@ -617,7 +618,8 @@ def dgx_a100(nodes: int = 1, devices_per_node: int = 8) -> MachineSpec:
     figures are with 2:4 sparsity), 2,039 GB/s HBM2e).  Measured: nothing (no A100 was at hand).  Taken
     from the datasheet: the peaks per math mode, memory bandwidth (rounded to 2.0 TB/s) and capacity,
     NVLink 3 / NVSwitch and HDR bandwidths.  Assumed: the per-class efficiencies (matmul 0.75, conv 0.6,
-    default 0.6 of the mode's peak, the same in every mode), the 4 us launch overhead and the latencies."""
+    default 0.6 of the mode's peak, the same in every mode), the 4 us launch overhead, the latencies and the
+    share of memory a plan may fill (:data:`GPU_USABLE_FRACTION`)."""
     dev = DeviceSpec(19.5e12, 2.0e12, 80 * GiB, {"default": 0.6, "matmul": 0.75, "conv": 0.6,
                                                   "elementwise": 1.0}, 4e-6,
                      peaks={"tf32": 156e12, "bf16": 312e12})
@@ -637,7 +639,8 @@ def h100_datasheet(nodes: int = 1, devices_per_node: int = 8) -> MachineSpec:
     989 / 1,979 with 2:4 sparsity -- 3.35 TB/s HBM3).  Measured: nothing (issue 9's measurements on an
     H100 80 GB, predicted / measured step time 0.29-0.98 in fp32, showed these numbers predict small and
     launch-bound models 2-3x too fast).  Assumed: the per-class efficiencies (matmul 0.75, conv 0.6,
-    default 0.6 of the mode's peak, the same in every mode), the 3 us launch overhead and the latencies."""
+    default 0.6 of the mode's peak, the same in every mode), the 3 us launch overhead, the latencies and the
+    share of memory a plan may fill (:data:`GPU_USABLE_FRACTION`)."""
     dev = DeviceSpec(67e12, 3.35e12, 80 * GiB, {"default": 0.6, "matmul": 0.75, "conv": 0.6,
                                                  "elementwise": 1.0}, 3e-6,
                      peaks={"tf32": 495e12, "bf16": 989e12})
@@ -661,7 +664,8 @@ def fitted_device(name: str) -> tuple[DeviceSpec, dict] | None:
     with open(path) as f:
         obj = json.load(f)
     base = h100_datasheet(1, 1).to_json()
-    base["device"] = obj["device"]
+    # the reserve for the runtime is the GPU presets' unless the file states its own
+    base["device"] = {**{k: base["device"][k] for k in ("reserved_bytes", "usable_fraction")}, **obj["device"]}
     return MachineSpec.from_json(base, source=path).device, dict(obj.get("meta") or {})
 
 
@@ -677,14 +681,12 @@ def h100(nodes: int = 1, devices_per_node: int = 8) -> MachineSpec:
     the usable memory.  Against measured single-GPU training steps of the zoo at paper size
     (``benchmarks/gpu_cost.py``) the median error is 6-12% per precision.  Assumed: (one GPU measures no
     interconnect) NVLink 4 and NDR bandwidths from the datasheet (:func:`h100_datasheet`) and the link
-    latencies.  Without the fitted file (a trimmed install) the datasheet device is used."""
+    latencies; the share of memory held back for the runtime (:data:`GPU_USABLE_FRACTION`).  Without the fitted file (a trimmed install) the datasheet device is used."""
     m = h100_datasheet(nodes, devices_per_node)
     fitted = fitted_device("h100")
     if fitted is None:
         return m
     dev, meta = fitted
-    if dev.reserved_bytes == 0 and dev.usable_fraction == 1.0:     # a fitted file without its own reserve
-        dev = with_gpu_reserve(dev)
     return MachineSpec("h100", nodes, devices_per_node, devices_per_node, dev, m.links,
                        overlap_grad_sync=m.overlap_grad_sync, host_mem_bandwidth=m.host_mem_bandwidth,
                        host_memory_bytes=m.host_memory_bytes,
