@@ -8,8 +8,8 @@ The job: for any model, without knowing what it is, say which layouts are worth 
 Alpa's intra-operator plan (:func:`search.alpa.intra.solve_intra`: one ILP over every operator's
 algorithms, derived from the registry's labels, with resharding between them priced by our cost model)
 on one logical 2-D mesh (n0, n1) of all the machine's devices.  Which meshes, and in which order, follows
-from the machine alone (:func:`mesh_shapes`): the node x device split first, then one axis over every
-device, then every other factorization n0 x n1 = devices, the inner axis closest to a node first.  How
+from the machine alone (:func:`mesh_shapes`): one axis over every device first (the cheapest ILP), then
+the node x device split, then every other factorization n0 x n1 = devices, the inner axis closest to a node first.  How
 many are solved follows from the budget: :func:`proposals` solves them in that order until its deadline.
 
 Contract: a proposal's ``pcg`` is a valid PCG of the same logical graph (parallel operators inserted; its
@@ -64,15 +64,19 @@ class Proposal:
 
 def mesh_shapes(machine: MachineSpec) -> list[tuple[int, int]]:
     """Every logical 2-D mesh (n0, n1) with n0 x n1 = the machine's devices (device of position (i, j) =
-    i * n1 + j: the inner axis contiguous, inside a node where it fits), in the order they are tried: the
-    node x device split (Alpa's physical mesh), one axis over all devices ((1, N); (N, 1) is the same set
-    of positions, so it is not repeated), then the others, the inner axis nearest a node's size first
-    (ratio in either direction), fewer outer positions first among equals."""
+    i * n1 + j: the inner axis contiguous, inside a node where it fits), in the order they are tried: one
+    axis over all devices first ((1, N); (N, 1) is the same set of positions, so it is not repeated): its
+    ILP has one active axis, so about the square root of a 2-D mesh's algorithms per operator and far
+    fewer resharding pairs, and is solved within a short budget on any model, so some proposal of the
+    search's own is priced even where no 2-D ILP can be built in time; then the node x device split
+    (Alpa's physical mesh), then the others, the inner axis nearest a node's size first (ratio in either
+    direction), fewer outer positions first among equals."""
     n, d, nodes = machine.num_devices, machine.devices_per_node, machine.nodes
     if n <= 1:
         return []
-    out = [(nodes, d)] if nodes > 1 and d > 1 else []
-    out.append((1, n))
+    out = [(1, n)]
+    if nodes > 1 and d > 1:
+        out.append((nodes, d))
     rest = [(a, n // a) for a in range(2, n) if n % a == 0]
     rest.sort(key=lambda s: (abs(math.log(s[1] / d)), s[0]))
     for s in rest:
