@@ -675,6 +675,7 @@ class _Run:
         self.reached: list = []                       # those reached by rules
         self.others: dict = {}                        # the fixed strategies' floors (_fixed_baselines)
         self.floor_pipes: dict = {}                   # name -> the PipelineResult of a tuned floor (or None)
+        self.tuners: dict = {}                        # name -> the tuned floor's grid walk (search.tuned), resumable
         self.pipe = None                              # the pipeline stage search's result (or None)
         self.pipe_searched = False                    # whether the stage search ran
 

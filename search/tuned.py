@@ -257,6 +257,44 @@ def _split(report) -> tuple:
     return w, max(int(report.per_device[dev]) - w, 0)
 
 
+def layout_key(g: PCG) -> tuple:
+    """The layout of a parallel PCG without its sizes: every node's id, operator, inputs and the parallel
+    degrees of its outputs (the batch, and what a reshape's attributes say of it, left out).  Two graphs with
+    the same key differ only in sizes, so a machine view of one node is a view of the same node in the other."""
+    out = []
+    for nid in g.topo_order():
+        n = g.node(nid)
+        out.append((nid, n.op, tuple(tuple(r) for r in n.inputs),
+                    tuple((s.copy_degree, s.sum_degree) + s.degrees for s in g.shapes(nid))))
+    return tuple(out), tuple(tuple(r) for r in g.outputs)
+
+
+class ViewReuse:
+    """The mapper as the grid's micro-batch points see it: a layout (same :func:`layout_key`, same devices)
+    mapped by the DP once is priced at every other micro-batch size on the views the DP chose for it
+    (``mapper.evaluate``: the exact price of a valid mapping, linear in the graph) instead of solving the DP
+    again; ``stats["reused"]`` counts them.  Everything else is the wrapped mapper's."""
+
+    def __init__(self, mapper, stats: dict):
+        self._m = mapper
+        self._views: dict = {}
+        self._stats = stats
+
+    def __getattr__(self, name):
+        return getattr(self._m, name)
+
+    def optimize(self, g: PCG, resource: Resource | None = None, fixed=None, techniques: bool | None = None):
+        key = (layout_key(g), resource)
+        views = self._views.get(key) if fixed is None else None
+        if views is not None:
+            self._stats["reused"] = self._stats.get("reused", 0) + 1
+            return self._m.evaluate(g, views, techniques=techniques)
+        r = self._m.optimize(g, resource, fixed, techniques)
+        if fixed is None and r is not None and r.views:
+            self._views[key] = dict(r.views)
+        return r
+
+
 @dataclass
 class _Point:
     """One priced technique combination of a layout point."""
@@ -287,6 +325,17 @@ class _Layout:
     name: str = ""                    # accumulate(): the layout's name
     sp: bool = False                  # Megatron-LM's sequence parallelism (a layout of its own)
 
+    def work(self) -> float:
+        """Per device and iteration, the forward and backward with their tensor-parallel transfers, no memory
+        technique, no gradient sync or update (inf: not priced): what a pipeline of the same tensor degree and
+        micro-batch size runs too, split over its stages (:meth:`_Tuner._bound`)."""
+        if self.mapping is not None:
+            b = self.mapping.breakdown
+            return max(b.time - b.sync - b.update, 0.0) if math.isfinite(b.time) else INF
+        if self.ev is not None and self.pp == 1 and self.ev.get("priced"):
+            return self.M * sum(p.t for p in self.ev["priced"])
+        return INF
+
 
 class _Tuner:
     """One grid search: the layout points mapped (:meth:`whole`, :meth:`pipeline`), their technique
@@ -312,6 +361,10 @@ class _Tuner:
         self.graphs: dict = {}
         self.stats: dict = {"layers": len(self.layers), "layout_points": 0, "technique_points": 0,
                             "techniques": "memtech" if tech.available else "none (memory techniques off, or search.memtech absent)"}
+        self.reuse = ViewReuse(mapper, self.stats)    # the micro-batch points of a layout: the DP once
+        self.walks: list | None = None    # the (tp, pp) walks (None: not started)
+        self.plain: _Layout | None = None
+        self._pp1_layouts: dict = {}      # tp -> the pp = 1 layouts priced (the pipelines' bounds)
 
     # the layout points --------------------------------------------------------------------------------
     def whole(self, tp: int, plain: bool = False, sp: bool = False) -> _Layout:
@@ -386,7 +439,7 @@ class _Tuner:
         if intra is None:
             intra = megatron_intra(tp, sp=sp) if tp > 1 else default_intra
         with within(self.deadline):
-            ev = _evaluate(gM, self.roles, self.info, self.layers, plan, M, self.mapper, intra, self.machine)
+            ev = _evaluate(gM, self.roles, self.info, self.layers, plan, M, self.reuse, intra, self.machine)
         if not all(math.isfinite(x) for x in ev["fwd"]):
             return _Layout(tp, pp, dp, M, gM=gM, plan=plan, ev=ev, reason=ev["reason"])
         if not ev["feasible"] and not ev["reason"].startswith("out of memory"):
@@ -405,6 +458,10 @@ class _Tuner:
         return [(r, z) for z in zs for r in self.tech.recompute]
 
     def price_layout(self, lay: _Layout, mbs: int) -> list[_Point]:
+        if lay.pp == 1 and not lay.reason and not lay.name:
+            seen = self._pp1_layouts.setdefault(lay.tp, [])
+            if not any(x is lay for x in seen):
+                seen.append(lay)
         out = []
         for rec, z in self.combos():
             cfg = TunedConfig(lay.tp, lay.pp, lay.dp, mbs, lay.M, rec, z == 1, lay.sp, z, lay.name)
@@ -507,6 +564,28 @@ class _Tuner:
         return self.deadline is not None and self.deadline.passed()
 
     def run(self) -> None:
+        self.resume(self.deadline)
+
+    def resume(self, deadline: Deadline | None, grid: bool | None = None) -> None:
+        """Walk the grid until ``deadline`` (again: a walk cut by one deadline goes on from where it stopped;
+        ``grid``: see :func:`tune`); ``stats["cut"]`` says whether this deadline cut it."""
+        self.deadline = deadline
+        if grid is not None:
+            self.grid = grid
+        self.stats.pop("cut", None)
+        try:
+            if self.walks is None:
+                self._start()
+            if not self.grid:                 # the first point only: the plain one, else one step
+                if self.plain is None and self.walks and self.walks[0]["n"] == 0:
+                    self._step(self.walks[0], None)
+                return
+            self._walk()
+        except Expired:
+            self.stats["cut"] = True
+
+    def _start(self) -> None:
+        """The (tp, pp) walks, and the plain baseline priced first (megatron)."""
         N, B = self.machine.num_devices, self.B
         walks = []
         for tp, pp in pairs(self.machine, self.strategy, len(self.layers)):
@@ -525,34 +604,67 @@ class _Tuner:
             if not self.tech.available:
                 raise TunedError("strategy 'zero3' needs the memory techniques (search.memtech), off or absent here")
         plain = None
-        try:
-            if self.strategy == "megatron":            # the plain baseline: priced first
-                plain = self.whole(0, plain=True)
-                self.stats["layout_points"] += 1
-                if plain.pcg is None and "applies to Transformers" in plain.reason:
-                    raise TunedError(plain.reason)
-                if plain.pcg is None:             # e.g. heads no degree of a node splits: tp = 1 points remain
-                    self.stats["plain"] = plain.reason
-                    plain = None
-                else:
-                    self.price_layout(plain, B // plain.dp)
-            if plain is not None:
-                self._skip_from(plain, walks)
-                walks.sort(key=lambda w: _closeness(w, plain))
-            if not self.grid:                 # the first point only: the plain one, else one step
-                if plain is None and walks:
-                    self._step(walks[0], None)
-                return
-            for w in walks:                   # every pair once, then the most promising pair next
-                if not w["done"]:
-                    self._step(w, plain)
-            while any(not w["done"] for w in walks):
-                order = {id(w): k for k, w in enumerate(walks)}
-                w = min((w for w in walks if not w["done"]),
-                        key=lambda w: (math.isfinite(w["best"]), w["best"], w["n"], order[id(w)]))
+        if self.strategy == "megatron":            # the plain baseline: priced first
+            plain = self.whole(0, plain=True)
+            self.stats["layout_points"] += 1
+            if plain.pcg is None and "applies to Transformers" in plain.reason:
+                raise TunedError(plain.reason)
+            if plain.pcg is None:             # e.g. heads no degree of a node splits: tp = 1 points remain
+                self.stats["plain"] = plain.reason
+                plain = None
+            else:
+                self.price_layout(plain, B // plain.dp)
+        if plain is not None:
+            self._skip_from(plain, walks)
+            walks.sort(key=lambda w: _closeness(w, plain))
+        self.plain, self.walks = plain, walks
+
+    def _walk(self) -> None:
+        """Best-first over the walks: every pp = 1 pair once (nearest the plain point first), then the walk
+        whose next point looks best: its own best time so far, for a pipeline at least :meth:`_bound`
+        (a walk with no feasible point yet, or a pipeline with no bound yet, first; then fewest steps);
+        a pipeline whose bound is over :data:`DROP` x the best time of the grid is dropped."""
+        walks, plain = self.walks, self.plain
+        for w in walks:
+            if w["pp"] == 1 and w["n"] == 0 and not w["done"]:
                 self._step(w, plain)
-        except Expired:
-            self.stats["cut"] = True
+        order = {id(w): k for k, w in enumerate(walks)}
+        while True:
+            live = [w for w in walks if not w["done"]]
+            if not live:
+                return
+            glob = min((p.cost for p in self.points if p.feasible), default=INF)
+            est = {}
+            for w in live:
+                b = w["best"] if math.isfinite(w["best"]) else -INF
+                lb = self._bound(w)
+                est[id(w)] = max(b, lb)
+                if math.isfinite(lb) and math.isfinite(glob) and lb > DROP * glob:
+                    w["done"] = True
+                    self.stats["pairs_bounded"] = self.stats.get("pairs_bounded", 0) + 1
+            live = [w for w in live if not w["done"]]
+            if not live:
+                return
+            w = min(live, key=lambda w: (est[id(w)], w["n"], order[id(w)]))
+            self._step(w, plain)
+
+    def _bound(self, w: dict) -> float:
+        """A lower bound on the time of a pipeline walk's next point (-inf: none yet).  Its stages split the
+        layers of the model at the same tensor degree and micro-batch size, so per device they run the work
+        of a pp = 1 point at that size (:meth:`_Layout.work`: forward, backward, tensor-parallel transfers),
+        and the 1F1B makespan is at least the busiest stage's share of it; a smaller micro-batch does not run
+        a sample faster, so every pp = 1 point priced at a size >= the next one bounds it (the largest
+        counts; of the sequence-parallel variants of a size, the smaller)."""
+        if w["pp"] == 1 or w["i"] >= len(w["ms"]):
+            return -INF
+        nxt = w["ms"][w["i"]]
+        at: dict = {}
+        for lay in self._pp1_layouts.get(w["tp"], ()):
+            mbs = self.B // (lay.dp * lay.M)
+            if mbs >= nxt:
+                at[mbs] = min(at.get(mbs, INF), lay.work())
+        got = [v for v in at.values() if math.isfinite(v)]
+        return max(got) if got else -INF
 
     def _skip_from(self, plain: "_Layout", walks: list) -> None:
         """Before the pp = 1 walks start: skip the micro-batch sizes whose activations alone the plain point
@@ -576,6 +688,15 @@ class _Tuner:
                 self.stats["skipped_by_memory"] = self.stats.get("skipped_by_memory", 0) + 1
 
     def _step(self, w: dict, plain: "_Layout | None") -> None:
+        """:meth:`_price_next`; a point the deadline cuts is priced again when the walk resumes."""
+        i, n = w["i"], w["n"]
+        try:
+            self._price_next(w, plain)
+        except Expired:
+            w["i"], w["n"] = i, n
+            raise
+
+    def _price_next(self, w: dict, plain: "_Layout | None") -> None:
         """Price the next micro-batch size of one (tp, pp) walk, then decide where it goes on.  A point's
         bytes on the busiest device split into a part that does not scale with the micro-batch (weights,
         gradients, states) and one that does (activations), which predict every other size's:
@@ -798,12 +919,28 @@ class TunedMapping:
 
 def _tuned(run, strategy: str, deadline: Deadline, grid: bool = True, cheap: bool = True) -> TunedResult:
     """The tuned baseline ``strategy`` of ``run``'s model under ``deadline`` (optimize(memory_techniques=False):
-    the grid without techniques, as the mapper prices; ``grid``, ``cheap``: see :func:`floor`)."""
+    the grid without techniques, as the mapper prices; ``grid``, ``cheap``: see :func:`floor`).  Where ``run``
+    keeps tuners (``run.tuners``, a dict), the grid walked by an earlier call for ``strategy`` goes on from where
+    that call's deadline cut it (:meth:`_Tuner.resume`; one whose plain point was priced without the DP starts
+    again, so the DP's solve of it continues from the mapper's memo)."""
     import time as _time
     tech = techniques() if getattr(run.ev.mapper, "default_techniques", True) else _NoTechniques()
+    kept = getattr(run, "tuners", None)
+    t = kept.get(strategy) if isinstance(kept, dict) else None
+    if t is not None and t.stats.get("plain_mapping"):
+        t = None
     t0 = _time.perf_counter()
-    r = tune(run.g, run.ev.mapper, strategy, deadline, cheap=run.ev.cheap if cheap else None, tech=tech, grid=grid)
-    r.stats["seconds"] = _time.perf_counter() - t0
+    if t is None:
+        if any(n.kind == "parallel" for n in run.g.nodes()):
+            raise TunedError(f"strategy {strategy!r} needs a logical PCG")
+        t = _Tuner(run.g, run.ev.mapper, strategy, deadline, tech, cheap=None, grid=grid)
+        if isinstance(kept, dict):
+            kept[strategy] = t
+    t.cheap = run.ev.cheap if cheap else None
+    t.resume(deadline, grid)
+    t.stats["seconds"] = t.stats.get("seconds", 0.0) + (_time.perf_counter() - t0)
+    r = t.result()
+    r.stats["sp"] = SP_NOTE
     return r
 
 
