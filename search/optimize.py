@@ -940,6 +940,7 @@ def _layout_candidates(run: _Run) -> None:
     run.stats["layouts"] = info
     if run.n_dev <= 1:
         return
+    _resume_leading_floor(run, Deadline(bud.now() + max(wall.left(), 0.0) * B.FLOOR_RESUME_SHARE, bud.clock))
     # gradient accumulation first when data parallelism does not fit at the full batch (then no layout is
     # likely to: its activations are the batch's); else after the proposals, when none of them fits either
     early = not _fits_full_batch(run)
@@ -987,6 +988,29 @@ def _layout_candidates(run: _Run) -> None:
         if got is not None:
             rec["missing"] = list(got.missing)[:3] + ([f"... {len(got.missing) - 3} more"] if len(got.missing) > 3 else [])
     run.mark("layouts")
+
+
+def _resume_leading_floor(run: _Run, until: Deadline) -> None:
+    """A tuned floor whose grid walk its share of the floors phase cut (``run.tuners``) and that is the fastest
+    plan priced so far walks on until ``until`` (:func:`search.tuned.floor` resumes the same walk: nothing
+    priced twice); taken where it found a faster point.  The grid is the same search the baseline runs alone,
+    so where it leads, its next points are the most promising ones known."""
+    from .tuned import floor
+    if until.left() <= 0.05:
+        return
+    prices = {name: oc for name, (_, oc, _, _) in run.others.items()}
+    if run.dp_res is not None and run.dp_res.feasible:
+        prices["dp"] = run.dp_res.cost
+    prices.update({f"cand{k}": c.cost for k, c in enumerate(run.cands)})
+    lead = min(prices, key=prices.get, default=None)
+    t = run.tuners.get(lead) if lead in TUNED else None
+    if t is None or not t.stats.get("cut") or not math.isfinite(prices[lead]):
+        return
+    pg, c, note, r, pipe = floor(run, lead, until, cheap=False)
+    run.stats.setdefault("floor_resumed", {})[lead] = {"before": prices[lead], "after": c if math.isfinite(c) else None}
+    if pg is not None and c < prices[lead]:
+        run.others[lead] = (pg, c, note, r)
+        run.floor_pipes[lead] = pipe
 
 
 def _fits_full_batch(run: _Run) -> bool:
