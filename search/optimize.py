@@ -940,7 +940,7 @@ def _layout_candidates(run: _Run) -> None:
     run.stats["layouts"] = info
     if run.n_dev <= 1:
         return
-    _resume_leading_floor(run, Deadline(bud.now() + max(wall.left(), 0.0) * B.FLOOR_RESUME_SHARE, bud.clock))
+    _resume_cut_grids(run, Deadline(bud.now() + max(wall.left(), 0.0) * B.FLOOR_RESUME_SHARE, bud.clock))
     # gradient accumulation first when data parallelism does not fit at the full batch (then no layout is
     # likely to: its activations are the batch's); else after the proposals, when none of them fits either
     early = not _fits_full_batch(run)
@@ -990,27 +990,28 @@ def _layout_candidates(run: _Run) -> None:
     run.mark("layouts")
 
 
-def _resume_leading_floor(run: _Run, until: Deadline) -> None:
-    """A tuned floor whose grid walk its share of the floors phase cut (``run.tuners``) and that is the fastest
-    plan priced so far walks on until ``until`` (:func:`search.tuned.floor` resumes the same walk: nothing
-    priced twice); taken where it found a faster point.  The grid is the same search the baseline runs alone,
-    so where it leads, its next points are the most promising ones known."""
+def _resume_cut_grids(run: _Run, until: Deadline) -> None:
+    """The tuned floors whose grid walk their share of the floors phase cut (``run.tuners``) walk on until
+    ``until``, the fastest first, sharing the time (:func:`search.tuned.floor` resumes the same walk: nothing
+    priced twice); each is taken where it found a faster point.  A walk goes best-first, so its next points
+    are the most promising of its grid."""
     from .tuned import floor
     if until.left() <= 0.05:
         return
     prices = {name: oc for name, (_, oc, _, _) in run.others.items()}
-    if run.dp_res is not None and run.dp_res.feasible:
-        prices["dp"] = run.dp_res.cost
-    prices.update({f"cand{k}": c.cost for k, c in enumerate(run.cands)})
-    lead = min(prices, key=prices.get, default=None)
-    t = run.tuners.get(lead) if lead in TUNED else None
-    if t is None or not t.stats.get("cut") or not math.isfinite(prices[lead]):
-        return
-    pg, c, note, r, pipe = floor(run, lead, until, cheap=False)
-    run.stats.setdefault("floor_resumed", {})[lead] = {"before": prices[lead], "after": c if math.isfinite(c) else None}
-    if pg is not None and c < prices[lead]:
-        run.others[lead] = (pg, c, note, r)
-        run.floor_pipes[lead] = pipe
+    cut = sorted((prices[n], n) for n in TUNED if n in prices and run.tuners.get(n) is not None
+                 and run.tuners[n].stats.get("cut"))
+    for i, (before, name) in enumerate(cut):       # the fastest first, the time left shared equally
+        left = max(until.left(), 0.0)
+        if left <= 0.05:
+            break
+        own = Deadline(until.clock() + left / (len(cut) - i), until.clock).sooner(until)
+        pg, c, note, r, pipe = floor(run, name, own, cheap=False)
+        run.stats.setdefault("floor_resumed", {})[name] = {"before": before if math.isfinite(before) else None,
+                                                           "after": c if math.isfinite(c) else None}
+        if pg is not None and c < before:
+            run.others[name] = (pg, c, note, r)
+            run.floor_pipes[name] = pipe
 
 
 def _fits_full_batch(run: _Run) -> bool:

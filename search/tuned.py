@@ -47,6 +47,7 @@ the activations part times the micro-batches in flight (1F1B).
 """
 from __future__ import annotations
 
+import dataclasses
 import math
 from dataclasses import dataclass, field
 from typing import Any
@@ -60,6 +61,9 @@ from .budget import Deadline, Expired, within
 INF = math.inf
 STRATEGIES = ("megatron", "zero3")
 RECOMPUTE = ("none", "selective", "full")
+#: recompute mode of a point whose regions are chosen one by one (``per_region``: Unity's floors, not the
+#: baselines): memtech's fastest assignment of none / selective / full to each region that fits the device
+PER_REGION = "per-region"
 #: the most of the grid's time the plain Megatron point's DP solve takes (cut: mapped without the DP)
 PLAIN_SHARE = 0.5
 #: a (tp, pp) pair whose best time after two micro-batch sizes is over DROP x the best of all pairs is dropped
@@ -158,9 +162,13 @@ class _Memtech:
     def __init__(self, mod):
         self.m = mod
         self._analysis: dict = {}
+        self._chosen: dict = {}       # (id(graph), zero) -> (graph, the MemoryPlan PER_REGION chose on it)
 
     def plan(self, g: PCG, recompute: str, zero: int, regs=None):
         from unity_pcg.plan import MemoryPlan
+        if recompute == PER_REGION:
+            hit = self._chosen.get((id(g), zero))
+            return hit[1] if hit is not None and hit[0] is g else MemoryPlan(zero=zero)
         if recompute == "none":
             return MemoryPlan(zero=zero)
         regs = self.m.regions(g) if regs is None else regs
@@ -174,6 +182,12 @@ class _Memtech:
                 self._analysis.clear()
             hit = self._analysis[key] = (gc, self.m.Techniques(gc, views, base))
         t = hit[1]
+        if recompute == PER_REGION:      # no recomputation where it fits, else the fastest regions that fit
+            q = t.choose(zero=(zero,), offload=(False,))
+            if len(self._chosen) > 256:
+                self._chosen.clear()
+            self._chosen[(id(gc.g), zero)] = (gc.g, q.memory)
+            return q
         return t.price(self.plan(gc.g, recompute, zero, t.regions))
 
 
@@ -342,11 +356,12 @@ class _Tuner:
     points priced (:meth:`price_layout`), the walks over micro-batch sizes (:meth:`run`), the result."""
 
     def __init__(self, g: PCG, mapper, strategy: str, deadline: Deadline | None, tech, cheap=None,
-                 max_layers: int = MAX_LAYERS, sp: bool = True, grid: bool = True):
+                 max_layers: int = MAX_LAYERS, sp: bool = True, grid: bool = True, per_region: bool = False):
         from .cost import GraphCost
         from .pipeline import batch_size, sequential_layers
         self.g, self.mapper, self.strategy = g, mapper, strategy
         self.sp = sp                      # the grid's sp axis (False: only sp = false points)
+        self.per_region = per_region      # also the PER_REGION recompute (Unity's floors; not the baselines)
         self.grid = grid                  # False: only the first point (the plain one; zero3: one step)
         self.machine: MachineSpec = mapper.machine
         self.deadline = deadline
@@ -455,7 +470,8 @@ class _Tuner:
         zs = {"zero3": (3,), "accumulate": (0, 1, 3)}.get(self.strategy, (0, 1))
         if not self.tech.available:
             return [("none", 0)] if self.strategy == "megatron" else []
-        return [(r, z) for z in zs for r in self.tech.recompute]
+        recs = tuple(self.tech.recompute) + ((PER_REGION,) if self.per_region else ())
+        return [(r, z) for z in zs for r in recs]
 
     def price_layout(self, lay: _Layout, mbs: int) -> list[_Point]:
         if lay.pp == 1 and not lay.reason and not lay.name:
@@ -621,9 +637,8 @@ class _Tuner:
 
     def _walk(self) -> None:
         """Best-first over the walks: every pp = 1 pair once (nearest the plain point first), then the walk
-        whose next point looks best: its own best time so far, for a pipeline at least :meth:`_bound`
-        (a walk with no feasible point yet, or a pipeline with no bound yet, first; then fewest steps);
-        a pipeline whose bound is over :data:`DROP` x the best time of the grid is dropped."""
+        whose next point has the lowest bound (:meth:`_bound`; none yet: first), fewest stages, then fewest
+        steps first; a walk whose bound is over :data:`DROP` x the best time of the grid is dropped."""
         walks, plain = self.walks, self.plain
         for w in walks:
             if w["pp"] == 1 and w["n"] == 0 and not w["done"]:
@@ -636,26 +651,24 @@ class _Tuner:
             glob = min((p.cost for p in self.points if p.feasible), default=INF)
             est = {}
             for w in live:
-                b = w["best"] if math.isfinite(w["best"]) else -INF
-                lb = self._bound(w)
-                est[id(w)] = max(b, lb)
+                est[id(w)] = lb = self._bound(w)
                 if math.isfinite(lb) and math.isfinite(glob) and lb > DROP * glob:
                     w["done"] = True
                     self.stats["pairs_bounded"] = self.stats.get("pairs_bounded", 0) + 1
             live = [w for w in live if not w["done"]]
             if not live:
                 return
-            w = min(live, key=lambda w: (est[id(w)], w["n"], order[id(w)]))
+            w = min(live, key=lambda w: (est[id(w)], w["pp"], w["n"], order[id(w)]))
             self._step(w, plain)
 
     def _bound(self, w: dict) -> float:
-        """A lower bound on the time of a pipeline walk's next point (-inf: none yet).  Its stages split the
-        layers of the model at the same tensor degree and micro-batch size, so per device they run the work
-        of a pp = 1 point at that size (:meth:`_Layout.work`: forward, backward, tensor-parallel transfers),
-        and the 1F1B makespan is at least the busiest stage's share of it; a smaller micro-batch does not run
-        a sample faster, so every pp = 1 point priced at a size >= the next one bounds it (the largest
-        counts; of the sequence-parallel variants of a size, the smaller)."""
-        if w["pp"] == 1 or w["i"] >= len(w["ms"]):
+        """A lower bound on the time of a walk's next point (-inf: none yet).  Per device, a point runs the
+        work of a pp = 1 point of the same tensor degree and micro-batch size (:meth:`_Layout.work`: forward,
+        backward, tensor-parallel transfers; a pipeline's stages split it, and the 1F1B makespan is at least
+        the busiest stage's share), plus recomputation, sync and update; a smaller micro-batch does not run a
+        sample faster, so every pp = 1 point priced at a size >= the next one bounds it (the largest counts;
+        of the sequence-parallel variants of a size, the smaller)."""
+        if w["i"] >= len(w["ms"]):
             return -INF
         nxt = w["ms"][w["i"]]
         at: dict = {}
@@ -794,11 +807,21 @@ class _Tuner:
         from .pipeline import assemble
         adj = lay.ev.get("_adjusted", {}).get(best.config)
         ev = dict(lay.ev)
+        if best.config.recompute == PER_REGION and self.tech.available:
+            # each stage's own choice, on the stitched PCG's node ids (assemble maps them)
+            ev["tech"] = (best.config.zero, (PER_REGION,))
+            ev["priced"] = [dataclasses.replace(p, memory_plan=self.tech.plan(p.pcg, PER_REGION, best.config.zero))
+                            for p in ev["priced"]]
         if adj is not None:
             ev.update(fwd=adj["fwd"], bwd=adj["bwd"], once=adj["once"], mem=adj["mem"], memory=adj["memory"],
                       cost=adj["makespan"], makespan=adj["makespan"], feasible=True, reason="")
         res = assemble(self.g, lay.gM, lay.plan, lay.M, ev, self.machine)
-        if res.pcg is not None and self.tech.available and (best.config.recompute != "none" or best.config.zero):
+        if res.pcg is not None and self.tech.available and best.config.recompute == PER_REGION:
+            mem_plan = res.memory_plan
+            if mem_plan is None and best.config.zero:
+                from unity_pcg.plan import MemoryPlan
+                mem_plan = MemoryPlan(zero=best.config.zero)
+        elif res.pcg is not None and self.tech.available and (best.config.recompute != "none" or best.config.zero):
             mem_plan = self._stage_memory_plan(res, best.config)
         feasible = bool(feas) and res.feasible
         return TunedResult(self.strategy, best.config, res.cost if feasible else INF, feasible, why or res.reason,
@@ -917,7 +940,8 @@ class TunedMapping:
                 **({"pipeline": self.stats["pipeline"]} if "pipeline" in self.stats else {})}   # explain's stages
 
 
-def _tuned(run, strategy: str, deadline: Deadline, grid: bool = True, cheap: bool = True) -> TunedResult:
+def _tuned(run, strategy: str, deadline: Deadline, grid: bool = True, cheap: bool = True,
+           per_region: bool = False) -> TunedResult:
     """The tuned baseline ``strategy`` of ``run``'s model under ``deadline`` (optimize(memory_techniques=False):
     the grid without techniques, as the mapper prices; ``grid``, ``cheap``: see :func:`floor`).  Where ``run``
     keeps tuners (``run.tuners``, a dict), the grid walked by an earlier call for ``strategy`` goes on from where
@@ -933,7 +957,7 @@ def _tuned(run, strategy: str, deadline: Deadline, grid: bool = True, cheap: boo
     if t is None:
         if any(n.kind == "parallel" for n in run.g.nodes()):
             raise TunedError(f"strategy {strategy!r} needs a logical PCG")
-        t = _Tuner(run.g, run.ev.mapper, strategy, deadline, tech, cheap=None, grid=grid)
+        t = _Tuner(run.g, run.ev.mapper, strategy, deadline, tech, cheap=None, grid=grid, per_region=per_region)
         if isinstance(kept, dict):
             kept[strategy] = t
     t.cheap = run.ev.cheap if cheap else None
@@ -951,7 +975,7 @@ def floor(run, strategy: str, deadline: Deadline, grid: bool = True, cheap: bool
     only the grid's first point (the plain one); ``cheap=False``: a plain point whose solve the deadline cuts
     is not priced without the DP (the caller has that price already)."""
     try:
-        r = _tuned(run, strategy, deadline, grid=grid, cheap=cheap)
+        r = _tuned(run, strategy, deadline, grid=grid, cheap=cheap, per_region=True)
     except TunedError as e:
         return (None, INF, str(e), None, None)
     except Expired:
