@@ -26,17 +26,22 @@ configuration for a model and machine, priced in our cost model -- what Mist and
 states sharded, parameters all-gathered for the forward and again for the backward, gradients
 reduce-scattered every micro-batch), with and without recomputation, at every micro-batch size.
 
+Unity's floors (:func:`floor`, not the ``--strategy`` baselines) price one more recompute choice at every
+point, :data:`PER_REGION`: none where it fits, else memtech's fastest none / selective / full per region
+that fits (``memtech.Techniques.choose``), the plan's MemoryPlan recording the regions.
+
 The point ``tp`` = the plain baseline's degree, ``pp = 1``, ``mbs = B / dp``, no technique is exactly
 the plain ``megatron`` baseline (built by :func:`search.baselines.build_strategy`, mapped by the same
 mapper), priced first: the tuned result is never slower than it.  Layout points (``tp, pp, mbs``) need
-a mapping each; the techniques are priced on that mapping (no new mapping).  Under a
-:class:`search.budget.Deadline` every ``(tp, pp)`` pair first prices one micro-batch size (the pairs nearest
-the plain point first: fewest stages, then the tensor degree nearest its own), then a pair that
-has no feasible point yet takes the next step (fewest steps first), else the pair with the best time so far; each pair walks its
-micro-batch sizes from the promising end (pp = 1: the largest first, fewest micro-batches; pp > 1: the
-smallest first, Megatron-LM's usual 1-4), skipping sizes predicted not to fit and stopping once the time
-stops improving (:meth:`_Tuner._step`); the best point priced when the deadline passes is the result
-(``stats["cut"]``).  A model the grid does not apply to (no attention block for Megatron; a
+a mapping each (the DP maps a layout once; its other micro-batch sizes are priced on the same views,
+:class:`ViewReuse`); the techniques are priced on that mapping (no new mapping).  The walk is best-first
+(:meth:`_Tuner._walk`): every pp = 1 pair prices one micro-batch size (the pairs nearest the plain point
+first: the tensor degree nearest its own), then the walk whose next point has the lowest lower bound
+(:meth:`_Tuner._bound`) takes the next step; each pair walks its micro-batch sizes from the promising end
+(pp = 1: the largest first, fewest micro-batches; pp > 1: the smallest first, Megatron-LM's usual 1-4),
+skipping sizes predicted not to fit and stopping once the time stops improving (:meth:`_Tuner._step`);
+the best point priced when a :class:`search.budget.Deadline` passes is the result, and the walk can go on
+from there later (:meth:`_Tuner.resume`; ``stats["cut"]``).  A model the grid does not apply to (no attention block for Megatron; a
 batch no degree divides) raises :class:`TunedError`, one line saying why.
 
 Pipeline points with techniques: each stage's sub-PCG (at the micro-batch size, its own mapping) is
