@@ -484,7 +484,10 @@ class _Tuner:
             if not any(x is lay for x in seen):
                 seen.append(lay)
         out = []
+        fits: set = set()                 # ZeRO stages whose point without recomputation fits
         for rec, z in self.combos():
+            if rec == PER_REGION and z in fits:
+                continue                  # it would choose no recomputation: that point is priced
             cfg = TunedConfig(lay.tp, lay.pp, lay.dp, mbs, lay.M, rec, z == 1, lay.sp, z, lay.name)
             if lay.reason:
                 pt = _Point(cfg, INF, False, lay.reason, 0, {}, lay)
@@ -492,6 +495,8 @@ class _Tuner:
                 pt = self._price_whole(lay, cfg)
             else:
                 pt = self._price_stages(lay, cfg)
+            if rec == "none" and pt.feasible:
+                fits.add(z)
             out.append(pt)
             self.points.append(pt)
             self.priced.append({"config": cfg.to_json(), "cost": pt.cost if math.isfinite(pt.cost) else None,
@@ -742,16 +747,20 @@ class _Tuner:
             self.stats["layout_points"] += 1
             pts = self.price_layout(lay, mbs)
         else:
-            lay = self.whole(w["tp"]) if (w["pp"] == 1 and M == 1) else self.pipeline(w["tp"], w["pp"], M)
-            self.stats["layout_points"] += 1
-            pts = self.price_layout(lay, mbs)
-            if lay.reason.startswith("tensor degree"):
-                w["i"] = len(w["ms"])
-        if self.sp and self.strategy == "megatron" and w["tp"] > 1 and not any(
-                p.layout.reason.startswith("tensor degree") for p in pts):
-            # sequence parallelism: the same point as a layout of its own
-            lay = self.whole(w["tp"], sp=True) if (w["pp"] == 1 and M == 1) else \
-                self.pipeline(w["tp"], w["pp"], M, sp=True)
+            # sequence parallelism (tp > 1): the same point as a layout of its own, priced first (it keeps
+            # less and moves what the all-reduce did: where a deadline cuts the step, the likelier winner)
+            pts = []
+            for sp in ((True, False) if self.sp and self.strategy == "megatron" and w["tp"] > 1 else (False,)):
+                lay = self.whole(w["tp"], sp=sp) if (w["pp"] == 1 and M == 1) else \
+                    self.pipeline(w["tp"], w["pp"], M, sp=sp)
+                self.stats["layout_points"] += 1
+                pts = pts + self.price_layout(lay, mbs)
+                if lay.reason.startswith("tensor degree"):
+                    w["i"] = len(w["ms"])
+                    break
+        if plain is not None and (w["tp"], w["pp"], M) == (plain.tp, 1, 1) and self.sp and \
+                self.strategy == "megatron" and w["tp"] > 1:
+            lay = self.whole(w["tp"], sp=True)
             self.stats["layout_points"] += 1
             pts = pts + self.price_layout(lay, mbs)
         best = min((p.cost for p in pts), default=INF)

@@ -343,3 +343,22 @@ def test_a_cut_walk_resumes_where_it_stopped():
     assert r.cost == pytest.approx(full.cost, rel=1e-9)
     keys = [tuple(sorted(p["config"].items())) for p in t.priced]
     assert len(keys) - len(set(keys)) <= len(t.combos())
+
+
+@needs_memtech
+def test_per_region_recompute_is_never_slower_and_records_its_regions():
+    """The floors' grid (per_region=True) holds every point of the baseline's and a per-region recompute choice
+    at each: its best is never slower; where that choice wins, the plan's MemoryPlan names the regions, a
+    strict subset of the model's (else a uniform mode would have been as good), and the point fits."""
+    from unity_pcg.search.tuned import PER_REGION, _Tuner
+    g = synthetic_transformer(4, batch=32, seq=128, hidden=512, heads=8)
+    m = _machine("h100:1x4", 60)
+    base = tune(g, MachineMapper(CostModel(m, optimizer="adam")), "megatron")
+    t = _Tuner(g, MachineMapper(CostModel(m, optimizer="adam")), "megatron", None, techniques(), per_region=True)
+    t.run()
+    r = t.result()
+    assert r.feasible and r.cost <= base.cost * (1 + 1e-9)
+    assert any(p["config"]["recompute"] == PER_REGION for p in r.priced)
+    if r.config.recompute == PER_REGION and r.cost < base.cost * (1 - 1e-9):
+        assert r.memory_plan is not None and r.memory_plan.recompute
+        assert r.max_bytes <= m.device.memory_bytes
