@@ -475,8 +475,10 @@ class _Tuner:
         zs = {"zero3": (3,), "accumulate": (0, 1, 3)}.get(self.strategy, (0, 1))
         if not self.tech.available:
             return [("none", 0)] if self.strategy == "megatron" else []
-        recs = tuple(self.tech.recompute) + ((PER_REGION,) if self.per_region else ())
-        return [(r, z) for z in zs for r in recs]
+        out = [(r, z) for z in zs for r in self.tech.recompute]
+        # per-region recompute where memory binds: with the most sharded states of the grid (they leave the
+        # most room for activations, so the fewest regions recompute)
+        return out + ([(PER_REGION, max(zs))] if self.per_region else [])
 
     def price_layout(self, lay: _Layout, mbs: int) -> list[_Point]:
         if lay.pp == 1 and not lay.reason and not lay.name:
