@@ -59,7 +59,7 @@ def run(models, meshes, cache, cbc, gpt_batch, time_limit):
                        dp_time_s=dp.cost if math.isfinite(dp.cost) else None, **prob.size())
             for solver in (["highs"] + (["cbc"] if name in cbc else [])):
                 try:
-                    choice, obj, status, solve_s = prob.solve(float(machine.device.memory_bytes), time_limit, solver)
+                    choice, obj, status, solve_s = prob.solve(float(machine.device.usable_bytes), time_limit, solver)
                 except IntraInfeasible as ex:
                     row[f"{solver}_status"] = "infeasible"
                     row[f"{solver}_s"] = None

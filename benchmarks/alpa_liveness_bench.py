@@ -45,7 +45,7 @@ def run(models, fractions, micro_batches):
         t0 = time.perf_counter()
         prob = IntraProblem(g, m, (n0, n1), optimizer="adam")
         build = time.perf_counter() - t0
-        cap = float(m.device.memory_bytes)
+        cap = float(m.device.usable_bytes)
         for f in fractions:
             budget = cap * f
             row = dict(model=name, mesh=[n0, n1], batch=batch, build_s=build, budget_gib=budget / 2**30,

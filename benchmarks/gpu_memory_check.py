@@ -7,13 +7,16 @@ every region (``search.memtech.regions``), Adam, mse loss against zeros.  *Predi
 ``search.memtech.price(...).per_device[0]`` and its ``iteration_s``.  *Measured*: two warm-up steps, then
 ``torch.cuda.max_memory_allocated`` over one step (peak statistics reset before it) and the median time of
 ``--iters`` steps between CUDA events (feeds already on the device).  Targets: memory within 10%, time
-within 15%; the recomputation's extra time (full/selective minus none) is reported beside.
+within 15%; the recomputation's extra time (full/selective minus none) is reported beside, with the
+checkpointed runs and the host seconds the backward spends re-running their steps (one more step,
+instrumented): where these exceed the GPU work they hide behind, the step waits on the host.
 
-Part ``fill``.  The device of ``h100:1x1`` shrunk until the plain plan does not fit (70% of its predicted
-peak); ``optimize`` picks memory techniques; then the device the chosen plan fills to 90%
-(capacity = its predicted peak / 0.9) is planned again and run for ``--fill-steps`` steps with the CUDA
-caching allocator capped at that capacity (``torch.cuda.set_per_process_memory_fraction``): it must run
-without running out of memory.
+Part ``fill``.  The device of ``h100:1x1`` shrunk until the plain plan does not fit (its usable memory --
+``DeviceSpec.usable_bytes``, the capacity less the runtime's reserve -- 70% of the plain plan's predicted
+peak); ``optimize`` picks memory techniques; then the device whose usable memory the chosen plan fills to
+90% is planned again (``optimize`` may fill up to all of its usable memory), and both plans run for
+``--fill-steps`` steps with the CUDA caching allocator capped at that device's raw capacity
+(``torch.cuda.set_per_process_memory_fraction``): both must run without running out of memory.
 
 Part ``overlap``.  Two ranks on the one GPU (gloo: NCCL refuses two ranks on one device), the data-parallel
 plan of a small transformer on ``h100:1x2``; per step the backward window [start, end] on the compute
@@ -27,6 +30,7 @@ what is checked is the schedule (when the executor starts and finishes each buck
 backward), not the link.
 
     python benchmarks/gpu_memory_check.py [--parts recompute,fill,overlap] [--out DIR] [--device cuda]
+                                          # parts run in the order given
     python benchmarks/gpu_memory_check.py --report DIR      # markdown from the JSON of a run (no GPU;
                                                             # DIR/gpu_memory_check_before.json: a column)
 
@@ -188,10 +192,39 @@ def measure_one(plan, path: str, device: str, iters: int, warmup: int = 2) -> di
             times.append(time.perf_counter() - t0)
     out["step_s"] = statistics.median(times)
     out["steps_s"] = times
+    out.update(recompute_host(tr, feeds, tgt))
     del tr, feeds, tgt
     if cuda:
         torch.cuda.empty_cache()
     return out
+
+
+def recompute_host(tr, feeds, tgt) -> dict:
+    """One more step, instrumented: the checkpointed runs of the plan, and the host (CPU) seconds the
+    backward spends re-running their steps (the executor's Python and the kernels' launches; the GPU runs
+    them asynchronously -- where this exceeds the GPU work the recomputation hides behind, the step waits on
+    the host)."""
+    from unity_pcg.executor.memory import Region
+    runs = sum(sum(1 for r in it.runs if r.checkpointed) for it in tr._items if isinstance(it, Region))
+    if not runs:
+        return {"checkpointed_runs": 0, "host_recompute_s": 0.0}
+    spent = [0.0]
+    orig = tr._run_step
+
+    def run_step(st, vals, fv, anchor, sinks, bn_done, split):
+        if bn_done is not None:
+            return orig(st, vals, fv, anchor, sinks, bn_done, split)
+        t0 = time.perf_counter()
+        try:
+            return orig(st, vals, fv, anchor, sinks, bn_done, split)
+        finally:
+            spent[0] += time.perf_counter() - t0
+    tr._run_step = run_step
+    try:
+        tr.step(feeds, tgt)
+    finally:
+        del tr._run_step
+    return {"checkpointed_runs": runs, "host_recompute_s": spent[0]}
 
 
 def part_recompute(models: dict, device: str, precisions: list, iters: int, workdir: str, sink) -> None:
@@ -218,6 +251,14 @@ def part_recompute(models: dict, device: str, precisions: list, iters: int, work
                 sink(row)
 
 
+def raw_for_usable(m, usable: float) -> int:
+    """The raw capacity (``memory_bytes``) of a device of machine ``m`` whose usable memory -- what a plan may
+    fill: ``DeviceSpec.usable_bytes``, the capacity less the runtime's reserve -- is ``usable`` bytes."""
+    import math
+    d = m.device
+    return int(math.ceil((usable + d.reserved_bytes) / d.usable_fraction))
+
+
 def part_fill(name: str, spec: tuple, device: str, precision: str, steps: int, budget_s: float, workdir: str,
               sink, fill: float = 0.9) -> None:
     from unity_pcg.search.optimize import optimize
@@ -225,14 +266,18 @@ def part_fill(name: str, spec: tuple, device: str, precision: str, steps: int, b
     try:
         path = export(name, spec, workdir)
         plain = predict(plain_plan(path, machine(device), precision))["bytes"]
-        cap0 = int(0.7 * plain)
+        base = machine(device)
+        row["usable_fraction"], row["reserved_bytes"] = base.device.usable_fraction, base.device.reserved_bytes
+        cap0 = raw_for_usable(base, 0.7 * plain)
         r0 = optimize(path, machine(device, 1, cap0), budget_s=budget_s, optimizer="adam", precision=precision)
         first = predict(r0.plan)["bytes"]
-        cap = int(first / fill)
-        r = optimize(path, machine(device, 1, cap), budget_s=budget_s, optimizer="adam", precision=precision)
+        cap = raw_for_usable(base, first / fill)          # the first plan fills `fill` of this device's usable memory
+        m = machine(device, 1, cap)
+        r = optimize(path, m, budget_s=budget_s, optimizer="adam", precision=precision)
         plan = r.plan
         pred = predict(plan) if plan.pipeline is None else None
         row.update(plain_predicted_bytes=plain, first_capacity=cap0, first_predicted_bytes=first, capacity=cap,
+                   usable=m.device.usable_bytes,
                    chosen=(r.stats or {}).get("chosen") if isinstance(r.stats, dict) else None,
                    memory=plan.memory.to_json() if plan.memory is not None else None,
                    pipeline=bool(plan.pipeline), predicted=pred,
@@ -242,8 +287,10 @@ def part_fill(name: str, spec: tuple, device: str, precision: str, steps: int, b
         row["error"] = f"plan: {type(e).__name__}: {e}"[:300]
         sink(row)
         return
-    row["runs"] = [run_capped(r0.plan, path, device, int(first / fill), steps, "the first plan at 90%"),
+    row["runs"] = [run_capped(r0.plan, path, device, cap, steps, f"the first plan at {fill:.0%} of the usable memory"),
                    run_capped(plan, path, device, cap, steps, "optimize's plan for that device")]
+    for x in row["runs"]:
+        x["usable"] = m.device.usable_bytes
     sink(row)
 
 
@@ -483,8 +530,9 @@ def report(data: dict, before: dict | None = None) -> str:
                 "one step (above what was allocated before the Trainer), median step time between CUDA events. "
                 "Targets: memory within 10%, time within 15%.", "",
                 "| model | batch | precision | recompute | regions | predicted MiB | measured MiB | mem pred/meas | "
-                "before | predicted ms | measured ms | time pred/meas | extra time pred / meas ms |",
-                "|---|---:|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---|"]
+                "before | predicted ms | measured ms | time pred/meas | extra time pred / meas ms | "
+                "checkpointed runs | host recompute ms |",
+                "|---|---:|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---|---:|---:|"]
         base = {}
         for r in rec:
             if "measured" in r and r.get("technique") == "none":
@@ -493,7 +541,7 @@ def report(data: dict, before: dict | None = None) -> str:
         for r in rec:
             if "error" in r and "measured" not in r:
                 out.append(f"| {r['model']} | {r.get('batch', '')} | {r.get('precision', '')} | "
-                           f"{r.get('technique', '')} | | | | error: {r['error'][:120]} | | | | |")
+                           f"{r.get('technique', '')} | | | | error: {r['error'][:120]} | | | | | | |")
                 continue
             p, m = r["predicted"], r["measured"]
             mr = p["bytes"] / m["peak_bytes"] if m.get("peak_bytes") else float("nan")
@@ -508,7 +556,8 @@ def report(data: dict, before: dict | None = None) -> str:
                        f"{_mib(p['bytes'])} | {_mib(m.get('peak_bytes'))} | {mr:.3f} | "
                        f"{old.get((r['model'], r['precision'], r['technique']), float('nan')):.3f} | "
                        f"{p['iteration_s'] * 1e3:.1f} | "
-                       f"{m['step_s'] * 1e3:.1f} | {tr_:.3f} | {extra} |")
+                       f"{m['step_s'] * 1e3:.1f} | {tr_:.3f} | {extra} | {m.get('checkpointed_runs', '')} | "
+                       + (f"{m['host_recompute_s'] * 1e3:.1f}" if m.get("host_recompute_s") else "") + " |")
         out += ["", f"Memory within 10%: {mem_ok} of {n}; time within 15%: {time_ok} of {n}.", ""]
     for r in (x for x in rows if x["part"] == "fill"):
         out += ["## A plan predicted to fill 90% of the device", ""]
@@ -517,20 +566,28 @@ def report(data: dict, before: dict | None = None) -> str:
             continue
         pb = (r.get("predicted") or {}).get("bytes") or r.get("predicted_peak_bytes")
         runs = r.get("runs") or []
+        usable = r.get("usable")          # absent in runs from before the usable-memory reserve
+        of = usable or r["capacity"]
         out += [f"Model {r['model']} ({r['precision']}): the plain plan needs {_mib(r['plain_predicted_bytes'])} MiB "
                 f"(predicted); `optimize` on a device of {_mib(r['first_capacity'])} MiB chose a plan of "
-                f"{_mib(r['first_predicted_bytes'])} MiB; on a device of {_mib(r['capacity'])} MiB (that / 0.9) it "
-                f"chose `{r.get('chosen')}`, memory `{json.dumps(r.get('memory'))}`"
-                + (f", predicted {_mib(pb)} MiB ({pb / r['capacity'] * 100:.1f}% of the device)" if pb else "")
-                + ".", "",
-                "Each run with the CUDA caching allocator capped at the device's capacity "
+                f"{_mib(r['first_predicted_bytes'])} MiB; on a device of {_mib(r['capacity'])} MiB"
+                + (f" ({_mib(usable)} MiB usable: {r.get('usable_fraction', 1.0):.0%} of it less "
+                   f"{_mib(r.get('reserved_bytes', 0))} MiB; the first plan fills {r['fill']:.0%} of it)"
+                   if usable else " (that / 0.9)")
+                + f" it chose `{r.get('chosen')}`, memory `{json.dumps(r.get('memory'))}`"
+                + (f", predicted {_mib(pb)} MiB ({pb / of * 100:.1f}% of the {'usable memory' if usable else 'device'})"
+                   if pb else "") + ".", "",
+                "Each run with the CUDA caching allocator capped at the device's raw capacity "
                 "(`set_per_process_memory_fraction`, the target of the loss allocated before, outside it; "
                 "`PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True` as `unity-pcg run` sets it):", "",
-                "| plan | device MiB | predicted MiB | predicted fill | ran | measured peak allocated MiB | "
-                "peak reserved MiB | losses |", "|---|---:|---:|---:|---|---:|---:|---|"]
+                "| plan | device MiB | usable MiB | predicted MiB | predicted / usable | predicted / device | ran | "
+                "measured peak allocated MiB | peak reserved MiB | losses |",
+                "|---|---:|---:|---:|---:|---:|---|---:|---:|---|"]
         for x in runs:
             pbx = x.get("predicted_bytes")
-            out.append(f"| {x['what']} | {_mib(x['capacity'])} | {_mib(pbx)} | "
+            ux = x.get("usable") or x["capacity"]
+            out.append(f"| {x['what']} | {_mib(x['capacity'])} | {_mib(x.get('usable'))} | {_mib(pbx)} | "
+                       f"{(pbx / ux * 100) if pbx else float('nan'):.1f}% | "
                        f"{(pbx / x['capacity'] * 100) if pbx else float('nan'):.1f}% | "
                        + ("yes" if x.get("ran") else f"no: {x.get('error', '')[:100]}")
                        + f" | {_mib(x.get('measured_peak_bytes'))} | {_mib(x.get('measured_reserved_bytes'))} | "
@@ -592,6 +649,8 @@ def main(argv=None) -> int:
     ap.add_argument("--fill-model", default=None)
     ap.add_argument("--fill-steps", type=int, default=3)
     ap.add_argument("--fill-budget", type=float, default=20.0)
+    ap.add_argument("--fill-precision", default=None, help="the fill part's precision (default: the first of "
+                                                              "--precisions)")
     ap.add_argument("--overlap-model", default=None)
     ap.add_argument("--out", default=os.path.join(RESULTS, "gpu_memory_check"))
     ap.add_argument("--workdir", default="/tmp/unity-pcg-gpu-memory")
@@ -639,14 +698,20 @@ def main(argv=None) -> int:
     precisions = a.precisions.split(",")
     parts = a.parts.split(",")
     first = names[0]
-    if "recompute" in parts:
-        part_recompute(models, a.device, precisions, a.iters, a.workdir, sink)
-    if "fill" in parts:
-        n = a.fill_model or first
-        part_fill(n, catalog[n], a.device, precisions[0], a.fill_steps, a.fill_budget, a.workdir, sink)
-    if "overlap" in parts:
-        n = a.overlap_model or first
-        part_overlap(n, catalog[n], a.device, precisions[0], a.iters, a.workdir, sink)
+    unknown = set(parts) - {"recompute", "fill", "overlap"}
+    if unknown:
+        print(f"gpu_memory_check: unknown part(s) {', '.join(sorted(unknown))}", file=sys.stderr)
+        return 2
+    for part in parts:                      # in the order given (a run cut short keeps the first ones)
+        if part == "recompute":
+            part_recompute(models, a.device, precisions, a.iters, a.workdir, sink)
+        elif part == "fill":
+            n = a.fill_model or first
+            part_fill(n, catalog[n], a.device, a.fill_precision or precisions[0], a.fill_steps, a.fill_budget,
+                      a.workdir, sink)
+        elif part == "overlap":
+            n = a.overlap_model or first
+            part_overlap(n, catalog[n], a.device, precisions[0], a.iters, a.workdir, sink)
     with open(os.path.join(a.out, "gpu_memory_check.md"), "w") as f:
         f.write(report(data))
     return 0

@@ -47,7 +47,7 @@ def measure(name: str, size: str, tmp: str) -> dict:
     m = parse_machine(MACHINE)
     r = MachineMapper(CostModel(m, optimizer=OPTIMIZER)).optimize(build_strategy(g, "none"))
     mem = r.memory
-    cap = m.device.memory_bytes
+    cap = m.device.usable_bytes
     other = {opt: MachineMapper(CostModel(m, optimizer=opt)).optimize(build_strategy(g, "none")).memory.max_bytes
              for opt in ("momentum", "adam")}
     return {"model": name, "size": size, "batch": batch, "params": g.param_count(),

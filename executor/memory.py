@@ -11,12 +11,13 @@ DESIGN "Executor").  The :class:`~executor.train.Trainer` owns the step; this mo
   derives the same items from the same plan.  A region's steps run under ``torch.utils.checkpoint``
   (non-reentrant) as one sub-program per *run*: ``full`` -> one run; ``selective`` -> each maximal run of
   steps that are not matmul/convolution-class operators (:data:`KEPT_CLASSES`, the cost model's
-  ``op_class``), the matmul/convolution steps between them run plainly (their outputs kept).  A run's
-  inputs are the local tensors entering it, its outputs those read after it.  Its last operation is a
-  *trigger* (``anchor * anchor``) tied to the loss: the autograd engine runs nodes latest-created first,
-  so on every rank the trigger is the run's first node reached by the backward, at the same point of the
-  global order, and unpacking what it saved starts the recomputation there -- the run's communication
-  runs again in the same order on every rank (no deadlock).  Dropout masks and random generators are
+  ``op_class``), the matmul/convolution steps between them run plainly (their outputs kept), and so
+  does a run whose operators save nothing (``search.memtech.saves_nothing``).  A run's inputs are the
+  local tensors entering it, its outputs those read after it.  Its last operation is a *trigger*
+  (:class:`Trigger`, saving ``anchor``) tied to the loss (:func:`tie`): the autograd engine runs nodes
+  latest-created first, so on every rank the trigger is the run's first node reached by the backward, at
+  the same point of the global order, and unpacking what it saved starts the recomputation there -- the
+  run's communication runs again in the same order on every rank (no deadlock).  Dropout masks and random generators are
   hashes of (seed, step, node, index), so the recomputation draws the same values; BatchNorm running
   statistics are updated by the first run only.
 
@@ -57,12 +58,12 @@ def _kept_classes():
     return SELECTIVE_KEEP
 
 
-def _layout_ops():
-    """Operators that save nothing for their backward (views, copies, casts; search.memtech.LAYOUT_OPS):
+def _saves_nothing(op: str) -> bool:
+    """Operator ``op`` saves nothing for its backward (views, casts, additions; search.memtech.saves_nothing):
     selective recomputation does not checkpoint a run made of these (and communication) alone -- it
     would keep its input instead."""
-    from unity_pcg.search.memtech import LAYOUT_OPS
-    return LAYOUT_OPS
+    from unity_pcg.search.memtech import saves_nothing
+    return saves_nothing(op)
 
 
 def kept_in_selective(op: str, in_shapes=None) -> bool:
@@ -169,9 +170,9 @@ def _runs(steps: list, mode: str, g=None) -> list:
             runs[-1].steps.append(st)
         else:
             runs.append(Run(True, [st]))
-    # a run of layout operators and communication alone saves nothing for the backward: run it plainly
+    # a run of operators that save nothing and communication alone: run it plainly
     for run in runs:
-        if run.checkpointed and all(st.kind != "compute" or st.op in _layout_ops() for st in run.steps):
+        if run.checkpointed and all(st.kind != "compute" or _saves_nothing(st.op) for st in run.steps):
             run.checkpointed = False
     return runs
 
@@ -204,6 +205,56 @@ def run_io(run: Run, all_items: list, rank: int, keep: set) -> tuple[list, list]
                 outside.update(step_reads(st, rank))
     outs = [r for r in dict.fromkeys(produced) if r in outside]
     return ins, outs
+
+
+# --- the recomputation's trigger and the tie to the loss --------------------------------------------------
+
+class Trigger(torch.autograd.Function):
+    """The last operation of a checkpointed run: saves ``anchor`` (so unpacking it in the backward starts
+    the run's recomputation) and returns a zero scalar tied to the loss (:func:`tie`).  Its backward only
+    unpacks; it launches no kernel and gives ``anchor`` no gradient."""
+
+    @staticmethod
+    def forward(ctx, anchor):
+        ctx.save_for_backward(anchor)
+        return anchor.new_zeros(())
+
+    @staticmethod
+    def backward(ctx, g):
+        ctx.saved_tensors            # noqa: B018 - unpacking is what recomputes the run
+        return None
+
+
+class _Tie(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, total, *sinks):
+        ctx.meta = [(s.shape, s.dtype, s.device) for s in sinks]
+        return total.clone()
+
+    @staticmethod
+    def backward(ctx, g):
+        zeros: dict = {}
+        out = [g]
+        for i, (shape, dt, dev) in enumerate(ctx.meta):
+            if not ctx.needs_input_grad[i + 1]:
+                out.append(None)
+                continue
+            z = zeros.get((dt, dev))
+            if z is None:
+                z = zeros[(dt, dev)] = torch.zeros((), dtype=dt, device=dev)
+            out.append(z.expand(shape))
+        return tuple(out)
+
+
+def tie(total: torch.Tensor, sinks: list) -> torch.Tensor:
+    """``total`` with every tensor of ``sinks`` (communication outputs, recomputation triggers) tied to it:
+    the backward from the result reaches each sink with a zero gradient (their autograd nodes run: the
+    collectives' backward, the recomputations).  One autograd node for all of them, one kernel for the
+    zeros of each dtype -- not a sum, a product and an add per sink."""
+    sinks = [t for t in sinks if isinstance(t, torch.Tensor) and t.requires_grad]
+    if not sinks:
+        return total
+    return _Tie.apply(total, *sinks)
 
 
 # --- ZeRO and offload --------------------------------------------------------------------------------------

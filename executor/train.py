@@ -48,7 +48,7 @@ from unity_pcg.errors import PlanError
 
 from .kernels import TORCH_DTYPES, ExecutorError, kernel
 from .lower import Lowered, block, lower, task_pieces, unravel
-from .memory import Region, ZeroRuntime, run_io, schedule, step_reads
+from .memory import Region, Trigger, ZeroRuntime, run_io, schedule, step_reads, tie
 from .precision import forward_context, set_math_mode
 
 FIRST_BUCKET_BYTES = 1 << 20
@@ -1048,8 +1048,7 @@ class Trainer:
         vals = self._run(fv, need, anchor, sinks, split, keep=(ref,))
         contrib = self._piece_loss(vals, ref, kind, tt, split)
         total = contrib if contrib is not None else torch.zeros((), device=self.device)
-        for t in sinks:
-            total = total + t.sum() * 0.0
+        total = tie(total, sinks)
         part = (contrib.detach() if contrib is not None else torch.zeros((), device=self.device)).reshape(1)
         return total, part
 
@@ -1151,7 +1150,7 @@ class Trainer:
                         for r in gone:
                             local.pop(r, None)
                 # the trigger: the run's last node, so the backward reaches it first and recomputes here
-                trig = anchor_ * anchor_
+                trig = Trigger.apply(anchor_)
                 return (*[local[r] for r in outs], *sk, trig)
             res = checkpoint(fn, anchor, *[vals[r] for r in ins], use_reentrant=False, preserve_rng_state=False)
             for r, y in zip(outs, res):

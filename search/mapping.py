@@ -361,7 +361,7 @@ class MachineMapper:
         """The time-optimal mapping does not fit: the fastest mapping that fits, from the Pareto DP
         (:class:`_MemoryDP`), or ``fastest`` (infeasible) with a reason saying that none fits."""
         g, gc, dec = ctx.g, ctx.gc, ctx.dec
-        cap = self.machine.device.memory_bytes
+        cap = self.machine.device.usable_bytes
         t1 = time.perf_counter()
         lb = memory_lower_bound(gc, res)
         stats = dict(stats, memory_lower_bound=lb)
@@ -1199,7 +1199,7 @@ def exhaustive_mapping(g: PCG, model: CostModel, limit: int = 2_000_000,
     device's capacity count: the fastest mapping that fits (``inf`` if none does).  Exponential: for
     tests on small graphs only (raises ValueError past ``limit`` combinations)."""
     gc = GraphCost(g, model)
-    cap = model.machine.device.memory_bytes
+    cap = model.machine.device.usable_bytes
     nmem: dict = {}
 
     def fits(views) -> bool:

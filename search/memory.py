@@ -8,7 +8,8 @@ statistics, integer index tables); every activation piece it holds that the back
 or the output of a Relu, or a graph output; a view such as a Reshape's output or the output of an
 Add that nobody saves is freed after the forward pass; Dropout keeps a one-byte mask per element);
 and the input shards the data loader feeds it. No rematerialization.  A plan whose busiest device
-exceeds ``MachineSpec.device.memory_bytes`` is infeasible.
+exceeds ``MachineSpec.device.usable_bytes`` (the capacity less the
+runtime's reserve) is infeasible.
 """
 from __future__ import annotations
 
@@ -165,7 +166,7 @@ def memory_per_device(gc: GraphCost, views: Mapping[int, MachineView]) -> Memory
             a[d] += b
     devs = set(w) | set(a)
     per = {d: w.get(d, 0) + a.get(d, 0) for d in devs}
-    return MemoryReport(per, dict(w), dict(a), gc.machine.device.memory_bytes)
+    return MemoryReport(per, dict(w), dict(a), gc.machine.device.usable_bytes)
 
 
 def memory_lower_bound(gc: GraphCost, resource=None) -> float:

@@ -57,7 +57,8 @@ from unity_pcg.plan import MemoryPlan, RecomputeRegion
 
 from . import collectives as C
 from .cost import FLOAT_DTYPES, OPTIMIZER_STATES, GraphCost, op_class
-from .memory import SAVES_INPUTS, MemoryReport, _saves_copy, format_bytes, kept_fraction, memory_per_device
+from .memory import (SAVES_INPUTS, SAVES_OUTPUT, MemoryReport, _saves_copy, format_bytes, kept_fraction,
+                     memory_per_device)
 
 #: operator classes whose outputs a ``selective`` region keeps (everything else inside is recomputed):
 #: dense matmuls, convolutions and embeddings; batched matmuls (attention's scores and its product with
@@ -68,6 +69,20 @@ SELECTIVE_KEEP = frozenset({"matmul", "conv", "conv1x1", "conv_grouped", "embedd
 #: (executor/memory.py) and the pricing here read this one set
 LAYOUT_OPS = frozenset({"Reshape", "Transpose", "Flatten", "Identity", "Slice", "Split", "Expand", "Concat", "Cast",
                         "Tile", "Pad"})
+
+
+def saves_nothing(op: str) -> bool:
+    """Whether operator ``op`` saves nothing for its backward (no input, not its output, no mask: views,
+    casts, additions -- its registry entry's ``saves``): a checkpointed run made of these and communication
+    alone runs plainly under selective recomputation (checkpointing it would keep its inputs and save
+    nothing, and cost a checkpoint: a recomputation's host work and launches); the executor
+    (executor/memory.py) and the pricing here read this one predicate."""
+    if op in LAYOUT_OPS:
+        return True
+    return (SAVES_INPUTS.get(op) == set() and op not in SAVES_OUTPUT and op in ops.REGISTRY
+            and not ops.saves(op).mask)
+
+
 #: parallel operators that gather (each output piece holds at least its input piece: concatenations and
 #: copies): a chain of them feeding a recompute region belongs to the region (:func:`region_members`), so
 #: the region keeps the smaller input and gathers again when recomputed
@@ -551,8 +566,8 @@ class Techniques:
         the executor runs them (executor/memory.py): a region is :func:`region_members` (its compute nodes,
         the parallel operators between them and the gathers feeding it), in the PCG's node order;
         ``full``: one run; ``selective``: each maximal run of steps between the kept operators
-        (:data:`SELECTIVE_KEEP`), which run plainly.  A run of layout operators
-        (:data:`LAYOUT_OPS`) and communication alone runs plainly too.  Nodes that run plainly are absent."""
+        (:data:`SELECTIVE_KEEP`), which run plainly.  A run of operators that save nothing
+        (:func:`saves_nothing`) and communication alone runs plainly too.  Nodes that run plainly are absent."""
         key = tuple(sorted(assign.items()))
         hit = self._runs_cache.get(key)
         if hit is not None:
@@ -579,7 +594,7 @@ class Techniques:
                 else:
                     runs.append([n])
             for j, run in enumerate(runs):
-                if run is None or (md != "full" and all(self.gc.role[n] != "compute" or g.node(n).op in LAYOUT_OPS
+                if run is None or (md != "full" and all(self.gc.role[n] != "compute" or saves_nothing(g.node(n).op)
                                                         for n in run)):
                     continue
                 for n in run:
@@ -1127,6 +1142,6 @@ def describe(p: Priced) -> list[str]:
     return out
 
 
-__all__ = ["SELECTIVE_KEEP", "LAYOUT_OPS", "GATHER_OPS", "GATHERED_UNITS", "region_members", "MIN_REGION_OPS",
-           "EXACT_LIMIT", "Priced", "Techniques", "regions", "recompute_all", "price", "choose", "describe",
-           "format_bytes"]
+__all__ = ["SELECTIVE_KEEP", "LAYOUT_OPS", "saves_nothing", "GATHER_OPS", "GATHERED_UNITS", "region_members",
+           "MIN_REGION_OPS", "EXACT_LIMIT", "Priced", "Techniques", "regions", "recompute_all", "price", "choose",
+           "describe", "format_bytes"]

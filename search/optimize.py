@@ -1077,7 +1077,7 @@ def _accumulation_candidates(run: _Run, until: Deadline) -> None:
         rec["reason"] = r.reason
         return
     rec["chosen"] = r.config.label()
-    mapping = TunedMapping(r, run.n_dev, m.device.memory_bytes)
+    mapping = TunedMapping(r, run.n_dev, m.device.usable_bytes)
     run.cands.append(PlanCandidate(f"accumulation: {r.config.label()}", r.pcg, r.cost, (), LAYOUT,
                                    by_rules=False, mapping=mapping, pipeline=r.pipeline))
 

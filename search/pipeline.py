@@ -1068,7 +1068,7 @@ def _stage_dp(lay: _LayerPrices, info: Cuts, layers, gM, machine, sizes, T, M, m
     stage 0 is left out where ZeRO-1 is nowhere slower (it never holds more)."""
     L = len(layers)
     D = machine.devices_per_node
-    cap = machine.device.memory_bytes
+    cap = machine.device.usable_bytes
     inner = set(sizes)
     # the last stage starts where the inner blocks end: a multiple of their gcd (other starts are unreachable,
     # and would make the DP's positions finer than the blocks)
@@ -1221,7 +1221,7 @@ def _evaluate(gM, roles, info, layers, plan, M, mapper, intra, machine, memo=Non
     (:func:`stage_techniques`; ``ev["tech"]``, and each priced stage's ``memory_plan``)."""
     S = len(plan)
     bf = mapper.model.backward_factor
-    cap = machine.device.memory_bytes
+    cap = machine.device.usable_bytes
     fwd, bwd, once, send, priced, mems, reasons, send_el = [], [], [], [], [], [], [], []
     for idx, (k, i, d, s) in enumerate(plan):
         res = sub_mesh(machine, d, s)
@@ -1290,7 +1290,7 @@ def _origin(layers, info: "Cuts", plan, ev: dict, dp_inside: bool) -> dict:
 def assemble(pcg: PCG, gM: PCG, plan, M: int, ev: dict, machine: MachineSpec, stitch: bool = True
               ) -> PipelineResult:
     S = len(plan)
-    cap = machine.device.memory_bytes
+    cap = machine.device.usable_bytes
     full, views, members, idmaps = None, {}, [[] for _ in range(S)], None
     cost, feasible, reason = ev["cost"], ev["feasible"], ev["reason"]
     if stitch and all(p.pcg is not None and p.views for p in ev["priced"]):

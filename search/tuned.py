@@ -556,7 +556,7 @@ class _Tuner:
         ev, M = lay.ev, lay.M
         S = len(lay.plan)
         bf = self.mapper.model.backward_factor
-        cap = self.machine.device.memory_bytes
+        cap = self.machine.device.usable_bytes
         fwd, bwd, once, mems, ws = [], [], [], [], []
         cache = lay.ev.setdefault("_tech_cache", {})
         for idx, p in enumerate(ev["priced"]):
@@ -702,7 +702,7 @@ class _Tuner:
             return
         lean = min(pts, key=lambda p: p.max_bytes)
         scaled = lean.split[1]
-        cap = self.machine.device.memory_bytes
+        cap = self.machine.device.usable_bytes
         mbs0, tp0 = lean.config.micro_batch, lean.config.tp
         for w in walks:
             if w["pp"] != 1:
@@ -767,7 +767,7 @@ class _Tuner:
             pts = pts + self.price_layout(lay, mbs)
         best = min((p.cost for p in pts), default=INF)
         top = min(pts, key=lambda p: p.cost) if pts else None
-        cap = self.machine.device.memory_bytes
+        cap = self.machine.device.usable_bytes
 
         def skip_while(split) -> None:
             fixed, scaled = split
@@ -998,7 +998,7 @@ def floor(run, strategy: str, deadline: Deadline, grid: bool = True, cheap: bool
         return (None, INF, "not priced within the budget", None, None)
     if r.pcg is None:
         return (None, INF, r.reason or "no plan", None, None)
-    mapping = TunedMapping(r, run.n_dev, run.m.device.memory_bytes)
+    mapping = TunedMapping(r, run.n_dev, run.m.device.usable_bytes)
     note = r.config.label() if r.feasible and r.config is not None else (r.reason or "infeasible")
     return (r.pcg, r.cost if r.feasible else INF, note, mapping, r.pipeline)
 
@@ -1016,7 +1016,7 @@ def plan_candidate(run):
         raise OptimizeError(str(e)) from None
     if r.pcg is None:
         raise OptimizeError(f"strategy {run.strategy!r}: no plan on {run.m.name} ({r.reason})")
-    mapping = TunedMapping(r, run.n_dev, run.m.device.memory_bytes)
+    mapping = TunedMapping(r, run.n_dev, run.m.device.usable_bytes)
     run.stats = {"chosen": f"{run.strategy} tuned: {r.config.label()}",
                  f"{run.strategy}_config": r.config.to_json(), "tuned": r.summary()}
     return PlanCandidate(f"{run.strategy} tuned", r.pcg, r.cost, (), by_rules=False, mapping=mapping,

@@ -60,6 +60,18 @@ class DeviceSpec:
     # measured kernel times per operator class and math mode: "<class>/<mode>" -> ((work, seconds), ...)
     # sorted by work (FLOPs for compute classes, bytes for memory-bound ones; search.cost.kernel_work)
     kernel_tables: Mapping[str, tuple] = field(default_factory=dict)
+    # the headroom a plan must leave: the memory a plan may fill is ``usable_bytes`` =
+    # ``memory_bytes * usable_fraction - reserved_bytes`` (the runtime's own memory -- CUDA context, library
+    # workspaces -- and the caching allocator's fragmentation); GPU presets: GPU_USABLE_FRACTION (and
+    # GPU_RESERVED_BYTES), CPU processes (``local``) and machine files without the fields: none
+    reserved_bytes: int = 0
+    usable_fraction: float = 1.0
+
+    @property
+    def usable_bytes(self) -> int:
+        """Bytes a plan may fill on one device: the capacity less the runtime's reserve (the one number every
+        memory feasibility check compares against)."""
+        return int(self.memory_bytes * self.usable_fraction) - int(self.reserved_bytes)
 
     def overhead(self, kind: str, backward: bool = False) -> float:
         o = dict(self.overheads)
@@ -165,7 +177,9 @@ class MachineSpec:
                                     dict(d.get("efficiency", {"default": 1.0})), float(d.get("op_overhead", 0.0)),
                                     float(d.get("update_overhead", 0.0)), dict(d.get("overheads", {})),
                                     _peaks(d.get("peaks", {}), f"machine {self.name!r} meta.worlds"),
-                                    _tables(d.get("kernel_tables", {}), f"machine {self.name!r} meta.worlds"))
+                                    _tables(d.get("kernel_tables", {}), f"machine {self.name!r} meta.worlds"),
+                                    int(d.get("reserved_bytes", self.device.reserved_bytes)),
+                                    float(d.get("usable_fraction", self.device.usable_fraction)))
                 meta.update(device_world=int(k), sync=dict(rec.get("sync", {})))
                 for key in ("solo_speedup", "contention"):     # measured with this world (calibrate)
                     if rec.get(key) is not None:
@@ -350,7 +364,8 @@ class MachineSpec:
             if not isinstance(dev, dict):
                 raise MachineError(f"{source}: field 'device' must be an object")
             bad = set(dev) - {"peak_flops", "mem_bandwidth", "memory_bytes", "efficiency", "op_overhead",
-                              "update_overhead", "overheads", "peaks", "kernel_tables"}
+                              "update_overhead", "overheads", "peaks", "kernel_tables", "reserved_bytes",
+                              "usable_fraction"}
             if bad:
                 raise MachineError(f"{source}: unknown device field(s) {', '.join(sorted(bad))}")
             eff = dev.get("efficiency", {"default": 1.0})
@@ -361,7 +376,9 @@ class MachineSpec:
                                 {str(k): _num(eff, k, source) for k in eff},
                                 _num(dev, "op_overhead", source, 0.0), _num(dev, "update_overhead", source, 0.0),
                                 _overheads(dev.get("overheads", {}), source),
-                                _peaks(dev.get("peaks", {}), source), _tables(dev.get("kernel_tables", {}), source))
+                                _peaks(dev.get("peaks", {}), source), _tables(dev.get("kernel_tables", {}), source),
+                                _bytes_field(dev, "reserved_bytes", source),
+                                _num(dev, "usable_fraction", source, 1.0))
             links_obj = obj["links"]
             if not isinstance(links_obj, dict):
                 raise MachineError(f"{source}: field 'links' must be an object")
@@ -410,7 +427,15 @@ class MachineSpec:
     def describe(self) -> str:
         return (f"{self.name}: {self.nodes} node(s) x {self.devices_per_node} device(s) "
                 f"({self.num_devices} devices), {self.flops / 1e12:.3g} TFLOP/s, "
-                f"{self.device.memory_bytes / 2**30:.3g} GiB each")
+                f"{self.device.memory_bytes / 2**30:.3g} GiB each" + self._usable_text())
+
+    def _usable_text(self) -> str:
+        d = self.device
+        if d.usable_bytes == d.memory_bytes:
+            return ""
+        parts = ([f"{d.reserved_bytes / 2**30:.3g} GiB reserved"] if d.reserved_bytes else []) + \
+            ([f"{(1 - d.usable_fraction) * 100:.3g}% kept for the runtime"] if d.usable_fraction < 1 else [])
+        return f" ({d.usable_bytes / 2**30:.3g} GiB usable: {', '.join(parts)})"
 
 
 def _num(obj: Mapping, key: str, source: str, default: float | None = None) -> float:
@@ -509,6 +534,14 @@ def validate(m: MachineSpec) -> None:
     if dict(d.peaks).get("fp32", d.peak_flops) != d.peak_flops:
         raise MachineError(f"machine {m.name!r}: device.peaks['fp32'] differs from device.peak_flops")
     _tables({k: [list(p) for p in v] for k, v in dict(d.kernel_tables).items()}, f"machine {m.name!r}")
+    if not isinstance(d.reserved_bytes, int) or isinstance(d.reserved_bytes, bool) or d.reserved_bytes < 0:
+        raise MachineError(f"machine {m.name!r}: device.reserved_bytes must be an integer >= 0, got "
+                           f"{d.reserved_bytes!r}")
+    if not isinstance(d.usable_fraction, (int, float)) or not 0 < d.usable_fraction <= 1.0:
+        raise MachineError(f"machine {m.name!r}: device.usable_fraction must be in (0, 1], got {d.usable_fraction!r}")
+    if d.usable_bytes <= 0:
+        raise MachineError(f"machine {m.name!r}: device.reserved_bytes ({d.reserved_bytes}) leaves no usable memory "
+                           f"of {d.memory_bytes} bytes")
     if d.op_overhead < 0 or d.update_overhead < 0:
         raise MachineError(f"machine {m.name!r}: device.op_overhead and update_overhead must be >= 0")
     for lv in ("group", "node", "network", "host"):
@@ -536,6 +569,19 @@ def validate(m: MachineSpec) -> None:
 # --- presets ---------------------------------------------------------------------------------------
 
 GiB = 2 ** 30
+#: the share of a GPU's memory a plan may fill (GPU presets): the rest is the runtime's -- the CUDA context
+#: and the libraries' workspaces (cuBLAS, cuDNN, NCCL) beside the caching allocator, and the allocator's
+#: fragmentation (block rounding, segments split between sizes).  A plan predicted at 99.9% of the device
+#: ran out of memory on its second step, one at 90% ran (benchmarks/results/gpu_memory_check.md).  A share,
+#: not a fixed amount, so that a device shrunk to study a plan keeps the same proportions; a machine file
+#: may add a fixed ``reserved_bytes``.  CPU processes (``local``) reserve nothing
+GPU_USABLE_FRACTION = 0.95
+GPU_RESERVED_BYTES = 0
+
+
+def with_gpu_reserve(dev: DeviceSpec) -> DeviceSpec:
+    """``dev`` with the GPU presets' reserve (:data:`GPU_USABLE_FRACTION`, :data:`GPU_RESERVED_BYTES`)."""
+    return replace(dev, reserved_bytes=GPU_RESERVED_BYTES, usable_fraction=GPU_USABLE_FRACTION)
 
 
 def summit(nodes: int = 1, devices_per_node: int = 6) -> MachineSpec:
@@ -548,13 +594,15 @@ def summit(nodes: int = 1, devices_per_node: int = 6) -> MachineSpec:
     https://www.olcf.ornl.gov/olcf-resources/compute-systems/summit/ (node layout, links).
     Measured: nothing (no V100 was at hand).  Taken from the datasheets: the peaks, memory bandwidth and
     capacity, link bandwidths.  Assumed: the per-class efficiencies (matmul 0.7, conv 0.6, default 0.6 of
-    the peak), the 5 us launch overhead per kernel and the link latencies.  Math modes: V100 has no TF32
+    the peak), the 5 us launch overhead per kernel, the link latencies and the share of memory a plan may
+    fill (:data:`GPU_USABLE_FRACTION`).  Math modes: V100 has no TF32
     (``tf32`` runs at the fp32 peak) and no bf16 units: ``bf16`` is priced as what V100 runs for mixed
     precision, fp16 autocast on its tensor cores (125 TFLOP/s, the same 2-byte activations; the loss
     scaler's cost is left out)."""
     dev = DeviceSpec(15.7e12, 900e9, 16 * GiB, {"default": 0.6, "matmul": 0.7, "conv": 0.6,
                                                   "elementwise": 1.0}, 5e-6,
                      peaks={"tf32": 15.7e12, "bf16": 125e12})
+    dev = with_gpu_reserve(dev)
     links = {"group": LinkSpec(50e9, 5e-6), "node": LinkSpec(21e9, 8e-6), "network": LinkSpec(12.5e9, 5e-6),
              "host": LinkSpec(50e9, 10e-6)}          # NVLink 2 between each GPU and its POWER9
     return MachineSpec("summit", nodes, devices_per_node, min(3, devices_per_node), dev, links,
@@ -570,10 +618,12 @@ def dgx_a100(nodes: int = 1, devices_per_node: int = 8) -> MachineSpec:
     figures are with 2:4 sparsity), 2,039 GB/s HBM2e).  Measured: nothing (no A100 was at hand).  Taken
     from the datasheet: the peaks per math mode, memory bandwidth (rounded to 2.0 TB/s) and capacity,
     NVLink 3 / NVSwitch and HDR bandwidths.  Assumed: the per-class efficiencies (matmul 0.75, conv 0.6,
-    default 0.6 of the mode's peak, the same in every mode), the 4 us launch overhead and the latencies."""
+    default 0.6 of the mode's peak, the same in every mode), the 4 us launch overhead, the latencies and the
+    share of memory a plan may fill (:data:`GPU_USABLE_FRACTION`)."""
     dev = DeviceSpec(19.5e12, 2.0e12, 80 * GiB, {"default": 0.6, "matmul": 0.75, "conv": 0.6,
                                                   "elementwise": 1.0}, 4e-6,
                      peaks={"tf32": 156e12, "bf16": 312e12})
+    dev = with_gpu_reserve(dev)
     links = {"group": LinkSpec(300e9, 3e-6), "node": LinkSpec(300e9, 3e-6), "network": LinkSpec(200e9, 5e-6),
              "host": LinkSpec(25e9, 10e-6)}          # PCIe 4.0 x16
     return MachineSpec("dgx-a100", nodes, devices_per_node, devices_per_node, dev, links, overlap_grad_sync=True,
@@ -589,10 +639,12 @@ def h100_datasheet(nodes: int = 1, devices_per_node: int = 8) -> MachineSpec:
     989 / 1,979 with 2:4 sparsity -- 3.35 TB/s HBM3).  Measured: nothing (issue 9's measurements on an
     H100 80 GB, predicted / measured step time 0.29-0.98 in fp32, showed these numbers predict small and
     launch-bound models 2-3x too fast).  Assumed: the per-class efficiencies (matmul 0.75, conv 0.6,
-    default 0.6 of the mode's peak, the same in every mode), the 3 us launch overhead and the latencies."""
+    default 0.6 of the mode's peak, the same in every mode), the 3 us launch overhead, the latencies and the
+    share of memory a plan may fill (:data:`GPU_USABLE_FRACTION`)."""
     dev = DeviceSpec(67e12, 3.35e12, 80 * GiB, {"default": 0.6, "matmul": 0.75, "conv": 0.6,
                                                  "elementwise": 1.0}, 3e-6,
                      peaks={"tf32": 495e12, "bf16": 989e12})
+    dev = with_gpu_reserve(dev)
     links = {"group": LinkSpec(450e9, 2.5e-6), "node": LinkSpec(450e9, 2.5e-6), "network": LinkSpec(400e9, 5e-6),
              "host": LinkSpec(50e9, 10e-6)}          # PCIe 5.0 x16
     return MachineSpec("h100", nodes, devices_per_node, devices_per_node, dev, links, overlap_grad_sync=True,
@@ -612,7 +664,8 @@ def fitted_device(name: str) -> tuple[DeviceSpec, dict] | None:
     with open(path) as f:
         obj = json.load(f)
     base = h100_datasheet(1, 1).to_json()
-    base["device"] = obj["device"]
+    # the reserve for the runtime is the GPU presets' unless the file states its own
+    base["device"] = {**{k: base["device"][k] for k in ("reserved_bytes", "usable_fraction")}, **obj["device"]}
     return MachineSpec.from_json(base, source=path).device, dict(obj.get("meta") or {})
 
 
@@ -628,7 +681,7 @@ def h100(nodes: int = 1, devices_per_node: int = 8) -> MachineSpec:
     the usable memory.  Against measured single-GPU training steps of the zoo at paper size
     (``benchmarks/gpu_cost.py``) the median error is 6-12% per precision.  Assumed: (one GPU measures no
     interconnect) NVLink 4 and NDR bandwidths from the datasheet (:func:`h100_datasheet`) and the link
-    latencies.  Without the fitted file (a trimmed install) the datasheet device is used."""
+    latencies; the share of memory held back for the runtime (:data:`GPU_USABLE_FRACTION`).  Without the fitted file (a trimmed install) the datasheet device is used."""
     m = h100_datasheet(nodes, devices_per_node)
     fitted = fitted_device("h100")
     if fitted is None:

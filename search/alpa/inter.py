@@ -277,7 +277,7 @@ class StageCosts:
     def get(self, k: int, i: int, shape: tuple[int, int], start: int = 0, must: bool = False) -> StageCost:
         n, m = shape
         size = n * m
-        cap = self.machine.device.memory_bytes
+        cap = self.machine.device.usable_bytes
         if self.lower_bound_bytes(k, i) / size > cap:
             return StageCost(INF, reason="weights and optimizer states exceed the sub-mesh's memory")
         if self.mode == "layer_sum" and i > k:
@@ -481,7 +481,7 @@ def alpa_plan(pcg: PCG, machine: MachineSpec, *, optimizer: str = "adam", layers
     shapes = submesh_shapes(machine)
     sizes = [n * m for n, m in shapes]
     T = machine.num_devices
-    cap = machine.device.memory_bytes
+    cap = machine.device.usable_bytes
     B = P.batch_size(pcg)
     ms = _micro_batch_list(B, micro_batches)
     auto = micro_batches is None
@@ -604,7 +604,7 @@ def _price_plan(pcg, gM, info, lay, found, M, machine, mapper, costs: StageCosts
         send_el.append(sum(gM.shape(r).numel for r in refs))
     ev = {"priced": priced, "fwd": fwd, "bwd": bwd, "once": once, "send": send, "mem": mems,
           "memory": {dev: v for mem in mems for dev, v in mem.items()}, "send_elements": send_el}
-    cap = machine.device.memory_bytes
+    cap = machine.device.usable_bytes
     if any(not math.isfinite(x) for x in fwd):
         ev.update(cost=INF, makespan=INF, feasible=False, reason="; ".join(reasons) or "a stage has no plan")
     else:

@@ -1507,7 +1507,7 @@ def solve_intra(g: PCG, machine: MachineSpec, mesh: tuple[int, int], *, start: i
         if n.kind == "parallel":
             raise AlpaError(f"alpa intra-op needs a logical PCG; node {n.label()} is a {n.op}")
     if memory_budget is None:
-        memory_budget = float(machine.device.memory_bytes)
+        memory_budget = float(machine.device.usable_bytes)
     _check_deadline(deadline, "the intra-operator pass")
     prob = IntraProblem(g, machine, (n0, n1), start, optimizer, weight_update_sharding, deadline=deadline,
                         precision=precision, idle=idle)

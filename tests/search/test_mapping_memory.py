@@ -16,8 +16,10 @@ from .test_mapping_join import k_branches
 
 
 def capped(machine: str, capacity: int):
+    """The machine with devices of ``capacity`` bytes, all of it usable (no runtime reserve)."""
     m = parse_machine(machine)
-    return dataclasses.replace(m, device=dataclasses.replace(m.device, memory_bytes=int(capacity)))
+    return dataclasses.replace(m, device=dataclasses.replace(m.device, memory_bytes=int(capacity), usable_fraction=1.0,
+                                                             reserved_bytes=0))
 
 
 def time_optimal_peak(g, machine: str, optimizer="adam") -> tuple[float, int]:

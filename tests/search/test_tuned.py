@@ -212,7 +212,7 @@ def test_sequence_parallelism_is_a_layout_point_of_its_own():
     """Every point with tp > 1 is priced without and with sequence parallelism (the same degrees,
     micro-batch and techniques); with it a device holds less (the residual stream's activations on tp
     sequence shards) and the iteration is no slower (the reduce-scatter and all-gather move what the
-    all-reduce did)."""
+    all-reduce did), but for selective recomputation's re-gathers."""
     g = synthetic_transformer(4, batch=32, seq=128, hidden=256, heads=8)
     m = parse_machine("h100:1x4")
     r = tune(g, MachineMapper(CostModel(m, optimizer="adam")), "megatron")
@@ -231,7 +231,11 @@ def test_sequence_parallelism_is_a_layout_point_of_its_own():
         # never more (a stage's peak may be set by what sequence parallelism does not split, e.g. its weights
         # and gradients at the backward's peak), and less somewhere
         assert v[True]["max_bytes"] <= v[False]["max_bytes"], k
-        assert v[True]["cost"] <= v[False]["cost"] * (1 + 1e-9), k
+        # selective recomputation re-runs the all-gather feeding a recomputed norm under sequence parallelism
+        # (the region keeps the sequence shard: memtech.region_members), which the layout without it does
+        # not: there it may be slower by that communication (a few tenths of a percent here)
+        slack = 0.02 if k[3] == "selective" else 1e-9
+        assert v[True]["cost"] <= v[False]["cost"] * (1 + slack), k
     assert any(v[True]["max_bytes"] < v[False]["max_bytes"] for v in by.values())
     assert not any(q["config"]["sp"] for q in r.priced if q["config"]["tp"] == 1)
 

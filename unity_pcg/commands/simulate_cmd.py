@@ -163,7 +163,7 @@ def _simulate_tuned(g, model_path: str, m, strategy: str, optimizer: str, output
     ev = Evaluator(m, optimizer, precision=precision, techniques=False)
     r = tune(g, ev.mapper, strategy, Deadline.after(budget_s), cheap=ev.cheap)
     r.stats["seconds"] = time.perf_counter() - t0
-    tm = TunedMapping(r, m.num_devices, m.device.memory_bytes)
+    tm = TunedMapping(r, m.num_devices, m.device.usable_bytes)
     out = tm.to_json()
     c = r.config.to_json() if r.config else {}
     out.update({"model": model_path, "machine": m.describe(), "strategy": strategy, "degree": m.num_devices,
