@@ -365,4 +365,4 @@ def test_per_region_recompute_is_never_slower_and_records_its_regions():
     assert any(p["config"]["recompute"] == PER_REGION for p in r.priced)
     if r.config.recompute == PER_REGION and r.cost < base.cost * (1 - 1e-9):
         assert r.memory_plan is not None and r.memory_plan.recompute
-        assert r.max_bytes <= m.device.memory_bytes
+        assert r.max_bytes <= m.device.usable_bytes
