@@ -675,6 +675,7 @@ class _Run:
         self.reached: list = []                       # those reached by rules
         self.others: dict = {}                        # the fixed strategies' floors (_fixed_baselines)
         self.floor_pipes: dict = {}                   # name -> the PipelineResult of a tuned floor (or None)
+        self.tuners: dict = {}                        # name -> the tuned floor's grid walk (search.tuned), resumable
         self.pipe = None                              # the pipeline stage search's result (or None)
         self.pipe_searched = False                    # whether the stage search ran
 
@@ -939,6 +940,7 @@ def _layout_candidates(run: _Run) -> None:
     run.stats["layouts"] = info
     if run.n_dev <= 1:
         return
+    _resume_cut_grids(run, Deadline(bud.now() + max(wall.left(), 0.0) * B.FLOOR_RESUME_SHARE, bud.clock))
     # gradient accumulation first when data parallelism does not fit at the full batch (then no layout is
     # likely to: its activations are the batch's); else after the proposals, when none of them fits either
     early = not _fits_full_batch(run)
@@ -986,6 +988,30 @@ def _layout_candidates(run: _Run) -> None:
         if got is not None:
             rec["missing"] = list(got.missing)[:3] + ([f"... {len(got.missing) - 3} more"] if len(got.missing) > 3 else [])
     run.mark("layouts")
+
+
+def _resume_cut_grids(run: _Run, until: Deadline) -> None:
+    """The tuned floors whose grid walk their share of the floors phase cut (``run.tuners``) walk on until
+    ``until``, the fastest first, sharing the time (:func:`search.tuned.floor` resumes the same walk: nothing
+    priced twice); each is taken where it found a faster point.  A walk goes best-first, so its next points
+    are the most promising of its grid."""
+    from .tuned import floor
+    if until.left() <= 0.05:
+        return
+    prices = {name: oc for name, (_, oc, _, _) in run.others.items()}
+    cut = sorted((prices[n], n) for n in TUNED if n in prices and run.tuners.get(n) is not None
+                 and run.tuners[n].stats.get("cut"))
+    for i, (before, name) in enumerate(cut):       # the fastest first, the time left shared equally
+        left = max(until.left(), 0.0)
+        if left <= 0.05:
+            break
+        own = Deadline(until.clock() + left / (len(cut) - i), until.clock).sooner(until)
+        pg, c, note, r, pipe = floor(run, name, own, cheap=False)
+        run.stats.setdefault("floor_resumed", {})[name] = {"before": before if math.isfinite(before) else None,
+                                                           "after": c if math.isfinite(c) else None}
+        if pg is not None and c < before:
+            run.others[name] = (pg, c, note, r)
+            run.floor_pipes[name] = pipe
 
 
 def _fits_full_batch(run: _Run) -> bool:

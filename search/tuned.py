@@ -26,17 +26,22 @@ configuration for a model and machine, priced in our cost model -- what Mist and
 states sharded, parameters all-gathered for the forward and again for the backward, gradients
 reduce-scattered every micro-batch), with and without recomputation, at every micro-batch size.
 
+Unity's floors (:func:`floor`, not the ``--strategy`` baselines) price one more recompute choice at every
+point, :data:`PER_REGION`: none where it fits, else memtech's fastest none / selective / full per region
+that fits (``memtech.Techniques.choose``), the plan's MemoryPlan recording the regions.
+
 The point ``tp`` = the plain baseline's degree, ``pp = 1``, ``mbs = B / dp``, no technique is exactly
 the plain ``megatron`` baseline (built by :func:`search.baselines.build_strategy`, mapped by the same
 mapper), priced first: the tuned result is never slower than it.  Layout points (``tp, pp, mbs``) need
-a mapping each; the techniques are priced on that mapping (no new mapping).  Under a
-:class:`search.budget.Deadline` every ``(tp, pp)`` pair first prices one micro-batch size (the pairs nearest
-the plain point first: fewest stages, then the tensor degree nearest its own), then a pair that
-has no feasible point yet takes the next step (fewest steps first), else the pair with the best time so far; each pair walks its
-micro-batch sizes from the promising end (pp = 1: the largest first, fewest micro-batches; pp > 1: the
-smallest first, Megatron-LM's usual 1-4), skipping sizes predicted not to fit and stopping once the time
-stops improving (:meth:`_Tuner._step`); the best point priced when the deadline passes is the result
-(``stats["cut"]``).  A model the grid does not apply to (no attention block for Megatron; a
+a mapping each (the DP maps a layout once; its other micro-batch sizes are priced on the same views,
+:class:`ViewReuse`); the techniques are priced on that mapping (no new mapping).  The walk is best-first
+(:meth:`_Tuner._walk`): every pp = 1 pair prices one micro-batch size (the pairs nearest the plain point
+first: the tensor degree nearest its own), then the walk whose next point has the lowest lower bound
+(:meth:`_Tuner._bound`) takes the next step; each pair walks its micro-batch sizes from the promising end
+(pp = 1: the largest first, fewest micro-batches; pp > 1: the smallest first, Megatron-LM's usual 1-4),
+skipping sizes predicted not to fit and stopping once the time stops improving (:meth:`_Tuner._step`);
+the best point priced when a :class:`search.budget.Deadline` passes is the result, and the walk can go on
+from there later (:meth:`_Tuner.resume`; ``stats["cut"]``).  A model the grid does not apply to (no attention block for Megatron; a
 batch no degree divides) raises :class:`TunedError`, one line saying why.
 
 Pipeline points with techniques: each stage's sub-PCG (at the micro-batch size, its own mapping) is
@@ -47,6 +52,7 @@ the activations part times the micro-batches in flight (1F1B).
 """
 from __future__ import annotations
 
+import dataclasses
 import math
 from dataclasses import dataclass, field
 from typing import Any
@@ -60,6 +66,9 @@ from .budget import Deadline, Expired, within
 INF = math.inf
 STRATEGIES = ("megatron", "zero3")
 RECOMPUTE = ("none", "selective", "full")
+#: recompute mode of a point whose regions are chosen one by one (``per_region``: Unity's floors, not the
+#: baselines): memtech's fastest assignment of none / selective / full to each region that fits the device
+PER_REGION = "per-region"
 #: the most of the grid's time the plain Megatron point's DP solve takes (cut: mapped without the DP)
 PLAIN_SHARE = 0.5
 #: a (tp, pp) pair whose best time after two micro-batch sizes is over DROP x the best of all pairs is dropped
@@ -158,9 +167,13 @@ class _Memtech:
     def __init__(self, mod):
         self.m = mod
         self._analysis: dict = {}
+        self._chosen: dict = {}       # (id(graph), zero) -> (graph, the MemoryPlan PER_REGION chose on it)
 
     def plan(self, g: PCG, recompute: str, zero: int, regs=None):
         from unity_pcg.plan import MemoryPlan
+        if recompute == PER_REGION:
+            hit = self._chosen.get((id(g), zero))
+            return hit[1] if hit is not None and hit[0] is g else MemoryPlan(zero=zero)
         if recompute == "none":
             return MemoryPlan(zero=zero)
         regs = self.m.regions(g) if regs is None else regs
@@ -174,6 +187,12 @@ class _Memtech:
                 self._analysis.clear()
             hit = self._analysis[key] = (gc, self.m.Techniques(gc, views, base))
         t = hit[1]
+        if recompute == PER_REGION:      # no recomputation where it fits, else the fastest regions that fit
+            q = t.choose(zero=(zero,), offload=(False,))
+            if len(self._chosen) > 256:
+                self._chosen.clear()
+            self._chosen[(id(gc.g), zero)] = (gc.g, q.memory)
+            return q
         return t.price(self.plan(gc.g, recompute, zero, t.regions))
 
 
@@ -257,6 +276,44 @@ def _split(report) -> tuple:
     return w, max(int(report.per_device[dev]) - w, 0)
 
 
+def layout_key(g: PCG) -> tuple:
+    """The layout of a parallel PCG without its sizes: every node's id, operator, inputs and the parallel
+    degrees of its outputs (the batch, and what a reshape's attributes say of it, left out).  Two graphs with
+    the same key differ only in sizes, so a machine view of one node is a view of the same node in the other."""
+    out = []
+    for nid in g.topo_order():
+        n = g.node(nid)
+        out.append((nid, n.op, tuple(tuple(r) for r in n.inputs),
+                    tuple((s.copy_degree, s.sum_degree) + s.degrees for s in g.shapes(nid))))
+    return tuple(out), tuple(tuple(r) for r in g.outputs)
+
+
+class ViewReuse:
+    """The mapper as the grid's micro-batch points see it: a layout (same :func:`layout_key`, same devices)
+    mapped by the DP once is priced at every other micro-batch size on the views the DP chose for it
+    (``mapper.evaluate``: the exact price of a valid mapping, linear in the graph) instead of solving the DP
+    again; ``stats["reused"]`` counts them.  Everything else is the wrapped mapper's."""
+
+    def __init__(self, mapper, stats: dict):
+        self._m = mapper
+        self._views: dict = {}
+        self._stats = stats
+
+    def __getattr__(self, name):
+        return getattr(self._m, name)
+
+    def optimize(self, g: PCG, resource: Resource | None = None, fixed=None, techniques: bool | None = None):
+        key = (layout_key(g), resource)
+        views = self._views.get(key) if fixed is None else None
+        if views is not None:
+            self._stats["reused"] = self._stats.get("reused", 0) + 1
+            return self._m.evaluate(g, views, techniques=techniques)
+        r = self._m.optimize(g, resource, fixed, techniques)
+        if fixed is None and r is not None and r.views:
+            self._views[key] = dict(r.views)
+        return r
+
+
 @dataclass
 class _Point:
     """One priced technique combination of a layout point."""
@@ -287,17 +344,29 @@ class _Layout:
     name: str = ""                    # accumulate(): the layout's name
     sp: bool = False                  # Megatron-LM's sequence parallelism (a layout of its own)
 
+    def work(self) -> float:
+        """Per device and iteration, the forward and backward with their tensor-parallel transfers, no memory
+        technique, no gradient sync or update (inf: not priced): what a pipeline of the same tensor degree and
+        micro-batch size runs too, split over its stages (:meth:`_Tuner._bound`)."""
+        if self.mapping is not None:
+            b = self.mapping.breakdown
+            return max(b.time - b.sync - b.update, 0.0) if math.isfinite(b.time) else INF
+        if self.ev is not None and self.pp == 1 and self.ev.get("priced"):
+            return self.M * sum(p.t for p in self.ev["priced"])
+        return INF
+
 
 class _Tuner:
     """One grid search: the layout points mapped (:meth:`whole`, :meth:`pipeline`), their technique
     points priced (:meth:`price_layout`), the walks over micro-batch sizes (:meth:`run`), the result."""
 
     def __init__(self, g: PCG, mapper, strategy: str, deadline: Deadline | None, tech, cheap=None,
-                 max_layers: int = MAX_LAYERS, sp: bool = True, grid: bool = True):
+                 max_layers: int = MAX_LAYERS, sp: bool = True, grid: bool = True, per_region: bool = False):
         from .cost import GraphCost
         from .pipeline import batch_size, sequential_layers
         self.g, self.mapper, self.strategy = g, mapper, strategy
         self.sp = sp                      # the grid's sp axis (False: only sp = false points)
+        self.per_region = per_region      # also the PER_REGION recompute (Unity's floors; not the baselines)
         self.grid = grid                  # False: only the first point (the plain one; zero3: one step)
         self.machine: MachineSpec = mapper.machine
         self.deadline = deadline
@@ -312,6 +381,10 @@ class _Tuner:
         self.graphs: dict = {}
         self.stats: dict = {"layers": len(self.layers), "layout_points": 0, "technique_points": 0,
                             "techniques": "memtech" if tech.available else "none (memory techniques off, or search.memtech absent)"}
+        self.reuse = ViewReuse(mapper, self.stats)    # the micro-batch points of a layout: the DP once
+        self.walks: list | None = None    # the (tp, pp) walks (None: not started)
+        self.plain: _Layout | None = None
+        self._pp1_layouts: dict = {}      # tp -> the pp = 1 layouts priced (the pipelines' bounds)
 
     # the layout points --------------------------------------------------------------------------------
     def whole(self, tp: int, plain: bool = False, sp: bool = False) -> _Layout:
@@ -386,7 +459,7 @@ class _Tuner:
         if intra is None:
             intra = megatron_intra(tp, sp=sp) if tp > 1 else default_intra
         with within(self.deadline):
-            ev = _evaluate(gM, self.roles, self.info, self.layers, plan, M, self.mapper, intra, self.machine)
+            ev = _evaluate(gM, self.roles, self.info, self.layers, plan, M, self.reuse, intra, self.machine)
         if not all(math.isfinite(x) for x in ev["fwd"]):
             return _Layout(tp, pp, dp, M, gM=gM, plan=plan, ev=ev, reason=ev["reason"])
         if not ev["feasible"] and not ev["reason"].startswith("out of memory"):
@@ -402,11 +475,21 @@ class _Tuner:
         zs = {"zero3": (3,), "accumulate": (0, 1, 3)}.get(self.strategy, (0, 1))
         if not self.tech.available:
             return [("none", 0)] if self.strategy == "megatron" else []
-        return [(r, z) for z in zs for r in self.tech.recompute]
+        out = [(r, z) for z in zs for r in self.tech.recompute]
+        # per-region recompute where memory binds: with the most sharded states of the grid (they leave the
+        # most room for activations, so the fewest regions recompute)
+        return out + ([(PER_REGION, max(zs))] if self.per_region else [])
 
     def price_layout(self, lay: _Layout, mbs: int) -> list[_Point]:
+        if lay.pp == 1 and not lay.reason and not lay.name:
+            seen = self._pp1_layouts.setdefault(lay.tp, [])
+            if not any(x is lay for x in seen):
+                seen.append(lay)
         out = []
+        fits: set = set()                 # ZeRO stages whose point without recomputation fits
         for rec, z in self.combos():
+            if rec == PER_REGION and z in fits:
+                continue                  # it would choose no recomputation: that point is priced
             cfg = TunedConfig(lay.tp, lay.pp, lay.dp, mbs, lay.M, rec, z == 1, lay.sp, z, lay.name)
             if lay.reason:
                 pt = _Point(cfg, INF, False, lay.reason, 0, {}, lay)
@@ -414,6 +497,8 @@ class _Tuner:
                 pt = self._price_whole(lay, cfg)
             else:
                 pt = self._price_stages(lay, cfg)
+            if rec == "none" and pt.feasible:
+                fits.add(z)
             out.append(pt)
             self.points.append(pt)
             self.priced.append({"config": cfg.to_json(), "cost": pt.cost if math.isfinite(pt.cost) else None,
@@ -507,6 +592,28 @@ class _Tuner:
         return self.deadline is not None and self.deadline.passed()
 
     def run(self) -> None:
+        self.resume(self.deadline)
+
+    def resume(self, deadline: Deadline | None, grid: bool | None = None) -> None:
+        """Walk the grid until ``deadline`` (again: a walk cut by one deadline goes on from where it stopped;
+        ``grid``: see :func:`tune`); ``stats["cut"]`` says whether this deadline cut it."""
+        self.deadline = deadline
+        if grid is not None:
+            self.grid = grid
+        self.stats.pop("cut", None)
+        try:
+            if self.walks is None:
+                self._start()
+            if not self.grid:                 # the first point only: the plain one, else one step
+                if self.plain is None and self.walks and self.walks[0]["n"] == 0:
+                    self._step(self.walks[0], None)
+                return
+            self._walk()
+        except Expired:
+            self.stats["cut"] = True
+
+    def _start(self) -> None:
+        """The (tp, pp) walks, and the plain baseline priced first (megatron)."""
         N, B = self.machine.num_devices, self.B
         walks = []
         for tp, pp in pairs(self.machine, self.strategy, len(self.layers)):
@@ -525,34 +632,64 @@ class _Tuner:
             if not self.tech.available:
                 raise TunedError("strategy 'zero3' needs the memory techniques (search.memtech), off or absent here")
         plain = None
-        try:
-            if self.strategy == "megatron":            # the plain baseline: priced first
-                plain = self.whole(0, plain=True)
-                self.stats["layout_points"] += 1
-                if plain.pcg is None and "applies to Transformers" in plain.reason:
-                    raise TunedError(plain.reason)
-                if plain.pcg is None:             # e.g. heads no degree of a node splits: tp = 1 points remain
-                    self.stats["plain"] = plain.reason
-                    plain = None
-                else:
-                    self.price_layout(plain, B // plain.dp)
-            if plain is not None:
-                self._skip_from(plain, walks)
-                walks.sort(key=lambda w: _closeness(w, plain))
-            if not self.grid:                 # the first point only: the plain one, else one step
-                if plain is None and walks:
-                    self._step(walks[0], None)
-                return
-            for w in walks:                   # every pair once, then the most promising pair next
-                if not w["done"]:
-                    self._step(w, plain)
-            while any(not w["done"] for w in walks):
-                order = {id(w): k for k, w in enumerate(walks)}
-                w = min((w for w in walks if not w["done"]),
-                        key=lambda w: (math.isfinite(w["best"]), w["best"], w["n"], order[id(w)]))
+        if self.strategy == "megatron":            # the plain baseline: priced first
+            plain = self.whole(0, plain=True)
+            self.stats["layout_points"] += 1
+            if plain.pcg is None and "applies to Transformers" in plain.reason:
+                raise TunedError(plain.reason)
+            if plain.pcg is None:             # e.g. heads no degree of a node splits: tp = 1 points remain
+                self.stats["plain"] = plain.reason
+                plain = None
+            else:
+                self.price_layout(plain, B // plain.dp)
+        if plain is not None:
+            self._skip_from(plain, walks)
+            walks.sort(key=lambda w: _closeness(w, plain))
+        self.plain, self.walks = plain, walks
+
+    def _walk(self) -> None:
+        """Best-first over the walks: every pp = 1 pair once (nearest the plain point first), then the walk
+        whose next point has the lowest bound (:meth:`_bound`; none yet: first), fewest stages, then fewest
+        steps first; a walk whose bound is over :data:`DROP` x the best time of the grid is dropped."""
+        walks, plain = self.walks, self.plain
+        for w in walks:
+            if w["pp"] == 1 and w["n"] == 0 and not w["done"]:
                 self._step(w, plain)
-        except Expired:
-            self.stats["cut"] = True
+        order = {id(w): k for k, w in enumerate(walks)}
+        while True:
+            live = [w for w in walks if not w["done"]]
+            if not live:
+                return
+            glob = min((p.cost for p in self.points if p.feasible), default=INF)
+            est = {}
+            for w in live:
+                est[id(w)] = lb = self._bound(w)
+                if math.isfinite(lb) and math.isfinite(glob) and lb > DROP * glob:
+                    w["done"] = True
+                    self.stats["pairs_bounded"] = self.stats.get("pairs_bounded", 0) + 1
+            live = [w for w in live if not w["done"]]
+            if not live:
+                return
+            w = min(live, key=lambda w: (est[id(w)], w["pp"], w["n"], order[id(w)]))
+            self._step(w, plain)
+
+    def _bound(self, w: dict) -> float:
+        """A lower bound on the time of a walk's next point (-inf: none yet).  Per device, a point runs the
+        work of a pp = 1 point of the same tensor degree and micro-batch size (:meth:`_Layout.work`: forward,
+        backward, tensor-parallel transfers; a pipeline's stages split it, and the 1F1B makespan is at least
+        the busiest stage's share), plus recomputation, sync and update; a smaller micro-batch does not run a
+        sample faster, so every pp = 1 point priced at a size >= the next one bounds it (the largest counts;
+        of the sequence-parallel variants of a size, the smaller)."""
+        if w["i"] >= len(w["ms"]):
+            return -INF
+        nxt = w["ms"][w["i"]]
+        at: dict = {}
+        for lay in self._pp1_layouts.get(w["tp"], ()):
+            mbs = self.B // (lay.dp * lay.M)
+            if mbs >= nxt:
+                at[mbs] = min(at.get(mbs, INF), lay.work())
+        got = [v for v in at.values() if math.isfinite(v)]
+        return max(got) if got else -INF
 
     def _skip_from(self, plain: "_Layout", walks: list) -> None:
         """Before the pp = 1 walks start: skip the micro-batch sizes whose activations alone the plain point
@@ -576,6 +713,15 @@ class _Tuner:
                 self.stats["skipped_by_memory"] = self.stats.get("skipped_by_memory", 0) + 1
 
     def _step(self, w: dict, plain: "_Layout | None") -> None:
+        """:meth:`_price_next`; a point the deadline cuts is priced again when the walk resumes."""
+        i, n = w["i"], w["n"]
+        try:
+            self._price_next(w, plain)
+        except Expired:
+            w["i"], w["n"] = i, n
+            raise
+
+    def _price_next(self, w: dict, plain: "_Layout | None") -> None:
         """Price the next micro-batch size of one (tp, pp) walk, then decide where it goes on.  A point's
         bytes on the busiest device split into a part that does not scale with the micro-batch (weights,
         gradients, states) and one that does (activations), which predict every other size's:
@@ -603,16 +749,20 @@ class _Tuner:
             self.stats["layout_points"] += 1
             pts = self.price_layout(lay, mbs)
         else:
-            lay = self.whole(w["tp"]) if (w["pp"] == 1 and M == 1) else self.pipeline(w["tp"], w["pp"], M)
-            self.stats["layout_points"] += 1
-            pts = self.price_layout(lay, mbs)
-            if lay.reason.startswith("tensor degree"):
-                w["i"] = len(w["ms"])
-        if self.sp and self.strategy == "megatron" and w["tp"] > 1 and not any(
-                p.layout.reason.startswith("tensor degree") for p in pts):
-            # sequence parallelism: the same point as a layout of its own
-            lay = self.whole(w["tp"], sp=True) if (w["pp"] == 1 and M == 1) else \
-                self.pipeline(w["tp"], w["pp"], M, sp=True)
+            # sequence parallelism (tp > 1): the same point as a layout of its own, priced first (it keeps
+            # less and moves what the all-reduce did: where a deadline cuts the step, the likelier winner)
+            pts = []
+            for sp in ((True, False) if self.sp and self.strategy == "megatron" and w["tp"] > 1 else (False,)):
+                lay = self.whole(w["tp"], sp=sp) if (w["pp"] == 1 and M == 1) else \
+                    self.pipeline(w["tp"], w["pp"], M, sp=sp)
+                self.stats["layout_points"] += 1
+                pts = pts + self.price_layout(lay, mbs)
+                if lay.reason.startswith("tensor degree"):
+                    w["i"] = len(w["ms"])
+                    break
+        if plain is not None and (w["tp"], w["pp"], M) == (plain.tp, 1, 1) and self.sp and \
+                self.strategy == "megatron" and w["tp"] > 1:
+            lay = self.whole(w["tp"], sp=True)
             self.stats["layout_points"] += 1
             pts = pts + self.price_layout(lay, mbs)
         best = min((p.cost for p in pts), default=INF)
@@ -673,11 +823,21 @@ class _Tuner:
         from .pipeline import assemble
         adj = lay.ev.get("_adjusted", {}).get(best.config)
         ev = dict(lay.ev)
+        if best.config.recompute == PER_REGION and self.tech.available:
+            # each stage's own choice, on the stitched PCG's node ids (assemble maps them)
+            ev["tech"] = (best.config.zero, (PER_REGION,))
+            ev["priced"] = [dataclasses.replace(p, memory_plan=self.tech.plan(p.pcg, PER_REGION, best.config.zero))
+                            for p in ev["priced"]]
         if adj is not None:
             ev.update(fwd=adj["fwd"], bwd=adj["bwd"], once=adj["once"], mem=adj["mem"], memory=adj["memory"],
                       cost=adj["makespan"], makespan=adj["makespan"], feasible=True, reason="")
         res = assemble(self.g, lay.gM, lay.plan, lay.M, ev, self.machine)
-        if res.pcg is not None and self.tech.available and (best.config.recompute != "none" or best.config.zero):
+        if res.pcg is not None and self.tech.available and best.config.recompute == PER_REGION:
+            mem_plan = res.memory_plan
+            if mem_plan is None and best.config.zero:
+                from unity_pcg.plan import MemoryPlan
+                mem_plan = MemoryPlan(zero=best.config.zero)
+        elif res.pcg is not None and self.tech.available and (best.config.recompute != "none" or best.config.zero):
             mem_plan = self._stage_memory_plan(res, best.config)
         feasible = bool(feas) and res.feasible
         return TunedResult(self.strategy, best.config, res.cost if feasible else INF, feasible, why or res.reason,
@@ -796,14 +956,31 @@ class TunedMapping:
                 **({"pipeline": self.stats["pipeline"]} if "pipeline" in self.stats else {})}   # explain's stages
 
 
-def _tuned(run, strategy: str, deadline: Deadline, grid: bool = True, cheap: bool = True) -> TunedResult:
+def _tuned(run, strategy: str, deadline: Deadline, grid: bool = True, cheap: bool = True,
+           per_region: bool = False) -> TunedResult:
     """The tuned baseline ``strategy`` of ``run``'s model under ``deadline`` (optimize(memory_techniques=False):
-    the grid without techniques, as the mapper prices; ``grid``, ``cheap``: see :func:`floor`)."""
+    the grid without techniques, as the mapper prices; ``grid``, ``cheap``: see :func:`floor`).  Where ``run``
+    keeps tuners (``run.tuners``, a dict), the grid walked by an earlier call for ``strategy`` goes on from where
+    that call's deadline cut it (:meth:`_Tuner.resume`; one whose plain point was priced without the DP starts
+    again, so the DP's solve of it continues from the mapper's memo)."""
     import time as _time
     tech = techniques() if getattr(run.ev.mapper, "default_techniques", True) else _NoTechniques()
+    kept = getattr(run, "tuners", None)
+    t = kept.get(strategy) if isinstance(kept, dict) else None
+    if t is not None and t.stats.get("plain_mapping"):
+        t = None
     t0 = _time.perf_counter()
-    r = tune(run.g, run.ev.mapper, strategy, deadline, cheap=run.ev.cheap if cheap else None, tech=tech, grid=grid)
-    r.stats["seconds"] = _time.perf_counter() - t0
+    if t is None:
+        if any(n.kind == "parallel" for n in run.g.nodes()):
+            raise TunedError(f"strategy {strategy!r} needs a logical PCG")
+        t = _Tuner(run.g, run.ev.mapper, strategy, deadline, tech, cheap=None, grid=grid, per_region=per_region)
+        if isinstance(kept, dict):
+            kept[strategy] = t
+    t.cheap = run.ev.cheap if cheap else None
+    t.resume(deadline, grid)
+    t.stats["seconds"] = t.stats.get("seconds", 0.0) + (_time.perf_counter() - t0)
+    r = t.result()
+    r.stats["sp"] = SP_NOTE
     return r
 
 
@@ -814,7 +991,7 @@ def floor(run, strategy: str, deadline: Deadline, grid: bool = True, cheap: bool
     only the grid's first point (the plain one); ``cheap=False``: a plain point whose solve the deadline cuts
     is not priced without the DP (the caller has that price already)."""
     try:
-        r = _tuned(run, strategy, deadline, grid=grid, cheap=cheap)
+        r = _tuned(run, strategy, deadline, grid=grid, cheap=cheap, per_region=True)
     except TunedError as e:
         return (None, INF, str(e), None, None)
     except Expired:

@@ -216,8 +216,12 @@ def test_sequence_parallelism_is_a_layout_point_of_its_own():
     g = synthetic_transformer(4, batch=32, seq=128, hidden=256, heads=8)
     m = parse_machine("h100:1x4")
     r = tune(g, MachineMapper(CostModel(m, optimizer="adam")), "megatron")
+    walked = {(q["config"]["tp"], q["config"]["pp"], q["config"]["micro_batch"], q["config"]["sp"])
+              for q in r.priced if q["config"]["tp"] > 1}
+    assert walked and all((tp, pp, mbs, not sp) in walked for tp, pp, mbs, sp in walked)
+    ex = _exhaustive(g, MachineMapper(CostModel(m, optimizer="adam")))    # the pipelines' points too
     by: dict = {}
-    for q in r.priced:
+    for q in ex.priced:
         c = q["config"]
         if c["tp"] > 1 and q["cost"] is not None:
             by.setdefault((c["tp"], c["pp"], c["micro_batch"], c["recompute"], c["zero"]), {})[c["sp"]] = q
@@ -276,3 +280,89 @@ def test_simulate_megatron_prices_a_point_when_the_budget_cuts_every_solve(tmp_p
                  "--json"]) == 0
     out = json.loads(capsys.readouterr().out)
     assert out["feasible"] and out["predicted_iteration_s"] > 0 and out["tp"] > 1
+
+
+def _exhaustive(g, mapper, **kw):
+    """Every (tp, pp, micro-batch size) point of the megatron grid priced (no walk, no deadline): the best."""
+    from unity_pcg.search.tuned import _Tuner
+    t = _Tuner(g, mapper, "megatron", None, techniques(), **kw)
+    t._start()
+    for w in t.walks:
+        for mbs in w["ms"]:
+            M = t.B // (w["dp"] * mbs)
+            for sp in ((False, True) if w["tp"] > 1 else (False,)):
+                lay = t.whole(w["tp"], sp=sp) if (w["pp"] == 1 and M == 1) else t.pipeline(w["tp"], w["pp"], M, sp=sp)
+                t.price_layout(lay, mbs)
+    return t.result()
+
+
+@pytest.mark.parametrize("preset,mib", [("h100:2x4", None), ("h100:1x4", 60)])
+def test_the_walk_finds_the_exhaustive_grids_best(preset, mib):
+    """The best-first walk (view reuse across micro-batch sizes, pipelines ordered by their bound) returns the
+    best point of the exhaustively priced grid."""
+    g = synthetic_transformer(4, batch=32, seq=128, hidden=512 if mib else 256, heads=8)
+    m = _machine(preset, mib)
+    r = tune(g, MachineMapper(CostModel(m, optimizer="adam")), "megatron")
+    ex = _exhaustive(g, MachineMapper(CostModel(m, optimizer="adam")))
+    assert ex.feasible and r.feasible
+    assert r.cost == pytest.approx(ex.cost, rel=1e-9)
+    assert len(r.priced) < len(ex.priced)          # without pricing every point
+
+
+def test_views_reused_across_micro_batch_sizes_price_as_the_dp():
+    """A layout mapped by the DP at one micro-batch size is priced at another on the same views: the price
+    equals the DP's own solve at that size (these layouts' views do not depend on the batch)."""
+    from unity_pcg.search.pipeline import rebatch
+    from unity_pcg.search.baselines import megatron
+    from unity_pcg.search.tuned import ViewReuse, layout_key
+    g = synthetic_transformer(2, batch=32, seq=128, hidden=256, heads=8)
+    m = parse_machine("h100:2x4")
+    stats: dict = {}
+    vr = ViewReuse(MachineMapper(CostModel(m, optimizer="adam")), stats)
+    pa = megatron(rebatch(g, 32, 8), 8, devices_per_node=2)
+    pb = megatron(rebatch(g, 32, 4), 8, devices_per_node=2)
+    assert layout_key(pa) == layout_key(pb)
+    vr.optimize(pa, techniques=False)
+    got = vr.optimize(pb, techniques=False)
+    assert stats.get("reused") == 1
+    dp = MachineMapper(CostModel(m, optimizer="adam")).optimize(pb, techniques=False)
+    assert got.cost == pytest.approx(dp.cost, rel=1e-9)
+
+
+def test_a_cut_walk_resumes_where_it_stopped():
+    """A walk cut by a deadline and resumed (as optimize's floors resume theirs) ends where an uncut walk ends
+    and prices again only the layout point the deadline cut."""
+    from unity_pcg.search.tuned import _Tuner
+    g = synthetic_transformer(4, batch=32, seq=128, hidden=256, heads=8)
+    m = parse_machine("h100:2x4")
+    full = tune(g, MachineMapper(CostModel(m)), "megatron")
+    cm = _CountingMapper(MachineMapper(CostModel(m)))
+    t = _Tuner(g, cm, "megatron", Deadline(3.0, cm.clock), techniques())
+    t.run()
+    assert t.stats.get("cut")
+    n = len(t.priced)
+    t.resume(Deadline.never(cm.clock))
+    assert not t.stats.get("cut") and len(t.priced) > n
+    r = t.result()
+    assert r.cost == pytest.approx(full.cost, rel=1e-9)
+    keys = [tuple(sorted(p["config"].items())) for p in t.priced]
+    assert len(keys) - len(set(keys)) <= len(t.combos())
+
+
+@needs_memtech
+def test_per_region_recompute_is_never_slower_and_records_its_regions():
+    """The floors' grid (per_region=True) holds every point of the baseline's and a per-region recompute choice
+    at each: its best is never slower; where that choice wins, the plan's MemoryPlan names the regions, a
+    strict subset of the model's (else a uniform mode would have been as good), and the point fits."""
+    from unity_pcg.search.tuned import PER_REGION, _Tuner
+    g = synthetic_transformer(4, batch=32, seq=128, hidden=512, heads=8)
+    m = _machine("h100:1x4", 60)
+    base = tune(g, MachineMapper(CostModel(m, optimizer="adam")), "megatron")
+    t = _Tuner(g, MachineMapper(CostModel(m, optimizer="adam")), "megatron", None, techniques(), per_region=True)
+    t.run()
+    r = t.result()
+    assert r.feasible and r.cost <= base.cost * (1 + 1e-9)
+    assert any(p["config"]["recompute"] == PER_REGION for p in r.priced)
+    if r.config.recompute == PER_REGION and r.cost < base.cost * (1 - 1e-9):
+        assert r.memory_plan is not None and r.memory_plan.recompute
+        assert r.max_bytes <= m.device.usable_bytes
