@@ -1561,45 +1561,35 @@ def _in_stage_order(g: PCG, views: dict, stages: tuple):
             tuple(replace(st, nodes=tuple(new[n] for n in st.nodes)) for st in stages), new)
 
 
-def _megatron_by_rules(pcg: PCG, result: PipelineResult, machine: MachineSpec, book, mapper
+def _megatron_by_rules(pcg: PCG, result: PipelineResult, machine: MachineSpec, book, mapper=None
                        ) -> PipelineResult | None:
     """A plan whose stages :func:`megatron_intra` parallelized (Megatron-LM's layout of
     :mod:`search.baselines`, built by structure), reached by rules: :func:`search.realize.realize` of the
     stitched PCG from the logical ``pcg``, then the cancellations and the outputs trimmed, as every plan --
-    the same plan (stages, devices, views, price) with its rule sequence.  Where the rules write the layout
-    differently (stages data parallel and tensor parallel at once: the rules copy a weight twice, by the
-    data-parallel rule and by a replicate lift, where the hand-built stage copies it once) and ``mapper`` is
-    given: the same stages, devices and micro-batches priced with :func:`megatron_rules_intra` and taken,
-    with its rule sequence, when feasible and predicted no slower; else None (the hand-built plan, no rule
-    sequence)."""
+    the same plan (stages, devices, views, price) with its rule sequence.  Where a stage is data and tensor
+    parallel at once the rules copy a weight twice (the data-parallel rule, then a replicate lift) where the
+    hand-built stage copies it once: :func:`search.substitution.merge_copies_steps` writes those copies as
+    one (``replicate_merge``, proven), so the rule-reached PCG is the hand-built one.  None when the rules
+    do not reach it (the hand-built plan, no rule sequence).  ``mapper`` is unused (kept for callers)."""
     from .realize import realize
-    from .substitution import RuleBook, cancel_steps, trimmed
+    from .substitution import RuleBook, cancel_steps, merge_copies_steps, trimmed
     book = book or RuleBook()
     try:
         r = realize(pcg, result.pcg, book)
     except UnityError:
-        r = None
-    if r is not None and r.complete:
-        g, more = cancel_steps(r.pcg, book)
-        out = _rules_plan(pcg, result, machine, trimmed(g), list(r.steps) + list(more))
-        if out is not None:
-            return out
-    if mapper is None:
         return None
-    meg = result.origin["megatron"]
-    plan = [(st.layers[0], st.layers[1], st.devices[0], len(st.devices)) for st in result.stages]
-    try:
-        twin = evaluate_pipeline(pcg, mapper, plan, result.micro_batches,
-                                 intra=megatron_rules_intra(meg["devices_per_node"], meg["head"], book),
-                                 max_layers=result.origin.get("max_layers", 12), tech=result.origin.get("tech"))
-    except UnityError:
+    if not r.complete:
         return None
-    if not twin.feasible or twin.cost > result.cost * (1 + 1e-9):
-        return None
-    out = by_rules(pcg, twin, machine, book)
+    g, more = cancel_steps(r.pcg, book)
+    steps = list(r.steps) + list(more)
+    out = _rules_plan(pcg, result, machine, trimmed(g), steps)
     if out is not None:
-        out = replace(out, search_s=result.search_s, stats=dict(result.stats, rules_twin_cost_s=twin.cost))
-    return out
+        return out
+    g, merged = merge_copies_steps(g, book)
+    if not merged:
+        return None
+    g, more = cancel_steps(g, book)
+    return _rules_plan(pcg, result, machine, trimmed(g), steps + merged + list(more))
 
 
 #: (canonical segment key, degree, id(rule book)) -> SegmentChoice of data parallelism by rules on it

@@ -301,6 +301,51 @@ def cancel_steps(g: PCG, book: RuleBook, window: Iterable[int] | None = None,
     return g, steps
 
 
+#: copies of copies become one Replicate of the product degree (a proven template)
+MERGE_RULE = "replicate_merge"
+
+
+def _commute_rules(book: RuleBook) -> list[Rule]:
+    """The book's unconstrained ``Partition(Replicate(x, k), d, k) -> Replicate(Partition(x, d, k), k)``
+    rules (found by their patterns, not by name: they are generated)."""
+    out = []
+    for r in book.rules:
+        s, t = r.source.nodes, r.target.nodes
+        if (not r.constraints and [n.op for n in s] == ["Replicate", "Partition"]
+                and [n.op for n in t] == ["Partition", "Replicate"] and s[0].inputs == ("x0",)
+                and t[0].inputs == ("x0",) and not r.name.endswith("~rev")):
+            out.append(r)
+    return out
+
+
+def merge_copies_steps(g: PCG, book: RuleBook) -> tuple[PCG, list[RuleStep]]:
+    """Copies written the way a hand-built layout writes them, by rules: every ``Replicate(Replicate(x, k),
+    j)`` (the inner read only by the outer) becomes ``Replicate(x, k * j)`` (``replicate_merge``), and a weight
+    partitioned after being copied, ``Partition(Replicate(w, k), d, k)``, is copied after being partitioned.
+    Where a stage is data and tensor parallel at once, the data-parallel rule and a replicate lift copy a
+    weight twice (once per degree); Megatron-LM's layout copies it once.  The logical value and every
+    tensor's parallel shape are unchanged (each step a proven rule); (graph, steps)."""
+    steps: list[RuleStep] = []
+    rule = book.by_name.get(MERGE_RULE)
+    if rule is None:
+        return g, steps
+    while True:
+        pairs = {n.a["degree"] * g.node(n.inputs[0][0]).a["degree"] for n in g.nodes()
+                 if n.op == "Replicate" and g.node(n.inputs[0][0]).op == "Replicate"}
+        if not pairs:
+            break
+        n0 = len(steps)
+        for m in sorted(pairs):
+            g = _apply_everywhere(g, rule, m, steps)
+        if len(steps) == n0:
+            break
+    for r in _commute_rules(book):
+        for k in sorted({n.a["degree"] for n in g.nodes() if n.op == "Replicate"}):
+            g = _apply_everywhere(g, r, k, steps, where=lambda h, mt: all(
+                h.node(ref[0]).op == "Weight" for _, ref in mt.inputs))
+    return g, steps
+
+
 def data_parallel_steps(g: PCG, degree: int, book: RuleBook,
                         keep_whole: Callable[[PCG, Any], bool] | None = None, only: set | None = None,
                         siblings: bool = False, final_cancel: bool = True) -> tuple[PCG, list[RuleStep]]:

@@ -86,22 +86,31 @@ def test_rules_layout_costs_what_the_hand_built_one_does(gpt_path, mesh, stages)
     assert [s.devices for s in twin.stages] == [s.devices for s in hand.stages]
 
 
-@pytest.mark.parametrize("stages", [[(0, 8, 0, 4)], [(0, 4, 0, 2), (4, 8, 2, 2)]])
-def test_hand_built_megatron_stages_reached_by_realize(gpt_path, stages):
+@pytest.mark.parametrize("mesh,stages,dp", [((1, 4), [(0, 8, 0, 4)], 1), ((1, 4), [(0, 4, 0, 2), (4, 8, 2, 2)], 1),
+                                           ((2, 2), [(0, 8, 0, 4)], 2), ((2, 2), [(0, 4, 0, 2), (4, 8, 2, 2)], 1),
+                                           ((4, 2), [(0, 4, 0, 4), (4, 8, 4, 4)], 2)])
+def test_hand_built_megatron_stages_reached_by_realize(gpt_path, mesh, stages, dp):
     """Stages tensor parallel inside (megatron_intra: Megatron-LM's layout by structure) are reached by
     realize from the logical model: the hand-built plan itself (same stages, views, price) with a rule
-    sequence that replays on a fresh import, no mapper needed."""
+    sequence that replays on a fresh import, no mapper needed.  Stages data and tensor parallel at once
+    (``dp`` 2) too: the rules' two copies of a weight written as one (``replicate_merge``)."""
     from unity_pcg.onnx_import import load_onnx
 
     def fresh():
         return load_onnx(gpt_path, load_weights=False)
-    m = machine(1, 4)
+    m = machine(*mesh)
     g = fresh()
     hand = evaluate_pipeline(g, CostModel(m, "adam"), stages, 2, intra=megatron_intra(m.devices_per_node))
     assert hand.feasible and hand.origin.get("megatron")
     ruled = by_rules(g, hand, m)
     _check(fresh, hand, ruled, m)
-    assert any(s.rule.startswith("megatron_") or s.rule.startswith("split_") for s in ruled.rules)
+    assert ruled.cost == hand.cost
+    used = {s.rule for s in ruled.rules}
+    assert any(r.startswith("megatron_") or r.startswith("split_") for r in used)
+    assert ("replicate_merge" in used) == (dp > 1)
+    if dp > 1:                      # every weight copied by one Replicate of the stage's degree
+        pg = ruled.pcg
+        assert not any(n.op == "Replicate" and pg.node(n.inputs[0][0]).op == "Replicate" for n in pg.nodes())
 
 
 def test_recorded_sequence_survives_the_plan_file(gpt_path, tmp_path):
