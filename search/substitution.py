@@ -780,5 +780,5 @@ def best_first(start: Sequence[Candidate], expand: Callable[[Candidate], Iterabl
 
 
 __all__ = ["RuleStep", "RuleBook", "ReplayError", "replay", "apply_step", "match_step", "neighbours",
-           "data_parallel_steps", "tensor_parallel_steps", "lift_steps", "dp_rule_missing", "is_table_lookup", "cancel_steps", "normalized_hash", "best_first", "Candidate", "SearchResult",
+           "data_parallel_steps", "merge_copies_steps", "tensor_parallel_steps", "lift_steps", "dp_rule_missing", "is_table_lookup", "cancel_steps", "normalized_hash", "best_first", "Candidate", "SearchResult",
            "SearchStats", "new_ids", "trailing", "trimmed"]
