@@ -230,7 +230,7 @@ def template_rules() -> list[Rule]:
     # them on every device, as the hand-built baseline does; proven from the Embedding_replicate axiom)
     r = rule_of("replicate_lift_Embedding", _rep(op("Embedding", "i", "t")), op("Embedding", _rep("i"), _rep("t")), K)
     rules.append(_with_example(r, {"k": 2}, {"i": S.of((1, 3), dtype="int64"), "t": S.of((5, 4))}, ints=("i",)))
-    # the same for the operators between Megatron's groups (search.pipeline.megatron_rules_intra lifts the
+    # the same for the operators between Megatron's groups (search.realize lifts the
     # Replicate of a group's input up the residual stream, so they run on the tensor-parallel copies as in
     # Megatron-LM, and a Reduce meets its Replicate: one AllReduce)
     r = rule_of("replicate_lift_Add", _rep(op("Add", "x", "y")), op("Add", _rep("x"), _rep("y")), K)
