@@ -70,13 +70,13 @@ parallel shapes agree, else through Reduce / Combine to one piece and the receiv
 Partition / Replicate chain, all placed on the receiving stage's devices).  Node ids grow stage by
 stage, so each stage is contiguous in the PCG's topological order.  :meth:`PipelineResult.to_plan_field`
 is the plan file's ``pipeline`` field (schedule, micro_batches, stages with nodes and devices).
-:func:`by_rules` reaches the same plan by the shipped rules where the stages are data parallel inside
-(the stages are a mapping decision; the PCG inside them is rules), with the sequence to record and replay.
+:func:`by_rules` reaches the same plan by the shipped rules (the stages are a mapping decision; the PCG
+inside them is rules), with the sequence to record and replay: data parallel stages by the dp rules,
+Megatron stages by :func:`search.realize.realize`.
 
-**Intra-stage hooks.**  :func:`default_intra` (data parallel), :func:`megatron_intra` (Megatron-LM's
-tensor parallelism inside the stage with the vocabulary-parallel head, data parallel across, built by hand)
-and :func:`megatron_rules_intra` (the same layout built by the shipped rules: its plans record a rule
-sequence through :func:`by_rules`).
+**Intra-stage hooks.**  :func:`default_intra` (data parallel) and :func:`megatron_intra` (Megatron-LM's
+tensor parallelism inside the stage with the vocabulary-parallel head, data parallel across: the layout
+the stage search prices, reached by rules through :func:`by_rules`).
 """
 from __future__ import annotations
 
@@ -478,89 +478,6 @@ def megatron_intra(devices_per_node: int, head: bool = True, sp: bool = False) -
     if not sp:                     # by_rules: its rule-built twin (none with sequence parallelism)
         hook.megatron = {"devices_per_node": devices_per_node, "head": head}
     return hook
-
-
-_BOOK: list = []
-
-
-def _rule_book():
-    """The shipped rules (loaded once per process, for :func:`megatron_rules_intra`)."""
-    if not _BOOK:
-        from .substitution import RuleBook
-        _BOOK.append(RuleBook())
-    return _BOOK[0]
-
-
-def megatron_rules_intra(devices_per_node: int, head: bool = True, book=None) -> Callable[[PCG, Resource], PCG]:
-    """An ``intra`` hook: Megatron-LM inside the stage built by the shipped rules, so that the plan
-    records a rule sequence (:func:`by_rules`): data parallelism of degree d by rules
-    (``substitution.data_parallel_steps``), then tensor parallelism of degree t = |stage| / d on top
-    (``substitution.tensor_parallel_steps``: the column -> row MLP and attention templates, GPT's masked
-    attention included, and with ``head`` the vocabulary-parallel head), for the largest t dividing
-    ``devices_per_node`` and the stage's devices at which a template applies and the micro-batch
-    divides by d; with ``copies=True`` every Replicate is then lifted up the stage, so the operators
-    between the groups run on the t copies and each group ends in one AllReduce, and the stage's outputs
-    are left on the copies (:func:`_copies_out`): Megatron-LM's layout, priced exactly as
-    :func:`megatron_intra`'s hand-built one on tiny GPT (tests/search/test_rules_pipeline_megatron.py).  10x slower to build than the hand-built hook, so the stage
-    search uses that one and :func:`by_rules` re-prices the chosen plan with this.  A stage no template
-    applies to is data parallel (:func:`default_intra`).  The recipe ({"dp": d, "tp": t, ...}) is kept in
-    the stage PCG's ``meta["intra_rules"]`` for :func:`by_rules`."""
-    from .baselines import _divisors_desc
-    from .substitution import data_parallel_steps, tensor_parallel_steps
-
-    def hook(stage: PCG, resource: Resource) -> PCG:
-        if resource.size > 1 and not any(n.kind == "parallel" for n in stage.nodes()):
-            bk = book or _rule_book()
-            b0 = 0
-            for n in stage.sources("Input"):
-                sh = stage.shapes(n.id)[0]
-                if sh.rank:
-                    b0 = gcd(b0, sh.sizes[0])
-            for tp in _divisors_desc(gcd(devices_per_node, resource.size)):
-                dp = resource.size // tp
-                if dp > 1 and (not b0 or b0 % dp):
-                    continue
-                g, _ = data_parallel_steps(stage, dp, bk) if dp > 1 else (stage, [])
-                g, st = tensor_parallel_steps(g, tp, bk, head=head, copies=True)
-                if any(x.rule.startswith("megatron_") for x in st):
-                    out = _copies_out(g, tp, bk)
-                    out.meta = dict(out.meta, intra_rules={"dp": dp, "tp": tp, "head": head, "copies": True})
-                    return out
-        out = default_intra(stage, resource)
-        if out is stage:
-            out = stage.edit().finish()
-        return _with_meta(out, {"dp": _max_degree(out), "tp": 1, "head": False})
-    hook.__name__ = f"megatron_rules_intra_{devices_per_node}{'_head' if head else ''}"
-    return hook
-
-
-def _copies_out(g: PCG, tp: int, book) -> PCG:
-    """The stage's outputs on the ``tp`` copies, as the next Megatron stage reads them: each output taken
-    before its trailing gathers (``substitution.trimmed``) and, where it is one piece per data-parallel
-    group (not split on features, no partial sums), given the Replicate that the next stage's rules lift
-    up to its input, lifted in turn up this stage's residual stream (``substitution._lift_all``: the
-    Adds run on the copies and the last Reduce meets it as one AllReduce, as Megatron-LM does).
-    :func:`by_rules` reaches the same by lifting the next stage's Replicate across the cut.  An output
-    split on its features (the vocabulary-parallel head's) gets none; a model output in one piece would
-    get one that no next stage lifts, and then :func:`by_rules` does not reach the plan (None)."""
-    from .substitution import _lift_all, trailing
-    e = g.edit()
-    outs = []
-    for r in g.outputs:
-        t = trailing(g, r)
-        sh = g.shape(t)
-        if (g.node(t[0]).kind == "compute" and sh.sum_degree == 1 and sh.copy_degree == 1
-                and all(d == 1 for d in sh.degrees[1:])):
-            t = e.add("Replicate", {"degree": tp}, [t])
-        outs.append(tuple(t))
-    e.set_outputs(outs)
-    e.remove_dead()
-    return _lift_all(e.finish(), book, tp, [], None)
-
-
-def _with_meta(g: PCG, recipe: dict) -> PCG:
-    g.meta = dict(g.meta, intra_rules=recipe)
-    return g
 
 
 def _dp_degree(stage: PCG, size: int) -> int:
@@ -1283,8 +1200,7 @@ def _origin(layers, info: "Cuts", plan, ev: dict, dp_inside: bool) -> dict:
     """The model's node ids of every stage and the data-parallel degree inside it (for :func:`by_rules`)."""
     nodes = [[n for u in range(layers[k][0], layers[i - 1][1]) for n in info.units[u]] for k, i, _, _ in plan]
     degrees = [_max_degree(p.pcg) if p.pcg is not None else 1 for p in ev["priced"]]
-    recipes = [p.pcg.meta.get("intra_rules") if p.pcg is not None else None for p in ev["priced"]]
-    return {"stage_nodes": nodes, "degrees": degrees, "dp_inside": dp_inside, "recipes": recipes}
+    return {"stage_nodes": nodes, "degrees": degrees, "dp_inside": dp_inside}
 
 
 def assemble(pcg: PCG, gM: PCG, plan, M: int, ev: dict, machine: MachineSpec, stitch: bool = True
@@ -1448,11 +1364,10 @@ def by_rules(pcg: PCG, result: PipelineResult, machine: MachineSpec, book=None, 
     result is the rule-reached PCG, the stitched plan's views and stage nodes carried over node by node
     (matched by structural hash with parallel dims counted from the front: the hand-built stages and
     the rules write them differently), and ``rules`` the sequence (replayed on a fresh import it gives
-    the plan's structural hash).  Stages built by :func:`megatron_rules_intra` repeat their recipe
-    (``origin["recipes"]``: data parallelism of degree d by rules, then
-    ``substitution.tensor_parallel_steps(copies=True)`` at degree t, restricted to the stage's nodes and the
-    nodes those steps add).  Stages built by :func:`megatron_intra` (Megatron-LM's layout by structure)
-    are reached by :func:`search.realize.realize` (:func:`_megatron_by_rules`).  None when the plan was not
+    the plan's structural hash).  Stages built by :func:`megatron_intra` (Megatron-LM's layout by structure,
+    tensor parallel and possibly data parallel too) are reached by :func:`search.realize.realize`
+    (:func:`_megatron_by_rules`), the one way Megatron is built by rules.  ``mapper`` is unused (kept for
+    callers).  None when the plan was not
     stitched, or the rules do not reach the stitched PCG (or its stages would not be contiguous in the
     rule-reached PCG's topological order)."""
     info = result.origin
@@ -1460,44 +1375,22 @@ def by_rules(pcg: PCG, result: PipelineResult, machine: MachineSpec, book=None, 
         return None
     if info.get("megatron"):
         return _megatron_by_rules(pcg, result, machine, book, mapper)
-    recipes = info.get("recipes") or []
-    if not info.get("dp_inside") and (not recipes or any(r is None for r in recipes)):
+    if not info.get("dp_inside") or any(n.kind == "parallel" for n in pcg.nodes()):
         return None
-    if any(n.kind == "parallel" for n in pcg.nodes()):
-        return None
-    from .substitution import RuleBook, cancel_steps, tensor_parallel_steps, trimmed
+    from .substitution import RuleBook, cancel_steps, trimmed
     book = book or RuleBook()
-    if info.get("dp_inside"):
-        # data parallelism inside every stage: built segment by segment and stitched (linear in the
-        # model), checked against the stitched plan like the whole-graph sequence below
-        fast = _dp_by_segments(pcg, info["stage_nodes"], info["degrees"], book)
-        if fast is not None:
-            out = _rules_plan(pcg, result, machine, trimmed(fast[0]), fast[1])
-            if out is not None:
-                return out
+    # data parallelism inside every stage: built segment by segment and stitched (linear in the model),
+    # checked against the stitched plan like the whole-graph sequence below
+    fast = _dp_by_segments(pcg, info["stage_nodes"], info["degrees"], book)
+    if fast is not None:
+        out = _rules_plan(pcg, result, machine, trimmed(fast[0]), fast[1])
+        if out is not None:
+            return out
     g, steps = pcg, []
-    tp_nodes: set = set()            # the nodes of the Megatron stages (and those their steps add)
-    for k, (nodes, d) in enumerate(zip(info["stage_nodes"], info["degrees"])):
-        rec = recipes[k] if not info.get("dp_inside") else None
-        if rec is not None:          # Megatron by rules inside the stage (megatron_rules_intra)
-            before = set(g.node_ids())
-            if rec["dp"] > 1:
-                g, st = _dp_steps_on(g, set(nodes), rec["dp"], book)
-                steps.extend(st)
-            if rec["tp"] > 1:
-                within = set(nodes) | (set(g.node_ids()) - before)
-                g, st = tensor_parallel_steps(g, rec["tp"], book, within=within, head=rec.get("head", False),
-                                              copies=rec.get("copies", False))
-                steps.extend(st)
-                tp_nodes |= within
-        elif d > 1:
+    for nodes, d in zip(info["stage_nodes"], info["degrees"]):
+        if d > 1:
             g, st = _dp_steps_on(g, set(nodes), d, book)
             steps.extend(st)
-    if any(r is not None and r["tp"] > 1 for r in recipes) and not info.get("dp_inside"):
-        # a Megatron stage's Replicate at its input lifted across the cut into the stage before (its
-        # outputs on the copies, see _copies_out)
-        from .substitution import _lift_all
-        g = _lift_all(g, book, 2, steps, tp_nodes)
     g, more = cancel_steps(g, book)
     steps.extend(more)
     return _rules_plan(pcg, result, machine, trimmed(g), steps)
@@ -1561,45 +1454,35 @@ def _in_stage_order(g: PCG, views: dict, stages: tuple):
             tuple(replace(st, nodes=tuple(new[n] for n in st.nodes)) for st in stages), new)
 
 
-def _megatron_by_rules(pcg: PCG, result: PipelineResult, machine: MachineSpec, book, mapper
+def _megatron_by_rules(pcg: PCG, result: PipelineResult, machine: MachineSpec, book, mapper=None
                        ) -> PipelineResult | None:
     """A plan whose stages :func:`megatron_intra` parallelized (Megatron-LM's layout of
     :mod:`search.baselines`, built by structure), reached by rules: :func:`search.realize.realize` of the
     stitched PCG from the logical ``pcg``, then the cancellations and the outputs trimmed, as every plan --
-    the same plan (stages, devices, views, price) with its rule sequence.  Where the rules write the layout
-    differently (stages data parallel and tensor parallel at once: the rules copy a weight twice, by the
-    data-parallel rule and by a replicate lift, where the hand-built stage copies it once) and ``mapper`` is
-    given: the same stages, devices and micro-batches priced with :func:`megatron_rules_intra` and taken,
-    with its rule sequence, when feasible and predicted no slower; else None (the hand-built plan, no rule
-    sequence)."""
+    the same plan (stages, devices, views, price) with its rule sequence.  Where a stage is data and tensor
+    parallel at once the rules copy a weight twice (the data-parallel rule, then a replicate lift) where the
+    hand-built stage copies it once: :func:`search.substitution.merge_copies_steps` writes those copies as
+    one (``replicate_merge``, proven), so the rule-reached PCG is the hand-built one.  None when the rules
+    do not reach it (the hand-built plan, no rule sequence).  ``mapper`` is unused (kept for callers)."""
     from .realize import realize
-    from .substitution import RuleBook, cancel_steps, trimmed
+    from .substitution import RuleBook, cancel_steps, merge_copies_steps, trimmed
     book = book or RuleBook()
     try:
         r = realize(pcg, result.pcg, book)
     except UnityError:
-        r = None
-    if r is not None and r.complete:
-        g, more = cancel_steps(r.pcg, book)
-        out = _rules_plan(pcg, result, machine, trimmed(g), list(r.steps) + list(more))
-        if out is not None:
-            return out
-    if mapper is None:
         return None
-    meg = result.origin["megatron"]
-    plan = [(st.layers[0], st.layers[1], st.devices[0], len(st.devices)) for st in result.stages]
-    try:
-        twin = evaluate_pipeline(pcg, mapper, plan, result.micro_batches,
-                                 intra=megatron_rules_intra(meg["devices_per_node"], meg["head"], book),
-                                 max_layers=result.origin.get("max_layers", 12), tech=result.origin.get("tech"))
-    except UnityError:
+    if not r.complete:
         return None
-    if not twin.feasible or twin.cost > result.cost * (1 + 1e-9):
-        return None
-    out = by_rules(pcg, twin, machine, book)
+    g, more = cancel_steps(r.pcg, book)
+    steps = list(r.steps) + list(more)
+    out = _rules_plan(pcg, result, machine, trimmed(g), steps)
     if out is not None:
-        out = replace(out, search_s=result.search_s, stats=dict(result.stats, rules_twin_cost_s=twin.cost))
-    return out
+        return out
+    g, merged = merge_copies_steps(g, book)
+    if not merged:
+        return None
+    g, more = cancel_steps(g, book)
+    return _rules_plan(pcg, result, machine, trimmed(g), steps + merged + list(more))
 
 
 #: (canonical segment key, degree, id(rule book)) -> SegmentChoice of data parallelism by rules on it

@@ -301,6 +301,51 @@ def cancel_steps(g: PCG, book: RuleBook, window: Iterable[int] | None = None,
     return g, steps
 
 
+#: copies of copies become one Replicate of the product degree (a proven template)
+MERGE_RULE = "replicate_merge"
+
+
+def _commute_rules(book: RuleBook) -> list[Rule]:
+    """The book's unconstrained ``Partition(Replicate(x, k), d, k) -> Replicate(Partition(x, d, k), k)``
+    rules (found by their patterns, not by name: they are generated)."""
+    out = []
+    for r in book.rules:
+        s, t = r.source.nodes, r.target.nodes
+        if (not r.constraints and [n.op for n in s] == ["Replicate", "Partition"]
+                and [n.op for n in t] == ["Partition", "Replicate"] and s[0].inputs == ("x0",)
+                and t[0].inputs == ("x0",) and not r.name.endswith("~rev")):
+            out.append(r)
+    return out
+
+
+def merge_copies_steps(g: PCG, book: RuleBook) -> tuple[PCG, list[RuleStep]]:
+    """Copies written the way a hand-built layout writes them, by rules: every ``Replicate(Replicate(x, k),
+    j)`` (the inner read only by the outer) becomes ``Replicate(x, k * j)`` (``replicate_merge``), and a weight
+    partitioned after being copied, ``Partition(Replicate(w, k), d, k)``, is copied after being partitioned.
+    Where a stage is data and tensor parallel at once, the data-parallel rule and a replicate lift copy a
+    weight twice (once per degree); Megatron-LM's layout copies it once.  The logical value and every
+    tensor's parallel shape are unchanged (each step a proven rule); (graph, steps)."""
+    steps: list[RuleStep] = []
+    rule = book.by_name.get(MERGE_RULE)
+    if rule is None:
+        return g, steps
+    while True:
+        pairs = {n.a["degree"] * g.node(n.inputs[0][0]).a["degree"] for n in g.nodes()
+                 if n.op == "Replicate" and g.node(n.inputs[0][0]).op == "Replicate"}
+        if not pairs:
+            break
+        n0 = len(steps)
+        for m in sorted(pairs):
+            g = _apply_everywhere(g, rule, m, steps)
+        if len(steps) == n0:
+            break
+    for r in _commute_rules(book):
+        for k in sorted({n.a["degree"] for n in g.nodes() if n.op == "Replicate"}):
+            g = _apply_everywhere(g, r, k, steps, where=lambda h, mt: all(
+                h.node(ref[0]).op == "Weight" for _, ref in mt.inputs))
+    return g, steps
+
+
 def data_parallel_steps(g: PCG, degree: int, book: RuleBook,
                         keep_whole: Callable[[PCG, Any], bool] | None = None, only: set | None = None,
                         siblings: bool = False, final_cancel: bool = True) -> tuple[PCG, list[RuleStep]]:
@@ -379,34 +424,6 @@ def is_table_lookup(g: PCG, n) -> bool:
         and g.shape(n.inputs[1]).dtype in ("float32", "float16", "bfloat16", "float64")
 
 
-TP_RULE_PREFIXES = ("megatron_mlp_column_", "megatron_attention_block", "megatron_embedding_column",
-                    "megatron_embedding_bag_column")
-TP_RULE_PREFIX = TP_RULE_PREFIXES[0]
-
-
-def _concat_lift_rules(book: "RuleBook") -> list[Rule]:
-    """``replicate_lift_Concat`` and ``replicate_lift_Concat_<n>`` (a Replicate lifted into every input of a join)."""
-    got = book.__dict__.get("_concat_lifts")
-    if got is None:
-        got = book._concat_lifts = [r for n, r in book.by_name.items()
-                                    if n.startswith("replicate_lift_Concat") and "~" not in n]
-    return got
-
-
-def _unary_lift_rules(book: "RuleBook") -> list[Rule]:
-    """Rules ``Replicate(u(x)) -> u(Replicate(x))`` for an element-wise unary ``u``, found by their
-    patterns (the generated rules' names carry a hash)."""
-    got = book.__dict__.get("_unary_lifts")
-    if got is not None:
-        return got
-    out = book._unary_lifts = []
-    for r in book.rules:
-        s, t = [n.op for n in r.source.nodes], [n.op for n in r.target.nodes]
-        if len(s) == 2 and s[1] == "Replicate" and t == ["Replicate", s[0]] and s[0] in ("Relu", "Gelu"):
-            out.append(r)
-    return out
-
-
 def _apply_everywhere(g: PCG, rule: Rule, degree: int, steps: list, fresh: Sequence[str] | bool = (),
                       within: set | None = None, where: Callable[[PCG, Match], bool] | None = None) -> PCG:
     """Apply ``rule`` (free degrees bound to ``degree``) at its first valid match until none is left;
@@ -432,155 +449,6 @@ def _apply_everywhere(g: PCG, rule: Rule, degree: int, steps: list, fresh: Seque
                 break
         else:
             return g
-
-
-#: the vocabulary-parallel head of Megatron-LM: a Linear whose output is a model output, split on its output
-#: features (the Combine it ends in is trimmed with the outputs: the loss is computed where each piece lives);
-#: with its bias (BERT's pooler) the second
-HEAD_RULE = "megatron_column_linear"
-HEAD_RULES = (HEAD_RULE, "megatron_column_linear_bias")
-#: ``U(Combine(x)) -> Combine(U(x))`` for an element-wise unary ``U``: a head's activation (BERT's pooler
-#: Tanh) on the column pieces, the Combine then trailing the model output
-SINK_PREFIX = "combine_sink_"
-
-
-def _head_nodes(g: PCG, unary: frozenset) -> tuple[set, set]:
-    """(head Linears, their activations): a Linear whose output reaches a graph output through element-wise
-    unary operators of ``unary`` and parallel operators only, each read by nothing else."""
-    linears, acts = set(), set()
-    for r in g.outputs:
-        t = trailing(g, r)
-        chain = []
-        while True:
-            n = g.node(t[0])
-            if n.kind == "compute" and n.op in unary and len(n.inputs) == 1:
-                chain.append(n.id)
-            elif n.kind != "parallel":
-                break
-            t = tuple(n.inputs[0])
-            if len(g.consumers(t)) != 1:
-                break
-        n = g.node(t[0])
-        if n.op == "Linear" and len(g.consumers(t)) <= 1:
-            linears.add(n.id)
-            acts.update(chain)
-    return linears, acts
-
-
-def _head_steps(g: PCG, degree: int, book: RuleBook, steps: list, within: set | None) -> PCG:
-    """The model heads column-parallel (Megatron-LM's vocabulary-parallel head; a pooler with its bias and
-    activation): :data:`HEAD_RULES` on every head Linear (:func:`_head_nodes`) with an unsplit weight, then
-    its activations moved before the Combine (``combine_sink_<U>``) so that the Combine trails the output
-    (trimmed) and the head's input is a Replicate that ``_lift_all`` can lift up the residual stream."""
-    sinks = {n[len(SINK_PREFIX):]: r for n, r in book.by_name.items() if n.startswith(SINK_PREFIX) and "~" not in n}
-    unary = frozenset(sinks)
-    for name in HEAD_RULES:
-        hr = book.by_name.get(name)
-        if hr is not None:
-            g = _apply_everywhere(g, hr, degree, steps, fresh=True, within=within,
-                                  where=lambda gg, m: any(n in _head_nodes(gg, unary)[0] for n in m.nodes))
-    # only the sinks of the activations the heads have (each rule applied scans the graph), until the Combines
-    # trail every chain (a chain of two activations needs the one next to the Combine first)
-    while True:
-        n0 = len(steps)
-        for op in sorted({g.node(n).op for n in _head_nodes(g, unary)[1]}):
-            g = _apply_everywhere(g, sinks[op], degree, steps, within=within,
-                                  where=lambda gg, m: any(n in _head_nodes(gg, unary)[1] for n in m.nodes))
-        if len(steps) == n0:
-            return g
-
-
-def _lift_all(g: PCG, book: RuleBook, degree: int, steps: list, within: set | None) -> PCG:
-    """Lift every Replicate as far up as a ``replicate_lift_<Op>`` rule (or an element-wise unary lift)
-    takes it, merging the copies of a tensor as they meet (``replicate_cse``) and fusing a Reduce met
-    by its Replicate into an AllReduce, until nothing changes: Megatron-LM's layout, where the operators
-    between the tensor-parallel groups run on the copies and each group ends in one AllReduce.
-
-    A worklist of Replicates (every one of these rules ends in a Replicate), the lowest first: a lift
-    cascades up from a model head; after each step only the Replicates it created (or its cancellations
-    merged) are looked at again, and the cancellations only around it, so the whole graph is not scanned
-    once per step (BERT-Large: ~300 steps on ~3,000 operators)."""
-    lifts = _lift_rules(book) + _unary_lift_rules(book)
-    fuse = book.by_name.get("reduce_replicate_allreduce")
-    rules = lifts + ([fuse] if fuse is not None else [])
-
-    def replicates(gg: PCG, ids) -> list[int]:
-        return [i for i in ids if i in gg and gg.node(i).op == "Replicate" and (within is None or i in within)]
-    todo = replicates(g, g.topo_order())
-    while True:
-        while todo:
-            rid = todo.pop()
-            if rid not in g or g.node(rid).op != "Replicate":
-                continue
-            idx = _window_index(g, [rid])
-            for r in rules:
-                g2 = m = None
-                for m in iter_matches(r, g, idx, None, (degree,)):
-                    if within is not None and not all(n in within for n in m.nodes):
-                        continue
-                    g2 = try_apply(g, m)
-                    if g2 is not None:
-                        break
-                if g2 is None:
-                    continue
-                steps.append(RuleStep.of(m))
-                fresh = set(new_ids(g, g2))
-                if within is not None:
-                    within |= fresh
-                g3, more = cancel_steps(g2, book, _around(g2, fresh))
-                steps.extend(more)
-                merged = set(new_ids(g2, g3))
-                if within is not None:
-                    within |= merged
-                g = g3
-                todo.extend(replicates(g, sorted(fresh | merged)))
-                break
-        # the cancellations over the whole graph (or stage), and whatever they let lift
-        g2, more = cancel_steps(g, book, within)
-        if not more:
-            return g
-        steps.extend(more)
-        fresh = set(new_ids(g, g2))
-        if within is not None:
-            within |= fresh
-        g = g2
-        todo = replicates(g, sorted(fresh))
-
-
-def tensor_parallel_steps(g: PCG, degree: int, book: RuleBook, within: set | None = None,
-                          head: bool = False, copies: bool = False, tables: bool = True
-                          ) -> tuple[PCG, list[RuleStep]]:
-    """Megatron tensor parallelism of ``degree`` by rules on top of ``g`` (e.g. a data-parallel seed
-    inside each node, as Alpa's CANDLE-Uno plan): every template of :data:`TP_RULE_PREFIXES`
-    (``megatron_mlp_column_*``, the column-split embedding tables) at every match on unsplit weights, then each Replicate lifted above the activation it follows and every
-    Reduce -> Replicate fused into an AllReduce, then the usual cancellations.  A search seed: the
-    single steps climb a cost hill (one pair alone costs 2-3x the data-parallel seed on CANDLE-Uno,
-    so alpha pruning never lets best-first reach the layout; benchmarks/unity_vs_alpa_diag.py).
-    ``within``: only on these nodes (a pipeline stage's, grown by the nodes the steps add; the
-    cancellations then end in it too); ``head``: also the model heads column-parallel (:func:`_head_steps`: the vocabulary-parallel head
-    of ``search.pipeline.megatron_rules_intra``, a pooler with its bias and activation);
-    ``tables=False``: the embedding tables are not split (Megatron-LM's layout);
-    ``copies``: Megatron-LM's layout (``megatron_rules_intra``): the embedding tables are not split, and
-    every Replicate is then lifted up the graph (:func:`_lift_all`) so the operators between the groups run
-    on the copies and each group ends in one AllReduce.  Returns (g, []) when no template matches."""
-    steps: list[RuleStep] = []
-    prefixes = tuple(p for p in TP_RULE_PREFIXES if (tables and not copies) or "embedding" not in p)
-    for r in book.rules:
-        if r.name.startswith(prefixes) and "~" not in r.name:
-            g = _apply_everywhere(g, r, degree, steps, fresh=True, within=within)
-    if head:
-        g = _head_steps(g, degree, book, steps, within)
-    if not steps:
-        return g, steps
-    if copies:
-        return _lift_all(g, book, degree, steps, within), steps
-    fuse = book.by_name.get("reduce_replicate_allreduce")
-    # a Replicate before the layers after a join lifted into the branches (CANDLE-Uno's towers: each then ends
-    # in one AllReduce, not a Reduce each and one broadcast of the join, as Alpa's plan), then above activations
-    for r in _concat_lift_rules(book) + _unary_lift_rules(book) + ([fuse] if fuse is not None else []):
-        g = _apply_everywhere(g, r, degree, steps, within=within)
-    g, more = cancel_steps(g, book, within)
-    return g, steps + more
 
 
 def normalized_hash(g: PCG) -> str:
@@ -735,5 +603,5 @@ def best_first(start: Sequence[Candidate], expand: Callable[[Candidate], Iterabl
 
 
 __all__ = ["RuleStep", "RuleBook", "ReplayError", "replay", "apply_step", "match_step", "neighbours",
-           "data_parallel_steps", "tensor_parallel_steps", "lift_steps", "dp_rule_missing", "is_table_lookup", "cancel_steps", "normalized_hash", "best_first", "Candidate", "SearchResult",
+           "data_parallel_steps", "merge_copies_steps", "lift_steps", "dp_rule_missing", "is_table_lookup", "cancel_steps", "normalized_hash", "best_first", "Candidate", "SearchResult",
            "SearchStats", "new_ids", "trailing", "trimmed"]

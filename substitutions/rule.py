@@ -9,7 +9,8 @@ Attribute values in a pattern are literals or *variables* written ``"$name"``.  
 dimension index bound counted from the front: 0 is the first dim), ``degree`` (a parallel degree >= 2) or ``attr`` (any value, copied from source to target).  An
 attribute a pattern does not mention must equal its operator's default (so a pattern never silently
 drops a non-default attribute).  ``constraints`` are ``[lhs, op, rhs]`` triples over variables and
-integers (op one of ``== != < <= > >=``), checked at match time and assumed by the verifier.
+integers (op one of ``== != < <= > >=``), checked at match time and assumed by the verifier; a side may
+also be a product ``["*", a, b]`` of variables and integers (degrees that compose: ``replicate_merge``).
 A literal dimension follows Python: ``0`` is the first dim, ``-1`` the last; it matches a graph
 attribute naming the same dim of the operator's first input whatever the rank.
 
@@ -45,6 +46,25 @@ CMP = {"==": operator.eq, "!=": operator.ne, "<": operator.lt, "<=": operator.le
 
 class RuleError(UnityError, ValueError):
     """A malformed rule or rule file."""
+
+
+def is_product(t: Any) -> bool:
+    """A constraint side ``["*", a, b, ..]``: the product of its variables and integers."""
+    return isinstance(t, (list, tuple)) and len(t) > 0 and t[0] == "*"
+
+
+def term_value(t: Any, b: Mapping[str, Any]) -> Any:
+    """A constraint side's value under the bindings ``b`` (KeyError for an unbound variable)."""
+    if is_product(t):
+        out = 1
+        for v in t[1:]:
+            out *= term_value(v, b)
+        return out
+    return b[t[1:]] if is_var(t) else t
+
+
+def _term(t: Any) -> str:
+    return " * ".join(str(v) for v in t[1:]) if is_product(t) else str(t)
 
 
 def is_var(v: Any) -> bool:
@@ -180,9 +200,8 @@ class Rule:
 
     def check_constraints(self, b: Mapping[str, Any]) -> bool:
         for lhs, op, rhs in self.constraints:
-            lv = b[lhs[1:]] if is_var(lhs) else lhs
-            rv = b[rhs[1:]] if is_var(rhs) else rhs
             try:
+                lv, rv = term_value(lhs, b), term_value(rhs, b)
                 if not CMP[op](lv, rv):
                     return False
             except TypeError:
@@ -237,8 +256,11 @@ class Rule:
             if len(c) != 3 or c[1] not in CMP:
                 raise RuleError(f"rule {self.name}: malformed constraint {list(c)}")
             for t in (c[0], c[2]):
-                if is_var(t) and t[1:] not in src_vars | tgt_vars:
-                    raise RuleError(f"rule {self.name}: constraint names unbound variable {t}")
+                if is_product(t) and len(t) < 3:
+                    raise RuleError(f"rule {self.name}: malformed constraint {list(c)}")
+                for v in (t[1:] if is_product(t) else [t]):
+                    if is_var(v) and v[1:] not in src_vars | tgt_vars:
+                        raise RuleError(f"rule {self.name}: constraint names unbound variable {v}")
 
     # --- JSON -----------------------------------------------------------------------------------
     def to_json(self) -> dict:
@@ -254,7 +276,7 @@ class Rule:
             r = Rule(name=str(obj["name"]), inputs=tuple(str(x) for x in obj["inputs"]),
                      source=Pattern.from_json(obj["source"]), target=Pattern.from_json(obj["target"]),
                      vars=tuple(sorted((str(k), str(v)) for k, v in dict(obj.get("vars", {})).items())),
-                     constraints=tuple((c[0], str(c[1]), c[2]) for c in obj.get("constraints", [])),
+                     constraints=tuple((_freeze(c[0]), str(c[1]), _freeze(c[2])) for c in obj.get("constraints", [])),
                      origin=str(obj.get("origin", "generated")),
                      proof=tuple(sorted((str(k), _freeze(v)) for k, v in dict(obj.get("proof", {})).items())),
                      example=json.dumps(obj["example"], sort_keys=True) if obj.get("example") else "")
@@ -287,7 +309,7 @@ class Rule:
         outs = range(len(self.source.outputs))
         s = "; ".join(f"{self.source.expr(i)} => {self.target.expr(i)}" for i in outs)
         if self.constraints:
-            s += "  where " + ", ".join(f"{a} {o} {b}" for a, o, b in self.constraints)
+            s += "  where " + ", ".join(f"{_term(a)} {o} {_term(b)}" for a, o, b in self.constraints)
         return f"{self.name}: {s}"
 
 

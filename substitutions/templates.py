@@ -18,6 +18,9 @@ like every generated rule (rules_cmd / generate re-prove them; none is shipped u
 * ``fig2_matmul_reduction`` (split the contraction dim of MatMul on both inputs -> partial sums -> Reduce);
 * ``linear_relu_fusion`` / ``linear_relu_unfusion`` (and with bias);
 * ``reduce_replicate_allreduce`` / ``allreduce_split``;
+* ``replicate_merge`` (``Replicate(Replicate(x, k), j) -> Replicate(x, k * j)``: copies of copies, as the data-
+  parallel rule and a replicate lift leave on a weight of a stage data and tensor parallel at once; the product
+  degree is chosen at application, the constraint keeps only ``k * j``);
 * ``replicate_lift_Embedding`` (``Replicate(Embedding(i, t)) -> Embedding(Replicate(i), Replicate(t))``: an
   operator over constants computed on every device, where data parallelism cannot partition it),
   ``replicate_lift_Add`` and ``replicate_lift_LayerNorm`` (the operators between Megatron's groups on the
@@ -227,7 +230,7 @@ def template_rules() -> list[Rule]:
     # them on every device, as the hand-built baseline does; proven from the Embedding_replicate axiom)
     r = rule_of("replicate_lift_Embedding", _rep(op("Embedding", "i", "t")), op("Embedding", _rep("i"), _rep("t")), K)
     rules.append(_with_example(r, {"k": 2}, {"i": S.of((1, 3), dtype="int64"), "t": S.of((5, 4))}, ints=("i",)))
-    # the same for the operators between Megatron's groups (search.pipeline.megatron_rules_intra lifts the
+    # the same for the operators between Megatron's groups (search.realize lifts the
     # Replicate of a group's input up the residual stream, so they run on the tensor-parallel copies as in
     # Megatron-LM, and a Reduce meets its Replicate: one AllReduce)
     r = rule_of("replicate_lift_Add", _rep(op("Add", "x", "y")), op("Add", _rep("x"), _rep("y")), K)
@@ -329,6 +332,11 @@ def template_rules() -> list[Rule]:
     ex = {"x": S.of((4, 4), sum_degree=2)}
     rules.append(_with_example(r, {"k": 2}, ex))
     rules.append(_with_example(r.reversed().with_name("allreduce_split"), {"k": 2}, ex))
+
+    # --- copies of copies are copies: one Replicate of the product degree -----------------------------------------
+    r = rule_of("replicate_merge", _rep(_rep("x", "$k"), "$j"), _rep("x", "$m"),
+                {"k": "degree", "j": "degree", "m": "degree"}, [("$m", "==", ("*", "$k", "$j"))])
+    rules.append(_with_example(r, {"k": 2, "j": 2, "m": 4}, x44))
 
     # --- cancelling a Combine/Partition pair (the search builds data parallelism op by op with dp_<Op>
     # and removes the Combine -> Partition pairs left between neighbours) ---------------------------------------

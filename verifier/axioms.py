@@ -287,6 +287,11 @@ _ax("Reduce_Replicate_commute", "reduce_commute", "parallel",
     op("Reduce", op("Replicate", "x", degree="$j"), degree="$k"),
     op("Replicate", op("Reduce", "x", degree="$k"), degree="$j"), {"k": "degree", "j": "degree"},
     bind={"k": 2, "j": 2}, shapes={"x": S.of((4, 4), sum_degree=2)})
+# copies of copies: j copies of each of k copies are j * k copies (degrees compose; ``replicate_merge``)
+_ax("Replicate_compose", "replicate_compose", "parallel",
+    op("Replicate", op("Replicate", "x", degree="$k"), degree="$j"), op("Replicate", "x", degree="$m"),
+    {"k": "degree", "j": "degree", "m": "degree"}, [("$m", "==", ("*", "$k", "$j"))],
+    bind={"k": 2, "j": 2, "m": 4}, shapes=X44)
 _ax("AllReduce_is_Reduce_Replicate", "allreduce", "parallel", op("AllReduce", "x", degree="$k"),
     op("Replicate", op("Reduce", "x", degree="$k"), degree="$k"), {"k": "degree"},
     bind={"k": 2}, shapes={"x": S.of((4, 4), sum_degree=2)})

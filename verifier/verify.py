@@ -100,9 +100,18 @@ class Encoder:
             vals.append(outs)
         return [inputs[o] if isinstance(o, str) else vals[o[0]][o[1]] for o in p.outputs]
 
+    def term(self, t, env) -> z3.ExprRef:
+        """A constraint side: a value, or a product ``["*", a, b, ..]`` of them."""
+        if isinstance(t, (list, tuple)) and t and t[0] == "*":
+            out = self.value(t[1], env)
+            for v in t[2:]:
+                out = out * self.value(v, env)
+            return out
+        return self.value(t, env)
+
     def constraint(self, c, env) -> z3.BoolRef:
         lhs, opn, rhs = c
-        a, b = self.value(lhs, env), self.value(rhs, env)
+        a, b = self.term(lhs, env), self.term(rhs, env)
         return {"==": a == b, "!=": a != b, "<": a < b, "<=": a <= b, ">": a > b, ">=": a >= b}[opn]
 
     def rule_vars(self, r: Rule, prefix: str) -> tuple[dict, dict, list]:

@@ -101,6 +101,43 @@ def test_two_megatron_stages_train_like_one_process(tmp_path, capfd):
     _assert_same(got, ref, saved, ref_w)
 
 
+@pytest.mark.slow
+def test_data_by_tensor_parallel_stages_reached_by_rules_train_like_one_process(tmp_path, capfd):
+    """The tiny GPT on 4 devices as one stage data parallel 2 x tensor parallel 2 (megatron_intra(2)) and as
+    two stages of 2 x 2 on 8 devices, each plan's PCG reached by rules (pipeline.by_rules: realize, the two
+    copies of each weight merged by ``replicate_merge``), written with its rule sequence and run under
+    ``unity-pcg run``: losses and weights of 5 steps equal one process (SGD)."""
+    from unity_pcg import zoo
+    from unity_pcg.machine import parse_machine
+    from unity_pcg.onnx_import import load_onnx
+    from unity_pcg.search.cost import CostModel, GraphCost
+    from unity_pcg.search.pipeline import by_rules, evaluate_pipeline, megatron_intra, sequential_layers
+    from unity_pcg.search.substitution import RuleStep, replay
+    model = str(tmp_path / "gpt.onnx")
+    zoo.export("gpt_350m", model, size="tiny", batch=4)
+    g = load_onnx(model, load_weights=False)
+    for devices in (4, 8):
+        m = parse_machine(f"local:1x{devices}")
+        L = len(sequential_layers(g, GraphCost(g, CostModel(m)).role, 12)[0])
+        stages = [(0, L, 0, 4)] if devices == 4 else [(0, L // 2, 0, 4), (L // 2, L, 4, 4)]
+        hand = evaluate_pipeline(g, CostModel(m), stages, 2, intra=megatron_intra(2))
+        assert hand.feasible
+        ruled = by_rules(g, hand, m)
+        assert ruled is not None and "replicate_merge" in {s.rule for s in ruled.rules}
+        steps = [RuleStep.from_json(s.to_json()) for s in ruled.rules]
+        assert replay(load_onnx(model, load_weights=False), steps, trim_outputs=True).structural_hash() == \
+            ruled.pcg.structural_hash()
+        pp = str(tmp_path / f"ruled{devices}.json")
+        P.Plan(model, P.file_sha256(model), m, ruled.pcg, ruled.views, ruled.to_json(), ruled.to_plan_field(),
+               rules=tuple(s.to_json() for s in ruled.rules)).save(pp)
+        pl = P.load(pp)
+        assert any(n.op == "AllReduce" for n in pl.pcg.nodes())
+        (tmp_path / str(devices)).mkdir()
+        got, ref, saved, ref_w = _train(pp, model, tmp_path / str(devices), capfd, "sgd")
+        assert got["nproc"] == devices
+        _assert_same(got, ref, saved, ref_w)
+
+
 def test_vocabulary_parallel_head_and_split_boundary(tmp_path, capfd):
     """A Linear MLP whose stage outputs are column-parallel (Megatron's vocabulary-parallel head, output
     split on the features): stage 0 sends its split output whole (an all-gather inside the stage, whose

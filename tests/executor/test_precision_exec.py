@@ -112,3 +112,54 @@ def test_bf16_two_stage_pipeline_trains_as_one_bf16_process(tmp_path, model, mic
     assert "torch.bfloat16" in sent                    # the first stage ran its matmuls in bf16
     np.testing.assert_allclose(losses, ref["bf16"], rtol=2e-2)
     assert not np.allclose(losses, ref["fp32"], rtol=1e-6, atol=0)   # not the fp32 computation
+
+
+def _recompute_worker(rank: int, world: int, plan_json: dict, model: str, feeds: list, targets: list) -> list:
+    """``_pipeline_worker``'s training, also counting the stage's checkpointed runs (torch.utils.checkpoint)."""
+    import torch.utils.checkpoint as ck
+    calls = [0]
+    real = ck.checkpoint
+
+    def counted(*a, **kw):
+        calls[0] += 1
+        return real(*a, **kw)
+    ck.checkpoint = counted
+    try:
+        losses, _ = _pipeline_worker(rank, world, plan_json, model, feeds, targets)
+    finally:
+        ck.checkpoint = real
+    return [losses, calls[0]]
+
+
+@pytest.mark.parametrize("model,mode", [("mlp", "full"), ("mlp", "selective"), ("gpt", "full"), ("gpt", "selective")])
+def test_bf16_pipeline_with_recompute_in_its_stages_trains_as_one_bf16_process(tmp_path, model, mode):
+    """A bf16 plan of 2 pipeline stages, each stage's compute nodes one recompute region (full: the whole
+    forward again in the backward; selective: Megatron-LM's attention-only form), trains 3 steps of Adam on 2 gloo
+    processes as one bf16 process without recomputation does: the recomputed forward runs under the same
+    autocast as the first one."""
+    from unity_pcg.evaluate import random_feeds
+    from unity_pcg.executor.pipeline import check_pipeline
+    from unity_pcg.executor.train import Trainer
+    from unity_pcg.plan import MemoryPlan, RecomputeRegion
+    path, plan = _bf16_pipeline(tmp_path, model, 2)
+    comp = {n.id for n in plan.pcg.nodes() if n.kind == "compute"}
+    regions = tuple(RecomputeRegion(tuple(n for n in st["nodes"] if n in comp), mode) for st in plan.pipeline["stages"])
+    plan = dataclasses.replace(plan, memory=MemoryPlan(recompute=regions))
+    check_pipeline(plan)
+    g = H.load(path)
+    feeds = [random_feeds(g, seed=50 + i) for i in range(STEPS)]
+    if model == "mlp":
+        rng = np.random.default_rng(5)
+        targets = [rng.standard_normal((8, 8)).astype(np.float32) for _ in range(STEPS)]
+    else:
+        targets = [None] * STEPS
+    ref = {}
+    for prec in ("fp32", "bf16"):
+        t = Trainer(_with_precision(H.logical_plan(g, path), prec), path, optimizer="adam", lr=0.02)
+        ref[prec] = [t.step(feeds[i], targets[i]) for i in range(STEPS)]
+    (losses, n0), (losses1, n1) = H.run_dist(2, _recompute_worker, plan.to_json(), path, feeds, targets)
+    assert losses == losses1
+    assert n0 > 0 and n1 > 0                           # both stages ran checkpointed (recomputed) runs
+    np.testing.assert_allclose(losses, ref["bf16"], rtol=2e-2)
+    # the stages computed in bf16 (a recomputed region keeps only its boundary tensors, which may be float32)
+    assert not np.allclose(losses, ref["fp32"], rtol=1e-6, atol=0)

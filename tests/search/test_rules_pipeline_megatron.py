@@ -1,18 +1,17 @@
-"""Pipelines with Megatron-LM inside their stages, reached by proven rules (issue 7 point 1).
+"""Pipelines with Megatron-LM inside their stages, reached by proven rules (issue 7 point 1, issue 18 point 5).
 
-``pipeline.megatron_rules_intra`` builds each stage's tensor parallelism by rules (data parallelism of degree d,
-then the Megatron templates at t = |stage| / d: GPT's masked attention block, the MLP, the vocabulary-parallel
-head, and every Replicate lifted up the residual stream so the operators between the groups run on the copies);
-``pipeline.by_rules`` repeats each stage's recipe on the whole model restricted to the stage's nodes, and the
-recorded sequence replays on a fresh import to the plan's structural hash.  The hand-built ``megatron_intra``
-layout records no rules (tests/search/test_pipeline_rules.py)."""
+The stage search prices ``pipeline.megatron_intra`` (Megatron-LM's layout, tensor parallel inside a stage and
+data parallel across); ``pipeline.by_rules`` reaches the stitched plan from the logical model by
+``search.realize.realize`` (GPT's masked attention block, the MLP, the vocabulary-parallel head, the residual
+stream on the copies; a stage data and tensor parallel at once has its weights' two copies merged by
+``replicate_merge``), and the recorded sequence replays on a fresh import to the plan's structural hash."""
 import json
 
 import pytest
 
 from unity_pcg.search.cost import CostModel
 from unity_pcg.search.mapping import MachineMapper
-from unity_pcg.search.pipeline import by_rules, evaluate_pipeline, megatron_intra, megatron_rules_intra
+from unity_pcg.search.pipeline import by_rules, evaluate_pipeline, megatron_intra
 from unity_pcg.search.substitution import RuleStep, replay
 
 from .test_pipeline import machine
@@ -29,79 +28,64 @@ def gpt_path(tmp_path_factory):
 
 
 ATTN = "megatron_attention_block_bias_mask"
-# (mesh, stages, (dp, tp) per stage, whether a tensor-parallel stage holds an attention block)
-PLANS = [((1, 4), [(0, 8, 0, 4)], [(1, 4)], True),
-         ((1, 4), [(0, 4, 0, 2), (4, 8, 2, 2)], [(1, 2), (1, 2)], True),
-         ((2, 2), [(0, 8, 0, 4)], [(2, 2)], True),
-         ((1, 4), [(0, 3, 0, 1), (3, 5, 1, 1), (5, 8, 2, 2)], [(1, 1), (1, 1), (1, 2)], False)]
+# (mesh, stages, whether a tensor-parallel stage holds an attention block)
+PLANS = [((1, 4), [(0, 8, 0, 4)], True),
+         ((1, 4), [(0, 4, 0, 2), (4, 8, 2, 2)], True),
+         ((2, 2), [(0, 8, 0, 4)], True),
+         ((1, 4), [(0, 3, 0, 1), (3, 5, 1, 1), (5, 8, 2, 2)], False)]
 
 
-@pytest.mark.parametrize("mesh,stages,recipes,attention", PLANS)
-def test_megatron_stages_by_rules_replay_on_a_fresh_import(gpt_path, mesh, stages, recipes, attention):
+@pytest.mark.parametrize("mesh,stages,attention", PLANS)
+def test_megatron_stages_by_rules_use_the_templates_and_split_the_weights(gpt_path, mesh, stages, attention):
     from unity_pcg.onnx_import import load_onnx
 
     def fresh():
         return load_onnx(gpt_path, load_weights=False)
     m = machine(*mesh)
     g = fresh()
-    res = evaluate_pipeline(g, CostModel(m, "adam"), stages, 2, intra=megatron_rules_intra(m.devices_per_node))
+    res = evaluate_pipeline(g, CostModel(m, "adam"), stages, 2, intra=megatron_intra(m.devices_per_node))
     assert res.feasible
-    assert [(r["dp"], r["tp"]) for r in res.origin["recipes"]] == recipes
     ruled = by_rules(g, res, m)
     _check(fresh, res, ruled, m)
     used = {s.rule for s in ruled.rules}
-    if any(t > 1 for _, t in recipes):
-        assert {"megatron_mlp_column_gelu_row_bias", "megatron_column_linear", "reduce_replicate_allreduce",
-                "replicate_lift_LayerNorm", "replicate_lift_Add"} <= used, used
-        assert (ATTN in used) == attention
-        # the attention and MLP weights are split, not copied, on the tensor-parallel stages
-        pg = ruled.pcg
+    assert "megatron_mlp_column_gelu_row_bias" in used and "replicate_lift_Add" in used, used
+    assert (ATTN in used) == attention
+    # the attention and MLP weights are split, not copied, on the tensor-parallel stages
+    pg = ruled.pcg
 
-        def weight_below(n):
-            while n.kind == "parallel":
-                n = pg.node(n.inputs[0][0])
-            return n.op == "Weight"
-        split = [n for n in pg.nodes() if n.op == "Partition" and weight_below(n)]
-        assert len(split) >= (8 if attention else 4)          # Q/K/V/O + biases, MLP, head
+    def weight_below(n):
+        while n.kind == "parallel":
+            n = pg.node(n.inputs[0][0])
+        return n.op == "Weight"
+    split = [n for n in pg.nodes() if n.op == "Partition" and weight_below(n)]
+    assert len(split) >= (8 if attention else 4)          # Q/K/V/O + biases, MLP, head
 
 
-@pytest.mark.parametrize("mesh,stages", [((1, 4), [(0, 8, 0, 4)]), ((2, 2), [(0, 8, 0, 4)]),
-                                         ((1, 4), [(0, 4, 0, 2), (4, 8, 2, 2)])])
-def test_rules_layout_costs_what_the_hand_built_one_does(gpt_path, mesh, stages):
-    """Megatron-LM's layout by rules is priced as the hand-built megatron_intra: a stage's outputs are left on
-    the copies (the next stage's Replicate lifted across the cut, the last Reduce fused into an AllReduce)."""
-    from unity_pcg.onnx_import import load_onnx
-    g = load_onnx(gpt_path, load_weights=False)
-    m = machine(*mesh)
-    hand = evaluate_pipeline(g, CostModel(m, "adam"), stages, 2, intra=megatron_intra(m.devices_per_node))
-    rules = evaluate_pipeline(g, CostModel(m, "adam"), stages, 2, intra=megatron_rules_intra(m.devices_per_node))
-    assert hand.feasible and rules.feasible
-    assert rules.cost == pytest.approx(hand.cost, rel=1e-9)
-    assert rules.max_memory_bytes == hand.max_memory_bytes
-    assert by_rules(g, rules, m) is not None
-    # given the mapper, by_rules reaches a hand-built Megatron plan by rules (realize towards its layout, or
-    # where the rules write it differently the rules' hook priced on the same stages) and takes it
-    twin = by_rules(g, hand, m, mapper=MachineMapper(CostModel(m, "adam")))
-    assert twin is not None and twin.rules and twin.cost == pytest.approx(hand.cost, rel=1e-9)
-    assert [s.devices for s in twin.stages] == [s.devices for s in hand.stages]
-
-
-@pytest.mark.parametrize("stages", [[(0, 8, 0, 4)], [(0, 4, 0, 2), (4, 8, 2, 2)]])
-def test_hand_built_megatron_stages_reached_by_realize(gpt_path, stages):
+@pytest.mark.parametrize("mesh,stages,dp", [((1, 4), [(0, 8, 0, 4)], 1), ((1, 4), [(0, 4, 0, 2), (4, 8, 2, 2)], 1),
+                                           ((2, 2), [(0, 8, 0, 4)], 2), ((2, 2), [(0, 4, 0, 2), (4, 8, 2, 2)], 1),
+                                           ((4, 2), [(0, 4, 0, 4), (4, 8, 4, 4)], 2)])
+def test_hand_built_megatron_stages_reached_by_realize(gpt_path, mesh, stages, dp):
     """Stages tensor parallel inside (megatron_intra: Megatron-LM's layout by structure) are reached by
     realize from the logical model: the hand-built plan itself (same stages, views, price) with a rule
-    sequence that replays on a fresh import, no mapper needed."""
+    sequence that replays on a fresh import, no mapper needed.  Stages data and tensor parallel at once
+    (``dp`` 2) too: the rules' two copies of a weight written as one (``replicate_merge``)."""
     from unity_pcg.onnx_import import load_onnx
 
     def fresh():
         return load_onnx(gpt_path, load_weights=False)
-    m = machine(1, 4)
+    m = machine(*mesh)
     g = fresh()
     hand = evaluate_pipeline(g, CostModel(m, "adam"), stages, 2, intra=megatron_intra(m.devices_per_node))
     assert hand.feasible and hand.origin.get("megatron")
     ruled = by_rules(g, hand, m)
     _check(fresh, hand, ruled, m)
-    assert any(s.rule.startswith("megatron_") or s.rule.startswith("split_") for s in ruled.rules)
+    assert ruled.cost == hand.cost
+    used = {s.rule for s in ruled.rules}
+    assert any(r.startswith("megatron_") or r.startswith("split_") for r in used)
+    assert ("replicate_merge" in used) == (dp > 1)
+    if dp > 1:                      # every weight copied by one Replicate of the stage's degree
+        pg = ruled.pcg
+        assert not any(n.op == "Replicate" and pg.node(n.inputs[0][0]).op == "Replicate" for n in pg.nodes())
 
 
 def test_recorded_sequence_survives_the_plan_file(gpt_path, tmp_path):
@@ -110,7 +94,7 @@ def test_recorded_sequence_survives_the_plan_file(gpt_path, tmp_path):
     m = machine(2, 2)
     g = load_onnx(gpt_path, load_weights=False)
     res = by_rules(g, evaluate_pipeline(g, CostModel(m, "adam"), [(0, 8, 0, 4)], 2,
-                                        intra=megatron_rules_intra(2)), m)
+                                        intra=megatron_intra(2)), m)
     p = plan_mod.Plan("gpt.onnx", "0" * 64, m, res.pcg, res.views, {}, pipeline=res.to_plan_field(),
                       rules=tuple(s.to_json() for s in res.rules))
     path = tmp_path / "p.json"

@@ -2,7 +2,8 @@
 BERT bias variant) splits the heads of an exported attention layer, ``megatron_embedding_bag_column`` /
 ``megatron_embedding_column`` split DLRM's tables by columns; the rewritten graphs evaluate piecewise equal to the
 imported ones with the exported weights, and the sequences replay.  Sizes are small (the paper sizes are priced in
-benchmarks/megatron_rules.py)."""
+benchmarks/results/megatron_rules.md, from a script since removed with
+``tensor_parallel_steps``: Megatron by rules is now ``search.realize``)."""
 import numpy as np
 import pytest
 
@@ -75,12 +76,13 @@ def test_attention_block_splits_the_heads_of_an_exported_layer(tmp_path, book, d
 
 def test_attention_block_and_mlp_reach_the_figure10_layout(tmp_path, book):
     """Tensor degree 4 on one layer: every projection and both MLP matrices split, two Reduces."""
-    from unity_pcg.search.substitution import tensor_parallel_steps
     path = _layer_onnx(tmp_path)
     g0 = load_onnx(path)
     steps: list = []
     g = _apply_everywhere(g0, book.by_name["megatron_attention_block"], 4, steps, fresh=QKVO)
-    g, more = tensor_parallel_steps(g, 4, book)
+    for r in book.rules:                # the MLP's column -> row templates on its unsplit weights
+        if r.name.startswith("megatron_mlp_column_") and "~" not in r.name:
+            g = _apply_everywhere(g, r, 4, steps, fresh=True)
     shapes = _weight_degrees(g)
     assert len(shapes) == 6 and all(max(s.degrees) == 4 and s.copy_degree == 1 for s in shapes.values()), shapes
     assert sum(1 for n in g.nodes() if n.op in ("Reduce", "AllReduce")) <= 4
