@@ -50,6 +50,8 @@ from dataclasses import dataclass, field
 from itertools import product
 from typing import Any, Mapping, Sequence
 
+import numpy as np
+
 from unity_pcg import ops
 from unity_pcg.machine import MachineView
 from unity_pcg.pcg import PCG
@@ -289,6 +291,8 @@ class _Tensor:
 
 class Techniques:
     """Everything the techniques need about one mapping, computed once (choose prices many plans)."""
+    #: recomputations whose activations (and backward peaks) a Techniques keeps (oldest dropped first)
+    ACT_CACHE = 256
 
     def __init__(self, gc: GraphCost, views: Mapping[int, MachineView], base: Any = None,
                  regs: Sequence[Sequence[int]] | None = None):
@@ -321,9 +325,14 @@ class Techniques:
                 f, b = f * k, c.compute - f * k
             self.fwd[n] = f + c.comm / 2
             self.bwd[n] = b + c.comm / 2
+        nf = len(self.order)        # the compute stream's tasks: forwards, then backwards in reverse
+        self._dur = [self.fwd[n] for n in self.order] + [self.bwd[n] for n in reversed(self.order)]
+        self._bidx = {n: 2 * nf - 1 - self.pos[n] for n in self.order}     # backward task of node n
         self.regions = tuple(tuple(r) for r in (regs if regs is not None else regions(g)))
         self.exec_pos = {n.id: i for i, n in enumerate(g.nodes())}     # the executor's step order
         self._runs_cache: dict = {}
+        self._memo: dict = {}          # per (stage, offload) or ZeRO class: weights, gradients
+        self._act_cache: dict = {}     # per recomputation: activations, the backward's peaks
         self._weights()
         self._tensors()
         self._grad_events()
@@ -557,6 +566,122 @@ class Techniques:
                     cur[d] = cur.get(d, 0) - x
         return peak
 
+    # the backward's walk as arrays: one row per item (device columns), in the walk's order, summed
+    # cumulatively from the forward's end -- the same additions in the same order as backward_peak
+    _PHASE_MADE, _PHASE_FREED, _PHASE_RELEASED = 0, 1, 2
+
+    def _walk_tables(self) -> dict:
+        """What the backward's walk takes from the mapping alone, built once: device columns, the gradient
+        events' rows (:meth:`_grad_events`), every non-fixed tensor's kept rows (at its base fraction, and
+        whole) and the autocast copies' rows, with the steps that free them."""
+        wt = getattr(self, "_wt", None)
+        if wt is not None:
+            return wt
+        devs: set = set(self.base_report.per_device) | set(self.base_report.activations)
+        for t in self.tensors.values():
+            devs |= set(t.per_dev) | set(t.mask_dev)
+        for x in self.weights:
+            devs |= set(x.devices)
+        for b in self.cast_act.values():
+            devs |= set(b)
+        for _, _, b in self.grad_events:
+            devs |= set(b)
+        col = {d: i for i, d in enumerate(sorted(devs, key=repr))}
+        D = len(col)
+
+        def rows(dicts) -> np.ndarray:
+            out = np.zeros((len(dicts), D))
+            for i, b in enumerate(dicts):
+                for d, x in b.items():
+                    out[i, col[d]] = x
+            return out
+        ev = self.grad_events
+        kt = [k for k, t in self.tensors.items() if not t.fixed]
+        wt = self._wt = {
+            "col": col, "D": D, "rows": rows,
+            "ev": rows([b for _, _, b in ev]),
+            "ev_made": np.array([m for m, _, _ in ev], dtype=float),
+            "ev_freed": np.array([f for _, f, _ in ev], dtype=float),
+            "ev_present": np.array([[d in b for d in col] for _, _, b in ev], dtype=bool).any(axis=0)
+            if ev else np.zeros(D, dtype=bool),
+            "kt": kt, "kt_row": {k: i for i, k in enumerate(kt)},
+            "kt_mask": rows([self.tensors[k].mask_dev for k in kt]),
+            "kt_full": rows([self.tensors[k].per_dev for k in kt]),
+            "kt_step": np.array([math.inf if k in self.outs else self.exec_pos[self.tensors[k].producer]
+                                 for k in kt], dtype=float),
+            "cast": list(self.cast_act), "cast_row": {n: i for i, n in enumerate(self.cast_act)},
+            "cast_rows": rows(list(self.cast_act.values())),
+            "cast_step": np.array([self.exec_pos[n] for n in self.cast_act], dtype=float),
+        }
+        return wt
+
+    def _peak(self, a: Mapping[int, float], act: dict, made: Sequence[tuple], base: Mapping[int, float]) -> dict:
+        """:meth:`backward_peak` of ``a``, :meth:`kept_items`, ``made`` (the ``extra`` weight gradients),
+        ``base`` and :meth:`recomputed_items` for the recomputation of ``act`` (:meth:`_activations`),
+        the same sums in the same order: the static rows (gradient events, tensors kept at their base
+        fraction, autocast copies) are built once; a plan changes the rows of the tensors its runs touch."""
+        wt = self._walk_tables()
+        col, D, rows = wt["col"], wt["D"], wt["rows"]
+        if any(d not in col for d in set(a) | set(base)):
+            return self.backward_peak(a, self.kept_items(act["assign"]), made, base, act["recomputed"])
+        assign = act["assign"]
+        runs = self._runs(assign)
+        kept = wt["kt_mask"]
+        casts = wt["cast_rows"]
+        if runs:                       # the tensors the runs touch are kept whole, at their base or not at all
+            kept = kept.copy()
+            for key in self._touched(runs):
+                i = wt["kt_row"].get(key)
+                if i is None:
+                    continue
+                t = self.tensors[key]
+                f = self._frac(t, runs)
+                if f == t.base:
+                    kept[i] = wt["kt_mask"][i]
+                elif f == 1.0:
+                    kept[i] = wt["kt_full"][i]
+                else:
+                    kept[i] = 0.0
+            drop = [wt["cast_row"][n] for n in runs if n in wt["cast_row"]]
+            if drop:
+                casts = casts.copy()
+                casts[drop] = 0.0
+        rec = act["recomputed"]
+        # blocks: (rows, steps, phase, group); a released or freed row is subtracted
+        n_ev = len(wt["ev_made"])
+        made_rows = rows([b for _, b in made])
+        rec_rows = rows([b for _, _, b in rec])
+        blocks = [(wt["ev"], wt["ev_made"], 0, 0, 1.0),
+                  (made_rows, np.array([s for s, _ in made], dtype=float), 0, 1, 1.0),
+                  (rec_rows, np.array([s for s, _, _ in rec], dtype=float), 0, 2, 1.0),
+                  (wt["ev"], wt["ev_freed"], 1, 0, -1.0),
+                  (kept, wt["kt_step"], 2, 0, -1.0),
+                  (casts, wt["cast_step"], 2, 1, -1.0),
+                  (rec_rows, np.array([f for _, f, _ in rec], dtype=float), 2, 2, -1.0)]
+        blocks = [b for b in blocks if len(b[1])]
+        mat = np.concatenate([r if sign > 0 else -r for r, _, _, _, sign in blocks])
+        steps = np.concatenate([st for _, st, _, _, _ in blocks])
+        phase = np.concatenate([np.full(len(st), ph) for _, st, ph, _, _ in blocks])
+        group = np.concatenate([np.full(len(st), gr) for _, st, _, gr, _ in blocks])
+        idx = np.concatenate([np.arange(len(st)) for _, st, _, _, _ in blocks])
+        order = np.lexsort((idx, group, phase, -steps))
+        init = np.zeros((1, D))
+        for d in set(a) | set(base):
+            init[0, col[d]] = a.get(d, 0) + base.get(d, 0)
+        cum = np.cumsum(np.concatenate([init, mat[order]]), axis=0)
+        # the peak is taken once a step's gradients are made (frees only lower it)
+        ph, st = phase[order], steps[order]
+        last_made = (ph == 0) & np.append((ph[1:] != 0) | (st[1:] != st[:-1]), True)
+        peak = cum[np.concatenate([[0], 1 + np.flatnonzero(last_made)])].max(axis=0)
+        present = wt["ev_present"].copy() if n_ev else np.zeros(D, dtype=bool)
+        for d in set(a) | set(base):
+            present[col[d]] = True
+        for b in [b for _, b in made] + [b for _, _, b in rec]:
+            for d in b:
+                present[col[d]] = True
+        vals = peak.tolist()
+        return {d: vals[i] for d, i in col.items() if present[i]}
+
     def _saves(self, u: int, pos: int) -> bool:
         saved = SAVES_INPUTS.get(self.g.node(u).op)
         return (saved is None or pos in saved) and not (self.copy is not None and self.copy(u, pos))
@@ -751,6 +876,13 @@ class Techniques:
         (groups run concurrently: the slowest), its latency spread over the step's buckets by bytes as the
         gradient all-reduce's is (CostModel.grad_allreduce_time), so that reduce-scatter + all-gather costs
         what the all-reduce it replaces costs."""
+        key = ("coll", tuple(map(tuple, groups)), nbytes)
+        hit = self._memo.get(key)
+        if hit is None:
+            hit = self._memo[key] = self._coll_uncached(groups, nbytes)
+        return hit
+
+    def _coll_uncached(self, groups: Sequence[Sequence[int]], nbytes: float) -> float:
         total = self.model.sync_total_bytes or self.gc._sync_bytes or nbytes
         nb = self.model.bucket_count(total) if self.model.grad_bucket_bytes > 0 else 1
         best = 0.0
@@ -782,48 +914,78 @@ class Techniques:
             best = max(best, t)
         return best
 
+    # --- memory per plan (cached: what depends on the plan's parts alone is computed once) ------------
+    def _memory(self, zero: int, offload: bool, assign: Mapping[int, tuple]) -> tuple:
+        """(weights, activations, recomputation's transient, backward-only gradients, ZeRO-2 buckets, the
+        backward's peak), each device -> bytes, for ZeRO ``zero``, ``offload`` and the recomputation
+        ``assign``: the weights depend on (``zero``, ``offload``) alone, the activations on ``assign``
+        alone and the backward's peak on ``assign`` and what ZeRO makes of the weight gradients
+        (:meth:`_zero_class`), so each is computed once per Techniques and reused by every plan sharing it.
+        A gradient made in the backward (free_grad_bytes) comes as the backward frees activations: the
+        peak holds the activations at the forward's end or those gradients at the backward's, not both;
+        the backward's own peak (:meth:`backward_peak`) holds activations not yet freed, the gradients of
+        activations alive and the weight gradients made so far, step by step (it is the peak where an
+        activation's gradient is large: a language model's logits at the loss, attention scores)."""
+        c = self._memo
+        key = tuple(sorted(assign.items()))
+        w = c.get(("w", zero, offload))
+        if w is None:
+            w = c[("w", zero, offload)] = self.weight_bytes(zero, offload)
+        zc = self._zero_class(zero)
+        free = c.get(("free", zc))
+        if free is None:
+            free = c[("free", zc)] = self.free_grad_bytes(zero)
+        bucket = c.get(("bucket", zc))
+        if bucket is None:
+            bucket = c[("bucket", zc)] = self.bucket_bytes(zero)
+        act = self._activations(key, assign)
+        a, transient = act["a"], act["transient"]
+        bwd = act["peak"].get(zc)
+        if bwd is None:
+            bwd = act["peak"][zc] = self._peak(a, act, self._made(zc), bucket)
+        return w, a, transient, free, bucket, bwd
+
+    @staticmethod
+    def _zero_class(zero: int) -> int:
+        """ZeRO stages that make the same backward-only gradients and buckets: 0 and 1 alike, 2, 3."""
+        return zero if zero >= 2 else 0
+
+    def _made(self, zc: int) -> list:
+        """(make step, device -> bytes) of the weight gradients made in the backward with ZeRO class ``zc``
+        (:meth:`free_grad_bytes`'s, at the step of the weight's last consumer)."""
+        hit = self._memo.get(("made", zc))
+        if hit is None:
+            hit = self._memo[("made", zc)] = [
+                (self.exec_pos.get(x.last, 0), {d: x.nbytes / x.copies if zc >= 2 else x.nbytes for d in x.devices})
+                for x in self.weights if zc >= 3 or x.copies == 1]
+        return hit
+
+    def _activations(self, key: tuple, assign: Mapping[int, tuple]) -> dict:
+        """What recomputation ``assign`` (``key``: its sorted items) makes of the activations, once:
+        ``a`` and ``transient`` (:meth:`activation_bytes`), ``recomputed`` (:meth:`recomputed_items`) and
+        ``peak`` (ZeRO class -> the backward's peak, filled by :meth:`_memory`)."""
+        hit = self._act_cache.get(key)
+        if hit is None:
+            if len(self._act_cache) >= self.ACT_CACHE:
+                self._act_cache.pop(next(iter(self._act_cache)))
+            a, transient = self.activation_bytes(assign)
+            hit = self._act_cache[key] = {"a": a, "transient": transient, "assign": dict(assign),
+                                          "recomputed": self.recomputed_items(assign), "peak": {}}
+        return hit
+
     # --- the iteration ------------------------------------------------------------------------------
-    def price(self, mem: MemoryPlan) -> Priced:
+    def _comm_stream(self, zero: int, offload: bool) -> tuple:
+        """The communication stream and the update of (``zero``, ``offload``), which no recomputation
+        changes, computed once per pair: (collectives as :func:`_simulate` takes them, the update's
+        seconds, offload's seconds, node -> host bytes, the collectives' seconds, ZeRO's change to them)."""
+        hit = self._memo.get(("comm", zero, offload))
+        if hit is not None:
+            return hit
         m, model = self.machine, self.model
-        zero, offload = int(mem.zero), bool(mem.offload)
-        if offload and not self.can_offload:
-            offload = False
-        assign = {n: (i, r.mode) for i, r in enumerate(mem.recompute) for n in r.nodes}
-        # memory
-        w = self.weight_bytes(zero, offload)
-        a, transient = self.activation_bytes(assign)
-        # a gradient made in the backward (free_grad_bytes) comes as the backward frees activations: the
-        # peak holds the activations at the forward's end or those gradients at the backward's, not both
-        free = self.free_grad_bytes(zero)
-        bucket = self.bucket_bytes(zero)
-        # the backward's own peak: activations not yet freed, the gradients of activations alive and the
-        # weight gradients made so far, step by step (it is the peak where an activation's gradient is
-        # large: a language model's logits at the loss, attention scores)
-        made = [(self.exec_pos.get(x.last, 0), {d: x.nbytes / x.copies if zero >= 2 else x.nbytes
-                                                for d in x.devices})
-                for x in self.weights if zero >= 3 or x.copies == 1]
-        bwd = self.backward_peak(a, self.kept_items(assign), made, bucket, self.recomputed_items(assign))
-        per = {d: w.get(d, 0) - free.get(d, 0) + max(a.get(d, 0) + transient.get(d, 0),
-                                                      free.get(d, 0) + bucket.get(d, 0), bwd.get(d, 0))
-               for d in set(w) | set(a) | set(transient)}
-        per = {d: int(math.ceil(b)) for d, b in per.items()}
-        act = {d: a.get(d, 0) + transient.get(d, 0) for d in set(a) | set(transient)}
-        report = MemoryReport(per, {d: int(b) for d, b in w.items()}, {d: int(b) for d, b in act.items()},
-                              self.capacity)
-        # compute stream
-        times = self.recompute_times(assign)
-        recompute = [(r, times.get(i, 0.0)) for i, r in enumerate(mem.recompute)]
-        rec_s = sum(t for _, t in recompute)
         nf = len(self.order)
-        dur = [self.fwd[n] for n in self.order] + [self.bwd[n] for n in reversed(self.order)]
-        bidx = {n: 2 * nf - 1 - self.pos[n] for n in self.order}          # backward task of node n
-        for r, t in recompute:            # (the gathers feeding a region come after its nodes' backward)
-            ps = [bidx[n] for n in r.nodes if n in bidx]
-            if ps:
-                dur[min(ps)] += t          # recomputed right before the region's backward starts
+        bidx = self._bidx
         # communication stream: (trigger (task, 0 start / 1 end), seq, seconds, needed by task or None)
         ops: list = []
-        sync_new = 0.0
         update = self.update_s
         host_bytes = host_moved = host_update = 0.0
         host_mem: dict = {}
@@ -905,10 +1067,46 @@ class Techniques:
             need = bidx[v[3]]
             ops.append(((need - 1, 1), len(ops), v[0] + v[1], need))
         comm_total = sum(o[2] for o in ops)
-        sync_new = comm_total
         zero_comm = comm_total - self.sync_s
         if abs(zero_comm) <= 1e-9 * max(comm_total, 1e-300):    # stages 1-2: reduce-scatter + all-gather = all-reduce
             zero_comm = 0.0
+        off = 0.0
+        if offload:
+            host = m.links["host"]
+            per_dev = m.host_mem_bandwidth / m.devices_per_node
+            off = (host_bytes / host.bandwidth + 2 * host.latency + host_update
+                   + host_moved * max(1.0 / per_dev - 1.0 / m.mem_bandwidth, 0.0))
+        host_mem = {nd: int(math.ceil(b)) for nd, b in host_mem.items()}
+        hit = self._memo[("comm", zero, offload)] = (sorted(ops, key=lambda o: (o[0], o[1])), update, off,
+                                                     host_mem, comm_total, zero_comm)
+        return hit
+
+    def price(self, mem: MemoryPlan) -> Priced:
+        m, model = self.machine, self.model
+        zero, offload = int(mem.zero), bool(mem.offload)
+        if offload and not self.can_offload:
+            offload = False
+        assign = {n: (i, r.mode) for i, r in enumerate(mem.recompute) for n in r.nodes}
+        # memory
+        w, a, transient, free, bucket, bwd = self._memory(zero, offload, assign)
+        per = {d: w.get(d, 0) - free.get(d, 0) + max(a.get(d, 0) + transient.get(d, 0),
+                                                      free.get(d, 0) + bucket.get(d, 0), bwd.get(d, 0))
+               for d in set(w) | set(a) | set(transient)}
+        per = {d: int(math.ceil(b)) for d, b in per.items()}
+        act = {d: a.get(d, 0) + transient.get(d, 0) for d in set(a) | set(transient)}
+        report = MemoryReport(per, {d: int(b) for d, b in w.items()}, {d: int(b) for d, b in act.items()},
+                              self.capacity)
+        # compute stream
+        times = self.recompute_times(assign)
+        recompute = [(r, times.get(i, 0.0)) for i, r in enumerate(mem.recompute)]
+        rec_s = sum(t for _, t in recompute)
+        dur = list(self._dur)
+        bidx = self._bidx
+        for r, t in recompute:            # (the gathers feeding a region come after its nodes' backward)
+            ps = [bidx[n] for n in r.nodes if n in bidx]
+            if ps:
+                dur[min(ps)] += t          # recomputed right before the region's backward starts
+        ops, update, off, host_mem, comm_total, zero_comm = self._comm_stream(zero, offload)
         compute_total = sum(dur)
         if m.overlap_grad_sync:
             makespan = _simulate(dur, ops)
@@ -916,14 +1114,8 @@ class Techniques:
             makespan = compute_total + comm_total
         exposed = makespan - compute_total
         hidden = comm_total - exposed
-        off = 0.0
-        if offload:
-            host = m.links["host"]
-            per_dev = m.host_mem_bandwidth / m.devices_per_node
-            off = (host_bytes / host.bandwidth + 2 * host.latency + host_update
-                   + host_moved * max(1.0 / per_dev - 1.0 / m.mem_bandwidth, 0.0))
         it = self.base_s - self.leaves_s + makespan + update + off
-        host_mem = {nd: int(math.ceil(b)) for nd, b in host_mem.items()}
+        host_mem = dict(host_mem)
         feasible = report.feasible
         reason = "" if feasible else "out of memory: " + report.reason()
         over = {nd: b for nd, b in host_mem.items() if b > m.host_memory_bytes}
