@@ -331,6 +331,7 @@ class Techniques:
         self.regions = tuple(tuple(r) for r in (regs if regs is not None else regions(g)))
         self.exec_pos = {n.id: i for i, n in enumerate(g.nodes())}     # the executor's step order
         self._runs_cache: dict = {}
+        self._fracs_cache: dict = {}
         self._memo: dict = {}          # per (stage, offload) or ZeRO class: weights, gradients
         self._act_cache: dict = {}     # per recomputation: activations, the backward's peaks
         self._weights()
@@ -595,6 +596,12 @@ class Techniques:
                 for d, x in b.items():
                     out[i, col[d]] = x
             return out
+        def present(dicts) -> np.ndarray:
+            out = np.zeros((len(dicts), D), dtype=bool)
+            for i, b in enumerate(dicts):
+                for d in b:
+                    out[i, col[d]] = True
+            return out
         ev = self.grad_events
         kt = [k for k, t in self.tensors.items() if not t.fixed]
         wt = self._wt = {
@@ -612,6 +619,10 @@ class Techniques:
             "cast": list(self.cast_act), "cast_row": {n: i for i, n in enumerate(self.cast_act)},
             "cast_rows": rows(list(self.cast_act.values())),
             "cast_step": np.array([self.exec_pos[n] for n in self.cast_act], dtype=float),
+            "devs": list(col),
+            "kt_mask_p": present([self.tensors[k].mask_dev for k in kt]),
+            "kt_full_p": present([self.tensors[k].per_dev for k in kt]),
+            "cast_p": present(list(self.cast_act.values())),
         }
         return wt
 
@@ -626,26 +637,12 @@ class Techniques:
             return self.backward_peak(a, self.kept_items(act["assign"]), made, base, act["recomputed"])
         assign = act["assign"]
         runs = self._runs(assign)
-        kept = wt["kt_mask"]
+        kept = self._kept_rows(runs)
         casts = wt["cast_rows"]
-        if runs:                       # the tensors the runs touch are kept whole, at their base or not at all
-            kept = kept.copy()
-            for key in self._touched(runs):
-                i = wt["kt_row"].get(key)
-                if i is None:
-                    continue
-                t = self.tensors[key]
-                f = self._frac(t, runs)
-                if f == t.base:
-                    kept[i] = wt["kt_mask"][i]
-                elif f == 1.0:
-                    kept[i] = wt["kt_full"][i]
-                else:
-                    kept[i] = 0.0
-            drop = [wt["cast_row"][n] for n in runs if n in wt["cast_row"]]
-            if drop:
-                casts = casts.copy()
-                casts[drop] = 0.0
+        drop = [wt["cast_row"][n] for n in runs if n in wt["cast_row"]]
+        if drop:
+            casts = casts.copy()
+            casts[drop] = 0.0
         rec = act["recomputed"]
         # blocks: (rows, steps, phase, group); a released or freed row is subtracted
         n_ev = len(wt["ev_made"])
@@ -757,55 +754,106 @@ class Techniques:
         return {}
 
     def activation_bytes(self, assign: Mapping[int, tuple]) -> tuple[dict, dict]:
-        """(device -> activation bytes, device -> recomputation's transient peak) with ``assign``."""
-        a = dict(self.base_report.activations)
+        """(device -> activation bytes, device -> recomputation's transient peak) with ``assign``.
+
+        The activations are the mapping's, less what each touched tensor kept at its base fraction, plus
+        what it keeps now (less the autocast copies of recomputed nodes).  A checkpointed run is recomputed
+        when the backward reaches it: what was kept for the operators after it is freed by then (each kept
+        tensor counted as freed once the backward passes its producer, a graph output first); what its
+        recomputation brings back beyond that is the transient.  Summed as cumulative sums over the rows of
+        :meth:`_walk_tables` in the order of a loop over the touched tensors (the same floats)."""
+        base = self.base_report.activations
         runs = self._runs(assign)
-        touched = self._touched(runs)
-        transient: dict = {}
-        per_region: dict = {}          # per checkpointed run: what its recomputation brings back at once
-        for key in touched:
+        if not runs:
+            return dict(base), {}
+        wt = self._walk_tables()
+        col, D = wt["col"], wt["D"]
+        fr = self._fracs(runs)
+        kt_row = wt["kt_row"]
+        idx, full, region_rows = [], [], {}
+        for key, f in fr.items():
             t = self.tensors[key]
-            f = self._frac(t, runs)
             if f == t.base:
                 continue
-            for d, b in t.mask_dev.items():
-                a[d] = a.get(d, 0) - b
-            for d, b in self._bytes(t, f).items():
-                a[d] = a.get(d, 0) + b
+            i = kt_row[key]
+            idx.append(i)
+            full.append(f == 1.0)
             if f < t.base and t.producer in runs:
-                acc = per_region.setdefault(runs[t.producer], {})
-                for d, b in t.mask_dev.items():
-                    acc[d] = acc.get(d, 0) + b - self._bytes(t, f).get(d, 0)
-        for n in runs:                 # autocast copies inside a run: recomputed
-            for d, b in self.cast_act.get(n, {}).items():
-                a[d] = a.get(d, 0) - b
-                acc = per_region.setdefault(runs[n], {})
-                acc[d] = acc.get(d, 0) + b
-        if not per_region:
+                region_rows.setdefault(runs[t.producer], []).append(("t", i))
+        cidx = []
+        for n, j in runs.items():        # autocast copies inside a run: recomputed
+            c = wt["cast_row"].get(n)
+            if c is not None:
+                cidx.append(c)
+                region_rows.setdefault(j, []).append(("c", c))
+        idx_a = np.array(idx, dtype=int)
+        full_a = np.array(full, dtype=bool)
+        cidx_a = np.array(cidx, dtype=int)
+        init = np.zeros((1, D))
+        for d, b in base.items():
+            init[0, col[d]] = b
+        steps = np.empty((2 * len(idx), D))
+        steps[0::2] = -wt["kt_mask"][idx_a]
+        steps[1::2] = np.where(full_a[:, None], wt["kt_full"][idx_a], 0.0)
+        total_a = np.cumsum(np.concatenate([init, steps, -wt["cast_rows"][cidx_a]]), axis=0)[-1].tolist()
+        present = (wt["kt_mask_p"][idx_a].any(axis=0) | (wt["kt_full_p"][idx_a] & full_a[:, None]).any(axis=0)
+                   | wt["cast_p"][cidx_a].any(axis=0))
+        a = {d: total_a[col[d]] for d in base}
+        for d, c in col.items():
+            if present[c] and d not in a:
+                a[d] = total_a[c]
+        transient: dict = {}
+        if not region_rows:
             return a, transient
-        # a run is recomputed when the backward reaches it: what was kept for the operators after it is
-        # freed by then (each kept tensor counted as freed once the backward passes its producer, a graph
-        # output first)
         end: dict = {}
         for n, j in runs.items():
             end[j] = max(end.get(j, -1), self.exec_pos[n])
-        kept = sorted(self.kept_items(assign, casts=False), key=lambda x: x[0])
-        total: dict = {}
-        for _, b in kept:
-            for d, x in b.items():
-                total[d] = total.get(d, 0) + x
-        before: dict = {}
-        i = 0
-        for j in sorted(per_region, key=end.__getitem__):
-            while i < len(kept) and kept[i][0] <= end[j]:
-                for d, x in kept[i][1].items():
-                    before[d] = before.get(d, 0) + x
-                i += 1
-            for d, b in per_region[j].items():
-                extra = b - (total.get(d, 0) - before.get(d, 0))
-                if extra > transient.get(d, 0):
-                    transient[d] = extra
+        kept = self._kept_rows(runs)           # what stays kept, freed as the backward passes its producer
+        order = np.argsort(wt["kt_step"], kind="stable")
+        kstep = wt["kt_step"][order]
+        cum = np.cumsum(kept[order], axis=0)
+        total = cum[-1] if len(cum) else np.zeros(D)
+        for j in sorted(region_rows, key=end.__getitem__):
+            i = int(np.searchsorted(kstep, end[j], side="right"))
+            before = cum[i - 1] if i > 0 else np.zeros(D)
+            rows = [wt["kt_mask"][x] if kind == "t" else wt["cast_rows"][x] for kind, x in region_rows[j]]
+            pres = [wt["kt_mask_p"][x] if kind == "t" else wt["cast_p"][x] for kind, x in region_rows[j]]
+            back = np.cumsum(np.array(rows), axis=0)[-1]
+            extra = (back - (total - before)).tolist()
+            for c in np.flatnonzero(np.any(pres, axis=0)).tolist():
+                if extra[c] > transient.get(wt["devs"][c], 0):
+                    transient[wt["devs"][c]] = extra[c]
         return a, transient
+
+    def _fracs(self, runs: Mapping[int, tuple]) -> dict:
+        """Key -> kept fraction (:meth:`_frac`) of every tensor the nodes of ``runs`` touch, once per runs."""
+        hit = self._fracs_cache.get(id(runs))
+        if hit is not None and hit[0] is runs:
+            return hit[1]
+        fr = {key: self._frac(self.tensors[key], runs) for key in self._touched(runs)}
+        self._fracs_cache[id(runs)] = (runs, fr)
+        return fr
+
+    def _kept_rows(self, runs: Mapping[int, tuple]) -> np.ndarray:
+        """Every non-fixed tensor's kept bytes with ``runs`` (:meth:`kept_items` without the autocast
+        copies), one row each in the tables' order (:meth:`_walk_tables`)."""
+        wt = self._walk_tables()
+        kept = wt["kt_mask"]
+        if not runs:
+            return kept
+        kept = kept.copy()
+        for key, f in self._fracs(runs).items():
+            i = wt["kt_row"].get(key)
+            if i is None:
+                continue
+            t = self.tensors[key]
+            if f == t.base:
+                kept[i] = wt["kt_mask"][i]
+            elif f == 1.0:
+                kept[i] = wt["kt_full"][i]
+            else:
+                kept[i] = 0.0
+        return kept
 
     def _touched(self, runs: Mapping[int, tuple]) -> set:
         """Keys of the tensors the nodes of ``runs`` produce or read."""
