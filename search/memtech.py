@@ -591,16 +591,22 @@ class Techniques:
         D = len(col)
 
         def rows(dicts) -> np.ndarray:
-            out = np.zeros((len(dicts), D))
+            ii, jj, vv = [], [], []
             for i, b in enumerate(dicts):
-                for d, x in b.items():
-                    out[i, col[d]] = x
+                ii.extend([i] * len(b))
+                jj.extend([col[d] for d in b])
+                vv.extend(b.values())
+            out = np.zeros((len(dicts), D))
+            if vv:
+                out[ii, jj] = np.array(vv, dtype=float)
             return out
         def present(dicts) -> np.ndarray:
-            out = np.zeros((len(dicts), D), dtype=bool)
+            ii, jj = [], []
             for i, b in enumerate(dicts):
-                for d in b:
-                    out[i, col[d]] = True
+                ii.extend([i] * len(b))
+                jj.extend([col[d] for d in b])
+            out = np.zeros((len(dicts), D), dtype=bool)
+            out[ii, jj] = True
             return out
         ev = self.grad_events
         kt = [k for k, t in self.tensors.items() if not t.fixed]
@@ -609,8 +615,7 @@ class Techniques:
             "ev": rows([b for _, _, b in ev]),
             "ev_made": np.array([m for m, _, _ in ev], dtype=float),
             "ev_freed": np.array([f for _, f, _ in ev], dtype=float),
-            "ev_present": np.array([[d in b for d in col] for _, _, b in ev], dtype=bool).any(axis=0)
-            if ev else np.zeros(D, dtype=bool),
+            "ev_present": present([b for _, _, b in ev]).any(axis=0),
             "kt": kt, "kt_row": {k: i for i, k in enumerate(kt)},
             "kt_mask": rows([self.tensors[k].mask_dev for k in kt]),
             "kt_full": rows([self.tensors[k].per_dev for k in kt]),
@@ -646,7 +651,10 @@ class Techniques:
         rec = act["recomputed"]
         # blocks: (rows, steps, phase, group); a released or freed row is subtracted
         n_ev = len(wt["ev_made"])
-        made_rows = rows([b for _, b in made])
+        made_rows = self._memo.get(("made_rows", id(made)))
+        if made_rows is None or made_rows[0] is not made:
+            made_rows = self._memo[("made_rows", id(made))] = (made, rows([b for _, b in made]))
+        made_rows = made_rows[1]
         rec_rows = rows([b for _, _, b in rec])
         blocks = [(wt["ev"], wt["ev_made"], 0, 0, 1.0),
                   (made_rows, np.array([s for s, _ in made], dtype=float), 0, 1, 1.0),
