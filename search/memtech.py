@@ -397,6 +397,7 @@ class Techniques:
         w = dict(self.base_report.weights)
         k = self.states
         gathered: dict = {}             # device -> unit -> bytes gathered beyond the owned shard
+        saves: list = []
         for x in self.weights:
             c = x.copies
             p = x.nbytes
@@ -406,15 +407,45 @@ class Techniques:
             if 1 <= zero <= 2 and not offload:
                 st += p / c          # the optimizer's own copy of the updated shard (all-gathered after)
             save = (2 + k) * p - (param + grad + st)
-            for d in x.devices:
-                w[d] = w.get(d, 0) - save
-                if zero >= 3 and c > 1:
+            saves.append(save)
+            if zero >= 3 and c > 1:
+                for d in x.devices:
                     u = gathered.setdefault(d, {})
                     u[x.unit] = u.get(x.unit, 0) + p - p / c
+        wt = self._weight_table()
+        if wt is None:                  # a device twice in one weight's list: one subtraction at a time
+            for x, save in zip(self.weights, saves):
+                for d in x.devices:
+                    w[d] = w.get(d, 0) - save
+        else:                           # per device, the weights' savings subtracted in order
+            col = wt["col"]
+            vec = np.cumsum(np.concatenate([wt["base"], -(np.array(saves, dtype=float)[:, None] * wt["on"])]),
+                            axis=0)[-1].tolist()
+            w = {d: vec[col[d]] for d in w}
+            for d in wt["devs"]:
+                if d not in w:
+                    w[d] = vec[col[d]]
         for d, u in gathered.items():
             top = sorted(u.values(), reverse=True)[:GATHERED_UNITS]
             w[d] = w.get(d, 0) + sum(top)
         return w
+
+    def _weight_table(self) -> dict | None:
+        """Columns for :meth:`weight_bytes`: the mapping's weight bytes per device (``base``, one row) and
+        which devices hold each weight (``on``, one row per weight); None where a weight lists a device twice."""
+        if not hasattr(self, "_wtab"):
+            devs = list(dict.fromkeys([*self.base_report.weights, *(d for x in self.weights for d in x.devices)]))
+            col = {d: i for i, d in enumerate(devs)}
+            on = np.zeros((len(self.weights), len(devs)))
+            ok = True
+            for i, x in enumerate(self.weights):
+                ok = ok and len(set(x.devices)) == len(x.devices)
+                on[i, [col[d] for d in x.devices]] = 1.0
+            base = np.zeros((1, len(devs)))
+            for d, b in self.base_report.weights.items():
+                base[0, col[d]] = b
+            self._wtab = {"col": col, "devs": devs, "on": on, "base": base} if ok else None
+        return self._wtab
 
     def free_grad_bytes(self, zero: int) -> dict:
         """Device -> bytes of the gradients that exist only from the backward on: those no gradient

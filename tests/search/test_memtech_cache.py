@@ -22,8 +22,8 @@ from .graphs import mlp
 
 
 class _Reference(memtech.Techniques):
-    """The straightforward pricing: every cache emptied before each plan, the activations one tensor at a
-    time, the backward's peak from the step-by-step walk over :meth:`kept_items` and :meth:`recomputed_items`."""
+    """The straightforward pricing: every cache emptied before each plan, the weights and the activations
+    one at a time, the backward's peak from the step-by-step walk over :meth:`kept_items` and :meth:`recomputed_items`."""
 
     def price(self, mem):
         self._memo.clear()
@@ -32,7 +32,32 @@ class _Reference(memtech.Techniques):
         self._fracs_cache.clear()
         return super().price(mem)
 
-    # the loop over the touched tensors and the kept items, as search/memtech.py summed them before
+    # the loops over the weights, the touched tensors and the kept items, as search/memtech.py summed them before
+    def weight_bytes(self, zero: int, offload: bool) -> dict:
+        """Device -> bytes of weights, gradients and optimizer states with ZeRO ``zero`` and ``offload``
+        (the base weights of the mapping, less what the techniques take off, plus stage 3's working copy)."""
+        w = dict(self.base_report.weights)
+        k = self.states
+        gathered: dict = {}             # device -> unit -> bytes gathered beyond the owned shard
+        for x in self.weights:
+            c = x.copies
+            p = x.nbytes
+            param = p / c if zero >= 3 else p
+            grad = p / c if zero >= 2 else p
+            st = 0.0 if offload else (k * p / c if zero >= 1 else k * p)
+            if 1 <= zero <= 2 and not offload:
+                st += p / c          # the optimizer's own copy of the updated shard (all-gathered after)
+            save = (2 + k) * p - (param + grad + st)
+            for d in x.devices:
+                w[d] = w.get(d, 0) - save
+                if zero >= 3 and c > 1:
+                    u = gathered.setdefault(d, {})
+                    u[x.unit] = u.get(x.unit, 0) + p - p / c
+        for d, u in gathered.items():
+            top = sorted(u.values(), reverse=True)[:memtech.GATHERED_UNITS]
+            w[d] = w.get(d, 0) + sum(top)
+        return w
+
     def activation_bytes(self, assign: Mapping[int, tuple]) -> tuple[dict, dict]:
         """(device -> activation bytes, device -> recomputation's transient peak), one tensor at a time."""
         a = dict(self.base_report.activations)
@@ -139,6 +164,7 @@ def test_cached_pricing_equals_the_straightforward_one(name, build, spec, precis
     for mem in plans:
         assign = {n: (i, x.mode) for i, x in enumerate(mem.recompute) for n in x.nodes}
         assert new.activation_bytes(assign) == _Reference.activation_bytes(new, assign)
+        assert new.weight_bytes(mem.zero, mem.offload) == _Reference.weight_bytes(new, mem.zero, mem.offload)
         act = new._activations(tuple(sorted(assign.items())), assign)
         made = new._made(new._zero_class(mem.zero))
         bucket = new.bucket_bytes(mem.zero)
