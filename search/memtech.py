@@ -641,23 +641,53 @@ class Techniques:
             return out
         ev = self.grad_events
         kt = [k for k, t in self.tensors.items() if not t.fixed]
+        full = rows([self.tensors[k].per_dev for k in kt])
+        full_p = present([self.tensors[k].per_dev for k in kt])
+        # a tensor kept whole or not at all keeps (every byte x its fraction) on the same devices; a
+        # fraction in between (a Dropout's mask) is its own row
+        mask = full.copy()
+        for i, k in enumerate(kt):
+            t = self.tensors[k]
+            if t.base == 0.0:
+                mask[i] = full[i] * 0.0
+            elif t.base != 1.0:
+                mask[i] = rows([t.mask_dev])[0]
+        mask_p = full_p.copy()
+        for i, k in enumerate(kt):
+            t = self.tensors[k]
+            if t.mask_dev.keys() != t.per_dev.keys():
+                mask_p[i] = present([t.mask_dev])[0]
+        # the gradient events: most carry a tensor's bytes (its row above), the rest their own rows
+        of_dict = {id(self.tensors[k].per_dev): i for i, k in enumerate(kt)}
+        ev_rows = np.zeros((len(ev), D))
+        own = [j for j, (_, _, b) in enumerate(ev) if id(b) not in of_dict]
+        same = [j for j in range(len(ev)) if id(ev[j][2]) in of_dict]
+        if same:
+            ev_rows[same] = full[[of_dict[id(ev[j][2])] for j in same]]
+        if own:
+            ev_rows[own] = rows([ev[j][2] for j in own])
+        ev_p = np.zeros(D, dtype=bool)
+        if same:
+            ev_p |= full_p[[of_dict[id(ev[j][2])] for j in same]].any(axis=0)
+        if own:
+            ev_p |= present([ev[j][2] for j in own]).any(axis=0)
         wt = self._wt = {
             "col": col, "D": D, "rows": rows,
-            "ev": rows([b for _, _, b in ev]),
+            "ev": ev_rows,
             "ev_made": np.array([m for m, _, _ in ev], dtype=float),
             "ev_freed": np.array([f for _, f, _ in ev], dtype=float),
-            "ev_present": present([b for _, _, b in ev]).any(axis=0),
+            "ev_present": ev_p,
             "kt": kt, "kt_row": {k: i for i, k in enumerate(kt)},
-            "kt_mask": rows([self.tensors[k].mask_dev for k in kt]),
-            "kt_full": rows([self.tensors[k].per_dev for k in kt]),
+            "kt_mask": mask,
+            "kt_full": full,
             "kt_step": np.array([math.inf if k in self.outs else self.exec_pos[self.tensors[k].producer]
                                  for k in kt], dtype=float),
             "cast": list(self.cast_act), "cast_row": {n: i for i, n in enumerate(self.cast_act)},
             "cast_rows": rows(list(self.cast_act.values())),
             "cast_step": np.array([self.exec_pos[n] for n in self.cast_act], dtype=float),
             "devs": list(col),
-            "kt_mask_p": present([self.tensors[k].mask_dev for k in kt]),
-            "kt_full_p": present([self.tensors[k].per_dev for k in kt]),
+            "kt_mask_p": mask_p,
+            "kt_full_p": full_p,
             "cast_p": present(list(self.cast_act.values())),
         }
         return wt
