@@ -290,7 +290,12 @@ class _Tensor:
 # --- pricing --------------------------------------------------------------------------------------------
 
 class Techniques:
-    """Everything the techniques need about one mapping, computed once (choose prices many plans)."""
+    """Everything the techniques need about one mapping, computed once (choose prices many plans).
+
+    Pricing reuses what a plan shares with plans priced before (:meth:`_memory`, :meth:`_comm_stream`):
+    the weights per (stage, offload), the activations and the backward's peak per recomputation, the
+    communication stream per (stage, offload); per-device sums run over device-column rows
+    (:meth:`_walk_tables`) in the order the per-item loops add them, so every price is the same float."""
     #: recomputations whose activations (and backward peaks) a Techniques keeps (oldest dropped first)
     ACT_CACHE = 256
 
