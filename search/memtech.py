@@ -50,6 +50,8 @@ from dataclasses import dataclass, field
 from itertools import product
 from typing import Any, Mapping, Sequence
 
+import numpy as np
+
 from unity_pcg import ops
 from unity_pcg.machine import MachineView
 from unity_pcg.pcg import PCG
@@ -288,7 +290,14 @@ class _Tensor:
 # --- pricing --------------------------------------------------------------------------------------------
 
 class Techniques:
-    """Everything the techniques need about one mapping, computed once (choose prices many plans)."""
+    """Everything the techniques need about one mapping, computed once (choose prices many plans).
+
+    Pricing reuses what a plan shares with plans priced before (:meth:`_memory`, :meth:`_comm_stream`):
+    the weights per (stage, offload), the activations and the backward's peak per recomputation, the
+    communication stream per (stage, offload); per-device sums run over device-column rows
+    (:meth:`_walk_tables`) in the order the per-item loops add them, so every price is the same float."""
+    #: recomputations whose activations (and backward peaks) a Techniques keeps (oldest dropped first)
+    ACT_CACHE = 256
 
     def __init__(self, gc: GraphCost, views: Mapping[int, MachineView], base: Any = None,
                  regs: Sequence[Sequence[int]] | None = None):
@@ -321,9 +330,15 @@ class Techniques:
                 f, b = f * k, c.compute - f * k
             self.fwd[n] = f + c.comm / 2
             self.bwd[n] = b + c.comm / 2
+        nf = len(self.order)        # the compute stream's tasks: forwards, then backwards in reverse
+        self._dur = [self.fwd[n] for n in self.order] + [self.bwd[n] for n in reversed(self.order)]
+        self._bidx = {n: 2 * nf - 1 - self.pos[n] for n in self.order}     # backward task of node n
         self.regions = tuple(tuple(r) for r in (regs if regs is not None else regions(g)))
         self.exec_pos = {n.id: i for i, n in enumerate(g.nodes())}     # the executor's step order
         self._runs_cache: dict = {}
+        self._fracs_cache: dict = {}
+        self._memo: dict = {}          # per (stage, offload) or ZeRO class: weights, gradients
+        self._act_cache: dict = {}     # per recomputation: activations, the backward's peaks
         self._weights()
         self._tensors()
         self._grad_events()
@@ -387,6 +402,7 @@ class Techniques:
         w = dict(self.base_report.weights)
         k = self.states
         gathered: dict = {}             # device -> unit -> bytes gathered beyond the owned shard
+        saves: list = []
         for x in self.weights:
             c = x.copies
             p = x.nbytes
@@ -396,15 +412,45 @@ class Techniques:
             if 1 <= zero <= 2 and not offload:
                 st += p / c          # the optimizer's own copy of the updated shard (all-gathered after)
             save = (2 + k) * p - (param + grad + st)
-            for d in x.devices:
-                w[d] = w.get(d, 0) - save
-                if zero >= 3 and c > 1:
+            saves.append(save)
+            if zero >= 3 and c > 1:
+                for d in x.devices:
                     u = gathered.setdefault(d, {})
                     u[x.unit] = u.get(x.unit, 0) + p - p / c
+        wt = self._weight_table()
+        if wt is None:                  # a device twice in one weight's list: one subtraction at a time
+            for x, save in zip(self.weights, saves):
+                for d in x.devices:
+                    w[d] = w.get(d, 0) - save
+        else:                           # per device, the weights' savings subtracted in order
+            col = wt["col"]
+            vec = np.cumsum(np.concatenate([wt["base"], -(np.array(saves, dtype=float)[:, None] * wt["on"])]),
+                            axis=0)[-1].tolist()
+            w = {d: vec[col[d]] for d in w}
+            for d in wt["devs"]:
+                if d not in w:
+                    w[d] = vec[col[d]]
         for d, u in gathered.items():
             top = sorted(u.values(), reverse=True)[:GATHERED_UNITS]
             w[d] = w.get(d, 0) + sum(top)
         return w
+
+    def _weight_table(self) -> dict | None:
+        """Columns for :meth:`weight_bytes`: the mapping's weight bytes per device (``base``, one row) and
+        which devices hold each weight (``on``, one row per weight); None where a weight lists a device twice."""
+        if not hasattr(self, "_wtab"):
+            devs = list(dict.fromkeys([*self.base_report.weights, *(d for x in self.weights for d in x.devices)]))
+            col = {d: i for i, d in enumerate(devs)}
+            on = np.zeros((len(self.weights), len(devs)))
+            ok = True
+            for i, x in enumerate(self.weights):
+                ok = ok and len(set(x.devices)) == len(x.devices)
+                on[i, [col[d] for d in x.devices]] = 1.0
+            base = np.zeros((1, len(devs)))
+            for d, b in self.base_report.weights.items():
+                base[0, col[d]] = b
+            self._wtab = {"col": col, "devs": devs, "on": on, "base": base} if ok else None
+        return self._wtab
 
     def free_grad_bytes(self, zero: int) -> dict:
         """Device -> bytes of the gradients that exist only from the backward on: those no gradient
@@ -557,6 +603,156 @@ class Techniques:
                     cur[d] = cur.get(d, 0) - x
         return peak
 
+    # the backward's walk as arrays: one row per item (device columns), in the walk's order, summed
+    # cumulatively from the forward's end -- the same additions in the same order as backward_peak
+    _PHASE_MADE, _PHASE_FREED, _PHASE_RELEASED = 0, 1, 2
+
+    def _walk_tables(self) -> dict:
+        """What the backward's walk takes from the mapping alone, built once: device columns, the gradient
+        events' rows (:meth:`_grad_events`), every non-fixed tensor's kept rows (at its base fraction, and
+        whole) and the autocast copies' rows, with the steps that free them."""
+        wt = getattr(self, "_wt", None)
+        if wt is not None:
+            return wt
+        devs: set = set(self.base_report.per_device) | set(self.base_report.activations)
+        for t in self.tensors.values():
+            devs |= set(t.per_dev) | set(t.mask_dev)
+        for x in self.weights:
+            devs |= set(x.devices)
+        for b in self.cast_act.values():
+            devs |= set(b)
+        for _, _, b in self.grad_events:
+            devs |= set(b)
+        col = {d: i for i, d in enumerate(sorted(devs, key=repr))}
+        D = len(col)
+
+        def rows(dicts) -> np.ndarray:
+            ii, jj, vv = [], [], []
+            for i, b in enumerate(dicts):
+                ii.extend([i] * len(b))
+                jj.extend([col[d] for d in b])
+                vv.extend(b.values())
+            out = np.zeros((len(dicts), D))
+            if vv:
+                out[ii, jj] = np.array(vv, dtype=float)
+            return out
+        def present(dicts) -> np.ndarray:
+            ii, jj = [], []
+            for i, b in enumerate(dicts):
+                ii.extend([i] * len(b))
+                jj.extend([col[d] for d in b])
+            out = np.zeros((len(dicts), D), dtype=bool)
+            out[ii, jj] = True
+            return out
+        ev = self.grad_events
+        kt = [k for k, t in self.tensors.items() if not t.fixed]
+        full = rows([self.tensors[k].per_dev for k in kt])
+        full_p = present([self.tensors[k].per_dev for k in kt])
+        # a tensor kept whole or not at all keeps (every byte x its fraction) on the same devices; a
+        # fraction in between (a Dropout's mask) is its own row
+        mask = full.copy()
+        for i, k in enumerate(kt):
+            t = self.tensors[k]
+            if t.base == 0.0:
+                mask[i] = full[i] * 0.0
+            elif t.base != 1.0:
+                mask[i] = rows([t.mask_dev])[0]
+        mask_p = full_p.copy()
+        for i, k in enumerate(kt):
+            t = self.tensors[k]
+            if t.mask_dev.keys() != t.per_dev.keys():
+                mask_p[i] = present([t.mask_dev])[0]
+        # the gradient events: most carry a tensor's bytes (its row above), the rest their own rows
+        of_dict = {id(self.tensors[k].per_dev): i for i, k in enumerate(kt)}
+        ev_rows = np.zeros((len(ev), D))
+        own = [j for j, (_, _, b) in enumerate(ev) if id(b) not in of_dict]
+        same = [j for j in range(len(ev)) if id(ev[j][2]) in of_dict]
+        if same:
+            ev_rows[same] = full[[of_dict[id(ev[j][2])] for j in same]]
+        if own:
+            ev_rows[own] = rows([ev[j][2] for j in own])
+        ev_p = np.zeros(D, dtype=bool)
+        if same:
+            ev_p |= full_p[[of_dict[id(ev[j][2])] for j in same]].any(axis=0)
+        if own:
+            ev_p |= present([ev[j][2] for j in own]).any(axis=0)
+        wt = self._wt = {
+            "col": col, "D": D, "rows": rows,
+            "ev": ev_rows,
+            "ev_made": np.array([m for m, _, _ in ev], dtype=float),
+            "ev_freed": np.array([f for _, f, _ in ev], dtype=float),
+            "ev_present": ev_p,
+            "kt": kt, "kt_row": {k: i for i, k in enumerate(kt)},
+            "kt_mask": mask,
+            "kt_full": full,
+            "kt_step": np.array([math.inf if k in self.outs else self.exec_pos[self.tensors[k].producer]
+                                 for k in kt], dtype=float),
+            "cast": list(self.cast_act), "cast_row": {n: i for i, n in enumerate(self.cast_act)},
+            "cast_rows": rows(list(self.cast_act.values())),
+            "cast_step": np.array([self.exec_pos[n] for n in self.cast_act], dtype=float),
+            "devs": list(col),
+            "kt_mask_p": mask_p,
+            "kt_full_p": full_p,
+            "cast_p": present(list(self.cast_act.values())),
+        }
+        return wt
+
+    def _peak(self, a: Mapping[int, float], act: dict, made: Sequence[tuple], base: Mapping[int, float]) -> dict:
+        """:meth:`backward_peak` of ``a``, :meth:`kept_items`, ``made`` (the ``extra`` weight gradients),
+        ``base`` and :meth:`recomputed_items` for the recomputation of ``act`` (:meth:`_activations`),
+        the same sums in the same order: the static rows (gradient events, tensors kept at their base
+        fraction, autocast copies) are built once; a plan changes the rows of the tensors its runs touch."""
+        wt = self._walk_tables()
+        col, D, rows = wt["col"], wt["D"], wt["rows"]
+        if any(d not in col for d in set(a) | set(base)):
+            return self.backward_peak(a, self.kept_items(act["assign"]), made, base, act["recomputed"])
+        assign = act["assign"]
+        runs = self._runs(assign)
+        kept = self._kept_rows(runs)
+        casts = wt["cast_rows"]
+        drop = [wt["cast_row"][n] for n in runs if n in wt["cast_row"]]
+        if drop:
+            casts = casts.copy()
+            casts[drop] = 0.0
+        rec = act["recomputed"]
+        # blocks: (rows, steps, phase, group); a released or freed row is subtracted
+        n_ev = len(wt["ev_made"])
+        made_rows = self._memo.get(("made_rows", id(made)))
+        if made_rows is None or made_rows[0] is not made:
+            made_rows = self._memo[("made_rows", id(made))] = (made, rows([b for _, b in made]))
+        made_rows = made_rows[1]
+        rec_rows = rows([b for _, _, b in rec])
+        blocks = [(wt["ev"], wt["ev_made"], 0, 0, 1.0),
+                  (made_rows, np.array([s for s, _ in made], dtype=float), 0, 1, 1.0),
+                  (rec_rows, np.array([s for s, _, _ in rec], dtype=float), 0, 2, 1.0),
+                  (wt["ev"], wt["ev_freed"], 1, 0, -1.0),
+                  (kept, wt["kt_step"], 2, 0, -1.0),
+                  (casts, wt["cast_step"], 2, 1, -1.0),
+                  (rec_rows, np.array([f for _, f, _ in rec], dtype=float), 2, 2, -1.0)]
+        blocks = [b for b in blocks if len(b[1])]
+        mat = np.concatenate([r if sign > 0 else -r for r, _, _, _, sign in blocks])
+        steps = np.concatenate([st for _, st, _, _, _ in blocks])
+        phase = np.concatenate([np.full(len(st), ph) for _, st, ph, _, _ in blocks])
+        group = np.concatenate([np.full(len(st), gr) for _, st, _, gr, _ in blocks])
+        idx = np.concatenate([np.arange(len(st)) for _, st, _, _, _ in blocks])
+        order = np.lexsort((idx, group, phase, -steps))
+        init = np.zeros((1, D))
+        for d in set(a) | set(base):
+            init[0, col[d]] = a.get(d, 0) + base.get(d, 0)
+        cum = np.cumsum(np.concatenate([init, mat[order]]), axis=0)
+        # the peak is taken once a step's gradients are made (frees only lower it)
+        ph, st = phase[order], steps[order]
+        last_made = (ph == 0) & np.append((ph[1:] != 0) | (st[1:] != st[:-1]), True)
+        peak = cum[np.concatenate([[0], 1 + np.flatnonzero(last_made)])].max(axis=0)
+        present = wt["ev_present"].copy() if n_ev else np.zeros(D, dtype=bool)
+        for d in set(a) | set(base):
+            present[col[d]] = True
+        for b in [b for _, b in made] + [b for _, _, b in rec]:
+            for d in b:
+                present[col[d]] = True
+        vals = peak.tolist()
+        return {d: vals[i] for d, i in col.items() if present[i]}
+
     def _saves(self, u: int, pos: int) -> bool:
         saved = SAVES_INPUTS.get(self.g.node(u).op)
         return (saved is None or pos in saved) and not (self.copy is not None and self.copy(u, pos))
@@ -632,55 +828,106 @@ class Techniques:
         return {}
 
     def activation_bytes(self, assign: Mapping[int, tuple]) -> tuple[dict, dict]:
-        """(device -> activation bytes, device -> recomputation's transient peak) with ``assign``."""
-        a = dict(self.base_report.activations)
+        """(device -> activation bytes, device -> recomputation's transient peak) with ``assign``.
+
+        The activations are the mapping's, less what each touched tensor kept at its base fraction, plus
+        what it keeps now (less the autocast copies of recomputed nodes).  A checkpointed run is recomputed
+        when the backward reaches it: what was kept for the operators after it is freed by then (each kept
+        tensor counted as freed once the backward passes its producer, a graph output first); what its
+        recomputation brings back beyond that is the transient.  Summed as cumulative sums over the rows of
+        :meth:`_walk_tables` in the order of a loop over the touched tensors (the same floats)."""
+        base = self.base_report.activations
         runs = self._runs(assign)
-        touched = self._touched(runs)
-        transient: dict = {}
-        per_region: dict = {}          # per checkpointed run: what its recomputation brings back at once
-        for key in touched:
+        if not runs:
+            return dict(base), {}
+        wt = self._walk_tables()
+        col, D = wt["col"], wt["D"]
+        fr = self._fracs(runs)
+        kt_row = wt["kt_row"]
+        idx, full, region_rows = [], [], {}
+        for key, f in fr.items():
             t = self.tensors[key]
-            f = self._frac(t, runs)
             if f == t.base:
                 continue
-            for d, b in t.mask_dev.items():
-                a[d] = a.get(d, 0) - b
-            for d, b in self._bytes(t, f).items():
-                a[d] = a.get(d, 0) + b
+            i = kt_row[key]
+            idx.append(i)
+            full.append(f == 1.0)
             if f < t.base and t.producer in runs:
-                acc = per_region.setdefault(runs[t.producer], {})
-                for d, b in t.mask_dev.items():
-                    acc[d] = acc.get(d, 0) + b - self._bytes(t, f).get(d, 0)
-        for n in runs:                 # autocast copies inside a run: recomputed
-            for d, b in self.cast_act.get(n, {}).items():
-                a[d] = a.get(d, 0) - b
-                acc = per_region.setdefault(runs[n], {})
-                acc[d] = acc.get(d, 0) + b
-        if not per_region:
+                region_rows.setdefault(runs[t.producer], []).append(("t", i))
+        cidx = []
+        for n, j in runs.items():        # autocast copies inside a run: recomputed
+            c = wt["cast_row"].get(n)
+            if c is not None:
+                cidx.append(c)
+                region_rows.setdefault(j, []).append(("c", c))
+        idx_a = np.array(idx, dtype=int)
+        full_a = np.array(full, dtype=bool)
+        cidx_a = np.array(cidx, dtype=int)
+        init = np.zeros((1, D))
+        for d, b in base.items():
+            init[0, col[d]] = b
+        steps = np.empty((2 * len(idx), D))
+        steps[0::2] = -wt["kt_mask"][idx_a]
+        steps[1::2] = np.where(full_a[:, None], wt["kt_full"][idx_a], 0.0)
+        total_a = np.cumsum(np.concatenate([init, steps, -wt["cast_rows"][cidx_a]]), axis=0)[-1].tolist()
+        present = (wt["kt_mask_p"][idx_a].any(axis=0) | (wt["kt_full_p"][idx_a] & full_a[:, None]).any(axis=0)
+                   | wt["cast_p"][cidx_a].any(axis=0))
+        a = {d: total_a[col[d]] for d in base}
+        for d, c in col.items():
+            if present[c] and d not in a:
+                a[d] = total_a[c]
+        transient: dict = {}
+        if not region_rows:
             return a, transient
-        # a run is recomputed when the backward reaches it: what was kept for the operators after it is
-        # freed by then (each kept tensor counted as freed once the backward passes its producer, a graph
-        # output first)
         end: dict = {}
         for n, j in runs.items():
             end[j] = max(end.get(j, -1), self.exec_pos[n])
-        kept = sorted(self.kept_items(assign, casts=False), key=lambda x: x[0])
-        total: dict = {}
-        for _, b in kept:
-            for d, x in b.items():
-                total[d] = total.get(d, 0) + x
-        before: dict = {}
-        i = 0
-        for j in sorted(per_region, key=end.__getitem__):
-            while i < len(kept) and kept[i][0] <= end[j]:
-                for d, x in kept[i][1].items():
-                    before[d] = before.get(d, 0) + x
-                i += 1
-            for d, b in per_region[j].items():
-                extra = b - (total.get(d, 0) - before.get(d, 0))
-                if extra > transient.get(d, 0):
-                    transient[d] = extra
+        kept = self._kept_rows(runs)           # what stays kept, freed as the backward passes its producer
+        order = np.argsort(wt["kt_step"], kind="stable")
+        kstep = wt["kt_step"][order]
+        cum = np.cumsum(kept[order], axis=0)
+        total = cum[-1] if len(cum) else np.zeros(D)
+        for j in sorted(region_rows, key=end.__getitem__):
+            i = int(np.searchsorted(kstep, end[j], side="right"))
+            before = cum[i - 1] if i > 0 else np.zeros(D)
+            rows = [wt["kt_mask"][x] if kind == "t" else wt["cast_rows"][x] for kind, x in region_rows[j]]
+            pres = [wt["kt_mask_p"][x] if kind == "t" else wt["cast_p"][x] for kind, x in region_rows[j]]
+            back = np.cumsum(np.array(rows), axis=0)[-1]
+            extra = (back - (total - before)).tolist()
+            for c in np.flatnonzero(np.any(pres, axis=0)).tolist():
+                if extra[c] > transient.get(wt["devs"][c], 0):
+                    transient[wt["devs"][c]] = extra[c]
         return a, transient
+
+    def _fracs(self, runs: Mapping[int, tuple]) -> dict:
+        """Key -> kept fraction (:meth:`_frac`) of every tensor the nodes of ``runs`` touch, once per runs."""
+        hit = self._fracs_cache.get(id(runs))
+        if hit is not None and hit[0] is runs:
+            return hit[1]
+        fr = {key: self._frac(self.tensors[key], runs) for key in self._touched(runs)}
+        self._fracs_cache[id(runs)] = (runs, fr)
+        return fr
+
+    def _kept_rows(self, runs: Mapping[int, tuple]) -> np.ndarray:
+        """Every non-fixed tensor's kept bytes with ``runs`` (:meth:`kept_items` without the autocast
+        copies), one row each in the tables' order (:meth:`_walk_tables`)."""
+        wt = self._walk_tables()
+        kept = wt["kt_mask"]
+        if not runs:
+            return kept
+        kept = kept.copy()
+        for key, f in self._fracs(runs).items():
+            i = wt["kt_row"].get(key)
+            if i is None:
+                continue
+            t = self.tensors[key]
+            if f == t.base:
+                kept[i] = wt["kt_mask"][i]
+            elif f == 1.0:
+                kept[i] = wt["kt_full"][i]
+            else:
+                kept[i] = 0.0
+        return kept
 
     def _touched(self, runs: Mapping[int, tuple]) -> set:
         """Keys of the tensors the nodes of ``runs`` produce or read."""
@@ -751,6 +998,13 @@ class Techniques:
         (groups run concurrently: the slowest), its latency spread over the step's buckets by bytes as the
         gradient all-reduce's is (CostModel.grad_allreduce_time), so that reduce-scatter + all-gather costs
         what the all-reduce it replaces costs."""
+        key = ("coll", tuple(map(tuple, groups)), nbytes)
+        hit = self._memo.get(key)
+        if hit is None:
+            hit = self._memo[key] = self._coll_uncached(groups, nbytes)
+        return hit
+
+    def _coll_uncached(self, groups: Sequence[Sequence[int]], nbytes: float) -> float:
         total = self.model.sync_total_bytes or self.gc._sync_bytes or nbytes
         nb = self.model.bucket_count(total) if self.model.grad_bucket_bytes > 0 else 1
         best = 0.0
@@ -782,48 +1036,78 @@ class Techniques:
             best = max(best, t)
         return best
 
+    # --- memory per plan (cached: what depends on the plan's parts alone is computed once) ------------
+    def _memory(self, zero: int, offload: bool, assign: Mapping[int, tuple]) -> tuple:
+        """(weights, activations, recomputation's transient, backward-only gradients, ZeRO-2 buckets, the
+        backward's peak), each device -> bytes, for ZeRO ``zero``, ``offload`` and the recomputation
+        ``assign``: the weights depend on (``zero``, ``offload``) alone, the activations on ``assign``
+        alone and the backward's peak on ``assign`` and what ZeRO makes of the weight gradients
+        (:meth:`_zero_class`), so each is computed once per Techniques and reused by every plan sharing it.
+        A gradient made in the backward (free_grad_bytes) comes as the backward frees activations: the
+        peak holds the activations at the forward's end or those gradients at the backward's, not both;
+        the backward's own peak (:meth:`backward_peak`) holds activations not yet freed, the gradients of
+        activations alive and the weight gradients made so far, step by step (it is the peak where an
+        activation's gradient is large: a language model's logits at the loss, attention scores)."""
+        c = self._memo
+        key = tuple(sorted(assign.items()))
+        w = c.get(("w", zero, offload))
+        if w is None:
+            w = c[("w", zero, offload)] = self.weight_bytes(zero, offload)
+        zc = self._zero_class(zero)
+        free = c.get(("free", zc))
+        if free is None:
+            free = c[("free", zc)] = self.free_grad_bytes(zero)
+        bucket = c.get(("bucket", zc))
+        if bucket is None:
+            bucket = c[("bucket", zc)] = self.bucket_bytes(zero)
+        act = self._activations(key, assign)
+        a, transient = act["a"], act["transient"]
+        bwd = act["peak"].get(zc)
+        if bwd is None:
+            bwd = act["peak"][zc] = self._peak(a, act, self._made(zc), bucket)
+        return w, a, transient, free, bucket, bwd
+
+    @staticmethod
+    def _zero_class(zero: int) -> int:
+        """ZeRO stages that make the same backward-only gradients and buckets: 0 and 1 alike, 2, 3."""
+        return zero if zero >= 2 else 0
+
+    def _made(self, zc: int) -> list:
+        """(make step, device -> bytes) of the weight gradients made in the backward with ZeRO class ``zc``
+        (:meth:`free_grad_bytes`'s, at the step of the weight's last consumer)."""
+        hit = self._memo.get(("made", zc))
+        if hit is None:
+            hit = self._memo[("made", zc)] = [
+                (self.exec_pos.get(x.last, 0), {d: x.nbytes / x.copies if zc >= 2 else x.nbytes for d in x.devices})
+                for x in self.weights if zc >= 3 or x.copies == 1]
+        return hit
+
+    def _activations(self, key: tuple, assign: Mapping[int, tuple]) -> dict:
+        """What recomputation ``assign`` (``key``: its sorted items) makes of the activations, once:
+        ``a`` and ``transient`` (:meth:`activation_bytes`), ``recomputed`` (:meth:`recomputed_items`) and
+        ``peak`` (ZeRO class -> the backward's peak, filled by :meth:`_memory`)."""
+        hit = self._act_cache.get(key)
+        if hit is None:
+            if len(self._act_cache) >= self.ACT_CACHE:
+                self._act_cache.pop(next(iter(self._act_cache)))
+            a, transient = self.activation_bytes(assign)
+            hit = self._act_cache[key] = {"a": a, "transient": transient, "assign": dict(assign),
+                                          "recomputed": self.recomputed_items(assign), "peak": {}}
+        return hit
+
     # --- the iteration ------------------------------------------------------------------------------
-    def price(self, mem: MemoryPlan) -> Priced:
+    def _comm_stream(self, zero: int, offload: bool) -> tuple:
+        """The communication stream and the update of (``zero``, ``offload``), which no recomputation
+        changes, computed once per pair: (collectives as :func:`_simulate` takes them, the update's
+        seconds, offload's seconds, node -> host bytes, the collectives' seconds, ZeRO's change to them)."""
+        hit = self._memo.get(("comm", zero, offload))
+        if hit is not None:
+            return hit
         m, model = self.machine, self.model
-        zero, offload = int(mem.zero), bool(mem.offload)
-        if offload and not self.can_offload:
-            offload = False
-        assign = {n: (i, r.mode) for i, r in enumerate(mem.recompute) for n in r.nodes}
-        # memory
-        w = self.weight_bytes(zero, offload)
-        a, transient = self.activation_bytes(assign)
-        # a gradient made in the backward (free_grad_bytes) comes as the backward frees activations: the
-        # peak holds the activations at the forward's end or those gradients at the backward's, not both
-        free = self.free_grad_bytes(zero)
-        bucket = self.bucket_bytes(zero)
-        # the backward's own peak: activations not yet freed, the gradients of activations alive and the
-        # weight gradients made so far, step by step (it is the peak where an activation's gradient is
-        # large: a language model's logits at the loss, attention scores)
-        made = [(self.exec_pos.get(x.last, 0), {d: x.nbytes / x.copies if zero >= 2 else x.nbytes
-                                                for d in x.devices})
-                for x in self.weights if zero >= 3 or x.copies == 1]
-        bwd = self.backward_peak(a, self.kept_items(assign), made, bucket, self.recomputed_items(assign))
-        per = {d: w.get(d, 0) - free.get(d, 0) + max(a.get(d, 0) + transient.get(d, 0),
-                                                      free.get(d, 0) + bucket.get(d, 0), bwd.get(d, 0))
-               for d in set(w) | set(a) | set(transient)}
-        per = {d: int(math.ceil(b)) for d, b in per.items()}
-        act = {d: a.get(d, 0) + transient.get(d, 0) for d in set(a) | set(transient)}
-        report = MemoryReport(per, {d: int(b) for d, b in w.items()}, {d: int(b) for d, b in act.items()},
-                              self.capacity)
-        # compute stream
-        times = self.recompute_times(assign)
-        recompute = [(r, times.get(i, 0.0)) for i, r in enumerate(mem.recompute)]
-        rec_s = sum(t for _, t in recompute)
         nf = len(self.order)
-        dur = [self.fwd[n] for n in self.order] + [self.bwd[n] for n in reversed(self.order)]
-        bidx = {n: 2 * nf - 1 - self.pos[n] for n in self.order}          # backward task of node n
-        for r, t in recompute:            # (the gathers feeding a region come after its nodes' backward)
-            ps = [bidx[n] for n in r.nodes if n in bidx]
-            if ps:
-                dur[min(ps)] += t          # recomputed right before the region's backward starts
+        bidx = self._bidx
         # communication stream: (trigger (task, 0 start / 1 end), seq, seconds, needed by task or None)
         ops: list = []
-        sync_new = 0.0
         update = self.update_s
         host_bytes = host_moved = host_update = 0.0
         host_mem: dict = {}
@@ -905,10 +1189,46 @@ class Techniques:
             need = bidx[v[3]]
             ops.append(((need - 1, 1), len(ops), v[0] + v[1], need))
         comm_total = sum(o[2] for o in ops)
-        sync_new = comm_total
         zero_comm = comm_total - self.sync_s
         if abs(zero_comm) <= 1e-9 * max(comm_total, 1e-300):    # stages 1-2: reduce-scatter + all-gather = all-reduce
             zero_comm = 0.0
+        off = 0.0
+        if offload:
+            host = m.links["host"]
+            per_dev = m.host_mem_bandwidth / m.devices_per_node
+            off = (host_bytes / host.bandwidth + 2 * host.latency + host_update
+                   + host_moved * max(1.0 / per_dev - 1.0 / m.mem_bandwidth, 0.0))
+        host_mem = {nd: int(math.ceil(b)) for nd, b in host_mem.items()}
+        hit = self._memo[("comm", zero, offload)] = (sorted(ops, key=lambda o: (o[0], o[1])), update, off,
+                                                     host_mem, comm_total, zero_comm)
+        return hit
+
+    def price(self, mem: MemoryPlan) -> Priced:
+        m, model = self.machine, self.model
+        zero, offload = int(mem.zero), bool(mem.offload)
+        if offload and not self.can_offload:
+            offload = False
+        assign = {n: (i, r.mode) for i, r in enumerate(mem.recompute) for n in r.nodes}
+        # memory
+        w, a, transient, free, bucket, bwd = self._memory(zero, offload, assign)
+        per = {d: w.get(d, 0) - free.get(d, 0) + max(a.get(d, 0) + transient.get(d, 0),
+                                                      free.get(d, 0) + bucket.get(d, 0), bwd.get(d, 0))
+               for d in set(w) | set(a) | set(transient)}
+        per = {d: int(math.ceil(b)) for d, b in per.items()}
+        act = {d: a.get(d, 0) + transient.get(d, 0) for d in set(a) | set(transient)}
+        report = MemoryReport(per, {d: int(b) for d, b in w.items()}, {d: int(b) for d, b in act.items()},
+                              self.capacity)
+        # compute stream
+        times = self.recompute_times(assign)
+        recompute = [(r, times.get(i, 0.0)) for i, r in enumerate(mem.recompute)]
+        rec_s = sum(t for _, t in recompute)
+        dur = list(self._dur)
+        bidx = self._bidx
+        for r, t in recompute:            # (the gathers feeding a region come after its nodes' backward)
+            ps = [bidx[n] for n in r.nodes if n in bidx]
+            if ps:
+                dur[min(ps)] += t          # recomputed right before the region's backward starts
+        ops, update, off, host_mem, comm_total, zero_comm = self._comm_stream(zero, offload)
         compute_total = sum(dur)
         if m.overlap_grad_sync:
             makespan = _simulate(dur, ops)
@@ -916,14 +1236,8 @@ class Techniques:
             makespan = compute_total + comm_total
         exposed = makespan - compute_total
         hidden = comm_total - exposed
-        off = 0.0
-        if offload:
-            host = m.links["host"]
-            per_dev = m.host_mem_bandwidth / m.devices_per_node
-            off = (host_bytes / host.bandwidth + 2 * host.latency + host_update
-                   + host_moved * max(1.0 / per_dev - 1.0 / m.mem_bandwidth, 0.0))
         it = self.base_s - self.leaves_s + makespan + update + off
-        host_mem = {nd: int(math.ceil(b)) for nd, b in host_mem.items()}
+        host_mem = dict(host_mem)
         feasible = report.feasible
         reason = "" if feasible else "out of memory: " + report.reason()
         over = {nd: b for nd, b in host_mem.items() if b > m.host_memory_bytes}
