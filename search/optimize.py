@@ -1367,9 +1367,8 @@ def _pipeline_step(run: _Run, chosen: PlanCandidate) -> PlanCandidate:
         run.stats = dict(run.stats, pipeline_refused=why)
         return chosen
     # pipeline stages (search/pipeline.py): a mapping decision of the stage DP; the PCG inside them, data
-    # parallelism, reached by rules where it can be (pipeline.by_rules: the sequence is recorded);
-    # Megatron's stages record none.  Within the budget: on BERT-Large at 192 GPUs it took 118 s (whole-graph
-    # rules); stages data parallel inside are built by segments (linear, 2-4 s CPU on Inception-v3)
+    # parallelism or Megatron's layout, reached by rules where it can be (pipeline.by_rules: dp stages by the
+    # dp rules, Megatron stages by realize; the sequence is recorded), within its share of the budget
     from .pipeline import by_rules
     least = B.BY_RULES_DP_MIN_SHARE if (pipe.origin or {}).get("dp_inside") else B.BY_RULES_MIN_SHARE
     until = Deadline(max(bud.end, bud.now() + bud.share(least)), bud.clock).sooner(hard)

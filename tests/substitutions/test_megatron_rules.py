@@ -1,9 +1,8 @@
 """The Megatron-style templates on real exports (issue 7 points 1 and 8): ``megatron_attention_block`` (and its
 BERT bias variant) splits the heads of an exported attention layer, ``megatron_embedding_bag_column`` /
 ``megatron_embedding_column`` split DLRM's tables by columns; the rewritten graphs evaluate piecewise equal to the
-imported ones with the exported weights, and the sequences replay.  Sizes are small (the paper sizes are priced in
-benchmarks/results/megatron_rules.md, from a script since removed with
-``tensor_parallel_steps``: Megatron by rules is now ``search.realize``)."""
+imported ones with the exported weights, and the sequences replay.  Sizes are small (Megatron by rules at paper
+sizes is ``search.realize``, tests/search/test_rules_pipeline_megatron.py)."""
 import numpy as np
 import pytest
 
@@ -112,7 +111,7 @@ def test_bias_variants_split_an_exported_bert_layer(tmp_path, book):
 
 def test_embedding_columns_split_dlrm_tables(tmp_path, book):
     """DLRM (tiny): data parallel at 2, every table split 2 ways by columns with its bag sum, the rest data
-    parallel at 2 on top (Alpa's layout at 48 GPUs: benchmarks/results/megatron_rules.md)."""
+    parallel at 2 on top (Alpa's layout for DLRM at 48 GPUs)."""
     from unity_pcg import zoo
     p = tmp_path / "dlrm.onnx"
     zoo.export("dlrm", str(p), size="tiny")
