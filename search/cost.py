@@ -189,6 +189,9 @@ class CostModel:
         self.backward_factor = float(backward_factor)
         self.grad_bucket_bytes = float(grad_bucket_bytes)
         self._op_cache: dict = {}
+        # GraphCost edge prices shared by every graph priced on this model (GraphCost._edge_key): Alpa's
+        # ILP prices the same resharding on thousands of fragment graphs
+        self._edge_memo: dict = {}
         # data-parallel framework costs measured by calibration (local machines; 0 elsewhere):
         # per iteration (bucket all-reduce latency, waiting for the slowest replica), per gradient
         # tensor (hooks, bucket copies), and per iteration for synchronizing replicated buffers
@@ -868,8 +871,16 @@ class GraphCost:
         hit = self._edge_cache.get(key)
         if hit is not None:
             return hit
+        mkey = self._edge_key(nid, pos, ref, prole, prod_view, view)
+        memo = self.model._edge_memo
+        hit = memo.get(mkey)
+        if hit is not None:
+            self._edge_cache[key] = hit
+            return hit
+        if len(memo) > 200_000:
+            memo.clear()
         if nid in self._fused:
-            res = self._edge_cache[key] = self._fused_edge(nid, prod_view, view)
+            res = self._edge_cache[key] = memo[mkey] = self._fused_edge(nid, prod_view, view)
             return res
         m = self.machine
         shape = self.g.shape(ref)
@@ -982,8 +993,32 @@ class GraphCost:
                     t = max(t, C.reduce_time(m, devs, out.piece_numel * isz))
         factor = 1 if prole == "input-placement" else 2   # no gradient flows back to the data
         res = LeafCost(time=factor * t, comm=factor * t, comm_elements=factor * elements)
-        self._edge_cache[key] = res
+        self._edge_cache[key] = memo[mkey] = res
         return res
+
+    def _edge_key(self, nid: int, pos: int, ref, prole: str, prod_view: MachineView, view: MachineView) -> tuple:
+        """Everything :meth:`edge_cost` reads, graph-independently: equal keys on graphs priced by the same
+        model give the same price (the consumer's operator, attributes and shapes; the producer's role and
+        piece map, which with ``prod_view`` decide where the input's pieces are; the dtype sizes)."""
+        g = self.g
+        node = g.node(nid)
+        role = self.role[nid]
+        ppm = self._pm.get(ref[0]) if self.role[ref[0]] == "compute" else None
+        pplace = (ppm.axes, ppm.outputs[ref[1]]) if ppm is not None else None
+        if nid in self._fused:
+            kind, first = self._fused[nid]
+            fn = g.node(first)
+            fref = tuple(fn.inputs[0])
+            fppm = self._pm.get(fref[0]) if self.role[fref[0]] == "compute" else None
+            return ("fused", kind, fn.attrs, node.attrs, g.shape(fref), g.shapes(first)[0], g.shapes(nid)[0],
+                    self.itemsize(fref), self.role[fref[0]],
+                    (fppm.axes, fppm.outputs[fref[1]]) if fppm is not None else None, prod_view, view)
+        if role == "compute":
+            pm = self._pm[nid]
+            cons = (pm.axes, pm.inputs[pos], g.input_shapes(nid)[pos].grid)
+        else:
+            cons = (node.op, node.attrs, g.shapes(nid)[0])
+        return (role, cons, g.shape(ref), self.itemsize(ref), prole, pplace, prod_view, view)
 
     def _nearest(self, holders: set, dev: int) -> int:
         """The holder ``dev`` reads from: itself, else the lowest-numbered holder in its group, else in its
