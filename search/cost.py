@@ -912,11 +912,16 @@ class GraphCost:
             ogrid = out.grid
             igrid = shape.grid
 
+            kstride = [0] * len(igrid)      # piece key = sum of grid index x stride over all but the copy
+            acc = 1
+            for i in range(len(igrid) - 1, 0, -1):
+                kstride[i] = acc
+                acc *= igrid[i]
+
             def key_of(gi):  # grid index (copy, sum, dims...) of the input -> piece key
-                flat = 0
-                for x, gsz in zip(gi[1:], igrid[1:]):
-                    flat = flat * gsz + x
-                return flat
+                return sum(map(int.__mul__, gi, kstride))
+
+            opnum = out.piece_numel
 
             groups: dict = {}
             for flat, dev in enumerate(odevs):
@@ -932,8 +937,8 @@ class GraphCost:
                     src[0] = 0
                     h = hold[key_of(src)]
                     if dev not in h:
-                        moves.append((near(h, dev), dev, out.piece_numel * isz))
-                        elements += out.piece_numel
+                        moves.append((near(h, dev), dev, opnum * isz))
+                        elements += opnum
                 elif op in ("Combine", "Batch"):
                     dim = 2 + a["dim"] % shape.rank
                     for j in range(a["degree"]):
@@ -986,11 +991,11 @@ class GraphCost:
                 elif kind == "a":
                     devs = sorted(grp[0] | set(grp[1]))
                     if len(devs) > 1:
-                        t = max(t, C.allreduce_time(m, devs, out.piece_numel * isz))
-                        elements += C.allreduce_elements(len(devs), out.piece_numel)
+                        t = max(t, C.allreduce_time(m, devs, opnum * isz))
+                        elements += C.allreduce_elements(len(devs), opnum)
                 else:
                     devs = list(grp[0]) + grp[1]
-                    t = max(t, C.reduce_time(m, devs, out.piece_numel * isz))
+                    t = max(t, C.reduce_time(m, devs, opnum * isz))
         factor = 1 if prole == "input-placement" else 2   # no gradient flows back to the data
         res = LeafCost(time=factor * t, comm=factor * t, comm_elements=factor * elements)
         self._edge_cache[key] = memo[mkey] = res
