@@ -75,7 +75,9 @@ def test_cli_json_plan_and_errors(tiny_onnx, tmp_path, capsys):
     j = json.loads(capsys.readouterr().out)
     assert j["feasible"] and j["devices"] == 2 and j["data_parallel_iteration_s"] > 0
     pl = P.load(str(out))
-    assert pl.rules is not None and pl.predicted["predicted_iteration_s"] == pytest.approx(j["predicted_iteration_s"])
+    # the plan file carries the rule sequence the search reported (a floor that wins carries none)
+    assert (pl.rules is not None) == (j["rule_steps"] > 0)
+    assert pl.predicted["predicted_iteration_s"] == pytest.approx(j["predicted_iteration_s"])
     assert main(["optimize", tiny_onnx, "--machine", "summit:1x2", "--candidates", "1", "-o", str(out)]) == 0
     text = capsys.readouterr().out
     assert "speedup" in text and "search" in text

@@ -41,6 +41,8 @@ def check_instance(rule, seed: int, degree: int | None) -> bool:
         for v, k in rule.vars:
             if k == "degree" and v in bind:
                 bind[v] = degree
+        if not rule.check_constraints(bind):     # e.g. m == k * j: one degree for all is no instance
+            return False
     shapes = ex["shapes"]
     rng = np.random.default_rng(seed)
     vals = sample_values(shapes, ex["values"], rng, ex["ints"], _int_high(rule, ex))
