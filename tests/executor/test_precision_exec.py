@@ -84,21 +84,14 @@ def _bf16_pipeline(tmp_path, model: str, micro_batches: int):
     return path, _with_precision(P.load(pp), "bf16")
 
 
-@pytest.mark.parametrize("model,micro_batches", [("mlp", 2), ("mlp", 4), ("gpt", 2)])
-def test_bf16_two_stage_pipeline_trains_as_one_bf16_process(tmp_path, model, micro_batches):
-    """A bf16 plan of 2 pipeline stages passes the pre-launch checks and trains on 2 gloo processes as one bf16
-    process does (the stages compute in bf16 and exchange float32 tensors and gradients): 3 steps of Adam."""
+def _steps_and_references(path: str, model: str):
+    """Feeds and targets of STEPS steps (the MLP: MSE against targets; the GPT: the mean of its output) and the
+    losses one process trains to on them in fp32 and bf16."""
     from unity_pcg.evaluate import random_feeds
-    from unity_pcg.executor.pipeline import check_pipeline
     from unity_pcg.executor.train import Trainer
-    from unity_pcg.search.runnable import executor_refusal
-    path, plan = _bf16_pipeline(tmp_path, model, micro_batches)
-    assert len(plan.pipeline["stages"]) == 2
-    check_pipeline(plan)
-    assert executor_refusal(plan) is None
     g = H.load(path)
     feeds = [random_feeds(g, seed=50 + i) for i in range(STEPS)]
-    if model == "mlp":                          # MSE against targets; the GPT: the mean of its output
+    if model == "mlp":
         rng = np.random.default_rng(5)
         targets = [rng.standard_normal((8, 8)).astype(np.float32) for _ in range(STEPS)]
     else:
@@ -107,6 +100,20 @@ def test_bf16_two_stage_pipeline_trains_as_one_bf16_process(tmp_path, model, mic
     for prec in ("fp32", "bf16"):
         t = Trainer(_with_precision(H.logical_plan(g, path), prec), path, optimizer="adam", lr=0.02)
         ref[prec] = [t.step(feeds[i], targets[i]) for i in range(STEPS)]
+    return feeds, targets, ref
+
+
+@pytest.mark.parametrize("model,micro_batches", [("mlp", 2), ("mlp", 4), ("gpt", 2)])
+def test_bf16_two_stage_pipeline_trains_as_one_bf16_process(tmp_path, model, micro_batches):
+    """A bf16 plan of 2 pipeline stages passes the pre-launch checks and trains on 2 gloo processes as one bf16
+    process does (the stages compute in bf16 and exchange float32 tensors and gradients): 3 steps of Adam."""
+    from unity_pcg.executor.pipeline import check_pipeline
+    from unity_pcg.search.runnable import executor_refusal
+    path, plan = _bf16_pipeline(tmp_path, model, micro_batches)
+    assert len(plan.pipeline["stages"]) == 2
+    check_pipeline(plan)
+    assert executor_refusal(plan) is None
+    feeds, targets, ref = _steps_and_references(path, model)
     (losses, sent), (losses1, _) = H.run_dist(2, _pipeline_worker, plan.to_json(), path, feeds, targets)
     assert losses == losses1
     assert "torch.bfloat16" in sent                    # the first stage ran its matmuls in bf16
@@ -137,26 +144,14 @@ def test_bf16_pipeline_with_recompute_in_its_stages_trains_as_one_bf16_process(t
     forward again in the backward; selective: Megatron-LM's attention-only form), trains 3 steps of Adam on 2 gloo
     processes as one bf16 process without recomputation does: the recomputed forward runs under the same
     autocast as the first one."""
-    from unity_pcg.evaluate import random_feeds
     from unity_pcg.executor.pipeline import check_pipeline
-    from unity_pcg.executor.train import Trainer
     from unity_pcg.plan import MemoryPlan, RecomputeRegion
     path, plan = _bf16_pipeline(tmp_path, model, 2)
     comp = {n.id for n in plan.pcg.nodes() if n.kind == "compute"}
     regions = tuple(RecomputeRegion(tuple(n for n in st["nodes"] if n in comp), mode) for st in plan.pipeline["stages"])
     plan = dataclasses.replace(plan, memory=MemoryPlan(recompute=regions))
     check_pipeline(plan)
-    g = H.load(path)
-    feeds = [random_feeds(g, seed=50 + i) for i in range(STEPS)]
-    if model == "mlp":
-        rng = np.random.default_rng(5)
-        targets = [rng.standard_normal((8, 8)).astype(np.float32) for _ in range(STEPS)]
-    else:
-        targets = [None] * STEPS
-    ref = {}
-    for prec in ("fp32", "bf16"):
-        t = Trainer(_with_precision(H.logical_plan(g, path), prec), path, optimizer="adam", lr=0.02)
-        ref[prec] = [t.step(feeds[i], targets[i]) for i in range(STEPS)]
+    feeds, targets, ref = _steps_and_references(path, model)
     (losses, n0), (losses1, n1) = H.run_dist(2, _recompute_worker, plan.to_json(), path, feeds, targets)
     assert losses == losses1
     assert n0 > 0 and n1 > 0                           # both stages ran checkpointed (recomputed) runs
