@@ -587,6 +587,7 @@ class MachineMapper:
         keep = sorted(n for n in live if n not in fixed)
         new: dict = {}
         for skey, (scost, sass) in states.items():
+            _check_deadline()       # memo hits skip _solve's check: a pass over states x views can be long
             f = dict(fixed)
             f.update(skey)
             for combo in product(*out_cands):
@@ -617,6 +618,7 @@ class MachineMapper:
         keep = sorted(n for n in live if n not in fixed)
         new: dict = {}
         for skey, (scost, sass) in states.items():
+            _check_deadline()       # memo hits skip _solve's check: a pass over states x views can be long
             f = dict(fixed)
             f.update(skey)
             for vj in self._cands(ctx, jmain, res, f):
