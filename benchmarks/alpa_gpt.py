@@ -43,6 +43,8 @@ BASELINE_MS = (1, 32, 128, 256)             # gradient accumulation steps tried 
 ALPA_GPT = {"layers": 8, "micro_batches": 128, "stage_cost": "layer_sum"}
 ALPA_ZOO = {"layers": 8, "micro_batches": 8, "stage_cost": "layer_sum"}
 ZOO_MACHINE = "summit:8x6"
+# where the report reads Unity's throughput: Figure 14's files, each superseding the ones before it
+UNITY_SOURCES = ("fig14.json", "fig14_dense.json", "fig14_rerun_stop24.json")
 
 
 def zoo_machine(gpus: int) -> str:
@@ -375,9 +377,8 @@ def report() -> str:
     o += ["", FINDINGS_GPT]
     zr = [r for r in rows if r["part"] == "zoo"]
     fig = {}
-    # Unity's rows: fig14.json, then the partial reruns that supersede them (fig14_dense.json: CANDLE-Uno and
-    # MLP after the dense Megatron families) until they are merged into it
-    for fn in ("fig14.json", "fig14_dense.json"):
+    # Unity's rows: each file of UNITY_SOURCES supersedes the ones before it (the latest whole-matrix rerun last)
+    for fn in UNITY_SOURCES:
         try:
             with open(os.path.join(RESULTS, fn)) as f:
                 for x in json.load(f)["rows"]:
@@ -389,9 +390,9 @@ def report() -> str:
         at = [r for r in zr if r["gpus"] == gpus]
         o += ["", f"## Alpa on Unity's zoo models, {zoo_machine(gpus)} ({gpus} GPUs)", "",
               f"Alpa: {ALPA_ZOO['layers']} layers, stage costs `{ALPA_ZOO['stage_cost']}`, the fastest of the "
-              f"micro-batch counts run (M); batch = Figure 14's per-GPU batch x {gpus}. Unity: the `unity` row of "
-              f"`fig14.json` at {gpus} GPUs, or of `fig14_dense.json` where that has it (same machine, batch and "
-              "optimizer; its own budget).", "",
+              f"micro-batch counts run (M); batch = Figure 14's per-GPU batch x {gpus}. Unity: the `unity` row at "
+              f"{gpus} GPUs of the last of {', '.join(f'`{x}`' for x in UNITY_SOURCES)} that has it (same machine, "
+              "batch and optimizer; its own budget).", "",
               "| model | batch | Alpa samples/s | M | stages | planner (s) | ILP solves | Unity samples/s (fig14) | "
               "Unity / Alpa | note |", "|---|---|---|---|---|---|---|---|---|---|"]
         for r in at:
@@ -401,8 +402,8 @@ def report() -> str:
             ratio = a["iteration_s"] / ut if ut and a.get("feasible") and a.get("iteration_s") else None
             plan = ", ".join(f"{s['layers'][1] - s['layers'][0]}L@{s['shape'][0]}x{s['shape'][1]}"
                              for s in a.get("stages", [])) or "-"
-            uthr = f"{r['batch'] / ut:,.1f}" + (" (dense)" if u.get("source") == "fig14_dense.json" else "") \
-                if ut else "-"
+            uthr = f"{r['batch'] / ut:,.1f}" + (f" ({u['source'][:-5]})" if u.get("source") != UNITY_SOURCES[-1]
+                                                 else "") if ut else "-"
             o.append(f"| {r['model']} | {r['batch']} | {_thr(a, r['batch'])} | {a.get('micro_batches', '-')} | "
                      f"{plan} | {a['planner_s']:.1f} | "
                      f"{a.get('solves', '-')} | {uthr} | "
