@@ -82,28 +82,16 @@ solved as one stage, as Alpa profiles) found the same plans and times wherever b
 at several times the planner time."""
 
 FINDINGS_ZOO = """**Reading the zoo table.** A row shows Alpa's fastest plan over the micro-batch counts run (1 and 8) that
-joins into one PCG. With one micro-batch Alpa's plan is one stage on the whole cluster: for ResNeXt-50,
-Inception-v3 and BERT-Large as fast as Unity's. DLRM: Alpa's ILP splits every embedding table's 64 columns 8
-ways across the nodes and the batch 6 ways inside them; Unity was 0.78x until the rules could do that
-(`megatron_embedding_bag_column` / `megatron_embedding_column`) and the search seeded the layout on the whole graph
-(tables by columns 8 ways on dp 6, the dense layers data parallel 8 ways on top, i.e. at 48: `table_columns_steps`),
-now 1.26x (`fig14.py --models dlrm --devices 48`: 0.2839 s against Alpa's 0.3568 s in the same cost model). CANDLE-Uno: Alpa runs the dense
-layers as Megatron column -> row pairs across the 8 nodes and the batch 6 ways inside a node (0.373 s); Unity was
-0.85x of it until its search built Megatron layouts at every tensor-parallel degree of the machine
-(`optimize.whole_tp_degrees`, small dense models): tensor parallel 4 on dp 12 is 0.352 s, 1.06x Alpa's plan
-(`fig14_dense.json`). At 192 GPUs Alpa's plan on the physical 32 x 6 mesh is data parallelism (0.894 s; Unity
-tp 4 on dp 48, 0.372 s: 2.40x). Alpa's intra-operator ILP on the logical 4 x 12 (4 x 48) mesh, which its stage DP
-does not pick, is 0.338 s (0.358 s): Unity's layout but for the tower outputs, which it reduces, concatenates and
-broadcasts where Alpa all-reduces them (0.96x at both sizes); the rule that moves a Replicate above a 7-input
-Concat is missing, and with it, built in memory, Unity's family prices as Alpa's ILP plan
-(`dense_tp_diag.md`; history: `unity_vs_alpa_diag.md`). The Alpa rows of CANDLE-Uno and MLP (48 and 192 GPUs)
-are current; the others were priced before the cost model's executor gradient-sync model
-(commit 7f2a746); the Unity rows of DLRM and CANDLE-Uno after it (DLRM's Alpa plan, re-priced under it, is
-not rerun here). Alpa's 8-micro-batch plans for DLRM
-and CANDLE-Uno are priced faster still but cannot be built as one PCG: an intra plan leaves a tensor replicated at
-a stage boundary and the next stage partitions it differently, which no parallel operator of our IR does (none
-drops copies). Planner times grow with the distinct layers: ResNeXt-50 and Inception-v3 have no repeated layer
-to share ILP solves."""
+joins into one PCG, every row rerun on 2026-11-28 (`--part zoo --zoo-intra --zoo-micro-batches 1`, then
+`--zoo-micro-batches 8`, at 48 and, for CANDLE-Uno and MLP, 192 GPUs), against Unity's row of the latest Figure 14
+rerun (same machine, batch, optimizer and cost model). With one micro-batch Alpa's plan is one stage on the whole
+cluster: for ResNeXt-50, Inception-v3 and BERT-Large as fast as Unity's or slower. Unity is at least as fast as
+Alpa's intra-operator ILP on its best logical mesh for every model (the last table; CANDLE-Uno and MLP: the
+layout proposals of Unity's own search are that ILP). At 48 GPUs Alpa's 8-micro-batch pipelines of CANDLE-Uno
+(4 stages of 2 layers on 2x6) and MLP (2 stages of 4 layers on 4x6) are priced faster than Unity's plan
+(0.89x, 0.86x): the stages run Alpa's ILP layouts, where Unity's pipeline search laid stages out by data
+parallelism or Megatron only. Planner times grow with the distinct layers: ResNeXt-50 and Inception-v3 have no
+repeated layer to share ILP solves."""
 
 
 def gpt_machine(gpus: int) -> str:
