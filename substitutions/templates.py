@@ -23,7 +23,9 @@ like every generated rule (rules_cmd / generate re-prove them; none is shipped u
   degree is chosen at application, the constraint keeps only ``k * j``);
 * ``combine_sink_<Reduce|Replicate|AllReduce>`` (``P(Combine(x, d, k), j) -> Combine(P(x, j), d, k)``: a gather
   commutes with a sum or a copy, which change other degrees; a stage data and tensor parallel at once gathers a
-  row-parallel Linear's batch pieces before its AllReduce, the next pair splits them again: sunk, they cancel);
+  row-parallel Linear's batch pieces before its AllReduce, the next pair splits them again: sunk, they cancel)
+  and ``partition_replicate_commute`` (``Partition(Replicate(x, j), d, k) -> Replicate(Partition(x, d, k), j)``,
+  any two degrees: a weight copied by the data-parallel rule, then split by a Megatron template);
 * ``replicate_lift_Embedding`` (``Replicate(Embedding(i, t)) -> Embedding(Replicate(i), Replicate(t))``: an
   operator over constants computed on every device, where data parallelism cannot partition it),
   ``replicate_lift_Add`` and ``replicate_lift_LayerNorm`` (the operators between Megatron's groups on the
@@ -349,6 +351,10 @@ def template_rules() -> list[Rule]:
                     DKJ)
         rules.append(_with_example(r, {"k": 2, "j": 2, "d": -2},
                                    {"x": S.of((4, 4), (2, 1), sum_degree=1 if p == "Replicate" else 2)}))
+    # a tensor copied, then split, is split, then copied (the degrees may differ: a weight of a stage data parallel
+    # j x tensor parallel k, as Megatron-LM's layout writes it)
+    r = rule_of("partition_replicate_commute", _part(_rep("x", "$j"), "$d"), _rep(_part("x", "$d"), "$j"), DKJ)
+    rules.append(_with_example(r, {"k": 2, "j": 2, "d": -1}, x44))
 
     # --- cancelling a Combine/Partition pair (the search builds data parallelism op by op with dp_<Op>
     # and removes the Combine -> Partition pairs left between neighbours) ---------------------------------------
