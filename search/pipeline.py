@@ -1462,10 +1462,12 @@ def _megatron_by_rules(pcg: PCG, result: PipelineResult, machine: MachineSpec, b
     the same plan (stages, devices, views, price) with its rule sequence.  Where a stage is data and tensor
     parallel at once the rules copy a weight twice (the data-parallel rule, then a replicate lift) where the
     hand-built stage copies it once: :func:`search.substitution.merge_copies_steps` writes those copies as
-    one (``replicate_merge``, proven), so the rule-reached PCG is the hand-built one.  None when the rules
+    one (``replicate_merge``, proven), and the data-parallel rule's gather of a row-parallel Linear's batch
+    pieces before its AllReduce, split again by the next pair, is sunk past the AllReduce and cancelled
+    (:func:`search.substitution.sink_combines_steps`), so the rule-reached PCG is the hand-built one.  None when the rules
     do not reach it (the hand-built plan, no rule sequence).  ``mapper`` is unused (kept for callers)."""
     from .realize import realize
-    from .substitution import RuleBook, cancel_steps, merge_copies_steps, trimmed
+    from .substitution import RuleBook, cancel_steps, merge_copies_steps, sink_combines_steps, trimmed
     book = book or RuleBook()
     try:
         r = realize(pcg, result.pcg, book)
@@ -1479,10 +1481,11 @@ def _megatron_by_rules(pcg: PCG, result: PipelineResult, machine: MachineSpec, b
     if out is not None:
         return out
     g, merged = merge_copies_steps(g, book)
-    if not merged:
+    g, sunk = sink_combines_steps(g, book)
+    if not merged and not sunk:
         return None
     g, more = cancel_steps(g, book)
-    return _rules_plan(pcg, result, machine, trimmed(g), steps + merged + list(more))
+    return _rules_plan(pcg, result, machine, trimmed(g), steps + merged + sunk + list(more))
 
 
 #: (canonical segment key, degree, id(rule book)) -> SegmentChoice of data parallelism by rules on it

@@ -194,11 +194,18 @@ def trimmed(g: PCG) -> PCG:
     """``g`` with every output taken before its trailing parallel operators (removed).  Rules keep
     every output's parallel shape, so a rule-reached PCG ends in the gathers that bring its outputs
     back to one piece; training does not need them (the loss is computed where each piece of the
-    output lives, as for every plan), so plans are priced and written without them."""
+    output lives, as for every plan), so plans are priced and written without them.  An output whose
+    pieces are partial sums (a row-parallel Linear's) is taken after an AllReduce of them: a loss reads
+    values, and every device of the sums then holds them (Megatron-LM's layout of a model ending in a
+    row-parallel layer).  A function of the graph alone, so :func:`replay` with ``trim_outputs`` repeats it."""
     outs = [trailing(g, r) for r in g.outputs]
     if outs == [tuple(r) for r in g.outputs]:
         return g
     e = g.edit()
+    for i, r in enumerate(outs):
+        k = g.shape(r).sum_degree
+        if k > 1:         # partial sums are no values a loss reads: all-reduced (the chain's Reduce, with copies)
+            outs[i] = (e.add_node("AllReduce", {"degree": k}, [r]), 0)
     e.set_outputs(outs)
     e.remove_dead()
     return e.finish()
@@ -306,14 +313,15 @@ MERGE_RULE = "replicate_merge"
 
 
 def _commute_rules(book: RuleBook) -> list[Rule]:
-    """The book's unconstrained ``Partition(Replicate(x, k), d, k) -> Replicate(Partition(x, d, k), k)``
-    rules (found by their patterns, not by name: they are generated)."""
+    """The book's unconstrained ``Partition(Replicate(x, j), d, k) -> Replicate(Partition(x, d, k), j)``
+    rules (found by their patterns, not by name: generated ones with one degree, the template
+    ``partition_replicate_commute`` with two)."""
     out = []
     for r in book.rules:
         s, t = r.source.nodes, r.target.nodes
-        if (not r.constraints and [n.op for n in s] == ["Replicate", "Partition"]
-                and [n.op for n in t] == ["Partition", "Replicate"] and s[0].inputs == ("x0",)
-                and t[0].inputs == ("x0",) and not r.name.endswith("~rev")):
+        if (not r.constraints and [n.op for n in s] == ["Replicate", "Partition"] and len(r.inputs) == 1
+                and [n.op for n in t] == ["Partition", "Replicate"] and s[0].inputs == r.inputs
+                and t[0].inputs == r.inputs and not r.name.endswith("~rev")):
             out.append(r)
     return out
 
@@ -342,8 +350,59 @@ def merge_copies_steps(g: PCG, book: RuleBook) -> tuple[PCG, list[RuleStep]]:
     for r in _commute_rules(book):
         for k in sorted({n.a["degree"] for n in g.nodes() if n.op == "Replicate"}):
             g = _apply_everywhere(g, r, k, steps, where=lambda h, mt: all(
-                h.node(ref[0]).op == "Weight" for _, ref in mt.inputs))
+                h.node(ref[0]).kind == "source" for _, ref in mt.inputs))
     return g, steps
+
+
+#: ``P(Combine(x, d, k), j) -> Combine(P(x, j), d, k)`` per parallel operator ``P`` that changes only the sum or
+#: copy degree (proven templates)
+SINK_RULES = {"Reduce": "combine_sink_Reduce", "Replicate": "combine_sink_Replicate",
+              "AllReduce": "combine_sink_AllReduce"}
+
+
+def _cancelled_below(g: PCG, c) -> bool:
+    """True when Combine node ``c``'s result reaches, through a chain of Reduce / Replicate / AllReduce (each
+    read by one consumer), a Partition of the same dim and degree: sunk there, the pair cancels."""
+    rank = g.shape(c.inputs[0]).rank
+    ref = (c.id, 0)
+    while True:
+        cons = g.consumers(ref)
+        if len(cons) != 1:
+            return False
+        n = g.node(cons[0][0])
+        if n.op in SINK_RULES:
+            ref = (n.id, 0)
+            continue
+        return (n.op == "Partition" and n.a["degree"] == c.a["degree"]
+                and n.a["dim"] % rank == c.a["dim"] % rank)
+
+
+def sink_combines_steps(g: PCG, book: RuleBook) -> tuple[PCG, list[RuleStep]]:
+    """Gathers that a later split undoes, removed by rules: a ``Combine(d, k)`` followed by sums or copies
+    (Reduce, Replicate, AllReduce: they change other degrees) and then by ``Partition(d, k)`` is moved past
+    them (``combine_sink_<P>``, proven) and cancelled with the Partition (``partition_combine_cancel``).
+    Where a stage is data and tensor parallel at once, the data-parallel rule gathers a row-parallel
+    Linear's batch pieces before its AllReduce and the next Megatron pair splits them again; Megatron-LM
+    all-reduces the pieces where they are.  Other Combines are left alone (moving them would change the
+    layout, not write it differently); (graph, steps)."""
+    steps: list[RuleStep] = []
+    rules = {p: book.by_name.get(name) for p, name in SINK_RULES.items()}
+    if any(r is None for r in rules.values()):
+        return g, steps
+    cancel = book.by_name.get("partition_combine_cancel")
+    while True:
+        site = next((c for c in g.nodes() if c.op == "Combine" and _cancelled_below(g, c)), None)
+        if site is None:
+            return g, steps
+        below = g.node(g.consumers((site.id, 0))[0][0])
+        rule = rules.get(below.op, cancel)
+        m = next((m for m in iter_matches(rule, g, None, None, (site.a["degree"],))
+                  if set(m.nodes) == {site.id, below.id}), None)
+        g2 = try_apply(g, m) if m is not None else None
+        if g2 is None:
+            return g, steps
+        steps.append(RuleStep.of(m))
+        g = g2
 
 
 def data_parallel_steps(g: PCG, degree: int, book: RuleBook,

@@ -21,6 +21,11 @@ like every generated rule (rules_cmd / generate re-prove them; none is shipped u
 * ``replicate_merge`` (``Replicate(Replicate(x, k), j) -> Replicate(x, k * j)``: copies of copies, as the data-
   parallel rule and a replicate lift leave on a weight of a stage data and tensor parallel at once; the product
   degree is chosen at application, the constraint keeps only ``k * j``);
+* ``combine_sink_<Reduce|Replicate|AllReduce>`` (``P(Combine(x, d, k), j) -> Combine(P(x, j), d, k)``: a gather
+  commutes with a sum or a copy, which change other degrees; a stage data and tensor parallel at once gathers a
+  row-parallel Linear's batch pieces before its AllReduce, the next pair splits them again: sunk, they cancel)
+  and ``partition_replicate_commute`` (``Partition(Replicate(x, j), d, k) -> Replicate(Partition(x, d, k), j)``,
+  any two degrees: a weight copied by the data-parallel rule, then split by a Megatron template);
 * ``replicate_lift_Embedding`` (``Replicate(Embedding(i, t)) -> Embedding(Replicate(i), Replicate(t))``: an
   operator over constants computed on every device, where data parallelism cannot partition it),
   ``replicate_lift_Add`` and ``replicate_lift_LayerNorm`` (the operators between Megatron's groups on the
@@ -337,6 +342,19 @@ def template_rules() -> list[Rule]:
     r = rule_of("replicate_merge", _rep(_rep("x", "$k"), "$j"), _rep("x", "$m"),
                 {"k": "degree", "j": "degree", "m": "degree"}, [("$m", "==", ("*", "$k", "$j"))])
     rules.append(_with_example(r, {"k": 2, "j": 2, "m": 4}, x44))
+
+    # --- a gather moves past a sum or a copy (they change other degrees): a Combine left between a data-parallel
+    # row-parallel Linear and its AllReduce sinks to the next pair's Partition and cancels ---------------------------
+    DKJ = {"d": "dim", "k": "degree", "j": "degree"}
+    for p in ("Reduce", "Replicate", "AllReduce"):
+        r = rule_of(f"combine_sink_{p}", op(p, _comb("x", "$d"), degree="$j"), _comb(op(p, "x", degree="$j"), "$d"),
+                    DKJ)
+        rules.append(_with_example(r, {"k": 2, "j": 2, "d": -2},
+                                   {"x": S.of((4, 4), (2, 1), sum_degree=1 if p == "Replicate" else 2)}))
+    # a tensor copied, then split, is split, then copied (the degrees may differ: a weight of a stage data parallel
+    # j x tensor parallel k, as Megatron-LM's layout writes it)
+    r = rule_of("partition_replicate_commute", _part(_rep("x", "$j"), "$d"), _rep(_part("x", "$d"), "$j"), DKJ)
+    rules.append(_with_example(r, {"k": 2, "j": 2, "d": -1}, x44))
 
     # --- cancelling a Combine/Partition pair (the search builds data parallelism op by op with dp_<Op>
     # and removes the Combine -> Partition pairs left between neighbours) ---------------------------------------

@@ -101,6 +101,31 @@ def test_two_megatron_stages_train_like_one_process(tmp_path, capfd):
     _assert_same(got, ref, saved, ref_w)
 
 
+def _ruled_plan(model: str, devices: int, stages, tp: int, out: str, rule: str):
+    """The hand-built Megatron pipeline plan (megatron_intra(tp)) reached by rules (pipeline.by_rules), using
+    ``rule``, its sequence replayed on a fresh import to the plan's PCG, written with its rules to ``out``."""
+    from unity_pcg.machine import parse_machine
+    from unity_pcg.onnx_import import load_onnx
+    from unity_pcg.search.cost import CostModel
+    from unity_pcg.search.pipeline import by_rules, evaluate_pipeline, megatron_intra
+    from unity_pcg.search.substitution import RuleStep, replay
+    g = load_onnx(model, load_weights=False)
+    m = parse_machine(f"local:1x{devices}")
+    hand = evaluate_pipeline(g, CostModel(m), stages, 2, intra=megatron_intra(tp))
+    assert hand.feasible
+    ruled = by_rules(g, hand, m)
+    assert ruled is not None and rule in {s.rule for s in ruled.rules}
+    assert ruled.cost == hand.cost
+    steps = [RuleStep.from_json(s.to_json()) for s in ruled.rules]
+    assert replay(load_onnx(model, load_weights=False), steps, trim_outputs=True).structural_hash() == \
+        ruled.pcg.structural_hash()
+    P.Plan(model, P.file_sha256(model), m, ruled.pcg, ruled.views, ruled.to_json(), ruled.to_plan_field(),
+           rules=tuple(s.to_json() for s in ruled.rules)).save(out)
+    pl = P.load(out)
+    assert any(n.op == "AllReduce" for n in pl.pcg.nodes())
+    return out
+
+
 @pytest.mark.slow
 def test_data_by_tensor_parallel_stages_reached_by_rules_train_like_one_process(tmp_path, capfd):
     """The tiny GPT on 4 devices as one stage data parallel 2 x tensor parallel 2 (megatron_intra(2)) and as
@@ -111,8 +136,7 @@ def test_data_by_tensor_parallel_stages_reached_by_rules_train_like_one_process(
     from unity_pcg.machine import parse_machine
     from unity_pcg.onnx_import import load_onnx
     from unity_pcg.search.cost import CostModel, GraphCost
-    from unity_pcg.search.pipeline import by_rules, evaluate_pipeline, megatron_intra, sequential_layers
-    from unity_pcg.search.substitution import RuleStep, replay
+    from unity_pcg.search.pipeline import sequential_layers
     model = str(tmp_path / "gpt.onnx")
     zoo.export("gpt_350m", model, size="tiny", batch=4)
     g = load_onnx(model, load_weights=False)
@@ -120,22 +144,31 @@ def test_data_by_tensor_parallel_stages_reached_by_rules_train_like_one_process(
         m = parse_machine(f"local:1x{devices}")
         L = len(sequential_layers(g, GraphCost(g, CostModel(m)).role, 12)[0])
         stages = [(0, L, 0, 4)] if devices == 4 else [(0, L // 2, 0, 4), (L // 2, L, 4, 4)]
-        hand = evaluate_pipeline(g, CostModel(m), stages, 2, intra=megatron_intra(2))
-        assert hand.feasible
-        ruled = by_rules(g, hand, m)
-        assert ruled is not None and "replicate_merge" in {s.rule for s in ruled.rules}
-        steps = [RuleStep.from_json(s.to_json()) for s in ruled.rules]
-        assert replay(load_onnx(model, load_weights=False), steps, trim_outputs=True).structural_hash() == \
-            ruled.pcg.structural_hash()
-        pp = str(tmp_path / f"ruled{devices}.json")
-        P.Plan(model, P.file_sha256(model), m, ruled.pcg, ruled.views, ruled.to_json(), ruled.to_plan_field(),
-               rules=tuple(s.to_json() for s in ruled.rules)).save(pp)
-        pl = P.load(pp)
-        assert any(n.op == "AllReduce" for n in pl.pcg.nodes())
+        pp = _ruled_plan(model, devices, stages, 2, str(tmp_path / f"ruled{devices}.json"), "replicate_merge")
         (tmp_path / str(devices)).mkdir()
         got, ref, saved, ref_w = _train(pp, model, tmp_path / str(devices), capfd, "sgd")
         assert got["nproc"] == devices
         _assert_same(got, ref, saved, ref_w)
+
+
+@pytest.mark.slow
+def test_two_pairs_data_by_tensor_parallel_reached_by_rules_train_like_one_process(tmp_path, capfd):
+    """The two-pair MLP as one stage data parallel 2 x tensor parallel 2 on 4 devices: reached by rules (the
+    dp rule's gather before the first pair's AllReduce sunk and cancelled, ``combine_sink_AllReduce``; the
+    output's partial sums all-reduced for the loss), written with its rule sequence and run under ``unity-pcg
+    run``: losses and weights of 5 steps (MSE against targets, Adam) equal one process."""
+    model = two_pair_mlp()
+    pp = _ruled_plan(model, 4, [(0, 6, 0, 4)], 2, str(tmp_path / "ruled.json"), "combine_sink_AllReduce")
+    pl = P.load(pp)
+    assert not any(n.op == "Combine" for n in pl.pcg.nodes())
+    assert pl.pcg.node(pl.pcg.outputs[0][0]).op == "AllReduce"
+    rng = np.random.default_rng(2)
+    data = tmp_path / "d.npz"
+    np.savez(data, x=rng.standard_normal((8, 8)).astype(np.float32),
+             targets=rng.standard_normal((8, 8)).astype(np.float32))
+    got, ref, saved, ref_w = _train(pp, model, tmp_path, capfd, "adam", str(data))
+    assert got["nproc"] == 4 and got["pipeline"]
+    _assert_same(got, ref, saved, ref_w)
 
 
 def test_vocabulary_parallel_head_and_split_boundary(tmp_path, capfd):

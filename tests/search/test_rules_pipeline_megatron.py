@@ -126,3 +126,39 @@ def test_optimize_records_rules_for_its_megatron_pipeline(tmp_path_factory):
     fresh = load_onnx(p, load_weights=False)
     assert replay(fresh, steps, trim_outputs=True).structural_hash() == res.plan.pcg.structural_hash()
     assert same_function(load_onnx(p, load_weights=False), res.plan.pcg)
+
+
+@pytest.fixture(scope="module")
+def two_pair_path():
+    pytest.importorskip("torch")
+    from tests.executor.test_pipeline_megatron import two_pair_mlp
+    return two_pair_mlp()
+
+
+@pytest.mark.parametrize("mesh,stages,tp", [((1, 2), [(0, 6, 0, 2)], 2), ((1, 4), [(0, 3, 0, 2), (3, 6, 2, 2)], 2),
+                                           ((1, 4), [(0, 6, 0, 4)], 2), ((1, 8), [(0, 6, 0, 8)], 2),
+                                           ((1, 8), [(0, 6, 0, 8)], 4)])
+def test_two_megatron_pairs_in_one_stage_reached_by_rules(two_pair_path, mesh, stages, tp):
+    """Two column -> row Linear pairs (ReLU between) ending in the model's output, tensor parallel ``tp`` and
+    data parallel across (stage devices / tp): the hand-built stages (megatron_intra) are reached by rules, the
+    same plan and price.  Data parallel x tensor parallel, the dp rule's gather of the first pair's batch pieces
+    before its AllReduce is sunk past it (``combine_sink_AllReduce``) and cancelled with the next pair's split;
+    the output's partial sums are all-reduced where the loss reads them, as Megatron-LM's layout does."""
+    from unity_pcg.onnx_import import load_onnx
+
+    def fresh():
+        return load_onnx(two_pair_path, load_weights=False)
+    m = machine(*mesh)
+    g = fresh()
+    hand = evaluate_pipeline(g, CostModel(m, "adam"), stages, 2, intra=megatron_intra(tp))
+    assert hand.feasible and hand.origin.get("megatron")
+    ruled = by_rules(g, hand, m)
+    _check(fresh, hand, ruled, m)
+    assert ruled.cost == hand.cost
+    pg = ruled.pcg
+    used = {s.rule for s in ruled.rules}
+    if (mesh, tp) == ((1, 4), 2) and len(stages) == 1:      # dp2 x tp2: the pair templates, then the dp rules
+        assert "combine_sink_AllReduce" in used
+    assert not any(n.op == "Combine" for n in pg.nodes())             # every gather cancelled
+    assert [pg.node(r[0]).op for r in pg.outputs] == ["AllReduce"]
+    assert sum(n.op == "AllReduce" for n in pg.nodes()) == 2             # one per pair
