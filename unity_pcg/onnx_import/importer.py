@@ -507,9 +507,9 @@ class Importer:
             return hit
         dtype = np.dtype(c.dtype)
         b = c.shape[axis]
-        first = c.take(axis, 0)
         step = None
         with np.errstate(all="ignore"):
+            first = c.take(axis, 0)
             if b > 1 and dtype.kind != "b":   # booleans have no progression but the constant one
                 step = c.take(axis, 1) - first
                 if not np.any(step != 0):
