@@ -203,6 +203,9 @@ def explain(plan, optimizer: str | None = None) -> Explanation:
               "parallel_ops": {k: v for k, v in sorted(g.op_counts().items()) if ops.get_op(k).kind == "parallel"}}
     if tech is not None:
         totals.update(techniques=tech)
+    made = made_by(plan)
+    if made:
+        totals.update(made_by=made)
     return Explanation(plan.model_path, plan.machine.describe(), plan.machine.num_devices, operators, rules,
                        steps is not None, comm, grads, pipe, stages, totals, dict(plan.predicted),
                        tuple(steps or ()))
@@ -220,6 +223,23 @@ def _techniques(plan, gc, views, res) -> dict | None:
     return {"iteration_s": p.iteration_s, "rows": [[k, v] for k, v in p.rows()], "lines": memtech.describe(p),
             "max_memory_bytes": p.max_bytes, "feasible": p.feasible, "reason": p.reason,
             "memory": None if mem is None else mem.to_json(), **p.to_json()}
+
+
+def made_by(plan) -> str | None:
+    """What made the plan, from its ``info``: the strategy and, for a tuned baseline, the configuration its grid
+    chose (``megatron (tuned): tp1 pp1 dp8 mbs4 x1 distopt, best of 294 configurations priced``); for the
+    search, the mechanism it names (``info.search.chosen``).  None when the plan records neither."""
+    info = plan.info if isinstance(plan.info, Mapping) else {}
+    strategy = info.get("strategy")
+    search = info.get("search") if isinstance(info.get("search"), Mapping) else {}
+    tuned = search.get("tuned") if isinstance(search.get("tuned"), Mapping) else None
+    if tuned and isinstance(tuned.get("chosen"), str):
+        n = tuned.get("points_priced")
+        return f"{strategy or tuned.get('strategy')} (tuned): {tuned['chosen']}" + \
+            (f", best of {n} configurations priced" if isinstance(n, int) else "")
+    if isinstance(search.get("chosen"), str):
+        return f"{strategy or 'unity'}: {search['chosen']}"
+    return strategy if isinstance(strategy, str) else None
 
 
 def _recorded(plan, key: str):
@@ -472,6 +492,8 @@ def format_text(e: Explanation, limit: int | None = None, sections: Sequence[str
     if "summary" in want:
         pred = e.predicted.get("predicted_iteration_s")
         out.append(f"plan for {e.model} on {e.machine}, precision {t.get('precision', 'fp32')}")
+        if t.get("made_by"):
+            out.append(f"made by: {t['made_by']}")
         out.append(f"predicted iteration: {_ms(pred)} (the plan's); re-priced with every operator one after "
                    f"the other: {_ms(t['sum_of_leaves_s'])}")
         out.append(f"  compute {_ms(t['compute_s'])}, transfers {_ms(t['comm_s'])}, gradient sync "

@@ -27,9 +27,12 @@ class Const:
     ``deferred``: set on a fold deferred past the fold guard (and on constants computed from one): the
     refusal to raise where the import itself would read its values (``value``); ``materialize``/``loader``
     (evaluation, execution) still compute them.
+    ``part``: on a lazy constant, optionally ``part(axis, i)`` -> the one slice ``i`` along ``axis`` (keepdims),
+    computed from how the constant is made (element-wise folds slice their inputs) without building the whole;
+    :meth:`take` uses it (the batch override checks a mask [B, 1, S, S] slice by slice).
     """
 
-    __slots__ = ("shape", "dtype", "_value", "_fn", "origin", "wref", "deferred")
+    __slots__ = ("shape", "dtype", "_value", "_fn", "origin", "wref", "deferred", "part")
 
     def __init__(self, value: Any = None, *, shape: Sequence[int] | None = None, dtype: Any = None,
                  fn: Callable[[], np.ndarray] | None = None, origin: str | None = None):
@@ -45,6 +48,7 @@ class Const:
         self.origin = origin
         self.wref = None  # the PCG ref of its Weight node, once made
         self.deferred: str | None = None
+        self.part: Callable[[int, int], np.ndarray] | None = None
 
     @property
     def numel(self) -> int:
@@ -73,6 +77,19 @@ class Const:
             v = v.reshape(self.shape)
         return v.astype(self.dtype, copy=False)
 
+    def take(self, axis: int, i: int) -> np.ndarray:
+        """Slice ``i`` along ``axis`` (that dim kept, of size 1): from the value when it is held, else from
+        :attr:`part` where the constant has one (memory of one slice, not of the whole), else by
+        materializing.  Allowed on a deferred constant (a bounded computation, not the refused fold)."""
+        if self._value is not None:
+            return np.take(self._value, [i], axis=axis)
+        if self.part is not None:
+            want = tuple(1 if k == axis else s for k, s in enumerate(self.shape))
+            v = np.asarray(self.part(axis, i))
+            v = v.reshape(want) if v.size == prod(want) else np.broadcast_to(v, want)
+            return v.astype(self.dtype, copy=False)
+        return np.take(self.materialize(), [i], axis=axis)
+
     def loader(self) -> Callable[[], np.ndarray]:
         """A zero-arg callable giving the value (for ``PCG.weights``)."""
         if self._value is not None:
@@ -84,9 +101,11 @@ class Const:
         return f"Const({list(self.shape)}, {self.dtype}{', lazy' if self.lazy else ''})"
 
 
-def lazy(fn: Callable[[], np.ndarray], shape, dtype, origin=None, deferred: str | None = None) -> Const:
+def lazy(fn: Callable[[], np.ndarray], shape, dtype, origin=None, deferred: str | None = None,
+         part: Callable[[int, int], np.ndarray] | None = None) -> Const:
     c = Const(fn=fn, shape=shape, dtype=dtype, origin=origin)
     c.deferred = deferred
+    c.part = part
     return c
 
 
@@ -101,13 +120,34 @@ def guard(numel: int, what: str) -> None:
                            f"(limit {MAX_FOLD})")
 
 
-def derive(c: Const, fn: Callable[[np.ndarray], np.ndarray], shape, dtype=None, keep_origin=True) -> Const:
-    """A constant computed from ``c`` by ``fn``: eager when ``c`` is small, lazy otherwise."""
+def derive(c: Const, fn: Callable[[np.ndarray], np.ndarray], shape, dtype=None, keep_origin=True,
+           part: Callable[[int, int], np.ndarray] | None = None) -> Const:
+    """A constant computed from ``c`` by ``fn``: eager when ``c`` is small, lazy otherwise (with ``part``,
+    its slice computer, see :attr:`Const.part`)."""
     dtype = c.dtype if dtype is None else np.dtype(dtype)
     origin = c.origin if keep_origin else None
     if not c.lazy or (c.numel <= SMALL and c.deferred is None):
         return Const(np.asarray(fn(c.value)).astype(dtype, copy=False), origin=origin)
-    return lazy(lambda: fn(c.materialize()), shape, dtype, origin, c.deferred)
+    return lazy(lambda: fn(c.materialize()), shape, dtype, origin, c.deferred, part=part)
+
+
+def broadcast_part(c: Const, shape, axis: int, i: int):
+    """The operand of a broadcasting operator whose output has ``shape``, restricted to the output's slice ``i``
+    along ``axis``: ``c`` itself where it broadcasts along that dim (absent or of size 1), else its slice."""
+    j = axis - (len(shape) - len(c.shape))
+    if j < 0 or c.shape[j] == 1:
+        return c.materialize()
+    return c.take(j, i)
+
+
+def reshape_axis(src_shape, dst_shape, axis: int) -> int | None:
+    """The dim of ``src_shape`` that a reshape to ``dst_shape`` leaves as dim ``axis`` (same size, same number
+    of elements before it), or None where that dim is merged or split."""
+    before = prod(dst_shape[:axis])
+    for j, s in enumerate(src_shape):
+        if s == dst_shape[axis] and prod(src_shape[:j]) == before:
+            return j
+    return None
 
 
 def broadcast_shape(shapes: Sequence[Sequence[int]], what: str) -> tuple[int, ...]:

@@ -14,7 +14,8 @@ from __future__ import annotations
 from math import prod
 import numpy as np
 
-from .consts import MAX_FOLD, SMALL, Const, as_ints, as_scalar, broadcast_shape, deferred_of, derive, lazy
+from .consts import MAX_FOLD, SMALL, Const, as_ints, as_scalar, broadcast_part, broadcast_shape, deferred_of, derive, lazy
+from .consts import reshape_axis
 from .consts import guard as _guard
 from .errors import FoldTooLarge, InvalidModel, UnsupportedOperator
 from .loader import np_dtype, tensor_attr_const
@@ -209,7 +210,7 @@ def fold(ctx, ins: list, unbounded: bool = False) -> list[Const]:
         def compute():
             vals = [None if c is None else Const(c.materialize()) for c in srcs]
             return fold(ctx, vals, unbounded=True)[0].value
-        return [lazy(compute, shape, dtype, deferred=deferred_of(ins))]
+        return [lazy(compute, shape, dtype, deferred=deferred_of(ins), part=_elementwise_part(ctx, srcs, shape))]
 
     def guard(numel, what):
         if not unbounded:
@@ -242,13 +243,20 @@ def fold(ctx, ins: list, unbounded: bool = False) -> list[Const]:
         perm = ctx.ints("perm", list(range(len(x.shape)))[::-1])
         if sorted(perm) != list(range(len(x.shape))):
             raise InvalidModel(f"{what}: perm {perm} does not fit rank {len(x.shape)}")
-        return [derive(x, lambda v: np.transpose(v, perm), tuple(x.shape[p] for p in perm))]
+        return [derive(x, lambda v: np.transpose(v, perm), tuple(x.shape[p] for p in perm),
+                       part=lambda a, i: np.transpose(x.take(perm[a], i), perm))]
     if op in ("Reshape", "Flatten", "Squeeze", "Unsqueeze"):
         shape = layout_shape(ctx, ins, x.shape)
-        return [derive(x, lambda v: v.reshape(shape), shape)]
+
+        def part(a, i, shape=shape):
+            j = reshape_axis(x.shape, shape, a)
+            v = x.materialize() if j is None else x.take(j, i)   # a merged/split dim: from the whole
+            return v.reshape([1 if k == a else s for k, s in enumerate(shape)]) if j is not None else \
+                np.take(v.reshape(shape), [i], axis=a)
+        return [derive(x, lambda v: v.reshape(shape), shape, part=part)]
     if op == "Cast":
         to = np_dtype(ctx.i("to"), what)
-        return [derive(x, lambda v: v.astype(to), x.shape, dtype=to)]
+        return [derive(x, lambda v: v.astype(to), x.shape, dtype=to, part=lambda a, i: x.take(a, i).astype(to))]
 
     def val(i):
         c = ins[i] if i < len(ins) else None
@@ -654,5 +662,23 @@ def deferred_fold(ctx, ins: list, refusal: str) -> list | None:
         vals = [None if c is None else Const(c.materialize()) for c in srcs]
         res = _fold_now(ctx, vals, unbounded=True)
         return res[k].materialize()
-    return [None if o is None else lazy(lambda k=k: compute(k), o[0], o[1], deferred=refusal)
+    # an element-wise result (a causal mask compared, combined and selected at [B, 1, S, S]) or an Expand of a
+    # smaller constant also computes one slice at a time, from its operands' slices
+    part = _elementwise_part(ctx, srcs, outs[0][0]) if (ctx.op in ELEMWISE or ctx.op == "Expand") \
+        and len(outs) == 1 and outs[0] is not None else None
+    return [None if o is None else lazy(lambda k=k: compute(k), o[0], o[1], deferred=refusal, part=part)
             for k, o in enumerate(outs)]
+
+
+def _elementwise_part(ctx, srcs: list, shape) -> "Callable[[int, int], np.ndarray]":
+    """:attr:`Const.part` of an element-wise (broadcasting) fold, or of Expand, with output ``shape``: the fold
+    of the operands' slices (an operand that broadcasts along that dim is read whole), memory of one slice."""
+    shape = tuple(shape)
+
+    def part(axis: int, i: int) -> np.ndarray:
+        if ctx.op == "Expand":
+            want = tuple(1 if k == axis else s for k, s in enumerate(shape))
+            return np.broadcast_to(broadcast_part(srcs[0], shape, axis, i), want)
+        vals = [None if c is None else Const(np.asarray(broadcast_part(c, shape, axis, i))) for c in srcs]
+        return _fold_now(ctx, vals, unbounded=True)[0].materialize()
+    return part

@@ -493,42 +493,77 @@ class Importer:
         return yn
 
     def _rebroadcast(self, ctx, name: str, c: Const, axis: int, n: int) -> Const:
+        """Constant ``c`` holding the exported batch along ``axis``, as the export at batch ``n`` holds it.
+
+        Its values along ``axis`` must be the same (a folded Expand/Tile/ConstantOfShape of the exporter) or an
+        arithmetic progression (a folded ``Range(0, B)`` row index, scaled/shifted); both extend to any batch,
+        anything else is per-sample data (:class:`BatchOverride`).  Checked one slice along ``axis`` at a time
+        (:meth:`Const.take`: a lazy constant computes each slice from how it is made), so a causal mask
+        [B, 1, S, S] needs memory of a few [1, 1, S, S] slices, never of the whole.  The result is lazy past
+        the small-constant size: computed when its values are read (evaluation, a fold), not to plan."""
         key = (id(c), axis, n)
         hit = self._rebatched.get(key)
         if hit is not None:
             return hit
-        if c.numel > (1 << 24):
-            raise BatchOverride(f"batch {self.batch}: {ctx.what} reads constant {name!r} {list(c.shape)} holding "
-                                f"the exported batch; it is too large to rewrite")
-        v = np.asarray(c.materialize())
-        first = np.take(v, [0], axis=axis)
-        # values along the batch dim: constant (a folded Expand/Tile/ConstantOfShape) or an arithmetic
-        # progression (a folded Range(0, B) row index, scaled/shifted): both extend to any batch
-        step = np.take(v, [1], axis=axis) - first if v.shape[axis] > 1 else np.zeros_like(first)
-        idx_shape = [1] * v.ndim
-        idx_shape[axis] = v.shape[axis]
-        ramp = np.arange(v.shape[axis]).reshape(idx_shape)
+        dtype = np.dtype(c.dtype)
+        b = c.shape[axis]
+        step = None
         with np.errstate(all="ignore"):
-            same = np.array_equal(v, (first + ramp * step).astype(v.dtype)) if v.dtype.kind in "iub" else \
-                bool(np.allclose(v, first + ramp * step, rtol=1e-6, atol=0, equal_nan=True))
-        if same and v.shape[axis] == 2 and np.any(step != 0) and not (np.all(first == 0) and np.all(step == 1)):
-            same = False  # any two rows are a progression: with an exported batch of 2 only arange(2) counts
+            first = c.take(axis, 0)
+            if b > 1 and dtype.kind != "b":   # booleans have no progression but the constant one
+                step = c.take(axis, 1) - first
+                if not np.any(step != 0):
+                    step = None
+            same = True
+            if step is not None and b == 2 and not (np.all(first == 0) and np.all(step == 1)):
+                same = False  # any two rows are a progression: with an exported batch of 2 only arange(2) counts
+            for k in range(1, b if same else 1):
+                want = first if step is None else (first + k * step).astype(dtype)
+                got = c.take(axis, k)
+                same = np.array_equal(got, want) if dtype.kind in "iub" else \
+                    bool(np.allclose(got, want, rtol=1e-6, atol=0, equal_nan=True))
+                if not same:
+                    break
         if not same:
             raise BatchOverride(f"batch {self.batch}: {ctx.what} reads constant {name!r} {list(c.shape)} whose "
                                 f"values differ along dim {axis} (per-sample data for the exported batch "
                                 f"{self.old_batch}); export the model at batch {self.batch}")
-        idx_shape[axis] = n
-        shape = [n if k == axis else s for k, s in enumerate(v.shape)]
+        shape = tuple(n if k == axis else s for k, s in enumerate(c.shape))
+        src = c if c.lazy else None   # a lazy source: keep its recipe, not two slices of it (recomputed when read)
+        if src is not None:
+            first = step = None
 
-        def values(first=first, step=step, idx_shape=tuple(idx_shape), shape=tuple(shape), dtype=v.dtype):
-            if dtype.kind == "b":
-                new = np.broadcast_to(first, shape)
-            else:
-                new = first + np.arange(n).reshape(idx_shape) * step
-            return np.ascontiguousarray(new.astype(dtype))
+        def rows(f, st, idx):
+            """first + idx * step broadcast along ``axis`` (idx: the batch positions wanted)."""
+            ramp = np.asarray(idx).reshape([len(idx) if k == axis else 1 for k in range(len(shape))])
+            out = np.broadcast_to(f, [len(idx) if k == axis else s for k, s in enumerate(f.shape)]) \
+                if st is None else f + ramp * st
+            return np.ascontiguousarray(np.asarray(out).astype(dtype, copy=False))
+
+        def operands(first=first, step=step):
+            if src is None:
+                return first, step
+            f = src.take(axis, 0)
+            st = None
+            if b > 1 and dtype.kind != "b":
+                with np.errstate(all="ignore"):
+                    st = src.take(axis, 1) - f
+                st = st if np.any(st != 0) else None
+            return f, st
+
+        def values():
+            f, st = operands()
+            return rows(f, st, range(n))
+
+        def part(a: int, i: int) -> np.ndarray:
+            f, st = operands()
+            if a == axis:
+                return rows(f, st, [i])
+            f = np.take(f, [i], axis=a)
+            return rows(f, None if st is None else np.take(st, [i], axis=a), range(n))
         # the rewritten constant grows with the batch (GPT-2's causal mask [B, 1, S, S] at a global batch of 512:
         # 537 M elements): computed only when its values are read (evaluation, a fold), not to plan
-        out = lazy(values, tuple(shape), v.dtype, c.origin) if np.prod(shape) > max(c.numel, SMALL) else \
+        out = lazy(values, shape, dtype, c.origin, c.deferred, part=part) if np.prod(shape) > SMALL else \
             Const(values(), origin=c.origin)
         self._rebatched[key] = out
         return out
