@@ -388,6 +388,30 @@ class MachineMapper:
             return dataclasses.replace(out, reason=why)
         return out
 
+    def first_views(self, g: PCG, resource: Resource | None = None,
+                    fixed: Mapping[int, MachineView] | None = None) -> MappingResult | None:
+        """A mapping of ``g`` without the DP (linear in the graph), priced by :meth:`evaluate`: every node on
+        the first view of its degree in ``resource`` (lowest start), ``fixed`` nodes on theirs -- the
+        data-parallel layout of a data-parallel graph.  The last resort when the DP's solve cannot finish
+        within a deadline; None when a node has no view in ``resource``."""
+        gc = GraphCost(g, self.model)
+        res = resource or Resource.whole(self.machine)
+        fixed = fixed or {}
+        first: dict = {}                    # task grid -> its first view (nodes share a few grids)
+        views = {}
+        for n in gc.nodes():
+            if n in fixed:
+                views[n] = fixed[n]
+                continue
+            grid = gc.grid[n]
+            if grid not in first:
+                vs = gc.views(n, res)
+                first[grid] = min(vs, key=lambda v: (v.start, v.devices())) if vs else None
+            if first[grid] is None:
+                return None
+            views[n] = first[grid]
+        return self.evaluate(g, views)
+
     def evaluate(self, g: PCG, views: Mapping[int, MachineView], techniques: bool | None = None) -> MappingResult:
         """Price a given mapping, every leaf one after the other (no side-by-side execution);
         ``techniques``: with its cheapest feasible memory techniques (:meth:`techniques`)."""

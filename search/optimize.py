@@ -252,27 +252,10 @@ class Evaluator:
         return r.cost if r.feasible else INF
 
     def cheap(self, g: PCG, resource: Resource | None = None):
-        """A mapping of ``g`` without the DP (linear in the graph): every node on the first view of its
-        degree, the data-parallel layout of a data-parallel graph; the last resort when even data
-        parallelism's DP solve does not finish within the budget (a small batch on a large machine)."""
-        from .cost import GraphCost
-        gc = GraphCost(g, self.mapper.model)
-        res = resource or Resource.whole(self.machine)
-        fixed = self.pins(g, resource) or {}
-        first: dict = {}                    # task grid -> its first view (nodes share a few grids)
-        views = {}
-        for n in gc.nodes():
-            if n in fixed:
-                views[n] = fixed[n]
-                continue
-            grid = gc.grid[n]
-            if grid not in first:
-                vs = gc.views(n, res)
-                first[grid] = min(vs, key=lambda v: (v.start, v.devices())) if vs else None
-            if first[grid] is None:
-                return None
-            views[n] = first[grid]
-        return self.mapper.evaluate(g, views)
+        """A mapping of ``g`` without the DP (:meth:`MachineMapper.first_views`, with the pins); the last
+        resort when even data parallelism's DP solve does not finish within the budget (a small batch on
+        a large machine)."""
+        return self.mapper.first_views(g, resource, self.pins(g, resource))
 
 
 # --- the searches ----------------------------------------------------------------------------------------
