@@ -1,6 +1,6 @@
 """Measure one accelerator (``--device cuda``; ``cpu`` runs the same code on this CPU) and describe it
 as a machine file: per math mode and operator class, a measured table of kernel time against work and
-a fitted throughput + fixed per-kernel cost (DESIGN "GPU calibration").
+a fitted throughput + fixed per-kernel cost (DESIGN "Calibration").
 
 Math modes (:data:`MODES`): ``fp32`` (TF32 off for cuBLAS and cuDNN), ``tf32`` (on), ``bf16`` (what a
 ``torch.autocast(bfloat16)`` step runs).  Each kernel is measured in the dtypes it reads and writes in
