@@ -1436,8 +1436,13 @@ def _result(run: _Run, chosen: PlanCandidate, model_path: str, sha: str, seed: i
                                              dp=(run.dp_pg, run.dp_res),
                                              others={k: v for k, v in run.others.items()
                                                      if run.floor_pipes.get(k) is None})
+    elif run.strategy == "alpa":
+        # Alpa's plan too: when the executor refuses it, its one stage of one micro-batch as a plain plan,
+        # else the data-parallel floor, else one device (info.search.chosen says which and why)
+        plan, final, steps, stats = runnable(plan, final, steps, stats, run.ev, run.g, (),
+                                             dp=(run.dp_pg, run.dp_res))
     else:
-        runnable(plan, final, steps, stats)     # recorded: the strategy asked for is returned
+        runnable(plan, final, steps, stats)     # recorded: the fixed strategy asked for is returned
     return OptimizeResult(plan, run.strategy, final, run.dp_res, steps, search_s, stats, run.interrupted, run.b)
 
 

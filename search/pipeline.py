@@ -222,7 +222,9 @@ def rebatch(g: PCG, old: int, new: int) -> PCG:
     """The same PCG (same node ids, same parallelization) at batch ``new``: every Input whose first
     dim is ``old`` gets ``new``; a Reshape whose input shrank or grew scales its first target dim; an
     Expand whose first target dim was ``old`` follows.  Raises PipelineError where shapes do not
-    follow (a degree no longer divides, a Reshape that cannot be rescaled)."""
+    follow (a degree no longer divides, a Reshape that cannot be rescaled) or where an operator would
+    mean something else at ``new`` (:func:`broadcast_change`: a micro-batch of 1 broadcasting against a
+    batch-sized tensor that does not follow the batch)."""
     if old == new:
         return g
     b = PCG.builder(g.weights)
@@ -250,7 +252,41 @@ def rebatch(g: PCG, old: int, new: int) -> PCG:
         raise PipelineError(f"batch {new}: {e}") from None
     b.set_outputs(g.outputs)
     b.meta = dict(g.meta)
-    return b.finish()
+    h = b.finish()
+    why = broadcast_change(g, h)
+    if why is not None:
+        raise PipelineError(f"batch {new}: {why}")
+    return h
+
+
+def broadcast_change(g: PCG, h: PCG) -> str | None:
+    """Why ``h`` (``g`` at another batch, same node ids) is not the same computation on fewer or more
+    samples; None when it is.  Every compute operator's dims are grouped by its labels (one label: one
+    axis the operator runs along, DESIGN "Operator spec"), read at the larger of the two batches, where a
+    size-1 dim is a true broadcast; a dim *follows the batch* when its size differs between the two.  A
+    label with a dim that follows and one that does not is a batch-sized tensor that does not come from
+    the batch (a constant folded at export) meeting one that does: at a micro-batch of 1 the sizes still
+    broadcast, but the operator then spreads one sample over the constant's rows.  A size-1 operand that
+    broadcasts (its own label) never counts: it needs no split, whatever the other operand's batch."""
+    big, small = (g, h) if batch_size(g) >= batch_size(h) else (h, g)
+    for n in big.nodes():
+        if n.kind != "compute":
+            continue
+        spec = ops.get_op(n.op)
+        ins_b, outs_b = big.input_shapes(n.id), big.shapes(n.id)
+        ins_s, outs_s = small.input_shapes(n.id), small.shapes(n.id)
+        lab = spec.labels(n.a, ins_b, [s.sizes for s in outs_b])
+        follows: dict = {}
+        for labels, sb, ss in zip(tuple(lab.inputs) + tuple(lab.outputs), tuple(ins_b) + tuple(outs_b),
+                                  tuple(ins_s) + tuple(outs_s)):
+            for l, a, c in zip(labels, sb.sizes, ss.sizes):
+                follows.setdefault(l, set()).add(a != c)
+        mixed = [l for l, f in follows.items() if len(f) > 1]
+        if mixed:
+            return (f"{n.label()}: {n.op} reads a batch-sized tensor that does not follow the batch beside one "
+                    f"that does (a constant folded at the exported batch?); the micro-batch would broadcast "
+                    f"against it")
+    return None
 
 
 # --- what the executor can micro-batch and send between stages (shared with executor/pipeline.py) -------
@@ -1666,7 +1702,7 @@ def main(argv: Sequence[str] | None = None) -> int:
 
 
 __all__ = ["search_pipeline", "evaluate_pipeline", "simulate_1f1b", "schedule_1f1b", "in_flight", "PipelineResult",
-           "PipelineStage", "PipelineError", "Timeline", "rebatch", "stage_graph", "sequential_layers", "default_intra",
+           "PipelineStage", "PipelineError", "Timeline", "rebatch", "broadcast_change", "stage_graph", "sequential_layers", "default_intra",
            "megatron_intra", "by_rules", "micro_graph", "logical_graph", "may_cross", "batch_split_error", "executor_replicas",
            "validate_pipeline_field", "batch_size", "SCHEDULE"]
 

@@ -8,16 +8,19 @@ floating tensors crossing stages, BatchNorm only with ``--per-device-bn``;
 memory techniques: any with one stage (gradient accumulation), recompute and ZeRO-1/2 with several).
 :func:`executor_refusal` runs exactly those checks, as ``run`` does with its default flags, and says why
 (None: it would run).  :func:`runnable` is what ``optimize`` calls on the plan it is about to return: a
-refused plan is replaced by the fastest alternative that passes -- the search's other candidates and the
-fixed baselines in order of predicted time, then one device (strategy ``none``) -- and
-``info.search.executor_check`` records what happened (``"ok"``, or the refusal and what was returned).
+refused plan is replaced by the fastest alternative that passes -- the plan itself without its pipeline
+field when that field is one stage of one micro-batch (the same PCG and views, run by the Trainer), the
+search's other candidates and the fixed baselines in order of predicted time, then one device (strategy
+``none``) -- and ``info.search.executor_check`` records what happened (``"ok"``, or the refusal and what was
+returned).  ``optimize`` applies it to the joint search and to ``--strategy alpa``; the other fixed strategies
+are returned as asked, the refusal recorded.
 """
 from __future__ import annotations
 
 import dataclasses
 import json
 import math
-from typing import Any, Iterable
+from typing import Any, Iterable, Mapping
 
 from unity_pcg.errors import UnityError
 
@@ -68,6 +71,16 @@ def runnable(plan, final, steps: list, stats: dict, ev=None, g=None, candidates:
     stats["executor_check"] = record
     if ev is None:
         return plan, final, steps, stats
+    pf = plan.pipeline
+    if isinstance(pf, Mapping) and len(pf.get("stages") or ()) == 1 and pf.get("micro_batches") == 1:
+        label = f"{stats.get('chosen')} without its pipeline field (one stage, one micro-batch)"
+        new_stats = dict(stats, chosen=label)
+        alt = dataclasses.replace(plan, pipeline=None, info=dict(plan.info, search=new_stats))
+        w = executor_refusal(alt)
+        if w is None:
+            record["returned"] = label
+            return alt, final, steps, new_stats
+        record["tried"].append(f"{label}: {w}")
     from .substitution import trimmed
     labels = labels or {}
     alts: list = []

@@ -74,7 +74,9 @@ def test_micro_graph_refuses_a_batch_sized_constant_that_sizes_accept(alibi):
     from unity_pcg.onnx_import import load_onnx
     from unity_pcg.search.pipeline import PipelineError, micro_graph, rebatch
     g = load_onnx(alibi[1], load_weights=False)
-    rebatch(g, B, 1)              # sizes: [1, 4, 32] + [2, 1, 32] broadcasts -- the search's old test passed
+    # sizes: [1, 4, 32] + [2, 1, 32] broadcast -- the search's old test passed; the labels tell (broadcast_change)
+    with pytest.raises(PipelineError, match="does not follow the batch"):
+        rebatch(g, B, 1)
     with pytest.raises(PipelineError, match="cannot run through the model"):
         micro_graph(g, 2)
     assert micro_graph(g, 1) is not None
