@@ -696,15 +696,19 @@ class Techniques:
         }
         return wt
 
-    def _peak(self, a: Mapping[int, float], act: dict, made: Sequence[tuple], base: Mapping[int, float]) -> dict:
+    def _peak(self, a: Mapping[int, float], act: dict, made: Sequence[tuple], base: Mapping[int, float],
+              held: Sequence[tuple] = ()) -> dict:
         """:meth:`backward_peak` of ``a``, :meth:`kept_items`, ``made`` (the ``extra`` weight gradients),
         ``base`` and :meth:`recomputed_items` for the recomputation of ``act`` (:meth:`_activations`),
         the same sums in the same order: the static rows (gradient events, tensors kept at their base
-        fraction, autocast copies) are built once; a plan changes the rows of the tensors its runs touch."""
+        fraction, autocast copies) are built once; a plan changes the rows of the tensors its runs touch.
+        ``held``: more (make step, release step, device -> bytes) items, walked as the recomputed ones
+        (ZeRO-3's whole unit gradients, :meth:`_unit_grads`)."""
         wt = self._walk_tables()
         col, D, rows = wt["col"], wt["D"], wt["rows"]
         if any(d not in col for d in set(a) | set(base)):
-            return self.backward_peak(a, self.kept_items(act["assign"]), made, base, act["recomputed"])
+            return self.backward_peak(a, self.kept_items(act["assign"]), made, base,
+                                      list(act["recomputed"]) + list(held))
         assign = act["assign"]
         runs = self._runs(assign)
         kept = self._kept_rows(runs)
@@ -713,7 +717,7 @@ class Techniques:
         if drop:
             casts = casts.copy()
             casts[drop] = 0.0
-        rec = act["recomputed"]
+        rec = list(act["recomputed"]) + list(held) if held else act["recomputed"]
         # blocks: (rows, steps, phase, group); a released or freed row is subtracted
         n_ev = len(wt["ev_made"])
         made_rows = self._memo.get(("made_rows", id(made)))
@@ -1143,7 +1147,7 @@ class Techniques:
         a, transient = act["a"], act["transient"]
         bwd = act["peak"].get(zc)
         if bwd is None:
-            bwd = act["peak"][zc] = self._peak(a, act, self._made(zc), bucket)
+            bwd = act["peak"][zc] = self._peak(a, act, self._made(zc), bucket, self._unit_grads(zc))
         return w, a, transient, free, bucket, bwd
 
     @staticmethod
@@ -1160,6 +1164,33 @@ class Techniques:
                 (self.exec_pos.get(x.last, 0), {d: x.nbytes / x.copies if zc >= 2 else x.nbytes for d in x.devices})
                 for x in self.weights if zc >= 3 or x.copies == 1]
         return hit
+
+    def _unit_grads(self, zc: int) -> list:
+        """ZeRO-3 (``zc`` 3): (make step, release step, device -> bytes) of what a sharded unit's gradient
+        holds beyond the shards :meth:`_made` counts, as the executor runs it (executor/memory.py
+        ``_ZeroGather``): each weight's gradient is made whole at its last consumer's step and stays whole
+        until the backward reaches the unit's first use, where the unit's flat gradient is assembled and
+        reduce-scattered into the shard (the flat vector made and freed in that step)."""
+        hit = self._memo.get(("unit_grads", zc))
+        if hit is not None:
+            return hit
+        out: list = []
+        if zc >= 3:
+            first: dict = {}
+            flat: dict = {}
+            for x in self.weights:
+                if x.copies > 1:
+                    first[x.unit] = min(first.get(x.unit, math.inf), self.exec_pos.get(x.first, 0))
+                    per = flat.setdefault(x.unit, {})
+                    for d in x.devices:
+                        per[d] = per.get(d, 0) + x.nbytes
+            for x in self.weights:
+                if x.copies > 1:
+                    rest = x.nbytes - x.nbytes / x.copies
+                    out.append((self.exec_pos.get(x.last, 0), first[x.unit], {d: rest for d in x.devices}))
+            out.extend((first[u], first[u], per) for u, per in flat.items())
+        self._memo[("unit_grads", zc)] = out
+        return out
 
     def _activations(self, key: tuple, assign: Mapping[int, tuple]) -> dict:
         """What recomputation ``assign`` (``key``: its sorted items) makes of the activations, once:
