@@ -1167,28 +1167,22 @@ class Techniques:
 
     def _unit_grads(self, zc: int) -> list:
         """ZeRO-3 (``zc`` 3): (make step, release step, device -> bytes) of what a sharded unit's gradient
-        holds beyond the shards :meth:`_made` counts, as the executor runs it (executor/memory.py
-        ``_ZeroGather``): each weight's gradient is made whole at its last consumer's step and stays whole
-        until the backward reaches the unit's first use, where the unit's flat gradient is assembled and
-        reduce-scattered into the shard (the flat vector made and freed in that step)."""
+        holds beyond the shards :meth:`_made` counts: each weight's gradient is made whole at its last
+        consumer's step and stays whole until the backward reaches the unit's first use, where the unit's
+        gradient is reduce-scattered into the shard (executor/memory.py ``_ZeroGather``)."""
         hit = self._memo.get(("unit_grads", zc))
         if hit is not None:
             return hit
         out: list = []
         if zc >= 3:
             first: dict = {}
-            flat: dict = {}
             for x in self.weights:
                 if x.copies > 1:
                     first[x.unit] = min(first.get(x.unit, math.inf), self.exec_pos.get(x.first, 0))
-                    per = flat.setdefault(x.unit, {})
-                    for d in x.devices:
-                        per[d] = per.get(d, 0) + x.nbytes
             for x in self.weights:
                 if x.copies > 1:
                     rest = x.nbytes - x.nbytes / x.copies
                     out.append((self.exec_pos.get(x.last, 0), first[x.unit], {d: rest for d in x.devices}))
-            out.extend((first[u], first[u], per) for u, per in flat.items())
         self._memo[("unit_grads", zc)] = out
         return out
 
