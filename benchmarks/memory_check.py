@@ -279,16 +279,19 @@ were counted only at the moment of the recomputation, not while they wait for th
 outgoing gradients together (now: a post-hook on every node of the backward graph).  Model: a kept
 activation stayed until the backward reached its producer; autograd releases it after its last saver's
 backward (now `Techniques._release`), and a recomputed value is gone once its consumer has unpacked it
-(tensor parallelism's shards make these a larger share of a device).  ZeRO-3: a unit's gradient is whole
-(each weight's, then the flat vector) until the unit's reduce-scatter (now `Techniques._unit_grads`).
+(tensor parallelism's shards make these a larger share of a device).  ZeRO-3: each weight's gradient is
+whole until its unit's reduce-scatter (now `Techniques._unit_grads`, counted once, as FSDP holds it).
 
 Left: on rank 0 of a tensor-parallel plan the loss runs on the whole output; the model counts mse's backward
 temporary (GPU-calibrated), which no hook sees inside the node (the probe's peak is then below the
 allocator's; +6% on gpt_small).  The model trains the ONNX graph's constants the importer turns into weights
 (causal masks, Llama's rotary tables; the executor keeps them fixed: +2.4% on gpt_small tp, +9% on
 llama_tiny tp, whose weights are halved while the constants are not); the fix is a mark on those Weight
-nodes read by `GraphCost.trainable`.  ZeRO-3's gathered slices make a whole-unit gradient per weight in the
-backward (SliceBackward), which the model does not count (bert_tiny tp: 0.86-0.88).
+nodes read by `GraphCost.trainable`.  The executor's ZeRO-3 holds a unit's gradient more than once at its
+reduce-scatter (each weight sliced from the gathered vector gets a whole-unit gradient, SliceBackward, and
+`_ZeroGather.backward` copies the flat gradient into a padded vector), which the model does not count
+(bert_tiny: 0.85-0.88); the fix belongs in the executor (weights as views of one split, the gathered vector
+padded already), not in the planner's price.
 """
 
 
