@@ -836,7 +836,7 @@ class Techniques:
         The activations are the mapping's, less what each touched tensor kept at its base fraction, plus
         what it keeps now (less the autocast copies of recomputed nodes).  A checkpointed run is recomputed
         when the backward reaches it: what was kept for the operators after it is freed by then (each kept
-        tensor counted as freed once the backward passes its producer, a graph output first); what its
+        tensor counted as freed once the backward passes its release step, :meth:`_release`); what its
         recomputation brings back beyond that is the transient.  Summed as cumulative sums over the rows of
         :meth:`_walk_tables` in the order of a loop over the touched tensors (the same floats)."""
         base = self.base_report.activations
@@ -885,7 +885,7 @@ class Techniques:
         end: dict = {}
         for n, j in runs.items():
             end[j] = max(end.get(j, -1), self.exec_pos[n])
-        kept = self._kept_rows(runs)           # what stays kept, freed as the backward passes its producer
+        kept = self._kept_rows(runs)           # what stays kept, freed at its release step
         steps_k = self._kept_steps(runs)
         order = np.argsort(steps_k, kind="stable")
         kstep = steps_k[order]
@@ -1021,9 +1021,9 @@ class Techniques:
 
     def kept_items(self, assign: Mapping[int, tuple], casts: bool = True) -> list:
         """(backward step that frees it, device -> bytes) of every activation kept for the backward with
-        ``assign``: a tensor is freed once the backward passes its producer (a graph output by the loss's
-        backward, first of all); ``casts``: autocast's saved copies too, freed by their node's step (those of
-        a recomputed node are not kept)."""
+        ``assign``: a tensor is freed once the backward passes its last saver (:meth:`_release`; a graph
+        output by the loss's backward, first of all); ``casts``: autocast's saved copies too, freed by their
+        node's step (those of a recomputed node are not kept)."""
         runs = self._runs(assign)
         touched = self._touched(runs)
         kept = []
@@ -1038,7 +1038,7 @@ class Techniques:
     def recomputed_items(self, assign: Mapping[int, tuple]) -> list:
         """(backward step that recomputes it, step that frees it, device -> bytes) of what the
         recomputation of ``assign``'s runs brings back: a run is recomputed when the backward reaches its
-        last step, its values (and autocast copies) freed as the backward passes their producers."""
+        last step, its values freed once unpacked (:meth:`_unpacked`), its autocast copies at their node's step."""
         runs = self._runs(assign)
         if not runs:
             return []
