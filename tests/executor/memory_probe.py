@@ -258,12 +258,12 @@ class Probe:
                 stack.extend(x)
             elif isinstance(x, dict):
                 stack.extend(x.values())
-        seen: set = set()
+        seen: dict = {}                 # id -> node (held, so that no id is reused during the walk)
         while roots:
             node = roots.pop()
             if node is None or id(node) in seen:
                 continue
-            seen.add(id(node))
+            seen[id(node)] = node
             name = node.name()
 
             def post(grad_inputs, grad_outputs, name=name):
