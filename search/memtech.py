@@ -685,8 +685,7 @@ class Techniques:
             "kt": kt, "kt_row": {k: i for i, k in enumerate(kt)},
             "kt_mask": mask,
             "kt_full": full,
-            "kt_step": np.array([math.inf if k in self.outs else self.exec_pos[self.tensors[k].producer]
-                                 for k in kt], dtype=float),
+            "kt_step": np.array([self._release(k, {}) for k in kt], dtype=float),
             "cast": list(self.cast_act), "cast_row": {n: i for i, n in enumerate(self.cast_act)},
             "cast_rows": rows(list(self.cast_act.values())),
             "cast_step": np.array([self.exec_pos[n] for n in self.cast_act], dtype=float),
@@ -697,15 +696,19 @@ class Techniques:
         }
         return wt
 
-    def _peak(self, a: Mapping[int, float], act: dict, made: Sequence[tuple], base: Mapping[int, float]) -> dict:
+    def _peak(self, a: Mapping[int, float], act: dict, made: Sequence[tuple], base: Mapping[int, float],
+              held: Sequence[tuple] = ()) -> dict:
         """:meth:`backward_peak` of ``a``, :meth:`kept_items`, ``made`` (the ``extra`` weight gradients),
         ``base`` and :meth:`recomputed_items` for the recomputation of ``act`` (:meth:`_activations`),
         the same sums in the same order: the static rows (gradient events, tensors kept at their base
-        fraction, autocast copies) are built once; a plan changes the rows of the tensors its runs touch."""
+        fraction, autocast copies) are built once; a plan changes the rows of the tensors its runs touch.
+        ``held``: more (make step, release step, device -> bytes) items, walked as the recomputed ones
+        (ZeRO-3's whole unit gradients, :meth:`_unit_grads`)."""
         wt = self._walk_tables()
         col, D, rows = wt["col"], wt["D"], wt["rows"]
         if any(d not in col for d in set(a) | set(base)):
-            return self.backward_peak(a, self.kept_items(act["assign"]), made, base, act["recomputed"])
+            return self.backward_peak(a, self.kept_items(act["assign"]), made, base,
+                                      list(act["recomputed"]) + list(held))
         assign = act["assign"]
         runs = self._runs(assign)
         kept = self._kept_rows(runs)
@@ -714,7 +717,7 @@ class Techniques:
         if drop:
             casts = casts.copy()
             casts[drop] = 0.0
-        rec = act["recomputed"]
+        rec = list(act["recomputed"]) + list(held) if held else act["recomputed"]
         # blocks: (rows, steps, phase, group); a released or freed row is subtracted
         n_ev = len(wt["ev_made"])
         made_rows = self._memo.get(("made_rows", id(made)))
@@ -726,7 +729,7 @@ class Techniques:
                   (made_rows, np.array([s for s, _ in made], dtype=float), 0, 1, 1.0),
                   (rec_rows, np.array([s for s, _, _ in rec], dtype=float), 0, 2, 1.0),
                   (wt["ev"], wt["ev_freed"], 1, 0, -1.0),
-                  (kept, wt["kt_step"], 2, 0, -1.0),
+                  (kept, self._kept_steps(runs), 2, 0, -1.0),
                   (casts, wt["cast_step"], 2, 1, -1.0),
                   (rec_rows, np.array([f for _, f, _ in rec], dtype=float), 2, 2, -1.0)]
         blocks = [b for b in blocks if len(b[1])]
@@ -833,7 +836,7 @@ class Techniques:
         The activations are the mapping's, less what each touched tensor kept at its base fraction, plus
         what it keeps now (less the autocast copies of recomputed nodes).  A checkpointed run is recomputed
         when the backward reaches it: what was kept for the operators after it is freed by then (each kept
-        tensor counted as freed once the backward passes its producer, a graph output first); what its
+        tensor counted as freed once the backward passes its release step, :meth:`_release`); what its
         recomputation brings back beyond that is the transient.  Summed as cumulative sums over the rows of
         :meth:`_walk_tables` in the order of a loop over the touched tensors (the same floats)."""
         base = self.base_report.activations
@@ -882,9 +885,10 @@ class Techniques:
         end: dict = {}
         for n, j in runs.items():
             end[j] = max(end.get(j, -1), self.exec_pos[n])
-        kept = self._kept_rows(runs)           # what stays kept, freed as the backward passes its producer
-        order = np.argsort(wt["kt_step"], kind="stable")
-        kstep = wt["kt_step"][order]
+        kept = self._kept_rows(runs)           # what stays kept, freed at its release step
+        steps_k = self._kept_steps(runs)
+        order = np.argsort(steps_k, kind="stable")
+        kstep = steps_k[order]
         cum = np.cumsum(kept[order], axis=0)
         total = cum[-1] if len(cum) else np.zeros(D)
         for j in sorted(region_rows, key=end.__getitem__):
@@ -929,6 +933,85 @@ class Techniques:
                 kept[i] = 0.0
         return kept
 
+    def _release(self, key: tuple, runs: Mapping[int, tuple]) -> float:
+        """The backward step after which kept activation ``key`` is released with ``runs``: the last of the
+        steps that hold it to run (the lowest executor position) -- each consumer outside its producer's run
+        that saves it (autograd releases a node's saved tensors once its backward has run), a checkpointed
+        run reading it (the checkpoint keeps its inputs until the run's backward is done: the run's first
+        step), its producer when that saves its output or a mask (Softmax, Dropout); a graph output at the
+        loss's step (first of all)."""
+        if key in self.outs:
+            return math.inf
+        t = self.tensors[key]
+        at = self.exec_pos[t.producer]
+        frac = self._frac(t, runs) if runs else t.base
+        if frac < 1.0 or t.producer in self._keeps_output:
+            return at
+        rp = runs.get(t.producer)
+        steps = []
+        for u, pos in t.consumers:
+            if u not in self.exec_pos:
+                continue
+            ru = runs.get(u)
+            if ru is not None:
+                if ru != rp:
+                    steps.append(self._run_first(runs)[ru])
+            elif self._saves(u, pos):
+                steps.append(self.exec_pos[u])
+        return float(min(steps)) if steps else at
+
+    @property
+    def _keeps_output(self) -> set:
+        """Nodes whose operator saves its own output or a mask of it for its backward."""
+        hit = self._memo.get("keeps_output")
+        if hit is None:
+            hit = self._memo["keeps_output"] = {
+                n for n in self.exec_pos if self.g.node(n).op in SAVES_OUTPUT
+                or (self.g.node(n).op in ops.REGISTRY and ops.saves(self.g.node(n).op) is not None
+                    and ops.saves(self.g.node(n).op).mask)}
+        return hit
+
+    def _unpacked(self, t: _Tensor, runs: Mapping[int, tuple]) -> int:
+        """The backward step after which a value recomputed for the backward of its run is gone: the last
+        (lowest executor position) of the consumers in its run that save it -- the backward unpacks each
+        recomputed value once, and nothing holds it after that step -- or its producer when that saves its
+        output (or none saves it)."""
+        at = self.exec_pos[t.producer]
+        if t.producer in self._keeps_output or 0.0 < t.base < 1.0:
+            return at
+        rp = runs.get(t.producer)
+        steps = [self.exec_pos[u] for u, pos in t.consumers
+                 if u in self.exec_pos and runs.get(u) == rp and self._saves(u, pos)]
+        return min(steps) if steps else at
+
+    def _run_first(self, runs: Mapping[int, tuple]) -> dict:
+        """Run key -> the executor position of its first step (its backward's last) for ``runs``."""
+        hit = self._memo.get(("first", id(runs)))
+        if hit is not None and hit[0] is runs:
+            return hit[1]
+        first: dict = {}
+        for n, j in runs.items():
+            first[j] = min(first.get(j, math.inf), self.exec_pos[n])
+        self._memo[("first", id(runs))] = (runs, first)
+        return first
+
+    def _kept_steps(self, runs: Mapping[int, tuple]) -> np.ndarray:
+        """:meth:`_release` of every non-fixed tensor with ``runs``, in the tables' order
+        (:meth:`_walk_tables`): the static steps, those of the tensors the runs touch recomputed."""
+        wt = self._walk_tables()
+        if not runs:
+            return wt["kt_step"]
+        hit = self._memo.get(("steps", id(runs)))
+        if hit is not None and hit[0] is runs:
+            return hit[1]
+        steps = wt["kt_step"].copy()
+        for key in self._touched(runs):
+            i = wt["kt_row"].get(key)
+            if i is not None:
+                steps[i] = self._release(key, runs)
+        self._memo[("steps", id(runs))] = (runs, steps)
+        return steps
+
     def _touched(self, runs: Mapping[int, tuple]) -> set:
         """Keys of the tensors the nodes of ``runs`` produce or read."""
         out: set = set()
@@ -938,16 +1021,16 @@ class Techniques:
 
     def kept_items(self, assign: Mapping[int, tuple], casts: bool = True) -> list:
         """(backward step that frees it, device -> bytes) of every activation kept for the backward with
-        ``assign``: a tensor is freed once the backward passes its producer (a graph output by the loss's
-        backward, first of all); ``casts``: autocast's saved copies too, freed by their node's step (those of
-        a recomputed node are not kept)."""
+        ``assign``: a tensor is freed once the backward passes its last saver (:meth:`_release`; a graph
+        output by the loss's backward, first of all); ``casts``: autocast's saved copies too, freed by their
+        node's step (those of a recomputed node are not kept)."""
         runs = self._runs(assign)
         touched = self._touched(runs)
         kept = []
         for key, t in self.tensors.items():
             b = self._bytes(t, self._frac(t, runs)) if key in touched else t.mask_dev
             if b and not t.fixed:
-                kept.append((math.inf if key in self.outs else self.exec_pos[t.producer], b))
+                kept.append((self._release(key, runs), b))
         if casts:
             kept.extend((self.exec_pos[n], b) for n, b in self.cast_act.items() if n not in runs)
         return kept
@@ -955,7 +1038,7 @@ class Techniques:
     def recomputed_items(self, assign: Mapping[int, tuple]) -> list:
         """(backward step that recomputes it, step that frees it, device -> bytes) of what the
         recomputation of ``assign``'s runs brings back: a run is recomputed when the backward reaches its
-        last step, its values (and autocast copies) freed as the backward passes their producers."""
+        last step, its values freed once unpacked (:meth:`_unpacked`), its autocast copies at their node's step."""
         runs = self._runs(assign)
         if not runs:
             return []
@@ -973,7 +1056,7 @@ class Techniques:
                 continue
             kept = self._bytes(t, f)
             back = {d: b - kept.get(d, 0) for d, b in t.mask_dev.items()}
-            out.append((end[runs[t.producer]], self.exec_pos[t.producer], back))
+            out.append((end[runs[t.producer]], self._unpacked(t, runs), back))
         for n, j in runs.items():
             if n in self.cast_act:
                 out.append((end[j], self.exec_pos[n], self.cast_act[n]))
@@ -1064,7 +1147,7 @@ class Techniques:
         a, transient = act["a"], act["transient"]
         bwd = act["peak"].get(zc)
         if bwd is None:
-            bwd = act["peak"][zc] = self._peak(a, act, self._made(zc), bucket)
+            bwd = act["peak"][zc] = self._peak(a, act, self._made(zc), bucket, self._unit_grads(zc))
         return w, a, transient, free, bucket, bwd
 
     @staticmethod
@@ -1081,6 +1164,27 @@ class Techniques:
                 (self.exec_pos.get(x.last, 0), {d: x.nbytes / x.copies if zc >= 2 else x.nbytes for d in x.devices})
                 for x in self.weights if zc >= 3 or x.copies == 1]
         return hit
+
+    def _unit_grads(self, zc: int) -> list:
+        """ZeRO-3 (``zc`` 3): (make step, release step, device -> bytes) of what a sharded unit's gradient
+        holds beyond the shards :meth:`_made` counts: each weight's gradient is made whole at its last
+        consumer's step and stays whole until the backward reaches the unit's first use, where the unit's
+        gradient is reduce-scattered into the shard (executor/memory.py ``_ZeroGather``)."""
+        hit = self._memo.get(("unit_grads", zc))
+        if hit is not None:
+            return hit
+        out: list = []
+        if zc >= 3:
+            first: dict = {}
+            for x in self.weights:
+                if x.copies > 1:
+                    first[x.unit] = min(first.get(x.unit, math.inf), self.exec_pos.get(x.first, 0))
+            for x in self.weights:
+                if x.copies > 1:
+                    rest = x.nbytes - x.nbytes / x.copies
+                    out.append((self.exec_pos.get(x.last, 0), first[x.unit], {d: rest for d in x.devices}))
+        self._memo[("unit_grads", zc)] = out
+        return out
 
     def _activations(self, key: tuple, assign: Mapping[int, tuple]) -> dict:
         """What recomputation ``assign`` (``key``: its sorted items) makes of the activations, once:

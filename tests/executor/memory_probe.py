@@ -4,7 +4,8 @@ check: tests/executor/test_memory_prediction.py, benchmarks/memory_check.py).
 :class:`Probe` wraps one step of an :class:`unity_pcg.executor.train.Trainer` and takes *moments*: after
 every forward step of the lowered program, at the end of the forward, after each recomputation of a
 checkpointed run (torch.utils.checkpoint) in the backward, whenever the backward makes the gradient of a
-forward value (a tensor hook), and when the optimizer steps.  At a moment it
+forward value (a tensor hook), as each node of the backward graph finishes (a node post-hook: its incoming
+gradients, those it made and what it saved alive at once), and when the optimizer steps.  At a moment it
 counts every tensor storage the rank holds, each storage once (a view keeps its whole storage alive):
 
 * ``state``: the Trainer's parameters (ZeRO-3: the shards, and the values gathered for the forward or
@@ -13,8 +14,9 @@ counts every tensor storage the rank holds, each storage once (a view keeps its 
   device memory and are left out);
 * ``saved``: tensors the autograd graph saved for the backward and still holds (counted through
   ``torch.autograd.graph.saved_tensors_hooks``, chained with ZeRO-3's own hooks; the inputs a
-  checkpointed run keeps are saved through them too), plus the tensors a recomputation has just
-  produced for the backward of its run;
+  checkpointed run keeps are saved through them too), plus the tensors a recomputation produced for
+  the backward of its run, from the recomputation until the backward unpacks each (the checkpoint
+  frame's table of recomputed values);
 * ``grads``: gradients of forward values the backward has made and not yet freed (each tracked by a weak
   reference to its storage from its hook on);
 * ``held``: other forward values the program still references (its table of local tensors and the
@@ -92,6 +94,7 @@ class Probe:
         self._in_forward = False
         self._exclude: set = set()
         self.grads: dict = {}         # storage ptr -> (weak reference to the storage, nbytes)
+        self.frames: list = []        # (weak reference to a checkpoint frame, gid) recomputed in the backward
 
     # --- saved tensors ---------------------------------------------------------------------------------
     def _pack(self, t):
@@ -152,7 +155,7 @@ class Probe:
                 out.extend(v for v in st.values() if hasattr(v, "untyped_storage") and v.dim())
         return [t for t in out if t is not None and t.device.type != "meta"]
 
-    def moment(self, where: str, extra=(), tables=()) -> None:
+    def moment(self, where: str, extra=(), tables=(), grads=()) -> None:
         import torch
         seen: set = set()
         state = 0
@@ -172,6 +175,11 @@ class Probe:
                 if nb and ptr not in seen:
                     seen.add(ptr)
                     saved += nb
+        for t in self._pending():
+            ptr, nb = _storage(t)
+            if nb and ptr not in seen:
+                seen.add(ptr)
+                saved += nb
         held = 0
         tables = list(self._vals) + list(tables) + [self._feeds]
         for tab in tables:
@@ -181,14 +189,37 @@ class Probe:
                     if nb and ptr not in seen:
                         seen.add(ptr)
                         held += nb
-        grads = 0
+        gsum = 0
+        for t in grads:
+            if isinstance(t, torch.Tensor) and t.device.type != "meta":
+                ptr, nb = _storage(t)
+                if nb and ptr not in seen:
+                    seen.add(ptr)
+                    gsum += nb
         for ptr, (ref, nb) in list(self.grads.items()):
             if ref.expired():
                 del self.grads[ptr]
             elif ptr not in seen:
                 seen.add(ptr)
-                grads += nb
-        self.moments.append(Moment(where, state, saved, held, grads))
+                gsum += nb
+        self.moments.append(Moment(where, state, saved, held, gsum))
+
+    def _pending(self) -> list:
+        """Tensors recomputations have produced that the backward has not unpacked yet: a checkpoint frame
+        holds them (``frame.recomputed[gid]``, a weak-key table that loses each entry when its saved slot is
+        unpacked) until the backward of the operator that saved them runs."""
+        out = []
+        alive = []
+        for ref, gid in self.frames:
+            frame = ref()
+            if frame is None:
+                continue
+            vals = list(frame.recomputed.get(gid, {}).values())
+            if vals:
+                alive.append((ref, gid))
+                out.extend(vals)
+        self.frames = alive
+        return out
 
     # --- gradients of activations ------------------------------------------------------------------------
     def _watch(self, t, name: str) -> None:
@@ -208,6 +239,37 @@ class Probe:
             probe.moment(f"backward {name}")
             return None
         t.register_hook(hook)
+
+    def _hook_graph(self, out) -> None:
+        """Take a moment as each node of the backward graph of ``out`` finishes (a post-hook): its incoming
+        gradients, the gradients it has just made and what it saved are all alive then -- the busiest
+        instant of a backward step, which a tensor hook (after the node has released its incoming
+        gradient) does not see."""
+        import torch
+        probe = self
+        roots = []
+        stack = [out]
+        while stack:
+            x = stack.pop()
+            if isinstance(x, torch.Tensor):
+                if x.grad_fn is not None:
+                    roots.append(x.grad_fn)
+            elif isinstance(x, (list, tuple)):
+                stack.extend(x)
+            elif isinstance(x, dict):
+                stack.extend(x.values())
+        seen: dict = {}                 # id -> node (held, so that no id is reused during the walk)
+        while roots:
+            node = roots.pop()
+            if node is None or id(node) in seen:
+                continue
+            seen[id(node)] = node
+            name = node.name()
+
+            def post(grad_inputs, grad_outputs, name=name):
+                probe.moment(f"backward node {name}", grads=[*grad_inputs, *grad_outputs])
+            node.register_hook(post)
+            roots.extend(nf for nf, _ in node.next_functions)
 
     # --- patching --------------------------------------------------------------------------------------
     def __enter__(self):
@@ -265,6 +327,7 @@ class Probe:
 
         def _forward(*a, **k):
             out = forward(*a, **k)
+            probe._hook_graph(out)
             probe._vals.clear()          # the value tables are gone with the forward
             probe._feeds = {}
             probe.moment("backward start")
@@ -303,9 +366,9 @@ class Probe:
 
             def __exit__(self, *exc):
                 r = super().__exit__(*exc)
-                frame = self._frame_ref()
-                if frame is not None:
-                    probe.moment("recomputed", list(frame.recomputed[self._gid].values()))
+                if self._frame_ref() is not None:
+                    probe.frames.append((self._frame_ref, self._gid))
+                    probe.moment("recomputed")
                 return r
         patch(ckpt, "_recomputation_hook", _Recomputation)
         st.enter_context(self._hooks())

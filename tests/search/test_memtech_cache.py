@@ -86,8 +86,8 @@ class _Reference(memtech.Techniques):
         if not per_region:
             return a, transient
         # a run is recomputed when the backward reaches it: what was kept for the operators after it is
-        # freed by then (each kept tensor counted as freed once the backward passes its producer, a graph
-        # output first)
+        # freed by then (each kept tensor counted as freed once the backward passes its release step,
+        # Techniques._release: its last saver; a graph output first)
         end: dict = {}
         for n, j in runs.items():
             end[j] = max(end.get(j, -1), self.exec_pos[n])
@@ -109,9 +109,10 @@ class _Reference(memtech.Techniques):
                     transient[d] = extra
         return a, transient
 
-    def _peak(self, a, act, made, base):
+    def _peak(self, a, act, made, base, held=()):
         assign = act["assign"]
-        return self.backward_peak(a, self.kept_items(assign), made, base, self.recomputed_items(assign))
+        return self.backward_peak(a, self.kept_items(assign), made, base,
+                                  self.recomputed_items(assign) + list(held))
 
 
 def _with_capacity(m: MachineSpec, cap: int) -> MachineSpec:
