@@ -17,8 +17,12 @@
   MLP's two projections (any element-wise operator on one of them, multiplied) are both column-parallel
   into one row-parallel down projection, norms and rotary tables (element-wise on the split heads)
   run on the t copies, and attention masks and rotary tables read from outside a block are broadcast.
-  A model it does not apply to gets one line saying why (no matmul of two activations; a fused Q/K/V
-  projection Split after it; head counts no tensor degree divides).
+  The layout is built on :func:`megatron_graph`, exact rewrites of the model: a fused Q/K/V projection (one
+  Linear whose output is Split on its features, GPT-2's ``c_attn``) becomes one Linear per piece on a Slice
+  of the one weight, so each of Q, K and V splits by heads as Megatron-LM splits them; a row Linear's fused
+  bias moves to an Add after the all-reduce.  A model it does not apply to gets one line saying why (no
+  matmul of two activations; a fused projection whose Split the rewrite cannot reach; head counts no
+  tensor degree divides).
   ``sequence_parallel=True`` (Megatron-LM's sequence parallelism, Korthikanti et al. 2022): the operators
   outside the groups (the residual stream: norms, dropout, residual adds, the embedding and what follows
   the last group) run on t sequence shards instead of t copies -- model inputs are split on dim 1 (the
@@ -939,5 +943,6 @@ class _Rebuild:
         return out
 
 
-__all__ = ["build_strategy", "none", "data_parallel", "megatron", "expert", "megatron_groups",
+__all__ = ["build_strategy", "none", "data_parallel", "megatron", "expert", "megatron_groups", "megatron_graph",
+           "split_fused_linears",
            "expert_choices", "expert_applies", "head_counts", "pinned_views", "StrategyError", "STRATEGIES"]
