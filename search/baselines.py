@@ -374,12 +374,50 @@ def megatron(g: PCG, degree: int, devices_per_node: int | None = None, *, sequen
     if fused and batch_error is None:
         raise StrategyError(f"strategy 'megatron' applies to Transformers with separate Q/K/V projections: {fused}")
     heads = sorted({h for gr in groups if gr.attention(g) for h in head_counts(g, gr).values()}, reverse=True)
+    tps = _divisors_desc(gcd(dpn, degree))
+    if tps and all(h % tps[0] == 0 for h in heads):
+        lost = _head_split_lost(g, groups, tps[0], degree // tps[0])
+        if lost:
+            raise StrategyError(f"strategy 'megatron': {lost}")
     hs = (f" (the attention projections have {' / '.join(map(str, heads))} heads: t must divide "
           f"{'each, e.g. the key-value heads of grouped-query attention' if len(heads) > 1 else 'them'})"
           if heads else "")
     raise StrategyError(f"strategy 'megatron': no tensor-parallel degree t > 1 dividing {gcd(dpn, degree)} (devices "
                         f"per node and degree {degree}) splits the attention heads evenly{hs}"
                         + (f" with a batch that divides by {degree}/t ({batch_error})" if batch_error else ""))
+
+
+def _head_split_lost(g: PCG, groups: list[_Group], tp: int, dp: int) -> str | None:
+    """Why the heads split at degree ``tp`` do not reach an attention block's output projection, in one line:
+    the first operator inside the block that runs unpartitioned or gathers a split it reads from the block
+    (as one that merges the split heads with the batch, ``(B, h, S, d) -> (B * h, S, d)``); None when none is
+    found (or the batch does not divide by ``dp``)."""
+    att = [gr for gr in groups if gr.attention(g)]
+    try:
+        r = _Rebuild(g, "megatron", dp=dp, tp=tp, column=frozenset().union(*(gr.starts for gr in att)),
+                     inside=frozenset().union(*(gr.nodes | gr.starts for gr in att)))
+    except StrategyError:
+        return None
+    bad = set(r.fallback_ids)
+    for gr in att:
+        inside = gr.nodes | gr.starts
+        for i in (i for i in g.topo_order() if i in gr.nodes):
+            n = g.node(i)
+            what = None
+            if i in bad:
+                what = "runs unpartitioned"
+            elif i in r.new_id:
+                new_ins = r.b.node(r.new_id[i]).inputs
+                if any(ref[0] in inside and tuple(new_ins[k]) != tuple(r.m[ref]) and max(r.shape(r.m[ref]).degrees,
+                                                                                          default=1) > 1
+                       for k, ref in enumerate(n.inputs)):
+                    what = "gathers the split heads"
+            if what:
+                ins = " x ".join(str(list(g.shape(ref).sizes)) for ref in n.inputs)
+                return (f"the attention's heads split {tp} ways do not reach its output projection: {n.label()} "
+                        f"({n.op} {ins} -> {list(g.shapes(i)[0].sizes)}) {what} (an operator that merges the heads "
+                        f"with another dim, as batch x heads, cannot keep them split)")
+    return None
 
 
 _VIEWS = ("Reshape", "Transpose", "Flatten", "Identity")

@@ -90,6 +90,16 @@ def test_megatron_still_says_why_in_one_line(tmp_path_factory):
     assert "\n" not in str(e.value)
 
 
+def test_megatron_says_where_the_head_split_is_lost(tmp_path_factory):
+    """BLOOM's attention merges batch and heads into one dim for its ALiBi scores ((B, h, S, d) -> (B*h, S, d)):
+    no tensor degree keeps the heads split there, and the one line names that Reshape (not the head count)."""
+    g = load_onnx(_hf("bloom", False, tmp_path_factory), load_weights=False)
+    with pytest.raises(StrategyError, match=r"heads split 2 ways do not reach its output projection: .*Reshape "
+                                            r"\[\d+, 4, \d+, \d+\] -> ") as e:
+        build_strategy(g, "megatron", 2)
+    assert "\n" not in str(e.value)
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("dynamo,world,tp", [(False, 2, 2), (True, 4, 2)], ids=["legacy-tp2", "dynamo-tp2xdp2"])
 def test_megatron_gpt2_trains_as_one_process(dynamo, world, tp, tmp_path_factory):
