@@ -17,8 +17,12 @@
   MLP's two projections (any element-wise operator on one of them, multiplied) are both column-parallel
   into one row-parallel down projection, norms and rotary tables (element-wise on the split heads)
   run on the t copies, and attention masks and rotary tables read from outside a block are broadcast.
-  A model it does not apply to gets one line saying why (no matmul of two activations; a fused Q/K/V
-  projection Split after it; head counts no tensor degree divides).
+  The layout is built on :func:`megatron_graph`, exact rewrites of the model: a fused Q/K/V projection (one
+  Linear whose output is Split on its features, GPT-2's ``c_attn``) becomes one Linear per piece on a Slice
+  of the one weight, so each of Q, K and V splits by heads as Megatron-LM splits them; a row Linear's fused
+  bias moves to an Add after the all-reduce.  A model it does not apply to gets one line saying why (no
+  matmul of two activations; a fused projection whose Split the rewrite cannot reach; head counts no
+  tensor degree divides).
   ``sequence_parallel=True`` (Megatron-LM's sequence parallelism, Korthikanti et al. 2022): the operators
   outside the groups (the residual stream: norms, dropout, residual adds, the embedding and what follows
   the last group) run on t sequence shards instead of t copies -- model inputs are split on dim 1 (the
@@ -126,11 +130,121 @@ class _Group:
 
 
 def _is_dense(g: PCG, n, wl: set) -> bool:
-    """A Linear whose activation input is not weight-derived and whose weight is a trainable 2-D Weight."""
+    """A Linear whose activation input is not weight-derived and whose weight is a trainable 2-D Weight
+    (or a Slice of one: a piece of a fused projection, see :func:`split_fused_linears`)."""
     if n.op != "Linear" or n.inputs[0][0] in wl:
         return False
     w = g.node(n.inputs[1][0])
+    if w.op == "Slice":
+        w = g.node(w.inputs[0][0])
     return w.op == "Weight" and g.shape(n.inputs[1]).dtype in FLOAT_DTYPES
+
+
+def _fused_chain(g: PCG, n, wl: set):
+    """(steps, split) when the output of Linear ``n`` reaches a Split on its feature (last) axis through
+    single-consumer steps that keep the features last: Reshapes that keep the last dim, Identity, and the
+    Add of a weight-derived bias over the features; None otherwise."""
+    nf = g.shapes(n.id)[0].sizes[-1]
+    outs = {tuple(r) for r in g.outputs}
+    ref, steps = (n.id, 0), []
+    while len(steps) < 8:
+        cons = g.consumers(ref)
+        if ref in outs or len(cons) != 1:
+            return None
+        c = g.node(cons[0][0])
+        sizes = g.shapes(c.id)[0].sizes if c.op != "Split" else ()
+        if c.op == "Split":
+            rank = g.shape(c.inputs[0]).rank
+            if c.a.get("axis", 0) % rank != rank - 1 or len(g.shapes(c.id)) < 2:
+                return None
+            return steps, c
+        if c.op == "Reshape":
+            if not (sizes and sizes[-1] == nf and all(int(v) > 0 for v in c.a["shape"])):
+                return None
+        elif c.op == "Add" and len(c.inputs) == 2:
+            other = c.inputs[1 - cons[0][1]]
+            if other[0] not in wl or g.shape(other).sizes != (nf,) or sizes != g.shape(ref).sizes:
+                return None
+        elif c.op != "Identity":
+            return None
+        steps.append((c, cons[0][1]))
+        ref = (c.id, 0)
+    return None
+
+
+def split_fused_linears(g: PCG) -> PCG:
+    """Exact rewrite: a Linear ``y = x @ W (+ b)`` whose output is Split on its features (a fused Q/K/V
+    projection, as GPT-2's ``c_attn``), through the steps :func:`_fused_chain` allows, becomes one Linear
+    per Split piece on a Slice of the same Weight's columns (and of the bias), each followed by its own
+    copy of those steps; the Split's consumers read the pieces.  The weight stays one tensor (one
+    initializer, its gradient the pieces' gradients side by side).  ``g`` itself when nothing matches."""
+    wl = g.weight_like()
+    found = []
+    for n in g.nodes():
+        if _is_dense(g, n, wl) and g.node(n.inputs[1][0]).op == "Weight":
+            c = _fused_chain(g, n, wl)
+            if c is not None:
+                found.append((n, *c))
+    if not found:
+        return g
+    b = g.edit()
+
+    def piece(ref, axis, lo, hi, name):
+        return b.add("Slice", {"axes": (axis,), "starts": (lo,), "ends": (hi,), "steps": (1,)}, [ref], name)
+    for n, steps, split in found:
+        lo = 0
+        for i, size in enumerate(s.sizes[-1] for s in g.shapes(split.id)):
+            hi = lo + size
+            w = piece(n.inputs[1], 1, lo, hi, f"{n.label()}/weight{i}")
+            ins = [n.inputs[0], w] + ([piece(n.inputs[2], 0, lo, hi, f"{n.label()}/bias{i}")]
+                                      if len(n.inputs) == 3 else [])
+            ref = b.add("Linear", n.a, ins, f"{n.label()}/{i}")
+            for c, pos in steps:
+                if c.op == "Reshape":
+                    ref = b.add("Reshape", {"shape": tuple(c.a["shape"][:-1]) + (size,)}, [ref], f"{c.label()}/{i}")
+                elif c.op == "Add":
+                    bias = piece(c.inputs[1 - pos], 0, lo, hi, f"{c.label()}/bias{i}")
+                    ref = b.add("Add", c.a, [ref, bias] if pos == 0 else [bias, ref], f"{c.label()}/{i}")
+                else:
+                    ref = b.add(c.op, c.a, [ref], f"{c.label()}/{i}")
+            b.replace_uses((split.id, i), ref)
+            lo = hi
+    b.remove_dead()
+    out = b.finish()
+    out.meta["split_fused"] = sorted(n.label() for n, _, _ in found)
+    return out
+
+
+def _unfuse_biases(g: PCG, ids) -> PCG:
+    """Exact rewrite: each Linear of ``ids`` (activation none) drops its bias input, which an Add after it
+    adds instead (node ids kept; the Add is named ``<linear>/bias``)."""
+    if not ids:
+        return g
+    b = g.edit()
+    for nid in sorted(ids):
+        n = g.node(nid)
+        b.set_inputs(nid, n.inputs[:2])
+        add = b.add("Add", {}, [(nid, 0), n.inputs[2]], f"{n.label()}/bias")
+        b.replace_uses((nid, 0), add, exclude=(add[0],))
+    out = b.finish()
+    out.meta["unfused_bias"] = sorted(g.node(i).label() for i in ids)
+    return out
+
+
+def megatron_graph(g: PCG) -> PCG:
+    """The logical graph Megatron's layout is built on, by exact rewrites of ``g``: fused projections Split
+    into pieces become one Linear per piece (:func:`split_fused_linears`), and a row-parallel candidate's
+    fused bias moves to an Add after it (Megatron-LM adds it once, after the all-reduce of the partial
+    sums): the biased Linears without activation that end a column -> row group once unfused.  ``g``
+    itself when neither applies."""
+    g = split_fused_linears(g)
+    wl = g.weight_like()
+    cand = {n.id for n in g.nodes() if _is_dense(g, n, wl) and len(n.inputs) == 3
+            and n.a.get("activation", "none") == "none" and n.inputs[2][0] in wl}
+    if not cand:
+        return g
+    terms = set().union(*(gr.terms for gr in megatron_groups(_unfuse_biases(g, cand))))
+    return _unfuse_biases(g, cand & terms)
 
 
 def _closure(g: PCG, start: int, wl: set, limit: int = 64):
@@ -229,11 +343,14 @@ def megatron(g: PCG, degree: int, devices_per_node: int | None = None, *, sequen
     module docstring; ``meta["sp"]`` says so)."""
     _check_degree(degree)
     _check_logical(g, "megatron")
+    if degree == 1:
+        if not any(gr.attention(g) for gr in megatron_groups(megatron_graph(g))):
+            raise StrategyError("strategy 'megatron' applies to Transformers: " + _why_no_attention(g))
+        return g
+    g = megatron_graph(g)                 # fused Q/K/V pieces, row biases after the sum (exact rewrites)
     groups = megatron_groups(g)
     if not any(gr.attention(g) for gr in groups):
         raise StrategyError("strategy 'megatron' applies to Transformers: " + _why_no_attention(g))
-    if degree == 1:
-        return g
     dpn = devices_per_node or degree
     last = None
     batch_error = None
@@ -257,12 +374,50 @@ def megatron(g: PCG, degree: int, devices_per_node: int | None = None, *, sequen
     if fused and batch_error is None:
         raise StrategyError(f"strategy 'megatron' applies to Transformers with separate Q/K/V projections: {fused}")
     heads = sorted({h for gr in groups if gr.attention(g) for h in head_counts(g, gr).values()}, reverse=True)
+    tps = _divisors_desc(gcd(dpn, degree))
+    if tps and all(h % tps[0] == 0 for h in heads):
+        lost = _head_split_lost(g, groups, tps[0], degree // tps[0])
+        if lost:
+            raise StrategyError(f"strategy 'megatron': {lost}")
     hs = (f" (the attention projections have {' / '.join(map(str, heads))} heads: t must divide "
           f"{'each, e.g. the key-value heads of grouped-query attention' if len(heads) > 1 else 'them'})"
           if heads else "")
     raise StrategyError(f"strategy 'megatron': no tensor-parallel degree t > 1 dividing {gcd(dpn, degree)} (devices "
                         f"per node and degree {degree}) splits the attention heads evenly{hs}"
                         + (f" with a batch that divides by {degree}/t ({batch_error})" if batch_error else ""))
+
+
+def _head_split_lost(g: PCG, groups: list[_Group], tp: int, dp: int) -> str | None:
+    """Why the heads split at degree ``tp`` do not reach an attention block's output projection, in one line:
+    the first operator inside the block that runs unpartitioned or gathers a split it reads from the block
+    (as one that merges the split heads with the batch, ``(B, h, S, d) -> (B * h, S, d)``); None when none is
+    found (or the batch does not divide by ``dp``)."""
+    att = [gr for gr in groups if gr.attention(g)]
+    try:
+        r = _Rebuild(g, "megatron", dp=dp, tp=tp, column=frozenset().union(*(gr.starts for gr in att)),
+                     inside=frozenset().union(*(gr.nodes | gr.starts for gr in att)))
+    except StrategyError:
+        return None
+    bad = set(r.fallback_ids)
+    for gr in att:
+        inside = gr.nodes | gr.starts
+        for i in (i for i in g.topo_order() if i in gr.nodes):
+            n = g.node(i)
+            what = None
+            if i in bad:
+                what = "runs unpartitioned"
+            elif i in r.new_id:
+                new_ins = r.b.node(r.new_id[i]).inputs
+                if any(ref[0] in inside and tuple(new_ins[k]) != tuple(r.m[ref]) and max(r.shape(r.m[ref]).degrees,
+                                                                                          default=1) > 1
+                       for k, ref in enumerate(n.inputs)):
+                    what = "gathers the split heads"
+            if what:
+                ins = " x ".join(str(list(g.shape(ref).sizes)) for ref in n.inputs)
+                return (f"the attention's heads split {tp} ways do not reach its output projection: {n.label()} "
+                        f"({n.op} {ins} -> {list(g.shapes(i)[0].sizes)}) {what} (an operator that merges the heads "
+                        f"with another dim, as batch x heads, cannot keep them split)")
+    return None
 
 
 _VIEWS = ("Reshape", "Transpose", "Flatten", "Identity")
@@ -826,5 +981,6 @@ class _Rebuild:
         return out
 
 
-__all__ = ["build_strategy", "none", "data_parallel", "megatron", "expert", "megatron_groups",
+__all__ = ["build_strategy", "none", "data_parallel", "megatron", "expert", "megatron_groups", "megatron_graph",
+           "split_fused_linears",
            "expert_choices", "expert_applies", "head_counts", "pinned_views", "StrategyError", "STRATEGIES"]
