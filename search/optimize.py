@@ -1395,7 +1395,8 @@ def _pipeline_step(run: _Run, chosen: PlanCandidate) -> PlanCandidate:
     else:
         run.stats = dict(run.stats, pipeline_by_rules="cut by the budget")
     run.mark("pipeline_by_rules")
-    run.stats = dict(run.stats, chosen="pipeline", pipeline_stages=pipe.num_stages, micro_batches=pipe.micro_batches)
+    run.stats = dict(run.stats, chosen="pipeline", pipeline_stages=pipe.num_stages, micro_batches=pipe.micro_batches,
+                     pipeline_stage_layouts=(pipe.stats or {}).get("stage_layouts"))
     return PlanCandidate("pipeline", pipe.pcg, pipe.cost, tuple(pipe.rules or ()), by_rules=pipe.rules is not None,
                          mapping=_PipelineMapping(pipe, n_dev), pipeline=pipe)
 

@@ -115,6 +115,9 @@ STAGE_RECOMPUTE = ("none", "selective", "full")
 #: several stages, and sums the micro-batches' full gradients before its reduce-scatter, so stage 2 holds
 #: what stage 1 holds and is not tried; 3 and offload it refuses with several stages
 PIPELINE_ZERO = (0, 1)
+#: with further stage layouts (``search_pipeline(layouts=...)``), their pass may use this share of the time left
+#: to the hard deadline; the rest is kept for the exact prices
+LAYOUTS_SHARE = 0.6
 
 
 # --- the 1F1B schedule ---------------------------------------------------------------------------
@@ -904,6 +907,15 @@ def _search_pipeline(pcg, mapper_or_cost_model, max_stages, min_stages, micro_ba
     # under a budget the counts most likely to pay come first: about two micro-batches per stage
     ms = sorted(_micro_batch_candidates(B, micro_batches, max_stages),
                 key=lambda m: (abs(math.log2(m) - math.log2(2 * max_stages)), m))
+    def dp_pass(M, hs_, soft):
+        for li, (ly, inf) in enumerate(lys):
+            lay = _LayerPrices(graphs[M], roles, nodes_of[li], mapper, hs_, machine, memo)
+            found = _stage_dp(lay, inf, ly, graphs[M], machine, sizes, T, M, min_stages, min(max_stages, len(ly)),
+                              soft, candidates, clock, techniques)
+            for est, plan, tech, hs in found:
+                cands.append((est, len(plan), M, plan, tech, tuple(hooks.index(hs_[h]) for h in hs), li))
+
+    # first ``intra`` alone, every micro-batch count the budget allows, on every layering
     for M in ms:
         if cands and clock() > deadline:
             stats["budget_exhausted"] = True
@@ -917,19 +929,29 @@ def _search_pipeline(pcg, mapper_or_cost_model, max_stages, min_stages, micro_ba
         stats["micro_batches_tried"].append(M)
         first = len(stats["micro_batches_tried"]) == 1
         try:
-            # first ``intra`` alone on every layering, then with the further layouts (the first pass's layer
-            # prices reused): a hard deadline in the second keeps the first's plans
-            for hs_ in passes:
-                for li, (ly, inf) in enumerate(lys):
-                    lay = _LayerPrices(graphs[M], roles, nodes_of[li], mapper, hs_, machine, memo)
-                    found = _stage_dp(lay, inf, ly, graphs[M], machine, sizes, T, M, min_stages,
-                                      min(max_stages, len(ly)), deadline if cands and not first else INF,
-                                      candidates, clock, techniques)
-                    for est, plan, tech, hs in found:
-                        cands.append((est, len(plan), M, plan, tech, tuple(hooks.index(hs_[h]) for h in hs), li))
+            dp_pass(M, hooks[:1], deadline if cands and not first else INF)
         except Expired:                 # the hard deadline: the plans found so far are priced (if time is left)
             stats["cut"] = True
             break
+    # then with the further layouts (their layer prices added to the first pass's), on the counts tried, within
+    # LAYOUTS_SHARE of the time left to the hard deadline (the rest is the exact prices'), the first count past
+    # the soft budget too: a deadline keeps what the first pass found
+    if len(hooks) > 1 and not stats.get("cut"):
+        hard = current()
+        stop = Deadline(hard.clock() + LAYOUTS_SHARE * hard.left(), hard.clock) \
+            if hard is not None and math.isfinite(hard.at) else None
+        t1 = time.perf_counter()
+        try:
+            with within(stop):
+                for n, M in enumerate(stats["micro_batches_tried"]):
+                    if n and clock() > deadline:
+                        stats["layouts_budget_exhausted"] = True
+                        break
+                    dp_pass(M, hooks, INF if n == 0 else deadline)
+                    stats.setdefault("layouts_micro_batches", []).append(M)
+        except Expired:
+            stats["layouts_cut"] = True
+        stats["layouts_s"] = time.perf_counter() - t1
     stats["dp_s"] = time.perf_counter() - t0
     stats["priced"] = len(memo)
     # exact prices, most promising first: at least the best per stage count, then while an estimate
