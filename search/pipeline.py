@@ -907,17 +907,22 @@ def _search_pipeline(pcg, mapper_or_cost_model, max_stages, min_stages, micro_ba
     # under a budget the counts most likely to pay come first: about two micro-batches per stage
     ms = sorted(_micro_batch_candidates(B, micro_batches, max_stages),
                 key=lambda m: (abs(math.log2(m) - math.log2(2 * max_stages)), m))
-    def dp_pass(M, hs_, soft):
-        for li, (ly, inf) in enumerate(lys):
+    lys_all = list(range(len(lys)))
+
+    def dp_pass(M, hs_, which, soft):
+        for li in which:
+            ly, inf = lys[li]
             lay = _LayerPrices(graphs[M], roles, nodes_of[li], mapper, hs_, machine, memo)
             found = _stage_dp(lay, inf, ly, graphs[M], machine, sizes, T, M, min_stages, min(max_stages, len(ly)),
                               soft, candidates, clock, techniques)
             for est, plan, tech, hs in found:
                 cands.append((est, len(plan), M, plan, tech, tuple(hooks.index(hs_[h]) for h in hs), li))
 
-    # first ``intra`` alone, every micro-batch count the budget allows, on every layering
+    # first ``intra`` alone, every micro-batch count the budget allows (half of it when further layouts follow),
+    # on every layering
+    soft_a = deadline if len(hooks) == 1 or not math.isfinite(deadline) else clock() + (deadline - clock()) / 2
     for M in ms:
-        if cands and clock() > deadline:
+        if cands and clock() > soft_a:
             stats["budget_exhausted"] = True
             break
         try:
@@ -929,26 +934,31 @@ def _search_pipeline(pcg, mapper_or_cost_model, max_stages, min_stages, micro_ba
         stats["micro_batches_tried"].append(M)
         first = len(stats["micro_batches_tried"]) == 1
         try:
-            dp_pass(M, hooks[:1], deadline if cands and not first else INF)
+            dp_pass(M, hooks[:1], lys_all, soft_a if cands and not first else INF)
         except Expired:                 # the hard deadline: the plans found so far are priced (if time is left)
             stats["cut"] = True
             break
-    # then with the further layouts (their layer prices added to the first pass's), on the counts tried, within
-    # LAYOUTS_SHARE of the time left to the hard deadline (the rest is the exact prices'), the first count past
-    # the soft budget too: a deadline keeps what the first pass found
+    # then with the further layouts (their layer prices added to the first pass's) on the (micro-batch count,
+    # layering) pairs tried, the most promising first (the first pass's best estimate), until the soft budget
+    # (the first pair past it too) and within LAYOUTS_SHARE of the time left to the hard deadline (the rest is
+    # the exact prices'): a deadline keeps what the first pass found
     if len(hooks) > 1 and not stats.get("cut"):
+        est_of: dict = {}
+        for c in cands:
+            est_of[(c[2], c[6])] = min(est_of.get((c[2], c[6]), INF), c[0])
+        pairs = sorted(est_of, key=est_of.__getitem__)
         hard = current()
         stop = Deadline(hard.clock() + LAYOUTS_SHARE * hard.left(), hard.clock) \
             if hard is not None and math.isfinite(hard.at) else None
         t1 = time.perf_counter()
         try:
             with within(stop):
-                for n, M in enumerate(stats["micro_batches_tried"]):
+                for n, (M, li) in enumerate(pairs):
                     if n and clock() > deadline:
                         stats["layouts_budget_exhausted"] = True
                         break
-                    dp_pass(M, hooks, INF if n == 0 else deadline)
-                    stats.setdefault("layouts_micro_batches", []).append(M)
+                    dp_pass(M, hooks, [li], INF if n == 0 else deadline)
+                    stats.setdefault("layouts_tried", []).append([M, named[li][0]])
         except Expired:
             stats["layouts_cut"] = True
         stats["layouts_s"] = time.perf_counter() - t1
