@@ -492,14 +492,30 @@ def ilp_intra(machine: MachineSpec, optimizer: str = "adam", precision: str = "f
     are dropped: :func:`_price` maps the laid-out stage by the machine-mapping DP, as every stage.  Raises
     UnityError (the stage is then not offered on that sub-mesh: an infinite price) on one device (the
     data-parallel layout is the same), a parallel stage, no plan, or the deadline of the thread's scope
-    (:func:`search.budget.current`) passed; each solve is bounded by that deadline and ``time_limit_s``."""
+    (:func:`search.budget.current`) passed; each solve is bounded by that deadline and ``time_limit_s``.
+    The hook remembers its layouts per stage (its nodes) and sub-mesh: the same stage at another micro-batch
+    size gets that layout rebatched (:func:`rebatch`; solved anew where a degree no longer divides), so the
+    search prices the ILP's layouts at every micro-batch count after solving them once."""
     from .alpa.intra import solve_intra
+    solved: dict = {}           # (the stage's nodes, its sub-mesh) -> (laid-out PCG, its batch)
 
     def hook(stage: PCG, resource: Resource) -> PCG:
         if resource.size <= 1:
             raise UnityError("one device: the stage's data-parallel layout")
         if any(n.kind == "parallel" for n in stage.nodes()):
             raise UnityError("the stage is already parallel")
+        try:
+            b = batch_size(stage)
+        except PipelineError:
+            b = None
+        key = (tuple((n.id, n.op, n.name) for n in stage.nodes()), resource.start, resource.nodes,
+               resource.per_node)
+        hit = solved.get(key)
+        if hit is not None and b is not None:
+            try:            # the layout solved for this stage at another micro-batch size (or this one)
+                return rebatch(hit[0], hit[1], b)
+            except UnityError:          # a degree no longer divides: solved anew
+                pass
         dl = current()
         limit = time_limit_s
         at = None
@@ -513,6 +529,10 @@ def ilp_intra(machine: MachineSpec, optimizer: str = "adam", precision: str = "f
                            precision=precision, price=False, deadline=at, time_limit_s=limit, idle=idle)
         if plan.pcg is None:
             raise UnityError(f"the layout ILP on {mesh[0]}x{mesh[1]}: {plan.status}")
+        if b is not None:
+            if len(solved) > 4096:
+                solved.clear()
+            solved[key] = (plan.pcg, b)
         return plan.pcg
     hook.__name__ = "ilp_intra"
     hook.layout = "ilp"
