@@ -493,9 +493,9 @@ def ilp_intra(machine: MachineSpec, optimizer: str = "adam", precision: str = "f
     UnityError (the stage is then not offered on that sub-mesh: an infinite price) on one device (the
     data-parallel layout is the same), a parallel stage, no plan, or the deadline of the thread's scope
     (:func:`search.budget.current`) passed; each solve is bounded by that deadline and ``time_limit_s``.
-    The hook remembers its layouts per stage (its nodes) and sub-mesh: the same stage at another micro-batch
-    size gets that layout rebatched (:func:`rebatch`; solved anew where a degree no longer divides), so the
-    search prices the ILP's layouts at every micro-batch count after solving them once."""
+    The hook remembers its layouts per stage (its nodes) and sub-mesh; with ``hook.reuse`` set (the search's
+    cheap pass, :func:`search_pipeline`) the same stage at another micro-batch size gets that layout rebatched
+    (:func:`rebatch`; solved anew where a degree no longer divides) instead of a new solve."""
     from .alpa.intra import solve_intra
     solved: dict = {}           # (the stage's nodes, its sub-mesh) -> (laid-out PCG, its batch)
 
@@ -511,7 +511,7 @@ def ilp_intra(machine: MachineSpec, optimizer: str = "adam", precision: str = "f
         key = (tuple((n.id, n.op, n.name) for n in stage.nodes()), resource.start, resource.nodes,
                resource.per_node)
         hit = solved.get(key)
-        if hit is not None and b is not None:
+        if hit is not None and b is not None and (hook.reuse or hit[1] == b):
             try:            # the layout solved for this stage at another micro-batch size (or this one)
                 return rebatch(hit[0], hit[1], b)
             except UnityError:          # a degree no longer divides: solved anew
@@ -536,6 +536,7 @@ def ilp_intra(machine: MachineSpec, optimizer: str = "adam", precision: str = "f
         return plan.pcg
     hook.__name__ = "ilp_intra"
     hook.layout = "ilp"
+    hook.reuse = False
     return hook
 
 
@@ -971,14 +972,33 @@ def _search_pipeline(pcg, mapper_or_cost_model, max_stages, min_stages, micro_ba
         stop = Deadline(hard.clock() + LAYOUTS_SHARE * hard.left(), hard.clock) \
             if hard is not None and math.isfinite(hard.at) else None
         t1 = time.perf_counter()
+        reusing = [h for h in hooks[1:] if hasattr(h, "reuse")]
+        fresh: set = set()
+
+        def layouts_pass(M, li, reuse, soft):
+            for h in reusing:
+                h.reuse = reuse
+            try:
+                dp_pass(M, hooks, [li], soft)
+            finally:
+                for h in reusing:
+                    h.reuse = False
+            stats.setdefault("layouts_tried", []).append([M, named[li][0]] + (["reused"] if reuse else []))
+            if not reuse:
+                fresh.add((M, li))
         try:
             with within(stop):
+                # the most promising pair solved; the others priced with those layouts where the hooks can
+                # reuse them (else solved, within the soft budget); then the best pair so far solved, if not yet
                 for n, (M, li) in enumerate(pairs):
-                    if n and clock() > deadline:
+                    if n and clock() > deadline and not reusing:
                         stats["layouts_budget_exhausted"] = True
                         break
-                    dp_pass(M, hooks, [li], INF if n == 0 else deadline)
-                    stats.setdefault("layouts_tried", []).append([M, named[li][0]])
+                    layouts_pass(M, li, bool(n and reusing), INF if n == 0 else deadline)
+                if reusing:
+                    best_pair = min(((c[0], (c[2], c[6])) for c in cands if any(c[5])), default=None)
+                    if best_pair is not None and best_pair[1] not in fresh:
+                        layouts_pass(*best_pair[1], False, INF)
         except Expired:
             stats["layouts_cut"] = True
         stats["layouts_s"] = time.perf_counter() - t1
@@ -1151,7 +1171,7 @@ class _LayerPrices:
 
 def _hook_key(hook) -> tuple:
     """What tells a layout hook's prices apart in the shared memo (the default's key is unchanged)."""
-    return (getattr(hook, "__name__", "intra"), id(hook))
+    return (getattr(hook, "__name__", "intra"), id(hook), bool(getattr(hook, "reuse", False)))
 
 
 def _stage_dp(lay: _LayerPrices, info: Cuts, layers, gM, machine, sizes, T, M, min_stages, max_stages,
