@@ -1359,6 +1359,14 @@ def _pipeline_search(run: _Run, until: Deadline | None = None) -> None:
     run.mark("pipeline")
     run.stats = dict(run.stats, pipeline_s=time.perf_counter() - tp0,
                      pipeline_iteration_s=pipe.cost if pipe is not None and pipe.feasible else None)
+    if pipe is not None:        # how the stage search went (its passes, micro-batch counts, stage layouts, cuts)
+        run.stats["pipeline_search"] = {k: v for k, v in (pipe.stats or {}).items() if k in PIPELINE_STATS}
+
+
+#: the stage search's stats recorded in ``info.search.pipeline_search``
+PIPELINE_STATS = ("micro_batches_tried", "budget_exhausted", "cut", "layering", "layouts_tried", "layouts_cut",
+                  "layouts_budget_exhausted", "layouts_s", "dp_s", "stage_layouts", "refused", "makespan_s",
+                  "exact_priced")
 
 
 def _pipeline_step(run: _Run, chosen: PlanCandidate) -> PlanCandidate:

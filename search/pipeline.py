@@ -991,10 +991,11 @@ def _search_pipeline(pcg, mapper_or_cost_model, max_stages, min_stages, micro_ba
                 # the most promising pair solved; the others priced with those layouts where the hooks can
                 # reuse them (else solved, within the soft budget); then the best pair so far solved, if not yet
                 for n, (M, li) in enumerate(pairs):
-                    if n and clock() > deadline and not reusing:
+                    reuse = bool(n and reusing and any(x[1] == li for x in fresh))   # same layers, solved
+                    if n and not reuse and clock() > deadline:
                         stats["layouts_budget_exhausted"] = True
-                        break
-                    layouts_pass(M, li, bool(n and reusing), INF if n == 0 else deadline)
+                        continue
+                    layouts_pass(M, li, reuse, INF if n == 0 else deadline)
                 if reusing:
                     best_pair = min(((c[0], (c[2], c[6])) for c in cands if any(c[5])), default=None)
                     if best_pair is not None and best_pair[1] not in fresh:
@@ -1027,6 +1028,7 @@ def _search_pipeline(pcg, mapper_or_cost_model, max_stages, min_stages, micro_ba
                                               or clock() > deadline):
             continue
         seen.update({S, (S, M)})
+        te = time.perf_counter()
         try:
             ev = _evaluate(graphs[M], roles, info, layers, plan, M, mapper, [hooks[h] for h in hs], machine, memo,
                            tech)
@@ -1035,6 +1037,9 @@ def _search_pipeline(pcg, mapper_or_cost_model, max_stages, min_stages, micro_ba
             break
         ev["estimate"] = est
         stats["exact"] += 1
+        stats.setdefault("exact_priced", []).append(
+            [S, M, [layout_name(hooks[h]) for h in hs], round(est, 6), round(ev["makespan"], 6) if math.isfinite(
+                ev["makespan"]) else None, round(time.perf_counter() - te, 3)])
         rank = (not ev["feasible"], ev["makespan"], S, M)
         done.append((rank, M, plan, ev, hs, li))
         if best is None or rank < best[0]:
@@ -1163,7 +1168,14 @@ class _LayerPrices:
                     tag = need
             skey = ("layer", shape, tag) if hook is default_intra else ("layer", shape, tag, _hook_key(hook))
             p = self.shared.get(skey)
-            if p is None:
+            if p is None and h > 0:
+                # a further layout past the deadline is not offered on this layer and sub-mesh (not memoized
+                # across passes); the first hook's prices stop the search as before
+                try:
+                    p = self.shared[skey] = _price(self.mapper, sg, hook, res, self.shared)
+                except Expired:
+                    p = _failed("the deadline passed before the layout was solved")
+            elif p is None:
                 p = self.shared[skey] = _price(self.mapper, sg, hook, res, self.shared)
         self.memo[key] = p
         return p
@@ -1253,13 +1265,17 @@ def _stage_dp(lay: _LayerPrices, info: Cuts, layers, gM, machine, sizes, T, M, m
         return hit
 
     # the options: sizes, or (size, recompute mode) pairs; the ZeRO stages tried
+    # a further layout's layers are priced (the costly part) in an order that meets a deadline with the likely
+    # sub-meshes done: blocks that split the machine into equal stages, two stages first, then the whole machine,
+    # then the others, largest first
+    later = sorted(opts, key=lambda s: (T % s != 0, T // s == 1, -s))
     if not techniques:
-        choices, zeros = [(s, None, h) for h in range(H) for s in opts], [0]
+        choices, zeros = [(s, None, h) for h in range(H) for s in (opts if h == 0 else later)], [0]
     else:
         need = min(max_stages, M)
         choices = []
         for hk in range(H):
-            for s in opts:
+            for s in (opts if hk == 0 else later):
                 modes = ("none",)
                 held = table((s, "none", PIPELINE_ZERO[-1], hk))[2]
                 if (held[np.triu(np.ones((L, L), dtype=bool))] < need).any():
