@@ -573,8 +573,9 @@ def _pipeline(g: PCG, ev: "Evaluator", budget_s: float, hard: Deadline | None = 
         from .pipeline import search_pipeline as _search
     except ImportError:
         return None
-    model = ev.mapper.model
-    layouts = (ilp_intra(ev.machine, optimizer=model.optimizer, precision=model.precision),)
+    model, machine = getattr(ev.mapper, "model", None), getattr(ev, "machine", None)
+    layouts = (ilp_intra(machine, optimizer=model.optimizer, precision=model.precision),) \
+        if model is not None and machine is not None else ()
 
     def search_pipeline(*a, **kw):
         kw.setdefault("layouts", layouts)
