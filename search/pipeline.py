@@ -74,9 +74,19 @@ is the plan file's ``pipeline`` field (schedule, micro_batches, stages with node
 inside them is rules), with the sequence to record and replay: data parallel stages by the dp rules,
 Megatron stages by :func:`search.realize.realize`.
 
-**Intra-stage hooks.**  :func:`default_intra` (data parallel) and :func:`megatron_intra` (Megatron-LM's
+**Intra-stage hooks.**  :func:`default_intra` (data parallel), :func:`megatron_intra` (Megatron-LM's
 tensor parallelism inside the stage with the vocabulary-parallel head, data parallel across: the layout
-the stage search prices, reached by rules through :func:`by_rules`).
+the stage search prices, reached by rules through :func:`by_rules`) and :func:`ilp_intra` (the label ILP of
+:mod:`search.alpa.intra` on the stage's sub-mesh, as the layout proposals solve the whole graph).
+
+**Stage layouts and layerings as choices** (``search_pipeline(layouts=..., clusterings=...)``).  Further hooks
+are alternatives to ``intra``: each stage DP option is also offered under each of them, so a stage's layout is
+chosen by price with its layers, devices and recomputation; the layering (:func:`layerings`: Unity's
+fewest-crossing cuts, Alpa's Eq. 6) is a choice too.  ``intra`` alone is searched first, as without layouts
+(half the soft budget); then all layouts on the (micro-batch count, layering) pairs it tried, the most promising
+first, within :data:`LAYOUTS_SHARE` of the time to the hard deadline (a layout past it is not offered on a
+layer; the first pass's plans stay).  Exact prices start with the best plan of ``intra`` alone; the result is
+the fastest plan that stitches and that ``accept`` does not refuse.
 """
 from __future__ import annotations
 
