@@ -999,17 +999,20 @@ def _search_pipeline(pcg, mapper_or_cost_model, max_stages, min_stages, micro_ba
         try:
             with within(stop):
                 # the most promising pair solved; the others priced with those layouts where the hooks can
-                # reuse them (else solved, within the soft budget); then the best pair so far solved, if not yet
+                # reuse them (else solved, within the soft budget)
                 for n, (M, li) in enumerate(pairs):
                     reuse = bool(n and reusing and any(x[1] == li for x in fresh))   # same layers, solved
                     if n and not reuse and clock() > deadline:
                         stats["layouts_budget_exhausted"] = True
                         continue
                     layouts_pass(M, li, reuse, INF if n == 0 else deadline)
-                if reusing:
-                    best_pair = min(((c[0], (c[2], c[6])) for c in cands if any(c[5])), default=None)
-                    if best_pair is not None and best_pair[1] not in fresh:
-                        layouts_pass(*best_pair[1], False, INF)
+                # then the pairs solved anew, best estimate first, while the time lasts
+                while reusing and (stop is None or not stop.passed()):
+                    best_pair = min(((c[0], (c[2], c[6])) for c in cands if any(c[5]) and (c[2], c[6]) not in fresh),
+                                    default=None)
+                    if best_pair is None:
+                        break
+                    layouts_pass(*best_pair[1], False, INF)
         except Expired:
             stats["layouts_cut"] = True
         stats["layouts_s"] = time.perf_counter() - t1
