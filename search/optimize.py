@@ -543,15 +543,26 @@ class _PipelineMapping:
                 "stats": dict(self.stats)}
 
 
-def _pipeline(g: PCG, ev: "Evaluator", budget_s: float, hard: Deadline | None = None):
+def _pipeline(g: PCG, ev: "Evaluator", budget_s: float, hard: Deadline | None = None, accept=None):
     """The best 1F1B pipeline (search/pipeline.py), or None: the stage search gets ``budget_s`` seconds
     (it finishes the number of micro-batches it is pricing) and is cut at ``hard``.  One stage with M
     micro-batches is gradient accumulation: in the space too (Alpa's GPT plans at batch 1024 are often
-    just that)."""
+    just that).  Every stage may be data parallel or laid out by the layout ILP on its sub-mesh
+    (``pipeline.ilp_intra``, the proposals' ILP), over Unity's layering and Alpa's (``clusterings``): the stage
+    DP chooses by price.  ``accept(result)``: why the
+    caller cannot use a plan (the executor's check), so the search returns the fastest it can."""
     try:
-        from .pipeline import PipelineError, search_pipeline
+        from .pipeline import PipelineError, ilp_intra
+        from .pipeline import search_pipeline as _search
     except ImportError:
         return None
+    model, machine = getattr(ev.mapper, "model", None), getattr(ev, "machine", None)
+    layouts = (ilp_intra(machine, optimizer=model.optimizer, precision=model.precision),) \
+        if model is not None and machine is not None else ()
+
+    def search_pipeline(*a, **kw):
+        kw.setdefault("layouts", layouts)
+        return _search(*a, accept=accept, clusterings=("fewest", "valid"), **kw)
     clock = hard.clock if hard is not None else time.perf_counter
     t0 = clock()
     # nothing may fit with the default micro-batch counts (at most 8 per stage): a large batch (a language
@@ -567,7 +578,7 @@ def _pipeline(g: PCG, ev: "Evaluator", budget_s: float, hard: Deadline | None = 
             and not (hard is not None and hard.passed()):
         # a feasible plan needs no fallback: the time kept for them goes to the micro-batch counts the first
         # search did not reach (the fastest is often the most micro-batches per stage, tried late)
-        r = _more_micro_batches(g, ev, r, budget_s - (clock() - t0), hard)
+        r = _more_micro_batches(g, ev, r, budget_s - (clock() - t0), hard, search_pipeline)
     if (r is None or not r.feasible) and more and not (hard is not None and hard.passed()):
         try:
             r2 = search_pipeline(g, ev.mapper, min_stages=1, micro_batches=more,
@@ -593,10 +604,13 @@ def _pipeline(g: PCG, ev: "Evaluator", budget_s: float, hard: Deadline | None = 
     return r
 
 
-def _more_micro_batches(g: PCG, ev: "Evaluator", r, budget_s: float, hard: Deadline | None):
+def _more_micro_batches(g: PCG, ev: "Evaluator", r, budget_s: float, hard: Deadline | None, search_pipeline=None):
     """``r`` (a feasible pipeline whose search stopped at its budget) or a faster one found by searching, within
-    ``budget_s`` seconds, the default micro-batch counts ``r``'s search did not try."""
-    from .pipeline import PipelineError, batch_size, micro_batch_candidates, search_pipeline
+    ``budget_s`` seconds, the default micro-batch counts ``r``'s search did not try (``search_pipeline``: the
+    stage search as :func:`_pipeline` calls it)."""
+    from .pipeline import PipelineError, batch_size, micro_batch_candidates
+    if search_pipeline is None:
+        from .pipeline import search_pipeline
     done = set(r.stats.get("micro_batches_tried", ())) | set(r.stats.get("micro_batches_refused", ()))
     rest = [m for m in micro_batch_candidates(batch_size(g)) if m not in done]
     if not rest or budget_s <= 0:
@@ -1322,13 +1336,21 @@ def _pipeline_search(run: _Run, until: Deadline | None = None) -> None:
     tp0 = time.perf_counter()
     room = max(until.left(), bud.share(B.PIPELINE_MIN_SHARE))
     cut = Deadline(bud.now() + room + bud.share(B.PIPELINE_OVER), bud.clock).sooner(bud.hard_end())
-    pipe = _pipeline(run.g, ev, room * B.PIPELINE_SEARCH_SHARE, cut)
+    pipe = _pipeline(run.g, ev, room * B.PIPELINE_SEARCH_SHARE, cut, accept=lambda p: _pipeline_refusal(run, p))
     if pipe is None and cut.passed():
         run.stats["pipeline_cut"] = True
     run.pipe, run.pipe_searched = pipe, True
     run.mark("pipeline")
     run.stats = dict(run.stats, pipeline_s=time.perf_counter() - tp0,
                      pipeline_iteration_s=pipe.cost if pipe is not None and pipe.feasible else None)
+    if pipe is not None:        # how the stage search went (its passes, micro-batch counts, stage layouts, cuts)
+        run.stats["pipeline_search"] = {k: v for k, v in (pipe.stats or {}).items() if k in PIPELINE_STATS}
+
+
+#: the stage search's stats recorded in ``info.search.pipeline_search``
+PIPELINE_STATS = ("micro_batches_tried", "budget_exhausted", "cut", "layering", "layouts_tried", "layouts_cut",
+                  "layouts_budget_exhausted", "layouts_s", "dp_s", "stage_layouts", "refused", "makespan_s",
+                  "exact_priced")
 
 
 def _pipeline_step(run: _Run, chosen: PlanCandidate) -> PlanCandidate:
@@ -1365,7 +1387,8 @@ def _pipeline_step(run: _Run, chosen: PlanCandidate) -> PlanCandidate:
     else:
         run.stats = dict(run.stats, pipeline_by_rules="cut by the budget")
     run.mark("pipeline_by_rules")
-    run.stats = dict(run.stats, chosen="pipeline", pipeline_stages=pipe.num_stages, micro_batches=pipe.micro_batches)
+    run.stats = dict(run.stats, chosen="pipeline", pipeline_stages=pipe.num_stages, micro_batches=pipe.micro_batches,
+                     pipeline_stage_layouts=(pipe.stats or {}).get("stage_layouts"))
     return PlanCandidate("pipeline", pipe.pcg, pipe.cost, tuple(pipe.rules or ()), by_rules=pipe.rules is not None,
                          mapping=_PipelineMapping(pipe, n_dev), pipeline=pipe)
 

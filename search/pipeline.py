@@ -74,9 +74,19 @@ is the plan file's ``pipeline`` field (schedule, micro_batches, stages with node
 inside them is rules), with the sequence to record and replay: data parallel stages by the dp rules,
 Megatron stages by :func:`search.realize.realize`.
 
-**Intra-stage hooks.**  :func:`default_intra` (data parallel) and :func:`megatron_intra` (Megatron-LM's
+**Intra-stage hooks.**  :func:`default_intra` (data parallel), :func:`megatron_intra` (Megatron-LM's
 tensor parallelism inside the stage with the vocabulary-parallel head, data parallel across: the layout
-the stage search prices, reached by rules through :func:`by_rules`).
+the stage search prices, reached by rules through :func:`by_rules`) and :func:`ilp_intra` (the label ILP of
+:mod:`search.alpa.intra` on the stage's sub-mesh, as the layout proposals solve the whole graph).
+
+**Stage layouts and layerings as choices** (``search_pipeline(layouts=..., clusterings=...)``).  Further hooks
+are alternatives to ``intra``: each stage DP option is also offered under each of them, so a stage's layout is
+chosen by price with its layers, devices and recomputation; the layering (:func:`layerings`: Unity's
+fewest-crossing cuts, Alpa's Eq. 6) is a choice too.  ``intra`` alone is searched first, as without layouts
+(half the soft budget); then all layouts on the (micro-batch count, layering) pairs it tried, the most promising
+first, within :data:`LAYOUTS_SHARE` of the time to the hard deadline (a layout past it is not offered on a
+layer; the first pass's plans stay).  Exact prices start with the best plan of ``intra`` alone; the result is
+the fastest plan that stitches and that ``accept`` does not refuse.
 """
 from __future__ import annotations
 
@@ -115,6 +125,9 @@ STAGE_RECOMPUTE = ("none", "selective", "full")
 #: several stages, and sums the micro-batches' full gradients before its reduce-scatter, so stage 2 holds
 #: what stage 1 holds and is not tried; 3 and offload it refuses with several stages
 PIPELINE_ZERO = (0, 1)
+#: with further stage layouts (``search_pipeline(layouts=...)``), their pass may use this share of the time left
+#: to the hard deadline; the rest is kept for the exact prices
+LAYOUTS_SHARE = 0.6
 
 
 # --- the 1F1B schedule ---------------------------------------------------------------------------
@@ -516,6 +529,77 @@ def megatron_intra(devices_per_node: int, head: bool = True, sp: bool = False) -
     return hook
 
 
+def ilp_intra(machine: MachineSpec, optimizer: str = "adam", precision: str = "fp32", time_limit_s: float = 30.0,
+              idle: bool = True) -> Callable[[PCG, Resource], PCG]:
+    """An ``intra`` hook: the stage laid out by the label ILP of :func:`search.alpa.intra.solve_intra` on its
+    sub-mesh, as the layouts phase lays out the whole graph (:mod:`search.layouts`): the logical mesh is the
+    sub-mesh's own shape (whole nodes x the devices of a node, or 1 x its devices inside a node), from its
+    first device of ``machine``.  ``idle``: operators may leave a mesh axis unused (the proposals' space).  The plan's views
+    are dropped: :func:`_price` maps the laid-out stage by the machine-mapping DP, as every stage.  Raises
+    UnityError (the stage is then not offered on that sub-mesh: an infinite price) on one device (the
+    data-parallel layout is the same), a parallel stage, no plan, or the deadline of the thread's scope
+    (:func:`search.budget.current`) passed; each solve is bounded by that deadline and ``time_limit_s``.
+    The hook remembers its layouts per stage (its nodes) and sub-mesh; with ``hook.reuse`` set (the search's
+    cheap pass, :func:`search_pipeline`) the same stage at another micro-batch size gets that layout rebatched
+    (:func:`rebatch`; solved anew where a degree no longer divides) instead of a new solve."""
+    from .alpa.intra import solve_intra
+    solved: dict = {}           # (the stage's nodes, its sub-mesh) -> (laid-out PCG, its batch)
+
+    def hook(stage: PCG, resource: Resource) -> PCG:
+        if resource.size <= 1:
+            raise UnityError("one device: the stage's data-parallel layout")
+        if any(n.kind == "parallel" for n in stage.nodes()):
+            raise UnityError("the stage is already parallel")
+        try:
+            b = batch_size(stage)
+        except PipelineError:
+            b = None
+        key = (tuple((n.id, n.op, n.name) for n in stage.nodes()), resource.start, resource.nodes,
+               resource.per_node)
+        hit = solved.get(key)
+        if hit is not None and b is not None and (hook.reuse or hit[1] == b):
+            try:            # the layout solved for this stage at another micro-batch size (or this one)
+                return rebatch(hit[0], hit[1], b)
+            except UnityError:          # a degree no longer divides: solved anew
+                pass
+        dl = current()
+        limit = time_limit_s
+        at = None
+        if dl is not None:
+            if dl.passed():
+                raise Expired("the layout ILP of a stage: deadline passed")
+            limit = max(min(limit, dl.left()), 0.05)
+            at = dl.at if dl.clock is time.monotonic else None
+        mesh = (resource.nodes, resource.per_node) if resource.nodes > 1 else (1, resource.size)
+        plan = solve_intra(stage, machine, mesh, start=resource.start, optimizer=optimizer,
+                           precision=precision, price=False, deadline=at, time_limit_s=limit, idle=idle)
+        if plan.pcg is None:
+            raise UnityError(f"the layout ILP on {mesh[0]}x{mesh[1]}: {plan.status}")
+        if b is not None:
+            if len(solved) > 4096:
+                solved.clear()
+            solved[key] = (plan.pcg, b)
+        return plan.pcg
+    hook.__name__ = "ilp_intra"
+    hook.layout = "ilp"
+    hook.reuse = False
+    return hook
+
+
+def layout_name(hook, resource: Resource | None = None) -> str:
+    """A stage layout's name for reports: ``data parallel``, ``Megatron``, ``ILP AxB`` or the hook's name."""
+    if hook is default_intra:
+        return "data parallel"
+    if getattr(hook, "layout", None) == "ilp":
+        if resource is None:
+            return "ILP"
+        mesh = (resource.nodes, resource.per_node) if resource.nodes > 1 else (1, resource.size)
+        return f"ILP {mesh[0]}x{mesh[1]}"
+    if getattr(hook, "megatron", None) is not None:
+        return "Megatron"
+    return getattr(hook, "__name__", "intra")
+
+
 def _dp_degree(stage: PCG, size: int) -> int:
     """The degree :func:`default_intra` uses (1: the stage as given)."""
     if any(n.kind == "parallel" for n in stage.nodes()):
@@ -788,7 +872,10 @@ def search_pipeline(pcg: PCG, mapper_or_cost_model: MachineMapper | CostModel, *
                     min_stages: int = 1, micro_batches: int | Sequence[int] | None = None,
                     budget_s: float | None = None, intra: Callable[[PCG, Resource], PCG] | None = None,
                     max_layers: int = 12, candidates: int = 2, max_exact: int = 8,
-                    deadline: Deadline | None = None, techniques: bool | None = None) -> PipelineResult | None:
+                    deadline: Deadline | None = None, techniques: bool | None = None,
+                    layouts: Sequence[Callable[[PCG, Resource], PCG]] = (),
+                    accept: Callable[[PipelineResult], str | None] | None = None,
+                    clusterings: Sequence[str] = ("fewest",)) -> PipelineResult | None:
     """The fastest 1F1B pipeline plan of ``pcg`` found by the stage DP (see module docstring).
 
     ``pcg`` is logical or parallel (a parallel one keeps its parallelization inside each stage under
@@ -808,14 +895,49 @@ def search_pipeline(pcg: PCG, mapper_or_cost_model: MachineMapper | CostModel, *
     (None if none; ``stats["cut"]``).  Returns the fastest feasible plan, else the fastest infeasible one
     (``feasible`` False, with the reason), or None when the graph has no split into ``min_stages`` stages.
     ``techniques``: choose memory techniques per stage jointly with the stages (:func:`_stage_dp`; the plan's
-    ``memory_plan``); default: as the mapper prices mappings (``MachineMapper(techniques=...)``)."""
+    ``memory_plan``); default: as the mapper prices mappings (``MachineMapper(techniques=...)``).
+
+    ``layouts``: further intra hooks (e.g. :func:`ilp_intra`), alternatives to ``intra``: a stage's layout is
+    one more option of the stage DP beside its sub-mesh and recompute mode (every layer priced under every
+    layout, memoized per layer structure x sub-mesh x micro-batch count), so each stage gets the layout
+    its price picks; the plan records them (``stats["stage_layouts"]``).  ``accept(result)``: why the caller
+    cannot use a stitched result (None: it can; e.g. the executor's pre-launch check); the plans priced
+    exactly are then stitched best first until one is accepted (``stats["refused"]`` lists the others).
+    ``clusterings``: the layerings the stage DP runs on, each a choice the plans compete over (:func:`layerings`:
+    ``"fewest"``, Unity's cuts where the fewest tensors cross; ``"valid"``, Alpa's Eq. 6 over every valid cut,
+    which splits side-by-side branches); every layering of the first micro-batch count is searched."""
     with within(deadline):
         return _search_pipeline(pcg, mapper_or_cost_model, max_stages, min_stages, micro_batches, budget_s, intra,
-                                max_layers, candidates, max_exact, techniques)
+                                max_layers, candidates, max_exact, techniques, layouts, accept, clusterings)
+
+
+def layerings(g: PCG, roles: Mapping[int, str], max_layers: int, clusterings: Sequence[str] = ("fewest",)
+              ) -> list[tuple[list, Cuts]]:
+    """The distinct layerings of ``clusterings`` (the shared :func:`unity_pcg.search.stages.cluster`):
+    ``"fewest"`` is :func:`sequential_layers`; ``"valid"`` Alpa's operator clustering (Eq. 6: every valid cut,
+    the largest input of a layer minimized under a FLOP bound).  A layering equal to an earlier one is dropped."""
+    return [(lay, info) for _, lay, info in _layerings(g, roles, max_layers, clusterings)]
+
+
+def _layerings(g, roles, max_layers, clusterings) -> list[tuple[str, list, Cuts]]:
+    out: list = []
+    info = None
+    for c in clusterings:
+        if c == "fewest":
+            lay, info = cluster(g, roles, max_layers, cuts="fewest", inputs=False, delta=None, balance="cuts",
+                                info=info)
+        elif c == "valid":
+            lay, info = cluster(g, roles, max_layers, cuts="valid", inputs=True, delta=0.5, info=info)
+        else:
+            raise PipelineError(f"clustering must be 'fewest' or 'valid', got {c!r}")
+        if all(lay != x[1] for x in out):
+            out.append((c, lay, info))
+    return out
 
 
 def _search_pipeline(pcg, mapper_or_cost_model, max_stages, min_stages, micro_batches, budget_s, intra,
-                     max_layers, candidates, max_exact, techniques=None) -> PipelineResult | None:
+                     max_layers, candidates, max_exact, techniques=None, layouts=(), accept=None,
+                     clusterings=("fewest",)) -> PipelineResult | None:
     t0 = time.perf_counter()
     if budget_s is not None and budget_s <= 0:
         raise PipelineError(f"pipeline search budget must be positive, got {budget_s}")
@@ -823,14 +945,18 @@ def _search_pipeline(pcg, mapper_or_cost_model, max_stages, min_stages, micro_ba
         else MachineMapper(mapper_or_cost_model)
     machine = mapper.machine
     intra = intra or default_intra
+    hooks = (intra,) + tuple(h for h in layouts if h is not intra)
+    passes = [hooks] if len(hooks) == 1 else [hooks[:1], hooks]
     if techniques is None:
         techniques = bool(getattr(mapper, "default_techniques", False))
     # the soft budget is read on the clock of the hard deadline when there is one (a test's clock)
     clock = (current() or Deadline.never(time.perf_counter)).clock
     deadline = clock() + budget_s if budget_s is not None else INF
     roles = GraphCost(pcg, mapper.model).role
-    layers, info = sequential_layers(pcg, roles, max_layers)
-    L = len(layers)
+    named = _layerings(pcg, roles, max_layers, clusterings or ("fewest",))
+    lys = [(ly, inf) for _, ly, inf in named]
+    layers, info = lys[0]
+    L = max(len(x[0]) for x in lys)
     T = machine.num_devices
     max_stages = max(1, min(max_stages, L, T))
     if min_stages > max_stages:
@@ -839,15 +965,31 @@ def _search_pipeline(pcg, mapper_or_cost_model, max_stages, min_stages, micro_ba
     sizes = _sizes(machine, max_stages)
     stats: dict = {"layers": L, "layer_units": [list(x) for x in layers], "priced": 0, "exact": 0,
                    "micro_batches_tried": []}
-    layer_nodes = [[n for u in range(a, b) for n in info.units[u]] for a, b in layers]
+    if len(lys) > 1:
+        stats["layerings"] = [[list(x) for x in ly] for ly, _ in lys]
+    nodes_of = [[[n for u in range(a, b) for n in inf.units[u]] for a, b in ly] for ly, inf in lys]
     memo: dict = {}
     graphs: dict = {}
     cands: list = []
     # under a budget the counts most likely to pay come first: about two micro-batches per stage
     ms = sorted(_micro_batch_candidates(B, micro_batches, max_stages),
                 key=lambda m: (abs(math.log2(m) - math.log2(2 * max_stages)), m))
+    lys_all = list(range(len(lys)))
+
+    def dp_pass(M, hs_, which, soft):
+        for li in which:
+            ly, inf = lys[li]
+            lay = _LayerPrices(graphs[M], roles, nodes_of[li], mapper, hs_, machine, memo)
+            found = _stage_dp(lay, inf, ly, graphs[M], machine, sizes, T, M, min_stages, min(max_stages, len(ly)),
+                              soft, candidates, clock, techniques)
+            for est, plan, tech, hs in found:
+                cands.append((est, len(plan), M, plan, tech, tuple(hooks.index(hs_[h]) for h in hs), li))
+
+    # first ``intra`` alone, every micro-batch count the budget allows (half of it when further layouts follow),
+    # on every layering
+    soft_a = deadline if len(hooks) == 1 or not math.isfinite(deadline) else clock() + (deadline - clock()) / 2
     for M in ms:
-        if cands and clock() > deadline:
+        if cands and clock() > soft_a:
             stats["budget_exhausted"] = True
             break
         try:
@@ -857,47 +999,127 @@ def _search_pipeline(pcg, mapper_or_cost_model, max_stages, min_stages, micro_ba
             stats.setdefault("micro_batches_refused", {})[M] = str(e)
             continue
         stats["micro_batches_tried"].append(M)
-        lay = _LayerPrices(graphs[M], roles, layer_nodes, mapper, intra, machine, memo)
+        first = len(stats["micro_batches_tried"]) == 1
         try:
-            found = _stage_dp(lay, info, layers, graphs[M], machine, sizes, T, M, min_stages, max_stages,
-                              deadline if cands else INF, candidates, clock, techniques)
+            dp_pass(M, hooks[:1], lys_all, soft_a if cands and not first else INF)
         except Expired:                 # the hard deadline: the plans found so far are priced (if time is left)
             stats["cut"] = True
             break
-        for est, plan, tech in found:
-            cands.append((est, len(plan), M, plan, tech))
+    # then with the further layouts (their layer prices added to the first pass's) on the (micro-batch count,
+    # layering) pairs tried, the most promising first (the first pass's best estimate), until the soft budget
+    # (the first pair past it too) and within LAYOUTS_SHARE of the time left to the hard deadline (the rest is
+    # the exact prices'): a deadline keeps what the first pass found
+    if len(hooks) > 1 and not stats.get("cut"):
+        est_of: dict = {}
+        for c in cands:
+            est_of[(c[2], c[6])] = min(est_of.get((c[2], c[6]), INF), c[0])
+        pairs = sorted(est_of, key=est_of.__getitem__)
+        hard = current()
+        stop = Deadline(hard.clock() + LAYOUTS_SHARE * hard.left(), hard.clock) \
+            if hard is not None and math.isfinite(hard.at) else None
+        t1 = time.perf_counter()
+        reusing = [h for h in hooks[1:] if hasattr(h, "reuse")]
+        fresh: set = set()
+
+        def layouts_pass(M, li, reuse, soft):
+            for h in reusing:
+                h.reuse = reuse
+            try:
+                dp_pass(M, hooks, [li], soft)
+            finally:
+                for h in reusing:
+                    h.reuse = False
+            stats.setdefault("layouts_tried", []).append([M, named[li][0]] + (["reused"] if reuse else []))
+            if not reuse:
+                fresh.add((M, li))
+        try:
+            with within(stop):
+                # the most promising pair solved; the others priced with those layouts where the hooks can
+                # reuse them (else solved, within the soft budget)
+                for n, (M, li) in enumerate(pairs):
+                    reuse = bool(n and reusing and any(x[1] == li for x in fresh))   # same layers, solved
+                    if n and not reuse and clock() > deadline:
+                        stats["layouts_budget_exhausted"] = True
+                        continue
+                    layouts_pass(M, li, reuse, INF if n == 0 else deadline)
+                # then the pairs solved anew, best estimate first, while the time lasts
+                while reusing and (stop is None or not stop.passed()):
+                    best_pair = min(((c[0], (c[2], c[6])) for c in cands if any(c[5]) and (c[2], c[6]) not in fresh),
+                                    default=None)
+                    if best_pair is None:
+                        break
+                    layouts_pass(*best_pair[1], False, INF)
+        except Expired:
+            stats["layouts_cut"] = True
+        stats["layouts_s"] = time.perf_counter() - t1
     stats["dp_s"] = time.perf_counter() - t0
     stats["priced"] = len(memo)
     # exact prices, most promising first: at least the best per stage count, then while an estimate
     # is within 25% of the best exact makespan (at most max_exact)
     # (one stage with one micro-batch, the plain intra plan on the whole machine, is always priced)
     cands.sort(key=lambda c: c[:3])
+    uniq: dict = {}
+    for c in cands:                     # a plan found by both passes: once
+        uniq.setdefault((c[2], c[3], c[4], c[5], c[6]), c)
+    cands = list(uniq.values())
+    if len(hooks) > 1:      # the best plan of ``intra`` alone first: a hard deadline while pricing the others keeps it
+        own = next((c for c in cands if not any(c[5])), None)
+        if own is not None:
+            cands.remove(own)
+            cands.insert(0, own)
+    done: list = []
     best = None
     seen: set = set()
-    for est, S, M, plan, tech in cands:
+    for est, S, M, plan, tech, hs, li in cands:
+        layers, info = lys[li]
         must = S not in seen or (S == 1 and M == 1 and (1, 1) not in seen)
         if best is not None and not must and (stats["exact"] >= max_exact or est > 1.25 * best[0][1]
                                               or clock() > deadline):
             continue
         seen.update({S, (S, M)})
+        te = time.perf_counter()
         try:
-            ev = _evaluate(graphs[M], roles, info, layers, plan, M, mapper, intra, machine, memo, tech)
+            ev = _evaluate(graphs[M], roles, info, layers, plan, M, mapper, [hooks[h] for h in hs], machine, memo,
+                           tech)
         except Expired:
             stats["cut"] = True
             break
         ev["estimate"] = est
         stats["exact"] += 1
+        stats.setdefault("exact_priced", []).append(
+            [S, M, [layout_name(hooks[h]) for h in hs], round(est, 6), round(ev["makespan"], 6) if math.isfinite(
+                ev["makespan"]) else None, round(time.perf_counter() - te, 3)])
         rank = (not ev["feasible"], ev["makespan"], S, M)
+        done.append((rank, M, plan, ev, hs, li))
         if best is None or rank < best[0]:
             best = (rank, M, plan, ev)
     if best is None:
         return None
-    _, M, plan, ev = best
-    result = assemble(pcg, graphs[M], plan, M, ev, machine)
-    result.origin = _origin(layers, info, plan, ev, intra is default_intra)
-    result.origin.update(max_layers=max_layers, megatron=getattr(intra, "megatron", None), tech=ev.get("tech"))
+    # the fastest plan whose stages join into one PCG and that the caller accepts (``accept``), else the fastest
+    done.sort(key=lambda x: x[0])
+    result, first, refused = None, None, []
+    for rank, M, plan, ev, hs, li in done:
+        layers, info = lys[li]
+        r = assemble(pcg, graphs[M], plan, M, ev, machine)
+        used = [hooks[h] for h in hs]
+        r.origin = _origin(layers, info, plan, ev, all(h is default_intra for h in used))
+        megatron = [getattr(h, "megatron", None) for h in used]
+        r.origin.update(max_layers=max_layers, megatron=megatron[0] if all(megatron) else None,
+                        tech=ev.get("tech"), layouts=[getattr(h, "layout", None) for h in used])
+        r.stats = dict(stats, estimate_s=ev["estimate"], makespan_s=ev["makespan"], layering=named[li][0],
+                       stage_layouts=[layout_name(h, st.resource) for h, st in zip(used, r.stages)])
+        first = first or r
+        if rank[0]:                      # infeasible as priced: so is every plan after it
+            break
+        why = r.reason if not r.feasible else accept(r) if accept is not None else None
+        if why is None:
+            result = r
+            break
+        refused.append(f"{len(plan)} stages x {M} micro-batches ({', '.join(r.stats['stage_layouts'])}): {why}")
+    result = result or first
+    if refused:
+        result.stats["refused"] = refused
     result.search_s = time.perf_counter() - t0
-    result.stats = dict(stats, estimate_s=ev["estimate"], makespan_s=ev["makespan"])
     return result
 
 
@@ -943,12 +1165,14 @@ def evaluate_pipeline(pcg: PCG, mapper_or_cost_model: MachineMapper | CostModel,
 
 
 class _LayerPrices:
-    """Per-layer costs at one micro-batch size, memoized per (layer, sub-mesh size) and, through
-    :func:`_price`, per structure of the parallel layer: repeated layers are mapped once."""
+    """Per-layer costs at one micro-batch size, memoized per (layer, sub-mesh size, layout) and, through
+    :func:`_price`, per structure of the parallel layer: repeated layers are parallelized and mapped once.
+    ``intra``: one hook, or the layouts (hooks) a stage may take (``get``'s ``h`` indexes them)."""
 
     def __init__(self, gM, roles, layer_nodes, mapper, intra, machine, memo: dict):
         self.gM, self.roles, self.layer_nodes = gM, roles, layer_nodes
-        self.mapper, self.intra, self.machine = mapper, intra, machine
+        self.hooks = tuple(intra) if isinstance(intra, (tuple, list)) else (intra,)
+        self.mapper, self.intra, self.machine = mapper, self.hooks[0], machine
         self.memo: dict = {}
         self.shared = memo
         self.graphs: dict = {}
@@ -961,8 +1185,8 @@ class _LayerPrices:
             d = self.degrees[layer] = _max_degree(sg)
         return d
 
-    def get(self, layer: int, size: int) -> StagePrice:
-        key = (layer, size)
+    def get(self, layer: int, size: int, h: int = 0) -> StagePrice:
+        key = (layer, size, h)
         hit = self.memo.get(key)
         if hit is not None:
             return hit
@@ -974,6 +1198,7 @@ class _LayerPrices:
             except PipelineError as e:
                 sg = e
             self.graphs[layer] = sg
+        hook = self.hooks[h]
         if res is None:
             p = _failed(f"no sub-mesh of {size} devices")
         elif isinstance(sg, PipelineError):
@@ -985,26 +1210,38 @@ class _LayerPrices:
             if shape is None:
                 shape = self.keys[layer] = structure_key(sg)
             tag: Any = ("size", size)
-            if self.intra is default_intra:      # the devices it uses: the data-parallel degree, or the
+            if hook is default_intra:            # the devices it uses: the data-parallel degree, or the
                 need = max(_dp_degree(sg, size), self._degree(layer, sg))   # given parallelization's
                 D = self.machine.devices_per_node
                 if need <= size and (need <= D or need % D == 0):
                     tag = need
-            skey = ("layer", shape, tag)
+            skey = ("layer", shape, tag) if hook is default_intra else ("layer", shape, tag, _hook_key(hook))
             p = self.shared.get(skey)
-            if p is None:
-                p = self.shared[skey] = _price(self.mapper, sg, self.intra, res, self.shared)
+            if p is None and h > 0:
+                # a further layout past the deadline is not offered on this layer and sub-mesh (not memoized
+                # across passes); the first hook's prices stop the search as before
+                try:
+                    p = self.shared[skey] = _price(self.mapper, sg, hook, res, self.shared)
+                except Expired:
+                    p = _failed("the deadline passed before the layout was solved")
+            elif p is None:
+                p = self.shared[skey] = _price(self.mapper, sg, hook, res, self.shared)
         self.memo[key] = p
         return p
+
+
+def _hook_key(hook) -> tuple:
+    """What tells a layout hook's prices apart in the shared memo (the default's key is unchanged)."""
+    return (getattr(hook, "__name__", "intra"), id(hook), bool(getattr(hook, "reuse", False)))
 
 
 def _stage_dp(lay: _LayerPrices, info: Cuts, layers, gM, machine, sizes, T, M, min_stages, max_stages,
               deadline, candidates, clock=time.perf_counter, techniques: bool = False) -> list:
     """The shared stage DP (:func:`unity_pcg.search.stages.stage_dp`) on layer prices (module docstring).
-    Returns up to ``candidates`` plans per stage count, best first, each ``(estimate, plan, tech)``; a plan is a
+    Returns up to ``candidates`` plans per stage count, best first, each ``(estimate, plan, tech, layouts)``; a plan is a
     tuple of stages ``(first layer, last layer + 1, first device, number of devices)``; ``tech`` is None
     (priced without memory techniques) or ``(zero, modes)``: the plan's ZeRO stage and each stage's
-    recompute mode.  Sub-meshes are
+    recompute mode; ``layouts`` each stage's layout (an index into ``lay.hooks``).  Sub-meshes are
     blocks of ``sizes`` laid out left to right, the last stage any block to the end; bounds ``t_max`` closer
     than 1% are merged (the DP runs at the larger one; the estimate uses the plan's actual maximum), more
     coarsely where that leaves more than ``MAX_BOUNDS`` of them, the search stopping once ``M`` times a
@@ -1018,7 +1255,10 @@ def _stage_dp(lay: _LayerPrices, info: Cuts, layers, gM, machine, sizes, T, M, m
     and ZeRO), so the DP chooses each stage's recomputation jointly with its layers and devices; a
     recompute mode is offered on a size only where some stage does not hold its micro-batches in flight
     without it.  The ZeRO stage is one per plan (:data:`PIPELINE_ZERO`): the DP runs once per stage, but
-    stage 0 is left out where ZeRO-1 is nowhere slower (it never holds more)."""
+    stage 0 is left out where ZeRO-1 is nowhere slower (it never holds more).
+
+    With several layouts (``lay.hooks``) every option is also offered under each layout (its layers priced
+    under that hook), so a stage's layout is chosen by the DP with its layers, devices and recomputation."""
     L = len(layers)
     D = machine.devices_per_node
     cap = machine.device.usable_bytes
@@ -1027,11 +1267,13 @@ def _stage_dp(lay: _LayerPrices, info: Cuts, layers, gM, machine, sizes, T, M, m
     # and would make the DP's positions finer than the blocks)
     step = reduce(gcd, [s for s in inner if s <= T], T)
     opts = sorted(inner | {T - d for d in range(0, T, step) if sub_mesh(machine, d, T - d) is not None})
-    tab: dict = {}                      # (size, mode, zero) -> (t[k][i], once[k][i], holds[k][i]) for layers k..i
+    tab: dict = {}                      # (size, mode, zero, layout) -> (t[k][i], once[k][i], holds[k][i], rec[k][i])
     mapper = lay.mapper
 
-    def prices(s, mode, zero):
-        ps = [lay.get(x, s) for x in range(L)]
+    H = len(lay.hooks)
+
+    def prices(s, mode, zero, h=0):
+        ps = [lay.get(x, s, h) for x in range(L)]
         if mode is None:
             return ps
         return [stage_techniques(mapper, p, mode, zero) for p in ps]
@@ -1072,23 +1314,29 @@ def _stage_dp(lay: _LayerPrices, info: Cuts, layers, gM, machine, sizes, T, M, m
         return hit
 
     # the options: sizes, or (size, recompute mode) pairs; the ZeRO stages tried
+    # a further layout's layers are priced (the costly part) in an order that meets a deadline with the likely
+    # sub-meshes done: blocks that split the machine into equal stages, two stages first, then the whole machine,
+    # then the others, largest first
+    later = sorted(opts, key=lambda s: (T % s != 0, T // s == 1, -s))
     if not techniques:
-        choices, zeros = [(s, None) for s in opts], [0]
+        choices, zeros = [(s, None, h) for h in range(H) for s in (opts if h == 0 else later)], [0]
     else:
         need = min(max_stages, M)
         choices = []
-        for s in opts:
-            modes = ("none",)
-            h = table((s, "none", PIPELINE_ZERO[-1]))[2]
-            if (h[np.triu(np.ones((L, L), dtype=bool))] < need).any():
-                modes = tuple(dict.fromkeys(m for x in range(L) for m in stage_modes(mapper, lay.get(x, s))))
-                modes = tuple(m for m in STAGE_RECOMPUTE if m in modes)
-            choices.extend((s, m) for m in modes)
+        for hk in range(H):
+            for s in (opts if hk == 0 else later):
+                modes = ("none",)
+                held = table((s, "none", PIPELINE_ZERO[-1], hk))[2]
+                if (held[np.triu(np.ones((L, L), dtype=bool))] < need).any():
+                    modes = tuple(dict.fromkeys(m for x in range(L) for m in stage_modes(mapper, lay.get(x, s, hk))))
+                    modes = tuple(m for m in STAGE_RECOMPUTE if m in modes)
+                choices.extend((s, m, hk) for m in modes)
         zeros = list(PIPELINE_ZERO)
         if 0 in zeros and len(zeros) > 1:
             z1 = zeros[-1]
             if all(stage_techniques(mapper, p, "none", z1).once <= stage_techniques(mapper, p, "none", 0).once
-                   * (1 + 1e-9) + 1e-15 for s in opts for p in (lay.get(x, s) for x in range(L))):
+                   * (1 + 1e-9) + 1e-15 for hk in range(H) for s in opts
+                   for p in (lay.get(x, s, hk) for x in range(L))):
                 zeros = [z1]
     sizes_j = [c[0] for c in choices]
 
@@ -1100,7 +1348,7 @@ def _stage_dp(lay: _LayerPrices, info: Cuts, layers, gM, machine, sizes, T, M, m
     per_s: dict = {}
     hard = current()
     for zero in zeros:
-        keys = [(s, m, zero if m is not None else 0) for s, m in choices]
+        keys = [(s, m, zero if m is not None else 0, hk) for s, m, hk in choices]
 
         def estimate(stages, keys=keys) -> float:      # the 1F1B simulation on the layer prices
             ts = [table(keys[st.option])[0][st.first][st.end - 1] for st in stages]
@@ -1123,7 +1371,8 @@ def _stage_dp(lay: _LayerPrices, info: Cuts, layers, gM, machine, sizes, T, M, m
         for est, stages in found.plans:
             plan = tuple((st.first, st.end, st.start, sizes_j[st.option]) for st in stages)
             tech = (zero, tuple(choices[st.option][1] for st in stages)) if techniques else None
-            per_s.setdefault(len(plan), []).append((est, plan, tech))
+            hs = tuple(choices[st.option][2] for st in stages)
+            per_s.setdefault(len(plan), []).append((est, plan, tech, hs))
     out = []
     for plans in per_s.values():
         out.extend(sorted(plans, key=lambda x: x[0])[:candidates])
@@ -1171,18 +1420,27 @@ def _evaluate(gM, roles, info, layers, plan, M, mapper, intra, machine, memo=Non
     """Exact price of one plan at the micro-batch size: every stage's sub-PCG mapped on its actual
     sub-mesh, transfers between the sub-meshes, the 1F1B simulation, memory with micro-batches in
     flight.  ``tech`` ``(zero, modes)``: each stage priced with its memory techniques
-    (:func:`stage_techniques`; ``ev["tech"]``, and each priced stage's ``memory_plan``)."""
+    (:func:`stage_techniques`; ``ev["tech"]``, and each priced stage's ``memory_plan``).  ``intra``: one
+    hook for every stage, or one per stage.  With ``memo`` a stage (its layers, micro-batch graph, sub-mesh
+    and hook) is priced once across the plans."""
     S = len(plan)
+    hooks = list(intra) if isinstance(intra, (list, tuple)) else [intra] * S
     bf = mapper.model.backward_factor
     cap = machine.device.usable_bytes
     fwd, bwd, once, send, priced, mems, reasons, send_el = [], [], [], [], [], [], [], []
     for idx, (k, i, d, s) in enumerate(plan):
         res = sub_mesh(machine, d, s)
         nodes = [n for a, b in layers[k:i] for u in range(a, b) for n in info.units[u]]
-        try:
-            p = _price(mapper, stage_graph(gM, roles, nodes), intra, res)
-        except PipelineError as e:
-            p = _failed(str(e))
+        key = ("exact", id(gM), nodes[0] if nodes else None, nodes[-1] if nodes else None, len(nodes), d, s,
+               _hook_key(hooks[idx]))
+        p = memo.get(key) if memo is not None else None
+        if p is None:
+            try:
+                p = _price(mapper, stage_graph(gM, roles, nodes), hooks[idx], res)
+            except PipelineError as e:
+                p = _failed(str(e))
+            if memo is not None:
+                memo[key] = p
         if tech is not None:
             p = stage_techniques(mapper, p, tech[1][idx], tech[0])
         priced.append(p)
@@ -1409,7 +1667,8 @@ def by_rules(pcg: PCG, result: PipelineResult, machine: MachineSpec, book=None, 
     info = result.origin
     if result.pcg is None or not result.feasible or info is None:
         return None
-    if info.get("megatron"):
+    if info.get("megatron") or "ilp" in (info.get("layouts") or ()):
+        # Megatron's layout or the layout ILP's inside some stage: the stitched PCG reached by realize
         return _megatron_by_rules(pcg, result, machine, book, mapper)
     if not info.get("dp_inside") or any(n.kind == "parallel" for n in pcg.nodes()):
         return None
