@@ -381,7 +381,7 @@ def main(argv=None) -> int:
             else:
                 print(f"{n} on {machine} ...", file=sys.stderr, flush=True)
                 r = run_row(n, p, machine, per_gpu * D, a.budget)
-                if r.get("status") == "error" and "holding the exported batch" in r.get("reason", "") \
+                if r.get("status") == "error" and "the exported batch" in r.get("reason", "") \
                         and (n in HF or n in tv_names):   # the batch override refused (a constant holds it)
                     p2, note2 = export(n, per_gpu * D) if n in HF else \
                         tv_export(n, a.tv_exporter, per_gpu * D, a.tv_python)
