@@ -14,7 +14,8 @@ devices) on ``h100:1x8``, ``h100:2x8``, ``h100:8x8`` with a short budget, record
 the predicted iteration time, each floor's price (``info.search.baselines_s``: dp, ZeRO-3, tuned
 Megatron-LM, expert) and
 
-* ``pipeline``: a pipeline plan won (point 2 exempts those rows);
+* ``pipeline``: a pipeline plan of two or more stages won (point 2 exempts those rows; one of one stage is
+  judged as the floor it equals);
 * ``own``: the plan is the general search's (a layout proposal, the segment search, accumulation), not a
   floor (the words of ``fig14_compare.own``);
 * ``near_floor``: a floor was chosen, but the general search's best own candidate was within 1% of it
@@ -198,7 +199,10 @@ def classify(row: dict) -> dict:
     chosen, t = row.get("chosen"), row.get("predicted_s")
     floors = {k: v for k, v in (row.get("floors_s") or {}).items() if isinstance(v, (int, float))}
     best_floor = min(floors.values(), default=None)
-    v = {"pipeline": (chosen or "").split(" (the executor refuses ")[0] == "pipeline", "own": own(chosen)}
+    # a pipeline of one stage (the stage search's plan with every device in one stage: data parallelism
+    # priced again) is no pipeline win: it is judged as the floor it equals
+    v = {"pipeline": (chosen or "").split(" (the executor refuses ")[0] == "pipeline"
+         and row.get("pipeline_stages") != 1, "own": own(chosen)}
     bo = row.get("best_own_s")
     v["near_floor"] = (None if bo is None or best_floor is None else bo <= best_floor * 1.01) \
         if not v["own"] and not v["pipeline"] else None
@@ -222,7 +226,8 @@ def run_row(model: str, path: str, machine: str, batch: int, budget: float) -> d
                    search_s=round(j["search_s"], 1), floors_s=s.get("baselines_s"), best_own_s=s.get("best_own_s"),
                    pipeline_iteration_s=s.get("pipeline_iteration_s"), feasible=j["feasible"],
                    interrupted=j["interrupted"], rule_steps=j["rule_steps"], best_own=s.get("best_own"),
-                   executor_check=s.get("executor_check"))
+                   executor_check=s.get("executor_check"), pipeline_stages=s.get("pipeline_stages"),
+                   micro_batches=s.get("micro_batches"))
         row.update(classify(row))
     else:
         lines = [ln for ln in err.strip().splitlines() if ln.strip()]
@@ -281,7 +286,7 @@ def report(rows: list[dict], meta: dict) -> str:
         def fv(k):
             v = fl.get(k)
             return _f(v) if isinstance(v, (int, float)) or v is None else "n/a"
-        verdict = "pipeline" if r["pipeline"] else "own" if r["own"] else \
+        verdict = f"pipeline ({r.get('pipeline_stages') or '?'} stages)" if r["pipeline"] else "own" if r["own"] else \
             "near" if r.get("near_floor") else "floor (own ?)" if r.get("near_floor") is None else "FLOOR"
         if r["slower_than_floor"]:
             verdict += ", SLOWER"
