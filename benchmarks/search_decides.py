@@ -1,17 +1,21 @@
 """Does the general search decide on the import-coverage corpus at realistic sizes (issue 18 point 2)?
 
-The corpus of ``benchmarks/import_coverage.py`` (the transformers architectures of ``export_models.py`` and
-the onnx wheel's light CNNs; torchvision needs its own venv and is left out) at realistic sizes: the
+The corpus of ``benchmarks/import_coverage.py`` (the transformers and torchvision architectures of
+``export_models.py`` and the onnx wheel's light CNNs) at realistic sizes: the
 transformers models at their base configurations (BERT-base, GPT-2 small, RoBERTa-base, T5-base encoder,
 ViT-B/16, DistilBERT, a Llama-style 1B decoder, Whisper-base encoder, wav2vec2-base, ALBERT-base,
 ELECTRA-base), exported weight-free (``zoo.structure.export_structure``: real shapes, no weight bytes) once at
 batch 8 and re-batched by ``optimize --batch``; the light CNNs as they ship (real ImageNet widths), re-batched
-the same way.  Each (model, machine) is one ``unity-pcg optimize`` process (weak scaling: per-GPU batch x
+the same way; the torchvision models from ``export_models.py torchvision``'s exports (real size, batch 8, in
+``benchmarks/.cache/coverage/``; torchvision runs in its own venv, so this script only reads them: a family
+whose exports are absent is left out with a one-line note), re-batched the same way (``--tv-exporter``: which
+exporter's file; a refused batch override exports at the row's batch with ``--tv-python`` when it exists).  Each (model, machine) is one ``unity-pcg optimize`` process (weak scaling: per-GPU batch x
 devices) on ``h100:1x8``, ``h100:2x8``, ``h100:8x8`` with a short budget, recording ``info.search.chosen``,
 the predicted iteration time, each floor's price (``info.search.baselines_s``: dp, ZeRO-3, tuned
 Megatron-LM, expert) and
 
-* ``pipeline``: a pipeline plan won (point 2 exempts those rows);
+* ``pipeline``: a pipeline plan of two or more stages won (point 2 exempts those rows; one of one stage is
+  judged as the floor it equals);
 * ``own``: the plan is the general search's (a layout proposal, the segment search, accumulation), not a
   floor (the words of ``fig14_compare.own``);
 * ``near_floor``: a floor was chosen, but the general search's best own candidate was within 1% of it
@@ -23,7 +27,7 @@ Megatron-LM, expert) and
 (``status`` ``n/a``); a traceback or a multi-line message is a failure of point 3.
 
     nice .venv/bin/python benchmarks/search_decides.py [--models bert,gpt2] [--machines h100:1x8]
-         [--budget 20] [--no-light] [--report]
+         [--budget 20] [--no-light] [--no-hf] [--no-tv] [--tv-exporter dynamo] [--report]
 
 Writes ``benchmarks/results/search_decides.json`` and ``.md`` (``--out``) (rows appended as they finish, so a cut run
 keeps what it measured; a rerun skips the rows already there unless ``--fresh``).
@@ -76,8 +80,11 @@ HF = {
                                                   "intermediate_size": 3072, "embedding_size": 768},
                 "tokens", 512, 8),
 }
-#: per-GPU batch of the onnx wheel's light CNNs (ImageNet training as usual)
+#: per-GPU batch of the onnx wheel's light CNNs and of the torchvision models (ImageNet training as usual)
 LIGHT_BATCH = 32
+TV_BATCH = 32
+COVERAGE = os.path.join(HERE, ".cache", "coverage")
+TV_PYTHON = "/work/tv-venv/bin/python"
 
 
 def _factory(name: str):
@@ -138,6 +145,38 @@ def light_models() -> list[str]:
     return sorted(glob.glob(os.path.join(d, "*.onnx")))
 
 
+def tv_models(exporter: str) -> tuple[list[tuple[str, str]], str]:
+    """The torchvision exports of ``export_models.py`` with ``exporter`` found in the coverage cache:
+    ([(model, path)] in export_models' order, a one-line note saying which are absent)."""
+    sys.path.insert(0, HERE)
+    from export_models import TV_MODELS
+    found = [(n, os.path.join(COVERAGE, f"{n}-{exporter}.onnx")) for n in TV_MODELS]
+    have = [(n, p) for n, p in found if os.path.exists(p)]
+    missing = [n for n, p in found if not os.path.exists(p)]
+    if not have:
+        return [], (f"torchvision left out: no {exporter} export in {os.path.relpath(COVERAGE, ROOT)} (run "
+                    f"export_models.py torchvision with a Python that has torchvision)")
+    return have, (f"torchvision: {len(have)} {exporter} exports" +
+                  (f"; absent: {', '.join(missing)}" if missing else ""))
+
+
+def tv_export(name: str, exporter: str, batch: int, tv_python: str) -> tuple[str | None, str]:
+    """The torchvision export of ``name`` at ``batch`` (``export_models.py torchvision --batch``, run by
+    ``tv_python``; cached): (path or None, note)."""
+    path = os.path.join(COVERAGE, f"{name}-{exporter}-b{batch}.onnx")
+    if os.path.exists(path):
+        return path, "cached"
+    if not os.path.exists(tv_python):
+        return None, f"no export at batch {batch}: {tv_python} (a Python with torchvision) does not exist"
+    t = time.monotonic()
+    p = subprocess.run([tv_python, os.path.join(HERE, "export_models.py"), "torchvision", "--models", name,
+                        "--exporters", exporter, "--batch", str(batch)], cwd=ROOT, capture_output=True, text=True)
+    if not os.path.exists(path):
+        lines = [ln for ln in (p.stdout + p.stderr).strip().splitlines() if ln.strip()]
+        return None, f"export at batch {batch} failed: {(lines[-1] if lines else f'exit {p.returncode}')[:300]}"
+    return path, f"exported at batch {batch} in {time.monotonic() - t:.1f} s"
+
+
 def own(chosen: str | None) -> bool:
     """The plan came from the general search (not a floor: dp, a fixed strategy, a fallback; not a pipeline)."""
     head = (chosen or "").split(" (the executor refuses ")[0]     # the mechanism of the plan returned
@@ -160,7 +199,10 @@ def classify(row: dict) -> dict:
     chosen, t = row.get("chosen"), row.get("predicted_s")
     floors = {k: v for k, v in (row.get("floors_s") or {}).items() if isinstance(v, (int, float))}
     best_floor = min(floors.values(), default=None)
-    v = {"pipeline": (chosen or "").split(" (the executor refuses ")[0] == "pipeline", "own": own(chosen)}
+    # a pipeline of one stage (the stage search's plan with every device in one stage: data parallelism
+    # priced again) is no pipeline win: it is judged as the floor it equals
+    v = {"pipeline": (chosen or "").split(" (the executor refuses ")[0] == "pipeline"
+         and row.get("pipeline_stages") != 1, "own": own(chosen)}
     bo = row.get("best_own_s")
     v["near_floor"] = (None if bo is None or best_floor is None else bo <= best_floor * 1.01) \
         if not v["own"] and not v["pipeline"] else None
@@ -184,7 +226,8 @@ def run_row(model: str, path: str, machine: str, batch: int, budget: float) -> d
                    search_s=round(j["search_s"], 1), floors_s=s.get("baselines_s"), best_own_s=s.get("best_own_s"),
                    pipeline_iteration_s=s.get("pipeline_iteration_s"), feasible=j["feasible"],
                    interrupted=j["interrupted"], rule_steps=j["rule_steps"], best_own=s.get("best_own"),
-                   executor_check=s.get("executor_check"))
+                   executor_check=s.get("executor_check"), pipeline_stages=s.get("pipeline_stages"),
+                   micro_batches=s.get("micro_batches"))
         row.update(classify(row))
     else:
         lines = [ln for ln in err.strip().splitlines() if ln.strip()]
@@ -243,7 +286,7 @@ def report(rows: list[dict], meta: dict) -> str:
         def fv(k):
             v = fl.get(k)
             return _f(v) if isinstance(v, (int, float)) or v is None else "n/a"
-        verdict = "pipeline" if r["pipeline"] else "own" if r["own"] else \
+        verdict = f"pipeline ({r.get('pipeline_stages') or '?'} stages)" if r["pipeline"] else "own" if r["own"] else \
             "near" if r.get("near_floor") else "floor (own ?)" if r.get("near_floor") is None else "FLOOR"
         if r["slower_than_floor"]:
             verdict += ", SLOWER"
@@ -256,6 +299,9 @@ def report(rows: list[dict], meta: dict) -> str:
                     if isinstance(v, str)})
     if notes:
         o += ["", "Floors that did not apply (their notes):", ""] + [f"- {n}" for n in notes]
+    if meta.get("tv_note"):
+        o += ["", f"Torchvision models: {meta['tv_note']} (real size, exported at batch {EXPORT_BATCH}, per-GPU "
+                  f"batch {TV_BATCH} by `optimize --batch`)."]
     if meta.get("note"):
         o += ["", meta["note"]]
     o += ["", f"Command: `{meta.get('command')}`"]
@@ -268,6 +314,12 @@ def main(argv=None) -> int:
     ap.add_argument("--machines", default=",".join(MACHINES))
     ap.add_argument("--budget", type=float, default=20.0)
     ap.add_argument("--no-light", action="store_true", help="leave out the onnx wheel's light CNNs")
+    ap.add_argument("--no-hf", action="store_true", help="leave out the transformers models")
+    ap.add_argument("--no-tv", action="store_true", help="leave out the torchvision models")
+    ap.add_argument("--tv-exporter", default="dynamo", choices=["dynamo", "legacy"],
+                    help="which exporter's torchvision files (default dynamo)")
+    ap.add_argument("--tv-python", default=TV_PYTHON,
+                    help="Python with torchvision, for an export at a row's batch where the override is refused")
     ap.add_argument("--export-only", action="store_true")
     ap.add_argument("--fresh", action="store_true", help="measure again the rows already in the JSON")
     ap.add_argument("--report", action="store_true", help="write the markdown from the JSON only")
@@ -288,8 +340,10 @@ def main(argv=None) -> int:
         return 0
     want = set(a.models.split(",")) - {""}
     models: list[tuple[str, str | None, int, str]] = []
+    tv_names: set[str] = set()
+    tv_note = ""
     for n in HF:
-        if want and n not in want:
+        if a.no_hf or (want and n not in want):
             continue
         p, note = export(n)
         print(f"{n}: {note}", file=sys.stderr, flush=True)
@@ -299,6 +353,13 @@ def main(argv=None) -> int:
             n = os.path.basename(p)[:-5]
             if not want or n in want:
                 models.append((n, p, LIGHT_BATCH, "as shipped"))
+    if not a.no_tv:
+        tv, tv_note = tv_models(a.tv_exporter)
+        print(tv_note, file=sys.stderr, flush=True)
+        for n, p in tv:
+            if not want or n in want:
+                models.append((n, p, TV_BATCH, f"{a.tv_exporter} export, batch {EXPORT_BATCH}"))
+                tv_names.add(n)
     if a.export_only:
         return 0
     commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, capture_output=True,
@@ -306,6 +367,8 @@ def main(argv=None) -> int:
     meta = {"when": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()), "commit": commit, "budget_s": a.budget,
             "host": f"{platform.machine()}, {os.cpu_count()} cores",
             "command": "benchmarks/search_decides.py " + " ".join(argv if argv is not None else sys.argv[1:])}
+    if tv_note:
+        meta["tv_note"] = tv_note
     rows: list[dict] = []
     if os.path.exists(JSON_OUT) and not a.fresh:
         with open(JSON_OUT) as f:
@@ -323,9 +386,10 @@ def main(argv=None) -> int:
             else:
                 print(f"{n} on {machine} ...", file=sys.stderr, flush=True)
                 r = run_row(n, p, machine, per_gpu * D, a.budget)
-                if r.get("status") == "error" and "holding the exported batch" in r.get("reason", "") \
-                        and n in HF:     # the batch override refused (a constant holds the batch): export at it
-                    p2, note2 = export(n, per_gpu * D)
+                if r.get("status") == "error" and "the exported batch" in r.get("reason", "") \
+                        and (n in HF or n in tv_names):   # the batch override refused (a constant holds it)
+                    p2, note2 = export(n, per_gpu * D) if n in HF else \
+                        tv_export(n, a.tv_exporter, per_gpu * D, a.tv_python)
                     print(f"  {note2}", file=sys.stderr, flush=True)
                     if p2 is not None:
                         r = dict(run_row(n, p2, machine, per_gpu * D, a.budget), exported_at_batch=True,

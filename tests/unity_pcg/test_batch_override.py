@@ -163,10 +163,11 @@ def _seq_first_merged(batch, seq=5, heads=3, hd=4):
     return _model(nodes, inits, batch, [seq, d])
 
 
-@pytest.mark.parametrize("src,dst", [(8, 2), (2, 3), (3, 8)])
+@pytest.mark.parametrize("src,dst", [(8, 2), (2, 3), (3, 8), (2, 4), (8, 256)])
 def test_batch_merged_with_the_sequence_is_placed_exactly(src, dst):
     """[S, B, H, D] -> [S*B, H*D] and back: the merged dim scales with the batch; the split back puts the new
-    batch in the dim that held the exported one (same hash as the export at ``dst``, same values)."""
+    batch in the dim that held the exported one (same hash as the export at ``dst``, same values), also where
+    the sequence dim could take the new batch's factor (2 -> 4, 8 -> 256: torchvision's ViT-B/16 at 8 -> 256)."""
     g = load_onnx(_seq_first_merged(src), batch=dst)
     assert g.structural_hash() == load_onnx(_seq_first_merged(dst)).structural_hash()
     x = np.random.default_rng(0).standard_normal((dst, 5, 12)).astype(np.float32)

@@ -483,6 +483,11 @@ class Importer:
             cands = [i for i in range(len(yo)) if prod(yo[:i]) == outer and (yo[i] * n) % o == 0]
             if not cands:
                 cands = _nested_dims(xo, yo, p, n, o)
+            elif b0 > 1 and not any(yo[i] % b0 == 0 for i in cands):
+                # the dim at the same offset cannot hold the batch (the sequence of a sequence-major merge
+                # [S*B, E] -> [S, B, E] whose size the new batch happens to divide): the nested dim that can
+                held = [i for i in _nested_dims(xo, yo, p, n, o) if yo[i] % b0 == 0]
+                cands = held or cands
             if b0 > 1 and any(yo[i] % b0 == 0 for i in cands):
                 cands = [i for i in cands if yo[i] % b0 == 0]
             if not cands:
