@@ -158,8 +158,6 @@ class Importer:
         self._reduced: dict[int, tuple[Const, Const]] = {}
         # (id(const), axis) of re-batched constants known to repeat along axis (the override checked it)
         self._uniform: dict[tuple[int, int], Const] = {}
-        # ONNX tensors whose value depends on a float initializer of more than one element (a parameter)
-        self._param_dep: dict[str, bool] = {}
 
     # --- values ---------------------------------------------------------------------------------
     def is_const(self, v) -> bool:
@@ -195,18 +193,10 @@ class Importer:
         if self.load_weights:
             self.weights[name] = c.loader()
         attrs = {"name": name, "shape": tuple(c.shape), "dtype": np.dtype(c.dtype).name}
-        if key.frozen or c.frozen or self._is_model_constant(c):
+        if key.frozen or c.frozen:     # the exporter's fold that the importer reduced: a constant, not trained
             attrs["trainable"] = False
         key.wref = self.b.add("Weight", attrs, [], name)
         return key.wref
-
-    def _is_model_constant(self, c: Const) -> bool:
-        """A constant the exporter folded from no parameter: not an initializer (nor a layout view of one), and
-        computed from no float initializer of more than one element (a causal mask from integer positions and
-        the scalars 0 and -inf; GELU's constants).  Such a Weight is not trained.  A constant of unknown
-        provenance (no ONNX tensor behind it) keeps the default (trained, as a float weight)."""
-        o = c.origin
-        return bool(o) and o not in self.init_names and self._param_dep.get(o) is False
 
     def is_read(self, tensor: str) -> bool:
         """Whether a live node or a graph output reads ONNX tensor ``tensor``."""
@@ -255,7 +245,6 @@ class Importer:
             if o not in producers and o not in self.vals:
                 raise MissingTensor(f"graph output {o!r} is not defined by any node, input or initializer")
         order = _topo(nodes, producers)
-        self._param_dep = _parameter_dependence(nodes, order, inits)
         self._batch_sizes = {self.sizes(v)[0] for v in self.vals.values()
                              if not isinstance(v, Const) and self.sizes(v)}
         live = self._live(nodes, producers, outs)
@@ -339,11 +328,11 @@ class Importer:
         size, right-aligned): exact by broadcasting, and the same at every batch (a causal mask [B, 1, S, S]
         becomes [1, 1, S, S], so the graph holds no constant that grows with the batch).
 
-        Folded: a constant that is not an initializer (nor a layout view of one); or an initializer view of
-        rank >= 2 that holds a model input's batch size along the output's leading dim, aligned with an
-        activation's, and repeats along it (the dynamo exporter stores its folds as initializers; a parameter
-        never holds the batch).  Parameters are left as they are (their gradients would change).  A reduced
-        constant is :attr:`Const.frozen` (not trained).  Values are compared one slice at a time
+        Only the exporter's folds are reduced: a constant (initializer or not: the dynamo exporter stores its
+        folds as initializers) of rank >= 2 that holds a model input's batch size along the output's leading
+        dim, aligned with an activation's, and repeats along it.  A parameter never holds the batch, so
+        parameters are left as they are (a uniform placeholder weight, e.g. ConstantOfShape, would otherwise
+        be cut and its gradient changed).  A reduced constant is :attr:`Const.frozen` (not trained).  Values are compared one slice at a time
         (:func:`consts.uniform_along`); a lazy constant without a slice computer is read whole only up to
         ``MAX_FOLD`` elements (else left alone)."""
         acts = [self.sizes(v) for v in ins if v is not None and not isinstance(v, Const)]
@@ -372,12 +361,10 @@ class Importer:
         if c.lazy and c.part is None:
             if c.deferred is not None or c.numel > MAX_FOLD:
                 return c
-        folded = c.origin not in self.init_names or c.frozen
-        if not folded:
-            # an initializer: only the exporter's fold that holds the batch along the leading dim
-            if not (off == 0 and rank >= 2 and 0 in dims and c.shape[0] in self._batch_sizes
-                    and any(len(a) == rank and a[0] == c.shape[0] for a in acts)):
-                return c
+        # the exporter's fold: it holds the batch along the output's leading dim, aligned with an activation's
+        if not (off == 0 and rank >= 2 and 0 in dims and c.shape[0] in self._batch_sizes
+                and any(len(a) == rank and a[0] == c.shape[0] for a in acts)):
+            return c
         if c.lazy and c.part is None:
             c = _held(c)
         cut = []
@@ -386,12 +373,8 @@ class Importer:
                 known = self._uniform.get((id(c), j))
                 if (known is not None and known is c) or uniform_along(c, j):
                     cut.append(j)
-                elif not folded:
-                    return c         # an initializer that does not repeat along the batch: a parameter
-                if not folded and j == 0:
-                    folded = True
-        if not cut:
-            return c
+                elif j == 0:
+                    return c         # values differ along the batch: per-sample data, or a parameter
         r = first_slices(c, cut)
         r.frozen = True
         return r
@@ -751,21 +734,6 @@ def _held(c: Const) -> Const:
     h = Const(c.materialize(), origin=c.origin)
     h.frozen = c.frozen
     return h
-
-
-def _parameter_dependence(nodes, order, inits) -> dict[str, bool]:
-    """ONNX tensor -> whether its value depends on a float initializer of more than one element (what a
-    training framework may hold as a parameter).  ``Shape``/``Size`` read only shapes; graph inputs are not
-    constants (absent)."""
-    from math import prod
-    dep = {name: t.data_type in (1, 10, 11, 16) and prod(t.dims) > 1 for name, t in inits.items()}
-    for j in order:
-        node = nodes[j]
-        d = node.op_type not in ("Shape", "Size") and any(dep.get(x, False) for x in node.input if x)
-        for o in node.output:
-            if o:
-                dep[o] = d
-    return dep
 
 
 def live_names(imp: Importer, nodes, live) -> set[str]:
