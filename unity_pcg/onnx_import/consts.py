@@ -137,10 +137,10 @@ def first_slices(c: Const, dims: Sequence[int]) -> Const:
         return v
 
     def whole() -> np.ndarray:
-        return np.ascontiguousarray(firsts(c.take(dims[0], 0), dims[0]))
+        return np.array(firsts(c.take(dims[0], 0), dims[0]))      # an owned, writable copy
 
     def part(a: int, i: int) -> np.ndarray:
-        return whole() if a in dims else np.ascontiguousarray(firsts(c.take(a, i)))
+        return whole() if a in dims else np.array(firsts(c.take(a, i)))
     if not c.lazy or prod(shape) <= SMALL:
         out = Const(whole(), origin=c.origin)
         out.deferred = None
