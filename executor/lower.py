@@ -225,8 +225,8 @@ class Lowered:
                     continue
                 if (n.op, pos) in NON_DIFFERENTIABLE or self.g.shape(r).dtype not in FLOAT:
                     continue
-                if self.g.node(o).a.get("name") in self.frozen:
-                    continue
+                if self.g.node(o).a.get("name") in self.frozen or not self.g.node(o).a.get("trainable", True):
+                    continue                    # a constant of the model (the importer's folds): a buffer
                 out.add(o)
         return out
 

@@ -548,7 +548,8 @@ class GraphCost:
                 w = origin.get(r[0])
                 if w is None:
                     continue
-                diff = (n.op, pos) not in NON_DIFFERENTIABLE and g.shape(r).dtype in FLOAT_DTYPES
+                diff = (n.op, pos) not in NON_DIFFERENTIABLE and g.shape(r).dtype in FLOAT_DTYPES \
+                    and g.node(w).a.get("trainable", True)      # a constant of the model is not trained
                 self._trainable_src[w] = self._trainable_src.get(w, False) or diff
         self._origin = origin
         # which tensors carry a gradient in the backward pass: those computed from a trained weight
@@ -583,8 +584,8 @@ class GraphCost:
                 continue
             if self.trainable(nid):
                 self._sync_bytes += sh.piece_nbytes
-            elif sh.dtype in FLOAT_DTYPES:
-                self._buffer_bytes += sh.piece_nbytes
+            elif sh.dtype in FLOAT_DTYPES and g.node(self._origin.get(nid, nid)).a.get("trainable", True):
+                self._buffer_bytes += sh.piece_nbytes       # (a constant of the model is never synchronized)
         # the dtype of every tensor under the model's precision (the one place that decides it):
         # the declared dtypes in fp32 and tf32; torch.autocast's in bf16 (autocast_dtype)
         self.precision = model.precision
@@ -1060,7 +1061,8 @@ class GraphCost:
                 c.update = self.model.update_time(self.g.shapes(nid)[0].piece_nbytes)
             elif nid in self._chain_end and self._buffer_bytes > 0:   # a replicated buffer
                 sh = self.g.shapes(nid)[0]
-                if sh.copy_degree > 1 and sh.dtype in FLOAT_DTYPES:
+                if sh.copy_degree > 1 and sh.dtype in FLOAT_DTYPES and \
+                        self.g.node(self._origin.get(nid, nid)).a.get("trainable", True):
                     c.sync = self.model.sync_buffers * sh.piece_nbytes / self._buffer_bytes
         elif role == "compute":
             f, b = self.task_time(nid)

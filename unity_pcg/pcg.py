@@ -219,11 +219,13 @@ class PCG:
                 raise GraphError(f"graph output {tuple(r)} is missing")
 
     def is_trainable(self, nid: int) -> bool:
-        """A Weight is trainable unless it is integer (constant gather indices an importer turns into
-        weights) or only feeds inputs that get no gradient (``OpSpec.nondiff_inputs``: BatchNorm's
-        running statistics)."""
+        """A Weight is trainable unless it is a constant of the model (attribute ``trainable`` False: the
+        importer's folded constants), integer (constant gather indices an importer turns into weights) or
+        only feeds inputs that get no gradient (``OpSpec.nondiff_inputs``: BatchNorm's running statistics)."""
         n = self._nodes[nid]
         if n.op != "Weight" or not self._shapes[nid][0].dtype.startswith(("float", "bfloat")):
+            return False
+        if not n.a.get("trainable", True):
             return False
         uses = self.consumers((nid, 0))
         return not uses or any((self._nodes[u].op, pos) not in ops.NON_DIFFERENTIABLE for u, pos in uses)

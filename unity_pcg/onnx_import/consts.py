@@ -30,9 +30,11 @@ class Const:
     ``part``: on a lazy constant, optionally ``part(axis, i)`` -> the one slice ``i`` along ``axis`` (keepdims),
     computed from how the constant is made (element-wise folds slice their inputs) without building the whole;
     :meth:`take` uses it (the batch override checks a mask [B, 1, S, S] slice by slice).
+    ``frozen``: a constant of the model, not a parameter (its Weight is made with ``trainable=False``): set on
+    the exporter's folds the importer recognizes (:meth:`Importer._reduce_consts`).
     """
 
-    __slots__ = ("shape", "dtype", "_value", "_fn", "origin", "wref", "deferred", "part")
+    __slots__ = ("shape", "dtype", "_value", "_fn", "origin", "wref", "deferred", "part", "frozen")
 
     def __init__(self, value: Any = None, *, shape: Sequence[int] | None = None, dtype: Any = None,
                  fn: Callable[[], np.ndarray] | None = None, origin: str | None = None):
@@ -49,6 +51,7 @@ class Const:
         self.wref = None  # the PCG ref of its Weight node, once made
         self.deferred: str | None = None
         self.part: Callable[[int, int], np.ndarray] | None = None
+        self.frozen = False
 
     @property
     def numel(self) -> int:
@@ -107,6 +110,44 @@ def lazy(fn: Callable[[], np.ndarray], shape, dtype, origin=None, deferred: str 
     c.deferred = deferred
     c.part = part
     return c
+
+
+def uniform_along(c: Const, axis: int) -> bool:
+    """Whether every slice of ``c`` along ``axis`` equals the first (exactly; NaN equals NaN), compared one slice
+    at a time (:meth:`Const.take`), stopping at the first that differs."""
+    first = c.take(axis, 0)
+    nan = np.dtype(c.dtype).kind in "fc"
+    for i in range(1, c.shape[axis]):
+        if not np.array_equal(c.take(axis, i), first, equal_nan=nan):
+            return False
+    return True
+
+
+def first_slices(c: Const, dims: Sequence[int]) -> Const:
+    """``c`` restricted to its first slice along each of ``dims`` (those dims kept, of size 1): eager when small
+    or when ``c`` holds its value, else lazy with its own :attr:`Const.part` (never built whole).  Keeps
+    ``origin``, ``deferred`` and ``frozen``."""
+    dims = tuple(sorted(set(dims)))
+    shape = tuple(1 if k in dims else s for k, s in enumerate(c.shape))
+
+    def firsts(v: np.ndarray, skip: int | None = None) -> np.ndarray:
+        for d in dims:
+            if d != skip and v.shape[d] != 1:
+                v = np.take(v, [0], axis=d)
+        return v
+
+    def whole() -> np.ndarray:
+        return np.array(firsts(c.take(dims[0], 0), dims[0]))      # an owned, writable copy
+
+    def part(a: int, i: int) -> np.ndarray:
+        return whole() if a in dims else np.array(firsts(c.take(a, i)))
+    if not c.lazy or prod(shape) <= SMALL:
+        out = Const(whole(), origin=c.origin)
+        out.deferred = None
+    else:
+        out = lazy(whole, shape, c.dtype, c.origin, c.deferred, part=part)
+    out.frozen = c.frozen
+    return out
 
 
 def deferred_of(consts) -> str | None:

@@ -15,7 +15,7 @@ import numpy as np
 
 from ..errors import UnityError
 from ..pcg import PCG, kahn_order
-from .consts import SMALL, Const, lazy
+from .consts import MAX_FOLD, SMALL, Const, first_slices, lazy, uniform_along
 from .errors import (BatchOverride, DynamicDimension, InvalidModel, MissingTensor, ModelImportError,  # noqa: F401
                      UnsupportedOperator)
 from .loader import PCG_DTYPES, default_opset, initializer_const, np_dtype, read_model
@@ -40,6 +40,12 @@ class RegatherNeeded(Exception):
 _ALIGNED = {"Add", "Sub", "Mul", "Div", "Pow", "Mod", "Where", "Equal", "Less", "Greater", "LessOrEqual",
             "GreaterOrEqual", "And", "Or", "Xor", "Max", "Min", "Sum", "Mean", "PRelu", "BitShift", "Concat",
             "GatherElements", "ScatterElements", "BitwiseAnd", "BitwiseOr", "BitwiseXor"}
+
+# element-wise broadcasting operators: a constant operand whose values repeat along a dim that an activation
+# operand has is read as its first slice there (:meth:`Importer._reduce_consts`; exact by broadcasting)
+_BROADCASTING = {"Add", "Sub", "Mul", "Div", "Pow", "Mod", "Where", "Equal", "Less", "Greater", "LessOrEqual",
+                 "GreaterOrEqual", "And", "Or", "Xor", "Max", "Min", "Sum", "Mean", "BitwiseAnd", "BitwiseOr",
+                 "BitwiseXor"}
 
 
 class NodeCtx:
@@ -148,6 +154,10 @@ class Importer:
         self._producer: dict[str, Any] = {}
         self.fuse = fuse  # pattern fusion (:mod:`.fuse`); counts of fused patterns by kind
         self.fused: dict[str, int] = {}
+        # constant operands reduced to their first slices: id(const) -> (const, reduced) (one Weight per constant)
+        self._reduced: dict[int, tuple[Const, Const]] = {}
+        # (id(const), axis) of re-batched constants known to repeat along axis (the override checked it)
+        self._uniform: dict[tuple[int, int], Const] = {}
 
     # --- values ---------------------------------------------------------------------------------
     def is_const(self, v) -> bool:
@@ -182,8 +192,10 @@ class Importer:
         self.wnames.add(name)
         if self.load_weights:
             self.weights[name] = c.loader()
-        key.wref = self.b.add("Weight", {"name": name, "shape": tuple(c.shape), "dtype": np.dtype(c.dtype).name},
-                              [], name)
+        attrs = {"name": name, "shape": tuple(c.shape), "dtype": np.dtype(c.dtype).name}
+        if key.frozen or c.frozen:     # the exporter's fold that the importer reduced: a constant, not trained
+            attrs["trainable"] = False
+        key.wref = self.b.add("Weight", attrs, [], name)
         return key.wref
 
     def is_read(self, tensor: str) -> bool:
@@ -233,6 +245,8 @@ class Importer:
             if o not in producers and o not in self.vals:
                 raise MissingTensor(f"graph output {o!r} is not defined by any node, input or initializer")
         order = _topo(nodes, producers)
+        self._batch_sizes = {self.sizes(v)[0] for v in self.vals.values()
+                             if not isinstance(v, Const) and self.sizes(v)}
         live = self._live(nodes, producers, outs)
         self.out_names = set(outs)
         from . import fuse
@@ -276,6 +290,8 @@ class Importer:
             try:
                 if self.old_shapes is not None:
                     ins = self._rebatch_inputs(ctx, ins)
+                if ctx.op in _BROADCASTING:
+                    ins = self._reduce_consts(ins)
                 results = convert.convert_node(self, ctx, ins)
             except UnityError as e:
                 if isinstance(e, ModelImportError):
@@ -304,6 +320,64 @@ class Importer:
             if isinstance(r, Const) and r.origin is None:
                 r.origin = o  # a folded constant is named after the tensor it defines
             self.vals[o] = r
+
+    # --- folded constants read by broadcasting ------------------------------------------------------
+    def _reduce_consts(self, ins: list) -> list:
+        """The operands of an element-wise broadcasting operator, each exporter-folded constant reduced to its
+        first slice along every dim where its values are the same and an activation operand has that dim (same
+        size, right-aligned): exact by broadcasting, and the same at every batch (a causal mask [B, 1, S, S]
+        becomes [1, 1, S, S], so the graph holds no constant that grows with the batch).
+
+        Only the exporter's folds are reduced: a constant (initializer or not: the dynamo exporter stores its
+        folds as initializers) of rank >= 2 that holds a model input's batch size along the output's leading
+        dim, aligned with an activation's, and repeats along it.  A parameter never holds the batch, so
+        parameters are left as they are (a uniform placeholder weight, e.g. ConstantOfShape, would otherwise
+        be cut and its gradient changed).  A reduced constant is :attr:`Const.frozen` (not trained).  Values are compared one slice at a time
+        (:func:`consts.uniform_along`); a lazy constant without a slice computer is read whole only up to
+        ``MAX_FOLD`` elements (else left alone)."""
+        acts = [self.sizes(v) for v in ins if v is not None and not isinstance(v, Const)]
+        if not acts:
+            return ins
+        rank = max(len(self.sizes(v)) for v in ins if v is not None)
+        out = list(ins)
+        for k, c in enumerate(ins):
+            if not isinstance(c, Const) or c.numel <= 1 or len(c.shape) > rank:
+                continue
+            hit = self._reduced.get(id(c))
+            if hit is not None and hit[0] is c:
+                out[k] = hit[1]
+                continue
+            r = self._reduce_one(c, acts, rank)
+            self._reduced[id(c)] = (c, r)
+            out[k] = r
+        return out
+
+    def _reduce_one(self, c: Const, acts, rank: int) -> Const:
+        off = rank - len(c.shape)
+        dims = [j for j, s in enumerate(c.shape)
+                if s > 1 and any(len(a) - rank + j + off >= 0 and a[len(a) - rank + j + off] == s for a in acts)]
+        if not dims:
+            return c
+        if c.lazy and c.part is None:
+            if c.deferred is not None or c.numel > MAX_FOLD:
+                return c
+        # the exporter's fold: it holds the batch along the output's leading dim, aligned with an activation's
+        if not (off == 0 and rank >= 2 and 0 in dims and c.shape[0] in self._batch_sizes
+                and any(len(a) == rank and a[0] == c.shape[0] for a in acts)):
+            return c
+        if c.lazy and c.part is None:
+            c = _held(c)
+        cut = []
+        with np.errstate(all="ignore"):
+            for j in dims:
+                known = self._uniform.get((id(c), j))
+                if (known is not None and known is c) or uniform_along(c, j):
+                    cut.append(j)
+                elif j == 0:
+                    return c         # values differ along the batch: per-sample data, or a parameter
+        r = first_slices(c, cut)
+        r.frozen = True
+        return r
 
     # --- batch override ----------------------------------------------------------------------------
     def _changed_dims(self, name: str, v) -> list[tuple[int, int, int]]:
@@ -534,6 +608,7 @@ class Importer:
                                 f"values differ along dim {axis} (per-sample data for the exported batch "
                                 f"{self.old_batch}); export the model at batch {self.batch}")
         shape = tuple(n if k == axis else s for k, s in enumerate(c.shape))
+        uniform = step is None        # the same along the batch (not a progression): the result repeats too
         src = c if c.lazy else None   # a lazy source: keep its recipe, not two slices of it (recomputed when read)
         if src is not None:
             first = step = None
@@ -571,6 +646,8 @@ class Importer:
         out = lazy(values, shape, dtype, c.origin, c.deferred, part=part) if np.prod(shape) > SMALL else \
             Const(values(), origin=c.origin)
         self._rebatched[key] = out
+        if uniform:
+            self._uniform[(id(out), axis)] = out
         return out
 
     def _live(self, nodes, producers, outs) -> set[int]:
@@ -655,6 +732,13 @@ def _nested_dims(xo, yo, p: int, n: int, o: int) -> list[int]:
         if merge or split:
             out.append(i)
     return out
+
+
+def _held(c: Const) -> Const:
+    """A lazy constant without a slice computer, read once (slices of it would each read it whole)."""
+    h = Const(c.materialize(), origin=c.origin)
+    h.frozen = c.frozen
+    return h
 
 
 def live_names(imp: Importer, nodes, live) -> set[str]:

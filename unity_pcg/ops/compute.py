@@ -106,7 +106,7 @@ def compute_op(name: str, *, attrs: dict, num_inputs, logical: Callable, labels:
 
 # --- sources ----------------------------------------------------------------------------------------
 
-def _source(name: str, doc: str) -> OpSpec:
+def _source(name: str, doc: str, extra: dict | None = None) -> OpSpec:
     def infer(a: dict, in_shapes: Shapes, strict: bool = True) -> Inference:
         if a["dtype"] not in DTYPES:
             _bad(name, f"unknown dtype {a['dtype']!r}")
@@ -118,12 +118,14 @@ def _source(name: str, doc: str) -> OpSpec:
         raise AssertionError(f"{name} nodes are fed by the evaluator")
 
     return register(OpSpec(name=name, kind="source", attrs={"name": REQUIRED, "shape": REQUIRED,
-                                                            "dtype": "float32"},
+                                                            "dtype": "float32", **(extra or {})},
                            infer=infer, forward=forward, num_inputs=0, doc=doc, saves=NOTHING))
 
 
 _source("Input", "A model input (activations or indices).")
-_source("Weight", "A trainable parameter; its value comes from the model's weight store.")
+_source("Weight", "A parameter of the model; its value comes from the model's weight store.  ``trainable``: False "
+                  "on a constant of the model (a mask the exporter folded): no gradient, no optimizer state, no "
+                  "synchronization (``PCG.is_trainable``).", {"trainable": True})
 
 
 # --- element-wise -----------------------------------------------------------------------------------
