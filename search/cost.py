@@ -47,6 +47,8 @@ from dataclasses import dataclass, field, replace
 from functools import lru_cache
 from typing import Any, Mapping, Sequence
 
+import numpy as np
+
 from unity_pcg import ops
 from unity_pcg.machine import MODES, MachineSpec, MachineView, Resource, enumerate_views, interpolate_table
 from unity_pcg.pcg import PCG
@@ -500,6 +502,74 @@ class _NearIndex:
         return self.low if h is None else h
 
 
+class _Holdings:
+    """Who holds each piece key (a piece up to its copy index) of a placed tensor, as arrays, asked about
+    many (key, device) pairs at once: whether the device holds the key, and which holder it reads from
+    (:meth:`GraphCost._nearest`'s rule: itself, else the lowest holder in its group, else in its node, else
+    the lowest overall)."""
+    _SHIFT = 32                         # a (key, device / group / node) pair as one int64: key << 32 | id
+
+    def __init__(self, place: Sequence[int], rest: int, machine: MachineSpec):
+        self.machine = machine
+        devs = np.asarray(place, dtype=np.int64)
+        keys = np.arange(len(devs), dtype=np.int64) % rest
+        self.low = np.full(rest, np.iinfo(np.int64).max, dtype=np.int64)
+        np.minimum.at(self.low, keys, devs)
+        self.have = np.unique((keys << self._SHIFT) | devs)
+        self.by_group = self._lowest(keys, C.device_groups(machine, devs), devs)
+        self.by_node = self._lowest(keys, devs // machine.devices_per_node, devs)
+
+    def _lowest(self, keys, ids, devs):
+        """(sorted pair codes, the lowest holder of each): the lowest device per (key, id) pair."""
+        codes = (keys << self._SHIFT) | ids
+        order = np.lexsort((devs, codes))
+        uc, first = np.unique(codes[order], return_index=True)
+        return uc, devs[order][first]
+
+    @staticmethod
+    def _find(table, codes):
+        uc, val = table
+        if len(uc) == 0:
+            return np.zeros(len(codes), dtype=bool), val[:0]
+        i = np.minimum(np.searchsorted(uc, codes), len(uc) - 1)
+        return uc[i] == codes, val[i]
+
+    def holds(self, keys, devs):
+        codes = (keys << self._SHIFT) | devs
+        i = np.minimum(np.searchsorted(self.have, codes), len(self.have) - 1)
+        return self.have[i] == codes
+
+    def nearest(self, keys, devs):
+        res = self.low[keys].copy()
+        ok, v = self._find(self.by_node, (keys << self._SHIFT) | (devs // self.machine.devices_per_node))
+        res[ok] = v[ok]
+        ok, v = self._find(self.by_group, (keys << self._SHIFT) | C.device_groups(self.machine, devs))
+        res[ok] = v[ok]
+        mine = self.holds(keys, devs)
+        res[mine] = devs[mine]
+        return res
+
+
+def _group_times(machine: MachineSpec, gid, devs, fn, nbytes) -> tuple[float, np.ndarray]:
+    """The slowest of the collectives ``fn`` (a ``collectives.*_time_of``) of ``nbytes`` over the groups
+    whose members are ``devs[i]`` of group ``gid[i]`` (repeats allowed), each priced by its shape (distinct
+    devices, link level spanned), and the distinct device count of every group (sorted by group id)."""
+    sh = _Holdings._SHIFT
+    pairs = np.unique((gid << sh) | devs)
+    g = pairs >> sh
+    d = pairs & ((1 << sh) - 1)
+    ug, p = np.unique(g, return_counts=True)
+    nodes = np.unique((g << sh) | (d // machine.devices_per_node)) >> sh
+    groups = np.unique((g << sh) | C.device_groups(machine, d)) >> sh
+    n_nodes = np.searchsorted(nodes, ug, side="right") - np.searchsorted(nodes, ug, side="left")
+    n_groups = np.searchsorted(groups, ug, side="right") - np.searchsorted(groups, ug, side="left")
+    level = np.where(p <= 1, 0, np.where(n_nodes > 1, 3, np.where(n_groups > 1, 2, 1)))
+    t = 0.0
+    for pp, lv in set(zip(p.tolist(), level.tolist())):
+        t = max(t, fn(machine, pp, ("local", "group", "node", "network")[lv], nbytes))
+    return t, p
+
+
 class GraphCost:
     """Prices the leaves of one PCG on one machine (see module docstring)."""
 
@@ -882,11 +952,109 @@ class GraphCost:
         if nid in self._fused:
             res = self._edge_cache[key] = memo[mkey] = self._fused_edge(nid, prod_view, view)
             return res
-        m = self.machine
         shape = self.g.shape(ref)
-        hold = self._holders(shape, self.placement(ref[0], prod_view, ref[1]))
-        self._near_cache = {}           # the holder sets of this edge (see _nearest)
+        place = self.placement(ref[0], prod_view, ref[1])
         isz = self.itemsize(ref)           # the precision's dtype (bf16 activations move half the bytes)
+        res = self._edge_vec(nid, pos, shape, place, view, isz)
+        t, elements = res if res is not None else self._edge_loop(nid, pos, shape, place, view, isz)
+        factor = 1 if prole == "input-placement" else 2   # no gradient flows back to the data
+        res = LeafCost(time=factor * t, comm=factor * t, comm_elements=factor * elements)
+        self._edge_cache[key] = memo[mkey] = res
+        return res
+
+    def _edge_vec(self, nid: int, pos: int, shape: ParallelTensorShape, place: Sequence[int], view: MachineView,
+                  isz: int) -> tuple[float, int] | None:
+        """:meth:`_edge_loop` over all devices at once (numpy): the same messages, collectives and floats
+        (message times counted per endpoint, collectives priced per group shape).  None where the view
+        and the tensor's grid disagree in size (the loop takes those)."""
+        m = self.machine
+        rest = shape.piece_count // shape.copy_degree
+        H = _Holdings(place, rest, m)
+        pnum = shape.piece_numel
+        pbytes = pnum * isz
+        devs = np.asarray(view.devices(), dtype=np.int64)
+        if self.role[nid] == "compute":
+            t2p = np.asarray(self._task_to_piece(nid, "in", pos), dtype=np.int64)
+            if len(t2p) != len(devs):
+                return None
+            keys = t2p % rest
+            miss = ~H.holds(keys, devs)
+            dst = devs[miss]
+            t = C.transfer_time_uniform(m, H.nearest(keys[miss], dst), dst, pbytes)
+            return t, pnum * int(miss.sum())
+        node = self.g.node(nid)
+        out = self.g.shapes(nid)[0]
+        ogrid, igrid = out.grid, shape.grid
+        n = len(devs)
+        if n != out.piece_count or len(ogrid) != len(igrid):
+            return None
+        a, op = node.a, node.op
+        kstride = np.zeros(len(igrid), dtype=np.int64)     # piece key = grid index . stride (not the copy)
+        acc = 1
+        for i in range(len(igrid) - 1, 0, -1):
+            kstride[i] = acc
+            acc *= igrid[i]
+        gi = np.stack(np.unravel_index(np.arange(n), ogrid)).astype(np.int64)   # (axes, devices)
+        opnum = out.piece_numel
+
+        def keys_with(axis, values):   # piece keys of gi with ``axis`` replaced by ``values``
+            return (gi * kstride[:, None]).sum(axis=0) + (values - gi[axis]) * kstride[axis]
+
+        if op in ("Partition", "Pipeline"):
+            dim = 2 + a["dim"] % shape.rank
+            keys = keys_with(dim, gi[dim] // a["degree"])
+            miss = ~H.holds(keys, devs)
+            dst = devs[miss]
+            t = C.transfer_time_uniform(m, H.nearest(keys[miss], dst), dst, opnum * isz)
+            return t, opnum * int(miss.sum())
+        if op in ("Combine", "Batch"):
+            dim = 2 + a["dim"] % shape.rank
+            k = a["degree"]
+            keys = np.concatenate([keys_with(dim, gi[dim] * k + j) for j in range(k)])
+            dd = np.tile(devs, k)
+            miss = ~H.holds(keys, dd)
+            dst = dd[miss]
+            t = C.transfer_time_uniform(m, H.nearest(keys[miss], dst), dst, pbytes)
+            return t, pnum * int(miss.sum())
+        if op == "Replicate":
+            keys = keys_with(0, np.zeros(n, dtype=np.int64))
+            miss = ~H.holds(keys, devs)
+            if not miss.any():
+                return 0.0, 0
+            km, dm = keys[miss], devs[miss]
+            uk, first = np.unique(km, return_index=True)
+            src = H.nearest(uk, dm[first])               # each group's sender: nearest its first receiver
+            t, _ = _group_times(m, np.concatenate([km, uk]), np.concatenate([dm, src]), C.broadcast_time_of,
+                                pbytes)
+            return t, pnum * int(miss.sum())
+        if op in ("Reduce", "AllReduce"):
+            k = a["degree"]
+            keys = np.concatenate([keys_with(1, gi[1] * k + j) for j in range(k)])
+            dd = np.tile(devs, k)
+            near = H.nearest(keys, dd)
+            flat = np.tile(np.arange(n, dtype=np.int64), k)
+            if op == "Reduce":
+                miss = near != dd
+                if not miss.any():
+                    return 0.0, 0
+                gid = np.unique(flat[miss])
+                t, _ = _group_times(m, np.concatenate([flat[miss], gid]), np.concatenate([near[miss], devs[gid]]),
+                                    C.reduce_time_of, opnum * isz)
+                return t, pnum * int(miss.sum())
+            per = n // ogrid[0]                          # the group: the output index but its copy
+            gid = flat % per
+            t, p = _group_times(m, np.concatenate([gid, np.arange(n, dtype=np.int64) % per]),
+                                np.concatenate([near, devs]), C.allreduce_time_of, opnum * isz)
+            return t, int(sum(C.allreduce_elements(int(q), opnum) for q in p))
+        return None
+
+    def _edge_loop(self, nid: int, pos: int, shape: ParallelTensorShape, place: Sequence[int], view: MachineView,
+                   isz: int) -> tuple[float, int]:
+        """One direction's (seconds, elements) of input ``pos`` of ``nid`` whose pieces lie at ``place``:
+        device by device (the reference :meth:`_edge_vec` equals; it takes the cases that one declines)."""
+        m = self.machine
+        hold = self._holders(shape, place)
+        self._near_cache = {}           # the holder sets of this edge (see _nearest)
         pnum = shape.piece_numel
         pbytes = pnum * isz
         rest = len(hold)
@@ -996,10 +1164,7 @@ class GraphCost:
                 else:
                     devs = list(grp[0]) + grp[1]
                     t = max(t, C.reduce_time(m, devs, opnum * isz))
-        factor = 1 if prole == "input-placement" else 2   # no gradient flows back to the data
-        res = LeafCost(time=factor * t, comm=factor * t, comm_elements=factor * elements)
-        self._edge_cache[key] = memo[mkey] = res
-        return res
+        return t, elements
 
     def _edge_key(self, nid: int, pos: int, ref, prole: str, prod_view: MachineView, view: MachineView) -> tuple:
         """Everything :meth:`edge_cost` reads, graph-independently: equal keys on graphs priced by the same

@@ -1,0 +1,112 @@
+"""GraphCost prices an edge over all devices at once (``_edge_vec``: numpy, message times counted per
+endpoint, collectives priced per group shape); ``_edge_loop`` is the straightforward device-by-device
+reference.  Every edge Alpa's ILP prices on small machines of several node counts gets the same floats from
+both (not approximately), and the collectives priced by group shape equal the ones priced by members."""
+from collections import Counter
+
+import numpy as np
+import pytest
+
+from unity_pcg.machine import parse_machine
+from unity_pcg.search import collectives as C
+from unity_pcg.search.alpa import intra
+from unity_pcg.search.alpa.intra import IntraProblem
+from unity_pcg.pcg import PCG
+from unity_pcg.search.cost import CostModel, GraphCost
+
+from .graphs import diamond, mlp
+from .test_alpa_intra import _attention
+
+CASES = [
+    (lambda: mlp(batch=16, h=32, layers=3), "dgx-a100:1x8", (2, 4), "fp32"),
+    (lambda: mlp(batch=16, h=32, layers=2), "h100:4x2", (4, 2), "fp32"),
+    (lambda: diamond(batch=16, h=32), "h100:2x4", (2, 4), "fp32"),
+    (lambda: _attention(), "h100:2x4", (2, 4), "bf16"),
+    (lambda: _attention(), "h100:4x2", (1, 8), "fp32"),
+    (lambda: mlp(batch=32, h=16, layers=2), "h100:2x8", (4, 4), "fp32"),
+    (lambda: mlp(batch=24, h=24, layers=2), "summit:2x6", (2, 6), "fp32"),
+    (lambda: diamond(batch=16, h=32), "h100:8x2", (8, 2), "fp32"),
+]
+
+
+@pytest.mark.parametrize("make,machine,mesh,precision", CASES)
+def test_vectorized_edges_equal_device_loop(make, machine, mesh, precision, monkeypatch):
+    seen: Counter = Counter()
+    vec = GraphCost._edge_vec
+
+    def both(self, nid, pos, shape, place, view, isz):
+        fast = vec(self, nid, pos, shape, place, view, isz)
+        ref = self._edge_loop(nid, pos, shape, place, view, isz)
+        kind = self.g.node(nid).op if self.role[nid] != "compute" else "compute"
+        seen[(kind, fast is not None, ref[0] > 0)] += 1
+        if fast is not None:
+            assert fast == ref, (kind, fast, ref)
+            assert type(fast[1]) is int
+        return fast
+
+    monkeypatch.setattr(GraphCost, "_edge_vec", both)
+    intra._SHARED.clear()
+    IntraProblem(make(), parse_machine(machine), mesh, precision=precision, idle=True)
+    intra._SHARED.clear()
+    assert sum(n for (k, ok, _), n in seen.items() if ok) > 0
+    assert sum(n for (k, ok, moved), n in seen.items() if ok and moved) > 0   # some edges move data
+    assert not [k for (k, ok, _) in seen if not ok]                          # none declined here
+
+
+@pytest.mark.parametrize("machine", ["h100:4x8", "summit:3x6", "dgx-a100:2x8"])
+def test_collectives_by_shape_equal_by_members(machine):
+    m = parse_machine(machine)
+    rng = np.random.default_rng(0)
+    for _ in range(200):
+        devs = rng.choice(m.num_devices, size=int(rng.integers(1, 12)), replace=True).tolist()
+        nb = int(rng.integers(0, 1 << 20))
+        p, lv = C.group_level(m, devs)
+        for by_members, by_shape in ((C.allreduce_time, C.allreduce_time_of), (C.allgather_time, C.allgather_time_of),
+                                     (C.broadcast_time, C.broadcast_time_of)):
+            assert by_members(m, devs, nb) == by_shape(m, p, lv, nb)
+        src = rng.choice(m.num_devices, size=len(devs))
+        moves = list(zip(src.tolist(), devs, [nb] * len(devs)))
+        assert C.transfer_time(m, moves) == C.transfer_time_uniform(m, src, np.asarray(devs), nb)
+
+
+def _parallel_ops(k: int) -> PCG:
+    """Every parallel operator between compute nodes, each read by a second node so none is fused."""
+    b = PCG.builder()
+    x = b.add("Input", {"name": "x", "shape": (6, 4 * k, 12)})
+    w = b.add("Weight", {"name": "w", "shape": (12, 12)})
+    y = b.add("MatMul", {}, [b.add("Partition", {"dim": 2, "degree": k}, [x], name="px"),
+                             b.add("Partition", {"dim": 0, "degree": k}, [w])], name="row")
+    red = b.add("Reduce", {"degree": k}, [y], name="reduce")
+    alr = b.add("AllReduce", {"degree": k}, [y], name="allreduce")
+    sc = b.add("Partition", {"dim": 1, "degree": k}, [red], name="scatter")
+    r = b.add("Relu", {}, [sc], name="relu")
+    comb = b.add("Combine", {"dim": 1, "degree": k}, [r], name="combine")
+    rep = b.add("Replicate", {"degree": k}, [comb], name="replicate")
+    outs = [b.add("Relu", {}, [t], name=f"use{i}") for i, t in enumerate((red, alr, comb, rep, sc))]
+    b.set_outputs(outs)
+    return b.finish()
+
+
+@pytest.mark.parametrize("machine,k", [("h100:2x4", 2), ("h100:4x2", 4), ("summit:2x6", 3), ("h100:1x8", 4)])
+def test_every_view_pair_prices_alike(machine, k):
+    """Every parallel operator and compute node, every producer view against every view of its own: the
+    vectorized price equals the device loop's."""
+    g = _parallel_ops(k)
+    gc = GraphCost(g, CostModel(parse_machine(machine)))
+    seen: Counter = Counter()
+    for nid in gc.nodes():
+        for pos, ref in enumerate(g.node(nid).inputs):
+            if gc.role[ref[0]] in ("input", "weight"):
+                continue
+            shape = g.shape(ref)
+            isz = gc.itemsize(ref)
+            for pv in gc.views(ref[0]):
+                place = gc.placement(ref[0], pv, ref[1])
+                for v in gc.views(nid):
+                    fast = gc._edge_vec(nid, pos, shape, place, v, isz)
+                    ref_ = gc._edge_loop(nid, pos, shape, place, v, isz)
+                    op = g.node(nid).op if gc.role[nid] != "compute" else "compute"
+                    assert fast == ref_, (g.node(nid).name, pv, v)
+                    seen[(op, ref_[0] > 0)] += 1
+    moved = {op for op, m in seen if m}
+    assert {"Partition", "Combine", "Replicate", "Reduce", "AllReduce", "compute"} <= moved, sorted(seen)
