@@ -502,6 +502,9 @@ class _NearIndex:
         return self.low if h is None else h
 
 
+_VEC_MIN_DEVICES = 256     # edges of views this large are priced by numpy (_edge_vec), smaller ones by the loop
+
+
 class _Holdings:
     """Who holds each piece key (a piece up to its copy index) of a placed tensor, as arrays, asked about
     many (key, device) pairs at once: whether the device holds the key, and which holder it reads from
@@ -966,8 +969,10 @@ class GraphCost:
                   isz: int) -> tuple[float, int] | None:
         """:meth:`_edge_loop` over all devices at once (numpy): the same messages, collectives and floats
         (message times counted per endpoint, collectives priced per group shape).  None where the view
-        and the tensor's grid disagree in size (the loop takes those)."""
+        and the tensor's grid disagree in size, and on views of few devices, where the loop is quicker."""
         m = self.machine
+        if len(view.devices()) < _VEC_MIN_DEVICES:
+            return None
         rest = shape.piece_count // shape.copy_degree
         H = _Holdings(place, rest, m)
         pnum = shape.piece_numel

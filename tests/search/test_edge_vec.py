@@ -12,6 +12,7 @@ from unity_pcg.search import collectives as C
 from unity_pcg.search.alpa import intra
 from unity_pcg.search.alpa.intra import IntraProblem
 from unity_pcg.pcg import PCG
+from unity_pcg.search import cost
 from unity_pcg.search.cost import CostModel, GraphCost
 
 from .graphs import diamond, mlp
@@ -31,6 +32,7 @@ CASES = [
 
 @pytest.mark.parametrize("make,machine,mesh,precision", CASES)
 def test_vectorized_edges_equal_device_loop(make, machine, mesh, precision, monkeypatch):
+    monkeypatch.setattr(cost, "_VEC_MIN_DEVICES", 1)          # small machines take the numpy path too
     seen: Counter = Counter()
     vec = GraphCost._edge_vec
 
@@ -88,9 +90,10 @@ def _parallel_ops(k: int) -> PCG:
 
 
 @pytest.mark.parametrize("machine,k", [("h100:2x4", 2), ("h100:4x2", 4), ("summit:2x6", 3), ("h100:1x8", 4)])
-def test_every_view_pair_prices_alike(machine, k):
+def test_every_view_pair_prices_alike(machine, k, monkeypatch):
     """Every parallel operator and compute node, every producer view against every view of its own: the
     vectorized price equals the device loop's."""
+    monkeypatch.setattr(cost, "_VEC_MIN_DEVICES", 1)
     g = _parallel_ops(k)
     gc = GraphCost(g, CostModel(parse_machine(machine)))
     seen: Counter = Counter()
