@@ -113,3 +113,24 @@ def test_every_view_pair_prices_alike(machine, k, monkeypatch):
                     seen[(op, ref_[0] > 0)] += 1
     moved = {op for op, m in seen if m}
     assert {"Partition", "Combine", "Replicate", "Reduce", "AllReduce", "compute"} <= moved, sorted(seen)
+
+
+@pytest.mark.parametrize("precision", ["fp32", "bf16"])
+@pytest.mark.parametrize("machine,k", [("h100:2x4", 2), ("summit:2x6", 3)])
+def test_memory_arrays_equal_memory_dicts(machine, k, precision):
+    """node_memory_arrays holds, device by device, the bytes node_memory's dicts hold (and on the same
+    devices), for every node of a graph with weights, casts and every parallel operator, on every view."""
+    from unity_pcg.search.memory import node_memory, node_memory_arrays
+    g = _parallel_ops(k)
+    gc = GraphCost(g, CostModel(parse_machine(machine), precision=precision))
+    nonzero = 0
+    for nid in gc.nodes():
+        for v in gc.views(nid):
+            w, a = node_memory(gc, nid, v)
+            wa, aa, wm, am = node_memory_arrays(gc, nid, v)
+            assert set(np.flatnonzero(wm).tolist()) == set(w) and set(np.flatnonzero(am).tolist()) == set(a)
+            assert all(float(wa[d]) == float(b) for d, b in w.items())
+            assert all(float(aa[d]) == float(b) for d, b in a.items())
+            assert not wa[~wm].any() and not aa[~am].any()
+            nonzero += bool(w) + bool(a)
+    assert nonzero > 0
