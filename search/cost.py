@@ -553,23 +553,34 @@ class _Holdings:
         return res
 
 
-def _group_times(machine: MachineSpec, gid, devs, fn, nbytes) -> tuple[float, np.ndarray]:
-    """The slowest of the collectives ``fn`` (a ``collectives.*_time_of``) of ``nbytes`` over the groups
-    whose members are ``devs[i]`` of group ``gid[i]`` (repeats allowed), each priced by its shape (distinct
-    devices, link level spanned), and the distinct device count of every group (sorted by group id)."""
+def _group_shapes(machine: MachineSpec, gid, devs):
+    """The shape of every group whose members are ``devs[i]`` of group ``gid[i]`` (repeats allowed):
+    (group ids sorted, distinct devices, link level spanned as 0 local / 1 group / 2 node / 3 network,
+    the group's distinct devices sorted, as one array, and where each group starts in it)."""
     sh = _Holdings._SHIFT
     pairs = np.unique((gid << sh) | devs)
     g = pairs >> sh
     d = pairs & ((1 << sh) - 1)
-    ug, p = np.unique(g, return_counts=True)
+    ug, start, p = np.unique(g, return_index=True, return_counts=True)
     nodes = np.unique((g << sh) | (d // machine.devices_per_node)) >> sh
     groups = np.unique((g << sh) | C.device_groups(machine, d)) >> sh
     n_nodes = np.searchsorted(nodes, ug, side="right") - np.searchsorted(nodes, ug, side="left")
     n_groups = np.searchsorted(groups, ug, side="right") - np.searchsorted(groups, ug, side="left")
     level = np.where(p <= 1, 0, np.where(n_nodes > 1, 3, np.where(n_groups > 1, 2, 1)))
+    return ug, p, level, d, start
+
+
+_LEVEL_NAMES = ("local", "group", "node", "network")
+
+
+def _group_times(machine: MachineSpec, gid, devs, fn, nbytes) -> tuple[float, np.ndarray]:
+    """The slowest of the collectives ``fn`` (a ``collectives.*_time_of``) of ``nbytes`` over the groups
+    whose members are ``devs[i]`` of group ``gid[i]`` (repeats allowed), each priced by its shape (distinct
+    devices, link level spanned), and the distinct device count of every group (sorted by group id)."""
+    _, p, level, _, _ = _group_shapes(machine, gid, devs)
     t = 0.0
     for pp, lv in set(zip(p.tolist(), level.tolist())):
-        t = max(t, fn(machine, pp, ("local", "group", "node", "network")[lv], nbytes))
+        t = max(t, fn(machine, pp, _LEVEL_NAMES[lv], nbytes))
     return t, p
 
 
@@ -728,7 +739,7 @@ class GraphCost:
         m = self.machine
         ref = tuple(g.node(first).inputs[0])
         xs = g.shape(ref)
-        hold = self._holders(xs, self.placement(ref[0], prod_view, ref[1]))
+        place = self.placement(ref[0], prod_view, ref[1])
         isz = self.itemsize(ref)
         fa = g.node(first).a
         k = fa["degree"]
@@ -747,6 +758,11 @@ class GraphCost:
         for i in range(len(igrid) - 2, 0, -1):
             stride[i] = stride[i + 1] * igrid[i + 1]
 
+        fast = self._fused_vec(kind, k, d, xs, out, stride, place, view, part * isz, full * isz, part, full)
+        if fast is not None:
+            t, elements = fast
+            return LeafCost(time=2 * t, comm=2 * t, comm_elements=2 * elements)
+        hold = self._holders(xs, place)
         self._near_cache = {}           # the holder sets of this edge (see _nearest)
         groups: dict = {}
         for flat, dev in enumerate(view.devices()):
@@ -788,6 +804,66 @@ class GraphCost:
                 elements += (len(set(devs)) - 1) * full
         t += C.transfer_time(m, moves)
         return LeafCost(time=2 * t, comm=2 * t, comm_elements=2 * elements)
+
+    def _fused_vec(self, kind: str, k: int, d: int, xs: ParallelTensorShape, out: ParallelTensorShape, stride,
+                   place, view: MachineView, part_b: int, full_b: int, part: int, full: int):
+        """:meth:`_fused_edge`'s (seconds, elements) of one direction over all devices at once (numpy): the
+        same groups, the same pieces sent to the same members, collectives priced by group shape.  None on
+        views of few devices and where the groups differ in size (the loop takes those)."""
+        devs = np.asarray(view.devices(), dtype=np.int64)
+        n = len(devs)
+        if n < _VEC_MIN_DEVICES or n != out.piece_count or len(out.grid) != len(xs.grid):
+            return None
+        m = self.machine
+        H = _Holdings(place, xs.piece_count // xs.copy_degree, m)
+        gi = np.stack(np.unravel_index(np.arange(n), out.grid)).astype(np.int64)
+        st = np.asarray(stride, dtype=np.int64)
+        src = gi.copy()
+        src[0] = 0
+        keyv = gi.copy()
+        if kind == "reduce-scatter":
+            keyv[d] = gi[d] // k
+            src[1] = gi[1] * k
+            src[d] = gi[d] // k
+            step = int(st[1])
+        else:
+            keyv[0] = gi[0] // k
+            src[d] = gi[d] * k
+            step = int(st[d])
+        base = (src[1:] * st[1:, None]).sum(axis=0)
+        code = np.ravel_multi_index(tuple(keyv), out.grid)
+        order = np.argsort(code, kind="stable")                     # by group, members in device order
+        _, counts = np.unique(code, return_counts=True)
+        c = int(counts[0])
+        if (counts != c).any():
+            return None
+        G = len(counts)
+        M = devs[order].reshape(G, c)
+        S = base[order].reshape(G, c)[:, :1] + step * np.arange(k, dtype=np.int64)[None, :]   # (G, k) pieces
+        holds = H.holds(np.broadcast_to(S[:, None, :], (G, c, k)).ravel(),
+                        np.broadcast_to(M[:, :, None], (G, c, k)).ravel()).reshape(G, c, k)
+        has = holds.any(axis=2)
+        first = holds.argmax(axis=2)                                # the first piece a member holds
+        held = np.zeros((G, k), dtype=bool)
+        gg, ii = np.nonzero(has)
+        held[gg, first[gg, ii]] = True
+        free = ~has
+        nfree = free.sum(axis=1)
+        fidx = np.argsort(~free, axis=1, kind="stable")            # the free members first, in order
+        need = ~held
+        rank = np.cumsum(need, axis=1) - 1
+        gj, jj = np.nonzero(need)
+        r = rank[gj, jj]
+        pick = np.where(r < nfree[gj], fidx[gj, np.minimum(r, c - 1)], 0)
+        dst = M[gj, pick]
+        elements = part * len(dst)
+        t = 0.0
+        if c > 1:
+            coll = C.reduce_scatter_time_of if kind == "reduce-scatter" else C.allgather_time_of
+            t, p = _group_times(m, np.repeat(np.arange(G, dtype=np.int64), c), M.ravel(), coll, full_b)
+            elements += int(((p - 1) * full).sum())
+        t += C.transfer_time_uniform(m, H.nearest(S[gj, jj], dst), dst, part_b)
+        return t, elements
 
     # --- dtypes under the precision -------------------------------------------------------------
     def dtype(self, ref) -> str:
@@ -1314,6 +1390,19 @@ class GraphCost:
             return 0.0, 0
         devs = view.devices()
         rest = out.piece_count // out.copy_degree
+        total = self.model.sync_total_bytes or self._sync_bytes
+        if len(devs) >= _VEC_MIN_DEVICES:     # price each shape of copy group once (the price reads only it)
+            flat = np.arange(len(devs), dtype=np.int64)
+            _, p, level, members, start = _group_shapes(self.machine, flat % rest,
+                                                        np.asarray(devs, dtype=np.int64))
+            t = 0.0
+            for i in np.unique(np.stack([p, level]), axis=1, return_index=True)[1].tolist():
+                rep = members[start[i]:start[i] + p[i]].tolist()
+                t = max(t, self.model.grad_allreduce_time(rep, out.piece_nbytes, total))
+            el = sum(C.allreduce_elements(int(q), out.piece_numel) for q in p.tolist())
+            if t > 0 and self._sync_bytes > 0:
+                t += self.model.sync_per_tensor + self.model.sync_iteration * out.piece_nbytes / self._sync_bytes
+            return t, el
         groups: dict = {}
         for flat, dev in enumerate(devs):
             groups.setdefault(flat % rest, set()).add(dev)

@@ -134,3 +134,53 @@ def test_memory_arrays_equal_memory_dicts(machine, k, precision):
             assert not wa[~wm].any() and not aa[~am].any()
             nonzero += bool(w) + bool(a)
     assert nonzero > 0
+
+
+def _both_ways(monkeypatch, fn):
+    """``fn()`` priced by numpy (threshold 1 device) and by the device loops (threshold never reached)."""
+    monkeypatch.setattr(cost, "_VEC_MIN_DEVICES", 1)
+    fast = fn()
+    monkeypatch.setattr(cost, "_VEC_MIN_DEVICES", 10 ** 9)
+    return fast, fn()
+
+
+def _replicated_weight(k: int) -> PCG:
+    """Data parallelism: a weight copied k times, its gradient all-reduced over the copies."""
+    b = PCG.builder()
+    x = b.add("Input", {"name": "x", "shape": (4 * k, 12)})
+    w = b.add("Weight", {"name": "w", "shape": (12, 12)})
+    y = b.add("MatMul", {}, [b.add("Partition", {"dim": 0, "degree": k}, [x]),
+                             b.add("Replicate", {"degree": k}, [w], name="wcopy")], name="mm")
+    b.set_outputs([y])
+    return b.finish()
+
+
+@pytest.mark.parametrize("machine,k", [("h100:2x4", 2), ("h100:1x8", 4), ("summit:2x6", 2), ("h100:4x2", 4),
+                                       ("h100:4x2", 8)])
+def test_fused_pairs_and_gradient_sync_alike(machine, k, monkeypatch):
+    """The fused reduce-scatter / all-gather pairs and the gradient all-reduce of copied weights: the
+    numpy paths give the loops' floats on every view pair."""
+    from .test_seqpar_cost import _graph
+    g = _graph(k)
+    m = parse_machine(machine)
+    ids = {n.name: n.id for n in g.nodes()}
+
+    def prices():
+        gc = GraphCost(g, CostModel(m))
+        out = []
+        for name in ("scatter", "gather"):
+            nid = ids[name]
+            src = g.node(g.node(nid).inputs[0][0]).inputs[0][0]      # the fused pair's input producer
+            for pv in gc.views(src):
+                for v in gc.views(nid):
+                    c = gc._fused_edge(nid, pv, v)
+                    out.append((c.time, c.comm_elements))
+        gw = _replicated_weight(k)
+        gc = GraphCost(gw, CostModel(m))
+        sync = [gc._grad_sync(nid, v) for nid in gc.nodes() if gc.role[nid] == "weight-placement"
+                for v in gc.views(nid)]
+        return out, sync
+
+    fast, loop = _both_ways(monkeypatch, prices)
+    assert fast == loop
+    assert any(t > 0 for t, _ in fast[0]) and any(t > 0 for t, _ in fast[1])
