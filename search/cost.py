@@ -194,6 +194,7 @@ class CostModel:
         # GraphCost edge prices shared by every graph priced on this model (GraphCost._edge_key): Alpa's
         # ILP prices the same resharding on thousands of fragment graphs
         self._edge_memo: dict = {}
+        self._sync_memo: dict = {}      # the same for gradient all-reduces (GraphCost._grad_sync)
         # data-parallel framework costs measured by calibration (local machines; 0 elsewhere):
         # per iteration (bucket all-reduce latency, waiting for the slowest replica), per gradient
         # tensor (hooks, bucket copies), and per iteration for synchronizing replicated buffers
@@ -1388,6 +1389,19 @@ class GraphCost:
         out = self.g.shapes(nid)[0]
         if out.copy_degree == 1:
             return 0.0, 0
+        mo = self.model
+        key = (out, view, self._sync_bytes, mo.sync_total_bytes, mo.sync_per_tensor, mo.sync_iteration,
+               mo.grad_bucket_bytes, mo.first_bucket_bytes, mo.overlap_min_bytes, mo.sync_model)   # all it reads
+        memo = mo._sync_memo
+        hit = memo.get(key)
+        if hit is None:
+            if len(memo) > 100_000:
+                memo.clear()
+            hit = memo[key] = self._grad_sync_of(out, view)
+        return hit
+
+    def _grad_sync_of(self, out: ParallelTensorShape, view: MachineView) -> tuple[float, int]:
+        """:meth:`_grad_sync` of a chain end of shape ``out`` on ``view`` (not memoized)."""
         devs = view.devices()
         rest = out.piece_count // out.copy_degree
         total = self.model.sync_total_bytes or self._sync_bytes
