@@ -599,6 +599,7 @@ class GraphCost:
         self._edge_cache: dict = {}
         self._near_cache: dict = {}             # id(holder set) -> _NearIndex (see _nearest)
         self._leaf_cache: dict = {}
+        self._place_cache: dict = {}            # (compute node, view, output) -> placement
         self._update_owner: dict[int, set] = {}          # compute node -> trained Weight inputs it updates
         self._direct_weights: dict[int, set] = {}        # compute node -> Weight inputs it holds
         self._fused: dict[int, tuple[str, int]] = {}     # second node of a fused pair -> (kind, first node)
@@ -993,11 +994,18 @@ class GraphCost:
         """Device of every piece (canonical flat order) of output ``k`` of ``nid`` under ``view``."""
         devs = view.devices()
         if self.role[nid] == "compute":
+            key = (nid, view, k)
+            hit = self._place_cache.get(key)
+            if hit is not None:
+                return hit
             t2p = self._task_to_piece(nid, "out", k)
             out = [0] * len(devs)
             for t, p in enumerate(t2p):
                 out[p] = devs[t]
-            return tuple(out)
+            if len(self._place_cache) > 50_000:
+                self._place_cache.clear()
+            res = self._place_cache[key] = tuple(out)
+            return res
         return devs
 
     # --- edges -----------------------------------------------------------------------------------
