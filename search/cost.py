@@ -503,7 +503,7 @@ class _NearIndex:
         return self.low if h is None else h
 
 
-_VEC_MIN_DEVICES = 256     # edges of views this large are priced by numpy (_edge_vec), smaller ones by the loop
+_VEC_MIN_DEVICES = 64      # views this large are priced by numpy (_edge_vec, _fused_vec, _grad_sync), smaller by loops
 
 
 class _Holdings:
