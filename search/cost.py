@@ -519,7 +519,7 @@ class _Holdings:
         keys = np.arange(len(devs), dtype=np.int64) % rest
         self.low = np.full(rest, np.iinfo(np.int64).max, dtype=np.int64)
         np.minimum.at(self.low, keys, devs)
-        self.have = np.unique((keys << self._SHIFT) | devs)
+        self.have = np.sort((keys << self._SHIFT) | devs)      # repeats do no harm to the lookups
         self.by_group = self._lowest(keys, C.device_groups(machine, devs), devs)
         self.by_node = self._lowest(keys, devs // machine.devices_per_node, devs)
 

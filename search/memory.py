@@ -15,6 +15,7 @@ from __future__ import annotations
 
 from collections import defaultdict
 from dataclasses import dataclass
+from functools import lru_cache
 from typing import Mapping
 
 import numpy as np
@@ -128,6 +129,14 @@ def node_memory(gc: GraphCost, nid: int, view: MachineView) -> tuple[dict, dict]
     return w, a
 
 
+@lru_cache(maxsize=4096)
+def _view_devices(view: MachineView) -> np.ndarray:
+    """The distinct devices of ``view``, sorted (read-only)."""
+    d = np.unique(np.asarray(view.devices(), dtype=np.int64))
+    d.flags.writeable = False
+    return d
+
+
 def node_memory_arrays(gc: GraphCost, nid: int, view: MachineView):
     """:func:`node_memory` as numpy arrays over all devices of the machine: (weight bytes, activation
     bytes, which devices hold weights, which hold activations) -- the same floats a device's entry of
@@ -151,7 +160,7 @@ def node_memory_arrays(gc: GraphCost, nid: int, view: MachineView):
         return w, a, wm, am
     if role == "compute":
         factor = gc.model.weight_memory_factor()
-        devs = np.unique(np.asarray(view.devices(), dtype=np.int64))
+        devs = _view_devices(view)
         for r in gc._direct_weights.get(nid, ()):
             f = factor if gc.trainable(r[0]) else 1
             w[devs] += g.shape(r).piece_nbytes * f
