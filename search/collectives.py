@@ -43,12 +43,22 @@ def measured_time(machine: MachineSpec, kind: str, p: int, nbytes: float) -> flo
     return interpolate_table(tab, nbytes) if tab else None
 
 
+def group_level(machine: MachineSpec, devs: Sequence[int]) -> tuple[int, str]:
+    """The shape a collective is priced by: the number of distinct devices and the slowest link level they
+    span (``MachineSpec.span_level``); which devices they are matters no further."""
+    return len(set(devs)), machine.span_level(devs)
+
+
 def allreduce_time(machine: MachineSpec, devs: Sequence[int], nbytes: float) -> float:
     """Ring all-reduce: 2(p-1) steps of n/p bytes (a calibrated local machine: its measured table)."""
-    p = len(set(devs))
-    link = _link(machine, devs)
-    if p <= 1 or link is None or nbytes <= 0:
+    return allreduce_time_of(machine, *group_level(machine, devs), nbytes)
+
+
+def allreduce_time_of(machine: MachineSpec, p: int, level: str, nbytes: float) -> float:
+    """:func:`allreduce_time` of a group of ``p`` devices spanning link level ``level``."""
+    if p <= 1 or level == "local" or nbytes <= 0:
         return 0.0
+    link = machine.link(level)
     t = measured_time(machine, "all_reduce", p, nbytes)
     if t is not None:
         return t
@@ -58,10 +68,14 @@ def allreduce_time(machine: MachineSpec, devs: Sequence[int], nbytes: float) -> 
 def allgather_time(machine: MachineSpec, devs: Sequence[int], nbytes: float) -> float:
     """Ring all-gather of a tensor of ``nbytes`` (gathered size): p-1 steps of n/p bytes (a calibrated
     local machine: its measured table)."""
-    p = len(set(devs))
-    link = _link(machine, devs)
-    if p <= 1 or link is None or nbytes <= 0:
+    return allgather_time_of(machine, *group_level(machine, devs), nbytes)
+
+
+def allgather_time_of(machine: MachineSpec, p: int, level: str, nbytes: float) -> float:
+    """:func:`allgather_time` of a group of ``p`` devices spanning link level ``level``."""
+    if p <= 1 or level == "local" or nbytes <= 0:
         return 0.0
+    link = machine.link(level)
     t = measured_time(machine, "all_gather", p, nbytes)
     if t is not None:
         return t
@@ -69,6 +83,7 @@ def allgather_time(machine: MachineSpec, devs: Sequence[int], nbytes: float) -> 
 
 
 reduce_scatter_time = allgather_time
+reduce_scatter_time_of = allgather_time_of
 
 
 def alltoall_time(machine: MachineSpec, devs: Sequence[int], nbytes: float) -> float:
@@ -83,10 +98,14 @@ def alltoall_time(machine: MachineSpec, devs: Sequence[int], nbytes: float) -> f
 def broadcast_time(machine: MachineSpec, devs: Sequence[int], nbytes: float) -> float:
     """Pipelined (chunked ring) broadcast of ``nbytes`` from one of ``devs`` to the others (a calibrated
     local machine: its measured table)."""
-    p = len(set(devs))
-    link = _link(machine, devs)
-    if p <= 1 or link is None or nbytes <= 0:
+    return broadcast_time_of(machine, *group_level(machine, devs), nbytes)
+
+
+def broadcast_time_of(machine: MachineSpec, p: int, level: str, nbytes: float) -> float:
+    """:func:`broadcast_time` of a group of ``p`` devices spanning link level ``level``."""
+    if p <= 1 or level == "local" or nbytes <= 0:
         return 0.0
+    link = machine.link(level)
     t = measured_time(machine, "broadcast", p, nbytes)
     if t is not None:
         return t
@@ -96,6 +115,7 @@ def broadcast_time(machine: MachineSpec, devs: Sequence[int], nbytes: float) -> 
 # reduce to one device = reduce-scatter + gather: 2(p-1)/p n bytes through the slowest link, the same
 # alpha-beta cost as a ring all-reduce
 reduce_time = allreduce_time
+reduce_time_of = allreduce_time_of
 
 
 def p2p_time(machine: MachineSpec, src: int, dst: int, nbytes: float) -> float:
@@ -135,9 +155,55 @@ def transfer_time(machine: MachineSpec, moves: Iterable[tuple[int, int, float]])
     return t + lat
 
 
+def transfer_time_uniform(machine: MachineSpec, src, dst, nbytes: int) -> float:
+    """:func:`transfer_time` of the messages ``(src[i], dst[i], nbytes)`` (numpy integer arrays, one byte
+    count for all), counted per endpoint instead of summed message by message.  Equal to
+    :func:`transfer_time` bit for bit: an endpoint's bytes are a count times an integer ``nbytes``, exact in
+    a float below 2**53 as every partial sum of the message-by-message loop is (larger or non-integer byte
+    counts take that loop)."""
+    import numpy as np
+    src = np.asarray(src, dtype=np.int64)
+    dst = np.asarray(dst, dtype=np.int64)
+    if not isinstance(nbytes, int) or nbytes * max(len(src), 1) >= 2 ** 53:
+        return transfer_time(machine, zip(src.tolist(), dst.tolist(), [nbytes] * len(src)))
+    if nbytes <= 0:
+        return 0.0
+    keep = src != dst
+    if not keep.any():
+        return 0.0
+    src, dst = src[keep], dst[keep]
+    dpn = machine.devices_per_node
+    ns, nd = src // dpn, dst // dpn
+    gs, gd = device_groups(machine, src), device_groups(machine, dst)
+    net = ns != nd
+    node = ~net & (gs != gd)
+    levels = (("network", net), ("node", node), ("group", ~net & ~node))
+    t = 0.0
+    lat = 0.0
+    for lv, sel in levels:
+        if not sel.any():
+            continue
+        link = machine.link(lv)
+        ks, kd = (ns[sel], nd[sel]) if lv == "network" else (src[sel], dst[sel])
+        busiest = max(int(np.bincount(ks).max()), int(np.bincount(kd).max()))
+        t = max(t, float(busiest * nbytes) / link.bandwidth)
+        n = int(np.bincount(np.concatenate([src[sel], dst[sel]])).max())
+        lat = max(lat, link.latency * n)
+    return t + lat
+
+
+def device_groups(machine: MachineSpec, devs):
+    """``MachineSpec.group_of`` of a numpy array of devices."""
+    gsz, dpn = machine.group_size, machine.devices_per_node
+    if dpn % gsz == 0:
+        return devs // gsz
+    return (devs // dpn) * 10_000 + (devs % dpn) // gsz
+
+
 def allreduce_elements(p: int, numel: int) -> int:
     return 2 * (p - 1) * numel if p > 1 else 0
 
 
-__all__ = ["measured_time", "allreduce_time", "allgather_time", "reduce_scatter_time", "alltoall_time", "broadcast_time",
+__all__ = ["measured_time", "group_level", "allreduce_time_of", "allgather_time_of", "reduce_scatter_time_of",
+           "broadcast_time_of", "reduce_time_of", "transfer_time_uniform", "device_groups", "allreduce_time", "allgather_time", "reduce_scatter_time", "alltoall_time", "broadcast_time",
            "reduce_time", "p2p_time", "transfer_time", "allreduce_elements"]

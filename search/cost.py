@@ -47,6 +47,8 @@ from dataclasses import dataclass, field, replace
 from functools import lru_cache
 from typing import Any, Mapping, Sequence
 
+import numpy as np
+
 from unity_pcg import ops
 from unity_pcg.machine import MODES, MachineSpec, MachineView, Resource, enumerate_views, interpolate_table
 from unity_pcg.pcg import PCG
@@ -192,6 +194,7 @@ class CostModel:
         # GraphCost edge prices shared by every graph priced on this model (GraphCost._edge_key): Alpa's
         # ILP prices the same resharding on thousands of fragment graphs
         self._edge_memo: dict = {}
+        self._sync_memo: dict = {}      # the same for gradient all-reduces (GraphCost._grad_sync)
         # data-parallel framework costs measured by calibration (local machines; 0 elsewhere):
         # per iteration (bucket all-reduce latency, waiting for the slowest replica), per gradient
         # tensor (hooks, bucket copies), and per iteration for synchronizing replicated buffers
@@ -500,6 +503,88 @@ class _NearIndex:
         return self.low if h is None else h
 
 
+_VEC_MIN_DEVICES = 64      # views this large are priced by numpy (_edge_vec, _fused_vec, _grad_sync), smaller by loops
+
+
+class _Holdings:
+    """Who holds each piece key (a piece up to its copy index) of a placed tensor, as arrays, asked about
+    many (key, device) pairs at once: whether the device holds the key, and which holder it reads from
+    (:meth:`GraphCost._nearest`'s rule: itself, else the lowest holder in its group, else in its node, else
+    the lowest overall)."""
+    _SHIFT = 32                         # a (key, device / group / node) pair as one int64: key << 32 | id
+
+    def __init__(self, place: Sequence[int], rest: int, machine: MachineSpec):
+        self.machine = machine
+        devs = np.asarray(place, dtype=np.int64)
+        keys = np.arange(len(devs), dtype=np.int64) % rest
+        self.low = np.full(rest, np.iinfo(np.int64).max, dtype=np.int64)
+        np.minimum.at(self.low, keys, devs)
+        self.have = np.sort((keys << self._SHIFT) | devs)      # repeats do no harm to the lookups
+        self.by_group = self._lowest(keys, C.device_groups(machine, devs), devs)
+        self.by_node = self._lowest(keys, devs // machine.devices_per_node, devs)
+
+    def _lowest(self, keys, ids, devs):
+        """(sorted pair codes, the lowest holder of each): the lowest device per (key, id) pair."""
+        codes = (keys << self._SHIFT) | ids
+        order = np.lexsort((devs, codes))
+        uc, first = np.unique(codes[order], return_index=True)
+        return uc, devs[order][first]
+
+    @staticmethod
+    def _find(table, codes):
+        uc, val = table
+        if len(uc) == 0:
+            return np.zeros(len(codes), dtype=bool), val[:0]
+        i = np.minimum(np.searchsorted(uc, codes), len(uc) - 1)
+        return uc[i] == codes, val[i]
+
+    def holds(self, keys, devs):
+        codes = (keys << self._SHIFT) | devs
+        i = np.minimum(np.searchsorted(self.have, codes), len(self.have) - 1)
+        return self.have[i] == codes
+
+    def nearest(self, keys, devs):
+        res = self.low[keys].copy()
+        ok, v = self._find(self.by_node, (keys << self._SHIFT) | (devs // self.machine.devices_per_node))
+        res[ok] = v[ok]
+        ok, v = self._find(self.by_group, (keys << self._SHIFT) | C.device_groups(self.machine, devs))
+        res[ok] = v[ok]
+        mine = self.holds(keys, devs)
+        res[mine] = devs[mine]
+        return res
+
+
+def _group_shapes(machine: MachineSpec, gid, devs):
+    """The shape of every group whose members are ``devs[i]`` of group ``gid[i]`` (repeats allowed):
+    (group ids sorted, distinct devices, link level spanned as 0 local / 1 group / 2 node / 3 network,
+    the group's distinct devices sorted, as one array, and where each group starts in it)."""
+    sh = _Holdings._SHIFT
+    pairs = np.unique((gid << sh) | devs)
+    g = pairs >> sh
+    d = pairs & ((1 << sh) - 1)
+    ug, start, p = np.unique(g, return_index=True, return_counts=True)
+    nodes = np.unique((g << sh) | (d // machine.devices_per_node)) >> sh
+    groups = np.unique((g << sh) | C.device_groups(machine, d)) >> sh
+    n_nodes = np.searchsorted(nodes, ug, side="right") - np.searchsorted(nodes, ug, side="left")
+    n_groups = np.searchsorted(groups, ug, side="right") - np.searchsorted(groups, ug, side="left")
+    level = np.where(p <= 1, 0, np.where(n_nodes > 1, 3, np.where(n_groups > 1, 2, 1)))
+    return ug, p, level, d, start
+
+
+_LEVEL_NAMES = ("local", "group", "node", "network")
+
+
+def _group_times(machine: MachineSpec, gid, devs, fn, nbytes) -> tuple[float, np.ndarray]:
+    """The slowest of the collectives ``fn`` (a ``collectives.*_time_of``) of ``nbytes`` over the groups
+    whose members are ``devs[i]`` of group ``gid[i]`` (repeats allowed), each priced by its shape (distinct
+    devices, link level spanned), and the distinct device count of every group (sorted by group id)."""
+    _, p, level, _, _ = _group_shapes(machine, gid, devs)
+    t = 0.0
+    for pp, lv in set(zip(p.tolist(), level.tolist())):
+        t = max(t, fn(machine, pp, _LEVEL_NAMES[lv], nbytes))
+    return t, p
+
+
 class GraphCost:
     """Prices the leaves of one PCG on one machine (see module docstring)."""
 
@@ -514,6 +599,7 @@ class GraphCost:
         self._edge_cache: dict = {}
         self._near_cache: dict = {}             # id(holder set) -> _NearIndex (see _nearest)
         self._leaf_cache: dict = {}
+        self._place_cache: dict = {}            # (compute node, view, output) -> placement
         self._update_owner: dict[int, set] = {}          # compute node -> trained Weight inputs it updates
         self._direct_weights: dict[int, set] = {}        # compute node -> Weight inputs it holds
         self._fused: dict[int, tuple[str, int]] = {}     # second node of a fused pair -> (kind, first node)
@@ -656,7 +742,7 @@ class GraphCost:
         m = self.machine
         ref = tuple(g.node(first).inputs[0])
         xs = g.shape(ref)
-        hold = self._holders(xs, self.placement(ref[0], prod_view, ref[1]))
+        place = self.placement(ref[0], prod_view, ref[1])
         isz = self.itemsize(ref)
         fa = g.node(first).a
         k = fa["degree"]
@@ -675,6 +761,11 @@ class GraphCost:
         for i in range(len(igrid) - 2, 0, -1):
             stride[i] = stride[i + 1] * igrid[i + 1]
 
+        fast = self._fused_vec(kind, k, d, xs, out, stride, place, view, part * isz, full * isz, part, full)
+        if fast is not None:
+            t, elements = fast
+            return LeafCost(time=2 * t, comm=2 * t, comm_elements=2 * elements)
+        hold = self._holders(xs, place)
         self._near_cache = {}           # the holder sets of this edge (see _nearest)
         groups: dict = {}
         for flat, dev in enumerate(view.devices()):
@@ -716,6 +807,66 @@ class GraphCost:
                 elements += (len(set(devs)) - 1) * full
         t += C.transfer_time(m, moves)
         return LeafCost(time=2 * t, comm=2 * t, comm_elements=2 * elements)
+
+    def _fused_vec(self, kind: str, k: int, d: int, xs: ParallelTensorShape, out: ParallelTensorShape, stride,
+                   place, view: MachineView, part_b: int, full_b: int, part: int, full: int):
+        """:meth:`_fused_edge`'s (seconds, elements) of one direction over all devices at once (numpy): the
+        same groups, the same pieces sent to the same members, collectives priced by group shape.  None on
+        views of few devices and where the groups differ in size (the loop takes those)."""
+        devs = np.asarray(view.devices(), dtype=np.int64)
+        n = len(devs)
+        if n < _VEC_MIN_DEVICES or n != out.piece_count or len(out.grid) != len(xs.grid):
+            return None
+        m = self.machine
+        H = _Holdings(place, xs.piece_count // xs.copy_degree, m)
+        gi = np.stack(np.unravel_index(np.arange(n), out.grid)).astype(np.int64)
+        st = np.asarray(stride, dtype=np.int64)
+        src = gi.copy()
+        src[0] = 0
+        keyv = gi.copy()
+        if kind == "reduce-scatter":
+            keyv[d] = gi[d] // k
+            src[1] = gi[1] * k
+            src[d] = gi[d] // k
+            step = int(st[1])
+        else:
+            keyv[0] = gi[0] // k
+            src[d] = gi[d] * k
+            step = int(st[d])
+        base = (src[1:] * st[1:, None]).sum(axis=0)
+        code = np.ravel_multi_index(tuple(keyv), out.grid)
+        order = np.argsort(code, kind="stable")                     # by group, members in device order
+        _, counts = np.unique(code, return_counts=True)
+        c = int(counts[0])
+        if (counts != c).any():
+            return None
+        G = len(counts)
+        M = devs[order].reshape(G, c)
+        S = base[order].reshape(G, c)[:, :1] + step * np.arange(k, dtype=np.int64)[None, :]   # (G, k) pieces
+        holds = H.holds(np.broadcast_to(S[:, None, :], (G, c, k)).ravel(),
+                        np.broadcast_to(M[:, :, None], (G, c, k)).ravel()).reshape(G, c, k)
+        has = holds.any(axis=2)
+        first = holds.argmax(axis=2)                                # the first piece a member holds
+        held = np.zeros((G, k), dtype=bool)
+        gg, ii = np.nonzero(has)
+        held[gg, first[gg, ii]] = True
+        free = ~has
+        nfree = free.sum(axis=1)
+        fidx = np.argsort(~free, axis=1, kind="stable")            # the free members first, in order
+        need = ~held
+        rank = np.cumsum(need, axis=1) - 1
+        gj, jj = np.nonzero(need)
+        r = rank[gj, jj]
+        pick = np.where(r < nfree[gj], fidx[gj, np.minimum(r, c - 1)], 0)
+        dst = M[gj, pick]
+        elements = part * len(dst)
+        t = 0.0
+        if c > 1:
+            coll = C.reduce_scatter_time_of if kind == "reduce-scatter" else C.allgather_time_of
+            t, p = _group_times(m, np.repeat(np.arange(G, dtype=np.int64), c), M.ravel(), coll, full_b)
+            elements += int(((p - 1) * full).sum())
+        t += C.transfer_time_uniform(m, H.nearest(S[gj, jj], dst), dst, part_b)
+        return t, elements
 
     # --- dtypes under the precision -------------------------------------------------------------
     def dtype(self, ref) -> str:
@@ -844,11 +995,18 @@ class GraphCost:
         """Device of every piece (canonical flat order) of output ``k`` of ``nid`` under ``view``."""
         devs = view.devices()
         if self.role[nid] == "compute":
+            key = (nid, view, k)
+            hit = self._place_cache.get(key)
+            if hit is not None:
+                return hit
             t2p = self._task_to_piece(nid, "out", k)
             out = [0] * len(devs)
             for t, p in enumerate(t2p):
                 out[p] = devs[t]
-            return tuple(out)
+            if len(self._place_cache) > 50_000:
+                self._place_cache.clear()
+            res = self._place_cache[key] = tuple(out)
+            return res
         return devs
 
     # --- edges -----------------------------------------------------------------------------------
@@ -883,11 +1041,111 @@ class GraphCost:
         if nid in self._fused:
             res = self._edge_cache[key] = memo[mkey] = self._fused_edge(nid, prod_view, view)
             return res
-        m = self.machine
         shape = self.g.shape(ref)
-        hold = self._holders(shape, self.placement(ref[0], prod_view, ref[1]))
-        self._near_cache = {}           # the holder sets of this edge (see _nearest)
+        place = self.placement(ref[0], prod_view, ref[1])
         isz = self.itemsize(ref)           # the precision's dtype (bf16 activations move half the bytes)
+        res = self._edge_vec(nid, pos, shape, place, view, isz)
+        t, elements = res if res is not None else self._edge_loop(nid, pos, shape, place, view, isz)
+        factor = 1 if prole == "input-placement" else 2   # no gradient flows back to the data
+        res = LeafCost(time=factor * t, comm=factor * t, comm_elements=factor * elements)
+        self._edge_cache[key] = memo[mkey] = res
+        return res
+
+    def _edge_vec(self, nid: int, pos: int, shape: ParallelTensorShape, place: Sequence[int], view: MachineView,
+                  isz: int) -> tuple[float, int] | None:
+        """:meth:`_edge_loop` over all devices at once (numpy): the same messages, collectives and floats
+        (message times counted per endpoint, collectives priced per group shape).  None where the view
+        and the tensor's grid disagree in size, and on views of few devices, where the loop is quicker."""
+        m = self.machine
+        if len(view.devices()) < _VEC_MIN_DEVICES:
+            return None
+        rest = shape.piece_count // shape.copy_degree
+        H = _Holdings(place, rest, m)
+        pnum = shape.piece_numel
+        pbytes = pnum * isz
+        devs = np.asarray(view.devices(), dtype=np.int64)
+        if self.role[nid] == "compute":
+            t2p = np.asarray(self._task_to_piece(nid, "in", pos), dtype=np.int64)
+            if len(t2p) != len(devs):
+                return None
+            keys = t2p % rest
+            miss = ~H.holds(keys, devs)
+            dst = devs[miss]
+            t = C.transfer_time_uniform(m, H.nearest(keys[miss], dst), dst, pbytes)
+            return t, pnum * int(miss.sum())
+        node = self.g.node(nid)
+        out = self.g.shapes(nid)[0]
+        ogrid, igrid = out.grid, shape.grid
+        n = len(devs)
+        if n != out.piece_count or len(ogrid) != len(igrid):
+            return None
+        a, op = node.a, node.op
+        kstride = np.zeros(len(igrid), dtype=np.int64)     # piece key = grid index . stride (not the copy)
+        acc = 1
+        for i in range(len(igrid) - 1, 0, -1):
+            kstride[i] = acc
+            acc *= igrid[i]
+        gi = np.stack(np.unravel_index(np.arange(n), ogrid)).astype(np.int64)   # (axes, devices)
+        opnum = out.piece_numel
+
+        def keys_with(axis, values):   # piece keys of gi with ``axis`` replaced by ``values``
+            return (gi * kstride[:, None]).sum(axis=0) + (values - gi[axis]) * kstride[axis]
+
+        if op in ("Partition", "Pipeline"):
+            dim = 2 + a["dim"] % shape.rank
+            keys = keys_with(dim, gi[dim] // a["degree"])
+            miss = ~H.holds(keys, devs)
+            dst = devs[miss]
+            t = C.transfer_time_uniform(m, H.nearest(keys[miss], dst), dst, opnum * isz)
+            return t, opnum * int(miss.sum())
+        if op in ("Combine", "Batch"):
+            dim = 2 + a["dim"] % shape.rank
+            k = a["degree"]
+            keys = np.concatenate([keys_with(dim, gi[dim] * k + j) for j in range(k)])
+            dd = np.tile(devs, k)
+            miss = ~H.holds(keys, dd)
+            dst = dd[miss]
+            t = C.transfer_time_uniform(m, H.nearest(keys[miss], dst), dst, pbytes)
+            return t, pnum * int(miss.sum())
+        if op == "Replicate":
+            keys = keys_with(0, np.zeros(n, dtype=np.int64))
+            miss = ~H.holds(keys, devs)
+            if not miss.any():
+                return 0.0, 0
+            km, dm = keys[miss], devs[miss]
+            uk, first = np.unique(km, return_index=True)
+            src = H.nearest(uk, dm[first])               # each group's sender: nearest its first receiver
+            t, _ = _group_times(m, np.concatenate([km, uk]), np.concatenate([dm, src]), C.broadcast_time_of,
+                                pbytes)
+            return t, pnum * int(miss.sum())
+        if op in ("Reduce", "AllReduce"):
+            k = a["degree"]
+            keys = np.concatenate([keys_with(1, gi[1] * k + j) for j in range(k)])
+            dd = np.tile(devs, k)
+            near = H.nearest(keys, dd)
+            flat = np.tile(np.arange(n, dtype=np.int64), k)
+            if op == "Reduce":
+                miss = near != dd
+                if not miss.any():
+                    return 0.0, 0
+                gid = np.unique(flat[miss])
+                t, _ = _group_times(m, np.concatenate([flat[miss], gid]), np.concatenate([near[miss], devs[gid]]),
+                                    C.reduce_time_of, opnum * isz)
+                return t, pnum * int(miss.sum())
+            per = n // ogrid[0]                          # the group: the output index but its copy
+            gid = flat % per
+            t, p = _group_times(m, np.concatenate([gid, np.arange(n, dtype=np.int64) % per]),
+                                np.concatenate([near, devs]), C.allreduce_time_of, opnum * isz)
+            return t, int(sum(C.allreduce_elements(int(q), opnum) for q in p))
+        return None
+
+    def _edge_loop(self, nid: int, pos: int, shape: ParallelTensorShape, place: Sequence[int], view: MachineView,
+                   isz: int) -> tuple[float, int]:
+        """One direction's (seconds, elements) of input ``pos`` of ``nid`` whose pieces lie at ``place``:
+        device by device (the reference :meth:`_edge_vec` equals; it takes the cases that one declines)."""
+        m = self.machine
+        hold = self._holders(shape, place)
+        self._near_cache = {}           # the holder sets of this edge (see _nearest)
         pnum = shape.piece_numel
         pbytes = pnum * isz
         rest = len(hold)
@@ -997,10 +1255,7 @@ class GraphCost:
                 else:
                     devs = list(grp[0]) + grp[1]
                     t = max(t, C.reduce_time(m, devs, opnum * isz))
-        factor = 1 if prole == "input-placement" else 2   # no gradient flows back to the data
-        res = LeafCost(time=factor * t, comm=factor * t, comm_elements=factor * elements)
-        self._edge_cache[key] = memo[mkey] = res
-        return res
+        return t, elements
 
     def _edge_key(self, nid: int, pos: int, ref, prole: str, prod_view: MachineView, view: MachineView) -> tuple:
         """Everything :meth:`edge_cost` reads, graph-independently: equal keys on graphs priced by the same
@@ -1144,8 +1399,34 @@ class GraphCost:
         out = self.g.shapes(nid)[0]
         if out.copy_degree == 1:
             return 0.0, 0
+        mo = self.model
+        key = (out, view, self._sync_bytes, mo.sync_total_bytes, mo.sync_per_tensor, mo.sync_iteration,
+               mo.grad_bucket_bytes, mo.first_bucket_bytes, mo.overlap_min_bytes, mo.sync_model)   # all it reads
+        memo = mo._sync_memo
+        hit = memo.get(key)
+        if hit is None:
+            if len(memo) > 100_000:
+                memo.clear()
+            hit = memo[key] = self._grad_sync_of(out, view)
+        return hit
+
+    def _grad_sync_of(self, out: ParallelTensorShape, view: MachineView) -> tuple[float, int]:
+        """:meth:`_grad_sync` of a chain end of shape ``out`` on ``view`` (not memoized)."""
         devs = view.devices()
         rest = out.piece_count // out.copy_degree
+        total = self.model.sync_total_bytes or self._sync_bytes
+        if len(devs) >= _VEC_MIN_DEVICES:     # price each shape of copy group once (the price reads only it)
+            flat = np.arange(len(devs), dtype=np.int64)
+            _, p, level, members, start = _group_shapes(self.machine, flat % rest,
+                                                        np.asarray(devs, dtype=np.int64))
+            t = 0.0
+            for i in np.unique(np.stack([p, level]), axis=1, return_index=True)[1].tolist():
+                rep = members[start[i]:start[i] + p[i]].tolist()
+                t = max(t, self.model.grad_allreduce_time(rep, out.piece_nbytes, total))
+            el = sum(C.allreduce_elements(int(q), out.piece_numel) for q in p.tolist())
+            if t > 0 and self._sync_bytes > 0:
+                t += self.model.sync_per_tensor + self.model.sync_iteration * out.piece_nbytes / self._sync_bytes
+            return t, el
         groups: dict = {}
         for flat, dev in enumerate(devs):
             groups.setdefault(flat % rest, set()).add(dev)

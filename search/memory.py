@@ -15,7 +15,10 @@ from __future__ import annotations
 
 from collections import defaultdict
 from dataclasses import dataclass
+from functools import lru_cache
 from typing import Mapping
+
+import numpy as np
 
 from unity_pcg import ops
 from unity_pcg.machine import MachineView
@@ -126,6 +129,68 @@ def node_memory(gc: GraphCost, nid: int, view: MachineView) -> tuple[dict, dict]
     return w, a
 
 
+@lru_cache(maxsize=4096)
+def _view_devices(view: MachineView) -> np.ndarray:
+    """The distinct devices of ``view``, sorted (read-only)."""
+    d = np.unique(np.asarray(view.devices(), dtype=np.int64))
+    d.flags.writeable = False
+    return d
+
+
+def node_memory_arrays(gc: GraphCost, nid: int, view: MachineView):
+    """:func:`node_memory` as numpy arrays over all devices of the machine: (weight bytes, activation
+    bytes, which devices hold weights, which hold activations) -- the same floats a device's entry of
+    the dicts has (byte counts are integers, exact in a float), for pricers that add many nodes up
+    device by device (Alpa's ILP fragments): one array operation per tensor instead of one dict entry
+    per device."""
+    g = gc.g
+    n_dev = gc.machine.num_devices
+    w = np.zeros(n_dev)
+    a = np.zeros(n_dev)
+    wm = np.zeros(n_dev, dtype=bool)
+    am = np.zeros(n_dev, dtype=bool)
+    role = gc.role[nid]
+    node = g.node(nid)
+    if role == "weight-placement":
+        if nid in gc._chain_end:
+            pb = g.shapes(nid)[0].piece_nbytes * (gc.model.weight_memory_factor() if gc.trainable(nid) else 1)
+            d = np.unique(np.asarray(gc.placement(nid, view), dtype=np.int64))
+            w[d] += pb
+            wm[d] = True
+        return w, a, wm, am
+    if role == "compute":
+        factor = gc.model.weight_memory_factor()
+        devs = _view_devices(view)
+        for r in gc._direct_weights.get(nid, ()):
+            f = factor if gc.trainable(r[0]) else 1
+            w[devs] += g.shape(r).piece_nbytes * f
+            wm[devs] = True
+        casts = gc.casts(nid)
+        if casts:
+            saved = SAVES_INPUTS.get(node.op)
+            for pos, _, to in casts:
+                r = node.inputs[pos]
+                b = g.shape(r).piece_numel * gc.kernel_itemsize(to)
+                if gc.role[r[0]] in ("weight", "weight-placement"):
+                    w[devs] += b
+                    wm[devs] = True
+                elif saved is None or pos in saved:
+                    a[devs] += b
+                    am[devs] = True
+    if role == "input-placement" and any(gc.role[x[0]] != "input" for x in node.inputs):
+        return w, a, wm, am
+    copy = _saves_copy(gc)
+    for k, s in enumerate(g.shapes(nid)):
+        frac = 1.0 if role == "input-placement" else kept_fraction(g, nid, k, copy)
+        if frac == 0.0:
+            continue
+        pb = int(s.piece_nbytes * frac) if frac < 1.0 else s.piece_numel * gc.itemsize((nid, k))
+        place = np.asarray(gc.placement(nid, view, k), dtype=np.int64)
+        np.add.at(a, place, pb)             # a device holding two pieces holds both
+        am[place] = True
+    return w, a, wm, am
+
+
 def _saves_copy(gc: GraphCost):
     """Under bf16 autocast: consumer ``u`` saves a converted copy of input ``pos`` (not the tensor)."""
     if gc.precision != "bf16":
@@ -198,4 +263,4 @@ def memory_lower_bound(gc: GraphCost, resource=None) -> float:
     return full + max(spread / n_dev, largest)
 
 
-__all__ = ["MemoryReport", "memory_per_device", "node_memory", "memory_lower_bound"]
+__all__ = ["node_memory_arrays", "MemoryReport", "memory_per_device", "node_memory", "memory_lower_bound"]

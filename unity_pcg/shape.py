@@ -8,6 +8,7 @@ every shard axis.
 from __future__ import annotations
 
 from dataclasses import dataclass, replace
+from functools import cached_property
 from math import prod
 from typing import Iterable, Sequence
 
@@ -83,7 +84,7 @@ class ParallelTensorShape:
     def degrees(self) -> tuple[int, ...]:
         return tuple(d.degree for d in self.dims)
 
-    @property
+    @cached_property            # kept in the instance (the shape is frozen); the pricers ask millions of times
     def piece_shape(self) -> tuple[int, ...]:
         return tuple(d.piece for d in self.dims)
 
@@ -104,7 +105,7 @@ class ParallelTensorShape:
     def numel(self) -> int:
         return prod(self.sizes)
 
-    @property
+    @cached_property
     def piece_numel(self) -> int:
         return prod(self.piece_shape)
 
@@ -116,7 +117,7 @@ class ParallelTensorShape:
     def nbytes(self) -> int:
         return self.numel * self.itemsize
 
-    @property
+    @cached_property
     def piece_nbytes(self) -> int:
         return self.piece_numel * self.itemsize
 

@@ -108,6 +108,8 @@ from itertools import product
 from math import prod
 from typing import Any, Mapping
 
+import numpy as np
+
 from unity_pcg import ops
 from unity_pcg.errors import InvalidParallelization, ShapeError, UnityError
 from unity_pcg.machine import MachineSpec, MachineView
@@ -115,7 +117,7 @@ from unity_pcg.pcg import PCG
 from unity_pcg.shape import ParallelTensorShape
 
 from ..cost import COMPUTE_CLASSES, CostModel, GraphCost, op_class
-from ..memory import SAVES_INPUTS, SAVES_OUTPUT, format_bytes, kept_fraction, node_memory
+from ..memory import SAVES_INPUTS, SAVES_OUTPUT, format_bytes, kept_fraction, node_memory_arrays
 
 INF = math.inf
 # matmuls, convolutions and embeddings (by their cost class)
@@ -728,23 +730,29 @@ class IntraProblem:
         total = 0.0
         for nid in gc.nodes():
             total += gc.leaf_cost(nid, views[nid], views).time
-        per_dev: dict = {}
-        w_dev: dict = {}
+        n_dev = self.model.machine.num_devices     # per device: bytes held, weight bytes, whether any
+        per_dev = np.zeros(n_dev)
+        w_dev = np.zeros(n_dev)
+        held = np.zeros(n_dev, dtype=bool)
         for nid in gc.nodes():
             if nid in ext_nodes:
                 continue
-            w, act = node_memory(gc, nid, views[nid])
+            w, act, wm, am = node_memory_arrays(gc, nid, views[nid])
             for k in range(len(frag.shapes(nid))):
                 if (nid, k) in kept:      # a member's output: kept as the real graph keeps it
-                    for d in gc.placement(nid, views[nid], k):
-                        act[d] = act.get(d, 0) - frag.shapes(nid)[k].piece_nbytes * (
-                            kept_fraction(frag, nid, k) - kept[(nid, k)])
-            for d in set(w) | set(act):
-                per_dev[d] = per_dev.get(d, 0.0) + w.get(d, 0) + act.get(d, 0)
-                w_dev[d] = w_dev.get(d, 0.0) + w.get(d, 0)
-        peak = max(per_dev.values(), default=0.0)
-        busiest = max(per_dev, key=lambda d: (per_dev[d], -d)) if per_dev else None
-        static = float(w_dev.get(busiest, 0.0)) + sum(gathered)
+                    less = frag.shapes(nid)[k].piece_nbytes * (kept_fraction(frag, nid, k) - kept[(nid, k)])
+                    place = np.asarray(gc.placement(nid, views[nid], k), dtype=np.int64)
+                    np.subtract.at(act, place, less)
+                    am[place] = True
+            per_dev = per_dev + w + act
+            w_dev = w_dev + w
+            held |= wm | am
+        if held.any():
+            busiest = int(np.argmax(np.where(held, per_dev, -np.inf)))   # the lowest of the busiest
+            peak = float(per_dev[busiest])
+        else:
+            busiest, peak = None, 0.0
+        static = float(w_dev[busiest] if busiest is not None else 0.0) + sum(gathered)
         outs_parts = []
         for r in outs:
             s = frag.shape(r)
