@@ -124,13 +124,16 @@ def propose(g: PCG, machine: MachineSpec, mesh: tuple[int, int], *, optimizer: s
 
 
 def proposals(g: PCG, machine: MachineSpec, *, deadline: Deadline | None = None, optimizer: str = "adam",
-              precision: str = "fp32", mapper=None, meshes=None) -> Iterator[Proposal]:
+              precision: str = "fp32", mapper=None, meshes=None, run_until: Deadline | None = None) -> Iterator[Proposal]:
     """:func:`propose` on every mesh of :func:`mesh_shapes` (or ``meshes``) in order, until ``deadline``;
-    a mesh reached past it yields nothing more."""
+    a mesh reached past it yields nothing more.  ``run_until`` (later than ``deadline``): a mesh started before
+    ``deadline`` may solve until then (a large mesh's ILP whose build started late is not cut at the start
+    mark); default ``deadline``."""
     for mesh in (mesh_shapes(machine) if meshes is None else meshes):
         if deadline is not None and deadline.passed():
             return
-        yield propose(g, machine, mesh, optimizer=optimizer, precision=precision, deadline=deadline,
+        yield propose(g, machine, mesh, optimizer=optimizer, precision=precision,
+                      deadline=run_until if run_until is not None and deadline is not None else deadline,
                       mapper=mapper)
 
 

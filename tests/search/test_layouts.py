@@ -35,6 +35,31 @@ def test_meshes_cover_the_machine_once_one_axis_first_then_node_split(machine):
         assert got[1] == (m.nodes, m.devices_per_node)
 
 
+def test_a_mesh_starts_before_the_start_mark_and_solves_until_the_later_one(monkeypatch):
+    """``proposals(deadline=start, run_until=end)``: no mesh starts past ``start``; one started solves under
+    ``end`` (a large mesh's ILP begun late in the phase is not cut at the start mark)."""
+    from unity_pcg.search import layouts
+    from unity_pcg.search.budget import Deadline
+    now = [0.0]
+    start, end = Deadline(10.0, lambda: now[0]), Deadline(20.0, lambda: now[0])
+    seen = []
+
+    def fake(g, machine, mesh, *, deadline=None, **kw):
+        seen.append((mesh, deadline))
+        now[0] += 6.0                       # each solve takes 6 s of the fake clock
+        return layouts.Proposal(tuple(mesh), None, status="fake")
+
+    monkeypatch.setattr(layouts, "propose", fake)
+    m = parse_machine("summit:2x6")
+    list(proposals(None, m, deadline=start, run_until=end))
+    assert [d for _, d in seen] == [end, end]          # started at 0 and 6; the third would start at 12
+    assert [x for x, _ in seen] == mesh_shapes(m)[:2]
+    seen.clear()
+    now[0] = 0.0
+    list(proposals(None, m, deadline=start))
+    assert [d for _, d in seen] == [start, start]      # without run_until a solve is cut at the start mark
+
+
 def test_a_proposal_is_a_plan_of_the_same_model_priced_on_its_views():
     g = _chain(pairs=2, batch=16, h=64)
     m = parse_machine("summit:1x4")
