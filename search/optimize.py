@@ -925,8 +925,8 @@ def _reach(run: _Run, target: PCG, g: PCG | None = None, deadline: Deadline | No
 def _layout_candidates(run: _Run) -> None:
     """The layouts phase.  First the proposals (:func:`search.layouts.proposals`: every mesh of the machine
     in its order, started in the phase's first half, each solving until three quarters of it), each a
-    candidate "layout mesh AxB (ILP, not by rules)" priced on the ILP's own placement; then, fastest first until the phase's mark, the ILP's PCG is priced
-    by the DP too (it may place the pieces better than the mesh did: a faster price is the same candidate)
+    candidate "layout mesh AxB (ILP, not by rules)" priced on the ILP's own placement; then, fastest first
+    until the phase's mark, the ILP's PCG is priced by the DP too (it may place the pieces better than the mesh did: a faster price is the same candidate)
     and each is reached by rules (:func:`search.realize.realize`): a complete one is the candidate "layout
     mesh AxB by rules" (priced by the DP; its mesh seeds the segments)."""
     from .layouts import proposals
