@@ -64,6 +64,11 @@ PHASES: tuple[Phase, ...] = (
 #: one tuned floor's grid (search/tuned.py) may use at most this share of the budget, after every floor's
 #: plain point was priced (and never past the floors' mark)
 TUNED_GRID_SHARE = 0.15
+#: the layouts phase's proposals (optimize._layout_candidates): a mesh starts within PROPOSALS_START_SHARE of
+#: the time left to the phase's mark and its ILP may solve until PROPOSALS_SOLVE_SHARE of it (the rest prices the
+#: proposals by the DP and reaches them by rules)
+PROPOSALS_START_SHARE = 0.5
+PROPOSALS_SOLVE_SHARE = 0.75
 #: the share of the time left to the layouts phase's mark in which the tuned floors' grid walks that the floors
 #: phase cut walk on, at the phase's start (optimize._resume_cut_grids)
 FLOOR_RESUME_SHARE = 0.5
@@ -95,6 +100,9 @@ PRICING_MIN_SHARE = 0.10
 PIPELINE_SEARCH_SHARE = 0.6
 PIPELINE_MIN_SHARE = 0.05
 PIPELINE_OVER = 0.03
+#: a pipeline search with further stage layouts (``search_pipeline(layouts=...)``): their pass may use this share
+#: of the time left to the hard deadline; the rest is kept for the exact prices
+PIPELINE_LAYOUTS_SHARE = 0.6
 #: the pipeline's rule sequence (pipeline.by_rules) gets the time to the end, at least this share (stages
 #: data parallel inside, built by segments: the larger one); both bounded by the hard end
 BY_RULES_MIN_SHARE = 0.03

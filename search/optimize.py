@@ -924,7 +924,8 @@ def _reach(run: _Run, target: PCG, g: PCG | None = None, deadline: Deadline | No
 
 def _layout_candidates(run: _Run) -> None:
     """The layouts phase.  First the proposals (:func:`search.layouts.proposals`: every mesh of the machine
-    in its order, started in the phase's first half, each solving until three quarters of it), each a
+    in its order, started within ``PROPOSALS_START_SHARE`` of the phase, each solving until
+    ``PROPOSALS_SOLVE_SHARE`` of it), each a
     candidate "layout mesh AxB (ILP, not by rules)" priced on the ILP's own placement; then, fastest first
     until the phase's mark, the ILP's PCG is priced by the DP too (it may place the pieces better than the mesh did: a faster price is the same candidate)
     and each is reached by rules (:func:`search.realize.realize`): a complete one is the candidate "layout
@@ -943,12 +944,11 @@ def _layout_candidates(run: _Run) -> None:
     early = not _fits_full_batch(run)
     if early:                   # most of the phase: the full-batch proposals are then unlikely to fit either
         _accumulation_candidates(run, Deadline(bud.now() + max(wall.left(), 0.0) * 3 / 4, bud.clock))
-    # meshes start in the phase's first half; one started may solve until three quarters of it (the rest is
-    # for pricing the proposals by the DP and reaching them by rules)
     left = max(wall.left(), 0.0)
-    half = Deadline(bud.now() + left / 2, bud.clock)
-    for p in proposals(run.g, run.m, deadline=half, optimizer=run.optimizer, precision=ev.mapper.model.precision,
-                       mapper=ev.mapper, run_until=Deadline(bud.now() + left * 3 / 4, bud.clock)):
+    start_by = Deadline(bud.now() + left * B.PROPOSALS_START_SHARE, bud.clock)
+    for p in proposals(run.g, run.m, deadline=start_by, optimizer=run.optimizer,
+                       precision=ev.mapper.model.precision, mapper=ev.mapper,
+                       run_until=Deadline(bud.now() + left * B.PROPOSALS_SOLVE_SHARE, bud.clock)):
         info[p.name] = p.to_json()
         run.proposals.append(p)
         if p.pcg is not None:

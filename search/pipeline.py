@@ -84,7 +84,7 @@ are alternatives to ``intra``: each stage DP option is also offered under each o
 chosen by price with its layers, devices and recomputation; the layering (:func:`layerings`: Unity's
 fewest-crossing cuts, Alpa's Eq. 6) is a choice too.  ``intra`` alone is searched first, as without layouts
 (half the soft budget); then all layouts on the (micro-batch count, layering) pairs it tried, the most promising
-first, within :data:`LAYOUTS_SHARE` of the time to the hard deadline (a layout past it is not offered on a
+first, within :data:`search.budget.PIPELINE_LAYOUTS_SHARE` of the time to the hard deadline (a layout past it is not offered on a
 layer; the first pass's plans stay).  Exact prices start with the best plan of ``intra`` alone; the result is
 the fastest plan that stitches and that ``accept`` does not refuse.
 """
@@ -107,7 +107,7 @@ from unity_pcg.pcg import PCG
 from unity_pcg.plan import PIPELINE_SCHEDULE, validate_pipeline_field  # noqa: F401 (re-exported)
 
 from . import collectives as C
-from .budget import Deadline, Expired, current, within
+from .budget import PIPELINE_LAYOUTS_SHARE, Deadline, Expired, current, within
 from .baselines import StrategyError, data_parallel
 from .cost import CostModel, GraphCost
 from .mapping import MachineMapper
@@ -125,10 +125,6 @@ STAGE_RECOMPUTE = ("none", "selective", "full")
 #: several stages, and sums the micro-batches' full gradients before its reduce-scatter, so stage 2 holds
 #: what stage 1 holds and is not tried; 3 and offload it refuses with several stages
 PIPELINE_ZERO = (0, 1)
-#: with further stage layouts (``search_pipeline(layouts=...)``), their pass may use this share of the time left
-#: to the hard deadline; the rest is kept for the exact prices
-LAYOUTS_SHARE = 0.6
-
 
 # --- the 1F1B schedule ---------------------------------------------------------------------------
 
@@ -1007,7 +1003,7 @@ def _search_pipeline(pcg, mapper_or_cost_model, max_stages, min_stages, micro_ba
             break
     # then with the further layouts (their layer prices added to the first pass's) on the (micro-batch count,
     # layering) pairs tried, the most promising first (the first pass's best estimate), until the soft budget
-    # (the first pair past it too) and within LAYOUTS_SHARE of the time left to the hard deadline (the rest is
+    # (the first pair past it too) and within PIPELINE_LAYOUTS_SHARE of the time left to the hard deadline (the rest is
     # the exact prices'): a deadline keeps what the first pass found
     if len(hooks) > 1 and not stats.get("cut"):
         est_of: dict = {}
@@ -1015,7 +1011,7 @@ def _search_pipeline(pcg, mapper_or_cost_model, max_stages, min_stages, micro_ba
             est_of[(c[2], c[6])] = min(est_of.get((c[2], c[6]), INF), c[0])
         pairs = sorted(est_of, key=est_of.__getitem__)
         hard = current()
-        stop = Deadline(hard.clock() + LAYOUTS_SHARE * hard.left(), hard.clock) \
+        stop = Deadline(hard.clock() + PIPELINE_LAYOUTS_SHARE * hard.left(), hard.clock) \
             if hard is not None and math.isfinite(hard.at) else None
         t1 = time.perf_counter()
         reusing = [h for h in hooks[1:] if hasattr(h, "reuse")]
