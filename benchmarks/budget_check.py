@@ -8,6 +8,12 @@ ran past 15 minutes (the unlimited DP solve of data parallelism at degree 4 on 1
     nice .venv/bin/python benchmarks/budget_check.py --rows bert_large-b4
     .venv/bin/python benchmarks/budget_check.py --report             # budget_check.md from budget_check.json
 
+The ``dp floor s`` column is ``optimize``'s data-parallel floor (``data_parallel_iteration_s``): data
+parallelism priced, as every candidate is, with its cheapest memory techniques and overlap; ``dp techniques``
+names them (``data_parallel_memory_plan``).  It is `simulate --strategy dp`'s price (plain DDP) only where
+that column says ``plain``: DLRM at 1,024 GPUs takes ZeRO-3, whose one collective per unit beats DDP's ring
+latency per 25 MiB gradient bucket (0.160 against 2.72 s).
+
 Writes benchmarks/results/budget_check.json and .md.  Models are written once to benchmarks/.cache/ (as
 fig14.py does: weight-free where the zoo can).
 """
@@ -65,7 +71,8 @@ def run_row(row) -> dict:
         j = json.loads(p.stdout)
         s = j.get("search", {})
         out.update(search_s=round(j["search_s"], 2), predicted_iteration_s=j["predicted_iteration_s"],
-                   data_parallel_iteration_s=j["data_parallel_iteration_s"], chosen=s.get("chosen"),
+                   data_parallel_iteration_s=j["data_parallel_iteration_s"],
+                   data_parallel_memory_plan=j.get("data_parallel_memory_plan"), chosen=s.get("chosen"),
                    rule_steps=j["rule_steps"], phases=s.get("budget", {}).get("phases"),
                    dp_mapping=s.get("dp_mapping"))
     else:
@@ -73,19 +80,35 @@ def run_row(row) -> dict:
     return out
 
 
+def techniques(mp: dict | None) -> str:
+    """A memory plan summary (``data_parallel_memory_plan``) in words: ``ZeRO-3``, ``ZeRO-1, offload``,
+    ``plain`` (none); ``-`` when the row does not record it."""
+    if not mp:
+        return "-"
+    parts = ([f"ZeRO-{mp['zero']}"] if mp.get("zero") else []) + (["offload"] if mp.get("offload") else []) \
+        + ([f"{mp['recompute_regions']} recomputed regions"] if mp.get("recompute_regions") else [])
+    return ", ".join(parts) or "plain"
+
+
 def report(rows: list[dict], meta: dict) -> str:
     o = ["# `optimize` against its budget (issue 18 point 4)", "",
          f"{meta.get('when', '?')}, commit {meta.get('commit', '?')}, {meta.get('host', '?')}; each row one "
          "`unity-pcg optimize` process, wall time from launch to exit (start-up and import included), run with "
          "`nice` on the shared 2-core box (load: the 1-minute load average after the row).", "",
-         "| row | machine | batch | budget s | wall s | wall / budget | search s | predicted s | dp s | chosen | load |",
-         "|---|---|---|---|---|---|---|---|---|---|---|"]
+         "`dp floor s`: optimize's data-parallel floor, priced with its cheapest memory techniques and overlap as "
+         "every candidate is; `dp techniques` names them (`plain`: none, the price `simulate --strategy dp` gives)"
+         + (f" ({meta['dp_techniques_backfilled']})" if meta.get("dp_techniques_backfilled") else "") + ".",
+         "",
+         "| row | machine | batch | budget s | wall s | wall / budget | search s | predicted s | dp floor s | "
+         "dp techniques | chosen | load |",
+         "|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for r in rows:
         def f(x, d=3):
             return "-" if x is None else (f"{x:.{d}f}" if isinstance(x, float) else str(x))
         o.append(f"| {r['row']} | {r['machine']} | {r['batch']} | {r['budget_s']:g} | {r['wall_s']:.1f} | "
                  f"{r['wall_over_budget']:.3f} | {f(r.get('search_s'), 1)} | {f(r.get('predicted_iteration_s'))} | "
-                 f"{f(r.get('data_parallel_iteration_s'))} | {r.get('chosen') or r.get('error', '')[:80]} | "
+                 f"{f(r.get('data_parallel_iteration_s'))} | {techniques(r.get('data_parallel_memory_plan'))} | "
+                 f"{r.get('chosen') or r.get('error', '')[:80]} | "
                  f"{r.get('load_1min')} |")
     worst = max((r["wall_over_budget"] for r in rows), default=None)
     o += ["", f"Largest wall / budget: {worst}; rows more than 10% past the budget: "
