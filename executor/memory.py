@@ -32,9 +32,11 @@ DESIGN "Executor").  The :class:`~executor.train.Trainer` owns the step; this mo
   whole tensors) holds one parameter per group: this rank's shard of the values.  Stage 1: gradients
   all-reduced as without ZeRO, the update of one's shard, then an all-gather of the parameters.  Stage 2:
   reduce-scatter of the gradient buckets instead.  Stage 3: parameters held only as shards; each group is
-  all-gathered (:class:`_ZeroGather`, backward: reduce-scatter of the flat gradient into the shard's)
-  before its first use in the forward and the full weights freed after its last use: tensors the
-  autograd graph saves that live in a gathered weight are packed as (name, view) and, in the backward,
+  all-gathered (:class:`_ZeroGather`, backward: reduce-scatter of the padded flat gradient into the
+  shard's) before its first use in the forward, a weight that is one atom of the group being a view of
+  one split of the padded vector (its gradient made whole once, by the split's backward), and the full
+  weights freed after its last use: tensors the autograd graph saves that live in a gathered vector (or
+  an assembled weight) are packed as (group or name, view) and, in the backward,
   gathered again by a trigger (:class:`_Regather`) created after the group's last use (so it runs
   before any of the uses' backward, at the same point of the global order on every member) and freed by
   the gather's own backward.  Offload: the optimizer's parameters and states are separate host tensors;
