@@ -32,9 +32,11 @@ DESIGN "Executor").  The :class:`~executor.train.Trainer` owns the step; this mo
   whole tensors) holds one parameter per group: this rank's shard of the values.  Stage 1: gradients
   all-reduced as without ZeRO, the update of one's shard, then an all-gather of the parameters.  Stage 2:
   reduce-scatter of the gradient buckets instead.  Stage 3: parameters held only as shards; each group is
-  all-gathered (:class:`_ZeroGather`, backward: reduce-scatter of the flat gradient into the shard's)
-  before its first use in the forward and the full weights freed after its last use: tensors the
-  autograd graph saves that live in a gathered weight are packed as (name, view) and, in the backward,
+  all-gathered (:class:`_ZeroGather`, backward: reduce-scatter of the padded flat gradient into the
+  shard's) before its first use in the forward, a weight that is one atom of the group being a view of
+  one split of the padded vector (its gradient made whole once, by the split's backward), and the full
+  weights freed after its last use: tensors the autograd graph saves that live in a gathered vector (or
+  an assembled weight) are packed as (group or name, view) and, in the backward,
   gathered again by a trigger (:class:`_Regather`) created after the group's last use (so it runs
   before any of the uses' backward, at the same point of the global order on every member) and freed by
   the gather's own backward.  Offload: the optimizer's parameters and states are separate host tensors;
@@ -283,21 +285,22 @@ class ZeroGroup:
 
 
 class _ZeroGather(torch.autograd.Function):
-    """A ZeRO-3 group's flat values from its shards (all-gather); the backward reduce-scatters the flat
-    gradient into this rank's shard and frees the group's values gathered again for the backward."""
+    """A ZeRO-3 group's padded flat values from its shards (all-gather); the backward reduce-scatters the
+    padded flat gradient (made whole once, by the split the weights are views of) into this rank's shard
+    and frees the group's values gathered again for the backward."""
 
     @staticmethod
     def forward(ctx, rt, gi, anchor, shard):
+        """(the padded vector, a scalar token): the token ties the backward's reduce-scatter to the loss
+        (a sink) without a gradient of the vector's size (a slice's backward would make one)."""
         ctx.rt, ctx.gi = rt, gi
-        return rt.gather_values(gi, shard.detach())
+        return rt._full(rt.groups[gi], shard.detach()), shard.new_zeros(())
 
     @staticmethod
-    def backward(ctx, gflat):
+    def backward(ctx, gflat, _token):
         rt, grp = ctx.rt, ctx.rt.groups[ctx.gi]
-        full = torch.zeros(grp.s * grp.k, dtype=gflat.dtype, device=gflat.device)
-        full[:grp.n] = gflat
         out = torch.empty(grp.s, dtype=gflat.dtype, device=gflat.device)
-        dist.reduce_scatter_tensor(out, full, group=grp.pg)
+        dist.reduce_scatter_tensor(out, gflat.contiguous(), group=grp.pg)
         rt.release(ctx.gi)
         return None, None, None, out
 
@@ -386,7 +389,19 @@ class ZeroRuntime:
         self.last: dict[int, list[int]] = {}       # item index -> groups whose regather trigger follows it
         self.drop: dict[int, list[str]] = {}       # item index -> weights freed after it
         self.work: dict[str, torch.Tensor] = {}    # forward: weight name -> its values (region shape)
-        self._ptr: dict[int, str] = {}             # storage address -> weight name (forward)
+        self._ptr: dict[int, tuple] = {}           # storage address -> ("w", weight name) / ("g", group) (forward)
+        self._open: dict[int, set] = {}            # group -> its weights still read in the forward
+        # weight name -> (group, offset, numel, shape) where the weight is one atom of one group: its values
+        # are a view of the group's gathered vector (no copy; the gradient made whole once, by the split)
+        self._whole: dict[str, tuple] = {}
+        atoms: dict = {}
+        for gi, grp in enumerate(self.groups):
+            for name, sl, off, k in grp.items:
+                atoms.setdefault(name, []).append((gi, sl, off, k))
+        for name, al in atoms.items():
+            if len(al) == 1 and tuple(al[0][1]) == tuple(tuple(x) for x in tr._region.get(name, al[0][1])):
+                gi, sl, off, k = al[0]
+                self._whole[name] = (gi, off, k, [b - a for a, b in sl])
         self.flat_bw: dict[int, torch.Tensor] = {}  # backward: values gathered again
         self.work_bw: dict[str, torch.Tensor] = {}
         self.forward_phase = False
@@ -520,33 +535,55 @@ class ZeroRuntime:
         self._groups_of = {nm: [gi for gi, grp in enumerate(self.groups) if any(it[0] == nm for it in grp.items)]
                            for nm in self.names}
 
-    def gather_values(self, gi: int, shard: torch.Tensor) -> torch.Tensor:
-        grp = self.groups[gi]
-        return self._full(grp, shard)[:grp.n]
+    def _split(self, grp: ZeroGroup, full: torch.Tensor) -> list:
+        """The group's atoms as views of one split of its padded vector (the padding the last piece): the
+        backward of the split makes the padded gradient whole once, from the atoms' gradients."""
+        sizes = [k for _, _, _, k in grp.items]
+        if full.numel() > grp.n:
+            sizes.append(full.numel() - grp.n)
+        return list(full.split(sizes))
 
     def before_item(self, idx: int, anchor, sinks: list) -> None:
         for gi in self.first.get(idx, ()):
             grp = self.groups[gi]
             if grp.k > 1:
-                full = _ZeroGather.apply(self, gi, anchor, self.shards[gi])
-                sinks.append(full[:1].clone())      # ties the backward's reduce-scatter, keeps no values
+                full, token = _ZeroGather.apply(self, gi, anchor, self.shards[gi])
+                sinks.append(token)                 # ties the backward's reduce-scatter, keeps no values
+                if full.numel():
+                    self._ptr[full.untyped_storage().data_ptr()] = ("g", gi)
+                    self._open[gi] = {it[0] for it in grp.items}
             else:
-                full = self.shards[gi][:grp.n]
-            for name, sl, off, k in grp.items:
+                full = self.shards[gi]               # the parameter itself (alive anyway)
+            parts = self._split(grp, full)
+            for (name, sl, off, k), part in zip(grp.items, parts):
+                shape = [b - a for a, b in sl]
+                if name in self._whole:
+                    self.work[name] = part.view(shape)
+                    continue
                 w = self.work.get(name)
                 if w is None:
                     w = self._blank(name)
                     self.work[name] = w
                     if w.numel():
-                        self._ptr[w.untyped_storage().data_ptr()] = name
-                w[self.tr._rel(name, sl)] = full[off:off + k].view([b - a for a, b in sl])
+                        self._ptr[w.untyped_storage().data_ptr()] = ("w", name)
+                w[self.tr._rel(name, sl)] = part.view(shape)
 
     def after_item(self, idx: int, anchor, sinks: list) -> None:
         for gi in self.last.get(idx, ()):
             sinks.append(_Regather.apply(self, gi, anchor))
         for nm in self.drop.get(idx, ()):
             w = self.work.pop(nm, None)
-            if w is not None and w.numel():
+            if nm in self._whole:
+                gi = self._whole[nm][0]
+                left = self._open.get(gi)
+                if left is not None:
+                    left.discard(nm)
+                    if not left:                 # the group's vector is freed with its last weight's view
+                        del self._open[gi]
+                        for ptr, key in list(self._ptr.items()):
+                            if key == ("g", gi):
+                                del self._ptr[ptr]
+            elif w is not None and w.numel():
                 self._ptr.pop(w.untyped_storage().data_ptr(), None)
 
     def _blank(self, name: str) -> torch.Tensor:
@@ -562,15 +599,16 @@ class ZeroRuntime:
                 raise ExecutorError(f"ZeRO-3: weight {name!r} read outside the steps that gather it")
             return w
         w = self.work_bw.get(name)
+        if w is None and name in self._whole:
+            gi, off, k, shape = self._whole[name]
+            w = self._flat_bw(gi)[off:off + k].view(shape).detach()
+            w.requires_grad_(True)
+            self.work_bw[name] = w
         if w is None:
             w = self._blank(name)
             for gi in self._groups_of[name]:
                 grp = self.groups[gi]
-                flat = self.flat_bw.get(gi)
-                if flat is None:
-                    flat = self.shards[gi].detach() if grp.k == 1 else self._full(grp, self.shards[gi])
-                    if grp.k > 1:
-                        self.flat_bw[gi] = flat
+                flat = self._flat_bw(gi)
                 for nm, sl, off, k in grp.items:
                     if nm == name:
                         w[self.tr._rel(nm, sl)] = flat[off:off + k].view([b - a for a, b in sl])
@@ -578,6 +616,16 @@ class ZeroRuntime:
             w.requires_grad_(True)
             self.work_bw[name] = w
         return w
+
+    def _flat_bw(self, gi: int) -> torch.Tensor:
+        """Group ``gi``'s padded vector in the backward: gathered again (kept until its reduce-scatter)."""
+        flat = self.flat_bw.get(gi)
+        if flat is None:
+            grp = self.groups[gi]
+            flat = self.shards[gi].detach() if grp.k == 1 else self._full(grp, self.shards[gi])
+            if grp.k > 1:
+                self.flat_bw[gi] = flat
+        return flat
 
     def regather(self, gi: int) -> None:
         grp = self.groups[gi]
@@ -591,23 +639,26 @@ class ZeroRuntime:
     def end_step(self) -> None:
         self.work.clear()
         self._ptr.clear()
+        self._open.clear()
         self.flat_bw.clear()
         self.work_bw.clear()
 
     def hooks(self):
-        """saved_tensors_hooks for the forward: a saved tensor living in a gathered weight is kept as
-        (weight name, view) and rebuilt from the values gathered again in the backward."""
+        """saved_tensors_hooks for the forward: a saved tensor living in a gathered group's vector (or a
+        weight assembled from several atoms) is kept as (group or weight name, view) and rebuilt from the
+        values gathered again in the backward (the same padded layout)."""
         def pack(t):
             if self._ptr and t.numel():
-                nm = self._ptr.get(t.untyped_storage().data_ptr())
-                if nm is not None:
-                    return ("zero3", nm, tuple(t.size()), tuple(t.stride()), t.storage_offset())
+                key = self._ptr.get(t.untyped_storage().data_ptr())
+                if key is not None:
+                    return ("zero3", key, tuple(t.size()), tuple(t.stride()), t.storage_offset())
             return t
 
         def unpack(h):
             if isinstance(h, tuple) and h and h[0] == "zero3":
-                _, nm, size, stride, off = h
-                return self.value(nm).as_strided(size, stride, off)
+                _, (kind, key), size, stride, off = h
+                base = self._flat_bw(key) if kind == "g" else self.value(key)
+                return base.as_strided(size, stride, off)
             return h
         return torch.autograd.graph.saved_tensors_hooks(pack, unpack)
 

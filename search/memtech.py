@@ -1169,13 +1169,17 @@ class Techniques:
         """ZeRO-3 (``zc`` 3): (make step, release step, device -> bytes) of what a sharded unit's gradient
         holds beyond the shards :meth:`_made` counts: each weight's gradient is made whole at its last
         consumer's step and stays whole until the backward reaches the unit's first use, where the unit's
-        gradient is reduce-scattered into the shard (executor/memory.py ``_ZeroGather``)."""
+        gradient is reduce-scattered into the shard (executor/memory.py ``_ZeroGather``).  At that step the
+        unit's gradient is also made whole once more, as one vector (the reduce-scatter's input, while the
+        weights' gradients it is made from are alive: FSDP's flat split's backward, FSDP2's copy-in; the
+        executor's split), for that step only."""
         hit = self._memo.get(("unit_grads", zc))
         if hit is not None:
             return hit
         out: list = []
         if zc >= 3:
             first: dict = {}
+            whole: dict = {}
             for x in self.weights:
                 if x.copies > 1:
                     first[x.unit] = min(first.get(x.unit, math.inf), self.exec_pos.get(x.first, 0))
@@ -1183,6 +1187,11 @@ class Techniques:
                 if x.copies > 1:
                     rest = x.nbytes - x.nbytes / x.copies
                     out.append((self.exec_pos.get(x.last, 0), first[x.unit], {d: rest for d in x.devices}))
+                    w = whole.setdefault(x.unit, {})
+                    for d in x.devices:
+                        w[d] = w.get(d, 0) + x.nbytes
+            for u, w in whole.items():
+                out.append((first[u], first[u], w))
         self._memo[("unit_grads", zc)] = out
         return out
 

@@ -20,7 +20,12 @@ counts every tensor storage the rank holds, each storage once (a view keeps its 
 * ``grads``: gradients of forward values the backward has made and not yet freed (each tracked by a weak
   reference to its storage from its hook on);
 * ``held``: other forward values the program still references (its table of local tensors and the
-  feeds), which the autograd graph does not need.
+  feeds), which the autograd graph does not need;
+* ``temps``: in the backward, every other tensor an operator made that is still alive: the temporaries
+  inside a backward node (mse's ``grad * 2 * diff``: made and freed within the node, seen by no hook)
+  -- a dispatch mode (``TorchDispatchMode``) notes each operator's outputs (a weak reference to the
+  storage) and takes a moment after every operator of the backward, on the step's thread only (the
+  copies gloo's collectives make on their worker threads are the CPU backend's, not the plan's).
 
 The peak is the moment with the most bytes.  Parameters are never counted as activations.  The probe
 patches ``torch.utils.checkpoint._recomputation_hook`` while active (a private torch name: a torch
@@ -29,6 +34,7 @@ without it raises at once rather than measuring wrong).
 from __future__ import annotations
 
 import contextlib
+import threading
 import resource
 import weakref
 from dataclasses import dataclass, field
@@ -54,10 +60,11 @@ class Moment:
     saved: int
     held: int
     grads: int = 0                        # gradients of activations alive (the backward's moments)
+    temps: int = 0                        # other outputs of the backward's operators still alive
 
     @property
     def total(self) -> int:
-        return self.state + self.saved + self.held + self.grads
+        return self.state + self.saved + self.held + self.grads + self.temps
 
     @property
     def activations(self) -> int:
@@ -77,6 +84,7 @@ class Measured:
     def to_json(self) -> dict:
         return {"peak_bytes": self.peak.total, "peak_at": self.peak.where, "state_bytes": self.peak.state,
                 "saved_bytes": self.peak.saved, "held_bytes": self.peak.held, "grads_bytes": self.peak.grads,
+                "temps_bytes": self.peak.temps,
                 "forward_end_bytes": self.forward_end.total, "saved_peak_bytes": self.saved_peak,
                 "memory_bytes": dict(self.memory_bytes), "rss_peak_bytes": self.rss_peak, "moments": self.moments}
 
@@ -95,6 +103,8 @@ class Probe:
         self._exclude: set = set()
         self.grads: dict = {}         # storage ptr -> (weak reference to the storage, nbytes)
         self.frames: list = []        # (weak reference to a checkpoint frame, gid) recomputed in the backward
+        self.temps: dict = {}         # storage ptr -> (weak reference, nbytes): the backward's operator outputs
+        self._ops = None              # the dispatch mode noting them (during the backward)
 
     # --- saved tensors ---------------------------------------------------------------------------------
     def _pack(self, t):
@@ -202,7 +212,38 @@ class Probe:
             elif ptr not in seen:
                 seen.add(ptr)
                 gsum += nb
-        self.moments.append(Moment(where, state, saved, held, gsum))
+        tsum = 0
+        for ptr, (ref, nb, _) in list(self.temps.items()):
+            if ref.expired():
+                del self.temps[ptr]
+            elif ptr not in seen and ptr not in self._exclude:
+                seen.add(ptr)
+                tsum += nb
+        self.moments.append(Moment(where, state, saved, held, gsum, tsum))
+
+    def _op_mode(self):
+        """A dispatch mode for the backward: notes the storage of every operator's outputs and takes a
+        moment after each operator (the temporaries inside a backward node are alive then)."""
+        import torch
+        from torch.multiprocessing.reductions import StorageWeakRef
+        from torch.utils._python_dispatch import TorchDispatchMode
+        from torch.utils._pytree import tree_flatten
+        probe = self
+        main = threading.get_ident()
+
+        class _Ops(TorchDispatchMode):
+            def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+                out = func(*args, **(kwargs or {}))
+                if threading.get_ident() != main:    # a collective's worker (gloo's copies; NCCL makes none)
+                    return out
+                for t in tree_flatten(out)[0]:
+                    if type(t) is torch.Tensor and t.device.type != "meta":    # plain tensors (a DTensor's
+                        st = t.untyped_storage()                              # local one is seen itself)
+                        if st.nbytes():
+                            probe.temps[st.data_ptr()] = (StorageWeakRef(st), st.nbytes(), func.__name__)
+                probe.moment(f"backward op {func.__name__}")
+                return out
+        return _Ops()
 
     def _pending(self) -> list:
         """Tensors recomputations have produced that the backward has not unpacked yet: a checkpoint frame
@@ -331,12 +372,15 @@ class Probe:
             probe._vals.clear()          # the value tables are gone with the forward
             probe._feeds = {}
             probe.moment("backward start")
+            probe._ops = probe._op_mode()
+            probe._ops.__enter__()
             return out
         patch(tr, "_forward", _forward)
 
         opt_step = tr.opt.step
 
         def _opt_step(*a, **k):
+            probe._end_ops()
             probe.moment("optimizer step")
             return opt_step(*a, **k)
         patch(tr.opt, "step", _opt_step)
@@ -375,7 +419,13 @@ class Probe:
         self.forward_end = None
         return self
 
+    def _end_ops(self) -> None:
+        if self._ops is not None:
+            self._ops.__exit__(None, None, None)
+            self._ops = None
+
     def __exit__(self, *exc):
+        self._end_ops()
         self._stack.close()
         return False
 

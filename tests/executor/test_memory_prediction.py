@@ -111,7 +111,7 @@ def test_zero3_gathers_the_units_the_model_prices(measured):
             units.setdefault(w.unit, []).append(g.node(g.origin(w.nid)).a["name"])
     for r in range(2):
         got = measured["dp zero3"][1][r][2]
-        trained = {nm for grp in got for nm in grp}   # (the model also prices ONNX float constants as weights)
+        trained = {nm for grp in got for nm in grp}
         want = sorted(x for x in (sorted(set(v) & trained) for v in units.values()) if x)
         assert len(want) > 1 and got == want, (got, want)
 

@@ -338,3 +338,19 @@ def test_recompute_regions_take_in_the_all_gather_feeding_them(monkeypatch):
         assert kept_without[d] - kept_with[d] == fed * gathered, d
     assert with_gather.max_bytes <= without.max_bytes
     assert with_gather.recompute_s > without.recompute_s
+
+
+def test_zero3_reduce_scatter_holds_the_unit_gradient_twice():
+    """ZeRO-3, one weight (one unit) on 2 copies: beyond what the weights hold throughout (the shard, its
+    gradient, Adam's moments, as ``report.weights``), the backward's peak is at the unit's reduce-scatter,
+    where the weight's gradient is whole (the half beyond the shard's) and made whole once more as the
+    reduce-scatter's input vector (FSDP's flat split, the executor's ``_ZeroGather``): W/2 + W."""
+    g = data_parallel(mlp(batch=2, h=256, layers=1), 2)
+    gc, r = _mapped(g, parse_machine("h100:1x2"))
+    t = memtech.Techniques(gc, r.views)
+    ws = [x for x in t.weights if x.copies > 1]
+    assert len(ws) == 1
+    w = ws[0].nbytes
+    rep = t.price(MemoryPlan(zero=3)).report
+    for d, total in rep.per_device.items():
+        assert total - rep.weights[d] - rep.activations[d] == pytest.approx(1.5 * w, rel=1e-6)

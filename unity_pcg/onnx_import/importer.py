@@ -119,6 +119,18 @@ class NodeCtx:
         return v
 
 
+def _constant_only(nodes, order) -> set[str]:
+    """ONNX tensor names computed from Constant nodes alone (every input of their node is one, or it has
+    none): torch trains only its parameters (the exporters' initializers), so a Weight holding one is a
+    constant of the model.  The executor's ``model_constants`` applies the same rule to a PCG read back."""
+    const: set[str] = set()
+    for j in order:
+        node = nodes[j]
+        if all(x == "" or x in const for x in node.input):
+            const.update(o for o in node.output if o)
+    return const
+
+
 def _topo(nodes, producers) -> list[int]:
     """Topological order of ONNX nodes, file order where possible (cycle -> InvalidModel naming a node)."""
     def deps(j):
@@ -143,6 +155,9 @@ class Importer:
         self.weights: dict[str, Any] = {}
         self.vals: dict[str, Any] = {}
         self.wnames: set[str] = set()
+        # ONNX tensors computed from Constant nodes alone (no initializer, no input): a Weight of one is a
+        # constant of the model (a legacy export's causal mask, rotary tables, GELU's 0.5), not trained
+        self.model_consts: set[str] = set()
         self.old_batch: int | None = None
         self.batch_changed = False
         # batch override: the shape of every ONNX tensor when imported at the exported batch (None: no override)
@@ -193,8 +208,8 @@ class Importer:
         if self.load_weights:
             self.weights[name] = c.loader()
         attrs = {"name": name, "shape": tuple(c.shape), "dtype": np.dtype(c.dtype).name}
-        if key.frozen or c.frozen:     # the exporter's fold that the importer reduced: a constant, not trained
-            attrs["trainable"] = False
+        if key.frozen or c.frozen or name in self.model_consts:
+            attrs["trainable"] = False  # a constant of the model (a reduced fold, or computed from Constant nodes)
         key.wref = self.b.add("Weight", attrs, [], name)
         return key.wref
 
@@ -245,6 +260,7 @@ class Importer:
             if o not in producers and o not in self.vals:
                 raise MissingTensor(f"graph output {o!r} is not defined by any node, input or initializer")
         order = _topo(nodes, producers)
+        self.model_consts = _constant_only(nodes, order)
         self._batch_sizes = {self.sizes(v)[0] for v in self.vals.values()
                              if not isinstance(v, Const) and self.sizes(v)}
         live = self._live(nodes, producers, outs)
