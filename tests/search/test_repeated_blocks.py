@@ -1,0 +1,93 @@
+"""The planner's memos on a decoder of repeated identical blocks (a 4-block zoo Llama at test width) give the
+reference's results exactly: shape inference (``ops.infer`` against ``ops.infer_uncached``), the micro-batch
+graph (one pass of ``replace_uses_many`` against one ``replace_uses`` per source), a GraphCost's per-node task
+times, and the prices the mapper and the tuned grid compute from them (same floats with every memo cold)."""
+from __future__ import annotations
+
+import pytest
+
+from unity_pcg import ops
+from unity_pcg.machine import parse_machine
+from unity_pcg.onnx_import import load_onnx
+from unity_pcg.search.baselines import data_parallel, megatron
+from unity_pcg.search.cost import CostModel, GraphCost
+from unity_pcg.search.mapping import MachineMapper
+from unity_pcg.search.pipeline import logical_graph, micro_graph
+
+pytest.importorskip("torch")
+
+
+@pytest.fixture(scope="module")
+def decoder(tmp_path_factory):
+    from unity_pcg import zoo
+    assert zoo.get_config("llama_7b", "small").layers == 4        # four identical blocks
+    p = zoo.export("llama_7b", str(tmp_path_factory.mktemp("rb") / "llama.onnx"), size="small", batch=8)
+    return load_onnx(p, load_weights=False)
+
+
+def _graphs(g):
+    return [g, data_parallel(g, 4), megatron(g, 4, devices_per_node=4), micro_graph(g, 2)]
+
+
+def test_memoized_inference_equals_the_reference_on_every_node(decoder):
+    for g in _graphs(decoder):
+        for n in g.nodes():
+            if n.kind == "source":
+                continue
+            want = ops.infer_uncached(n.op, n.a, g.input_shapes(n.id))
+            got = ops.infer(n.op, n.a, g.input_shapes(n.id))
+            assert got == want
+            assert got.outputs == g.shapes(n.id)
+
+
+def test_inference_memo_tells_apart_equal_comparing_attributes():
+    from unity_pcg.shape import ParallelTensorShape
+    x = ParallelTensorShape.of((4, 6))
+    key = lambda a: tuple(sorted((k, ops._frozen(v)) for k, v in a.items()))      # noqa: E731
+    assert key({"axis": 1}) != key({"axis": True}) != key({"axis": 1.0})
+    assert key({"perm": [1, 0]}) != key({"perm": (1, 0)})
+    # a refusal is raised every time (not memoized as a result)
+    for _ in range(2):
+        with pytest.raises(Exception):
+            ops.infer("Partition", {"dim": 0, "degree": 3}, [x])
+
+
+def _micro_reference(g, M):
+    """micro_graph as one replace_uses per source (the reference the one-pass rewrite must equal)."""
+    lg, _ = logical_graph(g)
+    b = lg.edit()
+    for n in lg.sources():
+        if n.op == "Input" and not n.a["shape"]:
+            continue
+        op, attrs = ("Partition", {"dim": 0, "degree": M}) if n.op == "Input" else ("Replicate", {"degree": M})
+        p = b.add(op, attrs, [(n.id, 0)])
+        b.replace_uses((n.id, 0), p, exclude=[p[0]])
+    return b.finish()
+
+
+def test_micro_graph_one_pass_equals_replacing_uses_source_by_source(decoder):
+    for M in (2, 4):
+        got, want = micro_graph(decoder, M), _micro_reference(decoder, M)
+        assert got.structural_hash() == want.structural_hash()
+        assert sorted(got.node_ids()) == sorted(want.node_ids())
+        for i in want.node_ids():
+            assert got.node(i) == want.node(i) and got.shapes(i) == want.shapes(i)
+        assert list(got.outputs) == list(want.outputs)
+
+
+def test_prices_are_the_same_floats_with_every_memo_cold(decoder, monkeypatch):
+    m = parse_machine("h100:1x4")
+    g = megatron(decoder, 4, devices_per_node=4)
+
+    def price():
+        model = CostModel(m, optimizer="adam", precision="bf16")
+        gc = GraphCost(g, model)
+        times = {n: gc.task_time(n) for n in gc.nodes() if gc.role[n] == "compute"}
+        assert times == {n: gc.task_time(n) for n in times}        # the per-node memo returns what it computed
+        r = MachineMapper(model).optimize(g)
+        return times, r.cost, dict(r.memory.per_device) if r.memory else {}
+
+    warm = price()
+    monkeypatch.setattr(ops, "infer", ops.infer_uncached)          # no inference memo at all
+    cold = price()
+    assert warm == cold
