@@ -1286,6 +1286,8 @@ def _fallback(run: _Run) -> PlanCandidate:
     is not mapped again (on a model of many layers one more mapping of each costs seconds past the budget)."""
     from .baselines import StrategyError, build_strategy
     ev, g = run.ev, run.g
+    one = Resource(0, 1, 1)
+    imported = None                 # the imported graph's mapping on one device, once mapped (``none`` is it)
     for name in FIXED:
         floor_map = run.others.get(name, (None, None, None, None))[3]
         if name == "dp" and run.dp_res is not None:
@@ -1297,20 +1299,23 @@ def _fallback(run: _Run) -> PlanCandidate:
                 alt = build_strategy(g, name, 1 if name == "none" else run.dp_deg, devices_per_node=run.m.devices_per_node)
             except StrategyError:
                 continue
-            res = Resource(0, 1, 1) if name == "none" else None
+            res = one if name == "none" else None
             try:
                 r = ev.full(alt, res)
             except Expired:
                 r = ev.cheap(alt, res)
+            if alt is g and res == one:
+                imported = r
         if r is not None and r.feasible:
             run.stats = dict(run.stats, fallback=name)
             return PlanCandidate(f"{name} (fallback: nothing reachable by rules fits)", alt, r.cost, (),
                                  by_rules=False, mapping=r)
-    one = Resource(0, 1, 1)
-    try:
-        r = ev.full(g, one)
-    except Expired:
-        r = ev.cheap(g, one)
+    r = imported
+    if r is None:
+        try:
+            r = ev.full(g, one)
+        except Expired:
+            r = ev.cheap(g, one)
     return PlanCandidate("imported graph (nothing fits)", g, r.cost if r is not None else INF, (), FLOOR, mapping=r)
 
 

@@ -91,3 +91,30 @@ def test_prices_are_the_same_floats_with_every_memo_cold(decoder, monkeypatch):
     monkeypatch.setattr(ops, "infer", ops.infer_uncached)          # no inference memo at all
     cold = price()
     assert warm == cold
+
+
+def test_nothing_fits_falls_back_to_the_imported_graph_mapped_once(monkeypatch):
+    """Where no plan fits, the fallback returns the imported graph on one device, mapped once: a strategy whose
+    floor was mapped and does not fit is not mapped again, and ``none`` (the imported graph itself) answers for
+    the last resort (its mapping equals a fresh one)."""
+    from unity_pcg.machine import DeviceSpec, LinkSpec, MachineSpec
+    from unity_pcg.machine import Resource
+    from unity_pcg.search import optimize as O
+    from .graphs import mlp
+    dev = DeviceSpec(100e12, 1e12, 1_000, {"default": 0.5}, 5e-6)           # 1 kB: nothing fits
+    links = {"group": LinkSpec(100e9, 2e-6), "node": LinkSpec(100e9, 2e-6), "network": LinkSpec(10e9, 5e-6)}
+    m = MachineSpec("tiny-memory", 1, 4, 4, dev, links)
+    g = mlp(batch=8, h=16, layers=3)
+    calls = []
+    full = O.Evaluator.full
+
+    def counting(self, pg, resource=None, deadline=None):
+        calls.append((pg.structural_hash(), resource))
+        return full(self, pg, resource, deadline)
+    monkeypatch.setattr(O.Evaluator, "full", counting)
+    res = O.optimize(g, m, budget_s=5, strategy="unity", pipeline=False)
+    assert not res.feasible and res.stats["chosen"] == "imported graph (nothing fits)"
+    one = Resource(0, 1, 1)
+    assert calls.count((g.structural_hash(), one)) <= 1
+    fresh = MachineMapper(CostModel(m, optimizer="adam")).optimize(g, resource=one)
+    assert res.mapping.cost == fresh.cost and res.mapping.reason == fresh.reason
