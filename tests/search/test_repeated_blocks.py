@@ -118,3 +118,24 @@ def test_nothing_fits_falls_back_to_the_imported_graph_mapped_once(monkeypatch):
     assert calls.count((g.structural_hash(), one)) <= 1
     fresh = MachineMapper(CostModel(m, optimizer="adam")).optimize(g, resource=one)
     assert res.mapping.cost == fresh.cost and res.mapping.reason == fresh.reason
+
+
+def test_pairs_whose_weights_alone_do_not_fit_are_skipped_and_the_grid_best_is_kept():
+    """Megatron's tuned grid skips, before mapping a point of them, the (tp, pp) pairs at which the plain point's
+    weights part (scaled to the pair: a lower bound) alone does not fit; the walk still returns the exhaustively
+    priced grid's best (here only pipelines fit)."""
+    import dataclasses
+    from unity_pcg.search.split import synthetic_transformer
+    from unity_pcg.search.tuned import tune
+    from .test_tuned import _exhaustive
+    g = synthetic_transformer(4, batch=32, seq=64, hidden=1024, heads=8)
+    m = parse_machine("h100:2x4")
+    m = dataclasses.replace(m, device=dataclasses.replace(m.device, memory_bytes=170 * 2**20))
+    r = tune(g, MachineMapper(CostModel(m, optimizer="adam")), "megatron")
+    ex = _exhaustive(g, MachineMapper(CostModel(m, optimizer="adam")))
+    assert r.stats.get("pairs_skipped_by_weights", 0) >= 1
+    assert ex.feasible and r.feasible and ex.config.pp > 1
+    assert r.cost == pytest.approx(ex.cost, rel=1e-9)
+    skipped = {(p["config"]["tp"], p["config"]["pp"]) for p in ex.priced} - {(p["config"]["tp"], p["config"]["pp"])
+                                                                             for p in r.priced}
+    assert all(pp == 1 for _, pp in skipped) and skipped
