@@ -677,6 +677,7 @@ class GraphCost:
         self.precision = model.precision
         self._dtype: dict = {}
         self._kshapes: dict = {}
+        self._task_times: dict = {}                      # compute node -> task_time (a function of the graph)
         if self.precision == "bf16":
             for nid in g.topo_order():
                 n = g.node(nid)
@@ -925,7 +926,11 @@ class GraphCost:
     def task_time(self, nid: int) -> tuple[float, float]:
         """(forward, backward) seconds of one task of compute node ``nid`` in the model's precision:
         the kernel (CostModel.op_time on :meth:`kernel_shapes`) plus autocast's casts of its inputs
-        (forward; and the gradient's cast back in the backward when that input needs a gradient)."""
+        (forward; and the gradient's cast back in the backward when that input needs a gradient).
+        Memoized per node: it reads only the graph and the model."""
+        hit = self._task_times.get(nid)
+        if hit is not None:
+            return hit
         node = self.g.node(nid)
         ins, outs = self.kernel_shapes(nid)
         bs = self.backward_scale(nid)
@@ -936,6 +941,7 @@ class GraphCost:
             f += t
             if bs > 0 and self._operand_needs_grad(node, pos):
                 b += t
+        self._task_times[nid] = (f, b)
         return f, b
 
     def _operand_needs_grad(self, n, pos: int) -> bool:

@@ -1297,31 +1297,41 @@ def _choose(run: _Run) -> PlanCandidate:
 def _fallback(run: _Run) -> PlanCandidate:
     """Nothing reachable fits (or nothing was priced within the budget): the first fixed strategy whose
     mapping is feasible (data parallelism's from the floors first, else each solved within the hard end),
-    else the imported graph on one device.  Cheap: at worst a mapping without the DP (:meth:`Evaluator.cheap`)."""
+    else the imported graph on one device.  Cheap: at worst a mapping without the DP (:meth:`Evaluator.cheap`).
+    A strategy whose floor (``run.others``: its plain point and, tuned, its grid) was mapped and does not fit
+    is not mapped again (on a model of many layers one more mapping of each costs seconds past the budget)."""
     from .baselines import StrategyError, build_strategy
     ev, g = run.ev, run.g
+    one = Resource(0, 1, 1)
+    imported = None                 # the imported graph's mapping on one device, once mapped (``none`` is it)
     for name in FIXED:
+        floor_map = run.others.get(name, (None, None, None, None))[3]
         if name == "dp" and run.dp_res is not None:
             alt, r = run.dp_pg, run.dp_res
+        elif floor_map is not None and floor_map.views and not floor_map.feasible:
+            continue
         else:
             try:
                 alt = build_strategy(g, name, 1 if name == "none" else run.dp_deg, devices_per_node=run.m.devices_per_node)
             except StrategyError:
                 continue
-            res = Resource(0, 1, 1) if name == "none" else None
+            res = one if name == "none" else None
             try:
                 r = ev.full(alt, res)
             except Expired:
                 r = ev.cheap(alt, res)
+            if alt is g and res == one:
+                imported = r
         if r is not None and r.feasible:
             run.stats = dict(run.stats, fallback=name)
             return PlanCandidate(f"{name} (fallback: nothing reachable by rules fits)", alt, r.cost, (),
                                  by_rules=False, mapping=r)
-    one = Resource(0, 1, 1)
-    try:
-        r = ev.full(g, one)
-    except Expired:
-        r = ev.cheap(g, one)
+    r = imported
+    if r is None:
+        try:
+            r = ev.full(g, one)
+        except Expired:
+            r = ev.cheap(g, one)
     return PlanCandidate("imported graph (nothing fits)", g, r.cost if r is not None else INF, (), FLOOR, mapping=r)
 
 

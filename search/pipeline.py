@@ -335,12 +335,13 @@ def micro_graph(g: PCG, M: int) -> PCG:
         return lg
     b = lg.edit()
     try:
+        pairs: dict = {}
         for n in lg.sources():
             if n.op == "Input" and not n.a["shape"]:
                 continue
             op, attrs = ("Partition", {"dim": 0, "degree": M}) if n.op == "Input" else ("Replicate", {"degree": M})
-            p = b.add(op, attrs, [(n.id, 0)])
-            b.replace_uses((n.id, 0), p, exclude=[p[0]])
+            pairs[(n.id, 0)] = b.add(op, attrs, [(n.id, 0)])
+        b.replace_uses_many(pairs, exclude=[p[0] for p in pairs.values()])
         return b.finish()
     except UnityError as e:
         raise PipelineError(f"the pipeline's micro-batches cannot run through the model: {e}") from None

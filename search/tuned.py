@@ -696,10 +696,24 @@ class _Tuner:
         predicts not to fit.  Per device, its leanest technique's activations part for mbs0 samples per copy
         at degree tp0 is mbs0 (n + s / tp0) (n: bytes per sample of the operators on the tp copies, s: of the
         split ones); at (tp, mbs) it is mbs (n + s / tp) >= part x (mbs / mbs0) x min(1, tp0 / tp): a lower
-        bound, so no size that may fit is skipped (the smallest is always kept)."""
+        bound, so no size that may fit is skipped (the smallest is always kept).
+
+        Whole pairs too, by the weights part (weights, gradients, optimizer states: no micro-batch changes it):
+        at degree tp0 it is r + s / tp0 on the busiest device (r: held whole by every tensor-parallel copy, s:
+        split; the states sharded over the tp x dp = N / pp copies), so at (tp, pp) it is at least the plain
+        point's leanest weights part x min(1, tp0 / tp) / pp (pp stages share the layers: the busiest holds at
+        least the mean); a pair at which that alone does not fit is done before a point of it is mapped (on a
+        model of many layers each mapping costs seconds)."""
         pts = [p for p in self.points if p.layout is plain and p.max_bytes]
         if not pts:
             return
+        cap = self.machine.device.usable_bytes
+        fixed0 = min(p.split[0] for p in pts)
+        tp0 = min(p.config.tp for p in pts)
+        for w in walks:
+            if not w["done"] and fixed0 * min(1.0, tp0 / w["tp"]) / w["pp"] >= cap:
+                w["i"], w["done"] = len(w["ms"]), True
+                self.stats["pairs_skipped_by_weights"] = self.stats.get("pairs_skipped_by_weights", 0) + 1
         lean = min(pts, key=lambda p: p.max_bytes)
         scaled = lean.split[1]
         cap = self.machine.device.usable_bytes

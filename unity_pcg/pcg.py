@@ -462,6 +462,19 @@ class GraphBuilder:
             self._dirty.add(nid)
         self._outputs = [new if tuple(r) == old else r for r in self._outputs]
 
+    def replace_uses_many(self, pairs: Mapping[Ref, Ref], exclude: Iterable[int] = ()) -> None:
+        """:meth:`replace_uses` for several tensors in one pass over the nodes: every consumer of an ``old``
+        (and graph outputs), but those in ``exclude``, reads its ``new`` instead (one replacement each: a
+        ``new`` is not replaced again)."""
+        sub = {tuple(o): tuple(n) for o, n in pairs.items()}
+        skip = set(exclude)
+        for nid, n in list(self._nodes.items()):
+            if nid in skip or not any(r in sub for r in n.inputs):
+                continue
+            self._nodes[nid] = Node(n.id, n.op, n.attrs, tuple(sub.get(r, r) for r in n.inputs), n.name)
+            self._dirty.add(nid)
+        self._outputs = [sub.get(tuple(r), r) for r in self._outputs]
+
     def set_inputs(self, nid: int, inputs: Sequence[Ref]) -> None:
         n = self._nodes[nid]
         self._nodes[nid] = Node(n.id, n.op, n.attrs, tuple(tuple(r) for r in inputs), n.name)

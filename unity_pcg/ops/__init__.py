@@ -58,8 +58,54 @@ def saves(op: str) -> Saves:
 NON_DIFFERENTIABLE = frozenset((n, p) for n, s in REGISTRY.items() for p in s.nondiff_inputs)
 
 
+#: memo of :func:`infer`: (op, frozen attributes, input shapes, strict) -> Inference (frozen values, so the
+#: same object serves every caller); cleared when it reaches INFER_CACHE_MAX entries
+_INFER_CACHE: dict = {}
+INFER_CACHE_MAX = 1 << 18
+
+
+def _frozen(v):
+    """A hashable key for an attribute value that tells apart what ``==`` does not (1, 1.0 and True; a list
+    and a tuple); raises TypeError on a value that cannot be a key (an array)."""
+    t = type(v)
+    if t is int or t is str or t is float or t is bool or v is None:
+        return (t, v)
+    if t is list or t is tuple:
+        return (t, tuple(_frozen(x) for x in v))
+    if t is dict:
+        return (t, tuple(sorted((k, _frozen(x)) for k, x in v.items())))
+    raise TypeError(f"no key for {t.__name__}")
+
+
 def infer(op: str, attrs: Mapping[str, Any], in_shapes: Sequence[ParallelTensorShape],
           strict: bool = True) -> Inference:
+    """The output shapes and piece map of ``op`` on ``in_shapes`` (or InvalidParallelization saying why).
+
+    Shape inference is a pure function of its arguments and its result is frozen, so it is memoized: a
+    model's repeated blocks (and every rebuilt copy of a graph) infer each distinct (operator, attributes,
+    input shapes) once.  Attribute values that cannot be keys (arrays) skip the memo; refusals are not
+    memoized (they raise afresh)."""
+    ins = tuple(in_shapes)
+    try:
+        key = (op, tuple(sorted((k, _frozen(v)) for k, v in attrs.items())), ins, strict)
+        hit = _INFER_CACHE.get(key)
+    except TypeError:
+        key = hit = None
+    if hit is not None:
+        return hit
+    spec = get_op(op)
+    spec.check_arity(len(ins))
+    r = spec.infer(dict(attrs), ins, strict=strict)
+    if key is not None:
+        if len(_INFER_CACHE) >= INFER_CACHE_MAX:
+            _INFER_CACHE.clear()
+        _INFER_CACHE[key] = r
+    return r
+
+
+def infer_uncached(op: str, attrs: Mapping[str, Any], in_shapes: Sequence[ParallelTensorShape],
+                   strict: bool = True) -> Inference:
+    """:func:`infer` without its memo (the reference the memo is tested against)."""
     spec = get_op(op)
     spec.check_arity(len(in_shapes))
     return spec.infer(dict(attrs), tuple(in_shapes), strict=strict)
