@@ -42,7 +42,7 @@ from unity_pcg.substitutions.match import _Users
 from unity_pcg.substitutions.rule import is_var
 
 from .budget import Deadline, Expired, within
-from .substitution import RuleBook, RuleStep
+from .substitution import RuleBook, RuleStep, sink_combines
 
 #: a node gets at most this many rule steps in one visit (degrees compose: 2 x 2 x 2 is three steps)
 MAX_STEPS_PER_NODE = 6
@@ -564,9 +564,20 @@ class _State:
                 raise RealizeError(f"a cancel rule removed compute node {cid}")
 
     def finish(self) -> None:
-        """Cancellations over every node the steps touched, then each Reduce -> Replicate fused."""
+        """Cancellations over every node the steps touched, gathers that a later split undoes sunk to it and
+        cancelled (:func:`search.substitution.sink_combines`: a batch gather before a feature gather, a gather
+        before a sum), then each Reduce -> Replicate fused."""
         g = self.g
         self.cancel({i for i in self.touched if i in g})
+
+        def step(h, m):
+            fresh = h.apply(m)
+            if fresh is None:
+                return None
+            self.touched.update(fresh)
+            return h, fresh
+        sink_combines(g, self.book, [i for i in self.touched if i in g], step,
+                      lambda h, ids: _Window(h, ids, {tuple(r) for r in h.outputs}), self.steps)
         if self.fuse is None:
             return
         reps = sorted(i for i in self.touched if i in g and g.node(i).op == "Replicate")
