@@ -563,6 +563,33 @@ class _State:
             if cid not in g:       # cancel rules move parallel operators only
                 raise RealizeError(f"a cancel rule removed compute node {cid}")
 
+    def reduce_then_split(self) -> None:
+        """Every ``Reduce(Partition(x, d, k), k)`` the steps left (a Partition read only by the sum) written as
+        ``Partition(Reduce(x, k), d, k)`` by a proven commute rule: the same values, one reduce-scatter as the
+        cost model prices it and the executor runs it (the sums of a row-parallel operator scattered over the
+        devices that hold them, instead of split onto more devices and then summed)."""
+        g = self.g
+        rules = _reduce_first_rules(self.book)
+        if not rules:
+            return
+        outputs = {tuple(r) for r in g.outputs}
+        for rid in sorted(i for i in self.touched if i in g and g.node(i).op == "Reduce"):
+            if rid not in g:
+                continue
+            p = g.node(rid).inputs[0][0]
+            if g.node(p).op != "Partition" or g.node(p).a["degree"] != g.node(rid).a["degree"]:
+                continue
+            for r in rules:
+                m = next((m for m in iter_matches(r, g, _Window(g, [p, rid], outputs), None, (2,))
+                          if set(m.nodes) == {p, rid}), None)
+                if m is None:
+                    continue
+                fresh = g.apply(m)
+                if fresh is not None:
+                    self.steps.append(RuleStep.of(m))
+                    self.touched.update(fresh)
+                    break
+
     def finish(self) -> None:
         """Cancellations over every node the steps touched, gathers that a later split undoes sunk to it and
         cancelled (:func:`search.substitution.sink_combines`: a batch gather before a feature gather, a gather
@@ -578,6 +605,7 @@ class _State:
             return h, fresh
         sink_combines(g, self.book, [i for i in self.touched if i in g], step,
                       lambda h, ids: _Window(h, ids, {tuple(r) for r in h.outputs}), self.steps)
+        self.reduce_then_split()
         if self.fuse is None:
             return
         reps = sorted(i for i in self.touched if i in g and g.node(i).op == "Replicate")
@@ -591,6 +619,22 @@ class _State:
                     break
             else:
                 return
+
+
+def _reduce_first_rules(book: RuleBook) -> list[Rule]:
+    """The book's unconstrained ``Reduce(Partition(x, d, k), k) -> Partition(Reduce(x, k), d, k)`` rules, found
+    by their patterns (one input, no free variable)."""
+    got = book.__dict__.get("_reduce_first")
+    if got is None:
+        got = []
+        for r in book.parallel:
+            s, t = r.source.nodes, r.target.nodes
+            if (not r.constraints and not r.free_vars() and len(r.inputs) == 1
+                    and [n.op for n in s] == ["Partition", "Reduce"] and [n.op for n in t] == ["Reduce", "Partition"]
+                    and s[0].inputs == r.inputs and t[0].inputs == r.inputs):
+                got.append(r)
+        book._reduce_first = got
+    return got
 
 
 def realize(g: PCG, target: PCG | Mapping[int, NodeLayout], book: RuleBook | None = None, *,

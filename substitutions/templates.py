@@ -28,7 +28,9 @@ like every generated rule (rules_cmd / generate re-prove them; none is shipped u
   any two degrees: a weight copied by the data-parallel rule, then split by a Megatron template);
   ``combine_sink_Combine`` (``Combine(Combine(x, d, k), e, j) -> Combine(Combine(x, e, j), d, k)``, ``d != e``:
   a gather moves past a gather of another dim, so a batch gather before a feature gather reaches the next
-  operator's batch Partition and cancels);
+  operator's batch Partition and cancels); ``partition_combine_cancel_shared`` (``(Combine(x, d, k),
+  Partition(Combine(x, d, k), d, k)) -> (Combine(x, d, k), x)``: a gather with other readers, one of which
+  splits it again, reads the pieces there);
 * ``replicate_lift_Embedding`` (``Replicate(Embedding(i, t)) -> Embedding(Replicate(i), Replicate(t))``: an
   operator over constants computed on every device, where data parallelism cannot partition it),
   ``replicate_lift_Add`` and ``replicate_lift_LayerNorm`` (the operators between Megatron's groups on the
@@ -371,6 +373,11 @@ def template_rules() -> list[Rule]:
     rules.append(_with_example(r, {"k": 2, "d": -2}, {"x": S.of((4, 4), (2, 1))}))
     r = rule_of("combine_partition_cancel", _comb(_part("x", "$d"), "$d"), "x", D)
     rules.append(_with_example(r, {"k": 2, "d": -2}, x44))
+    # the same where the gather has other readers too (a residual stream read by the next layer whole and by
+    # the residual Add split): the reader that splits it again reads the pieces; the others keep the gather
+    c = _comb("x", "$d")
+    r = rule_of("partition_combine_cancel_shared", (c, _part(c, "$d")), (c, "x"), D)
+    rules.append(_with_example(r, {"k": 2, "d": -2}, {"x": S.of((4, 4), (2, 1))}))
     # two identical parallel operators on one tensor (left where several consumers were parallelized
     # one by one) become one: its output feeds both
     for o, at in (("Partition", (("degree", "$k"), ("dim", "$d"))), ("Replicate", (("degree", "$k"),))):
