@@ -358,13 +358,14 @@ def merge_copies_steps(g: PCG, book: RuleBook) -> tuple[PCG, list[RuleStep]]:
 #: copy degree, and ``Combine(Combine(x, d, k), e, j) -> Combine(Combine(x, e, j), d, k)`` for a gather of another
 #: dim (proven templates)
 SINK_RULES = {"Reduce": "combine_sink_Reduce", "Replicate": "combine_sink_Replicate",
-              "AllReduce": "combine_sink_AllReduce", "Combine": "combine_sink_Combine"}
+              "AllReduce": "combine_sink_AllReduce", "Combine": "combine_sink_Combine",
+              "Partition": "combine_sink_Partition"}
 
 
 def _cancelled_below(g: PCG, c) -> bool:
     """True when Combine node ``c``'s result reaches, through a chain of Reduce / Replicate / AllReduce and
-    Combines of other dims (each read by one consumer), a Partition of the same dim and degree: sunk there, the
-    pair cancels."""
+    Combines and Partitions of other dims (each read by one consumer), a Partition of the same dim and degree:
+    sunk there, the pair cancels."""
     rank = g.shape(c.inputs[0]).rank
     dim = c.a["dim"] % rank
     ref = (c.id, 0)
@@ -373,15 +374,18 @@ def _cancelled_below(g: PCG, c) -> bool:
         if len(cons) != 1 or ref in {tuple(r) for r in g.outputs}:
             return False
         n = g.node(cons[0][0])
-        if n.op in SINK_RULES and (n.op != "Combine" or n.a["dim"] % rank != dim):
+        if n.op == "Partition" and n.a["dim"] % rank == dim:
+            return n.a["degree"] == c.a["degree"]
+        if n.op in SINK_RULES and (n.op not in ("Combine", "Partition") or n.a["dim"] % rank != dim):
             ref = (n.id, 0)
             continue
-        return n.op == "Partition" and n.a["degree"] == c.a["degree"] and n.a["dim"] % rank == dim
+        return False
 
 
 def sink_combines_steps(g: PCG, book: RuleBook, window: Iterable[int] | None = None) -> tuple[PCG, list[RuleStep]]:
     """Gathers that a later split undoes, removed by rules: a ``Combine(d, k)`` followed by sums, copies or
-    gathers of other dims (Reduce, Replicate, AllReduce, Combine(e): they change other degrees) and then by
+    gathers or splits of other dims (Reduce, Replicate, AllReduce, Combine(e), Partition(e): they change other
+    degrees) and then by
     ``Partition(d, k)`` is moved past them (``combine_sink_<P>``, proven) and cancelled with the Partition
     (``partition_combine_cancel``).  Where a stage is data and tensor parallel at once, the data-parallel rule
     gathers a row-parallel Linear's batch pieces before its AllReduce and the next Megatron pair splits them
@@ -414,7 +418,9 @@ def sink_combines(g: PCG, book: RuleBook, window: Iterable[int], step: Callable,
         site = g.node(cid)
         while site is not None and _cancelled_below(g, site):
             below = g.node(g.consumers((site.id, 0))[0][0])
-            rule = cancel if below.op == "Partition" else rules.get(below.op)
+            rank = g.shape(site.inputs[0]).rank
+            same = below.op == "Partition" and below.a["dim"] % rank == site.a["dim"] % rank
+            rule = cancel if same else rules.get(below.op)
             if rule is None:
                 break
             m = next((m for m in iter_matches(rule, g, index(g, [site.id, below.id]), None, (site.a["degree"],))

@@ -28,7 +28,7 @@ like every generated rule (rules_cmd / generate re-prove them; none is shipped u
   any two degrees: a weight copied by the data-parallel rule, then split by a Megatron template);
   ``combine_sink_Combine`` (``Combine(Combine(x, d, k), e, j) -> Combine(Combine(x, e, j), d, k)``, ``d != e``:
   a gather moves past a gather of another dim, so a batch gather before a feature gather reaches the next
-  operator's batch Partition and cancels); ``partition_combine_cancel_shared`` (``(Combine(x, d, k),
+  operator's batch Partition and cancels) and ``combine_sink_Partition`` (the same past a split of another dim); ``partition_combine_cancel_shared`` (``(Combine(x, d, k),
   Partition(Combine(x, d, k), d, k)) -> (Combine(x, d, k), x)``: a gather with other readers, one of which
   splits it again, reads the pieces there);
 * ``replicate_lift_Embedding`` (``Replicate(Embedding(i, t)) -> Embedding(Replicate(i), Replicate(t))``: an
@@ -362,6 +362,11 @@ def template_rules() -> list[Rule]:
     r = rule_of("combine_sink_Combine", _comb(_comb("x", "$d"), "$e", "$j"), _comb(_comb("x", "$e", "$j"), "$d"),
                 {**DKJ, "e": "dim"}, [("$d", "!=", "$e")])
     rules.append(_with_example(r, {"k": 2, "j": 2, "d": -2, "e": -1}, {"x": S.of((4, 4), (2, 2))}))
+    # and past a split of another dim (a row-parallel Linear's reduce-scatter on the features, the batch gathered
+    # before it by the data-parallel step and split again after it)
+    r = rule_of("combine_sink_Partition", _part(_comb("x", "$d"), "$e", "$j"), _comb(_part("x", "$e", "$j"), "$d"),
+                {**DKJ, "e": "dim"}, [("$d", "!=", "$e")])
+    rules.append(_with_example(r, {"k": 2, "j": 2, "d": -2, "e": -1}, {"x": S.of((4, 4), (2, 1))}))
     # a tensor copied, then split, is split, then copied (the degrees may differ: a weight of a stage data parallel
     # j x tensor parallel k, as Megatron-LM's layout writes it)
     r = rule_of("partition_replicate_commute", _part(_rep("x", "$j"), "$d"), _rep(_part("x", "$d"), "$j"), DKJ)
