@@ -16,7 +16,9 @@ without moving any matched node that is already there away from it, preferring t
 most matched nodes closer (a Megatron template that lays out a whole attention block at once beats a
 single-operator rule).  A node may take several steps (degrees compose: data parallel then column split).
 After each step the Partition/Combine pairs and duplicate placements it left around it are cancelled by
-the cancel rules; at the end a Reduce met by a Replicate fuses into an AllReduce.  The second sweep moves
+the cancel rules; at the end the gathers a later split undoes are sunk to it and cancelled, a split of partial
+sums is commuted below their Reduce (one reduce-scatter, as the ILP writes it), and a Reduce met by a Replicate
+fuses into an AllReduce.  The second sweep moves
 parallel operators backwards (``Partition(op(Combine(x), y)) -> op(x, Partition(y))``: a partition a later
 node asked for) and lifts replicates above the operators that must run on copies.
 

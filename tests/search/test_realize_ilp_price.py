@@ -65,3 +65,17 @@ def test_ilp_layout_by_rules_at_the_ilp_price(make, machine, mesh):
     got = mapper.optimize(trimmed(r.pcg)).cost
     ilp = mapper.optimize(p.pcg).cost
     assert got <= ilp * (1 + 1e-9), (got, ilp)
+
+
+def test_add_templates_proves_and_appends_what_the_cache_lacks(tmp_path):
+    from unity_pcg.substitutions.cache import add_templates, save
+    shipped = load()
+    keep = [r for r in shipped.rules if r.name != "combine_sink_Partition"]
+    extra = {k: v for k, v in shipped.manifest.items() if k not in ("schema", "op_set_hash", "digest", "counts")}
+    save(keep, tmp_path, extra)
+    rs, added = add_templates(tmp_path, log=lambda *_: None)
+    assert added == ["combine_sink_Partition"]
+    got = rs.by_name()["combine_sink_Partition"]
+    assert dict(got.proof)["status"] == "proven" and "Partition_Combine_commute" in dict(got.proof)["axioms"]
+    assert len(rs) == len(shipped) and rs.manifest["stats"]["proven"] == len(shipped)
+    assert add_templates(tmp_path, log=lambda *_: None)[1] == []          # nothing left to add
