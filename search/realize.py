@@ -16,7 +16,9 @@ without moving any matched node that is already there away from it, preferring t
 most matched nodes closer (a Megatron template that lays out a whole attention block at once beats a
 single-operator rule).  A node may take several steps (degrees compose: data parallel then column split).
 After each step the Partition/Combine pairs and duplicate placements it left around it are cancelled by
-the cancel rules; at the end a Reduce met by a Replicate fuses into an AllReduce.  The second sweep moves
+the cancel rules; at the end the gathers a later split undoes are sunk to it and cancelled, a split of partial
+sums is commuted below their Reduce (one reduce-scatter, as the ILP writes it), and a Reduce met by a Replicate
+fuses into an AllReduce.  The second sweep moves
 parallel operators backwards (``Partition(op(Combine(x), y)) -> op(x, Partition(y))``: a partition a later
 node asked for) and lifts replicates above the operators that must run on copies.
 
@@ -42,7 +44,7 @@ from unity_pcg.substitutions.match import _Users
 from unity_pcg.substitutions.rule import is_var
 
 from .budget import Deadline, Expired, within
-from .substitution import RuleBook, RuleStep
+from .substitution import RuleBook, RuleStep, sink_combines
 
 #: a node gets at most this many rule steps in one visit (degrees compose: 2 x 2 x 2 is three steps)
 MAX_STEPS_PER_NODE = 6
@@ -563,10 +565,49 @@ class _State:
             if cid not in g:       # cancel rules move parallel operators only
                 raise RealizeError(f"a cancel rule removed compute node {cid}")
 
+    def reduce_then_split(self) -> None:
+        """Every ``Reduce(Partition(x, d, k), k)`` the steps left (a Partition read only by the sum) written as
+        ``Partition(Reduce(x, k), d, k)`` by a proven commute rule: the same values, one reduce-scatter as the
+        cost model prices it and the executor runs it (the sums of a row-parallel operator scattered over the
+        devices that hold them, instead of split onto more devices and then summed)."""
+        g = self.g
+        rules = _reduce_first_rules(self.book)
+        if not rules:
+            return
+        outputs = {tuple(r) for r in g.outputs}
+        for rid in sorted(i for i in self.touched if i in g and g.node(i).op == "Reduce"):
+            if rid not in g:
+                continue
+            p = g.node(rid).inputs[0][0]
+            if g.node(p).op != "Partition" or g.node(p).a["degree"] != g.node(rid).a["degree"]:
+                continue
+            for r in rules:
+                m = next((m for m in iter_matches(r, g, _Window(g, [p, rid], outputs), None, (2,))
+                          if set(m.nodes) == {p, rid}), None)
+                if m is None:
+                    continue
+                fresh = g.apply(m)
+                if fresh is not None:
+                    self.steps.append(RuleStep.of(m))
+                    self.touched.update(fresh)
+                    break
+
     def finish(self) -> None:
-        """Cancellations over every node the steps touched, then each Reduce -> Replicate fused."""
+        """Cancellations over every node the steps touched, gathers that a later split undoes sunk to it and
+        cancelled (:func:`search.substitution.sink_combines`: a batch gather before a feature gather, a gather
+        before a sum), then each Reduce -> Replicate fused."""
         g = self.g
         self.cancel({i for i in self.touched if i in g})
+
+        def step(h, m):
+            fresh = h.apply(m)
+            if fresh is None:
+                return None
+            self.touched.update(fresh)
+            return h, fresh
+        sink_combines(g, self.book, [i for i in self.touched if i in g], step,
+                      lambda h, ids: _Window(h, ids, {tuple(r) for r in h.outputs}), self.steps)
+        self.reduce_then_split()
         if self.fuse is None:
             return
         reps = sorted(i for i in self.touched if i in g and g.node(i).op == "Replicate")
@@ -580,6 +621,22 @@ class _State:
                     break
             else:
                 return
+
+
+def _reduce_first_rules(book: RuleBook) -> list[Rule]:
+    """The book's unconstrained ``Reduce(Partition(x, d, k), k) -> Partition(Reduce(x, k), d, k)`` rules, found
+    by their patterns (one input, no free variable)."""
+    got = book.__dict__.get("_reduce_first")
+    if got is None:
+        got = []
+        for r in book.parallel:
+            s, t = r.source.nodes, r.target.nodes
+            if (not r.constraints and not r.free_vars() and len(r.inputs) == 1
+                    and [n.op for n in s] == ["Partition", "Reduce"] and [n.op for n in t] == ["Reduce", "Partition"]
+                    and s[0].inputs == r.inputs and t[0].inputs == r.inputs):
+                got.append(r)
+        book._reduce_first = got
+    return got
 
 
 def realize(g: PCG, target: PCG | Mapping[int, NodeLayout], book: RuleBook | None = None, *,

@@ -355,54 +355,85 @@ def merge_copies_steps(g: PCG, book: RuleBook) -> tuple[PCG, list[RuleStep]]:
 
 
 #: ``P(Combine(x, d, k), j) -> Combine(P(x, j), d, k)`` per parallel operator ``P`` that changes only the sum or
-#: copy degree (proven templates)
+#: copy degree, and ``Combine(Combine(x, d, k), e, j) -> Combine(Combine(x, e, j), d, k)`` for a gather of another
+#: dim (proven templates)
 SINK_RULES = {"Reduce": "combine_sink_Reduce", "Replicate": "combine_sink_Replicate",
-              "AllReduce": "combine_sink_AllReduce"}
+              "AllReduce": "combine_sink_AllReduce", "Combine": "combine_sink_Combine",
+              "Partition": "combine_sink_Partition"}
 
 
 def _cancelled_below(g: PCG, c) -> bool:
-    """True when Combine node ``c``'s result reaches, through a chain of Reduce / Replicate / AllReduce (each
-    read by one consumer), a Partition of the same dim and degree: sunk there, the pair cancels."""
+    """True when Combine node ``c``'s result reaches, through a chain of Reduce / Replicate / AllReduce and
+    Combines and Partitions of other dims (each read by one consumer), a Partition of the same dim and degree:
+    sunk there, the pair cancels."""
     rank = g.shape(c.inputs[0]).rank
+    dim = c.a["dim"] % rank
     ref = (c.id, 0)
     while True:
         cons = g.consumers(ref)
-        if len(cons) != 1:
+        if len(cons) != 1 or ref in {tuple(r) for r in g.outputs}:
             return False
         n = g.node(cons[0][0])
-        if n.op in SINK_RULES:
+        if n.op == "Partition" and n.a["dim"] % rank == dim:
+            return n.a["degree"] == c.a["degree"]
+        if n.op in SINK_RULES and (n.op not in ("Combine", "Partition") or n.a["dim"] % rank != dim):
             ref = (n.id, 0)
             continue
-        return (n.op == "Partition" and n.a["degree"] == c.a["degree"]
-                and n.a["dim"] % rank == c.a["dim"] % rank)
+        return False
 
 
-def sink_combines_steps(g: PCG, book: RuleBook) -> tuple[PCG, list[RuleStep]]:
-    """Gathers that a later split undoes, removed by rules: a ``Combine(d, k)`` followed by sums or copies
-    (Reduce, Replicate, AllReduce: they change other degrees) and then by ``Partition(d, k)`` is moved past
-    them (``combine_sink_<P>``, proven) and cancelled with the Partition (``partition_combine_cancel``).
-    Where a stage is data and tensor parallel at once, the data-parallel rule gathers a row-parallel
-    Linear's batch pieces before its AllReduce and the next Megatron pair splits them again; Megatron-LM
-    all-reduces the pieces where they are.  Other Combines are left alone (moving them would change the
-    layout, not write it differently); (graph, steps)."""
+def sink_combines_steps(g: PCG, book: RuleBook, window: Iterable[int] | None = None) -> tuple[PCG, list[RuleStep]]:
+    """Gathers that a later split undoes, removed by rules: a ``Combine(d, k)`` followed by sums, copies or
+    gathers or splits of other dims (Reduce, Replicate, AllReduce, Combine(e), Partition(e): they change other
+    degrees) and then by
+    ``Partition(d, k)`` is moved past them (``combine_sink_<P>``, proven) and cancelled with the Partition
+    (``partition_combine_cancel``).  Where a stage is data and tensor parallel at once, the data-parallel rule
+    gathers a row-parallel Linear's batch pieces before its AllReduce and the next Megatron pair splits them
+    again; Megatron-LM all-reduces the pieces where they are.  Likewise an ILP layout over a 2-D mesh gathers a
+    feature dim only, where the rules gather the batch too and split it again.  Other Combines are left alone
+    (moving them would change the layout, not write it differently).  ``window``: the Combines to look at
+    (default every node); (graph, steps)."""
     steps: list[RuleStep] = []
+
+    def step(h: PCG, m: Match):
+        h2 = try_apply(h, m)
+        return None if h2 is None else (h2, new_ids(h, h2))
+    g = sink_combines(g, book, g.node_ids() if window is None else window, step, _window_index, steps)
+    return g, steps
+
+
+def sink_combines(g: PCG, book: RuleBook, window: Iterable[int], step: Callable, index: Callable,
+                  steps: list) -> PCG:
+    """:func:`sink_combines_steps` over any graph representation: ``step(g, match)`` applies a match and
+    returns ``(graph, new node ids)`` or None; ``index(g, ids)`` a :class:`GraphIndex` over those ids.  Appends
+    the applied steps to ``steps``; returns the graph."""
     rules = {p: book.by_name.get(name) for p, name in SINK_RULES.items()}
-    if any(r is None for r in rules.values()):
-        return g, steps
     cancel = book.by_name.get("partition_combine_cancel")
-    while True:
-        site = next((c for c in g.nodes() if c.op == "Combine" and _cancelled_below(g, c)), None)
-        if site is None:
-            return g, steps
-        below = g.node(g.consumers((site.id, 0))[0][0])
-        rule = rules.get(below.op, cancel)
-        m = next((m for m in iter_matches(rule, g, None, None, (site.a["degree"],))
-                  if set(m.nodes) == {site.id, below.id}), None)
-        g2 = try_apply(g, m) if m is not None else None
-        if g2 is None:
-            return g, steps
-        steps.append(RuleStep.of(m))
-        g = g2
+    if cancel is None:
+        return g
+    todo = sorted(i for i in window if i in g and g.node(i).op == "Combine")
+    for cid in todo:
+        if cid not in g or g.node(cid).op != "Combine":
+            continue
+        site = g.node(cid)
+        while site is not None and _cancelled_below(g, site):
+            below = g.node(g.consumers((site.id, 0))[0][0])
+            rank = g.shape(site.inputs[0]).rank
+            same = below.op == "Partition" and below.a["dim"] % rank == site.a["dim"] % rank
+            rule = cancel if same else rules.get(below.op)
+            if rule is None:
+                break
+            m = next((m for m in iter_matches(rule, g, index(g, [site.id, below.id]), None, (site.a["degree"],))
+                      if set(m.nodes) == {site.id, below.id}), None)
+            got = step(g, m) if m is not None else None
+            if got is None:
+                break
+            g, fresh = got
+            steps.append(RuleStep.of(m))
+            # the sunk Combine is the last new Combine of a sink rule's target; none is left after the cancel
+            site = None if rule is cancel else next(
+                (g.node(i) for i in reversed(fresh) if g.node(i).op == "Combine"), None)
+    return g
 
 
 def data_parallel_steps(g: PCG, degree: int, book: RuleBook,

@@ -222,4 +222,39 @@ def rebuild(settings, out_dir: str | Path | None = None, timeout: float = 2.0, w
     return load(d), info
 
 
+def add_templates(out_dir: str | Path | None = None, timeout: float = 10.0, workers: int = 1,
+                  log=print) -> tuple[RuleSet, list[str]]:
+    """The template rules (:func:`substitutions.templates.template_rules`) that the cache lacks, proven exactly as
+    :func:`rebuild` proves templates (the verifier, its named axiom subset first), appended to the cache and
+    saved with the manifest's counts updated; the generated rules are kept as they are.  An unproven template
+    is not shipped (listed in the manifest's ``unproven``).  (rule set, names added)."""
+    from unity_pcg.verifier.verify import verify_rules
+
+    from .templates import template_rules
+    have = load(out_dir)
+    names = {r.name for r in have.rules}
+    new = [r for r in template_rules() if r.name not in names]
+    verdicts = verify_rules(new, max(timeout, 10.0), workers) if new else []
+    info = {k: v for k, v in have.manifest.items() if k not in ("schema", "op_set_hash", "digest", "counts")}
+    info["stats"] = dict(info.get("stats", {}))
+    info["unproven"] = list(info.get("unproven", []))
+    shipped, added = list(have.rules), []
+    for r, v in zip(new, verdicts):
+        if v.proven:
+            sub = dict(r.proof).get("axiom_subset")
+            extra = {"axiom_subset": list(sub), "axiom_set": v.axiom_set} if sub else {}
+            shipped.append(r.with_proof(status="proven", axioms=list(v.axioms), seconds=round(v.seconds, 4), **extra))
+            added.append(r.name)
+        else:
+            info["unproven"].append({"rule": str(r), "reason": f"{v.status}: {v.detail}"})
+            log(f"not proven, not shipped: {r.name} ({v.status})")
+    st = info["stats"]
+    st["proven"] = len(shipped)
+    st["generalized"] = sum(1 for r in shipped if r.vars)
+    st["template_rules"] = len(template_rules())
+    st["unproven"] = len(info["unproven"])
+    d = save(shipped, out_dir if out_dir is not None else have.path.parent, info)
+    return load(d), added
+
+
 load_rules = load   # the name the demo and the search use

@@ -26,6 +26,11 @@ like every generated rule (rules_cmd / generate re-prove them; none is shipped u
   row-parallel Linear's batch pieces before its AllReduce, the next pair splits them again: sunk, they cancel)
   and ``partition_replicate_commute`` (``Partition(Replicate(x, j), d, k) -> Replicate(Partition(x, d, k), j)``,
   any two degrees: a weight copied by the data-parallel rule, then split by a Megatron template);
+  ``combine_sink_Combine`` (``Combine(Combine(x, d, k), e, j) -> Combine(Combine(x, e, j), d, k)``, ``d != e``:
+  a gather moves past a gather of another dim, so a batch gather before a feature gather reaches the next
+  operator's batch Partition and cancels) and ``combine_sink_Partition`` (the same past a split of another dim); ``partition_combine_cancel_shared`` (``(Combine(x, d, k),
+  Partition(Combine(x, d, k), d, k)) -> (Combine(x, d, k), x)``: a gather with other readers, one of which
+  splits it again, reads the pieces there);
 * ``replicate_lift_Embedding`` (``Replicate(Embedding(i, t)) -> Embedding(Replicate(i), Replicate(t))``: an
   operator over constants computed on every device, where data parallelism cannot partition it),
   ``replicate_lift_Add`` and ``replicate_lift_LayerNorm`` (the operators between Megatron's groups on the
@@ -351,6 +356,17 @@ def template_rules() -> list[Rule]:
                     DKJ)
         rules.append(_with_example(r, {"k": 2, "j": 2, "d": -2},
                                    {"x": S.of((4, 4), (2, 1), sum_degree=1 if p == "Replicate" else 2)}))
+    # a gather moves past a gather of another dim (any two degrees): an ILP layout splits the batch over one mesh
+    # axis and a feature dim over the other; the rules' data-parallel step gathers the batch before the feature
+    # gather, the next operator's Partition of the batch undoes it: sunk past the feature gather, the pair cancels
+    r = rule_of("combine_sink_Combine", _comb(_comb("x", "$d"), "$e", "$j"), _comb(_comb("x", "$e", "$j"), "$d"),
+                {**DKJ, "e": "dim"}, [("$d", "!=", "$e")])
+    rules.append(_with_example(r, {"k": 2, "j": 2, "d": -2, "e": -1}, {"x": S.of((4, 4), (2, 2))}))
+    # and past a split of another dim (a row-parallel Linear's reduce-scatter on the features, the batch gathered
+    # before it by the data-parallel step and split again after it)
+    r = rule_of("combine_sink_Partition", _part(_comb("x", "$d"), "$e", "$j"), _comb(_part("x", "$e", "$j"), "$d"),
+                {**DKJ, "e": "dim"}, [("$d", "!=", "$e")])
+    rules.append(_with_example(r, {"k": 2, "j": 2, "d": -2, "e": -1}, {"x": S.of((4, 4), (2, 1))}))
     # a tensor copied, then split, is split, then copied (the degrees may differ: a weight of a stage data parallel
     # j x tensor parallel k, as Megatron-LM's layout writes it)
     r = rule_of("partition_replicate_commute", _part(_rep("x", "$j"), "$d"), _rep(_part("x", "$d"), "$j"), DKJ)
@@ -362,6 +378,11 @@ def template_rules() -> list[Rule]:
     rules.append(_with_example(r, {"k": 2, "d": -2}, {"x": S.of((4, 4), (2, 1))}))
     r = rule_of("combine_partition_cancel", _comb(_part("x", "$d"), "$d"), "x", D)
     rules.append(_with_example(r, {"k": 2, "d": -2}, x44))
+    # the same where the gather has other readers too (a residual stream read by the next layer whole and by
+    # the residual Add split): the reader that splits it again reads the pieces; the others keep the gather
+    c = _comb("x", "$d")
+    r = rule_of("partition_combine_cancel_shared", (c, _part(c, "$d")), (c, "x"), D)
+    rules.append(_with_example(r, {"k": 2, "d": -2}, {"x": S.of((4, 4), (2, 1))}))
     # two identical parallel operators on one tensor (left where several consumers were parallelized
     # one by one) become one: its output feeds both
     for o, at in (("Partition", (("degree", "$k"), ("dim", "$d"))), ("Replicate", (("degree", "$k"),))):
