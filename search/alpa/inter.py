@@ -184,6 +184,16 @@ class StageCost:
         return max((self.w.get(d, 0) + in_flight * self.a.get(d, 0) for d in keys), default=0)
 
 
+def _accepts(fn, name: str) -> bool:
+    """Whether the callable ``fn`` takes the keyword ``name`` (a user's ``solve`` callback may not)."""
+    import inspect
+    try:
+        ps = inspect.signature(fn).parameters
+    except (TypeError, ValueError):
+        return False
+    return name in ps or any(p.kind is inspect.Parameter.VAR_KEYWORD for p in ps.values())
+
+
 def _default_solve():
     import functools
 
@@ -291,13 +301,15 @@ class StageCosts:
         if skey is None:
             skey = self.skeys[(k, i)] = P.structure_key(sg)
         best = None
+        last = i == len(self.layer_nodes) - 1       # the last stage's outputs go nowhere: copies allowed
         for mesh in logical_meshes(shape, D, self.logical):
-            key = (skey, tuple(mesh), start % D if n == 1 else 0, self.optimizer, self.wus)
+            key = (skey, tuple(mesh), start % D if n == 1 else 0, self.optimizer, self.wus, last)
             hit = self.memo.get(key)
             if hit is None or (must and not math.isfinite(hit.t) and hit.reason.startswith("deadline")):
-                hit = self.memo[key] = self._solve(sg, mesh, start, must=must)
+                hit = self.memo[key] = self._solve(sg, mesh, start, must=must, last=last)
                 if hit.pcg is not None and hit.start == start:     # solve_at of this place reuses it
-                    self.memo.setdefault(("at", skey, tuple(mesh), start % D, self.optimizer, self.wus), (hit, sg))
+                    self.memo.setdefault(("at", skey, tuple(mesh), start % D, self.optimizer, self.wus, last),
+                                         (hit, sg))
             if best is None or hit.t < best.t:
                 best = hit
         return best
@@ -322,16 +334,16 @@ class StageCosts:
         return StageCost(sum(p.t for p in parts), sum(p.once for p in parts), w, a, None, {},
                          parts[0].mesh if len(meshes) == 1 else tuple(shape), "", 0.0, start)
 
-    def solve_at(self, sg: PCG, mesh, start: int) -> StageCost:
+    def solve_at(self, sg: PCG, mesh, start: int, last: bool = False) -> StageCost:
         """The stage sub-PCG ``sg`` solved on ``mesh`` at device ``start``, as stitching the stages needs
         it: its sources named as ``sg``'s.  A stage of the same structure solved before on the same mesh
         at the same offset inside a node is reused: its plan's sources renamed, its views moved by whole
-        nodes."""
+        nodes.  ``last``: the pipeline's last stage (its outputs may keep copies)."""
         D = self.machine.devices_per_node
-        key = ("at", P.structure_key(sg), tuple(mesh), start % D, self.optimizer, self.wus)
+        key = ("at", P.structure_key(sg), tuple(mesh), start % D, self.optimizer, self.wus, last)
         hit = self.memo.get(key)
         if hit is None:
-            c = self._solve(sg, mesh, start, must=True)
+            c = self._solve(sg, mesh, start, must=True, last=last)
             self.memo[key] = (c, sg)
             return c
         c, sg0 = hit
@@ -358,7 +370,12 @@ class StageCosts:
     def _late(self) -> bool:
         return self.deadline is not None and time.monotonic() >= self.deadline
 
-    def _solve(self, sg: PCG, mesh, start: int, must: bool = False) -> StageCost:
+    def _solve(self, sg: PCG, mesh, start: int, must: bool = False, last: bool = True) -> StageCost:
+        """One stage solved and priced.  A stage before the last sends its outputs on: they must leave it
+        without copies (no parallel operator drops copies, so the next stage could not lay them out its
+        own way and the stages would not join); the ILP is asked for that (``copy_free_outputs``) and any
+        plan that still has a copied output costs ``inf``, so the stage DP never picks a stage it cannot
+        join."""
         t0 = time.perf_counter()
         solve = self.solve
         if self._late():
@@ -370,13 +387,15 @@ class StageCosts:
         prec = getattr(self.mapper.model, "precision", "fp32")
         if prec != "fp32" and solve is self.solve:
             kw["precision"] = prec          # the ILP priced in the mapper's math mode (one cost model)
+        if not last and _accepts(solve, "copy_free_outputs"):
+            kw["copy_free_outputs"] = True
         try:
             plan = solve(sg, self.machine, tuple(mesh), start=start, optimizer=self.optimizer,
                          memory_budget=None, weight_update_sharding=self.wus, time_limit_s=self.limit, **kw)
         except UnityError as e:
             if must and solve is self.solve and self._late():      # cut by the deadline: data parallel instead
                 self.solve_s += time.perf_counter() - t0
-                return self._solve(sg, mesh, start, must=True)
+                return self._solve(sg, mesh, start, must=True, last=last)
             self.solve_s += time.perf_counter() - t0
             why = str(e)
             return StageCost(INF, mesh=tuple(mesh), reason=("deadline: " + why) if self._late() else why)
@@ -389,6 +408,12 @@ class StageCosts:
                 raise AlpaError(f"the intra pass found no plan ({getattr(plan, 'status', '?')})")
             if len(pg.outputs) != len(sg.outputs):
                 raise AlpaError("the intra plan changed the stage's outputs")
+            if not last:
+                for r in pg.outputs:
+                    c = pg.shape(tuple(r)).copy_degree
+                    if c > 1 and pg.node(r[0]).kind != "source":
+                        raise AlpaError(f"the stage sends {pg.node(r[0]).label()} in {c} copies, which the next "
+                                        f"stage cannot lay out its own way (no parallel operator drops copies)")
             if views:
                 # what MachineMapper.evaluate prices (every leaf one after the other), in one pass
                 gc = GraphCost(pg, self.mapper.model)
@@ -580,7 +605,7 @@ def _price_plan(pcg, gM, info, lay, found, M, machine, mapper, costs: StageCosts
         c = costs.get(k, i - 1, shapes[j])
         sg = costs.stage_graph(k, i - 1)
         if math.isfinite(c.t):          # the memo's plan may be of another range of the same structure
-            c = costs.solve_at(sg, c.mesh, d)   # (or a sum of layers): solved on this stage's own sub-PCG
+            c = costs.solve_at(sg, c.mesh, d, last=i == len(lay))   # (or a sum of layers): on its own sub-PCG
         priced.append(P.StagePrice(c.t, c.once, dict(c.w), dict(c.a), dict(c.views), c.pcg,
                                 tuple(tuple(x) for x in sg.outputs), c.reason))
         fwd.append(c.t / (1 + bf))
