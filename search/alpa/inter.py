@@ -184,6 +184,10 @@ class StageCost:
         return max((self.w.get(d, 0) + in_flight * self.a.get(d, 0) for d in keys), default=0)
 
 
+#: how many times a chosen plan whose stages do not join is replaced by the stage DP's next best
+JOIN_RETRIES = 4
+
+
 def _accepts(fn, name: str) -> bool:
     """Whether the callable ``fn`` takes the keyword ``name`` (a user's ``solve`` callback may not)."""
     import inspect
@@ -558,9 +562,11 @@ def alpa_plan(pcg: PCG, machine: MachineSpec, *, optimizer: str = "adam", layers
 
         if deadline is not None:
             costs.deadline = deadline          # the chosen stages are solved at their places by the deadline
-        dp = S.stage_dp(L, sizes, T, M, t, fits=hold, max_stages=max_stages,
-                        bounds=[(lo, lo) for lo, _ in S.t_max_bounds(t[np.isfinite(t)], eps=EPS)],
-                        deadline=None if deadline is None else Deadline(deadline))
+        def stage_dp():
+            return S.stage_dp(L, sizes, T, M, t, fits=hold, max_stages=max_stages,
+                              bounds=[(lo, lo) for lo, _ in S.t_max_bounds(t[np.isfinite(t)], eps=EPS)],
+                              deadline=None if deadline is None else Deadline(deadline))
+        dp = stage_dp()
         found = dp.best()
         est = found[0] if found else INF
         stats["per_m"][M] = {"profile_s": prof_s, "dp_s": dp.dp_s, "t_max_tried": dp.tried,
@@ -571,6 +577,21 @@ def alpa_plan(pcg: PCG, machine: MachineSpec, *, optimizer: str = "adam", layers
                 break
             continue
         res = _price_plan(pcg, gM, info, lay, found, M, machine, mapper, costs, shapes, stitch)
+        for _ in range(JOIN_RETRIES):
+            # a plan whose stages do not join (a safety net: stages are priced so that they join) is not
+            # picked: the stage that did not join the ones before it is priced inf and the DP runs again
+            bad = res.pipeline.stats.get("join_stage")
+            if bad is None:
+                break
+            st = found[1][bad]
+            t[st.first, st.end - 1, st.option] = INF
+            hold[st.first, st.end - 1, st.option] = -1.0
+            stats["join_retries"] = stats.get("join_retries", 0) + 1
+            again = stage_dp().best()
+            if not again:
+                break
+            found = again
+            res = _price_plan(pcg, gM, info, lay, found, M, machine, mapper, costs, shapes, stitch)
         fallbacks += costs.fallbacks
         stats["per_m"][M].update(fallback_stages=costs.fallbacks, predicted_s=res.cost if math.isfinite(res.cost) else None, solves=costs.solves)
         rank = (not res.feasible, res.cost)
@@ -650,6 +671,7 @@ def _price_plan(pcg, gM, info, lay, found, M, machine, mapper, costs: StageCosts
         # stage reads it partitioned differently, and no parallel operator drops copies.  The price is
         # kept; the plan has no PCG (``stitch_error``), so it cannot be written or run.
         stats["stitch_error"] = pr.reason
+        stats["join_stage"] = pr.stats.get("join_stage", 0)
         pr = P.assemble(pcg, gM, tuple(plan), M, ev, machine, False)
     pr.stats = stats
     return AlpaResult(pr, M, list(lay), out_stages, estimate)
