@@ -189,13 +189,29 @@ JOIN_RETRIES = 4
 
 
 def _accepts(fn, name: str) -> bool:
-    """Whether the callable ``fn`` takes the keyword ``name`` (a user's ``solve`` callback may not)."""
+    """Whether the callable ``fn`` names the keyword ``name`` (a user's ``solve`` callback may not; one that
+    only passes ``**kw`` on is not assumed to)."""
     import inspect
     try:
-        ps = inspect.signature(fn).parameters
+        return name in inspect.signature(fn).parameters
     except (TypeError, ValueError):
         return False
-    return name in ps or any(p.kind is inspect.Parameter.VAR_KEYWORD for p in ps.values())
+
+
+def sends_no_copies(c: "StageCost") -> "StageCost":
+    """``c``, or ``c`` priced ``inf`` when its plan sends an output in copies.  A stage before the last sends
+    its outputs on, and no parallel operator drops copies: the next stage could not lay such a tensor out
+    its own way and the stages would not join, so the stage DP must not pick it."""
+    pg = c.pcg
+    if pg is None or not math.isfinite(c.t):
+        return c
+    for r in pg.outputs:
+        k = pg.shape(tuple(r)).copy_degree
+        if k > 1 and pg.node(r[0]).kind != "source":
+            return replace(c, t=INF, reason=f"the stage sends {pg.node(r[0]).label()} in {k} copies, which the "
+                                            f"next stage cannot lay out its own way (no parallel operator drops "
+                                            f"copies)")
+    return c
 
 
 def _default_solve():
@@ -223,7 +239,9 @@ def mapping_standin(mapper_or_model) -> Callable:
         specs: dict = field(default_factory=dict)
 
     def solve(g, machine, mesh, *, start=0, optimizer="adam", memory_budget=None, weight_update_sharding=False,
-              time_limit_s=30.0, deadline=None, precision=None):
+              time_limit_s=30.0, deadline=None, precision=None, copy_free_outputs=False):
+        # copy_free_outputs: data parallelism splits every output by the batch; one that the degree leaves
+        # whole is priced inf by the caller (StageCosts._solve)
         t0 = time.perf_counter()
         size = mesh[0] * mesh[1]
         res = P.sub_mesh(machine, start, size)
@@ -259,6 +277,7 @@ class StageCosts:
         # the stage falls back to data parallelism over its sub-mesh mapped by our DP (``self.fallbacks``)
         self.deadline = deadline
         self.fallbacks = 0
+        self.copy_free = _accepts(solve, "copy_free_outputs")    # stages before the last asked for no copies
         self._standin = None
         per = BYTES_PER_PARAM.get(optimizer, 16)
         self.wbytes = []
@@ -306,14 +325,16 @@ class StageCosts:
             skey = self.skeys[(k, i)] = P.structure_key(sg)
         best = None
         last = i == len(self.layer_nodes) - 1       # the last stage's outputs go nowhere: copies allowed
+        free = not last and self.copy_free          # the solve is asked for copy-free outputs
         for mesh in logical_meshes(shape, D, self.logical):
-            key = (skey, tuple(mesh), start % D if n == 1 else 0, self.optimizer, self.wus, last)
+            key = (skey, tuple(mesh), start % D if n == 1 else 0, self.optimizer, self.wus, free)
             hit = self.memo.get(key)
             if hit is None or (must and not math.isfinite(hit.t) and hit.reason.startswith("deadline")):
-                hit = self.memo[key] = self._solve(sg, mesh, start, must=must, last=last)
+                hit = self.memo[key] = self._solve(sg, mesh, start, must=must, copy_free=free)
                 if hit.pcg is not None and hit.start == start:     # solve_at of this place reuses it
-                    self.memo.setdefault(("at", skey, tuple(mesh), start % D, self.optimizer, self.wus, last),
+                    self.memo.setdefault(("at", skey, tuple(mesh), start % D, self.optimizer, self.wus, free),
                                          (hit, sg))
+            hit = hit if last else sends_no_copies(hit)
             if best is None or hit.t < best.t:
                 best = hit
         return best
@@ -342,12 +363,17 @@ class StageCosts:
         """The stage sub-PCG ``sg`` solved on ``mesh`` at device ``start``, as stitching the stages needs
         it: its sources named as ``sg``'s.  A stage of the same structure solved before on the same mesh
         at the same offset inside a node is reused: its plan's sources renamed, its views moved by whole
-        nodes.  ``last``: the pipeline's last stage (its outputs may keep copies)."""
+        nodes.  ``last``: the pipeline's last stage (its outputs may keep copies; before it, a stage that
+        sends copies costs inf: :func:`sends_no_copies`)."""
+        c = self._solve_at(sg, mesh, start, not last and self.copy_free)
+        return c if last else sends_no_copies(c)
+
+    def _solve_at(self, sg: PCG, mesh, start: int, free: bool) -> StageCost:
         D = self.machine.devices_per_node
-        key = ("at", P.structure_key(sg), tuple(mesh), start % D, self.optimizer, self.wus, last)
+        key = ("at", P.structure_key(sg), tuple(mesh), start % D, self.optimizer, self.wus, free)
         hit = self.memo.get(key)
         if hit is None:
-            c = self._solve(sg, mesh, start, must=True, last=last)
+            c = self._solve(sg, mesh, start, must=True, copy_free=free)
             self.memo[key] = (c, sg)
             return c
         c, sg0 = hit
@@ -374,12 +400,9 @@ class StageCosts:
     def _late(self) -> bool:
         return self.deadline is not None and time.monotonic() >= self.deadline
 
-    def _solve(self, sg: PCG, mesh, start: int, must: bool = False, last: bool = True) -> StageCost:
-        """One stage solved and priced.  A stage before the last sends its outputs on: they must leave it
-        without copies (no parallel operator drops copies, so the next stage could not lay them out its
-        own way and the stages would not join); the ILP is asked for that (``copy_free_outputs``) and any
-        plan that still has a copied output costs ``inf``, so the stage DP never picks a stage it cannot
-        join."""
+    def _solve(self, sg: PCG, mesh, start: int, must: bool = False, copy_free: bool = False) -> StageCost:
+        """One stage solved and priced; ``copy_free``: the solve is asked to leave the stage's outputs without
+        copies (``copy_free_outputs``: a stage before the last)."""
         t0 = time.perf_counter()
         solve = self.solve
         if self._late():
@@ -391,7 +414,7 @@ class StageCosts:
         prec = getattr(self.mapper.model, "precision", "fp32")
         if prec != "fp32" and solve is self.solve:
             kw["precision"] = prec          # the ILP priced in the mapper's math mode (one cost model)
-        if not last and _accepts(solve, "copy_free_outputs"):
+        if copy_free and _accepts(solve, "copy_free_outputs"):
             kw["copy_free_outputs"] = True
         try:
             plan = solve(sg, self.machine, tuple(mesh), start=start, optimizer=self.optimizer,
@@ -399,7 +422,7 @@ class StageCosts:
         except UnityError as e:
             if must and solve is self.solve and self._late():      # cut by the deadline: data parallel instead
                 self.solve_s += time.perf_counter() - t0
-                return self._solve(sg, mesh, start, must=True, last=last)
+                return self._solve(sg, mesh, start, must=True, copy_free=copy_free)
             self.solve_s += time.perf_counter() - t0
             why = str(e)
             return StageCost(INF, mesh=tuple(mesh), reason=("deadline: " + why) if self._late() else why)
@@ -412,12 +435,6 @@ class StageCosts:
                 raise AlpaError(f"the intra pass found no plan ({getattr(plan, 'status', '?')})")
             if len(pg.outputs) != len(sg.outputs):
                 raise AlpaError("the intra plan changed the stage's outputs")
-            if not last:
-                for r in pg.outputs:
-                    c = pg.shape(tuple(r)).copy_degree
-                    if c > 1 and pg.node(r[0]).kind != "source":
-                        raise AlpaError(f"the stage sends {pg.node(r[0]).label()} in {c} copies, which the next "
-                                        f"stage cannot lay out its own way (no parallel operator drops copies)")
             if views:
                 # what MachineMapper.evaluate prices (every leaf one after the other), in one pass
                 gc = GraphCost(pg, self.mapper.model)
