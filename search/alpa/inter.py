@@ -61,7 +61,12 @@ once: its plan's sources are renamed and its views moved by whole nodes), and th
 priced with our 1F1B event simulation (:func:`unity_pcg.search.pipeline.simulate_1f1b`: per-stage
 forward / backward, activation transfers between the sub-meshes, sync and update once, memory with
 micro-batches in flight) and stitched into one PCG with the plan file's ``pipeline`` field, exactly
-as Unity's own pipeline plans: Alpa's and Unity's numbers come from the same model.  Micro-batch
+as Unity's own pipeline plans: Alpa's and Unity's numbers come from the same model.  **Joining**: no
+parallel operator drops copies, so a stage before the last is solved with ``copy_free_outputs`` (its outputs
+leave it partitioned, never replicated) and a stage plan that still sends copies costs ``inf``
+(:func:`sends_no_copies`): the stage DP only picks stages that join.  Should the chosen stages still not join,
+the stage that did not (``join_stage``) is priced ``inf`` and the DP runs again (``JOIN_RETRIES`` times; then
+the plan has no PCG and ``stats["stitch_error"]`` says why).  Micro-batch
 counts are Alpa's hyper-parameter: given, or by default the powers of two dividing the batch from 1
 up, stopping after the first count that does not improve on a feasible plan.
 """
