@@ -689,9 +689,9 @@ def _price_plan(pcg, gM, info, lay, found, M, machine, mapper, costs: StageCosts
     stats = {"makespan_s": ev["makespan"], "layers": len(lay)}
     if stitch and ev["feasible"] and not pr.feasible and pr.reason.startswith("cannot join the stages"):
         # The stages are priced (our 1F1B simulation, transfers as bytes spread over the sub-meshes) but
-        # their PCGs do not join into one: an intra plan left a boundary tensor replicated and the next
-        # stage reads it partitioned differently, and no parallel operator drops copies.  The price is
-        # kept; the plan has no PCG (``stitch_error``), so it cannot be written or run.
+        # their PCGs do not join into one (stages that send copies are priced inf before the DP chooses, so
+        # this is a safety net).  The price is kept; the plan has no PCG (``stitch_error``); ``join_stage``
+        # tells alpa_plan which stage to price inf before it asks the DP again.
         stats["stitch_error"] = pr.reason
         stats["join_stage"] = pr.stats.get("join_stage", 0)
         pr = P.assemble(pcg, gM, tuple(plan), M, ev, machine, False)
