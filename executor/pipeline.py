@@ -551,7 +551,9 @@ def _stage_graph(plan, g: PCG, gm: PCG, role: Mapping[int, str], st: StagePlan, 
             # mean, MSE) and the whole class rows for cross-entropy (Trainer._loss_ref walks back)
             first = nxt[0]
             if name is not None:     # the loss computed in an earlier stage and received: the Trainer's
-                x = fresh("Identity", {}, [x])     # loss reads a computed tensor
+                if b.shape(x).piece_count > K:     # loss reads a computed tensor; in more pieces than the
+                    x = assemble(x)                # stage has devices (a larger stage made it): whole first
+                x = fresh("Identity", {}, [x])
             y = assemble(x)
             # the chain's views: its intermediate pieces on the stage's first devices, the copies on all
             for nid in range(first, nxt[0]):

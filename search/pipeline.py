@@ -1500,11 +1500,13 @@ def assemble(pcg: PCG, gM: PCG, plan, M: int, ev: dict, machine: MachineSpec, st
     cap = machine.device.usable_bytes
     full, views, members, idmaps = None, {}, [[] for _ in range(S)], None
     cost, feasible, reason = ev["cost"], ev["feasible"], ev["reason"]
+    join_stage = None
     if stitch and all(p.pcg is not None and p.views for p in ev["priced"]):
         try:
             full, views, members, idmaps = _stitch(pcg, gM, ev["priced"], plan, machine)
         except UnityError as e:
             cost, feasible, reason = INF, False, f"cannot join the stages: {e}"
+            join_stage = getattr(e, "stage", None)
     stages = []
     for idx, (k, i, d, s) in enumerate(plan):
         res = sub_mesh(machine, d, s)
@@ -1514,6 +1516,8 @@ def assemble(pcg: PCG, gM: PCG, plan, M: int, ev: dict, machine: MachineSpec, st
                                     in_flight(S, idx, M), int(max(mem.values(), default=0))))
     out = PipelineResult(cost, feasible, reason, M, tuple(stages), full, views, dict(ev["memory"]), cap,
                          comm_elements=_comm_elements(ev, M, machine))
+    if join_stage is not None:
+        out.stats["join_stage"] = join_stage        # the stage that did not join the ones before it
     if ev.get("tech") is not None and idmaps is not None:
         out.memory_plan = _memory_plan(ev["tech"][0], ev["priced"], idmaps)
         out.techniques = {"zero": ev["tech"][0], "recompute": list(ev["tech"][1]),
@@ -1572,73 +1576,83 @@ def _stitch(pcg: PCG, gM: PCG, priced: Sequence[StagePrice], plan, machine: Mach
     members: list = []
     idmaps: list = []                  # per stage: its sub-PCG's compute node id -> the stitched PCG's
     for idx, p in enumerate(priced):
-        idm: dict = {}
-        idmaps.append(idm)
-        R = rebatch(p.pcg, Bm, B)
-        res = sub_mesh(machine, plan[idx][2], plan[idx][3])
-        devs = res.devices(machine)
-        mine: list = []
-        m: dict = {}                   # R ref -> global ref
-        pending: dict = {}             # R ref on a boundary chain -> global ref of the same logical tensor
-        logical: dict = {}             # global ref -> its logical version (made on this stage)
-
-        def resolve(r):
-            r = tuple(r)
-            if r in m:
-                return m[r]
-            src = pending[r]
-            n = R.node(r[0])
-            if n.op == "Input":
-                lg = logical.get(src)
-                if lg is None:
-                    lg = logical[src] = _to_logical(b, src, devs, views, mine)
-                m[r] = lg
-                return lg
-            x = resolve(n.inputs[0])
-            new = b.add_node(n.op, n.a, [x], n.name)
-            mine.append(new)
-            if r[0] in p.views:
-                views[new] = p.views[r[0]]
-            m[r] = (new, 0)
-            return m[r]
-
-        for nid in R.topo_order():
-            n = R.node(nid)
-            name = str(n.a.get("name", "")) if n.kind == "source" else ""
-            if n.op == "Input" and name.startswith("pipe:"):
-                _, pid, k = name.split(":")
-                pending[(nid, 0)] = where[(int(pid), int(k))]
-                continue
-            if n.kind == "parallel" and tuple(n.inputs[0]) in pending:
-                src = pending[tuple(n.inputs[0])]
-                if b.shape(src) == R.shapes(nid)[0]:
-                    m[(nid, 0)] = src          # the producer already has this parallel shape
-                else:
-                    pending[(nid, 0)] = src    # made only if something reads it
-                continue
-            if n.kind == "source":
-                key = (n.op, name)
-                if key not in sources:
-                    sources[key] = (b.add_node(n.op, n.a, [], n.name), 0)
-                    mine.append(sources[key][0])
-                m[(nid, 0)] = sources[key]
-                continue
-            new = b.add_node(n.op, n.a, [resolve(r) for r in n.inputs], n.name)
-            mine.append(new)
-            idm[nid] = new
-            for k in range(len(R.shapes(nid))):
-                m[(nid, k)] = (new, k)
-            if nid in p.views:
-                views[new] = p.views[nid]
-        for orig, r in zip(p.outputs, R.outputs):
-            where[tuple(orig)] = resolve(r)
-        members.append(mine)
+        try:
+            _stitch_stage(b, idx, p, plan, machine, B, Bm, where, sources, views, members, idmaps)
+        except UnityError as e:
+            e.stage = idx                       # the stage that could not be joined to the ones before it
+            raise
     b.set_outputs([where[tuple(r)] for r in pcg.outputs])
     b.meta = dict(pcg.meta)
     g = b.finish()
     g.meta["pipeline_stages"] = len(plan)
     pos = {nid: i for i, nid in enumerate(g.topo_order())}
     return g, views, [sorted(ms, key=pos.__getitem__) for ms in members], idmaps
+
+
+def _stitch_stage(b, idx: int, p: StagePrice, plan, machine: MachineSpec, B: int, Bm: int, where: dict,
+                  sources: dict, views: dict, members: list, idmaps: list) -> None:
+    """Stage ``idx`` of :func:`_stitch` added to the builder ``b`` (its tensors read from ``where``)."""
+    idm: dict = {}
+    idmaps.append(idm)
+    R = rebatch(p.pcg, Bm, B)
+    res = sub_mesh(machine, plan[idx][2], plan[idx][3])
+    devs = res.devices(machine)
+    mine: list = []
+    m: dict = {}                   # R ref -> global ref
+    pending: dict = {}             # R ref on a boundary chain -> global ref of the same logical tensor
+    logical: dict = {}             # global ref -> its logical version (made on this stage)
+
+    def resolve(r):
+        r = tuple(r)
+        if r in m:
+            return m[r]
+        src = pending[r]
+        n = R.node(r[0])
+        if n.op == "Input":
+            lg = logical.get(src)
+            if lg is None:
+                lg = logical[src] = _to_logical(b, src, devs, views, mine)
+            m[r] = lg
+            return lg
+        x = resolve(n.inputs[0])
+        new = b.add_node(n.op, n.a, [x], n.name)
+        mine.append(new)
+        if r[0] in p.views:
+            views[new] = p.views[r[0]]
+        m[r] = (new, 0)
+        return m[r]
+
+    for nid in R.topo_order():
+        n = R.node(nid)
+        name = str(n.a.get("name", "")) if n.kind == "source" else ""
+        if n.op == "Input" and name.startswith("pipe:"):
+            _, pid, k = name.split(":")
+            pending[(nid, 0)] = where[(int(pid), int(k))]
+            continue
+        if n.kind == "parallel" and tuple(n.inputs[0]) in pending:
+            src = pending[tuple(n.inputs[0])]
+            if b.shape(src) == R.shapes(nid)[0]:
+                m[(nid, 0)] = src          # the producer already has this parallel shape
+            else:
+                pending[(nid, 0)] = src    # made only if something reads it
+            continue
+        if n.kind == "source":
+            key = (n.op, name)
+            if key not in sources:
+                sources[key] = (b.add_node(n.op, n.a, [], n.name), 0)
+                mine.append(sources[key][0])
+            m[(nid, 0)] = sources[key]
+            continue
+        new = b.add_node(n.op, n.a, [resolve(r) for r in n.inputs], n.name)
+        mine.append(new)
+        idm[nid] = new
+        for k in range(len(R.shapes(nid))):
+            m[(nid, k)] = (new, k)
+        if nid in p.views:
+            views[new] = p.views[nid]
+    for orig, r in zip(p.outputs, R.outputs):
+        where[tuple(orig)] = resolve(r)
+    members.append(mine)
 
 
 # --- the plan by rules --------------------------------------------------------------------------------

@@ -61,7 +61,12 @@ once: its plan's sources are renamed and its views moved by whole nodes), and th
 priced with our 1F1B event simulation (:func:`unity_pcg.search.pipeline.simulate_1f1b`: per-stage
 forward / backward, activation transfers between the sub-meshes, sync and update once, memory with
 micro-batches in flight) and stitched into one PCG with the plan file's ``pipeline`` field, exactly
-as Unity's own pipeline plans: Alpa's and Unity's numbers come from the same model.  Micro-batch
+as Unity's own pipeline plans: Alpa's and Unity's numbers come from the same model.  **Joining**: no
+parallel operator drops copies, so a stage before the last is solved with ``copy_free_outputs`` (its outputs
+leave it partitioned, never replicated) and a stage plan that still sends copies costs ``inf``
+(:func:`sends_no_copies`): the stage DP only picks stages that join.  Should the chosen stages still not join,
+the stage that did not (``join_stage``) is priced ``inf`` and the DP runs again (``JOIN_RETRIES`` times; then
+the plan has no PCG and ``stats["stitch_error"]`` says why).  Micro-batch
 counts are Alpa's hyper-parameter: given, or by default the powers of two dividing the batch from 1
 up, stopping after the first count that does not improve on a feasible plan.
 """
@@ -184,6 +189,36 @@ class StageCost:
         return max((self.w.get(d, 0) + in_flight * self.a.get(d, 0) for d in keys), default=0)
 
 
+#: how many times a chosen plan whose stages do not join is replaced by the stage DP's next best
+JOIN_RETRIES = 4
+
+
+def _accepts(fn, name: str) -> bool:
+    """Whether the callable ``fn`` names the keyword ``name`` (a user's ``solve`` callback may not; one that
+    only passes ``**kw`` on is not assumed to)."""
+    import inspect
+    try:
+        return name in inspect.signature(fn).parameters
+    except (TypeError, ValueError):
+        return False
+
+
+def sends_no_copies(c: "StageCost") -> "StageCost":
+    """``c``, or ``c`` priced ``inf`` when its plan sends an output in copies.  A stage before the last sends
+    its outputs on, and no parallel operator drops copies: the next stage could not lay such a tensor out
+    its own way and the stages would not join, so the stage DP must not pick it."""
+    pg = c.pcg
+    if pg is None or not math.isfinite(c.t):
+        return c
+    for r in pg.outputs:
+        k = pg.shape(tuple(r)).copy_degree
+        if k > 1 and pg.node(r[0]).kind != "source":
+            return replace(c, t=INF, reason=f"the stage sends {pg.node(r[0]).label()} in {k} copies, which the "
+                                            f"next stage cannot lay out its own way (no parallel operator drops "
+                                            f"copies)")
+    return c
+
+
 def _default_solve():
     import functools
 
@@ -209,7 +244,9 @@ def mapping_standin(mapper_or_model) -> Callable:
         specs: dict = field(default_factory=dict)
 
     def solve(g, machine, mesh, *, start=0, optimizer="adam", memory_budget=None, weight_update_sharding=False,
-              time_limit_s=30.0, deadline=None, precision=None):
+              time_limit_s=30.0, deadline=None, precision=None, copy_free_outputs=False):
+        # copy_free_outputs: data parallelism splits every output by the batch; one that the degree leaves
+        # whole is priced inf by the caller (StageCosts._solve)
         t0 = time.perf_counter()
         size = mesh[0] * mesh[1]
         res = P.sub_mesh(machine, start, size)
@@ -245,6 +282,7 @@ class StageCosts:
         # the stage falls back to data parallelism over its sub-mesh mapped by our DP (``self.fallbacks``)
         self.deadline = deadline
         self.fallbacks = 0
+        self.copy_free = _accepts(solve, "copy_free_outputs")    # stages before the last asked for no copies
         self._standin = None
         per = BYTES_PER_PARAM.get(optimizer, 16)
         self.wbytes = []
@@ -291,13 +329,17 @@ class StageCosts:
         if skey is None:
             skey = self.skeys[(k, i)] = P.structure_key(sg)
         best = None
+        last = i == len(self.layer_nodes) - 1       # the last stage's outputs go nowhere: copies allowed
+        free = not last and self.copy_free          # the solve is asked for copy-free outputs
         for mesh in logical_meshes(shape, D, self.logical):
-            key = (skey, tuple(mesh), start % D if n == 1 else 0, self.optimizer, self.wus)
+            key = (skey, tuple(mesh), start % D if n == 1 else 0, self.optimizer, self.wus, free)
             hit = self.memo.get(key)
             if hit is None or (must and not math.isfinite(hit.t) and hit.reason.startswith("deadline")):
-                hit = self.memo[key] = self._solve(sg, mesh, start, must=must)
+                hit = self.memo[key] = self._solve(sg, mesh, start, must=must, copy_free=free)
                 if hit.pcg is not None and hit.start == start:     # solve_at of this place reuses it
-                    self.memo.setdefault(("at", skey, tuple(mesh), start % D, self.optimizer, self.wus), (hit, sg))
+                    self.memo.setdefault(("at", skey, tuple(mesh), start % D, self.optimizer, self.wus, free),
+                                         (hit, sg))
+            hit = hit if last else sends_no_copies(hit)
             if best is None or hit.t < best.t:
                 best = hit
         return best
@@ -322,16 +364,21 @@ class StageCosts:
         return StageCost(sum(p.t for p in parts), sum(p.once for p in parts), w, a, None, {},
                          parts[0].mesh if len(meshes) == 1 else tuple(shape), "", 0.0, start)
 
-    def solve_at(self, sg: PCG, mesh, start: int) -> StageCost:
+    def solve_at(self, sg: PCG, mesh, start: int, last: bool = False) -> StageCost:
         """The stage sub-PCG ``sg`` solved on ``mesh`` at device ``start``, as stitching the stages needs
         it: its sources named as ``sg``'s.  A stage of the same structure solved before on the same mesh
         at the same offset inside a node is reused: its plan's sources renamed, its views moved by whole
-        nodes."""
+        nodes.  ``last``: the pipeline's last stage (its outputs may keep copies; before it, a stage that
+        sends copies costs inf: :func:`sends_no_copies`)."""
+        c = self._solve_at(sg, mesh, start, not last and self.copy_free)
+        return c if last else sends_no_copies(c)
+
+    def _solve_at(self, sg: PCG, mesh, start: int, free: bool) -> StageCost:
         D = self.machine.devices_per_node
-        key = ("at", P.structure_key(sg), tuple(mesh), start % D, self.optimizer, self.wus)
+        key = ("at", P.structure_key(sg), tuple(mesh), start % D, self.optimizer, self.wus, free)
         hit = self.memo.get(key)
         if hit is None:
-            c = self._solve(sg, mesh, start, must=True)
+            c = self._solve(sg, mesh, start, must=True, copy_free=free)
             self.memo[key] = (c, sg)
             return c
         c, sg0 = hit
@@ -358,7 +405,9 @@ class StageCosts:
     def _late(self) -> bool:
         return self.deadline is not None and time.monotonic() >= self.deadline
 
-    def _solve(self, sg: PCG, mesh, start: int, must: bool = False) -> StageCost:
+    def _solve(self, sg: PCG, mesh, start: int, must: bool = False, copy_free: bool = False) -> StageCost:
+        """One stage solved and priced; ``copy_free``: the solve is asked to leave the stage's outputs without
+        copies (``copy_free_outputs``: a stage before the last)."""
         t0 = time.perf_counter()
         solve = self.solve
         if self._late():
@@ -370,13 +419,15 @@ class StageCosts:
         prec = getattr(self.mapper.model, "precision", "fp32")
         if prec != "fp32" and solve is self.solve:
             kw["precision"] = prec          # the ILP priced in the mapper's math mode (one cost model)
+        if copy_free and _accepts(solve, "copy_free_outputs"):
+            kw["copy_free_outputs"] = True
         try:
             plan = solve(sg, self.machine, tuple(mesh), start=start, optimizer=self.optimizer,
                          memory_budget=None, weight_update_sharding=self.wus, time_limit_s=self.limit, **kw)
         except UnityError as e:
             if must and solve is self.solve and self._late():      # cut by the deadline: data parallel instead
                 self.solve_s += time.perf_counter() - t0
-                return self._solve(sg, mesh, start, must=True)
+                return self._solve(sg, mesh, start, must=True, copy_free=copy_free)
             self.solve_s += time.perf_counter() - t0
             why = str(e)
             return StageCost(INF, mesh=tuple(mesh), reason=("deadline: " + why) if self._late() else why)
@@ -533,9 +584,11 @@ def alpa_plan(pcg: PCG, machine: MachineSpec, *, optimizer: str = "adam", layers
 
         if deadline is not None:
             costs.deadline = deadline          # the chosen stages are solved at their places by the deadline
-        dp = S.stage_dp(L, sizes, T, M, t, fits=hold, max_stages=max_stages,
-                        bounds=[(lo, lo) for lo, _ in S.t_max_bounds(t[np.isfinite(t)], eps=EPS)],
-                        deadline=None if deadline is None else Deadline(deadline))
+        def stage_dp():
+            return S.stage_dp(L, sizes, T, M, t, fits=hold, max_stages=max_stages,
+                              bounds=[(lo, lo) for lo, _ in S.t_max_bounds(t[np.isfinite(t)], eps=EPS)],
+                              deadline=None if deadline is None else Deadline(deadline))
+        dp = stage_dp()
         found = dp.best()
         est = found[0] if found else INF
         stats["per_m"][M] = {"profile_s": prof_s, "dp_s": dp.dp_s, "t_max_tried": dp.tried,
@@ -546,6 +599,21 @@ def alpa_plan(pcg: PCG, machine: MachineSpec, *, optimizer: str = "adam", layers
                 break
             continue
         res = _price_plan(pcg, gM, info, lay, found, M, machine, mapper, costs, shapes, stitch)
+        for _ in range(JOIN_RETRIES):
+            # a plan whose stages do not join (a safety net: stages are priced so that they join) is not
+            # picked: the stage that did not join the ones before it is priced inf and the DP runs again
+            bad = res.pipeline.stats.get("join_stage")
+            if bad is None:
+                break
+            st = found[1][bad]
+            t[st.first, st.end - 1, st.option] = INF
+            hold[st.first, st.end - 1, st.option] = -1.0
+            stats["join_retries"] = stats.get("join_retries", 0) + 1
+            again = stage_dp().best()
+            if not again:
+                break
+            found = again
+            res = _price_plan(pcg, gM, info, lay, found, M, machine, mapper, costs, shapes, stitch)
         fallbacks += costs.fallbacks
         stats["per_m"][M].update(fallback_stages=costs.fallbacks, predicted_s=res.cost if math.isfinite(res.cost) else None, solves=costs.solves)
         rank = (not res.feasible, res.cost)
@@ -580,7 +648,7 @@ def _price_plan(pcg, gM, info, lay, found, M, machine, mapper, costs: StageCosts
         c = costs.get(k, i - 1, shapes[j])
         sg = costs.stage_graph(k, i - 1)
         if math.isfinite(c.t):          # the memo's plan may be of another range of the same structure
-            c = costs.solve_at(sg, c.mesh, d)   # (or a sum of layers): solved on this stage's own sub-PCG
+            c = costs.solve_at(sg, c.mesh, d, last=i == len(lay))   # (or a sum of layers): on its own sub-PCG
         priced.append(P.StagePrice(c.t, c.once, dict(c.w), dict(c.a), dict(c.views), c.pcg,
                                 tuple(tuple(x) for x in sg.outputs), c.reason))
         fwd.append(c.t / (1 + bf))
@@ -621,10 +689,11 @@ def _price_plan(pcg, gM, info, lay, found, M, machine, mapper, costs: StageCosts
     stats = {"makespan_s": ev["makespan"], "layers": len(lay)}
     if stitch and ev["feasible"] and not pr.feasible and pr.reason.startswith("cannot join the stages"):
         # The stages are priced (our 1F1B simulation, transfers as bytes spread over the sub-meshes) but
-        # their PCGs do not join into one: an intra plan left a boundary tensor replicated and the next
-        # stage reads it partitioned differently, and no parallel operator drops copies.  The price is
-        # kept; the plan has no PCG (``stitch_error``), so it cannot be written or run.
+        # their PCGs do not join into one (stages that send copies are priced inf before the DP chooses, so
+        # this is a safety net).  The price is kept; the plan has no PCG (``stitch_error``); ``join_stage``
+        # tells alpa_plan which stage to price inf before it asks the DP again.
         stats["stitch_error"] = pr.reason
+        stats["join_stage"] = pr.stats.get("join_stage", 0)
         pr = P.assemble(pcg, gM, tuple(plan), M, ev, machine, False)
     pr.stats = stats
     return AlpaResult(pr, M, list(lay), out_stages, estimate)

@@ -1063,6 +1063,27 @@ class IntraProblem:
             hit = self._emat[e] = (cu, cv, C, M, iu, iv)
         return hit
 
+    #: every graph output must leave without copies (a pipeline stage's outputs: no parallel operator drops
+    #: copies, so a stage cannot hand a replicated tensor to a stage that lays it out otherwise)
+    copy_free_outputs: bool = False
+
+    def copied_outputs(self) -> dict:
+        """Per anchor, the indices of its algorithms that leave a graph output with copies on the mesh."""
+        outs = {tuple(r) for r in self.g.outputs}
+        banned: dict = {}
+        for a in self.anchors:
+            for i in range(len(self.algos[a])):
+                for m, inst in self.insts[(a, i)].items():
+                    if any((m, k) in outs and self.mesh.size(lay.copy) > 1 for k, lay in enumerate(inst.final_lay)):
+                        banned.setdefault(a, set()).add(i)
+                        break
+        for a, out in banned.items():
+            if len(out) == len(self.algos[a]):
+                n = self.g.node(a)
+                raise IntraInfeasible(f"alpa intra-op: operator {n.label()} ({n.op}) cannot leave its output "
+                                      f"without copies on the {self.mesh.n[0]}x{self.mesh.n[1]} mesh")
+        return banned
+
     def prune(self, use_memory: bool = True) -> dict:
         """Algorithms kept per anchor: an algorithm is dropped when another one of the same anchor costs no
         more on the node, needs no more memory (if ``use_memory``) and costs no more on every incident edge
@@ -1080,13 +1101,20 @@ class IntraProblem:
             if use_memory:
                 blocks[u].append(M[iu])
                 blocks[v].append(M.T[iv])
+        banned = self.copied_outputs() if self.copy_free_outputs else {}
         alive: dict = {}
         for a in self.anchors:
             M = np.hstack(blocks[a])
+            out = banned.get(a, ())
+            if out:                                      # a banned algorithm never dominates another
+                M = M.copy()
+                M[list(out)] = np.inf
             k = len(M)
             idx = np.arange(k)
             keep = []
             for i in range(k):
+                if i in out:
+                    continue
                 le = np.all(M <= M[i], axis=1)           # algorithms at least as good everywhere
                 eq = np.all(M == M[i], axis=1)
                 dom = le & (~eq | (idx < i))             # strictly better somewhere, or equal and earlier
@@ -1488,7 +1516,7 @@ def solve_intra(g: PCG, machine: MachineSpec, mesh: tuple[int, int], *, start: i
                 memory_budget: float | None = None, weight_update_sharding: bool = False,
                 time_limit_s: float = 30.0, solver: str = "highs", mip_gap: float = 1e-7,
                 price: bool = True, deadline: float | None = None, precision: str = "fp32",
-                idle: bool = False) -> IntraPlan:
+                idle: bool = False, copy_free_outputs: bool = False) -> IntraPlan:
     """Alpa's intra-operator plan of the logical PCG ``g`` on the ``mesh`` (n0, n1) of devices
     ``start .. start+n0*n1-1`` of ``machine`` (see module docstring).  ``memory_budget``: bytes per device
     (default: the device's capacity).  ``mip_gap``: relative gap at which the MIP stops when the LP relaxation
@@ -1502,7 +1530,10 @@ def solve_intra(g: PCG, machine: MachineSpec, mesh: tuple[int, int], *, start: i
     found no solution by then).  ``precision``: the math mode the node and edge costs are priced in (the
     caller's cost model's: the inter-operator pass passes its mapper's).  ``idle``: operators may also leave a
     mesh axis unused (they run at its coordinate 0, without copies; not Alpa's space: the layout proposals of
-    :mod:`search.layouts` use it, and the machine-mapping DP then places such operators on any devices)."""
+    :mod:`search.layouts` use it, and the machine-mapping DP then places such operators on any devices).
+    ``copy_free_outputs``: every graph output must leave partitioned (and reduced), never with copies (a
+    pipeline stage that sends its outputs to a stage laid out otherwise; :class:`IntraInfeasible` when an
+    output's operator cannot)."""
     t0 = time.perf_counter()
     try:
         n0, n1 = (int(x) for x in mesh)
@@ -1519,6 +1550,7 @@ def solve_intra(g: PCG, machine: MachineSpec, mesh: tuple[int, int], *, start: i
     _check_deadline(deadline, "the intra-operator pass")
     prob = IntraProblem(g, machine, (n0, n1), start, optimizer, weight_update_sharding, deadline=deadline,
                         precision=precision, idle=idle)
+    prob.copy_free_outputs = bool(copy_free_outputs)
     t1 = time.perf_counter()
     try:
         choice, obj, status, solve_s = prob.solve(memory_budget, time_limit_s, solver, mip_gap, deadline=deadline)
