@@ -84,7 +84,7 @@ from unity_pcg.pcg import PCG
 
 from .. import pipeline as P
 from .. import stages as S
-from ..budget import ALPA_FIRST_PROFILE_SHARE, ALPA_PROFILE_SHARE, Deadline, Expired, within
+from ..budget import ALPA_ANCHOR_SHARE, ALPA_FIRST_PROFILE_SHARE, ALPA_PROFILE_SHARE, Deadline, Expired, within
 from ..cost import CostModel, GraphCost, LeafCost
 from ..mapping import MachineMapper
 from ..memory import memory_per_device
@@ -532,7 +532,7 @@ def alpa_plan(pcg: PCG, machine: MachineSpec, *, optimizer: str = "adam", layers
                                             micro_batches=micro_batches, max_stages=max_stages, mapper=mapper,
                                             weight_update_sharding=weight_update_sharding,
                                             time_limit_s=time_limit_s, stitch=stitch),
-                         prof_deadline, hard, stats)
+                         deadline.plus(-(1 - ALPA_ANCHOR_SHARE) * left), hard, stats)
 
     def fits_known() -> bool:
         return (best is not None and best.feasible) or anchor is not None
@@ -639,13 +639,15 @@ def _anchor(pcg: PCG, machine: MachineSpec, kw: dict, start_by: Deadline, hard: 
     """The plan that keeps :func:`alpa_plan` feasible under a deadline, found before its ILP profiling: Alpa's
     inter-operator pass with data-parallel stages (:func:`mapping_standin`, the DP's mapping of one layer at
     a time on every sub-mesh, ``stage_cost="layer_sum"``): seconds where the ILP profiling takes minutes.  Its
-    micro-batch counts (the first that fits is taken) start before ``start_by``; a count started runs on to
+    micro-batch counts, the fewest first, then more while they fit and are faster, start before ``start_by``
+    (the first always); a count started runs on to
     ``hard`` (its solves are the DP's mapping of one layer: the plan must have them).  None when it has no plan
     that fits.  ``stats["anchor"]``: what it found."""
     t0 = time.perf_counter()
     kw = dict(kw, solve=mapping_standin(kw["mapper"]), stage_cost="layer_sum", logical="physical",
               imbalance=INF, deadline=hard, hard=hard, _keep=False)
-    tried, why = [], ""
+    tried, why, best = [], "", None
+    # Alpa's order (the fewest micro-batches first), then more while they fit and are faster
     for M in _micro_batch_list(P.batch_size(pcg), kw.pop("micro_batches")):
         if tried and start_by.passed():
             break
@@ -654,14 +656,21 @@ def _anchor(pcg: PCG, machine: MachineSpec, kw: dict, start_by: Deadline, hard: 
             res = alpa_plan(pcg, machine, micro_batches=M, **kw)
         except AlpaError as e:
             why = str(e)
+            if best is not None:
+                break
             continue
-        if res.feasible and res.pipeline.pcg is not None:
-            stats["anchor"] = {"micro_batches": M, "tried": tried, "s": time.perf_counter() - t0,
-                               "predicted_s": res.cost}
-            return res
-        why = res.pipeline.reason
-    stats["anchor"] = {"micro_batches": None, "tried": tried, "s": time.perf_counter() - t0, "reason": why}
-    return None
+        if not (res.feasible and res.pipeline.pcg is not None):
+            why = res.pipeline.reason
+            if best is not None:
+                break
+            continue
+        if best is not None and res.cost >= best.cost:
+            break
+        best = res
+    stats["anchor"] = {"micro_batches": best.micro_batches if best else None, "tried": tried,
+                       "s": time.perf_counter() - t0, "predicted_s": best.cost if best else None,
+                       **({} if best else {"reason": why})}
+    return best
 
 
 def _price_plan(pcg, gM, info, lay, found, M, machine, mapper, costs: StageCosts, shapes, stitch) -> AlpaResult:
