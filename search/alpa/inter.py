@@ -47,8 +47,11 @@ reaches the best ``T*`` found (no later bound can do better). Each plan found is
 stage times.
 
 **Deadline.**  ``alpa_plan(deadline=, hard=)`` (:class:`~unity_pcg.search.budget.Deadline` objects on one clock;
-``optimize --strategy alpa`` passes its budget's end and hard end) bounds every phase of the planner.  Per
-micro-batch count: the whole model as one stage on the whole cluster is solved first (the plan that keeps an
+``optimize --strategy alpa`` passes its budget's end and hard end) bounds every phase of the planner.  First the
+*anchor* (:func:`_anchor`): this pass with data-parallel stages (:func:`mapping_standin` on one layer at a time,
+``stage_cost="layer_sum"``; seconds), micro-batch counts started within
+:data:`~unity_pcg.search.budget.ALPA_ANCHOR_SHARE` of the time; the result is
+the faster of it and the plan below; a started count stops at ``deadline``.  Then per micro-batch count: the whole model as one stage on the whole cluster is solved first (the plan that keeps an
 answer); the other stage costs are profiled until :data:`~unity_pcg.search.budget.ALPA_PROFILE_SHARE` of the
 time left at the start (:data:`~unity_pcg.search.budget.ALPA_FIRST_PROFILE_SHARE` while no plan that fits is
 known), each ILP limited to what is left (HiGHS's time limit; its construction checks the deadline between
@@ -532,7 +535,7 @@ def alpa_plan(pcg: PCG, machine: MachineSpec, *, optimizer: str = "adam", layers
                                             micro_batches=micro_batches, max_stages=max_stages, mapper=mapper,
                                             weight_update_sharding=weight_update_sharding,
                                             time_limit_s=time_limit_s, stitch=stitch),
-                         deadline.plus(-(1 - ALPA_ANCHOR_SHARE) * left), hard, stats)
+                         deadline.plus(-(1 - ALPA_ANCHOR_SHARE) * left), deadline, hard, stats)
 
     def fits_known() -> bool:
         return (best is not None and best.feasible) or anchor is not None
@@ -634,18 +637,18 @@ def _layers_fit(costs: StageCosts, L: int, whole: tuple, cap: float) -> bool:
     return True
 
 
-def _anchor(pcg: PCG, machine: MachineSpec, kw: dict, start_by: Deadline, hard: Deadline,
+def _anchor(pcg: PCG, machine: MachineSpec, kw: dict, start_by: Deadline, stop_by: Deadline, hard: Deadline,
             stats: dict) -> "AlpaResult | None":
     """The plan that keeps :func:`alpa_plan` feasible under a deadline, found before its ILP profiling: Alpa's
     inter-operator pass with data-parallel stages (:func:`mapping_standin`, the DP's mapping of one layer at
     a time on every sub-mesh, ``stage_cost="layer_sum"``): seconds where the ILP profiling takes minutes.  Its
     micro-batch counts, the fewest first, then more while they fit and are faster, start before ``start_by``
     (the first always); a count started runs on to
-    ``hard`` (its solves are the DP's mapping of one layer: the plan must have them).  None when it has no plan
+    ``stop_by`` (the planner's deadline; its solves are the DP's mapping of one layer).  None when it has no plan
     that fits.  ``stats["anchor"]``: what it found."""
     t0 = time.perf_counter()
     kw = dict(kw, solve=mapping_standin(kw["mapper"]), stage_cost="layer_sum", logical="physical",
-              imbalance=INF, deadline=hard, hard=hard, _keep=False)
+              imbalance=INF, deadline=stop_by, hard=hard, _keep=False)
     tried, why, best = [], "", None
     # Alpa's order (the fewest micro-batches first), then more while they fit and are faster
     for M in _micro_batch_list(P.batch_size(pcg), kw.pop("micro_batches")):
