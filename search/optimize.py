@@ -841,7 +841,8 @@ def _alpa(run: _Run) -> PlanCandidate:
                             f"{ar.stats.get('stitch_error') or pipe.reason or 'the stages do not join'}")
     run.stats = {"chosen": "alpa", "pipeline_stages": pipe.num_stages, "micro_batches": ar.micro_batches,
                  "alpa": {k: ar.stats.get(k) for k in ("layers", "planner_s", "solves", "micro_batches_tried",
-                                                       "valid_cuts", "deadline_hit", "deadline_fallback_solves")},
+                                                       "valid_cuts", "deadline_hit", "deadline_fallback_solves",
+                                                       "anchor", "anchor_chosen")},
                  "alpa_stages": ar.stages}
     return PlanCandidate("alpa", pipe.pcg, pipe.cost, (), by_rules=False, mapping=_PipelineMapping(pipe, run.n_dev),
                          pipeline=pipe)
