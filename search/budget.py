@@ -103,6 +103,15 @@ PIPELINE_OVER = 0.03
 #: a pipeline search with further stage layouts (``search_pipeline(layouts=...)``): their pass may use this share
 #: of the time left to the hard deadline; the rest is kept for the exact prices
 PIPELINE_LAYOUTS_SHARE = 0.6
+#: Alpa's planner (``--strategy alpa``, search/alpa/inter.py) runs to the budget's end and its hard end; the
+#: profiling of its stage costs at one micro-batch count stops at ALPA_PROFILE_SHARE of the time left when the
+#: planner starts, and at ALPA_FIRST_PROFILE_SHARE of it while no plan that fits is known (the later counts'
+#: whole-cluster stage, the plan that keeps the answer feasible without the anchor, then starts before the
+#: deadline); the anchor (Alpa's stages data parallel, before the profiling) starts micro-batch counts within
+#: ALPA_ANCHOR_SHARE of it
+ALPA_PROFILE_SHARE = 0.85
+ALPA_FIRST_PROFILE_SHARE = 0.5
+ALPA_ANCHOR_SHARE = 0.3
 #: the pipeline's rule sequence (pipeline.by_rules) gets the time to the end, at least this share (stages
 #: data parallel inside, built by segments: the larger one); both bounded by the hard end
 BY_RULES_MIN_SHARE = 0.03

@@ -837,20 +837,28 @@ def _price_data_parallel(run: _Run) -> None:
 def _alpa(run: _Run) -> PlanCandidate:
     """Alpa's two passes (intra-operator ILP per stage, inter-operator stage DP), priced by our 1F1B
     simulation: the plan always has a pipeline field (one stage: gradient accumulation)."""
-    from .alpa.inter import alpa_plan
+    from .alpa.inter import AlpaError, alpa_plan
     bud = run.budget
-    # the planner's ILP solves and stage DP check a time.monotonic deadline: the budget's end (a fake clock in
-    # tests has no monotonic counterpart: then only the per-solve limit bounds it)
-    deadline = time.monotonic() + 0.95 * bud.left() if bud.clock is time.monotonic else None
-    ar = alpa_plan(run.g, run.m, optimizer=run.optimizer, mapper=run.ev.mapper,
-                   time_limit_s=max(0.1, min(30.0, bud.left())), deadline=deadline)
+    # every phase of the planner checks the budget's end (on the budget's clock); past it only the stand-ins
+    # that complete a plan run, and nothing but linear work past the hard end
+    try:
+        ar = alpa_plan(run.g, run.m, optimizer=run.optimizer, mapper=run.ev.mapper,
+                       time_limit_s=max(0.1, min(30.0, bud.left())), deadline=bud.deadline(), hard=bud.hard_end())
+    except AlpaError as e:
+        if not bud.expired() or run.dp_pg is None or run.dp_res is None:
+            raise
+        # no plan of Alpa's within the budget: the data-parallel floor, said so (as when `run` refuses its plan)
+        run.stats = {"chosen": f"data parallel (fallback: alpa found no plan within the budget: {e})",
+                     "alpa": {"deadline_hit": True}}
+        return PlanCandidate("data parallel", run.dp_pg, run.dp_res.cost, (), by_rules=False, mapping=run.dp_res)
     pipe = ar.pipeline
     if pipe.pcg is None:
         raise OptimizeError(f"alpa: no plan for {run.m.name}: "
                             f"{ar.stats.get('stitch_error') or pipe.reason or 'the stages do not join'}")
     run.stats = {"chosen": "alpa", "pipeline_stages": pipe.num_stages, "micro_batches": ar.micro_batches,
                  "alpa": {k: ar.stats.get(k) for k in ("layers", "planner_s", "solves", "micro_batches_tried",
-                                                       "valid_cuts", "deadline_hit", "deadline_fallback_solves")},
+                                                       "valid_cuts", "deadline_hit", "deadline_fallback_solves",
+                                                       "anchor", "anchor_chosen")},
                  "alpa_stages": ar.stages}
     return PlanCandidate("alpa", pipe.pcg, pipe.cost, (), by_rules=False, mapping=_PipelineMapping(pipe, run.n_dev),
                          pipeline=pipe)

@@ -46,14 +46,21 @@ ascending (skipping values within ``EPS = 1e-6`` s of the last one tried); the l
 reaches the best ``T*`` found (no later bound can do better). Each plan found is scored by Eq. 2 on its actual
 stage times.
 
-**Deadline.**  ``alpa_plan(deadline=...)`` (a ``time.monotonic()`` value; ``optimize --strategy alpa``
-passes its budget's end) bounds the planner: the whole model as one stage on the whole cluster is
-profiled first; the other stage costs are profiled until 85% of the time left, each ILP limited to what is
-left (HiGHS's time limit; its construction checks the deadline between operators), later ones not solved
-(``inf``); the stage DP stops at the deadline with its best plan (or runs once at the largest ``t_max``);
-a stage the plan needs whose ILP the deadline cut is data parallel over its sub-mesh, mapped by our DP
-(:func:`mapping_standin`; ``stats["deadline_fallback_solves"]``), so a plan exists whenever one micro-batch
-of data parallelism does.  No further micro-batch count is tried past it (``stats["deadline_hit"]``).
+**Deadline.**  ``alpa_plan(deadline=, hard=)`` (:class:`~unity_pcg.search.budget.Deadline` objects on one clock;
+``optimize --strategy alpa`` passes its budget's end and hard end) bounds every phase of the planner.  First the
+*anchor* (:func:`_anchor`): this pass with data-parallel stages (:func:`mapping_standin` on one layer at a time,
+``stage_cost="layer_sum"``; seconds), micro-batch counts started within
+:data:`~unity_pcg.search.budget.ALPA_ANCHOR_SHARE` of the time; the result is
+the faster of it and the plan below; a started count stops at ``deadline``.  Then per micro-batch count: the whole model as one stage on the whole cluster is solved first (the plan that keeps an
+answer); the other stage costs are profiled until :data:`~unity_pcg.search.budget.ALPA_PROFILE_SHARE` of the
+time left at the start (:data:`~unity_pcg.search.budget.ALPA_FIRST_PROFILE_SHARE` while no plan that fits is
+known), each ILP limited to what is left (HiGHS's time limit; its construction checks the deadline between
+operators), later ones neither built nor solved (``inf``); the stage DP stops at the deadline with its best
+plan (or runs once at the largest ``t_max``).  Past the deadline the only solves are stand-ins for stages a
+plan must have (the whole-cluster stage, a chosen stage not solved at its place): data parallel over the
+sub-mesh, mapped by our DP (:func:`mapping_standin`; ``stats["deadline_fallback_solves"]``), which stops at
+``hard`` and then maps without the DP (linear).  No further micro-batch count starts past the profiling
+deadline once a plan fits, nor past ``hard`` (``stats["deadline_hit"]``).
 
 **The plan** (:func:`alpa_plan`).  The best plan's stages are placed on the cluster, each stage's
 intra plan is solved on its own sub-PCG at its place (a stage of the same structure and mesh is solved
@@ -85,7 +92,7 @@ from unity_pcg.pcg import PCG
 
 from .. import pipeline as P
 from .. import stages as S
-from ..budget import Deadline
+from ..budget import ALPA_ANCHOR_SHARE, ALPA_FIRST_PROFILE_SHARE, ALPA_PROFILE_SHARE, Deadline, Expired, within
 from ..cost import CostModel, GraphCost, LeafCost
 from ..mapping import MachineMapper
 from ..memory import memory_per_device
@@ -229,7 +236,10 @@ def _default_solve():
 def mapping_standin(mapper_or_model) -> Callable:
     """A stand-in for the intra-operator pass with ``solve_intra``'s interface: data parallelism over
     the sub-mesh (:func:`unity_pcg.search.pipeline.default_intra`) mapped by our machine-mapping DP.
-    Used where the ILP is not wanted (tests, comparisons)."""
+    Used where the ILP is not wanted (tests, comparisons) and where the planner's deadline cut the ILP.
+    ``deadline`` (a :class:`~unity_pcg.search.budget.Deadline`; a float or None: unbounded): the DP stops there
+    and the graph is mapped without it (:meth:`MachineMapper.first_views`, linear: every node on the first
+    view of its degree, ``status="first views"``)."""
     mapper = mapper_or_model if isinstance(mapper_or_model, MachineMapper) else MachineMapper(mapper_or_model)
 
     @dataclass
@@ -251,9 +261,18 @@ def mapping_standin(mapper_or_model) -> Callable:
         size = mesh[0] * mesh[1]
         res = P.sub_mesh(machine, start, size)
         pg = P.default_intra(g, res)
-        r = mapper.optimize(pg, res)
+        status = "standin"
+        try:
+            if deadline is not None and not isinstance(deadline, Deadline):
+                deadline = Deadline(float(deadline))             # a time.monotonic() value
+            with within(deadline):
+                r = mapper.optimize(pg, res)
+        except Expired:
+            r, status = mapper.first_views(pg, res), "first views"
+            if r is None:
+                raise AlpaError(f"no view of the stage fits the {mesh[0]}x{mesh[1]} sub-mesh") from None
         return _Plan(pg, dict(r.views) if r.views else None, r.cost, r.memory.max_bytes if r.memory else 0,
-                     solve_s=time.perf_counter() - t0)
+                     solve_s=time.perf_counter() - t0, status=status)
     return solve
 
 
@@ -264,7 +283,7 @@ class StageCosts:
     def __init__(self, gM: PCG, roles, layer_nodes, mapper: MachineMapper, solve: Callable, *, optimizer: str,
                  logical: str = "physical", weight_update_sharding: bool = False, time_limit_s: float = 30.0,
                  memo: dict | None = None, micro_batches: int = 1, stage_cost: str = "exact",
-                 deadline: float | None = None):
+                 deadline: Deadline | None = None, hard: Deadline | None = None):
         if stage_cost not in ("exact", "layer_sum"):
             raise AlpaError(f"stage_cost must be 'exact' or 'layer_sum', got {stage_cost!r}")
         self.mode = stage_cost
@@ -277,10 +296,12 @@ class StageCosts:
         self.solves = 0
         self.solve_s = 0.0
         self.M = micro_batches
-        # ``deadline`` (time.monotonic()): the solves are limited to it and none starts past it (the stage
-        # costs INF, reason "deadline"), except where the plan must have the stage (``must=True``): there
-        # the stage falls back to data parallelism over its sub-mesh mapped by our DP (``self.fallbacks``)
+        # ``deadline`` (a Deadline): the solves are limited to it and none starts past it (the stage costs
+        # INF, reason "deadline", and its sub-PCG is not even built), except where the plan must have the
+        # stage (``must=True``): there the stage falls back to data parallelism over its sub-mesh mapped by
+        # our DP, which stops at ``hard`` (then mapped without the DP: linear) (``self.fallbacks``)
         self.deadline = deadline
+        self.hard = hard
         self.fallbacks = 0
         self.copy_free = _accepts(solve, "copy_free_outputs")    # stages before the last asked for no copies
         self._standin = None
@@ -320,6 +341,9 @@ class StageCosts:
             return StageCost(INF, reason="weights and optimizer states exceed the sub-mesh's memory")
         if self.mode == "layer_sum" and i > k:
             return self._layer_sum(k, i, shape, start)
+        if not must and (k, i) not in self.graphs and self._late():
+            # nothing will be solved: building the stage's sub-PCG (seconds on a large model) is not needed
+            return StageCost(INF, mesh=tuple(shape), reason="deadline: not solved, the planner's deadline passed")
         try:
             sg = self.stage_graph(k, i)
         except UnityError as e:
@@ -403,7 +427,7 @@ class StageCosts:
                        a={d + shift: v for d, v in c.a.items()}, start=start)
 
     def _late(self) -> bool:
-        return self.deadline is not None and time.monotonic() >= self.deadline
+        return self.deadline is not None and self.deadline.passed()
 
     def _solve(self, sg: PCG, mesh, start: int, must: bool = False, copy_free: bool = False) -> StageCost:
         """One stage solved and priced; ``copy_free``: the solve is asked to leave the stage's outputs without
@@ -415,7 +439,12 @@ class StageCosts:
                 return StageCost(INF, mesh=tuple(mesh), reason="deadline: not solved, the planner's deadline passed")
             solve = self._fallback()
         self.solves += 1
-        kw = {"deadline": self.deadline} if self.deadline is not None and solve is self.solve else {}
+        kw = {}
+        if solve is self.solve and self.deadline is not None:
+            # the ILP reads time.monotonic(): the deadline moved onto it (the same on the real clock)
+            kw["deadline"] = time.monotonic() + max(self.deadline.left(), 0.0)
+        elif solve is not self.solve:
+            kw["deadline"] = self.hard
         prec = getattr(self.mapper.model, "precision", "fp32")
         if prec != "fp32" and solve is self.solve:
             kw["precision"] = prec          # the ILP priced in the mapper's math mode (one cost model)
@@ -504,7 +533,8 @@ def alpa_plan(pcg: PCG, machine: MachineSpec, *, optimizer: str = "adam", layers
               micro_batches: int | Sequence[int] | None = None, max_stages: int | None = None,
               logical: str = "physical", solve: Callable | None = None, weight_update_sharding: bool = False,
               time_limit_s: float = 30.0, mapper: MachineMapper | None = None, stitch: bool = True,
-              stage_cost: str = "exact", imbalance: float = INF, deadline: float | None = None) -> AlpaResult:
+              stage_cost: str = "exact", imbalance: float = INF, deadline: Deadline | float | None = None,
+              hard: Deadline | None = None, _keep: bool = True) -> AlpaResult:
     """Alpa's plan of the logical PCG ``pcg`` for ``machine`` (module docstring).  ``solve``: the
     intra-operator pass with :func:`unity_pcg.search.alpa.intra.solve_intra`'s interface (default:
     that function).  ``micro_batches``: one count, several (the best is kept), or None (powers of two
@@ -513,14 +543,21 @@ def alpa_plan(pcg: PCG, machine: MachineSpec, *, optimizer: str = "adam", layers
     layers solved as one stage, Alpa's profiling) or ``"layer_sum"`` (:meth:`StageCosts._layer_sum`).
     ``imbalance``: stage-mesh pairs whose share of the FLOPs and share of the devices differ by more than
     this factor are not solved (Alpa's ``stage_imbalance_tolerance``; default: none skipped).
-    ``deadline``: a ``time.monotonic()`` value the planner stops at: the whole model as one stage on the whole
-    cluster is profiled first (data parallel over it, mapped by our DP, if its ILP does not finish in time), the
-    profiling and the ILP solves stop at 85% of the time left, the stage DP at the deadline, and the chosen
-    stages that were not solved at their places by then are data parallel there; no further micro-batch
-    count is tried past it (``stats["deadline_hit"]``)."""
+    ``deadline``: a :class:`~unity_pcg.search.budget.Deadline` (or a ``time.monotonic()`` value) the planner
+    stops at, and ``hard`` (default: ``deadline``) the instant nothing but linear work runs past (module
+    docstring, "Deadline")."""
     t0 = time.perf_counter()
-    now = time.monotonic()
-    prof_deadline = None if deadline is None else now + 0.85 * max(deadline - now, 0.0)
+    if deadline is not None and not isinstance(deadline, Deadline):
+        deadline = Deadline(float(deadline))
+    if deadline is not None:
+        hard = deadline if hard is None else hard
+        left = max(deadline.left(), 0.0)
+        # the profiling of a micro-batch count stops here (earlier while no plan that fits is known, so that
+        # the next counts' whole-cluster stage is solved before the deadline)
+        prof_deadline = deadline.plus(-(1 - ALPA_PROFILE_SHARE) * left) if _keep else deadline
+        first_deadline = deadline.plus(-(1 - ALPA_FIRST_PROFILE_SHARE) * left) if _keep else deadline
+    else:
+        hard = prof_deadline = first_deadline = None
     mapper = mapper or MachineMapper(CostModel(machine, optimizer))
     solve = solve or _default_solve()
     roles = GraphCost(pcg, mapper.model).role
@@ -543,9 +580,20 @@ def alpa_plan(pcg: PCG, machine: MachineSpec, *, optimizer: str = "adam", layers
                    "valid_cuts": int(sum(bool(v) for v in info.valid[1:]))}
     full = max(range(len(shapes)), key=lambda j: sizes[j])        # the whole cluster (Appendix A's (N, D))
     fallbacks = 0
+    anchor = None
+    if deadline is not None and _keep:
+        anchor = _anchor(pcg, machine, dict(optimizer=optimizer, layers=layers, delta=delta,
+                                            micro_batches=micro_batches, max_stages=max_stages, mapper=mapper,
+                                            weight_update_sharding=weight_update_sharding,
+                                            time_limit_s=time_limit_s, stitch=stitch),
+                         deadline.plus(-(1 - ALPA_ANCHOR_SHARE) * left), deadline, hard, stats)
+
+    def fits_known() -> bool:
+        return (best is not None and best.feasible) or anchor is not None
+
     for M in ms:
-        if deadline is not None and best is not None and time.monotonic() >= prof_deadline:
-            stats["deadline_hit"] = True
+        if deadline is not None and (fits_known() and prof_deadline.passed() or hard.passed()):
+            stats["deadline_hit"] = True            # a plan that fits and no time for another count (or none)
             break
         tm = time.perf_counter()
         try:
@@ -554,12 +602,19 @@ def alpa_plan(pcg: PCG, machine: MachineSpec, *, optimizer: str = "adam", layers
             continue
         costs = StageCosts(gM, roles, layer_nodes, mapper, solve, optimizer=optimizer, logical=logical,
                            weight_update_sharding=weight_update_sharding, time_limit_s=time_limit_s, memo=memo,
-                           micro_batches=M, stage_cost=stage_cost, deadline=prof_deadline)
+                           micro_batches=M, stage_cost=stage_cost,
+                           deadline=prof_deadline if fits_known() else first_deadline,
+                           hard=hard)
         t = np.full((L, L, len(shapes)), INF)
         sc: dict = {}
-        if deadline is not None and sizes[full] == T:
-            # a plan within the deadline: the whole model as one stage on the whole cluster, first
-            c = costs.get(0, L - 1, shapes[full], must=True)
+        if not _keep and sizes[full] == T and not _layers_fit(costs, L, shapes[full], cap):
+            tried.append(M)
+            stats["per_m"][M] = {"skipped": "a layer does not fit on the whole cluster"}
+            continue
+        if deadline is not None and _keep and sizes[full] == T:
+            # the whole model as one stage on the whole cluster first (without the anchor: a plan within the
+            # deadline, data parallel if its ILP does not finish in time)
+            c = costs.get(0, L - 1, shapes[full], must=anchor is None)
             sc[(0, L - 1, full)] = c
             t[0, L - 1, full] = c.t
         for k in range(L):
@@ -587,7 +642,7 @@ def alpa_plan(pcg: PCG, machine: MachineSpec, *, optimizer: str = "adam", layers
         def stage_dp():
             return S.stage_dp(L, sizes, T, M, t, fits=hold, max_stages=max_stages,
                               bounds=[(lo, lo) for lo, _ in S.t_max_bounds(t[np.isfinite(t)], eps=EPS)],
-                              deadline=None if deadline is None else Deadline(deadline))
+                              deadline=deadline)
         dp = stage_dp()
         found = dp.best()
         est = found[0] if found else INF
@@ -622,17 +677,70 @@ def alpa_plan(pcg: PCG, machine: MachineSpec, *, optimizer: str = "adam", layers
             best = res
         elif auto and best.feasible:
             break
+    if anchor is not None and (best is None or (not best.feasible, best.cost) > (False, anchor.cost)):
+        best = anchor                    # the deadline's plan is faster than what the profiling found (or alone)
+        stats["anchor_chosen"] = True
     if best is None:
         raise AlpaError(f"no pipeline of the {L} layers covers the {T} devices within memory "
                         f"(micro-batches tried: {tried})")
     if best.pipeline.stats.get("stitch_error"):
         stats["stitch_error"] = best.pipeline.stats["stitch_error"]
     if deadline is not None:
-        stats["deadline_hit"] = stats.get("deadline_hit", False) or time.monotonic() >= prof_deadline
+        stats["deadline_hit"] = stats.get("deadline_hit", False) or prof_deadline.passed()
         stats["deadline_fallback_solves"] = fallbacks
     best.stats = dict(stats, micro_batches_tried=tried, planner_s=time.perf_counter() - t0,
                       solves=sum(v["solves"] for v in stats["per_m"].values()))
     best.pipeline.search_s = best.stats["planner_s"]
+    return best
+
+
+def _layers_fit(costs: StageCosts, L: int, whole: tuple, cap: float) -> bool:
+    """Whether every layer alone, solved on the whole cluster, keeps one micro-batch in flight (data
+    parallel stages: on a smaller sub-mesh a layer holds the same weights and more activations per device, so
+    a layer that does not fit on the whole cluster fits nowhere).  The solves are memoized for the profiling."""
+    for k in range(L):
+        c = costs.get(k, k, whole)
+        if not math.isfinite(c.t) or S.holds(c.w, c.a, cap) < 1:
+            return False
+    return True
+
+
+def _anchor(pcg: PCG, machine: MachineSpec, kw: dict, start_by: Deadline, stop_by: Deadline, hard: Deadline,
+            stats: dict) -> "AlpaResult | None":
+    """The plan that keeps :func:`alpa_plan` feasible under a deadline, found before its ILP profiling: Alpa's
+    inter-operator pass with data-parallel stages (:func:`mapping_standin`, the DP's mapping of one layer at
+    a time on every sub-mesh, ``stage_cost="layer_sum"``): seconds where the ILP profiling takes minutes.  Its
+    micro-batch counts, the fewest first, then more while they fit and are faster, start before ``start_by``
+    (the first always); a count started runs on to
+    ``stop_by`` (the planner's deadline; its solves are the DP's mapping of one layer).  None when it has no plan
+    that fits.  ``stats["anchor"]``: what it found."""
+    t0 = time.perf_counter()
+    kw = dict(kw, solve=mapping_standin(kw["mapper"]), stage_cost="layer_sum", logical="physical",
+              imbalance=INF, deadline=stop_by, hard=hard, _keep=False)
+    tried, why, best = [], "", None
+    # Alpa's order (the fewest micro-batches first), then more while they fit and are faster
+    for M in _micro_batch_list(P.batch_size(pcg), kw.pop("micro_batches")):
+        if tried and start_by.passed():
+            break
+        tried.append(M)
+        try:
+            res = alpa_plan(pcg, machine, micro_batches=M, **kw)
+        except AlpaError as e:
+            why = str(e)
+            if best is not None:
+                break
+            continue
+        if not (res.feasible and res.pipeline.pcg is not None):
+            why = res.pipeline.reason
+            if best is not None:
+                break
+            continue
+        if best is not None and res.cost >= best.cost:
+            break
+        best = res
+    stats["anchor"] = {"micro_batches": best.micro_batches if best else None, "tried": tried,
+                       "s": time.perf_counter() - t0, "predicted_s": best.cost if best else None,
+                       **({} if best else {"reason": why})}
     return best
 
 
