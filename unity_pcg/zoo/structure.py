@@ -27,7 +27,9 @@ Method (the "meta route"):
    constant), or the export fails naming it.
 5. Each opaque initializer becomes external data at its offset in the sparse ``.data`` file (``truncate``
    to the total length), node metadata (the exporter's stack traces) is dropped, the graph is written
-   (kilobytes to tens of megabytes, whatever the model's size).
+   (kilobytes to tens of megabytes, whatever the model's size).  The initializers' ``value_info`` entries
+   keep torch.export's signature (parameter or buffer), which the importer reads to leave buffers untrained
+   (``onnx_import.loader.untrained_initializers``), as on the real export.
 
 The graph equals the one ``torch.onnx.export(dynamo=True)`` writes from the same module with weights, up to
 two value-dependent steps of that export which need weights: onnxscript's folding of small constant
