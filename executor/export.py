@@ -203,8 +203,10 @@ def weight_layout(model, batch: int | None = None) -> dict[str, tuple[str, np.nd
 
 
 def _constant_tensors(model) -> set[str]:
-    """ONNX tensor names computed from Constant nodes alone (never trained; Trainer's ``model_constants``)."""
-    const: set[str] = set()
+    """ONNX tensor names computed from Constant nodes and untrained initializers alone (never trained;
+    Trainer's ``model_constants``)."""
+    from unity_pcg.onnx_import.loader import untrained_initializers
+    const: set[str] = set(untrained_initializers(model.graph))
     for node in model.graph.node:
         if all(x == "" or x in const for x in node.input):
             const.update(o for o in node.output if o)

@@ -261,15 +261,18 @@ def _narrow(t: torch.Tensor, nw) -> torch.Tensor:
 
 def model_constants(g, model_path: str) -> frozenset:
     """Names of the PCG's Weight nodes that are constants of the ONNX graph: values computed from
-    Constant nodes alone (GELU's 0.5 and sqrt(2) in a legacy export), which the importer turns into
-    weights.  torch trains only its parameters (the exporters' initializers), so these stay fixed;
-    a weight derived from an initializer (a transposed matrix, a tied copy) is trained."""
+    Constant nodes and untrained initializers alone (GELU's 0.5 and sqrt(2) in a legacy export; a dynamo
+    export's module buffers, :func:`unity_pcg.onnx_import.loader.untrained_initializers`), which the importer
+    turns into weights.  torch trains only its parameters, so these stay fixed; a weight derived from a
+    parameter (a transposed matrix, a tied copy) is trained.  The importer's rule (``trainable`` False)."""
     import onnx
+
+    from unity_pcg.onnx_import.loader import untrained_initializers
     try:
         m = onnx.load(model_path, load_external_data=False)
     except Exception:                       # unreadable here: the weight loader reports it
         return frozenset()
-    const: set[str] = set()
+    const: set[str] = set(untrained_initializers(m.graph))
     for node in m.graph.node:               # ONNX graphs are topologically sorted
         if all(x == "" or x in const for x in node.input):
             const.update(o for o in node.output if o)

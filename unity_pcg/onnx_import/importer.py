@@ -18,7 +18,7 @@ from ..pcg import PCG, kahn_order
 from .consts import MAX_FOLD, SMALL, Const, first_slices, lazy, uniform_along
 from .errors import (BatchOverride, DynamicDimension, InvalidModel, MissingTensor, ModelImportError,  # noqa: F401
                      UnsupportedOperator)
-from .loader import PCG_DTYPES, default_opset, initializer_const, np_dtype, read_model
+from .loader import PCG_DTYPES, default_opset, initializer_const, np_dtype, read_model, untrained_initializers
 
 _AT = {1: "float", 2: "int", 3: "string", 4: "tensor", 5: "graph", 6: "floats", 7: "ints", 8: "strings"}
 
@@ -119,11 +119,12 @@ class NodeCtx:
         return v
 
 
-def _constant_only(nodes, order) -> set[str]:
-    """ONNX tensor names computed from Constant nodes alone (every input of their node is one, or it has
-    none): torch trains only its parameters (the exporters' initializers), so a Weight holding one is a
-    constant of the model.  The executor's ``model_constants`` applies the same rule to a PCG read back."""
-    const: set[str] = set()
+def _constant_only(nodes, order, seeds=()) -> set[str]:
+    """ONNX tensor names computed from Constant nodes and the untrained initializers ``seeds`` alone (every
+    input of their node is one, or it has none; the seeds included): torch trains only its parameters, so a
+    Weight holding one is a constant of the model.  The executor's ``model_constants`` applies the same rule
+    to a PCG read back."""
+    const: set[str] = set(seeds)
     for j in order:
         node = nodes[j]
         if all(x == "" or x in const for x in node.input):
@@ -155,8 +156,9 @@ class Importer:
         self.weights: dict[str, Any] = {}
         self.vals: dict[str, Any] = {}
         self.wnames: set[str] = set()
-        # ONNX tensors computed from Constant nodes alone (no initializer, no input): a Weight of one is a
-        # constant of the model (a legacy export's causal mask, rotary tables, GELU's 0.5), not trained
+        # ONNX tensors computed from Constant nodes and untrained initializers alone (no parameter, no input):
+        # a Weight of one is a constant of the model (a legacy export's causal mask, rotary tables, GELU's
+        # 0.5; a dynamo export's module buffers, see ``loader.untrained_initializers``), not trained
         self.model_consts: set[str] = set()
         self.old_batch: int | None = None
         self.batch_changed = False
@@ -234,8 +236,13 @@ class Importer:
         real_inputs = [vi for vi in g.input if vi.name not in inits]
         self._make_inputs(real_inputs)
         self.init_names = set(inits)
+        # module buffers (rotary tables, causal masks) and exporter constants, when the file says which
+        # initializers are parameters (torch's dynamo exporter): constants of the model, not trained
+        untrained = untrained_initializers(g)
         for name, t in inits.items():
-            self.vals[name] = initializer_const(t, self.base, self.load_weights)
+            c = self.vals[name] = initializer_const(t, self.base, self.load_weights)
+            if name in untrained:
+                c.frozen = True
         nodes = list(g.node)
         producers: dict[str, int] = {}
         for j, node in enumerate(nodes):
@@ -260,7 +267,7 @@ class Importer:
             if o not in producers and o not in self.vals:
                 raise MissingTensor(f"graph output {o!r} is not defined by any node, input or initializer")
         order = _topo(nodes, producers)
-        self.model_consts = _constant_only(nodes, order)
+        self.model_consts = _constant_only(nodes, order, untrained)
         self._batch_sizes = {self.sizes(v)[0] for v in self.vals.values()
                              if not isinstance(v, Const) and self.sizes(v)}
         live = self._live(nodes, producers, outs)

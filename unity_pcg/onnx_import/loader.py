@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import os
+import re
 from math import prod
 from typing import Any
 
@@ -71,6 +72,62 @@ def default_opset(m) -> int:
     if not m.opset_import:  # IR version < 3 models
         return 1
     raise InvalidModel("the model imports no version of the default ONNX operator set")
+
+
+#: torch's dynamo exporter writes, on each initializer's ``value_info`` entry, the kind torch.export gave it
+INPUT_KIND_KEY = "pkg.torch.export.graph_signature.InputSpec.kind"
+#: onnxscript's optimizer writes, on a tensor it folded, every tensor name it was computed from
+FOLDED_FROM_KEY = "pkg.onnxscript.optimizer.folded_from"
+
+
+#: names torch's exporter and torch.export give their own constants (never a parameter)
+_EXPORTER_CONSTANT = re.compile(r"val_\d+|(c_)?lifted_tensor_\d+|_?tensor_constant\d+")
+
+
+def _names(text: str) -> set[str]:
+    import ast
+    try:
+        v = ast.literal_eval(text)
+    except (ValueError, SyntaxError, TypeError, MemoryError, RecursionError):
+        return set()
+    return {x for x in v if isinstance(x, str)} if isinstance(v, (list, tuple, set)) else set()
+
+
+def untrained_initializers(graph) -> set[str]:
+    """Names of the initializers torch does not train, read from the signature torch's dynamo exporter
+    writes (``metadata_props`` ``INPUT_KIND_KEY`` on each initializer's ``value_info`` entry, or on the
+    tensor itself): every initializer whose kind is not ``PARAMETER`` (``BUFFER``: rotary tables, causal masks,
+    running statistics; ``CONSTANT_TENSOR``) and, once any initializer has a kind, every initializer without
+    one (the exporter's and its optimizer's constants) unless onnxscript's ``FOLDED_FROM_KEY`` names a source
+    that may be a parameter: anything but an untrained initializer or a name the exporter gives its own
+    constants (a transposed weight folded by the optimizer is that weight, trained; its parameter is gone
+    from the file, so an unknown source counts as one).
+    A graph with no kind at all (the legacy exporter, other tools) gives the empty set: every initializer
+    may be trained, as before."""
+    inits = [t.name for t in graph.initializer]
+    names = set(inits)
+    meta: dict[str, dict[str, str]] = {}
+    for t in graph.initializer:
+        props = getattr(t, "metadata_props", ())
+        if props:
+            meta.setdefault(t.name, {}).update((p.key, p.value) for p in props)
+    for v in list(graph.value_info) + list(graph.input):
+        if v.name in names and v.metadata_props:
+            meta.setdefault(v.name, {}).update((p.key, p.value) for p in v.metadata_props)
+    kinds = {n: m[INPUT_KIND_KEY] for n, m in meta.items() if INPUT_KIND_KEY in m}
+    if not kinds:
+        return set()
+    params = {n for n, k in kinds.items() if k.rpartition(".")[2] == "PARAMETER"}
+    out = {n for n, k in kinds.items() if n not in params}
+    for n in inits:
+        if n in kinds:
+            continue
+        # a fold: untrained when every source is known to be (a buffer, an exporter constant); a source the
+        # optimizer removed may have been a parameter (a transposed weight), so an unknown one keeps it trained
+        sources = _names(meta.get(n, {}).get(FOLDED_FROM_KEY, ""))
+        if all(x in out or _EXPORTER_CONSTANT.fullmatch(x) for x in sources):
+            out.add(n)
+    return out
 
 
 def _external_info(t) -> dict:

@@ -27,7 +27,9 @@ Method (the "meta route"):
    constant), or the export fails naming it.
 5. Each opaque initializer becomes external data at its offset in the sparse ``.data`` file (``truncate``
    to the total length), node metadata (the exporter's stack traces) is dropped, the graph is written
-   (kilobytes to tens of megabytes, whatever the model's size).
+   (kilobytes to tens of megabytes, whatever the model's size).  The initializers' ``value_info`` entries
+   keep torch.export's signature (parameter or buffer), which the importer reads to leave buffers untrained
+   (``onnx_import.loader.untrained_initializers``), as on the real export.
 
 The graph equals the one ``torch.onnx.export(dynamo=True)`` writes from the same module with weights, up to
 two value-dependent steps of that export which need weights: onnxscript's folding of small constant
@@ -645,7 +647,10 @@ def _replicate(proto, prefix: str, child_names) -> None:
     after = [(c, k) for c in consumers.get(y_out, ()) if c not in members
              for k, x in enumerate(nodes[c].input) if x == y_out]
     import onnx
-    new_nodes, new_inits = [], []
+    new_nodes, new_inits, new_infos = [], [], []
+    # an initializer's value_info entry carries the exporter's signature (parameter or buffer: the importer's
+    # ``untrained_initializers``): each copy gets its own
+    infos = {v.name: v for v in g.value_info if v.name in p1}
     prev = y_out
     for b in range(2, len(full)):
         sb, tag = full[b], f"__{child_names[b]}"
@@ -657,6 +662,11 @@ def _replicate(proto, prefix: str, child_names) -> None:
             t.CopyFrom(inits[name])
             t.name = new
             new_inits.append(t)
+            if name in infos:
+                v = onnx.ValueInfoProto()
+                v.CopyFrom(infos[name])
+                v.name = new
+                new_infos.append(v)
         for i in copy:
             for o in nodes[i].output:
                 if o:
@@ -677,6 +687,7 @@ def _replicate(proto, prefix: str, child_names) -> None:
         if o.name == y_out:
             o.name = prev
     g.initializer.extend(new_inits)
+    g.value_info.extend(new_infos)
     ordered = _topo_sort(nodes + new_nodes, {i.name for i in g.input} | {t.name for t in g.initializer})
     del g.node[:]
     g.node.extend(ordered)
