@@ -763,7 +763,8 @@ class _Tuner:
           largest size at which no recomputation is predicted to fit (a smaller micro-batch may drop it);
           the walk's first point skips so too when its best recomputes (the sizes between would recompute
           as well: under a deadline the size that drops it is priced next);
-        * a pair whose best, after two sizes, is over :data:`DROP` x the best of every pair is dropped;
+        * a pp = 1 pair whose best, after two sizes, is over :data:`DROP` x the best of every pair is dropped
+          (a pipeline's sizes rise, its later points may be the fastest: :meth:`_walk` prunes them by bound);
         * a tensor degree that does not split the model ends the pair."""
         if self.expired():
             raise Expired()
@@ -820,7 +821,7 @@ class _Tuner:
                 w["i"] = len(w["ms"])             # the time stopped improving
         w["best"] = min(w["best"], best)
         glob = min((p.cost for p in self.points), default=INF)
-        if w["n"] >= 2 and math.isfinite(glob) and w["best"] > DROP * glob:
+        if w["pp"] == 1 and w["n"] >= 2 and math.isfinite(glob) and w["best"] > DROP * glob:
             w["i"] = len(w["ms"])
             self.stats["pairs_dropped"] = self.stats.get("pairs_dropped", 0) + 1
         w["done"] = w["i"] >= len(w["ms"])
