@@ -650,10 +650,10 @@ class _Tuner:
     def _walk(self) -> None:
         """Best-first over the walks: every pp = 1 pair once (nearest the plain point first), then the walk
         whose next point has the lowest bound (:meth:`_bound_at`; none yet: first), fewest stages, then fewest
-        steps first.  Pruning is by the bound, per point: a walk's next sizes whose bound is over :data:`DROP`
-        x the best time of the grid are skipped (``stats["sizes_bounded"]``), and the walk is done when every
-        size left is (``stats["pairs_bounded"]``) -- a pipeline walks its sizes rising, so its next point's
-        bound is the highest of its points left, never a bound on the whole walk."""
+        steps first.  Pruning is by the bound, per point: a walk's next sizes whose bound is over the best
+        time of the grid cannot win and are skipped (``stats["sizes_bounded"]``), and the walk is done when
+        every size left is (``stats["pairs_bounded"]``) -- a pipeline walks its sizes rising, so its next
+        point's bound is the highest of its points left, never a bound on the whole walk."""
         walks, plain = self.walks, self.plain
         for w in walks:
             if w["pp"] == 1 and w["n"] == 0 and not w["done"]:
@@ -667,9 +667,8 @@ class _Tuner:
             est = {}
             for w in live:
                 if math.isfinite(glob):
-                    cut = DROP * glob
                     skip = w["i"]
-                    while skip < len(w["ms"]) and self._bound_at(w, w["ms"][skip]) > cut:
+                    while skip < len(w["ms"]) and self._bound_at(w, w["ms"][skip]) > glob:
                         skip += 1
                     if skip >= len(w["ms"]):
                         w["done"] = True
