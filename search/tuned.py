@@ -71,7 +71,7 @@ RECOMPUTE = ("none", "selective", "full")
 PER_REGION = "per-region"
 #: the most of the grid's time the plain Megatron point's DP solve takes (cut: mapped without the DP)
 PLAIN_SHARE = 0.5
-#: a (tp, pp) pair whose best time after two micro-batch sizes is over DROP x the best of all pairs is dropped
+#: a (tp, pp = 1) pair whose best time after two micro-batch sizes is over DROP x the best of all pairs is dropped
 DROP = 1.5
 #: stage layers the pipeline points cut the model into (their count is a multiple of every pp <= 8 that
 #: divides it, so stages get equal numbers of layers; layers have about equal forward FLOPs)
@@ -649,7 +649,7 @@ class _Tuner:
 
     def _walk(self) -> None:
         """Best-first over the walks: every pp = 1 pair once (nearest the plain point first), then the walk
-        whose next point has the lowest bound (:meth:`_bound_at`; none yet: first), fewest stages, then fewest
+        whose next point has the lowest bound (:meth:`_bound`; none yet: first), fewest stages, then fewest
         steps first.  Pruning is by the bound, per point: a walk's next sizes whose bound is over the best
         time of the grid cannot win and are skipped (``stats["sizes_bounded"]``), and the walk is done when
         every size left is (``stats["pairs_bounded"]``) -- a pipeline walks its sizes rising, so its next
