@@ -71,7 +71,7 @@ RECOMPUTE = ("none", "selective", "full")
 PER_REGION = "per-region"
 #: the most of the grid's time the plain Megatron point's DP solve takes (cut: mapped without the DP)
 PLAIN_SHARE = 0.5
-#: a (tp, pp) pair whose best time after two micro-batch sizes is over DROP x the best of all pairs is dropped
+#: a (tp, pp = 1) pair whose best time after two micro-batch sizes is over DROP x the best of all pairs is dropped
 DROP = 1.5
 #: stage layers the pipeline points cut the model into (their count is a multiple of every pp <= 8 that
 #: divides it, so stages get equal numbers of layers; layers have about equal forward FLOPs)
@@ -650,7 +650,10 @@ class _Tuner:
     def _walk(self) -> None:
         """Best-first over the walks: every pp = 1 pair once (nearest the plain point first), then the walk
         whose next point has the lowest bound (:meth:`_bound`; none yet: first), fewest stages, then fewest
-        steps first; a walk whose bound is over :data:`DROP` x the best time of the grid is dropped."""
+        steps first.  Pruning is by the bound, per point: a walk's next sizes whose bound is over the best
+        time of the grid cannot win and are skipped (``stats["sizes_bounded"]``), and the walk is done when
+        every size left is (``stats["pairs_bounded"]``) -- a pipeline walks its sizes rising, so its next
+        point's bound is the highest of its points left, never a bound on the whole walk."""
         walks, plain = self.walks, self.plain
         for w in walks:
             if w["pp"] == 1 and w["n"] == 0 and not w["done"]:
@@ -663,10 +666,18 @@ class _Tuner:
             glob = min((p.cost for p in self.points if p.feasible), default=INF)
             est = {}
             for w in live:
-                est[id(w)] = lb = self._bound(w)
-                if math.isfinite(lb) and math.isfinite(glob) and lb > DROP * glob:
-                    w["done"] = True
-                    self.stats["pairs_bounded"] = self.stats.get("pairs_bounded", 0) + 1
+                if math.isfinite(glob):
+                    skip = w["i"]
+                    while skip < len(w["ms"]) and self._bound_at(w, w["ms"][skip]) > glob:
+                        skip += 1
+                    if skip >= len(w["ms"]):
+                        w["done"] = True
+                        self.stats["pairs_bounded"] = self.stats.get("pairs_bounded", 0) + 1
+                        continue
+                    if skip > w["i"]:
+                        self.stats["sizes_bounded"] = self.stats.get("sizes_bounded", 0) + skip - w["i"]
+                        w["i"] = skip
+                est[id(w)] = self._bound(w)
             live = [w for w in live if not w["done"]]
             if not live:
                 return
@@ -674,15 +685,20 @@ class _Tuner:
             self._step(w, plain)
 
     def _bound(self, w: dict) -> float:
-        """A lower bound on the time of a walk's next point (-inf: none yet).  Per device, a point runs the
-        work of a pp = 1 point of the same tensor degree and micro-batch size (:meth:`_Layout.work`: forward,
-        backward, tensor-parallel transfers; a pipeline's stages split it, and the 1F1B makespan is at least
-        the busiest stage's share), plus recomputation, sync and update; a smaller micro-batch does not run a
-        sample faster, so every pp = 1 point priced at a size >= the next one bounds it (the largest counts;
-        of the sequence-parallel variants of a size, the smaller)."""
+        """A lower bound on the time of a walk's next point (-inf: none yet, or no size left):
+        :meth:`_bound_at` its next micro-batch size."""
         if w["i"] >= len(w["ms"]):
             return -INF
-        nxt = w["ms"][w["i"]]
+        return self._bound_at(w, w["ms"][w["i"]])
+
+    def _bound_at(self, w: dict, nxt: int) -> float:
+        """A lower bound on the time of the walk's point at micro-batch size ``nxt`` (-inf: none yet).  Per
+        device, a point runs the work of a pp = 1 point of the same tensor degree and micro-batch size
+        (:meth:`_Layout.work`: forward, backward, tensor-parallel transfers; a pipeline's stages split it,
+        and the 1F1B makespan is at least the busiest stage's share), plus recomputation, sync and update; a
+        smaller micro-batch does not run a sample faster, so every pp = 1 point priced at a size >= ``nxt``
+        bounds it (the largest counts; of the sequence-parallel variants of a size, the smaller).  It bounds
+        that one point only: a larger size's bound may be lower."""
         at: dict = {}
         for lay in self._pp1_layouts.get(w["tp"], ()):
             mbs = self.B // (lay.dp * lay.M)
@@ -746,7 +762,8 @@ class _Tuner:
           largest size at which no recomputation is predicted to fit (a smaller micro-batch may drop it);
           the walk's first point skips so too when its best recomputes (the sizes between would recompute
           as well: under a deadline the size that drops it is priced next);
-        * a pair whose best, after two sizes, is over :data:`DROP` x the best of every pair is dropped;
+        * a pp = 1 pair whose best, after two sizes, is over :data:`DROP` x the best of every pair is dropped
+          (a pipeline's sizes rise, its later points may be the fastest: :meth:`_walk` prunes them by bound);
         * a tensor degree that does not split the model ends the pair."""
         if self.expired():
             raise Expired()
@@ -803,7 +820,7 @@ class _Tuner:
                 w["i"] = len(w["ms"])             # the time stopped improving
         w["best"] = min(w["best"], best)
         glob = min((p.cost for p in self.points), default=INF)
-        if w["n"] >= 2 and math.isfinite(glob) and w["best"] > DROP * glob:
+        if w["pp"] == 1 and w["n"] >= 2 and math.isfinite(glob) and w["best"] > DROP * glob:
             w["i"] = len(w["ms"])
             self.stats["pairs_dropped"] = self.stats.get("pairs_dropped", 0) + 1
         w["done"] = w["i"] >= len(w["ms"])

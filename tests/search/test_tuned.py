@@ -366,3 +366,19 @@ def test_per_region_recompute_is_never_slower_and_records_its_regions():
     if r.config.recompute == PER_REGION and r.cost < base.cost * (1 - 1e-9):
         assert r.memory_plan is not None and r.memory_plan.recompute
         assert r.max_bytes <= m.device.usable_bytes
+
+
+@needs_memtech
+@pytest.mark.parametrize("mib", [160, 200, 300])
+def test_an_uncut_walk_equals_the_exhaustive_grid_where_a_pipeline_wins_at_its_largest_size(mib):
+    """A pipeline walks its micro-batch sizes rising, so its next point's bound is the highest of its points
+    left: the walk prunes size by size, never a whole pipeline by its first point.  At 160 / 200 MiB the best
+    point is tp4 pp2 at the largest micro-batch (with and without recomputation), at 300 MiB a pp = 1 point;
+    the uncut walk returns the exhaustive grid's best in each, pricing fewer points."""
+    g = synthetic_transformer(4, batch=32, seq=64, hidden=1024, heads=8)
+    m = _machine("h100:2x4", mib)
+    r = tune(g, MachineMapper(CostModel(m, optimizer="adam")), "megatron")
+    ex = _exhaustive(g, MachineMapper(CostModel(m, optimizer="adam")))
+    assert ex.feasible and r.feasible and not r.stats.get("cut")
+    assert r.cost == pytest.approx(ex.cost, rel=1e-9)
+    assert len(r.priced) < len(ex.priced)
