@@ -875,6 +875,7 @@ class PipelineTrainer:
         """Micro-batch ``k`` through the stage graph: ``shared`` holds what the stage reads (received
         position -> tensor), ``xs`` what the leader received (passed on)."""
         torch = _torch_modules()[0]
+        from .memory import tie as _tie
         tr = self.tr
         fv = tr._feeds({name: shared[j] for j, name in self.sg.feeds.items()})
         self._set_micro(k)
@@ -890,15 +891,13 @@ class PipelineTrainer:
         from .precision import forward_context
         with forward_context(tr.precision, tr.device):   # bf16: the stage's forward under autocast
             vals = tr._run(fv, need, anchor, sinks, split)
-        tie = anchor * 0.0
-        for t in sinks:
-            tie = tie + t.sum() * 0.0
+        # a zero tied to every communication output (tie's backward hands each a zero gradient whatever
+        # its values: a product with 0.0 would be NaN where a sink holds inf, e.g. a float32-min mask)
         if self.lead and self.K > 1:
             # every device's backward reaches the broadcasts of what the stage received (their backward
             # is a reduce onto the leader), also on a device whose operators read none of it
-            for x in shared.values():
-                if x.requires_grad:
-                    tie = tie + x.sum() * 0.0
+            sinks = sinks + [x for x in shared.values() if x.requires_grad]
+        tie = _tie(anchor * 0.0, sinks)
         if self.lead and self.K > 1 and self.rank == self.leader:
             # the backward starts here (created last, run first): the followers start theirs
             tie = _on_backward(tie, lambda: self._command(_BACKWARD, k))
@@ -985,11 +984,13 @@ class PipelineTrainer:
                 torch.autograd.backward(outs, [torch.zeros_like(o) for o in outs] if not last else None)
 
     def _loss(self, out, target):
+        from .memory import tie as _tie
         tr = self.tr
         pick, _, split = tr._loss_ref(self._kind)
         c = tr._piece_loss({pick: out}, pick, self._kind, target if self._targets else None, split) \
             if tr.low.mine.get(pick) is not None else None
-        return out.sum() * 0.0 if c is None else c + out.sum() * 0.0
+        # the loss tied to the whole output (zero gradient where this device's loss reads none of it)
+        return _tie(out.new_zeros(()) if c is None else c, [out])
 
     def step(self, feeds=None, targets=None) -> float:
         torch = _torch_modules()[0]
