@@ -8,7 +8,6 @@
 """
 from __future__ import annotations
 
-import json
 import os
 import sys
 
@@ -16,19 +15,10 @@ import numpy as np
 import pytest
 
 from tests.executor.runtime_plans import one_device_plan
+from tests.executor.test_alpa_runnable import _train
 from tests.search.test_alpa_join import alpa_plan_file, export_masked_decoder
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-
-
-def _train(plan_path: str, model: str, capfd, steps: int = 3) -> list:
-    from unity_pcg.cli import main
-    capfd.readouterr()
-    rc = main(["run", plan_path, "--model", model, "--steps", str(steps), "--loss", "mean", "--optimizer", "sgd",
-               "--json"])
-    out, err = capfd.readouterr()
-    assert rc == 0, err
-    return json.loads(out)["losses"]
 
 
 def _check(model: str, tmp_path, capfd, **kw):
