@@ -592,7 +592,9 @@ def alpa_plan(pcg: PCG, machine: MachineSpec, *, optimizer: str = "adam", layers
         return (best is not None and best.feasible) or anchor is not None
 
     for M in ms:
-        if deadline is not None and (fits_known() and prof_deadline.passed() or hard.passed()):
+        # past the hard end no count starts but the first (its stages past the deadline are stand-ins,
+        # linear past ``hard``): a plan covering the cluster exists whenever one fits
+        if deadline is not None and (fits_known() and prof_deadline.passed() or hard.passed() and tried):
             stats["deadline_hit"] = True            # a plan that fits and no time for another count (or none)
             break
         tm = time.perf_counter()
