@@ -211,17 +211,19 @@ def _tuned_worker(rank: int, world: int, plan_json: dict, steps: int):
 
 
 def test_tuned_megatron_accumulation_plan_trains_as_one_process():
-    """The tuned Megatron-LM baseline where little memory is left (tp2, micro-batches, full recompute, the
-    distributed optimizer) is run by the executor as gradient accumulation, equal to one process."""
+    """The tuned Megatron-LM baseline where little memory is left (tp2, micro-batches, full recompute; a
+    feasible plan) is run by the executor as gradient accumulation, equal to one process."""
     from unity_pcg import plan as P
     from unity_pcg.machine import local, parse_machine
     from unity_pcg.search.optimize import optimize
     from unity_pcg.search.split import synthetic_transformer
-    g = synthetic_transformer(2, batch=8, seq=16, hidden=64, heads=4)
+    # activations large against the weights, a device that holds the weights and one recomputed micro-batch
+    g = synthetic_transformer(2, batch=8, seq=128, hidden=64, heads=4)
     m = parse_machine("h100:1x2")
-    m = dataclasses.replace(m, device=dataclasses.replace(m.device, memory_bytes=int(0.3 * 2**20)))
+    m = dataclasses.replace(m, device=dataclasses.replace(m.device, memory_bytes=int(1.5 * 2**20)))
     res = optimize(g, m, budget_s=20, strategy="megatron")   # generous: the grid is deadline-bound
     p = res.plan
+    assert res.feasible, res.stats.get("chosen")
     assert p.pipeline is not None and len(p.pipeline["stages"]) == 1 and p.pipeline["micro_batches"] > 1, \
         res.stats.get("chosen")
     assert p.memory is not None and p.memory.recompute and res.stats["executor_check"] == "ok"

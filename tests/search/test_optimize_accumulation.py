@@ -21,7 +21,7 @@ needs_memtech = pytest.mark.skipif(not techniques().available, reason="search.me
 
 def _small(mib: float):
     """A 4-device H100 node with ``mib`` MiB per device: the decoder's data parallelism does not fit at the
-    full batch (70 MiB), or only tensor parallelism with pipelining does (60 MiB)."""
+    full batch (70-75 MiB), or only tensor parallelism with pipelining does (60 MiB)."""
     m = parse_machine("h100:1x4")
     return dataclasses.replace(m, device=dataclasses.replace(m.device, memory_bytes=int(mib * 2**20)))
 
@@ -32,7 +32,7 @@ def _decoder():
 
 @needs_memtech
 def test_accumulation_fits_where_the_full_batch_does_not():
-    g, m = _decoder(), _small(70)
+    g, m = _decoder(), _small(75)        # ZeRO-3's unit gradient, whole twice at its reduce-scatter, fits
     mp = MachineMapper(CostModel(m, optimizer="adam"))
     assert not mp.optimize(build_strategy(g, "dp", 4)).feasible
     r = accumulate(g, mp, [("data parallel", default_intra)])
