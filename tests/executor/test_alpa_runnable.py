@@ -22,6 +22,7 @@ import pytest
 
 from tests.executor import models
 from tests.executor.runtime_plans import one_device_plan
+from tests.search.test_alpa_join import alpa_plan_file as _plan
 
 B, S, H = 4, 4, 8
 
@@ -64,19 +65,6 @@ def _export(module, path: str) -> str:
 def embeds(tmp_path_factory):
     d = tmp_path_factory.mktemp("alpa_embed")
     return d, {k: _export(_embed_module(k == "folded"), str(d / f"{k}.onnx")) for k in ("folded", "broadcast")}
-
-
-def _plan(path: str, machine: str, **kw):
-    """Alpa's plan (search/alpa/inter.py) as a Plan file object, as ``optimize`` writes it."""
-    from unity_pcg import plan as P
-    from unity_pcg.machine import parse_machine
-    from unity_pcg.onnx_import import load_onnx
-    from unity_pcg.search.alpa.inter import alpa_plan
-    g = load_onnx(path, load_weights=False)
-    m = parse_machine(machine)
-    ar = alpa_plan(g, m, time_limit_s=5.0, **kw)
-    p = ar.pipeline
-    return ar, P.Plan(path, P.file_sha256(path), m, p.pcg, p.views, p.to_json(), p.to_plan_field())
 
 
 def _train(plan_path: str, model: str, capfd, steps: int = 3) -> list:
