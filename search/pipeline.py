@@ -1212,12 +1212,13 @@ def _search_pipeline(pcg, mapper_or_cost_model, max_stages, min_stages, micro_ba
 def evaluate_pipeline(pcg: PCG, mapper_or_cost_model: MachineMapper | CostModel,
                       stages: Sequence[tuple[int, int, int, int]], micro_batches: int, *,
                       intra: Callable[[PCG, Resource], PCG] | None = None, max_layers: int = 12,
-                      stitch: bool = True, tech: tuple | None = None) -> PipelineResult:
+                      stitch: bool = True, tech: tuple | None = None, partial: bool = False) -> PipelineResult:
     """Price one given pipeline exactly, as the search prices its candidates: ``stages`` lists
     ``(first layer, last layer + 1, first device, number of devices)`` over the layers of
     :func:`sequential_layers` (``max_layers`` of them), covering the layers and the machine in order.
     ``stitch=False`` prices only (no plan PCG, views or stage node lists).  ``tech``: ``(zero, modes)``, the
-    ZeRO stage and each stage's recompute mode (:func:`stage_techniques`); None: no memory techniques."""
+    ZeRO stage and each stage's recompute mode (:func:`stage_techniques`); None: no memory techniques.
+    ``partial``: as the search prices, a stage with a mode recomputes only what it must (:func:`stage_partial`)."""
     t0 = time.perf_counter()
     mapper = mapper_or_cost_model if isinstance(mapper_or_cost_model, MachineMapper) \
         else MachineMapper(mapper_or_cost_model)
@@ -1241,7 +1242,8 @@ def evaluate_pipeline(pcg: PCG, mapper_or_cost_model: MachineMapper | CostModel,
     if tech is not None and (len(tech) != 2 or len(tech[1]) != len(plan)
                              or any(m not in STAGE_RECOMPUTE for m in tech[1])):
         raise PipelineError(f"tech must be (zero, one recompute mode of {STAGE_RECOMPUTE} per stage), got {tech!r}")
-    ev = _evaluate(gM, roles, info, layers, plan, micro_batches, mapper, intra or default_intra, machine, None, tech)
+    ev = _evaluate(gM, roles, info, layers, plan, micro_batches, mapper, intra or default_intra, machine, None, tech,
+                   partial=partial)
     out = assemble(pcg, gM, plan, micro_batches, ev, machine, stitch)
     out.origin = _origin(layers, info, plan, ev, (intra or default_intra) is default_intra)
     out.origin.update(max_layers=max_layers, megatron=getattr(intra, "megatron", None), tech=tech)
