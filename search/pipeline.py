@@ -791,7 +791,12 @@ def _with_priced(p: StagePrice, tq, full) -> StagePrice:
     # gradients, states with ZeRO, the recomputation's transient) does not grow with the micro-batches in flight
     a = {d: int(max(p.a.get(d, 0) + kept.get(d, 0) - base.get(d, 0), 0)) for d in devs}
     w = {d: int(max(full.per_device.get(d, 0) - a[d], 0)) for d in devs}
-    tr = {d: int(min(v, w[d])) for d, v in tr.items() if v > 0 and d in w}
+    # of ``w``, what does not add up over the layers of a stage (``tr``, counted once per stage by the stage DP's
+    # memory table): all but the weights, gradients and optimizer states -- the recomputation's transient and
+    # the backward's own peak (activation gradients alive, a weight gradient whole, the loss's outputs)
+    static = full.report.weights
+    tr = {d: int(min(max(w[d] - static.get(d, 0), 0), w[d])) for d in w}
+    tr = {d: v for d, v in tr.items() if v > 0}
     t = p.t + full.recompute_s
     return replace(p, t=t, once=max(full.iteration_s - t, 0.0), w=w, a=a, rec=full.recompute_s,
                    memory_plan=full.memory, tech={}, tr=tr)
