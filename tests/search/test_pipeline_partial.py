@@ -79,3 +79,33 @@ def test_stage_partial_is_near_the_exhaustive_assignment():
     assert best is not None
     assert best * (1 - 1e-12) <= got.t + got.once <= best * 1.03
     assert max(P._stage_peak(got, infl).values()) <= cap
+
+
+def test_the_stage_dp_memory_table_is_never_optimistic_and_not_far_below_exact():
+    """The stage DP's micro-batches a stage holds (:func:`search.pipeline._holds_table`, from its layers'
+    prices) against the exact price of the stage's whole sub-PCG: never more; and the backward's own peak of
+    each layer (not additive) is counted once per stage, so the table is not far below (the sum over the
+    layers refused stages that fit)."""
+    import math
+    g = _graph()
+    for cap_mib in (40, 60, 80):
+        cap = cap_mib << 20
+        m = machine(1, 2, memory=cap)
+        cm = CostModel(m, optimizer="adam")
+        mp = MachineMapper(cm, techniques=True)
+        roles = GraphCost(g, cm).role
+        layers, info = P.sequential_layers(g, roles, 8)
+        gM = P.rebatch(g, 8, 2)
+        nodes_of = [[n for u in range(a, b) for n in info.units[u]] for a, b in layers]
+        lay = P._LayerPrices(gM, roles, nodes_of, mp, (P.default_intra,), m, {})
+        L = len(layers)
+        for mode in ("none", "full"):
+            h = P._holds_table([P.stage_techniques(mp, lay.get(x, 1, 0), mode, 0) for x in range(L)], cap)
+            for k in range(L):
+                for i in range(k, L):
+                    nodes = [n for x in range(k, i + 1) for n in nodes_of[x]]
+                    p = P._price(mp, P.stage_graph(gM, roles, nodes), P.default_intra, P.sub_mesh(m, 0, 1))
+                    p = P.stage_techniques(mp, p, mode, 0)
+                    w, a = max(p.w.values()), max(p.a.values())
+                    exact = math.floor((cap - w) / a) if w <= cap else -1
+                    assert exact // 2 - 1 <= h[k, i] <= exact, (cap_mib, mode, k, i, h[k, i], exact)
