@@ -61,7 +61,10 @@ all its regions and the plan's ZeRO stage (:mod:`search.memtech`): the recompute
 backward, ``once`` is the sync left exposed by the machine's overlap plus the (sharded) update, the memory
 is the weights part with ZeRO plus the kept activations times the micro-batches in flight.  The stage DP's
 options are (sub-mesh, recompute mode) pairs, so every stage gets its own recomputation jointly with its
-layers and devices; the ZeRO stage is one per plan (:data:`PIPELINE_ZERO`).  The result's ``memory_plan``
+layers and devices; the ZeRO stage is one per plan (:data:`PIPELINE_ZERO`).  The plans priced exactly
+refine it (:func:`stage_partial`): a stage given a mode recomputes only the regions its micro-batches in
+flight need, so 1F1B's first stage (most in flight) recomputes more than the last.  The DP's memory table
+counts a layer's non-additive memory (its backward's own peak, ``StagePrice.tr``) once per stage.  The result's ``memory_plan``
 (ZeRO and every stage's regions on the stitched PCG) is the plan file's ``memory``.
 
 **The plan.**  :attr:`PipelineResult.pcg` is the whole model at the full batch: every stage's
