@@ -1082,10 +1082,16 @@ def _search_pipeline(pcg, mapper_or_cost_model, max_stages, min_stages, micro_ba
     # first ``intra`` alone, every micro-batch count the budget allows (half of it when further layouts follow),
     # on every layering
     soft_a = deadline if len(hooks) == 1 or not math.isfinite(deadline) else clock() + (deadline - clock()) / 2
+    # a count whose stage DP found no plan at all (no stages hold their micro-batches in flight) rules out the
+    # smaller counts: fewer, larger micro-batches never need less activation memory on a stage
+    no_plan: list = []
     for M in ms:
         if cands and clock() > soft_a:
             stats["budget_exhausted"] = True
             break
+        if any(M < f for f in no_plan):
+            stats.setdefault("micro_batches_skipped", []).append(M)
+            continue
         try:
             graphs[M] = rebatch(pcg, B, B // M)
             micro_graph(pcg, M)       # the executor's test: the batch, and only it, splits M ways
@@ -1094,11 +1100,14 @@ def _search_pipeline(pcg, mapper_or_cost_model, max_stages, min_stages, micro_ba
             continue
         stats["micro_batches_tried"].append(M)
         first = len(stats["micro_batches_tried"]) == 1
+        n0 = len(cands)
         try:
             dp_pass(M, hooks[:1], lys_all, soft_a if cands and not first else INF)
         except Expired:                 # the hard deadline: the plans found so far are priced (if time is left)
             stats["cut"] = True
             break
+        if len(cands) == n0:
+            no_plan.append(M)
     # then with the further layouts (their layer prices added to the first pass's) on the (micro-batch count,
     # layering) pairs tried, the most promising first (the first pass's best estimate), until the soft budget
     # (the first pair past it too) and within PIPELINE_LAYOUTS_SHARE of the time left to the hard deadline (the rest is

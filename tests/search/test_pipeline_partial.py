@@ -109,3 +109,18 @@ def test_the_stage_dp_memory_table_is_never_optimistic_and_not_far_below_exact()
                     w, a = max(p.w.values()), max(p.a.values())
                     exact = math.floor((cap - w) / a) if w <= cap else -1
                     assert exact // 2 - 1 <= h[k, i] <= exact, (cap_mib, mode, k, i, h[k, i], exact)
+
+
+def test_counts_below_one_without_any_plan_are_skipped():
+    """Where the stage DP finds no plan at M micro-batches (memory), it finds none at fewer, larger ones: those
+    are skipped, the larger counts still searched; the result is the best of the counts searched one by one."""
+    g = _graph()
+    mp = MachineMapper(CostModel(machine(1, 2, memory=40 << 20), optimizer="adam"), techniques=True)
+    counts = [1, 2, 4, 8]
+    r = P.search_pipeline(g, mp, min_stages=2, max_stages=2, micro_batches=counts, max_layers=4)
+    assert r is not None and r.feasible
+    skipped = set(r.stats.get("micro_batches_skipped", []))
+    assert skipped and max(skipped) < max(r.stats["micro_batches_tried"])
+    one = [P.search_pipeline(g, mp, min_stages=2, max_stages=2, micro_batches=m, max_layers=4) for m in counts]
+    assert all(x is None or not x.feasible for m, x in zip(counts, one) if m in skipped)
+    assert r.cost == min(x.cost for x in one if x is not None and x.feasible)
