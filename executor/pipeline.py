@@ -36,7 +36,8 @@ one device's training: refused unless ``--per-device-bn``; running statistics ar
 micro-batch, the stage's first device's are the model's.
 
 Limits (refused by :func:`check_pipeline` with a one-line error before any process starts): BatchNorm in
-stages that are not data parallel inside, a weight read in two stages, partial sums crossing into a stage, a
+stages that are not data parallel inside, a trained weight read in two stages (a constant is loaded by
+each stage that reads it), partial sums crossing into a stage, a
 schedule other than 1F1B, a batch that M (or a stage's layout of the micro-batch) does not divide,
 non-floating tensors crossing stages, random generators; with several stages, ZeRO-3 and offload.
 
@@ -464,7 +465,7 @@ def _stage_graph(plan, g: PCG, gm: PCG, role: Mapping[int, str], st: StagePlan, 
             if rl == "input" and r not in recv_pos:
                 raise PipelineError(f"plan: pipeline stage {st.index} reads model input {n.label()}, which it "
                                     f"does not receive")
-            if rl == "weight":
+            if rl == "weight" and gm.is_trainable(nid):     # a constant (untrained) is loaded by every reader
                 name = n.a["name"]
                 if owner.setdefault(name, st.index) != st.index:
                     raise PipelineError(f"plan: weight {name!r} is read in pipeline stages {owner[name]} and "

@@ -1448,9 +1448,13 @@ class Techniques:
 
     def _greedy(self, zero: int, offload: bool, p0: Priced) -> Priced:
         """Regions one at a time (or selective -> full), the most bytes saved on the busiest device per
-        second of recomputation first, until the plan fits or nothing saves more.  The steps whose savings
-        (each region's alone, :meth:`_single_savings`) add up to what the busiest device is over are taken
-        together and the plan priced once (the same steps as one at a time where savings add up)."""
+        second of recomputation first, until the plan fits or nothing saves more; where one step alone covers
+        what is left over in no more seconds than the best-ratio step takes, the cheapest such step instead
+        (steps are whole regions: the last step of a fit need not be the best ratio, a small region may
+        finish it).  The steps
+        whose savings (each region's alone, :meth:`_single_savings`) add up to what the busiest device is
+        over are taken together and the plan priced once (the same steps as one at a time where savings add
+        up).  Once it fits, :meth:`_trim` drops the steps it no longer needs."""
         R = self.regions
         single = self._single_savings()
         state: dict = {}
@@ -1460,7 +1464,9 @@ class Techniques:
             over = cur.report.per_device[busiest] - self.capacity
             added, saved_sum = 0, 0.0
             while saved_sum < over:
-                best, best_ratio, best_saved = None, 0.0, 0.0
+                left = over - saved_sum
+                best, best_ratio, best_saved, best_cost = None, 0.0, 0.0, 0.0
+                cover, cover_cost, cover_saved = None, math.inf, 0.0
                 for i in range(len(R)):
                     have = state.get(i, "none")
                     for md in ("selective", "full"):
@@ -1475,16 +1481,38 @@ class Techniques:
                             continue
                         ratio = saved / max(cost, 1e-12)
                         if ratio > best_ratio:
-                            best, best_ratio, best_saved = (i, md), ratio, saved
+                            best, best_ratio, best_saved, best_cost = (i, md), ratio, saved, cost
+                        if saved >= left and cost < cover_cost:
+                            cover, cover_cost, cover_saved = (i, md), cost, saved
                 if best is None:
                     break
+                if cover is not None and cover_cost <= best_cost:
+                    best, best_saved = cover, cover_saved
                 state[best[0]] = best[1]
                 added += 1
                 saved_sum += best_saved
             if not added:
                 break
-            regs = tuple(RecomputeRegion(tuple(R[i]), md) for i, md in sorted(state.items()))
-            cur = self.price(MemoryPlan(zero, offload, regs))
+            cur = self.price(MemoryPlan(zero, offload, self._regs(state)))
+        return self._trim(zero, offload, state, cur) if cur.feasible else cur
+
+    def _regs(self, state: Mapping[int, str]) -> tuple:
+        return tuple(RecomputeRegion(tuple(self.regions[i]), md) for i, md in sorted(state.items()) if md != "none")
+
+    def _trim(self, zero: int, offload: bool, state: dict, cur: Priced) -> Priced:
+        """A feasible greedy plan with every step it can do without undone: each recomputed region, the
+        costliest first, one mode down (full -> selective -> none) while the plan still fits (savings on the
+        peak need not add up, so an earlier step may have become unnecessary)."""
+        single = self._single_savings()
+        for i in sorted(state, key=lambda i: -single[(i, state[i])][1]):
+            while state.get(i, "none") != "none":
+                lower = MODES[MODES.index(state[i]) - 1]
+                trial = dict(state)
+                trial[i] = lower
+                p = self.price(MemoryPlan(zero, offload, self._regs(trial)))
+                if not p.feasible or p.iteration_s > cur.iteration_s:
+                    break
+                state, cur = trial, p
         return cur
 
 

@@ -61,7 +61,10 @@ all its regions and the plan's ZeRO stage (:mod:`search.memtech`): the recompute
 backward, ``once`` is the sync left exposed by the machine's overlap plus the (sharded) update, the memory
 is the weights part with ZeRO plus the kept activations times the micro-batches in flight.  The stage DP's
 options are (sub-mesh, recompute mode) pairs, so every stage gets its own recomputation jointly with its
-layers and devices; the ZeRO stage is one per plan (:data:`PIPELINE_ZERO`).  The result's ``memory_plan``
+layers and devices; the ZeRO stage is one per plan (:data:`PIPELINE_ZERO`).  The plans priced exactly
+refine it (:func:`stage_partial`): a stage given a mode recomputes only the regions its micro-batches in
+flight need, so 1F1B's first stage (most in flight) recomputes more than the last.  The DP's memory table
+counts a layer's non-additive memory (its backward's own peak, ``StagePrice.tr``) once per stage.  The result's ``memory_plan``
 (ZeRO and every stage's regions on the stitched PCG) is the plan file's ``memory``.
 
 **The plan.**  :attr:`PipelineResult.pcg` is the whole model at the full batch: every stage's
@@ -763,18 +766,27 @@ def stage_techniques(mapper: MachineMapper, p: StagePrice, mode: str, zero: int)
         return hit
     from unity_pcg.plan import MemoryPlan
     from . import memtech
+    tq = _analysis(mapper, p)
+    k = ("priced", mode, zero)
+    if k not in p.tech:
+        regs = memtech.recompute_all(tq.regions, mode) if mode != "none" else ()
+        p.tech[k] = tq.price(MemoryPlan(zero=zero, recompute=tuple(regs)))
+    out = _with_priced(p, tq, p.tech[k])
+    p.tech[key] = out
+    return out
+
+
+def _analysis(mapper: MachineMapper, p: StagePrice):
+    """``p``'s :class:`search.memtech.Techniques` (built once, kept in ``p.tech``)."""
+    from . import memtech
     tq = p.tech.get("analysis")
     if tq is None:
         tq = p.tech["analysis"] = memtech.Techniques(GraphCost(p.pcg, mapper.model), p.views, p.t + p.once)
+    return tq
 
-    def q(m, z):
-        k = ("priced", m, z)
-        if k not in p.tech:
-            regs = memtech.recompute_all(tq.regions, m) if m != "none" else ()
-            p.tech[k] = tq.price(MemoryPlan(zero=z, recompute=tuple(regs)))
-        return p.tech[k]
 
-    full = q(mode, zero)
+def _with_priced(p: StagePrice, tq, full) -> StagePrice:
+    """``p`` with memtech's price ``full`` of one MemoryPlan on its sub-PCG (see :func:`stage_techniques`)."""
     kept, tr = tq.activation_bytes({n: (i, r.mode) for i, r in enumerate(full.memory.recompute) for n in r.nodes})
     base = tq.base_report.activations
     devs = set(p.w) | set(p.a) | set(full.per_device)
@@ -782,10 +794,95 @@ def stage_techniques(mapper: MachineMapper, p: StagePrice, mode: str, zero: int)
     # gradients, states with ZeRO, the recomputation's transient) does not grow with the micro-batches in flight
     a = {d: int(max(p.a.get(d, 0) + kept.get(d, 0) - base.get(d, 0), 0)) for d in devs}
     w = {d: int(max(full.per_device.get(d, 0) - a[d], 0)) for d in devs}
-    tr = {d: int(min(v, w[d])) for d, v in tr.items() if v > 0 and d in w}
+    # of ``w``, what does not add up over the layers of a stage (``tr``, counted once per stage by the stage DP's
+    # memory table): all but the weights, gradients and optimizer states -- the recomputation's transient and
+    # the backward's own peak (activation gradients alive, a weight gradient whole, the loss's outputs)
+    static = full.report.weights
+    tr = {d: int(min(max(w[d] - static.get(d, 0), 0), w[d])) for d in w}
+    tr = {d: v for d, v in tr.items() if v > 0}
     t = p.t + full.recompute_s
-    out = replace(p, t=t, once=max(full.iteration_s - t, 0.0), w=w, a=a, rec=full.recompute_s,
-                  memory_plan=full.memory, tech={}, tr=tr)
+    return replace(p, t=t, once=max(full.iteration_s - t, 0.0), w=w, a=a, rec=full.recompute_s,
+                   memory_plan=full.memory, tech={}, tr=tr)
+
+
+def _stage_peak(p: StagePrice, infl: int) -> dict:
+    """Per device: the weights part plus ``infl`` micro-batches' activations (1F1B's in-flight memory)."""
+    return {d: p.w.get(d, 0) + infl * p.a.get(d, 0) for d in set(p.w) | set(p.a)}
+
+
+def stage_partial(mapper: MachineMapper, p: StagePrice, infl: int, zero: int, cap: float) -> StagePrice | None:
+    """``p`` (a stage without techniques) with only the recomputation it must do to hold ``infl``
+    micro-batches in flight within ``cap`` per device, at ZeRO ``zero`` -- AdaPipe's per-stage choice at the
+    granularity of memtech's regions, where :func:`stage_techniques` recomputes every region one way.
+    Greedily (as ``memtech.Techniques.choose``): regions and modes (none -> selective -> full) by bytes saved
+    on the fullest device, times ``infl``, per second of recomputation, the last step the cheapest that covers
+    what is left where it costs no more than the best ratio's; then each step undone, the costliest first,
+    while it still fits.  None when nothing fits (or ``p`` has no regions); memoized on ``p``."""
+    if p.pcg is None or not p.views or not math.isfinite(p.t):
+        return None
+    key = ("partial", infl, zero, cap)
+    if key in p.tech:
+        return p.tech[key]
+    from unity_pcg.plan import MemoryPlan, RecomputeRegion
+    from . import memtech
+    tq = _analysis(mapper, p)
+    R = tq.regions
+    modes = memtech.MODES
+    single = tq._single_savings()
+    memo: dict = {}
+
+    def at(state: dict) -> StagePrice:
+        k = tuple(sorted((i, m) for i, m in state.items() if m != "none"))
+        if k not in memo:
+            regs = tuple(RecomputeRegion(tuple(R[i]), m) for i, m in k)
+            memo[k] = _with_priced(p, tq, tq.price(MemoryPlan(zero=zero, recompute=regs)))
+        return memo[k]
+
+    def over(sp: StagePrice) -> tuple:
+        peak = _stage_peak(sp, infl)
+        d = max(peak, key=peak.get) if peak else None
+        return (peak[d] - cap if d is not None else 0.0), d
+
+    state: dict = {}
+    cur = at(state)
+    left, dev = over(cur)
+    out = None
+    while R:
+        if left <= 0:
+            out = cur
+            break
+        best, best_ratio, best_cost, cover, cover_cost = None, 0.0, 0.0, None, math.inf
+        for i in range(len(R)):
+            have = state.get(i, "none")
+            for md in ("selective", "full"):
+                if modes.index(md) <= modes.index(have):
+                    continue
+                saved = single[(i, md)][0].get(dev, 0) - (single[(i, have)][0].get(dev, 0) if have != "none" else 0)
+                cost = single[(i, md)][1] - (single[(i, have)][1] if have != "none" else 0)
+                saved *= infl
+                if saved <= 0:
+                    continue
+                ratio = saved / max(cost, 1e-12)
+                if ratio > best_ratio:
+                    best, best_ratio, best_cost = (i, md), ratio, cost
+                if saved >= left and cost < cover_cost:
+                    cover, cover_cost = (i, md), cost
+        if best is None:
+            break
+        if cover is not None and cover_cost <= best_cost:
+            best = cover
+        state[best[0]] = best[1]
+        cur = at(state)
+        left, dev = over(cur)
+    if out is not None:
+        for i in sorted(state, key=lambda i: -single[(i, state[i])][1] if state[i] != "none" else 0):
+            while state.get(i, "none") != "none":
+                trial = dict(state)
+                trial[i] = modes[modes.index(state[i]) - 1]
+                q = at(trial)
+                if over(q)[0] > 0 or q.t + q.once > out.t + out.once:
+                    break
+                state, out = trial, q
     p.tech[key] = out
     return out
 
@@ -985,10 +1082,16 @@ def _search_pipeline(pcg, mapper_or_cost_model, max_stages, min_stages, micro_ba
     # first ``intra`` alone, every micro-batch count the budget allows (half of it when further layouts follow),
     # on every layering
     soft_a = deadline if len(hooks) == 1 or not math.isfinite(deadline) else clock() + (deadline - clock()) / 2
+    # a count whose stage DP found no plan at all (no stages hold their micro-batches in flight) rules out the
+    # smaller counts: fewer, larger micro-batches never need less activation memory on a stage
+    no_plan: list = []
     for M in ms:
         if cands and clock() > soft_a:
             stats["budget_exhausted"] = True
             break
+        if any(M < f for f in no_plan):
+            stats.setdefault("micro_batches_skipped", []).append(M)
+            continue
         try:
             graphs[M] = rebatch(pcg, B, B // M)
             micro_graph(pcg, M)       # the executor's test: the batch, and only it, splits M ways
@@ -997,11 +1100,14 @@ def _search_pipeline(pcg, mapper_or_cost_model, max_stages, min_stages, micro_ba
             continue
         stats["micro_batches_tried"].append(M)
         first = len(stats["micro_batches_tried"]) == 1
+        n0 = len(cands)
         try:
             dp_pass(M, hooks[:1], lys_all, soft_a if cands and not first else INF)
         except Expired:                 # the hard deadline: the plans found so far are priced (if time is left)
             stats["cut"] = True
             break
+        if len(cands) == n0:
+            no_plan.append(M)
     # then with the further layouts (their layer prices added to the first pass's) on the (micro-batch count,
     # layering) pairs tried, the most promising first (the first pass's best estimate), until the soft budget
     # (the first pair past it too) and within PIPELINE_LAYOUTS_SHARE of the time left to the hard deadline (the rest is
@@ -1077,7 +1183,7 @@ def _search_pipeline(pcg, mapper_or_cost_model, max_stages, min_stages, micro_ba
         te = time.perf_counter()
         try:
             ev = _evaluate(graphs[M], roles, info, layers, plan, M, mapper, [hooks[h] for h in hs], machine, memo,
-                           tech)
+                           tech, partial=True)
         except Expired:
             stats["cut"] = True
             break
@@ -1123,12 +1229,13 @@ def _search_pipeline(pcg, mapper_or_cost_model, max_stages, min_stages, micro_ba
 def evaluate_pipeline(pcg: PCG, mapper_or_cost_model: MachineMapper | CostModel,
                       stages: Sequence[tuple[int, int, int, int]], micro_batches: int, *,
                       intra: Callable[[PCG, Resource], PCG] | None = None, max_layers: int = 12,
-                      stitch: bool = True, tech: tuple | None = None) -> PipelineResult:
+                      stitch: bool = True, tech: tuple | None = None, partial: bool = False) -> PipelineResult:
     """Price one given pipeline exactly, as the search prices its candidates: ``stages`` lists
     ``(first layer, last layer + 1, first device, number of devices)`` over the layers of
     :func:`sequential_layers` (``max_layers`` of them), covering the layers and the machine in order.
     ``stitch=False`` prices only (no plan PCG, views or stage node lists).  ``tech``: ``(zero, modes)``, the
-    ZeRO stage and each stage's recompute mode (:func:`stage_techniques`); None: no memory techniques."""
+    ZeRO stage and each stage's recompute mode (:func:`stage_techniques`); None: no memory techniques.
+    ``partial``: as the search prices, a stage with a mode recomputes only what it must (:func:`stage_partial`)."""
     t0 = time.perf_counter()
     mapper = mapper_or_cost_model if isinstance(mapper_or_cost_model, MachineMapper) \
         else MachineMapper(mapper_or_cost_model)
@@ -1152,7 +1259,8 @@ def evaluate_pipeline(pcg: PCG, mapper_or_cost_model: MachineMapper | CostModel,
     if tech is not None and (len(tech) != 2 or len(tech[1]) != len(plan)
                              or any(m not in STAGE_RECOMPUTE for m in tech[1])):
         raise PipelineError(f"tech must be (zero, one recompute mode of {STAGE_RECOMPUTE} per stage), got {tech!r}")
-    ev = _evaluate(gM, roles, info, layers, plan, micro_batches, mapper, intra or default_intra, machine, None, tech)
+    ev = _evaluate(gM, roles, info, layers, plan, micro_batches, mapper, intra or default_intra, machine, None, tech,
+                   partial=partial)
     out = assemble(pcg, gM, plan, micro_batches, ev, machine, stitch)
     out.origin = _origin(layers, info, plan, ev, (intra or default_intra) is default_intra)
     out.origin.update(max_layers=max_layers, megatron=getattr(intra, "megatron", None), tech=tech)
@@ -1413,18 +1521,22 @@ def _holds_table(ps: Sequence[StagePrice], cap: float) -> np.ndarray:
     return np.where(np.triu(np.ones((L, L), dtype=bool)), h, -1.0)
 
 
-def _evaluate(gM, roles, info, layers, plan, M, mapper, intra, machine, memo=None, tech=None) -> dict:
+def _evaluate(gM, roles, info, layers, plan, M, mapper, intra, machine, memo=None, tech=None,
+              partial: bool = False) -> dict:
     """Exact price of one plan at the micro-batch size: every stage's sub-PCG mapped on its actual
     sub-mesh, transfers between the sub-meshes, the 1F1B simulation, memory with micro-batches in
     flight.  ``tech`` ``(zero, modes)``: each stage priced with its memory techniques
     (:func:`stage_techniques`; ``ev["tech"]``, and each priced stage's ``memory_plan``).  ``intra``: one
     hook for every stage, or one per stage.  With ``memo`` a stage (its layers, micro-batch graph, sub-mesh
-    and hook) is priced once across the plans."""
+    and hook) is priced once across the plans.  ``partial`` (the search's exact pricing): a stage the DP gave
+    a recompute mode recomputes only the regions its micro-batches in flight need (:func:`stage_partial`)
+    where that fits and is faster; ``ev["modes"]`` says per stage ("per-region")."""
     S = len(plan)
     hooks = list(intra) if isinstance(intra, (list, tuple)) else [intra] * S
     bf = mapper.model.backward_factor
     cap = machine.device.usable_bytes
     fwd, bwd, once, send, priced, mems, reasons, send_el = [], [], [], [], [], [], [], []
+    modes = list(tech[1]) if tech is not None else []
     for idx, (k, i, d, s) in enumerate(plan):
         res = sub_mesh(machine, d, s)
         nodes = [n for a, b in layers[k:i] for u in range(a, b) for n in info.units[u]]
@@ -1439,7 +1551,15 @@ def _evaluate(gM, roles, info, layers, plan, M, mapper, intra, machine, memo=Non
             if memo is not None:
                 memo[key] = p
         if tech is not None:
-            p = stage_techniques(mapper, p, tech[1][idx], tech[0])
+            base = p
+            p = stage_techniques(mapper, base, tech[1][idx], tech[0])
+            if partial and tech[1][idx] != "none" and math.isfinite(p.t):
+                # the stage DP recomputes every region of a stage one way; here the stage recomputes only what
+                # its micro-batches in flight need (per region), where that fits and is faster
+                part = stage_partial(mapper, base, in_flight(S, idx, M), tech[0], cap)
+                if part is not None and part.t + part.once < p.t + p.once:
+                    p = part
+                    modes[idx] = "per-region" if part.memory_plan is not None and part.memory_plan.recompute else "none"
         priced.append(p)
         fwd.append((p.t - p.rec) / (1 + bf))
         bwd.append((p.t - p.rec) * bf / (1 + bf) + p.rec)      # recomputed before the stage's backward
@@ -1455,7 +1575,8 @@ def _evaluate(gM, roles, info, layers, plan, M, mapper, intra, machine, memo=Non
         send.append(stage_transfer(machine, tuple(range(d, d + s)), tuple(range(d2, d2 + s2)), nb))
         send_el.append(sum(gM.shape(r).numel for r in info.crossing[layers[i][0]]))
     out = {"priced": priced, "fwd": fwd, "bwd": bwd, "once": once, "send": send, "mem": mems,
-           "memory": {dev: v for mem in mems for dev, v in mem.items()}, "send_elements": send_el, "tech": tech}
+           "memory": {dev: v for mem in mems for dev, v in mem.items()}, "send_elements": send_el, "tech": tech,
+           "modes": modes}
     if any(not math.isfinite(x) for x in fwd):
         return dict(out, cost=INF, makespan=INF, feasible=False,
                     reason="; ".join(reasons) or "a stage cannot be mapped")
@@ -1520,7 +1641,7 @@ def assemble(pcg: PCG, gM: PCG, plan, M: int, ev: dict, machine: MachineSpec, st
         out.stats["join_stage"] = join_stage        # the stage that did not join the ones before it
     if ev.get("tech") is not None and idmaps is not None:
         out.memory_plan = _memory_plan(ev["tech"][0], ev["priced"], idmaps)
-        out.techniques = {"zero": ev["tech"][0], "recompute": list(ev["tech"][1]),
+        out.techniques = {"zero": ev["tech"][0], "recompute": list(ev.get("modes") or ev["tech"][1]),
                           "recompute_s": [p.rec for p in ev["priced"]]}
     return out
 

@@ -476,9 +476,10 @@ class _Tuner:
         if not self.tech.available:
             return [("none", 0)] if self.strategy == "megatron" else []
         out = [(r, z) for z in zs for r in self.tech.recompute]
-        # per-region recompute where memory binds: with the most sharded states of the grid (they leave the
-        # most room for activations, so the fewest regions recompute)
-        return out + ([(PER_REGION, max(zs))] if self.per_region else [])
+        # per-region recompute where memory binds: at every ZeRO stage of the grid that shards the states (they
+        # leave more room for activations, so fewer regions recompute; ZeRO-1's one gather per iteration vs
+        # ZeRO-3's per micro-batch is the techniques' trade, priced, not assumed)
+        return out + ([(PER_REGION, z) for z in zs if z] or [(PER_REGION, max(zs))] if self.per_region else [])
 
     def price_layout(self, lay: _Layout, mbs: int) -> list[_Point]:
         if lay.pp == 1 and not lay.reason and not lay.name:
@@ -917,14 +918,15 @@ def accumulate(g: PCG, mapper, layouts, deadline: Deadline | None = None, *, tec
     one stage that runs the global batch as M micro-batches (:func:`search.pipeline.micro_graph`, the one
     test of micro-batching), each micro-batch parallelized by one of ``layouts`` -- ``[(name, intra)]``,
     ``intra`` a :func:`search.pipeline.search_pipeline` hook (data parallelism, the layout ILP of a mesh) --
-    jointly with the memory techniques (recomputation none / selective / full x ZeRO 0 / 1 / 3, priced by
+    jointly with the memory techniques (recomputation none / selective / full on every region, and
+    :data:`PER_REGION` -- memtech's choice per region of what must go -- x ZeRO 0 / 1 / 3, priced by
     :mod:`search.memtech`; ZeRO-3 gathers every micro-batch).  The micro-batch count is walked per layout as
     the tuned grid walks it: fewest micro-batches first, skipping those a priced point predicts not to fit;
     the first layout's walk runs first and the others start where it first fitted.  The full batch (M = 1) is
     not priced here (the caller has it).  ``deadline`` bounds everything; what was priced by then counts."""
     if any(n.kind == "parallel" for n in g.nodes()):
         raise TunedError("accumulate needs a logical PCG")
-    t = _Tuner(g, mapper, "accumulate", deadline, tech or techniques(), max_layers=max_layers)
+    t = _Tuner(g, mapper, "accumulate", deadline, tech or techniques(), max_layers=max_layers, per_region=True)
     N, B = t.machine.num_devices, t.B
     dp = N if B % N == 0 else 1
     ms = [m for m in micro_batch_sizes(B, dp, 1) if m < B // dp]
