@@ -385,6 +385,8 @@ class _Tuner:
         self.walks: list | None = None    # the (tp, pp) walks (None: not started)
         self.plain: _Layout | None = None
         self._pp1_layouts: dict = {}      # tp -> the pp = 1 layouts priced (the pipelines' bounds)
+        self._ff_last = ""                # the last feasible-first pick: "time" or "lean" (:meth:`_feasible_first`)
+        self._layout_points: dict = {}    # (tp, pp, M, sp) -> its points, once priced (a cut step resumes on them)
 
     # the layout points --------------------------------------------------------------------------------
     def whole(self, tp: int, plain: bool = False, sp: bool = False) -> _Layout:
@@ -681,8 +683,61 @@ class _Tuner:
             live = [w for w in live if not w["done"]]
             if not live:
                 return
-            w = min(live, key=lambda w: (est[id(w)], w["pp"], w["n"], order[id(w)]))
+            if math.isfinite(glob):
+                w = min(live, key=lambda w: (est[id(w)], w["pp"], w["n"], order[id(w)]))
+            else:
+                w = self._feasible_first(live, est, order)
             self._step(w, plain)
+
+    def _feasible_first(self, live: list, est: dict, order: dict) -> dict:
+        """The next walk while no point of the grid fits (on a large model the fastest points are often the
+        ones that do not fit, and each costs a mapping): the time-best walk (:meth:`_bound` order) among
+        those whose next point :meth:`_memory_estimate` predicts to fit, alternating with the leanest walk
+        after a time-best pick did not fit (and whenever none is predicted to fit), so a feasible point is
+        priced early; once one is, :meth:`_walk` goes best-first by time again.  Only the order changes:
+        nothing is skipped, so an uncut walk prices what it priced before."""
+        cap = self.machine.device.usable_bytes
+        mem = {id(w): self._memory_estimate(w) for w in live}
+        fit = [w for w in live if mem[id(w)] <= cap]
+        self.stats["feasible_first_steps"] = self.stats.get("feasible_first_steps", 0) + 1
+        if fit and self._ff_last != "time":
+            self._ff_last = "time"
+            return min(fit, key=lambda w: (est[id(w)], w["pp"], w["n"], order[id(w)]))
+        self._ff_last = "lean"
+        return min(live, key=lambda w: (mem[id(w)], est[id(w)], w["pp"], w["n"], order[id(w)]))
+
+    def _memory_estimate(self, w: dict) -> float:
+        """An estimate (not a bound) of the busiest device's bytes at a walk's next point with its leanest
+        technique: from the walk's own leanest point where it priced one (what its memory skips predict:
+        the weights part plus the activations part scaled to the micro-batch size), else the largest of the
+        estimates from every layout priced so far (each layout's leanest point, its weights part scaled by
+        the devices the weights are split over, tp x pp, its activations part by the samples per device
+        and the share of the model's micro-batches the busiest stage holds, min(pp, M) / pp); 0 where
+        nothing was priced yet."""
+        if w["i"] >= len(w["ms"]):
+            return INF
+        nxt = w["ms"][w["i"]]
+        M = max(self.B // (w["dp"] * nxt), 1)
+        own = [p for p in self.points if p.max_bytes and p.layout.tp == w["tp"] and p.layout.pp == w["pp"]
+               and not p.layout.name]
+        if own:
+            lean = min(own, key=lambda p: p.max_bytes)
+            return lean.split[0] + lean.split[1] * nxt / max(lean.config.micro_batch, 1)
+        leanest: dict = {}
+        for p in self.points:
+            if p.max_bytes and not p.layout.name:
+                k = id(p.layout)
+                if k not in leanest or p.max_bytes < leanest[k].max_bytes:
+                    leanest[k] = p
+        out = 0.0
+        for p in leanest.values():
+            c = p.config
+            fixed, scaled = p.split
+            share = min(w["pp"], M) / w["pp"]
+            share0 = min(c.pp, c.micro_batches) / c.pp
+            out = max(out, fixed * (c.tp * c.pp) / (w["tp"] * w["pp"])
+                      + scaled * (nxt / max(c.micro_batch, 1)) * (c.tp / w["tp"]) * (share / share0))
+        return out
 
     def _bound(self, w: dict) -> float:
         """A lower bound on the time of a walk's next point (-inf: none yet, or no size left):
@@ -784,11 +839,15 @@ class _Tuner:
             # less and moves what the all-reduce did: where a deadline cuts the step, the likelier winner)
             pts = []
             for sp in ((True, False) if self.sp and self.strategy == "megatron" and w["tp"] > 1 else (False,)):
-                lay = self.whole(w["tp"], sp=sp) if (w["pp"] == 1 and M == 1) else \
-                    self.pipeline(w["tp"], w["pp"], M, sp=sp)
-                self.stats["layout_points"] += 1
-                pts = pts + self.price_layout(lay, mbs)
-                if lay.reason.startswith("tensor degree"):
+                key = (w["tp"], w["pp"], M, sp)
+                got = self._layout_points.get(key)
+                if got is None:               # else priced by a step a deadline cut: not mapped or priced again
+                    lay = self.whole(w["tp"], sp=sp) if (w["pp"] == 1 and M == 1) else \
+                        self.pipeline(w["tp"], w["pp"], M, sp=sp)
+                    self.stats["layout_points"] += 1
+                    got = self._layout_points[key] = self.price_layout(lay, mbs)
+                pts = pts + got
+                if any(p.layout.reason.startswith("tensor degree") for p in got):
                     w["i"] = len(w["ms"])
                     break
         if plain is not None and (w["tp"], w["pp"], M) == (plain.tp, 1, 1) and self.sp and \
