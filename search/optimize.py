@@ -1305,18 +1305,27 @@ def _choose(run: _Run) -> PlanCandidate:
 def _fallback(run: _Run) -> PlanCandidate:
     """Nothing reachable fits (or nothing was priced within the budget): the first fixed strategy whose
     mapping is feasible (data parallelism's from the floors first, else each solved within the hard end),
-    else the imported graph on one device.  Cheap: at worst a mapping without the DP (:meth:`Evaluator.cheap`).
-    A strategy whose floor (``run.others``: its plain point and, tuned, its grid) was mapped and does not fit
-    is not mapped again (on a model of many layers one more mapping of each costs seconds past the budget)."""
+    else the imported graph on one device.  A strategy whose floor (``run.others``: its plain point and,
+    tuned, its grid) was mapped is not mapped again: taken as mapped where it fits, skipped where it does
+    not (on a model of many layers one more mapping of each costs seconds past the budget).  Past the
+    budget's hard end only linear work runs: a strategy over the machine whose floor was not mapped is
+    skipped (``info.search.fallback_skipped``), and one whose solve the hard end cuts is not mapped again
+    without the DP; only the imported graph on one device is (:meth:`Evaluator.cheap`)."""
     from .baselines import StrategyError, build_strategy
     ev, g = run.ev, run.g
     one = Resource(0, 1, 1)
     imported = None                 # the imported graph's mapping on one device, once mapped (``none`` is it)
     for name in FIXED:
-        floor_map = run.others.get(name, (None, None, None, None))[3]
+        floor_pg, _, _, floor_map = run.others.get(name, (None, None, None, None))
         if name == "dp" and run.dp_res is not None:
             alt, r = run.dp_pg, run.dp_res
         elif floor_map is not None and floor_map.views and not floor_map.feasible:
+            continue
+        elif floor_map is not None and floor_map.feasible and floor_pg is not None:
+            alt, r = floor_pg, floor_map            # its floor, mapped already
+        elif name != "none" and ev.hard is not None and ev.hard.passed():
+            # past the hard end only linear work: a strategy over the machine is not built or mapped
+            run.stats.setdefault("fallback_skipped", []).append(name)
             continue
         else:
             try:
@@ -1327,13 +1336,18 @@ def _fallback(run: _Run) -> PlanCandidate:
             try:
                 r = ev.full(alt, res)
             except Expired:
+                if res != one:      # the hard end came during its solve: not mapped again without the DP
+                    run.stats.setdefault("fallback_skipped", []).append(name)
+                    continue
                 r = ev.cheap(alt, res)
             if alt is g and res == one:
                 imported = r
         if r is not None and r.feasible:
             run.stats = dict(run.stats, fallback=name)
-            return PlanCandidate(f"{name} (fallback: nothing reachable by rules fits)", alt, r.cost, (),
-                                 by_rules=False, mapping=r)
+            mech = f"{name} (fallback: nothing reachable by rules fits)"
+            if name in TUNED and alt is floor_pg:
+                mech = f"{name} tuned baseline ({run.others[name][2]}; fallback: nothing reachable by rules fits)"
+            return PlanCandidate(mech, alt, r.cost, (), by_rules=False, mapping=r, pipeline=run.floor_pipes.get(name))
     r = imported
     if r is None:
         try:

@@ -385,7 +385,7 @@ class _Tuner:
         self.walks: list | None = None    # the (tp, pp) walks (None: not started)
         self.plain: _Layout | None = None
         self._pp1_layouts: dict = {}      # tp -> the pp = 1 layouts priced (the pipelines' bounds)
-        self._ff_last = ""                # the last feasible-first pick: "time" or "lean" (:meth:`_feasible_first`)
+        self._ff_last = ""                # the last step's feasible-first pick: "time", "lean" or "" (none)
         self._layout_points: dict = {}    # (tp, pp, M, sp) -> its points, once priced (a cut step resumes on them)
 
     # the layout points --------------------------------------------------------------------------------
@@ -683,13 +683,15 @@ class _Tuner:
             live = [w for w in live if not w["done"]]
             if not live:
                 return
+            kind = ""
             if math.isfinite(glob):
                 w = min(live, key=lambda w: (est[id(w)], w["pp"], w["n"], order[id(w)]))
             else:
-                w = self._feasible_first(live, est, order)
+                w, kind = self._feasible_first(live, est, order)
             self._step(w, plain)
+            self._ff_last = kind              # (a pick a deadline cut is picked again: not a miss)
 
-    def _feasible_first(self, live: list, est: dict, order: dict) -> dict:
+    def _feasible_first(self, live: list, est: dict, order: dict) -> tuple:
         """The next walk while no point of the grid fits (on a large model the fastest points are often the
         ones that do not fit, and each costs a mapping): the time-best walk (:meth:`_bound` order) among
         those whose next point :meth:`_memory_estimate` predicts to fit, alternating with the leanest walk
@@ -701,10 +703,8 @@ class _Tuner:
         fit = [w for w in live if mem[id(w)] <= cap]
         self.stats["feasible_first_steps"] = self.stats.get("feasible_first_steps", 0) + 1
         if fit and self._ff_last != "time":
-            self._ff_last = "time"
-            return min(fit, key=lambda w: (est[id(w)], w["pp"], w["n"], order[id(w)]))
-        self._ff_last = "lean"
-        return min(live, key=lambda w: (mem[id(w)], est[id(w)], w["pp"], w["n"], order[id(w)]))
+            return min(fit, key=lambda w: (est[id(w)], w["pp"], w["n"], order[id(w)])), "time"
+        return min(live, key=lambda w: (mem[id(w)], est[id(w)], w["pp"], w["n"], order[id(w)])), "lean"
 
     def _memory_estimate(self, w: dict) -> float:
         """An estimate (not a bound) of the busiest device's bytes at a walk's next point with its leanest
