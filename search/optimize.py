@@ -962,7 +962,8 @@ def _layout_candidates(run: _Run) -> None:
     run.stats["layouts"] = info
     if run.n_dev <= 1:
         return
-    _resume_cut_grids(run, Deadline(bud.now() + max(wall.left(), 0.0) * B.FLOOR_RESUME_SHARE, bud.clock))
+    share = B.FLOOR_RESUME_SHARE if _anything_fits(run) else B.FLOOR_RESUME_NOFIT_SHARE
+    _resume_cut_grids(run, Deadline(bud.now() + max(wall.left(), 0.0) * share, bud.clock))
     # gradient accumulation first when data parallelism does not fit at the full batch (then no layout is
     # likely to: its activations are the batch's); else after the proposals, when none of them fits either
     early = not _fits_full_batch(run)
@@ -1014,8 +1015,15 @@ def _layout_candidates(run: _Run) -> None:
     run.mark("layouts")
 
 
+def _anything_fits(run: _Run) -> bool:
+    """Whether a plan priced so far fits: data parallelism, a floor, a candidate of the search."""
+    return (run.dp_res is not None and run.dp_res.feasible) or \
+        any(math.isfinite(oc) for _, oc, _, _ in run.others.values()) or \
+        any(math.isfinite(c.cost) for c in run.floor + run.cands)
+
+
 def _resume_cut_grids(run: _Run, until: Deadline) -> None:
-    """The tuned floors whose grid walk their share of the floors phase cut (``run.tuners``) walk on until
+    """The tuned floors whose grid walk their share of the floors phase cut or never reached (``run.tuners``) walk on until
     ``until``, the fastest first, sharing the time (:func:`search.tuned.floor` resumes the same walk: nothing
     priced twice); each is taken where it found a faster point.  A walk goes best-first, so its next points
     are the most promising of its grid."""
@@ -1024,7 +1032,7 @@ def _resume_cut_grids(run: _Run, until: Deadline) -> None:
         return
     prices = {name: oc for name, (_, oc, _, _) in run.others.items()}
     cut = sorted((prices[n], n) for n in TUNED if n in prices and run.tuners.get(n) is not None
-                 and run.tuners[n].stats.get("cut"))
+                 and (run.tuners[n].stats.get("cut") or not run.tuners[n].finished()))
     for i, (before, name) in enumerate(cut):       # the fastest first, the time left shared equally
         left = max(until.left(), 0.0)
         if left <= 0.05:
@@ -1334,6 +1342,8 @@ def _fallback(run: _Run) -> PlanCandidate:
                 continue
             res = one if name == "none" else None
             try:
+                if res == one and run.budget.expired():     # past the end: the linear mapping, no solve
+                    raise Expired()
                 r = ev.full(alt, res)
             except Expired:
                 if res != one:      # the hard end came during its solve: not mapped again without the DP
@@ -1351,6 +1361,8 @@ def _fallback(run: _Run) -> PlanCandidate:
     r = imported
     if r is None:
         try:
+            if run.budget.expired():
+                raise Expired()
             r = ev.full(g, one)
         except Expired:
             r = ev.cheap(g, one)

@@ -590,6 +590,10 @@ class _Tuner:
         return _Point(cfg, makespan, True, "", int(mx), memory, lay, split)
 
     # the walk ---------------------------------------------------------------------------------------------
+    def finished(self) -> bool:
+        """Whether the grid walk has ended (every walk done; not started: False)."""
+        return self.walks is not None and all(w["done"] for w in self.walks)
+
     def expired(self) -> bool:
         return self.deadline is not None and self.deadline.passed()
 
@@ -684,8 +688,10 @@ class _Tuner:
             if not live:
                 return
             kind = ""
-            if math.isfinite(glob):
-                w = min(live, key=lambda w: (est[id(w)], w["pp"], w["n"], order[id(w)]))
+            if math.isfinite(glob):           # ties of the bound: the walks predicted to fit first
+                cap = self.machine.device.usable_bytes
+                w = min(live, key=lambda w: (est[id(w)], self._memory_estimate(w) > cap, w["pp"], w["n"],
+                                             order[id(w)]))
             else:
                 w, kind = self._feasible_first(live, est, order)
             self._step(w, plain)
@@ -693,16 +699,15 @@ class _Tuner:
 
     def _feasible_first(self, live: list, est: dict, order: dict) -> tuple:
         """The next walk while no point of the grid fits (on a large model the fastest points are often the
-        ones that do not fit, and each costs a mapping): the time-best walk (:meth:`_bound` order) among
-        those whose next point :meth:`_memory_estimate` predicts to fit, alternating with the leanest walk
-        after a time-best pick did not fit (and whenever none is predicted to fit), so a feasible point is
-        priced early; once one is, :meth:`_walk` goes best-first by time again.  Only the order changes:
-        nothing is skipped, so an uncut walk prices what it priced before."""
+        ones that do not fit, and each costs a mapping): first the leanest walk (:meth:`_memory_estimate`),
+        then, alternating, the time-best walk (:meth:`_bound` order) among those predicted to fit and the
+        leanest, so a feasible point is priced early; once one is, :meth:`_walk` goes best-first by time
+        again.  Only the order changes: nothing is skipped, so an uncut walk prices what it priced before."""
         cap = self.machine.device.usable_bytes
         mem = {id(w): self._memory_estimate(w) for w in live}
         fit = [w for w in live if mem[id(w)] <= cap]
         self.stats["feasible_first_steps"] = self.stats.get("feasible_first_steps", 0) + 1
-        if fit and self._ff_last != "time":
+        if fit and self._ff_last == "lean":
             return min(fit, key=lambda w: (est[id(w)], w["pp"], w["n"], order[id(w)])), "time"
         return min(live, key=lambda w: (mem[id(w)], est[id(w)], w["pp"], w["n"], order[id(w)])), "lean"
 
@@ -1051,14 +1056,15 @@ def _tuned(run, strategy: str, deadline: Deadline, grid: bool = True, cheap: boo
     """The tuned baseline ``strategy`` of ``run``'s model under ``deadline`` (optimize(memory_techniques=False):
     the grid without techniques, as the mapper prices; ``grid``, ``cheap``: see :func:`floor`).  Where ``run``
     keeps tuners (``run.tuners``, a dict), the grid walked by an earlier call for ``strategy`` goes on from where
-    that call's deadline cut it (:meth:`_Tuner.resume`; one whose plain point was priced without the DP starts
-    again, so the DP's solve of it continues from the mapper's memo)."""
+    that call's deadline cut it (:meth:`_Tuner.resume`; one whose plain point was priced without the DP and fits
+    starts again, so the DP's solve of it continues from the mapper's memo)."""
     import time as _time
     tech = techniques() if getattr(run.ev.mapper, "default_techniques", True) else _NoTechniques()
     kept = getattr(run, "tuners", None)
     t = kept.get(strategy) if isinstance(kept, dict) else None
-    if t is not None and t.stats.get("plain_mapping"):
-        t = None
+    if t is not None and t.stats.get("plain_mapping") and \
+            any(p.feasible for p in t.points if t.plain is not None and p.layout is t.plain):
+        t = None            # (a plain point that does not fit is not solved again: the walk goes on)
     t0 = _time.perf_counter()
     if t is None:
         if any(n.kind == "parallel" for n in run.g.nodes()):
