@@ -1031,17 +1031,18 @@ def _resume_cut_grids(run: _Run, until: Deadline) -> None:
     if until.left() <= 0.05:
         return
     prices = {name: oc for name, (_, oc, _, _) in run.others.items()}
-    cut = sorted((prices[n], n) for n in TUNED if n in prices and run.tuners.get(n) is not None
-                 and (run.tuners[n].stats.get("cut") or not run.tuners[n].finished()))
+    cut = sorted((prices[n], n) for n in TUNED if n in prices and run.others[n][0] is None
+                 or n in prices and run.tuners.get(n) is not None and not run.tuners[n].finished())
     for i, (before, name) in enumerate(cut):       # the fastest first, the time left shared equally
         left = max(until.left(), 0.0)
         if left <= 0.05:
             break
         own = Deadline(until.clock() + left / (len(cut) - i), until.clock).sooner(until)
-        pg, c, note, r, pipe = floor(run, name, own, cheap=False)
+        # (a floor the floors phase never built: its plain point priced without the DP where its solve is cut)
+        pg, c, note, r, pipe = floor(run, name, own, cheap=run.others[name][0] is None)
         run.stats.setdefault("floor_resumed", {})[name] = {"before": before if math.isfinite(before) else None,
                                                            "after": c if math.isfinite(c) else None}
-        if pg is not None and c < before:
+        if pg is not None and (c < before or run.others[name][0] is None):
             run.others[name] = (pg, c, note, r)
             run.floor_pipes[name] = pipe
 
