@@ -1317,9 +1317,10 @@ def _fallback(run: _Run) -> PlanCandidate:
     else the imported graph on one device.  A strategy whose floor (``run.others``: its plain point and,
     tuned, its grid) was mapped is not mapped again: taken as mapped where it fits, skipped where it does
     not (on a model of many layers one more mapping of each costs seconds past the budget).  Past the
-    budget's hard end only linear work runs: a strategy over the machine whose floor was not mapped is
-    skipped (``info.search.fallback_skipped``), and one whose solve the hard end cuts is not mapped again
-    without the DP; only the imported graph on one device is (:meth:`Evaluator.cheap`)."""
+    budget's end only linear work runs: a strategy over the machine whose floor was not mapped is skipped
+    (``info.search.fallback_skipped``; before the end, one whose solve the hard end cuts is not mapped
+    again without the DP), and the imported graph on one device is mapped without the DP
+    (:meth:`Evaluator.cheap`)."""
     from .baselines import StrategyError, build_strategy
     ev, g = run.ev, run.g
     one = Resource(0, 1, 1)
@@ -1332,8 +1333,8 @@ def _fallback(run: _Run) -> PlanCandidate:
             continue
         elif floor_map is not None and floor_map.feasible and floor_pg is not None:
             alt, r = floor_pg, floor_map            # its floor, mapped already
-        elif name != "none" and ev.hard is not None and ev.hard.passed():
-            # past the hard end only linear work: a strategy over the machine is not built or mapped
+        elif name != "none" and run.budget.expired():
+            # past the end only linear work: a strategy over the machine not mapped before is not built or mapped
             run.stats.setdefault("fallback_skipped", []).append(name)
             continue
         else:
