@@ -1023,10 +1023,10 @@ def _anything_fits(run: _Run) -> bool:
 
 
 def _resume_cut_grids(run: _Run, until: Deadline) -> None:
-    """The tuned floors whose grid walk their share of the floors phase cut or never reached (``run.tuners``) walk on until
-    ``until``, the fastest first, sharing the time (:func:`search.tuned.floor` resumes the same walk: nothing
-    priced twice); each is taken where it found a faster point.  A walk goes best-first, so its next points
-    are the most promising of its grid."""
+    """The tuned floors whose grid walk (``run.tuners``) their share of the floors phase cut or never
+    reached walk on until ``until``, the fastest first, sharing the time (:func:`search.tuned.floor` resumes
+    the same walk: nothing priced twice); each is taken where it found a faster point.  A walk goes
+    best-first (feasible-first while nothing of its grid fits), so its next points are the most promising."""
     from .tuned import floor
     if until.left() <= 0.05:
         return

@@ -40,6 +40,8 @@ first: the tensor degree nearest its own), then the walk whose next point has th
 (:meth:`_Tuner._bound`) takes the next step; each pair walks its micro-batch sizes from the promising end
 (pp = 1: the largest first, fewest micro-batches; pp > 1: the smallest first, Megatron-LM's usual 1-4),
 skipping sizes predicted not to fit and stopping once the time stops improving (:meth:`_Tuner._step`);
+while no point of the grid fits, the walk is feasible-first instead (:meth:`_Tuner._feasible_first`: the
+leanest walk, then alternately the time-best predicted to fit and the leanest; only the order changes);
 the best point priced when a :class:`search.budget.Deadline` passes is the result, and the walk can go on
 from there later (:meth:`_Tuner.resume`; ``stats["cut"]``).  A model the grid does not apply to (no attention block for Megatron; a
 batch no degree divides) raises :class:`TunedError`, one line saying why.
