@@ -49,7 +49,7 @@ PHASES: tuple[Phase, ...] = (
     Phase("floors", 0.35, "import; data parallelism's mapping; the fixed strategies' floors: every floor's "
                           "plain point first, then the tuned grids (ZeRO-3 and Megatron-LM as tuned), each "
                           "bounded by TUNED_GRID_SHARE"),
-    Phase("layouts", 0.25, "the tuned floors' grid walks go on where the floors phase cut them (FLOOR_RESUME_SHARE); gradient accumulation (one stage, M micro-batches, with the layouts and the memory "
+    Phase("layouts", 0.25, "the tuned floors' grid walks go on where the floors phase cut them (FLOOR_RESUME_SHARE; FLOOR_RESUME_NOFIT_SHARE while nothing fits); gradient accumulation (one stage, M micro-batches, with the layouts and the memory "
                            "techniques) where the full batch does not fit; the ILP's layout of every logical "
                            "mesh (search/layouts.py), reached by rules where the rules reach it, and priced"),
     Phase("pipeline", 0.25, "the 1F1B stage search (its rule sequence is built at the end, where it wins)",
@@ -72,6 +72,9 @@ PROPOSALS_SOLVE_SHARE = 0.75
 #: the share of the time left to the layouts phase's mark in which the tuned floors' grid walks that the floors
 #: phase cut walk on, at the phase's start (optimize._resume_cut_grids)
 FLOOR_RESUME_SHARE = 0.5
+#: the same share while nothing priced so far fits (no floor, not data parallelism): a grid walk seeking a
+#: feasible point first is then the likeliest source of a plan that runs
+FLOOR_RESUME_NOFIT_SHARE = 0.8
 #: past the end of the budget, the work that completes a plan may run this share of the budget more, at
 #: least GRACE_MIN_S seconds (the hard end; with process noise a call stays within 1.1 x the budget plus a
 #: few seconds: data parallelism by rules on a small model must complete even under a 0.05 s budget)

@@ -962,7 +962,8 @@ def _layout_candidates(run: _Run) -> None:
     run.stats["layouts"] = info
     if run.n_dev <= 1:
         return
-    _resume_cut_grids(run, Deadline(bud.now() + max(wall.left(), 0.0) * B.FLOOR_RESUME_SHARE, bud.clock))
+    share = B.FLOOR_RESUME_SHARE if _anything_fits(run) else B.FLOOR_RESUME_NOFIT_SHARE
+    _resume_cut_grids(run, Deadline(bud.now() + max(wall.left(), 0.0) * share, bud.clock))
     # gradient accumulation first when data parallelism does not fit at the full batch (then no layout is
     # likely to: its activations are the batch's); else after the proposals, when none of them fits either
     early = not _fits_full_batch(run)
@@ -1014,26 +1015,34 @@ def _layout_candidates(run: _Run) -> None:
     run.mark("layouts")
 
 
+def _anything_fits(run: _Run) -> bool:
+    """Whether a plan priced so far fits: data parallelism, a floor, a candidate of the search."""
+    return (run.dp_res is not None and run.dp_res.feasible) or \
+        any(math.isfinite(oc) for _, oc, _, _ in run.others.values()) or \
+        any(math.isfinite(c.cost) for c in run.floor + run.cands)
+
+
 def _resume_cut_grids(run: _Run, until: Deadline) -> None:
-    """The tuned floors whose grid walk their share of the floors phase cut (``run.tuners``) walk on until
-    ``until``, the fastest first, sharing the time (:func:`search.tuned.floor` resumes the same walk: nothing
-    priced twice); each is taken where it found a faster point.  A walk goes best-first, so its next points
-    are the most promising of its grid."""
+    """The tuned floors whose grid walk (``run.tuners``) their share of the floors phase cut or never
+    reached walk on until ``until``, the fastest first, sharing the time (:func:`search.tuned.floor` resumes
+    the same walk: nothing priced twice); each is taken where it found a faster point.  A walk goes
+    best-first (feasible-first while nothing of its grid fits), so its next points are the most promising."""
     from .tuned import floor
     if until.left() <= 0.05:
         return
     prices = {name: oc for name, (_, oc, _, _) in run.others.items()}
-    cut = sorted((prices[n], n) for n in TUNED if n in prices and run.tuners.get(n) is not None
-                 and run.tuners[n].stats.get("cut"))
+    cut = sorted((prices[n], n) for n in TUNED if n in prices and run.others[n][0] is None
+                 or n in prices and run.tuners.get(n) is not None and not run.tuners[n].finished())
     for i, (before, name) in enumerate(cut):       # the fastest first, the time left shared equally
         left = max(until.left(), 0.0)
         if left <= 0.05:
             break
         own = Deadline(until.clock() + left / (len(cut) - i), until.clock).sooner(until)
-        pg, c, note, r, pipe = floor(run, name, own, cheap=False)
+        # (a floor the floors phase never built: its plain point priced without the DP where its solve is cut)
+        pg, c, note, r, pipe = floor(run, name, own, cheap=run.others[name][0] is None)
         run.stats.setdefault("floor_resumed", {})[name] = {"before": before if math.isfinite(before) else None,
                                                            "after": c if math.isfinite(c) else None}
-        if pg is not None and c < before:
+        if pg is not None and (c < before or run.others[name][0] is None):
             run.others[name] = (pg, c, note, r)
             run.floor_pipes[name] = pipe
 
@@ -1305,18 +1314,28 @@ def _choose(run: _Run) -> PlanCandidate:
 def _fallback(run: _Run) -> PlanCandidate:
     """Nothing reachable fits (or nothing was priced within the budget): the first fixed strategy whose
     mapping is feasible (data parallelism's from the floors first, else each solved within the hard end),
-    else the imported graph on one device.  Cheap: at worst a mapping without the DP (:meth:`Evaluator.cheap`).
-    A strategy whose floor (``run.others``: its plain point and, tuned, its grid) was mapped and does not fit
-    is not mapped again (on a model of many layers one more mapping of each costs seconds past the budget)."""
+    else the imported graph on one device.  A strategy whose floor (``run.others``: its plain point and,
+    tuned, its grid) was mapped is not mapped again: taken as mapped where it fits, skipped where it does
+    not (on a model of many layers one more mapping of each costs seconds past the budget).  Past the
+    budget's end only linear work runs: a strategy over the machine whose floor was not mapped is skipped
+    (``info.search.fallback_skipped``; before the end, one whose solve the hard end cuts is not mapped
+    again without the DP), and the imported graph on one device is mapped without the DP
+    (:meth:`Evaluator.cheap`)."""
     from .baselines import StrategyError, build_strategy
     ev, g = run.ev, run.g
     one = Resource(0, 1, 1)
     imported = None                 # the imported graph's mapping on one device, once mapped (``none`` is it)
     for name in FIXED:
-        floor_map = run.others.get(name, (None, None, None, None))[3]
+        floor_pg, _, _, floor_map = run.others.get(name, (None, None, None, None))
         if name == "dp" and run.dp_res is not None:
             alt, r = run.dp_pg, run.dp_res
         elif floor_map is not None and floor_map.views and not floor_map.feasible:
+            continue
+        elif floor_map is not None and floor_map.feasible and floor_pg is not None:
+            alt, r = floor_pg, floor_map            # its floor, mapped already
+        elif name != "none" and run.budget.expired():
+            # past the end only linear work: a strategy over the machine not mapped before is not built or mapped
+            run.stats.setdefault("fallback_skipped", []).append(name)
             continue
         else:
             try:
@@ -1325,18 +1344,27 @@ def _fallback(run: _Run) -> PlanCandidate:
                 continue
             res = one if name == "none" else None
             try:
+                if res == one and run.budget.expired():     # past the end: the linear mapping, no solve
+                    raise Expired()
                 r = ev.full(alt, res)
             except Expired:
+                if res != one:      # the hard end came during its solve: not mapped again without the DP
+                    run.stats.setdefault("fallback_skipped", []).append(name)
+                    continue
                 r = ev.cheap(alt, res)
             if alt is g and res == one:
                 imported = r
         if r is not None and r.feasible:
             run.stats = dict(run.stats, fallback=name)
-            return PlanCandidate(f"{name} (fallback: nothing reachable by rules fits)", alt, r.cost, (),
-                                 by_rules=False, mapping=r)
+            mech = f"{name} (fallback: nothing reachable by rules fits)"
+            if name in TUNED and alt is floor_pg:
+                mech = f"{name} tuned baseline ({run.others[name][2]}; fallback: nothing reachable by rules fits)"
+            return PlanCandidate(mech, alt, r.cost, (), by_rules=False, mapping=r, pipeline=run.floor_pipes.get(name))
     r = imported
     if r is None:
         try:
+            if run.budget.expired():
+                raise Expired()
             r = ev.full(g, one)
         except Expired:
             r = ev.cheap(g, one)

@@ -40,6 +40,8 @@ first: the tensor degree nearest its own), then the walk whose next point has th
 (:meth:`_Tuner._bound`) takes the next step; each pair walks its micro-batch sizes from the promising end
 (pp = 1: the largest first, fewest micro-batches; pp > 1: the smallest first, Megatron-LM's usual 1-4),
 skipping sizes predicted not to fit and stopping once the time stops improving (:meth:`_Tuner._step`);
+while no point of the grid fits, the walk is feasible-first instead (:meth:`_Tuner._feasible_first`: the
+leanest walk, then alternately the time-best predicted to fit and the leanest; only the order changes);
 the best point priced when a :class:`search.budget.Deadline` passes is the result, and the walk can go on
 from there later (:meth:`_Tuner.resume`; ``stats["cut"]``).  A model the grid does not apply to (no attention block for Megatron; a
 batch no degree divides) raises :class:`TunedError`, one line saying why.
@@ -385,6 +387,8 @@ class _Tuner:
         self.walks: list | None = None    # the (tp, pp) walks (None: not started)
         self.plain: _Layout | None = None
         self._pp1_layouts: dict = {}      # tp -> the pp = 1 layouts priced (the pipelines' bounds)
+        self._ff_last = ""                # the last step's feasible-first pick: "time", "lean" or "" (none)
+        self._layout_points: dict = {}    # (tp, pp, M, sp) -> its points, once priced (a cut step resumes on them)
 
     # the layout points --------------------------------------------------------------------------------
     def whole(self, tp: int, plain: bool = False, sp: bool = False) -> _Layout:
@@ -589,6 +593,10 @@ class _Tuner:
         return _Point(cfg, makespan, True, "", int(mx), memory, lay, split)
 
     # the walk ---------------------------------------------------------------------------------------------
+    def finished(self) -> bool:
+        """Whether the grid walk has ended (every walk done; not started: False)."""
+        return self.walks is not None and all(w["done"] for w in self.walks)
+
     def expired(self) -> bool:
         return self.deadline is not None and self.deadline.passed()
 
@@ -682,8 +690,62 @@ class _Tuner:
             live = [w for w in live if not w["done"]]
             if not live:
                 return
-            w = min(live, key=lambda w: (est[id(w)], w["pp"], w["n"], order[id(w)]))
+            kind = ""
+            if math.isfinite(glob):           # ties of the bound: the walks predicted to fit first
+                cap = self.machine.device.usable_bytes
+                w = min(live, key=lambda w: (est[id(w)], self._memory_estimate(w) > cap, w["pp"], w["n"],
+                                             order[id(w)]))
+            else:
+                w, kind = self._feasible_first(live, est, order)
             self._step(w, plain)
+            self._ff_last = kind              # (a pick a deadline cut is picked again: not a miss)
+
+    def _feasible_first(self, live: list, est: dict, order: dict) -> tuple:
+        """The next walk while no point of the grid fits (on a large model the fastest points are often the
+        ones that do not fit, and each costs a mapping): first the leanest walk (:meth:`_memory_estimate`),
+        then, alternating, the time-best walk (:meth:`_bound` order) among those predicted to fit and the
+        leanest, so a feasible point is priced early; once one is, :meth:`_walk` goes best-first by time
+        again.  Only the order changes: nothing is skipped, so an uncut walk prices what it priced before."""
+        cap = self.machine.device.usable_bytes
+        mem = {id(w): self._memory_estimate(w) for w in live}
+        fit = [w for w in live if mem[id(w)] <= cap]
+        self.stats["feasible_first_steps"] = self.stats.get("feasible_first_steps", 0) + 1
+        if fit and self._ff_last == "lean":
+            return min(fit, key=lambda w: (est[id(w)], w["pp"], w["n"], order[id(w)])), "time"
+        return min(live, key=lambda w: (mem[id(w)], est[id(w)], w["pp"], w["n"], order[id(w)])), "lean"
+
+    def _memory_estimate(self, w: dict) -> float:
+        """An estimate (not a bound) of the busiest device's bytes at a walk's next point with its leanest
+        technique: from the walk's own leanest point where it priced one (what its memory skips predict:
+        the weights part plus the activations part scaled to the micro-batch size), else the largest of the
+        estimates from every layout priced so far (each layout's leanest point, its weights part scaled by
+        the devices the weights are split over, tp x pp, its activations part by the samples per device
+        and the share of the model's micro-batches the busiest stage holds, min(pp, M) / pp); 0 where
+        nothing was priced yet."""
+        if w["i"] >= len(w["ms"]):
+            return INF
+        nxt = w["ms"][w["i"]]
+        M = max(self.B // (w["dp"] * nxt), 1)
+        own = [p for p in self.points if p.max_bytes and p.layout.tp == w["tp"] and p.layout.pp == w["pp"]
+               and not p.layout.name]
+        if own:
+            lean = min(own, key=lambda p: p.max_bytes)
+            return lean.split[0] + lean.split[1] * nxt / max(lean.config.micro_batch, 1)
+        leanest: dict = {}
+        for p in self.points:
+            if p.max_bytes and not p.layout.name:
+                k = id(p.layout)
+                if k not in leanest or p.max_bytes < leanest[k].max_bytes:
+                    leanest[k] = p
+        out = 0.0
+        for p in leanest.values():
+            c = p.config
+            fixed, scaled = p.split
+            share = min(w["pp"], M) / w["pp"]
+            share0 = min(c.pp, c.micro_batches) / c.pp
+            out = max(out, fixed * (c.tp * c.pp) / (w["tp"] * w["pp"])
+                      + scaled * (nxt / max(c.micro_batch, 1)) * (c.tp / w["tp"]) * (share / share0))
+        return out
 
     def _bound(self, w: dict) -> float:
         """A lower bound on the time of a walk's next point (-inf: none yet, or no size left):
@@ -785,11 +847,15 @@ class _Tuner:
             # less and moves what the all-reduce did: where a deadline cuts the step, the likelier winner)
             pts = []
             for sp in ((True, False) if self.sp and self.strategy == "megatron" and w["tp"] > 1 else (False,)):
-                lay = self.whole(w["tp"], sp=sp) if (w["pp"] == 1 and M == 1) else \
-                    self.pipeline(w["tp"], w["pp"], M, sp=sp)
-                self.stats["layout_points"] += 1
-                pts = pts + self.price_layout(lay, mbs)
-                if lay.reason.startswith("tensor degree"):
+                key = (w["tp"], w["pp"], M, sp)
+                got = self._layout_points.get(key)
+                if got is None:               # else priced by a step a deadline cut: not mapped or priced again
+                    lay = self.whole(w["tp"], sp=sp) if (w["pp"] == 1 and M == 1) else \
+                        self.pipeline(w["tp"], w["pp"], M, sp=sp)
+                    self.stats["layout_points"] += 1
+                    got = self._layout_points[key] = self.price_layout(lay, mbs)
+                pts = pts + got
+                if any(p.layout.reason.startswith("tensor degree") for p in got):
                     w["i"] = len(w["ms"])
                     break
         if plain is not None and (w["tp"], w["pp"], M) == (plain.tp, 1, 1) and self.sp and \
@@ -994,14 +1060,15 @@ def _tuned(run, strategy: str, deadline: Deadline, grid: bool = True, cheap: boo
     """The tuned baseline ``strategy`` of ``run``'s model under ``deadline`` (optimize(memory_techniques=False):
     the grid without techniques, as the mapper prices; ``grid``, ``cheap``: see :func:`floor`).  Where ``run``
     keeps tuners (``run.tuners``, a dict), the grid walked by an earlier call for ``strategy`` goes on from where
-    that call's deadline cut it (:meth:`_Tuner.resume`; one whose plain point was priced without the DP starts
-    again, so the DP's solve of it continues from the mapper's memo)."""
+    that call's deadline cut it (:meth:`_Tuner.resume`; one whose plain point was priced without the DP and fits
+    starts again, so the DP's solve of it continues from the mapper's memo)."""
     import time as _time
     tech = techniques() if getattr(run.ev.mapper, "default_techniques", True) else _NoTechniques()
     kept = getattr(run, "tuners", None)
     t = kept.get(strategy) if isinstance(kept, dict) else None
-    if t is not None and t.stats.get("plain_mapping"):
-        t = None
+    if t is not None and t.stats.get("plain_mapping") and \
+            any(p.feasible for p in t.points if t.plain is not None and p.layout is t.plain):
+        t = None            # (a plain point that does not fit is not solved again: the walk goes on)
     t0 = _time.perf_counter()
     if t is None:
         if any(n.kind == "parallel" for n in run.g.nodes()):
