@@ -325,8 +325,8 @@ def render(meta: dict, rows: list) -> str:
              "torchvision's exports need their own venv: left out. Rows marked rerun were measured again at the "
              "commit named.", "",
              *([meta["note"], ""] if meta.get("note") else []),
-             f"**{n_ok} of {n_run} plans train to the one-process losses** ({n_left} cases left out, named "
-             "below).", "",
+             f"**{n_ok} of {n_run} plans train to the one-process losses**"
+             + (f" ({n_left} cases left out, named below)." if n_left else "."), "",
              "| model | exporter | machine | plan kind (chosen) | lr | steps | max rel loss diff | err/tol | optimize s "
              "| run s | ok / reason |",
              "|---|---|---|---|---:|---:|---:|---:|---:|---:|---|"]
