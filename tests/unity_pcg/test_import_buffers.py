@@ -160,3 +160,86 @@ def test_weight_free_llama_cuts_between_blocks_are_valid(tmp_path):
     q = sorted(layer_of[c] for n, w in ws.items() if n.endswith("q_proj.weight") for c, _ in g.consumers((w, 0))
                if c in layer_of)
     assert q == [0, 1, 2], q
+
+
+class _Folds(torch.nn.Module):
+    """Folds onnxscript's optimizer makes: a transposed parameter named like an exporter constant (``val_0``), a
+    reshaped-and-transposed parameter (a chain: its fold lists intermediates too), a buffer's scaled sum, a
+    lifted constant."""
+
+    def __init__(self):
+        super().__init__()
+        self.lin = torch.nn.Linear(8, 8)
+        self.val_0 = torch.nn.Parameter(torch.randn(8, 8))
+        self.w2 = torch.nn.Parameter(torch.randn(4, 2, 8))
+        self.register_buffer("scale", torch.linspace(0.5, 1.5, 8))
+
+    def forward(self, x):
+        y = self.lin(x) * self.scale + torch.tensor([0.25] * 8)
+        y = y @ self.val_0.t()
+        return y @ self.w2.reshape(8, 8).t() + (self.scale * 2).sum()
+
+
+def _strip(m, keys):
+    """The file as an exporter without ``keys`` metadata (older onnxscript / torch) writes it."""
+    for v in list(m.graph.value_info) + list(m.graph.initializer):
+        kept = [p for p in v.metadata_props if p.key not in keys]
+        del v.metadata_props[:]
+        v.metadata_props.extend(kept)
+    kept = [p for p in m.graph.metadata_props if p.key not in keys]
+    del m.graph.metadata_props[:]
+    m.graph.metadata_props.extend(kept)
+    return m
+
+
+def _folded(m):
+    """(trained folds: the kindless initializers a MatMul reads; untrained folds: the other kindless ones)."""
+    kinds = {v.name for v in m.graph.value_info if any(p.key == INPUT_KIND_KEY for p in v.metadata_props)}
+    kindless = {t.name for t in m.graph.initializer} - kinds
+    matmul = {i for n in m.graph.node if n.op_type == "MatMul" for i in n.input}
+    return kindless & matmul, kindless - matmul
+
+
+@pytest.mark.parametrize("strip", ["none", "folded_from", "folded_from+signature"])
+def test_folded_parameters_stay_trained_by_recorded_facts(strip, tmp_path):
+    """With ``folded_from``: decided by the fold's recorded sources and the signature's kinds (a parameter named
+    ``val_0`` is a parameter); without it (older onnxscript): the kindless initializers a MatMul reads (the folded
+    weights) stay trained, the lifted constant and the buffer's fold do not."""
+    pytest.importorskip("onnxscript")
+    import onnx
+    from unity_pcg.onnx_import.loader import FOLDED_FROM_KEY, SIGNATURE_KEY
+    path = _dynamo_export(_Folds(), (torch.randn(4, 8),), str(tmp_path / "m.onnx"))
+    m = onnx.load(path)
+    trained_folds, const_folds = _folded(m)
+    assert len(trained_folds) == 2 and len(const_folds) == 2, (trained_folds, const_folds)
+    keys = {"none": set(), "folded_from": {FOLDED_FROM_KEY},
+            "folded_from+signature": {FOLDED_FROM_KEY, SIGNATURE_KEY}}[strip]
+    m = _strip(m, keys)
+    untrained = untrained_initializers(m.graph)
+    assert untrained == const_folds | {"scale"}, untrained
+    onnx.save(m, str(tmp_path / "s.onnx"))
+    g = load_onnx(str(tmp_path / "s.onnx"))
+    assert g.param_count() == 8 * 8 + 8 + 8 * 8 + 8 * 8
+
+
+def test_no_folded_parameter_in_the_signature_freezes_every_exporter_constant(tmp_path):
+    """Without ``folded_from`` but with the signature: no parameter is missing from the initializers, so no
+    kindless initializer is a folded parameter, whichever operator reads it."""
+    pytest.importorskip("onnxscript")
+    import onnx
+    from unity_pcg.onnx_import.loader import FOLDED_FROM_KEY
+
+    class M(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.lin = torch.nn.Linear(8, 8)
+
+        def forward(self, x):
+            return self.lin(x) @ torch.eye(8).t() + 1.0
+
+    m = onnx.load(_dynamo_export(M(), (torch.randn(4, 8),), str(tmp_path / "m.onnx")))
+    read_by_matmul, _ = _folded(m)
+    assert read_by_matmul            # the identity's fold: a MatMul reads it, yet it is no parameter
+    kindless = {t.name for t in m.graph.initializer} - {"lin.weight", "lin.bias"}
+    m = _strip(m, {FOLDED_FROM_KEY})
+    assert untrained_initializers(m.graph) == kindless and kindless, kindless

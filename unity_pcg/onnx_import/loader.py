@@ -80,8 +80,13 @@ INPUT_KIND_KEY = "pkg.torch.export.graph_signature.InputSpec.kind"
 FOLDED_FROM_KEY = "pkg.onnxscript.optimizer.folded_from"
 
 
-#: names torch's exporter and torch.export give their own constants (never a parameter)
-_EXPORTER_CONSTANT = re.compile(r"val_\d+|(c_)?lifted_tensor_\d+|_?tensor_constant\d+")
+#: torch's dynamo exporter writes the whole torch.export signature, as text, on the graph: one line per input,
+#: ``p_lin_weight: PARAMETER target='lin.weight'``, parameters the optimizer folded away included
+SIGNATURE_KEY = "pkg.torch.export.ExportedProgram.graph_signature"
+_SIGNATURE_LINE = re.compile(r"^\s*[\w.]+:\s*([A-Z_]+)\s+target='([^']*)'", re.M)
+#: operators whose initializer inputs are what a model trains (a folded transposed or reshaped parameter
+#: feeds one of them)
+_WEIGHT_READERS = frozenset({"MatMul", "Gemm", "Conv", "ConvTranspose", "Einsum"})
 
 
 def _names(text: str) -> set[str]:
@@ -93,40 +98,76 @@ def _names(text: str) -> set[str]:
     return {x for x in v if isinstance(x, str)} if isinstance(v, (list, tuple, set)) else set()
 
 
+def _kind(k: str) -> str:
+    return k.rpartition(".")[2]
+
+
 def untrained_initializers(graph) -> set[str]:
-    """Names of the initializers torch does not train, read from the signature torch's dynamo exporter
-    writes (``metadata_props`` ``INPUT_KIND_KEY`` on each initializer's ``value_info`` entry, or on the
-    tensor itself): every initializer whose kind is not ``PARAMETER`` (``BUFFER``: rotary tables, causal masks,
-    running statistics; ``CONSTANT_TENSOR``) and, once any initializer has a kind, every initializer without
-    one (the exporter's and its optimizer's constants) unless onnxscript's ``FOLDED_FROM_KEY`` names a source
-    that may be a parameter: anything but an untrained initializer or a name the exporter gives its own
-    constants (a transposed weight folded by the optimizer is that weight, trained; its parameter is gone
-    from the file, so an unknown source counts as one).
-    A graph with no kind at all (the legacy exporter, other tools) gives the empty set: every initializer
-    may be trained, as before."""
-    inits = [t.name for t in graph.initializer]
-    names = set(inits)
+    """Names of the initializers torch does not train, from what torch's dynamo exporter records (no name
+    patterns):
+
+    - *kinds*: ``INPUT_KIND_KEY`` on an initializer's ``value_info`` entry (or the tensor), and the signature
+      text on the graph (``SIGNATURE_KEY``: ``target`` -> kind for every input, parameters folded away
+      included).  An initializer whose kind is not ``PARAMETER`` (``BUFFER``: rotary tables, causal masks,
+      running statistics; ``CONSTANT_TENSOR``) is untrained.  No kind anywhere (the legacy exporter, other
+      tools): the empty set, every initializer may be trained, as before.
+    - an initializer without a kind was made by the exporter or its optimizer.  Where onnxscript's
+      ``FOLDED_FROM_KEY`` lists its sources (transitively: every input of the fold, intermediates and
+      ``Constant`` outputs besides), it is trained iff a source is a parameter (a transposed weight folded by
+      the optimizer is that weight) or a trained kindless initializer; a source list naming no input of known
+      kind did not record its inputs and is decided as below.
+    - one without ``FOLDED_FROM_KEY`` in a file where other initializers carry it is not a fold: an exporter
+      constant, untrained.  In a file where none does (an onnxscript that does not record folds), it may be a
+      folded parameter: untrained only when the signature shows no parameter missing from the initializers
+      (none was folded away), else trained iff a ``_WEIGHT_READERS`` operator reads it (where a folded
+      transposed or reshaped parameter goes)."""
+    inits = {t.name: t for t in graph.initializer}
     meta: dict[str, dict[str, str]] = {}
     for t in graph.initializer:
         props = getattr(t, "metadata_props", ())
         if props:
             meta.setdefault(t.name, {}).update((p.key, p.value) for p in props)
     for v in list(graph.value_info) + list(graph.input):
-        if v.name in names and v.metadata_props:
+        if v.metadata_props:
             meta.setdefault(v.name, {}).update((p.key, p.value) for p in v.metadata_props)
-    kinds = {n: m[INPUT_KIND_KEY] for n, m in meta.items() if INPUT_KIND_KEY in m}
-    if not kinds:
+    sig_text = next((p.value for p in getattr(graph, "metadata_props", ()) if p.key == SIGNATURE_KEY), None)
+    known: dict[str, str] = {}
+    if sig_text:
+        known.update((target, kind) for kind, target in _SIGNATURE_LINE.findall(sig_text))
+    known.update((n, _kind(m[INPUT_KIND_KEY])) for n, m in meta.items() if INPUT_KIND_KEY in m)
+    if not any(n in inits for n in known) and not sig_text:
         return set()
-    params = {n for n, k in kinds.items() if k.rpartition(".")[2] == "PARAMETER"}
-    out = {n for n, k in kinds.items() if n not in params}
-    for n in inits:
-        if n in kinds:
-            continue
-        # a fold: untrained when every source is known to be (a buffer, an exporter constant); a source the
-        # optimizer removed may have been a parameter (a transposed weight), so an unknown one keeps it trained
-        sources = _names(meta.get(n, {}).get(FOLDED_FROM_KEY, ""))
-        if all(x in out or _EXPORTER_CONSTANT.fullmatch(x) for x in sources):
-            out.add(n)
+    params = {n for n, k in known.items() if k == "PARAMETER"}
+    out = {n for n in inits if n in known and n not in params}
+    kindless = [n for n in inits if n not in known]
+    sources = {n: _names(meta.get(n, {}).get(FOLDED_FROM_KEY, "")) for n in kindless}
+    records_folds = any(sources.values())
+    missing = {n for n in params if n not in inits} if sig_text else None   # None: not known
+
+    def structural(n: str) -> bool:
+        """Trained? for a kindless initializer whose fold was not recorded."""
+        if missing is not None and not missing:
+            return False
+        return any(nd.op_type in _WEIGHT_READERS and n in nd.input for nd in graph.node)
+
+    trained: dict[str, bool] = {}
+
+    def is_trained(n: str, seen: frozenset = frozenset()) -> bool:
+        if n not in trained:
+            src = sources[n]
+            if src:
+                via = [x for x in src if x in trained or (x in sources and x not in seen)]
+                if src & params or any(is_trained(x, seen | {n}) for x in via):
+                    trained[n] = True
+                elif src & set(known) or via:
+                    trained[n] = False          # its inputs are recorded; none is a parameter
+                else:
+                    trained[n] = structural(n)
+            else:
+                trained[n] = False if records_folds else structural(n)
+        return trained[n]
+
+    out |= {n for n in kindless if not is_trained(n)}
     return out
 
 
