@@ -139,3 +139,41 @@ def test_pairs_whose_weights_alone_do_not_fit_are_skipped_and_the_grid_best_is_k
     skipped = {(p["config"]["tp"], p["config"]["pp"]) for p in ex.priced} - {(p["config"]["tp"], p["config"]["pp"])
                                                                              for p in r.priced}
     assert all(pp == 1 for _, pp in skipped) and skipped
+
+
+@pytest.mark.parametrize("machine,tp", [("h100:1x4", 4), ("h100:2x4", 2)])
+def test_local_keys_solve_identical_blocks_once_with_the_reference_prices(decoder, monkeypatch, machine, tp):
+    """The time DP keyed by subtrees up to renaming (``mapping.LOCAL_KEYS``) solves a block like the block
+    before it from the memo, and gives the reference's (subtree-hash keys') cost, views and memory exactly."""
+    from unity_pcg.search import mapping
+    m = parse_machine(machine)
+    graphs = [megatron(decoder, tp, devices_per_node=m.devices_per_node), data_parallel(decoder, m.num_devices)]
+
+    def run(local):
+        monkeypatch.setattr(mapping, "LOCAL_KEYS", local)
+        mapper = MachineMapper(CostModel(m, optimizer="adam", precision="bf16"))
+        out = []
+        for g in graphs:
+            r = mapper.optimize(g)
+            out.append((r.cost, dict(r.views), dict(r.memory.per_device) if r.memory else {},
+                        r.stats["cache_misses"]))
+        return out
+
+    ref, got = run(False), run(True)
+    for (c0, v0, m0, miss0), (c1, v1, m1, miss1) in zip(ref, got):
+        assert c1 == c0 and v1 == v0 and m1 == m0
+        assert miss1 < miss0                 # the later blocks are memo hits
+
+
+def test_task_times_shared_by_graphs_equal_each_nodes_own_computation(decoder):
+    """``GraphCost.task_time`` answers from the model's memo (``_task_key``) what the node itself computes
+    (``_task_time_of``), for every compute node of several graphs priced by one model."""
+    model = CostModel(parse_machine("h100:1x4"), optimizer="adam", precision="bf16")
+    hits = 0
+    for g in _graphs(decoder):
+        gc = GraphCost(g, model)
+        for n in gc.nodes():
+            if gc.role[n] == "compute":
+                hits += gc._task_key(n) in model._task_memo
+                assert gc.task_time(n) == gc._task_time_of(n)
+    assert hits > 0
