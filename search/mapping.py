@@ -268,19 +268,22 @@ class _Ctx:
         self.lb[id(t)] = sum(self.gc.compute_time(n) for n in ns)
         if isinstance(t, Series):
             info = []
-            later_reads: list[set] = []
-            acc: set = set()
-            for c in reversed(kids):
-                later_reads.append(set(acc))
+            # last[n]: the last child whose nodes read n (n is read by children > i iff last[n] > i); the
+            # nodes of children <= i read after child i are kept incrementally (linear in the series)
+            last: dict = {}
+            for j, c in enumerate(kids):
                 for n in self.nodes[id(c)]:
-                    acc |= self.reads[n]
-            later_reads.reverse()                            # later_reads[i]: read by children > i
-            done: set = set()
+                    for p in self.reads[n]:
+                        last[p] = j
+            ends: dict = {}
+            alive: set = set()
             for i, c in enumerate(kids):
-                done |= self.nodes[id(c)]
-                outs = sorted(n for n in self.nodes[id(c)] if n in later_reads[i])
-                live = frozenset(n for n in done if n in later_reads[i])
-                info.append((outs, live))
+                outs = sorted(n for n in self.nodes[id(c)] if last.get(n, -1) > i)
+                alive.difference_update(ends.pop(i, ()))
+                for n in outs:
+                    alive.add(n)
+                    ends.setdefault(last[n], []).append(n)
+                info.append((outs, frozenset(alive)))
             self.boundary[id(t)] = info
             # children i whose boundary nodes (two or more) are read only by the main node of the
             # next child, a leaf: the pair (i, i+1) is solved jointly (see MachineMapper._series_join)
@@ -291,7 +294,7 @@ class _Ctx:
                     continue
                 unit = self.dec.units[j.unit]
                 jmain = unit[-1]
-                if any(n in later_reads[i + 1] for n in outs):
+                if any(last.get(n, -1) > i + 1 for n in outs):
                     continue                                 # read again after the join
                 if any(n in self.reads[m] for n in outs for m in unit[:-1]):
                     continue
