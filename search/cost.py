@@ -196,6 +196,7 @@ class CostModel:
         self._edge_memo: dict = {}
         self._sync_memo: dict = {}      # the same for gradient all-reduces (GraphCost._grad_sync)
         self._task_memo: dict = {}      # the same for task times (GraphCost._task_key)
+        self._views_memo: dict = {}     # (task grid, resource) -> its views (GraphCost.views; read-only lists)
         # data-parallel framework costs measured by calibration (local machines; 0 elsewhere):
         # per iteration (bucket all-reduce latency, waiting for the slowest replica), per gradient
         # tensor (hooks, bucket copies), and per iteration for synchronizing replicated buffers
@@ -1002,7 +1003,14 @@ class GraphCost:
         return [i for i in self.g.topo_order() if self.role[i] not in ("input", "weight")]
 
     def views(self, nid: int, resource: Resource | None = None) -> list[MachineView]:
-        return enumerate_views(self.grid[nid], self.machine, resource)
+        key = (self.grid[nid], resource)                # all enumerate_views reads (the machine is the model's)
+        memo = self.model._views_memo
+        v = memo.get(key)
+        if v is None:
+            if len(memo) > 10_000:
+                memo.clear()
+            v = memo[key] = enumerate_views(self.grid[nid], self.machine, resource)
+        return v
 
     def _task_to_piece(self, nid: int, which: str, k: int) -> tuple[int, ...]:
         """For a compute node: the flat piece index (canonical grid order) of tensor ``which``

@@ -160,6 +160,7 @@ class _Ctx:
         self.lorder: dict[int, tuple] = {}
         self.lkey: dict[int, str] = {}
         self.lnames: dict[int, tuple] = {}
+        self.lpos: dict[int, dict] = {}                    # id(tree) -> node -> position in lorder
         self._fid: dict[int, int] = {}                     # node -> interned leaf / producer facts
         self._salt = (gc._sync_bytes, gc._buffer_bytes)     # graph-wide sums own_cost reads
         self._prep(dec.tree)
@@ -344,6 +345,7 @@ class MachineMapper:
         self.machine: MachineSpec = model.machine
         self.cache: dict = {}
         self.mcache: dict = {}               # the memory-aware DP's subproblems (fronts)
+        self.fcache: dict = {}               # the time DP's join fronts by local key (_front)
         self.front_limit = front_limit       # most points a memory-aware front keeps (see _mselect)
         self._inside_memo: dict = {}
         self._facts: dict = {}               # leaf / producer facts -> small int (local keys, see _Ctx)
@@ -779,6 +781,43 @@ class MachineMapper:
         hit = ctx.fronts.get(key)
         if hit is not None:
             return hit
+        lkey = self._front_key(ctx, t, res, fixed, jmain, vj, outs, ub)
+        if lkey is not None:
+            hit = self.fcache.get(lkey)
+            if hit is not None:
+                pts, names = hit
+                mine = ctx.lnames[id(t)]
+                if names is not mine and names != mine:
+                    pts = [(c, e, _Rename(names, mine, a) if a else a) for c, e, a in pts]
+                ctx.fronts[key] = pts
+                return pts
+        out = self._front_miss(ctx, t, res, fixed, jmain, vj, outs, ub)
+        ctx.fronts[key] = out
+        if lkey is not None:
+            if len(self.fcache) > 200_000:
+                self.fcache.clear()
+            self.fcache[lkey] = (out, ctx.lnames[id(t)])
+        return out
+
+    def _front_key(self, ctx: _Ctx, t, res: Resource, fixed, jmain: int, vj: MachineView, outs: frozenset,
+                   ub: float):
+        """:meth:`_front`'s key up to renaming (a local key, :meth:`_Ctx._local_key`): the subtree's key, the
+        fixed views by position, the join's facts and which of its inputs read which of the subtree's
+        nodes, the boundary nodes in it by position; None where the subtree has no local key."""
+        lk = ctx.lkey.get(id(t))
+        if lk is None:
+            return None
+        pos = ctx.lpos.get(id(t))
+        if pos is None:
+            pos = ctx.lpos[id(t)] = {n: i for i, n in enumerate(ctx.lorder[id(t)])}
+        mine = ctx.nodes[id(t)]
+        fk = tuple((i, v) for i, n in enumerate(ctx.lorder[id(t)]) if (v := fixed.get(n)) is not None)
+        jin = tuple((q, pos[p], ctx.gc.read_ref(jmain, q)[1]) for q, p in ctx.priced_inputs(jmain) if p in mine)
+        R = tuple(sorted(pos[n] for n in outs if n in mine))
+        return (lk, res, vj, ub, fk, ctx._fact_id(jmain, True), jin, R)
+
+    def _front_miss(self, ctx: _Ctx, t, res: Resource, fixed, jmain: int, vj: MachineView, outs: frozenset,
+                    ub: float) -> list:
         R = sorted(n for n in outs if n in ctx.nodes[id(t)])
         pts = []
         if not R:
@@ -815,9 +854,7 @@ class MachineMapper:
             for views, c, a in self._open(ctx, t, res, fixed, tuple(R)):
                 e = sum(ctx.edge(jmain, pos, views[idx[p]], vj) for pos, p in inputs)
                 pts.append((c, e, a))
-        out = _pareto(pts)
-        ctx.fronts[key] = out
-        return out
+        return _pareto(pts)
 
     def _parallel(self, ctx: _Ctx, t: Parallel, res: Resource, fixed):
         ca, aa = self._solve(ctx, t.left, res, fixed)

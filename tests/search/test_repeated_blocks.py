@@ -177,3 +177,24 @@ def test_task_times_shared_by_graphs_equal_each_nodes_own_computation(decoder):
                 hits += gc._task_key(n) in model._task_memo
                 assert gc.task_time(n) == gc._task_time_of(n)
     assert hits > 0
+
+
+def test_local_keys_on_a_deeper_decoder_with_side_by_side_joins(tmp_path, monkeypatch):
+    """The join fronts shared by local key (``MachineMapper.fcache``) give the reference's mapping exactly on
+    a machine of several nodes, where branches may run side by side on split resources."""
+    from unity_pcg import zoo
+    from unity_pcg.search import mapping
+    p = zoo.export("llama_7b", str(tmp_path / "llama.onnx"), size="small", batch=8)
+    g0 = load_onnx(p, load_weights=False)
+    m = parse_machine("h100:2x2")
+    g = megatron(g0, 2, devices_per_node=2)
+
+    def run(local):
+        monkeypatch.setattr(mapping, "LOCAL_KEYS", local)
+        mapper = MachineMapper(CostModel(m, optimizer="adam", precision="bf16"))
+        r = mapper.optimize(g)
+        return r.cost, dict(r.views), len(mapper.fcache)
+
+    c0, v0, _ = run(False)
+    c1, v1, nf = run(True)
+    assert c1 == c0 and v1 == v0 and nf > 0
