@@ -588,9 +588,31 @@ def _group_times(machine: MachineSpec, gid, devs, fn, nbytes) -> tuple[float, np
 
 
 class GraphCost:
-    """Prices the leaves of one PCG on one machine (see module docstring)."""
+    """Prices the leaves of one PCG on one machine (see module docstring).
+
+    Everything it computes is a function of the graph (immutable) and the model, so ``GraphCost(g, model)``
+    returns the instance already built for ``g`` on ``model`` while it is one of the model's
+    ``GRAPHS_KEPT`` most recent graphs (its memos warm): a layout mapped, then evaluated, then priced with
+    techniques and as a stage analyzes its graph once."""
+    #: graphs whose GraphCost a CostModel keeps (most recent first)
+    GRAPHS_KEPT = 4
+
+    def __new__(cls, g: PCG | None = None, model: CostModel | None = None):
+        if cls is GraphCost and g is not None and model is not None:
+            for gc in model.__dict__.get("_graph_costs", ()):
+                if gc.g is g and gc.precision == model.precision:
+                    return gc
+        return super().__new__(cls)
 
     def __init__(self, g: PCG, model: CostModel):
+        if self.__dict__.get("g") is g and self.__dict__.get("model") is model:
+            return                                       # the model's kept instance (see __new__)
+        self._build(g, model)
+        kept = model.__dict__.setdefault("_graph_costs", [])
+        kept.insert(0, self)
+        del kept[self.GRAPHS_KEPT:]
+
+    def _build(self, g: PCG, model: CostModel) -> None:
         self.g = g
         self.model = model
         self.machine = model.machine
