@@ -198,3 +198,17 @@ def test_local_keys_on_a_deeper_decoder_with_side_by_side_joins(tmp_path, monkey
     c0, v0, _ = run(False)
     c1, v1, nf = run(True)
     assert c1 == c0 and v1 == v0 and nf > 0
+
+
+def test_graph_costs_kept_per_graph_and_node_memory_memo_equal_fresh_ones(decoder):
+    """``GraphCost(g, model)`` returns the model's instance for ``g`` (not for another graph), and
+    ``node_memory``'s memo answers what it computes afresh, on every node of a mapped graph."""
+    from unity_pcg.search.memory import _node_memory_of, node_memory
+    model = CostModel(parse_machine("h100:1x4"), optimizer="adam", precision="bf16")
+    g = megatron(decoder, 4, devices_per_node=4)
+    r = MachineMapper(model).optimize(g)
+    gc = GraphCost(g, model)
+    assert GraphCost(g, model) is gc and GraphCost(decoder, model) is not gc
+    assert GraphCost(g, CostModel(parse_machine("h100:1x4"), optimizer="adam", precision="bf16")) is not gc
+    for n in gc.nodes():
+        assert node_memory(gc, n, r.views[n]) == _node_memory_of(gc, n, r.views[n])
