@@ -195,6 +195,8 @@ class CostModel:
         # ILP prices the same resharding on thousands of fragment graphs
         self._edge_memo: dict = {}
         self._sync_memo: dict = {}      # the same for gradient all-reduces (GraphCost._grad_sync)
+        self._task_memo: dict = {}      # the same for task times (GraphCost._task_key)
+        self._views_memo: dict = {}     # (task grid, resource) -> its views (GraphCost.views; read-only lists)
         # data-parallel framework costs measured by calibration (local machines; 0 elsewhere):
         # per iteration (bucket all-reduce latency, waiting for the slowest replica), per gradient
         # tensor (hooks, bucket copies), and per iteration for synchronizing replicated buffers
@@ -586,9 +588,31 @@ def _group_times(machine: MachineSpec, gid, devs, fn, nbytes) -> tuple[float, np
 
 
 class GraphCost:
-    """Prices the leaves of one PCG on one machine (see module docstring)."""
+    """Prices the leaves of one PCG on one machine (see module docstring).
+
+    Everything it computes is a function of the graph (immutable) and the model, so ``GraphCost(g, model)``
+    returns the instance already built for ``g`` on ``model`` while it is one of the model's
+    ``GRAPHS_KEPT`` most recent graphs (its memos warm): a layout mapped, then evaluated, then priced with
+    techniques and as a stage analyzes its graph once."""
+    #: graphs whose GraphCost a CostModel keeps (most recent first)
+    GRAPHS_KEPT = 4
+
+    def __new__(cls, g: PCG | None = None, model: CostModel | None = None):
+        if cls is GraphCost and g is not None and model is not None:
+            for gc in model.__dict__.get("_graph_costs", ()):
+                if gc.g is g and gc.precision == model.precision:
+                    return gc
+        return super().__new__(cls)
 
     def __init__(self, g: PCG, model: CostModel):
+        if self.__dict__.get("g") is g and self.__dict__.get("model") is model:
+            return                                       # the model's kept instance (see __new__)
+        self._build(g, model)
+        kept = model.__dict__.setdefault("_graph_costs", [])
+        kept.insert(0, self)
+        del kept[self.GRAPHS_KEPT:]
+
+    def _build(self, g: PCG, model: CostModel) -> None:
         self.g = g
         self.model = model
         self.machine = model.machine
@@ -927,10 +951,31 @@ class GraphCost:
         """(forward, backward) seconds of one task of compute node ``nid`` in the model's precision:
         the kernel (CostModel.op_time on :meth:`kernel_shapes`) plus autocast's casts of its inputs
         (forward; and the gradient's cast back in the backward when that input needs a gradient).
-        Memoized per node: it reads only the graph and the model."""
+        Memoized per node, and per :meth:`_task_key` on the model (what it reads, graph-independently:
+        a model's identical blocks and every graph of a layout grid share one computation)."""
         hit = self._task_times.get(nid)
         if hit is not None:
             return hit
+        key = self._task_key(nid)
+        memo = self.model._task_memo
+        hit = memo.get(key)
+        if hit is None:
+            if len(memo) > 200_000:
+                memo.clear()
+            hit = memo[key] = self._task_time_of(nid)
+        self._task_times[nid] = hit
+        return hit
+
+    def _task_key(self, nid: int) -> tuple:
+        """Everything :meth:`_task_time_of` reads: the operator, attributes, input and output shapes and
+        their dtypes under the precision, which operands need a gradient (backward scale, casts back)."""
+        node = self.g.node(nid)
+        outs = self.g.shapes(nid)
+        return (node.op, node.attrs, self.g.input_shapes(nid), outs, tuple(self.dtype(r) for r in node.inputs),
+                tuple(self.dtype((nid, k)) for k in range(len(outs))), self.role[nid],
+                tuple(self._operand_needs_grad(node, pos) for pos in range(len(node.inputs))))
+
+    def _task_time_of(self, nid: int) -> tuple[float, float]:
         node = self.g.node(nid)
         ins, outs = self.kernel_shapes(nid)
         bs = self.backward_scale(nid)
@@ -941,7 +986,6 @@ class GraphCost:
             f += t
             if bs > 0 and self._operand_needs_grad(node, pos):
                 b += t
-        self._task_times[nid] = (f, b)
         return f, b
 
     def _operand_needs_grad(self, n, pos: int) -> bool:
@@ -981,7 +1025,14 @@ class GraphCost:
         return [i for i in self.g.topo_order() if self.role[i] not in ("input", "weight")]
 
     def views(self, nid: int, resource: Resource | None = None) -> list[MachineView]:
-        return enumerate_views(self.grid[nid], self.machine, resource)
+        key = (self.grid[nid], resource)                # all enumerate_views reads (the machine is the model's)
+        memo = self.model._views_memo
+        v = memo.get(key)
+        if v is None:
+            if len(memo) > 10_000:
+                memo.clear()
+            v = memo[key] = enumerate_views(self.grid[nid], self.machine, resource)
+        return v
 
     def _task_to_piece(self, nid: int, which: str, k: int) -> tuple[int, ...]:
         """For a compute node: the flat piece index (canonical grid order) of tensor ``which``
@@ -1383,6 +1434,42 @@ class GraphCost:
             c.time += e.comm
             c.comm_elements += e.comm_elements
         return c
+
+    def leaf_facts(self, nid: int) -> tuple:
+        """Everything :meth:`own_cost`, :meth:`edge_cost` (as the consumer) and :meth:`compute_time` read
+        about non-source node ``nid`` apart from views and which nodes feed it, as a hashable tuple free of
+        node ids: two nodes (of this graph or another priced by the same model) with equal facts, fed by
+        producers with equal :meth:`producer_facts`, cost the same floats on the same views.  The mapping
+        DP keys subproblems by them, so a model's identical blocks are solved once (search/mapping.py)."""
+        g = self.g
+        n = g.node(nid)
+        role = self.role[nid]
+        fused = self._fused.get(nid)
+        if fused is not None:
+            kind, first = fused
+            fn = g.node(first)
+            fref = tuple(fn.inputs[0])
+            fppm = self._pm.get(fref[0]) if self.role[fref[0]] == "compute" else None
+            fused = (kind, fn.op, fn.attrs, fref[1], g.shape(fref), g.shapes(first), self.itemsize(fref),
+                     self.role[fref[0]], (fppm.axes, fppm.outputs[fref[1]]) if fppm is not None else None)
+        pm = self._pm.get(nid)
+        upd = tuple(g.shape(r).piece_nbytes for r in self._update_owner.get(nid, ()))   # own_cost's sum order
+        return (role, n.op, n.attrs, g.input_shapes(nid), g.shapes(nid),
+                tuple(self.dtype(r) for r in n.inputs), tuple(self.dtype((nid, k)) for k in range(len(g.shapes(nid)))),
+                (pm.axes, pm.inputs, pm.outputs) if pm is not None else None, self.grid.get(nid),
+                fused, nid in self._fused_first,
+                tuple(self._operand_needs_grad(n, pos) for pos in range(len(n.inputs))), self._needs_grad.get(nid),
+                nid in self._chain_end, self.trainable(nid),
+                g.node(self._origin.get(nid, nid)).a.get("trainable", True), upd,
+                tuple(pos for pos, _ in self.priced_inputs(nid)))
+
+    def producer_facts(self, nid: int) -> tuple:
+        """What :meth:`edge_cost` reads about a producer besides its view (its role, output shapes and
+        dtypes, piece map): see :meth:`leaf_facts`."""
+        g = self.g
+        pm = self._pm.get(nid) if self.role[nid] == "compute" else None
+        return (self.role[nid], g.shapes(nid), tuple(self.dtype((nid, k)) for k in range(len(g.shapes(nid)))),
+                (pm.axes, pm.outputs) if pm is not None else None)
 
     def priced_inputs(self, nid: int) -> list[tuple[int, int]]:
         """(input position, producer) pairs whose edges are priced in the leaf of ``nid``: none for

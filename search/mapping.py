@@ -125,7 +125,7 @@ class MappingResult:
 class _Ctx:
     """Per-graph data for one DP run."""
 
-    def __init__(self, g: PCG, gc: GraphCost, dec: Decomposition):
+    def __init__(self, g: PCG, gc: GraphCost, dec: Decomposition, facts: dict | None = None):
         self.g, self.gc, self.dec = g, gc, dec
         counts: dict = {}
         self.h: dict[int, str] = {}
@@ -154,6 +154,15 @@ class _Ctx:
         self._pin: dict = {}
         self.feed: dict = {}                               # (placement, main view, resource, fixed) -> best
         self.dpn = gc.model.machine.devices_per_node
+        # local keys (see LOCAL_KEYS): per subtree its nodes and external producers by id, the key, and the
+        # names (self.h) of its own nodes in that order, which a hit from an identical subtree renames
+        self._facts = facts
+        self.lorder: dict[int, tuple] = {}
+        self.lkey: dict[int, str] = {}
+        self.lnames: dict[int, tuple] = {}
+        self.lpos: dict[int, dict] = {}                    # id(tree) -> node -> position in lorder
+        self._fid: dict[int, int] = {}                     # node -> interned leaf / producer facts
+        self._salt = (gc._sync_bytes, gc._buffer_bytes)     # graph-wide sums own_cost reads
         self._prep(dec.tree)
 
     def views(self, n: int, res: Resource) -> list:
@@ -190,6 +199,46 @@ class _Ctx:
             p = self._pin[n] = self.gc.priced_inputs(n)
         return p
 
+    def _fact_id(self, n: int, own: bool) -> int:
+        """Interned :meth:`GraphCost.leaf_facts` (``own``) or :meth:`GraphCost.producer_facts` of ``n``."""
+        k = (n, own)
+        f = self._fid.get(k)
+        if f is None:
+            facts = ("own", self.gc.leaf_facts(n)) if own else ("ext", self.gc.producer_facts(n))
+            f = self._facts.get(facts)
+            if f is None:
+                f = self._facts[facts] = len(self._facts)
+            self._fid[k] = f
+        return f
+
+    def _local_key(self, t, ns: frozenset) -> None:
+        """The key of subtree ``t`` up to renaming its nodes: its nodes and the producers outside it that
+        its leaves read, in id order (the order every tie-break of the DP follows), each by its interned
+        facts and its inputs by position in that order; the tree's shape over those positions; the graph's
+        salt.  Two subtrees with equal keys have the same optimum for the same fixed views (by position),
+        the same floats, the corresponding views."""
+        order = tuple(sorted(self.relevant[id(t)]))
+        pos = {n: i for i, n in enumerate(order)}
+        g = self.g
+        desc = []
+        for n in order:
+            if n in ns:
+                desc.append((self._fact_id(n, True), tuple((pos.get(r[0], -1), r[1]) for r in g.node(n).inputs),
+                             tuple(pos[p] for _, p in self.priced_inputs(n))))
+            else:
+                desc.append(self._fact_id(n, False))
+
+        def shape(x):
+            if isinstance(x, Leaf):
+                return tuple(pos[n] for n in self.dec.units[x.unit])
+            if isinstance(x, Series):
+                return ("S",) + tuple(shape(c) for c in x.children)
+            return ("P", shape(x.left), shape(x.right))
+        raw = repr((self._salt, tuple(desc), shape(t)))
+        self.lkey[id(t)] = "l" + hashlib.blake2b(raw.encode(), digest_size=16).hexdigest()
+        self.lorder[id(t)] = order
+        self.lnames[id(t)] = tuple(self.h[n] for n in order if n in ns)
+
     def _prep(self, t) -> None:
         if isinstance(t, Leaf):
             ns = frozenset(self.dec.units[t.unit])
@@ -212,25 +261,30 @@ class _Ctx:
         if len(self.relevant[id(t)]) <= 64:
             self.relsorted[id(t)] = sorted(((n, self.h[n]) for n in self.relevant[id(t)]), key=lambda x: x[1])
         self.key[id(t)] = hashlib.blake2b(key.encode(), digest_size=16).hexdigest()
+        if self._facts is not None and LOCAL_KEYS and len(self.relevant[id(t)]) <= LOCAL_LIMIT:
+            self._local_key(t, ns)
         self.need[id(t)] = max((_deg(self.gc, n) for n in ns), default=1)
         # a lower bound of the subtree's cost on any resource: the compute of its compute nodes
         # (it does not depend on the view: devices are identical)
         self.lb[id(t)] = sum(self.gc.compute_time(n) for n in ns)
         if isinstance(t, Series):
             info = []
-            later_reads: list[set] = []
-            acc: set = set()
-            for c in reversed(kids):
-                later_reads.append(set(acc))
+            # last[n]: the last child whose nodes read n (n is read by children > i iff last[n] > i); the
+            # nodes of children <= i read after child i are kept incrementally (linear in the series)
+            last: dict = {}
+            for j, c in enumerate(kids):
                 for n in self.nodes[id(c)]:
-                    acc |= self.reads[n]
-            later_reads.reverse()                            # later_reads[i]: read by children > i
-            done: set = set()
+                    for p in self.reads[n]:
+                        last[p] = j
+            ends: dict = {}
+            alive: set = set()
             for i, c in enumerate(kids):
-                done |= self.nodes[id(c)]
-                outs = sorted(n for n in self.nodes[id(c)] if n in later_reads[i])
-                live = frozenset(n for n in done if n in later_reads[i])
-                info.append((outs, live))
+                outs = sorted(n for n in self.nodes[id(c)] if last.get(n, -1) > i)
+                alive.difference_update(ends.pop(i, ()))
+                for n in outs:
+                    alive.add(n)
+                    ends.setdefault(last[n], []).append(n)
+                info.append((outs, frozenset(alive)))
             self.boundary[id(t)] = info
             # children i whose boundary nodes (two or more) are read only by the main node of the
             # next child, a leaf: the pair (i, i+1) is solved jointly (see MachineMapper._series_join)
@@ -241,13 +295,20 @@ class _Ctx:
                     continue
                 unit = self.dec.units[j.unit]
                 jmain = unit[-1]
-                if any(n in later_reads[i + 1] for n in outs):
+                if any(last.get(n, -1) > i + 1 for n in outs):
                     continue                                 # read again after the join
                 if any(n in self.reads[m] for n in outs for m in unit[:-1]):
                     continue
                 if not set(outs) <= self.reads[jmain] or not set(info[i + 1][0]) <= {jmain}:
                     continue
                 self.join[(id(t), i)] = jmain
+
+
+#: key the time DP's subproblems up to renaming their nodes (:meth:`_Ctx._local_key`), so a model's identical
+#: blocks are solved once (off: by the subtree hash, which includes everything upstream: the reference)
+LOCAL_KEYS = True
+#: subtrees with more nodes and read producers than this keep the subtree hash (a key costs its size)
+LOCAL_LIMIT = 400
 
 
 #: price an edge once per renumbering of the nodes its two views touch (:meth:`_Ctx.edge`; off: once per
@@ -284,8 +345,10 @@ class MachineMapper:
         self.machine: MachineSpec = model.machine
         self.cache: dict = {}
         self.mcache: dict = {}               # the memory-aware DP's subproblems (fronts)
+        self.fcache: dict = {}               # the time DP's join fronts by local key (_front)
         self.front_limit = front_limit       # most points a memory-aware front keeps (see _mselect)
         self._inside_memo: dict = {}
+        self._facts: dict = {}               # leaf / producer facts -> small int (local keys, see _Ctx)
         self.hits = 0
         self.misses = 0
 
@@ -300,7 +363,7 @@ class MachineMapper:
         h0, m0 = self.hits, self.misses
         gc = GraphCost(g, self.model)
         dec = decompose(g, gc.role)
-        ctx = _Ctx(g, gc, dec)
+        ctx = _Ctx(g, gc, dec, self._facts)
         res = resource or Resource.whole(self.machine)
         if fixed is None:
             from .baselines import pinned_views
@@ -453,6 +516,26 @@ class MachineMapper:
         # relative to the resource's first node and a hit is shifted back.
         off = (res.start // self.machine.devices_per_node) * self.machine.devices_per_node
         rel = ctx.relevant[id(t)]
+        lkey = ctx.lkey.get(id(t))
+        if lkey is not None:
+            fk = tuple((i, v.start - off, v.dims) for i, n in enumerate(ctx.lorder[id(t)])
+                       if (v := fixed.get(n)) is not None)
+            key = (lkey, res.start - off, res.nodes, res.per_node, fk)
+            hit = self.cache.get(key)
+            if hit is not None:
+                self.hits += 1
+                cost, assign, at, names = hit
+                if not assign:
+                    return (cost, assign)
+                if off != at:
+                    assign = _Shift(off - at, assign)
+                mine = ctx.lnames[id(t)]
+                if names is not mine and names != mine:
+                    assign = _Rename(names, mine, assign)
+                return (cost, assign)
+            out = self._solve_miss(ctx, t, res, fixed)
+            self.cache[key] = (out[0], out[1], off, ctx.lnames[id(t)])
+            return out
         if len(rel) <= len(fixed) and id(t) in ctx.relsorted:
             fk = tuple((h, v.start - off, v.dims) for n, h in ctx.relsorted[id(t)]
                        if (v := fixed.get(n)) is not None)
@@ -465,6 +548,11 @@ class MachineMapper:
             self.hits += 1
             cost, assign, at = hit
             return (cost, _Shift(off - at, assign) if off != at and assign else assign)
+        out = self._solve_miss(ctx, t, res, fixed)
+        self.cache[key] = (out[0], out[1], off)
+        return out
+
+    def _solve_miss(self, ctx: _Ctx, t, res: Resource, fixed: Mapping[int, MachineView]):
         self.misses += 1
         _check_deadline()           # the deadline of the caller's scope (search.budget.within): Expired
         if ctx.need[id(t)] > res.size:
@@ -475,7 +563,6 @@ class MachineMapper:
             out = self._series(ctx, t, res, fixed)
         else:
             out = self._parallel(ctx, t, res, fixed)
-        self.cache[key] = (out[0], out[1], off)
         return out
 
     def _inside(self, v: MachineView, res: Resource) -> bool:
@@ -694,6 +781,43 @@ class MachineMapper:
         hit = ctx.fronts.get(key)
         if hit is not None:
             return hit
+        lkey = self._front_key(ctx, t, res, fixed, jmain, vj, outs, ub)
+        if lkey is not None:
+            hit = self.fcache.get(lkey)
+            if hit is not None:
+                pts, names = hit
+                mine = ctx.lnames[id(t)]
+                if names is not mine and names != mine:
+                    pts = [(c, e, _Rename(names, mine, a) if a else a) for c, e, a in pts]
+                ctx.fronts[key] = pts
+                return pts
+        out = self._front_miss(ctx, t, res, fixed, jmain, vj, outs, ub)
+        ctx.fronts[key] = out
+        if lkey is not None:
+            if len(self.fcache) > 200_000:
+                self.fcache.clear()
+            self.fcache[lkey] = (out, ctx.lnames[id(t)])
+        return out
+
+    def _front_key(self, ctx: _Ctx, t, res: Resource, fixed, jmain: int, vj: MachineView, outs: frozenset,
+                   ub: float):
+        """:meth:`_front`'s key up to renaming (a local key, :meth:`_Ctx._local_key`): the subtree's key, the
+        fixed views by position, the join's facts and which of its inputs read which of the subtree's
+        nodes, the boundary nodes in it by position; None where the subtree has no local key."""
+        lk = ctx.lkey.get(id(t))
+        if lk is None:
+            return None
+        pos = ctx.lpos.get(id(t))
+        if pos is None:
+            pos = ctx.lpos[id(t)] = {n: i for i, n in enumerate(ctx.lorder[id(t)])}
+        mine = ctx.nodes[id(t)]
+        fk = tuple((i, v) for i, n in enumerate(ctx.lorder[id(t)]) if (v := fixed.get(n)) is not None)
+        jin = tuple((q, pos[p], ctx.gc.read_ref(jmain, q)[1]) for q, p in ctx.priced_inputs(jmain) if p in mine)
+        R = tuple(sorted(pos[n] for n in outs if n in mine))
+        return (lk, res, vj, ub, fk, ctx._fact_id(jmain, True), jin, R)
+
+    def _front_miss(self, ctx: _Ctx, t, res: Resource, fixed, jmain: int, vj: MachineView, outs: frozenset,
+                    ub: float) -> list:
         R = sorted(n for n in outs if n in ctx.nodes[id(t)])
         pts = []
         if not R:
@@ -730,9 +854,7 @@ class MachineMapper:
             for views, c, a in self._open(ctx, t, res, fixed, tuple(R)):
                 e = sum(ctx.edge(jmain, pos, views[idx[p]], vj) for pos, p in inputs)
                 pts.append((c, e, a))
-        out = _pareto(pts)
-        ctx.fronts[key] = out
-        return out
+        return _pareto(pts)
 
     def _parallel(self, ctx: _Ctx, t: Parallel, res: Resource, fixed):
         ca, aa = self._solve(ctx, t.left, res, fixed)
@@ -1196,20 +1318,38 @@ class _Shift:
         return True
 
 
+class _Rename:
+    """An assignment of one subtree used for an identical one (a hit by local key): node names ``src``
+    stand for ``dst`` (position by position); flattened lazily."""
+    __slots__ = ("src", "dst", "inner")
+
+    def __init__(self, src: tuple, dst: tuple, inner):
+        self.src, self.dst, self.inner = src, dst, inner
+
+    def __bool__(self) -> bool:
+        return True
+
+
 def _flatten(a) -> list:
     out = []
-    stack = [(a, 0)]
+    stack = [(a, 0, ())]
     while stack:
-        x, k = stack.pop()
+        x, k, ren = stack.pop()
         if isinstance(x, _Shift):
-            stack.append((x.inner, k + x.k))
+            stack.append((x.inner, k + x.k, ren))
+            continue
+        if isinstance(x, _Rename):
+            stack.append((x.inner, k, ren + (dict(zip(x.src, x.dst)),)))
             continue
         if not x:
             continue
         if isinstance(x, tuple) and len(x) == 2 and isinstance(x[0], str) and isinstance(x[1], MachineView):
-            out.append((x[0], MachineView(x[1].start + k, x[1].dims)) if k else x)
+            h = x[0]
+            for m in reversed(ren):              # the innermost rename first
+                h = m[h]
+            out.append((h, MachineView(x[1].start + k, x[1].dims)) if k else (h, x[1]))
         else:
-            stack.extend((y, k) for y in x)
+            stack.extend((y, k, ren) for y in x)
     return out
 
 

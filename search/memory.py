@@ -94,7 +94,22 @@ def node_memory(gc: GraphCost, nid: int, view: MachineView) -> tuple[dict, dict]
     """What node ``nid`` on ``view`` holds: (device -> bytes of weights + grads + optimizer states,
     device -> bytes of kept activations and input shards).  A mapping's memory per device is the sum
     of these over its nodes (:func:`memory_per_device`), which is what lets the machine-mapping DP
-    add memory up subproblem by subproblem."""
+    add memory up subproblem by subproblem.  Memoized per (node, view) on ``gc`` (a function of the
+    graph and the model); the dicts returned are shared: read them, do not change them."""
+    memo = gc.__dict__.get("_node_mem")
+    if memo is None:
+        memo = gc._node_mem = {}
+    key = (nid, view)
+    hit = memo.get(key)
+    if hit is None:
+        if len(memo) > 200_000:
+            memo.clear()
+        hit = memo[key] = _node_memory_of(gc, nid, view)
+    return hit
+
+
+def _node_memory_of(gc: GraphCost, nid: int, view: MachineView) -> tuple[dict, dict]:
+    """:func:`node_memory` computed (not memoized)."""
     g = gc.g
     w: dict = {}
     a: dict = {}

@@ -139,3 +139,76 @@ def test_pairs_whose_weights_alone_do_not_fit_are_skipped_and_the_grid_best_is_k
     skipped = {(p["config"]["tp"], p["config"]["pp"]) for p in ex.priced} - {(p["config"]["tp"], p["config"]["pp"])
                                                                              for p in r.priced}
     assert all(pp == 1 for _, pp in skipped) and skipped
+
+
+@pytest.mark.parametrize("machine,tp", [("h100:1x4", 4), ("h100:2x4", 2)])
+def test_local_keys_solve_identical_blocks_once_with_the_reference_prices(decoder, monkeypatch, machine, tp):
+    """The time DP keyed by subtrees up to renaming (``mapping.LOCAL_KEYS``) solves a block like the block
+    before it from the memo, and gives the reference's (subtree-hash keys') cost, views and memory exactly."""
+    from unity_pcg.search import mapping
+    m = parse_machine(machine)
+    graphs = [megatron(decoder, tp, devices_per_node=m.devices_per_node), data_parallel(decoder, m.num_devices)]
+
+    def run(local):
+        monkeypatch.setattr(mapping, "LOCAL_KEYS", local)
+        mapper = MachineMapper(CostModel(m, optimizer="adam", precision="bf16"))
+        out = []
+        for g in graphs:
+            r = mapper.optimize(g)
+            out.append((r.cost, dict(r.views), dict(r.memory.per_device) if r.memory else {},
+                        r.stats["cache_misses"]))
+        return out
+
+    ref, got = run(False), run(True)
+    for (c0, v0, m0, miss0), (c1, v1, m1, miss1) in zip(ref, got):
+        assert c1 == c0 and v1 == v0 and m1 == m0
+        assert miss1 < miss0                 # the later blocks are memo hits
+
+
+def test_task_times_shared_by_graphs_equal_each_nodes_own_computation(decoder):
+    """``GraphCost.task_time`` answers from the model's memo (``_task_key``) what the node itself computes
+    (``_task_time_of``), for every compute node of several graphs priced by one model."""
+    model = CostModel(parse_machine("h100:1x4"), optimizer="adam", precision="bf16")
+    hits = 0
+    for g in _graphs(decoder):
+        gc = GraphCost(g, model)
+        for n in gc.nodes():
+            if gc.role[n] == "compute":
+                hits += gc._task_key(n) in model._task_memo
+                assert gc.task_time(n) == gc._task_time_of(n)
+    assert hits > 0
+
+
+def test_local_keys_on_a_deeper_decoder_with_side_by_side_joins(tmp_path, monkeypatch):
+    """The join fronts shared by local key (``MachineMapper.fcache``) give the reference's mapping exactly on
+    a machine of several nodes, where branches may run side by side on split resources."""
+    from unity_pcg import zoo
+    from unity_pcg.search import mapping
+    p = zoo.export("llama_7b", str(tmp_path / "llama.onnx"), size="small", batch=8)
+    g0 = load_onnx(p, load_weights=False)
+    m = parse_machine("h100:2x2")
+    g = megatron(g0, 2, devices_per_node=2)
+
+    def run(local):
+        monkeypatch.setattr(mapping, "LOCAL_KEYS", local)
+        mapper = MachineMapper(CostModel(m, optimizer="adam", precision="bf16"))
+        r = mapper.optimize(g)
+        return r.cost, dict(r.views), len(mapper.fcache)
+
+    c0, v0, _ = run(False)
+    c1, v1, nf = run(True)
+    assert c1 == c0 and v1 == v0 and nf > 0
+
+
+def test_graph_costs_kept_per_graph_and_node_memory_memo_equal_fresh_ones(decoder):
+    """``GraphCost(g, model)`` returns the model's instance for ``g`` (not for another graph), and
+    ``node_memory``'s memo answers what it computes afresh, on every node of a mapped graph."""
+    from unity_pcg.search.memory import _node_memory_of, node_memory
+    model = CostModel(parse_machine("h100:1x4"), optimizer="adam", precision="bf16")
+    g = megatron(decoder, 4, devices_per_node=4)
+    r = MachineMapper(model).optimize(g)
+    gc = GraphCost(g, model)
+    assert GraphCost(g, model) is gc and GraphCost(decoder, model) is not gc
+    assert GraphCost(g, CostModel(parse_machine("h100:1x4"), optimizer="adam", precision="bf16")) is not gc
+    for n in gc.nodes():
+        assert node_memory(gc, n, r.views[n]) == _node_memory_of(gc, n, r.views[n])
