@@ -394,7 +394,6 @@ def template_rules() -> list[Rule]:
         r.validate()
         rules.append(_with_example(r, {"k": 2, "d": -2} if o == "Partition" else {"k": 2}, x44))
     rules += tensor_parallel_rules()
-    rules += conv_channel_rules()
     return [r.with_name(r.name, origin="template") for r in rules]
 
 
@@ -414,7 +413,8 @@ def tensor_parallel_rules() -> list[Rule]:
       partition moves to the permuted dim or to the outermost dim of the Reshape's group (the heads split);
       the landing dim is free, chosen at application, where shape inference refuses every other choice;
     * ``replicate_lift_<Op>`` for every element-wise operator and RMSNorm (``_scale``): the operators between
-      Megatron's groups on the tensor-parallel copies (``replicate_lift_Add`` is written above)."""
+      Megatron's groups on the tensor-parallel copies (``replicate_lift_Add`` is written above);
+    * the channel parallelism of convolutional networks, :func:`conv_channel_rules`."""
     rules: list[Rule] = []
     D = {**K, "d": "dim"}
     for u, (pa, ex, vk, _) in UNARY.items():
@@ -456,7 +456,7 @@ def tensor_parallel_rules() -> list[Rule]:
                     op("RMSNorm", *[_rep(n) for n in ns], axis="$a", eps="$e"), {**K, "a": "attr", "e": "attr"},
                     inputs=ns)
         rules.append(_with_example(r, {"k": 2, "a": -1, "e": 1e-6}, shapes))
-    return rules
+    return rules + conv_channel_rules()
 
 
 def conv_channel_rules() -> list[Rule]:
