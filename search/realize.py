@@ -219,10 +219,8 @@ class _Rules:
         self.max_depth = max(self.depth.values(), default=1)
         #: rules over parallel operators only that leave fewer of them and choose nothing (no free variable):
         #: the cancellations (Partition(Combine(x)) -> x, duplicate placements merged, Partition(Replicate(
-        #: Combine(x))) -> Replicate(x), a whole gather split again as a partial gather, ...; a free degree an
-        #: equality fixes is no choice), except the AllReduce fusion, which runs at the end
-        self.simplify = [r for r in book.parallel if r.name != FUSE_RULE
-                         and not set(r.free_vars()) - set(r.solved_vars())
+        #: Combine(x))) -> Replicate(x), ...), except the AllReduce fusion, which runs at the end
+        self.simplify = [r for r in book.parallel if r.name != FUSE_RULE and not r.free_vars()
                          and all(ops.get_op(n.op).kind != "compute" for n in r.source.nodes + r.target.nodes)
                          and len(r.target.nodes) < len(r.source.nodes)]
         #: the same with as many nodes on both sides (Partition(Reduce(x)) -> Reduce(Partition(x)), ...): taken

@@ -25,7 +25,7 @@ from unity_pcg import ops
 from unity_pcg.ops.base import REQUIRED
 from unity_pcg.pcg import PCG
 
-from .rule import DIM_ATTRS, Pattern, Rule, is_var, term_value
+from .rule import DIM_ATTRS, Pattern, Rule, is_var
 
 Ref = tuple
 #: a later sink of a multi-sink pattern is tried only among the readers of a tensor the earlier sinks bound
@@ -156,35 +156,18 @@ def find_matches(rule: Rule, g: PCG, index: GraphIndex | None = None, limit: int
     return list(iter_matches(rule, g, index, limit, degrees))
 
 
-def _solved(rule: Rule, v: str, b: Mapping[str, Any]) -> list[int]:
-    """The one value an equality constraint fixes for free degree ``v`` (:meth:`Rule.solved_vars`), or none."""
-    rest, other = rule.solved_vars()[v]
-    try:
-        num, den = term_value(other, b), 1
-        for x in rest:
-            den *= term_value(x, b)
-    except (KeyError, TypeError):
-        return []
-    return [num // den] if isinstance(num, int) and den and num % den == 0 and num // den >= 2 else []
-
-
-def _free_choices(rule: Rule, g: PCG, inputs: Mapping[str, Ref], nodes: Sequence[int], degrees: Sequence[int],
-                  b: Mapping[str, Any] | None = None):
-    """Every assignment of the rule's free (target-only) variables: degrees from ``degrees`` (or the one value
-    an equality constraint fixes, :meth:`Rule.solved_vars`), dims over the ranks of the matched tensors."""
+def _free_choices(rule: Rule, g: PCG, inputs: Mapping[str, Ref], nodes: Sequence[int], degrees: Sequence[int]):
+    """Every assignment of the rule's free (target-only) variables: degrees from ``degrees``, dims
+    over the ranks of the matched tensors."""
     free = rule.free_vars()
     if not free:
         yield {}
         return
     kinds = rule.var_kinds
-    solved = rule.solved_vars()
     rank = max([g.shape(r).rank for r in inputs.values()] + [max(s.rank for s in g.shapes(n)) for n in nodes])
     domains = []
     for v in free:
         k = kinds[v]
-        if v in solved:
-            domains.append(_solved(rule, v, b or {}))
-            continue
         domains.append(list(degrees) if k == "degree" else list(range(-rank, 0)) if k == "dim"
                        else list(range(rank)))
     for combo in itertools.product(*domains):
@@ -309,7 +292,7 @@ def iter_matches(rule: Rule, g: PCG, index: GraphIndex | None = None, limit: int
         if len(assign) != len(p.nodes):
             continue
         nodes = tuple(assign[i] for i in range(len(p.nodes)))
-        for extra in _free_choices(rule, g, inputs, nodes, degrees, b):
+        for extra in _free_choices(rule, g, inputs, nodes, degrees):
             full = {**b, **extra}
             if not rule.check_constraints(full):
                 continue

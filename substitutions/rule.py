@@ -188,27 +188,6 @@ class Rule:
         tgt = {v[1:] for n in self.target.nodes for _, v in n.attrs for v in _flat(v) if is_var(v)}
         return sorted(tgt - src)
 
-    def solved_vars(self) -> dict[str, tuple]:
-        """Free degree variables an equality constraint fixes: ``[m, "==", ["*", a, j]]`` with ``j`` free and
-        ``m``, ``a`` bound by the source gives ``j = m / a`` (matching tries only that value).  name ->
-        (the product side's other factors, the other side)."""
-        free = set(self.free_vars())
-        kinds = self.var_kinds
-        out: dict[str, tuple] = {}
-        for lhs, op_, rhs in self.constraints:
-            if op_ != "==":
-                continue
-            for prod_side, other in ((rhs, lhs), (lhs, rhs)):
-                if not is_product(prod_side) or is_product(other):
-                    continue
-                fv = [v for v in prod_side[1:] if is_var(v) and v[1:] in free]
-                if len(fv) == 1 and kinds.get(fv[0][1:]) == "degree" and fv[0][1:] not in out and \
-                        not (is_var(other) and other[1:] in free):
-                    rest = list(prod_side[1:])
-                    rest.remove(fv[0])
-                    out[fv[0][1:]] = (tuple(rest), other)
-        return out
-
     @property
     def reversible(self) -> bool:
         return not any(isinstance(o, str) for o in self.target.outputs) and \

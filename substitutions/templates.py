@@ -373,12 +373,6 @@ def template_rules() -> list[Rule]:
     r = rule_of("partition_replicate_commute", _part(_rep("x", "$j"), "$d"), _rep(_part("x", "$d"), "$j"), DKJ)
     rules.append(_with_example(r, {"k": 2, "j": 2, "d": -1}, x44))
 
-    # a gather of m pieces then a split into k is a gather of m / k (an ILP layout on a 2-D mesh gathers a dim split
-    # over both axes onto one of them; the rules' data-parallel step gathers it whole, the next operator's step
-    # splits it again): the one free degree is fixed by the constraint (``Rule.solved_vars``)
-    r = rule_of("partition_combine_partial", _part(_comb("x", "$d", "$m"), "$d"), _comb("x", "$d", "$j"),
-                {"d": "dim", "k": "degree", "j": "degree", "m": "degree"}, [("$m", "==", ("*", "$k", "$j"))])
-    rules.append(_with_example(r, {"k": 2, "j": 2, "m": 4, "d": -2}, {"x": S.of((4, 4), (4, 1))}))
     # --- cancelling a Combine/Partition pair (the search builds data parallelism op by op with dp_<Op>
     # and removes the Combine -> Partition pairs left between neighbours) ---------------------------------------
     r = rule_of("partition_combine_cancel", _part(_comb("x", "$d"), "$d"), "x", D)

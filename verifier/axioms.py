@@ -292,13 +292,6 @@ _ax("Replicate_compose", "replicate_compose", "parallel",
     op("Replicate", op("Replicate", "x", degree="$k"), degree="$j"), op("Replicate", "x", degree="$m"),
     {"k": "degree", "j": "degree", "m": "degree"}, [("$m", "==", ("*", "$k", "$j"))],
     bind={"k": 2, "j": 2, "m": 4}, shapes=X44)
-# a gather of m pieces, then a split into k, is a gather of m / k pieces (a partial gather: an ILP layout on a 2-D
-# mesh gathers a dim split over both axes onto one axis only).  Neither side holds every variable, so Z3 instantiates
-# it only where terms of both sides exist (a rule's two sides)
-_ax("Partition_Combine_partial", "combine_partial", "parallel",
-    op("Partition", op("Combine", "x", dim="$d", degree="$m"), dim="$d", degree="$k"),
-    op("Combine", "x", dim="$d", degree="$j"), {"d": "dim", "k": "degree", "j": "degree", "m": "degree"},
-    [("$m", "==", ("*", "$k", "$j"))], bind={"d": -2, "k": 2, "j": 2, "m": 4}, shapes={"x": S.of((4, 4), (4, 1))})
 _ax("AllReduce_is_Reduce_Replicate", "allreduce", "parallel", op("AllReduce", "x", degree="$k"),
     op("Replicate", op("Reduce", "x", degree="$k"), degree="$k"), {"k": "degree"},
     bind={"k": 2}, shapes={"x": S.of((4, 4), sum_degree=2)})
