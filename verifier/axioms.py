@@ -564,6 +564,8 @@ VIEW_MOVES: dict[str, tuple[dict, dict, dict]] = {
     # op: (attr pattern, example binding, example logical input shape)
     "Transpose": ({"perm": "$p"}, {"p": (0, 2, 1, 3), "d": -2, "e": -3}, (2, 3, 4, 2)),
     "Reshape": ({"shape": "$sh"}, {"sh": (2, 3, 2, 4), "d": -1, "e": -2}, (2, 3, 8)),
+    # a CNN's head: the channels of (N, C, 1, 1), split, flattened into the features (N, C)
+    "Flatten": ({"axis": "$a"}, {"a": 1, "d": -3, "e": -1}, (2, 4, 1, 1)),
 }
 _DEK = {"d": "dim", "e": "dim", "k": "degree"}
 for _o, (_pa, _ex, _sz) in VIEW_MOVES.items():
