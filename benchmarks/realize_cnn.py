@@ -75,13 +75,14 @@ def main(argv=None) -> int:
                     r = realize(g, p.pcg, book)
                     miss = [k for k in want if NodeLayout.of(r.pcg, r.ids[k]) != want[k]]
                     got = mapper.optimize(trimmed(r.pcg)).cost
-                    row[tag] = {"reached": len(want) - len(miss), "ratio": got / ilp, "realize_s": round(r.seconds, 2),
-                                "missed": dict(Counter(g.node(k).op for k in miss)), "why": r.missing[:3]}
+                    row[tag] = {"reached": len(want) - len(miss), "ratio": got / ilp,
+                                "realize_s": round(r.seconds, 2), "missed": dict(Counter(g.node(k).op for k in miss)),
+                                "why": r.missing[:3]}
                 rows.append(row)
                 b, f = row["before"], row["after"]
                 print(f"{row['model']} {mach} mesh {mesh[0]}x{mesh[1]}: {len(want)} nodes, ILP {row['ilp_ms']:.3f} ms; "
-                      f"before {b['reached']} x{b['ratio']:.4f}; after {f['reached']} x{f['ratio']:.4f} {f['missed'] or ''}",
-                      flush=True)
+                      f"before {b['reached']} x{b['ratio']:.4f}; after {f['reached']} x{f['ratio']:.4f} "
+                      f"{f['missed'] or ''}", flush=True)
     if a.json:
         with open(a.json, "a") as fh:
             for r in rows:

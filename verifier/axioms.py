@@ -783,7 +783,8 @@ for _n, (_parts, _out, _ex, _shapes) in CONV_CHANNEL.items():
 # do not cross pieces: 1x1 convolutions, 2x2/2 pooling; Pool2d's channels)
 WINDOW_SPLIT: dict[str, tuple[dict, dict, dict]] = {
     # name: (attr pattern, example binding, example shapes (first input partitioned, the others copied))
-    "Conv2d": (CONV_ATTRS, {**_cex, "pad": (0, 0, 0, 0), "d": -1}, {"x": S.of((2, 2, 4, 4)), "w": S.of((3, 2, 1, 1))}),
+    "Conv2d": (CONV_ATTRS, {**_cex, "pad": (0, 0, 0, 0), "d": -1},
+               {"x": S.of((2, 2, 4, 4)), "w": S.of((3, 2, 1, 1))}),
     "Conv2d_bias": (CONV_ATTRS, {**_cex, "pad": (0, 0, 0, 0), "d": -2},
                     {"x": S.of((2, 2, 4, 4)), "w": S.of((3, 2, 1, 1)), "b": S.of((3,))}),
     "Pool2d": (POOL_ATTRS, {"kind": "max", "ker": (2, 2), "st": (2, 2), "pad": (0, 0, 0, 0), "gp": False,
