@@ -147,6 +147,16 @@ def _shape_distance(a: ParallelTensorShape, b: ParallelTensorShape) -> float:
     return d
 
 
+def _outputs_farther(cur: NodeLayout, new: NodeLayout, tgt: NodeLayout) -> bool:
+    """True when a step takes an output of the node farther from its target (what its readers see), or splits one of
+    its dims beyond the target's degree: such a step is not taken even where its inputs come closer (data parallelism of a node the target runs on copies, chosen for
+    its copied parameters, would block the copies its readers lift above it)."""
+    def overshoots(a, b, t):     # a dim split beyond its target degree (and beyond where it was)
+        return any(y.degree > z.degree and y.degree > x.degree for x, y, z in zip(a.dims, b.dims, t.dims))
+    return any(_shape_distance(b, t) > _shape_distance(a, t) or (a.rank == b.rank == t.rank and overshoots(a, b, t))
+               for a, b, t in zip(cur.outputs, new.outputs, tgt.outputs))
+
+
 INF = math.inf
 #: in :func:`loose_distance`, a step on an exact input counts this many steps on the others
 EXACT_WEIGHT = 4
@@ -459,6 +469,9 @@ class _State:
                 after += new
                 if src == nid:
                     focus_new = new
+                    if sg not in self.relaxed and _outputs_farther(NodeLayout.of(g, nid), lays[j], self.targets[sg]):
+                        ok = False
+                        break
             if not ok or focus_new is None or focus_new >= d0 or after > before:
                 continue
             key = (focus_new, after - before, len(m.nodes), order)

@@ -52,8 +52,9 @@ import json
 from typing import Any
 
 from unity_pcg.shape import ParallelTensorShape as S
-from unity_pcg.verifier.axioms import (BINARY, CONCAT_ARITIES, SAMPLE_OPS, SAMPLE_RULES, SPLIT_VIEWS,
-                                       TRANSPOSE_SAMPLE_PERMS, UNARY, VIEW_MOVES, VIEW_REPLICATE, concat_names)
+from unity_pcg.verifier.axioms import (BINARY, CNN_REPLICATE, CONCAT_ARITIES, CONV_ATTRS, CONV_CHANNEL, SAMPLE_OPS,
+                                       SAMPLE_RULES, SPLIT_VIEWS, TRANSPOSE_SAMPLE_PERMS, UNARY, VIEW_MOVES,
+                                       VIEW_REPLICATE, WINDOW_SPLIT, concat_names)
 
 from .rule import Pattern, PatNode, Rule
 from .terms import op, rule_of
@@ -412,7 +413,8 @@ def tensor_parallel_rules() -> list[Rule]:
       partition moves to the permuted dim or to the outermost dim of the Reshape's group (the heads split);
       the landing dim is free, chosen at application, where shape inference refuses every other choice;
     * ``replicate_lift_<Op>`` for every element-wise operator and RMSNorm (``_scale``): the operators between
-      Megatron's groups on the tensor-parallel copies (``replicate_lift_Add`` is written above)."""
+      Megatron's groups on the tensor-parallel copies (``replicate_lift_Add`` is written above);
+    * the channel parallelism of convolutional networks, :func:`conv_channel_rules`."""
     rules: list[Rule] = []
     D = {**K, "d": "dim"}
     for u, (pa, ex, vk, _) in UNARY.items():
@@ -454,6 +456,47 @@ def tensor_parallel_rules() -> list[Rule]:
                     op("RMSNorm", *[_rep(n) for n in ns], axis="$a", eps="$e"), {**K, "a": "attr", "e": "attr"},
                     inputs=ns)
         rules.append(_with_example(r, {"k": 2, "a": -1, "e": 1e-6}, shapes))
+    return rules + conv_channel_rules()
+
+
+def conv_channel_rules() -> list[Rule]:
+    """Channel parallelism of convolutional networks, one compute operator each side (issue 18: the label ILP's CNN
+    layouts reached by rules; the specs are ``verifier.axioms.CONV_CHANNEL``, ``WINDOW_SPLIT``, ``CNN_REPLICATE``).
+
+    * ``conv_<out_channels|in_channels|groups>[_bias]``: a Conv2d split on its output channels (input copied,
+      weight dim 0 and bias split, output split on its channels), on its input channels (input and weight dim 1
+      split, partial sums then ``Reduce``; no bias), or with its groups split with the channels (input dim 1,
+      weight dim 0: grouped and depthwise convolutions);
+    * ``split_<Conv2d|Conv2d_bias|Pool2d>``: the operator on any dim its labels allow, the weight copied (a free
+      dim, chosen at application; shape inference refuses the others); ``split_BatchNorm_channels``: BatchNorm
+      with its four per-channel parameters split with the channels;
+    * ``replicate_lift_<Conv2d|Conv2d_bias|BatchNorm|Pool2d>``: the operator on copies."""
+    rules: list[Rule] = []
+    cv = {"k": "degree", "st": "attr", "pad": "attr", "dil": "attr", "g": "attr"}
+    for name, (parts, out, ex, shapes) in CONV_CHANNEL.items():
+        ns = list(shapes)
+        inner = op("Conv2d", *[_rep(n) if d is None else _part(n, d) for n, d in zip(ns, parts)], **CONV_ATTRS)
+        tgt = op("Reduce", inner, degree="$k") if out == "sum" else _comb(inner, out)
+        r = rule_of(f"conv_{name}", op("Conv2d", *ns, **CONV_ATTRS), tgt, cv, inputs=ns)
+        rules.append(_with_example(r, ex, shapes))
+    for name, (pa, ex, shapes) in WINDOW_SPLIT.items():
+        o = name.split("_")[0]
+        ns = list(shapes)
+        V = {"k": "degree", "d": "dim", **{v[1:]: "attr" for v in pa.values()}}
+        r = rule_of(f"split_{name}", op(o, *ns, **pa),
+                    _comb(op(o, _part(ns[0], "$d"), *[_rep(n) for n in ns[1:]], **pa), "$d"), V, inputs=ns)
+        rules.append(_with_example(r, ex, shapes))
+    bn = ("x", "s", "b", "mu", "var")
+    r = rule_of("split_BatchNorm_channels", op("BatchNorm", *bn, eps="$e", momentum="$m"),
+                _comb(op("BatchNorm", _part("x", 1), *[_part(n, 0) for n in bn[1:]], eps="$e", momentum="$m"), 1),
+                {"k": "degree", "e": "attr", "m": "attr"}, inputs=list(bn))
+    rules.append(_with_example(r, {"k": 2, "e": 1e-5, "m": 0.9},
+                               {"x": S.of((2, 4, 2, 2)), **{n: S.of((4,)) for n in bn[1:]}}, values="pos"))
+    for name, (o, pa, ex, shapes, vk) in CNN_REPLICATE.items():
+        ns = list(shapes)
+        r = rule_of(f"replicate_lift_{name}", _rep(op(o, *ns, **pa)), op(o, *[_rep(n) for n in ns], **pa),
+                    {"k": "degree", **{v[1:]: "attr" for v in pa.values()}}, inputs=ns)
+        rules.append(_with_example(r, ex, shapes, values=vk))
     return rules
 
 

@@ -564,6 +564,8 @@ VIEW_MOVES: dict[str, tuple[dict, dict, dict]] = {
     # op: (attr pattern, example binding, example logical input shape)
     "Transpose": ({"perm": "$p"}, {"p": (0, 2, 1, 3), "d": -2, "e": -3}, (2, 3, 4, 2)),
     "Reshape": ({"shape": "$sh"}, {"sh": (2, 3, 2, 4), "d": -1, "e": -2}, (2, 3, 8)),
+    # a CNN's head: the channels of (N, C, 1, 1), split, flattened into the features (N, C)
+    "Flatten": ({"axis": "$a"}, {"a": 1, "d": -3, "e": -1}, (2, 4, 1, 1)),
 }
 _DEK = {"d": "dim", "e": "dim", "k": "degree"}
 for _o, (_pa, _ex, _sz) in VIEW_MOVES.items():
@@ -741,6 +743,78 @@ _sample_rule("dp_Einsum_rp", "Einsum", {"equation": "$eq"}, {"eq": "jk,bij->bik"
 _sample_rule("dp_Einsum_pp", "Einsum", {"equation": "$eq"}, {"eq": "bij,bjk->bik"},
              {"x": S.of((4, 2, 3)), "y": S.of((4, 3, 2))}, (True, True), combine=True)
 _sample_rule("dp_Expand", "Expand", {"shape": "$sh"}, {"sh": (4, 3)}, {"x": S.of((4, 1))}, combine=True)
+
+
+# --- channel parallelism of convolutional networks (issue 18: the ILP's CNN layouts by rules) ----------------
+# A convolution split on its output channels (the weight's dim 0 and the bias split, the input copied: each device
+# computes its channels), on its input channels (input and weight split on dim 1: partial sums, then Reduce; the
+# labels refuse it with a bias, which would be added to every partial sum), a grouped or depthwise convolution
+# with its groups split together with the channels (input dim 1 and weight dim 0: each device holds whole groups;
+# the labels refuse it for groups=1, where input and output channels differ), BatchNorm with its per-channel
+# parameters split with the channels, Pool2d and Conv2d on any dim the labels allow (the sample dim, a spatial dim
+# whose windows do not cross pieces, Pool2d's channels), and these operators on copies.  Stated in the Combine form
+# (the left side the only trigger), dims literal and counted from the front (NCHW, OIHW): the sides agree wherever
+# the left side is a valid parallelization, and where the labels refuse it the equation claims nothing.
+CONV_ATTRS = {"stride": "$st", "padding": "$pad", "dilation": "$dil", "groups": "$g"}
+POOL_ATTRS = {"kind": "$kind", "kernel": "$ker", "stride": "$st", "padding": "$pad", "global_pool": "$gp",
+              "count_include_pad": "$cip", "ceil_mode": "$cm"}
+_CV = {"k": "degree", "st": "attr", "pad": "attr", "dil": "attr", "g": "attr"}
+_cex = {"st": (1, 1), "pad": (1, 1, 1, 1), "dil": (1, 1), "g": 1, "k": 2}
+_P1 = lambda t, d: op("Partition", t, dim=d, degree="$k")  # noqa: E731
+_C1 = lambda t, d: op("Combine", t, dim=d, degree="$k")  # noqa: E731
+_R1 = lambda t: op("Replicate", t, degree="$k")  # noqa: E731
+_X = S.of((2, 4, 3, 3))
+#: the channel-parallel convolution templates: name -> (inputs: per input its Partition dim or None = copied,
+#: output: the Combine dim or "sum" (a Reduce of partial sums), example binding, example shapes)
+CONV_CHANNEL: dict[str, tuple[tuple, Any, dict, dict]] = {
+    "out_channels": ((None, 0), 1, _cex, {"x": _X, "w": S.of((4, 4, 3, 3))}),
+    "out_channels_bias": ((None, 0, 0), 1, _cex, {"x": _X, "w": S.of((4, 4, 3, 3)), "b": S.of((4,))}),
+    "in_channels": ((1, 1), "sum", _cex, {"x": _X, "w": S.of((2, 4, 3, 3))}),
+    "groups": ((1, 0), 1, {**_cex, "g": 2}, {"x": _X, "w": S.of((6, 2, 3, 3))}),
+    "groups_bias": ((1, 0, 0), 1, {**_cex, "g": 4}, {"x": _X, "w": S.of((4, 1, 3, 3)), "b": S.of((4,))}),
+}
+for _n, (_parts, _out, _ex, _shapes) in CONV_CHANNEL.items():
+    _ns = list(_shapes)
+    _inner = op("Conv2d", *[_R1(n) if d is None else _P1(n, d) for n, d in zip(_ns, _parts)], **CONV_ATTRS)
+    _lhs = op("Reduce", _inner, degree="$k") if _out == "sum" else _C1(_inner, _out)
+    _ax(f"Conv2d_{_n}_combine_split", "conv_channel_split", "parallel", _lhs, op("Conv2d", *_ns, **CONV_ATTRS), _CV,
+        bind=_ex, shapes=_shapes)
+# Conv2d and Pool2d on any dim their labels allow, the weight copied (the sample dim; a spatial dim whose windows
+# do not cross pieces: 1x1 convolutions, 2x2/2 pooling; Pool2d's channels)
+WINDOW_SPLIT: dict[str, tuple[dict, dict, dict]] = {
+    # name: (attr pattern, example binding, example shapes (first input partitioned, the others copied))
+    "Conv2d": (CONV_ATTRS, {**_cex, "pad": (0, 0, 0, 0), "d": -1},
+               {"x": S.of((2, 2, 4, 4)), "w": S.of((3, 2, 1, 1))}),
+    "Conv2d_bias": (CONV_ATTRS, {**_cex, "pad": (0, 0, 0, 0), "d": -2},
+                    {"x": S.of((2, 2, 4, 4)), "w": S.of((3, 2, 1, 1)), "b": S.of((3,))}),
+    "Pool2d": (POOL_ATTRS, {"kind": "max", "ker": (2, 2), "st": (2, 2), "pad": (0, 0, 0, 0), "gp": False,
+                           "cip": False, "cm": False, "d": -3, "k": 2}, {"x": S.of((2, 4, 4, 4))}),
+}
+for _name, (_pa, _ex, _shapes) in WINDOW_SPLIT.items():
+    _o = _name.split("_")[0]
+    _ns = list(_shapes)
+    _ax(f"{_name}_combine_split", "window_combine_split", "parallel",
+        op("Combine", op(_o, op("Partition", _ns[0], dim="$d", degree="$k"), *[_R1(n) for n in _ns[1:]], **_pa),
+           dim="$d", degree="$k"), op(_o, *_ns, **_pa), {**DK, **_uvars(_pa)}, bind=_ex, shapes=_shapes)
+_BN = {"x": S.of((2, 4, 2, 2)), "s": S.of((4,)), "b": S.of((4,)), "mu": S.of((4,)), "var": S.of((4,))}
+_ax("BatchNorm_channels_combine_split", "batchnorm_channel_split", "parallel",
+    _C1(op("BatchNorm", _P1("x", 1), *[_P1(n, 0) for n in ("s", "b", "mu", "var")], eps="$e", momentum="$m"), 1),
+    op("BatchNorm", "x", "s", "b", "mu", "var", eps="$e", momentum="$m"), {"k": "degree", "e": "attr", "m": "attr"},
+    bind={"k": 2, "e": 1e-5, "m": 0.9}, shapes=_BN, values="pos")
+# on copies: an operator of copied inputs is the copied operator (a layer the ILP computes on every device of an
+# axis, between channel-parallel layers)
+CNN_REPLICATE: dict[str, tuple[str, dict, dict, dict, str]] = {
+    # name: (op, attr pattern, example binding, example shapes, values)
+    "Conv2d": ("Conv2d", CONV_ATTRS, _cex, {"x": _X, "w": S.of((4, 4, 3, 3))}, "float"),
+    "Conv2d_bias": ("Conv2d", CONV_ATTRS, _cex, {"x": _X, "w": S.of((4, 4, 3, 3)), "b": S.of((4,))}, "float"),
+    "BatchNorm": ("BatchNorm", {"eps": "$e", "momentum": "$m"}, {"k": 2, "e": 1e-5, "m": 0.9}, _BN, "pos"),
+    "Pool2d": ("Pool2d", POOL_ATTRS, {"kind": "avg", "ker": (2, 2), "st": (1, 1), "pad": (0, 0, 0, 0), "gp": False,
+                                      "cip": False, "cm": False, "k": 2}, {"x": S.of((2, 2, 3, 3))}, "float"),
+}
+for _name, (_o, _pa, _ex, _shapes, _vk) in CNN_REPLICATE.items():
+    _ns = list(_shapes)
+    _ax(f"{_name}_replicate", "cnn_replicate", "parallel", op(_o, *[_R1(n) for n in _ns], **_pa),
+        _R1(op(_o, *_ns, **_pa)), {"k": "degree", **_uvars(_pa)}, bind=_ex, shapes=_shapes, values=_vk)
 
 AXIOMS: tuple[Axiom, ...] = tuple(_AXIOMS)
 

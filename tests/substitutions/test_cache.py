@@ -115,3 +115,26 @@ def test_rules_mention_only_the_vocabulary_the_hash_covers(shipped):
     finally:
         object.__setattr__(spec, "attrs", old_attrs)
     assert cache.op_set_hash() == before
+
+
+def test_cnn_channel_rules_shipped_with_their_shape(shipped):
+    """The channel parallelism of CNNs (``templates.conv_channel_rules``) ships proven: a Conv2d split on its output
+    channels (weight dim 0, output channels gathered), on its input channels (input and weight dim 1, a Reduce),
+    by groups (input dim 1 with weight dim 0), BatchNorm with its parameters split, the window operators on copies."""
+    r = shipped.get("conv_out_channels")
+    assert [n.op for n in r.source.nodes] == ["Conv2d"] and r.target.nodes[-1].op == "Combine"
+    assert r.target.nodes[-1].a["dim"] == 1
+    parts = {n.inputs[0]: n.a["dim"] for n in r.target.nodes if n.op == "Partition"}
+    assert parts == {"w": 0} and any(n.op == "Replicate" and n.inputs[0] == "x" for n in r.target.nodes)
+    r = shipped.get("conv_in_channels")
+    assert r.target.nodes[-1].op == "Reduce"
+    assert {n.inputs[0]: n.a["dim"] for n in r.target.nodes if n.op == "Partition"} == {"x": 1, "w": 1}
+    r = shipped.get("conv_groups")
+    assert {n.inputs[0]: n.a["dim"] for n in r.target.nodes if n.op == "Partition"} == {"x": 1, "w": 0}
+    r = shipped.get("split_BatchNorm_channels")
+    assert {n.inputs[0]: n.a["dim"] for n in r.target.nodes if n.op == "Partition"} == \
+        {"x": 1, "s": 0, "b": 0, "mu": 0, "var": 0}
+    for name in ("conv_out_channels_bias", "conv_groups_bias", "split_Conv2d", "split_Conv2d_bias", "split_Pool2d",
+                 "replicate_lift_Conv2d", "replicate_lift_Conv2d_bias", "replicate_lift_BatchNorm",
+                 "replicate_lift_Pool2d"):
+        assert dict(shipped.get(name).proof)["status"] == "proven"
