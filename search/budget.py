@@ -177,6 +177,18 @@ def within(deadline: Deadline | None) -> Iterator[Deadline | None]:
         _local.deadline = old
 
 
+@contextmanager
+def linear() -> Iterator[None]:
+    """Run the block with no deadline in scope: only for linear work that completes a plan (assembling the
+    segments' choices into the whole graph), which the module allows past the hard end."""
+    old = getattr(_local, "deadline", None)
+    _local.deadline = None
+    try:
+        yield
+    finally:
+        _local.deadline = old
+
+
 def check() -> None:
     """The check solvers make at their loop heads: raise :class:`Expired` when the deadline of this
     thread's innermost scope has passed (nothing without a scope)."""

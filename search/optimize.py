@@ -54,7 +54,7 @@ from unity_pcg.errors import UnityError
 from unity_pcg.machine import MachineSpec, Resource, parse_machine
 from unity_pcg.pcg import PCG
 
-from .budget import Budget, Deadline, Expired, within
+from .budget import Budget, Deadline, Expired, linear, within
 from . import budget as B
 from .runnable import runnable
 from .substitution import (Candidate, RuleBook, RuleStep, best_first, data_parallel_steps, dp_rule_missing,
@@ -371,11 +371,14 @@ def _segment_search(g: PCG, book: RuleBook, ev: "Evaluator", dp_deg: int, k: int
         memo[key] = {kk: choice(c, kk, cross_idx) for kk, c in res.front.items() if math.isfinite(c.cost)}
     for key in uniq:
         memo.setdefault(key, {})
-    dp_graph, dp_steps = assemble(g, segs, [dp_memo[s.key] for s in segs], book)
-    choices = combine([memo[s.key] for s in segs])
-    if not choices:
-        return None, [], dp_graph, dp_steps, totals, interrupted
-    out, steps = assemble(g, segs, choices, book)
+    # assembling is linear work that completes a plan: it runs past the hard end (budget module), so that
+    # once every segment's seeds were built the floor (dp by rules) and the search's result always exist
+    with linear():
+        dp_graph, dp_steps = assemble(g, segs, [dp_memo[s.key] for s in segs], book)
+        choices = combine([memo[s.key] for s in segs])
+        if not choices:
+            return None, [], dp_graph, dp_steps, totals, interrupted
+        out, steps = assemble(g, segs, choices, book)
     return out, steps, dp_graph, dp_steps, totals, interrupted
 
 
@@ -527,7 +530,11 @@ def _price_dp_by_rules(ev: "Evaluator", g: PCG, book: RuleBook, dpg: PCG, steps,
                            else "no dp rule applies to " + (", ".join(f"{k} x{v}" for k, v in sorted(lw.items()))
                                                             or "an operator"))
     stats["dp_by_rules"] = info
-    if same and dp_cut:
+    if ev.hard is not None and ev.hard.passed():     # assembled past the hard end: mapped without the DP
+        with linear():
+            c = ev.cost_without_dp(t)
+        info["mapping"] = "without the DP (assembled past the budget's hard end)"
+    elif same and dp_cut:
         c = ev.cost_without_dp(t)
         info["mapping"] = "without the DP (as data parallelism's)"
     elif same:
@@ -1193,7 +1200,13 @@ def _price_search_result(run: _Run, out) -> None:
     graph, steps = out
     pg = trimmed(graph)
     floor_s = min(bud.share(B.RESULT_SHARE), B.RESULT_MAX_S)
-    c = run.ev.cost(pg, limited=max(min(_pricing_left(run), bud.left("pricing")), floor_s), wall=False, keep=True)
+    if bud.hard_end().passed():         # assembled past the hard end: mapped without the DP (linear)
+        with linear():
+            c = run.ev.cost_without_dp(pg)
+        run.stats["search_result_mapping"] = "without the DP (past the budget's hard end)"
+    else:
+        c = run.ev.cost(pg, limited=max(min(_pricing_left(run), bud.left("pricing")), floor_s), wall=False,
+                        keep=True)
     run.cands.append(PlanCandidate("search", pg, c, tuple(steps), SEARCH))
     run.stats["search_result_s"] = c if math.isfinite(c) else None
 

@@ -214,3 +214,17 @@ def test_the_process_start_is_before_now():
     if s is None:
         pytest.skip("no /proc here")
     assert s <= time.monotonic() and time.monotonic() - s < 3600
+
+
+def test_linear_work_runs_with_no_deadline_in_scope_and_restores_it():
+    """Assembling a plan (linear work) runs past the hard end: inside ``linear()`` check() never raises,
+    and the enclosing scope is back afterwards."""
+    from unity_pcg.search.budget import linear
+    passed = Deadline(-1.0, lambda: 0.0)
+    with within(passed):
+        with pytest.raises(Expired):
+            check()
+        with linear():
+            check()                      # no deadline in scope
+        with pytest.raises(Expired):
+            check()
