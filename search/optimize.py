@@ -54,7 +54,7 @@ from unity_pcg.errors import UnityError
 from unity_pcg.machine import MachineSpec, Resource, parse_machine
 from unity_pcg.pcg import PCG
 
-from .budget import Budget, Deadline, Expired, linear, within
+from .budget import Budget, Deadline, Expired, linear, scope_passed, within
 from . import budget as B
 from .runnable import runnable
 from .substitution import (Candidate, RuleBook, RuleStep, best_first, data_parallel_steps, dp_rule_missing,
@@ -530,10 +530,10 @@ def _price_dp_by_rules(ev: "Evaluator", g: PCG, book: RuleBook, dpg: PCG, steps,
                            else "no dp rule applies to " + (", ".join(f"{k} x{v}" for k, v in sorted(lw.items()))
                                                             or "an operator"))
     stats["dp_by_rules"] = info
-    if ev.hard is not None and ev.hard.passed():     # assembled past the hard end: mapped without the DP
+    if scope_passed() or (ev.hard is not None and ev.hard.passed()):   # assembled past the end: no DP
         with linear():
             c = ev.cost_without_dp(t)
-        info["mapping"] = "without the DP (assembled past the budget's hard end)"
+        info["mapping"] = "without the DP (assembled past the end of its scope)"
     elif same and dp_cut:
         c = ev.cost_without_dp(t)
         info["mapping"] = "without the DP (as data parallelism's)"
@@ -904,20 +904,28 @@ def _unity_candidates(run: _Run) -> None:
     3. segments: the best-first substitution search of every distinct segment, seeded by data
        parallelism and the segment's layouts reached by rules; data parallelism by rules assembled;
     4. pricing: the search's result on the whole graph;
-    5. final: floors whose solve was cut resume."""
+    5. pipeline: the 1F1B stage search (steps 3-4 stop PIPELINE_MIN_SHARE of the budget before the hard end
+       when it is to run, so it always gets that share);
+    6. final: floors whose solve was cut resume."""
     bud = run.budget
     if run.n_dev > 1 and run.dp_deg > 1:
         with bud.phase("floors"):
             _price_floors(run)
     with bud.phase("layouts"):
         _layout_candidates(run)
-    if run.pipeline and run.n_dev > 1 and "pipeline" not in bud.skipped:
+    pipe_next = run.pipeline and run.n_dev > 1 and "pipeline" not in bud.skipped
+    stop = Deadline(bud.hard_end().at - bud.share(B.PIPELINE_MIN_SHARE), bud.clock) if pipe_next else None
+    try:
+        with within(stop):
+            with bud.phase("segments"):
+                out = _search_segments(run)
+            with bud.phase("pricing"):
+                _price_search_result(run, out)
+    except Expired:                 # the stage search's least share: what was priced so far competes
+        run.stats["segments_cut"] = True
+    if pipe_next:
         with bud.phase("pipeline"):
             _pipeline_search(run)
-    with bud.phase("segments"):
-        out = _search_segments(run)
-    with bud.phase("pricing"):
-        _price_search_result(run, out)
     with bud.phase("final"):
         _resume_cut_floors(run)
 
@@ -1200,10 +1208,10 @@ def _price_search_result(run: _Run, out) -> None:
     graph, steps = out
     pg = trimmed(graph)
     floor_s = min(bud.share(B.RESULT_SHARE), B.RESULT_MAX_S)
-    if bud.hard_end().passed():         # assembled past the hard end: mapped without the DP (linear)
+    if scope_passed() or bud.hard_end().passed():     # assembled past the end: mapped without the DP
         with linear():
             c = run.ev.cost_without_dp(pg)
-        run.stats["search_result_mapping"] = "without the DP (past the budget's hard end)"
+        run.stats["search_result_mapping"] = "without the DP (past the end of its scope)"
     else:
         c = run.ev.cost(pg, limited=max(min(_pricing_left(run), bud.left("pricing")), floor_s), wall=False,
                         keep=True)
