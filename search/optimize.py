@@ -25,13 +25,14 @@ Strategies:
 * ``dp``, ``megatron``, ``expert``, ``none``: the fixed strategies of :func:`search.baselines.build_strategy`
   (built by hand, so their plans record no rule sequence).
 
-Pipelines: with ``pipeline=True`` (unity), the pipeline phase (after the layouts, before the segments:
-its share is never taken by work that runs late) runs the 1F1B stage search of :mod:`search.pipeline`;
+Pipelines: with ``pipeline=True`` (unity), the pipeline phase (after the segments and the pricing, whose
+work stops PIPELINE_MIN_SHARE of the budget before the hard end, so its least share is never taken by work
+that runs late) runs the 1F1B stage search of :mod:`search.pipeline`;
 its plan is taken at the end when it is predicted faster than the chosen one, and then records its stages
 (``Plan.pipeline``) and the rule sequence of the PCG inside them where the rules reach it.
 
 Budgets: ``budget_s`` seconds of wall time for the whole call, import included, split into the named
-phases of :data:`search.budget.PHASES` (floors, layouts, pipeline, segments, pricing, final),
+phases of :data:`search.budget.PHASES` (floors, layouts, segments, pricing, pipeline, final),
 each with a deadline the solvers check at their loop heads (the mapping DP at every subproblem, rule
 application at every match round, the best-first search and the stage search at every step; no signals,
 so any thread); when time is up the best plan priced so far is returned, and nothing runs past the hard
