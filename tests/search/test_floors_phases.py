@@ -112,6 +112,28 @@ def test_the_pipeline_search_is_not_starved_by_work_that_runs_late(monkeypatch):
         assert r.predicted_iteration_s == pytest.approx(r.stats["pipeline_iteration_s"], rel=1e-12)
 
 
+def test_the_floor_by_rules_and_the_search_result_exist_when_the_stage_search_runs_late(monkeypatch):
+    """The segments run before the stage search: when the stage search runs to the hard end (a loaded
+    machine), data parallelism by rules (the floor) and the search's own result were already built and priced
+    (before the reorder, a stage search that ran late left the segments cut at the hard end: a fallback),
+    so the plan is not a fallback and the search's own best candidate is known (issue 18 point 2)."""
+    g = synthetic_transformer(2, batch=16, seq=64, hidden=256, heads=8)
+    clock = Tick(2e-4)
+    seen = {}
+
+    def late_pipeline(run, until=None):
+        seen["floor_before_pipeline"] = any(c.mechanism == "data parallel by rules" for c in run.floor)
+        clock.t = max(clock.t, run.budget.hard_end().at - 1e-3)      # everything after this is late
+        run.pipe, run.pipe_searched = None, True
+    monkeypatch.setattr(O, "_pipeline_search", late_pipeline)
+    r = optimize(g, "summit:2x4", budget_s=Budget(2.0, clock=clock), optimizer="adam", memory_techniques=False,
+                 max_candidates=2)
+    assert seen["floor_before_pipeline"] is True
+    assert "dp_by_rules" in r.stats and "search_result_s" in r.stats      # the pricing phase ran
+    assert r.stats.get("best_own_s") is not None
+    assert "fallback" not in r.stats["chosen"] and r.feasible
+
+
 @pytest.mark.parametrize("machine", ["summit:4x6", "h100:16x8", "local:1x4"])
 def test_the_nearest_holder_is_the_one_the_levels_order(machine):
     """The holder a device reads from: itself, else the nearest level (group, node, network), then the lowest
