@@ -40,11 +40,11 @@ class Phase:
 
 
 #: The phases of the joint search, in order, and their shares of ``--budget`` (they sum to 1).  A phase
-#: ends at the start plus the budget times the shares up to it (the marks: 35%, 60%, 85%, 93%, 97%, 100%
-#: with pipelines; 35%, 60%, 60%, 93%, 97%, 100% without).  The pipeline stage search runs before the
-#: segments so that the work that may run past its mark (data parallelism by rules, the search's own
-#: result) can never take its share: what runs late is the segments' best-first search, which stops at any
-#: point with what it found.
+#: ends at the start plus the budget times the shares up to it (the marks: 35%, 60%, 68%, 72%, 97%, 100%
+#: with pipelines; 35%, 60%, 93%, 97%, 97%, 100% without).  The segments (data parallelism by rules, the
+#: floor, and the search's own result) run before the pipeline stage search, so that on a loaded machine
+#: the floor by rules and the search's own candidate exist; their work stops early enough to leave the
+#: stage search PIPELINE_MIN_SHARE of the budget before the hard end (optimize._unity_candidates).
 PHASES: tuple[Phase, ...] = (
     Phase("floors", 0.35, "import; data parallelism's mapping; the fixed strategies' floors: every floor's "
                           "plain point first, then the tuned grids (ZeRO-3 and Megatron-LM as tuned), each "
@@ -52,11 +52,11 @@ PHASES: tuple[Phase, ...] = (
     Phase("layouts", 0.25, "the tuned floors' grid walks go on where the floors phase cut them (FLOOR_RESUME_SHARE; FLOOR_RESUME_NOFIT_SHARE while nothing fits); gradient accumulation (one stage, M micro-batches, with the layouts and the memory "
                            "techniques) where the full batch does not fit; the ILP's layout of every logical "
                            "mesh (search/layouts.py), reached by rules where the rules reach it, and priced"),
-    Phase("pipeline", 0.25, "the 1F1B stage search (its rule sequence is built at the end, where it wins)",
-          spare_to="segments"),
     Phase("segments", 0.08, "the segments' seeds (data parallelism, their layouts reached by rules) and their "
                             "best-first search (the sequential strategy's two searches)"),
     Phase("pricing", 0.04, "the whole-graph pricing of the search's result"),
+    Phase("pipeline", 0.25, "the 1F1B stage search (its rule sequence is built at the end, where it wins)",
+          spare_to="segments"),
     Phase("final", 0.03, "floors whose solve was cut resume; the final mapping of the chosen plan; the "
                          "pipeline's rule sequence where it is chosen"),
 )
@@ -178,6 +178,24 @@ def within(deadline: Deadline | None) -> Iterator[Deadline | None]:
         yield new
     finally:
         _local.deadline = old
+
+
+@contextmanager
+def linear() -> Iterator[None]:
+    """Run the block with no deadline in scope: only for linear work that completes a plan (assembling the
+    segments' choices into the whole graph), which the module allows past the hard end."""
+    old = getattr(_local, "deadline", None)
+    _local.deadline = None
+    try:
+        yield
+    finally:
+        _local.deadline = old
+
+
+def scope_passed() -> bool:
+    """Whether the deadline of this thread's innermost :func:`within` scope has passed (False without one)."""
+    d = getattr(_local, "deadline", None)
+    return d is not None and d.clock() > d.at
 
 
 def check() -> None:

@@ -25,13 +25,14 @@ Strategies:
 * ``dp``, ``megatron``, ``expert``, ``none``: the fixed strategies of :func:`search.baselines.build_strategy`
   (built by hand, so their plans record no rule sequence).
 
-Pipelines: with ``pipeline=True`` (unity), the pipeline phase (after the layouts, before the segments:
-its share is never taken by work that runs late) runs the 1F1B stage search of :mod:`search.pipeline`;
+Pipelines: with ``pipeline=True`` (unity), the pipeline phase (after the segments and the pricing, whose
+work stops PIPELINE_MIN_SHARE of the budget before the hard end, so its least share is never taken by work
+that runs late) runs the 1F1B stage search of :mod:`search.pipeline`;
 its plan is taken at the end when it is predicted faster than the chosen one, and then records its stages
 (``Plan.pipeline``) and the rule sequence of the PCG inside them where the rules reach it.
 
 Budgets: ``budget_s`` seconds of wall time for the whole call, import included, split into the named
-phases of :data:`search.budget.PHASES` (floors, layouts, pipeline, segments, pricing, final),
+phases of :data:`search.budget.PHASES` (floors, layouts, segments, pricing, pipeline, final),
 each with a deadline the solvers check at their loop heads (the mapping DP at every subproblem, rule
 application at every match round, the best-first search and the stage search at every step; no signals,
 so any thread); when time is up the best plan priced so far is returned, and nothing runs past the hard
@@ -54,7 +55,7 @@ from unity_pcg.errors import UnityError
 from unity_pcg.machine import MachineSpec, Resource, parse_machine
 from unity_pcg.pcg import PCG
 
-from .budget import Budget, Deadline, Expired, within
+from .budget import Budget, Deadline, Expired, linear, scope_passed, within
 from . import budget as B
 from .runnable import runnable
 from .substitution import (Candidate, RuleBook, RuleStep, best_first, data_parallel_steps, dp_rule_missing,
@@ -371,11 +372,14 @@ def _segment_search(g: PCG, book: RuleBook, ev: "Evaluator", dp_deg: int, k: int
         memo[key] = {kk: choice(c, kk, cross_idx) for kk, c in res.front.items() if math.isfinite(c.cost)}
     for key in uniq:
         memo.setdefault(key, {})
-    dp_graph, dp_steps = assemble(g, segs, [dp_memo[s.key] for s in segs], book)
-    choices = combine([memo[s.key] for s in segs])
-    if not choices:
-        return None, [], dp_graph, dp_steps, totals, interrupted
-    out, steps = assemble(g, segs, choices, book)
+    # assembling is linear work that completes a plan: it runs past the hard end (budget module), so that
+    # once every segment's seeds were built the floor (dp by rules) and the search's result always exist
+    with linear():
+        dp_graph, dp_steps = assemble(g, segs, [dp_memo[s.key] for s in segs], book)
+        choices = combine([memo[s.key] for s in segs])
+        if not choices:
+            return None, [], dp_graph, dp_steps, totals, interrupted
+        out, steps = assemble(g, segs, choices, book)
     return out, steps, dp_graph, dp_steps, totals, interrupted
 
 
@@ -527,7 +531,11 @@ def _price_dp_by_rules(ev: "Evaluator", g: PCG, book: RuleBook, dpg: PCG, steps,
                            else "no dp rule applies to " + (", ".join(f"{k} x{v}" for k, v in sorted(lw.items()))
                                                             or "an operator"))
     stats["dp_by_rules"] = info
-    if same and dp_cut:
+    if scope_passed() or (ev.hard is not None and ev.hard.passed()):   # assembled past the end: no DP
+        with linear():
+            c = ev.cost_without_dp(t)
+        info["mapping"] = "without the DP (assembled past the end of its scope)"
+    elif same and dp_cut:
         c = ev.cost_without_dp(t)
         info["mapping"] = "without the DP (as data parallelism's)"
     elif same:
@@ -897,20 +905,28 @@ def _unity_candidates(run: _Run) -> None:
     3. segments: the best-first substitution search of every distinct segment, seeded by data
        parallelism and the segment's layouts reached by rules; data parallelism by rules assembled;
     4. pricing: the search's result on the whole graph;
-    5. final: floors whose solve was cut resume."""
+    5. pipeline: the 1F1B stage search (steps 3-4 stop PIPELINE_MIN_SHARE of the budget before the hard end
+       when it is to run, so it always gets that share);
+    6. final: floors whose solve was cut resume."""
     bud = run.budget
     if run.n_dev > 1 and run.dp_deg > 1:
         with bud.phase("floors"):
             _price_floors(run)
     with bud.phase("layouts"):
         _layout_candidates(run)
-    if run.pipeline and run.n_dev > 1 and "pipeline" not in bud.skipped:
+    pipe_next = run.pipeline and run.n_dev > 1 and "pipeline" not in bud.skipped
+    stop = Deadline(bud.hard_end().at - bud.share(B.PIPELINE_MIN_SHARE), bud.clock) if pipe_next else None
+    try:
+        with within(stop):
+            with bud.phase("segments"):
+                out = _search_segments(run)
+            with bud.phase("pricing"):
+                _price_search_result(run, out)
+    except Expired:                 # the stage search's least share: what was priced so far competes
+        run.stats["segments_cut"] = True
+    if pipe_next:
         with bud.phase("pipeline"):
             _pipeline_search(run)
-    with bud.phase("segments"):
-        out = _search_segments(run)
-    with bud.phase("pricing"):
-        _price_search_result(run, out)
     with bud.phase("final"):
         _resume_cut_floors(run)
 
@@ -1202,7 +1218,13 @@ def _price_search_result(run: _Run, out) -> None:
     graph, steps = out
     pg = trimmed(graph)
     floor_s = min(bud.share(B.RESULT_SHARE), B.RESULT_MAX_S)
-    c = run.ev.cost(pg, limited=max(min(_pricing_left(run), bud.left("pricing")), floor_s), wall=False, keep=True)
+    if scope_passed() or bud.hard_end().passed():     # assembled past the end: mapped without the DP
+        with linear():
+            c = run.ev.cost_without_dp(pg)
+        run.stats["search_result_mapping"] = "without the DP (past the end of its scope)"
+    else:
+        c = run.ev.cost(pg, limited=max(min(_pricing_left(run), bud.left("pricing")), floor_s), wall=False,
+                        keep=True)
     run.cands.append(PlanCandidate("search", pg, c, tuple(steps), SEARCH))
     run.stats["search_result_s"] = c if math.isfinite(c) else None
 

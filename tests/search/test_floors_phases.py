@@ -83,9 +83,9 @@ def test_every_floor_is_priced_under_a_short_budget(budget_s):
 
 
 def test_the_pipeline_search_is_not_starved_by_work_that_runs_late(monkeypatch):
-    """The stage search runs in its own phase before the segments: when the segments' work runs to the hard
-    end (as data parallelism by rules may on a loaded machine), the pipeline was already searched with its
-    share, and its plan competes at the end."""
+    """The segments (data parallelism by rules, the search's result) run before the stage search: when their
+    work runs late (as data parallelism by rules may on a loaded machine) it stops PIPELINE_MIN_SHARE of the
+    budget before the hard end, so the pipeline is still searched with that share, and its plan competes."""
     from .test_pipeline import _chain
     g = _chain(64, [256, 256, 256, 256])
     clock = Tick(2e-4)
@@ -94,19 +94,44 @@ def test_the_pipeline_search_is_not_starved_by_work_that_runs_late(monkeypatch):
 
     def late_segments(run):
         seen["pipe_before_segments"] = run.pipe_searched
-        clock.t = max(clock.t, run.budget.hard_end().at - 1e-3)      # everything after this is late
+        # late: past the end of the segments' scope (PIPELINE_MIN_SHARE before the hard end)
+        clock.t = max(clock.t, run.budget.hard_end().at - run.budget.share(B.PIPELINE_MIN_SHARE) + 1e-3)
+        from unity_pcg.search.budget import check
+        check()                                  # the segments' scope ended before: Expired
         return None
     monkeypatch.setattr(O, "_search_segments", late_segments)
     r = optimize(g, "summit:2x2", budget_s=bud, optimizer="adam", memory_techniques=False, max_candidates=1)
-    assert seen["pipe_before_segments"] is True
+    assert seen["pipe_before_segments"] is False and r.stats.get("segments_cut")
     tl = r.stats["budget"]["phases"]
-    assert tl["pipeline"]["end"] <= tl["segments"]["start"]
-    # the stage search ran within its phase, was not cut, and found a plan
-    assert tl["pipeline"]["end"] <= tl["pipeline"]["deadline"] + B.PIPELINE_OVER * 2.0
+    assert tl["segments"]["end"] <= tl["pipeline"]["start"]
+    # the stage search ran within its least share, before the hard end, was not cut, and found a plan
+    assert tl["pipeline"]["end"] <= 2.0 + max(B.GRACE * 2.0, B.GRACE_MIN_S)
     assert not r.stats.get("pipeline_cut") and r.stats.get("pipeline_iteration_s") is not None
     assert r.feasible
     if r.plan.pipeline is not None:
         assert r.predicted_iteration_s == pytest.approx(r.stats["pipeline_iteration_s"], rel=1e-12)
+
+
+def test_the_floor_by_rules_and_the_search_result_exist_when_the_stage_search_runs_late(monkeypatch):
+    """The segments run before the stage search: when the stage search runs to the hard end (a loaded
+    machine), data parallelism by rules (the floor) and the search's own result were already built and priced
+    (before the reorder, a stage search that ran late left the segments cut at the hard end: a fallback),
+    so the plan is not a fallback and the search's own best candidate is known (issue 18 point 2)."""
+    g = synthetic_transformer(2, batch=16, seq=64, hidden=256, heads=8)
+    clock = Tick(2e-4)
+    seen = {}
+
+    def late_pipeline(run, until=None):
+        seen["floor_before_pipeline"] = any(c.mechanism == "data parallel by rules" for c in run.floor)
+        clock.t = max(clock.t, run.budget.hard_end().at - 1e-3)      # everything after this is late
+        run.pipe, run.pipe_searched = None, True
+    monkeypatch.setattr(O, "_pipeline_search", late_pipeline)
+    r = optimize(g, "summit:2x4", budget_s=Budget(2.0, clock=clock), optimizer="adam", memory_techniques=False,
+                 max_candidates=2)
+    assert seen["floor_before_pipeline"] is True
+    assert "dp_by_rules" in r.stats and "search_result_s" in r.stats      # the pricing phase ran
+    assert r.stats.get("best_own_s") is not None
+    assert "fallback" not in r.stats["chosen"] and r.feasible
 
 
 @pytest.mark.parametrize("machine", ["summit:4x6", "h100:16x8", "local:1x4"])
