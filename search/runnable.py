@@ -27,11 +27,32 @@ from unity_pcg.errors import UnityError
 
 def executor_refusal(plan, per_device_bn: bool = False) -> str | None:
     """Why ``unity-pcg run`` (default flags: no ``--per-device-bn``) would refuse ``plan`` before starting a
-    process, as its one line; None when it would start.  Imports no torch."""
+    process, as its one line; None when it would start.  Imports no torch.  A plan whose PCG object and
+    other fields equal one checked lately gets that answer again (a PCG is immutable)."""
+    obj = _as_loaded(plan)
+    rest = json.dumps({k: v for k, v in obj.items() if k != "pcg"}, sort_keys=True)
+    key = (id(plan.pcg), rest, per_device_bn)
+    hit = _CHECKED.get(key)
+    if hit is not None and hit[0] is plan.pcg:      # the same (immutable) PCG with the same other fields
+        return hit[1]
+    why = _refusal(obj, per_device_bn)
+    _CHECKED[key] = (plan.pcg, why)
+    while len(_CHECKED) > _CHECKED_MAX:
+        _CHECKED.pop(next(iter(_CHECKED)))
+    return why
+
+
+#: the last checks (key: the PCG object's id and the plan's other fields as JSON text; value: (that PCG,
+#: the answer)): the pipeline search checks the plan it may return, and ``runnable`` checks it again
+_CHECKED: dict = {}
+_CHECKED_MAX = 8
+
+
+def _refusal(obj: dict, per_device_bn: bool) -> str | None:
     from unity_pcg import plan as P
     from unity_pcg.executor.launch import plan_world
     try:
-        loaded = P.from_json(json.loads(json.dumps(plan.to_json())))   # what `run` loads from the file
+        loaded = P.from_json(obj)      # what `run` loads from the file
         plan_world(loaded)
         if loaded.pipeline is not None:
             from unity_pcg.executor.pipeline import check_pipeline
@@ -39,6 +60,17 @@ def executor_refusal(plan, per_device_bn: bool = False) -> str | None:
     except UnityError as e:
         return str(e)
     return None
+
+
+def _as_loaded(plan) -> dict:
+    """The plan's JSON object as ``run`` reads it back from the file, without the fields loading does not
+    check: ``info`` (search statistics, the bulk of a big plan's file; loading only keeps it) and
+    ``predicted`` (loading checks only that it is an object; :meth:`Plan.to_json` always writes one).
+    The rest goes through the JSON text, so tuples, integer keys and non-finite numbers arrive as the
+    file has them."""
+    obj = plan.to_json()
+    obj["info"], obj["predicted"] = {}, {}
+    return json.loads(json.dumps(obj))
 
 
 def _plan_of(plan, pg, mapping, steps, label: str, stats: dict):

@@ -485,14 +485,21 @@ class _Tuner:
         # ZeRO-3's per micro-batch is the techniques' trade, priced, not assumed)
         return out + ([(PER_REGION, z) for z in zs if z] or [(PER_REGION, max(zs))] if self.per_region else [])
 
-    def price_layout(self, lay: _Layout, mbs: int) -> list[_Point]:
+    def price_layout(self, lay: _Layout, mbs: int, cut: bool = False) -> list[_Point]:
+        """The layout's points, one per technique combination (:meth:`combos`).  ``cut``: past the deadline
+        the combinations not yet priced are left out (the first is always priced; ``stats["plain_cut"]``
+        counts the rest): the plain point's pricing, which no walk resumes."""
         if lay.pp == 1 and not lay.reason and not lay.name:
             seen = self._pp1_layouts.setdefault(lay.tp, [])
             if not any(x is lay for x in seen):
                 seen.append(lay)
         out = []
         fits: set = set()                 # ZeRO stages whose point without recomputation fits
-        for rec, z in self.combos():
+        combos = self.combos()
+        for k, (rec, z) in enumerate(combos):
+            if cut and out and self.expired():
+                self.stats["plain_cut"] = len(combos) - k
+                break
             if rec == PER_REGION and z in fits:
                 continue                  # it would choose no recomputation: that point is priced
             cfg = TunedConfig(lay.tp, lay.pp, lay.dp, mbs, lay.M, rec, z == 1, lay.sp, z, lay.name)
@@ -650,7 +657,7 @@ class _Tuner:
                 self.stats["plain"] = plain.reason
                 plain = None
             else:
-                self.price_layout(plain, B // plain.dp)
+                self.price_layout(plain, B // plain.dp, cut=True)
         if plain is not None:
             self._skip_from(plain, walks)
             walks.sort(key=lambda w: _closeness(w, plain))
