@@ -372,9 +372,10 @@ def _segment_search(g: PCG, book: RuleBook, ev: "Evaluator", dp_deg: int, k: int
         memo[key] = {kk: choice(c, kk, cross_idx) for kk, c in res.front.items() if math.isfinite(c.cost)}
     for key in uniq:
         memo.setdefault(key, {})
-    # assembling is linear work that completes a plan: it runs past the hard end (budget module), so that
-    # once every segment's seeds were built the floor (dp by rules) and the search's result always exist
-    with linear():
+    # assembling completes a plan: it runs past the segments' scope, so that once every segment's seeds were
+    # built the floor (dp by rules) and the search's result exist; but not past the budget's hard end: on a
+    # graph of thousands of operators its boundary cancellations are not linear (Expired: segments_cut)
+    with linear(), within(ev.hard):
         dp_graph, dp_steps = assemble(g, segs, [dp_memo[s.key] for s in segs], book)
         choices = combine([memo[s.key] for s in segs])
         if not choices:

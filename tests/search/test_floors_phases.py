@@ -148,3 +148,25 @@ def test_the_nearest_holder_is_the_one_the_levels_order(machine):
         hs = set(rng.sample(range(n), rng.randint(1, n)))
         for dev in rng.sample(range(n), min(n, 16)):
             assert gc._nearest(hs, dev) == min(hs, key=lambda h: (rank[m.level(h, dev)], h))
+
+
+def test_the_segments_assembly_stops_at_the_hard_end(monkeypatch):
+    """Assembling the segments' choices runs past the segments' scope but not past the budget's hard end (on a
+    graph of thousands of operators its boundary cancellations take minutes): when the hard end passes during
+    the cancellation rounds, the segments phase is cut and optimize still returns a feasible plan."""
+    from unity_pcg.search import split as S
+    g = synthetic_transformer(2, batch=16, seq=64, hidden=256, heads=8)
+    clock = Tick(2e-4)
+    rounds = {"n": 0}
+    real = S.cancel_rounds
+
+    def slow_rounds(*a, **kw):          # the hard end passes while the boundaries are cancelled
+        rounds["n"] += 1
+        clock.t = max(clock.t, budget.hard_end().at + 1.0)
+        return real(*a, **kw)
+    monkeypatch.setattr(S, "cancel_rounds", slow_rounds)
+    budget = Budget(2.0, clock=clock)
+    r = optimize(g, "summit:2x4", budget_s=budget, optimizer="adam", memory_techniques=False, max_candidates=2)
+    assert rounds["n"] >= 1
+    assert r.stats.get("segments_cut") is True
+    assert r.feasible
