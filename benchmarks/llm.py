@@ -200,9 +200,10 @@ def report() -> None:
              "Megatron-LM is the best configuration of its grid (search/tuned.py) found within the budget. "
              "`layers`: decoder blocks planned (a reduced depth keeps the width; its numbers are that model's, not "
              "the full one's).", "",
-             "| model | GPUs | layers | budget | Unity | Megatron-LM (tuned) | ZeRO-3 | Alpa | Unity / Megatron | "
-             "Unity / best baseline |",
-             "|---|---:|---:|---:|---|---|---|---|---:|---:|"]
+]
+    header = ("| model | GPUs | layers | budget | Unity | Megatron-LM (tuned) | ZeRO-3 | Alpa | Unity / Megatron | "
+              "Unity / best baseline |")
+    sep = "|---|---:|---:|---:|---|---|---|---|---:|---:|"
 
     def secs(r):
         return f"{r['wall_s']:.0f} s" + (f", cpu {r['cpu_s']:.0f} s" if r.get("cpu_s") is not None else "")
@@ -216,31 +217,50 @@ def report() -> None:
         cut = f"; grid cut at {g.get('points_priced')} points" if g.get("cut") else ""
         return f"{r['samples_s']:.1f}/s ({secs(r)}{cut}) {r['plan']}"
 
-    ratios, best_ratios, missing = [], [], []
-    for (model, n, k, b), ps in sorted(by.items(), key=lambda x: (x[0][1], x[0][0], x[0][2])):
-        u = ps.get("unity")
-        ut = u["samples_s"] if u and u["status"] == "ok" else None
-        mg = ps.get("megatron")
-        mt = mg["samples_s"] if mg and mg["status"] == "ok" else None
-        base = [ps[p]["samples_s"] for p in ("megatron", "zero3", "alpa") if p in ps and ps[p]["status"] == "ok"]
-        r1 = f"{ut / mt:.2f}x" if ut and mt else ""
-        r2 = f"{ut / max(base):.2f}x" if ut and base else ""
-        if ut and mt:
-            ratios.append(ut / mt)
-        if ut and base:
-            best_ratios.append(ut / max(base))
-        if base and not ut:
-            missing.append(f"{model} on {8 * n}")
-        full = _full_layers(model)
-        lines.append(f"| {model} | {8 * n} | {k}{'' if k == full else f' of {full}'} | {b:.0f} s | {cell(u)} | {cell(mg)} | {cell(ps.get('zero3'))} | "
-                     f"{cell(ps.get('alpa'))} | {r1} | {r2} |")
-    lines.append("")
-    if ratios:
-        lines.append(f"Unity / tuned Megatron-LM: mean {sum(ratios) / len(ratios):.2f}x, lowest {min(ratios):.2f}x over "
-                     f"{len(ratios)} setting(s); Unity / best baseline: mean "
-                     f"{sum(best_ratios) / len(best_ratios):.2f}x, lowest {min(best_ratios):.2f}x.")
-    if missing:
-        lines.append(f"No Unity plan where a baseline has one: {', '.join(missing)}.")
+    def table(keys, title):
+        """One table of settings ``keys`` and its summary lines (ratios over the settings where both priced)."""
+        out = [title, "", header, sep]
+        ratios, best_ratios, missing = [], [], []
+        for model, n, k, b in keys:
+            ps = by[(model, n, k, b)]
+            u = ps.get("unity")
+            ut = u["samples_s"] if u and u["status"] == "ok" else None
+            mg = ps.get("megatron")
+            mt = mg["samples_s"] if mg and mg["status"] == "ok" else None
+            base = [ps[p]["samples_s"] for p in ("megatron", "zero3", "alpa") if p in ps and ps[p]["status"] == "ok"]
+            r1 = f"{ut / mt:.2f}x" if ut and mt else ""
+            r2 = f"{ut / max(base):.2f}x" if ut and base else ""
+            if ut and mt:
+                ratios.append(ut / mt)
+            if ut and base:
+                best_ratios.append(ut / max(base))
+            if base and not ut:
+                missing.append(f"{model} on {8 * n}")
+            full = _full_layers(model)
+            out.append(f"| {model} | {8 * n} | {k}{'' if k == full else f' of {full}'} | {b:.0f} s | {cell(u)} | "
+                       f"{cell(mg)} | {cell(ps.get('zero3'))} | {cell(ps.get('alpa'))} | {r1} | {r2} |")
+        out.append("")
+        if ratios:
+            out.append(f"Unity / tuned Megatron-LM: mean {sum(ratios) / len(ratios):.2f}x, lowest {min(ratios):.2f}x "
+                       f"over {len(ratios)} setting(s); Unity / best baseline: mean "
+                       f"{sum(best_ratios) / len(best_ratios):.2f}x, lowest {min(best_ratios):.2f}x.")
+        if missing:
+            out.append(f"No Unity plan where a baseline has one: {', '.join(missing)}.")
+        alone = [f"{m} on {8 * n}" for m, n, k, b in keys
+                 if (by[(m, n, k, b)].get("unity") or {}).get("status") == "ok"
+                 and not any((by[(m, n, k, b)].get(p) or {}).get("status") == "ok" for p in ("megatron", "zero3", "alpa"))
+                 and any(p in by[(m, n, k, b)] for p in ("megatron", "zero3", "alpa"))]
+        if alone:
+            out.append(f"Only Unity has a feasible plan: {', '.join(alone)}.")
+        return out + [""]
+
+    order = sorted(by, key=lambda x: (x[1], x[0], x[2]))
+    full_keys = [key for key in order if key[2] == _full_layers(key[0])]
+    reduced_keys = [key for key in order if key[2] != _full_layers(key[0])]
+    if full_keys:
+        lines += table(full_keys, "## Full depth (every decoder block)")
+    if reduced_keys:
+        lines += table(reduced_keys, "## Reduced depth (the first K blocks at full width)")
     runs = sorted({(r["budget_s"], r["layers"], r["full_layers"] if "full_layers" in r else _full_layers(r["model"]))
                    for r in rows})
     if any(k != f for _, k, f in runs):
