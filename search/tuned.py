@@ -477,8 +477,8 @@ class _Tuner:
     # the techniques on a layout point -------------------------------------------------------------------
     def combos(self) -> list[tuple[str, int]]:
         zs = {"zero3": (3,), "accumulate": (0, 1, 3)}.get(self.strategy, (0, 1))
-        if not self.tech.available:
-            return [("none", 0)] if self.strategy == "megatron" else []
+        if not self.tech.available:      # micro-batching alone (zero3 is a technique: nothing to price)
+            return [] if self.strategy == "zero3" else [("none", 0)]
         out = [(r, z) for z in zs for r in self.tech.recompute]
         # per-region recompute where memory binds: at every ZeRO stage of the grid that shards the states (they
         # leave more room for activations, so fewer regions recompute; ZeRO-1's one gather per iteration vs

@@ -72,3 +72,16 @@ def test_unity_at_least_the_standalone_tuned_baselines_with_time_to_finish():
         t = tune(g, mp, name)
         if t.feasible:
             assert res.predicted_iteration_s <= t.cost * (1 + 1e-6), (name, t.config.label(), res.stats["chosen"])
+
+
+def test_accumulation_without_memory_techniques_prices_micro_batching_alone():
+    """optimize(memory_techniques=False) still searches gradient accumulation: each point is priced with no
+    technique (it mapped the layouts and priced nothing before)."""
+    from unity_pcg.search.tuned import _NoTechniques
+    g, m = _decoder(), _small(330)
+    mp = MachineMapper(CostModel(m, optimizer="adam"))
+    assert not mp.optimize(build_strategy(g, "dp", 4)).feasible
+    r = accumulate(g, mp, [("data parallel", default_intra)], tech=_NoTechniques())
+    assert r.feasible and math.isfinite(r.cost) and r.priced
+    assert r.config.recompute == "none" and r.config.zero == 0 and r.config.micro_batches > 1
+    assert all(p["config"]["recompute"] == "none" for p in r.priced)
