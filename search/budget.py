@@ -47,8 +47,8 @@ class Phase:
 #: stage search PIPELINE_MIN_SHARE of the budget before the hard end (optimize._unity_candidates).
 PHASES: tuple[Phase, ...] = (
     Phase("floors", 0.35, "import; data parallelism's mapping; the fixed strategies' floors: every floor's "
-                          "plain point first, then the tuned grids (ZeRO-3 and Megatron-LM as tuned), each "
-                          "bounded by TUNED_GRID_SHARE"),
+                          "plain point first, then the tuned grids (ZeRO-3 and Megatron-LM as tuned) sharing "
+                          "the rest of the phase"),
     Phase("layouts", 0.25, "the tuned floors' grid walks go on where the floors phase cut them (FLOOR_RESUME_SHARE; FLOOR_RESUME_NOFIT_SHARE while nothing fits); gradient accumulation (one stage, M micro-batches, with the layouts and the memory "
                            "techniques) where the full batch does not fit; the ILP's layout of every logical "
                            "mesh (search/layouts.py), reached by rules where the rules reach it, and priced"),
@@ -61,9 +61,6 @@ PHASES: tuple[Phase, ...] = (
                          "pipeline's rule sequence where it is chosen"),
 )
 
-#: one tuned floor's grid (search/tuned.py) may use at most this share of the budget, after every floor's
-#: plain point was priced (and never past the floors' mark)
-TUNED_GRID_SHARE = 0.15
 #: the layouts phase's proposals (optimize._layout_candidates): a mesh starts within PROPOSALS_START_SHARE of
 #: the time left to the phase's mark and its ILP may solve until PROPOSALS_SOLVE_SHARE of it (the rest prices the
 #: proposals by the DP and reaches them by rules)

@@ -428,8 +428,8 @@ def _fixed_baselines(run: "_Run", until: Deadline) -> dict:
        untuned (Megatron's tensor parallelism inside a node; the tuned ones' first grid point,
        :func:`search.tuned.tune` with ``grid=False``), each with an equal share of the time left to ``until``
        (a solve cut there is priced without the DP, so every floor that applies has a price);
-    2. the tuned grids (:data:`TUNED`, as ``--strategy NAME`` prices them), each bounded by the sooner of an
-       equal share of the time left and :data:`search.budget.TUNED_GRID_SHARE` of the budget; the grid
+    2. the tuned grids (:data:`TUNED`, as ``--strategy NAME`` prices them), each bounded by an equal share of
+       the time left to ``until`` (a grid that ends early leaves its time to the next); the grid
        prices the plain point first again, from the mapper's memo (a cut solve continues where it stopped),
        and replaces the plain price only where it found a faster point.
 
@@ -460,7 +460,7 @@ def _fixed_baselines(run: "_Run", until: Deadline) -> dict:
     for i, name in enumerate(grids):            # 2. the tuned grids, each bounded
         if until.left() <= 0.05:
             break
-        share = min(max(until.left(), 0.0) / (len(grids) - i), run.budget.share(B.TUNED_GRID_SHARE))
+        share = max(until.left(), 0.0) / (len(grids) - i)
         own = Deadline(until.clock() + share, until.clock).sooner(until)
         pg, c, note, r, pipe = floor(run, name, own, cheap=False)
         if pg is not None and (c < out[name][1] or (out[name][3] is None and r is not None)):
@@ -1088,6 +1088,18 @@ def _micro_batching_pays(run: _Run) -> bool:
                for name, (_, oc, _, _) in run.others.items())
 
 
+def _floor_grids_cover_data_parallel(run: _Run) -> bool:
+    """Whether the tuned floors' grid walks (``run.tuners``) price every point gradient accumulation's data-parallel
+    layout would: Megatron-LM's (tp 1, pp 1) walk is that layout (one stage of M data-parallel micro-batches,
+    ``search.pipeline.default_intra``) at ZeRO 0 / 1 with every recomputation, ZeRO-3's walk the same at ZeRO 3
+    (where techniques are priced).  A walk its bound or memory ended early could not have won there either."""
+    tuners = getattr(run, "tuners", None) or {}
+    meg = tuners.get("megatron")
+    if meg is None or meg.walks is None or not any(w["tp"] == 1 and w["pp"] == 1 for w in meg.walks):
+        return False
+    return not meg.tech.available or tuners.get("zero3") is not None and tuners["zero3"].walks is not None
+
+
 def _accumulation_candidates(run: _Run, until: Deadline) -> None:
     """Micro-batching in the joint search (gradient accumulation: one stage, M micro-batches,
     :func:`search.tuned.accumulate`), jointly with the layouts and the memory techniques: each micro-batch
@@ -1112,6 +1124,14 @@ def _accumulation_candidates(run: _Run, until: Deadline) -> None:
 
     layouts = [("data parallel", default_intra)] + [(f"layout mesh {a}x{b}", ilp((a, b))) for a, b in mesh_shapes(m)]
     t0 = time.perf_counter()
+    if _floor_grids_cover_data_parallel(run):
+        # the floors' grids walk those points already (best-first, with their other pairs): they go on instead
+        # for up to half the time, the meshes' layouts get the rest
+        layouts = layouts[1:]
+        _resume_cut_grids(run, Deadline(run.budget.now() + max(until.left(), 0.0) / 2, run.budget.clock))
+        run.stats["accumulation_data_parallel"] = "walked by the tuned floors' grids"
+        if not layouts or until.passed():
+            return
     try:
         # optimize(memory_techniques=False): micro-batching alone, as the mapper prices every other candidate
         r = accumulate(run.g, ev.mapper, layouts, until,

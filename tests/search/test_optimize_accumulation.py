@@ -85,3 +85,21 @@ def test_accumulation_without_memory_techniques_prices_micro_batching_alone():
     assert r.feasible and math.isfinite(r.cost) and r.priced
     assert r.config.recompute == "none" and r.config.zero == 0 and r.config.micro_batches > 1
     assert all(p["config"]["recompute"] == "none" for p in r.priced)
+
+
+def test_accumulation_leaves_its_data_parallel_walk_to_the_floor_grids_only_where_they_cover_it():
+    """Megatron-LM's (tp 1, pp 1) walk is accumulation's data-parallel layout at ZeRO 0 / 1, ZeRO-3's walk the
+    same at ZeRO 3: only where both walk (ZeRO-3 only where techniques are priced) does accumulation skip it."""
+    from types import SimpleNamespace as NS
+    from unity_pcg.search.optimize import _floor_grids_cover_data_parallel as covers
+
+    def tuner(pairs, tech=True):
+        return NS(walks=None if pairs is None else [{"tp": t, "pp": p} for t, p in pairs], tech=NS(available=tech))
+
+    assert covers(NS(tuners={"megatron": tuner([(2, 1), (1, 1)]), "zero3": tuner([(1, 1)])}))
+    assert not covers(NS(tuners={"megatron": tuner([(2, 1), (1, 1)])}))                  # no ZeRO-3 walk
+    assert not covers(NS(tuners={"megatron": tuner([(1, 1)]), "zero3": tuner(None)}))   # ZeRO-3 not started
+    assert not covers(NS(tuners={"megatron": tuner([(2, 1), (2, 2)]), "zero3": tuner([(1, 1)])}))
+    assert not covers(NS(tuners={"megatron": tuner(None), "zero3": tuner([(1, 1)])}))   # not started
+    assert not covers(NS(tuners={}))                                                     # Megatron does not apply
+    assert covers(NS(tuners={"megatron": tuner([(1, 1)], tech=False)}))                  # no techniques: ZeRO 0 only
