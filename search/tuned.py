@@ -327,6 +327,7 @@ class _Point:
     memory: dict
     layout: Any                       # the _Layout it belongs to
     split: tuple = (0, 0)             # busiest device: (bytes that do not scale with the micro-batch, bytes that do)
+    time_s: float = INF               # its time whether or not it fits (inf: not priced)
 
 
 @dataclass
@@ -502,6 +503,8 @@ class _Tuner:
                 break
             if rec == PER_REGION and z in fits:
                 continue                  # it would choose no recomputation: that point is priced
+            if rec == PER_REGION and self._per_region_bounded(out, z):
+                continue
             cfg = TunedConfig(lay.tp, lay.pp, lay.dp, mbs, lay.M, rec, z == 1, lay.sp, z, lay.name)
             if lay.reason:
                 pt = _Point(cfg, INF, False, lay.reason, 0, {}, lay)
@@ -518,6 +521,17 @@ class _Tuner:
             self.stats["technique_points"] += 1
         return out
 
+    def _per_region_bounded(self, out: list, z: int) -> bool:
+        """Whether the layout's per-region point at ZeRO stage ``z`` cannot beat the best point that fits:
+        recomputing regions only adds time, so its time is at least that of the same layout and ZeRO stage
+        recomputing nothing (priced first, fitting or not).  ``stats["per_region_bounded"]`` counts them."""
+        lower = min((p.time_s for p in out if p.config.recompute == "none" and p.config.zero == z), default=-INF)
+        best = min((p.cost for p in self.points if p.feasible), default=INF)
+        if lower < best:
+            return False
+        self.stats["per_region_bounded"] = self.stats.get("per_region_bounded", 0) + 1
+        return True
+
     def _price_whole(self, lay: _Layout, cfg: TunedConfig) -> _Point:
         r = lay.mapping
         if not self.tech.available:
@@ -531,7 +545,7 @@ class _Tuner:
         q = self.tech.price(lay.gc, r.views, cfg.recompute, cfg.zero, base)
         mem = dict(q.per_device)
         return _Point(cfg, q.iteration_s if q.feasible else INF, bool(q.feasible), q.reason, int(q.max_bytes), mem,
-                      lay, _split(q.report))
+                      lay, _split(q.report), q.iteration_s)
 
     def _stage_numbers(self, p, cfg: TunedConfig, cache: dict):
         """(per-micro-batch compute, per-micro-batch extra, once, weights part, activations part) of one stage."""
@@ -594,10 +608,10 @@ class _Tuner:
                 dev = max(m, key=m.get)
                 why = (f"out of memory: stage {idx} device {dev} needs {m[dev] / 2**30:.2f} GiB with "
                        f"{in_flight(S, idx, M)} micro-batches in flight but has {cap / 2**30:.2f} GiB")
-                return _Point(cfg, INF, False, why, int(mx), memory, lay, split)
+                return _Point(cfg, INF, False, why, int(mx), memory, lay, split, makespan)
         lay.ev.setdefault("_adjusted", {})[cfg] = {"fwd": fwd, "bwd": bwd, "once": once, "mem": mems,
                                                     "memory": memory, "makespan": makespan}
-        return _Point(cfg, makespan, True, "", int(mx), memory, lay, split)
+        return _Point(cfg, makespan, True, "", int(mx), memory, lay, split, makespan)
 
     # the walk ---------------------------------------------------------------------------------------------
     def finished(self) -> bool:
