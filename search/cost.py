@@ -378,8 +378,10 @@ class CostModel:
             tb = C.measured_time(self.machine, "all_reduce", len(set(devs)), total_bytes / nb)
             if tb is not None:
                 return tb * nb * nbytes / total_bytes
-        bw_only = _bw_part(self.machine, devs, nbytes)
-        lat = full - bw_only
+        # the algorithm a runtime picks for the bucket it travels in (collectives.allreduce_split)
+        msg = total_bytes / self.bucket_count(total_bytes) if self.sync_model == "executor" and total_bytes \
+            else max(nbytes, self.grad_bucket_bytes)
+        lat, bw_only = C.allreduce_split(self.machine, devs, nbytes, msg)
         if self.sync_model == "executor" and total_bytes:
             return bw_only + lat * self.bucket_count(total_bytes) * nbytes / total_bytes
         return bw_only + lat * min(1.0, nbytes / self.grad_bucket_bytes)
@@ -415,11 +417,8 @@ def check_precision(precision: Any) -> str:
 
 
 def _bw_part(machine: MachineSpec, devs, nbytes: float) -> float:
-    p = len(set(devs))
-    lv = machine.span_level(list(devs))
-    if p <= 1 or lv == "local":
-        return 0.0
-    return 2 * (p - 1) / p * nbytes / machine.link(lv).bandwidth
+    """The bytes term of the all-reduce of ``nbytes`` over ``devs`` (:func:`collectives.allreduce_split`)."""
+    return C.allreduce_split(machine, devs, nbytes)[1]
 
 
 # --- per-graph pricing ------------------------------------------------------------------------------
