@@ -359,6 +359,16 @@ class CostModel:
             return 1
         return 1 + math.ceil((total_bytes - first) / cap)
 
+    def sync_message_bytes(self, nbytes: float, total_bytes: float | None = None) -> float:
+        """The message a weight's gradient of ``nbytes`` travels in (what a runtime picks the all-reduce
+        algorithm for, :func:`collectives.allreduce_split`): the executor's average bucket of ``total_bytes``,
+        a DDP bucket (or the weight, when larger), or the weight itself without buckets."""
+        if self.grad_bucket_bytes <= 0:
+            return nbytes
+        if self.sync_model == "executor" and total_bytes:
+            return total_bytes / self.bucket_count(total_bytes)
+        return max(nbytes, self.grad_bucket_bytes)
+
     def grad_allreduce_time(self, devs, nbytes: float, total_bytes: float | None = None) -> float:
         """All-reduce of one weight's gradient.  Frameworks fuse gradients into buckets
         (``grad_bucket_bytes``, 25 MiB as in torch DDP; 0 = one all-reduce per weight): a weight then
@@ -378,10 +388,7 @@ class CostModel:
             tb = C.measured_time(self.machine, "all_reduce", len(set(devs)), total_bytes / nb)
             if tb is not None:
                 return tb * nb * nbytes / total_bytes
-        # the algorithm a runtime picks for the bucket it travels in (collectives.allreduce_split)
-        msg = total_bytes / self.bucket_count(total_bytes) if self.sync_model == "executor" and total_bytes \
-            else max(nbytes, self.grad_bucket_bytes)
-        lat, bw_only = C.allreduce_split(self.machine, devs, nbytes, msg)
+        lat, bw_only = C.allreduce_split(self.machine, devs, nbytes, self.sync_message_bytes(nbytes, total_bytes))
         if self.sync_model == "executor" and total_bytes:
             return bw_only + lat * self.bucket_count(total_bytes) * nbytes / total_bytes
         return bw_only + lat * min(1.0, nbytes / self.grad_bucket_bytes)

@@ -155,3 +155,28 @@ def test_gradient_sync_at_1024_gpus_is_not_latency_bound():
 def test_unknown_kind_is_refused():
     with pytest.raises(ValueError):
         C.algorithms_of(parse_machine("h100:2x8"), "all_to_all", 16, "network")
+
+
+def test_explain_names_the_gradient_sync_algorithm(tmp_path):
+    """`explain` records the algorithm each gradient all-reduce is priced with: the tree over 32 nodes, the
+    ring inside one node."""
+    from unity_pcg import plan as P
+    from unity_pcg.explanation import explain, format_text
+    from unity_pcg.search.baselines import data_parallel
+    from unity_pcg.search.mapping import MachineMapper
+    from tests.unity_pcg.test_explain import _mlp
+
+    model = tmp_path / "model.onnx"
+    model.write_bytes(b"stand-in model bytes")
+    seen = {}
+    for machine, d in (("h100:32x8", 256), ("h100:1x8", 8)):
+        m = parse_machine(machine)
+        g = data_parallel(_mlp(b=d * 2), d)
+        r = MachineMapper(CostModel(m)).optimize(g)
+        assert r.feasible
+        e = explain(P.Plan(str(model), P.file_sha256(str(model)), m, g, r.views, r.to_json()))
+        seen[machine] = {row.algorithm for row in e.grad_sync}
+        assert all(row.to_json()["algorithm"] == row.algorithm for row in e.grad_sync)
+        assert "per group of copies: " + ", ".join(sorted(seen[machine])) in format_text(e)
+    assert seen["h100:1x8"] == {"ring"}
+    assert seen["h100:32x8"] and "ring" not in seen["h100:32x8"]
