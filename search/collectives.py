@@ -16,11 +16,11 @@ the flat ring (always a candidate):
   tensor's).  Adjacent levels may be merged into one phase (every split is priced).  Reduce-scatter and
   all-gather: ring or the per-level phases; broadcast: pipelined tree, flat or per level.
 
-Which devices a group holds is not priced (the contract of :func:`group_level`): ``p`` devices spanning a
-level are taken as packed as the machine allows (fewest nodes, then fewest groups; :func:`packed_levels`),
-which is exact for contiguous groups (data parallelism over whole nodes) and, for groups of one device per
-node, adds per-level options whose network bytes equal the ring's.  Calibrated local machines with measured
-tables (:func:`measured_time`) keep their tables.
+A collective's price reads the group's shape (:func:`group_shape`): its distinct devices, the slowest level
+spanned and the levels it crosses with their fan-outs, exact where every node and fast group holds the same
+number of its devices, else none (flat algorithms only).  The ``*_time_of`` functions take the shape; without
+``levels`` they assume the densest packing of ``p`` devices (:func:`packed_levels`).  Calibrated local
+machines with measured tables (:func:`measured_time`) keep their tables.
 
 Volume convention (the whole project, whatever algorithm prices the time): the number of tensor elements
 sent by all devices.  For a tensor of N elements: ring all-reduce 2(p-1)N, all-gather and reduce-scatter
@@ -29,7 +29,7 @@ sent by all devices.  For a tensor of N elements: ring all-reduce 2(p-1)N, all-g
 from __future__ import annotations
 
 import math
-from collections import defaultdict
+from collections import Counter, defaultdict
 from typing import Iterable, Sequence
 
 from unity_pcg.machine import LinkSpec, MachineSpec, interpolate_table
@@ -61,14 +61,41 @@ def measured_time(machine: MachineSpec, kind: str, p: int, nbytes: float) -> flo
 
 
 def group_level(machine: MachineSpec, devs: Sequence[int]) -> tuple[int, str]:
-    """The shape a collective is priced by: the number of distinct devices and the slowest link level they
-    span (``MachineSpec.span_level``); which devices they are matters no further."""
+    """The number of distinct devices and the slowest link level they span (``MachineSpec.span_level``)."""
     return len(set(devs)), machine.span_level(devs)
+
+
+def levels_from_counts(machine: MachineSpec, p: int, level: str, nodes: int, groups: int, per_node: int,
+                       per_group: int) -> tuple[tuple[str, int], ...] | None:
+    """The link levels a group of ``p`` distinct devices crosses, innermost first with their fan-outs, from
+    the nodes and fast groups it touches and the most devices it has in one node and in one group; None
+    where they are uneven (a node or group holds more than its share: only flat algorithms apply)."""
+    if p <= 1 or level == "local":
+        return None
+    if nodes * per_node != p or groups * per_group != p or groups % nodes:
+        return None
+    q, m = per_group, groups // nodes
+    return tuple(x for x in (("group", q), ("node", m), ("network", nodes)) if x[1] > 1)
+
+
+def group_shape(machine: MachineSpec, devs: Sequence[int]) -> tuple[int, str, tuple | None]:
+    """The shape a collective is priced by: the number of distinct devices, the slowest link level they span
+    and the levels they cross (:func:`levels_from_counts`); which devices they are matters no further."""
+    ds = set(devs)
+    p, level = len(ds), machine.span_level(list(ds))
+    if p <= 1:
+        return p, level, None
+    per_node = Counter(machine.node_of(d) for d in ds)
+    per_group = Counter(machine.group_of(d) for d in ds)
+    return p, level, levels_from_counts(machine, p, level, len(per_node), len(per_group), max(per_node.values()),
+                                        max(per_group.values()))
 
 
 # --- algorithms -----------------------------------------------------------------------------------
 
 KINDS = ("all_reduce", "reduce_scatter", "all_gather", "broadcast")
+#: ``levels`` argument meaning "the densest packing of p devices spanning the level" (:func:`packed_levels`)
+PACKED = "packed"
 
 
 def packed_levels(machine: MachineSpec, p: int, level: str) -> tuple[tuple[str, int], ...] | None:
@@ -155,9 +182,10 @@ def _tree_phase(machine: MachineSpec, block, rails: int) -> tuple[float, float] 
     return lat, per_byte
 
 
-def algorithms_of(machine: MachineSpec, kind: str, p: int, level: str) -> list[tuple[str, float, float]]:
+def algorithms_of(machine: MachineSpec, kind: str, p: int, level: str, levels=PACKED) -> list[tuple[str, float, float]]:
     """Every algorithm that runs collective ``kind`` (:data:`KINDS`) over ``p`` devices spanning link level
-    ``level`` (packed: :func:`packed_levels`), as ``(name, latency s, seconds per byte)``: its time for a
+    ``level`` and crossing ``levels`` (:func:`group_shape`; None: uneven, flat algorithms only; default the
+    densest packing, :func:`packed_levels`), as ``(name, latency s, seconds per byte)``: its time for a
     tensor of ``n`` bytes (all-gather: the gathered size) is ``latency + n * seconds per byte``.  The first
     is the flat ring (broadcast: the flat pipelined tree), the formula the project priced before
     algorithms were chosen.  Empty where nothing moves (``p <= 1`` or ``local``)."""
@@ -172,7 +200,8 @@ def algorithms_of(machine: MachineSpec, kind: str, p: int, level: str) -> list[t
         out = [("ring", 2 * (p - 1) * link.latency, 2 * (p - 1) / p / link.bandwidth)]
     else:
         out = [("ring", (p - 1) * link.latency, (p - 1) / p / link.bandwidth)]
-    levels = packed_levels(machine, p, level)
+    if levels == PACKED:
+        levels = packed_levels(machine, p, level)
     if not levels:
         return out
     if kind == "broadcast":
@@ -211,13 +240,14 @@ def algorithms_of(machine: MachineSpec, kind: str, p: int, level: str) -> list[t
     return out
 
 
-def best_of(machine: MachineSpec, kind: str, p: int, level: str, nbytes: float) -> tuple[str, float, float]:
+def best_of(machine: MachineSpec, kind: str, p: int, level: str, nbytes: float,
+            levels=PACKED) -> tuple[str, float, float]:
     """The fastest of :func:`algorithms_of` for a message of ``nbytes``: ``(name, latency s, seconds per
     byte)`` (the first listed on a tie, so the ring where nothing is faster); ``("none", 0, 0)`` where
     nothing moves."""
     best = ("none", 0.0, 0.0)
     t_best = math.inf
-    for alg in _algorithms_cached(machine, kind, p, level):
+    for alg in _algorithms_cached(machine, kind, p, level, levels):
         t = alg[1] + nbytes * alg[2]
         if t < t_best:
             best, t_best = alg, t
@@ -227,26 +257,26 @@ def best_of(machine: MachineSpec, kind: str, p: int, level: str, nbytes: float) 
 _ALG_MEMO: dict = {}
 
 
-def _algorithms_cached(machine: MachineSpec, kind: str, p: int, level: str) -> list:
+def _algorithms_cached(machine: MachineSpec, kind: str, p: int, level: str, levels=PACKED) -> list:
     """:func:`algorithms_of`, memoized on everything it reads of the machine."""
     links = machine.links
-    key = (kind, p, level, machine.nodes, machine.devices_per_node, machine.group_size,
+    key = (kind, p, level, levels, machine.nodes, machine.devices_per_node, machine.group_size,
            tuple((lv, links[lv].bandwidth, links[lv].latency) for lv in ("group", "node", "network")))
     hit = _ALG_MEMO.get(key)
     if hit is None:
         if len(_ALG_MEMO) > 50_000:
             _ALG_MEMO.clear()
-        hit = _ALG_MEMO[key] = algorithms_of(machine, kind, p, level)
+        hit = _ALG_MEMO[key] = algorithms_of(machine, kind, p, level, levels)
     return hit
 
 
-def _time_of(machine: MachineSpec, kind: str, p: int, level: str, nbytes: float) -> float:
+def _time_of(machine: MachineSpec, kind: str, p: int, level: str, nbytes: float, levels=PACKED) -> float:
     if p <= 1 or level == "local" or nbytes <= 0:
         return 0.0
-    t = measured_time(machine, kind, p, nbytes)
+    t = measured_time(machine, "all_gather" if kind == "reduce_scatter" else kind, p, nbytes)
     if t is not None:
         return t
-    _, lat, per_byte = best_of(machine, kind, p, level, nbytes)
+    _, lat, per_byte = best_of(machine, kind, p, level, nbytes, levels)
     return lat + nbytes * per_byte
 
 
@@ -254,13 +284,13 @@ def algorithm_name(machine: MachineSpec, kind: str, devs: Sequence[int], nbytes:
     """The algorithm that prices collective ``kind`` of ``nbytes`` over ``devs``: ``measured`` (a calibrated
     machine's table), ``none`` (nothing moves), else :func:`best_of`'s name (``ring``, ``tree``,
     ``hierarchical group>network (tree)``, ...)."""
-    p, level = group_level(machine, devs)
+    p, level, levels = group_shape(machine, devs)
     if p <= 1 or level == "local" or nbytes <= 0:
         return "none"
     table = "all_gather" if kind == "reduce_scatter" else kind
     if measured_time(machine, table, p, nbytes) is not None:
         return "measured"
-    return best_of(machine, kind, p, level, nbytes)[0]
+    return best_of(machine, kind, p, level, nbytes, levels)[0]
 
 
 def allreduce_split(machine: MachineSpec, devs: Sequence[int], nbytes: float,
@@ -270,14 +300,14 @@ def allreduce_split(machine: MachineSpec, devs: Sequence[int], nbytes: float,
     for the message size (as a runtime picks per call), the bandwidth part its bytes term for ``nbytes``,
     the latency part one message's.  A calibrated machine's measured table: the table's time less the ring's
     bytes term at its fitted link."""
-    p, level = group_level(machine, devs)
+    p, level, levels = group_shape(machine, devs)
     if p <= 1 or level == "local" or nbytes <= 0:
         return 0.0, 0.0
     full = measured_time(machine, "all_reduce", p, nbytes)
     if full is not None:
         bw = 2 * (p - 1) / p * nbytes / machine.link(level).bandwidth
         return full - bw, bw
-    _, lat, per_byte = best_of(machine, "all_reduce", p, level, message if message else nbytes)
+    _, lat, per_byte = best_of(machine, "all_reduce", p, level, message if message else nbytes, levels)
     return lat, nbytes * per_byte
 
 
@@ -285,12 +315,12 @@ def reduce_scatter_split(machine: MachineSpec, devs: Sequence[int], nbytes: floa
                          message: float | None = None) -> tuple[float, float] | None:
     """:func:`allreduce_split` of a reduce-scatter (or all-gather, the same cost) of ``nbytes`` (the full
     size); None on a calibrated machine with a measured table (the caller interpolates it per bucket)."""
-    p, level = group_level(machine, devs)
+    p, level, levels = group_shape(machine, devs)
     if p <= 1 or level == "local" or nbytes <= 0:
         return 0.0, 0.0
     if measured_time(machine, "all_gather", p, nbytes) is not None:
         return None
-    _, lat, per_byte = best_of(machine, "reduce_scatter", p, level, message if message else nbytes)
+    _, lat, per_byte = best_of(machine, "reduce_scatter", p, level, message if message else nbytes, levels)
     return lat, nbytes * per_byte
 
 
@@ -299,29 +329,27 @@ def reduce_scatter_split(machine: MachineSpec, devs: Sequence[int], nbytes: floa
 def allreduce_time(machine: MachineSpec, devs: Sequence[int], nbytes: float) -> float:
     """All-reduce: the fastest of ring, tree and per-level algorithms (:func:`algorithms_of`; a calibrated
     local machine: its measured table)."""
-    return allreduce_time_of(machine, *group_level(machine, devs), nbytes)
+    p, level, levels = group_shape(machine, devs)
+    return allreduce_time_of(machine, p, level, nbytes, levels)
 
 
-def allreduce_time_of(machine: MachineSpec, p: int, level: str, nbytes: float) -> float:
-    """:func:`allreduce_time` of a group of ``p`` devices spanning link level ``level``."""
-    return _time_of(machine, "all_reduce", p, level, nbytes)
+def allreduce_time_of(machine: MachineSpec, p: int, level: str, nbytes: float, levels=PACKED) -> float:
+    """:func:`allreduce_time` of a group of ``p`` devices spanning link level ``level`` and crossing ``levels``
+    (:func:`group_shape`; default the densest packing)."""
+    return _time_of(machine, "all_reduce", p, level, nbytes, levels)
 
 
 def allgather_time(machine: MachineSpec, devs: Sequence[int], nbytes: float) -> float:
     """All-gather of a tensor of ``nbytes`` (gathered size): the faster of the ring (p-1 steps of n/p bytes)
     and the per-level phases (a calibrated local machine: its measured table)."""
-    return allgather_time_of(machine, *group_level(machine, devs), nbytes)
+    p, level, levels = group_shape(machine, devs)
+    return allgather_time_of(machine, p, level, nbytes, levels)
 
 
-def allgather_time_of(machine: MachineSpec, p: int, level: str, nbytes: float) -> float:
-    """:func:`allgather_time` of a group of ``p`` devices spanning link level ``level``."""
-    if p <= 1 or level == "local" or nbytes <= 0:
-        return 0.0
-    t = measured_time(machine, "all_gather", p, nbytes)
-    if t is not None:
-        return t
-    _, lat, per_byte = best_of(machine, "all_gather", p, level, nbytes)
-    return lat + nbytes * per_byte
+def allgather_time_of(machine: MachineSpec, p: int, level: str, nbytes: float, levels=PACKED) -> float:
+    """:func:`allgather_time` of a group of ``p`` devices spanning link level ``level`` and crossing
+    ``levels``."""
+    return _time_of(machine, "all_gather", p, level, nbytes, levels)
 
 
 reduce_scatter_time = allgather_time
@@ -340,12 +368,14 @@ def alltoall_time(machine: MachineSpec, devs: Sequence[int], nbytes: float) -> f
 def broadcast_time(machine: MachineSpec, devs: Sequence[int], nbytes: float) -> float:
     """Pipelined (chunked) tree broadcast of ``nbytes`` from one of ``devs`` to the others, flat or one tree
     per level (a calibrated local machine: its measured table)."""
-    return broadcast_time_of(machine, *group_level(machine, devs), nbytes)
+    p, level, levels = group_shape(machine, devs)
+    return broadcast_time_of(machine, p, level, nbytes, levels)
 
 
-def broadcast_time_of(machine: MachineSpec, p: int, level: str, nbytes: float) -> float:
-    """:func:`broadcast_time` of a group of ``p`` devices spanning link level ``level``."""
-    return _time_of(machine, "broadcast", p, level, nbytes)
+def broadcast_time_of(machine: MachineSpec, p: int, level: str, nbytes: float, levels=PACKED) -> float:
+    """:func:`broadcast_time` of a group of ``p`` devices spanning link level ``level`` and crossing
+    ``levels``."""
+    return _time_of(machine, "broadcast", p, level, nbytes, levels)
 
 
 # reduce to one device = reduce-scatter + gather: priced as the all-reduce (its algorithms)
@@ -439,7 +469,7 @@ def allreduce_elements(p: int, numel: int) -> int:
     return 2 * (p - 1) * numel if p > 1 else 0
 
 
-__all__ = ["KINDS", "packed_levels", "algorithms_of", "best_of", "algorithm_name", "allreduce_split",
+__all__ = ["KINDS", "PACKED", "packed_levels", "levels_from_counts", "group_shape", "algorithms_of", "best_of", "algorithm_name", "allreduce_split",
            "reduce_scatter_split", "measured_time", "group_level", "allreduce_time_of", "allgather_time_of", "reduce_scatter_time_of",
            "broadcast_time_of", "reduce_time_of", "transfer_time_uniform", "device_groups", "allreduce_time", "allgather_time", "reduce_scatter_time", "alltoall_time", "broadcast_time",
            "reduce_time", "p2p_time", "transfer_time", "allreduce_elements"]

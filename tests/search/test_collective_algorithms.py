@@ -49,6 +49,20 @@ def test_packed_levels():
     assert C.packed_levels(parse_machine("h100:4x8"), 5, "group") == (("group", 5),)
 
 
+def test_group_shape_reads_the_levels_crossed():
+    s = parse_machine("summit:4x6")
+    assert C.group_shape(s, [0, 1, 3, 4]) == (4, "node", (("group", 2), ("node", 2)))
+    assert C.group_shape(s, [2, 3, 4, 5]) == (4, "node", None)            # 1 + 3: uneven, flat only
+    assert C.group_shape(s, [0, 6, 12, 18]) == (4, "network", (("network", 4),))
+    assert C.group_shape(s, range(24)) == (24, "network", (("group", 3), ("node", 2), ("network", 4)))
+    assert C.group_shape(s, [7, 7]) == (1, "local", None)
+    # uneven groups are priced by the flat ring alone; the densest packing would have split 2 + 2
+    n = 1e8
+    assert C.allreduce_time(s, [2, 3, 4, 5], n) == pytest.approx(_ring_allreduce(s, 4, "node", n))
+    assert C.allreduce_time(s, [0, 1, 3, 4], n) < C.allreduce_time(s, [2, 3, 4, 5], n)
+    assert C.allreduce_time_of(s, 4, "node", n) == C.allreduce_time(s, [0, 1, 3, 4], n)
+
+
 def test_tree_across_nodes_by_hand():
     """1,024 H100s (128 nodes x 8): NCCL's tree (a chain of 8 in each node, a double binary tree over the
     128 nodes) against the ring's 2 x 1,023 network latencies."""
@@ -110,7 +124,7 @@ def test_never_slower_than_the_ring(machine):
         if p <= dpn:
             groups["strided in a node"] = list(range(0, p * (dpn // p), dpn // p))
         for devs in groups.values():
-            q, level = C.group_level(m, devs)
+            q, level, levels = C.group_shape(m, devs)
             for n in (8.0, 4e3, 1e5, 4e6, 1.6e8, 4e9):
                 for kind, got, old in (("all_reduce", C.allreduce_time, _ring_allreduce),
                                        ("reduce_scatter", C.reduce_scatter_time, _ring_gather),
@@ -118,7 +132,7 @@ def test_never_slower_than_the_ring(machine):
                                        ("broadcast", C.broadcast_time, _old_broadcast)):
                     t = got(m, devs, n)
                     assert 0 < t <= old(m, q, level, n) * (1 + 1e-12), (kind, q, level, n)
-                    algs = C.algorithms_of(m, kind, q, level)
+                    algs = C.algorithms_of(m, kind, q, level, levels)
                     assert t == pytest.approx(min(a[1] + n * a[2] for a in algs), rel=1e-12)
                     seen.add(C.algorithm_name(m, kind, devs, n).split(" ")[0])
                     checked += 1
