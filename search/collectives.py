@@ -82,11 +82,14 @@ def group_shape(machine: MachineSpec, devs: Sequence[int]) -> tuple[int, str, tu
     """The shape a collective is priced by: the number of distinct devices, the slowest link level they span
     and the levels they cross (:func:`levels_from_counts`); which devices they are matters no further."""
     ds = set(devs)
-    p, level = len(ds), machine.span_level(list(ds))
+    p = len(ds)
     if p <= 1:
-        return p, level, None
-    per_node = Counter(machine.node_of(d) for d in ds)
-    per_group = Counter(machine.group_of(d) for d in ds)
+        return p, "local", None
+    dpn, gs = machine.devices_per_node, machine.group_size
+    per_node = Counter([d // dpn for d in ds])
+    # MachineSpec.group_of, inlined
+    per_group = Counter([d // gs for d in ds] if dpn % gs == 0 else [(d // dpn, d % dpn // gs) for d in ds])
+    level = "network" if len(per_node) > 1 else "node" if len(per_group) > 1 else "group"   # span_level
     return p, level, levels_from_counts(machine, p, level, len(per_node), len(per_group), max(per_node.values()),
                                         max(per_group.values()))
 
