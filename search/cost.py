@@ -359,6 +359,16 @@ class CostModel:
             return 1
         return 1 + math.ceil((total_bytes - first) / cap)
 
+    def sync_message_bytes(self, nbytes: float, total_bytes: float | None = None) -> float:
+        """The message a weight's gradient of ``nbytes`` travels in (what a runtime picks the all-reduce
+        algorithm for, :func:`collectives.allreduce_split`): the executor's average bucket of ``total_bytes``,
+        a DDP bucket (or the weight, when larger), or the weight itself without buckets."""
+        if self.grad_bucket_bytes <= 0:
+            return nbytes
+        if self.sync_model == "executor" and total_bytes:
+            return total_bytes / self.bucket_count(total_bytes)
+        return max(nbytes, self.grad_bucket_bytes)
+
     def grad_allreduce_time(self, devs, nbytes: float, total_bytes: float | None = None) -> float:
         """All-reduce of one weight's gradient.  Frameworks fuse gradients into buckets
         (``grad_bucket_bytes``, 25 MiB as in torch DDP; 0 = one all-reduce per weight): a weight then
@@ -378,8 +388,7 @@ class CostModel:
             tb = C.measured_time(self.machine, "all_reduce", len(set(devs)), total_bytes / nb)
             if tb is not None:
                 return tb * nb * nbytes / total_bytes
-        bw_only = _bw_part(self.machine, devs, nbytes)
-        lat = full - bw_only
+        lat, bw_only = C.allreduce_split(self.machine, devs, nbytes, self.sync_message_bytes(nbytes, total_bytes))
         if self.sync_model == "executor" and total_bytes:
             return bw_only + lat * self.bucket_count(total_bytes) * nbytes / total_bytes
         return bw_only + lat * min(1.0, nbytes / self.grad_bucket_bytes)
@@ -415,11 +424,8 @@ def check_precision(precision: Any) -> str:
 
 
 def _bw_part(machine: MachineSpec, devs, nbytes: float) -> float:
-    p = len(set(devs))
-    lv = machine.span_level(list(devs))
-    if p <= 1 or lv == "local":
-        return 0.0
-    return 2 * (p - 1) / p * nbytes / machine.link(lv).bandwidth
+    """The bytes term of the all-reduce of ``nbytes`` over ``devs`` (:func:`collectives.allreduce_split`)."""
+    return C.allreduce_split(machine, devs, nbytes)[1]
 
 
 # --- per-graph pricing ------------------------------------------------------------------------------
@@ -559,18 +565,24 @@ class _Holdings:
 def _group_shapes(machine: MachineSpec, gid, devs):
     """The shape of every group whose members are ``devs[i]`` of group ``gid[i]`` (repeats allowed):
     (group ids sorted, distinct devices, link level spanned as 0 local / 1 group / 2 node / 3 network,
-    the group's distinct devices sorted, as one array, and where each group starts in it)."""
+    the group's distinct devices sorted, as one array, where each group starts in it, and per group the
+    nodes and fast groups it touches and its most devices in one node and in one group, as columns of one
+    array: what :func:`collectives.levels_from_counts` reads)."""
     sh = _Holdings._SHIFT
     pairs = np.unique((gid << sh) | devs)
     g = pairs >> sh
     d = pairs & ((1 << sh) - 1)
     ug, start, p = np.unique(g, return_index=True, return_counts=True)
-    nodes = np.unique((g << sh) | (d // machine.devices_per_node)) >> sh
-    groups = np.unique((g << sh) | C.device_groups(machine, d)) >> sh
-    n_nodes = np.searchsorted(nodes, ug, side="right") - np.searchsorted(nodes, ug, side="left")
-    n_groups = np.searchsorted(groups, ug, side="right") - np.searchsorted(groups, ug, side="left")
+    cols = []
+    for part in (d // machine.devices_per_node, C.device_groups(machine, d)):
+        keys, cnt = np.unique((g << sh) | part, return_counts=True)
+        at = np.searchsorted(ug, keys >> sh)
+        most = np.zeros(len(ug), dtype=np.int64)
+        np.maximum.at(most, at, cnt)
+        cols += [np.bincount(at, minlength=len(ug)), most]
+    n_nodes, n_groups = cols[0], cols[2]
     level = np.where(p <= 1, 0, np.where(n_nodes > 1, 3, np.where(n_groups > 1, 2, 1)))
-    return ug, p, level, d, start
+    return ug, p, level, d, start, np.stack([n_nodes, n_groups, cols[1], cols[3]], axis=1)
 
 
 _LEVEL_NAMES = ("local", "group", "node", "network")
@@ -579,11 +591,13 @@ _LEVEL_NAMES = ("local", "group", "node", "network")
 def _group_times(machine: MachineSpec, gid, devs, fn, nbytes) -> tuple[float, np.ndarray]:
     """The slowest of the collectives ``fn`` (a ``collectives.*_time_of``) of ``nbytes`` over the groups
     whose members are ``devs[i]`` of group ``gid[i]`` (repeats allowed), each priced by its shape (distinct
-    devices, link level spanned), and the distinct device count of every group (sorted by group id)."""
-    _, p, level, _, _ = _group_shapes(machine, gid, devs)
+    devices, link level spanned, levels crossed: :func:`collectives.group_shape`), and the distinct device
+    count of every group (sorted by group id)."""
+    _, p, level, _, _, counts = _group_shapes(machine, gid, devs)
     t = 0.0
-    for pp, lv in set(zip(p.tolist(), level.tolist())):
-        t = max(t, fn(machine, pp, _LEVEL_NAMES[lv], nbytes))
+    for pp, lv, kn, kg, mn, mg in set(zip(p.tolist(), level.tolist(), *counts.T.tolist())):
+        name = _LEVEL_NAMES[lv]
+        t = max(t, fn(machine, pp, name, nbytes, C.levels_from_counts(machine, pp, name, kn, kg, mn, mg)))
     return t, p
 
 
@@ -1510,10 +1524,10 @@ class GraphCost:
         total = self.model.sync_total_bytes or self._sync_bytes
         if len(devs) >= _VEC_MIN_DEVICES:     # price each shape of copy group once (the price reads only it)
             flat = np.arange(len(devs), dtype=np.int64)
-            _, p, level, members, start = _group_shapes(self.machine, flat % rest,
-                                                        np.asarray(devs, dtype=np.int64))
+            _, p, level, members, start, counts = _group_shapes(self.machine, flat % rest,
+                                                                np.asarray(devs, dtype=np.int64))
             t = 0.0
-            for i in np.unique(np.stack([p, level]), axis=1, return_index=True)[1].tolist():
+            for i in np.unique(np.column_stack([p, level, counts]), axis=0, return_index=True)[1].tolist():
                 rep = members[start[i]:start[i] + p[i]].tolist()
                 t = max(t, self.model.grad_allreduce_time(rep, out.piece_nbytes, total))
             el = sum(C.allreduce_elements(int(q), out.piece_numel) for q in p.tolist())

@@ -1095,12 +1095,11 @@ class Techniques:
             p = len(set(grp))
             if p <= 1:
                 continue
-            per_bucket = C.measured_time(self.machine, "all_gather", p, total / nb)
-            if per_bucket is not None:
-                t = per_bucket * nb * nbytes / total
+            split = C.reduce_scatter_split(self.machine, grp, nbytes, total / nb)   # the bucket's algorithm
+            if split is None:
+                t = C.measured_time(self.machine, "all_gather", p, total / nb) * nb * nbytes / total
             else:
-                link = self.machine.link(self.machine.span_level(list(grp)))
-                t = (p - 1) / p * nbytes / link.bandwidth + (p - 1) * link.latency * nb * nbytes / total
+                t = split[1] + split[0] * nb * nbytes / total
             best = max(best, t)
         return best
 
@@ -1112,11 +1111,7 @@ class Techniques:
             p = len(set(grp))
             if p <= 1:
                 continue
-            t = C.measured_time(self.machine, "all_gather", p, nbytes)
-            if t is None:
-                link = self.machine.link(self.machine.span_level(list(grp)))
-                t = (p - 1) / p * nbytes / link.bandwidth + (p - 1) * link.latency
-            best = max(best, t)
+            best = max(best, C.allgather_time(self.machine, grp, nbytes))
         return best
 
     # --- memory per plan (cached: what depends on the plan's parts alone is computed once) ------------

@@ -106,11 +106,12 @@ class GradSyncRow:
     elements: int
     devices: tuple[int, ...]
     time_s: float
+    algorithm: str = ""             # the all-reduce algorithm priced (collectives.algorithm_name)
 
     def to_json(self) -> dict:
         return {"node": self.node, "weight": self.weight, "shape": self.shape, "groups": self.groups,
                 "group_size": self.group_size, "elements": self.elements, "devices": list(self.devices),
-                "time_s": self.time_s}
+                "time_s": self.time_s, "algorithm": self.algorithm}
 
 
 @dataclass(frozen=True)
@@ -285,7 +286,9 @@ def _weight_name(g, nid: int) -> str:
 
 
 def _grad_rows(g, gc, views) -> Iterable[GradSyncRow]:
-    """Chain ends of trained weights with copies: their gradients are all-reduced over the copies."""
+    """Chain ends of trained weights with copies: their gradients are all-reduced over the copies (the
+    algorithm named is the one priced for the message the gradient travels in)."""
+    from unity_pcg.search import collectives as C
     for nid in gc.nodes():
         if gc.role[nid] != "weight-placement" or not gc.trainable(nid):
             continue
@@ -296,8 +299,13 @@ def _grad_rows(g, gc, views) -> Iterable[GradSyncRow]:
         if s.copy_degree <= 1:
             continue
         c = gc.own_cost(nid, views[nid])
-        yield GradSyncRow(nid, _weight_name(g, nid), str(s), s.piece_count // s.copy_degree, s.copy_degree,
-                          c.comm_elements, tuple(sorted(set(views[nid].devices()))), c.sync)
+        devs = views[nid].devices()
+        rest = s.piece_count // s.copy_degree
+        first = sorted({d for i, d in enumerate(devs) if i % rest == 0})     # the copies of one piece
+        total = gc.model.sync_total_bytes or gc._sync_bytes
+        algo = C.algorithm_name(gc.machine, "all_reduce", first, gc.model.sync_message_bytes(s.piece_nbytes, total))
+        yield GradSyncRow(nid, _weight_name(g, nid), str(s), rest, s.copy_degree,
+                          c.comm_elements, tuple(sorted(set(devs))), c.sync, algo)
 
 
 # --- rule sequence -------------------------------------------------------------------------------
@@ -557,12 +565,13 @@ def format_text(e: Explanation, limit: int | None = None, sections: Sequence[str
         if not e.grad_sync:
             out.append("gradient all-reduces: none (no replicated trained weight)")
         else:
-            out.append(f"gradient all-reduces ({len(e.grad_sync)} weights; ring all-reduce per group of copies)")
+            algos = sorted({r.algorithm for r in e.grad_sync if r.algorithm}) or ["ring"]
+            out.append(f"gradient all-reduces ({len(e.grad_sync)} weights; per group of copies: {', '.join(algos)})")
             rows_g = sorted(e.grad_sync, key=lambda r: (-r.time_s, r.node))
             shown_g = rows_g if limit is None else rows_g[:limit]
-            out += _table(["weight", "shape", "groups x copies", "elements", "devices", "time"],
+            out += _table(["weight", "shape", "groups x copies", "elements", "devices", "algorithm", "time"],
                           [[_clip(r.weight), r.shape, f"{r.groups} x {r.group_size}", f"{r.elements:,}",
-                            device_ranges(r.devices), _ms(r.time_s)] for r in shown_g], {3, 5})
+                            device_ranges(r.devices), r.algorithm or "ring", _ms(r.time_s)] for r in shown_g], {3, 6})
             if len(shown_g) < len(rows_g):
                 rest = rows_g[len(shown_g):]
                 out.append(f"... {len(rest)} more weights ({sum(r.elements for r in rest):,} elements)")

@@ -16,7 +16,11 @@ def test_collective_formulas_by_level():
     n = 6e8
     g, nd, net = m.links["group"], m.links["node"], m.links["network"]
     assert C.allreduce_time(m, [0, 1, 2], n) == pytest.approx(4 * g.latency + 4 / 3 * n / g.bandwidth)
-    assert C.allreduce_time(m, range(6), n) == pytest.approx(10 * nd.latency + 10 / 6 * n / nd.bandwidth)
+    # a whole Summit node: reduce-scatter in each NVLink group of 3, all-reduce of the thirds between the two
+    # groups (3 rails over the X-Bus), all-gather in the groups -- faster than the ring through the X-Bus
+    hier = 4 * g.latency + 2 * nd.latency + n * (4 / 3 / g.bandwidth + 1 / 3 / nd.bandwidth)
+    assert C.allreduce_time(m, range(6), n) == pytest.approx(hier)
+    assert hier < 10 * nd.latency + 10 / 6 * n / nd.bandwidth
     assert C.allreduce_time(m, [0, 6], n) == pytest.approx(2 * net.latency + n / net.bandwidth)
     assert C.allgather_time(m, [0, 1], n) == pytest.approx(g.latency + n / 2 / g.bandwidth)
     assert C.allreduce_time(m, [3], n) == 0.0

@@ -62,10 +62,10 @@ def test_collectives_by_shape_equal_by_members(machine):
     for _ in range(200):
         devs = rng.choice(m.num_devices, size=int(rng.integers(1, 12)), replace=True).tolist()
         nb = int(rng.integers(0, 1 << 20))
-        p, lv = C.group_level(m, devs)
+        p, lv, levels = C.group_shape(m, devs)
         for by_members, by_shape in ((C.allreduce_time, C.allreduce_time_of), (C.allgather_time, C.allgather_time_of),
                                      (C.broadcast_time, C.broadcast_time_of)):
-            assert by_members(m, devs, nb) == by_shape(m, p, lv, nb)
+            assert by_members(m, devs, nb) == by_shape(m, p, lv, nb, levels)
         src = rng.choice(m.num_devices, size=len(devs))
         moves = list(zip(src.tolist(), devs, [nb] * len(devs)))
         assert C.transfer_time(m, moves) == C.transfer_time_uniform(m, src, np.asarray(devs), nb)
