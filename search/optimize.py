@@ -1418,13 +1418,17 @@ def _pipeline_search(run: _Run, until: Deadline | None = None) -> None:
     """The 1F1B stage search (``run.pipe``: its result, or None) until ``until`` (default: the pipeline
     phase's mark): it gets a share of the time to it (it finishes the number of micro-batches it is pricing)
     and is cut shortly past it (at least a small share of the budget when it starts late), and never past
-    the hard end."""
+    the hard end (it does not start past it)."""
     bud, ev = run.budget, run.ev
     until = until or bud.deadline("pipeline")
     tp0 = time.perf_counter()
     room = max(until.left(), bud.share(B.PIPELINE_MIN_SHARE))
     cut = Deadline(bud.now() + room + bud.share(B.PIPELINE_OVER), bud.clock).sooner(bud.hard_end())
-    pipe = _pipeline(run.g, ev, room * B.PIPELINE_SEARCH_SHARE, cut, accept=lambda p: _pipeline_refusal(run, p))
+    if cut.left() <= 0.01:          # the hard end has passed (a starved host): no stage search starts
+        pipe = None
+        run.stats["pipeline_not_started"] = "past the budget's hard end"
+    else:
+        pipe = _pipeline(run.g, ev, room * B.PIPELINE_SEARCH_SHARE, cut, accept=lambda p: _pipeline_refusal(run, p))
     if pipe is None and cut.passed():
         run.stats["pipeline_cut"] = True
     run.pipe, run.pipe_searched = pipe, True

@@ -1,0 +1,93 @@
+"""`optimize` never ends more than 10% past its budget (issue 18 point 4), on small budgets and a starved core:
+the budget's arithmetic leaves every budget within 1.1x, and the steps that ran past their deadline on a starved
+host (benchmarks/budget_overrun.py) check it.  All on fake clocks (no wall-clock asserts)."""
+import pytest
+
+from unity_pcg.search import budget as B
+from unity_pcg.search import optimize as O
+from unity_pcg.search import stages as S
+from unity_pcg.search.budget import Budget, Deadline, Expired, within
+from unity_pcg.search.cost import CostModel, GraphCost
+from unity_pcg.machine import parse_machine
+from unity_pcg.search.optimize import optimize
+from unity_pcg.search.split import synthetic_transformer
+
+from .test_budget import Tick
+
+
+@pytest.mark.parametrize("seconds", [1.0, 5.0, 15.0, 30.0, 60.0, 120.0, 1000.0])
+def test_the_hard_end_and_the_result_reserve_fit_in_1_1x_of_any_budget(seconds):
+    """What may run past the phases (the grace, to the hard end) and what follows the search (the result's
+    reserve) end within 1.1 x the budget, with room for the checks' latency; a 5 s budget once had a 2 s grace
+    (hard end at 1.35 x)."""
+    t = [0.0]
+    b = B.for_call(seconds, clock=lambda: t[0])
+    assert b.hard_end().at - b.start + B.RESULT_RESERVE * seconds <= 1.08 * seconds + 1e-9
+    assert b.hard_end().at > b.end                     # some grace remains for the work that completes a plan
+    assert B.grace(seconds) == pytest.approx(min(max(B.GRACE * seconds, B.GRACE_MIN_S), B.GRACE_MAX * seconds))
+
+
+def _roles(g):
+    return GraphCost(g, CostModel(parse_machine("h100:1x8"), optimizer="adam")).role
+
+
+@pytest.mark.parametrize("cuts,inputs,delta,balance", [("valid", True, 0.5, "layers"),
+                                                       ("fewest", False, None, "cuts")])
+def test_the_clustering_stops_at_the_scope_deadline(cuts, inputs, delta, balance):
+    """The layer clustering (shared by the stage search and Alpa's inter pass) is a DP of O(L P^2) over the
+    cut positions: seconds on a full-depth decoder on a starved core, and the stage search started it past the
+    hard end.  Under a deadline that has passed it raises Expired at once (the clock is read no more than a few
+    times past it); without a deadline in scope it returns the same layering as before."""
+    g = synthetic_transformer(6, batch=8, seq=32, hidden=128, heads=4)
+    roles = _roles(g)
+    lay, _ = S.cluster(g, roles, 8, cuts=cuts, inputs=inputs, delta=delta, balance=balance)
+    assert len(lay) >= 2
+    clock = Tick(1.0)
+    with pytest.raises(Expired):
+        with within(Deadline(clock() - 0.5, clock)):
+            S.cluster(g, roles, 8, cuts=cuts, inputs=inputs, delta=delta, balance=balance)
+    assert clock.reads <= 3
+    # a deadline far away: the DP finishes with the same answer, having checked the clock at its loop heads
+    clock = Tick(1e-9)
+    with within(Deadline(1e9, clock)):
+        lay2, _ = S.cluster(g, roles, 8, cuts=cuts, inputs=inputs, delta=delta, balance=balance)
+    assert lay2 == lay and clock.reads >= 8
+
+
+def test_the_clustering_dp_is_cut_midway():
+    """A deadline that passes inside the DP stops it there (at the next row of layers), not at its end."""
+    g = synthetic_transformer(6, batch=8, seq=32, hidden=128, heads=4)
+    roles = _roles(g)
+    info = S.analyze(g, roles)
+    clock = Tick(1.0)
+    start = clock()
+    with pytest.raises(Expired):
+        with within(Deadline(start + 4.5, clock)):      # a few readings: inside the DP's rows
+            S.cluster(g, roles, 8, cuts="valid", inputs=True, delta=0.5, info=info)
+    assert clock.t <= start + 4.5 + 1.0 + 1e-9
+
+
+def test_no_stage_search_starts_past_the_hard_end(monkeypatch):
+    """When the work before it ran past the budget's hard end (a starved host), the pipeline stage search does
+    not start (it used to start and run its unchecked clustering); the plan is the best priced before."""
+    g = synthetic_transformer(2, batch=16, seq=64, hidden=256, heads=8)
+    clock = Tick(2e-4)
+    calls = []
+    real_price = O._price_search_result
+
+    def late_pricing(run, out):
+        real_price(run, out)
+        clock.t = max(clock.t, run.budget.hard_end().at + 0.5)     # the pricing ended past the hard end
+
+    def no_pipeline(*a, **kw):
+        calls.append(1)
+        return None
+    monkeypatch.setattr(O, "_price_search_result", late_pricing)
+    monkeypatch.setattr(O, "_pipeline", no_pipeline)
+    bud = Budget(2.0, clock=clock)
+    r = optimize(g, "summit:2x4", budget_s=bud, optimizer="adam", memory_techniques=False, max_candidates=2)
+    assert not calls
+    assert r.stats.get("pipeline_not_started")
+    tl = r.stats["budget"]["phases"]
+    assert tl["pipeline"]["end"] - tl["pipeline"]["start"] <= 100 * 2e-4
+    assert r.feasible
