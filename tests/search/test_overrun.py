@@ -91,3 +91,37 @@ def test_no_stage_search_starts_past_the_hard_end(monkeypatch):
     tl = r.stats["budget"]["phases"]
     assert tl["pipeline"]["end"] - tl["pipeline"]["start"] <= 100 * 2e-4
     assert r.feasible
+
+
+@pytest.mark.parametrize("command,fast", [("optimize", True), ("run", False)])
+def test_the_console_script_ends_a_planning_process_without_tearing_down_its_heap(monkeypatch, capsys,
+                                                                                   command, fast):
+    """After `optimize` wrote its plan and its output, the process ends at once (output flushed, ``os._exit``):
+    the interpreter's teardown of the search's heap came after the plan, counted against ``--budget`` (a second
+    on a full-depth model on a starved core).  Commands that start processes exit as usual."""
+    import sys
+    from unity_pcg import cli
+    ended = []
+
+    class Ended(Exception):
+        pass
+
+    def fake_main():
+        print("the output")
+        return 3
+
+    def fake_exit(rc):
+        ended.append(rc)
+        raise Ended()
+    monkeypatch.setattr(cli, "main", fake_main)
+    monkeypatch.setattr(cli.os, "_exit", fake_exit)
+    monkeypatch.setattr(sys, "argv", ["unity-pcg", command, "m.onnx"])
+    if fast:
+        with pytest.raises(Ended):
+            cli.console()
+        assert ended == [3]
+    else:
+        with pytest.raises(SystemExit) as e:
+            cli.console()
+        assert e.value.code == 3 and not ended
+    assert capsys.readouterr().out == "the output\n"
