@@ -125,3 +125,22 @@ def test_the_console_script_ends_a_planning_process_without_tearing_down_its_hea
             cli.console()
         assert e.value.code == 3 and not ended
     assert capsys.readouterr().out == "the output\n"
+
+
+def test_the_work_after_the_search_runs_without_a_full_collection(monkeypatch):
+    """The plan's executor checks after the search run with the cyclic GC paused (they allocate enough to start
+    a full collection of the search's heap, a third of a second on BERT-Large past the search); it is restored
+    when optimize returns."""
+    import gc
+    seen = []
+    real = O.runnable
+
+    def spy(*a, **kw):
+        seen.append(gc.isenabled())
+        return real(*a, **kw)
+    monkeypatch.setattr(O, "runnable", spy)
+    g = synthetic_transformer(1, batch=8, seq=16, hidden=64, heads=2)
+    assert gc.isenabled()
+    r = optimize(g, "summit:1x2", budget_s=Budget(1.0, clock=Tick(2e-4)), optimizer="adam", pipeline=False,
+                 max_candidates=1)
+    assert seen == [False] and gc.isenabled() and r.feasible
