@@ -117,7 +117,22 @@ def lateness(j: dict, wall: float) -> dict:
             "timeline_s": s.get("timeline_s"), "late": worst if worst and steps[worst] > 0 else None}
 
 
-def run_row(model: str, machine: str, budget: float, hog: bool, timeout: float) -> dict:
+def _exe(exe: str | None) -> str:
+    """The `unity-pcg` to run: ``exe``, else the one beside this Python."""
+    return exe or os.path.join(os.path.dirname(sys.executable), "unity-pcg")
+
+
+def _exe_commit(exe: str) -> str:
+    """The commit of the checkout whose package ``exe`` runs (its Python's ``unity_pcg``), short."""
+    py = os.path.join(os.path.dirname(exe), "python")
+    p = subprocess.run([py, "-c", "import unity_pcg, os; print(os.path.dirname(os.path.dirname(unity_pcg.__file__)))"],
+                       capture_output=True, text=True, cwd="/")
+    where = p.stdout.strip() or ROOT
+    return subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=where, capture_output=True,
+                          text=True).stdout.strip()
+
+
+def run_row(model: str, machine: str, budget: float, hog: bool, timeout: float, exe: str | None = None) -> dict:
     from unity_pcg.machine import parse_machine
     D = parse_machine(machine).num_devices
     spec = model_spec(model, D)
@@ -126,7 +141,7 @@ def run_row(model: str, machine: str, budget: float, hog: bool, timeout: float) 
     if spec["path"] is None:
         row.update(status="export failed", reason=spec["note"])
         return row
-    exe = os.path.join(os.path.dirname(sys.executable), "unity-pcg")
+    exe = _exe(exe)
     env = dict(os.environ, OMP_NUM_THREADS="1")
     hog_p = None
     with tempfile.TemporaryDirectory() as tmp:
@@ -232,6 +247,8 @@ def main(argv=None) -> int:
     ap.add_argument("--budgets", default=None, help="comma-separated seconds (default rotation: 5, 15, 30)")
     ap.add_argument("--rows", default=None, help="comma-separated MODEL@MACHINE@SECONDS rows (instead of the above)")
     ap.add_argument("--hog", action="store_true", help="a busy loop pinned beside the planner")
+    ap.add_argument("--unity-pcg", default=None, metavar="PATH",
+                    help="the unity-pcg to run (default: beside this Python; another checkout's venv measures it)")
     ap.add_argument("--out", default=OUT, help="results name under benchmarks/results (default budget_overrun)")
     ap.add_argument("--fresh", action="store_true", help="start a new JSON instead of appending")
     ap.add_argument("--report", action="store_true", help="write the markdown from the JSON only")
@@ -253,8 +270,7 @@ def main(argv=None) -> int:
         todo = [(m, mc, b) for m in models for mc in ms for b in bs]
     else:
         todo = default_rows(models)
-    commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, capture_output=True,
-                            text=True).stdout.strip()
+    commit = _exe_commit(_exe(a.unity_pcg))
     meta = {"when": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()), "commit": commit,
             "host": f"{platform.machine()}, {os.cpu_count()} cores",
             "command": "benchmarks/budget_overrun.py " + " ".join(argv if argv is not None else sys.argv[1:])}
@@ -264,7 +280,7 @@ def main(argv=None) -> int:
             rows = json.load(f)["rows"]
     for model, machine, budget in todo:
         print(f"{model} {machine} {budget:g} s{' hog' if a.hog else ''} ...", file=sys.stderr, flush=True)
-        r = run_row(model, machine, budget, a.hog, timeout=budget * 4 + 120)
+        r = run_row(model, machine, budget, a.hog, timeout=budget * 4 + 120, exe=a.unity_pcg)
         r["commit"] = commit
         print(f"  {r.get('status')}: wall {r.get('wall_s')} s ({r.get('wall_over_budget')}x), cpu {r.get('cpu_s')} s,"
               f" late {r.get('late')} {r.get('late_s')} after {r.get('after_s')}", file=sys.stderr, flush=True)
