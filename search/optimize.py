@@ -188,6 +188,8 @@ class Evaluator:
         self._memo: dict = {}
         self._timed_out: dict = {}
         self._kept: dict = {}
+        #: mappings :meth:`cheap` priced without the memory techniques, past the hard end
+        self.plain_past_end = 0
 
     def cost(self, g: PCG, resource: Resource | None = None, limited: bool | float = True,
              wall: bool = True, keep: bool = False) -> float:
@@ -273,8 +275,17 @@ class Evaluator:
     def cheap(self, g: PCG, resource: Resource | None = None):
         """A mapping of ``g`` without the DP (:meth:`MachineMapper.first_views`, with the pins); the last
         resort when even data parallelism's DP solve does not finish within the budget (a small batch on
-        a large machine)."""
-        return self.mapper.first_views(g, resource, self.pins(g, resource))
+        a large machine).  Past the :attr:`hard` end it is priced without the memory techniques (their
+        choice is a search over the plan's regions: seconds on a full-depth decoder on a starved core, where
+        only linear work may run); :attr:`plain_past_end` counts those mappings."""
+        if self.hard is None or not self.hard.passed() or not getattr(self.mapper, "default_techniques", False):
+            return self.mapper.first_views(g, resource, self.pins(g, resource))
+        self.plain_past_end += 1
+        self.mapper.default_techniques = False
+        try:
+            return self.mapper.first_views(g, resource, self.pins(g, resource))
+        finally:
+            self.mapper.default_techniques = True
 
 
 # --- the searches ----------------------------------------------------------------------------------------
@@ -793,6 +804,8 @@ def _search(run: _Run) -> PlanCandidate:
         chosen = _never_slower_than_a_floor(run, chosen)
     run.stats = dict(run.stats, chosen=run.stats.get("chosen") or chosen.mechanism,
                      mapper_calls=ev.calls, mapper_timeouts=ev.timeouts)
+    if ev.plain_past_end:           # (their price has no memory techniques: DESIGN "optimize() policy" 2)
+        run.stats["mapped_without_techniques_past_end"] = ev.plain_past_end
     if strategy == "unity":        # the substitution phase's wall and the end of the last solve under it
         run.stats["wall_s"] = {"wall": round(bud.deadline("pricing").at - bud.start, 3),
                                "last_walled_solve_end": round(max(ev.last_walled_end - bud.start, 0.0), 3)}

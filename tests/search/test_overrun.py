@@ -144,3 +144,31 @@ def test_the_work_after_the_search_runs_without_a_full_collection(monkeypatch):
     r = optimize(g, "summit:1x2", budget_s=Budget(1.0, clock=Tick(2e-4)), optimizer="adam", pipeline=False,
                  max_candidates=1)
     assert seen == [False] and gc.isenabled() and r.feasible
+
+
+def test_a_mapping_without_the_dp_past_the_hard_end_prices_no_memory_techniques(monkeypatch):
+    """Past the hard end only linear work runs; the memory techniques' choice is a search over the plan's
+    regions (1.7 s on a full-depth Llama-7B on a starved core, where the fallback mapped the imported graph on
+    one device past the hard end).  Before the hard end a mapping without the DP is priced with them."""
+    from unity_pcg.machine import Resource
+    from unity_pcg.search.mapping import MachineMapper
+    from unity_pcg.search.optimize import Evaluator
+    g = synthetic_transformer(1, batch=8, seq=16, hidden=64, heads=2)
+    t = [0.0]
+    ev = Evaluator(parse_machine("summit:1x2"), "adam", clock=lambda: t[0], techniques=True)
+    ev.hard = Deadline(10.0, lambda: t[0])
+    calls = []
+    real = MachineMapper.techniques
+
+    def spy(self, *a, **kw):
+        calls.append(t[0])
+        return real(self, *a, **kw)
+    monkeypatch.setattr(MachineMapper, "techniques", spy)
+    one = Resource(0, 1, 1)
+    before = ev.cheap(g, one)
+    assert calls == [0.0] and ev.plain_past_end == 0
+    t[0] = 11.0
+    after = ev.cheap(g, one)
+    assert calls == [0.0] and ev.plain_past_end == 1 and after is not None
+    assert ev.mapper.default_techniques is True                # restored
+    assert after.views == before.views                         # the same placement, priced plainly
