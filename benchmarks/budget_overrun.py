@@ -82,7 +82,7 @@ def model_spec(name: str, devices: int) -> dict:
     import search_decides as sd
     if name in sd.HF:
         path, note = sd.export(name)
-        return {"path": path, "batch": sd.HF[name][5] * devices, "args": [], "note": note}
+        return {"path": path, "batch": sd.HF[name][5] * devices, "args": [], "note": "base" if path else note}
     path = _light_path(name)
     if path is not None:
         return {"path": path, "batch": sd.LIGHT_BATCH * devices, "args": [], "note": "onnx wheel"}
@@ -205,7 +205,7 @@ def _f(x, d=2):
 
 def report(rows: list[dict], meta: dict) -> str:
     o = ["# `optimize` against its budget, on small budgets and a starved core (issue 18 point 4)", "",
-         f"{meta.get('when', '?')}, commit {meta.get('commit', '?')}, {meta.get('host', '?')}. Each row one "
+         f"Last run {meta.get('when', '?')}, {meta.get('host', '?')} (each row's commit in its column). Each row one "
          "`unity-pcg optimize` process, wall time from launch to exit; `hog`: a busy loop pinned to the planner's "
          "core (the planner gets at most half of it; the host is shared too: `load` is the 1-minute load average "
          "after the row). `CPU s`: the planner process's own CPU time. `late` names the step with the most time "
@@ -214,8 +214,8 @@ def report(rows: list[dict], meta: dict) -> str:
          "first phase started (interpreter and package import; counted in the budget).", "",
          f"Command: `{meta.get('command', '?')}`", "",
          "| model | size | machine | batch | budget s | hog | wall s | wall / budget | CPU s | import s | late | "
-         "late s | after s | chosen | load |",
-         "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
+         "late s | after s | chosen | load | commit |",
+         "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for r in rows:
         late = r.get("late")
         late_s = (r.get("after_s") if late == "after" else (r.get("late_s") or {}).get(late)) if late else None
@@ -224,7 +224,8 @@ def report(rows: list[dict], meta: dict) -> str:
                  f"{'yes' if r.get('hog') else 'no'} | {_f(r.get('wall_s'), 1)} | "
                  f"{_f(r.get('wall_over_budget'), 3)}{flag} | {_f(r.get('cpu_s'), 1)} | {_f(r.get('import_s'), 1)} | "
                  f"{late or '-'} | {_f(late_s)} | {_f(r.get('after_s'))} | "
-                 f"{(r.get('chosen') or r.get('reason') or '')[:60]} | {r.get('load_1min', '-')} |")
+                 f"{(r.get('chosen') or r.get('reason') or '')[:60]} | {r.get('load_1min', '-')} | "
+                 f"{r.get('commit', '-')} |")
     done = [r for r in rows if r.get("wall_over_budget") is not None]
     over = [r for r in done if r["wall_over_budget"] > LIMIT]
     worst = max(done, key=lambda r: r["wall_over_budget"], default=None)
