@@ -132,11 +132,12 @@ def _exe_commit(exe: str) -> str:
                           text=True).stdout.strip()
 
 
-def run_row(model: str, machine: str, budget: float, hog: bool, timeout: float, exe: str | None = None) -> dict:
+def run_row(model: str, machine: str, budget: float, hog: bool, timeout: float, exe: str | None = None,
+            strategy: str = "unity") -> dict:
     from unity_pcg.machine import parse_machine
     D = parse_machine(machine).num_devices
     spec = model_spec(model, D)
-    row = {"model": model, "machine": machine, "devices": D, "budget_s": budget, "hog": hog,
+    row = {"model": model, "machine": machine, "devices": D, "budget_s": budget, "hog": hog, "strategy": strategy,
            "batch": spec["batch"], "size": spec["note"]}
     if spec["path"] is None:
         row.update(status="export failed", reason=spec["note"])
@@ -146,7 +147,8 @@ def run_row(model: str, machine: str, budget: float, hog: bool, timeout: float, 
     hog_p = None
     with tempfile.TemporaryDirectory() as tmp:
         cmd = [exe, "optimize", spec["path"], "--machine", machine, "--budget", f"{budget:g}", "--batch",
-               str(spec["batch"]), *spec["args"], "--json", "-o", os.path.join(tmp, "plan.json")]
+               str(spec["batch"]), *spec["args"], *(["--strategy", strategy] if strategy != "unity" else []),
+               "--json", "-o", os.path.join(tmp, "plan.json")]
         row["command"] = "unity-pcg " + " ".join(os.path.relpath(c, ROOT) if c == spec["path"] else c
                                                 for c in cmd[1:-2])
         if hog:
@@ -220,7 +222,7 @@ def report(rows: list[dict], meta: dict) -> str:
         late = r.get("late")
         late_s = (r.get("after_s") if late == "after" else (r.get("late_s") or {}).get(late)) if late else None
         flag = " **over**" if r.get("wall_over_budget", 0) > LIMIT else ""
-        o.append(f"| {r['model']} | {r.get('size', '')[:28]} | {r['machine']} | {r['batch']} | {r['budget_s']:g} | "
+        o.append(f"| {r['model']}{'' if r.get('strategy', 'unity') == 'unity' else ' (' + r['strategy'] + ')'} | {r.get('size', '')[:28]} | {r['machine']} | {r['batch']} | {r['budget_s']:g} | "
                  f"{'yes' if r.get('hog') else 'no'} | {_f(r.get('wall_s'), 1)} | "
                  f"{_f(r.get('wall_over_budget'), 3)}{flag} | {_f(r.get('cpu_s'), 1)} | {_f(r.get('import_s'), 1)} | "
                  f"{late or '-'} | {_f(late_s)} | {_f(r.get('after_s'))} | "
@@ -250,6 +252,7 @@ def main(argv=None) -> int:
     ap.add_argument("--hog", action="store_true", help="a busy loop pinned beside the planner")
     ap.add_argument("--unity-pcg", default=None, metavar="PATH",
                     help="the unity-pcg to run (default: beside this Python; another checkout's venv measures it)")
+    ap.add_argument("--strategy", default="unity", help="optimize --strategy (default unity; e.g. alpa)")
     ap.add_argument("--out", default=OUT, help="results name under benchmarks/results (default budget_overrun)")
     ap.add_argument("--fresh", action="store_true", help="start a new JSON instead of appending")
     ap.add_argument("--report", action="store_true", help="write the markdown from the JSON only")
@@ -281,7 +284,8 @@ def main(argv=None) -> int:
             rows = json.load(f)["rows"]
     for model, machine, budget in todo:
         print(f"{model} {machine} {budget:g} s{' hog' if a.hog else ''} ...", file=sys.stderr, flush=True)
-        r = run_row(model, machine, budget, a.hog, timeout=budget * 4 + 120, exe=a.unity_pcg)
+        r = run_row(model, machine, budget, a.hog, timeout=budget * 4 + 120, exe=a.unity_pcg,
+                    strategy=a.strategy)
         r["commit"] = commit
         print(f"  {r.get('status')}: wall {r.get('wall_s')} s ({r.get('wall_over_budget')}x), cpu {r.get('cpu_s')} s,"
               f" late {r.get('late')} {r.get('late_s')} after {r.get('after_s')}", file=sys.stderr, flush=True)
