@@ -77,10 +77,13 @@ FLOOR_RESUME_SHARE = 0.5
 FLOOR_RESUME_NOFIT_SHARE = 0.8
 #: past the end of the budget, the work that completes a plan may run this share of the budget more, at
 #: least GRACE_MIN_S seconds but never more than GRACE_MAX of the budget (the hard end: with the result's
-#: reserve after it, a call ends within 1.1 x its budget on a small budget too; a 5 s budget gets 0.3 s)
+#: reserve after it, a call ends within 1.1 x its budget on a small budget too; a 5 s budget gets 0.3 s),
+#: and at least GRACE_FLOOR_S (data parallelism by rules on a small model completes under a budget too small
+#: to search, issue 7; below about 2.5 s a process's start-up alone is more than 10% of the budget)
 GRACE = 0.05
 GRACE_MIN_S = 2.0
 GRACE_MAX = 0.06
+GRACE_FLOOR_S = 0.25
 #: the share of an ``optimize`` call's budget kept after the search for the result (the executor's checks of
 #: the plan, loading it as ``run`` will, and writing it: linear in the plan's graph, but seconds on a large model
 #: on a loaded host); with the grace and the process's start-up counted, a call ends within 1.1 x its budget
@@ -220,8 +223,9 @@ def run_within(deadline: Deadline | None, fn: Callable, *args, **kwargs):
 
 def grace(seconds: float) -> float:
     """The time past the end of a budget of ``seconds`` in which the work that completes a plan may run:
-    :data:`GRACE` of it, at least :data:`GRACE_MIN_S`, at most :data:`GRACE_MAX` of it."""
-    return min(max(GRACE * seconds, GRACE_MIN_S), GRACE_MAX * seconds)
+    :data:`GRACE` of it, at least :data:`GRACE_MIN_S`, at most :data:`GRACE_MAX` of it but never less than
+    :data:`GRACE_FLOOR_S`."""
+    return min(max(GRACE * seconds, GRACE_MIN_S), max(GRACE_MAX * seconds, GRACE_FLOOR_S))
 
 
 class Budget:
