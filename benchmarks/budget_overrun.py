@@ -21,7 +21,8 @@ the plan, its file, the JSON, the interpreter's exit: ``RESULT_RESERVE`` of the 
 ``import_s`` is when optimize's first phase started (interpreter and package import).  ``late`` names the step
 with the most time past its mark (``after`` for the post-search work).
 
-    nice .venv/bin/python benchmarks/budget_overrun.py                      # the default spread (~12 min)
+    nice .venv/bin/python benchmarks/budget_overrun.py                      # the default spread: 19 rows,
+                                        # 305 s of budgets, ~8 min once exported (the first run exports them)
     nice .venv/bin/python benchmarks/budget_overrun.py --hog                # the same, starved
     .venv/bin/python benchmarks/budget_overrun.py --models bert_large,gpt2 --machines summit:32x6 --budgets 5 --hog
     .venv/bin/python benchmarks/budget_overrun.py --rows bert_large@summit:32x6@5,gpt2@h100:1x8@15 --hog
@@ -52,8 +53,8 @@ OUT = "budget_overrun"
 MACHINES = ("h100:1x8", "h100:4x8", "summit:32x6")
 BUDGETS = (5.0, 15.0, 30.0)
 #: the zoo at paper size (fig14's models, then the decoders at full depth)
-ZOO = ("bert_large", "dlrm", "candle_uno", "mlp", "inception_v3", "resnext50", "xdl", "gpt_1_3b", "llama_7b",
-       "llama_70b")
+ZOO = ("bert_large", "dlrm", "candle_uno", "mlp", "inception_v3", "resnext50", "xdl", "gpt_1_3b", "llama_70b",
+       "llama_7b")
 DECODERS = ("gpt_350m", "gpt_1_3b", "gpt_2_6b", "gpt_6_7b", "gpt_15b", "gpt_39b", "llama_1b", "llama_7b",
             "llama_13b", "llama_70b")
 #: the import-coverage corpus (search_decides.HF: base sizes) and a few of the onnx wheel's light CNNs
