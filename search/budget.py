@@ -10,7 +10,7 @@ each ends at a fixed mark, the start plus the budget times the shares up to and 
 phase leaves unused flows to the phases after it.  A phase that does not run (the pipeline phases when
 pipeline is off) gives its share to the phase its row names.  Work a phase must finish (data parallelism
 by rules, the search's own result) may run past its mark, but nothing runs past the hard end, the end
-plus :data:`GRACE` of the budget, at least :data:`GRACE_MIN_S` (:meth:`Budget.hard_end`), except linear
+plus its :func:`grace` (:meth:`Budget.hard_end`), except linear
 work: assembling the plan, a mapping without the DP (``Evaluator.cheap``).  One Budget serves one
 ``optimize`` call (its clock starts when it is made).  Nothing waits
 for a signal: a solver checks the deadline it was given (or the one of the innermost :func:`within`
@@ -73,10 +73,14 @@ FLOOR_RESUME_SHARE = 0.5
 #: feasible point first is then the likeliest source of a plan that runs
 FLOOR_RESUME_NOFIT_SHARE = 0.8
 #: past the end of the budget, the work that completes a plan may run this share of the budget more, at
-#: least GRACE_MIN_S seconds (the hard end; with process noise a call stays within 1.1 x the budget plus a
-#: few seconds: data parallelism by rules on a small model must complete even under a 0.05 s budget)
+#: least GRACE_MIN_S seconds but never more than GRACE_MAX of the budget (the hard end: with the result's
+#: reserve after it, a call ends within 1.1 x its budget on a small budget too; a 5 s budget gets 0.3 s),
+#: and at least GRACE_FLOOR_S (data parallelism by rules on a small model completes under a budget too small
+#: to search, issue 7; below about 2.5 s a process's start-up alone is more than 10% of the budget)
 GRACE = 0.05
 GRACE_MIN_S = 2.0
+GRACE_MAX = 0.06
+GRACE_FLOOR_S = 0.25
 #: the share of an ``optimize`` call's budget kept after the search for the result (the executor's checks of
 #: the plan, loading it as ``run`` will, and writing it: linear in the plan's graph, but seconds on a large model
 #: on a loaded host); with the grace and the process's start-up counted, a call ends within 1.1 x its budget
@@ -214,6 +218,13 @@ def run_within(deadline: Deadline | None, fn: Callable, *args, **kwargs):
 
 # --- the budget -----------------------------------------------------------------------------------------
 
+def grace(seconds: float) -> float:
+    """The time past the end of a budget of ``seconds`` in which the work that completes a plan may run:
+    :data:`GRACE` of it, at least :data:`GRACE_MIN_S`, at most :data:`GRACE_MAX` of it but never less than
+    :data:`GRACE_FLOOR_S`."""
+    return min(max(GRACE * seconds, GRACE_MIN_S), max(GRACE_MAX * seconds, GRACE_FLOOR_S))
+
+
 class Budget:
     """``seconds`` of wall time from now, split by :data:`PHASES` (those named in ``skip`` do not run:
     their share goes to their ``spare_to`` phase, else the next one).  Every phase has a deadline;
@@ -285,9 +296,8 @@ class Budget:
         return Deadline(self.start + self.span * self.marks[phase], self.clock)
 
     def hard_end(self) -> Deadline:
-        """The end plus :data:`GRACE` of the budget (at least :data:`GRACE_MIN_S`): no solve, rule sequence or
-        search runs past it."""
-        return Deadline(self.end + max(GRACE * self.seconds, GRACE_MIN_S), self.clock)
+        """The end plus :func:`grace`: no solve, rule sequence or search runs past it."""
+        return Deadline(self.end + grace(self.seconds), self.clock)
 
     def share(self, fraction: float) -> float:
         """``fraction`` of the budget, in seconds."""
@@ -346,5 +356,5 @@ def process_start(clock: Callable[[], float] = time.monotonic) -> float | None:
     return clock() - age if 0 <= age < 3600 else None
 
 
-__all__ = ["Budget", "for_call", "process_start", "Deadline", "Expired", "Phase", "PHASES", "GRACE", "within", "current", "check",
+__all__ = ["Budget", "for_call", "process_start", "Deadline", "Expired", "Phase", "PHASES", "GRACE", "grace", "within", "current", "check",
            "run_within"]

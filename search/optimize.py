@@ -44,10 +44,12 @@ max(1 s, budget / 30)); a slower one prices the candidate inf.
 """
 from __future__ import annotations
 
+import gc
 import hashlib
 import json
 import math
 import time
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import Any, Callable
 
@@ -186,6 +188,8 @@ class Evaluator:
         self._memo: dict = {}
         self._timed_out: dict = {}
         self._kept: dict = {}
+        #: mappings :meth:`cheap` priced without the memory techniques, past the hard end
+        self.plain_past_end = 0
 
     def cost(self, g: PCG, resource: Resource | None = None, limited: bool | float = True,
              wall: bool = True, keep: bool = False) -> float:
@@ -271,8 +275,17 @@ class Evaluator:
     def cheap(self, g: PCG, resource: Resource | None = None):
         """A mapping of ``g`` without the DP (:meth:`MachineMapper.first_views`, with the pins); the last
         resort when even data parallelism's DP solve does not finish within the budget (a small batch on
-        a large machine)."""
-        return self.mapper.first_views(g, resource, self.pins(g, resource))
+        a large machine).  Past the :attr:`hard` end it is priced without the memory techniques (their
+        choice is a search over the plan's regions: seconds on a full-depth decoder on a starved core, where
+        only linear work may run); :attr:`plain_past_end` counts those mappings."""
+        if self.hard is None or not self.hard.passed() or not getattr(self.mapper, "default_techniques", False):
+            return self.mapper.first_views(g, resource, self.pins(g, resource))
+        self.plain_past_end += 1
+        self.mapper.default_techniques = False
+        try:
+            return self.mapper.first_views(g, resource, self.pins(g, resource))
+        finally:
+            self.mapper.default_techniques = True
 
 
 # --- the searches ----------------------------------------------------------------------------------------
@@ -748,7 +761,22 @@ def optimize(model, machine, budget_s: "float | Budget | None" = None, alpha: fl
         chosen = _fixed(run)
     else:
         chosen = _search(run)
-    return _result(run, chosen, model_path, sha, seed, precision)
+    with _no_cyclic_gc():
+        return _result(run, chosen, model_path, sha, seed, precision)
+
+
+@contextmanager
+def _no_cyclic_gc():
+    """The cyclic garbage collector paused (then restored as it was) for the work after the search: the plan's
+    executor checks allocate enough to start a full collection of the search's heap (a third of a second on
+    BERT-Large, past the search and counted against the budget), and free nothing it would find."""
+    was = gc.isenabled()
+    gc.disable()
+    try:
+        yield
+    finally:
+        if was:
+            gc.enable()
 
 
 def _search(run: _Run) -> PlanCandidate:
@@ -776,6 +804,8 @@ def _search(run: _Run) -> PlanCandidate:
         chosen = _never_slower_than_a_floor(run, chosen)
     run.stats = dict(run.stats, chosen=run.stats.get("chosen") or chosen.mechanism,
                      mapper_calls=ev.calls, mapper_timeouts=ev.timeouts)
+    if ev.plain_past_end:           # (their price has no memory techniques: DESIGN "optimize() policy" 2)
+        run.stats["mapped_without_techniques_past_end"] = ev.plain_past_end
     if strategy == "unity":        # the substitution phase's wall and the end of the last solve under it
         run.stats["wall_s"] = {"wall": round(bud.deadline("pricing").at - bud.start, 3),
                                "last_walled_solve_end": round(max(ev.last_walled_end - bud.start, 0.0), 3)}
@@ -1438,13 +1468,17 @@ def _pipeline_search(run: _Run, until: Deadline | None = None) -> None:
     """The 1F1B stage search (``run.pipe``: its result, or None) until ``until`` (default: the pipeline
     phase's mark): it gets a share of the time to it (it finishes the number of micro-batches it is pricing)
     and is cut shortly past it (at least a small share of the budget when it starts late), and never past
-    the hard end."""
+    the hard end (it does not start past it)."""
     bud, ev = run.budget, run.ev
     until = until or bud.deadline("pipeline")
     tp0 = time.perf_counter()
     room = max(until.left(), bud.share(B.PIPELINE_MIN_SHARE))
     cut = Deadline(bud.now() + room + bud.share(B.PIPELINE_OVER), bud.clock).sooner(bud.hard_end())
-    pipe = _pipeline(run.g, ev, room * B.PIPELINE_SEARCH_SHARE, cut, accept=lambda p: _pipeline_refusal(run, p))
+    if cut.left() <= 0.01:          # the hard end has passed (a starved host): no stage search starts
+        pipe = None
+        run.stats["pipeline_not_started"] = "past the budget's hard end"
+    else:
+        pipe = _pipeline(run.g, ev, room * B.PIPELINE_SEARCH_SHARE, cut, accept=lambda p: _pipeline_refusal(run, p))
     if pipe is None and cut.passed():
         run.stats["pipeline_cut"] = True
     run.pipe, run.pipe_searched = pipe, True

@@ -50,7 +50,7 @@ from unity_pcg.errors import UnityError
 from unity_pcg.machine import MachineSpec, Resource
 from unity_pcg.pcg import PCG
 
-from .budget import Deadline
+from .budget import Deadline, check
 from .sp import build_units
 
 INF = math.inf
@@ -201,10 +201,13 @@ def cluster(g: PCG, roles: Mapping[int, str], layers: int, *, cuts: str = "valid
     """Cluster the units of ``g`` into at most ``layers`` layers (module docstring; ``balance``: "layers" or
     "cuts").  Returns ``(layers, info)``: per layer ``(first unit, last unit + 1)``, covering the units in
     order, and :func:`analyze`'s structure.  Never refuses (fewer allowed cuts: fewer layers, down to the
-    whole graph as one)."""
+    whole graph as one).  The clustering DP checks the deadline of the thread's :func:`search.budget.within`
+    scope at its loop heads (raises :class:`search.budget.Expired` once it has passed; none: unbounded)."""
     if balance not in ("layers", "cuts"):
         raise ValueError(f"balance must be 'layers' or 'cuts', got {balance!r}")
+    check()
     info = info or analyze(g, roles)
+    check()
     U = len(info.units)
     pos = [0] + allowed_cuts(info, cuts) + [U]          # where layers may start or end
     L = max(1, min(int(layers), len(pos) - 1))
@@ -216,6 +219,7 @@ def cluster(g: PCG, roles: Mapping[int, str], layers: int, *, cuts: str = "valid
     total = pre[-1]
     bound = INF if delta is None else (1 + delta) * total / L
     for _ in range(64):
+        check()
         res = _cluster_dp(C, pre, L, bound, balance == "cuts")
         if res is not None:
             return [(pos[a], pos[b]) for a, b in res], info
@@ -236,7 +240,10 @@ def _cluster_dp(C, pre, L, bound, at_cuts=False):
     arg = np.zeros((L + 1, P), dtype=int)
     G[0, 0] = V[0, 0] = 0.0
     for r in range(1, L + 1):
+        check()                     # the scope's deadline: O(L P^2) on a graph of thousands of cuts
         for b in range(1, P):
+            if not b & 255:
+                check()
             a = np.arange(b)
             fl = pre[b] - pre[a]
             ok = (fl <= bound) & np.isfinite(G[r - 1, a])

@@ -132,10 +132,13 @@ class Plan:
                 **({"rules": [dict(x) for x in self.rules]} if self.rules is not None else {})}
 
     def save(self, path: str) -> None:
+        """Write the plan to ``path`` (atomically: a temporary file, then renamed), one top-level field a line,
+        each in compact JSON: written by the json module's C encoder (an indented dump runs its Python encoder,
+        seconds on a large plan, after the search and counted against ``optimize --budget``)."""
         tmp = f"{path}.tmp"
+        text = "{\n" + ",\n".join(f" {json.dumps(k)}: {json.dumps(v)}" for k, v in self.to_json().items()) + "\n}\n"
         with open(tmp, "w") as f:
-            json.dump(self.to_json(), f, indent=1)
-            f.write("\n")
+            f.write(text)
         os.replace(tmp, path)
 
     def check_model(self, path: str | None = None) -> None:
@@ -150,7 +153,8 @@ class Plan:
 
 
 def _need(obj: Mapping, key: str, kind, where: str):
-    if not isinstance(obj, Mapping) or key not in obj:
+    # (a dict first: isinstance against typing's Mapping alias is slow, and a large plan has thousands of fields)
+    if not (isinstance(obj, dict) or isinstance(obj, Mapping)) or key not in obj:
         raise PlanError(f"plan: missing field {where}{key}")
     v = obj[key]
     if not isinstance(v, kind):
@@ -229,7 +233,7 @@ def _is_int(x: Any) -> bool:
 def _check_step(k: int, st: Any) -> dict:
     """One recorded rule step, checked for shape: rule name, matched node ids, input tensors, bindings."""
     where = f"rules[{k}]"
-    if not isinstance(st, Mapping):
+    if not (isinstance(st, dict) or isinstance(st, Mapping)):
         raise PlanError(f"plan: field {where} must be an object")
     name = _need(st, "rule", str, where + ".")
     nodes = _list(_need(st, "nodes", list, where + "."), where + ".nodes")
@@ -240,7 +244,7 @@ def _check_step(k: int, st: Any) -> dict:
         if not (isinstance(r, list) and len(r) == 2 and all(_is_int(x) and x >= 0 for x in r)):
             raise PlanError(f"plan: field {where}.inputs.{key} must be [node id, output index]")
     bind = st.get("bind", {})
-    if not isinstance(bind, Mapping):
+    if not (isinstance(bind, dict) or isinstance(bind, Mapping)):
         raise PlanError(f"plan: field {where}.bind must be an object")
     return {"rule": name, "nodes": list(nodes), "inputs": {str(a): list(b) for a, b in ins.items()},
             "bind": dict(bind)}

@@ -136,7 +136,8 @@ def test_every_phase_stops_at_its_deadline(budget_s, pipeline):
             assert rec["end"] <= hard + slack, (name, phase, rec)
             if phase in STRICT:         # by its mark; one that starts past it does nothing but check
                 assert rec["end"] <= max(rec["deadline"], rec["start"]) + slack, (name, phase, rec)
-        assert bud.elapsed() <= 1.1 * budget_s + max(B.GRACE_MIN_S, 0) + slack, (name, bud.elapsed(), tl)
+        # (1.1 x the budget; a budget this small has the least grace, B.GRACE_FLOOR_S, past its end)
+        assert bud.elapsed() <= max(1.1 * budget_s, hard) + slack, (name, bud.elapsed(), tl)
         assert r.stats["budget"]["phases"] == tl
         assert r.feasible and (r.dp is None or not r.dp.feasible or r.predicted_iteration_s <= r.dp.cost * (1 + 1e-9))
 
@@ -160,10 +161,11 @@ def test_optimize_runs_in_a_thread():
     assert not th.is_alive() and not err, err
     r = out[0]
     assert r.feasible and r.predicted_iteration_s <= r.dp.cost * (1 + 1e-9)
-    assert bud.elapsed() <= 1.1 * 0.5 + B.GRACE_MIN_S + 200 * STEP
+    assert bud.elapsed() <= max(1.1 * 0.5, bud.hard_end().at - bud.start) + 200 * STEP
     # the deadlines did cut the work in the thread: the floors' solves at their mark, every segment's search
     assert bud.timeline()["floors"]["end"] == pytest.approx(bud.timeline()["floors"]["deadline"], abs=200 * STEP)
-    assert set(r.stats["stopped"]) == {"seconds"}
+    # (or, the segments' seeds built past their mark reaching the stage search's least share, the phase cut)
+    assert set(r.stats.get("stopped", ())) <= {"seconds"} and (r.stats.get("stopped") or r.stats.get("segments_cut"))
     # and with the real clock too
     real: list = []
     th = threading.Thread(target=lambda: real.append(optimize(mlp(batch=48, h=64, layers=4), "summit:1x2",

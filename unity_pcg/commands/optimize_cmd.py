@@ -3,6 +3,7 @@
 show progress on stderr, write the plan and print a summary (or one JSON object)."""
 from __future__ import annotations
 
+import gc
 import json
 import math
 import sys
@@ -107,6 +108,19 @@ def run(args) -> int:
     finally:
         if prog is not None:
             prog.done()
+    # the plan and its report are written next, then the process ends (cli.FAST_EXIT): a full collection of
+    # the search's heap would only delay them (restored for a caller in the same process)
+    was = gc.isenabled()
+    gc.disable()
+    try:
+        return _write(args, res)
+    finally:
+        if was:
+            gc.enable()
+
+
+def _write(args, res) -> int:
+    """The plan file and the report of ``unity-pcg optimize`` (JSON with ``--json``)."""
     res.plan.save(args.output)
     out = res.json()
     out["plan"] = args.output
