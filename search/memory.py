@@ -130,9 +130,8 @@ def _node_memory_of(gc: GraphCost, nid: int, view: MachineView) -> tuple[dict, d
         _cast_copies(gc, nid, view, w, a)
     if role == "input-placement" and any(gc.role[x[0]] != "input" for x in node.inputs):
         return w, a   # only the first placement of an input holds data; later ones re-describe it
-    copy = _saves_copy(gc)
     for k, s in enumerate(g.shapes(nid)):
-        frac = 1.0 if role == "input-placement" else kept_fraction(g, nid, k, copy)
+        frac = 1.0 if role == "input-placement" else kept(gc, nid, k)
         if frac == 0.0:
             continue
         if frac < 1.0:          # a Dropout's one-byte mask
@@ -194,9 +193,8 @@ def node_memory_arrays(gc: GraphCost, nid: int, view: MachineView):
                     am[devs] = True
     if role == "input-placement" and any(gc.role[x[0]] != "input" for x in node.inputs):
         return w, a, wm, am
-    copy = _saves_copy(gc)
     for k, s in enumerate(g.shapes(nid)):
-        frac = 1.0 if role == "input-placement" else kept_fraction(g, nid, k, copy)
+        frac = 1.0 if role == "input-placement" else kept(gc, nid, k)
         if frac == 0.0:
             continue
         pb = int(s.piece_nbytes * frac) if frac < 1.0 else s.piece_numel * gc.itemsize((nid, k))
@@ -213,26 +211,57 @@ def _saves_copy(gc: GraphCost):
     return lambda u, pos: gc.role[u] == "compute" and gc.kernel_dtype(u, pos) != gc.dtype(gc.g.node(u).inputs[pos])
 
 
+def kept(gc: GraphCost, nid: int, k: int) -> float:
+    """:func:`kept_fraction` of output ``k`` of ``nid`` under ``gc``'s precision (autocast's copies:
+    :func:`_saves_copy`), memoized on ``gc`` (a function of the graph and the model, whatever the views):
+    the memory model and the memory techniques (search/memtech.py) read it for every mapping."""
+    memo = gc.__dict__.get("_kept_memo")
+    if memo is None:
+        memo = gc._kept_memo = {}
+    hit = memo.get((nid, k))
+    if hit is None:
+        hit = memo[(nid, k)] = kept_fraction(gc.g, nid, k, _saves_copy(gc))
+    return hit
+
+
+def cast_items(gc: GraphCost, nid: int) -> tuple:
+    """Autocast's converted copies compute node ``nid`` holds until the backward (:func:`_cast_copies`),
+    whatever its view: ((bytes per device, held with the weights), ...) in input order, memoized on ``gc``
+    (empty but under bf16)."""
+    memo = gc.__dict__.get("_cast_memo")
+    if memo is None:
+        memo = gc._cast_memo = {}
+    hit = memo.get(nid)
+    if hit is None:
+        out = []
+        casts = gc.casts(nid)
+        if casts:
+            g = gc.g
+            node = g.node(nid)
+            saved = SAVES_INPUTS.get(node.op)
+            for pos, _, to in casts:
+                r = node.inputs[pos]
+                b = g.shape(r).piece_numel * gc.kernel_itemsize(to)
+                if gc.role[r[0]] in ("weight", "weight-placement"):
+                    out.append((b, True))
+                elif saved is None or pos in saved:
+                    out.append((b, False))
+        hit = memo[nid] = tuple(out)
+    return hit
+
+
 def _cast_copies(gc: GraphCost, nid: int, view: MachineView, w: dict, a: dict) -> None:
     """Autocast's converted copies held by compute node ``nid`` until the backward pass (bf16 only): a
     bf16 copy of every fp32 weight a bf16 operator reads (autocast's weight cast cache; counted with the
     weights), and the converted copy of every input the operator saves for its gradient (activations)."""
-    casts = gc.casts(nid)
-    if not casts:
+    items = cast_items(gc, nid)
+    if not items:
         return
-    g = gc.g
-    node = g.node(nid)
-    saved = SAVES_INPUTS.get(node.op)
     devs = set(view.devices())
-    for pos, _, to in casts:
-        r = node.inputs[pos]
-        b = g.shape(r).piece_numel * gc.kernel_itemsize(to)
-        if gc.role[r[0]] in ("weight", "weight-placement"):
-            for d in devs:
-                w[d] = w.get(d, 0) + b
-        elif saved is None or pos in saved:
-            for d in devs:
-                a[d] = a.get(d, 0) + b
+    for b, weight in items:
+        into = w if weight else a
+        for d in devs:
+            into[d] = into.get(d, 0) + b
 
 
 def memory_per_device(gc: GraphCost, views: Mapping[int, MachineView]) -> MemoryReport:
@@ -278,4 +307,4 @@ def memory_lower_bound(gc: GraphCost, resource=None) -> float:
     return full + max(spread / n_dev, largest)
 
 
-__all__ = ["node_memory_arrays", "MemoryReport", "memory_per_device", "node_memory", "memory_lower_bound"]
+__all__ = ["kept", "cast_items", "node_memory_arrays", "MemoryReport", "memory_per_device", "node_memory", "memory_lower_bound"]

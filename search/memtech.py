@@ -59,7 +59,8 @@ from unity_pcg.plan import MemoryPlan, RecomputeRegion
 
 from . import collectives as C
 from .cost import FLOAT_DTYPES, OPTIMIZER_STATES, GraphCost, op_class
-from .memory import (SAVES_INPUTS, SAVES_OUTPUT, MemoryReport, _saves_copy, format_bytes, kept_fraction,
+from .budget import check
+from .memory import (SAVES_INPUTS, SAVES_OUTPUT, MemoryReport, _saves_copy, cast_items, format_bytes, kept,
                      memory_per_device)
 
 #: operator classes whose outputs a ``selective`` region keeps (everything else inside is recomputed):
@@ -287,6 +288,15 @@ class _Tensor:
     fixed: bool = False            # input shards: never change
 
 
+#: (placement, piece bytes, kept fraction, mask bytes) -> (device -> bytes, device -> kept bytes): the device
+#: dicts of a tensor, shared by every tensor with the same key (a model's identical blocks; read-only)
+_TEMPLATES: dict = {}
+_TEMPLATE_LIMIT = 200_000
+#: share the device dicts (and the walk's rows) of equal tensors; False: one per tensor (the reference the
+#: tests compare the shared ones with, float for float)
+SHARE_BLOCKS = True
+
+
 # --- pricing --------------------------------------------------------------------------------------------
 
 class Techniques:
@@ -480,47 +490,65 @@ class Techniques:
 
     # --- activations ------------------------------------------------------------------------------
     def _tensors(self) -> None:
+        """Every activation (and input shard) a mapping holds, one :class:`_Tensor` per output: its kept
+        fraction (:func:`search.memory.kept`) and its bytes per device.  Tensors of identical blocks (equal
+        placement, piece bytes and fraction) share one pair of device dicts (:data:`_TEMPLATES`), which the
+        walk's tables turn into rows once (:meth:`_walk_tables`); they are read, never changed."""
         gc, g = self.gc, self.g
-        copy = _saves_copy(gc)
-        self.copy = copy
+        self.copy = _saves_copy(gc)
         outs = set(map(tuple, g.outputs))
         self.outs = outs
         ts: dict = {}
         self.by_node: dict = {}          # node -> keys of tensors it produces or reads
+        by_node = self.by_node
+        tmpl = _TEMPLATES
+        if len(tmpl) > _TEMPLATE_LIMIT:
+            tmpl.clear()
         for n in gc.nodes():
+            check()
             role = gc.role[n]
             if role == "weight-placement":
                 continue
             if role == "input-placement" and any(gc.role[x[0]] != "input" for x in g.node(n).inputs):
                 continue
             view = self.views[n]
+            fixed = role == "input-placement"
             for k, s in enumerate(g.shapes(n)):
-                fixed = role == "input-placement"
-                frac = 1.0 if fixed else kept_fraction(g, n, k, copy)
+                frac = 1.0 if fixed else kept(gc, n, k)
                 pb = s.piece_numel * gc.itemsize((n, k))
-                per: dict = {}
-                for d in gc.placement(n, view, k):
-                    per[d] = per.get(d, 0) + pb
-                if 0 < frac < 1:
-                    mb = int(s.piece_nbytes * frac)
-                    mask = {d: b // pb * mb for d, b in per.items()}
-                else:
-                    mask = {d: b * frac for d, b in per.items()}
+                place = gc.placement(n, view, k)
+                tk = (place, pb, frac, s.piece_nbytes if 0 < frac < 1 else None)
+                pair = tmpl.get(tk) if SHARE_BLOCKS else None
+                if pair is None:
+                    per: dict = {}
+                    for d in place:
+                        per[d] = per.get(d, 0) + pb
+                    if 0 < frac < 1:
+                        mb = int(s.piece_nbytes * frac)
+                        mask = {d: b // pb * mb for d, b in per.items()}
+                    else:
+                        mask = {d: b * frac for d, b in per.items()}
+                    pair = (per, mask)
+                    if SHARE_BLOCKS:
+                        tmpl[tk] = pair
                 cons = tuple(g.consumers((n, k)))
-                t = _Tensor((n, k), n, cons, frac, per, mask, fixed)
-                ts[(n, k)] = t
-                self.by_node.setdefault(n, set()).add((n, k))
+                key = (n, k)
+                ts[key] = _Tensor(key, n, cons, frac, pair[0], pair[1], fixed)
+                by_node.setdefault(n, set()).add(key)
                 for u, _ in cons:
-                    self.by_node.setdefault(u, set()).add((n, k))
+                    by_node.setdefault(u, set()).add(key)
         self.tensors = ts
         # autocast's saved converted copies (activation part) per compute node
         self.cast_act: dict = {}
-        from .memory import _cast_copies
         for n in gc.nodes():
             if gc.role[n] == "compute":
-                w, a = {}, {}
-                _cast_copies(gc, n, self.views[n], w, a)
-                if a:
+                items = [b for b, weight in cast_items(gc, n) if not weight]
+                if items:
+                    a: dict = {}
+                    devs = set(self.views[n].devices())
+                    for b in items:
+                        for d in devs:
+                            a[d] = a.get(d, 0) + b
                     self.cast_act[n] = a
 
     def _grad_events(self) -> None:
@@ -615,8 +643,12 @@ class Techniques:
         if wt is not None:
             return wt
         devs: set = set(self.base_report.per_device) | set(self.base_report.activations)
+        seen: set = set()
         for t in self.tensors.values():
-            devs |= set(t.per_dev) | set(t.mask_dev)
+            if id(t.per_dev) not in seen or id(t.mask_dev) not in seen:
+                seen.add(id(t.per_dev))
+                seen.add(id(t.mask_dev))
+                devs |= set(t.per_dev) | set(t.mask_dev)
         for x in self.weights:
             devs |= set(x.devices)
         for b in self.cast_act.values():
@@ -627,23 +659,28 @@ class Techniques:
         D = len(col)
 
         def rows(dicts) -> np.ndarray:
+            # one row per distinct dict (tensors of identical blocks share theirs), then gathered
+            uniq, idx = _distinct(dicts)
             ii, jj, vv = [], [], []
-            for i, b in enumerate(dicts):
+            for i, b in enumerate(uniq):
+                check()
                 ii.extend([i] * len(b))
                 jj.extend([col[d] for d in b])
                 vv.extend(b.values())
-            out = np.zeros((len(dicts), D))
+            out = np.zeros((len(uniq), D))
             if vv:
                 out[ii, jj] = np.array(vv, dtype=float)
-            return out
+            return out[idx] if len(uniq) != len(dicts) else out
+
         def present(dicts) -> np.ndarray:
+            uniq, idx = _distinct(dicts)
             ii, jj = [], []
-            for i, b in enumerate(dicts):
+            for i, b in enumerate(uniq):
                 ii.extend([i] * len(b))
                 jj.extend([col[d] for d in b])
-            out = np.zeros((len(dicts), D), dtype=bool)
+            out = np.zeros((len(uniq), D), dtype=bool)
             out[ii, jj] = True
-            return out
+            return out[idx] if len(uniq) != len(dicts) else out
         ev = self.grad_events
         kt = [k for k, t in self.tensors.items() if not t.fixed]
         full = rows([self.tensors[k].per_dev for k in kt])
@@ -1509,6 +1546,22 @@ class Techniques:
                     break
                 state, cur = trial, p
         return cur
+
+
+def _distinct(dicts: Sequence[dict]) -> tuple[list, list]:
+    """The distinct dicts of ``dicts`` (by identity, in first-seen order) and each one's index among them."""
+    if not SHARE_BLOCKS:
+        return list(dicts), list(range(len(dicts)))
+    seen: dict = {}
+    uniq: list = []
+    idx: list = []
+    for b in dicts:
+        j = seen.get(id(b))
+        if j is None:
+            j = seen[id(b)] = len(uniq)
+            uniq.append(b)
+        idx.append(j)
+    return uniq, idx
 
 
 def _simulate(dur: Sequence[float], ops: Sequence[tuple]) -> float:
