@@ -452,11 +452,12 @@ class MachineMapper:
         return out
 
     def first_views(self, g: PCG, resource: Resource | None = None,
-                    fixed: Mapping[int, MachineView] | None = None) -> MappingResult | None:
+                    fixed: Mapping[int, MachineView] | None = None,
+                    techniques: bool | None = None) -> MappingResult | None:
         """A mapping of ``g`` without the DP (linear in the graph), priced by :meth:`evaluate`: every node on
         the first view of its degree in ``resource`` (lowest start), ``fixed`` nodes on theirs -- the
         data-parallel layout of a data-parallel graph.  The last resort when the DP's solve cannot finish
-        within a deadline; None when a node has no view in ``resource``."""
+        within a deadline; None when a node has no view in ``resource``.  ``techniques``: as :meth:`evaluate`."""
         gc = GraphCost(g, self.model)
         res = resource or Resource.whole(self.machine)
         fixed = fixed or {}
@@ -473,7 +474,7 @@ class MachineMapper:
             if first[grid] is None:
                 return None
             views[n] = first[grid]
-        return self.evaluate(g, views)
+        return self.evaluate(g, views, techniques=techniques)
 
     def evaluate(self, g: PCG, views: Mapping[int, MachineView], techniques: bool | None = None) -> MappingResult:
         """Price a given mapping, every leaf one after the other (no side-by-side execution);

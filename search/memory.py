@@ -214,40 +214,92 @@ def _saves_copy(gc: GraphCost):
 def kept(gc: GraphCost, nid: int, k: int) -> float:
     """:func:`kept_fraction` of output ``k`` of ``nid`` under ``gc``'s precision (autocast's copies:
     :func:`_saves_copy`), memoized on ``gc`` (a function of the graph and the model, whatever the views):
-    the memory model and the memory techniques (search/memtech.py) read it for every mapping."""
+    the memory model and the memory techniques (search/memtech.py) read it for every mapping.  The same
+    decision as :func:`kept_fraction`, with the graph's outputs and each consumer's saving read once."""
     memo = gc.__dict__.get("_kept_memo")
     if memo is None:
         memo = gc._kept_memo = {}
+        gc._kept_outs = set(map(tuple, gc.g.outputs))
+        gc._kept_saves = {}
     hit = memo.get((nid, k))
-    if hit is None:
-        hit = memo[(nid, k)] = kept_fraction(gc.g, nid, k, _saves_copy(gc))
+    if hit is not None:
+        return hit
+    g = gc.g
+    op = g.node(nid).op
+    if op in SAVES_OUTPUT or (nid, k) in gc._kept_outs:
+        hit = 1.0
+    else:
+        uses = g.consumers((nid, k))
+        if not uses:
+            hit = 1.0
+        else:
+            saves = gc._kept_saves
+            copy = _saves_copy(gc)
+            hit = None
+            for u, pos in uses:
+                sv = saves.get((u, pos))
+                if sv is None:
+                    saved = SAVES_INPUTS.get(g.node(u).op)
+                    sv = saves[(u, pos)] = ((saved is None or pos in saved)
+                                            and not (copy is not None and copy(u, pos)))
+                if sv:
+                    hit = 1.0
+                    break
+            if hit is None:
+                hit = 1.0 / g.shapes(nid)[k].itemsize if ops.saves(op).mask else 0.0
+    memo[(nid, k)] = hit
     return hit
 
 
 def cast_items(gc: GraphCost, nid: int) -> tuple:
     """Autocast's converted copies compute node ``nid`` holds until the backward (:func:`_cast_copies`),
     whatever its view: ((bytes per device, held with the weights), ...) in input order, memoized on ``gc``
-    (empty but under bf16)."""
+    (empty but under bf16).  Nodes of identical blocks share one computation: the casts depend on the
+    operator, its attributes and its inputs' dtypes alone (``GraphCost.casts``), the bytes on the inputs'
+    piece sizes and kinds, which the key holds (:data:`_CAST_KEYED`)."""
     memo = gc.__dict__.get("_cast_memo")
     if memo is None:
         memo = gc._cast_memo = {}
+        gc._cast_keyed = {}
     hit = memo.get(nid)
-    if hit is None:
-        out = []
-        casts = gc.casts(nid)
-        if casts:
-            g = gc.g
-            node = g.node(nid)
-            saved = SAVES_INPUTS.get(node.op)
-            for pos, _, to in casts:
-                r = node.inputs[pos]
-                b = g.shape(r).piece_numel * gc.kernel_itemsize(to)
-                if gc.role[r[0]] in ("weight", "weight-placement"):
-                    out.append((b, True))
-                elif saved is None or pos in saved:
-                    out.append((b, False))
-        hit = memo[nid] = tuple(out)
+    if hit is not None:
+        return hit
+    if gc.precision != "bf16" or gc.role[nid] != "compute":
+        hit = memo[nid] = ()
+        return hit
+    g = gc.g
+    node = g.node(nid)
+    key = None
+    if _CAST_KEYED:
+        key = (node.op, node.attrs, tuple((gc.dtype(r), g.shape(r).piece_numel,
+                                           gc.role[r[0]] in ("weight", "weight-placement")) for r in node.inputs))
+        try:
+            hit = gc._cast_keyed.get(key)
+        except TypeError:             # an attribute that is no key: this node computed alone
+            key = hit = None
+        if hit is not None:
+            memo[nid] = hit
+            return hit
+    out = []
+    casts = gc.casts(nid)
+    if casts:
+        saved = SAVES_INPUTS.get(node.op)
+        for pos, _, to in casts:
+            r = node.inputs[pos]
+            b = g.shape(r).piece_numel * gc.kernel_itemsize(to)
+            if gc.role[r[0]] in ("weight", "weight-placement"):
+                out.append((b, True))
+            elif saved is None or pos in saved:
+                out.append((b, False))
+    hit = memo[nid] = tuple(out)
+    if key is not None:
+        gc._cast_keyed[key] = hit
     return hit
+
+
+#: :func:`cast_items` shares one computation between nodes of equal operator, attributes and inputs (dtype,
+#: piece size, weight or not); False: every node computed (the reference the tests compare with)
+_CAST_KEYED = True
 
 
 def _cast_copies(gc: GraphCost, nid: int, view: MachineView, w: dict, a: dict) -> None:

@@ -42,6 +42,11 @@ iteration is that cost plus the techniques' change.
 regions: every assignment when there are at most ``exact_limit`` regions, else greedily the region
 and mode saving the most bytes on the busiest device per second added, until it fits.  It returns the
 fastest feasible combination (ZeRO-1 can win when memory fits: it shrinks the update).
+
+*Deadlines*: building a :class:`Techniques` and every pricing and choosing loop check the deadline of the
+caller's scope (:func:`search.budget.check`; no signal): past it they raise :class:`search.budget.Expired`
+and the caller keeps what it had.  *Identical blocks*: tensors with equal placement, bytes and kept
+fraction share one pair of device dicts (:data:`_TEMPLATES`) and one row of the backward walk's tables.
 """
 from __future__ import annotations
 
@@ -310,7 +315,11 @@ class Techniques:
     ACT_CACHE = 256
 
     def __init__(self, gc: GraphCost, views: Mapping[int, MachineView], base: Any = None,
-                 regs: Sequence[Sequence[int]] | None = None):
+                 regs: Sequence[Sequence[int]] | None = None, report: MemoryReport | None = None):
+        """``base``: the mapping's cost (or its MappingResult); ``regs``: the recompute regions (default
+        :func:`regions`); ``report``: the mapping's memory without techniques when the caller has it (what
+        :func:`search.memory.memory_per_device` gives for ``views`` on this graph: :func:`plain_report`),
+        else computed here."""
         self.gc, self.g, self.views = gc, gc.g, dict(views)
         self.model = gc.model
         self.machine = gc.machine
@@ -318,7 +327,10 @@ class Techniques:
         nodes = gc.nodes()
         self.order = [n for n in nodes if gc.role[n] in ("compute", "parallel")]
         self.pos = {n: i for i, n in enumerate(self.order)}
-        self.leaf = {n: gc.leaf_cost(n, self.views[n], self.views) for n in nodes}
+        self.leaf = {}
+        for n in nodes:
+            check()
+            self.leaf[n] = gc.leaf_cost(n, self.views[n], self.views)
         self.leaves_s = sum(c.time for c in self.leaf.values())
         self.compute_s = sum(c.compute for c in self.leaf.values())
         self.comm_s = sum(c.comm for c in self.leaf.values())
@@ -326,7 +338,7 @@ class Techniques:
         self.update_s = sum(c.update for c in self.leaf.values())
         bc = getattr(base, "cost", base)
         self.base_s = float(bc) if bc is not None and math.isfinite(float(bc)) else self.leaves_s
-        self.base_report = memory_per_device(gc, self.views)
+        self.base_report = report if report is not None else memory_per_device(gc, self.views)
         self.capacity = self.base_report.capacity
         self.states = OPTIMIZER_STATES[self.model.optimizer]
         # forward / backward durations of every node on the compute stream (compute + half its transfers)
@@ -375,6 +387,7 @@ class Techniques:
         ws: list = []
         self.buffer_sync: list = []     # (position, seconds): syncs of untrained replicated buffers
         for n in gc.nodes():
+            check()
             role = gc.role[n]
             if role == "weight-placement" and n in gc._chain_end:
                 if not gc.trainable(n):
@@ -563,6 +576,7 @@ class Techniques:
             req[n] = (node.op == "Weight" and gc.trainable(n)) or any(req.get(i[0], False) for i in node.inputs)
         ev = []
         for key, t in self.tensors.items():
+            check()
             if t.fixed or not req.get(t.producer) or gc.dtype(key) not in FLOAT_DTYPES:
                 continue
             grad = t.per_dev
@@ -816,6 +830,7 @@ class Techniques:
         out: dict = {}
         outputs = {r[0] for r in self.outs}
         for (i, md), S in sorted(by_region.items()):
+            check()
             members = region_members(g, self.gc.role, S, taken - S, outputs)
             taken |= members
             steps = sorted(members, key=self.exec_pos.__getitem__)
@@ -1002,10 +1017,8 @@ class Techniques:
         """Nodes whose operator saves its own output or a mask of it for its backward."""
         hit = self._memo.get("keeps_output")
         if hit is None:
-            hit = self._memo["keeps_output"] = {
-                n for n in self.exec_pos if self.g.node(n).op in SAVES_OUTPUT
-                or (self.g.node(n).op in ops.REGISTRY and ops.saves(self.g.node(n).op) is not None
-                    and ops.saves(self.g.node(n).op).mask)}
+            g = self.g
+            hit = self._memo["keeps_output"] = {n for n in self.exec_pos if _op_keeps_output(g.node(n).op)}
         return hit
 
     def _unpacked(self, t: _Tensor, runs: Mapping[int, tuple]) -> int:
@@ -1349,6 +1362,9 @@ class Techniques:
         return hit
 
     def price(self, mem: MemoryPlan) -> Priced:
+        """``mem`` priced on this mapping (:class:`Priced`).  Like every loop here it checks the deadline of
+        the caller's scope (:func:`search.budget.within`): past it, :class:`search.budget.Expired`."""
+        check()
         m, model = self.machine, self.model
         zero, offload = int(mem.zero), bool(mem.offload)
         if offload and not self.can_offload:
@@ -1416,6 +1432,7 @@ class Techniques:
                             key=lambda p: p.iteration_s)
             best = math.inf
             for p0 in firsts:
+                check()
                 got = [p0] if self._least_with_recompute(p0) > best else \
                     self._fit(p0.memory.zero, p0.memory.offload, exact_limit, p0)
                 cands.extend(got)
@@ -1444,6 +1461,7 @@ class Techniques:
             for modes in product(MODES, repeat=len(R)):
                 if all(x == "none" for x in modes):
                     continue
+                check()
                 regs = tuple(RecomputeRegion(tuple(r), md) for r, md in zip(R, modes) if md != "none")
                 out.append(self.price(MemoryPlan(zero, offload, regs)))
             return out
@@ -1471,6 +1489,7 @@ class Techniques:
             single = self._single = {}
             base_a = self.base_report.activations
             for i, r in enumerate(self.regions):
+                check()
                 for md in ("selective", "full"):
                     # bytes no longer kept (the transient of the largest region is paid once, not per region)
                     a, _ = self.activation_bytes({n: (i, md) for n in r})
@@ -1492,6 +1511,7 @@ class Techniques:
         state: dict = {}
         cur = p0
         while not cur.feasible:
+            check()
             busiest = max(cur.report.per_device, key=cur.report.per_device.get)
             over = cur.report.per_device[busiest] - self.capacity
             added, saved_sum = 0, 0.0
@@ -1538,6 +1558,7 @@ class Techniques:
         single = self._single_savings()
         for i in sorted(state, key=lambda i: -single[(i, state[i])][1]):
             while state.get(i, "none") != "none":
+                check()
                 lower = MODES[MODES.index(state[i]) - 1]
                 trial = dict(state)
                 trial[i] = lower
@@ -1546,6 +1567,26 @@ class Techniques:
                     break
                 state, cur = trial, p
         return cur
+
+
+_KEEPS_OUTPUT: dict = {}
+
+
+def plain_report(weights: Mapping[int, float], activations: Mapping[int, float], capacity: int) -> MemoryReport:
+    """The MemoryReport :func:`search.memory.memory_per_device` makes of a mapping's weight and activation
+    bytes per device (``MemoryReport.weights`` / ``.activations`` of a mapping priced without techniques,
+    or a pipeline stage's ``w`` / ``a``): the same dicts, the same sums."""
+    per = {d: weights.get(d, 0) + activations.get(d, 0) for d in set(weights) | set(activations)}
+    return MemoryReport(per, dict(weights), dict(activations), capacity)
+
+
+def _op_keeps_output(op: str) -> bool:
+    """Whether operator ``op`` saves its own output or a mask of it for its backward (memoized per name)."""
+    hit = _KEEPS_OUTPUT.get(op)
+    if hit is None:
+        hit = _KEEPS_OUTPUT[op] = bool(op in SAVES_OUTPUT or (op in ops.REGISTRY and ops.saves(op) is not None
+                                                               and ops.saves(op).mask))
+    return hit
 
 
 def _distinct(dicts: Sequence[dict]) -> tuple[list, list]:
@@ -1645,6 +1686,6 @@ def describe(p: Priced) -> list[str]:
     return out
 
 
-__all__ = ["SELECTIVE_KEEP", "LAYOUT_OPS", "saves_nothing", "GATHER_OPS", "GATHERED_UNITS", "region_members",
+__all__ = ["plain_report", "SELECTIVE_KEEP", "LAYOUT_OPS", "saves_nothing", "GATHER_OPS", "GATHERED_UNITS", "region_members",
            "MIN_REGION_OPS", "EXACT_LIMIT", "Priced", "Techniques", "regions", "recompute_all", "price", "choose",
            "describe", "format_bytes"]

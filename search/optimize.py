@@ -188,7 +188,7 @@ class Evaluator:
         self._memo: dict = {}
         self._timed_out: dict = {}
         self._kept: dict = {}
-        #: mappings :meth:`cheap` priced without the memory techniques, past the hard end
+        #: mappings :meth:`cheap` priced without the memory techniques, past the hard end (or their choice cut)
         self.plain_past_end = 0
 
     def cost(self, g: PCG, resource: Resource | None = None, limited: bool | float = True,
@@ -277,15 +277,16 @@ class Evaluator:
         resort when even data parallelism's DP solve does not finish within the budget (a small batch on
         a large machine).  Past the :attr:`hard` end it is priced without the memory techniques (their
         choice is a search over the plan's regions: seconds on a full-depth decoder on a starved core, where
-        only linear work may run); :attr:`plain_past_end` counts those mappings."""
+        only linear work may run); so it is where their choice (search/memtech.py checks the deadline of the
+        caller's scope) is cut.  :attr:`plain_past_end` counts those mappings."""
+        pins = self.pins(g, resource)
         if self.hard is None or not self.hard.passed() or not getattr(self.mapper, "default_techniques", False):
-            return self.mapper.first_views(g, resource, self.pins(g, resource))
+            try:
+                return self.mapper.first_views(g, resource, pins)
+            except Expired:
+                pass
         self.plain_past_end += 1
-        self.mapper.default_techniques = False
-        try:
-            return self.mapper.first_views(g, resource, self.pins(g, resource))
-        finally:
-            self.mapper.default_techniques = True
+        return self.mapper.first_views(g, resource, pins, techniques=False)
 
 
 # --- the searches ----------------------------------------------------------------------------------------
@@ -866,8 +867,9 @@ def _price_data_parallel(run: _Run) -> None:
         return
     try:
         run.dp_res = run.ev.full(run.dp_pg, deadline=run.later("floors"))
-    except Expired:
-        run.dp_res = run.ev.cheap(run.dp_pg)
+    except Expired:                 # the DP or the memory techniques' choice (search/memtech.py) was cut
+        with within(run.ev.hard):   # the linear mapping, its techniques chosen until the hard end at most
+            run.dp_res = run.ev.cheap(run.dp_pg)
         run.dp_cut = True
         run.stats["dp_mapping"] = "without the DP (its solve did not finish within the floors' phase)"
     run.mark("dp_baseline")

@@ -781,7 +781,11 @@ def _analysis(mapper: MachineMapper, p: StagePrice):
     from . import memtech
     tq = p.tech.get("analysis")
     if tq is None:
-        tq = p.tech["analysis"] = memtech.Techniques(GraphCost(p.pcg, mapper.model), p.views, p.t + p.once)
+        # the stage's memory without techniques is its mapping's (``w``, ``a``) unless techniques priced it
+        report = memtech.plain_report(p.w, p.a, mapper.machine.device.usable_bytes) \
+            if p.memory_plan is None and not p.rec else None
+        tq = p.tech["analysis"] = memtech.Techniques(GraphCost(p.pcg, mapper.model), p.views, p.t + p.once,
+                                                     report=report)
     return tq
 
 

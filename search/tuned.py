@@ -156,7 +156,7 @@ class _NoTechniques:
     available = False
     recompute = ("none",)
 
-    def price(self, gc, views, recompute: str, zero: int, base):
+    def price(self, gc, views, recompute: str, zero: int, base, report=None):
         return None
 
 
@@ -181,13 +181,15 @@ class _Memtech:
         regs = self.m.regions(g) if regs is None else regs
         return MemoryPlan(zero=zero, recompute=tuple(self.m.recompute_all(regs, recompute)))
 
-    def price(self, gc, views, recompute: str, zero: int, base):
+    def price(self, gc, views, recompute: str, zero: int, base, report=None):
+        """``report``: the mapping's memory without techniques, when known (the analysis then does not
+        compute it again: ``memtech.plain_report``)."""
         key = (id(gc), id(views))
         hit = self._analysis.get(key)
         if hit is None or hit[0] is not gc:
             if len(self._analysis) > 64:
                 self._analysis.clear()
-            hit = self._analysis[key] = (gc, self.m.Techniques(gc, views, base))
+            hit = self._analysis[key] = (gc, self.m.Techniques(gc, views, base, report=report))
         t = hit[1]
         if recompute == PER_REGION:      # no recomputation where it fits, else the fastest regions that fit
             q = t.choose(zero=(zero,), offload=(False,))
@@ -542,7 +544,8 @@ class _Tuner:
         base = r if getattr(r, "techniques", None) is None else None     # its cost without techniques
         if lay.gc is None:
             lay.gc = GraphCost(lay.pcg, self.mapper.model)
-        q = self.tech.price(lay.gc, r.views, cfg.recompute, cfg.zero, base)
+        q = self.tech.price(lay.gc, r.views, cfg.recompute, cfg.zero, base,
+                            report=r.memory if base is not None else None)
         mem = dict(q.per_device)
         return _Point(cfg, q.iteration_s if q.feasible else INF, bool(q.feasible), q.reason, int(q.max_bytes), mem,
                       lay, _split(q.report), q.iteration_s)
@@ -560,7 +563,9 @@ class _Tuner:
         def q(rec, z):
             k = (key, rec, z)
             if k not in cache:
-                cache[k] = self.tech.price(gc, p.views, rec, z, p.t + p.once)
+                plain = p.memory_plan is None and not p.rec and self.tech.available
+                report = self.tech.m.plain_report(p.w, p.a, self.machine.device.usable_bytes) if plain else None
+                cache[k] = self.tech.price(gc, p.views, rec, z, p.t + p.once, report=report)
             return cache[k]
 
         full = q(cfg.recompute, cfg.zero)
