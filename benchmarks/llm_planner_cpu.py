@@ -2,7 +2,8 @@
 the import, Megatron-LM's tuned grid's first points (the plain point, then the first ``--steps`` steps of the
 walk), and the zero3 grid's first steps, each timed by ``time.process_time`` (CPU seconds of this process, so a
 shared, loaded host changes them little, unlike the wall clock a ``--budget`` reads).  The work is fixed (no
-deadline), so two trees compare on the same points: the prices must be the same floats.
+deadline), so two trees compare on the same points: the prices must be the same floats.  ``memtech_cpu_s``: the
+part spent pricing memory techniques (search/memtech.py through the grid's pricer).
 
     .venv/bin/python benchmarks/llm_planner_cpu.py benchmarks/.cache/llm/llama_7b-L32-s2048.onnx h100:1x8
     PYTHONPATH=/tmp/base .venv/bin/python benchmarks/llm_planner_cpu.py --other-tree ...   # another checkout
@@ -31,13 +32,26 @@ def main(argv=None) -> int:
     from unity_pcg.onnx_import import load_onnx
     from unity_pcg.search.cost import CostModel
     from unity_pcg.search.mapping import MachineMapper
+    from unity_pcg.search import tuned
     from unity_pcg.search.tuned import _Tuner, techniques
     out: dict = {"model": a.model, "machine": a.machine}
+    # the memory techniques' share (search/memtech.py, through the grid's pricer): CPU seconds inside it
+    tech_s = [0.0]
+    price = tuned._Memtech.price
+
+    def timed(self, *args, **kw):
+        c = time.process_time()
+        try:
+            return price(self, *args, **kw)
+        finally:
+            tech_s[0] += time.process_time() - c
+    tuned._Memtech.price = timed
     c0 = time.process_time()
     g = load_onnx(a.model, batch=a.batch, load_weights=False)
     out["import_cpu_s"] = round(time.process_time() - c0, 2)
     m = parse_machine(a.machine)
     for strategy in ("megatron", "zero3"):
+        tech_s[0] = 0.0
         c0 = time.process_time()
         t = _Tuner(g, MachineMapper(CostModel(m, optimizer="adam", precision="bf16")), strategy, None, techniques())
         t._start()
@@ -49,7 +63,8 @@ def main(argv=None) -> int:
             t._step(live[0], t.plain)
             steps += 1
         r = t.result()
-        out[strategy] = {"cpu_s": round(time.process_time() - c0, 2), "steps": steps,
+        out[strategy] = {"cpu_s": round(time.process_time() - c0, 2), "memtech_cpu_s": round(tech_s[0], 2),
+                         "steps": steps,
                          "points_priced": len(t.priced), "layout_points": t.stats.get("layout_points"),
                          "pairs_skipped_by_weights": t.stats.get("pairs_skipped_by_weights", 0),
                          "best_s": r.cost, "best": r.config.to_json() if r.config else None,
