@@ -70,11 +70,16 @@ def _mappings(g, machine: str, precision: str):
     return out
 
 
+def _fresh(model: CostModel) -> CostModel:
+    """A CostModel like ``model`` with no memo (a CostModel keeps its graphs' GraphCosts and their memos)."""
+    return CostModel(model.machine, optimizer=model.optimizer, precision=model.precision)
+
+
 def _price_all(cases, tight: bool) -> list:
     """Every plan of every case priced, and ``choose`` on a capacity that needs techniques (``tight``)."""
     got = []
     for pg, model, views, cost, report in cases:
-        gc = GraphCost(pg, model)                          # a fresh one: every per-GraphCost memo cold
+        gc = GraphCost(pg, _fresh(model))                  # a fresh one: every per-GraphCost memo cold
         t = memtech.Techniques(gc, views, cost, report=report if memtech.SHARE_BLOCKS else None)
         for mp in _plans(t):
             got.append(_facts(t.price(mp)))
@@ -108,7 +113,7 @@ def test_the_second_decoder_is_not_priced_with_the_first_ones_blocks(decoders):
     t = {}
     for g, b in ((g8, 8), (g4, 4)):
         pg, model, views, cost, report = _mappings(g, "h100:1x4", "bf16")[0]
-        t[b] = memtech.Techniques(GraphCost(pg, model), views, cost)
+        t[b] = memtech.Techniques(GraphCost(pg, _fresh(model)), views, cost)
     big = {k: v.per_dev for k, v in t[8].tensors.items()}
     small = {k: v.per_dev for k, v in t[4].tensors.items()}
     batched = [k for k in big if k in small and big[k] != small[k]]
@@ -120,8 +125,9 @@ def test_the_second_decoder_is_not_priced_with_the_first_ones_blocks(decoders):
     assert len(ids) < len(t[8].tensors) / 2
 
 
-def test_kept_and_cast_memos_equal_the_functions_they_memoize(decoders):
-    g = megatron(decoders[0], 4, devices_per_node=4)
+@pytest.mark.parametrize("layout", ["dp", "megatron"])
+def test_kept_and_cast_memos_equal_the_functions_they_memoize(decoders, layout):
+    g = data_parallel(decoders[0], 4) if layout == "dp" else megatron(decoders[0], 4, devices_per_node=4)
     gc = GraphCost(g, CostModel(parse_machine("h100:1x4"), optimizer="adam", precision="bf16"))
     copy = memory._saves_copy(gc)
     for n in gc.nodes():
@@ -129,7 +135,8 @@ def test_kept_and_cast_memos_equal_the_functions_they_memoize(decoders):
             assert memory.kept(gc, n, k) == memory.kept_fraction(g, n, k, copy)
     keyed = {n: memory.cast_items(gc, n) for n in gc.nodes()}
     assert len(set(gc._cast_keyed)) < sum(1 for n in gc.nodes() if gc.role[n] == "compute")
-    fresh = GraphCost(g, gc.model)
+    fresh = GraphCost(g, _fresh(gc.model))
+    assert fresh is not gc
     old = memory._CAST_KEYED
     memory._CAST_KEYED = False
     try:
@@ -140,7 +147,7 @@ def test_kept_and_cast_memos_equal_the_functions_they_memoize(decoders):
 
 def test_plain_report_is_the_mappings_memory(decoders):
     for pg, model, views, cost, report in _mappings(decoders[0], "h100:1x4", "bf16"):
-        want = memory.memory_per_device(GraphCost(pg, model), views)
+        want = memory.memory_per_device(GraphCost(pg, _fresh(model)), views)
         got = memtech.plain_report(report.weights, report.activations, report.capacity)
         assert got == want and list(got.per_device) == list(want.per_device)
 
@@ -162,7 +169,7 @@ class _Clock:
 
 def _tight(decoders):
     pg, model, views, cost, report = _mappings(decoders[0], "h100:1x4", "bf16")[0]
-    t = memtech.Techniques(GraphCost(pg, model), views, cost)
+    t = memtech.Techniques(GraphCost(pg, _fresh(model)), views, cost)
     t.capacity = int(max(t.base_report.per_device.values()) * 0.6)      # only techniques make it fit
     return t, pg, model, views, cost
 
@@ -186,7 +193,7 @@ def test_a_callers_deadline_stops_choosing_and_building(decoders):
     clock = _Clock()
     with pytest.raises(Expired):
         with within(Deadline(5, clock)):
-            memtech.Techniques(GraphCost(pg, model), views, cost)
+            memtech.Techniques(GraphCost(pg, _fresh(model)), views, cost)
     assert clock.readings <= 7
 
 
