@@ -1608,21 +1608,24 @@ def _distinct(dicts: Sequence[dict]) -> tuple[list, list]:
 def _simulate(dur: Sequence[float], ops: Sequence[tuple]) -> float:
     """Critical path of one compute stream (tasks in order, each waiting for the collectives it needs)
     and one communication stream (collectives in the order they are issued, each issued at its trigger:
-    the start (0) or end (1) of a task; task -1 ends at time 0)."""
+    the start (0) or end (1) of a task; task -1 ends at time 0).  A trigger (task, which) is kept as the
+    number ``2 task + which`` (the same order), and the stream is only entered where a collective is due."""
     ops = sorted(ops, key=lambda o: (o[0], o[1]))
+    n = len(ops)
+    trig = [2 * o[0][0] + o[0][1] for o in ops]
     need: dict = {}
     for j, o in enumerate(ops):
         if o[3] is not None:
             need.setdefault(o[3], []).append(j)
     start: list = [0.0] * len(dur)
     end: list = [0.0] * len(dur)
-    op_end: dict = {}
+    op_end: list = [None] * n
     comm_free = 0.0
     k = 0
 
-    def issue(upto: tuple) -> None:
+    def issue(upto: float) -> None:
         nonlocal k, comm_free
-        while k < len(ops) and ops[k][0] <= upto:
+        while k < n and trig[k] <= upto:
             (ti, which), _, t, _ = ops[k]
             at = 0.0 if ti < 0 else (start[ti] if which == 0 else end[ti])
             s = max(comm_free, at)
@@ -1630,20 +1633,24 @@ def _simulate(dur: Sequence[float], ops: Sequence[tuple]) -> float:
             op_end[k] = comm_free
             k += 1
 
-    issue((-1, 1))
+    issue(-1)
     prev = 0.0
     for i, d in enumerate(dur):
         s = prev
-        for j in need.get(i, ()):
-            if j not in op_end:            # cannot happen: a needed collective is triggered earlier
-                issue(ops[j][0])
-            s = max(s, op_end[j])
+        js = need.get(i)
+        if js:
+            for j in js:
+                if op_end[j] is None:      # cannot happen: a needed collective is triggered earlier
+                    issue(trig[j])
+                s = max(s, op_end[j])
         start[i] = s
-        issue((i, 0))
+        if k < n and trig[k] <= 2 * i:
+            issue(2 * i)
         end[i] = s + d
         prev = end[i]
-        issue((i, 1))
-    issue((math.inf, 1))
+        if k < n and trig[k] <= 2 * i + 1:
+            issue(2 * i + 1)
+    issue(math.inf)
     return max(prev, comm_free)
 
 

@@ -211,3 +211,59 @@ def test_the_dp_floors_linear_fallback_prices_plainly_past_the_deadline(decoders
     plain = ev.mapper.first_views(pg, None, ev.pins(pg), techniques=False)
     assert (cut.cost, cut.feasible, cut.memory) == (plain.cost, plain.feasible, plain.memory)
     assert dataclasses.replace(cut, solve_s=0.0) == dataclasses.replace(plain, solve_s=0.0)
+
+
+# --- the two streams' critical path ---------------------------------------------------------------------
+
+def _simulate_reference(dur, ops) -> float:
+    """memtech._simulate as it was written first (triggers compared as tuples, the stream entered at every task)."""
+    import math
+    ops = sorted(ops, key=lambda o: (o[0], o[1]))
+    need: dict = {}
+    for j, o in enumerate(ops):
+        if o[3] is not None:
+            need.setdefault(o[3], []).append(j)
+    start = [0.0] * len(dur)
+    end = [0.0] * len(dur)
+    op_end: dict = {}
+    state = {"k": 0, "free": 0.0}
+
+    def issue(upto):
+        while state["k"] < len(ops) and ops[state["k"]][0] <= upto:
+            k = state["k"]
+            (ti, which), _, t, _ = ops[k]
+            at = 0.0 if ti < 0 else (start[ti] if which == 0 else end[ti])
+            state["free"] = max(state["free"], at) + t
+            op_end[k] = state["free"]
+            state["k"] += 1
+
+    issue((-1, 1))
+    prev = 0.0
+    for i, d in enumerate(dur):
+        s = prev
+        for j in need.get(i, ()):
+            if j not in op_end:
+                issue(ops[j][0])
+            s = max(s, op_end[j])
+        start[i] = s
+        issue((i, 0))
+        end[i] = s + d
+        prev = end[i]
+        issue((i, 1))
+    issue((math.inf, 1))
+    return max(prev, state["free"])
+
+
+def test_the_critical_path_is_the_references_float_for_float():
+    import random
+    rng = random.Random(7)
+    for _ in range(2000):
+        nt = rng.randint(1, 30)
+        dur = [rng.random() * rng.choice([1e-3, 1.0, 7.0]) for _ in range(nt)]
+        ops = []
+        for q in range(rng.randint(0, 25)):
+            ti, which = rng.randint(-1, nt - 1), rng.randint(0, 1)
+            needer = rng.randint(ti + 1, nt - 1) if rng.random() < 0.5 and ti + 1 < nt else None
+            ops.append(((ti, which), q, rng.random() * rng.choice([1e-4, 1.0, 3.0]), needer))
+        rng.shuffle(ops)
+        assert memtech._simulate(dur, ops) == _simulate_reference(dur, ops)
