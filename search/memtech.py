@@ -297,6 +297,9 @@ class _Tensor:
 #: dicts of a tensor, shared by every tensor with the same key (a model's identical blocks; read-only)
 _TEMPLATES: dict = {}
 _TEMPLATE_LIMIT = 200_000
+#: the per-node and per-tensor loops of the analysis check the caller's deadline every this many items (a
+#: clock reading each); the pricing and choosing loops check it at every step
+CHECK_EVERY = 256
 #: share the device dicts (and the walk's rows) of equal tensors; False: one per tensor (the reference the
 #: tests compare the shared ones with, float for float)
 SHARE_BLOCKS = True
@@ -328,8 +331,9 @@ class Techniques:
         self.order = [n for n in nodes if gc.role[n] in ("compute", "parallel")]
         self.pos = {n: i for i, n in enumerate(self.order)}
         self.leaf = {}
-        for n in nodes:
-            check()
+        for i, n in enumerate(nodes):
+            if not i % CHECK_EVERY:
+                check()
             self.leaf[n] = gc.leaf_cost(n, self.views[n], self.views)
         self.leaves_s = sum(c.time for c in self.leaf.values())
         self.compute_s = sum(c.compute for c in self.leaf.values())
@@ -386,8 +390,9 @@ class Techniques:
         gc, g = self.gc, self.g
         ws: list = []
         self.buffer_sync: list = []     # (position, seconds): syncs of untrained replicated buffers
-        for n in gc.nodes():
-            check()
+        for i, n in enumerate(gc.nodes()):
+            if not i % CHECK_EVERY:
+                check()
             role = gc.role[n]
             if role == "weight-placement" and n in gc._chain_end:
                 if not gc.trainable(n):
@@ -517,8 +522,9 @@ class Techniques:
         tmpl = _TEMPLATES
         if len(tmpl) > _TEMPLATE_LIMIT:
             tmpl.clear()
-        for n in gc.nodes():
-            check()
+        for i, n in enumerate(gc.nodes()):
+            if not i % CHECK_EVERY:
+                check()
             role = gc.role[n]
             if role == "weight-placement":
                 continue
@@ -575,8 +581,9 @@ class Techniques:
             node = g.node(n)
             req[n] = (node.op == "Weight" and gc.trainable(n)) or any(req.get(i[0], False) for i in node.inputs)
         ev = []
-        for key, t in self.tensors.items():
-            check()
+        for i, (key, t) in enumerate(self.tensors.items()):
+            if not i % CHECK_EVERY:
+                check()
             if t.fixed or not req.get(t.producer) or gc.dtype(key) not in FLOAT_DTYPES:
                 continue
             grad = t.per_dev
@@ -677,7 +684,8 @@ class Techniques:
             uniq, idx = _distinct(dicts)
             ii, jj, vv = [], [], []
             for i, b in enumerate(uniq):
-                check()
+                if not i % CHECK_EVERY:
+                    check()
                 ii.extend([i] * len(b))
                 jj.extend([col[d] for d in b])
                 vv.extend(b.values())

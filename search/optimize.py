@@ -867,8 +867,8 @@ def _price_data_parallel(run: _Run) -> None:
         return
     try:
         run.dp_res = run.ev.full(run.dp_pg, deadline=run.later("floors"))
-    except Expired:                 # the DP or the memory techniques' choice (search/memtech.py) was cut
-        with within(run.ev.hard):   # the linear mapping, its techniques chosen until the hard end at most
+    except Expired:                 # the DP or the memory techniques' choice (search/memtech.py) was cut:
+        with within(run.later("floors")):   # the linear mapping, priced plainly once its techniques are cut
             run.dp_res = run.ev.cheap(run.dp_pg)
         run.dp_cut = True
         run.stats["dp_mapping"] = "without the DP (its solve did not finish within the floors' phase)"
