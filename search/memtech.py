@@ -1516,6 +1516,58 @@ class Techniques:
         up).  Once it fits, :meth:`_trim` drops the steps it no longer needs."""
         R = self.regions
         single = self._single_savings()
+        nR = len(R)
+        # the steps, region by region, selective then full (flat index 2 i + mode - 1): seconds of each from
+        # none, and of full from selective; the bytes each saves on the busiest device, per busiest device
+        c1 = np.array([single[(i, "selective")][1] for i in range(nR)], dtype=float)
+        c2 = np.array([single[(i, "full")][1] for i in range(nR)], dtype=float)
+        c21 = c2 - c1
+        st = np.zeros(nR, dtype=np.int8)            # 0 none, 1 selective, 2 full
+        state: dict = {}
+        cur = p0
+        while not cur.feasible:
+            check()
+            busiest = max(cur.report.per_device, key=cur.report.per_device.get)
+            over = cur.report.per_device[busiest] - self.capacity
+            s1 = np.array([single[(i, "selective")][0].get(busiest, 0) for i in range(nR)], dtype=float)
+            s2 = np.array([single[(i, "full")][0].get(busiest, 0) for i in range(nR)], dtype=float)
+            s21 = s2 - s1
+            added, saved_sum = 0, 0.0
+            while saved_sum < over:
+                left = over - saved_sum
+                none, sel = st == 0, st == 1
+                saved = np.empty(2 * nR)
+                cost = np.empty(2 * nR)
+                saved[0::2] = np.where(none, s1, 0.0)
+                saved[1::2] = np.where(none, s2, np.where(sel, s21, 0.0))
+                cost[0::2] = c1
+                cost[1::2] = np.where(sel, c21, c2)
+                ok = saved > 0
+                if not ok.any():
+                    break
+                ratio = np.where(ok, saved / np.maximum(cost, 1e-12), -np.inf)
+                best = int(np.argmax(ratio))        # the first of the best ratio, as a scan keeping the first
+                best_saved, best_cost = float(saved[best]), float(cost[best])
+                cov = ok & (saved >= left)
+                if cov.any():                       # the cheapest step covering what is left (the first of them)
+                    cc = np.where(cov, cost, np.inf)
+                    cover = int(np.argmin(cc))
+                    if cc[cover] < math.inf and cc[cover] <= best_cost:
+                        best, best_saved = cover, float(saved[cover])
+                i, md = divmod(best, 2)
+                st[i] = md + 1
+                state[i] = MODES[md + 1]
+                added += 1
+                saved_sum += best_saved
+            if not added:
+                break
+            cur = self.price(MemoryPlan(zero, offload, self._regs(state)))
+        return self._trim(zero, offload, state, cur) if cur.feasible else cur
+
+    def _greedy_loop(self, zero: int, offload: bool, p0: Priced) -> Priced:
+        """:meth:`_greedy` as a scan over every step (the reference the tests compare it with)."""
+        R = self.regions
+        single = self._single_savings()
         state: dict = {}
         cur = p0
         while not cur.feasible:

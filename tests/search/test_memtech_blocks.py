@@ -267,3 +267,19 @@ def test_the_critical_path_is_the_references_float_for_float():
             ops.append(((ti, which), q, rng.random() * rng.choice([1e-4, 1.0, 3.0]), needer))
         rng.shuffle(ops)
         assert memtech._simulate(dur, ops) == _simulate_reference(dur, ops)
+
+
+@pytest.mark.parametrize("layout", [0, 1])
+def test_the_greedy_recomputation_is_the_scans_choice(decoders, layout):
+    """The greedy choice of regions (array form) is the step-by-step scan's, plan for plan, on capacities from
+    a little short to far short of what the mapping needs (exact when few regions: EXACT_LIMIT 0 forces it)."""
+    pg, model, views, cost, report = _mappings(decoders[0], "h100:1x4", "bf16")[layout]
+    got, want = [], []
+    for frac in (0.97, 0.9, 0.75, 0.6, 0.45, 0.3, 0.1):
+        for greedy, out in ((memtech.Techniques._greedy, got), (memtech.Techniques._greedy_loop, want)):
+            t = memtech.Techniques(GraphCost(pg, _fresh(model)), views, cost)
+            t._greedy = greedy.__get__(t)
+            t.capacity = int(max(t.base_report.per_device.values()) * frac)
+            out.append(_facts(t.choose(exact_limit=0)))
+    assert got == want
+    assert len({g[-1] for g in got}) > 2                    # the capacities ask for different plans
