@@ -945,23 +945,69 @@ class Techniques:
         end: dict = {}
         for n, j in runs.items():
             end[j] = max(end.get(j, -1), self.exec_pos[n])
-        kept = self._kept_rows(runs)           # what stays kept, freed at its release step
         steps_k = self._kept_steps(runs)
-        order = np.argsort(steps_k, kind="stable")
-        kstep = steps_k[order]
-        cum = np.cumsum(kept[order], axis=0)
-        total = cum[-1] if len(cum) else np.zeros(D)
+        sfx = self._suffix_table()
+        if sfx is not None:
+            # what stays kept past a step (freed after it): the mapping's rows past it (their sums, once per
+            # mapping), less the rows the runs touch as they were, plus them as they are now -- whole bytes,
+            # so the same numbers as summing every row
+            kt_row, tidx, trows = wt["kt_row"], [], []
+            for key, f in fr.items():
+                i = kt_row.get(key)
+                if i is None:
+                    continue
+                t = self.tensors[key]
+                tidx.append(i)
+                trows.append(0 if f == t.base else (1 if f == 1.0 else 2))
+            tidx_a = np.array(tidx, dtype=int)
+            kind = np.array(trows, dtype=int)
+            old_rows, old_steps = wt["kt_mask"][tidx_a], wt["kt_step"][tidx_a]
+            new_rows = np.where((kind == 1)[:, None], wt["kt_full"][tidx_a],
+                                np.where((kind == 0)[:, None], old_rows, 0.0))
+            new_steps = steps_k[tidx_a]
+            sstep, scum, stotal = sfx
+
+            def kept_after(x):
+                i = int(np.searchsorted(sstep, x, side="right"))
+                out = stotal - (scum[i - 1] if i > 0 else 0.0)
+                return out - old_rows[old_steps > x].sum(axis=0) + new_rows[new_steps > x].sum(axis=0)
+        else:
+            kept = self._kept_rows(runs)           # what stays kept, freed at its release step
+            order = np.argsort(steps_k, kind="stable")
+            kstep = steps_k[order]
+            cum = np.cumsum(kept[order], axis=0)
+            total = cum[-1] if len(cum) else np.zeros(D)
+
+            def kept_after(x):
+                i = int(np.searchsorted(kstep, x, side="right"))
+                return total - (cum[i - 1] if i > 0 else np.zeros(D))
         for j in sorted(region_rows, key=end.__getitem__):
-            i = int(np.searchsorted(kstep, end[j], side="right"))
-            before = cum[i - 1] if i > 0 else np.zeros(D)
             rows = [wt["kt_mask"][x] if kind == "t" else wt["cast_rows"][x] for kind, x in region_rows[j]]
             pres = [wt["kt_mask_p"][x] if kind == "t" else wt["cast_p"][x] for kind, x in region_rows[j]]
             back = np.cumsum(np.array(rows), axis=0)[-1]
-            extra = (back - (total - before)).tolist()
+            extra = (back - kept_after(end[j])).tolist()
             for c in np.flatnonzero(np.any(pres, axis=0)).tolist():
                 if extra[c] > transient.get(wt["devs"][c], 0):
                     transient[wt["devs"][c]] = extra[c]
         return a, transient
+
+    def _suffix_table(self):
+        """The mapping's kept rows (:meth:`_walk_tables`) in the order of their release steps: (steps, their
+        cumulative sums, the total), once per mapping; None unless every kept row is whole bytes and every
+        sum exact in a float (then sums in any order are the same numbers: :meth:`activation_bytes` uses it)."""
+        wt = self._walk_tables()
+        if "suffix" not in wt:
+            order = np.argsort(wt["kt_step"], kind="stable")
+            rows = wt["kt_mask"][order]
+            whole = all(bool(np.all(x == np.floor(x))) and bool(np.all(x >= 0))
+                        for x in (wt["kt_mask"], wt["kt_full"]))
+            big = float(wt["kt_mask"].sum(axis=0).max(initial=0.0) + wt["kt_full"].sum(axis=0).max(initial=0.0))
+            if whole and big < 2.0 ** 52 and SHARE_BLOCKS:
+                cum = np.cumsum(rows, axis=0)
+                wt["suffix"] = (wt["kt_step"][order], cum, cum[-1] if len(cum) else np.zeros(wt["D"]))
+            else:
+                wt["suffix"] = None
+        return wt["suffix"]
 
     def _fracs(self, runs: Mapping[int, tuple]) -> dict:
         """Key -> kept fraction (:meth:`_frac`) of every tensor the nodes of ``runs`` touch, once per runs."""
