@@ -296,7 +296,7 @@ class _Tensor:
 #: (placement, piece bytes, kept fraction, mask bytes) -> (device -> bytes, device -> kept bytes): the device
 #: dicts of a tensor, shared by every tensor with the same key (a model's identical blocks; read-only)
 _TEMPLATES: dict = {}
-_TEMPLATE_LIMIT = 200_000
+_TEMPLATE_LIMIT = 4096          # cleared (before an analysis) beyond this many: one graph needs a few hundred
 #: the per-node and per-tensor loops of the analysis check the caller's deadline every this many items (a
 #: clock reading each); the pricing and choosing loops check it at every step
 CHECK_EVERY = 256
