@@ -819,6 +819,19 @@ class Techniques:
         saved = SAVES_INPUTS.get(self.g.node(u).op)
         return (saved is None or pos in saved) and not (self.copy is not None and self.copy(u, pos))
 
+    def _assign_key(self, assign: Mapping[int, tuple]) -> tuple:
+        """``assign``'s sorted items (the key of its runs and activations), once per assignment object (a
+        plan's assignment is read by several steps of its pricing; it is never changed once made)."""
+        memo = self.__dict__.setdefault("_key_memo", {})
+        hit = memo.get(id(assign))
+        if hit is not None and hit[0] is assign:
+            return hit[1]
+        key = tuple(sorted(assign.items()))
+        if len(memo) > 64:
+            memo.clear()
+        memo[id(assign)] = (assign, key)
+        return key
+
     def _runs(self, assign: Mapping[int, tuple]) -> dict:
         """Node -> its checkpointed run (a key) for the regions of ``assign`` (node -> (region, mode)), as
         the executor runs them (executor/memory.py): a region is :func:`region_members` (its compute nodes,
@@ -826,7 +839,7 @@ class Techniques:
         ``full``: one run; ``selective``: each maximal run of steps between the kept operators
         (:data:`SELECTIVE_KEEP`), which run plainly.  A run of operators that save nothing
         (:func:`saves_nothing`) and communication alone runs plainly too.  Nodes that run plainly are absent."""
-        key = tuple(sorted(assign.items()))
+        key = self._assign_key(assign)
         hit = self._runs_cache.get(key)
         if hit is not None:
             return hit
@@ -1231,7 +1244,7 @@ class Techniques:
         activations alive and the weight gradients made so far, step by step (it is the peak where an
         activation's gradient is large: a language model's logits at the loss, attention scores)."""
         c = self._memo
-        key = tuple(sorted(assign.items()))
+        key = self._assign_key(assign)
         w = c.get(("w", zero, offload))
         if w is None:
             w = c[("w", zero, offload)] = self.weight_bytes(zero, offload)
