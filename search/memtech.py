@@ -1063,7 +1063,12 @@ class Techniques:
             return math.inf
         t = self.tensors[key]
         at = self.exec_pos[t.producer]
-        frac = self._frac(t, runs) if runs else t.base
+        if runs:
+            frac = self._fracs(runs).get(key)
+            if frac is None:
+                frac = self._frac(t, runs)
+        else:
+            frac = t.base
         if frac < 1.0 or t.producer in self._keeps_output:
             return at
         rp = runs.get(t.producer)
@@ -1164,11 +1169,12 @@ class Techniques:
             end[j] = max(end.get(j, -1), self.exec_pos[n])
         out = []
         touched = self._touched(runs)
+        fr = self._fracs(runs)
         for key in touched:
             t = self.tensors[key]
             if t.producer not in runs:
                 continue
-            f = self._frac(t, runs)
+            f = fr[key]
             if f >= t.base:
                 continue
             kept = self._bytes(t, f)
