@@ -275,10 +275,10 @@ class Evaluator:
     def cheap(self, g: PCG, resource: Resource | None = None):
         """A mapping of ``g`` without the DP (:meth:`MachineMapper.first_views`, with the pins); the last
         resort when even data parallelism's DP solve does not finish within the budget (a small batch on
-        a large machine).  Past the :attr:`hard` end it is priced without the memory techniques (their
-        choice is a search over the plan's regions: seconds on a full-depth decoder on a starved core, where
-        only linear work may run); so it is where their choice (search/memtech.py checks the deadline of the
-        caller's scope) is cut.  :attr:`plain_past_end` counts those mappings."""
+        a large machine).  Past the :attr:`hard` end, or where the deadline of the caller's scope cuts their
+        choice (search/memtech.py checks it), it is priced without the memory techniques (their choice is a
+        search over the plan's regions: seconds on a full-depth decoder on a starved core, where only linear
+        work may run); :attr:`plain_past_end` counts those mappings."""
         pins = self.pins(g, resource)
         if self.hard is None or not self.hard.passed() or not getattr(self.mapper, "default_techniques", False):
             try:
