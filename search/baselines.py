@@ -73,6 +73,57 @@ class StrategyError(UnityError, ValueError):
 STRATEGIES = ("none", "dp", "megatron", "expert")
 
 
+class GraphMemo:
+    """Results of pure functions of an (immutable) PCG, kept per graph by identity for the ``kept`` graphs
+    asked about most recently: the tuned grids, the floors, the pipeline's stage hooks and the fallbacks
+    build the same layouts of the same graphs again.  :meth:`get` returns ``build()``'s result for
+    ``(g, key)``, built once; an exception of ``errors`` it raised is raised again."""
+
+    def __init__(self, kept: int, errors: tuple = (StrategyError,)):
+        self.kept = kept
+        self.errors = errors
+        self._graphs: list = []           # [(graph, {key: result or _Refused})], most recent first
+        self.hits = 0
+
+    def get(self, g: PCG, key, build):
+        gs = self._graphs
+        for i, (h, d) in enumerate(gs):
+            if h is g:
+                if i:
+                    gs.insert(0, gs.pop(i))
+                break
+        else:
+            d = {}
+            gs.insert(0, (g, d))
+            del gs[self.kept:]
+        hit = d.get(key, _MISSING)
+        if hit is _MISSING:
+            try:
+                hit = build()
+            except self.errors as e:
+                hit = _Refused(e)
+            d[key] = hit
+        else:
+            self.hits += 1
+        if isinstance(hit, _Refused):
+            raise hit.error.with_traceback(None)
+        return hit
+
+    def clear(self) -> None:
+        self._graphs.clear()
+
+
+class _Refused:
+    def __init__(self, error: Exception):
+        self.error = error
+
+
+_MISSING = object()
+#: the fixed layouts of the graphs asked about last (``megatron``, ``data_parallel``; the pipeline's stage
+#: hooks keep theirs in their own, :data:`search.pipeline.STAGE_MEMO`)
+LAYOUT_MEMO = GraphMemo(8)
+
+
 def build_strategy(g: PCG, strategy: str, degree: int = 1, *, devices_per_node: int | None = None) -> PCG:
     """The PCG of fixed strategy ``strategy`` over ``degree`` devices.  ``devices_per_node`` bounds
     Megatron's tensor-parallel degree (default: all ``degree`` devices form one node)."""
@@ -111,8 +162,8 @@ def data_parallel(g: PCG, degree: int, combine_outputs: bool = False) -> PCG:
     _check_logical(g, "dp")
     if degree == 1:
         return g
-    r = _Rebuild(g, "dp", dp=degree)
-    return r.finish(combine_outputs=combine_outputs, degree=degree)
+    return LAYOUT_MEMO.get(g, ("dp", degree, bool(combine_outputs)), lambda: _Rebuild(g, "dp", dp=degree).finish(
+        combine_outputs=combine_outputs, degree=degree))
 
 
 # --- Megatron-LM ------------------------------------------------------------------------------------
@@ -340,15 +391,22 @@ def megatron(g: PCG, degree: int, devices_per_node: int | None = None, *, sequen
     """Megatron-LM: tensor parallelism of the largest degree t dividing the devices of a node (and
     ``degree``) that splits the attention heads and MLP matrices evenly; data parallelism of degree
     ``degree / t`` across nodes; ``sequence_parallel``: the residual stream on t sequence shards (see
-    module docstring; ``meta["sp"]`` says so)."""
+    module docstring; ``meta["sp"]`` says so).  Built once per graph and arguments (:data:`LAYOUT_MEMO`)."""
     _check_degree(degree)
     _check_logical(g, "megatron")
+    return LAYOUT_MEMO.get(g, ("megatron", degree, devices_per_node, bool(sequence_parallel)),
+                           lambda: _megatron(g, degree, devices_per_node, sequence_parallel))
+
+
+def _megatron(g: PCG, degree: int, devices_per_node: int | None, sequence_parallel: bool) -> PCG:
     if degree == 1:
         if not any(gr.attention(g) for gr in megatron_groups(megatron_graph(g))):
             raise StrategyError("strategy 'megatron' applies to Transformers: " + _why_no_attention(g))
         return g
-    g = megatron_graph(g)                 # fused Q/K/V pieces, row biases after the sum (exact rewrites)
-    groups = megatron_groups(g)
+    # fused Q/K/V pieces, row biases after the sum (exact rewrites), and the groups: once per graph
+    logical = g
+    g = LAYOUT_MEMO.get(logical, "megatron_graph", lambda: megatron_graph(logical))
+    groups = LAYOUT_MEMO.get(g, "megatron_groups", lambda: megatron_groups(g))
     if not any(gr.attention(g) for gr in groups):
         raise StrategyError("strategy 'megatron' applies to Transformers: " + _why_no_attention(g))
     dpn = devices_per_node or degree

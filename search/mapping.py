@@ -97,7 +97,7 @@ class MappingResult:
     devices: int
     solve_s: float
     stats: dict = field(default_factory=dict)
-    decomposition: Decomposition | None = None
+    decomposition: Decomposition | None = None    # the DP's (optimize); None from evaluate (no DP)
     # priced with memory techniques and overlap (optimize / evaluate with techniques=True): the chosen
     # unity_pcg.plan.MemoryPlan and its search.memtech.Priced; then ``cost`` and ``memory`` are theirs
     memory_plan: Any = None
@@ -163,7 +163,18 @@ class _Ctx:
         self.lpos: dict[int, dict] = {}                    # id(tree) -> node -> position in lorder
         self._fid: dict[int, int] = {}                     # node -> interned leaf / producer facts
         self._salt = (gc._sync_bytes, gc._buffer_bytes)     # graph-wide sums own_cost reads
+        # per node, what a local key reads of it: its inputs, the producers its leaf prices
+        self._ins: dict[int, tuple] = {}
+        self._pprod: dict[int, tuple] = {}
+        for u in dec.units:
+            for nid in u:
+                self._ins[nid] = tuple(g.node(nid).inputs)
+                self._pprod[nid] = tuple(p for _, p in self.priced_inputs(nid))
+        self._ext: dict[int, set] = {}                     # id(tree) -> external reads (while prepping)
+        self._flat: dict[int, tuple] = {}                  # id(tree) -> its shape, flat, over node ids
         self._prep(dec.tree)
+        self._ext.clear()
+        self._flat.clear()
 
     def views(self, n: int, res: Resource) -> list:
         key = (self.gc.grid[n], res)
@@ -211,70 +222,86 @@ class _Ctx:
             self._fid[k] = f
         return f
 
-    def _local_key(self, t, ns: frozenset) -> None:
+    def _local_key(self, t, ns: frozenset, rel: frozenset) -> None:
         """The key of subtree ``t`` up to renaming its nodes: its nodes and the producers outside it that
         its leaves read, in id order (the order every tie-break of the DP follows), each by its interned
-        facts and its inputs by position in that order; the tree's shape over those positions; the graph's
-        salt.  Two subtrees with equal keys have the same optimum for the same fixed views (by position),
-        the same floats, the corresponding views."""
-        order = tuple(sorted(self.relevant[id(t)]))
+        facts and its inputs by position in that order; the tree's shape over those positions (its flat
+        form, :attr:`_flat`); the graph's salt.  Two subtrees with equal keys have the same optimum for the
+        same fixed views (by position), the same floats, the corresponding views."""
+        order = sorted(rel)
         pos = {n: i for i, n in enumerate(order)}
-        g = self.g
+        get = pos.get
+        fid, fact, ins, pin = self._fid, self._fact_id, self._ins, self._pprod
         desc = []
         for n in order:
             if n in ns:
-                desc.append((self._fact_id(n, True), tuple((pos.get(r[0], -1), r[1]) for r in g.node(n).inputs),
-                             tuple(pos[p] for _, p in self.priced_inputs(n))))
+                f = fid.get((n, True))
+                desc.append((fact(n, True) if f is None else f, tuple([(get(r, -1), k) for r, k in ins[n]]),
+                             tuple([pos[p] for p in pin[n]])))
             else:
-                desc.append(self._fact_id(n, False))
-
-        def shape(x):
-            if isinstance(x, Leaf):
-                return tuple(pos[n] for n in self.dec.units[x.unit])
-            if isinstance(x, Series):
-                return ("S",) + tuple(shape(c) for c in x.children)
-            return ("P", shape(x.left), shape(x.right))
-        raw = repr((self._salt, tuple(desc), shape(t)))
+                f = fid.get((n, False))
+                desc.append(fact(n, False) if f is None else f)
+        shape = tuple([x if x.__class__ is str else pos[x] for x in self._flat[id(t)]])
+        raw = repr((self._salt, desc, shape))
         self.lkey[id(t)] = "l" + hashlib.blake2b(raw.encode(), digest_size=16).hexdigest()
-        self.lorder[id(t)] = order
-        self.lnames[id(t)] = tuple(self.h[n] for n in order if n in ns)
+        self.lorder[id(t)] = tuple(order)
+        h = self.h
+        self.lnames[id(t)] = tuple([h[n] for n in order if n in ns])
 
     def _prep(self, t) -> None:
+        """Per subtree (children first): its nodes, the producers its leaves read, its keys, its degree
+        need, its compute lower bound; per series its boundaries and joins.  Linear per tree level: a
+        subtree's external reads, need and flat shape are its children's combined."""
         if isinstance(t, Leaf):
-            ns = frozenset(self.dec.units[t.unit])
-            key = "L" + ",".join(self.h[n] for n in self.dec.units[t.unit])
+            unit = self.dec.units[t.unit]
+            ns = frozenset(unit)
+            key = "L" + ",".join(self.h[n] for n in unit)
             kids = []
-        elif isinstance(t, Series):
-            kids = list(t.children)
+            ext = set()
+            for n in unit:
+                ext |= self.reads[n]
+            need = max((_deg(self.gc, n) for n in unit), default=1)
+            flat = ("L",) + tuple(unit) + (")",)
         else:
-            kids = [t.left, t.right]
-        for c in kids:
-            self._prep(c)
-        if not isinstance(t, Leaf):
+            kids = list(t.children) if isinstance(t, Series) else [t.left, t.right]
+            for c in kids:
+                self._prep(c)
             ns = frozenset().union(*(self.nodes[id(c)] for c in kids))
             key = ("S(" if isinstance(t, Series) else "P(") + ";".join(self.key[id(c)] for c in kids) + ")"
-        ext = set()
-        for n in ns:
-            ext |= self.reads[n]
+            ext = set().union(*(self._ext.pop(id(c)) for c in kids))
+            need = max(self.need[id(c)] for c in kids)
+            flat = None
+        rel = frozenset(ns | ext)
+        if flat is None:
+            parts = [self._flat.pop(id(c)) for c in kids]
+            if len(rel) <= LOCAL_LIMIT:
+                flat = ["S" if isinstance(t, Series) else "P"]
+                for x in parts:
+                    flat.extend(x)
+                flat.append(")")
         self.nodes[id(t)] = ns
-        self.relevant[id(t)] = frozenset(ns | ext)
-        if len(self.relevant[id(t)]) <= 64:
-            self.relsorted[id(t)] = sorted(((n, self.h[n]) for n in self.relevant[id(t)]), key=lambda x: x[1])
+        self.relevant[id(t)] = rel
+        self._ext[id(t)] = ext
+        if len(rel) <= 64:
+            self.relsorted[id(t)] = sorted(((n, self.h[n]) for n in rel), key=lambda x: x[1])
         self.key[id(t)] = hashlib.blake2b(key.encode(), digest_size=16).hexdigest()
-        if self._facts is not None and LOCAL_KEYS and len(self.relevant[id(t)]) <= LOCAL_LIMIT:
-            self._local_key(t, ns)
-        self.need[id(t)] = max((_deg(self.gc, n) for n in ns), default=1)
+        self._flat[id(t)] = flat if len(rel) <= LOCAL_LIMIT else ()      # (a larger parent has no local key)
+        if self._facts is not None and LOCAL_KEYS and len(rel) <= LOCAL_LIMIT:
+            self._local_key(t, ns, rel)
+        self.need[id(t)] = need
         # a lower bound of the subtree's cost on any resource: the compute of its compute nodes
         # (it does not depend on the view: devices are identical)
-        self.lb[id(t)] = sum(self.gc.compute_time(n) for n in ns)
+        ct = self.gc.compute_time
+        self.lb[id(t)] = sum(ct(n) for n in ns)
         if isinstance(t, Series):
+            reads = self.reads
             info = []
             # last[n]: the last child whose nodes read n (n is read by children > i iff last[n] > i); the
             # nodes of children <= i read after child i are kept incrementally (linear in the series)
             last: dict = {}
             for j, c in enumerate(kids):
                 for n in self.nodes[id(c)]:
-                    for p in self.reads[n]:
+                    for p in reads[n]:
                         last[p] = j
             ends: dict = {}
             alive: set = set()
@@ -297,9 +324,9 @@ class _Ctx:
                 jmain = unit[-1]
                 if any(last.get(n, -1) > i + 1 for n in outs):
                     continue                                 # read again after the join
-                if any(n in self.reads[m] for n in outs for m in unit[:-1]):
+                if any(n in reads[m] for n in outs for m in unit[:-1]):
                     continue
-                if not set(outs) <= self.reads[jmain] or not set(info[i + 1][0]) <= {jmain}:
+                if not set(outs) <= reads[jmain] or not set(info[i + 1][0]) <= {jmain}:
                     continue
                 self.join[(id(t), i)] = jmain
 
@@ -480,9 +507,8 @@ class MachineMapper:
         ``techniques``: with its cheapest feasible memory techniques (:meth:`techniques`)."""
         t0 = time.perf_counter()
         gc = GraphCost(g, self.model)
-        dec = decompose(g, gc.role)
         total = sum(gc.leaf_cost(n, views[n], views).time for n in gc.nodes())
-        out = self._finish(g, gc, dec, total, dict(views), t0, {})
+        out = self._finish(g, gc, None, total, dict(views), t0, {})
         if techniques is None:
             techniques = self.default_techniques
         if techniques:

@@ -111,7 +111,7 @@ from unity_pcg.plan import PIPELINE_SCHEDULE, validate_pipeline_field  # noqa: F
 
 from . import collectives as C
 from .budget import PIPELINE_LAYOUTS_SHARE, Deadline, Expired, current, within
-from .baselines import StrategyError, data_parallel
+from .baselines import GraphMemo, StrategyError, data_parallel
 from .cost import CostModel, GraphCost
 from .mapping import MachineMapper
 from .memory import node_memory
@@ -230,15 +230,25 @@ def batch_size(g: PCG) -> int:
     raise PipelineError("the model has no Input with a batch dimension")
 
 
+#: per graph (by identity) its rebatched forms, stage sub-PCGs and stages laid out by the intra hooks
+#: (:func:`megatron_intra`): the tuned grids, the floors and the pipeline search ask for them again
+STAGE_MEMO = GraphMemo(16, errors=(StrategyError, PipelineError))
+
+
 def rebatch(g: PCG, old: int, new: int) -> PCG:
     """The same PCG (same node ids, same parallelization) at batch ``new``: every Input whose first
     dim is ``old`` gets ``new``; a Reshape whose input shrank or grew scales its first target dim; an
     Expand whose first target dim was ``old`` follows.  Raises PipelineError where shapes do not
     follow (a degree no longer divides, a Reshape that cannot be rescaled) or where an operator would
     mean something else at ``new`` (:func:`broadcast_change`: a micro-batch of 1 broadcasting against a
-    batch-sized tensor that does not follow the batch)."""
+    batch-sized tensor that does not follow the batch).  Built once per graph and batches
+    (:data:`STAGE_MEMO`)."""
     if old == new:
         return g
+    return STAGE_MEMO.get(g, ("rebatch", old, new), lambda: _rebatch(g, old, new))
+
+
+def _rebatch(g: PCG, old: int, new: int) -> PCG:
     b = PCG.builder(g.weights)
     r = Fraction(new, old)
     try:
@@ -400,7 +410,13 @@ def stage_graph(g: PCG, roles: Mapping[int, str], nodes: Iterable[int]) -> PCG:
     sources and placement chains they read are copied, every tensor produced outside (an earlier
     stage's activation) becomes an Input of the same parallel shape (an Input, then Partition /
     Replicate), named ``pipe:<producer id>:<output>``.  Node ids of copied nodes are kept; its
-    outputs are the tensors later stages read and the graph outputs among ``nodes``."""
+    outputs are the tensors later stages read and the graph outputs among ``nodes``.  ``roles``: ``g``'s;
+    built once per graph and nodes (:data:`STAGE_MEMO`)."""
+    nodes = tuple(nodes)
+    return STAGE_MEMO.get(g, ("stage", nodes), lambda: _stage_graph(g, roles, nodes))
+
+
+def _stage_graph(g: PCG, roles: Mapping[int, str], nodes: tuple) -> PCG:
     inside = set(nodes)
     b = PCG.builder(g.weights)
     m: dict = {}
@@ -485,6 +501,10 @@ def megatron_intra(devices_per_node: int, head: bool = True, sp: bool = False) -
     from .baselines import _Rebuild, _divisors_desc, _is_dense, megatron_groups
 
     def hook(stage: PCG, resource: Resource) -> PCG:
+        key = ("megatron_intra", devices_per_node, head, sp, resource.size)    # all it reads of the resource
+        return STAGE_MEMO.get(stage, key, lambda: lay_out(stage, resource))
+
+    def lay_out(stage: PCG, resource: Resource) -> PCG:
         if resource.size <= 1 or any(n.kind == "parallel" for n in stage.nodes()):
             return default_intra(stage, resource)
         groups = megatron_groups(stage)
@@ -723,6 +743,15 @@ def _price(mapper: MachineMapper, sg: PCG, intra, res: Resource, memo: dict | No
         hit = memo.get(key)
         if hit is not None:
             return hit
+    # the same laid-out stage (the hooks keep theirs, STAGE_MEMO) on the same block: priced once
+    out = STAGE_MEMO.get(P, ("price", mapper, block, tuple(tuple(x) for x in sg.outputs)),
+                         lambda: _map_stage(mapper, sg, P, block))
+    if key is not None:
+        memo[key] = out
+    return out
+
+
+def _map_stage(mapper: MachineMapper, sg: PCG, P: PCG, block: Resource) -> StagePrice:
     r = mapper.optimize(P, block, techniques=False)   # sync and update are priced once by the pipeline
     if r.memory is None or not r.views:
         out = StagePrice(INF, 0.0, {}, {}, {}, P, tuple(sg.outputs), r.reason or "no machine view fits the stage")
@@ -738,8 +767,6 @@ def _price(mapper: MachineMapper, sg: PCG, intra, res: Resource, memo: dict | No
                     a_in[d] = a_in.get(d, 0) + v
         out = StagePrice(max(total - once, 0.0), once, dict(r.memory.weights), dict(r.memory.activations),
                       dict(r.views), P, tuple(tuple(x) for x in sg.outputs), a_in=a_in)
-    if key is not None:
-        memo[key] = out
     return out
 
 
