@@ -119,6 +119,8 @@ class _Refused:
 
 
 _MISSING = object()
+#: memo of :meth:`_Rebuild._weight_targets` (a pure function of its key; results are read, never changed)
+_TARGETS: dict = {}
 #: the fixed layouts of the graphs asked about last (``megatron``, ``data_parallel``; the pipeline's stage
 #: hooks keep theirs in their own, :data:`search.pipeline.STAGE_MEMO`)
 LAYOUT_MEMO = GraphMemo(8)
@@ -837,7 +839,7 @@ class _Rebuild:
         n = self.g.node(ref[0])
         if n.op == "Weight":
             if n.id not in self.raw:
-                self.raw[n.id] = self._add("Weight", n.a, [], n.name)
+                self.raw[n.id] = (self.b.add_like(n, []), 0)
             x = self.raw[n.id]
             for dim, d in enumerate(shards):
                 if d > 1:
@@ -850,7 +852,7 @@ class _Rebuild:
             wkey = (ref[0], copy)
             nid = self.wcache.get(wkey)
             if nid is None:
-                nid = self.wcache[wkey] = self.b.add_node(n.op, n.a, ins, name=n.name)
+                nid = self.wcache[wkey] = self.b.add_like(n, ins)
             x = (nid, ref[1])
             for dim, d in enumerate(shards):
                 if d > 1:
@@ -862,14 +864,31 @@ class _Rebuild:
         """Shard and copy degrees of every weight input of ``n`` given its activation inputs ``acts``
         (position -> new ref), from the operator's labels; ``force`` sets degrees of labels no
         activation carries (a column-parallel Linear's output features).  None if the activations
-        disagree (the operator would refuse them)."""
+        disagree (the operator would refuse them).  A function of the operator, its attributes, the shapes
+        it reads and ``force``: memoized (:data:`_TARGETS`), so a model's repeated blocks derive it once."""
+        g = self.g
+        lins = tuple([self.shape(acts[i]) if i in acts else s for i, s in enumerate(g.input_shapes(n.id))])
+        key = (n.op, n.attrs, lins, tuple(sorted(acts)), g.shapes(n.id),
+               tuple(sorted(force.items())) if force else ())
+        try:
+            hit = _TARGETS.get(key, _MISSING)
+        except TypeError:                 # an attribute that cannot be a key (an array)
+            key, hit = None, _MISSING
+        if hit is _MISSING:
+            hit = self._weight_targets_of(n, lins, acts, force)
+            if key is not None:
+                if len(_TARGETS) >= 1 << 16:
+                    _TARGETS.clear()
+                _TARGETS[key] = hit
+        return hit
+
+    def _weight_targets_of(self, n, lins: tuple, acts: dict, force: dict | None):
         g = self.g
         spec = ops.get_op(n.op)
-        lins = [self.shape(acts[i]) if i in acts else s for i, s in enumerate(g.input_shapes(n.id))]
-        lab = spec.labels(n.a, lins, [s.sizes for s in g.shapes(n.id)])
+        lab = spec.labels(n.a, list(lins), [s.sizes for s in g.shapes(n.id)])
         deg: dict = {}
         for i, ref in acts.items():
-            s = self.shape(ref)
+            s = lins[i]
             if s.sum_degree > 1:
                 return None
             for l, d in zip(lab.inputs[i], s.degrees):
@@ -882,8 +901,8 @@ class _Rebuild:
             deg[l] = d
         G = prod(deg.values())
         reps = set()
-        for i, ref in acts.items():
-            s = self.shape(ref)
+        for i in acts:
+            s = lins[i]
             have = set(lab.inputs[i])
             need = prod(d for l, d in deg.items() if l not in have)
             if s.copy_degree % need:
@@ -902,7 +921,7 @@ class _Rebuild:
 
     # --- nodes -------------------------------------------------------------------------------------
     def _input(self, n) -> None:
-        ref = self._add("Input", n.a, [], n.name)
+        ref = (self.b.add_like(n, []), 0)
         s = self.shape(ref)
         if self.strategy == "expert" and not s.dtype.startswith("float"):
             self.m[(n.id, 0)] = ref            # indices: each lookup reads the batch it needs
@@ -926,8 +945,8 @@ class _Rebuild:
             return None
         try:
             ins = [acts[i] if i in acts else self._weight(r, *targets[i]) for i, r in enumerate(n.inputs)]
-            ops.infer(n.op, n.a, [self.shape(x) for x in ins])
-            return self.b.add_node(n.op, n.a, ins, name=n.name)
+            inf = ops.infer(n.op, n.a, [self.shape(x) for x in ins])
+            return self.b.add_like(n, ins, outputs=inf.outputs)
         except (InvalidParallelization, ShapeError):
             return None
 

@@ -144,9 +144,12 @@ class _Ctx:
         self.relsorted: dict[int, list] = {}               # id(tree) -> (node, hash) by hash, small trees
         self.key: dict[int, str] = {}
         self.need: dict[int, int] = {}
-        self.lb: dict[int, float] = {}
-        self.boundary: dict[int, list] = {}                # id(series) -> per child: (outs, live_after)
-        self.join: dict[tuple, int] = {}                   # (id(series), i) -> main node of child i+1
+        # computed on first use (:class:`_OnDemand`): a subtree inside one whose key hits (a model's repeated
+        # blocks after the first) is never solved, so its lower bound, boundaries and keys are never needed
+        self.lb: dict[int, float] = _OnDemand(self._lower_bound)
+        self.boundary: dict[int, list] = _OnDemand(self._boundaries)   # id(series) -> per child: (outs, live_after)
+        self.join: dict[tuple, int] = {}                   # (id(series), i) -> main node of child i+1 (with boundary)
+        self._tree: dict[int, Any] = {}                    # id(tree) -> the subtree
         self.fronts: dict = {}                             # memo of MachineMapper._front / _open
         self._views: dict = {}
         self._edges: dict = {}
@@ -171,10 +174,10 @@ class _Ctx:
                 self._ins[nid] = tuple(g.node(nid).inputs)
                 self._pprod[nid] = tuple(p for _, p in self.priced_inputs(nid))
         self._ext: dict[int, set] = {}                     # id(tree) -> external reads (while prepping)
-        self._flat: dict[int, tuple] = {}                  # id(tree) -> its shape, flat, over node ids
+        self._flat: dict[int, list] = {}                   # id(tree) -> its shape, flat, over node ids
+        self._ct: dict[int, float] = {}                    # node -> compute_time (the lower bounds' terms)
         self._prep(dec.tree)
         self._ext.clear()
-        self._flat.clear()
 
     def views(self, n: int, res: Resource) -> list:
         key = (self.gc.grid[n], res)
@@ -248,87 +251,120 @@ class _Ctx:
         h = self.h
         self.lnames[id(t)] = tuple([h[n] for n in order if n in ns])
 
+    def local_key(self, t) -> str | None:
+        """Subtree ``t``'s local key (:meth:`_local_key`, computed on first use; ``lorder`` and ``lnames``
+        with it), None where it has none (over ``LOCAL_LIMIT``, or local keys off)."""
+        k = self.lkey.get(id(t))
+        if k is None and self._facts is not None and LOCAL_KEYS and id(t) in self._flat:
+            self._local_key(t, self.nodes[id(t)], self.relevant[id(t)])
+            k = self.lkey[id(t)]
+        return k
+
+    def sorted_relevant(self, t) -> list | None:
+        """Subtree ``t``'s nodes and read producers as (node, name) sorted by name; None over 64 of them."""
+        hit = self.relsorted.get(id(t))
+        if hit is None and len(self.relevant[id(t)]) <= 64:
+            hit = self.relsorted[id(t)] = sorted(((n, self.h[n]) for n in self.relevant[id(t)]), key=lambda x: x[1])
+        return hit
+
+    def _lower_bound(self, k: int) -> float:
+        """A lower bound of the subtree's cost on any resource: the compute of its compute nodes (it does
+        not depend on the view: devices are identical); summed in its node set's order."""
+        ct, f = self._ct, self.gc.compute_time
+        for n in self.nodes[k]:
+            if n not in ct:
+                ct[n] = f(n)
+        return sum([ct[n] for n in self.nodes[k]])
+
     def _prep(self, t) -> None:
-        """Per subtree (children first): its nodes, the producers its leaves read, its keys, its degree
-        need, its compute lower bound; per series its boundaries and joins.  Linear per tree level: a
-        subtree's external reads, need and flat shape are its children's combined."""
+        """Per subtree (children first): its nodes, the producers its leaves read, its subtree key and degree
+        need, and (up to ``LOCAL_LIMIT``) its shape over node ids for a local key.  Linear per tree level:
+        a subtree's external reads, need and shape are its children's combined.  Keys, lower bounds and
+        boundaries are computed when the DP first asks (:meth:`local_key`, :class:`_OnDemand`)."""
+        self._tree[id(t)] = t
         if isinstance(t, Leaf):
             unit = self.dec.units[t.unit]
             ns = frozenset(unit)
             key = "L" + ",".join(self.h[n] for n in unit)
-            kids = []
             ext = set()
             for n in unit:
                 ext |= self.reads[n]
             need = max((_deg(self.gc, n) for n in unit), default=1)
-            flat = ("L",) + tuple(unit) + (")",)
+            rel = frozenset(ns | ext)
+            flat = ["L", *unit, ")"]
         else:
-            kids = list(t.children) if isinstance(t, Series) else [t.left, t.right]
+            kids = t.children if isinstance(t, Series) else (t.left, t.right)
             for c in kids:
                 self._prep(c)
             ns = frozenset().union(*(self.nodes[id(c)] for c in kids))
             key = ("S(" if isinstance(t, Series) else "P(") + ";".join(self.key[id(c)] for c in kids) + ")"
             ext = set().union(*(self._ext.pop(id(c)) for c in kids))
             need = max(self.need[id(c)] for c in kids)
+            rel = frozenset(ns | ext)
             flat = None
-        rel = frozenset(ns | ext)
-        if flat is None:
-            parts = [self._flat.pop(id(c)) for c in kids]
             if len(rel) <= LOCAL_LIMIT:
                 flat = ["S" if isinstance(t, Series) else "P"]
-                for x in parts:
-                    flat.extend(x)
+                for c in kids:
+                    flat.extend(self._flat[id(c)])
                 flat.append(")")
         self.nodes[id(t)] = ns
         self.relevant[id(t)] = rel
         self._ext[id(t)] = ext
-        if len(rel) <= 64:
-            self.relsorted[id(t)] = sorted(((n, self.h[n]) for n in rel), key=lambda x: x[1])
         self.key[id(t)] = hashlib.blake2b(key.encode(), digest_size=16).hexdigest()
-        self._flat[id(t)] = flat if len(rel) <= LOCAL_LIMIT else ()      # (a larger parent has no local key)
-        if self._facts is not None and LOCAL_KEYS and len(rel) <= LOCAL_LIMIT:
-            self._local_key(t, ns, rel)
+        if flat is not None and len(rel) <= LOCAL_LIMIT:
+            self._flat[id(t)] = flat
         self.need[id(t)] = need
-        # a lower bound of the subtree's cost on any resource: the compute of its compute nodes
-        # (it does not depend on the view: devices are identical)
-        ct = self.gc.compute_time
-        self.lb[id(t)] = sum(ct(n) for n in ns)
-        if isinstance(t, Series):
-            reads = self.reads
-            info = []
-            # last[n]: the last child whose nodes read n (n is read by children > i iff last[n] > i); the
-            # nodes of children <= i read after child i are kept incrementally (linear in the series)
-            last: dict = {}
-            for j, c in enumerate(kids):
-                for n in self.nodes[id(c)]:
-                    for p in reads[n]:
-                        last[p] = j
-            ends: dict = {}
-            alive: set = set()
-            for i, c in enumerate(kids):
-                outs = sorted(n for n in self.nodes[id(c)] if last.get(n, -1) > i)
-                alive.difference_update(ends.pop(i, ()))
-                for n in outs:
-                    alive.add(n)
-                    ends.setdefault(last[n], []).append(n)
-                info.append((outs, frozenset(alive)))
-            self.boundary[id(t)] = info
-            # children i whose boundary nodes (two or more) are read only by the main node of the
-            # next child, a leaf: the pair (i, i+1) is solved jointly (see MachineMapper._series_join)
-            for i in range(len(kids) - 1):
-                outs = info[i][0]
-                j = kids[i + 1]
-                if len(outs) < 2 or not isinstance(j, Leaf):
-                    continue
-                unit = self.dec.units[j.unit]
-                jmain = unit[-1]
-                if any(last.get(n, -1) > i + 1 for n in outs):
-                    continue                                 # read again after the join
-                if any(n in reads[m] for n in outs for m in unit[:-1]):
-                    continue
-                if not set(outs) <= reads[jmain] or not set(info[i + 1][0]) <= {jmain}:
-                    continue
-                self.join[(id(t), i)] = jmain
+
+    def _boundaries(self, k: int) -> list:
+        """Series ``k``'s per child (boundary outputs, alive after it); its joins into :attr:`join`."""
+        kids = self._tree[k].children
+        reads = self.reads
+        info = []
+        # last[n]: the last child whose nodes read n (n is read by children > i iff last[n] > i); the
+        # nodes of children <= i read after child i are kept incrementally (linear in the series)
+        last: dict = {}
+        for j, c in enumerate(kids):
+            for n in self.nodes[id(c)]:
+                for p in reads[n]:
+                    last[p] = j
+        ends: dict = {}
+        alive: set = set()
+        for i, c in enumerate(kids):
+            outs = sorted(n for n in self.nodes[id(c)] if last.get(n, -1) > i)
+            alive.difference_update(ends.pop(i, ()))
+            for n in outs:
+                alive.add(n)
+                ends.setdefault(last[n], []).append(n)
+            info.append((outs, frozenset(alive)))
+        # children i whose boundary nodes (two or more) are read only by the main node of the
+        # next child, a leaf: the pair (i, i+1) is solved jointly (see MachineMapper._series_join)
+        for i in range(len(kids) - 1):
+            outs = info[i][0]
+            j = kids[i + 1]
+            if len(outs) < 2 or not isinstance(j, Leaf):
+                continue
+            unit = self.dec.units[j.unit]
+            jmain = unit[-1]
+            if any(last.get(n, -1) > i + 1 for n in outs):
+                continue                                 # read again after the join
+            if any(n in reads[m] for n in outs for m in unit[:-1]):
+                continue
+            if not set(outs) <= reads[jmain] or not set(info[i + 1][0]) <= {jmain}:
+                continue
+            self.join[(k, i)] = jmain
+        return info
+
+
+class _OnDemand(dict):
+    """A dict whose missing entries ``make(key)`` computes and keeps (``d[key]``)."""
+
+    def __init__(self, make):
+        super().__init__()
+        self._make = make
+
+    def __missing__(self, key):
+        v = self[key] = self._make(key)
+        return v
 
 
 #: key the time DP's subproblems up to renaming their nodes (:meth:`_Ctx._local_key`), so a model's identical
@@ -542,7 +578,7 @@ class MachineMapper:
         # relative to the resource's first node and a hit is shifted back.
         off = (res.start // self.machine.devices_per_node) * self.machine.devices_per_node
         rel = ctx.relevant[id(t)]
-        lkey = ctx.lkey.get(id(t))
+        lkey = ctx.local_key(t)
         if lkey is not None:
             fk = tuple((i, v.start - off, v.dims) for i, n in enumerate(ctx.lorder[id(t)])
                        if (v := fixed.get(n)) is not None)
@@ -562,9 +598,8 @@ class MachineMapper:
             out = self._solve_miss(ctx, t, res, fixed)
             self.cache[key] = (out[0], out[1], off, ctx.lnames[id(t)])
             return out
-        if len(rel) <= len(fixed) and id(t) in ctx.relsorted:
-            fk = tuple((h, v.start - off, v.dims) for n, h in ctx.relsorted[id(t)]
-                       if (v := fixed.get(n)) is not None)
+        if len(rel) <= len(fixed) and (rs := ctx.sorted_relevant(t)) is not None:
+            fk = tuple((h, v.start - off, v.dims) for n, h in rs if (v := fixed.get(n)) is not None)
         else:
             h = ctx.h
             fk = tuple(sorted((h[n], v.start - off, v.dims) for n, v in fixed.items() if n in rel))
@@ -830,7 +865,7 @@ class MachineMapper:
         """:meth:`_front`'s key up to renaming (a local key, :meth:`_Ctx._local_key`): the subtree's key, the
         fixed views by position, the join's facts and which of its inputs read which of the subtree's
         nodes, the boundary nodes in it by position; None where the subtree has no local key."""
-        lk = ctx.lkey.get(id(t))
+        lk = ctx.local_key(t)
         if lk is None:
             return None
         pos = ctx.lpos.get(id(t))

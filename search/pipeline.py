@@ -253,7 +253,7 @@ def _rebatch(g: PCG, old: int, new: int) -> PCG:
     r = Fraction(new, old)
     try:
         for n in g.nodes():
-            a = n.a
+            a = a0 = n.a
             ins = list(n.inputs)
             if n.op == "Input" and a["shape"] and a["shape"][0] == old:
                 a = {**a, "shape": (new,) + tuple(a["shape"][1:])}
@@ -267,7 +267,11 @@ def _rebatch(g: PCG, old: int, new: int) -> PCG:
                     a = {**a, "shape": (int(s0),) + tuple(a["shape"][1:])}
             elif n.op == "Expand" and a["shape"] and a["shape"][0] == old and r != 1:
                 a = {**a, "shape": (new,) + tuple(a["shape"][1:])}
-            b.add_node(n.op, a, ins, n.name, nid=n.id)
+            if a is a0:       # the same operator on the same shapes: the same outputs, else inferred
+                same = all(b.shape(x) == g.shape(x) for x in ins)
+                b.add_like(n, ins, nid=n.id, outputs=g.shapes(n.id) if same else None)
+            else:
+                b.add_node(n.op, a, ins, n.name, nid=n.id)
     except PipelineError:
         raise
     except UnityError as e:
@@ -436,7 +440,9 @@ def _stage_graph(g: PCG, roles: Mapping[int, str], nodes: tuple) -> PCG:
         if nid in inside or role in ("input", "weight", "input-placement", "weight-placement"):
             n = g.node(nid)
             ins = [ensure(x) for x in n.inputs]
-            b.add_node(n.op, n.a, ins, n.name, nid=nid)
+            # a copy reading the same shapes computes the same ones (inference is a function of them)
+            same = all(b.shape(x) == g.shape(r) for x, r in zip(ins, n.inputs))
+            b.add_like(n, ins, nid=nid, outputs=g.shapes(nid) if same else None)
             for k in range(len(g.shapes(nid))):
                 m[(nid, k)] = (nid, k)
             return m[r]

@@ -443,6 +443,29 @@ class GraphBuilder:
         self._shapes[nid] = tuple(inf.outputs)
         return nid
 
+    def add_like(self, node: Node, inputs: Sequence[Ref] = (), nid: int | None = None,
+                 outputs: Sequence[ParallelTensorShape] | None = None, name: str | None = None) -> int:
+        """:meth:`add_node` for a copy of ``node`` (a node of a PCG, its attributes already normalized) on
+        ``inputs``: its operator, attributes and name (``name``: another); ``outputs``: its output shapes
+        when the caller has inferred them on these inputs (:func:`ops.infer`), else inferred here."""
+        inputs = tuple((int(r[0]), int(r[1])) for r in inputs)
+        nodes, shapes = self._nodes, self._shapes
+        name = node.name if name is None else name
+        for r in inputs:
+            if r[0] not in nodes or not 0 <= r[1] < len(shapes[r[0]]):
+                raise GraphError(f"{name or node.op}: input {r} does not exist")
+        if nid is None or nid in nodes:
+            nid = self._next
+        self._next = max(self._next, nid + 1)
+        if outputs is None:
+            try:
+                outputs = ops.infer(node.op, dict(node.attrs), [shapes[r[0]][r[1]] for r in inputs]).outputs
+            except InvalidParallelization as e:
+                raise InvalidParallelization(f"{name}: {e}" if name else str(e)) from None
+        nodes[nid] = Node(nid, node.op, node.attrs, inputs, name)
+        shapes[nid] = tuple(outputs)
+        return nid
+
     def add(self, op: str, attrs: Mapping[str, Any] | None = None, inputs: Sequence[Ref] = (),
             name: str = "") -> Ref:
         """Add a node and return a reference to its first output."""
