@@ -298,21 +298,39 @@ def broadcast_change(g: PCG, h: PCG) -> str | None:
     for n in big.nodes():
         if n.kind != "compute":
             continue
-        spec = ops.get_op(n.op)
         ins_b, outs_b = big.input_shapes(n.id), big.shapes(n.id)
         ins_s, outs_s = small.input_shapes(n.id), small.shapes(n.id)
-        lab = spec.labels(n.a, ins_b, [s.sizes for s in outs_b])
-        follows: dict = {}
-        for labels, sb, ss in zip(tuple(lab.inputs) + tuple(lab.outputs), tuple(ins_b) + tuple(outs_b),
-                                  tuple(ins_s) + tuple(outs_s)):
-            for l, a, c in zip(labels, sb.sizes, ss.sizes):
-                follows.setdefault(l, set()).add(a != c)
-        mixed = [l for l, f in follows.items() if len(f) > 1]
+        key = (n.op, n.attrs, tuple(ins_b), tuple(outs_b), tuple(ins_s), tuple(outs_s))
+        try:
+            mixed = _MIXED.get(key)
+        except TypeError:                 # an attribute that cannot be a key (an array)
+            key, mixed = None, None
+        if mixed is None:
+            mixed = _mixed_labels(n, ins_b, outs_b, ins_s, outs_s)
+            if key is not None:
+                if len(_MIXED) >= 1 << 16:
+                    _MIXED.clear()
+                _MIXED[key] = mixed
         if mixed:
             return (f"{n.label()}: {n.op} reads a batch-sized tensor that does not follow the batch beside one "
                     f"that does (a constant folded at the exported batch?); the micro-batch would broadcast "
                     f"against it")
     return None
+
+
+#: memo of :func:`_mixed_labels` (a function of its key): a model's repeated blocks are checked once
+_MIXED: dict = {}
+
+
+def _mixed_labels(n, ins_b, outs_b, ins_s, outs_s) -> bool:
+    """Whether a label of ``n`` has a dim that follows the batch and one that does not (:func:`broadcast_change`)."""
+    lab = ops.get_op(n.op).labels(n.a, ins_b, [s.sizes for s in outs_b])
+    follows: dict = {}
+    for labels, sb, ss in zip(tuple(lab.inputs) + tuple(lab.outputs), tuple(ins_b) + tuple(outs_b),
+                              tuple(ins_s) + tuple(outs_s)):
+        for l, a, c in zip(labels, sb.sizes, ss.sizes):
+            follows.setdefault(l, set()).add(a != c)
+    return any(len(f) > 1 for f in follows.values())
 
 
 # --- what the executor can micro-batch and send between stages (shared with executor/pipeline.py) -------
@@ -346,7 +364,12 @@ def micro_graph(g: PCG, M: int) -> PCG:
     (``executor/pipeline.py::check_pipeline`` calls it): degrees, unlike sizes, follow which dims come from
     the batch, so a batch-sized tensor that does not (a constant folded at export, e.g. BLOOM's ALiBi mask
     index of shape [B, ...]) meets a split one and is refused -- :func:`rebatch` only changes sizes, and a
-    micro-batch of 1 broadcasts silently against it.  Compute nodes keep their ids.  Raises PipelineError."""
+    micro-batch of 1 broadcasts silently against it.  Compute nodes keep their ids.  Raises PipelineError.
+    Built once per graph and ``M`` (:data:`STAGE_MEMO`)."""
+    return STAGE_MEMO.get(g, ("micro", M), lambda: _micro_graph(g, M))
+
+
+def _micro_graph(g: PCG, M: int) -> PCG:
     lg, _ = logical_graph(g)
     if M == 1:
         return lg
