@@ -60,7 +60,8 @@ class Node:
 class PCG:
     """Immutable parallel computation graph."""
 
-    __slots__ = ("_nodes", "_shapes", "outputs", "weights", "_hashes", "_topo", "_consumers", "meta", "_roles")
+    __slots__ = ("_nodes", "_shapes", "outputs", "weights", "_hashes", "_topo", "_consumers", "meta", "_roles",
+                 "_in_shapes")
 
     def __init__(self, nodes: dict[int, Node], shapes: dict[int, tuple[ParallelTensorShape, ...]],
                  outputs: tuple[Ref, ...], weights: Mapping[str, Any] | None = None,
@@ -74,6 +75,7 @@ class PCG:
         self._topo: tuple[int, ...] | None = None
         self._consumers: dict | None = None
         self._roles: tuple | None = None         # (role, origin, weight-like): PCG.roles, cached
+        self._in_shapes: dict = {}               # node -> its input shapes (input_shapes, cached)
 
     # --- construction --------------------------------------------------------------------------
     @staticmethod
@@ -108,7 +110,11 @@ class PCG:
         return self._shapes[ref[0]][ref[1]]
 
     def input_shapes(self, nid: int) -> tuple[ParallelTensorShape, ...]:
-        return tuple(self.shape(r) for r in self._nodes[nid].inputs)
+        hit = self._in_shapes.get(nid)
+        if hit is None:
+            shapes = self._shapes
+            hit = self._in_shapes[nid] = tuple([shapes[r[0]][r[1]] for r in self._nodes[nid].inputs])
+        return hit
 
     def sources(self, op: str | None = None) -> list[Node]:
         return [n for n in self.nodes() if n.kind == "source" and (op is None or n.op == op)]
