@@ -73,6 +73,59 @@ class StrategyError(UnityError, ValueError):
 STRATEGIES = ("none", "dp", "megatron", "expert")
 
 
+class GraphMemo:
+    """Results of pure functions of an (immutable) PCG, kept per graph by identity for the ``kept`` graphs
+    asked about most recently: the tuned grids, the floors, the pipeline's stage hooks and the fallbacks
+    build the same layouts of the same graphs again.  :meth:`get` returns ``build()``'s result for
+    ``(g, key)``, built once; an exception of ``errors`` it raised is raised again."""
+
+    def __init__(self, kept: int, errors: tuple = (StrategyError,)):
+        self.kept = kept
+        self.errors = errors
+        self._graphs: list = []           # [(graph, {key: result or _Refused})], most recent first
+        self.hits = 0
+
+    def get(self, g: PCG, key, build):
+        gs = self._graphs
+        for i, (h, d) in enumerate(gs):
+            if h is g:
+                if i:
+                    gs.insert(0, gs.pop(i))
+                break
+        else:
+            d = {}
+            gs.insert(0, (g, d))
+            del gs[self.kept:]
+        hit = d.get(key, _MISSING)
+        if hit is _MISSING:
+            try:
+                hit = build()
+            except self.errors as e:
+                hit = _Refused(e)
+            d[key] = hit
+        else:
+            self.hits += 1
+        if isinstance(hit, _Refused):
+            raise hit.error.with_traceback(None)
+        return hit
+
+    def clear(self) -> None:
+        self._graphs.clear()
+
+
+class _Refused:
+    def __init__(self, error: Exception):
+        self.error = error
+
+
+_MISSING = object()
+#: memo of :meth:`_Rebuild._weight_targets` (a pure function of its key; results are read, never changed)
+_TARGETS: dict = {}
+#: the fixed layouts of the graphs asked about last (``megatron``, ``data_parallel``; the pipeline's stage
+#: hooks keep theirs in their own, :data:`search.pipeline.STAGE_MEMO`)
+LAYOUT_MEMO = GraphMemo(8)
+
+
 def build_strategy(g: PCG, strategy: str, degree: int = 1, *, devices_per_node: int | None = None) -> PCG:
     """The PCG of fixed strategy ``strategy`` over ``degree`` devices.  ``devices_per_node`` bounds
     Megatron's tensor-parallel degree (default: all ``degree`` devices form one node)."""
@@ -111,8 +164,8 @@ def data_parallel(g: PCG, degree: int, combine_outputs: bool = False) -> PCG:
     _check_logical(g, "dp")
     if degree == 1:
         return g
-    r = _Rebuild(g, "dp", dp=degree)
-    return r.finish(combine_outputs=combine_outputs, degree=degree)
+    return LAYOUT_MEMO.get(g, ("dp", degree, bool(combine_outputs)), lambda: _Rebuild(g, "dp", dp=degree).finish(
+        combine_outputs=combine_outputs, degree=degree))
 
 
 # --- Megatron-LM ------------------------------------------------------------------------------------
@@ -340,15 +393,22 @@ def megatron(g: PCG, degree: int, devices_per_node: int | None = None, *, sequen
     """Megatron-LM: tensor parallelism of the largest degree t dividing the devices of a node (and
     ``degree``) that splits the attention heads and MLP matrices evenly; data parallelism of degree
     ``degree / t`` across nodes; ``sequence_parallel``: the residual stream on t sequence shards (see
-    module docstring; ``meta["sp"]`` says so)."""
+    module docstring; ``meta["sp"]`` says so).  Built once per graph and arguments (:data:`LAYOUT_MEMO`)."""
     _check_degree(degree)
     _check_logical(g, "megatron")
+    return LAYOUT_MEMO.get(g, ("megatron", degree, devices_per_node, bool(sequence_parallel)),
+                           lambda: _megatron(g, degree, devices_per_node, sequence_parallel))
+
+
+def _megatron(g: PCG, degree: int, devices_per_node: int | None, sequence_parallel: bool) -> PCG:
     if degree == 1:
         if not any(gr.attention(g) for gr in megatron_groups(megatron_graph(g))):
             raise StrategyError("strategy 'megatron' applies to Transformers: " + _why_no_attention(g))
         return g
-    g = megatron_graph(g)                 # fused Q/K/V pieces, row biases after the sum (exact rewrites)
-    groups = megatron_groups(g)
+    # fused Q/K/V pieces, row biases after the sum (exact rewrites), and the groups: once per graph
+    logical = g
+    g = LAYOUT_MEMO.get(logical, "megatron_graph", lambda: megatron_graph(logical))
+    groups = LAYOUT_MEMO.get(g, "megatron_groups", lambda: megatron_groups(g))
     if not any(gr.attention(g) for gr in groups):
         raise StrategyError("strategy 'megatron' applies to Transformers: " + _why_no_attention(g))
     dpn = devices_per_node or degree
@@ -779,7 +839,7 @@ class _Rebuild:
         n = self.g.node(ref[0])
         if n.op == "Weight":
             if n.id not in self.raw:
-                self.raw[n.id] = self._add("Weight", n.a, [], n.name)
+                self.raw[n.id] = (self.b.add_like(n, []), 0)
             x = self.raw[n.id]
             for dim, d in enumerate(shards):
                 if d > 1:
@@ -792,7 +852,7 @@ class _Rebuild:
             wkey = (ref[0], copy)
             nid = self.wcache.get(wkey)
             if nid is None:
-                nid = self.wcache[wkey] = self.b.add_node(n.op, n.a, ins, name=n.name)
+                nid = self.wcache[wkey] = self.b.add_like(n, ins)
             x = (nid, ref[1])
             for dim, d in enumerate(shards):
                 if d > 1:
@@ -804,14 +864,31 @@ class _Rebuild:
         """Shard and copy degrees of every weight input of ``n`` given its activation inputs ``acts``
         (position -> new ref), from the operator's labels; ``force`` sets degrees of labels no
         activation carries (a column-parallel Linear's output features).  None if the activations
-        disagree (the operator would refuse them)."""
+        disagree (the operator would refuse them).  A function of the operator, its attributes, the shapes
+        it reads and ``force``: memoized (:data:`_TARGETS`), so a model's repeated blocks derive it once."""
+        g = self.g
+        lins = tuple([self.shape(acts[i]) if i in acts else s for i, s in enumerate(g.input_shapes(n.id))])
+        key = (n.op, n.attrs, lins, tuple(sorted(acts)), g.shapes(n.id),
+               tuple(sorted(force.items())) if force else ())
+        try:
+            hit = _TARGETS.get(key, _MISSING)
+        except TypeError:                 # an attribute that cannot be a key (an array)
+            key, hit = None, _MISSING
+        if hit is _MISSING:
+            hit = self._weight_targets_of(n, lins, acts, force)
+            if key is not None:
+                if len(_TARGETS) >= 1 << 16:
+                    _TARGETS.clear()
+                _TARGETS[key] = hit
+        return hit
+
+    def _weight_targets_of(self, n, lins: tuple, acts: dict, force: dict | None):
         g = self.g
         spec = ops.get_op(n.op)
-        lins = [self.shape(acts[i]) if i in acts else s for i, s in enumerate(g.input_shapes(n.id))]
-        lab = spec.labels(n.a, lins, [s.sizes for s in g.shapes(n.id)])
+        lab = spec.labels(n.a, list(lins), [s.sizes for s in g.shapes(n.id)])
         deg: dict = {}
         for i, ref in acts.items():
-            s = self.shape(ref)
+            s = lins[i]
             if s.sum_degree > 1:
                 return None
             for l, d in zip(lab.inputs[i], s.degrees):
@@ -824,8 +901,8 @@ class _Rebuild:
             deg[l] = d
         G = prod(deg.values())
         reps = set()
-        for i, ref in acts.items():
-            s = self.shape(ref)
+        for i in acts:
+            s = lins[i]
             have = set(lab.inputs[i])
             need = prod(d for l, d in deg.items() if l not in have)
             if s.copy_degree % need:
@@ -844,7 +921,7 @@ class _Rebuild:
 
     # --- nodes -------------------------------------------------------------------------------------
     def _input(self, n) -> None:
-        ref = self._add("Input", n.a, [], n.name)
+        ref = (self.b.add_like(n, []), 0)
         s = self.shape(ref)
         if self.strategy == "expert" and not s.dtype.startswith("float"):
             self.m[(n.id, 0)] = ref            # indices: each lookup reads the batch it needs
@@ -868,8 +945,8 @@ class _Rebuild:
             return None
         try:
             ins = [acts[i] if i in acts else self._weight(r, *targets[i]) for i, r in enumerate(n.inputs)]
-            ops.infer(n.op, n.a, [self.shape(x) for x in ins])
-            return self.b.add_node(n.op, n.a, ins, name=n.name)
+            inf = ops.infer(n.op, n.a, [self.shape(x) for x in ins])
+            return self.b.add_like(n, ins, outputs=inf.outputs)
         except (InvalidParallelization, ShapeError):
             return None
 

@@ -910,7 +910,8 @@ class GraphCost:
     # --- dtypes under the precision -------------------------------------------------------------
     def dtype(self, ref) -> str:
         """The dtype tensor ``ref`` has in the training step under the model's precision."""
-        ref = tuple(ref)
+        if ref.__class__ is not tuple:
+            ref = tuple(ref)
         return self._dtype.get(ref) or self.g.shape(ref).dtype
 
     def itemsize(self, ref) -> int:

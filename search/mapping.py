@@ -97,7 +97,7 @@ class MappingResult:
     devices: int
     solve_s: float
     stats: dict = field(default_factory=dict)
-    decomposition: Decomposition | None = None
+    decomposition: Decomposition | None = None    # the DP's (optimize); None from evaluate (no DP)
     # priced with memory techniques and overlap (optimize / evaluate with techniques=True): the chosen
     # unity_pcg.plan.MemoryPlan and its search.memtech.Priced; then ``cost`` and ``memory`` are theirs
     memory_plan: Any = None
@@ -144,9 +144,12 @@ class _Ctx:
         self.relsorted: dict[int, list] = {}               # id(tree) -> (node, hash) by hash, small trees
         self.key: dict[int, str] = {}
         self.need: dict[int, int] = {}
-        self.lb: dict[int, float] = {}
-        self.boundary: dict[int, list] = {}                # id(series) -> per child: (outs, live_after)
-        self.join: dict[tuple, int] = {}                   # (id(series), i) -> main node of child i+1
+        # computed on first use (:class:`_OnDemand`): a subtree inside one whose key hits (a model's repeated
+        # blocks after the first) is never solved, so its lower bound, boundaries and keys are never needed
+        self.lb: dict[int, float] = _OnDemand(self._lower_bound)
+        self.boundary: dict[int, list] = _OnDemand(self._boundaries)   # id(series) -> per child: (outs, live_after)
+        self.join: dict[tuple, int] = {}                   # (id(series), i) -> main node of child i+1 (with boundary)
+        self._tree: dict[int, Any] = {}                    # id(tree) -> the subtree
         self.fronts: dict = {}                             # memo of MachineMapper._front / _open
         self._views: dict = {}
         self._edges: dict = {}
@@ -163,7 +166,18 @@ class _Ctx:
         self.lpos: dict[int, dict] = {}                    # id(tree) -> node -> position in lorder
         self._fid: dict[int, int] = {}                     # node -> interned leaf / producer facts
         self._salt = (gc._sync_bytes, gc._buffer_bytes)     # graph-wide sums own_cost reads
+        # per node, what a local key reads of it: its inputs, the producers its leaf prices
+        self._ins: dict[int, tuple] = {}
+        self._pprod: dict[int, tuple] = {}
+        for u in dec.units:
+            for nid in u:
+                self._ins[nid] = tuple(g.node(nid).inputs)
+                self._pprod[nid] = tuple(p for _, p in self.priced_inputs(nid))
+        self._ext: dict[int, set] = {}                     # id(tree) -> external reads (while prepping)
+        self._flat: dict[int, list] = {}                   # id(tree) -> its shape, flat, over node ids
+        self._ct: dict[int, float] = {}                    # node -> compute_time (the lower bounds' terms)
         self._prep(dec.tree)
+        self._ext.clear()
 
     def views(self, n: int, res: Resource) -> list:
         key = (self.gc.grid[n], res)
@@ -211,97 +225,146 @@ class _Ctx:
             self._fid[k] = f
         return f
 
-    def _local_key(self, t, ns: frozenset) -> None:
+    def _local_key(self, t, ns: frozenset, rel: frozenset) -> None:
         """The key of subtree ``t`` up to renaming its nodes: its nodes and the producers outside it that
         its leaves read, in id order (the order every tie-break of the DP follows), each by its interned
-        facts and its inputs by position in that order; the tree's shape over those positions; the graph's
-        salt.  Two subtrees with equal keys have the same optimum for the same fixed views (by position),
-        the same floats, the corresponding views."""
-        order = tuple(sorted(self.relevant[id(t)]))
+        facts and its inputs by position in that order; the tree's shape over those positions (its flat
+        form, :attr:`_flat`); the graph's salt.  Two subtrees with equal keys have the same optimum for the
+        same fixed views (by position), the same floats, the corresponding views."""
+        order = sorted(rel)
         pos = {n: i for i, n in enumerate(order)}
-        g = self.g
+        get = pos.get
+        fid, fact, ins, pin = self._fid, self._fact_id, self._ins, self._pprod
         desc = []
         for n in order:
             if n in ns:
-                desc.append((self._fact_id(n, True), tuple((pos.get(r[0], -1), r[1]) for r in g.node(n).inputs),
-                             tuple(pos[p] for _, p in self.priced_inputs(n))))
+                f = fid.get((n, True))
+                desc.append((fact(n, True) if f is None else f, tuple([(get(r, -1), k) for r, k in ins[n]]),
+                             tuple([pos[p] for p in pin[n]])))
             else:
-                desc.append(self._fact_id(n, False))
-
-        def shape(x):
-            if isinstance(x, Leaf):
-                return tuple(pos[n] for n in self.dec.units[x.unit])
-            if isinstance(x, Series):
-                return ("S",) + tuple(shape(c) for c in x.children)
-            return ("P", shape(x.left), shape(x.right))
-        raw = repr((self._salt, tuple(desc), shape(t)))
+                f = fid.get((n, False))
+                desc.append(fact(n, False) if f is None else f)
+        shape = tuple([x if x.__class__ is str else pos[x] for x in self._flat[id(t)]])
+        raw = repr((self._salt, desc, shape))
         self.lkey[id(t)] = "l" + hashlib.blake2b(raw.encode(), digest_size=16).hexdigest()
-        self.lorder[id(t)] = order
-        self.lnames[id(t)] = tuple(self.h[n] for n in order if n in ns)
+        self.lorder[id(t)] = tuple(order)
+        h = self.h
+        self.lnames[id(t)] = tuple([h[n] for n in order if n in ns])
+
+    def local_key(self, t) -> str | None:
+        """Subtree ``t``'s local key (:meth:`_local_key`, computed on first use; ``lorder`` and ``lnames``
+        with it), None where it has none (over ``LOCAL_LIMIT``, or local keys off)."""
+        k = self.lkey.get(id(t))
+        if k is None and self._facts is not None and LOCAL_KEYS and id(t) in self._flat:
+            self._local_key(t, self.nodes[id(t)], self.relevant[id(t)])
+            k = self.lkey[id(t)]
+        return k
+
+    def sorted_relevant(self, t) -> list | None:
+        """Subtree ``t``'s nodes and read producers as (node, name) sorted by name; None over 64 of them."""
+        hit = self.relsorted.get(id(t))
+        if hit is None and len(self.relevant[id(t)]) <= 64:
+            hit = self.relsorted[id(t)] = sorted(((n, self.h[n]) for n in self.relevant[id(t)]), key=lambda x: x[1])
+        return hit
+
+    def _lower_bound(self, k: int) -> float:
+        """A lower bound of the subtree's cost on any resource: the compute of its compute nodes (it does
+        not depend on the view: devices are identical); summed in its node set's order."""
+        ct, f = self._ct, self.gc.compute_time
+        for n in self.nodes[k]:
+            if n not in ct:
+                ct[n] = f(n)
+        return sum([ct[n] for n in self.nodes[k]])
 
     def _prep(self, t) -> None:
+        """Per subtree (children first): its nodes, the producers its leaves read, its subtree key and degree
+        need, and (up to ``LOCAL_LIMIT``) its shape over node ids for a local key.  Linear per tree level:
+        a subtree's external reads, need and shape are its children's combined.  Keys, lower bounds and
+        boundaries are computed when the DP first asks (:meth:`local_key`, :class:`_OnDemand`)."""
+        self._tree[id(t)] = t
         if isinstance(t, Leaf):
-            ns = frozenset(self.dec.units[t.unit])
-            key = "L" + ",".join(self.h[n] for n in self.dec.units[t.unit])
-            kids = []
-        elif isinstance(t, Series):
-            kids = list(t.children)
+            unit = self.dec.units[t.unit]
+            ns = frozenset(unit)
+            key = "L" + ",".join(self.h[n] for n in unit)
+            ext = set()
+            for n in unit:
+                ext |= self.reads[n]
+            need = max((_deg(self.gc, n) for n in unit), default=1)
+            rel = frozenset(ns | ext)
+            flat = ["L", *unit, ")"]
         else:
-            kids = [t.left, t.right]
-        for c in kids:
-            self._prep(c)
-        if not isinstance(t, Leaf):
+            kids = t.children if isinstance(t, Series) else (t.left, t.right)
+            for c in kids:
+                self._prep(c)
             ns = frozenset().union(*(self.nodes[id(c)] for c in kids))
             key = ("S(" if isinstance(t, Series) else "P(") + ";".join(self.key[id(c)] for c in kids) + ")"
-        ext = set()
-        for n in ns:
-            ext |= self.reads[n]
+            ext = set().union(*(self._ext.pop(id(c)) for c in kids))
+            need = max(self.need[id(c)] for c in kids)
+            rel = frozenset(ns | ext)
+            flat = None
+            if len(rel) <= LOCAL_LIMIT:
+                flat = ["S" if isinstance(t, Series) else "P"]
+                for c in kids:
+                    flat.extend(self._flat[id(c)])
+                flat.append(")")
         self.nodes[id(t)] = ns
-        self.relevant[id(t)] = frozenset(ns | ext)
-        if len(self.relevant[id(t)]) <= 64:
-            self.relsorted[id(t)] = sorted(((n, self.h[n]) for n in self.relevant[id(t)]), key=lambda x: x[1])
+        self.relevant[id(t)] = rel
+        self._ext[id(t)] = ext
         self.key[id(t)] = hashlib.blake2b(key.encode(), digest_size=16).hexdigest()
-        if self._facts is not None and LOCAL_KEYS and len(self.relevant[id(t)]) <= LOCAL_LIMIT:
-            self._local_key(t, ns)
-        self.need[id(t)] = max((_deg(self.gc, n) for n in ns), default=1)
-        # a lower bound of the subtree's cost on any resource: the compute of its compute nodes
-        # (it does not depend on the view: devices are identical)
-        self.lb[id(t)] = sum(self.gc.compute_time(n) for n in ns)
-        if isinstance(t, Series):
-            info = []
-            # last[n]: the last child whose nodes read n (n is read by children > i iff last[n] > i); the
-            # nodes of children <= i read after child i are kept incrementally (linear in the series)
-            last: dict = {}
-            for j, c in enumerate(kids):
-                for n in self.nodes[id(c)]:
-                    for p in self.reads[n]:
-                        last[p] = j
-            ends: dict = {}
-            alive: set = set()
-            for i, c in enumerate(kids):
-                outs = sorted(n for n in self.nodes[id(c)] if last.get(n, -1) > i)
-                alive.difference_update(ends.pop(i, ()))
-                for n in outs:
-                    alive.add(n)
-                    ends.setdefault(last[n], []).append(n)
-                info.append((outs, frozenset(alive)))
-            self.boundary[id(t)] = info
-            # children i whose boundary nodes (two or more) are read only by the main node of the
-            # next child, a leaf: the pair (i, i+1) is solved jointly (see MachineMapper._series_join)
-            for i in range(len(kids) - 1):
-                outs = info[i][0]
-                j = kids[i + 1]
-                if len(outs) < 2 or not isinstance(j, Leaf):
-                    continue
-                unit = self.dec.units[j.unit]
-                jmain = unit[-1]
-                if any(last.get(n, -1) > i + 1 for n in outs):
-                    continue                                 # read again after the join
-                if any(n in self.reads[m] for n in outs for m in unit[:-1]):
-                    continue
-                if not set(outs) <= self.reads[jmain] or not set(info[i + 1][0]) <= {jmain}:
-                    continue
-                self.join[(id(t), i)] = jmain
+        if flat is not None and len(rel) <= LOCAL_LIMIT:
+            self._flat[id(t)] = flat
+        self.need[id(t)] = need
+
+    def _boundaries(self, k: int) -> list:
+        """Series ``k``'s per child (boundary outputs, alive after it); its joins into :attr:`join`."""
+        kids = self._tree[k].children
+        reads = self.reads
+        info = []
+        # last[n]: the last child whose nodes read n (n is read by children > i iff last[n] > i); the
+        # nodes of children <= i read after child i are kept incrementally (linear in the series)
+        last: dict = {}
+        for j, c in enumerate(kids):
+            for n in self.nodes[id(c)]:
+                for p in reads[n]:
+                    last[p] = j
+        ends: dict = {}
+        alive: set = set()
+        for i, c in enumerate(kids):
+            outs = sorted(n for n in self.nodes[id(c)] if last.get(n, -1) > i)
+            alive.difference_update(ends.pop(i, ()))
+            for n in outs:
+                alive.add(n)
+                ends.setdefault(last[n], []).append(n)
+            info.append((outs, frozenset(alive)))
+        # children i whose boundary nodes (two or more) are read only by the main node of the
+        # next child, a leaf: the pair (i, i+1) is solved jointly (see MachineMapper._series_join)
+        for i in range(len(kids) - 1):
+            outs = info[i][0]
+            j = kids[i + 1]
+            if len(outs) < 2 or not isinstance(j, Leaf):
+                continue
+            unit = self.dec.units[j.unit]
+            jmain = unit[-1]
+            if any(last.get(n, -1) > i + 1 for n in outs):
+                continue                                 # read again after the join
+            if any(n in reads[m] for n in outs for m in unit[:-1]):
+                continue
+            if not set(outs) <= reads[jmain] or not set(info[i + 1][0]) <= {jmain}:
+                continue
+            self.join[(k, i)] = jmain
+        return info
+
+
+class _OnDemand(dict):
+    """A dict whose missing entries ``make(key)`` computes and keeps (``d[key]``)."""
+
+    def __init__(self, make):
+        super().__init__()
+        self._make = make
+
+    def __missing__(self, key):
+        v = self[key] = self._make(key)
+        return v
 
 
 #: key the time DP's subproblems up to renaming their nodes (:meth:`_Ctx._local_key`), so a model's identical
@@ -481,9 +544,8 @@ class MachineMapper:
         ``techniques``: with its cheapest feasible memory techniques (:meth:`techniques`)."""
         t0 = time.perf_counter()
         gc = GraphCost(g, self.model)
-        dec = decompose(g, gc.role)
         total = sum(gc.leaf_cost(n, views[n], views).time for n in gc.nodes())
-        out = self._finish(g, gc, dec, total, dict(views), t0, {})
+        out = self._finish(g, gc, None, total, dict(views), t0, {})
         if techniques is None:
             techniques = self.default_techniques
         if techniques:
@@ -517,7 +579,7 @@ class MachineMapper:
         # relative to the resource's first node and a hit is shifted back.
         off = (res.start // self.machine.devices_per_node) * self.machine.devices_per_node
         rel = ctx.relevant[id(t)]
-        lkey = ctx.lkey.get(id(t))
+        lkey = ctx.local_key(t)
         if lkey is not None:
             fk = tuple((i, v.start - off, v.dims) for i, n in enumerate(ctx.lorder[id(t)])
                        if (v := fixed.get(n)) is not None)
@@ -537,9 +599,8 @@ class MachineMapper:
             out = self._solve_miss(ctx, t, res, fixed)
             self.cache[key] = (out[0], out[1], off, ctx.lnames[id(t)])
             return out
-        if len(rel) <= len(fixed) and id(t) in ctx.relsorted:
-            fk = tuple((h, v.start - off, v.dims) for n, h in ctx.relsorted[id(t)]
-                       if (v := fixed.get(n)) is not None)
+        if len(rel) <= len(fixed) and (rs := ctx.sorted_relevant(t)) is not None:
+            fk = tuple((h, v.start - off, v.dims) for n, h in rs if (v := fixed.get(n)) is not None)
         else:
             h = ctx.h
             fk = tuple(sorted((h[n], v.start - off, v.dims) for n, v in fixed.items() if n in rel))
@@ -805,7 +866,7 @@ class MachineMapper:
         """:meth:`_front`'s key up to renaming (a local key, :meth:`_Ctx._local_key`): the subtree's key, the
         fixed views by position, the join's facts and which of its inputs read which of the subtree's
         nodes, the boundary nodes in it by position; None where the subtree has no local key."""
-        lk = ctx.lkey.get(id(t))
+        lk = ctx.local_key(t)
         if lk is None:
             return None
         pos = ctx.lpos.get(id(t))

@@ -130,17 +130,34 @@ def _node_memory_of(gc: GraphCost, nid: int, view: MachineView) -> tuple[dict, d
         _cast_copies(gc, nid, view, w, a)
     if role == "input-placement" and any(gc.role[x[0]] != "input" for x in node.inputs):
         return w, a   # only the first placement of an input holds data; later ones re-describe it
-    for k, s in enumerate(g.shapes(nid)):
-        frac = 1.0 if role == "input-placement" else kept(gc, nid, k)
-        if frac == 0.0:
-            continue
-        if frac < 1.0:          # a Dropout's one-byte mask
-            pb = int(s.piece_nbytes * frac)
-        else:                   # the tensor in the precision's dtype (bf16 activations: 2 bytes)
-            pb = s.piece_numel * gc.itemsize((nid, k))
+    for k, pb in _kept_bytes(gc, nid):
         for d in gc.placement(nid, view, k):
             a[d] = a.get(d, 0) + pb
     return w, a
+
+
+def _kept_bytes(gc: GraphCost, nid: int) -> tuple:
+    """(output, bytes of one piece kept until the backward) of every output of ``nid`` that keeps any: what
+    :func:`node_memory` places on each device of a view, the same for every view (memoized on ``gc``)."""
+    memo = gc.__dict__.get("_kept_bytes_memo")
+    if memo is None:
+        memo = gc._kept_bytes_memo = {}
+    hit = memo.get(nid)
+    if hit is None:
+        g = gc.g
+        role = gc.role[nid]
+        out = []
+        for k, s in enumerate(g.shapes(nid)):
+            frac = 1.0 if role == "input-placement" else kept(gc, nid, k)
+            if frac == 0.0:
+                continue
+            if frac < 1.0:          # a Dropout's one-byte mask
+                pb = int(s.piece_nbytes * frac)
+            else:                   # the tensor in the precision's dtype (bf16 activations: 2 bytes)
+                pb = s.piece_numel * gc.itemsize((nid, k))
+            out.append((k, pb))
+        hit = memo[nid] = tuple(out)
+    return hit
 
 
 @lru_cache(maxsize=4096)

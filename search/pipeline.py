@@ -111,7 +111,7 @@ from unity_pcg.plan import PIPELINE_SCHEDULE, validate_pipeline_field  # noqa: F
 
 from . import collectives as C
 from .budget import PIPELINE_LAYOUTS_SHARE, Deadline, Expired, current, within
-from .baselines import StrategyError, data_parallel
+from .baselines import GraphMemo, StrategyError, data_parallel
 from .cost import CostModel, GraphCost
 from .mapping import MachineMapper
 from .memory import node_memory
@@ -230,20 +230,30 @@ def batch_size(g: PCG) -> int:
     raise PipelineError("the model has no Input with a batch dimension")
 
 
+#: per graph (by identity) its rebatched forms, stage sub-PCGs and stages laid out by the intra hooks
+#: (:func:`megatron_intra`): the tuned grids, the floors and the pipeline search ask for them again
+STAGE_MEMO = GraphMemo(16, errors=(StrategyError, PipelineError))
+
+
 def rebatch(g: PCG, old: int, new: int) -> PCG:
     """The same PCG (same node ids, same parallelization) at batch ``new``: every Input whose first
     dim is ``old`` gets ``new``; a Reshape whose input shrank or grew scales its first target dim; an
     Expand whose first target dim was ``old`` follows.  Raises PipelineError where shapes do not
     follow (a degree no longer divides, a Reshape that cannot be rescaled) or where an operator would
     mean something else at ``new`` (:func:`broadcast_change`: a micro-batch of 1 broadcasting against a
-    batch-sized tensor that does not follow the batch)."""
+    batch-sized tensor that does not follow the batch).  Built once per graph and batches
+    (:data:`STAGE_MEMO`)."""
     if old == new:
         return g
+    return STAGE_MEMO.get(g, ("rebatch", old, new), lambda: _rebatch(g, old, new))
+
+
+def _rebatch(g: PCG, old: int, new: int) -> PCG:
     b = PCG.builder(g.weights)
     r = Fraction(new, old)
     try:
         for n in g.nodes():
-            a = n.a
+            a = a0 = n.a
             ins = list(n.inputs)
             if n.op == "Input" and a["shape"] and a["shape"][0] == old:
                 a = {**a, "shape": (new,) + tuple(a["shape"][1:])}
@@ -257,7 +267,11 @@ def rebatch(g: PCG, old: int, new: int) -> PCG:
                     a = {**a, "shape": (int(s0),) + tuple(a["shape"][1:])}
             elif n.op == "Expand" and a["shape"] and a["shape"][0] == old and r != 1:
                 a = {**a, "shape": (new,) + tuple(a["shape"][1:])}
-            b.add_node(n.op, a, ins, n.name, nid=n.id)
+            if a is a0:       # the same operator on the same shapes: the same outputs, else inferred
+                same = all(b.shape(x) == g.shape(x) for x in ins)
+                b.add_like(n, ins, nid=n.id, outputs=g.shapes(n.id) if same else None)
+            else:
+                b.add_node(n.op, a, ins, n.name, nid=n.id)
     except PipelineError:
         raise
     except UnityError as e:
@@ -284,21 +298,39 @@ def broadcast_change(g: PCG, h: PCG) -> str | None:
     for n in big.nodes():
         if n.kind != "compute":
             continue
-        spec = ops.get_op(n.op)
         ins_b, outs_b = big.input_shapes(n.id), big.shapes(n.id)
         ins_s, outs_s = small.input_shapes(n.id), small.shapes(n.id)
-        lab = spec.labels(n.a, ins_b, [s.sizes for s in outs_b])
-        follows: dict = {}
-        for labels, sb, ss in zip(tuple(lab.inputs) + tuple(lab.outputs), tuple(ins_b) + tuple(outs_b),
-                                  tuple(ins_s) + tuple(outs_s)):
-            for l, a, c in zip(labels, sb.sizes, ss.sizes):
-                follows.setdefault(l, set()).add(a != c)
-        mixed = [l for l, f in follows.items() if len(f) > 1]
+        key = (n.op, n.attrs, tuple(ins_b), tuple(outs_b), tuple(ins_s), tuple(outs_s))
+        try:
+            mixed = _MIXED.get(key)
+        except TypeError:                 # an attribute that cannot be a key (an array)
+            key, mixed = None, None
+        if mixed is None:
+            mixed = _mixed_labels(n, ins_b, outs_b, ins_s, outs_s)
+            if key is not None:
+                if len(_MIXED) >= 1 << 16:
+                    _MIXED.clear()
+                _MIXED[key] = mixed
         if mixed:
             return (f"{n.label()}: {n.op} reads a batch-sized tensor that does not follow the batch beside one "
                     f"that does (a constant folded at the exported batch?); the micro-batch would broadcast "
                     f"against it")
     return None
+
+
+#: memo of :func:`_mixed_labels` (a function of its key): a model's repeated blocks are checked once
+_MIXED: dict = {}
+
+
+def _mixed_labels(n, ins_b, outs_b, ins_s, outs_s) -> bool:
+    """Whether a label of ``n`` has a dim that follows the batch and one that does not (:func:`broadcast_change`)."""
+    lab = ops.get_op(n.op).labels(n.a, ins_b, [s.sizes for s in outs_b])
+    follows: dict = {}
+    for labels, sb, ss in zip(tuple(lab.inputs) + tuple(lab.outputs), tuple(ins_b) + tuple(outs_b),
+                              tuple(ins_s) + tuple(outs_s)):
+        for l, a, c in zip(labels, sb.sizes, ss.sizes):
+            follows.setdefault(l, set()).add(a != c)
+    return any(len(f) > 1 for f in follows.values())
 
 
 # --- what the executor can micro-batch and send between stages (shared with executor/pipeline.py) -------
@@ -332,7 +364,12 @@ def micro_graph(g: PCG, M: int) -> PCG:
     (``executor/pipeline.py::check_pipeline`` calls it): degrees, unlike sizes, follow which dims come from
     the batch, so a batch-sized tensor that does not (a constant folded at export, e.g. BLOOM's ALiBi mask
     index of shape [B, ...]) meets a split one and is refused -- :func:`rebatch` only changes sizes, and a
-    micro-batch of 1 broadcasts silently against it.  Compute nodes keep their ids.  Raises PipelineError."""
+    micro-batch of 1 broadcasts silently against it.  Compute nodes keep their ids.  Raises PipelineError.
+    Built once per graph and ``M`` (:data:`STAGE_MEMO`)."""
+    return STAGE_MEMO.get(g, ("micro", M), lambda: _micro_graph(g, M))
+
+
+def _micro_graph(g: PCG, M: int) -> PCG:
     lg, _ = logical_graph(g)
     if M == 1:
         return lg
@@ -400,7 +437,13 @@ def stage_graph(g: PCG, roles: Mapping[int, str], nodes: Iterable[int]) -> PCG:
     sources and placement chains they read are copied, every tensor produced outside (an earlier
     stage's activation) becomes an Input of the same parallel shape (an Input, then Partition /
     Replicate), named ``pipe:<producer id>:<output>``.  Node ids of copied nodes are kept; its
-    outputs are the tensors later stages read and the graph outputs among ``nodes``."""
+    outputs are the tensors later stages read and the graph outputs among ``nodes``.  ``roles``: ``g``'s;
+    built once per graph and nodes (:data:`STAGE_MEMO`)."""
+    nodes = tuple(nodes)
+    return STAGE_MEMO.get(g, ("stage", nodes), lambda: _stage_graph(g, roles, nodes))
+
+
+def _stage_graph(g: PCG, roles: Mapping[int, str], nodes: tuple) -> PCG:
     inside = set(nodes)
     b = PCG.builder(g.weights)
     m: dict = {}
@@ -420,7 +463,9 @@ def stage_graph(g: PCG, roles: Mapping[int, str], nodes: Iterable[int]) -> PCG:
         if nid in inside or role in ("input", "weight", "input-placement", "weight-placement"):
             n = g.node(nid)
             ins = [ensure(x) for x in n.inputs]
-            b.add_node(n.op, n.a, ins, n.name, nid=nid)
+            # a copy reading the same shapes computes the same ones (inference is a function of them)
+            same = all(b.shape(x) == g.shape(r) for x, r in zip(ins, n.inputs))
+            b.add_like(n, ins, nid=nid, outputs=g.shapes(nid) if same else None)
             for k in range(len(g.shapes(nid))):
                 m[(nid, k)] = (nid, k)
             return m[r]
@@ -485,6 +530,10 @@ def megatron_intra(devices_per_node: int, head: bool = True, sp: bool = False) -
     from .baselines import _Rebuild, _divisors_desc, _is_dense, megatron_groups
 
     def hook(stage: PCG, resource: Resource) -> PCG:
+        key = ("megatron_intra", devices_per_node, head, sp, resource.size)    # all it reads of the resource
+        return STAGE_MEMO.get(stage, key, lambda: lay_out(stage, resource))
+
+    def lay_out(stage: PCG, resource: Resource) -> PCG:
         if resource.size <= 1 or any(n.kind == "parallel" for n in stage.nodes()):
             return default_intra(stage, resource)
         groups = megatron_groups(stage)
@@ -723,6 +772,15 @@ def _price(mapper: MachineMapper, sg: PCG, intra, res: Resource, memo: dict | No
         hit = memo.get(key)
         if hit is not None:
             return hit
+    # the same laid-out stage (the hooks keep theirs, STAGE_MEMO) on the same block: priced once
+    out = STAGE_MEMO.get(P, ("price", mapper, block, tuple(tuple(x) for x in sg.outputs)),
+                         lambda: _map_stage(mapper, sg, P, block))
+    if key is not None:
+        memo[key] = out
+    return out
+
+
+def _map_stage(mapper: MachineMapper, sg: PCG, P: PCG, block: Resource) -> StagePrice:
     r = mapper.optimize(P, block, techniques=False)   # sync and update are priced once by the pipeline
     if r.memory is None or not r.views:
         out = StagePrice(INF, 0.0, {}, {}, {}, P, tuple(sg.outputs), r.reason or "no machine view fits the stage")
@@ -738,8 +796,6 @@ def _price(mapper: MachineMapper, sg: PCG, intra, res: Resource, memo: dict | No
                     a_in[d] = a_in.get(d, 0) + v
         out = StagePrice(max(total - once, 0.0), once, dict(r.memory.weights), dict(r.memory.activations),
                       dict(r.views), P, tuple(tuple(x) for x in sg.outputs), a_in=a_in)
-    if key is not None:
-        memo[key] = out
     return out
 
 

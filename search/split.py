@@ -359,6 +359,7 @@ def apply_disjoint(g: PCG, matches: Sequence) -> PCG:
     live = set(g.node_ids())
     cur_max = max(live)
     e = g.edit()
+    moved: dict = {}                  # every match's outputs -> their replacements (one pass at the end)
     for m in matches:
         rule, b, ins = m.rule, m.binding, m.input_map
         new_refs: list = []
@@ -375,7 +376,7 @@ def apply_disjoint(g: PCG, matches: Sequence) -> PCG:
             nw = ins[to] if isinstance(to, str) else ref(to)
             if e.shape(old) != e.shape(nw):
                 raise InvalidParallelization(f"rule {rule.name}: target output differs from source output")
-            e.replace_uses(old, nw)
+            moved[old] = nw           # disjoint matches: no replacement is another's replaced tensor
         for nid in m.nodes:
             e.remove(nid)
         live.update(range(cur_max + 1, cur_max + 1 + len(rule.target.nodes)))
@@ -383,6 +384,7 @@ def apply_disjoint(g: PCG, matches: Sequence) -> PCG:
         live.difference_update(m.nodes)
         if cur_max not in live:
             cur_max = max(live)
+    e.replace_uses_many(moved)
     return e.finish()
 
 
@@ -400,7 +402,7 @@ def cancel_rounds(g: PCG, book: RuleBook, window: set | None = None, max_rounds:
         chosen: list = []
         for r in rules:
             used: set = set()
-            for m in iter_matches(r, g, idx, None, (2,)):
+            for m in iter_matches(r, g, idx, None, (2,), avoid=used):     # (those touching used: skipped)
                 touch = set(m.nodes) | {x[0] for _, x in m.inputs}
                 if touch & used:
                     continue

@@ -67,6 +67,11 @@ class LiveGraph(PCG):
         rank = self._rank
         return sorted(got, key=lambda c: (rank[c[0]], c[1]))
 
+    def input_shapes(self, nid: int):
+        """Read afresh: a live graph's nodes are rewired in place (PCG's kept input shapes would go stale)."""
+        shapes = self._shapes
+        return tuple([shapes[r[0]][r[1]] for r in self._nodes[nid].inputs])
+
     def topo_order(self) -> tuple[int, ...]:
         if self._topo is None:
             self._topo = topo_sort(self._nodes)

@@ -197,9 +197,11 @@ def _prepared(rule: Rule) -> tuple:
 
 
 def iter_matches(rule: Rule, g: PCG, index: GraphIndex | None = None, limit: int | None = None,
-                 degrees: Sequence[int] = (2,)) -> Iterator[Match]:
+                 degrees: Sequence[int] = (2,), avoid: set | None = None) -> Iterator[Match]:
     """Matches of ``rule`` in ``g``.  Free target variables (degrees, dims chosen at application)
-    are enumerated: degrees from ``degrees``, dims over the matched tensors' ranks."""
+    are enumerated: degrees from ``degrees``, dims over the matched tensors' ranks.  ``avoid``: a set of
+    node ids (the caller may add to it between matches) no match binds, as a node or as the producer of
+    an input: the caller's disjoint matches, found without building the ones it would refuse."""
     idx = index or GraphIndex(g)
     p = rule.source
     sinks, out_refs, interior_uses, specs, kinds = _prepared(rule)
@@ -216,7 +218,7 @@ def iter_matches(rule: Rule, g: PCG, index: GraphIndex | None = None, limit: int
             if assign[pi] == nid:
                 yield
             return
-        if nid in used:
+        if nid in used or (avoid is not None and nid in avoid):
             return
         pn = p.nodes[pi]
         n = g.node(nid)
@@ -255,6 +257,8 @@ def iter_matches(rule: Rule, g: PCG, index: GraphIndex | None = None, limit: int
             if pr in inputs:
                 if inputs[pr] == gr:
                     yield from match_inputs(pins, gins, j + 1)
+                return
+            if avoid is not None and gr[0] in avoid:
                 return
             inputs[pr] = gr
             yield from match_inputs(pins, gins, j + 1)

@@ -759,6 +759,15 @@ class MachineView:
         """Device of every task, tasks in row-major order over ``dims``."""
         return _view_devices(self.start, self.dims)
 
+    def __hash__(self) -> int:
+        """The fields' hash, computed once (views key the pricers' memos; integers only, so a pickled view's
+        kept value holds in any process)."""
+        h = self.__dict__.get("_hash")
+        if h is None:
+            h = hash((self.start, self.dims))
+            object.__setattr__(self, "_hash", h)
+        return h
+
     def is_valid(self, machine: MachineSpec) -> bool:
         devs = self.devices()
         return len(set(devs)) == len(devs) and min(devs) >= 0 and max(devs) < machine.num_devices

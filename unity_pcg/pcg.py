@@ -60,7 +60,8 @@ class Node:
 class PCG:
     """Immutable parallel computation graph."""
 
-    __slots__ = ("_nodes", "_shapes", "outputs", "weights", "_hashes", "_topo", "_consumers", "meta", "_roles")
+    __slots__ = ("_nodes", "_shapes", "outputs", "weights", "_hashes", "_topo", "_consumers", "meta", "_roles",
+                 "_in_shapes")
 
     def __init__(self, nodes: dict[int, Node], shapes: dict[int, tuple[ParallelTensorShape, ...]],
                  outputs: tuple[Ref, ...], weights: Mapping[str, Any] | None = None,
@@ -74,6 +75,7 @@ class PCG:
         self._topo: tuple[int, ...] | None = None
         self._consumers: dict | None = None
         self._roles: tuple | None = None         # (role, origin, weight-like): PCG.roles, cached
+        self._in_shapes: dict = {}               # node -> its input shapes (input_shapes, cached)
 
     # --- construction --------------------------------------------------------------------------
     @staticmethod
@@ -108,7 +110,11 @@ class PCG:
         return self._shapes[ref[0]][ref[1]]
 
     def input_shapes(self, nid: int) -> tuple[ParallelTensorShape, ...]:
-        return tuple(self.shape(r) for r in self._nodes[nid].inputs)
+        hit = self._in_shapes.get(nid)
+        if hit is None:
+            shapes = self._shapes
+            hit = self._in_shapes[nid] = tuple([shapes[r[0]][r[1]] for r in self._nodes[nid].inputs])
+        return hit
 
     def sources(self, op: str | None = None) -> list[Node]:
         return [n for n in self.nodes() if n.kind == "source" and (op is None or n.op == op)]
@@ -441,6 +447,29 @@ class GraphBuilder:
         node = Node(nid, op, tuple(sorted(a.items())), inputs, name)
         self._nodes[nid] = node
         self._shapes[nid] = tuple(inf.outputs)
+        return nid
+
+    def add_like(self, node: Node, inputs: Sequence[Ref] = (), nid: int | None = None,
+                 outputs: Sequence[ParallelTensorShape] | None = None, name: str | None = None) -> int:
+        """:meth:`add_node` for a copy of ``node`` (a node of a PCG, its attributes already normalized) on
+        ``inputs``: its operator, attributes and name (``name``: another); ``outputs``: its output shapes
+        when the caller has inferred them on these inputs (:func:`ops.infer`), else inferred here."""
+        inputs = tuple((int(r[0]), int(r[1])) for r in inputs)
+        nodes, shapes = self._nodes, self._shapes
+        name = node.name if name is None else name
+        for r in inputs:
+            if r[0] not in nodes or not 0 <= r[1] < len(shapes[r[0]]):
+                raise GraphError(f"{name or node.op}: input {r} does not exist")
+        if nid is None or nid in nodes:
+            nid = self._next
+        self._next = max(self._next, nid + 1)
+        if outputs is None:
+            try:
+                outputs = ops.infer(node.op, dict(node.attrs), [shapes[r[0]][r[1]] for r in inputs]).outputs
+            except InvalidParallelization as e:
+                raise InvalidParallelization(f"{name}: {e}" if name else str(e)) from None
+        nodes[nid] = Node(nid, node.op, node.attrs, inputs, name)
+        shapes[nid] = tuple(outputs)
         return nid
 
     def add(self, op: str, attrs: Mapping[str, Any] | None = None, inputs: Sequence[Ref] = (),

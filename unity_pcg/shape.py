@@ -15,6 +15,7 @@ from typing import Iterable, Sequence
 from .errors import ShapeError
 
 DTYPES = ("float32", "float16", "bfloat16", "float64", "int64", "int32", "bool")
+_DTYPE_CODE = {d: i for i, d in enumerate(DTYPES)}
 DTYPE_BYTES = {"float32": 4, "float16": 2, "bfloat16": 2, "float64": 8, "int64": 8, "int32": 4, "bool": 1}
 
 
@@ -76,13 +77,22 @@ class ParallelTensorShape:
     def rank(self) -> int:
         return len(self.dims)
 
-    @property
+    @cached_property            # kept in the instance, as piece_shape
     def sizes(self) -> tuple[int, ...]:
         return tuple(d.size for d in self.dims)
 
-    @property
+    @cached_property
     def degrees(self) -> tuple[int, ...]:
         return tuple(d.degree for d in self.dims)
+
+    def __hash__(self) -> int:
+        """The fields' hash, computed once (shapes key many memos: shape inference, the cost model, the
+        mapping's keys); free of string hashing, so a pickled shape's kept value holds in any process."""
+        h = self.__dict__.get("_hash")
+        if h is None:
+            h = hash((self.dims, self.sum_degree, self.copy_degree, _DTYPE_CODE.get(self.dtype, -1)))
+            object.__setattr__(self, "_hash", h)
+        return h
 
     @cached_property            # kept in the instance (the shape is frozen); the pricers ask millions of times
     def piece_shape(self) -> tuple[int, ...]:

@@ -20,6 +20,7 @@ def _same(a, b):
     for nid in a.node_ids():
         assert a.node(nid) == b.node(nid)
         assert a.shapes(nid) == b.shapes(nid)
+        assert a.input_shapes(nid) == b.input_shapes(nid)
         for k in range(len(a.shapes(nid))):
             assert a.consumers((nid, k)) == b.consumers((nid, k))
     assert a.outputs == b.outputs
