@@ -196,18 +196,13 @@ def node_memory_arrays(gc: GraphCost, nid: int, view: MachineView):
             f = factor if gc.trainable(r[0]) else 1
             w[devs] += g.shape(r).piece_nbytes * f
             wm[devs] = True
-        casts = gc.casts(nid)
-        if casts:
-            saved = SAVES_INPUTS.get(node.op)
-            for pos, _, to in casts:
-                r = node.inputs[pos]
-                b = g.shape(r).piece_numel * gc.kernel_itemsize(to)
-                if gc.role[r[0]] in ("weight", "weight-placement"):
-                    w[devs] += b
-                    wm[devs] = True
-                elif saved is None or pos in saved:
-                    a[devs] += b
-                    am[devs] = True
+        for b, weight in cast_items(gc, nid):      # autocast's copies (bf16), as _cast_copies counts them
+            if weight:
+                w[devs] += b
+                wm[devs] = True
+            else:
+                a[devs] += b
+                am[devs] = True
     if role == "input-placement" and any(gc.role[x[0]] != "input" for x in node.inputs):
         return w, a, wm, am
     for k, s in enumerate(g.shapes(nid)):
