@@ -1283,10 +1283,13 @@ class IntraProblem:
                 rows[r] = (rows[r][0], -INF, rows[r][2] - 2 * over)
         dt = time.perf_counter() - t0
         if x is None or over > 1e-9:
-            lb = sum(min(self.node_mem[a]) for a in self.anchors)
+            # the solved plan's peak where there is one (per-operator terms may be negative: a sum of their
+            # minima is no bound), else that sum where it is one
+            lb = (1.0 + over) * memory_budget if x is not None else sum(min(self.node_mem[a]) for a in self.anchors)
+            need = f"the leanest it found needs {_gib(lb)}" if lb > memory_budget else "none was found"
             raise IntraInfeasible(f"alpa intra-op: no parallel plan on the {self.mesh.n[0]}x{self.mesh.n[1]} mesh "
-                                  f"fits the memory budget of {_gib(memory_budget)} per device (the smallest needs "
-                                  f"{_gib(lb)}){'' if status == 'infeasible' else f'; solver status: {status}'}")
+                                  f"fits the memory budget of {_gib(memory_budget)} per device ({need})"
+                                  f"{'' if status == 'infeasible' else f'; solver status: {status}'}")
         self.last_rows = len(mem_rows)
         return choice, self.objective(choice), status, dt
 
