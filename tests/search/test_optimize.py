@@ -75,8 +75,9 @@ def test_cli_json_plan_and_errors(tiny_onnx, tmp_path, capsys):
     j = json.loads(capsys.readouterr().out)
     assert j["feasible"] and j["devices"] == 2 and j["data_parallel_iteration_s"] > 0
     pl = P.load(str(out))
-    # the plan file carries the rule sequence the search reported (a floor that wins carries none)
-    assert (pl.rules is not None) == (j["rule_steps"] > 0)
+    # the plan file carries the rule sequence the search reported (a floor that wins carries none; a plan by
+    # rules may carry an empty one: the graph as imported)
+    assert len(pl.rules or ()) == j["rule_steps"]
     assert pl.predicted["predicted_iteration_s"] == pytest.approx(j["predicted_iteration_s"])
     assert main(["optimize", tiny_onnx, "--machine", "summit:1x2", "--candidates", "1", "-o", str(out)]) == 0
     text = capsys.readouterr().out
