@@ -7,6 +7,7 @@ part spent pricing memory techniques (search/memtech.py through the grid's price
 
     .venv/bin/python benchmarks/llm_planner_cpu.py benchmarks/.cache/llm/llama_7b-L32-s2048.onnx h100:1x8
     PYTHONPATH=/tmp/base .venv/bin/python benchmarks/llm_planner_cpu.py --other-tree ...   # another checkout
+    .venv/bin/python benchmarks/llm_planner_cpu.py MODEL MACHINE --per-region [--no-trim-skip]   # as Unity's floor
 
 Prints one JSON object (no results file: the numbers are quoted where they are used, with the command)."""
 from __future__ import annotations
@@ -23,6 +24,10 @@ def main(argv=None) -> int:
     ap.add_argument("machine")
     ap.add_argument("--steps", type=int, default=3, help="walk steps after the plain point (default 3)")
     ap.add_argument("--batch", type=int, default=1024)
+    ap.add_argument("--per-region", action="store_true",
+                    help="price per-region recomputation too (as Unity's floor does: tuned.floor)")
+    ap.add_argument("--no-trim-skip", action="store_true",
+                    help="the greedy's trim prices every step down (memtech.TRIM_PREDICT off: the reference)")
     ap.add_argument("--other-tree", action="store_true",
                     help="import unity_pcg from PYTHONPATH, not from this checkout's editable install")
     a = ap.parse_args(argv)
@@ -34,7 +39,11 @@ def main(argv=None) -> int:
     from unity_pcg.search.mapping import MachineMapper
     from unity_pcg.search import tuned
     from unity_pcg.search.tuned import _Tuner, techniques
-    out: dict = {"model": a.model, "machine": a.machine}
+    from unity_pcg.search import memtech
+    if a.no_trim_skip:
+        memtech.TRIM_PREDICT = False
+    out: dict = {"model": a.model, "machine": a.machine, "per_region": a.per_region,
+                 "trim_skip": memtech.TRIM_PREDICT}
     # the memory techniques' share (search/memtech.py, through the grid's pricer): CPU seconds inside it
     tech_s = [0.0]
     price = tuned._Memtech.price
@@ -53,7 +62,8 @@ def main(argv=None) -> int:
     for strategy in ("megatron", "zero3"):
         tech_s[0] = 0.0
         c0 = time.process_time()
-        t = _Tuner(g, MachineMapper(CostModel(m, optimizer="adam", precision="bf16")), strategy, None, techniques())
+        t = _Tuner(g, MachineMapper(CostModel(m, optimizer="adam", precision="bf16")), strategy, None, techniques(),
+                   per_region=a.per_region)
         t._start()
         steps = 0
         for _ in range(a.steps):

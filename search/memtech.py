@@ -303,6 +303,9 @@ CHECK_EVERY = 256
 #: share the device dicts (and the walk's rows) of equal tensors; False: one per tensor (the reference the
 #: tests compare the shared ones with, float for float)
 SHARE_BLOCKS = True
+#: the greedy's trim skips a step down like one that did not fit (:meth:`Techniques._trim`; False: it prices
+#: every step, the reference the tests compare it with)
+TRIM_PREDICT = True
 
 
 # --- pricing --------------------------------------------------------------------------------------------
@@ -316,6 +319,8 @@ class Techniques:
     (:meth:`_walk_tables`) in the order the per-item loops add them, so every price is the same float."""
     #: recomputations whose activations (and backward peaks) a Techniques keeps (oldest dropped first)
     ACT_CACHE = 256
+    #: steps down the trim left unpriced (like one that did not fit, :meth:`_trim`), over this object's life
+    trim_predicted = 0
 
     def __init__(self, gc: GraphCost, views: Mapping[int, MachineView], base: Any = None,
                  regs: Sequence[Sequence[int]] | None = None, report: MemoryReport | None = None):
@@ -1678,20 +1683,49 @@ class Techniques:
 
     def _trim(self, zero: int, offload: bool, state: dict, cur: Priced) -> Priced:
         """A feasible greedy plan with every step it can do without undone: each recomputed region, the
-        costliest first, one mode down (full -> selective -> none) while the plan still fits (savings on the
-        peak need not add up, so an earlier step may have become unnecessary)."""
+        costliest first (of equal costs, the latest in the forward first), one mode down (full -> selective ->
+        none) while the plan still fits (savings on the peak need not add up, so an earlier step may have
+        become unnecessary).
+
+        A step is not priced where one like it failed since the plan last changed (:data:`TRIM_PREDICT`): a
+        region of the same saving per device and recomputation seconds for the same modes (:meth:`_step_key`;
+        a model's identical blocks), later in the forward.  Its activations are freed earlier in the
+        backward, so the step down of the earlier region keeps the same bytes at least as long: where the later
+        one did not fit, neither does it.  On a model of many identical layers the trim then prices a few
+        steps per kind of region, not one per region (each price walks the whole graph)."""
         single = self._single_savings()
-        for i in sorted(state, key=lambda i: -single[(i, state[i])][1]):
+        at = self._region_starts()
+        failed: dict = {}                 # step key -> the latest start of a region whose step failed
+        for i in sorted(state, key=lambda i: (-single[(i, state[i])][1], -at[i])):
             while state.get(i, "none") != "none":
                 check()
                 lower = MODES[MODES.index(state[i]) - 1]
+                key = self._step_key(single, i, state[i], lower)
+                if TRIM_PREDICT and failed.get(key, -1) > at[i]:
+                    self.trim_predicted += 1
+                    break
                 trial = dict(state)
                 trial[i] = lower
                 p = self.price(MemoryPlan(zero, offload, self._regs(trial)))
                 if not p.feasible or p.iteration_s > cur.iteration_s:
+                    failed[key] = max(failed.get(key, -1), at[i])
                     break
                 state, cur = trial, p
+                failed.clear()            # another plan: what failed before may fit now
         return cur
+
+    def _region_starts(self) -> list:
+        """Each recompute region's first position in the forward (the execution order)."""
+        return [min((self.exec_pos.get(n, 0) for n in r), default=0) for r in self.regions]
+
+    @staticmethod
+    def _step_key(single: Mapping, i: int, mode: str, lower: str) -> tuple:
+        """What region ``i``'s step down (``mode`` -> ``lower``) keeps again on each device and the seconds of
+        recomputation it saves (:meth:`_single_savings`): equal for the same step of identical blocks."""
+        now, t_now = single[(i, mode)]
+        after, t_after = single[(i, lower)] if lower != "none" else ({}, 0.0)
+        return (mode, lower, t_now - t_after,
+                tuple(sorted((d, b - after.get(d, 0)) for d, b in now.items())))
 
 
 _KEEPS_OUTPUT: dict = {}

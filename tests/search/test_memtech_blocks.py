@@ -283,3 +283,21 @@ def test_the_greedy_recomputation_is_the_scans_choice(decoders, layout):
             out.append(_facts(t.choose(exact_limit=0)))
     assert got == want
     assert len({g[-1] for g in got}) > 2                    # the capacities ask for different plans
+
+
+@pytest.mark.parametrize("layout", [0, 1])
+def test_the_trim_leaves_unpriced_only_steps_like_one_that_failed(decoders, layout, monkeypatch):
+    """The greedy's trim does not price a step down like one that failed since the plan last changed (the same
+    step of an identical block earlier in the forward: ``memtech.TRIM_PREDICT``), and chooses the plan the trim
+    that prices every step chooses, on capacities from a little short to far short of what the mapping needs."""
+    pg, model, views, cost, report = _mappings(decoders[0], "h100:1x4", "bf16")[layout]
+    got, want, skipped = [], [], 0
+    for frac in (0.97, 0.9, 0.75, 0.6, 0.45, 0.3, 0.1):
+        for predict, out in ((True, got), (False, want)):
+            monkeypatch.setattr(memtech, "TRIM_PREDICT", predict)
+            t = memtech.Techniques(GraphCost(pg, _fresh(model)), views, cost)
+            t.capacity = int(max(t.base_report.per_device.values()) * frac)
+            out.append(_facts(t.choose(exact_limit=0)))
+            skipped += t.trim_predicted
+    assert got == want
+    assert skipped > 0                                      # steps were left unpriced
