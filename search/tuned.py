@@ -391,6 +391,9 @@ class _Tuner:
         self.plain: _Layout | None = None
         self._pp1_layouts: dict = {}      # tp -> the pp = 1 layouts priced (the pipelines' bounds)
         self._ff_last = ""                # the last step's feasible-first pick: "time", "lean" or "" (none)
+        # the least ratio of a walk's leanest bytes to what the estimate from other layouts said before it was
+        # priced (1: none seen): how far that estimate has overstated on this grid (:meth:`_walk`)
+        self._est_ratio = 1.0
         self._layout_points: dict = {}    # (tp, pp, M, sp) -> its points, once priced (a cut step resumes on them)
 
     # the layout points --------------------------------------------------------------------------------
@@ -683,9 +686,13 @@ class _Tuner:
         self.plain, self.walks = plain, walks
 
     def _walk(self) -> None:
-        """Best-first over the walks: every pp = 1 pair once (nearest the plain point first), then the walk
-        whose next point has the lowest bound (:meth:`_bound`; none yet: first), fewest stages, then fewest
-        steps first.  Pruning is by the bound, per point: a walk's next sizes whose bound is over the best
+        """Best-first over the walks: every pp = 1 pair once (nearest the plain point first), then, once a
+        point fits, the walks whose next point is predicted to fit (:meth:`_memory_estimate`; an estimate, so
+        the others are walked later, never skipped) by the lowest bound (:meth:`_bound`; none yet: first),
+        fewest stages, then fewest steps; then the others, the nearest to fitting first (while nothing fits:
+        :meth:`_feasible_first`).  A walk not priced yet is estimated from other layouts: that estimate is
+        scaled by the least ratio of actual to estimated bytes seen on this grid (``_est_ratio``: where it
+        has overstated, a walk it puts a little over may fit).  Pruning is by the bound, per point: a walk's next sizes whose bound is over the best
         time of the grid cannot win and are skipped (``stats["sizes_bounded"]``), and the walk is done when
         every size left is (``stats["pairs_bounded"]``) -- a pipeline walks its sizes rising, so its next
         point's bound is the highest of its points left, never a bound on the whole walk."""
@@ -717,10 +724,11 @@ class _Tuner:
             if not live:
                 return
             kind = ""
-            if math.isfinite(glob):           # ties of the bound: the walks predicted to fit first
+            if math.isfinite(glob):           # the walks predicted to fit first, then the nearest to fitting
                 cap = self.machine.device.usable_bytes
-                w = min(live, key=lambda w: (est[id(w)], self._memory_estimate(w) > cap, w["pp"], w["n"],
-                                             order[id(w)]))
+                over = {id(w): max(self._memory_estimate(w) * (1.0 if self._own_points(w) else self._est_ratio)
+                                   / cap, 1.0) for w in live}
+                w = min(live, key=lambda w: (over[id(w)], est[id(w)], w["pp"], w["n"], order[id(w)]))
             else:
                 w, kind = self._feasible_first(live, est, order)
             self._step(w, plain)
@@ -752,8 +760,7 @@ class _Tuner:
             return INF
         nxt = w["ms"][w["i"]]
         M = max(self.B // (w["dp"] * nxt), 1)
-        own = [p for p in self.points if p.max_bytes and p.layout.tp == w["tp"] and p.layout.pp == w["pp"]
-               and not p.layout.name]
+        own = self._own_points(w)
         if own:
             lean = min(own, key=lambda p: p.max_bytes)
             return lean.split[0] + lean.split[1] * nxt / max(lean.config.micro_batch, 1)
@@ -834,11 +841,22 @@ class _Tuner:
     def _step(self, w: dict, plain: "_Layout | None") -> None:
         """:meth:`_price_next`; a point the deadline cuts is priced again when the walk resumes."""
         i, n = w["i"], w["n"]
+        fresh = not self._own_points(w) and any(p.max_bytes for p in self.points)
+        guess = self._memory_estimate(w) if fresh else 0.0
+        k = len(self.points)
         try:
             self._price_next(w, plain)
         except Expired:
             w["i"], w["n"] = i, n
             raise
+        got = [p.max_bytes for p in self.points[k:] if p.max_bytes]
+        if guess > 0 and got:
+            self._est_ratio = min(self._est_ratio, min(got) / guess)
+
+    def _own_points(self, w: dict) -> list:
+        """The points of the walk's (tp, pp) priced so far (the grid's layouts, not accumulate()'s)."""
+        return [p for p in self.points if p.max_bytes and p.layout.tp == w["tp"] and p.layout.pp == w["pp"]
+                and not p.layout.name]
 
     def _price_next(self, w: dict, plain: "_Layout | None") -> None:
         """Price the next micro-batch size of one (tp, pp) walk, then decide where it goes on.  A point's

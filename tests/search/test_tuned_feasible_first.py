@@ -112,3 +112,31 @@ def test_the_fallback_past_the_hard_end_maps_no_strategy_over_the_machine(monkey
     one = Resource(0, 1, 1)
     assert late and all(kind == "cheap" and r == one for kind, _, r in late)
     assert {"megatron", "zero3"} <= set(res.stats.get("fallback_skipped", []))
+
+
+@needs_memtech
+@pytest.mark.parametrize("mib", [200, 320])
+def test_once_a_point_fits_the_walk_nearest_to_fitting_goes_first(monkeypatch, mib):
+    """After the first point that fits, each step walks a pair predicted to fit, else the one predicted nearest
+    to fitting (the estimate over the capacity), whatever the bounds say (on a large model the points predicted
+    far over the memory are mapped for nothing); uncut, the walk ends on the same best point as every order."""
+    g, m = _tight()
+    m = dataclasses.replace(m, device=dataclasses.replace(m.device, memory_bytes=mib * 2**20))
+    cap = m.device.usable_bytes
+    picks = []
+    step = _Tuner._step
+
+    def recording(self, w, plain):
+        if any(p.feasible for p in self.points) and w["n"] > 0:
+            live = [x for x in self.walks if not x["done"]]
+            ratio = {id(x): max(self._memory_estimate(x) / cap, 1.0) for x in live}
+            picks.append((ratio[id(w)], min(ratio.values())))
+        return step(self, w, plain)
+
+    monkeypatch.setattr(_Tuner, "_step", recording)
+    r = tune(g, MachineMapper(CostModel(m, optimizer="adam")), "megatron")
+    assert picks and all(mine == pytest.approx(least) for mine, least in picks)
+    monkeypatch.setattr(_Tuner, "_step", step)
+    monkeypatch.setattr(_Tuner, "_feasible_first", _time_first)
+    assert r.feasible and r.cost == pytest.approx(tune(g, MachineMapper(CostModel(m, optimizer="adam")),
+                                                       "megatron").cost, rel=1e-9)
