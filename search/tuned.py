@@ -292,15 +292,53 @@ def layout_key(g: PCG) -> tuple:
     return tuple(out), tuple(tuple(r) for r in g.outputs)
 
 
+def sized_key(g: PCG) -> tuple:
+    """The structure of ``g`` with its sizes and parallel shapes but without node ids or names: every node in
+    topological order by its operator, attributes (the name left out), inputs (by position) and output
+    shapes.  Two graphs with the same key (a model's repeated stages) differ only in node ids and names,
+    so a mapping of one is a mapping of the other, its nodes renamed by position."""
+    idx: dict = {}
+    items = []
+    for nid in g.topo_order():
+        n = g.node(nid)
+        idx[nid] = len(items)
+        attrs = tuple((k, tuple(v) if isinstance(v, list) else v) for k, v in n.attrs if k != "name")
+        items.append((n.op, attrs, tuple((idx[r[0]], r[1]) for r in n.inputs),
+                      tuple((s.sizes, s.degrees, s.copy_degree, s.sum_degree) for s in g.shapes(nid))))
+    return tuple(items), tuple((idx[r[0]], r[1]) for r in g.outputs)
+
+
+def moved(r, ids: dict, delta: int):
+    """The MappingResult ``r`` of a graph carried to an identical graph (``ids``: its node id -> the other's)
+    on a block ``delta`` devices further (a multiple of the devices per node: costs depend only on which
+    devices share a group or node, so the price is the same and the views and per-device memory move)."""
+    from unity_pcg.machine import MachineView
+    from .memory import MemoryReport
+    views = {ids[n]: MachineView(v.start + delta, v.dims) for n, v in r.views.items()}
+    mem = r.memory
+    if mem is not None:
+        mem = MemoryReport({d + delta: b for d, b in mem.per_device.items()},
+                           {d + delta: b for d, b in mem.weights.items()},
+                           {d + delta: b for d, b in mem.activations.items()}, mem.capacity)
+    reason = ("out of memory: " + mem.reason()) if (mem is not None and not r.feasible) else r.reason
+    return dataclasses.replace(r, views=views, memory=mem, reason=reason, decomposition=None,
+                               stats=dict(r.stats, moved_by=delta))
+
+
 class ViewReuse:
-    """The mapper as the grid's micro-batch points see it: a layout (same :func:`layout_key`, same devices)
-    mapped by the DP once is priced at every other micro-batch size on the views the DP chose for it
+    """The mapper as the grid's points see it.  A layout (same :func:`layout_key`, same devices) mapped by
+    the DP once is priced at every other micro-batch size on the views the DP chose for it
     (``mapper.evaluate``: the exact price of a valid mapping, linear in the graph) instead of solving the DP
-    again; ``stats["reused"]`` counts them.  Everything else is the wrapped mapper's."""
+    again; ``stats["reused"]`` counts them.  A graph identical to one already solved (same
+    :func:`sized_key`: a pipeline's middle stages, up to node ids and names) on a block of the same shape
+    moved by whole nodes takes that DP result, renamed and moved (:func:`moved`: the same floats as a fresh
+    solve, since the DP's costs are invariant under such moves); ``stats["moved"]`` counts them.
+    Everything else is the wrapped mapper's."""
 
     def __init__(self, mapper, stats: dict):
         self._m = mapper
         self._views: dict = {}
+        self._solved: dict = {}
         self._stats = stats
 
     def __getattr__(self, name):
@@ -312,9 +350,23 @@ class ViewReuse:
         if views is not None:
             self._stats["reused"] = self._stats.get("reused", 0) + 1
             return self._m.evaluate(g, views, techniques=techniques)
+        skey = None
+        if fixed is None and resource is not None:
+            D = self._m.machine.devices_per_node
+            skey = (sized_key(g), resource.nodes, resource.per_node, resource.start % D, techniques)
+            hit = self._solved.get(skey)
+            if hit is not None:
+                order, r0, start0 = hit
+                r = moved(r0, dict(zip(order, g.topo_order())), resource.start - start0)
+                self._stats["moved"] = self._stats.get("moved", 0) + 1
+                if r.views:
+                    self._views[key] = dict(r.views)
+                return r
         r = self._m.optimize(g, resource, fixed, techniques)
         if fixed is None and r is not None and r.views:
             self._views[key] = dict(r.views)
+            if skey is not None and r.memory_plan is None and r.techniques is None:
+                self._solved[skey] = (list(g.topo_order()), r, resource.start)
         return r
 
 
