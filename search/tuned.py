@@ -310,8 +310,8 @@ def sized_key(g: PCG) -> tuple:
 
 def moved(r, ids: dict, delta: int):
     """The MappingResult ``r`` of a graph carried to an identical graph (``ids``: its node id -> the other's)
-    on a block ``delta`` devices further (a multiple of the devices per node: costs depend only on which
-    devices share a group or node, so the price is the same and the views and per-device memory move)."""
+    on a block ``delta`` devices further of the same :func:`_position` (costs depend only on which devices
+    share a group or node, so the price is the same and the views and per-device memory move)."""
     from unity_pcg.machine import MachineView
     from .memory import MemoryReport
     views = {ids[n]: MachineView(v.start + delta, v.dims) for n, v in r.views.items()}
@@ -325,13 +325,27 @@ def moved(r, ids: dict, delta: int):
                                stats=dict(r.stats, moved_by=delta))
 
 
+def _position(machine: MachineSpec, res: Resource) -> tuple:
+    """What of a block's place on the machine its DP's costs can see (they depend only on which devices share
+    a group or a node): blocks of the same shape and position move onto one another.  A block inside one
+    group: nothing (every pair of its devices is a group's); inside one node, with groups tiling the nodes:
+    its offset in its group; otherwise its offset in its node (whole-node moves, as the DP's own memo)."""
+    D, G = machine.devices_per_node, machine.group_size
+    s = res.start
+    if res.nodes == 1 and D % G == 0:
+        if s // G == (s + res.size - 1) // G:
+            return ("group",)
+        return ("node", s % G)
+    return ("machine", s % D)
+
+
 class ViewReuse:
     """The mapper as the grid's points see it.  A layout (same :func:`layout_key`, same devices) mapped by
     the DP once is priced at every other micro-batch size on the views the DP chose for it
     (``mapper.evaluate``: the exact price of a valid mapping, linear in the graph) instead of solving the DP
     again; ``stats["reused"]`` counts them.  A graph identical to one already solved (same
     :func:`sized_key`: a pipeline's middle stages, up to node ids and names) on a block of the same shape
-    moved by whole nodes takes that DP result, renamed and moved (:func:`moved`: the same floats as a fresh
+    and :func:`_position` takes that DP result, renamed and moved (:func:`moved`: the same floats as a fresh
     solve, since the DP's costs are invariant under such moves); ``stats["moved"]`` counts them.
     Everything else is the wrapped mapper's."""
 
@@ -352,8 +366,8 @@ class ViewReuse:
             return self._m.evaluate(g, views, techniques=techniques)
         skey = None
         if fixed is None and resource is not None:
-            D = self._m.machine.devices_per_node
-            skey = (sized_key(g), resource.nodes, resource.per_node, resource.start % D, techniques)
+            skey = (sized_key(g), resource.nodes, resource.per_node, _position(self._m.machine, resource),
+                    techniques)
             hit = self._solved.get(skey)
             if hit is not None:
                 order, r0, start0 = hit

@@ -3,6 +3,8 @@ model's middle stages, up to node ids and names) on a block moved by whole nodes
 and moved -- it must price every stage exactly as a fresh DP does."""
 import math
 
+import pytest
+
 from unity_pcg.machine import parse_machine
 from unity_pcg.search.cost import CostModel
 from unity_pcg.search.mapping import MachineMapper
@@ -21,9 +23,12 @@ def _tuner(g, m):
     return _Tuner(g, MachineMapper(CostModel(m, optimizer="adam")), "megatron", None, techniques())
 
 
-def test_moved_stage_mappings_price_like_fresh_solves():
+# 4 nodes of 2: pp = 4 stages of one node each (whole-node moves); one node of 8: stages of 2 devices moved
+# inside the node
+@pytest.mark.parametrize("preset", ["h100:4x2", "h100:1x8"])
+def test_moved_stage_mappings_price_like_fresh_solves(preset):
     g = synthetic_transformer(8, batch=32, seq=64, hidden=256, heads=8)
-    m = parse_machine("h100:4x2")                 # 4 nodes of 2: pp = 4 stages of one node each
+    m = parse_machine(preset)
     fast, ref = _tuner(g, m), _tuner(g, m)
     ref.reuse._solved = _Never()
     for tp, pp, M in ((2, 4, 4), (1, 4, 8), (2, 2, 4)):
