@@ -346,13 +346,16 @@ class ViewReuse:
     again; ``stats["reused"]`` counts them.  A graph identical to one already solved (same
     :func:`sized_key`: a pipeline's middle stages, up to node ids and names) on a block of the same shape
     and :func:`_position` takes that DP result, renamed and moved (:func:`moved`: the same floats as a fresh
-    solve, since the DP's costs are invariant under such moves); ``stats["moved"]`` counts them.
+    solve, since the DP's costs are invariant under such moves); ``stats["moved"]`` counts them.  Likewise
+    a graph to be priced on reused views that are another identical graph's evaluated views, moved, takes that
+    price, moved.
     Everything else is the wrapped mapper's."""
 
     def __init__(self, mapper, stats: dict):
         self._m = mapper
         self._views: dict = {}
-        self._solved: dict = {}
+        self._solved: dict = {}        # sized_key, block shape and position -> a DP's result
+        self._evaluated: dict = {}     # the same -> an evaluate's result (priced on reused views)
         self._stats = stats
 
     def __getattr__(self, name):
@@ -361,13 +364,25 @@ class ViewReuse:
     def optimize(self, g: PCG, resource: Resource | None = None, fixed=None, techniques: bool | None = None):
         key = (layout_key(g), resource)
         views = self._views.get(key) if fixed is None else None
-        if views is not None:
-            self._stats["reused"] = self._stats.get("reused", 0) + 1
-            return self._m.evaluate(g, views, techniques=techniques)
         skey = None
         if fixed is None and resource is not None:
             skey = (sized_key(g), resource.nodes, resource.per_node, _position(self._m.machine, resource),
                     techniques)
+        if views is not None:
+            self._stats["reused"] = self._stats.get("reused", 0) + 1
+            hit = self._evaluated.get(skey) if skey is not None else None
+            if hit is not None:         # the same graph already priced on these views, moved: moved too
+                order, r0, start0 = hit
+                ids = dict(zip(order, g.topo_order()))
+                delta = resource.start - start0
+                if {ids[n]: (v.start + delta, v.dims) for n, v in r0.views.items()} == \
+                        {n: (v.start, v.dims) for n, v in views.items()}:
+                    return moved(r0, ids, delta)
+            r = self._m.evaluate(g, views, techniques=techniques)
+            if skey is not None and r.views and r.memory_plan is None and r.techniques is None:
+                self._evaluated[skey] = (list(g.topo_order()), r, resource.start)
+            return r
+        if skey is not None:
             hit = self._solved.get(skey)
             if hit is not None:
                 order, r0, start0 = hit

@@ -31,7 +31,13 @@ def test_moved_stage_mappings_price_like_fresh_solves(preset):
     m = parse_machine(preset)
     fast, ref = _tuner(g, m), _tuner(g, m)
     ref.reuse._solved = _Never()
-    for tp, pp, M in ((2, 4, 4), (1, 4, 8), (2, 2, 4)):
+    ref.reuse._evaluated = _Never()
+    n = 0
+    # the last point: the micro-batch reuse sees the moved views too (a second micro-batch count solves
+    # nothing new), and its identical stages take one another's evaluated prices, moved
+    for tp, pp, M in ((2, 4, 4), (1, 4, 8), (2, 2, 4), (2, 4, 8)):
+        if (tp, pp, M) == (2, 4, 8):
+            n = fast.stats.get("moved", 0)
         a, b = fast.pipeline(tp, pp, M), ref.pipeline(tp, pp, M)
         assert a.reason == b.reason
         assert a.ev is not None and b.ev is not None
@@ -40,8 +46,4 @@ def test_moved_stage_mappings_price_like_fresh_solves(preset):
             assert (pa.t, pa.once, pa.w, pa.a, pa.a_in) == (pb.t, pb.once, pb.w, pb.a, pb.a_in)
             assert pa.views == pb.views
         assert a.ev["cost"] == b.ev["cost"] and a.ev["memory"] == b.ev["memory"]
-    assert fast.stats.get("moved", 0) >= 2 and not ref.stats.get("moved")
-    # the micro-batch reuse sees the moved views too: a second micro-batch count solves nothing new
-    n = fast.stats.get("moved", 0)
-    a, b = fast.pipeline(2, 4, 8), ref.pipeline(2, 4, 8)
-    assert a.ev["cost"] == b.ev["cost"] and fast.stats.get("moved", 0) == n
+    assert fast.stats.get("moved", 0) == n >= 2 and not ref.stats.get("moved")
