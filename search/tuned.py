@@ -292,15 +292,70 @@ def layout_key(g: PCG) -> tuple:
     return tuple(out), tuple(tuple(r) for r in g.outputs)
 
 
+def sized_key(g: PCG) -> tuple:
+    """The structure of ``g`` with its sizes and parallel shapes but without node ids or names: every node in
+    topological order by its operator, attributes (the name left out), inputs (by position) and output
+    shapes.  Two graphs with the same key (a model's repeated stages) differ only in node ids and names,
+    so a mapping of one is a mapping of the other, its nodes renamed by position."""
+    idx: dict = {}
+    items = []
+    for nid in g.topo_order():
+        n = g.node(nid)
+        idx[nid] = len(items)
+        attrs = tuple((k, tuple(v) if isinstance(v, list) else v) for k, v in n.attrs if k != "name")
+        items.append((n.op, attrs, tuple((idx[r[0]], r[1]) for r in n.inputs),
+                      tuple((s.sizes, s.degrees, s.copy_degree, s.sum_degree) for s in g.shapes(nid))))
+    return tuple(items), tuple((idx[r[0]], r[1]) for r in g.outputs)
+
+
+def moved(r, ids: dict, delta: int):
+    """The MappingResult ``r`` of a graph carried to an identical graph (``ids``: its node id -> the other's)
+    on a block ``delta`` devices further of the same :func:`_position` (costs depend only on which devices
+    share a group or node, so the price is the same and the views and per-device memory move)."""
+    from unity_pcg.machine import MachineView
+    from .memory import MemoryReport
+    views = {ids[n]: MachineView(v.start + delta, v.dims) for n, v in r.views.items()}
+    mem = r.memory
+    if mem is not None:
+        mem = MemoryReport({d + delta: b for d, b in mem.per_device.items()},
+                           {d + delta: b for d, b in mem.weights.items()},
+                           {d + delta: b for d, b in mem.activations.items()}, mem.capacity)
+    reason = ("out of memory: " + mem.reason()) if (mem is not None and not r.feasible) else r.reason
+    return dataclasses.replace(r, views=views, memory=mem, reason=reason, decomposition=None,
+                               stats=dict(r.stats, moved_by=delta))
+
+
+def _position(machine: MachineSpec, res: Resource) -> tuple:
+    """What of a block's place on the machine its DP's costs can see (they depend only on which devices share
+    a group or a node): blocks of the same shape and position move onto one another.  A block inside one
+    group: nothing (every pair of its devices is a group's); inside one node, with groups tiling the nodes:
+    its offset in its group; otherwise its offset in its node (whole-node moves, as the DP's own memo)."""
+    D, G = machine.devices_per_node, machine.group_size
+    s = res.start
+    if res.nodes == 1 and D % G == 0:
+        if s // G == (s + res.size - 1) // G:
+            return ("group",)
+        return ("node", s % G)
+    return ("machine", s % D)
+
+
 class ViewReuse:
-    """The mapper as the grid's micro-batch points see it: a layout (same :func:`layout_key`, same devices)
-    mapped by the DP once is priced at every other micro-batch size on the views the DP chose for it
+    """The mapper as the grid's points see it.  A layout (same :func:`layout_key`, same devices) mapped by
+    the DP once is priced at every other micro-batch size on the views the DP chose for it
     (``mapper.evaluate``: the exact price of a valid mapping, linear in the graph) instead of solving the DP
-    again; ``stats["reused"]`` counts them.  Everything else is the wrapped mapper's."""
+    again; ``stats["reused"]`` counts them.  A graph identical to one already solved (same
+    :func:`sized_key`: a pipeline's middle stages, up to node ids and names) on a block of the same shape
+    and :func:`_position` takes that DP result, renamed and moved (:func:`moved`: the same floats as a fresh
+    solve, since the DP's costs are invariant under such moves); ``stats["moved"]`` counts them.  Likewise
+    a graph to be priced on reused views that are another identical graph's evaluated views, moved, takes that
+    price, moved.
+    Everything else is the wrapped mapper's."""
 
     def __init__(self, mapper, stats: dict):
         self._m = mapper
         self._views: dict = {}
+        self._solved: dict = {}        # sized_key, block shape and position -> a DP's result
+        self._evaluated: dict = {}     # the same -> an evaluate's result (priced on reused views)
         self._stats = stats
 
     def __getattr__(self, name):
@@ -309,12 +364,38 @@ class ViewReuse:
     def optimize(self, g: PCG, resource: Resource | None = None, fixed=None, techniques: bool | None = None):
         key = (layout_key(g), resource)
         views = self._views.get(key) if fixed is None else None
+        skey = None
+        if fixed is None and resource is not None:
+            skey = (sized_key(g), resource.nodes, resource.per_node, _position(self._m.machine, resource),
+                    techniques)
         if views is not None:
             self._stats["reused"] = self._stats.get("reused", 0) + 1
-            return self._m.evaluate(g, views, techniques=techniques)
+            hit = self._evaluated.get(skey) if skey is not None else None
+            if hit is not None:         # the same graph already priced on these views, moved: moved too
+                order, r0, start0 = hit
+                ids = dict(zip(order, g.topo_order()))
+                delta = resource.start - start0
+                if {ids[n]: (v.start + delta, v.dims) for n, v in r0.views.items()} == \
+                        {n: (v.start, v.dims) for n, v in views.items()}:
+                    return moved(r0, ids, delta)
+            r = self._m.evaluate(g, views, techniques=techniques)
+            if skey is not None and r.views and r.memory_plan is None and r.techniques is None:
+                self._evaluated[skey] = (list(g.topo_order()), r, resource.start)
+            return r
+        if skey is not None:
+            hit = self._solved.get(skey)
+            if hit is not None:
+                order, r0, start0 = hit
+                r = moved(r0, dict(zip(order, g.topo_order())), resource.start - start0)
+                self._stats["moved"] = self._stats.get("moved", 0) + 1
+                if r.views:
+                    self._views[key] = dict(r.views)
+                return r
         r = self._m.optimize(g, resource, fixed, techniques)
         if fixed is None and r is not None and r.views:
             self._views[key] = dict(r.views)
+            if skey is not None and r.memory_plan is None and r.techniques is None:
+                self._solved[skey] = (list(g.topo_order()), r, resource.start)
         return r
 
 
