@@ -773,10 +773,11 @@ class _Tuner:
         fewest stages, then fewest steps; then the others, the nearest to fitting first (while nothing fits:
         :meth:`_feasible_first`).  A walk not priced yet is estimated from other layouts: that estimate is
         scaled by the least ratio of actual to estimated bytes seen on this grid (``_est_ratio``: where it
-        has overstated, a walk it puts a little over may fit).  Pruning is by the bound, per point: a walk's next sizes whose bound is over the best
-        time of the grid cannot win and are skipped (``stats["sizes_bounded"]``), and the walk is done when
-        every size left is (``stats["pairs_bounded"]``) -- a pipeline walks its sizes rising, so its next
-        point's bound is the highest of its points left, never a bound on the whole walk."""
+        has overstated, a walk it puts a little over may fit).  Pruning is by the bound, per point: a walk's
+        next sizes whose bound is over the best time of the grid cannot win and are skipped
+        (``stats["sizes_bounded"]``), and the walk is done when every size left is (``stats["pairs_bounded"]``)
+        -- a pipeline walks its sizes rising, so its next point's bound is the highest of its points left,
+        never a bound on the whole walk."""
         walks, plain = self.walks, self.plain
         for w in walks:
             if w["pp"] == 1 and w["n"] == 0 and not w["done"]:
