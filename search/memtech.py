@@ -320,7 +320,7 @@ class Techniques:
     #: recomputations whose activations (and backward peaks) a Techniques keeps (oldest dropped first)
     ACT_CACHE = 256
     #: steps down the trim left unpriced (like one that did not fit, :meth:`_trim`), over this object's life
-    trim_predicted = 0
+    trim_skipped = 0
 
     def __init__(self, gc: GraphCost, views: Mapping[int, MachineView], base: Any = None,
                  regs: Sequence[Sequence[int]] | None = None, report: MemoryReport | None = None):
@@ -1702,7 +1702,7 @@ class Techniques:
                 lower = MODES[MODES.index(state[i]) - 1]
                 key = self._step_key(single, i, state[i], lower)
                 if TRIM_PREDICT and failed.get(key, -1) > at[i]:
-                    self.trim_predicted += 1
+                    self.trim_skipped += 1
                     break
                 trial = dict(state)
                 trial[i] = lower
