@@ -358,6 +358,25 @@ def _x(v) -> str:
     return f"{v:.2f}x" if v is not None else "-"
 
 
+def _run_line(meta: dict) -> str:
+    """The report's line on how the rows were measured: the run's own settings, or, for a file written by
+    ``--merge`` alone (its meta holds only the merged runs), each merged run's."""
+    if "command" not in meta and meta.get("merged"):
+        m0 = meta["merged"][0]
+        runs = "; ".join(f"`{m.get('command', '?')}` (git {m.get('git') or '?'}, started {m.get('started', '?')}, "
+                         f"{m.get('rows', '?')} rows, load average at start {m.get('loadavg', '?')})"
+                         for m in meta["merged"])
+        return (f"Merged from {len(meta['merged'])} file(s), each named by the last command that wrote it: {runs}; "
+                f"search budget {m0.get('budget_s', '?')} s "
+                f"({m0.get('budget_large_s', '?')} s for DenseNet-121 and 1,024 GPUs), at most "
+                f"{m0.get('max_candidates', '?')} expanded candidates per segment; {m0.get('cpus', '?')} CPUs.")
+    return (f"Run: {meta.get('command', '?')}; search budget {meta.get('budget_s', '?')} s "
+            f"({meta.get('budget_large_s', meta.get('budget_s', '?'))} s for DenseNet-121 and 1,024 GPUs), at most "
+            f"{meta.get('max_candidates', '?')} expanded candidates per segment; {meta.get('cpus', '?')} CPUs shared "
+            f"with other work (load average at start {meta.get('loadavg', '?')}); git {meta.get('git', '?')}; "
+            f"started {meta.get('started', '?')}.")
+
+
 def report(path: str = JSON_OUT, md: str = MD_OUT) -> str:
     data = load_rows(path)
     rows, meta = data["rows"], data.get("meta", {})
@@ -370,11 +389,7 @@ def report(path: str = JSON_OUT, md: str = MD_OUT) -> str:
          "XDL, CANDLE-Uno. *OOM*: the strategy's best mapping does not fit a device; *n/m*: not measured "
          "(run cut short); *error*: see the JSON; a star: the search ran past the task's time limit and was "
          "stopped with Ctrl-C (its best plan so far).", "",
-         f"Run: {meta.get('command', '?')}; search budget {meta.get('budget_s', '?')} s "
-         f"({meta.get('budget_large_s', meta.get('budget_s', '?'))} s for DenseNet-121 and 1,024 GPUs), at most "
-         f"{meta.get('max_candidates', '?')} expanded candidates per segment; {meta.get('cpus', '?')} CPUs shared "
-         f"with other work (load average at start {meta.get('loadavg', '?')}); git {meta.get('git', '?')}; "
-         f"started {meta.get('started', '?')}.", ""]
+         _run_line(meta), ""]
     alpa = _alpa_rows()
     o += ["## Figure 14: Unity against the best baseline (throughput, samples/s)", "",
           "| model | GPUs | dp | megatron | expert | best baseline | Unity | Unity / best | search (s) | "

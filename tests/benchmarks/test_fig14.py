@@ -81,3 +81,18 @@ def test_report_speedup_over_best_feasible_baseline(fig14, tmp_path):
     dl = next(x for x in text.splitlines() if x.startswith("| dlrm | 6 |"))
     assert "OOM" in dl and "4.00x" in dl and "expert" in dl
     assert (tmp_path / "f.md").read_text() == text
+
+
+def test_a_merged_files_report_names_each_merged_run(fig14, tmp_path):
+    """A file written by --merge alone has no run of its own: the report names each merged file's command, commit
+    and start (not '?')."""
+    rows = [_row("dlrm", 6, "dp", 0.5), _row("dlrm", 6, "unity", 0.4, search_s=3.0)]
+    merged = [{"command": "fig14.py --devices 6 --out a.json", "git": "abc1234", "started": "T1", "rows": 1,
+               "budget_s": 50.0, "budget_large_s": 100.0, "max_candidates": 40, "cpus": 2, "loadavg": "1 1 1"},
+              {"command": "fig14.py --devices 12 --out b.json", "git": "def5678", "started": "T2", "rows": 1}]
+    p = tmp_path / "m.json"
+    p.write_text(json.dumps({"meta": {"merged": merged}, "rows": rows}))
+    text = fig14.report(str(p), str(tmp_path / "m.md"))
+    line = next(x for x in text.splitlines() if x.startswith("Merged from 2 file(s)"))
+    assert "--devices 6 --out a.json" in line and "abc1234" in line and "def5678" in line and "T2" in line
+    assert "search budget 50.0 s" in line
