@@ -524,11 +524,13 @@ def _whole_search(g: PCG, rules, book: RuleBook, cost: Callable[[PCG], float], u
 
 
 def _price_dp_by_rules(ev: "Evaluator", g: PCG, book: RuleBook, dpg: PCG, steps, dp_pg: PCG | None,
-                       left: Callable[[], float], stats: dict, dp_cut: bool = False) -> PlanCandidate:
+                       left: Callable[[], float], stats: dict, dp_cut: bool = False,
+                       until: Deadline | None = None) -> PlanCandidate:
     """Data parallelism by rules, the search's floor.  When it is exactly the hand-built dp PCG (normalized
     structural hash) it is priced with no limit of its own (a data-parallel graph at full degree solves as
     fast as the baseline did, from the mapper's memo; the budget's hard end still bounds it), or, when the
-    baseline's solve was cut (``dp_cut``), mapped as the baseline then was, without the DP; otherwise (an
+    baseline's solve was cut (``dp_cut``), mapped as the baseline then was, without the DP (the memory
+    techniques' choice, a search, stops at ``until``: then none); otherwise (an
     operator without a dp rule stays whole) within the time left, and ``stats["dp_by_rules"]`` says how it
     differs."""
     t = trimmed(dpg)
@@ -551,7 +553,8 @@ def _price_dp_by_rules(ev: "Evaluator", g: PCG, book: RuleBook, dpg: PCG, steps,
             c = ev.cost_without_dp(t)
         info["mapping"] = "without the DP (assembled past the end of its scope)"
     elif same and dp_cut:
-        c = ev.cost_without_dp(t)
+        with within(until):
+            c = ev.cost_without_dp(t)
         info["mapping"] = "without the DP (as data parallelism's)"
     elif same:
         c = ev.cost(t, limited=False, wall=False, keep=True)
@@ -618,6 +621,8 @@ def _pipeline(g: PCG, ev: "Evaluator", budget_s: float, hard: Deadline | None = 
         # a feasible plan needs no fallback: the time kept for them goes to the micro-batch counts the first
         # search did not reach (the fastest is often the most micro-batches per stage, tried late)
         r = _more_micro_batches(g, ev, r, budget_s - (clock() - t0), hard, search_pipeline)
+    if r is not None and r.feasible and not (hard is not None and hard.passed()):
+        r = _finer_micro_batches(g, ev, r, budget_s - (clock() - t0), hard, search_pipeline, clock)
     if (r is None or not r.feasible) and more and not (hard is not None and hard.passed()):
         try:
             r2 = search_pipeline(g, ev.mapper, min_stages=1, micro_batches=more,
@@ -643,6 +648,37 @@ def _pipeline(g: PCG, ev: "Evaluator", budget_s: float, hard: Deadline | None = 
     return r
 
 
+def _finer_micro_batches(g: PCG, ev: "Evaluator", r, budget_s: float, hard: Deadline | None, search_pipeline,
+                         clock):
+    """``r`` (a feasible pipeline) or a faster one at more micro-batches.  Where ``r``'s count is the largest
+    its search tried (the price still fell there), twice as many while that divides the batch and prices
+    faster, within ``budget_s`` seconds.  The default counts stop at 8 per stage (the bubble's bound); past
+    them smaller micro-batches still shrink the activations each stage holds in flight (less recomputation)
+    and the bubble, until a device's share of a micro-batch is too small to run efficiently: the price
+    decides where that is."""
+    from .pipeline import PipelineError, batch_size
+    B = batch_size(g)
+    M = r.micro_batches
+    if any(m > M for m in r.stats.get("micro_batches_tried", ())):
+        return r                        # the best count is inside the range tried
+    end = clock() + budget_s
+    walked = []
+    while B % (2 * M) == 0 and clock() < end and not (hard is not None and hard.passed()):
+        M *= 2
+        walked.append(M)
+        try:
+            r2 = search_pipeline(g, ev.mapper, min_stages=1, micro_batches=[M], budget_s=max(end - clock(), 0.01),
+                                 deadline=hard)
+        except (PipelineError, UnityError, KeyboardInterrupt, Expired):
+            break
+        if r2 is None or not r2.feasible or r2.cost >= r.cost:
+            break
+        r = r2
+    if walked:
+        r.stats = dict(r.stats, finer_micro_batches=walked)
+    return r
+
+
 def _more_micro_batches(g: PCG, ev: "Evaluator", r, budget_s: float, hard: Deadline | None, search_pipeline=None):
     """``r`` (a feasible pipeline whose search stopped at its budget) or a faster one found by searching, within
     ``budget_s`` seconds, the default micro-batch counts ``r``'s search did not try (``search_pipeline``: the
@@ -658,7 +694,10 @@ def _more_micro_batches(g: PCG, ev: "Evaluator", r, budget_s: float, hard: Deadl
         r2 = search_pipeline(g, ev.mapper, min_stages=1, micro_batches=rest, budget_s=budget_s, deadline=hard)
     except (PipelineError, UnityError, KeyboardInterrupt, Expired):
         return r
-    return r2 if r2 is not None and r2.feasible and r2.cost < r.cost else r
+    if r2 is None or not r2.feasible or r2.cost >= r.cost:
+        return r
+    r2.stats = dict(r2.stats, micro_batches_tried=sorted(set(r2.stats.get("micro_batches_tried", ())) | done))
+    return r2
 
 
 # --- the entry point -------------------------------------------------------------------------------------
@@ -1248,7 +1287,7 @@ def _search_segments(run: _Run):
     # rule per operator, then cancellations); when it is the hand-built dp PCG its solve costs what
     # dp_res cost (in the memo), so it is priced with no limit of its own: a plan reached by rules exists
     run.floor.append(_price_dp_by_rules(ev, run.g, run.book, dpg, dpst, run.dp_pg, lambda: _pricing_left(run),
-                                        run.stats, run.dp_cut))
+                                        run.stats, run.dp_cut, until=run.later("segments")))
     run.stats["phase_s"] = {"segments": bud.elapsed()}
     run.mark("segments")
     return (out, st) if out is not None else None
@@ -1494,7 +1533,7 @@ def _pipeline_search(run: _Run, until: Deadline | None = None) -> None:
 #: the stage search's stats recorded in ``info.search.pipeline_search``
 PIPELINE_STATS = ("micro_batches_tried", "budget_exhausted", "cut", "layering", "layouts_tried", "layouts_cut",
                   "layouts_budget_exhausted", "layouts_s", "dp_s", "stage_layouts", "refused", "makespan_s",
-                  "exact_priced")
+                  "exact_priced", "finer_micro_batches")
 
 
 def _pipeline_step(run: _Run, chosen: PlanCandidate) -> PlanCandidate:

@@ -514,7 +514,8 @@ class _Tuner:
         except Expired:
             if not plain or self.cheap is None:
                 raise
-            r = self.cheap(pg)
+            with within(self.deadline):     # the techniques' choice stops at the walk's deadline (then none)
+                r = self.cheap(pg)
             self.stats["plain_mapping"] = "without the DP (its solve did not finish by the deadline)"
         if r is None or not r.views:
             return _Layout(tp, 1, N // tp, 1, pcg=pg, reason=(r.reason if r is not None else "") or "no mapping")

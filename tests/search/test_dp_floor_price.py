@@ -53,3 +53,27 @@ def test_dp_floor_without_techniques_is_simulate_dp(tables, monkeypatch):
     j = r.json()
     assert j["data_parallel_memory_plan"] == {"zero": 0, "offload": False, "recompute_regions": 0}
     assert j["data_parallel_iteration_s"] == pytest.approx(_simulated_dp(tables, monkeypatch), rel=1e-9)
+
+
+def test_dp_by_rules_equal_to_a_cut_dp_floor_chooses_its_techniques_only_until_its_deadline():
+    """Data parallelism by rules equal to the hand-built dp PCG whose DP solve was cut is mapped as that one was,
+    without the DP; its memory techniques' choice (a search) runs inside ``until`` (the segments' mark), so on a
+    starved host it stops there (then none) instead of running on to the hard end."""
+    from types import SimpleNamespace
+
+    from unity_pcg.search import budget
+    from unity_pcg.search.budget import Deadline
+    from unity_pcg.search.optimize import _price_dp_by_rules
+
+    from .test_pipeline import _chain
+    g = _chain(64, [32, 64, 32])
+    dp = build_strategy(g, "dp", 4)
+    seen = []
+
+    def cost_without_dp(t):
+        seen.append(budget.current())
+        return 1.0
+    ev = SimpleNamespace(hard=None, cost_without_dp=cost_without_dp)
+    until = Deadline.after(0.0)
+    c = _price_dp_by_rules(ev, g, None, dp, (), dp, lambda: 1.0, {}, dp_cut=True, until=until)
+    assert c.cost == 1.0 and seen == [until]

@@ -40,3 +40,36 @@ def test_without_cut_every_combination_is_priced():
     t = _tuner(clock, at=1.5)
     pts = t.price_layout(tuned._Layout(2, 1, 4, 1, mapping=object()), 4)
     assert len(pts) == len(t.combos()) and "plain_cut" not in t.stats
+
+
+def test_a_cut_plain_solve_is_mapped_without_the_dp_within_the_walks_deadline(monkeypatch):
+    """The plain point's DP solve gets PLAIN_SHARE of the walk's time; cut there, its mapping without the DP
+    (``cheap``: first views, then the memory techniques' choice, a search) runs inside the walk's deadline, so
+    that choice stops there (then none) instead of running on to the budget's hard end."""
+    from types import SimpleNamespace
+
+    from unity_pcg.search import baselines, budget
+
+    clock = [0.0]
+    pg = SimpleNamespace(meta={"tp": 8})
+    monkeypatch.setattr(baselines, "build_strategy", lambda *a, **k: pg)
+
+    class _Mapper:
+        machine = SimpleNamespace(num_devices=8, devices_per_node=8)
+
+        def optimize(self, g, **kw):
+            clock[0] += 10.0            # the solve outlasts its share
+            budget.check()
+            raise AssertionError("the solve was not cut")
+
+    seen = []
+
+    def cheap(g):
+        seen.append(budget.current())
+        return SimpleNamespace(views={0: None}, reason="")
+    t = object.__new__(tuned._Tuner)
+    t.g, t.mapper, t.machine, t.stats, t.cheap = None, _Mapper(), _Mapper.machine, {}, cheap
+    t.deadline = Deadline(5.0, lambda: clock[0])
+    lay = t._whole(0, plain=True, sp=False)
+    assert lay.mapping is not None and t.stats["plain_mapping"].startswith("without the DP")
+    assert seen == [t.deadline]
