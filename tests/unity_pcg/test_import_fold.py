@@ -87,6 +87,16 @@ CASES = {
     "Pad_reflect": (helper.make_node("Pad", ["d", "p"], ["v"], mode="reflect"),
                     [_c("d", np.array([[1, 2]], np.float32)), _c("p", np.array([0, 1, 0, 0]))]),
     "LeakyRelu": (helper.make_node("LeakyRelu", ["d"], ["v"], alpha=0.25), [_c("d", X - 0.5)]),
+    # numpy kernels: GatherND (batch_dims 0; negative indices; a prefix of the data's dims), Cos, Sin
+    "GatherND_prefix": (helper.make_node("GatherND", ["d", "i"], ["v"]),
+                        [_c("d", np.arange(12, dtype=np.int64).reshape(4, 3)), _c("i", np.array([[1], [-1]]))]),
+    "GatherND_full": (helper.make_node("GatherND", ["d", "i"], ["v"]),
+                      [_c("d", np.arange(6, dtype=np.int64).reshape(2, 3)),
+                       _c("i", np.array([[[1, 2], [0, -3], [-1, 1]], [[0, 0], [1, 0], [0, 1]]]))]),
+    "GatherND_batch_dims": (helper.make_node("GatherND", ["d", "i"], ["v"], batch_dims=1),
+                            [_c("d", np.arange(24, dtype=np.int64).reshape(2, 4, 3)), _c("i", np.array([[3], [0]]))]),
+    "Cos": (helper.make_node("Cos", ["d"], ["v"]), [_c("d", X * 3)]),
+    "Sin": (helper.make_node("Sin", ["d"], ["v"]), [_c("d", X * 3)]),
 }
 
 
@@ -214,3 +224,31 @@ def test_dropout_with_computed_training_mode_is_refused():
                                  helper.make_tensor_value_info("t", B, [])])
     with pytest.raises(ModelImportError, match="training_mode"):
         load_onnx(m)
+
+
+def test_a_mask_broadcast_from_small_constants_stays_lazy_and_is_known_uniform_along_its_batch():
+    """An element-wise fold of small constants into a big one (a causal mask [B, 1, S, S] from [B, 1, S, 1] and
+    [B, 1, 1, S], as transformers' exports build it) is not built whole by the import: it stays lazy with its
+    operands as sources, :func:`uniform_along` answers from them (the same along B when they are), and its value,
+    when read, is the eager fold's."""
+    from types import SimpleNamespace
+
+    from unity_pcg.onnx_import import consts
+    from unity_pcg.onnx_import.consts import Const, uniform_along
+    from unity_pcg.onnx_import.fold import fold_any
+    B, S = 4, 512
+    col = Const(np.broadcast_to(np.arange(S).reshape(1, 1, S, 1), (B, 1, S, 1)).copy())
+    row = Const(np.broadcast_to(np.arange(S).reshape(1, 1, 1, S), (B, 1, 1, S)).copy())
+    ctx = SimpleNamespace(op="LessOrEqual", what="node 'le'", n_outputs=1)
+    out = fold_any(ctx, [row, col])[0]
+    assert out.lazy and out.shape == (B, 1, S, S) and out.sources is not None
+    calls = []
+    part = out.part
+    out.part = lambda a, i: calls.append((a, i)) or part(a, i)
+    assert uniform_along(out, 0) and not calls            # from the operands, no slice built
+    assert not uniform_along(out, 2) and calls            # not the same along the rows: compared slice by slice
+    want = np.broadcast_to(np.arange(S)[None, :] <= np.arange(S)[:, None], (B, 1, S, S))
+    np.testing.assert_array_equal(out.materialize(), want)
+    varied = Const(np.arange(B * S).reshape(B, 1, S, 1))   # an operand that differs along B
+    assert not uniform_along(fold_any(ctx, [row, varied])[0], 0)
+    assert consts.SMALL < B * S * S

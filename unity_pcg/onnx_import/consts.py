@@ -3,7 +3,8 @@
 A :class:`Const` knows its shape and dtype without holding its value: initializers, external data and
 ``ConstantOfShape`` results are materialized only when asked for (import of big models stays fast,
 and the PCG's weight store gets zero-arg callables).  Layout-only ops on a big constant (Transpose,
-Reshape, Cast, ...) stay lazy too; everything else is folded eagerly with numpy, under a size guard.
+Reshape, Cast, ...) and element-wise ones that make or read a big constant stay lazy too; everything else is
+folded eagerly with numpy, under a size guard.
 """
 from __future__ import annotations
 
@@ -32,9 +33,11 @@ class Const:
     :meth:`take` uses it (the batch override checks a mask [B, 1, S, S] slice by slice).
     ``frozen``: a constant of the model, not a parameter (its Weight is made with ``trainable=False``): set on
     the exporter's folds the importer recognizes (:meth:`Importer._reduce_consts`).
+    ``sources``: on a lazy element-wise fold, its operands (None entries allowed): the fold is the same along
+    a dim wherever every operand is (:func:`uniform_along` asks them first, without building the slices).
     """
 
-    __slots__ = ("shape", "dtype", "_value", "_fn", "origin", "wref", "deferred", "part", "frozen")
+    __slots__ = ("shape", "dtype", "_value", "_fn", "origin", "wref", "deferred", "part", "frozen", "sources")
 
     def __init__(self, value: Any = None, *, shape: Sequence[int] | None = None, dtype: Any = None,
                  fn: Callable[[], np.ndarray] | None = None, origin: str | None = None):
@@ -52,6 +55,7 @@ class Const:
         self.deferred: str | None = None
         self.part: Callable[[int, int], np.ndarray] | None = None
         self.frozen = False
+        self.sources: tuple | None = None
 
     @property
     def numel(self) -> int:
@@ -113,14 +117,34 @@ def lazy(fn: Callable[[], np.ndarray], shape, dtype, origin=None, deferred: str 
 
 
 def uniform_along(c: Const, axis: int) -> bool:
-    """Whether every slice of ``c`` along ``axis`` equals the first (exactly; NaN equals NaN), compared one slice
-    at a time (:meth:`Const.take`), stopping at the first that differs."""
+    """Whether every slice of ``c`` along ``axis`` equals the first (exactly; NaN equals NaN).  An element-wise
+    fold (:attr:`Const.sources`) is when every operand is along that dim (or broadcasts along it): those are
+    asked first; else the slices are compared one at a time (:meth:`Const.take`), stopping at the first that
+    differs."""
+    if c.shape[axis] <= 1:
+        return True
+    if c.sources is not None and all(_operand_uniform(o, len(c.shape), axis) for o in c.sources):
+        return True
     first = c.take(axis, 0)
     nan = np.dtype(c.dtype).kind in "fc"
     for i in range(1, c.shape[axis]):
         if not np.array_equal(c.take(axis, i), first, equal_nan=nan):
             return False
     return True
+
+
+def _operand_uniform(o: Const | None, rank: int, axis: int) -> bool:
+    """Whether the operand ``o`` of a broadcasting fold of rank ``rank`` is the same along the output's ``axis``
+    (absent there, of size 1, or uniform along its own dim): checked only where that is cheap (a small value
+    held, or an element-wise fold of such)."""
+    if o is None:
+        return True
+    j = axis - (rank - len(o.shape))
+    if j < 0 or o.shape[j] == 1:
+        return True
+    if o.sources is None and (o.lazy or o.numel > SMALL):
+        return False
+    return uniform_along(o, j)
 
 
 def first_slices(c: Const, dims: Sequence[int]) -> Const:

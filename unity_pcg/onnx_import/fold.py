@@ -1,7 +1,9 @@
 """Constant folding: numpy evaluation of ONNX ops whose inputs are all constant.
 
 ``fold(ctx, ins)`` returns a list of :class:`Const` (one per node output).  Layout-only ops on a big
-(lazy) constant stay lazy so that, e.g., a transposed Gemm weight is read only when needed.
+(lazy) constant stay lazy so that, e.g., a transposed Gemm weight is read only when needed; so do element-wise
+ops on one, or broadcasting small constants into a big one (a causal mask): computed once when read whole,
+a slice at a time where a slice is read, the same along a dim where every operand is.
 
 ``fold_any`` defers a fold whose result exceeds the fold guard (:data:`MAX_FOLD`; a causal mask
 [B, 1, S, S] built from constants at a large batch): a lazy constant of the shape ONNX shape inference
@@ -189,7 +191,7 @@ _BIN = {
 _UN = {
     "Neg": np.negative, "Abs": np.abs, "Floor": np.floor, "Ceil": np.ceil, "Sqrt": np.sqrt, "Exp": np.exp,
     "Log": np.log, "Reciprocal": lambda x: 1.0 / x, "Relu": lambda x: np.maximum(x, 0), "Not": np.logical_not,
-    "Tanh": np.tanh, "Sigmoid": lambda x: 1.0 / (1.0 + np.exp(-x)), "Sign": np.sign, "Round": np.round,
+    "Cos": np.cos, "Sin": np.sin, "Tanh": np.tanh, "Sigmoid": lambda x: 1.0 / (1.0 + np.exp(-x)), "Sign": np.sign, "Round": np.round,
     "Identity": lambda x: x,
 }
 
@@ -200,17 +202,29 @@ _BOOL_OUT = {"Equal", "Less", "Greater", "LessOrEqual", "GreaterOrEqual", "And",
 def fold(ctx, ins: list, unbounded: bool = False) -> list[Const]:
     op = ctx.op
     what = ctx.what
-    if not unbounded and op in ELEMWISE and any(c is not None and c.lazy and (c.numel > SMALL or c.deferred)
-                                                        for c in ins):
-        # element-wise on a big lazy constant (e.g. a weight scaled by a constant): stays lazy
+    if not unbounded and op in ELEMWISE and _stays_lazy(ins, what):
+        # element-wise on a big lazy constant (e.g. a weight scaled by a constant), or broadcasting small ones
+        # into a big one (a causal mask [B, 1, S, S] from [B, 1, S, 1] and [B, 1, 1, S]): stays lazy, computed
+        # once when read whole, slice by slice where a slice is read (the importer keeps a mask's first)
         shape = broadcast_shape([c.shape for c in ins if c is not None], what)
         dtype = bool if op in _BOOL_OUT else (ins[1].dtype if op == "Where" else ins[0].dtype)
         srcs = list(ins)
+        held: list = []
 
         def compute():
-            vals = [None if c is None else Const(c.materialize()) for c in srcs]
-            return fold(ctx, vals, unbounded=True)[0].value
-        return [lazy(compute, shape, dtype, deferred=deferred_of(ins), part=_elementwise_part(ctx, srcs, shape))]
+            if not held:
+                vals = [None if c is None else Const(c.materialize()) for c in srcs]
+                held.append(fold(ctx, vals, unbounded=True)[0].value)
+            return held[0]
+        deferred = deferred_of(ins)
+        if deferred is None and prod(shape) > MAX_FOLD:     # beyond the guard: the import may not read it whole
+            try:
+                _guard(prod(shape), what)
+            except FoldTooLarge as e:
+                deferred = str(e)
+        out = lazy(compute, shape, dtype, deferred=deferred, part=_elementwise_part(ctx, srcs, shape))
+        out.sources = tuple(srcs)
+        return [out]
 
     def guard(numel, what):
         if not unbounded:
@@ -327,6 +341,17 @@ def fold(ctx, ins: list, unbounded: bool = False) -> list[Const]:
             raise InvalidModel(f"{what}: indices {list(iv.shape)} exceed data {list(d.shape)} off the axis")
         part = d[tuple(slice(None) if k == ax else slice(0, iv.shape[k]) for k in range(d.ndim))]
         return [Const(np.take_along_axis(part, np.where(iv < 0, iv + n, iv), axis=ax))]
+    if op == "GatherND" and ctx.i("batch_dims", 0) == 0:      # (batch_dims > 0: onnx.reference's kernel)
+        d = val(0)
+        iv = np.asarray(as_ints(ctx.const_in(ins, 1), what), dtype=np.int64).reshape(ins[1].shape)
+        k = iv.shape[-1] if iv.ndim else 0
+        if iv.ndim < 1 or not 1 <= k <= d.ndim:
+            raise InvalidModel(f"{what}: indices {list(iv.shape)} for data of rank {d.ndim}")
+        lim = np.asarray(d.shape[:k], dtype=np.int64)
+        if iv.size and ((iv < -lim).any() or (iv >= lim).any()):
+            raise InvalidModel(f"{what}: index out of range for data {list(d.shape)}")
+        guard(prod(iv.shape[:-1]) * prod(d.shape[k:]), what)
+        return [Const(d[tuple(np.moveaxis(iv, -1, 0))])]
     if op == "Concat":
         vs = [val(i) for i in range(len(ins)) if ins[i] is not None]
         if not vs:
@@ -403,7 +428,7 @@ ELEMWISE = (set(_BIN) - {"BitShift"}) | (set(_UN) - {"Identity"}) | {"Pow", "Mod
 FOLDABLE = {"Constant", "ConstantOfShape", "Identity", "Dropout", "Transpose", "Reshape", "Flatten", "Squeeze",
             "Unsqueeze", "Cast", "Shape", "Size", "Pow", "Mod", "Sum", "Max", "Min", "Mean", "Where", "Expand",
             "Gather", "GatherElements", "Concat", "Slice", "Split", "Range", "ReduceSum", "ReduceMean", "ReduceMax", "ReduceMin",
-            "ReduceProd", "Tile", "MatMul", "Clip", "NonZero", "Trilu", "CumSum"} | set(_BIN) - {"BitShift"} | set(_UN)
+            "ReduceProd", "Tile", "MatMul", "Clip", "NonZero", "Trilu", "CumSum", "GatherND"} | set(_BIN) - {"BitShift"} | set(_UN)
 
 
 def shape_slice(ctx, shape):
@@ -583,6 +608,18 @@ def reference_fold(ctx, ins: list, unbounded: bool = False) -> list[Const]:
 def _check_gathernd(ctx) -> None:
     if ctx.op == "GatherND" and ctx.i("batch_dims", 0) < 0:   # onnx 1.23's shape inference segfaults on it
         raise InvalidModel(f"{ctx.what}: attribute 'batch_dims' must be >= 0, got {ctx.i('batch_dims', 0)}")
+
+
+def _stays_lazy(ins: list, what: str) -> bool:
+    """Whether an element-wise fold of ``ins`` stays lazy: an operand is a big (or deferred) lazy constant, or
+    the result is big and bigger than every operand (a broadcast)."""
+    cs = [c for c in ins if c is not None]
+    if any(c.lazy and (c.numel > SMALL or c.deferred) for c in cs):
+        return True
+    if not cs:
+        return False
+    n = prod(broadcast_shape([c.shape for c in cs], what))
+    return n > SMALL and n > max(c.numel for c in cs)
 
 
 def _fold_now(ctx, ins: list, unbounded: bool = False) -> list[Const]:
