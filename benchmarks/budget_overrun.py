@@ -235,7 +235,17 @@ def report(rows: list[dict], meta: dict) -> str:
     o += ["", f"Rows more than 10% past the budget: {len(over)} of {len(done)}"
           + (f"; largest wall / budget {worst['wall_over_budget']:.3f} ({worst['model']} on {worst['machine']}, "
              f"{worst['budget_s']:g} s{', hog' if worst.get('hog') else ''})" if worst else "") + ".", "",
-          "Phases (seconds from the process's start: start / deadline / end) of the rows past 10%:", ""]
+          "Per commit (rows in the order run; a commit's rows are one run of the spread or a few rows):", ""]
+    commits: dict = {}
+    for r in done:
+        commits.setdefault(r.get("commit", "-"), []).append(r)
+    for c, rs in commits.items():
+        w = max(rs, key=lambda r: r["wall_over_budget"])
+        n = sum(r["wall_over_budget"] > LIMIT for r in rs)
+        o.append(f"- {c}: {n} of {len(rs)} rows more than 10% past the budget ({sum(bool(r.get('hog')) for r in rs)} "
+                 f"with the hog); largest wall / budget {w['wall_over_budget']:.3f} ({w['model']} on {w['machine']}, "
+                 f"{w['budget_s']:g} s)")
+    o += ["", "Phases (seconds from the process's start: start / deadline / end) of the rows past 10%:", ""]
     for r in over:
         ph = r.get("phases") or {}
         o.append(f"- {r['model']} {r['machine']} {r['budget_s']:g} s{' hog' if r.get('hog') else ''}: "
