@@ -4,7 +4,8 @@
 
 The model: transformers' LlamaModel (hidden 4096, 32 heads / 8 key-value heads, SwiGLU 11008, RMSNorm, 4 layers,
 vocabulary 32,000, sequence 2048) written by `benchmarks/llama_structure.py` (graph and weight shapes; its
-external data a sparse file of zeros, read by nobody: `load_onnx(load_weights=False)`).
+external data a sparse file of zeros, read by nobody: `load_onnx(load_weights=False)`); the default path is
+written on the first run.
 
     nice .venv/bin/python benchmarks/llama_baselines.py [--model benchmarks/.cache/llama/llama-4096.onnx]
         [--machine h100:4x8] [--batch 32] [--precision bf16] [--budget 60] [--out benchmarks/results/llama_baselines]
@@ -75,6 +76,9 @@ def main(argv=None) -> int:
     ap.add_argument("--budget", type=float, default=60.0)
     ap.add_argument("--out", default=os.path.join(HERE, "results", "llama_baselines"))
     a = ap.parse_args(argv)
+    if not os.path.exists(a.model):     # written once by llama_structure.py (its defaults are the model above)
+        print(f"writing {os.path.relpath(a.model, ROOT)} (benchmarks/llama_structure.py) ...", flush=True)
+        subprocess.run([sys.executable, os.path.join(HERE, "llama_structure.py"), a.model], check=True, cwd=ROOT)
     common = ["--machine", a.machine, "--batch", str(a.batch), "--precision", a.precision]
     runs = [("dp", ["simulate", a.model, "--strategy", "dp"] + common, 1800),
             ("megatron", ["simulate", a.model, "--strategy", "megatron"] + common, 1800),

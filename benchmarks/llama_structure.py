@@ -38,6 +38,7 @@ def export(path: str, hidden=4096, heads=32, kv_heads=8, ffn=11008, layers=4, se
             p.uniform_(-1e-3, 1e-3)
     ids = torch.zeros(batch, seq, dtype=torch.int64)
     mask = torch.ones(batch, seq, dtype=torch.int64)
+    os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
     with torch.no_grad(), warnings.catch_warnings(), contextlib.redirect_stdout(io.StringIO()):
         warnings.simplefilter("ignore")
         torch.onnx.export(m, (ids, mask), path, input_names=["input_ids", "attention_mask"], dynamo=True,
