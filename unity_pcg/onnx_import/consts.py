@@ -117,13 +117,10 @@ def lazy(fn: Callable[[], np.ndarray], shape, dtype, origin=None, deferred: str 
 
 
 def uniform_along(c: Const, axis: int) -> bool:
-    """Whether every slice of ``c`` along ``axis`` equals the first (exactly; NaN equals NaN).  An element-wise
-    fold (:attr:`Const.sources`) is when every operand is along that dim (or broadcasts along it): those are
-    asked first; else the slices are compared one at a time (:meth:`Const.take`), stopping at the first that
-    differs."""
-    if c.shape[axis] <= 1:
-        return True
-    if c.sources is not None and all(_operand_uniform(o, len(c.shape), axis) for o in c.sources):
+    """Whether every slice of ``c`` along ``axis`` equals the first (exactly; NaN equals NaN): known from how it
+    is made where :func:`_known_uniform` can tell, else compared one slice at a time (:meth:`Const.take`),
+    stopping at the first that differs."""
+    if _known_uniform(c, axis):
         return True
     first = c.take(axis, 0)
     nan = np.dtype(c.dtype).kind in "fc"
@@ -133,18 +130,24 @@ def uniform_along(c: Const, axis: int) -> bool:
     return True
 
 
-def _operand_uniform(o: Const | None, rank: int, axis: int) -> bool:
-    """Whether the operand ``o`` of a broadcasting fold of rank ``rank`` is the same along the output's ``axis``
-    (absent there, of size 1, or uniform along its own dim): checked only where that is cheap (a small value
-    held, or an element-wise fold of such)."""
-    if o is None:
+def _known_uniform(c: Const, axis: int) -> bool:
+    """Whether ``c`` is the same along ``axis`` by what is cheap to read: the dim has size 1; ``c`` is a small
+    held value (compared); or ``c`` is an element-wise fold (:attr:`Const.sources`) each of whose operands is
+    absent along that dim, of size 1 there, or known the same along its own dim.  False means unknown."""
+    if c.shape[axis] <= 1:
         return True
-    j = axis - (rank - len(o.shape))
-    if j < 0 or o.shape[j] == 1:
+    if c.sources is not None:
+        rank = len(c.shape)
+        for o in c.sources:
+            j = None if o is None else axis - (rank - len(o.shape))
+            if o is not None and j >= 0 and o.shape[j] != 1 and not _known_uniform(o, j):
+                return False
         return True
-    if o.sources is None and (o.lazy or o.numel > SMALL):
+    if c.lazy or c.numel > SMALL:
         return False
-    return uniform_along(o, j)
+    v = c.value
+    return np.array_equal(v, np.broadcast_to(np.take(v, [0], axis=axis), v.shape),
+                          equal_nan=np.dtype(c.dtype).kind in "fc")
 
 
 def first_slices(c: Const, dims: Sequence[int]) -> Const:
