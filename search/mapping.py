@@ -78,7 +78,7 @@ import numpy as np
 from unity_pcg.machine import MachineSpec, MachineView, Resource
 from unity_pcg.pcg import PCG
 
-from .budget import check as _check_deadline
+from .budget import Expired, check as _check_deadline
 from .cost import CostModel, GraphCost, LeafCost
 from .memory import MemoryReport, format_bytes, memory_lower_bound, memory_per_device, node_memory
 from .sp import Decomposition, Leaf, Parallel, Series, decompose, tree_units
@@ -516,11 +516,12 @@ class MachineMapper:
 
     def first_views(self, g: PCG, resource: Resource | None = None,
                     fixed: Mapping[int, MachineView] | None = None,
-                    techniques: bool | None = None) -> MappingResult | None:
+                    techniques: bool | None = None, plain_when_cut: bool = False) -> MappingResult | None:
         """A mapping of ``g`` without the DP (linear in the graph), priced by :meth:`evaluate`: every node on
         the first view of its degree in ``resource`` (lowest start), ``fixed`` nodes on theirs -- the
         data-parallel layout of a data-parallel graph.  The last resort when the DP's solve cannot finish
-        within a deadline; None when a node has no view in ``resource``.  ``techniques``: as :meth:`evaluate`."""
+        within a deadline; None when a node has no view in ``resource``.  ``techniques``, ``plain_when_cut``:
+        as :meth:`evaluate`."""
         gc = GraphCost(g, self.model)
         res = resource or Resource.whole(self.machine)
         fixed = fixed or {}
@@ -537,31 +538,43 @@ class MachineMapper:
             if first[grid] is None:
                 return None
             views[n] = first[grid]
-        return self.evaluate(g, views, techniques=techniques)
+        return self.evaluate(g, views, techniques=techniques, plain_when_cut=plain_when_cut)
 
-    def evaluate(self, g: PCG, views: Mapping[int, MachineView], techniques: bool | None = None) -> MappingResult:
+    def evaluate(self, g: PCG, views: Mapping[int, MachineView], techniques: bool | None = None,
+                 plain_when_cut: bool = False) -> MappingResult:
         """Price a given mapping, every leaf one after the other (no side-by-side execution);
-        ``techniques``: with its cheapest feasible memory techniques (:meth:`techniques`)."""
+        ``techniques``: with its cheapest feasible memory techniques (:meth:`techniques`).  Their choice
+        checks the deadline of the caller's scope (:class:`search.budget.Expired` past it); with
+        ``plain_when_cut`` a cut choice returns the mapping priced without them instead (``stats
+        ["techniques_cut"]``)."""
         t0 = time.perf_counter()
         gc = GraphCost(g, self.model)
-        total = sum(gc.leaf_cost(n, views[n], views).time for n in gc.nodes())
-        out = self._finish(g, gc, None, total, dict(views), t0, {})
+        leaves = [gc.leaf_cost(n, views[n], views) for n in gc.nodes()]
+        total = sum(lc.time for lc in leaves)
+        out = self._finish(g, gc, None, total, dict(views), t0, {}, leaves)
         if techniques is None:
             techniques = self.default_techniques
         if techniques:
             if out.memory is None:      # out of memory without techniques: _finish left cost inf
                 return out
-            return self.techniques(gc, dataclasses.replace(out, cost=total))
+            try:
+                return self.techniques(gc, dataclasses.replace(out, cost=total))
+            except Expired:
+                if not plain_when_cut:
+                    raise
+                return dataclasses.replace(out, stats=dict(out.stats, techniques_cut=True))
         return out
 
-    def _finish(self, g, gc, dec, cost, views, t0, stats) -> MappingResult:
+    def _finish(self, g, gc, dec, cost, views, t0, stats, leaves=None) -> MappingResult:
+        """The mapping's result: its cost, the sum of its leaves' costs (``leaves``: those of ``gc.nodes()``
+        in order, where the caller priced them) and its memory per device."""
         n_dev = self.machine.num_devices
         if not math.isfinite(cost):
             return MappingResult(INF, {}, LeafCost(), None, False, "no machine view fits the resources",
                                  n_dev, time.perf_counter() - t0, stats, dec)
         b = LeafCost()
-        for n in gc.nodes():
-            b = b.add(gc.leaf_cost(n, views[n], views))
+        for lc in leaves if leaves is not None else (gc.leaf_cost(n, views[n], views) for n in gc.nodes()):
+            b = b.add(lc)
         mem = memory_per_device(gc, views)
         used = set()
         for n in gc.nodes():

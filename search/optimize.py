@@ -280,13 +280,19 @@ class Evaluator:
         search over the plan's regions: seconds on a full-depth decoder on a starved core, where only linear
         work may run); :attr:`plain_past_end` counts those mappings."""
         pins = self.pins(g, resource)
-        if self.hard is None or not self.hard.passed() or not getattr(self.mapper, "default_techniques", False):
-            try:
-                return self.mapper.first_views(g, resource, pins)
-            except Expired:
-                pass
+        if not getattr(self.mapper, "default_techniques", False):
+            return self.mapper.first_views(g, resource, pins)
+        if (self.hard is None or not self.hard.passed()) and not scope_passed():
+            # (a choice the deadline cuts returns the plain mapping it had priced: not priced twice; the
+            # choice stops at the hard end where no scope of the caller's bounds it)
+            with within(self.hard):
+                r = self.mapper.first_views(g, resource, pins, plain_when_cut=True)
+            if r is None or not r.stats.get("techniques_cut"):
+                return r
+        else:                   # past the end already: not started
+            r = self.mapper.first_views(g, resource, pins, techniques=False)
         self.plain_past_end += 1
-        return self.mapper.first_views(g, resource, pins, techniques=False)
+        return r
 
 
 # --- the searches ----------------------------------------------------------------------------------------
@@ -740,6 +746,9 @@ class _Run:
         self.dp_deg = max(self.dps, default=1)
         self.dp_pg = self.dp_res = None
         self.dp_cut = False                           # data parallelism's DP solve did not finish in its phase
+        #: seconds data parallelism took to build and map (a whole-graph pass, measured on this host as loaded
+        #: now): the least time another strategy's build and mapping is expected to take (``_fallback``)
+        self.linear_s = 0.0
         self.book: RuleBook | None = None
         self.stats: dict = {}
         self.marks: dict = {}
@@ -900,6 +909,7 @@ def _price_data_parallel(run: _Run) -> None:
     from .baselines import StrategyError, build_strategy
     if run.n_dev <= 1:
         return
+    t0 = run.budget.now()
     try:
         run.dp_pg = build_strategy(run.g, "dp", run.dp_deg)
     except StrategyError:
@@ -911,6 +921,7 @@ def _price_data_parallel(run: _Run) -> None:
             run.dp_res = run.ev.cheap(run.dp_pg)
         run.dp_cut = True
         run.stats["dp_mapping"] = "without the DP (its solve did not finish within the floors' phase)"
+    run.linear_s = run.budget.now() - t0
     run.mark("dp_baseline")
 
 
@@ -1431,7 +1442,8 @@ def _fallback(run: _Run) -> PlanCandidate:
     else the imported graph on one device.  A strategy whose floor (``run.others``: its plain point and,
     tuned, its grid) was mapped is not mapped again: taken as mapped where it fits, skipped where it does
     not (on a model of many layers one more mapping of each costs seconds past the budget).  Past the
-    budget's end only linear work runs: a strategy over the machine whose floor was not mapped is skipped
+    budget's end (or nearer its hard end than data parallelism took to build and map: ``run.linear_s``) only
+    linear work runs: a strategy over the machine whose floor was not mapped is skipped
     (``info.search.fallback_skipped``; before the end, one whose solve the hard end cuts is not mapped
     again without the DP), and the imported graph on one device is mapped without the DP
     (:meth:`Evaluator.cheap`)."""
@@ -1447,8 +1459,10 @@ def _fallback(run: _Run) -> PlanCandidate:
             continue
         elif floor_map is not None and floor_map.feasible and floor_pg is not None:
             alt, r = floor_pg, floor_map            # its floor, mapped already
-        elif name != "none" and run.budget.expired():
-            # past the end only linear work: a strategy over the machine not mapped before is not built or mapped
+        elif name != "none" and (run.budget.expired() or run.budget.hard_end().left() < run.linear_s):
+            # past the end only linear work: a strategy over the machine not mapped before is not built or
+            # mapped; nor is one where the time to the hard end is shorter than data parallelism's build and
+            # mapping took (on this host, as loaded: it would end past the hard end)
             run.stats.setdefault("fallback_skipped", []).append(name)
             continue
         else:
@@ -1458,8 +1472,8 @@ def _fallback(run: _Run) -> PlanCandidate:
                 continue
             res = one if name == "none" else None
             try:
-                if res == one and run.budget.expired():     # past the end: the linear mapping, no solve
-                    raise Expired()
+                if res == one and (run.budget.expired() or run.budget.hard_end().left() < run.linear_s):
+                    raise Expired()         # past the end (or too near it): the linear mapping, no solve
                 r = ev.full(alt, res)
             except Expired:
                 if res != one:      # the hard end came during its solve: not mapped again without the DP
@@ -1477,7 +1491,7 @@ def _fallback(run: _Run) -> PlanCandidate:
     r = imported
     if r is None:
         try:
-            if run.budget.expired():
+            if run.budget.expired() or run.budget.hard_end().left() < run.linear_s:
                 raise Expired()
             r = ev.full(g, one)
         except Expired:

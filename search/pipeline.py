@@ -115,7 +115,7 @@ from .baselines import GraphMemo, StrategyError, data_parallel
 from .cost import CostModel, GraphCost
 from .mapping import MachineMapper
 from .memory import node_memory
-from .stages import (Cuts, PipelineError, cluster, may_cross, stage_dp, structure_key, sub_mesh,
+from .stages import (Cuts, PipelineError, analyze, cluster, may_cross, stage_dp, structure_key, sub_mesh,
                      t_max_bounds)
 
 INF = math.inf
@@ -429,7 +429,18 @@ def sequential_layers(g: PCG, roles: Mapping[int, str], max_layers: int) -> tupl
     (:func:`unity_pcg.search.stages.cluster`).  Returns ``(layers, info)``: per layer the unit indices
     ``(first, last + 1)``; the units in order and, per cut between units, the refs crossing it and whether
     it may be cut."""
-    return cluster(g, roles, max_layers, cuts="fewest", inputs=False, delta=None, balance="cuts")
+    return _clustered(g, roles, max_layers, cuts="fewest", inputs=False, delta=None, balance="cuts")
+
+
+def _clustered(g: PCG, roles: Mapping[int, str], max_layers: int, **kw) -> tuple[list, Cuts]:
+    """:func:`unity_pcg.search.stages.cluster` of ``g`` by its own roles, once per graph and arguments
+    (:data:`STAGE_MEMO`: the tuned floors, gradient accumulation and the stage search cluster the same graph;
+    on a decoder of 80 layers each clustering is a second on a starved core), its units' analysis shared."""
+    if roles != g.roles():
+        return cluster(g, roles, max_layers, **kw)
+    info = STAGE_MEMO.get(g, ("cuts",), lambda: analyze(g, roles))
+    key = ("layers", int(max_layers), tuple(sorted(kw.items())))
+    return STAGE_MEMO.get(g, key, lambda: cluster(g, roles, max_layers, info=info, **kw))
 
 
 def stage_graph(g: PCG, roles: Mapping[int, str], nodes: Iterable[int]) -> PCG:
@@ -1075,13 +1086,11 @@ def layerings(g: PCG, roles: Mapping[int, str], max_layers: int, clusterings: Se
 
 def _layerings(g, roles, max_layers, clusterings) -> list[tuple[str, list, Cuts]]:
     out: list = []
-    info = None
     for c in clusterings:
         if c == "fewest":
-            lay, info = cluster(g, roles, max_layers, cuts="fewest", inputs=False, delta=None, balance="cuts",
-                                info=info)
+            lay, info = _clustered(g, roles, max_layers, cuts="fewest", inputs=False, delta=None, balance="cuts")
         elif c == "valid":
-            lay, info = cluster(g, roles, max_layers, cuts="valid", inputs=True, delta=0.5, info=info)
+            lay, info = _clustered(g, roles, max_layers, cuts="valid", inputs=True, delta=0.5)
         else:
             raise PipelineError(f"clustering must be 'fewest' or 'valid', got {c!r}")
         if all(lay != x[1] for x in out):

@@ -37,6 +37,7 @@ Vectorized with numpy over (first layer, last layer, start).
 """
 from __future__ import annotations
 
+import bisect
 import math
 import time
 from dataclasses import dataclass
@@ -156,11 +157,34 @@ def analyze(g: PCG, roles: Mapping[int, str]) -> Cuts:
     return Cuts([units[u] for u in order], crossing, valid, fl, dict(roles))
 
 
-def layer_inputs(g: PCG, info: Cuts) -> np.ndarray:
-    """``C[i, k]``: the bytes units ``i..k`` read from units before ``i`` (Alpa's Eq. 6 communication)."""
+def layer_inputs(g: PCG, info: Cuts, rows: Sequence[int] | None = None,
+                 cols: Sequence[int] | None = None) -> np.ndarray:
+    """``C[i, k]``: the bytes units ``i..k`` read from units before ``i`` (Alpa's Eq. 6 communication);
+    with ``rows`` / ``cols`` (unit indices, ``cols`` ascending) ``C[np.ix_(rows, cols)]``."""
+    U = len(info.units)
+    rows = range(U) if rows is None else rows
+    cols = range(U) if cols is None else cols
+    diff = np.zeros((len(rows), len(cols)))
+    for k, inc in enumerate(input_columns(g, info, rows, cols)):
+        for j, nb in inc:
+            diff[j, k] += nb
+    return np.cumsum(diff, axis=1)
+
+
+def input_columns(g: PCG, info: Cuts, rows: Sequence[int], cols: Sequence[int]) -> list[list[tuple[int, float]]]:
+    """:func:`layer_inputs`'s matrix ``C[np.ix_(rows, cols)]`` column by column, as increments: entry ``k`` lists
+    the (row index, bytes) that column ``k`` adds to column ``k - 1`` (nothing dense: on a decoder of 80
+    layers every one of 3,763 units may start a layer, a 14 M-entry matrix of which the clustering reads
+    the part its FLOP bound allows, a column at a time)."""
     roles = info.roles
     units = info.units
-    U = len(units)
+    rows = [int(i) for i in rows]
+    cols = [int(k) for k in cols]
+    if any(a >= b for a, b in zip(cols, cols[1:])):
+        raise ValueError("input_columns: cols must be ascending")
+    row_of: dict = {}
+    for j, i in enumerate(rows):
+        row_of.setdefault(i, []).append(j)
     unit_of = {nid: u for u, ns in enumerate(units) for nid in ns}
     readers: dict = {}
     for u, ns in enumerate(units):
@@ -171,16 +195,21 @@ def layer_inputs(g: PCG, info: Cuts) -> np.ndarray:
                 if q is None or q >= u or roles.get(r[0]) in ("input-placement", "weight-placement"):
                     continue
                 readers.setdefault(r, (q, set()))[1].add(u)
-    diff = np.zeros((U + 1, U + 1))
+    out: list = [[] for _ in cols]
+    wanted = sorted(row_of)
     for r, (q, us) in readers.items():
         nb = float(g.shape(r).nbytes)
         cons = sorted(us)
         j = 0
-        for i in range(q + 1, cons[-1] + 1):       # the first reader at or after i
+        # every wanted row i in q+1..last reader: the tensor counts from its first reader at or after i,
+        # in the first column at or after that reader
+        for i in wanted[bisect.bisect_left(wanted, q + 1):bisect.bisect_right(wanted, cons[-1])]:
             while cons[j] < i:
                 j += 1
-            diff[i, cons[j]] += nb
-    return np.cumsum(diff, axis=1)[:U, :U]
+            k = bisect.bisect_left(cols, cons[j])
+            if k < len(cols):
+                out[k].extend((jr, nb) for jr in row_of[i])
+    return out
 
 
 # --- clustering units into layers ------------------------------------------------------------------------
@@ -215,7 +244,7 @@ def cluster(g: PCG, roles: Mapping[int, str], layers: int, *, cuts: str = "valid
     if not fl.sum() > 0:
         fl = np.ones(U)
     pre = np.concatenate([[0.0], np.cumsum(fl)])[pos]   # cumulative FLOPs at each position
-    C = layer_inputs(g, info)[np.ix_(pos[:-1], np.array(pos[1:]) - 1)] if inputs else None
+    C = input_columns(g, info, pos[:-1], [p - 1 for p in pos[1:]]) if inputs else None
     total = pre[-1]
     bound = INF if delta is None else (1 + delta) * total / L
     for _ in range(64):
@@ -229,9 +258,9 @@ def cluster(g: PCG, roles: Mapping[int, str], layers: int, *, cuts: str = "valid
 
 def _cluster_dp(C, pre, L, bound, at_cuts=False):
     """Over positions 0..P-1 (``pre``: cumulative FLOPs there; ``C[a, b-1]``: bytes the layer from position
-    a to b reads from before a): G[r, b] the least (largest input, imbalance) of r layers ending at b; the
-    imbalance a sum over layers of (FLOPs - total / L)^2, or with ``at_cuts`` over boundaries r of
-    (FLOPs before it - r total / L)^2."""
+    a to b reads from before a, given as :func:`input_columns`'s increments, or None): G[r, b] the least
+    (largest input, imbalance) of r layers ending at b; the imbalance a sum over layers of
+    (FLOPs - total / L)^2, or with ``at_cuts`` over boundaries r of (FLOPs before it - r total / L)^2."""
     P = len(pre)
     total = pre[-1]
     target = total / L
@@ -241,22 +270,34 @@ def _cluster_dp(C, pre, L, bound, at_cuts=False):
     G[0, 0] = V[0, 0] = 0.0
     for r in range(1, L + 1):
         check()                     # the scope's deadline: O(L P^2) on a graph of thousands of cuts
+        col = np.zeros(P)           # C[:, b - 1], built a column at a time
         for b in range(1, P):
             if not b & 255:
                 check()
-            a = np.arange(b)
+            if C is not None:
+                for j, nb in C[b - 1]:
+                    col[j] += nb
+            # the layer's FLOPs pre[b] - pre[a] fall as a grows (pre is a cumulative sum): only the suffix
+            # a0..b-1 is within the bound (what lies before it would price inf)
+            a0 = int(np.searchsorted(pre, pre[b] - bound, side="left")) if math.isfinite(bound) else 0
+            a0 = min(a0, b)
+            while a0 > 0 and pre[b] - pre[a0 - 1] <= bound:
+                a0 -= 1
+            while a0 < b and not pre[b] - pre[a0] <= bound:
+                a0 += 1
+            a = np.arange(a0, b)
             fl = pre[b] - pre[a]
             ok = (fl <= bound) & np.isfinite(G[r - 1, a])
             if not ok.any():
                 continue
-            comm = np.where(a > 0, C[a, b - 1], 0.0) if C is not None else np.zeros(b)
+            comm = np.where(a > 0, col[a0:b], 0.0) if C is not None else np.zeros(b - a0)
             cand = np.where(ok, np.maximum(G[r - 1, a], comm), INF)
             best = cand.min()
             tie = ok & (cand <= best * (1 + 1e-9) + 1e-12)
             term = (pre[b] - r * target) ** 2 if at_cuts else (fl - target) ** 2
             dev = np.where(tie, V[r - 1, a] + term, INF)
             j = int(np.argmin(dev))
-            G[r, b], V[r, b], arg[r, b] = best, dev[j], j
+            G[r, b], V[r, b], arg[r, b] = best, dev[j], a0 + j
     if not math.isfinite(G[L, P - 1]):
         return None
     out = []
@@ -589,5 +630,5 @@ def _better(v, mx, F, MX, tie):
         return np.isfinite(v) & ((v < F * (1 - tie)) | ((v <= F * (1 + tie)) & (mx < MX)) | ~np.isfinite(F))
 
 
-__all__ = ["PipelineError", "may_cross", "Cuts", "analyze", "layer_inputs", "allowed_cuts", "cluster",
+__all__ = ["PipelineError", "may_cross", "Cuts", "analyze", "layer_inputs", "input_columns", "allowed_cuts", "cluster",
            "sub_mesh", "structure_key", "Stage", "StagePlans", "holds", "t_max_bounds", "stage_dp"]

@@ -134,3 +134,20 @@ def test_imported_densenet_maps_data_parallel():
     assert r.feasible and r.stats["devices_used"] == 6
     assert r.cost == pytest.approx(r.breakdown.time, rel=1e-9)
     assert r.breakdown.sync > 0 and r.breakdown.compute > 0
+
+
+def test_a_cut_techniques_choice_returns_the_plain_mapping_it_priced():
+    """``first_views(plain_when_cut=True)`` under a deadline that has passed: the memory techniques' choice is
+    cut and the mapping priced without them is returned (marked), equal to ``techniques=False``'s, instead of
+    raising (the caller does not price the same mapping twice); without the flag the cut raises."""
+    from unity_pcg.search.budget import Deadline, Expired, within
+    g = data_parallel(mlp(batch=64, h=256, layers=4), 4)
+    mp = MachineMapper(CostModel(parse_machine("summit:1x4"), optimizer="adam"))
+    mp.default_techniques = True
+    plain = mp.first_views(g, techniques=False)
+    with within(Deadline(-1.0)):
+        cut = mp.first_views(g, plain_when_cut=True)
+        with pytest.raises(Expired):
+            mp.first_views(g)
+    assert cut.stats.get("techniques_cut") and "techniques_cut" not in plain.stats
+    assert cut.cost == plain.cost and cut.views == plain.views and cut.feasible == plain.feasible

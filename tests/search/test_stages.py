@@ -320,3 +320,27 @@ def test_cluster_cost_counts_bytes_read_from_earlier_layers():
     k = names.index("fc1")
     assert C[k, k] == act
     assert C[0, U - 1] == 0
+
+
+def test_layer_inputs_of_some_rows_and_columns_are_those_of_the_whole_matrix():
+    """The rows and columns a clustering reads (its allowed cuts) are those of the dense unit x unit matrix,
+    without building it; the clustering over them is the one over the dense matrix's (same layers)."""
+    from unity_pcg.search.stages import _cluster_dp, analyze, input_columns
+    g = _skip_chain(8, [64, 128, 64, 128, 64, 64])
+    info = analyze(g, _roles(g))
+    C = layer_inputs(g, info)
+    U = len(info.units)
+    assert C.any()
+    rows, cols = [0, 3, 3, U - 1, 1], [1, 2, U - 2, U - 1]
+    assert np.array_equal(layer_inputs(g, info, rows, cols), C[np.ix_(rows, cols)])
+    pos = [0] + allowed_cuts(info, "valid") + [U]
+    pre = np.concatenate([[0.0], np.cumsum(np.array(info.flops, dtype=float))])[pos]
+    cols_inc = input_columns(g, info, pos[:-1], [p - 1 for p in pos[1:]])
+    dense = C[np.ix_(pos[:-1], np.array(pos[1:]) - 1)]
+
+    class Dense:                    # the dense matrix's columns as increments, the form _cluster_dp reads
+        def __getitem__(self, k):
+            prev = dense[:, k - 1] if k else np.zeros(len(dense))
+            return [(j, dense[j, k] - prev[j]) for j in range(len(dense)) if dense[j, k] != prev[j]]
+    for L in (2, 3):
+        assert _cluster_dp(cols_inc, pre, L, 1.5 * pre[-1] / L) == _cluster_dp(Dense(), pre, L, 1.5 * pre[-1] / L)
