@@ -391,7 +391,9 @@ def apply_disjoint(g: PCG, matches: Sequence) -> PCG:
 def cancel_rounds(g: PCG, book: RuleBook, window: set | None = None, max_rounds: int = 64) -> tuple[PCG, list]:
     """:func:`search.substitution.cancel_steps` in rounds: each round finds the matches of one
     cancellation rule (ending in ``window``, with the nodes the rounds create; everywhere if None)
-    that do not interfere and applies them together (linear per round)."""
+    that do not interfere and applies them together (linear per round).  Two matches interfere where one
+    binds a node the other binds or reads; reading the same tensor is not interference (the Replicates of
+    one weight read by every layer merge pairwise, so in a number of rounds logarithmic in the layers)."""
     from unity_pcg.substitutions import iter_matches
 
     from .substitution import CANCEL_RULES, _window_index
@@ -401,13 +403,17 @@ def cancel_rounds(g: PCG, book: RuleBook, window: set | None = None, max_rounds:
         idx = _window_index(g, window)
         chosen: list = []
         for r in rules:
-            used: set = set()
-            for m in iter_matches(r, g, idx, None, (2,), avoid=used):     # (those touching used: skipped)
-                touch = set(m.nodes) | {x[0] for _, x in m.inputs}
-                if touch & used:
+            bound: set = set()      # the chosen matches' nodes (no later match binds or reads one)
+            read: set = set()       # the producers of what they read (no later match binds one)
+            # (avoid prunes what binds or reads a bound node when it is bound; a match found while its first
+            # nodes were bound before is checked again here)
+            for m in iter_matches(r, g, idx, None, (2,), avoid=bound):
+                if not (bound.isdisjoint(m.nodes) and read.isdisjoint(m.nodes)) \
+                        or any(x[0] in bound for _, x in m.inputs):
                     continue
                 chosen.append(m)
-                used |= touch
+                bound.update(m.nodes)
+                read.update(x[0] for _, x in m.inputs)
             if chosen:
                 break
         if not chosen:

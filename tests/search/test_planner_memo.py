@@ -183,8 +183,8 @@ def test_a_solve_keys_only_what_it_visits_and_prices_as_the_reference(monkeypatc
 # --- the boundary cancellations -----------------------------------------------------------------------------
 
 def test_cancel_rounds_equal_one_match_at_a_time():
-    """``cancel_rounds`` (matches touching a chosen one not built; one replacement pass per round) against the
-    reference: every match enumerated and checked, then applied one by one (``apply_match``)."""
+    """``cancel_rounds`` (a match binding a node a chosen one binds or reads: not built; one replacement pass per
+    round) against the reference: every match enumerated and checked, then applied one by one (``apply_match``)."""
     from unity_pcg.substitutions import iter_matches
     from unity_pcg.substitutions.apply import apply_match
     from unity_pcg.search.split import (SegmentChoice, assemble, blocking_pairs, boundary_keys,
@@ -217,12 +217,13 @@ def test_cancel_rounds_equal_one_match_at_a_time():
         idx = _window_index(ref, window)
         chosen = []
         for r in rules:
-            used: set = set()
+            bound, read = set(), set()      # a match binds no node another binds or reads
             for mm in iter_matches(r, ref, idx, None, (2,)):
-                touch = set(mm.nodes) | {x[0] for _, x in mm.inputs}
-                if not touch & used:
+                ins = {x[0] for _, x in mm.inputs}
+                if bound.isdisjoint(mm.nodes) and read.isdisjoint(mm.nodes) and bound.isdisjoint(ins):
                     chosen.append(mm)
-                    used |= touch
+                    bound |= set(mm.nodes)
+                    read |= ins
             if chosen:
                 break
         if not chosen:

@@ -90,3 +90,49 @@ def test_split_search_result_is_reachable_and_stitching_equals_replay(book, laye
     n_own = sum(len(c.steps) for c in choices)
     assert any(st.rule == "partition_combine_cancel" for st in sa[n_own:])     # a boundary was cancelled
     assert replay(g, sa, b2).structural_hash() == a.structural_hash()
+
+
+def test_a_tensor_every_layer_reads_is_replicated_once_and_every_boundary_cancels(book):
+    """Data parallelism by rules on a deep chain whose layers all read one shared weight (a bias, like a
+    position table): each segment's dp steps Replicate it, so the stitched graph holds one Replicate per
+    segment, all reading one tensor.  The boundary cancellations merge them (disjoint merges of readers of one
+    tensor run in the same round) and cancel every Combine/Partition pair at the segment boundaries, on a chain
+    deeper than the rounds' cap (one merge per round would leave most of them)."""
+    from unity_pcg.pcg import PCG
+    from unity_pcg.search.baselines import data_parallel
+    from unity_pcg.search.split import SegmentChoice, boundary_keys, cancel_rounds
+    from unity_pcg.search.substitution import data_parallel_steps, normalized_hash, trimmed
+    layers = 150
+    b = PCG.builder()
+    x = b.add("Input", {"name": "x", "shape": (8, 16)})
+    bias = b.add("Weight", {"name": "shared", "shape": (16,)})
+    for i in range(layers):
+        w = b.add("Weight", {"name": f"w{i}", "shape": (16, 16)})
+        x = b.add("Add", {}, [b.add("Linear", {}, [x, w], name=f"fc{i}"), bias], name=f"add{i}")
+    b.set_outputs([x])
+    g = b.finish()
+    segs = segments(g, 4, blocking_pairs(book))
+    choices = []
+    for i, s in enumerate(segs):
+        canonicalize(g, s, {tuple(r) for t in segs[i + 1:] for n in t.nodes for r in g.node(n).inputs})
+        xs, st = data_parallel_steps(s.canon, 2, book)
+        choices.append(SegmentChoice(0.0, 0.0, tuple(st), boundary_keys(s, xs)))
+    assert len(segs) > 64
+    rounds = []
+    real = cancel_rounds.__globals__["apply_disjoint"]
+
+    def counting(gr, matches):
+        rounds.append(len(matches))
+        return real(gr, matches)
+    cancel_rounds.__globals__["apply_disjoint"] = counting
+    try:
+        a, steps = assemble(g, segs, choices, book)
+    finally:
+        cancel_rounds.__globals__["apply_disjoint"] = real
+    readers = [c for c, _ in a.consumers(tuple(bias))]
+    assert len(readers) == 1 and a.node(readers[0]).op == "Replicate"
+    assert not any(a.node(n).op == "Partition" and a.node(a.node(n).inputs[0][0]).op == "Combine"
+                   for n in a.node_ids())
+    assert len(rounds) < 20
+    assert normalized_hash(trimmed(a)) == normalized_hash(data_parallel(g, 2))
+    assert replay(g, steps, book).structural_hash() == a.structural_hash()
