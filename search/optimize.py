@@ -1467,6 +1467,12 @@ def _choose(run: _Run) -> PlanCandidate:
     return chosen
 
 
+def _too_late_to_map(run: _Run) -> bool:
+    """Past the budget's end, or nearer its hard end than data parallelism took to build and map (``run.linear_s``,
+    measured on this host as loaded): another strategy's build and mapping would end past the hard end."""
+    return run.budget.expired() or run.budget.hard_end().left() < run.linear_s
+
+
 def _fallback(run: _Run) -> PlanCandidate:
     """Nothing reachable fits (or nothing was priced within the budget): the first fixed strategy whose
     mapping is feasible (data parallelism's from the floors first, else each solved within the hard end),
@@ -1490,7 +1496,7 @@ def _fallback(run: _Run) -> PlanCandidate:
             continue
         elif floor_map is not None and floor_map.feasible and floor_pg is not None:
             alt, r = floor_pg, floor_map            # its floor, mapped already
-        elif name != "none" and (run.budget.expired() or run.budget.hard_end().left() < run.linear_s):
+        elif name != "none" and _too_late_to_map(run):
             # past the end only linear work: a strategy over the machine not mapped before is not built or
             # mapped; nor is one where the time to the hard end is shorter than data parallelism's build and
             # mapping took (on this host, as loaded: it would end past the hard end)
@@ -1503,7 +1509,7 @@ def _fallback(run: _Run) -> PlanCandidate:
                 continue
             res = one if name == "none" else None
             try:
-                if res == one and (run.budget.expired() or run.budget.hard_end().left() < run.linear_s):
+                if res == one and _too_late_to_map(run):
                     raise Expired()         # past the end (or too near it): the linear mapping, no solve
                 r = ev.full(alt, res)
             except Expired:
@@ -1522,7 +1528,7 @@ def _fallback(run: _Run) -> PlanCandidate:
     r = imported
     if r is None:
         try:
-            if run.budget.expired() or run.budget.hard_end().left() < run.linear_s:
+            if _too_late_to_map(run):
                 raise Expired()
             r = ev.full(g, one)
         except Expired:
