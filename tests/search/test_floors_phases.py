@@ -170,3 +170,30 @@ def test_the_segments_assembly_stops_at_the_hard_end(monkeypatch):
     assert rounds["n"] >= 1
     assert r.stats.get("segments_cut") is True
     assert r.feasible
+
+
+@pytest.mark.parametrize("linear_s", [0.0, 1e9])
+def test_nothing_fits_maps_no_strategy_nearer_the_hard_end_than_data_parallelism_took(monkeypatch, linear_s):
+    """When nothing fits, the fallback builds and maps the fixed strategies not priced before with the DP, but
+    not where the time to the hard end is shorter than data parallelism took to build and map (``linear_s``,
+    measured in the floors phase): those are skipped and the imported graph is mapped without the DP."""
+    from .graphs import mlp
+    g = mlp(batch=8, h=100_000, layers=2)          # 40 GB of weights per layer: nothing fits a device
+    m = parse_machine("summit:1x4")
+    budget = Budget(60.0)
+    ev = Evaluator(m, "adam", techniques=False)
+    ev.hard = budget.hard_end()
+    run = O._Run(g, m, "unity", budget, ev, alpha=1.05, pipeline=False, progress=None, max_candidates=2, k=10,
+                 rules=None, optimizer="adam")
+    O._price_data_parallel(run)
+    assert run.dp_res is not None and not run.dp_res.feasible and run.linear_s > 0
+    run.linear_s = linear_s
+    solves = []
+    real_full = Evaluator.full
+    monkeypatch.setattr(Evaluator, "full", lambda self, *a, **kw: solves.append(a) or real_full(self, *a, **kw))
+    chosen = O._fallback(run)
+    assert chosen.mechanism == "imported graph (nothing fits)" and not chosen.mapping.feasible
+    if linear_s:
+        assert not solves and set(run.stats["fallback_skipped"]) >= {"megatron", "zero3"}
+    else:
+        assert solves and not run.stats.get("fallback_skipped")
