@@ -427,6 +427,7 @@ class MachineMapper:
         gc = GraphCost(g, self.model)
         dec = decompose(g, gc.role)
         ctx = _Ctx(g, gc, dec, self._facts)
+        setup_s = time.perf_counter() - t0
         res = resource or Resource.whole(self.machine)
         if fixed is None:
             from .baselines import pinned_views
@@ -438,7 +439,7 @@ class MachineMapper:
             for hsh, v in _flatten(assign):
                 views[ctx.by_hash[hsh]] = v
         stats = {"cache_hits": self.hits - h0, "cache_misses": self.misses - m0, "cache_size": len(self.cache),
-                 "series_parallel": dec.is_sp, "units": len(dec.units)}
+                 "series_parallel": dec.is_sp, "units": len(dec.units), "setup_s": setup_s}
         out = self._finish(g, gc, dec, cost, views, t0, stats)
         if techniques is None:
             techniques = self.default_techniques
@@ -551,7 +552,7 @@ class MachineMapper:
         gc = GraphCost(g, self.model)
         leaves = [gc.leaf_cost(n, views[n], views) for n in gc.nodes()]
         total = sum(lc.time for lc in leaves)
-        out = self._finish(g, gc, None, total, dict(views), t0, {}, leaves)
+        out = self._finish(g, gc, None, total, dict(views), t0, {"setup_s": time.perf_counter() - t0}, leaves)
         if techniques is None:
             techniques = self.default_techniques
         if techniques:
@@ -572,6 +573,7 @@ class MachineMapper:
         if not math.isfinite(cost):
             return MappingResult(INF, {}, LeafCost(), None, False, "no machine view fits the resources",
                                  n_dev, time.perf_counter() - t0, stats, dec)
+        t1 = time.perf_counter()
         b = LeafCost()
         for lc in leaves if leaves is not None else (gc.leaf_cost(n, views[n], views) for n in gc.nodes()):
             b = b.add(lc)
@@ -579,7 +581,9 @@ class MachineMapper:
         used = set()
         for n in gc.nodes():
             used |= set(views[n].devices())
-        stats = dict(stats, devices_used=len(used))
+        # the linear part of the call (the cost model's set-up, the decomposition, this pricing; not the DP's
+        # solve nor the techniques' choice): what any whole-graph mapping on this host costs at least
+        stats = dict(stats, devices_used=len(used), linear_s=stats.get("setup_s", 0.0) + time.perf_counter() - t1)
         if not mem.feasible:
             return MappingResult(INF, views, b, mem, False, "out of memory: " + mem.reason(), n_dev,
                                  time.perf_counter() - t0, stats, dec)

@@ -747,8 +747,9 @@ class _Run:
         self.dp_deg = max(self.dps, default=1)
         self.dp_pg = self.dp_res = None
         self.dp_cut = False                           # data parallelism's DP solve did not finish in its phase
-        #: seconds data parallelism took to build and map (a whole-graph pass, measured on this host as loaded
-        #: now): the least time another strategy's build and mapping is expected to take (``_fallback``)
+        #: seconds data parallelism took to build and map, but the DP's solve and the memory techniques' choice
+        #: (its linear part: measured on this host as loaded now): the least time another whole-graph
+        #: candidate's build and mapping is expected to take (:func:`_leaves_a_mapping`)
         self.linear_s = 0.0
         self.book: RuleBook | None = None
         self.stats: dict = {}
@@ -945,6 +946,7 @@ def _price_data_parallel(run: _Run) -> None:
         run.dp_pg = build_strategy(run.g, "dp", run.dp_deg)
     except StrategyError:
         return
+    built_s = run.budget.now() - t0
     try:
         run.dp_res = run.ev.full(run.dp_pg, deadline=run.later("floors"))
     except Expired:                 # the DP or the memory techniques' choice (search/memtech.py) was cut:
@@ -952,7 +954,7 @@ def _price_data_parallel(run: _Run) -> None:
             run.dp_res = run.ev.cheap(run.dp_pg)
         run.dp_cut = True
         run.stats["dp_mapping"] = "without the DP (its solve did not finish within the floors' phase)"
-    run.linear_s = run.budget.now() - t0
+    run.linear_s = built_s + (run.dp_res.stats.get("linear_s", run.dp_res.solve_s) if run.dp_res is not None else 0.0)
     run.mark("dp_baseline")
 
 
@@ -1158,7 +1160,7 @@ def _resume_cut_grids(run: _Run, until: Deadline) -> None:
     the same walk: nothing priced twice); each is taken where it found a faster point.  A walk goes
     best-first (feasible-first while nothing of its grid fits), so its next points are the most promising."""
     from .tuned import floor
-    if until.left() <= 0.05:
+    if until.left() <= 0.05 or not _leaves_a_mapping(run, until):
         return
     prices = {name: oc for name, (_, oc, _, _) in run.others.items()}
     cut = sorted((prices[n], n) for n in TUNED if n in prices and run.others[n][0] is None
@@ -1168,6 +1170,8 @@ def _resume_cut_grids(run: _Run, until: Deadline) -> None:
         if left <= 0.05:
             break
         own = Deadline(until.clock() + left / (len(cut) - i), until.clock).sooner(until)
+        if not _leaves_a_mapping(run, own):         # (a later one gets what this one does not use)
+            continue
         # (a floor the floors phase never built: its plain point priced without the DP where its solve is cut)
         pg, c, note, r, pipe = floor(run, name, own, cheap=run.others[name][0] is None)
         run.stats.setdefault("floor_resumed", {})[name] = {"before": before if math.isfinite(before) else None,
@@ -1235,6 +1239,9 @@ def _accumulation_candidates(run: _Run, until: Deadline) -> None:
             return p.pcg
         return hook
 
+    if not _leaves_a_mapping(run, until):
+        run.stats["accumulation"] = {"none": "too little time left to build and map its graph"}
+        return
     layouts = [("data parallel", default_intra)] + [(f"layout mesh {a}x{b}", ilp((a, b))) for a, b in mesh_shapes(m)]
     t0 = time.perf_counter()
     if _floor_grids_cover_data_parallel(run):
@@ -1319,6 +1326,14 @@ def _search_segments(run: _Run):
     phase, then data parallelism by rules assembled from the segments' seeds: the floor.  Returns the
     search's (graph, steps), or None."""
     ev, bud = run.ev, run.budget
+    if run.dp_res is not None and not run.dp_res.feasible and not _leaves_a_mapping(run, bud.deadline("segments")):
+        # with less time to its mark than a whole-graph pass takes, the phase would only build data parallelism
+        # by rules (canonicalizing the segments and their dp seeds is such a pass; the searches would get no
+        # time), priced past the mark no better than data parallelism (the same graph, mapped as the floor was
+        # or more plainly): that does not fit, so nothing the phase builds could be chosen
+        run.stats["segments_skipped"] = "too little time to its mark, and data parallelism (its floor) does not fit"
+        run.mark("segments")
+        return None
     ev.wall = bud.deadline("pricing")                   # no limited solve past the substitution phase
     out, st, dpg, dpst, stats, interrupted = _segment_search(
         run.g, run.book, ev, run.dp_deg, run.k, run.max_candidates, run.alpha, run.progress,
@@ -1467,10 +1482,18 @@ def _choose(run: _Run) -> PlanCandidate:
     return chosen
 
 
+def _leaves_a_mapping(run: _Run, deadline: Deadline) -> bool:
+    """Whether ``deadline`` leaves the time a whole-graph candidate takes at least to build and map on this host
+    as loaded (the linear part of data parallelism's, ``run.linear_s``).  A step that builds one (a strategy, a
+    tuned grid's point, gradient accumulation's micro-batch graph) and starts with less would run its set-up,
+    which checks no deadline, past ``deadline``: it does not start."""
+    return deadline.left() > run.linear_s
+
+
 def _too_late_to_map(run: _Run) -> bool:
-    """Past the budget's end, or nearer its hard end than data parallelism took to build and map (``run.linear_s``,
-    measured on this host as loaded): another strategy's build and mapping would end past the hard end."""
-    return run.budget.expired() or run.budget.hard_end().left() < run.linear_s
+    """Past the budget's end, or too near its hard end for another strategy's build and mapping
+    (:func:`_leaves_a_mapping`)."""
+    return run.budget.expired() or not _leaves_a_mapping(run, run.budget.hard_end())
 
 
 def _fallback(run: _Run) -> PlanCandidate:

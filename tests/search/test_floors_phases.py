@@ -197,3 +197,29 @@ def test_nothing_fits_maps_no_strategy_nearer_the_hard_end_than_data_parallelism
         assert not solves and set(run.stats["fallback_skipped"]) >= {"megatron", "zero3"}
     else:
         assert solves and not run.stats.get("fallback_skipped")
+
+
+@pytest.mark.parametrize("linear_s", [0.0, 1e9])
+def test_nothing_fits_starts_no_whole_graph_step_with_less_time_than_data_parallelism_took(monkeypatch, linear_s):
+    """While nothing fits, a step that builds and maps a whole graph (gradient accumulation, the tuned grids'
+    resumed walks, the segments phase, whose only product with no time to search would be data parallelism by
+    rules: not chosen when data parallelism does not fit) does not start where its deadline is nearer than the
+    linear part of data parallelism's build and mapping (``linear_s``); with time for one, each runs."""
+    from .graphs import mlp
+    g = mlp(batch=8, h=100_000, layers=2)          # 40 GB of weights per layer: nothing fits a device
+    real = O._price_data_parallel
+
+    def priced(run):
+        real(run)
+        assert run.dp_res is not None and not run.dp_res.feasible and run.linear_s > 0
+        run.linear_s = linear_s
+    monkeypatch.setattr(O, "_price_data_parallel", priced)
+    r = optimize(g, "summit:1x4", budget_s=30.0, pipeline=False, max_candidates=2)
+    assert not r.feasible and r.stats["chosen"] == "imported graph (nothing fits)"
+    acc = r.stats.get("accumulation") or {}
+    if linear_s:
+        assert r.stats["segments_skipped"] and "dp_by_rules" not in r.stats
+        assert acc.get("none", "").startswith("too little time") and "floor_resumed" not in r.stats
+    else:
+        assert "segments_skipped" not in r.stats and r.stats["dp_by_rules"]["equal_to_baseline"]
+        assert "seconds" in acc or "none" in acc and not acc["none"].startswith("too little time")

@@ -272,6 +272,33 @@ def test_file_is_not_rewritten(vit_legacy):
     assert os.path.getsize(vit_legacy[2]) > 0
 
 
+@pytest.mark.parametrize("name", ["vit", "bert_large", "dlrm"])
+def test_exported_shapes_from_onnx_inference_agree_with_the_probe_import(name, vit_legacy, tmp_path, monkeypatch):
+    """The override's reference shapes (the graph at its exported batch) come from ONNX's shape inference,
+    and from a second import of the graph (the probe) for what it leaves unknown: where both know a tensor they
+    agree, and the override imports the same PCG with the inference, without it, and with only the probe."""
+    import onnx
+
+    from unity_pcg.onnx_import import importer as imp
+    if name == "vit":
+        path = vit_legacy[2]
+    else:
+        from unity_pcg import zoo
+        path = zoo.export(name, str(tmp_path / f"{name}.onnx"), batch=2, exporter="legacy")
+    model = onnx.load(path, load_external_data=False)
+    shapes = imp._ExportedShapes(model, os.path.dirname(path))
+    probe = shapes._probed()
+    known = [k for k in shapes.inferred if k in probe]
+    assert len(known) > len(model.graph.node) // 2       # the inference answers most of them
+    assert {k: shapes.inferred[k] for k in known} == {k: probe[k] for k in known}
+    want = load_onnx(path, batch=6, load_weights=False).structural_hash()
+    calls = []
+    orig = imp._ExportedShapes._probed
+    monkeypatch.setattr(imp._ExportedShapes, "_probed", lambda self: calls.append(1) or orig(self))
+    monkeypatch.setattr(imp, "_onnx_inferred_shapes", lambda m: {})    # no inference: the probe answers all
+    assert load_onnx(path, batch=6, load_weights=False).structural_hash() == want and calls
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("dynamo", [False, True])
 def test_transformers_vit_exported_at_8_imports_at_48(dynamo, tmp_path):

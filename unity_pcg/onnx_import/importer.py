@@ -768,12 +768,11 @@ def live_names(imp: Importer, nodes, live) -> set[str]:
     return imp._live_inputs
 
 
-def _exported_shapes(model, base, imp: Importer) -> dict | None:
+def _exported_shapes(model, base, imp: Importer) -> "_ExportedShapes | None":
     """With a batch override that changes a fixed exported batch: the shape of every ONNX tensor of the graph
-    imported at its exported batch (the reference the override's rewrites are derived from); else None."""
+    at its exported batch (the reference the override's rewrites are derived from); else None."""
     if imp.batch is None:
         return None
-    probe = Importer(model, base, None, False, fuse=False)
     g = model.graph
     inits = {t.name for t in g.initializer}
     fixed = [vi for vi in g.input if vi.name not in inits]
@@ -781,10 +780,68 @@ def _exported_shapes(model, base, imp: Importer) -> dict | None:
              if vi.type.HasField("tensor_type") and len(vi.type.tensor_type.shape.dim)}
     if not dims0 or 0 in dims0 or dims0 == {imp.batch}:
         return None  # a dynamic batch (nothing baked in to rewrite) or no change
-    probe.run()
-    out = {}
-    for name, v in probe.vals.items():
-        out[name] = tuple(v.shape) if isinstance(v, Const) else tuple(probe.b.shape(v).sizes)
+    return _ExportedShapes(model, base)
+
+
+class _ExportedShapes:
+    """The shapes of a graph's ONNX tensors at its exported batch, as a read-only mapping.  ONNX's own shape
+    inference (C++) answers first; a tensor it leaves without a fully static shape makes the graph be
+    imported once at its exported batch (the probe, a whole second import), which then answers every
+    question.  Where both know a tensor they agree (the importer follows the operators' ONNX semantics;
+    ``tests/onnx_import/test_batch_override.py`` checks it on the corpus)."""
+
+    def __init__(self, model, base):
+        self.model, self.base = model, base
+        self.inferred = _onnx_inferred_shapes(model)
+        self.probe: dict | None = None
+
+    def _probed(self) -> dict:
+        if self.probe is None:
+            probe = Importer(self.model, self.base, None, False, fuse=False)
+            probe.run()
+            self.probe = {name: tuple(v.shape) if isinstance(v, Const) else tuple(probe.b.shape(v).sizes)
+                          for name, v in probe.vals.items()}
+        return self.probe
+
+    def get(self, name: str, default=None):
+        got = self.inferred.get(name)
+        return got if got is not None else self._probed().get(name, default)
+
+    def __getitem__(self, name: str) -> tuple[int, ...]:
+        got = self.get(name)
+        if got is None:
+            raise KeyError(name)
+        return got
+
+
+def _onnx_inferred_shapes(model) -> dict[str, tuple[int, ...]]:
+    """{tensor: static shape} by ``onnx.shape_inference`` on a copy of the graph whose large initializers
+    carry their shapes but not their bytes (a small one may be a shape an operator reads); {} where the
+    inference fails."""
+    import onnx
+    from onnx import shape_inference
+    g = model.graph
+    light = onnx.ModelProto(ir_version=model.ir_version, opset_import=model.opset_import)
+    lg = light.graph
+    lg.node.extend(g.node)
+    lg.input.extend(g.input)
+    lg.output.extend(g.output)
+    for t in g.initializer:
+        if t.data_location == onnx.TensorProto.EXTERNAL or np.prod(t.dims, dtype=np.int64) > 4096:
+            lg.initializer.add(name=t.name, data_type=t.data_type, dims=t.dims)
+        else:
+            lg.initializer.append(t)
+    try:
+        inferred = shape_inference.infer_shapes(light, data_prop=True)
+    except Exception:           # (the inference is an accelerator here: the probe answers without it)
+        return {}
+    out: dict[str, tuple[int, ...]] = {}
+    for vi in (*inferred.graph.input, *inferred.graph.value_info, *inferred.graph.output):
+        tt = vi.type.tensor_type if vi.type.HasField("tensor_type") else None
+        if tt is not None and tt.HasField("shape") and all(d.HasField("dim_value") for d in tt.shape.dim):
+            out[vi.name] = tuple(int(d.dim_value) for d in tt.shape.dim)
+    for t in g.initializer:
+        out[t.name] = tuple(int(d) for d in t.dims)
     return out
 
 
