@@ -955,6 +955,7 @@ def _price_data_parallel(run: _Run) -> None:
         run.dp_cut = True
         run.stats["dp_mapping"] = "without the DP (its solve did not finish within the floors' phase)"
     run.linear_s = built_s + (run.dp_res.stats.get("linear_s", run.dp_res.solve_s) if run.dp_res is not None else 0.0)
+    run.stats["linear_s"] = round(run.linear_s, 3)
     run.mark("dp_baseline")
 
 
@@ -1505,12 +1506,18 @@ def _fallback(run: _Run) -> PlanCandidate:
     budget's end (or nearer its hard end than data parallelism took to build and map: ``run.linear_s``) only
     linear work runs: a strategy over the machine whose floor was not mapped is skipped
     (``info.search.fallback_skipped``; before the end, one whose solve the hard end cuts is not mapped
-    again without the DP), and the imported graph on one device is mapped without the DP
-    (:meth:`Evaluator.cheap`)."""
+    again without the DP).  The imported graph on one device is always mapped without the DP
+    (:meth:`Evaluator.cheap`): with one view per operator the DP would find that same mapping."""
     from .baselines import StrategyError, build_strategy
     ev, g = run.ev, run.g
     one = Resource(0, 1, 1)
     imported = None                 # the imported graph's mapping on one device, once mapped (``none`` is it)
+
+    def on_one_device():
+        # one view per operator: the DP's mapping is the linear one; the memory techniques' choice (a search)
+        # stops the final mapping's time (``linear_s``) before the hard end
+        with within(run.budget.hard_end().plus(-run.linear_s)):
+            return ev.cheap(g, one)
     for name in FIXED:
         floor_pg, _, _, floor_map = run.others.get(name, (None, None, None, None))
         if name == "dp" and run.dp_res is not None:
@@ -1530,32 +1537,21 @@ def _fallback(run: _Run) -> PlanCandidate:
                 alt = build_strategy(g, name, 1 if name == "none" else run.dp_deg, devices_per_node=run.m.devices_per_node)
             except StrategyError:
                 continue
-            res = one if name == "none" else None
-            try:
-                if res == one and _too_late_to_map(run):
-                    raise Expired()         # past the end (or too near it): the linear mapping, no solve
-                r = ev.full(alt, res)
-            except Expired:
-                if res != one:      # the hard end came during its solve: not mapped again without the DP
+            if name == "none":
+                r = imported = on_one_device()
+            else:
+                try:
+                    r = ev.full(alt)
+                except Expired:     # the hard end came during its solve: not mapped again without the DP
                     run.stats.setdefault("fallback_skipped", []).append(name)
                     continue
-                r = ev.cheap(alt, res)
-            if alt is g and res == one:
-                imported = r
         if r is not None and r.feasible:
             run.stats = dict(run.stats, fallback=name)
             mech = f"{name} (fallback: nothing reachable by rules fits)"
             if name in TUNED and alt is floor_pg:
                 mech = f"{name} tuned baseline ({run.others[name][2]}; fallback: nothing reachable by rules fits)"
             return PlanCandidate(mech, alt, r.cost, (), by_rules=False, mapping=r, pipeline=run.floor_pipes.get(name))
-    r = imported
-    if r is None:
-        try:
-            if _too_late_to_map(run):
-                raise Expired()
-            r = ev.full(g, one)
-        except Expired:
-            r = ev.cheap(g, one)
+    r = imported if imported is not None else on_one_device()
     return PlanCandidate("imported graph (nothing fits)", g, r.cost if r is not None else INF, (), FLOOR, mapping=r)
 
 
@@ -1582,16 +1578,17 @@ def _pipeline_refusal(run: _Run, pipe) -> str | None:
 def _pipeline_search(run: _Run, until: Deadline | None = None) -> None:
     """The 1F1B stage search (``run.pipe``: its result, or None) until ``until`` (default: the pipeline
     phase's mark): it gets a share of the time to it (it finishes the number of micro-batches it is pricing)
-    and is cut shortly past it (at least a small share of the budget when it starts late), and never past
-    the hard end (it does not start past it)."""
+    and is cut shortly past it (at least a small share of the budget when it starts late), and never nearer
+    the hard end than the final mapping of a whole graph takes (``run.linear_s``: it does not start there)."""
     bud, ev = run.budget, run.ev
     until = until or bud.deadline("pipeline")
     tp0 = time.perf_counter()
     room = max(until.left(), bud.share(B.PIPELINE_MIN_SHARE))
-    cut = Deadline(bud.now() + room + bud.share(B.PIPELINE_OVER), bud.clock).sooner(bud.hard_end())
-    if cut.left() <= 0.01:          # the hard end has passed (a starved host): no stage search starts
+    last = bud.hard_end().plus(-run.linear_s)
+    cut = Deadline(bud.now() + room + bud.share(B.PIPELINE_OVER), bud.clock).sooner(last)
+    if cut.left() <= 0.01:          # at the hard end (a starved host): no stage search starts
         pipe = None
-        run.stats["pipeline_not_started"] = "past the budget's hard end"
+        run.stats["pipeline_not_started"] = "past the budget's hard end, less the final mapping's time"
     else:
         pipe = _pipeline(run.g, ev, room * B.PIPELINE_SEARCH_SHARE, cut, accept=lambda p: _pipeline_refusal(run, p))
     if pipe is None and cut.passed():

@@ -223,3 +223,18 @@ def test_nothing_fits_starts_no_whole_graph_step_with_less_time_than_data_parall
     else:
         assert "segments_skipped" not in r.stats and r.stats["dp_by_rules"]["equal_to_baseline"]
         assert "seconds" in acc or "none" in acc and not acc["none"].startswith("too little time")
+
+
+@pytest.mark.parametrize("model,h", [("mlp", 64), ("mlp", 100_000), ("diamond", 64), ("two_branches", 64)])
+def test_the_imported_graph_on_one_device_maps_as_the_dp_would(model, h):
+    """The fallback maps the imported graph on one device without the DP: there every operator has one view, so
+    the DP's mapping (and its memory techniques' choice) is that one, fitting or not."""
+    from unity_pcg.machine import Resource
+
+    from . import graphs
+    g = getattr(graphs, model)(batch=8, h=h)
+    ev = Evaluator(parse_machine("summit:1x4"), "adam")
+    one = Resource(0, 1, 1)
+    a, b = ev.full(g, one), ev.cheap(g, one)
+    assert (a.views, a.feasible, a.memory) == (b.views, b.feasible, b.memory)
+    assert a.cost == pytest.approx(b.cost, rel=1e-12) and a.feasible == (h < 1000)   # (sums in another order)
