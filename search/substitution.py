@@ -609,8 +609,8 @@ def best_first(start: Sequence[Candidate], expand: Callable[[Candidate], Iterabl
     expansion order is by DP-predicted cost and a budget cut costs no unneeded DP solves.  A
     candidate costing more than ``alpha`` times the best of its ``key`` (one key if None) is neither
     re-queued nor expanded.  Stops when the queue is empty, after ``max_candidates`` expansions or
-    ``max_seconds`` or at ``deadline`` (:class:`search.budget.Deadline`, checked at the loop head; a
-    solve or an expansion it cuts, :class:`search.budget.Expired`, ends the search too: ``stats.stopped
+    ``max_seconds`` or at ``deadline`` (:class:`search.budget.Deadline`, checked at the loop head and between
+    an expansion's neighbours; a solve or an expansion it cuts, :class:`search.budget.Expired`, ends the search too: ``stats.stopped
     == "seconds"``); a KeyboardInterrupt stops it too (``stats.stopped == "interrupted"``) with the
     best so far.  Ties are broken by insertion order: with a candidate budget the result is the same
     every time."""
@@ -673,6 +673,8 @@ def best_first(start: Sequence[Candidate], expand: Callable[[Candidate], Iterabl
                 continue
             stats.explored += 1
             for g2, steps in expand(c):
+                if deadline is not None and deadline.passed():
+                    raise Expired()     # (one expansion of a large graph applies hundreds of rewrites)
                 h = g2.structural_hash()
                 if h in seen:
                     stats.duplicates += 1

@@ -93,6 +93,32 @@ def test_best_first_order_budget_alpha_and_dedup():
     assert res.stats.stopped == "interrupted" and res.best.cost <= 8.0
 
 
+def test_best_first_stops_inside_an_expansion_at_its_deadline():
+    """One expansion of a large graph applies hundreds of rewrites: the deadline is checked between its
+    neighbours, so the search stops inside it (with the best priced so far) instead of after all of them."""
+    from unity_pcg.search.budget import Deadline
+
+    from .test_budget import Tick
+
+    def graph(n):
+        b = PCG.builder()
+        x = b.add("Input", {"name": "x", "shape": (n + 1, 2)})
+        b.set_outputs([x])
+        return b.finish()
+
+    made = []
+
+    def expand(c):
+        for d in range(1, 1001):
+            made.append(d)
+            yield graph(d), ()
+
+    clock = Tick(1.0)
+    res = best_first([Candidate(5.0, graph(0), ())], expand, lambda g: (1.0, None), 1.0, 100,
+                     deadline=Deadline(10.0, clock))
+    assert res.stats.stopped == "seconds" and len(made) < 20 and res.best.cost == 5.0
+
+
 def _export_mlp(path, b=16, h=32, ci=24, co=8):
     torch = pytest.importorskip("torch")
 
