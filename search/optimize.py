@@ -1327,13 +1327,7 @@ def _search_segments(run: _Run):
     phase, then data parallelism by rules assembled from the segments' seeds: the floor.  Returns the
     search's (graph, steps), or None."""
     ev, bud = run.ev, run.budget
-    if run.dp_res is not None and not run.dp_res.feasible and not _leaves_a_mapping(run, bud.deadline("segments")):
-        # with less time to its mark than a whole-graph pass takes, the phase would only build data parallelism
-        # by rules (canonicalizing the segments and their dp seeds is such a pass; the searches would get no
-        # time), priced past the mark no better than data parallelism (the same graph, mapped as the floor was
-        # or more plainly): that does not fit, so nothing the phase builds could be chosen
-        run.stats["segments_skipped"] = "too little time to its mark, and data parallelism (its floor) does not fit"
-        run.mark("segments")
+    if _segments_futile(run):
         return None
     ev.wall = bud.deadline("pricing")                   # no limited solve past the substitution phase
     out, st, dpg, dpst, stats, interrupted = _segment_search(
@@ -1349,6 +1343,19 @@ def _search_segments(run: _Run):
     run.stats["phase_s"] = {"segments": bud.elapsed()}
     run.mark("segments")
     return (out, st) if out is not None else None
+
+
+def _segments_futile(run: _Run) -> bool:
+    """Whether the segments phase (either search's) has nothing to build that could be chosen: with less time to
+    its mark than a whole-graph pass takes (:func:`_leaves_a_mapping`), it would only build data parallelism by
+    rules (canonicalizing the segments and their dp seeds, or pricing the sequential search's start, is such a
+    pass; the searches would get no time), priced past the mark no better than data parallelism (the same graph,
+    mapped as the floor was or more plainly); when that does not fit, the phase is skipped (recorded)."""
+    if run.dp_res is None or run.dp_res.feasible or _leaves_a_mapping(run, run.budget.deadline("segments")):
+        return False
+    run.stats["segments_skipped"] = "too little time to its mark, and data parallelism (its floor) does not fit"
+    run.mark("segments")
+    return True
 
 
 def _pricing_left(run: _Run) -> float:
@@ -1422,6 +1429,8 @@ def _sequential_candidates(run: _Run) -> None:
     until that end."""
     g, ev, book, bud = run.g, run.ev, run.book, run.budget
     with bud.phase("segments"):
+        if _segments_futile(run):
+            return
         one = Resource(0, 1, 1)
         alg = [r for r in book.rules if not r.is_parallel]
         par = [r for r in book.rules if r.is_parallel]

@@ -238,3 +238,20 @@ def test_the_imported_graph_on_one_device_maps_as_the_dp_would(model, h):
     a, b = ev.full(g, one), ev.cheap(g, one)
     assert (a.views, a.feasible, a.memory) == (b.views, b.feasible, b.memory)
     assert a.cost == pytest.approx(b.cost, rel=1e-12) and a.feasible == (h < 1000)   # (sums in another order)
+
+
+@pytest.mark.parametrize("linear_s", [0.0, 1e9])
+def test_the_sequential_search_is_skipped_as_the_segments_are(monkeypatch, linear_s):
+    """The sequential strategy's searches (algebraic on one device, then parallel) run in the segments phase: with
+    less time to its mark than ``linear_s`` while data parallelism does not fit, they are skipped too."""
+    from .graphs import mlp
+    g = mlp(batch=8, h=100_000, layers=2)          # nothing fits a device
+    real = O._price_data_parallel
+
+    def priced(run):
+        real(run)
+        run.linear_s = linear_s
+    monkeypatch.setattr(O, "_price_data_parallel", priced)
+    r = optimize(g, "summit:1x4", budget_s=30.0, strategy="sequential", max_candidates=2)
+    assert not r.feasible and r.stats["chosen"] == "imported graph (nothing fits)"
+    assert bool(r.stats.get("segments_skipped")) == bool(linear_s) and ("algebraic" in r.stats) == (not linear_s)
