@@ -217,8 +217,12 @@ class Evaluator:
             self.calls += 1
             try:
                 with within(dl):
-                    r = self.mapper.optimize(g, resource=resource, fixed=self.pins(g, resource))
-                c = self._memo[key] = r.cost if r.feasible else INF
+                    if resource is not None and resource.size == 1:
+                        # one device: one view per operator, so the DP's mapping is the linear one
+                        r = self.mapper.first_views(g, resource, self.pins(g, resource))
+                    else:
+                        r = self.mapper.optimize(g, resource=resource, fixed=self.pins(g, resource))
+                c = self._memo[key] = r.cost if r is not None and r.feasible else INF
                 if keep:
                     self._kept[key] = (_id_signature(g), r)
             except Expired:             # remembered for limited calls only (not when a wall cut it)
@@ -1443,7 +1447,8 @@ def _sequential_candidates(run: _Run) -> None:
         if run.n_dev > 1 and run.dp_deg > 1:
             with within(bud.hard_end()):
                 g2, st2 = data_parallel_steps(g1, run.dp_deg, book)
-                dg, dst = data_parallel_steps(g, run.dp_deg, book)
+                # (from the imported graph: the same sequence when the algebraic search kept it)
+                dg, dst = (g2, st2) if not st1 else data_parallel_steps(g, run.dp_deg, book)
             run.floor.append(_price_dp_by_rules(ev, g, book, dg, dst, run.dp_pg, lambda: _pricing_left(run),
                                                 run.stats, run.dp_cut))
         g3, st3, s2 = _whole_search(g2, par, book, lambda x: ev.cost(trimmed(x)), end, run.max_candidates,

@@ -227,8 +227,9 @@ def test_nothing_fits_starts_no_whole_graph_step_with_less_time_than_data_parall
 
 @pytest.mark.parametrize("model,h", [("mlp", 64), ("mlp", 100_000), ("diamond", 64), ("two_branches", 64)])
 def test_the_imported_graph_on_one_device_maps_as_the_dp_would(model, h):
-    """The fallback maps the imported graph on one device without the DP: there every operator has one view, so
-    the DP's mapping (and its memory techniques' choice) is that one, fitting or not."""
+    """The fallback maps the imported graph on one device without the DP, and ``Evaluator.cost`` prices a graph on
+    one device so (the sequential strategy's algebraic search): there every operator has one view, so the DP's
+    mapping (and its memory techniques' choice) is that one, fitting or not."""
     from unity_pcg.machine import Resource
 
     from . import graphs
@@ -238,6 +239,8 @@ def test_the_imported_graph_on_one_device_maps_as_the_dp_would(model, h):
     a, b = ev.full(g, one), ev.cheap(g, one)
     assert (a.views, a.feasible, a.memory) == (b.views, b.feasible, b.memory)
     assert a.cost == pytest.approx(b.cost, rel=1e-12) and a.feasible == (h < 1000)   # (sums in another order)
+    c = Evaluator(parse_machine("summit:1x4"), "adam").cost(g, one)
+    assert c == pytest.approx(a.cost, rel=1e-12) if a.feasible else c == math.inf
 
 
 @pytest.mark.parametrize("linear_s", [0.0, 1e9])
