@@ -610,8 +610,8 @@ def best_first(start: Sequence[Candidate], expand: Callable[[Candidate], Iterabl
     candidate costing more than ``alpha`` times the best of its ``key`` (one key if None) is neither
     re-queued nor expanded.  Stops when the queue is empty, after ``max_candidates`` expansions or
     ``max_seconds`` or at ``deadline`` (:class:`search.budget.Deadline`, checked at the loop head and between
-    an expansion's neighbours; a solve or an expansion it cuts, :class:`search.budget.Expired`, ends the search too: ``stats.stopped
-    == "seconds"``); a KeyboardInterrupt stops it too (``stats.stopped == "interrupted"``) with the
+    an expansion's neighbours; a solve or an expansion it cuts, :class:`search.budget.Expired`, ends the search
+    too: ``stats.stopped == "seconds"``); a KeyboardInterrupt stops it too (``stats.stopped == "interrupted"``) with the
     best so far.  Ties are broken by insertion order: with a candidate budget the result is the same
     every time."""
     t0 = time.perf_counter()

@@ -788,7 +788,7 @@ class _ExportedShapes:
     inference (C++) answers first; a tensor it leaves without a fully static shape makes the graph be
     imported once at its exported batch (the probe, a whole second import), which then answers every
     question.  Where both know a tensor they agree (the importer follows the operators' ONNX semantics;
-    ``tests/onnx_import/test_batch_override.py`` checks it on the corpus)."""
+    ``tests/unity_pcg/test_batch_override.py`` checks it)."""
 
     def __init__(self, model, base):
         self.model, self.base = model, base
