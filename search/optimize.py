@@ -610,7 +610,10 @@ def _pipeline(g: PCG, ev: "Evaluator", budget_s: float, hard: Deadline | None = 
     except ImportError:
         return None
     model, machine = getattr(ev.mapper, "model", None), getattr(ev, "machine", None)
-    layouts = (ilp_intra(machine, optimizer=model.optimizer, precision=model.precision),) \
+    # (the ILP without memory rows where the techniques are priced, as in gradient accumulation)
+    budget = math.inf if getattr(ev.mapper, "default_techniques", False) else None
+    layouts = (ilp_intra(machine, optimizer=model.optimizer, precision=model.precision, memory_budget=budget,
+                         batch=_batch_of(g)),) \
         if model is not None and machine is not None else ()
 
     def search_pipeline(*a, **kw):
@@ -1234,11 +1237,17 @@ def _accumulation_candidates(run: _Run, until: Deadline) -> None:
     if run.n_dev <= 1 or not run.b or run.b < 2:
         return
     m, ev = run.m, run.ev
+    # with the memory techniques priced, each micro-batch's ILP keeps no memory rows: its layout is the
+    # fastest, and the techniques (recomputation, ZeRO, offload) and the micro-batch walk make it fit, jointly
+    # priced; without them the ILP keeps the layout within the device's memory itself
+    techniques = getattr(ev.mapper, "default_techniques", True)
+    budget = math.inf if techniques else None
 
     def ilp(mesh):
         def hook(stage: PCG, resource: Resource) -> PCG:
+            micro_batches = run.b // max(_batch_of(stage) or run.b, 1)
             p = propose(stage, m, mesh, optimizer=run.optimizer, precision=ev.mapper.model.precision,
-                        deadline=until)
+                        deadline=until, memory_budget=budget, micro_batches=micro_batches)
             if p.pcg is None:
                 raise UnityError(f"mesh {p.name}: {p.status}")
             return p.pcg
@@ -1249,6 +1258,7 @@ def _accumulation_candidates(run: _Run, until: Deadline) -> None:
         return
     layouts = [("data parallel", default_intra)] + [(f"layout mesh {a}x{b}", ilp((a, b))) for a, b in mesh_shapes(m)]
     t0 = time.perf_counter()
+    fitted = None
     if _floor_grids_cover_data_parallel(run):
         # the floors' grids walk those points already (best-first, with their other pairs): they go on instead
         # for up to half the time, the meshes' layouts get the rest
@@ -1257,10 +1267,12 @@ def _accumulation_candidates(run: _Run, until: Deadline) -> None:
         run.stats["accumulation_data_parallel"] = "walked by the tuned floors' grids"
         if not layouts or until.passed():
             return
+        fitted = max((p.config.micro_batch for p in run.tuners["megatron"].points
+                      if p.feasible and p.layout.tp == 1 and p.layout.pp == 1 and not p.layout.name), default=None)
     try:
         # optimize(memory_techniques=False): micro-batching alone, as the mapper prices every other candidate
-        r = accumulate(run.g, ev.mapper, layouts, until,
-                       tech=None if getattr(ev.mapper, "default_techniques", True) else _no_techniques())
+        r = accumulate(run.g, ev.mapper, layouts, until, fitted=fitted,
+                       tech=None if techniques else _no_techniques())
     except (TunedError, Expired) as e:
         run.stats["accumulation"] = {"none": str(e) or "cut by the budget"}
         return

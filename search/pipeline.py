@@ -590,7 +590,8 @@ def megatron_intra(devices_per_node: int, head: bool = True, sp: bool = False) -
 
 
 def ilp_intra(machine: MachineSpec, optimizer: str = "adam", precision: str = "fp32", time_limit_s: float = 30.0,
-              idle: bool = True) -> Callable[[PCG, Resource], PCG]:
+              idle: bool = True, memory_budget: float | None = None,
+              batch: int | None = None, sharded_update: bool = False) -> Callable[[PCG, Resource], PCG]:
     """An ``intra`` hook: the stage laid out by the label ILP of :func:`search.alpa.intra.solve_intra` on its
     sub-mesh, as the layouts phase lays out the whole graph (:mod:`search.layouts`): the logical mesh is the
     sub-mesh's own shape (whole nodes x the devices of a node, or 1 x its devices inside a node), from its
@@ -601,7 +602,11 @@ def ilp_intra(machine: MachineSpec, optimizer: str = "adam", precision: str = "f
     (:func:`search.budget.current`) passed; each solve is bounded by that deadline and ``time_limit_s``.
     The hook remembers its layouts per stage (its nodes) and sub-mesh; with ``hook.reuse`` set (the search's
     cheap pass, :func:`search_pipeline`) the same stage at another micro-batch size gets that layout rebatched
-    (:func:`rebatch`; solved anew where a degree no longer divides) instead of a new solve."""
+    (:func:`rebatch`; solved anew where a degree no longer divides) instead of a new solve.  ``memory_budget``:
+    the ILP's memory rows (:func:`search.layouts.propose`; ``math.inf`` where the memory techniques are priced:
+    the fastest layout, which they and the stage's micro-batches in flight then make fit or not).  ``batch``:
+    the global batch: a stage at a micro-batch of ``b`` is one of ``batch / b`` micro-batches, whose gradient
+    sync and update the ILP weighs at that share, and ``sharded_update`` (:func:`search.alpa.intra.solve_intra`)."""
     from .alpa.intra import solve_intra
     solved: dict = {}           # (the stage's nodes, its sub-mesh) -> (laid-out PCG, its batch)
 
@@ -632,7 +637,9 @@ def ilp_intra(machine: MachineSpec, optimizer: str = "adam", precision: str = "f
             at = dl.at if dl.clock is time.monotonic else None
         mesh = (resource.nodes, resource.per_node) if resource.nodes > 1 else (1, resource.size)
         plan = solve_intra(stage, machine, mesh, start=resource.start, optimizer=optimizer,
-                           precision=precision, price=False, deadline=at, time_limit_s=limit, idle=idle)
+                           precision=precision, price=False, deadline=at, time_limit_s=limit, idle=idle,
+                           memory_budget=memory_budget, micro_batches=batch // b if batch and b else 1,
+                           sharded_update=sharded_update)
         if plan.pcg is None:
             raise UnityError(f"the layout ILP on {mesh[0]}x{mesh[1]}: {plan.status}")
         if b is not None:

@@ -1106,7 +1106,7 @@ def tune(g: PCG, mapper, strategy: str = "megatron", deadline: Deadline | None =
 
 
 def accumulate(g: PCG, mapper, layouts, deadline: Deadline | None = None, *, tech=None,
-               max_layers: int = MAX_LAYERS) -> TunedResult:
+               max_layers: int = MAX_LAYERS, fitted: int | None = None) -> TunedResult:
     """Gradient accumulation in the joint search (DESIGN "optimize() policy"): the fastest feasible plan of
     one stage that runs the global batch as M micro-batches (:func:`search.pipeline.micro_graph`, the one
     test of micro-batching), each micro-batch parallelized by one of ``layouts`` -- ``[(name, intra)]``,
@@ -1116,7 +1116,11 @@ def accumulate(g: PCG, mapper, layouts, deadline: Deadline | None = None, *, tec
     :mod:`search.memtech`; ZeRO-3 gathers every micro-batch).  The micro-batch count is walked per layout as
     the tuned grid walks it: fewest micro-batches first, skipping those a priced point predicts not to fit;
     the first layout's walk runs first and the others start where it first fitted.  The full batch (M = 1) is
-    not priced here (the caller has it).  ``deadline`` bounds everything; what was priced by then counts."""
+    not priced here (the caller has it).  ``fitted``: the largest micro-batch (per data-parallel copy) at which
+    the caller already found data parallelism to fit (a tuned floor's walk): every walk starts there (a larger
+    one fits only on a layout that splits the activations finer than the batch: under a deadline the likelier
+    sizes first).  ``deadline`` bounds everything;
+    what was priced by then counts."""
     if any(n.kind == "parallel" for n in g.nodes()):
         raise TunedError("accumulate needs a logical PCG")
     t = _Tuner(g, mapper, "accumulate", deadline, tech or techniques(), max_layers=max_layers, per_region=True)
@@ -1126,6 +1130,9 @@ def accumulate(g: PCG, mapper, layouts, deadline: Deadline | None = None, *, tec
     walks = [{"tp": 1, "pp": 1, "dp": dp, "ms": ms, "i": 0, "n": 0, "best": INF, "done": not ms,
               "intra": intra, "name": name} for name, intra in layouts]
     t.stats["layouts"] = [name for name, _ in layouts]
+    for w in walks if fitted else ():
+        while w["i"] < len(w["ms"]) - 1 and w["ms"][w["i"]] > fitted:
+            w["i"] += 1
     try:
         if walks:
             first = walks[0]

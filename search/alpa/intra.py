@@ -518,9 +518,16 @@ class IntraProblem:
 
     def __init__(self, g: PCG, machine: MachineSpec, mesh: tuple[int, int], start: int = 0,
                  optimizer: str = "adam", weight_update_sharding: bool = False, deadline: float | None = None,
-                 precision: str = "fp32", idle: bool = False):
+                 precision: str = "fp32", idle: bool = False, micro_batches: int = 1, sharded_update: bool = False):
         n0, n1 = mesh
         self.g = g
+        # ``micro_batches`` M: the graph is one of M micro-batches of an iteration (gradient accumulation, a
+        # pipeline stage), so a node's gradient sync and optimizer update, once per iteration, weigh 1/M of
+        # a micro-batch's compute and transfers in the objective (its per-micro-batch share)
+        self.micro_batches = max(int(micro_batches), 1)
+        # ``sharded_update``: the optimizer update of a weight copied k ways priced at 1/k of it, as ZeRO-1 (the
+        # distributed optimizer, which the memory techniques choose where it pays) shards it over the copies
+        self.sharded_update = bool(sharded_update)
         self.machine = machine
         self.zero = weight_update_sharding
         self._deadline = deadline
@@ -589,7 +596,8 @@ class IntraProblem:
         """The algorithms of anchor ``a`` with their group's derived algorithms, node costs and memory
         (memoized by the group's structure: the layers of a deep model are priced once)."""
         mem_ids = self.members[a]
-        key = (self._static_key(a), tuple(_node_key(self.g, m) for m in mem_ids))
+        key = (self._static_key(a), tuple(_node_key(self.g, m) for m in mem_ids), self.micro_batches,
+               self.sharded_update)
         hit = self._anchor_cache.get(key)
         if hit is None:
             algos = enumerate_algos(self.g, a, self.mesh) or [Algo((), None)]
@@ -597,9 +605,10 @@ class IntraProblem:
             for al in algos:            # one group's algorithms may take long on a large mesh: checked each
                 _check_deadline(self._deadline, "building the intra-operator ILP")
                 chosen, insts = self._derive(a, al)
-                c, m, parts = self._group_cost(a, insts)
+                c, m, parts, once, shardable = self._group_cost(a, insts)
                 if not math.isfinite(c):
                     continue
+                c -= (once * (self.micro_batches - 1) + (shardable if self.sharded_update else 0.0)) / self.micro_batches
                 sig = (self._signature(a, insts), c, m, parts)
                 if sig in seen:        # the same layouts at every boundary at the same price
                     continue
@@ -656,9 +665,11 @@ class IntraProblem:
         out = self._static[a] = tuple(parts)
         return out
 
-    def _group_cost(self, a: int, insts: dict) -> tuple[float, float, tuple]:
-        """Node cost, memory and its parts of anchor group ``a`` with its members laid out as ``insts``:
-        priced on a fragment PCG by :class:`GraphCost` (cached by structure).  The memory is the busiest
+    def _group_cost(self, a: int, insts: dict) -> tuple[float, float, tuple, float, float]:
+        """Node cost, memory and its parts of anchor group ``a`` with its members laid out as ``insts``, the
+        part of the cost paid once per iteration (gradient sync, optimizer update), and the part of the update a
+        sharded update over the weights' copies saves (ZeRO-1): priced on a
+        fragment PCG by :class:`GraphCost` (cached by structure).  The memory is the busiest
         device's bytes; its parts, on that device: (weights + gradients + optimizer states, activations
         kept that are no member's output, per member output in order (bytes kept for backward, bytes
         not kept, bytes of its gradient)), which :meth:`_build_liveness` puts on liveness intervals."""
@@ -677,13 +688,17 @@ class IntraProblem:
         ext_nodes: set = set()           # placements of tensors from other groups: no memory here
         gathered: list = []              # weight-update sharding: gathered weights kept for backward
         kept: dict = {}                  # fragment ref -> fraction kept, from the real graph's consumers
+        copies: dict = {}                # fragment node -> how many copies of its weights the mesh holds
         for m in self.members[a]:
             n = g.node(m)
             inst = insts[m]
             ins = []
+            k_copies = 1
             for pos, r in enumerate(n.inputs):
                 p = g.node(r[0])
                 want = inst.in_lay[pos]
+                if p.op == "Weight":
+                    k_copies = max(k_copies, self.mesh.size(want.copy))
                 if r[0] in local:
                     have = insts[r[0]].final_lay[r[1]]
                     ck = (("int", r), want)
@@ -691,8 +706,8 @@ class IntraProblem:
                         try:
                             placed[ck] = convert(b, new[r], have, want, self.mesh, views, f"m{m}.{pos}")
                         except _Infeasible:
-                            self._frag_cache[key] = (INF, INF, ())
-                            return INF, INF, ()
+                            self._frag_cache[key] = (INF, INF, (), 0.0, 0.0)
+                            return INF, INF, (), 0.0, 0.0
                     ins.append(placed[ck])
                     continue
                 if p.kind == "source":
@@ -717,6 +732,7 @@ class IntraProblem:
                 ins.append(placed[ck])
             nid = b.add_node(n.op, n.a, ins, name=n.name)
             views[nid] = inst.view
+            copies[nid] = k_copies
             for k in range(len(g.shapes(m))):
                 ref = (nid, k)
                 if inst.out_lay[k].sum:
@@ -727,9 +743,12 @@ class IntraProblem:
         b.set_outputs(outs)
         frag = b.finish()
         gc = GraphCost(frag, self.model)
-        total = 0.0
+        total = once = shardable = 0.0
         for nid in gc.nodes():
-            total += gc.leaf_cost(nid, views[nid], views).time
+            leaf = gc.leaf_cost(nid, views[nid], views)
+            total += leaf.time
+            once += leaf.sync + leaf.update
+            shardable += leaf.update * (1.0 - 1.0 / copies.get(nid, 1))
         n_dev = self.model.machine.num_devices     # per device: bytes held, weight bytes, whether any
         per_dev = np.zeros(n_dev)
         w_dev = np.zeros(n_dev)
@@ -760,7 +779,7 @@ class IntraProblem:
             outs_parts.append((kb, float(s.piece_nbytes) - kb,
                                float(s.piece_nbytes) if s.dtype.startswith(("float", "bfloat")) else 0.0))
         rest = max(0.0, float(peak) - (static - sum(gathered)) - sum(p[0] for p in outs_parts))
-        res = (total, float(peak) + sum(gathered), (static, rest, tuple(outs_parts)))
+        res = (total, float(peak) + sum(gathered), (static, rest, tuple(outs_parts)), once, shardable)
         self._frag_cache[key] = res
         return res
 
@@ -1519,7 +1538,8 @@ def solve_intra(g: PCG, machine: MachineSpec, mesh: tuple[int, int], *, start: i
                 memory_budget: float | None = None, weight_update_sharding: bool = False,
                 time_limit_s: float = 30.0, solver: str = "highs", mip_gap: float = 1e-7,
                 price: bool = True, deadline: float | None = None, precision: str = "fp32",
-                idle: bool = False, copy_free_outputs: bool = False) -> IntraPlan:
+                idle: bool = False, copy_free_outputs: bool = False, micro_batches: int = 1,
+                sharded_update: bool = False) -> IntraPlan:
     """Alpa's intra-operator plan of the logical PCG ``g`` on the ``mesh`` (n0, n1) of devices
     ``start .. start+n0*n1-1`` of ``machine`` (see module docstring).  ``memory_budget``: bytes per device
     (default: the device's capacity).  ``mip_gap``: relative gap at which the MIP stops when the LP relaxation
@@ -1536,7 +1556,11 @@ def solve_intra(g: PCG, machine: MachineSpec, mesh: tuple[int, int], *, start: i
     :mod:`search.layouts` use it, and the machine-mapping DP then places such operators on any devices).
     ``copy_free_outputs``: every graph output must leave partitioned (and reduced), never with copies (a
     pipeline stage that sends its outputs to a stage laid out otherwise; :class:`IntraInfeasible` when an
-    output's operator cannot)."""
+    output's operator cannot).  ``micro_batches``: ``g`` is one of that many micro-batches of an iteration
+    (gradient accumulation, a pipeline stage): the objective counts each operator's gradient sync and update
+    as 1/M of it (they run once per iteration), so the layout is the fastest over the iteration.
+    ``sharded_update``: a copied weight's optimizer update is priced as ZeRO-1 shards it over the copies (where
+    the caller prices the memory techniques, which choose it where it pays)."""
     t0 = time.perf_counter()
     try:
         n0, n1 = (int(x) for x in mesh)
@@ -1552,7 +1576,8 @@ def solve_intra(g: PCG, machine: MachineSpec, mesh: tuple[int, int], *, start: i
         memory_budget = float(machine.device.usable_bytes)
     _check_deadline(deadline, "the intra-operator pass")
     prob = IntraProblem(g, machine, (n0, n1), start, optimizer, weight_update_sharding, deadline=deadline,
-                        precision=precision, idle=idle)
+                        precision=precision, idle=idle, micro_batches=micro_batches,
+                        sharded_update=sharded_update)
     prob.copy_free_outputs = bool(copy_free_outputs)
     t1 = time.perf_counter()
     try:
