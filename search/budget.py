@@ -66,6 +66,9 @@ PHASES: tuple[Phase, ...] = (
 #: proposals by the DP and reaches them by rules)
 PROPOSALS_START_SHARE = 0.5
 PROPOSALS_SOLVE_SHARE = 0.75
+#: the share of the time left to the layouts phase's mark that gradient accumulation gets where nothing priced
+#: fits at the full batch (it then runs before the proposals, which are at the full batch: unlikely to fit)
+ACCUMULATION_EARLY_SHARE = 0.9
 #: the share of the time left to the layouts phase's mark in which the tuned floors' grid walks that the floors
 #: phase cut walk on, at the phase's start (optimize._resume_cut_grids)
 FLOOR_RESUME_SHARE = 0.5

@@ -610,10 +610,11 @@ def _pipeline(g: PCG, ev: "Evaluator", budget_s: float, hard: Deadline | None = 
     except ImportError:
         return None
     model, machine = getattr(ev.mapper, "model", None), getattr(ev, "machine", None)
-    # (the ILP without memory rows where the techniques are priced, as in gradient accumulation)
-    budget = math.inf if getattr(ev.mapper, "default_techniques", False) else None
-    layouts = (ilp_intra(machine, optimizer=model.optimizer, precision=model.precision, memory_budget=budget,
-                         batch=_batch_of(g)),) \
+    # (the ILP without memory rows, with ZeRO-1's update, where the techniques are priced, as in accumulation)
+    techniques = bool(getattr(ev.mapper, "default_techniques", False))
+    layouts = (ilp_intra(machine, optimizer=model.optimizer, precision=model.precision,
+                         memory_budget=math.inf if techniques else None, batch=_batch_of(g),
+                         sharded_update=techniques),) \
         if model is not None and machine is not None else ()
 
     def search_pipeline(*a, **kw):
@@ -1108,7 +1109,8 @@ def _layout_candidates(run: _Run) -> None:
     # likely to: its activations are the batch's); else after the proposals, when none of them fits either
     early = not _fits_full_batch(run)
     if early:                   # most of the phase: the full-batch proposals are then unlikely to fit either
-        _accumulation_candidates(run, Deadline(bud.now() + max(wall.left(), 0.0) * 3 / 4, bud.clock))
+        _accumulation_candidates(run, Deadline(bud.now() + max(wall.left(), 0.0) * B.ACCUMULATION_EARLY_SHARE,
+                                               bud.clock))
     left = max(wall.left(), 0.0)
     start_by = Deadline(bud.now() + left * B.PROPOSALS_START_SHARE, bud.clock)
     for p in proposals(run.g, run.m, deadline=start_by, optimizer=run.optimizer,
@@ -1247,7 +1249,8 @@ def _accumulation_candidates(run: _Run, until: Deadline) -> None:
         def hook(stage: PCG, resource: Resource) -> PCG:
             micro_batches = run.b // max(_batch_of(stage) or run.b, 1)
             p = propose(stage, m, mesh, optimizer=run.optimizer, precision=ev.mapper.model.precision,
-                        deadline=until, memory_budget=budget, micro_batches=micro_batches)
+                        deadline=until, memory_budget=budget, micro_batches=micro_batches,
+                        sharded_update=techniques)
             if p.pcg is None:
                 raise UnityError(f"mesh {p.name}: {p.status}")
             return p.pcg
@@ -1261,8 +1264,9 @@ def _accumulation_candidates(run: _Run, until: Deadline) -> None:
     fitted = None
     if _floor_grids_cover_data_parallel(run):
         # the floors' grids walk those points already (best-first, with their other pairs): they go on instead
-        # for up to half the time, the meshes' layouts get the rest
-        layouts = layouts[1:]
+        # for up to half the time, the meshes' layouts get the rest; the one-axis mesh, whose layout is the
+        # nearest data parallelism, last
+        layouts = layouts[2:] + layouts[1:2]
         _resume_cut_grids(run, Deadline(run.budget.now() + max(until.left(), 0.0) / 2, run.budget.clock))
         run.stats["accumulation_data_parallel"] = "walked by the tuned floors' grids"
         if not layouts or until.passed():
@@ -1271,7 +1275,10 @@ def _accumulation_candidates(run: _Run, until: Deadline) -> None:
                       if p.feasible and p.layout.tp == 1 and p.layout.pp == 1 and not p.layout.name), default=None)
     try:
         # optimize(memory_techniques=False): micro-batching alone, as the mapper prices every other candidate
-        r = accumulate(run.g, ev.mapper, layouts, until, fitted=fitted,
+        # (a point that cannot beat a floor priced so far is not priced: the floor would be returned)
+        beat = min([oc for _, oc, _, _ in run.others.values()]
+                   + ([run.dp_res.cost] if run.dp_res is not None and run.dp_res.feasible else []), default=INF)
+        r = accumulate(run.g, ev.mapper, layouts, until, fitted=fitted, beat=beat,
                        tech=None if techniques else _no_techniques())
     except (TunedError, Expired) as e:
         run.stats["accumulation"] = {"none": str(e) or "cut by the budget"}

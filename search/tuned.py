@@ -446,6 +446,10 @@ class _Tuner:
     """One grid search: the layout points mapped (:meth:`whole`, :meth:`pipeline`), their technique
     points priced (:meth:`price_layout`), the walks over micro-batch sizes (:meth:`run`), the result."""
 
+    #: a plan's time the caller has (accumulate(beat=)): points that recompute and could not be faster are not
+    #: priced (:meth:`_recompute_bounded`)
+    beat: float = INF
+
     def __init__(self, g: PCG, mapper, strategy: str, deadline: Deadline | None, tech, cheap=None,
                  max_layers: int = MAX_LAYERS, sp: bool = True, grid: bool = True, per_region: bool = False):
         from .cost import GraphCost
@@ -590,7 +594,7 @@ class _Tuner:
                 break
             if rec == PER_REGION and z in fits:
                 continue                  # it would choose no recomputation: that point is priced
-            if rec == PER_REGION and self._per_region_bounded(out, z):
+            if rec != "none" and (rec == PER_REGION or math.isfinite(self.beat)) and self._recompute_bounded(out, z):
                 continue
             cfg = TunedConfig(lay.tp, lay.pp, lay.dp, mbs, lay.M, rec, z == 1, lay.sp, z, lay.name)
             if lay.reason:
@@ -608,15 +612,16 @@ class _Tuner:
             self.stats["technique_points"] += 1
         return out
 
-    def _per_region_bounded(self, out: list, z: int) -> bool:
-        """Whether the layout's per-region point at ZeRO stage ``z`` cannot beat the best point that fits:
-        recomputing regions only adds time, so its time is at least that of the same layout and ZeRO stage
-        recomputing nothing (priced first, fitting or not).  ``stats["per_region_bounded"]`` counts them."""
+    def _recompute_bounded(self, out: list, z: int) -> bool:
+        """Whether the layout's point recomputing at ZeRO stage ``z`` cannot beat the best point that fits (or
+        ``beat``, a plan the caller has): recomputing only adds time, so its time is at least that of the same
+        layout and ZeRO stage recomputing nothing (priced first, fitting or not).  ``stats["recompute_bounded"]``
+        counts them."""
         lower = min((p.time_s for p in out if p.config.recompute == "none" and p.config.zero == z), default=-INF)
-        best = min((p.cost for p in self.points if p.feasible), default=INF)
+        best = min(min((p.cost for p in self.points if p.feasible), default=INF), self.beat)
         if lower < best:
             return False
-        self.stats["per_region_bounded"] = self.stats.get("per_region_bounded", 0) + 1
+        self.stats["recompute_bounded"] = self.stats.get("recompute_bounded", 0) + 1
         return True
 
     def _price_whole(self, lay: _Layout, cfg: TunedConfig) -> _Point:
@@ -1106,7 +1111,7 @@ def tune(g: PCG, mapper, strategy: str = "megatron", deadline: Deadline | None =
 
 
 def accumulate(g: PCG, mapper, layouts, deadline: Deadline | None = None, *, tech=None,
-               max_layers: int = MAX_LAYERS, fitted: int | None = None) -> TunedResult:
+               max_layers: int = MAX_LAYERS, fitted: int | None = None, beat: float = INF) -> TunedResult:
     """Gradient accumulation in the joint search (DESIGN "optimize() policy"): the fastest feasible plan of
     one stage that runs the global batch as M micro-batches (:func:`search.pipeline.micro_graph`, the one
     test of micro-batching), each micro-batch parallelized by one of ``layouts`` -- ``[(name, intra)]``,
@@ -1115,15 +1120,18 @@ def accumulate(g: PCG, mapper, layouts, deadline: Deadline | None = None, *, tec
     :data:`PER_REGION` -- memtech's choice per region of what must go -- x ZeRO 0 / 1 / 3, priced by
     :mod:`search.memtech`; ZeRO-3 gathers every micro-batch).  The micro-batch count is walked per layout as
     the tuned grid walks it: fewest micro-batches first, skipping those a priced point predicts not to fit;
-    the first layout's walk runs first and the others start where it first fitted.  The full batch (M = 1) is
+    the first layout's walk runs first and the others start where it first fitted (with ``fitted``: every walk
+    starts there, and each takes its first step before any takes a second: the layouts breadth-first).  The full batch (M = 1) is
     not priced here (the caller has it).  ``fitted``: the largest micro-batch (per data-parallel copy) at which
     the caller already found data parallelism to fit (a tuned floor's walk): every walk starts there (a larger
     one fits only on a layout that splits the activations finer than the batch: under a deadline the likelier
-    sizes first).  ``deadline`` bounds everything;
+    sizes first).  ``beat``: the time of a plan the caller has: a point that recomputes and whose layout, at its
+    ZeRO stage without recomputing, is no faster, is not priced (it could not win).  ``deadline`` bounds everything;
     what was priced by then counts."""
     if any(n.kind == "parallel" for n in g.nodes()):
         raise TunedError("accumulate needs a logical PCG")
     t = _Tuner(g, mapper, "accumulate", deadline, tech or techniques(), max_layers=max_layers, per_region=True)
+    t.beat = beat
     N, B = t.machine.num_devices, t.B
     dp = N if B % N == 0 else 1
     ms = [m for m in micro_batch_sizes(B, dp, 1) if m < B // dp]
@@ -1134,7 +1142,8 @@ def accumulate(g: PCG, mapper, layouts, deadline: Deadline | None = None, *, tec
         while w["i"] < len(w["ms"]) - 1 and w["ms"][w["i"]] > fitted:
             w["i"] += 1
     try:
-        if walks:
+        rest = walks
+        if walks and not fitted:
             first = walks[0]
             while not first["done"]:
                 t._step(first, None)
@@ -1144,13 +1153,13 @@ def accumulate(g: PCG, mapper, layouts, deadline: Deadline | None = None, *, tec
                 while start is not None and w["i"] < len(w["ms"]) - 1 and w["ms"][w["i"]] > start:
                     w["i"] += 1
             rest = walks[1:]
-            for w in rest:
-                if not w["done"]:
-                    t._step(w, None)
-            while any(not w["done"] for w in rest):
-                w = min((w for w in rest if not w["done"]),
-                        key=lambda w: (math.isfinite(w["best"]), w["best"], w["n"]))
+        for w in rest:
+            if not w["done"]:
                 t._step(w, None)
+        while any(not w["done"] for w in rest):
+            w = min((w for w in rest if not w["done"]),
+                    key=lambda w: (math.isfinite(w["best"]), w["best"], w["n"]))
+            t._step(w, None)
     except Expired:
         t.stats["cut"] = True
     out = t.result()
