@@ -28,6 +28,7 @@ import json
 import math
 import os
 import platform
+import re
 import resource
 import subprocess
 import sys
@@ -174,6 +175,8 @@ def run(models, nodes, budget: float, layers: int | None, planners, rerun: bool)
                    "samples_s": BATCH / t if t else None, "wall_s": round(out["wall_s"], 1),
                    "cpu_s": round(out["cpu_s"], 1) if out.get("cpu_s") is not None else None,
                    "chosen": (out.get("search") or {}).get("chosen"),
+                   "best_own": (out.get("search") or {}).get("best_own"),
+                   "best_own_s": (out.get("search") or {}).get("best_own_s"),
                    "grid": {k: ((out.get("search") or {}).get("tuned") or {}).get(k) for k in ("cut", "points_priced")}
                    if (out.get("search") or {}).get("tuned") else None,
                    "reason": out.get("reason", ""), "max_memory_bytes": out.get("max_memory_bytes"),
@@ -184,6 +187,24 @@ def run(models, nodes, budget: float, layers: int | None, planners, rerun: bool)
             print(f"{name:10s} N={n} {strategy:9s} {row['status']:10s} "
                   f"{(t or math.nan) * 1e3:12.1f} ms  wall {row['wall_s']:.0f} s  {row['plan'] or row['reason'][:80]}",
                   flush=True)
+
+
+def _decides(unity_rows) -> list:
+    """Issue 18 point 2 at this scale: of Unity's rows where no pipeline wins, those whose plan is the general
+    search's own (``info.search.best_own``: the layouts, accumulation, the segments) or within 1% of it."""
+    rows = [r for r in unity_rows if r and r.get("status") == "ok" and "best_own" in r]
+    if not rows:
+        return []
+
+    def piped(r) -> bool:          # Unity's stage search, or a tuned floor with pipeline stages
+        chosen = r.get("chosen") or ""
+        return chosen.startswith("pipeline") or any(int(x) > 1 for x in re.findall(r"\bpp(\d+)", chosen))
+    rest = [r for r in rows if not piped(r)]
+    own = [r for r in rest if r.get("best_own_s") and r["iteration_s"] and r["best_own_s"] <= r["iteration_s"] * 1.01]
+    feasible = [r for r in rows if r.get("best_own_s")]
+    return [f"The search decides (issue 18 point 2): in {len(own)} of {len(rest)} setting(s) where no pipeline wins "
+            f"the plan is the general search's own or within 1% of it; the general search has a feasible plan of "
+            f"its own in {len(feasible)} of {len(rows)} setting(s)."]
 
 
 def report() -> None:
@@ -252,6 +273,7 @@ def report() -> None:
                  and any(p in by[(m, n, k, b)] for p in ("megatron", "zero3", "alpa"))]
         if alone:
             out.append(f"Only Unity has a feasible plan: {', '.join(alone)}.")
+        out += _decides([by[key].get("unity") for key in keys])
         return out + [""]
 
     order = sorted(by, key=lambda x: (x[1], x[0], x[2]))
