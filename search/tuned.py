@@ -594,7 +594,8 @@ class _Tuner:
                 break
             if rec == PER_REGION and z in fits:
                 continue                  # it would choose no recomputation: that point is priced
-            if rec != "none" and (rec == PER_REGION or math.isfinite(self.beat)) and self._recompute_bounded(out, z):
+            bounded = rec == PER_REGION or rec != "none" and math.isfinite(self.beat)
+            if bounded and self._recompute_bounded(out, z):
                 continue
             cfg = TunedConfig(lay.tp, lay.pp, lay.dp, mbs, lay.M, rec, z == 1, lay.sp, z, lay.name)
             if lay.reason:
@@ -1120,13 +1121,13 @@ def accumulate(g: PCG, mapper, layouts, deadline: Deadline | None = None, *, tec
     :data:`PER_REGION` -- memtech's choice per region of what must go -- x ZeRO 0 / 1 / 3, priced by
     :mod:`search.memtech`; ZeRO-3 gathers every micro-batch).  The micro-batch count is walked per layout as
     the tuned grid walks it: fewest micro-batches first, skipping those a priced point predicts not to fit;
-    the first layout's walk runs first and the others start where it first fitted (with ``fitted``: every walk
-    starts there, and each takes its first step before any takes a second: the layouts breadth-first).  The full batch (M = 1) is
+    the first layout's walk runs first and the others start where it first fitted.  The full batch (M = 1) is
     not priced here (the caller has it).  ``fitted``: the largest micro-batch (per data-parallel copy) at which
     the caller already found data parallelism to fit (a tuned floor's walk): every walk starts there (a larger
     one fits only on a layout that splits the activations finer than the batch: under a deadline the likelier
-    sizes first).  ``beat``: the time of a plan the caller has: a point that recomputes and whose layout, at its
-    ZeRO stage without recomputing, is no faster, is not priced (it could not win).  ``deadline`` bounds everything;
+    sizes first), and each takes its first step before any takes a second (the layouts breadth-first).
+    ``beat``: the time of a plan the caller has: a point that recomputes and whose layout, at its ZeRO stage
+    without recomputing, is no faster, is not priced (it could not win).  ``deadline`` bounds everything;
     what was priced by then counts."""
     if any(n.kind == "parallel" for n in g.nodes()):
         raise TunedError("accumulate needs a logical PCG")

@@ -608,7 +608,8 @@ class IntraProblem:
                 c, m, parts, once, shardable = self._group_cost(a, insts)
                 if not math.isfinite(c):
                     continue
-                c -= (once * (self.micro_batches - 1) + (shardable if self.sharded_update else 0.0)) / self.micro_batches
+                M = self.micro_batches
+                c -= (once * (M - 1) + (shardable if self.sharded_update else 0.0)) / M
                 sig = (self._signature(a, insts), c, m, parts)
                 if sig in seen:        # the same layouts at every boundary at the same price
                     continue
