@@ -1271,8 +1271,7 @@ def _accumulation_candidates(run: _Run, until: Deadline) -> None:
         run.stats["accumulation_data_parallel"] = "walked by the tuned floors' grids"
         if not layouts or until.passed():
             return
-        fitted = max((p.config.micro_batch for p in run.tuners["megatron"].points
-                      if p.feasible and p.layout.tp == 1 and p.layout.pp == 1 and not p.layout.name), default=None)
+        fitted = run.tuners["megatron"].data_parallel_fit()
     try:
         # optimize(memory_techniques=False): micro-batching alone, as the mapper prices every other candidate
         # (a point that cannot beat a floor priced so far is not priced: the floor would be returned)

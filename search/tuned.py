@@ -566,6 +566,14 @@ class _Tuner:
                                                  f"(got {sorted(tps)})")
         return _Layout(tp, pp, dp, M, gM=gM, plan=plan, ev=ev)
 
+    def data_parallel_fit(self) -> int | None:
+        """The largest micro-batch (per copy) at which data parallelism (tp = pp = 1) fitted without
+        recomputing, else by recomputing; None where it never fitted.  (A larger micro-batch that fits only by
+        recomputing pays another forward: a walk started there starts where it is least likely to win.)"""
+        fits = [p for p in self.points if p.feasible and p.layout.tp == 1 and p.layout.pp == 1 and not p.layout.name]
+        plain = [p.config.micro_batch for p in fits if p.config.recompute == "none"]
+        return max(plain or [p.config.micro_batch for p in fits], default=None)
+
     # the techniques on a layout point -------------------------------------------------------------------
     def combos(self) -> list[tuple[str, int]]:
         zs = {"zero3": (3,), "accumulate": (0, 1, 3)}.get(self.strategy, (0, 1))
@@ -1123,7 +1131,8 @@ def accumulate(g: PCG, mapper, layouts, deadline: Deadline | None = None, *, tec
     the tuned grid walks it: fewest micro-batches first, skipping those a priced point predicts not to fit;
     the first layout's walk runs first and the others start where it first fitted.  The full batch (M = 1) is
     not priced here (the caller has it).  ``fitted``: the largest micro-batch (per data-parallel copy) at which
-    the caller already found data parallelism to fit (a tuned floor's walk): every walk starts there (a larger
+    the caller already found data parallelism to fit without recomputing (a tuned floor's walk): every walk
+    starts there (a larger
     one fits only on a layout that splits the activations finer than the batch: under a deadline the likelier
     sizes first), and each takes its first step before any takes a second (the layouts breadth-first).
     ``beat``: the time of a plan the caller has: a point that recomputes and whose layout, at its ZeRO stage

@@ -16,7 +16,7 @@ from unity_pcg.search.mapping import MachineMapper
 from unity_pcg.search.optimize import optimize
 from unity_pcg.search.pipeline import rebatch
 from unity_pcg.search.split import synthetic_transformer
-from unity_pcg.search.tuned import accumulate, techniques
+from unity_pcg.search.tuned import _Tuner, accumulate, techniques
 
 needs_memtech = pytest.mark.skipif(not techniques().available, reason="search.memtech is not in this tree")
 
@@ -87,3 +87,23 @@ def test_optimize_accumulates_on_ilp_layouts_priced_with_the_techniques():
     for name, c in res.stats["baselines_s"].items():
         if isinstance(c, float):
             assert res.predicted_iteration_s <= c * (1 + 1e-9), (name, c)
+
+
+@needs_memtech
+def test_accumulation_starts_where_data_parallelism_fits_without_recomputing():
+    """The micro-batch every accumulation walk starts at (optimize passes it as ``fitted``): the largest at
+    which the tuned grid found data parallelism to fit without recomputing -- not a larger one that fits only
+    by recomputing, where a walk would start at its likely loser; by recomputing only where nothing else fit."""
+    g = synthetic_transformer(4, batch=64, seq=128, hidden=512, heads=8)
+    for mib in (250, 150):
+        m = _node(mib)
+        t = _Tuner(g, MachineMapper(CostModel(m, optimizer="adam")), "megatron", None, techniques())
+        t.run()
+        dp = [p.config for p in t.points if p.feasible and p.config.tp == 1 and p.config.pp == 1]
+        plain = [c.micro_batch for c in dp if c.recompute == "none"]
+        assert dp
+        if mib == 250:      # recomputing fits a larger micro-batch than the plain point does
+            assert plain and max(c.micro_batch for c in dp) > max(plain)
+            assert t.data_parallel_fit() == max(plain)
+        else:               # only recomputation fits
+            assert not plain and t.data_parallel_fit() == max(c.micro_batch for c in dp)
