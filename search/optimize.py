@@ -534,6 +534,21 @@ def _whole_search(g: PCG, rules, book: RuleBook, cost: Callable[[PCG], float], u
     return res.best.graph, list(res.best.steps), res.stats
 
 
+def _dp_steps_by_segments(g: PCG, dp_deg: int, book: RuleBook, k: int) -> tuple[PCG, list]:
+    """Data parallelism by rules on ``g`` at ``dp_deg``: :func:`data_parallel_steps` run on each distinct
+    canonical segment once and assembled (:func:`search.split.assemble`), as the segment search builds the
+    floor -- the same rule sequence as on the whole graph, in time linear in the graph (a deep model's
+    segments repeat; the whole-graph build's boundary cancellations are not linear)."""
+    from .split import SegmentChoice, assemble, blocking_pairs, boundary_keys, canonical_segments
+    segs, _ = canonical_segments(g, k, blocking_pairs(book))
+    memo: dict = {}
+    for seg in segs:
+        if seg.key not in memo:
+            x, st = data_parallel_steps(seg.canon, dp_deg, book)
+            memo[seg.key] = SegmentChoice(INF, INF, st, boundary_keys(seg, x))
+    return assemble(g, segs, [memo[seg.key] for seg in segs], book)
+
+
 def _price_dp_by_rules(ev: "Evaluator", g: PCG, book: RuleBook, dpg: PCG, steps, dp_pg: PCG | None,
                        left: Callable[[], float], stats: dict, dp_cut: bool = False,
                        until: Deadline | None = None) -> PlanCandidate:
@@ -1367,13 +1382,15 @@ def _search_segments(run: _Run):
     return (out, st) if out is not None else None
 
 
-def _segments_futile(run: _Run) -> bool:
+def _segments_futile(run: _Run, passes: int = 1) -> bool:
     """Whether the segments phase (either search's) has nothing to build that could be chosen: with less time to
-    its mark than a whole-graph pass takes (:func:`_leaves_a_mapping`), it would only build data parallelism by
-    rules (canonicalizing the segments and their dp seeds, or pricing the sequential search's start, is such a
-    pass; the searches would get no time), priced past the mark no better than data parallelism (the same graph,
-    mapped as the floor was or more plainly); when that does not fit, the phase is skipped (recorded)."""
-    if run.dp_res is None or run.dp_res.feasible or _leaves_a_mapping(run, run.budget.deadline("segments")):
+    its mark than the ``passes`` whole-graph passes its search needs before it gets any (each ``run.linear_s``:
+    :func:`_leaves_a_mapping`; the segment search's one: canonicalizing the segments and their dp seeds; the
+    sequential search's two: pricing its start, building data parallelism by rules), it would only build data
+    parallelism by rules, priced past the mark no better than data parallelism (the same graph, mapped as the
+    floor was or more plainly); when that does not fit, the phase is skipped (recorded)."""
+    if run.dp_res is None or run.dp_res.feasible or \
+            run.budget.deadline("segments").left() > passes * run.linear_s:
         return False
     run.stats["segments_skipped"] = "too little time to its mark, and data parallelism (its floor) does not fit"
     run.mark("segments")
@@ -1451,7 +1468,7 @@ def _sequential_candidates(run: _Run) -> None:
     until that end."""
     g, ev, book, bud = run.g, run.ev, run.book, run.budget
     with bud.phase("segments"):
-        if _segments_futile(run):
+        if _segments_futile(run, passes=2):
             return
         one = Resource(0, 1, 1)
         alg = [r for r in book.rules if not r.is_parallel]
@@ -1460,13 +1477,17 @@ def _sequential_candidates(run: _Run) -> None:
         half = Deadline(bud.now() + (end.at - bud.start) / 2, bud.clock)
         g1, st1, s1 = _whole_search(g, alg, book, lambda x: ev.cost(trimmed(x), one), half, 10 ** 9, run.alpha,
                                     run.progress)
+        run.stats["algebraic"] = s1.to_json()
+        run.interrupted = run.interrupted or s1.stopped == "interrupted"
+        if _segments_futile(run, passes=2):     # as above, now: dp by rules and the parallel search from it
+            return
         # parallelization from the algebraic optimum: its data-parallel version seeds the search
         g2, st2 = (g1, [])
         if run.n_dev > 1 and run.dp_deg > 1:
             with within(bud.hard_end()):
-                g2, st2 = data_parallel_steps(g1, run.dp_deg, book)
+                g2, st2 = _dp_steps_by_segments(g1, run.dp_deg, book, run.k)
                 # (from the imported graph: the same sequence when the algebraic search kept it)
-                dg, dst = (g2, st2) if not st1 else data_parallel_steps(g, run.dp_deg, book)
+                dg, dst = (g2, st2) if not st1 else _dp_steps_by_segments(g, run.dp_deg, book, run.k)
             run.floor.append(_price_dp_by_rules(ev, g, book, dg, dst, run.dp_pg, lambda: _pricing_left(run),
                                                 run.stats, run.dp_cut))
         g3, st3, s2 = _whole_search(g2, par, book, lambda x: ev.cost(trimmed(x)), end, run.max_candidates,
@@ -1475,8 +1496,8 @@ def _sequential_candidates(run: _Run) -> None:
         pg = trimmed(g3)
         run.cands.append(PlanCandidate("search", pg, ev.cost(pg, limited=_pricing_left(run), keep=True),
                                        tuple(st3), SEARCH))
-    run.stats = dict(run.stats, algebraic=s1.to_json(), parallel=s2.to_json())
-    run.interrupted = run.interrupted or "interrupted" in (s1.stopped, s2.stopped)
+    run.stats["parallel"] = s2.to_json()
+    run.interrupted = run.interrupted or s2.stopped == "interrupted"
 
 
 def _choose(run: _Run) -> PlanCandidate:
@@ -1545,10 +1566,14 @@ def _fallback(run: _Run) -> PlanCandidate:
     one = Resource(0, 1, 1)
     imported = None                 # the imported graph's mapping on one device, once mapped (``none`` is it)
 
+    # the imported graph's mapping on one device, the last resort, takes up to ``linear_s`` (the linear part of
+    # data parallelism's): a strategy's solve, and the memory techniques' choice (a search) in that mapping,
+    # stop that long before the hard end
+    last_map = run.budget.hard_end().plus(-run.linear_s)
+
     def on_one_device():
-        # one view per operator: the DP's mapping is the linear one; the memory techniques' choice (a search)
-        # stops the final mapping's time (``linear_s``) before the hard end
-        with within(run.budget.hard_end().plus(-run.linear_s)):
+        # one view per operator: the DP's mapping is the linear one
+        with within(last_map):
             return ev.cheap(g, one)
     for name in FIXED:
         floor_pg, _, _, floor_map = run.others.get(name, (None, None, None, None))
@@ -1558,10 +1583,11 @@ def _fallback(run: _Run) -> PlanCandidate:
             continue
         elif floor_map is not None and floor_map.feasible and floor_pg is not None:
             alt, r = floor_pg, floor_map            # its floor, mapped already
-        elif name != "none" and _too_late_to_map(run):
+        elif name != "none" and (_too_late_to_map(run) or not _leaves_a_mapping(run, last_map)):
             # past the end only linear work: a strategy over the machine not mapped before is not built or
             # mapped; nor is one where the time to the hard end is shorter than data parallelism's build and
-            # mapping took (on this host, as loaded: it would end past the hard end)
+            # mapping took (on this host, as loaded: it would end past the hard end), with the imported
+            # graph's mapping on one device after it (where it does not fit)
             run.stats.setdefault("fallback_skipped", []).append(name)
             continue
         else:
@@ -1573,7 +1599,8 @@ def _fallback(run: _Run) -> PlanCandidate:
                 r = imported = on_one_device()
             else:
                 try:
-                    r = ev.full(alt)
+                    with within(last_map):
+                        r = ev.full(alt)
                 except Expired:     # the hard end came during its solve: not mapped again without the DP
                     run.stats.setdefault("fallback_skipped", []).append(name)
                     continue

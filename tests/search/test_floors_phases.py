@@ -243,18 +243,20 @@ def test_the_imported_graph_on_one_device_maps_as_the_dp_would(model, h):
     assert c == pytest.approx(a.cost, rel=1e-12) if a.feasible else c == math.inf
 
 
-@pytest.mark.parametrize("linear_s", [0.0, 1e9])
-def test_the_sequential_search_is_skipped_as_the_segments_are(monkeypatch, linear_s):
+@pytest.mark.parametrize("share", [0.0, 0.6, math.inf])
+def test_the_sequential_search_is_skipped_as_the_segments_are(monkeypatch, share):
     """The sequential strategy's searches (algebraic on one device, then parallel) run in the segments phase: with
-    less time to its mark than ``linear_s`` while data parallelism does not fit, they are skipped too."""
+    less time to its mark than two whole-graph passes (``linear_s`` each: its start priced on one device, data
+    parallelism by rules built before its search gets any time) while data parallelism does not fit, they are
+    skipped too (``share``: ``linear_s`` as a share of the time to the mark, once the floors are priced)."""
     from .graphs import mlp
     g = mlp(batch=8, h=100_000, layers=2)          # nothing fits a device
     real = O._price_data_parallel
 
     def priced(run):
         real(run)
-        run.linear_s = linear_s
+        run.linear_s = share * run.budget.deadline("segments").left() if share else 0.0
     monkeypatch.setattr(O, "_price_data_parallel", priced)
     r = optimize(g, "summit:1x4", budget_s=30.0, strategy="sequential", max_candidates=2)
     assert not r.feasible and r.stats["chosen"] == "imported graph (nothing fits)"
-    assert bool(r.stats.get("segments_skipped")) == bool(linear_s) and ("algebraic" in r.stats) == (not linear_s)
+    assert bool(r.stats.get("segments_skipped")) == bool(share) and ("algebraic" in r.stats) == (not share)

@@ -136,3 +136,16 @@ def test_a_tensor_every_layer_reads_is_replicated_once_and_every_boundary_cancel
     assert len(rounds) < 20
     assert normalized_hash(trimmed(a)) == normalized_hash(data_parallel(g, 2))
     assert replay(g, steps, book).structural_hash() == a.structural_hash()
+
+
+def test_data_parallelism_by_rules_per_distinct_segment_is_the_whole_graph_build(book):
+    """The sequential search builds data parallelism by rules per distinct segment and assembles it (as the
+    segment search builds its floor): the graph of the whole-graph build, its steps replayable on the model."""
+    from unity_pcg.search.optimize import _dp_steps_by_segments
+    from unity_pcg.search.substitution import data_parallel_steps, normalized_hash, trimmed
+    b4 = RuleBook(None, (2, 4))
+    g = synthetic_transformer(6)
+    a, steps = _dp_steps_by_segments(g, 4, b4, 10)
+    whole, _ = data_parallel_steps(g, 4, b4)
+    assert steps and normalized_hash(trimmed(a)) == normalized_hash(trimmed(whole))
+    assert replay(g, steps, b4).structural_hash() == a.structural_hash()
