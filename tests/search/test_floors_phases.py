@@ -260,3 +260,23 @@ def test_the_sequential_search_is_skipped_as_the_segments_are(monkeypatch, share
     r = optimize(g, "summit:1x4", budget_s=30.0, strategy="sequential", max_candidates=2)
     assert not r.feasible and r.stats["chosen"] == "imported graph (nothing fits)"
     assert bool(r.stats.get("segments_skipped")) == bool(share) and ("algebraic" in r.stats) == (not share)
+
+
+def test_the_fallback_keeps_the_last_resorts_mapping_before_the_hard_end(monkeypatch):
+    """Nothing fits (the sequential strategy: no floor but dp mapped): the fallback builds and solves a fixed
+    strategy not mapped before only where the hard end leaves its build and mapping (``linear_s``) and then the
+    imported graph's mapping on one device, the last resort (another ``linear_s``); with less, it is skipped."""
+    from .graphs import mlp
+    g = mlp(batch=8, h=100_000, layers=2)          # nothing fits a device
+    real = O._fallback
+    seen = {}
+
+    def fallback(run):
+        left = run.budget.hard_end().left()
+        run.linear_s = 0.6 * left               # one pass fits before the hard end, two do not
+        seen["left"] = left
+        return real(run)
+    monkeypatch.setattr(O, "_fallback", fallback)
+    r = optimize(g, "summit:1x4", budget_s=30.0, strategy="sequential", max_candidates=2, pipeline=False)
+    assert seen and not r.feasible and r.stats["chosen"] == "imported graph (nothing fits)"
+    assert "megatron" in r.stats.get("fallback_skipped", []), r.stats.get("fallback_skipped")
