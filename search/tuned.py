@@ -1133,8 +1133,8 @@ def accumulate(g: PCG, mapper, layouts, deadline: Deadline | None = None, *, tec
     not priced here (the caller has it).  ``fitted``: the largest micro-batch (per data-parallel copy) at which
     the caller already found data parallelism to fit without recomputing (a tuned floor's walk): every walk
     starts there (a larger one fits only on a layout that splits the activations finer than the batch: under a
-    deadline the likelier sizes first), and each takes its first step before any takes a second (the layouts breadth-first).
-    ``beat``: the time of a plan the caller has: a point that recomputes and whose layout, at its ZeRO stage
+    deadline the likelier sizes first), and each takes its first step before any takes a second (the layouts
+    breadth-first).  ``beat``: the time of a plan the caller has: a point that recomputes and whose layout, at its ZeRO stage
     without recomputing, is no faster, is not priced (it could not win).  ``deadline`` bounds everything;
     what was priced by then counts."""
     if any(n.kind == "parallel" for n in g.nodes()):
