@@ -611,7 +611,8 @@ class _PipelineMapping:
                 "stats": dict(self.stats)}
 
 
-def _pipeline(g: PCG, ev: "Evaluator", budget_s: float, hard: Deadline | None = None, accept=None):
+def _pipeline(g: PCG, ev: "Evaluator", budget_s: float, hard: Deadline | None = None, accept=None,
+              near: int | None = None):
     """The best 1F1B pipeline (search/pipeline.py), or None: the stage search gets ``budget_s`` seconds
     (it finishes the number of micro-batches it is pricing) and is cut at ``hard``.  One stage with M
     micro-batches is gradient accumulation: in the space too (Alpa's GPT plans at batch 1024 are often
@@ -643,7 +644,7 @@ def _pipeline(g: PCG, ev: "Evaluator", budget_s: float, hard: Deadline | None = 
     more = [m for m in (64, 128, 256, 512, 1024) if b and b % m == 0]
     try:       # the whole share, unless the fallbacks below may need time
         r = search_pipeline(g, ev.mapper, min_stages=1, budget_s=max(budget_s / 2 if more else budget_s, 0.01),
-                            deadline=hard)
+                            deadline=hard, near=near)
     except (PipelineError, UnityError, KeyboardInterrupt, Expired):      # Ctrl-C: keep the plan found so far
         return None
     if r is not None and r.feasible and more and (r.stats or {}).get("budget_exhausted") \
@@ -1634,6 +1635,16 @@ def _pipeline_refusal(run: _Run, pipe) -> str | None:
         return str(e)
 
 
+def _fast_micro_batches(run: _Run) -> int | None:
+    """The micro-batch count of the fastest plan priced so far that micro-batches (a tuned floor's pipeline,
+    gradient accumulation), or None: where the stage search starts its counts."""
+    got = [(oc, run.floor_pipes[name].micro_batches) for name, (_, oc, _, _) in run.others.items()
+           if math.isfinite(oc) and getattr(run.floor_pipes.get(name), "micro_batches", None)]
+    got += [(c.cost, c.pipeline.micro_batches) for c in run.cands
+            if math.isfinite(c.cost) and getattr(c.pipeline, "micro_batches", None)]
+    return min(got)[1] if got else None
+
+
 def _pipeline_search(run: _Run, until: Deadline | None = None) -> None:
     """The 1F1B stage search (``run.pipe``: its result, or None) until ``until`` (default: the pipeline
     phase's mark): it gets a share of the time to it (it finishes the number of micro-batches it is pricing)
@@ -1649,7 +1660,8 @@ def _pipeline_search(run: _Run, until: Deadline | None = None) -> None:
         pipe = None
         run.stats["pipeline_not_started"] = "past the budget's hard end, less the final mapping's time"
     else:
-        pipe = _pipeline(run.g, ev, room * B.PIPELINE_SEARCH_SHARE, cut, accept=lambda p: _pipeline_refusal(run, p))
+        pipe = _pipeline(run.g, ev, room * B.PIPELINE_SEARCH_SHARE, cut, accept=lambda p: _pipeline_refusal(run, p),
+                         near=_fast_micro_batches(run))
     if pipe is None and cut.passed():
         run.stats["pipeline_cut"] = True
     run.pipe, run.pipe_searched = pipe, True

@@ -1047,7 +1047,7 @@ def search_pipeline(pcg: PCG, mapper_or_cost_model: MachineMapper | CostModel, *
                     deadline: Deadline | None = None, techniques: bool | None = None,
                     layouts: Sequence[Callable[[PCG, Resource], PCG]] = (),
                     accept: Callable[[PipelineResult], str | None] | None = None,
-                    clusterings: Sequence[str] = ("fewest",)) -> PipelineResult | None:
+                    clusterings: Sequence[str] = ("fewest",), near: int | None = None) -> PipelineResult | None:
     """The fastest 1F1B pipeline plan of ``pcg`` found by the stage DP (see module docstring).
 
     ``pcg`` is logical or parallel (a parallel one keeps its parallelization inside each stage under
@@ -1077,10 +1077,12 @@ def search_pipeline(pcg: PCG, mapper_or_cost_model: MachineMapper | CostModel, *
     exactly are then stitched best first until one is accepted (``stats["refused"]`` lists the others).
     ``clusterings``: the layerings the stage DP runs on, each a choice the plans compete over (:func:`layerings`:
     ``"fewest"``, Unity's cuts where the fewest tensors cross; ``"valid"``, Alpa's Eq. 6 over every valid cut,
-    which splits side-by-side branches); every layering of the first micro-batch count is searched."""
+    which splits side-by-side branches); every layering of the first micro-batch count is searched.
+    ``near``: a micro-batch count a plan priced elsewhere found fast (a tuned floor's pipeline): the counts are
+    tried nearest it first, and it is tried among the default counts (else about two per stage first)."""
     with within(deadline):
         return _search_pipeline(pcg, mapper_or_cost_model, max_stages, min_stages, micro_batches, budget_s, intra,
-                                max_layers, candidates, max_exact, techniques, layouts, accept, clusterings)
+                                max_layers, candidates, max_exact, techniques, layouts, accept, clusterings, near)
 
 
 def layerings(g: PCG, roles: Mapping[int, str], max_layers: int, clusterings: Sequence[str] = ("fewest",)
@@ -1091,23 +1093,53 @@ def layerings(g: PCG, roles: Mapping[int, str], max_layers: int, clusterings: Se
     return [(lay, info) for _, lay, info in _layerings(g, roles, max_layers, clusterings)]
 
 
+_CLUSTERINGS = {"fewest": dict(cuts="fewest", inputs=False, delta=None, balance="cuts"),
+                "valid": dict(cuts="valid", inputs=True, delta=0.5)}
+
+#: a layering may be up to this many times finer than ``max_layers`` where that prices no dearer
+#: (:func:`_layering`)
+FINER_LAYERS = 4
+
+
 def _layerings(g, roles, max_layers, clusterings) -> list[tuple[str, list, Cuts]]:
     out: list = []
     for c in clusterings:
-        if c == "fewest":
-            lay, info = _clustered(g, roles, max_layers, cuts="fewest", inputs=False, delta=None, balance="cuts")
-        elif c == "valid":
-            lay, info = _clustered(g, roles, max_layers, cuts="valid", inputs=True, delta=0.5)
-        else:
+        if c not in _CLUSTERINGS:
             raise PipelineError(f"clustering must be 'fewest' or 'valid', got {c!r}")
+        lay, info = _layering(g, roles, max_layers, c)
         if all(lay != x[1] for x in out):
             out.append((c, lay, info))
     return out
 
 
+def _layering(g, roles, max_layers: int, c: str) -> tuple[list, Cuts]:
+    """Clustering ``c`` in ``max_layers`` layers, or in up to :data:`FINER_LAYERS` times as many where its
+    layers are no more distinct structures than those of ``max_layers`` (layers are priced once per
+    structure: a repeated block's layers cost nothing more to price).  A stage is a run of whole layers,
+    so the layering bounds how evenly the stage DP can split the work: 12 layers of 32 equal blocks are
+    runs of 2 or 3 blocks, and no 4 stages of them are equal; one layer per block splits them exactly."""
+    lay, info = _clustered(g, roles, max_layers, **_CLUSTERINGS[c])
+    if len(lay) < max_layers or FINER_LAYERS <= 1:
+        return lay, info                # every cut the clustering allows is used already
+    fine, finfo = _clustered(g, roles, FINER_LAYERS * max_layers, **_CLUSTERINGS[c])
+    if len(fine) > len(lay) and _structures(g, roles, fine, finfo) <= _structures(g, roles, lay, info):
+        return fine, finfo
+    return lay, info
+
+
+def _structures(g, roles, layers, info: Cuts) -> int:
+    """How many distinct structures (:func:`structure_key`) the layers of a layering have."""
+    def key(a: int, b: int):
+        try:
+            return structure_key(stage_graph(g, roles, [n for u in range(a, b) for n in info.units[u]]))
+        except PipelineError:
+            return ("layer", a)
+    return STAGE_MEMO.get(g, ("structures", tuple(layers)), lambda: len({key(a, b) for a, b in layers}))
+
+
 def _search_pipeline(pcg, mapper_or_cost_model, max_stages, min_stages, micro_batches, budget_s, intra,
                      max_layers, candidates, max_exact, techniques=None, layouts=(), accept=None,
-                     clusterings=("fewest",)) -> PipelineResult | None:
+                     clusterings=("fewest",), near=None) -> PipelineResult | None:
     t0 = time.perf_counter()
     if budget_s is not None and budget_s <= 0:
         raise PipelineError(f"pipeline search budget must be positive, got {budget_s}")
@@ -1141,9 +1173,13 @@ def _search_pipeline(pcg, mapper_or_cost_model, max_stages, min_stages, micro_ba
     memo: dict = {}
     graphs: dict = {}
     cands: list = []
-    # under a budget the counts most likely to pay come first: about two micro-batches per stage
-    ms = sorted(_micro_batch_candidates(B, micro_batches, max_stages),
-                key=lambda m: (abs(math.log2(m) - math.log2(2 * max_stages)), m))
+    # under a budget the counts most likely to pay come first: about two micro-batches per stage, or those
+    # nearest a count the caller found fast
+    ms = _micro_batch_candidates(B, micro_batches, max_stages)
+    if near is not None and micro_batches is None and 1 <= near <= B and B % near == 0 and near not in ms:
+        ms.append(near)
+    aim = near if near is not None and near >= 1 else 2 * max_stages
+    ms = sorted(ms, key=lambda m: (abs(math.log2(m) - math.log2(aim)), m))
     lys_all = list(range(len(lys)))
 
     def dp_pass(M, hs_, which, soft):

@@ -280,3 +280,17 @@ def test_the_fallback_keeps_the_last_resorts_mapping_before_the_hard_end(monkeyp
     r = optimize(g, "summit:1x4", budget_s=30.0, strategy="sequential", max_candidates=2, pipeline=False)
     assert seen and not r.feasible and r.stats["chosen"] == "imported graph (nothing fits)"
     assert "megatron" in r.stats.get("fallback_skipped", []), r.stats.get("fallback_skipped")
+
+
+def test_the_stage_search_starts_at_the_micro_batches_of_the_fastest_micro_batched_plan():
+    pipe = lambda m: SimpleNamespace(micro_batches=m)   # noqa: E731
+    run = SimpleNamespace(others={"megatron": (None, 2.0, "", None), "zero3": (None, 1.5, "", None),
+                                  "dp": (None, math.inf, "", None)},
+                          floor_pipes={"megatron": pipe(128), "zero3": pipe(16), "dp": pipe(4)},
+                          cands=[SimpleNamespace(cost=1.8, pipeline=pipe(64)), SimpleNamespace(cost=1.0, pipeline=None)])
+    assert O._fast_micro_batches(run) == 16          # zero3's: the fastest plan that micro-batches
+    run.others["zero3"] = (None, math.inf, "", None)
+    assert O._fast_micro_batches(run) == 64          # the accumulation candidate's, faster than megatron's
+    run.cands = []
+    run.floor_pipes = {}
+    assert O._fast_micro_batches(run) is None
