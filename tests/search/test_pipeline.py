@@ -453,9 +453,10 @@ def test_repeated_blocks_are_layered_finely_enough_to_balance_the_stages(monkeyp
     mapper = MachineMapper(CostModel(machine(4, 1, network_bw=100e9), "adam"))
     roles = GraphCost(g, mapper.model).role
     fine = search_pipeline(g, mapper, max_stages=4, min_stages=4, micro_batches=(16,))
-    assert len(P.layerings(g, roles, 12)[0][0]) > 12
+    assert [len(ly) > 12 for ly, _ in P.layerings(g, roles, 12)] == [False, True]
+    assert fine.stats["layering"] == "fewest fine"
     monkeypatch.setattr(P, "FINER_LAYERS", 1)
-    assert len(P.layerings(g, roles, 12)[0][0]) == 12
+    assert [len(ly) for ly, _ in P.layerings(g, roles, 12)] == [12]
     coarse = search_pipeline(g, mapper, max_stages=4, min_stages=4, micro_batches=(16,))
     assert fine.feasible and coarse.feasible
     assert fine.cost < 0.97 * coarse.cost
@@ -466,7 +467,7 @@ def test_distinct_blocks_keep_the_default_layer_count():
     g = _chain(16, [256 + 32 * i for i in range(40)])
     mapper = MachineMapper(CostModel(machine(4, 1), "adam"))
     from unity_pcg.search.pipeline import layerings
-    assert len(layerings(g, GraphCost(g, mapper.model).role, 12)[0][0]) == 12
+    assert [len(ly) for ly, _ in layerings(g, GraphCost(g, mapper.model).role, 12)] == [12]
 
 
 def test_the_micro_batch_count_a_caller_found_fast_is_tried_first():
