@@ -1089,55 +1089,22 @@ def layerings(g: PCG, roles: Mapping[int, str], max_layers: int, clusterings: Se
               ) -> list[tuple[list, Cuts]]:
     """The distinct layerings of ``clusterings`` (the shared :func:`unity_pcg.search.stages.cluster`):
     ``"fewest"`` is :func:`sequential_layers`; ``"valid"`` Alpa's operator clustering (Eq. 6: every valid cut,
-    the largest input of a layer minimized under a FLOP bound); each with its finer layering where that
-    prices no dearer (:func:`_layering`).  A layering equal to an earlier one is dropped."""
+    the largest input of a layer minimized under a FLOP bound).  A layering equal to an earlier one is dropped."""
     return [(lay, info) for _, lay, info in _layerings(g, roles, max_layers, clusterings)]
-
-
-_CLUSTERINGS = {"fewest": dict(cuts="fewest", inputs=False, delta=None, balance="cuts"),
-                "valid": dict(cuts="valid", inputs=True, delta=0.5)}
-
-#: a layering may be up to this many times finer than ``max_layers`` where that prices no dearer
-#: (:func:`_layering`)
-FINER_LAYERS = 4
 
 
 def _layerings(g, roles, max_layers, clusterings) -> list[tuple[str, list, Cuts]]:
     out: list = []
     for c in clusterings:
-        if c not in _CLUSTERINGS:
+        if c == "fewest":
+            lay, info = _clustered(g, roles, max_layers, cuts="fewest", inputs=False, delta=None, balance="cuts")
+        elif c == "valid":
+            lay, info = _clustered(g, roles, max_layers, cuts="valid", inputs=True, delta=0.5)
+        else:
             raise PipelineError(f"clustering must be 'fewest' or 'valid', got {c!r}")
-        for name, (lay, info) in _layering(g, roles, max_layers, c):
-            if all(lay != x[1] for x in out):
-                out.append((name, lay, info))
+        if all(lay != x[1] for x in out):
+            out.append((c, lay, info))
     return out
-
-
-def _layering(g, roles, max_layers: int, c: str) -> list[tuple[str, tuple[list, Cuts]]]:
-    """Clustering ``c`` in ``max_layers`` layers and, where its layers are no more distinct structures than
-    those (layers are priced once per structure: a repeated block's layers cost little more to price), in up
-    to :data:`FINER_LAYERS` times as many (named ``"<c> fine"``): a further layering the plans compete over.
-    A stage is a run of whole layers, so the layering bounds how evenly the stage DP can split the work: 12
-    layers of 32 equal blocks are runs of 2 or 3, and no 4 stages of them are equal (with a head: Llama-7B
-    on 16 GPUs, 6% slower); layers of a block or less split them to a layer.  The coarse one stays a choice:
-    its stage layouts may be the ones the rules reach (a cut inside a block may not be)."""
-    lay, info = _clustered(g, roles, max_layers, **_CLUSTERINGS[c])
-    if len(lay) < max_layers or FINER_LAYERS <= 1:
-        return [(c, (lay, info))]       # every cut the clustering allows is used already
-    fine, finfo = _clustered(g, roles, FINER_LAYERS * max_layers, **_CLUSTERINGS[c])
-    if len(fine) > len(lay) and _structures(g, roles, fine, finfo) <= _structures(g, roles, lay, info):
-        return [(c, (lay, info)), (f"{c} fine", (fine, finfo))]
-    return [(c, (lay, info))]
-
-
-def _structures(g, roles, layers, info: Cuts) -> int:
-    """How many distinct structures (:func:`structure_key`) the layers of a layering have."""
-    def key(a: int, b: int):
-        try:
-            return structure_key(stage_graph(g, roles, [n for u in range(a, b) for n in info.units[u]]))
-        except PipelineError:
-            return ("layer", a)
-    return STAGE_MEMO.get(g, ("structures", tuple(layers)), lambda: len({key(a, b) for a, b in layers}))
 
 
 def _search_pipeline(pcg, mapper_or_cost_model, max_stages, min_stages, micro_batches, budget_s, intra,

@@ -431,45 +431,6 @@ def test_the_stage_dp_memory_table_matches_holds_on_every_run_of_layers():
                 assert h[k, i] == holds(w, a, cap)
 
 
-def _blocks_and_head(blocks, head, batch=64, h=1024):
-    """``blocks`` equal Linear + Relu blocks, then a wider Linear head (a language model's shape)."""
-    b = PCG.builder()
-    x = b.add("Input", {"name": "x", "shape": (batch, h)})
-    for i in range(blocks):
-        w = b.add("Weight", {"name": f"w{i}", "shape": (h, h)})
-        x = b.add("Linear", {}, [x, w], name=f"fc{i}")
-        x = b.add("Relu", {}, [x], name=f"relu{i}")
-    w = b.add("Weight", {"name": "head", "shape": (h, head)})
-    b.set_outputs([b.add("Linear", {}, [x, w], name="head")])
-    return b.finish()
-
-
-def test_repeated_blocks_are_layered_finely_enough_to_balance_the_stages(monkeypatch):
-    # 24 equal blocks and a head 8x wider: 12 layers are runs of two blocks, and 4 stages of them cannot
-    # balance the head; the finer layering (layers of one block or half of one: no more distinct structures
-    # to price) lets the stage DP split the work evenly
-    from unity_pcg.search import pipeline as P
-    g = _blocks_and_head(24, 8192)
-    mapper = MachineMapper(CostModel(machine(4, 1, network_bw=100e9), "adam"))
-    roles = GraphCost(g, mapper.model).role
-    fine = search_pipeline(g, mapper, max_stages=4, min_stages=4, micro_batches=(16,))
-    assert [len(ly) > 12 for ly, _ in P.layerings(g, roles, 12)] == [False, True]
-    assert fine.stats["layering"] == "fewest fine"
-    monkeypatch.setattr(P, "FINER_LAYERS", 1)
-    assert [len(ly) for ly, _ in P.layerings(g, roles, 12)] == [12]
-    coarse = search_pipeline(g, mapper, max_stages=4, min_stages=4, micro_batches=(16,))
-    assert fine.feasible and coarse.feasible
-    assert fine.cost < 0.97 * coarse.cost
-
-
-def test_distinct_blocks_keep_the_default_layer_count():
-    # every block of its own width: a finer layering has more distinct layers to price, so it is not taken
-    g = _chain(16, [256 + 32 * i for i in range(40)])
-    mapper = MachineMapper(CostModel(machine(4, 1), "adam"))
-    from unity_pcg.search.pipeline import layerings
-    assert [len(ly) for ly, _ in layerings(g, GraphCost(g, mapper.model).role, 12)] == [12]
-
-
 def test_the_micro_batch_count_a_caller_found_fast_is_tried_first():
     # 64 is past the default counts of 4 stages (up to 32); under a spent budget only the first count is tried
     g = mlp(batch=64, h=512, layers=8)
