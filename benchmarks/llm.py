@@ -127,6 +127,8 @@ def _plan_words(strategy: str, out: dict) -> str:
             s += ", distributed optimizer"
         if c.get("zero") == 3:
             s += ", ZeRO-3"
+        if c.get("offload"):
+            s += ", optimizer offload"
         return s
     if se.get("alpa_stages"):
         st = se["alpa_stages"]

@@ -1730,16 +1730,19 @@ def assemble(pcg: PCG, gM: PCG, plan, M: int, ev: dict, machine: MachineSpec, st
 
 def _memory_plan(zero: int, priced: Sequence[StagePrice], idmaps: Sequence[dict]):
     """The plan's MemoryPlan from the stages' own (each priced on its sub-PCG): ZeRO ``zero``, every stage's
-    recompute regions on the stitched PCG's node ids (None: no technique)."""
+    recompute regions on the stitched PCG's node ids, offload where a stage's plan offloads (one stage: the
+    executor offloads no pipeline) (None: no technique)."""
     from unity_pcg.plan import MemoryPlan, RecomputeRegion
     regs = []
+    offload = False
     for p, ids in zip(priced, idmaps):
         mp = p.memory_plan
+        offload = offload or bool(mp is not None and mp.offload)
         for r in (mp.recompute if mp is not None else ()):
             nodes = tuple(ids[n] for n in r.nodes if n in ids)
             if nodes:
                 regs.append(RecomputeRegion(nodes, r.mode))
-    mem = MemoryPlan(zero=int(zero), recompute=tuple(regs))
+    mem = MemoryPlan(zero=int(zero), offload=offload, recompute=tuple(regs))
     return None if mem.empty else mem
 
 

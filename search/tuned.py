@@ -26,6 +26,13 @@ configuration for a model and machine, priced in our cost model -- what Mist and
 states sharded, parameters all-gathered for the forward and again for the backward, gradients
 reduce-scattered every micro-batch), with and without recomputation, at every micro-batch size.
 
+*Offload* in every grid, where the techniques are priced and the machine describes a host to put the
+optimizer states in (``links["host"]``, ``host_mem_bandwidth``, ``host_memory_bytes``): the sharded states and
+the update in host memory (Megatron-LM's distributed optimizer with CPU offload, ZeRO-3 with DeepSpeed's
+optimizer offload, accumulation's ZeRO 1 / 3), on one-stage points (the executor offloads no pipeline), and
+priced only where the same point without it does not fit: it adds the host transfers and runs the same
+update at the host's bandwidth, so where that point fits it cannot be faster (:meth:`_Tuner._offload_may_fit`).
+
 Unity's floors (:func:`floor`, not the ``--strategy`` baselines) price one more recompute choice at every
 point, :data:`PER_REGION`: none where it fits, else memtech's fastest none / selective / full per region
 that fits (``memtech.Techniques.choose``), the plan's MemoryPlan recording the regions.
@@ -100,12 +107,13 @@ class TunedConfig:
     sp: bool = False
     zero: int = 0
     layout: str = ""        # accumulate(): the layout's name ("data parallel", "layout mesh 2x4"); "": tp/dp
+    offload: bool = False   # optimizer states and the update in host memory (module docstring)
 
     def to_json(self) -> dict:
         return {"tp": self.tp, "pp": self.pp, "dp": self.dp, "micro_batch": self.micro_batch,
                 "micro_batches": self.micro_batches, "recompute": self.recompute,
                 "distributed_optimizer": self.distributed_optimizer, "sp": self.sp, "zero": self.zero,
-                **({"layout": self.layout} if self.layout else {})}
+                "offload": self.offload, **({"layout": self.layout} if self.layout else {})}
 
     def label(self) -> str:
         if self.layout:
@@ -120,6 +128,8 @@ class TunedConfig:
             s += " distopt"
         if self.zero == 3:
             s += " zero3"
+        if self.offload:
+            s += " offload"
         if self.sp:
             s += " sp"
         return s
@@ -156,7 +166,7 @@ class _NoTechniques:
     available = False
     recompute = ("none",)
 
-    def price(self, gc, views, recompute: str, zero: int, base, report=None):
+    def price(self, gc, views, recompute: str, zero: int, base, report=None, offload: bool = False):
         return None
 
 
@@ -171,17 +181,17 @@ class _Memtech:
         self._analysis: dict = {}
         self._chosen: dict = {}       # (id(graph), zero) -> (graph, the MemoryPlan PER_REGION chose on it)
 
-    def plan(self, g: PCG, recompute: str, zero: int, regs=None):
+    def plan(self, g: PCG, recompute: str, zero: int, regs=None, offload: bool = False):
         from unity_pcg.plan import MemoryPlan
         if recompute == PER_REGION:
-            hit = self._chosen.get((id(g), zero))
-            return hit[1] if hit is not None and hit[0] is g else MemoryPlan(zero=zero)
+            hit = self._chosen.get((id(g), zero, offload))
+            return hit[1] if hit is not None and hit[0] is g else MemoryPlan(zero=zero, offload=offload)
         if recompute == "none":
-            return MemoryPlan(zero=zero)
+            return MemoryPlan(zero=zero, offload=offload)
         regs = self.m.regions(g) if regs is None else regs
-        return MemoryPlan(zero=zero, recompute=tuple(self.m.recompute_all(regs, recompute)))
+        return MemoryPlan(zero=zero, offload=offload, recompute=tuple(self.m.recompute_all(regs, recompute)))
 
-    def price(self, gc, views, recompute: str, zero: int, base, report=None):
+    def price(self, gc, views, recompute: str, zero: int, base, report=None, offload: bool = False):
         """``report``: the mapping's memory without techniques, when known (the analysis then does not
         compute it again: ``memtech.plain_report``)."""
         key = (id(gc), id(views))
@@ -192,12 +202,12 @@ class _Memtech:
             hit = self._analysis[key] = (gc, self.m.Techniques(gc, views, base, report=report))
         t = hit[1]
         if recompute == PER_REGION:      # no recomputation where it fits, else the fastest regions that fit
-            q = t.choose(zero=(zero,), offload=(False,))
+            q = t.choose(zero=(zero,), offload=(offload,))
             if len(self._chosen) > 256:
                 self._chosen.clear()
-            self._chosen[(id(gc.g), zero)] = (gc.g, q.memory)
+            self._chosen[(id(gc.g), zero, offload)] = (gc.g, q.memory)
             return q
-        return t.price(self.plan(gc.g, recompute, zero, t.regions))
+        return t.price(self.plan(gc.g, recompute, zero, t.regions, offload))
 
 
 def techniques():
@@ -449,6 +459,8 @@ class _Tuner:
     #: a plan's time the caller has (accumulate(beat=)): points that recompute and could not be faster are not
     #: priced (:meth:`_recompute_bounded`)
     beat: float = INF
+    #: whether the grid prices offload (set from the machine and the techniques in ``__init__``)
+    offload: bool = False
 
     def __init__(self, g: PCG, mapper, strategy: str, deadline: Deadline | None, tech, cheap=None,
                  max_layers: int = MAX_LAYERS, sp: bool = True, grid: bool = True, per_region: bool = False):
@@ -480,6 +492,11 @@ class _Tuner:
         # priced (1: none seen): how far that estimate has overstated on this grid (:meth:`_walk`)
         self._est_ratio = 1.0
         self._layout_points: dict = {}    # (tp, pp, M, sp) -> its points, once priced (a cut step resumes on them)
+        m = self.machine
+        # offload combinations (module docstring): where the techniques are priced and the machine
+        # describes a host it can put the optimizer states in
+        self.offload = bool(tech.available and "host" in m.links and m.host_mem_bandwidth > 0
+                            and m.host_memory_bytes > 0)
 
     # the layout points --------------------------------------------------------------------------------
     def whole(self, tp: int, plain: bool = False, sp: bool = False) -> _Layout:
@@ -575,15 +592,21 @@ class _Tuner:
         return max(plain or [p.config.micro_batch for p in fits], default=None)
 
     # the techniques on a layout point -------------------------------------------------------------------
-    def combos(self) -> list[tuple[str, int]]:
+    def combos(self) -> list[tuple[str, int, bool]]:
+        """(recompute, ZeRO stage, offload) of every technique point of a layout, in pricing order."""
         zs = {"zero3": (3,), "accumulate": (0, 1, 3)}.get(self.strategy, (0, 1))
         if not self.tech.available:      # micro-batching alone (zero3 is a technique: nothing to price)
-            return [] if self.strategy == "zero3" else [("none", 0)]
-        out = [(r, z) for z in zs for r in self.tech.recompute]
+            return [] if self.strategy == "zero3" else [("none", 0, False)]
+        recs = list(self.tech.recompute)
+        out = [(r, z, False) for z in zs for r in recs]
         # per-region recompute where memory binds: at every ZeRO stage of the grid that shards the states (they
         # leave more room for activations, so fewer regions recompute; ZeRO-1's one gather per iteration vs
         # ZeRO-3's per micro-batch is the techniques' trade, priced, not assumed)
-        return out + ([(PER_REGION, z) for z in zs if z] or [(PER_REGION, max(zs))] if self.per_region else [])
+        per = ([z for z in zs if z] or [max(zs)]) if self.per_region else []
+        out += [(PER_REGION, z, False) for z in per]
+        if self.offload:                 # the sharded states offloaded: after every point without offload
+            out += [(r, z, True) for z in zs if z for r in recs] + [(PER_REGION, z, True) for z in per if z]
+        return out
 
     def price_layout(self, lay: _Layout, mbs: int, cut: bool = False) -> list[_Point]:
         """The layout's points, one per technique combination (:meth:`combos`).  ``cut``: past the deadline
@@ -596,16 +619,18 @@ class _Tuner:
         out = []
         fits: set = set()                 # ZeRO stages whose point without recomputation fits
         combos = self.combos()
-        for k, (rec, z) in enumerate(combos):
+        for k, (rec, z, off) in enumerate(combos):
             if cut and out and self.expired():
                 self.stats["plain_cut"] = len(combos) - k
                 break
-            if rec == PER_REGION and z in fits:
+            if off and not self._offload_may_fit(out, lay, rec, z):
+                continue
+            if rec == PER_REGION and (z, off) in fits:
                 continue                  # it would choose no recomputation: that point is priced
             bounded = rec == PER_REGION or rec != "none" and math.isfinite(self.beat)
-            if bounded and self._recompute_bounded(out, z):
+            if bounded and self._recompute_bounded(out, z, off):
                 continue
-            cfg = TunedConfig(lay.tp, lay.pp, lay.dp, mbs, lay.M, rec, z == 1, lay.sp, z, lay.name)
+            cfg = TunedConfig(lay.tp, lay.pp, lay.dp, mbs, lay.M, rec, z == 1, lay.sp, z, lay.name, off)
             if lay.reason:
                 pt = _Point(cfg, INF, False, lay.reason, 0, {}, lay)
             elif lay.mapping is not None:
@@ -613,7 +638,7 @@ class _Tuner:
             else:
                 pt = self._price_stages(lay, cfg)
             if rec == "none" and pt.feasible:
-                fits.add(z)
+                fits.add((z, off))
             out.append(pt)
             self.points.append(pt)
             self.priced.append({"config": cfg.to_json(), "cost": pt.cost if math.isfinite(pt.cost) else None,
@@ -621,12 +646,27 @@ class _Tuner:
             self.stats["technique_points"] += 1
         return out
 
-    def _recompute_bounded(self, out: list, z: int) -> bool:
-        """Whether the layout's point recomputing at ZeRO stage ``z`` cannot beat the best point that fits (or
-        ``beat``, a plan the caller has): recomputing only adds time, so its time is at least that of the same
-        layout and ZeRO stage recomputing nothing (priced first, fitting or not).  ``stats["recompute_bounded"]``
+    def _offload_may_fit(self, out: list, lay: "_Layout", rec: str, z: int) -> bool:
+        """Whether the layout's point (``rec``, ``z``) with offload is priced: on one stage (the executor
+        offloads no pipeline) and only where the same point without offload was priced and does not fit --
+        offload adds the host transfers and runs the same update at the host's bandwidth, so where that
+        point fits (or was not priced: bounded, or per-region with a plain fit) offload cannot be faster."""
+        if lay.pp != 1:
+            return False
+        twin = [p for p in out if p.config.recompute == rec and p.config.zero == z and not p.config.offload]
+        return bool(twin) and not twin[-1].feasible and twin[-1].reason.startswith("out of memory")
+
+    def _recompute_bounded(self, out: list, z: int, off: bool = False) -> bool:
+        """Whether the layout's point recomputing at ZeRO stage ``z`` (offload ``off``) cannot beat the best
+        point that fits (or ``beat``, a plan the caller has): recomputing only adds time, so its time is at
+        least that of the same layout, ZeRO stage and offload recomputing nothing (priced first, fitting or
+        not; with offload where none is priced, the point without offload).  ``stats["recompute_bounded"]``
         counts them."""
-        lower = min((p.time_s for p in out if p.config.recompute == "none" and p.config.zero == z), default=-INF)
+        same = [p.time_s for p in out if p.config.recompute == "none" and p.config.zero == z
+                and p.config.offload == off]
+        if not same and off:
+            same = [p.time_s for p in out if p.config.recompute == "none" and p.config.zero == z]
+        lower = min(same, default=-INF)
         best = min(min((p.cost for p in self.points if p.feasible), default=INF), self.beat)
         if lower < best:
             return False
@@ -644,7 +684,7 @@ class _Tuner:
         if lay.gc is None:
             lay.gc = GraphCost(lay.pcg, self.mapper.model)
         q = self.tech.price(lay.gc, r.views, cfg.recompute, cfg.zero, base,
-                            report=r.memory if base is not None else None)
+                            report=r.memory if base is not None else None, offload=cfg.offload)
         mem = dict(q.per_device)
         return _Point(cfg, q.iteration_s if q.feasible else INF, bool(q.feasible), q.reason, int(q.max_bytes), mem,
                       lay, _split(q.report), q.iteration_s)
@@ -659,15 +699,15 @@ class _Tuner:
             cache[key] = GraphCost(p.pcg, self.mapper.model)
         gc = cache[key]
 
-        def q(rec, z):
-            k = (key, rec, z)
+        def q(rec, z, off=False):
+            k = (key, rec, z, off)
             if k not in cache:
                 plain = p.memory_plan is None and not p.rec and self.tech.available
                 report = self.tech.m.plain_report(p.w, p.a, self.machine.device.usable_bytes) if plain else None
-                cache[k] = self.tech.price(gc, p.views, rec, z, p.t + p.once, report=report)
+                cache[k] = self.tech.price(gc, p.views, rec, z, p.t + p.once, report=report, offload=off)
             return cache[k]
 
-        full = q(cfg.recompute, cfg.zero)
+        full = q(cfg.recompute, cfg.zero, cfg.offload)
         base0 = q("none", 0)
         rec0 = q(cfg.recompute, 0)
         devs = set(p.w) | set(p.a) | set(full.per_device)
@@ -677,8 +717,9 @@ class _Tuner:
         t = p.t + full.recompute_s
         pure = dict(full.report.weights)          # what does not scale with the micro-batch
         if cfg.zero == 3:      # parameters gathered and gradients reduce-scattered every micro-batch
-            extra = max(full.iteration_s - t - full.update_s, 0.0)
-            return t, extra, full.update_s, w, a, pure
+            once = full.update_s + full.offload_s       # (offload: the host transfers and update, once)
+            extra = max(full.iteration_s - t - once, 0.0)
+            return t, extra, once, w, a, pure
         return t, 0.0, max(full.iteration_s - t, 0.0), w, a, pure
 
     def _price_stages(self, lay: _Layout, cfg: TunedConfig) -> _Point:
@@ -1053,7 +1094,8 @@ class _Tuner:
         mem_plan = None
         if lay.mapping is not None:
             if self.tech.available:
-                mem_plan = self.tech.plan(lay.pcg, best.config.recompute, best.config.zero)
+                mem_plan = self.tech.plan(lay.pcg, best.config.recompute, best.config.zero,
+                                          offload=best.config.offload)
             return TunedResult(self.strategy, best.config, best.cost, bool(feas), why, lay.pcg, dict(lay.mapping.views),
                                lay.mapping, None, mem_plan, best.max_bytes, best.memory, self.priced, stats)
         if lay.ev is None:
@@ -1065,7 +1107,8 @@ class _Tuner:
         if best.config.recompute == PER_REGION and self.tech.available:
             # each stage's own choice, on the stitched PCG's node ids (assemble maps them)
             ev["tech"] = (best.config.zero, (PER_REGION,))
-            ev["priced"] = [dataclasses.replace(p, memory_plan=self.tech.plan(p.pcg, PER_REGION, best.config.zero))
+            ev["priced"] = [dataclasses.replace(p, memory_plan=self.tech.plan(p.pcg, PER_REGION, best.config.zero,
+                                                                              offload=best.config.offload))
                             for p in ev["priced"]]
         if adj is not None:
             ev.update(fwd=adj["fwd"], bwd=adj["bwd"], once=adj["once"], mem=adj["mem"], memory=adj["memory"],
@@ -1073,10 +1116,11 @@ class _Tuner:
         res = assemble(self.g, lay.gM, lay.plan, lay.M, ev, self.machine)
         if res.pcg is not None and self.tech.available and best.config.recompute == PER_REGION:
             mem_plan = res.memory_plan
-            if mem_plan is None and best.config.zero:
+            if mem_plan is None and (best.config.zero or best.config.offload):
                 from unity_pcg.plan import MemoryPlan
-                mem_plan = MemoryPlan(zero=best.config.zero)
-        elif res.pcg is not None and self.tech.available and (best.config.recompute != "none" or best.config.zero):
+                mem_plan = MemoryPlan(zero=best.config.zero, offload=best.config.offload)
+        elif res.pcg is not None and self.tech.available and (best.config.recompute != "none" or best.config.zero
+                                                              or best.config.offload):
             mem_plan = self._stage_memory_plan(res, best.config)
         feasible = bool(feas) and res.feasible
         return TunedResult(self.strategy, best.config, res.cost if feasible else INF, feasible, why or res.reason,
@@ -1086,7 +1130,7 @@ class _Tuner:
     def _stage_memory_plan(self, res, cfg: TunedConfig):
         """The MemoryPlan on the stitched PCG: the technique's regions cut at the stage boundaries."""
         from unity_pcg.plan import MemoryPlan, RecomputeRegion
-        whole = self.tech.plan(res.pcg, cfg.recompute, cfg.zero)
+        whole = self.tech.plan(res.pcg, cfg.recompute, cfg.zero, offload=cfg.offload)
         stage_of = {n: k for k, s in enumerate(res.stages) for n in s.nodes}
         regs = []
         for r in whole.recompute:
@@ -1095,7 +1139,7 @@ class _Tuner:
                 by.setdefault(stage_of.get(n), []).append(n)
             regs.extend(RecomputeRegion(tuple(ns), r.mode) for k, ns in sorted(by.items(), key=lambda x: str(x[0]))
                         if k is not None)
-        return MemoryPlan(zero=whole.zero, offload=False, recompute=tuple(regs))
+        return MemoryPlan(zero=whole.zero, offload=whole.offload, recompute=tuple(regs))
 
 
 def tune(g: PCG, mapper, strategy: str = "megatron", deadline: Deadline | None = None, *, cheap=None,

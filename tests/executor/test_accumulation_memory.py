@@ -221,7 +221,8 @@ def test_tuned_megatron_accumulation_plan_trains_as_one_process():
     # activations large against the weights, a device that holds the weights and one recomputed micro-batch
     g = synthetic_transformer(2, batch=8, seq=128, hidden=64, heads=4)
     m = parse_machine("h100:1x2")
-    m = dataclasses.replace(m, device=dataclasses.replace(m.device, memory_bytes=int(1.5 * 2**20)))
+    # (no host memory: offload, faster here than recomputing, is another test's)
+    m = dataclasses.replace(m, device=dataclasses.replace(m.device, memory_bytes=int(1.5 * 2**20)), host_memory_bytes=0)
     res = optimize(g, m, budget_s=20, strategy="megatron")   # generous: the grid is deadline-bound
     p = res.plan
     assert res.feasible, res.stats.get("chosen")
@@ -231,6 +232,28 @@ def test_tuned_megatron_accumulation_plan_trains_as_one_process():
     p = dataclasses.replace(p, model_path="weights-in-memory", model_sha256="0" * 64)
     got = H.run_dist(2, _tuned_worker, p.to_json(), STEPS, timeout=200)
     assert got[0][0] == "AccumulationTrainer"
+    one = P.Plan("weights-in-memory", "0" * 64, local(1, 1), g, {}, {})
+    ref = _tuned_worker(0, 1, one.to_json(), STEPS)
+    np.testing.assert_allclose(got[0][1], ref[1], rtol=1e-4, atol=1e-6)
+    assert got[1][1] == got[0][1]
+
+
+def test_a_tuned_plan_that_offloads_trains_as_one_process():
+    """Where only offload fits (12 MiB devices: search/tuned.py prices it), the tuned Megatron-LM plan keeps its
+    optimizer states on the host, and the executor trains it equal to one process."""
+    from unity_pcg import plan as P
+    from unity_pcg.machine import local, parse_machine
+    from unity_pcg.search.optimize import optimize
+    from unity_pcg.search.split import synthetic_transformer
+    g = synthetic_transformer(2, batch=8, seq=16, hidden=256, heads=4)
+    m = parse_machine("h100:1x2")
+    m = dataclasses.replace(m, device=dataclasses.replace(m.device, memory_bytes=12 * 2**20))
+    res = optimize(g, m, budget_s=20, strategy="megatron")
+    p = res.plan
+    assert res.feasible and p.memory is not None and p.memory.offload, res.stats.get("chosen")
+    assert res.stats["executor_check"] == "ok"
+    p = dataclasses.replace(p, model_path="weights-in-memory", model_sha256="0" * 64)
+    got = H.run_dist(2, _tuned_worker, p.to_json(), STEPS, timeout=200)
     one = P.Plan("weights-in-memory", "0" * 64, local(1, 1), g, {}, {})
     ref = _tuned_worker(0, 1, one.to_json(), STEPS)
     np.testing.assert_allclose(got[0][1], ref[1], rtol=1e-4, atol=1e-6)

@@ -382,3 +382,31 @@ def test_an_uncut_walk_equals_the_exhaustive_grid_where_a_pipeline_wins_at_its_l
     assert ex.feasible and r.feasible and not r.stats.get("cut")
     assert r.cost == pytest.approx(ex.cost, rel=1e-9)
     assert len(r.priced) < len(ex.priced)
+
+
+@needs_memtech
+def test_offload_fits_where_nothing_on_the_device_does_and_only_there():
+    """Optimizer-state offload is a point of every grid where the machine describes a host: on 12 MiB devices
+    neither tuned Megatron-LM nor ZeRO-3 fits without it (host memory 0: no offload); with the host both fit
+    by offloading, the configuration and the memory plan say so, and the fastest point that fits on the
+    device is never traded for an offloaded one (24 MiB: no offload)."""
+    g = synthetic_transformer(2, batch=8, seq=16, hidden=256, heads=4)
+    for strategy in ("megatron", "zero3"):
+        got = {}
+        for host in (True, False):
+            m = _machine("h100:1x2", 12)
+            if not host:
+                m = dataclasses.replace(m, host_memory_bytes=0)
+            got[host] = tune(g, MachineMapper(CostModel(m, optimizer="adam")), strategy)
+        assert not got[False].feasible and not any(p["config"]["offload"] for p in got[False].priced)
+        r = got[True]
+        assert r.feasible and r.config.offload and "offload" in r.config.label(), strategy
+        assert r.memory_plan is not None and r.memory_plan.offload
+        assert r.max_bytes <= 12 * 2**20
+        roomy = tune(g, MachineMapper(CostModel(_machine("h100:1x2", 24), optimizer="adam")), strategy)
+        assert roomy.feasible and not roomy.config.offload
+        # offload is priced only where the same point without it did not fit
+        for p in roomy.priced:
+            if p["config"]["offload"]:
+                twin = [q for q in roomy.priced if q["config"] == dict(p["config"], offload=False)]
+                assert twin and twin[0]["cost"] is None

@@ -23,7 +23,7 @@ def _walk(mib: int, bounded: bool, monkeypatch):
     m = parse_machine("h100:1x4")
     m = dataclasses.replace(m, device=dataclasses.replace(m.device, memory_bytes=int(mib * 2**20)))
     if not bounded:
-        monkeypatch.setattr(_Tuner, "_recompute_bounded", lambda self, out, z: False)
+        monkeypatch.setattr(_Tuner, "_recompute_bounded", lambda self, out, z, off=False: False)
     t = _Tuner(g, MachineMapper(CostModel(m, optimizer="adam")), "megatron", None, techniques(), per_region=True)
     t.run()
     monkeypatch.undo()
