@@ -39,7 +39,9 @@ DESIGN "Executor").  The :class:`~executor.train.Trainer` owns the step; this mo
   an assembled weight) are packed as (group or name, view) and, in the backward,
   gathered again by a trigger (:class:`_Regather`) created after the group's last use (so it runs
   before any of the uses' backward, at the same point of the global order on every member) and freed by
-  the gather's own backward.  Offload: the optimizer's parameters and states are separate host tensors;
+  the gather's own backward.  Under bf16 autocast a bf16 operator's gathered weights are converted by the
+  executor (:meth:`ZeroRuntime.cast`, as autocast would) and a saved conversion packed the same way (converted
+  again from the values gathered for the backward).  Offload: the optimizer's parameters and states are separate host tensors;
   the gradient shard is copied there, the update runs there, the values are copied back.
 """
 from __future__ import annotations
@@ -643,10 +645,26 @@ class ZeroRuntime:
         self.flat_bw.clear()
         self.work_bw.clear()
 
+    def cast(self, name: str, cut: tuple, x: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+        """Weight ``name`` (its slices ``cut``: ``x``) converted to ``dtype`` for one operator, registered
+        so a saved copy is packed as the conversion of the values gathered again (see :meth:`hooks`)."""
+        y = x.to(dtype, memory_format=torch.contiguous_format)
+        if y.numel():
+            self._ptr[y.untyped_storage().data_ptr()] = ("c", (name, cut, dtype))
+        return y
+
+    def casts_done(self, ys: list) -> None:
+        """The operator that read the conversions ``ys`` has run: their storages are forgotten (freed
+        unless saved, their addresses may be another tensor's next)."""
+        for y in ys:
+            if y.numel():
+                self._ptr.pop(y.untyped_storage().data_ptr(), None)
+
     def hooks(self):
         """saved_tensors_hooks for the forward: a saved tensor living in a gathered group's vector (or a
-        weight assembled from several atoms) is kept as (group or weight name, view) and rebuilt from the
-        values gathered again in the backward (the same padded layout)."""
+        weight assembled from several atoms, or a conversion of one: :meth:`cast`) is kept as (group or
+        weight name, view) and rebuilt from the values gathered again in the backward (the same padded
+        layout; a conversion converted again, the same values)."""
         def pack(t):
             if self._ptr and t.numel():
                 key = self._ptr.get(t.untyped_storage().data_ptr())
@@ -657,7 +675,12 @@ class ZeroRuntime:
         def unpack(h):
             if isinstance(h, tuple) and h and h[0] == "zero3":
                 _, (kind, key), size, stride, off = h
-                base = self._flat_bw(key) if kind == "g" else self.value(key)
+                if kind == "c":
+                    name, cut, dtype = key
+                    v = self.value(name)
+                    base = (v[cut] if cut else v).to(dtype, memory_format=torch.contiguous_format)
+                else:
+                    base = self._flat_bw(key) if kind == "g" else self.value(key)
                 return base.as_strided(size, stride, off)
             return h
         return torch.autograd.graph.saved_tensors_hooks(pack, unpack)

@@ -762,6 +762,25 @@ class Trainer:
             return self._zrt.value(name)
         return self.params[name] if name in self.params else self.buffers[name]
 
+    def _zero3_casts(self, st, xs: list) -> list:
+        """ZeRO-3 under bf16 autocast: the float32 gathered weights a bf16 operator reads, cast to bf16 here
+        (as autocast would cast them) and registered with the ZeRO runtime, so the copy the operator saves
+        for its backward is gathered and cast again there rather than kept (the storages registered;
+        ``casts_done`` forgets them after the kernel).  Forward only (a recomputation saves as usual)."""
+        from unity_pcg import ops
+        if not self._zrt.forward_phase or ops.autocast(st.op) != "low":
+            return []
+        out = []
+        for i, src in enumerate(st.inputs):
+            if src.kind != "source" or xs[i].dtype != torch.float32:
+                continue
+            name = self._source_name(src.ref[0])
+            if name in self._zero3_names:
+                cut = self._cut_cache.get((id(src), 0), ())
+                xs[i] = self._zrt.cast(name, cut, xs[i], torch.bfloat16)
+                out.append(xs[i])
+        return out
+
     def _source_name(self, nid: int) -> str | None:
         n = self.g.node(self.low.origin[nid])
         return n.a["name"] if n.op == "Weight" else None
@@ -1171,6 +1190,7 @@ class Trainer:
             return
         if st.kind == "compute":
             xs = [self._resolve(s, vals, recv, fv) for s in st.inputs]
+            casts = self._zero3_casts(st, xs) if self._zero3_names and self.precision == "bf16" else ()
             st.ctx.seed, st.ctx.step, st.ctx.training = self.seed, self.step_no, True
             st.ctx.extra["device"] = self.device
             if st.bn_group is not None:
@@ -1183,6 +1203,8 @@ class Trainer:
                     return y
                 st.ctx.stat_gather = gather
             outs = kernel(st.op)(st.attrs, xs, st.ctx)
+            if casts:
+                self._zrt.casts_done(casts)
             if st.bn_group is not None:
                 st.ctx.stat_gather = None
             if st.node in self._bn:

@@ -7,7 +7,8 @@ model and strategy; nothing here knows layer names.
 *ZeRO* (stage 1-3, over each weight's data-parallel copies: the ``c`` devices holding identical copies
 of one weight piece).  Memory per device: stage 1 keeps ``1/c`` of the optimizer states, stage 2 also
 of the gradient, stage 3 also of the parameter plus a gathered working copy (the largest *unit* --
-weights grouped by the region of their first use -- at full size, :data:`GATHERED_UNITS`: the executor
+weights grouped by the region of their first use -- at full size with, under bf16, the converted copies of
+its weights, which then leave the weights part, :data:`GATHERED_UNITS`: the executor
 gathers one unit at a time, before its first use and again in its backward, and frees it after its
 last use; no prefetch).  Time: a
 reduce-scatter of the gradient in place of its all-reduce; the update of ``1/c`` of the weight;
@@ -280,6 +281,7 @@ class _Weight:
     first: int                     # first consumer (topological)
     last: int                      # last consumer
     unit: int = 0
+    cast: float = 0.0              # bytes per device of autocast's converted copies its readers keep (bf16)
 
 
 @dataclass
@@ -391,6 +393,21 @@ class Techniques:
                         stack.append(u)
         return (min(ps), max(ps)) if ps else (0, 0)
 
+    def _cast_bytes(self, nid: int) -> float:
+        """Bytes per device of the converted copies of weight placement ``nid`` that autocast makes for
+        the compute nodes reading it (bf16: ``GraphCost.casts``; the weights part counts them whole,
+        :func:`search.memory.cast_items`)."""
+        gc, g = self.gc, self.g
+        if gc.precision != "bf16":
+            return 0.0
+        out = 0.0
+        for k in range(len(g.shapes(nid))):
+            for u, pos in g.consumers((nid, k)):
+                if u in self.pos:
+                    out += sum(g.shape((nid, k)).piece_numel * gc.kernel_itemsize(to)
+                               for p, _, to in gc.casts(u) if p == pos)
+        return out
+
     def _weights(self) -> None:
         gc, g = self.gc, self.g
         ws: list = []
@@ -413,7 +430,7 @@ class Techniques:
                 f, l = self._first_last(n)
                 ws.append(_Weight(n, sh.piece_nbytes, tuple(devs), tuple(tuple(x) for x in grp.values()),
                                   sh.copy_degree, self.leaf[n].sync, self.leaf[n].update, self.order[f],
-                                  self.order[l]))
+                                  self.order[l], cast=self._cast_bytes(n)))
             elif role == "compute":
                 for r in gc._update_owner.get(n, ()):
                     nb = g.shape(r).piece_nbytes
@@ -445,11 +462,14 @@ class Techniques:
             if 1 <= zero <= 2 and not offload:
                 st += p / c          # the optimizer's own copy of the updated shard (all-gathered after)
             save = (2 + k) * p - (param + grad + st)
-            saves.append(save)
             if zero >= 3 and c > 1:
+                # the converted copies too are made from the gathered values, one unit at a time: the
+                # executor converts a gathered weight for its reader and converts it again in the backward
+                save += x.cast
                 for d in x.devices:
                     u = gathered.setdefault(d, {})
-                    u[x.unit] = u.get(x.unit, 0) + p - p / c
+                    u[x.unit] = u.get(x.unit, 0) + p - p / c + x.cast
+            saves.append(save)
         wt = self._weight_table()
         if wt is None:                  # a device twice in one weight's list: one subtraction at a time
             for x, save in zip(self.weights, saves):

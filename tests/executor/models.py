@@ -149,3 +149,21 @@ def bn_net() -> str:
         m.bn.running_var.uniform_(0.5, 1.5)
     m.train()
     return H.export(m, (torch.randn(4, 3, 4, 4),), "bn_net", ["x"])
+
+
+def wide_mlp() -> str:
+    """Four 256-wide Linear layers on a batch of 2: the weights far outweigh the activations (what ZeRO-3
+    and autocast's converted weights change shows in the memory)."""
+    torch = _torch()
+
+    class M(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.layers = torch.nn.ModuleList(torch.nn.Linear(256, 256) for _ in range(4))
+
+        def forward(self, x):
+            for i, lin in enumerate(self.layers):
+                x = lin(x) if i == 3 else torch.relu(lin(x))
+            return x
+    torch.manual_seed(2)
+    return H.export(M(), (torch.randn(2, 256),), "wide_mlp", ["x"])

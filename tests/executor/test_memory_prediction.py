@@ -54,13 +54,17 @@ def _plans(path: str) -> dict:
             "dp selective": with_(dp, recompute=memtech.recompute_all(regs, "selective")),
             "dp zero1": with_(dp, zero=1), "dp zero2": with_(dp, zero=2), "dp zero3": with_(dp, zero=3),
             "tp full": with_(tp, recompute=memtech.recompute_all(memtech.regions(tp.pcg), "full")),
+            # bf16: autocast's converted weights kept with the weights; ZeRO-3 converts the gathered ones
+            "dp none bf16": dataclasses.replace(dp, precision="bf16"),
+            "dp zero3 bf16": dataclasses.replace(with_(dp, zero=3), precision="bf16"),
             "sp full, gathers recomputed": with_(sp, recompute=after_gathers(sp.pcg, memtech.regions(sp.pcg)))}
 
 
 def _predicted(plan) -> dict:
     from unity_pcg.search import memtech
     from unity_pcg.search.cost import CostModel, GraphCost
-    p = memtech.price(GraphCost(plan.pcg, CostModel(plan.machine, "adam")), plan.views, plan.memory)
+    cm = CostModel(plan.machine, "adam", precision=getattr(plan, "precision", "fp32") or "fp32")
+    p = memtech.price(GraphCost(plan.pcg, cm), plan.views, plan.memory)
     return dict(p.report.per_device)
 
 
@@ -84,7 +88,7 @@ def _worker(rank: int, world: int, cases: list) -> list:
         z = tr._zrt
         units = sorted(sorted({it[0] for it in grp.items}) for grp in z.groups if grp.k > 1) \
             if z is not None and z.stage == 3 else None
-        out.append((m.peak.total, m.forward_end.state, units))
+        out.append((m.peak.total, m.forward_end.state, units, m.forward_end.saved))
     return out
 
 
@@ -150,3 +154,28 @@ def test_selective_runs_keep_what_the_executor_keeps():
                         (recomputed if run.checkpointed else kept).add(st.op)
     assert "Linear" in kept and "Linear" not in recomputed
     assert {"BatchMatMul", "Softmax"} <= recomputed and "BatchMatMul" not in kept
+
+
+def test_zero3_under_bf16_keeps_no_converted_weights_for_the_backward():
+    """Under bf16 autocast a Linear saves its bf16 copy of the weight for the backward; with ZeRO-3 the
+    executor converts the gathered weight itself and saves the conversion as the gathered values (converted
+    again in the backward), as search.memtech prices it: at the end of the forward a weight-heavy MLP keeps
+    almost nothing (without ZeRO: the copies of the three Linears whose input needs a gradient), and the
+    predicted peak is within 10% of the measured."""
+    from unity_pcg.search import memtech
+    from unity_pcg.search.baselines import data_parallel
+    from unity_pcg.search.cost import CostModel, GraphCost
+
+    from . import models
+    path = models.wide_mlp()
+    dp = H.make_plan(data_parallel(H.load(path), 2), path, 2)
+    plans = {"none": dataclasses.replace(dp, precision="bf16"),
+             "zero3": dataclasses.replace(dp, precision="bf16", memory=MemoryPlan(zero=3))}
+    got = H.run_dist(2, _worker, [dict(plan=p.to_json(), model=path) for p in plans.values()], timeout=300)
+    t = memtech.Techniques(GraphCost(dp.pcg, CostModel(dp.machine, "adam", precision="bf16")), dp.views)
+    assert sum(w.cast for w in t.weights if w.copies > 1) >= 4 * 256 * 256 * 2     # priced: 4 bf16 copies
+    for r in range(2):
+        kept_none, kept_zero3 = got[r][0][3], got[r][1][3]
+        assert kept_none >= 3 * 256 * 256 * 2 and kept_zero3 <= 0.05 * kept_none, (r, kept_none, kept_zero3)
+        pred = _predicted(plans["zero3"])[r]
+        assert abs(pred / got[r][1][0] - 1) <= TOLERANCE + 0.01, (pred, got[r][1][0])

@@ -158,3 +158,32 @@ def test_bf16_pipeline_with_recompute_in_its_stages_trains_as_one_bf16_process(t
     np.testing.assert_allclose(losses, ref["bf16"], rtol=2e-2)
     # the stages computed in bf16 (a recomputed region keeps only its boundary tensors, which may be float32)
     assert not np.allclose(losses, ref["fp32"], rtol=1e-6, atol=0)
+
+
+def test_bf16_zero3_trains_as_bf16_data_parallelism():
+    """ZeRO-3 under bf16 converts the gathered weights a bf16 operator reads itself (and again in the
+    backward: executor/memory.py ``ZeroRuntime.cast``), as autocast would: the same training as bf16 data
+    parallelism without ZeRO (Adam; an MLP, attention, the zoo's tiny GPT), with and without recomputing
+    every region (recomputed in the backward, autocast converts them as usual)."""
+    import os
+
+    from unity_pcg import zoo
+    from unity_pcg.plan import MemoryPlan
+    from unity_pcg.search import memtech
+    gpt = os.path.join(H.model_dir(), "zoo_gpt_tiny_b4.onnx")
+    if not os.path.exists(gpt):
+        zoo.export("gpt_350m", gpt, size="tiny", batch=4)
+    cases = []
+    for path in (models.wide_mlp(), models.attention(), gpt):
+        dp = _with_precision(H.make_plan(data_parallel(H.load(path), 2), path, 2), "bf16")
+        z3 = dataclasses.replace(dp, memory=MemoryPlan(zero=3))
+        full = memtech.recompute_all(memtech.regions(dp.pcg), "full")
+        z3r = dataclasses.replace(dp, memory=MemoryPlan(zero=3, recompute=tuple(full)))
+        cases += [H.case(p, path, steps=STEPS, optimizer="adam", lr=0.01) for p in (dp, z3, z3r)]
+    got = H.run_cases(2, cases, timeout=300)
+    for k in range(0, len(got), 3):
+        l_dp, s_dp = got[k]
+        for l_z3, s_z3 in got[k + 1:k + 3]:
+            np.testing.assert_allclose(l_z3, l_dp, rtol=1e-5, atol=1e-7)
+            for name, v in s_dp.items():
+                np.testing.assert_allclose(s_z3[name], v, rtol=1e-5, atol=1e-7, err_msg=name)

@@ -21,10 +21,12 @@ needs_memtech = pytest.mark.skipif(not techniques().available, reason="search.me
 
 def _tight():
     """A decoder on 8 devices of 170 MiB: no pp = 1 point fits, and of the pipelines only tp4 pp2 does (the
-    time-first order prices tp2 pp2, tp1 pp2, tp2 pp4, tp1 pp4 and tp1 pp8 before it: its bound is no lower)."""
+    time-first order prices tp2 pp2, tp1 pp2, tp2 pp4, tp1 pp4 and tp1 pp8 before it: its bound is no lower).
+    No host memory: optimizer offload, which would make pp = 1 points fit, is not offered."""
     g = synthetic_transformer(4, batch=32, seq=64, hidden=1024, heads=8)
     m = parse_machine("h100:2x4")
-    return g, dataclasses.replace(m, device=dataclasses.replace(m.device, memory_bytes=170 * 2**20))
+    return g, dataclasses.replace(m, device=dataclasses.replace(m.device, memory_bytes=170 * 2**20),
+                                  host_memory_bytes=0)
 
 
 def _time_first(self, live, est, order):
