@@ -1001,7 +1001,8 @@ class _Tuner:
         bytes on the busiest device split into a part that does not scale with the micro-batch (weights,
         gradients, states) and one that does (activations), which predict every other size's:
 
-        * nothing fits: skip to the next size its leanest technique is predicted to fit (none: done);
+        * nothing fits: skip to the next size its leanest technique is predicted to fit (none: done; pp = 1,
+          where the weights part fits: its smallest size, the prediction being an estimate);
         * the time improved: the next size;
         * it did not: done, unless (pp = 1, sizes falling) the best point here recomputes: then skip to the
           largest size at which no recomputation is predicted to fit (a smaller micro-batch may drop it);
@@ -1053,7 +1054,10 @@ class _Tuner:
             fixed, scaled = split
             if fixed >= cap:
                 w["i"] = len(w["ms"])             # the weights alone do not fit: no micro-batch will
-            while w["i"] < len(w["ms"]) and fixed + scaled * w["ms"][w["i"]] / mbs > cap:
+            # the prediction is an estimate (the activations part is not linear in the micro-batch: the
+            # backward's peak, what the update frees): a falling walk keeps its smallest size
+            end = len(w["ms"]) - (1 if w["pp"] == 1 else 0)
+            while w["i"] < end and fixed + scaled * w["ms"][w["i"]] / mbs > cap:
                 w["i"] += 1
                 self.stats["skipped_by_memory"] = self.stats.get("skipped_by_memory", 0) + 1
 

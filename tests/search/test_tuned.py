@@ -410,3 +410,17 @@ def test_offload_fits_where_nothing_on_the_device_does_and_only_there():
             if p["config"]["offload"]:
                 twin = [q for q in roomy.priced if q["config"] == dict(p["config"], offload=False)]
                 assert twin and twin[0]["cost"] is None
+
+
+@needs_memtech
+def test_a_falling_walk_prices_its_smallest_micro_batch_where_the_weights_fit():
+    """A walk's skip over micro-batch sizes predicts their memory from a priced point (weights part + the
+    activations part scaled), an estimate: on this decoder (long sequences, 90 MiB devices, no host) the
+    full batch predicts no size fits, yet one micro-batch per copy does; the data-parallel walk still prices its
+    smallest size, so ZeRO-3 finds that plan."""
+    g = synthetic_transformer(2, batch=16, seq=1024, hidden=256, heads=4)
+    m = dataclasses.replace(_machine("h100:1x2", 90), host_memory_bytes=0)
+    r = tune(g, MachineMapper(CostModel(m, optimizer="adam")), "zero3")
+    assert r.feasible and r.config.micro_batch == 1 and r.max_bytes <= m.device.usable_bytes
+    first = r.priced[0]
+    assert first["config"]["micro_batch"] == 8 and first["cost"] is None      # the full batch does not fit
