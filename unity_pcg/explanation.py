@@ -204,6 +204,9 @@ def explain(plan, optimizer: str | None = None) -> Explanation:
               "parallel_ops": {k: v for k, v in sorted(g.op_counts().items()) if ops.get_op(k).kind == "parallel"}}
     if tech is not None:
         totals.update(techniques=tech)
+    mem = getattr(plan, "memory", None)
+    if mem is not None and not mem.empty:
+        totals.update(memory_plan=memory_words(mem))
     made = made_by(plan)
     if made:
         totals.update(made_by=made)
@@ -224,6 +227,22 @@ def _techniques(plan, gc, views, res) -> dict | None:
     return {"iteration_s": p.iteration_s, "rows": [[k, v] for k, v in p.rows()], "lines": memtech.describe(p),
             "max_memory_bytes": p.max_bytes, "feasible": p.feasible, "reason": p.reason,
             "memory": None if mem is None else mem.to_json(), **p.to_json()}
+
+
+def memory_words(mem) -> str:
+    """The plan's memory techniques in a line (the priced figures are the search's: see the stages)."""
+    parts = []
+    if mem.zero:
+        parts.append(f"ZeRO-{mem.zero}")
+    if mem.offload:
+        parts.append("optimizer states and update offloaded to host memory")
+    if mem.recompute:
+        modes: dict = {}
+        for r in mem.recompute:
+            modes[r.mode] = modes.get(r.mode, 0) + 1
+        parts.append(f"{len(mem.recompute)} region(s) recomputed ("
+                     + ", ".join(f"{k} {v}" for k, v in sorted(modes.items())) + ")")
+    return "; ".join(parts) or "none"
 
 
 def made_by(plan) -> str | None:
@@ -508,7 +527,8 @@ def format_text(e: Explanation, limit: int | None = None, sections: Sequence[str
                    f"{_ms(t['grad_sync_s'])}, optimizer update {_ms(t['update_s'])}")
         out.append(f"communication per iteration: {t['comm_elements']:,} elements ({t['activation_comm_elements']:,} "
                    f"activations, {t['grad_sync_elements']:,} gradients); busiest device holds "
-                   f"{_bytes(t.get('max_memory_bytes'))}")
+                   f"{_bytes(t.get('max_memory_bytes'))}"
+                   + (" (the whole batch at once)" if e.pipeline is not None else ""))
         tech = t.get("techniques")
         if tech:
             rows = " ".join(f"{'-' if v < 0 else '+'} {k} {_ms(abs(v))}" for k, v in tech["rows"]).lstrip("+ ")
@@ -516,8 +536,14 @@ def format_text(e: Explanation, limit: int | None = None, sections: Sequence[str
                        f"holds {_bytes(tech['max_memory_bytes'])}")
             for line in tech["lines"]:
                 out.append(f"  {line}")
+        if t.get("memory_plan") and not tech:
+            out.append(f"memory techniques: {t['memory_plan']}")
         if not t["feasible"] and not (tech and tech["feasible"]):
-            out.append(f"INFEASIBLE: {t['reason']}")
+            if e.pipeline is not None:       # the re-pricing above runs the whole batch at once, without them
+                out.append(f"the whole batch at once, without the plan's techniques: {t['reason']}; the plan runs "
+                           f"{e.pipeline.get('micro_batches', '?')} micro-batches (per stage: pipeline below)")
+            else:
+                out.append(f"INFEASIBLE: {t['reason']}")
         par = ", ".join(f"{k} {v}" for k, v in t["parallel_ops"].items()) or "none"
         out.append(f"parallel operators: {par}; {t['devices_used']} of {e.devices} devices used")
     if "operators" in want:
