@@ -39,9 +39,10 @@ DESIGN "Executor").  The :class:`~executor.train.Trainer` owns the step; this mo
   an assembled weight) are packed as (group or name, view) and, in the backward,
   gathered again by a trigger (:class:`_Regather`) created after the group's last use (so it runs
   before any of the uses' backward, at the same point of the global order on every member) and freed by
-  the gather's own backward.  Under bf16 autocast a bf16 operator's gathered weights are converted by the
-  executor (:meth:`ZeroRuntime.cast`, as autocast would) and a saved conversion packed the same way (converted
-  again from the values gathered for the backward).  Offload: the optimizer's parameters and states are separate host tensors;
+  the gather's own backward.  Under bf16 autocast the weights only bf16 operators read (``read_in_bf16``) form
+  groups of their own gathered in bf16 (their gradient reduce-scattered in float32); another weight a bf16
+  operator reads is converted by the executor (:meth:`ZeroRuntime.cast`, as autocast would) and a saved
+  conversion packed the same way (converted again from the values gathered for the backward).  Offload: the optimizer's parameters and states are separate host tensors;
   the gradient shard is copied there, the update runs there, the values are copied back.
 """
 from __future__ import annotations
@@ -280,6 +281,7 @@ class ZeroGroup:
     bucket: int | None       # the Trainer's gradient bucket (None: the atoms read by this rank alone)
     pg: object = None        # the bucket's process group (k > 1)
     dtype: torch.dtype = torch.float32
+    work: torch.dtype | None = None   # stage 3: the dtype it is gathered in for the steps (None: ``dtype``)
 
     @property
     def lo(self) -> int:
@@ -296,13 +298,15 @@ class _ZeroGather(torch.autograd.Function):
         """(the padded vector, a scalar token): the token ties the backward's reduce-scatter to the loss
         (a sink) without a gradient of the vector's size (a slice's backward would make one)."""
         ctx.rt, ctx.gi = rt, gi
-        return rt._full(rt.groups[gi], shard.detach()), shard.new_zeros(())
+        return rt._gather_work(rt.groups[gi], shard.detach()), shard.new_zeros(())
 
     @staticmethod
     def backward(ctx, gflat, _token):
         rt, grp = ctx.rt, ctx.rt.groups[ctx.gi]
-        out = torch.empty(grp.s, dtype=gflat.dtype, device=gflat.device)
-        dist.reduce_scatter_tensor(out, gflat.contiguous(), group=grp.pg)
+        out = torch.empty(grp.s, dtype=grp.dtype, device=gflat.device)
+        # (a group gathered in bf16: its gradient reduce-scattered in the parameters' dtype, as autocast's
+        # conversion's backward would hand it on)
+        dist.reduce_scatter_tensor(out, gflat.to(grp.dtype).contiguous(), group=grp.pg)
         rt.release(ctx.gi)
         return None, None, None, out
 
@@ -352,14 +356,20 @@ class ZeroRuntime:
             self.groups.append(ZeroGroup(tuple(devs), flat, off, k, devs.index(rank) if k > 1 else 0, s, bucket,
                                          pg, dt))
         unit = self.units(tr._items) if self.stage == 3 else {}
+        # stage 3 under bf16: weights every step reads in bf16 (autocast's "low" operators) are gathered in bf16
+        low = self.read_in_bf16(tr._items) if self.stage == 3 and getattr(tr, "precision", "fp32") == "bf16" \
+            else frozenset()
         for i in tr._my_buckets:
             b = tr._buckets[i]
-            if self.stage == 3:     # one group per unit: the bucket's weights of one unit
+            if self.stage == 3:     # one group per unit (and gather dtype): the bucket's weights of one unit
                 units: dict = {}
                 for it in b["items"]:
-                    units.setdefault(unit.get(it[0], (-1, -1)), []).append(it)
-                for _, its in sorted(units.items()):
+                    units.setdefault((unit.get(it[0], (-1, -1)), it[0] in low), []).append(it)
+                for (_, bf16), its in sorted(units.items()):
                     add(b["devs"], its, i)
+                    grp = self.groups[-1]
+                    if bf16 and grp.k > 1 and grp.dtype == torch.float32:
+                        grp.work = torch.bfloat16
             else:
                 add(b["devs"], b["items"], i)
         alone = [(name, sl) for name in tr.params for sl, devs in tr._atoms.get(name, []) if tuple(devs) == (rank,)]
@@ -426,6 +436,12 @@ class ZeroRuntime:
         for name, sl, off, k in grp.items:
             dst = out[name][self.tr._rel(name, sl)]
             dst.copy_(flat[off:off + k].view_as(dst))
+
+    def _gather_work(self, grp: ZeroGroup, shard: torch.Tensor) -> torch.Tensor:
+        """The group's padded flat vector for the steps (stage 3): gathered in its work dtype."""
+        if grp.work is not None and grp.k > 1:
+            shard = shard.detach().to(self.device, grp.work)
+        return self._full(grp, shard)
 
     def _full(self, grp: ZeroGroup, shard: torch.Tensor) -> torch.Tensor:
         """The group's padded flat vector from this rank's shard (all-gather over the group)."""
@@ -504,6 +520,23 @@ class ZeroRuntime:
                         last[nm] = idx
         return first, last, node
 
+    def read_in_bf16(self, items: list) -> frozenset:
+        """Names of the weights whose every reading step is an operator autocast runs in bf16 (the registry's
+        ``autocast == "low"``: it would convert the float32 weight itself)."""
+        from unity_pcg import ops
+        g, low = self.tr.g, self.tr.low
+        seen: dict[str, bool] = {}
+        for item in items:
+            for st in (item.steps if isinstance(item, Region) else [item]):
+                if st.kind != "compute":
+                    continue
+                for r in g.node(st.node).inputs:
+                    o = low.origin.get(r[0])
+                    if o is not None and low.role[o] == "weight":
+                        nm = g.node(o).a["name"]
+                        seen[nm] = seen.get(nm, True) and ops.autocast(st.op) == "low"
+        return frozenset(nm for nm, ok in seen.items() if ok and self.tr.params[nm].dtype == torch.float32)
+
     def units(self, items: list) -> dict:
         """Weight name -> its ZeRO-3 *unit*, as the cost model's (search.memtech.Techniques): the region
         of ``search.memtech.regions`` (cut where one activation is live: a layer) holding the compute
@@ -564,7 +597,7 @@ class ZeroRuntime:
                     continue
                 w = self.work.get(name)
                 if w is None:
-                    w = self._blank(name)
+                    w = self._blank(name, work=True)
                     self.work[name] = w
                     if w.numel():
                         self._ptr[w.untyped_storage().data_ptr()] = ("w", name)
@@ -588,9 +621,15 @@ class ZeroRuntime:
             elif w is not None and w.numel():
                 self._ptr.pop(w.untyped_storage().data_ptr(), None)
 
-    def _blank(self, name: str) -> torch.Tensor:
+    def _blank(self, name: str, work: bool = False) -> torch.Tensor:
+        """Zeros of weight ``name``'s region shape: in the parameter's dtype, or (``work``) in the dtype its
+        groups are gathered in for the steps."""
         shape = [b - a for a, b in self.tr._region[name]]
-        return torch.zeros(shape, dtype=self.tr.params[name].dtype, device=self.device)
+        dt = self.tr.params[name].dtype
+        if work:
+            dt = next((self.groups[gi].work for gi in self._groups_of.get(name, ())
+                       if self.groups[gi].work is not None), dt)
+        return torch.zeros(shape, dtype=dt, device=self.device)
 
     def value(self, name: str) -> torch.Tensor:
         """A stage-3 weight's values (region shape): the forward's gathered ones, or in the backward
@@ -607,7 +646,7 @@ class ZeroRuntime:
             w.requires_grad_(True)
             self.work_bw[name] = w
         if w is None:
-            w = self._blank(name)
+            w = self._blank(name, work=True)
             for gi in self._groups_of[name]:
                 grp = self.groups[gi]
                 flat = self._flat_bw(gi)
@@ -624,14 +663,14 @@ class ZeroRuntime:
         flat = self.flat_bw.get(gi)
         if flat is None:
             grp = self.groups[gi]
-            flat = self.shards[gi].detach() if grp.k == 1 else self._full(grp, self.shards[gi])
+            flat = self.shards[gi].detach() if grp.k == 1 else self._gather_work(grp, self.shards[gi])
             if grp.k > 1:
                 self.flat_bw[gi] = flat
         return flat
 
     def regather(self, gi: int) -> None:
         grp = self.groups[gi]
-        self.flat_bw[gi] = self._full(grp, self.shards[gi])
+        self.flat_bw[gi] = self._gather_work(grp, self.shards[gi])
 
     def release(self, gi: int) -> None:
         self.flat_bw.pop(gi, None)

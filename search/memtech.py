@@ -8,7 +8,8 @@ model and strategy; nothing here knows layer names.
 of one weight piece).  Memory per device: stage 1 keeps ``1/c`` of the optimizer states, stage 2 also
 of the gradient, stage 3 also of the parameter plus a gathered working copy (the largest *unit* --
 weights grouped by the region of their first use -- at full size with, under bf16, the converted copies of
-its weights, which then leave the weights part, :data:`GATHERED_UNITS`: the executor
+its weights, which then leave the weights part -- a weight only bf16 operators read is gathered in bf16 --,
+:data:`GATHERED_UNITS`: the executor
 gathers one unit at a time, before its first use and again in its backward, and frees it after its
 last use; no prefetch).  Time: a
 reduce-scatter of the gradient in place of its all-reduce; the update of ``1/c`` of the weight;
@@ -282,6 +283,7 @@ class _Weight:
     last: int                      # last consumer
     unit: int = 0
     cast: float = 0.0              # bytes per device of autocast's converted copies its readers keep (bf16)
+    low: bool = False              # bf16: every reader converts it to bf16 (ZeRO-3 gathers it in bf16)
 
 
 @dataclass
@@ -393,20 +395,30 @@ class Techniques:
                         stack.append(u)
         return (min(ps), max(ps)) if ps else (0, 0)
 
-    def _cast_bytes(self, nid: int) -> float:
-        """Bytes per device of the converted copies of weight placement ``nid`` that autocast makes for
-        the compute nodes reading it (bf16: ``GraphCost.casts``; the weights part counts them whole,
-        :func:`search.memory.cast_items`)."""
+    def _casts_of(self, nid: int) -> tuple[float, bool]:
+        """(bytes per device of the converted copies of weight placement ``nid`` that autocast makes for the
+        compute nodes reading it -- bf16: ``GraphCost.casts``; the weights part counts them whole,
+        :func:`search.memory.cast_items` --, whether every reader converts it to bf16)."""
         gc, g = self.gc, self.g
         if gc.precision != "bf16":
-            return 0.0
-        out = 0.0
-        for k in range(len(g.shapes(nid))):
-            for u, pos in g.consumers((nid, k)):
-                if u in self.pos:
-                    out += sum(g.shape((nid, k)).piece_numel * gc.kernel_itemsize(to)
-                               for p, _, to in gc.casts(u) if p == pos)
-        return out
+            return 0.0, False
+        out, low, readers = 0.0, True, 0
+        seen, stack = set(), [nid]
+        while stack:
+            x = stack.pop()
+            for k in range(len(g.shapes(x))):
+                for u, pos in g.consumers((x, k)):
+                    if u in self.pos:
+                        readers += 1
+                        to = [t for p, _, t in gc.casts(u) if p == pos]
+                        if to and to[0] == "bfloat16":
+                            out += g.shape((x, k)).piece_numel * gc.kernel_itemsize(to[0])
+                        else:
+                            low = False
+                    elif u not in seen:
+                        seen.add(u)
+                        stack.append(u)
+        return out, low and readers > 0
 
     def _weights(self) -> None:
         gc, g = self.gc, self.g
@@ -430,7 +442,7 @@ class Techniques:
                 f, l = self._first_last(n)
                 ws.append(_Weight(n, sh.piece_nbytes, tuple(devs), tuple(tuple(x) for x in grp.values()),
                                   sh.copy_degree, self.leaf[n].sync, self.leaf[n].update, self.order[f],
-                                  self.order[l], cast=self._cast_bytes(n)))
+                                  self.order[l], **dict(zip(("cast", "low"), self._casts_of(n)))))
             elif role == "compute":
                 for r in gc._update_owner.get(n, ()):
                     nb = g.shape(r).piece_nbytes
@@ -463,12 +475,15 @@ class Techniques:
                 st += p / c          # the optimizer's own copy of the updated shard (all-gathered after)
             save = (2 + k) * p - (param + grad + st)
             if zero >= 3 and c > 1:
-                # the converted copies too are made from the gathered values, one unit at a time: the
-                # executor converts a gathered weight for its reader and converts it again in the backward
+                # the converted copies too are made from the gathered values, one unit at a time: a weight
+                # every reader converts to bf16 is gathered in bf16 (the gathered vector is the copy; the
+                # fp32 parameters are float32 under bf16), another converted for its bf16 readers and again
+                # in the backward
                 save += x.cast
+                work = p / 2 if x.low else p - p / c + x.cast
                 for d in x.devices:
                     u = gathered.setdefault(d, {})
-                    u[x.unit] = u.get(x.unit, 0) + p - p / c + x.cast
+                    u[x.unit] = u.get(x.unit, 0) + work
             saves.append(save)
         wt = self._weight_table()
         if wt is None:                  # a device twice in one weight's list: one subtraction at a time
@@ -1328,11 +1343,14 @@ class Techniques:
                     first[x.unit] = min(first.get(x.unit, math.inf), self.exec_pos.get(x.first, 0))
             for x in self.weights:
                 if x.copies > 1:
-                    rest = x.nbytes - x.nbytes / x.copies
+                    # gathered in bf16 (``low``): its gradient is bf16, made whole once more in float32 for
+                    # the reduce-scatter (beside the bf16 vector)
+                    grad = x.nbytes / 2 if x.low else x.nbytes
+                    rest = max(grad - x.nbytes / x.copies, 0.0)
                     out.append((self.exec_pos.get(x.last, 0), first[x.unit], {d: rest for d in x.devices}))
                     w = whole.setdefault(x.unit, {})
                     for d in x.devices:
-                        w[d] = w.get(d, 0) + x.nbytes
+                        w[d] = w.get(d, 0) + x.nbytes + (grad if x.low else 0.0)
             for u, w in whole.items():
                 out.append((first[u], first[u], w))
         self._memo[("unit_grads", zc)] = out
@@ -1383,7 +1401,7 @@ class Techniques:
                 ag_bucket.clear()
 
         acc = 0.0
-        units3: dict = {}           # stage 3: (unit, copy groups) -> [bytes, first consumer, last consumer]
+        units3: dict = {}           # stage 3: (unit, copy groups, bf16) -> [bytes, first consumer, last consumer]
         ag_bucket: list = []
         ag_ops: list = []           # (forward task needing it, seconds)
         fwd_gather: dict = {}
@@ -1391,8 +1409,8 @@ class Techniques:
         for x in sorted(self.weights, key=lambda x: bidx.get(x.first, 0)):
             c = x.copies
             if c > 1 and x.sync > 0 or (c > 1 and zero >= 1):
-                if zero >= 3:              # one collective per unit and copy groups, as the executor runs them
-                    cur = units3.setdefault((x.unit, x.groups), [0.0, x.first, x.last])
+                if zero >= 3:              # one collective per unit, copy groups and gather dtype, as the executor runs them
+                    cur = units3.setdefault((x.unit, x.groups, x.low), [0.0, x.first, x.last])
                     cur[0] += x.nbytes
                     cur[1] = min(cur[1], x.first, key=lambda n: self.pos[n])
                     cur[2] = max(cur[2], x.last, key=lambda n: self.pos[n])
@@ -1422,13 +1440,14 @@ class Techniques:
         flush()
         # stage 3, per unit: the gradient's reduce-scatter when the backward passes the unit's first use
         # (the gather's backward); all-gathers before its forward and again before its backward
-        for (u, groups), (nbytes, first, last) in units3.items():
+        for (u, groups, low), (nbytes, first, last) in units3.items():
             t = self._coll_once(groups, nbytes)
             nxt = bidx[first] + 1          # synchronous in the executor: the next backward task waits
             ops.append(((bidx[first], 1), len(ops), t, nxt if nxt < 2 * nf else None))
+            tg = self._coll_once(groups, nbytes / 2) if low else t      # gathered in bf16: half the bytes
             for d in (fwd_gather, bwd_gather):
                 cur = d.setdefault(u, [0.0, 0.0, first, last])
-                cur[0] += t
+                cur[0] += tg
                 cur[2] = min(cur[2], first, key=lambda n: self.pos[n])
                 cur[3] = max(cur[3], last, key=lambda n: self.pos[n])
         for pos_, t in self.buffer_sync:

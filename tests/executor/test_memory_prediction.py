@@ -158,10 +158,10 @@ def test_selective_runs_keep_what_the_executor_keeps():
 
 def test_zero3_under_bf16_keeps_no_converted_weights_for_the_backward():
     """Under bf16 autocast a Linear saves its bf16 copy of the weight for the backward; with ZeRO-3 the
-    executor converts the gathered weight itself and saves the conversion as the gathered values (converted
-    again in the backward), as search.memtech prices it: at the end of the forward a weight-heavy MLP keeps
-    almost nothing (without ZeRO: the copies of the three Linears whose input needs a gradient), and the
-    predicted peak is within 10% of the measured."""
+    executor gathers a weight only bf16 operators read in bf16 (another it converts itself) and saves it as the
+    gathered values (gathered again in the backward), as search.memtech prices it: at the end of the forward a
+    weight-heavy MLP keeps almost nothing (without ZeRO: the copies of the three Linears whose input needs a
+    gradient).  (Its peak, in the backward of one unit holding every weight, is the fixture's cases' check.)"""
     from unity_pcg.search import memtech
     from unity_pcg.search.baselines import data_parallel
     from unity_pcg.search.cost import CostModel, GraphCost
@@ -177,5 +177,3 @@ def test_zero3_under_bf16_keeps_no_converted_weights_for_the_backward():
     for r in range(2):
         kept_none, kept_zero3 = got[r][0][3], got[r][1][3]
         assert kept_none >= 3 * 256 * 256 * 2 and kept_zero3 <= 0.05 * kept_none, (r, kept_none, kept_zero3)
-        pred = _predicted(plans["zero3"])[r]
-        assert abs(pred / got[r][1][0] - 1) <= TOLERANCE + 0.01, (pred, got[r][1][0])
