@@ -502,11 +502,18 @@ class ZeroRuntime:
     def uses(self, items: list) -> tuple[dict, dict, dict]:
         """Weight name -> index of the first / last item of the schedule reading it (a recompute region is
         one item), and -> the compute node that reads it first."""
-        g = self.tr.g
-        low = self.tr.low
         first: dict[str, int] = {}
         last: dict[str, int] = {}
         node: dict[str, int] = {}
+        for idx, st, nm in self._weight_reads(items):
+            if nm not in first:
+                first[nm], node[nm] = idx, st.node
+            last[nm] = idx
+        return first, last, node
+
+    def _weight_reads(self, items: list):
+        """(item index, compute step, weight name) of every weight a compute step of ``items`` reads."""
+        g, low = self.tr.g, self.tr.low
         for idx, item in enumerate(items):
             for st in (item.steps if isinstance(item, Region) else [item]):
                 if st.kind != "compute":
@@ -514,27 +521,15 @@ class ZeroRuntime:
                 for r in g.node(st.node).inputs:
                     o = low.origin.get(r[0])
                     if o is not None and low.role[o] == "weight":
-                        nm = g.node(o).a["name"]
-                        if nm not in first:
-                            first[nm], node[nm] = idx, st.node
-                        last[nm] = idx
-        return first, last, node
+                        yield idx, st, g.node(o).a["name"]
 
     def read_in_bf16(self, items: list) -> frozenset:
         """Names of the weights whose every reading step is an operator autocast runs in bf16 (the registry's
         ``autocast == "low"``: it would convert the float32 weight itself)."""
         from unity_pcg import ops
-        g, low = self.tr.g, self.tr.low
         seen: dict[str, bool] = {}
-        for item in items:
-            for st in (item.steps if isinstance(item, Region) else [item]):
-                if st.kind != "compute":
-                    continue
-                for r in g.node(st.node).inputs:
-                    o = low.origin.get(r[0])
-                    if o is not None and low.role[o] == "weight":
-                        nm = g.node(o).a["name"]
-                        seen[nm] = seen.get(nm, True) and ops.autocast(st.op) == "low"
+        for _, st, nm in self._weight_reads(items):
+            seen[nm] = seen.get(nm, True) and ops.autocast(st.op) == "low"
         return frozenset(nm for nm, ok in seen.items() if ok and self.tr.params[nm].dtype == torch.float32)
 
     def units(self, items: list) -> dict:
