@@ -440,9 +440,10 @@ class Techniques:
                 for flat, d in enumerate(devs):
                     grp.setdefault(flat % rest, []).append(d)
                 f, l = self._first_last(n)
+                cast, low = self._casts_of(n)
                 ws.append(_Weight(n, sh.piece_nbytes, tuple(devs), tuple(tuple(x) for x in grp.values()),
                                   sh.copy_degree, self.leaf[n].sync, self.leaf[n].update, self.order[f],
-                                  self.order[l], **dict(zip(("cast", "low"), self._casts_of(n)))))
+                                  self.order[l], cast=cast, low=low))
             elif role == "compute":
                 for r in gc._update_owner.get(n, ()):
                     nb = g.shape(r).piece_nbytes
