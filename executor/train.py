@@ -43,6 +43,7 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
+from unity_pcg import ops
 from unity_pcg import plan as plan_mod
 from unity_pcg.errors import PlanError
 
@@ -767,7 +768,6 @@ class Trainer:
         (as autocast would cast them) and registered with the ZeRO runtime, so the copy the operator saves
         for its backward is gathered and cast again there rather than kept (the storages registered;
         ``casts_done`` forgets them after the kernel).  Forward only (a recomputation saves as usual)."""
-        from unity_pcg import ops
         if not self._zrt.forward_phase or ops.autocast(st.op) != "low":
             return []
         out = []

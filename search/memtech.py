@@ -1533,9 +1533,7 @@ class Techniques:
 
     @property
     def can_offload(self) -> bool:
-        m = self.machine
-        return ("host" in m.links and m.host_mem_bandwidth > 0 and m.host_memory_bytes > 0 and self.states > 0
-                and bool(self.weights))
+        return self.machine.has_host and self.states > 0 and bool(self.weights)
 
     # --- choosing -----------------------------------------------------------------------------------
     def choose(self, zero: Sequence[int] = (0, 1, 2, 3), offload: Sequence[bool] = (False, True),

@@ -492,11 +492,8 @@ class _Tuner:
         # priced (1: none seen): how far that estimate has overstated on this grid (:meth:`_walk`)
         self._est_ratio = 1.0
         self._layout_points: dict = {}    # (tp, pp, M, sp) -> its points, once priced (a cut step resumes on them)
-        m = self.machine
-        # offload combinations (module docstring): where the techniques are priced and the machine
-        # describes a host it can put the optimizer states in
-        self.offload = bool(tech.available and "host" in m.links and m.host_mem_bandwidth > 0
-                            and m.host_memory_bytes > 0)
+        # offload combinations (module docstring): where the techniques are priced and the machine has a host
+        self.offload = bool(tech.available and self.machine.has_host)
 
     # the layout points --------------------------------------------------------------------------------
     def whole(self, tp: int, plain: bool = False, sp: bool = False) -> _Layout:

@@ -292,6 +292,12 @@ class MachineSpec:
         return self._collectives_cpu() is not None
 
     @property
+    def has_host(self) -> bool:
+        """The machine describes a host its devices can put optimizer states in (offload): a ``host`` link,
+        the host's memory bandwidth and capacity."""
+        return "host" in self.links and self.host_mem_bandwidth > 0 and self.host_memory_bytes > 0
+
+    @property
     def flops(self) -> float:
         return self.device.peak_flops * self.share
 
