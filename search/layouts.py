@@ -96,7 +96,7 @@ def _monotonic_deadline(deadline: Deadline | None) -> float | None:
 def propose(g: PCG, machine: MachineSpec, mesh: tuple[int, int], *, optimizer: str = "adam",
             precision: str = "fp32", deadline: Deadline | None = None, mapper=None,
             time_limit_s: float = 30.0, idle: bool = True, memory_budget: float | None = None,
-            micro_batches: int = 1, sharded_update: bool = False) -> Proposal:
+            micro_batches: int = 1, sharded_update: bool = False, memory_price: float = 0.0) -> Proposal:
     """The ILP's layout of the logical graph ``g`` on ``mesh`` (all the machine's devices), before
     ``deadline``; priced by ``mapper`` (a :class:`search.mapping.MachineMapper`) on the ILP's views.
     ``idle``: operators may leave a mesh axis unused instead of running on copies along it
@@ -104,7 +104,8 @@ def propose(g: PCG, machine: MachineSpec, mesh: tuple[int, int], *, optimizer: s
     whole, runs on a subset of them, as the machine-mapping DP would place it.  ``memory_budget``: bytes per
     device the ILP's memory rows keep to (default the device's capacity; ``math.inf``: no rows, the fastest
     layout, which the memory techniques may then make fit).  ``micro_batches``: ``g`` is one of that many
-    micro-batches of an iteration; ``sharded_update``: ZeRO-1's update (:func:`search.alpa.intra.solve_intra`)."""
+    micro-batches of an iteration; ``sharded_update``: ZeRO-1's update and states; ``memory_price``: a price on
+    memory instead of memory rows (:func:`search.alpa.intra.solve_intra`)."""
     from .alpa.intra import AlpaError, solve_intra
     t0 = time.perf_counter()
     if deadline is not None and deadline.left() <= 0:
@@ -114,7 +115,7 @@ def propose(g: PCG, machine: MachineSpec, mesh: tuple[int, int], *, optimizer: s
     try:
         ip = solve_intra(g, machine, tuple(mesh), optimizer=optimizer, precision=precision, price=False,
                          deadline=dl, time_limit_s=limit, idle=idle, memory_budget=memory_budget,
-                         micro_batches=micro_batches, sharded_update=sharded_update)
+                         micro_batches=micro_batches, sharded_update=sharded_update, memory_price=memory_price)
     except AlpaError as e:
         return Proposal(tuple(mesh), None, solve_s=time.perf_counter() - t0, status=f"no plan: {e}")
     p = Proposal(tuple(mesh), ip.pcg, ip.views, float(ip.objective), float(ip.objective),

@@ -23,7 +23,7 @@ import numpy as np
 from unity_pcg import ops
 from unity_pcg.machine import MachineView
 
-from .cost import GraphCost
+from .cost import OPTIMIZER_STATES, GraphCost
 
 
 @dataclass
@@ -168,13 +168,23 @@ def _view_devices(view: MachineView) -> np.ndarray:
     return d
 
 
-def node_memory_arrays(gc: GraphCost, nid: int, view: MachineView):
+def node_memory_arrays(gc: GraphCost, nid: int, view: MachineView, states: str = "whole"):
     """:func:`node_memory` as numpy arrays over all devices of the machine: (weight bytes, activation
     bytes, which devices hold weights, which hold activations) -- the same floats a device's entry of
     the dicts has (byte counts are integers, exact in a float), for pricers that add many nodes up
     device by device (Alpa's ILP fragments): one array operation per tensor instead of one dict entry
-    per device."""
+    per device.  ``states``: a trained weight's optimizer states -- ``"whole"`` on every device holding the
+    weight (:func:`node_memory`), ``"sharded"`` over its copies (ZeRO-1: 1/k of them on each of k copies)."""
+    if states not in ("whole", "sharded"):
+        raise ValueError(f"states must be whole or sharded, got {states!r}")
     g = gc.g
+    S = OPTIMIZER_STATES[gc.model.optimizer]
+
+    def factor(s) -> float:         # bytes held per weight byte of a trained weight of shape ``s``
+        if states == "whole":
+            return gc.model.weight_memory_factor()
+        return 2 + S / s.copy_degree
+
     n_dev = gc.machine.num_devices
     w = np.zeros(n_dev)
     a = np.zeros(n_dev)
@@ -184,17 +194,17 @@ def node_memory_arrays(gc: GraphCost, nid: int, view: MachineView):
     node = g.node(nid)
     if role == "weight-placement":
         if nid in gc._chain_end:
-            pb = g.shapes(nid)[0].piece_nbytes * (gc.model.weight_memory_factor() if gc.trainable(nid) else 1)
+            s0 = g.shapes(nid)[0]
+            pb = s0.piece_nbytes * (factor(s0) if gc.trainable(nid) else 1)
             d = np.unique(np.asarray(gc.placement(nid, view), dtype=np.int64))
             w[d] += pb
             wm[d] = True
         return w, a, wm, am
     if role == "compute":
-        factor = gc.model.weight_memory_factor()
         devs = _view_devices(view)
         for r in gc._direct_weights.get(nid, ()):
-            f = factor if gc.trainable(r[0]) else 1
-            w[devs] += g.shape(r).piece_nbytes * f
+            s0 = g.shape(r)
+            w[devs] += s0.piece_nbytes * (factor(s0) if gc.trainable(r[0]) else 1)
             wm[devs] = True
         for b, weight in cast_items(gc, nid):      # autocast's copies (bf16), as _cast_copies counts them
             if weight:

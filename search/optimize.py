@@ -423,6 +423,10 @@ FLOOR, SEARCH, LAYOUT = 0, 1, 2
 #: relative difference under which two predicted times are the same (the rules' version of a layout prices
 #: like the ILP's own up to the last bits)
 TIE = 1e-6
+#: the prices on memory (in units of the fastest layout's seconds per byte, :func:`search.alpa.intra.solve_intra`)
+#: of the leaner layouts gradient accumulation offers beside each mesh's fastest: at 1/2, a layout that halves
+#: the memory for up to a quarter more time; at 4, for up to twice the time
+MEMORY_PRICES = (0.5, 4.0)
 
 
 @dataclass
@@ -1261,12 +1265,12 @@ def _accumulation_candidates(run: _Run, until: Deadline) -> None:
     techniques = getattr(ev.mapper, "default_techniques", True)
     budget = math.inf if techniques else None
 
-    def ilp(mesh):
+    def ilp(mesh, price=0.0):
         def hook(stage: PCG, resource: Resource) -> PCG:
             micro_batches = run.b // max(_batch_of(stage) or run.b, 1)
             p = propose(stage, m, mesh, optimizer=run.optimizer, precision=ev.mapper.model.precision,
                         deadline=until, memory_budget=budget, micro_batches=micro_batches,
-                        sharded_update=techniques)
+                        sharded_update=techniques, memory_price=price)
             if p.pcg is None:
                 raise UnityError(f"mesh {p.name}: {p.status}")
             return p.pcg
@@ -1275,14 +1279,24 @@ def _accumulation_candidates(run: _Run, until: Deadline) -> None:
     if not _leaves_a_mapping(run, until):
         run.stats["accumulation"] = {"none": "too little time left to build and map its graph"}
         return
-    layouts = [("data parallel", default_intra)] + [(f"layout mesh {a}x{b}", ilp((a, b))) for a, b in mesh_shapes(m)]
+    # each mesh's fastest layout, then (with the techniques) the leaner points of its time / memory front the
+    # ILP finds at a price on memory (search.alpa.intra.solve_intra): the techniques price all of them, so a
+    # layout that splits weights and activations finer (tensor parallelism) competes with the fastest one
+    # made to fit by recomputation or ZeRO-3
+    meshes = mesh_shapes(m)
+
+    def of(order):
+        out = [(f"layout mesh {a}x{b}", ilp((a, b))) for a, b in order]
+        return out + [(f"layout mesh {a}x{b} memory-priced {p:g}", ilp((a, b), p), "rising")
+                      for p in (MEMORY_PRICES if techniques else ()) for a, b in order]
+    layouts = [("data parallel", default_intra)] + of(meshes)
     t0 = time.perf_counter()
     fitted = None
     if _floor_grids_cover_data_parallel(run):
         # the floors' grids walk those points already (best-first, with their other pairs): they go on instead
         # for up to half the time, the meshes' layouts get the rest; the one-axis mesh, whose layout is the
         # nearest data parallelism, last
-        layouts = layouts[2:] + layouts[1:2]
+        layouts = of(meshes[1:] + meshes[:1])
         _resume_cut_grids(run, Deadline(run.budget.now() + max(until.left(), 0.0) / 2, run.budget.clock))
         run.stats["accumulation_data_parallel"] = "walked by the tuned floors' grids"
         if not layouts or until.passed():

@@ -1053,7 +1053,7 @@ class _Tuner:
                 w["i"] = len(w["ms"])             # the weights alone do not fit: no micro-batch will
             # the prediction is an estimate (the activations part is not linear in the micro-batch: the
             # backward's peak, what the update frees): a falling walk keeps its smallest size
-            end = len(w["ms"]) - (1 if w["pp"] == 1 else 0)
+            end = len(w["ms"]) - (1 if w["pp"] == 1 and not w.get("rising") else 0)
             while w["i"] < end and fixed + scaled * w["ms"][w["i"]] / mbs > cap:
                 w["i"] += 1
                 self.stats["skipped_by_memory"] = self.stats.get("skipped_by_memory", 0) + 1
@@ -1169,7 +1169,9 @@ def accumulate(g: PCG, mapper, layouts, deadline: Deadline | None = None, *, tec
     """Gradient accumulation in the joint search (DESIGN "optimize() policy"): the fastest feasible plan of
     one stage that runs the global batch as M micro-batches (:func:`search.pipeline.micro_graph`, the one
     test of micro-batching), each micro-batch parallelized by one of ``layouts`` -- ``[(name, intra)]``,
-    ``intra`` a :func:`search.pipeline.search_pipeline` hook (data parallelism, the layout ILP of a mesh) --
+    ``intra`` a :func:`search.pipeline.search_pipeline` hook (data parallelism, the layout ILP of a mesh; an
+    entry ``(name, intra, "rising")`` is walked from the most micro-batches to fewer: a layout that trades time
+    for memory pays where the weights, not the activations, fill the device, at the smallest sizes) --
     jointly with the memory techniques (recomputation none / selective / full on every region, and
     :data:`PER_REGION` -- memtech's choice per region of what must go -- x ZeRO 0 / 1 / 3, priced by
     :mod:`search.memtech`; ZeRO-3 gathers every micro-batch).  The micro-batch count is walked per layout as
@@ -1189,10 +1191,13 @@ def accumulate(g: PCG, mapper, layouts, deadline: Deadline | None = None, *, tec
     N, B = t.machine.num_devices, t.B
     dp = N if B % N == 0 else 1
     ms = [m for m in micro_batch_sizes(B, dp, 1) if m < B // dp]
-    walks = [{"tp": 1, "pp": 1, "dp": dp, "ms": ms, "i": 0, "n": 0, "best": INF, "done": not ms,
-              "intra": intra, "name": name} for name, intra in layouts]
-    t.stats["layouts"] = [name for name, _ in layouts]
+    walks = [{"tp": 1, "pp": 1, "dp": dp, "ms": ms[::-1] if rising else ms, "i": 0, "n": 0, "best": INF,
+              "done": not ms, "intra": intra, "name": name, "rising": rising}
+             for name, intra, *more in layouts for rising in [bool(more and more[0] == "rising")]]
+    t.stats["layouts"] = [w["name"] for w in walks]
     for w in walks if fitted else ():
+        if w["rising"]:
+            continue
         while w["i"] < len(w["ms"]) - 1 and w["ms"][w["i"]] > fitted:
             w["i"] += 1
     try:
@@ -1204,7 +1209,7 @@ def accumulate(g: PCG, mapper, layouts, deadline: Deadline | None = None, *, tec
             fits = [p.config.micro_batch for p in t.points if p.feasible]
             start = max(fits) if fits else None
             for w in walks[1:]:             # the others from the fewest micro-batches the first fitted at
-                while start is not None and w["i"] < len(w["ms"]) - 1 and w["ms"][w["i"]] > start:
+                while start is not None and not w["rising"] and w["i"] < len(w["ms"]) - 1 and w["ms"][w["i"]] > start:
                     w["i"] += 1
             rest = walks[1:]
         for w in rest:

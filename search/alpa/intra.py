@@ -528,6 +528,9 @@ class IntraProblem:
         # ``sharded_update``: the optimizer update of a weight copied k ways priced at 1/k of it, as ZeRO-1 (the
         # distributed optimizer, which the memory techniques choose where it pays) shards it over the copies
         self.sharded_update = bool(sharded_update)
+        # and in memory: a device holds 1/k of the optimizer states of a weight copied k ways
+        # (:func:`search.memory.node_memory_arrays`)
+        self.states = "sharded" if self.sharded_update else "whole"
         self.machine = machine
         self.zero = weight_update_sharding
         self._deadline = deadline
@@ -547,7 +550,8 @@ class IntraProblem:
             model = CostModel(machine, optimizer=optimizer, precision=precision)
             model.sync_total_bytes = sync_total or None
             shared = _SHARED[skey] = dict(mesh=Mesh(n0, n1, start, bool(idle)), model=model, edge={}, frag={}, emat={},
-                                          anchor={})
+                                          anchor={}, unit={})
+        self._unit_cache: dict = shared["unit"]
         self.mesh = shared["mesh"]
         self.model = shared["model"]
         self.anchor, self.anchors, self.via = _groups(g)
@@ -597,7 +601,7 @@ class IntraProblem:
         (memoized by the group's structure: the layers of a deep model are priced once)."""
         mem_ids = self.members[a]
         key = (self._static_key(a), tuple(_node_key(self.g, m) for m in mem_ids), self.micro_batches,
-               self.sharded_update)
+               self.sharded_update, self.states)
         hit = self._anchor_cache.get(key)
         if hit is None:
             algos = enumerate_algos(self.g, a, self.mesh) or [Algo((), None)]
@@ -677,7 +681,8 @@ class IntraProblem:
         g = self.g
         local = {m: i for i, m in enumerate(self.members[a])}
         static = self._static_key(a)
-        key = (static, tuple((insts[m].in_lay, insts[m].final_lay, insts[m].view) for m in self.members[a]))
+        key = (static, tuple((insts[m].in_lay, insts[m].final_lay, insts[m].view) for m in self.members[a]),
+               self.states)
         hit = self._frag_cache.get(key)
         if hit is not None:
             return hit
@@ -757,7 +762,7 @@ class IntraProblem:
         for nid in gc.nodes():
             if nid in ext_nodes:
                 continue
-            w, act, wm, am = node_memory_arrays(gc, nid, views[nid])
+            w, act, wm, am = node_memory_arrays(gc, nid, views[nid], self.states)
             for k in range(len(frag.shapes(nid))):
                 if (nid, k) in kept:      # a member's output: kept as the real graph keeps it
                     less = frag.shapes(nid)[k].piece_nbytes * (kept_fraction(frag, nid, k) - kept[(nid, k)])
@@ -1144,21 +1149,24 @@ class IntraProblem:
         return alive
 
     def solve(self, memory_budget: float | None = None, time_limit_s: float = 30.0, solver: str = "highs",
-              mip_gap: float = 1e-7, liveness: bool = True, deadline: float | None = None):
+              mip_gap: float = 1e-7, liveness: bool = True, deadline: float | None = None,
+              memory_price: float = 0.0):
         """(choice, objective, status, solve seconds); raises IntraInfeasible if nothing fits.  ``mip_gap``:
         the relative optimality gap at which the MIP stops (only when the LP relaxation is fractional).
         ``liveness=False``: the single end-of-forward row this pass used before (:meth:`memory_end_of_forward`;
-        for comparisons: the result may then exceed the budget at another step)."""
+        for comparisons: the result may then exceed the budget at another step).  ``memory_price``: seconds per
+        byte added to the objective for each algorithm's end-of-forward bytes (:attr:`node_mem`) and each
+        resharded tensor's (the Lagrangian of the memory rows; the returned objective is the time alone)."""
         use_mem = memory_budget is not None and math.isfinite(memory_budget)
         mem_of = self.memory if liveness else self.memory_end_of_forward
-        alive = self.prune(use_mem)
+        alive = self.prune(use_mem or memory_price > 0)
         cols_cost: list = []
         col_int: list = []
         svar: dict = {}
         for a in self.anchors:
             for i in alive[a]:
                 svar[(a, i)] = len(cols_cost)
-                cols_cost.append(self.node_cost[a][i])
+                cols_cost.append(self.node_cost[a][i] + memory_price * self.node_mem[a][i])
                 col_int.append(True)
         rows: list = []                     # (coefficients {col: v}, lo, hi)
         emem: dict = {}                     # edge variable -> bytes per device it adds
@@ -1184,7 +1192,7 @@ class IntraProblem:
                     if not math.isfinite(c):
                         continue
                     col = len(cols_cost)
-                    cols_cost.append(c)
+                    cols_cost.append(c + memory_price * max(float(Mm[ci, cj]), 0.0))
                     col_int.append(False)
                     ecols[(ci, cj)] = col
                     emem[col] = float(Mm[ci, cj])
@@ -1312,6 +1320,21 @@ class IntraProblem:
                                   f"{'' if status == 'infeasible' else f'; solver status: {status}'}")
         self.last_rows = len(mem_rows)
         return choice, self.objective(choice), status, dt
+
+
+    def unit_price(self, time_limit_s: float = 30.0, deadline: float | None = None) -> tuple[float, dict, str]:
+        """(seconds per byte of the fastest choice: its objective over its peak (:meth:`memory`), that choice,
+        the solver's status), memoized by graph and settings:
+        the unit of :func:`solve_intra`'s ``memory_price`` (at 1, halving the fastest's memory is worth half
+        its time)."""
+        key = (self.g.structural_hash(), tuple(self.g.node_ids()), self.micro_batches, self.states)
+        hit = self._unit_cache.get(key)
+        if hit is None:
+            ch, obj, status, _ = self.solve(None, time_limit_s, deadline=deadline)
+            if len(self._unit_cache) > 256:
+                self._unit_cache.clear()
+            hit = self._unit_cache[key] = (max(float(obj), 1e-12) / max(self.memory(ch), 1.0), ch, status)
+        return hit
 
 
 _SCALE = 1e6
@@ -1540,7 +1563,7 @@ def solve_intra(g: PCG, machine: MachineSpec, mesh: tuple[int, int], *, start: i
                 time_limit_s: float = 30.0, solver: str = "highs", mip_gap: float = 1e-7,
                 price: bool = True, deadline: float | None = None, precision: str = "fp32",
                 idle: bool = False, copy_free_outputs: bool = False, micro_batches: int = 1,
-                sharded_update: bool = False) -> IntraPlan:
+                sharded_update: bool = False, memory_price: float = 0.0) -> IntraPlan:
     """Alpa's intra-operator plan of the logical PCG ``g`` on the ``mesh`` (n0, n1) of devices
     ``start .. start+n0*n1-1`` of ``machine`` (see module docstring).  ``memory_budget``: bytes per device
     (default: the device's capacity).  ``mip_gap``: relative gap at which the MIP stops when the LP relaxation
@@ -1561,7 +1584,14 @@ def solve_intra(g: PCG, machine: MachineSpec, mesh: tuple[int, int], *, start: i
     (gradient accumulation, a pipeline stage): the objective counts each operator's gradient sync and update
     as 1/M of it (they run once per iteration), so the layout is the fastest over the iteration.
     ``sharded_update``: a copied weight's optimizer update is priced as ZeRO-1 shards it over the copies (where
-    the caller prices the memory techniques, which choose it where it pays)."""
+    the caller prices the memory techniques, which choose it where it pays), and its optimizer states in memory
+    as ZeRO-1 holds them (1/k on each copy).  ``memory_price`` (> 0, with ``memory_budget``
+    infinite): no memory rows, a price on memory in the objective instead -- each algorithm's end-of-forward
+    bytes at that many :meth:`IntraProblem.unit_price` (the Lagrangian of the memory rows: the LP stays
+    integral, where exact rows make a MIP that runs for minutes on a decoder): a point of the layouts' Pareto
+    front of time and memory that trades time for memory, for a caller that prices the memory techniques
+    on it (they, not the ILP's memory model, decide whether it fits); :class:`AlpaError` when it is the
+    fastest layout itself."""
     t0 = time.perf_counter()
     try:
         n0, n1 = (int(x) for x in mesh)
@@ -1582,7 +1612,21 @@ def solve_intra(g: PCG, machine: MachineSpec, mesh: tuple[int, int], *, start: i
     prob.copy_free_outputs = bool(copy_free_outputs)
     t1 = time.perf_counter()
     try:
-        choice, obj, status, solve_s = prob.solve(memory_budget, time_limit_s, solver, mip_gap, deadline=deadline)
+        if memory_price > 0 and math.isfinite(memory_budget):
+            raise AlpaError("alpa intra-op: a price on memory replaces the memory rows (memory_budget=inf)")
+        if not math.isfinite(memory_budget) and (solver == "highs" or memory_price > 0):
+            # the fastest layout (memoized: the priced ones start from it)
+            t2 = time.perf_counter()
+            unit, choice, status = prob.unit_price(time_limit_s, deadline)
+            obj, solve_s = prob.objective(choice), time.perf_counter() - t2
+            if memory_price > 0:
+                fastest = choice
+                choice, obj, status, solve_s = prob.solve(None, time_limit_s, solver, mip_gap, deadline=deadline,
+                                                          memory_price=memory_price * unit)
+                if choice == fastest:
+                    raise AlpaError(f"alpa intra-op: at memory price {memory_price:g} the fastest layout itself")
+        else:
+            choice, obj, status, solve_s = prob.solve(memory_budget, time_limit_s, solver, mip_gap, deadline=deadline)
     except IntraInfeasible as e:
         if deadline is not None and time.monotonic() >= deadline:
             raise AlpaDeadline(f"alpa intra-op: the deadline passed before the ILP found a solution ({e})") from None

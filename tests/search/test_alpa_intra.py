@@ -317,3 +317,58 @@ def test_executor_trains_alpa_plans_like_one_process():
             names.append(f"{make.__name__} {mesh} zero={zero}")
     for name, ref, got in zip(names, refs, H.run_cases(4, cases, timeout=600)):
         H.assert_same(ref, got, what=name)
+
+
+# --- a price on memory: the Lagrangian of the memory rows ------------------------------------------------
+
+@pytest.mark.parametrize("graph,mesh", [(lambda: mlp(batch=64, h=512, layers=3), (1, 4)),
+                                        (lambda: diamond(batch=8, h=16), (2, 2))])
+def test_a_price_on_memory_minimizes_time_plus_priced_memory_exactly(graph, mesh):
+    """solve(memory_price=lam) is exact for its objective (time + lam x end-of-forward bytes: brute force over
+    every choice), and raising the price never buys more memory or less time (a Lagrangian's front)."""
+    prob = IntraProblem(graph(), DGX, mesh, sharded_update=True)
+    counts = [len(prob.algos[a]) for a in prob.anchors]
+    combos = [dict(zip(prob.anchors, c)) for c in product(*[range(k) for k in counts])]
+    times = [prob.objective(c) for c in combos]
+    mems = [prob.memory_end_of_forward(c) for c in combos]
+    unit, fastest, _ = prob.unit_price()
+    assert prob.objective(fastest) == pytest.approx(min(times), rel=1e-6, abs=1e-12)
+    last_t, last_m, seen = 0.0, math.inf, set()
+    for k in (0.01, 0.1, 0.5, 2, 8, 64, 1024):
+        lam = k * unit
+        choice, obj, status, _ = prob.solve(None, memory_price=lam)
+        assert status == "optimal" and obj == pytest.approx(prob.objective(choice), rel=1e-9)
+        best = min(t + lam * m for t, m in zip(times, mems))
+        got = prob.objective(choice) + lam * prob.memory_end_of_forward(choice)
+        assert got == pytest.approx(best, rel=1e-6, abs=1e-12), k
+        m = prob.memory_end_of_forward(choice)
+        assert m <= last_m * (1 + 1e-9) and obj >= last_t * (1 - 1e-9)
+        last_t, last_m = obj, m
+        seen.add(tuple(sorted(choice.items())))
+    assert len(seen) >= 2            # the sweep reaches a leaner layout than the fastest
+
+
+def test_solve_intra_at_a_memory_price_trades_time_for_memory_and_refuses_the_fastest_itself():
+    g = mlp(batch=64, h=512, layers=3)
+    fast = solve_intra(g, DGX, (1, 4), memory_budget=math.inf, sharded_update=True, price=False)
+    lean = solve_intra(g, DGX, (1, 4), memory_budget=math.inf, sharded_update=True, price=False, memory_price=64)
+    assert lean.memory_bytes < fast.memory_bytes and lean.objective >= fast.objective
+    assert lean.specs != fast.specs
+    with pytest.raises(AlpaError, match="the fastest layout itself"):      # a big batch: data parallelism
+        solve_intra(mlp(batch=4096, h=256, layers=2), DGX, (1, 4), memory_budget=math.inf, sharded_update=True,
+                    price=False, memory_price=1e-3)
+    with pytest.raises(AlpaError, match="replaces the memory rows"):
+        solve_intra(g, DGX, (1, 4), memory_budget=2**30, memory_price=1)
+
+
+def test_a_sharded_update_holds_a_copied_weights_optimizer_states_in_shards():
+    """sharded_update=True (ZeRO-1) counts 1/k of a weight's optimizer states on each of its k copies."""
+    g = mlp(batch=64, h=512, layers=3)
+    whole, sharded = IntraProblem(g, DGX, (1, 4)), IntraProblem(g, DGX, (1, 4), sharded_update=True)
+
+    def data_parallel(prob):            # every Linear's batch split 4 ways, its weight copied 4 ways
+        return {a: next(i for i, al in enumerate(prob.algos[a]) if "b0" in str(al) and "'n'" not in str(al)
+                        and "'k'" not in str(al)) for a in prob.anchors}
+    cw, cs = data_parallel(whole), data_parallel(sharded)
+    states = 3 * 512 * 512 * 4 * 2            # adam: two fp32 states per weight
+    assert whole.memory_end_of_forward(cw) - sharded.memory_end_of_forward(cs) == pytest.approx(states * 3 / 4)

@@ -103,3 +103,19 @@ def test_accumulation_leaves_its_data_parallel_walk_to_the_floor_grids_only_wher
     assert not covers(NS(tuners={"megatron": tuner(None), "zero3": tuner([(1, 1)])}))   # not started
     assert not covers(NS(tuners={}))                                                     # Megatron does not apply
     assert covers(NS(tuners={"megatron": tuner([(1, 1)], tech=False)}))                  # no techniques: ZeRO 0 only
+
+
+@needs_memtech
+def test_a_rising_walk_starts_at_the_smallest_micro_batch_and_climbs():
+    """A layout entry marked "rising" (the leaner layouts of the ILP's time / memory front, which pay where
+    the weights fill the device) is walked from the most micro-batches to fewer, each size once, and ends
+    at the same best point as the falling walk of the same layout here."""
+    g, m = _decoder(), _small(75)
+    mp = MachineMapper(CostModel(m, optimizer="adam"))
+    falling = accumulate(g, mp, [("data parallel", default_intra)])
+    rising = accumulate(g, mp, [("data parallel", default_intra, "rising")])
+    sizes = [p["config"]["micro_batch"] for p in rising.priced]
+    firsts = list(dict.fromkeys(sizes))
+    assert firsts[0] == 1 and firsts == sorted(firsts) and len(firsts) >= 2
+    assert [p["config"]["micro_batch"] for p in falling.priced][0] > 1
+    assert rising.feasible and rising.cost == pytest.approx(falling.cost, rel=1e-9)
