@@ -108,8 +108,11 @@ def _run(strategy: str, model: str, machine: str, budget: float) -> dict:
     try:
         out = json.loads(p.stdout)
     except json.JSONDecodeError:
-        err = (p.stderr.strip().splitlines() or ["?"])[-1]
-        return {"status": "n/a", "reason": err[:400], "wall_s": wall, "cpu_s": cpu}
+        lines = p.stderr.strip().splitlines() or ["?"]
+        # a crash keeps where it happened (the traceback's last frame) beside its message
+        at = [ln.strip() for ln in lines if ln.strip().startswith("File ")][-1:]
+        return {"status": "n/a", "reason": lines[-1][:400], **({"where": at[0][:300]} if at else {}),
+                "wall_s": wall, "cpu_s": cpu}
     out["wall_s"] = wall
     out["cpu_s"] = cpu
     out["status"] = "ok" if out.get("feasible") else "infeasible"

@@ -424,9 +424,10 @@ FLOOR, SEARCH, LAYOUT = 0, 1, 2
 #: like the ILP's own up to the last bits)
 TIE = 1e-6
 #: the prices on memory (in units of the fastest layout's seconds per byte, :func:`search.alpa.intra.solve_intra`)
-#: of the leaner layouts gradient accumulation offers beside each mesh's fastest: at 1/2, a layout that halves
-#: the memory for up to a quarter more time; at 4, for up to twice the time
-MEMORY_PRICES = (0.5, 4.0)
+#: of the leaner layouts gradient accumulation offers beside each mesh's fastest: at 1, a layout that saves a
+#: share of the fastest's memory for up to that share more time (a mesh bounds how far a layout can shard:
+#: on a decoder the front's points between 1/4 and 4 are one layout per mesh)
+MEMORY_PRICES = (1.0,)
 
 
 @dataclass
@@ -1286,9 +1287,13 @@ def _accumulation_candidates(run: _Run, until: Deadline) -> None:
     meshes = mesh_shapes(m)
 
     def of(order):
-        out = [(f"layout mesh {a}x{b}", ilp((a, b))) for a, b in order]
-        return out + [(f"layout mesh {a}x{b} memory-priced {p:g}", ilp((a, b), p), "rising")
-                      for p in (MEMORY_PRICES if techniques else ()) for a, b in order]
+        fast = [(f"layout mesh {a}x{b}", ilp((a, b))) for a, b in order]
+        # the leaner layouts right after the first mesh's fastest (the fastest layouts of the meshes differ
+        # least: where the batch splits over every device, each is data parallelism), the smallest inner axis
+        # first: its tensor parallelism is the one a mesh row confines to the fewest, closest devices
+        lean = [(f"layout mesh {a}x{b} memory-priced {p:g}", ilp((a, b), p), "rising")
+                for p in (MEMORY_PRICES if techniques else ()) for a, b in sorted(order, key=lambda s: (s[1], s[0]))]
+        return fast[:1] + lean + fast[1:]
     layouts = [("data parallel", default_intra)] + of(meshes)
     t0 = time.perf_counter()
     fitted = None

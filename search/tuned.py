@@ -1176,7 +1176,8 @@ def accumulate(g: PCG, mapper, layouts, deadline: Deadline | None = None, *, tec
     :data:`PER_REGION` -- memtech's choice per region of what must go -- x ZeRO 0 / 1 / 3, priced by
     :mod:`search.memtech`; ZeRO-3 gathers every micro-batch).  The micro-batch count is walked per layout as
     the tuned grid walks it: fewest micro-batches first, skipping those a priced point predicts not to fit;
-    the first layout's walk runs first and the others start where it first fitted.  The full batch (M = 1) is
+    the first layout's walk runs first (after each rising walk's first step) and the others start where it first
+    fitted.  The full batch (M = 1) is
     not priced here (the caller has it).  ``fitted``: the largest micro-batch (per data-parallel copy) at which
     the caller already found data parallelism to fit without recomputing (a tuned floor's walk): every walk
     starts there (a larger one fits only on a layout that splits the activations finer than the batch: under a
@@ -1202,16 +1203,22 @@ def accumulate(g: PCG, mapper, layouts, deadline: Deadline | None = None, *, tec
             w["i"] += 1
     try:
         rest = walks
-        if walks and not fitted:
-            first = walks[0]
+        first = next((w for w in walks if not w["rising"]), None)
+        if first is not None and not fitted:
+            # data parallelism fits at no size without recomputing: the weights bind, so each leaner layout
+            # (a rising walk) takes its first step before the first layout's walk runs to its end
+            for w in walks:
+                if w["rising"] and not w["done"]:
+                    t._step(w, None)
             while not first["done"]:
                 t._step(first, None)
-            fits = [p.config.micro_batch for p in t.points if p.feasible]
+            fits = [p.config.micro_batch for p in t.points if p.feasible and p.layout.name == first["name"]]
             start = max(fits) if fits else None
-            for w in walks[1:]:             # the others from the fewest micro-batches the first fitted at
-                while start is not None and not w["rising"] and w["i"] < len(w["ms"]) - 1 and w["ms"][w["i"]] > start:
+            for w in walks:                 # the others from the fewest micro-batches the first fitted at
+                while w is not first and start is not None and not w["rising"] and w["i"] < len(w["ms"]) - 1 \
+                        and w["ms"][w["i"]] > start:
                     w["i"] += 1
-            rest = walks[1:]
+            rest = [w for w in walks if w is not first]
         for w in rest:
             if not w["done"]:
                 t._step(w, None)
