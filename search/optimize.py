@@ -1288,12 +1288,15 @@ def _accumulation_candidates(run: _Run, until: Deadline) -> None:
 
     def of(order):
         fast = [(f"layout mesh {a}x{b}", ilp((a, b))) for a, b in order]
-        # the leaner layouts right after the first mesh's fastest (the fastest layouts of the meshes differ
-        # least: where the batch splits over every device, each is data parallelism), the smallest inner axis
-        # first: its tensor parallelism is the one a mesh row confines to the fewest, closest devices
+        # the leaner layouts alternate with the fastest ones (where the batch splits over every device the
+        # meshes' fastest layouts differ least: each is data parallelism), the smallest inner axis first: its
+        # tensor parallelism is the one a mesh row confines to the fewest, closest devices
         lean = [(f"layout mesh {a}x{b} memory-priced {p:g}", ilp((a, b), p), "rising")
                 for p in (MEMORY_PRICES if techniques else ()) for a, b in sorted(order, key=lambda s: (s[1], s[0]))]
-        return fast[:1] + lean + fast[1:]
+        out = []
+        for k in range(max(len(fast), len(lean))):
+            out += fast[k:k + 1] + lean[k:k + 1]
+        return out
     layouts = [("data parallel", default_intra)] + of(meshes)
     t0 = time.perf_counter()
     fitted = None
@@ -1301,12 +1304,12 @@ def _accumulation_candidates(run: _Run, until: Deadline) -> None:
         # the floors' grids walk those points already (best-first, with their other pairs): they go on instead
         # for up to half the time, the meshes' layouts get the rest; the one-axis mesh, whose layout is the
         # nearest data parallelism, last
-        layouts = of(meshes[1:] + meshes[:1])
         _resume_cut_grids(run, Deadline(run.budget.now() + max(until.left(), 0.0) / 2, run.budget.clock))
         run.stats["accumulation_data_parallel"] = "walked by the tuned floors' grids"
+        fitted = run.tuners["megatron"].data_parallel_fit()
+        layouts = of(meshes[1:] + meshes[:1])
         if not layouts or until.passed():
             return
-        fitted = run.tuners["megatron"].data_parallel_fit()
     try:
         # optimize(memory_techniques=False): micro-batching alone, as the mapper prices every other candidate
         # (a point that cannot beat a floor priced so far is not priced: the floor would be returned)
@@ -1317,8 +1320,12 @@ def _accumulation_candidates(run: _Run, until: Deadline) -> None:
     except (TunedError, Expired) as e:
         run.stats["accumulation"] = {"none": str(e) or "cut by the budget"}
         return
+    per: dict = {}
+    for q in r.priced:
+        name = q["config"].get("layout", "")
+        per[name] = per.get(name, 0) + 1
     rec = {"seconds": round(time.perf_counter() - t0, 3), "feasible": r.feasible,
-           "points": len(r.priced), "cut": bool(r.stats.get("cut"))}
+           "points": len(r.priced), "cut": bool(r.stats.get("cut")), "points_per_layout": per}
     run.stats["accumulation"] = rec
     run.mark("accumulation")
     if r.pcg is None or not r.feasible or r.config is None:

@@ -615,12 +615,20 @@ class _Tuner:
                 seen.append(lay)
         out = []
         fits: set = set()                 # ZeRO stages whose point without recomputation fits
+        # (ZeRO stage, offload) whose point without recomputation does not fit its weights part alone (weights,
+        # gradients, states on the busiest device): recomputation frees activations only, so none of that
+        # stage's recomputing points fits either -- they are not priced (``stats["weights_bounded"]``)
+        heavy: set = set()
+        cap = self.machine.device.usable_bytes
         combos = self.combos()
         for k, (rec, z, off) in enumerate(combos):
             if cut and out and self.expired():
                 self.stats["plain_cut"] = len(combos) - k
                 break
-            if off and not self._offload_may_fit(out, lay, rec, z):
+            if off and not self._offload_may_fit(out, lay, rec, z, heavy):
+                continue
+            if rec != "none" and (z, off) in heavy:
+                self.stats["weights_bounded"] = self.stats.get("weights_bounded", 0) + 1
                 continue
             if rec == PER_REGION and (z, off) in fits:
                 continue                  # it would choose no recomputation: that point is priced
@@ -636,6 +644,8 @@ class _Tuner:
                 pt = self._price_stages(lay, cfg)
             if rec == "none" and pt.feasible:
                 fits.add((z, off))
+            elif rec == "none" and pt.max_bytes and pt.split[0] >= cap:
+                heavy.add((z, off))
             out.append(pt)
             self.points.append(pt)
             self.priced.append({"config": cfg.to_json(), "cost": pt.cost if math.isfinite(pt.cost) else None,
@@ -643,13 +653,16 @@ class _Tuner:
             self.stats["technique_points"] += 1
         return out
 
-    def _offload_may_fit(self, out: list, lay: "_Layout", rec: str, z: int) -> bool:
+    def _offload_may_fit(self, out: list, lay: "_Layout", rec: str, z: int, heavy=()) -> bool:
         """Whether the layout's point (``rec``, ``z``) with offload is priced: on one stage (the executor
         offloads no pipeline) and only where the same point without offload was priced and does not fit --
         offload adds the host transfers and runs the same update at the host's bandwidth, so where that
-        point fits (or was not priced: bounded, or per-region with a plain fit) offload cannot be faster."""
+        point fits (or was not priced: bounded, or per-region with a plain fit) offload cannot be faster --
+        or was not priced because its weights part alone does not fit (``heavy``, :meth:`price_layout`)."""
         if lay.pp != 1:
             return False
+        if rec != "none" and (z, False) in heavy:
+            return True
         twin = [p for p in out if p.config.recompute == rec and p.config.zero == z and not p.config.offload]
         return bool(twin) and not twin[-1].feasible and twin[-1].reason.startswith("out of memory")
 

@@ -424,3 +424,21 @@ def test_a_falling_walk_prices_its_smallest_micro_batch_where_the_weights_fit():
     assert r.feasible and r.config.micro_batch == 1 and r.max_bytes <= m.device.usable_bytes
     first = r.priced[0]
     assert first["config"]["micro_batch"] == 8 and first["cost"] is None      # the full batch does not fit
+
+
+@needs_memtech
+def test_a_stage_whose_weights_alone_do_not_fit_prices_no_recomputing_point():
+    """Recomputation frees activations only: where a ZeRO stage's point without it does not fit even its
+    weights part (weights, gradients, states), none of that stage's recomputing points is priced."""
+    from unity_pcg.search.pipeline import default_intra
+    from unity_pcg.search.tuned import _Tuner
+    g = synthetic_transformer(4, batch=32, seq=128, hidden=512, heads=8)
+    m = _machine("h100:1x4", 150)          # ZeRO-0 holds ~192 MiB of weight state per device, ZeRO-1 ~120
+    t = _Tuner(g, MachineMapper(CostModel(m, optimizer="adam")), "accumulate", None, techniques(), per_region=True)
+    pts = t.price_layout(t.pipeline(1, 1, 8, intra=default_intra), 1)
+    by = {(p.config.recompute, p.config.zero, p.config.offload): p for p in pts}
+    cap = m.device.usable_bytes
+    assert by[("none", 0, False)].split[0] >= cap and not by[("none", 0, False)].feasible
+    assert not [k for k in by if k[1] == 0 and k[0] != "none"]          # ZeRO-0 recomputes nowhere
+    assert t.stats["weights_bounded"] >= 2
+    assert by[("none", 1, False)].split[0] < cap and ("full", 1, False) in by    # ZeRO-1's are priced
