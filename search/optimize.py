@@ -1280,10 +1280,10 @@ def _accumulation_candidates(run: _Run, until: Deadline) -> None:
     if not _leaves_a_mapping(run, until):
         run.stats["accumulation"] = {"none": "too little time left to build and map its graph"}
         return
-    # each mesh's fastest layout, then (with the techniques) the leaner points of its time / memory front the
-    # ILP finds at a price on memory (search.alpa.intra.solve_intra): the techniques price all of them, so a
-    # layout that splits weights and activations finer (tensor parallelism) competes with the fastest one
-    # made to fit by recomputation or ZeRO-3
+    # each mesh's fastest layout and (with the techniques) the leaner point of its time / memory front the ILP
+    # finds at a price on memory (search.alpa.intra.solve_intra): the techniques price all of them, so a layout
+    # that splits weights and activations finer (tensor parallelism) competes with the fastest one made to fit
+    # by recomputation or ZeRO-3
     meshes = mesh_shapes(m)
 
     def of(order):

@@ -619,7 +619,6 @@ class _Tuner:
         # gradients, states on the busiest device): recomputation frees activations only, so none of that
         # stage's recomputing points fits either -- they are not priced (``stats["weights_bounded"]``)
         heavy: set = set()
-        cap = self.machine.device.usable_bytes
         combos = self.combos()
         for k, (rec, z, off) in enumerate(combos):
             if cut and out and self.expired():
@@ -644,7 +643,7 @@ class _Tuner:
                 pt = self._price_stages(lay, cfg)
             if rec == "none" and pt.feasible:
                 fits.add((z, off))
-            elif rec == "none" and pt.max_bytes and pt.split[0] >= cap:
+            elif rec == "none" and pt.split[0] and pt.split[0] >= self.machine.device.usable_bytes:
                 heavy.add((z, off))
             out.append(pt)
             self.points.append(pt)
