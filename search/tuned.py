@@ -1189,8 +1189,7 @@ def accumulate(g: PCG, mapper, layouts, deadline: Deadline | None = None, *, tec
     :mod:`search.memtech`; ZeRO-3 gathers every micro-batch).  The micro-batch count is walked per layout as
     the tuned grid walks it: fewest micro-batches first, skipping those a priced point predicts not to fit;
     the first layout's walk runs first (after each rising walk's first step) and the others start where it first
-    fitted.  The full batch (M = 1) is
-    not priced here (the caller has it).  ``fitted``: the largest micro-batch (per data-parallel copy) at which
+    fitted.  The full batch (M = 1) is not priced here (the caller has it).  ``fitted``: the largest micro-batch (per data-parallel copy) at which
     the caller already found data parallelism to fit without recomputing (a tuned floor's walk): every walk
     starts there (a larger one fits only on a layout that splits the activations finer than the batch: under a
     deadline the likelier sizes first), and each takes its first step before any takes a second (the layouts

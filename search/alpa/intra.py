@@ -1323,10 +1323,9 @@ class IntraProblem:
 
 
     def unit_price(self, time_limit_s: float = 30.0, deadline: float | None = None) -> tuple[float, dict, str]:
-        """(seconds per byte of the fastest choice: its objective over its peak (:meth:`memory`), that choice,
-        the solver's status), memoized by graph and settings:
-        the unit of :func:`solve_intra`'s ``memory_price`` (at 1, halving the fastest's memory is worth half
-        its time)."""
+        """(seconds per byte of the fastest choice -- its objective over its peak (:meth:`memory`) --, that
+        choice, the solver's status), memoized by graph and settings: the unit of :func:`solve_intra`'s
+        ``memory_price`` (at 1, halving the fastest's memory is worth half its time)."""
         key = (self.g.structural_hash(), tuple(self.g.node_ids()), self.micro_batches, self.states)
         hit = self._unit_cache.get(key)
         if hit is None:
